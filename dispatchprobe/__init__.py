@@ -1,0 +1,19 @@
+"""dispatchprobe: find the op that made a training run go wrong.
+
+Capture (``DispatchProbe``) needs torch; the offline side (``load``, ``compare``) needs only
+numpy and pandas, so importing this package does not import torch.
+"""
+
+from .config import Config, ConfigError
+from .reader import RecordError, load
+
+__all__ = ["Config", "ConfigError", "DispatchProbe", "RecordError", "load"]
+__version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # torch is imported only when a capture class is asked for
+    if name == "DispatchProbe":
+        from .torch_probe import DispatchProbe
+        return DispatchProbe
+    raise AttributeError(f"module 'dispatchprobe' has no attribute {name!r}")

@@ -1,0 +1,269 @@
+"""Reads records back: op records as pandas DataFrames, tensors as numpy arrays on demand.
+
+Imports neither torch nor MindSpore (DESIGN invariant 1), so ``compare`` and ``show`` run on a
+laptop with only numpy and pandas.  safetensors files are parsed here directly (an 8-byte
+header length, a JSON header, raw little-endian bytes) because numpy has no bfloat16: bf16 is
+widened to float32 exactly, by shifting its bits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import numpy as np
+import pandas as pd
+
+from .writer import FORMAT_NAME, FORMAT_VERSION
+
+
+class RecordError(Exception):
+    """A missing, corrupt or unreadable record; the message says what and where."""
+
+
+_ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32,
+              "I16": np.int16, "I8": np.int8, "U8": np.uint8, "U16": np.uint16, "U32": np.uint32,
+              "U64": np.uint64, "BOOL": np.bool_}
+
+TENSOR_COLUMNS = ["step", "rank", "id", "kind", "name", "op", "stage", "scope", "call", "grad_fn", "io", "arg",
+                  "dtype", "shape", "device", "max", "min", "mean", "norm", "nan", "inf", "checksum", "data"]
+OP_COLUMNS = ["step", "rank", "id", "kind", "name", "op", "stage", "scope", "call", "grad_fn", "stack",
+              "n_inputs", "n_outputs"]
+
+
+def read_safetensors(path: str, keys=None) -> dict[str, np.ndarray]:
+    """Tensors of a safetensors file as numpy arrays (bf16 widened to float32)."""
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise RecordError(f"{path}: not a safetensors file (too short)")
+        n = int.from_bytes(raw, "little")
+        try:
+            header = json.loads(f.read(n))
+        except ValueError:
+            raise RecordError(f"{path}: corrupt safetensors header") from None
+    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n) if os.path.getsize(path) > 8 + n else np.zeros(0, np.uint8)
+    out = {}
+    for key, info in header.items():
+        if key == "__metadata__" or (keys is not None and key not in keys):
+            continue
+        start, end = info["data_offsets"]
+        buf = data[start:end]
+        dt = info["dtype"]
+        if dt == "BF16":
+            arr = (np.frombuffer(buf, dtype="<u2").astype(np.uint32) << 16).view(np.float32)
+        elif dt in _ST_DTYPES:
+            arr = np.frombuffer(buf, dtype=np.dtype(_ST_DTYPES[dt]).newbyteorder("<")).copy()
+        else:
+            raise RecordError(f"{path}: tensor {key} has dtype {dt}, which numpy cannot hold; read it with torch")
+        out[key] = arr.reshape(info["shape"])
+    return out
+
+
+def _read_jsonl(path: str) -> tuple[list[dict], list[str]]:
+    """Records of a JSON-lines file, tolerating a torn last line (the writer was killed)."""
+    if not os.path.exists(path):
+        return [], []
+    with open(path, "rb") as f:
+        text = f.read().decode("utf-8", errors="replace")
+    lines = text.split("\n")
+    problems: list[str] = []
+    if lines and lines[-1] == "":
+        lines.pop()
+    elif lines:
+        problems.append(f"{path}: last line is incomplete (the process ended while writing it); ignored")
+        lines.pop()
+    try:
+        return json.loads("[" + ",".join(lines) + "]"), problems
+    except ValueError:
+        pass
+    records = []
+    for i, line in enumerate(lines, 1):
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            problems.append(f"{path}:{i}: corrupt line ignored")
+    return records, problems
+
+
+def _walk(spec: dict, path: str):
+    """Yield (arg path, tensor spec) for every tensor in an encoded value, nested lists included."""
+    kind = spec.get("type")
+    if kind == "tensor":
+        yield path, spec
+    elif kind in ("list", "tuple"):
+        for i, item in enumerate(spec["value"]):
+            yield from _walk(item, f"{path}.{i}")
+
+
+def tensor_rows(record: dict):
+    """(io, arg, spec) for each tensor of an op record, in a fixed order."""
+    for i, spec in enumerate(record.get("inputs", ())):
+        for arg, t in _walk(spec, f"input.{i}"):
+            yield "input", arg, t
+    for k, spec in (record.get("kwargs") or {}).items():
+        for arg, t in _walk(spec, f"input.{k}"):
+            yield "input", arg, t
+    for i, spec in enumerate(record.get("outputs", ())):
+        for arg, t in _walk(spec, f"output.{i}"):
+            yield "output", arg, t
+
+
+@dataclass
+class Part:
+    """The records of one step and rank."""
+
+    path: str
+    step: int
+    rank: int
+    problems: list[str] = field(default_factory=list)
+
+    @cached_property
+    def records(self) -> list[dict]:
+        records, problems = _read_jsonl(os.path.join(self.path, "ops.jsonl"))
+        self.problems.extend(problems)
+        return records
+
+    @property
+    def truncated(self) -> bool:
+        _ = self.records
+        return any("incomplete" in p or "corrupt" in p for p in self.problems)
+
+    @cached_property
+    def stacks(self) -> dict[int, list[str]]:
+        rows, _ = _read_jsonl(os.path.join(self.path, "stacks.jsonl"))
+        return {r["id"]: r["frames"] for r in rows}
+
+    @cached_property
+    def modules(self) -> list[dict]:
+        return _read_jsonl(os.path.join(self.path, "modules.jsonl"))[0]
+
+    @cached_property
+    def shards(self) -> dict[str, str]:
+        """tensor key -> shard file; only shards fully written (listed in the index) count."""
+        rows, _ = _read_jsonl(os.path.join(self.path, "tensors", "index.jsonl"))
+        return {key: row["shard"] for row in rows for key in row["keys"]}
+
+    def tensor(self, key: str) -> np.ndarray:
+        """A saved tensor as a numpy array (bf16 as float32)."""
+        shard = self.shards.get(key)
+        if shard is None:
+            raise RecordError(f"{self.path}: tensor {key} was not saved (not a 'tensor' run, or the process "
+                              f"ended before its shard was written)")
+        return read_safetensors(os.path.join(self.path, "tensors", shard), keys={key})[key]
+
+    def tensors_of(self, keys) -> dict[str, np.ndarray]:
+        """Many saved tensors at once, one pass per shard."""
+        by_shard: dict[str, set] = {}
+        for key in keys:
+            if key in self.shards:
+                by_shard.setdefault(self.shards[key], set()).add(key)
+        out = {}
+        for shard, wanted in by_shard.items():
+            out.update(read_safetensors(os.path.join(self.path, "tensors", shard), keys=wanted))
+        return out
+
+    @cached_property
+    def ops(self) -> pd.DataFrame:
+        rows = [(self.step, self.rank, r["id"], r["kind"], r["name"], r["op"], r["stage"], r["scope"], r["call"],
+                 r.get("grad_fn"), r.get("stack"), len(r.get("inputs", ())), len(r.get("outputs", ())))
+                for r in self.records]
+        return pd.DataFrame(rows, columns=OP_COLUMNS)
+
+    @cached_property
+    def tensors(self) -> pd.DataFrame:
+        rows = []
+        for r in self.records:
+            head = (self.step, self.rank, r["id"], r["kind"], r["name"], r["op"], r["stage"], r["scope"],
+                    r["call"], r.get("grad_fn"))
+            for io, arg, t in tensor_rows(r):
+                st = t.get("stats") or {}
+                rows.append(head + (io, arg, t["dtype"], tuple(t["shape"]), t.get("device"), st.get("max"),
+                                    st.get("min"), st.get("mean"), st.get("norm"), st.get("nan"), st.get("inf"),
+                                    t.get("checksum"), t.get("data")))
+        return pd.DataFrame(rows, columns=TENSOR_COLUMNS)
+
+
+_PART_DIR = re.compile(r"^step(\d+)$")
+_RANK_DIR = re.compile(r"^rank(\d+)$")
+
+
+@dataclass
+class Run:
+    """A run directory (or a single step/rank folder)."""
+
+    path: str
+    manifest: dict
+    parts: dict[tuple[int, int], Part]
+
+    @property
+    def problems(self) -> list[str]:
+        return [p for part in self.parts.values() for p in part.problems]
+
+    def part(self, step: int = 0, rank: int = 0) -> Part:
+        try:
+            return self.parts[(step, rank)]
+        except KeyError:
+            raise RecordError(f"{self.path}: no records for step {step} rank {rank}; "
+                              f"have {sorted(self.parts)}") from None
+
+    @property
+    def ops(self) -> pd.DataFrame:
+        return pd.concat([p.ops for p in self.parts.values()], ignore_index=True) if self.parts else \
+            pd.DataFrame(columns=OP_COLUMNS)
+
+    @property
+    def tensors(self) -> pd.DataFrame:
+        return pd.concat([p.tensors for p in self.parts.values()], ignore_index=True) if self.parts else \
+            pd.DataFrame(columns=TENSOR_COLUMNS)
+
+
+def _find_manifest(path: str) -> tuple[str, dict]:
+    """The manifest of a run dir, or of the run a step/rank dir belongs to."""
+    for candidate in (path, os.path.dirname(path), os.path.dirname(os.path.dirname(path))):
+        file = os.path.join(candidate, "manifest.json")
+        if os.path.isfile(file):
+            try:
+                with open(file, encoding="utf-8") as f:
+                    manifest = json.load(f)
+            except ValueError:
+                raise RecordError(f"{file}: corrupt manifest") from None
+            if manifest.get("format") != FORMAT_NAME:
+                raise RecordError(f"{file}: not a dispatchprobe manifest")
+            if manifest.get("format_version", 0) > FORMAT_VERSION:
+                raise RecordError(f"{file}: format version {manifest['format_version']} is newer than this "
+                                  f"dispatchprobe reads ({FORMAT_VERSION}); upgrade dispatchprobe")
+            return candidate, manifest
+    return path, {}
+
+
+def load(path: str | os.PathLike) -> Run:
+    """Open a run directory or one ``step{S}/rank{R}`` folder of it."""
+    path = os.path.normpath(os.fspath(path))
+    if not os.path.isdir(path):
+        raise RecordError(f"{path}: no such records directory")
+    root, manifest = _find_manifest(path)
+    parts: dict[tuple[int, int], Part] = {}
+    if os.path.isfile(os.path.join(path, "ops.jsonl")):
+        rank_m = _RANK_DIR.match(os.path.basename(path))
+        step_m = _PART_DIR.match(os.path.basename(os.path.dirname(path)))
+        key = (int(step_m.group(1)) if step_m else 0, int(rank_m.group(1)) if rank_m else 0)
+        parts[key] = Part(path, *key)
+    else:
+        for step_name in sorted(os.listdir(path)):
+            step_m = _PART_DIR.match(step_name)
+            if not step_m:
+                continue
+            for rank_name in sorted(os.listdir(os.path.join(path, step_name))):
+                rank_m = _RANK_DIR.match(rank_name)
+                folder = os.path.join(path, step_name, rank_name)
+                if rank_m and os.path.isfile(os.path.join(folder, "ops.jsonl")):
+                    key = (int(step_m.group(1)), int(rank_m.group(1)))
+                    parts[key] = Part(folder, *key)
+    if not parts:
+        raise RecordError(f"{path}: no op records found (expected step*/rank*/ops.jsonl"
+                          f"{'' if manifest else ' and a manifest.json'})")
+    return Run(root if manifest else path, manifest, dict(sorted(parts.items())))

@@ -1,0 +1,185 @@
+"""The framework-neutral middle of the pipeline: op events, task handlers and the recorder.
+
+A framework adapter (torch eager, torch.compile, MindSpore) turns each intercepted call into
+an :class:`OpEvent` and hands it to the session's handlers.  The recorder turns events into
+the JSON lines of ``docs/record-format.md``; it talks to tensors only through a *backend*
+module (``torch_backend``, ``dispatchprobe_ms.backend``) with the same small set of functions.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+
+@dataclass
+class OpEvent:
+    """One intercepted call, in neutral terms."""
+
+    kind: str                     # "op" (a kernel call) or "module" (a module boundary)
+    op: str                       # e.g. "aten.addmm.default", or the module's type for kind="module"
+    stage: str                    # "forward" or "backward"
+    scope: str                    # module scope, e.g. "TinyTransformer.layers.1.mlp"
+    call: int                     # n-th call of this op in this stage, step and rank
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+    outputs: Any = None
+    grad_fn: str | None = None    # backward ops: the autograd node that ran them
+    stack: tuple | None = None    # Python frames ("file:line in func"), innermost last
+    func: Callable | None = None  # the callable, so a handler can run it again
+
+    @property
+    def name(self) -> str:
+        """Stable across runs and devices: op (or scope for modules), call index, stage."""
+        if self.kind == "module":
+            return f"{self.scope}.{self.stage}.{self.call}"
+        return f"{self.op}.{self.call}.{self.stage}"
+
+
+class Handler:
+    """A task's reaction to each op.  ``on_op`` may return replacement outputs (``fix`` only)."""
+
+    def on_op(self, event: OpEvent):  # pragma: no cover - interface
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+def flat_outputs(outputs) -> list:
+    if isinstance(outputs, (tuple, list)):
+        return list(outputs)
+    return [outputs]
+
+
+class Recorder(Handler):
+    """Writes every event it is given as one JSON line; saves tensors when asked.
+
+    Statistics and saved copies are cached per live tensor (identity + weakref), so an op's
+    output that is the next op's input is measured once and stored once.
+    """
+
+    def __init__(self, backend, session, *, save_tensors: bool, checksum: bool, io_filter=None):
+        self.backend = backend
+        self.session = session
+        self.save_tensors = save_tensors
+        self.checksum = checksum
+        self.io_filter = io_filter or (lambda io: True)
+        self._cache: dict = {}
+        self._next_key = 0
+
+    # -- encoding --------------------------------------------------------------------------
+    def encode(self, event: OpEvent, save: bool | None = None) -> dict:
+        save = self.save_tensors if save is None else save
+        found: list[tuple[Any, dict]] = []
+
+        def enc(value):
+            if self.backend.is_tensor(value):
+                spec = self.backend.tensor_meta(value)
+                found.append((value, spec))
+                return spec
+            if value is None:
+                return {"type": "none"}
+            if isinstance(value, bool):
+                return {"type": "bool", "value": value}
+            if isinstance(value, int):
+                return {"type": "int", "value": value}
+            if isinstance(value, float):
+                return {"type": "float", "value": value if math.isfinite(value) else str(value)}
+            if isinstance(value, str):
+                return {"type": "str", "value": value}
+            if isinstance(value, complex):
+                return {"type": "complex", "value": [value.real, value.imag]}
+            if isinstance(value, (list, tuple)):
+                return {"type": type(value).__name__, "value": [enc(v) for v in value]}
+            return self.backend.encode_other(value)
+
+        record = {
+            "id": None, "kind": event.kind, "name": event.name, "op": event.op, "stage": event.stage,
+            "scope": event.scope, "call": event.call, "grad_fn": event.grad_fn,
+            "stack": self.session.part.stack_id(event.stack) if event.stack else None,
+        }
+        if self.io_filter("input"):
+            record["inputs"] = [enc(a) for a in event.args]
+            record["kwargs"] = {k: enc(v) for k, v in event.kwargs.items()}
+        if self.io_filter("output"):
+            out = event.outputs
+            record["output_type"] = "tuple" if isinstance(out, tuple) else "list" if isinstance(out, list) else "single"
+            record["outputs"] = [enc(o) for o in flat_outputs(out)]
+        self._fill_tensors(found, save)
+        return record
+
+    def _fill_tensors(self, found, save: bool) -> None:
+        backend = self.backend
+        missing = []
+        for t, spec in found:
+            entry = self._lookup(t)
+            if entry is not None and "stats" in entry:
+                spec["stats"] = entry["stats"]
+                if "checksum" in entry:
+                    spec["checksum"] = entry["checksum"]
+            else:
+                missing.append((t, spec))
+        if missing:
+            stats = backend.tensor_stats([t for t, _ in missing])
+            for (t, spec), st in zip(missing, stats):
+                spec["stats"] = st
+                entry = {"stats": st}
+                if self.checksum:
+                    entry["checksum"] = spec["checksum"] = backend.checksum(t)
+                self._remember(t, entry)
+        if save:
+            for t, spec in found:
+                spec["data"] = self.save(t)
+
+    def save(self, t) -> str:
+        """Queue a tensor for the shard writer (once per live tensor value); returns its key."""
+        entry = self._lookup(t)
+        if entry is not None and "data" in entry:
+            return entry["data"]
+        key = f"t{self._next_key}"
+        self._next_key += 1
+        self.session.part.tensors.put(key, self.backend.snapshot(t))
+        if entry is None:
+            entry = {}
+            self._remember(t, entry)
+        entry["data"] = key
+        return key
+
+    # -- the per-tensor cache ----------------------------------------------------------------
+    def _lookup(self, t):
+        key = self.backend.identity(t)
+        if key is None:
+            return None
+        hit = self._cache.get(key)
+        if hit is None or hit[0]() is not t:
+            return None
+        return hit[1]
+
+    def _remember(self, t, entry: dict) -> None:
+        key = self.backend.identity(t)
+        if key is None:
+            return
+        cache = self._cache
+
+        def forget(_ref, key=key):
+            hit = cache.get(key)
+            if hit is not None and hit[0] is _ref:
+                del cache[key]
+        try:
+            cache[key] = (weakref.ref(t, forget), entry)
+        except TypeError:  # not weak-referenceable
+            pass
+
+    def reset(self) -> None:
+        """A new step/rank part: tensor keys and cache start over."""
+        self._cache.clear()
+        self._next_key = 0
+
+    # -- handler ------------------------------------------------------------------------------
+    def on_op(self, event: OpEvent):
+        record = self.encode(event)
+        self.session.write(record)
+        return None

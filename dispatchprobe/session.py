@@ -1,0 +1,179 @@
+"""A probe session: config, step/rank bookkeeping, the open part writer and the handlers.
+
+Framework-neutral.  The torch and MindSpore adapters subclass it and add only the
+interception (a dispatch mode, module hooks) that produces :class:`OpEvent` objects.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections import defaultdict
+
+from .config import Config
+from .recorder import OpEvent, Recorder
+from .writer import PartWriter, write_manifest
+
+
+class OpSelector:
+    """Which ops a config selects: by name (exact, substring or regex) and module scope."""
+
+    def __init__(self, names: list[str], scopes: list[str]):
+        self._patterns = [self._compile(n) for n in names]
+        self._scopes = tuple(scopes)
+        self._memo: dict[str, bool] = {}
+
+    @staticmethod
+    def _compile(text: str):
+        try:
+            return re.compile(text)
+        except re.error:
+            return re.compile(re.escape(text))
+
+    def op_selected(self, op: str) -> bool:
+        if not self._patterns:
+            return True
+        hit = self._memo.get(op)
+        if hit is None:
+            short = op.removeprefix("aten.")
+            hit = self._memo[op] = any(p.search(op) or p.search(short) for p in self._patterns)
+        return hit
+
+    def scope_selected(self, scope: str) -> bool:
+        if not self._scopes:
+            return True
+        return any(scope == s or scope.startswith(s + ".") or s in scope for s in self._scopes)
+
+
+class ProbeSession:
+    """Holds what every adapter shares.  Subclasses implement ``_install``/``_uninstall``."""
+
+    backend = None            # set by subclasses: a module like dispatchprobe.torch_backend
+
+    def __init__(self, config: Config | str | dict | None = None, **overrides):
+        self.config = Config.load(config, **overrides)
+        self.selector = OpSelector(self.config.list, self.config.scope)
+        self.step_no = 0
+        self.rank = self._detect_rank()
+        self.part: PartWriter | None = None
+        self._next_id = 0
+        self._calls: dict = defaultdict(int)
+        self._manifest_written = False
+        self._active = False
+        self.recorder = Recorder(self.backend, self, save_tensors=self.config.task == "tensor",
+                                 checksum=self.config.checksum, io_filter=self.config.io_enabled)
+        self.handlers = self._make_handlers()
+
+    # ---- what users call ------------------------------------------------------------------
+    def start(self) -> None:
+        if self._active or not self._enabled_here():
+            return
+        self._open_part()
+        self._active = True
+        self._install()
+
+    def stop(self) -> None:
+        if not self._active:
+            return
+        self._uninstall()
+        self._active = False
+        self.flush()
+
+    def step(self) -> None:
+        """End of a training step: close this step's records and count on."""
+        self.stop()
+        self._close_part()
+        self.step_no += 1
+
+    def close(self) -> None:
+        self.stop()
+        self._close_part()
+        for h in self.handlers:
+            h.close()
+
+    def __enter__(self):
+        self.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+        return False
+
+    @property
+    def run_dir(self) -> str:
+        return self.config.dump_path
+
+    @property
+    def part_dir(self) -> str:
+        return os.path.join(self.config.dump_path, f"step{self.step_no}", f"rank{self.rank}")
+
+    # ---- for handlers -----------------------------------------------------------------------
+    def write(self, record: dict) -> None:
+        """Append one record to this step/rank's ``ops.jsonl`` (flushed at once)."""
+        record["id"] = self._next_id
+        self._next_id += 1
+        self.part.ops.append(record)
+
+    def next_call(self, op: str, stage: str) -> int:
+        key = (op, stage)
+        n = self._calls[key]
+        self._calls[key] = n + 1
+        return n
+
+    def flush(self) -> None:
+        if self.part is not None and self.part.tensors is not None:
+            self.part.tensors.flush()
+
+    # ---- internals --------------------------------------------------------------------------
+    def _make_handlers(self) -> list:
+        task = self.config.task
+        if task in ("statistics", "tensor"):
+            return [self.recorder]
+        if task == "overflow":
+            from .overflow import OverflowHandler
+            return [OverflowHandler(self)]
+        from .free_benchmark import FreeBenchmarkHandler
+        return [FreeBenchmarkHandler(self)]
+
+    def _enabled_here(self) -> bool:
+        cfg = self.config
+        return (not cfg.step or self.step_no in cfg.step) and (not cfg.rank or self.rank in cfg.rank)
+
+    def _open_part(self) -> None:
+        if not self._manifest_written:
+            write_manifest(self.run_dir, framework=self.backend.name, framework_version=self.backend.version,
+                           device=self.backend.accelerator(), config=self.config.to_dict(),
+                           extra={"rank": self.rank})
+            self._manifest_written = True
+        if self.part is None:
+            self.part = PartWriter(self.part_dir, self.backend.save_shard, self.backend.nbytes)
+            self._next_id = 0
+            self._calls.clear()
+            self.recorder.reset()
+
+    def _close_part(self) -> None:
+        if self.part is not None:
+            self.part.close()
+            self.part = None
+
+    @staticmethod
+    def _detect_rank() -> int:
+        for var in ("RANK", "LOCAL_RANK", "RANK_ID"):
+            if os.environ.get(var, "").isdigit():
+                return int(os.environ[var])
+        return 0
+
+    def _install(self) -> None:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def _uninstall(self) -> None:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def dispatch(self, event: OpEvent):
+        """Give an event to each handler; a handler may replace the outputs (``fix``)."""
+        out = None
+        for h in self.handlers:
+            replaced = h.on_op(event)
+            if replaced is not None:
+                event.outputs = out = replaced
+        return out

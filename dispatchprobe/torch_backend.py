@@ -1,0 +1,165 @@
+"""What the framework-neutral recorder needs to know about torch tensors and values.
+
+The recorder (``recorder.py``) never touches torch itself; it asks this backend to describe a
+tensor, compute its statistics, snapshot it for saving, and encode non-tensor arguments
+(dtypes, devices, memory formats ...) as JSON values that ``replay`` can turn back into torch
+objects.  The MindSpore adapter provides the same few functions.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+
+name = "torch"
+version = torch.__version__
+
+_FLOAT_STATS_DTYPES = (torch.float32, torch.float64)
+_MEMORY_FORMATS = {torch.contiguous_format: "contiguous_format", torch.channels_last: "channels_last",
+                   torch.channels_last_3d: "channels_last_3d", torch.preserve_format: "preserve_format"}
+_LAYOUTS = {torch.strided: "strided", torch.sparse_coo: "sparse_coo", torch._mkldnn: "mkldnn"}  # noqa: SLF001
+
+
+def is_tensor(value) -> bool:
+    return isinstance(value, torch.Tensor)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def tensor_meta(t: torch.Tensor) -> dict:
+    return {
+        "type": "tensor",
+        "dtype": dtype_name(t.dtype),
+        "shape": list(t.shape),
+        "stride": list(t.stride()) if t.layout == torch.strided else None,
+        "device": str(t.device),
+        "requires_grad": bool(t.requires_grad),
+    }
+
+
+def identity(t: torch.Tensor):
+    """A key equal for two tensors only while they show the same bytes (same memory, same
+    view, same in-place version).  The recorder pairs it with a weakref, so a key whose tensor
+    died (and whose memory may be reused) is never trusted."""
+    if t.layout != torch.strided or t.is_meta:
+        return None
+    try:
+        return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype,
+                t.device, t._version)
+    except (RuntimeError, NotImplementedError):  # inference tensors, wrapper subclasses
+        return None
+
+
+def _stat_source(t: torch.Tensor) -> torch.Tensor:
+    x = t.detach()
+    if x.is_complex():
+        x = x.abs()
+    if x.dtype in _FLOAT_STATS_DTYPES:
+        return x
+    if x.is_floating_point() or x.dtype == torch.bool:
+        return x.float()
+    return x.double()  # integers: exact below 2**53, and mean/norm make sense
+
+
+def tensor_stats(tensors: list[torch.Tensor]) -> list[dict | None]:
+    """max, min, mean, L2 norm, nan and inf counts of each tensor, in float32 or wider.
+
+    On CPU each reduction is read back at once (cheapest there).  On an accelerator the
+    reductions of all tensors of the call are stacked and read back with one host sync.
+    """
+    out: list[dict | None] = [None] * len(tensors)
+    pending: list[tuple[int, torch.Tensor]] = []
+    with torch.no_grad():
+        for i, t in enumerate(tensors):
+            if t.numel() == 0 or t.is_meta or t.layout != torch.strided:
+                continue
+            x = _stat_source(t)
+            lo, hi = torch.aminmax(x)
+            total = x.sum(dtype=torch.float64)
+            norm = torch.linalg.vector_norm(x)
+            if x.device.type == "cpu":
+                values = [hi.item(), lo.item(), total.item(), norm.item()]
+                out[i] = _finish(x, values)
+            else:
+                pending.append((i, torch.stack([hi.double(), lo.double(), total, norm.double()])))
+        if pending:
+            rows = torch.stack([v for _, v in pending]).tolist()
+            for (i, _), values in zip(pending, rows):
+                out[i] = _finish(_stat_source(tensors[i]), values)
+    return out
+
+
+def _finish(x: torch.Tensor, values: list[float]) -> dict:
+    hi, lo, total, norm = values
+    n = x.numel()
+    stats = {"max": hi, "min": lo, "mean": total / n, "norm": norm, "nan": 0, "inf": 0}
+    if not (math.isfinite(hi) and math.isfinite(lo) and math.isfinite(total)):
+        # rare: count exactly, and give max/min over the finite values so they still mean something
+        nan = int(torch.isnan(x).sum())
+        inf = int(torch.isinf(x).sum())
+        stats.update(nan=nan, inf=inf)
+        finite = x[torch.isfinite(x)]
+        if finite.numel():
+            stats["finite_max"] = finite.max().item()
+            stats["finite_min"] = finite.min().item()
+    return stats
+
+
+def checksum(t: torch.Tensor) -> str:
+    """CRC32 of the tensor's bytes in C order (fast; equal bytes give equal sums)."""
+    x = t.detach().contiguous().cpu()
+    if x.dtype in (torch.bfloat16,) or x.dtype.is_floating_point and x.element_size() == 1:
+        x = x.view(torch.uint16 if x.element_size() == 2 else torch.uint8)
+    return f"crc32:{zlib.crc32(x.reshape(-1).numpy().tobytes()):08x}"
+
+
+def snapshot(t: torch.Tensor) -> torch.Tensor:
+    """A private contiguous copy to save (safetensors refuses shared or strided storage).
+
+    The copy is taken now, on the op's thread: a later in-place op must not change what is saved.
+    """
+    with torch.no_grad():
+        if t.device.type == "cpu":
+            return t.detach().clone(memory_format=torch.contiguous_format)
+        return t.detach().to("cpu", copy=True).contiguous()
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def save_shard(tensors: dict, path: str) -> None:
+    from safetensors.torch import save_file
+    save_file(tensors, path)
+
+
+def encode_other(value) -> dict:
+    """Non-tensor, non-builtin arguments, as JSON the replay can turn back into torch objects."""
+    if isinstance(value, torch.dtype):
+        return {"type": "dtype", "value": dtype_name(value)}
+    if isinstance(value, torch.device):
+        return {"type": "device", "value": str(value)}
+    if isinstance(value, torch.memory_format):
+        return {"type": "memory_format", "value": _MEMORY_FORMATS.get(value, str(value))}
+    if isinstance(value, torch.layout):
+        return {"type": "layout", "value": _LAYOUTS.get(value, str(value))}
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return {"type": type(value).__name__[3:].lower(), "value": value.node.hint if hasattr(value, "node") else None}
+    if isinstance(value, torch.Generator):
+        return {"type": "generator", "device": str(value.device)}
+    return {"type": "other", "repr": repr(value)[:200]}
+
+
+def accelerator() -> str:
+    """The device a run is on, for the manifest: cuda, npu, any torch.accelerator, else cpu."""
+    try:
+        acc = torch.accelerator.current_accelerator()
+        if acc is not None:
+            return str(acc)
+    except (AttributeError, RuntimeError):
+        pass
+    return "cpu"

@@ -1,0 +1,187 @@
+"""Writes records to disk: append-only JSON lines, tensors in safetensors shards.
+
+Why this shape (see docs/record-format.md):
+* ``ops.jsonl`` gets one line per op, written and flushed as the op finishes, so a process that
+  is killed leaves every record up to (nearly) the op it died in.  No fsync per op: a killed
+  process loses nothing the OS already has; a power cut is out of scope.
+* Tensors are copied on the op's thread (the value must be snapshotted before a later in-place
+  op changes it) and written by one background thread into shards of ~64 MB.  A shard becomes
+  visible only by an atomic rename, and only then is it listed in ``tensors/index.jsonl``: a
+  reader never sees half a shard.
+* The manifest is written whole (temp + rename) once a run starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import socket
+import threading
+import time
+from typing import Any, Callable
+
+FORMAT_NAME = "dispatchprobe-records"
+FORMAT_VERSION = 1
+SHARD_BYTES = 64 << 20
+SHARD_SECONDS = 2.0
+
+
+def atomic_write_text(path: str, text: str) -> None:
+    """Write a whole file so that readers see the old file or the new one, never a mix."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_manifest(run_dir: str, *, framework: str, framework_version: str, device: str,
+                   config: dict, extra: dict | None = None) -> None:
+    os.makedirs(run_dir, exist_ok=True)
+    manifest = {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "framework": framework,
+        "framework_version": framework_version,
+        "device": device,
+        "config": config,
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        **(extra or {}),
+    }
+    atomic_write_text(os.path.join(run_dir, "manifest.json"), json.dumps(manifest, indent=1, default=str))
+
+
+class _JsonLines:
+    """An append-only JSON-lines file, flushed after every line."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._file = None
+
+    def append(self, obj: dict) -> None:
+        if self._file is None:
+            self._file = open(self.path, "a", encoding="utf-8")
+        self._file.write(json.dumps(obj, separators=(",", ":"), default=str) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+class TensorShardWriter:
+    """Background writer of safetensors shards.
+
+    ``save_fn(dict_of_tensors, path)`` does the serialisation (framework specific: torch's
+    ``safetensors.torch.save_file`` or numpy's).  ``nbytes_fn`` sizes a queued tensor.
+    """
+
+    def __init__(self, folder: str, save_fn: Callable[[dict, str], None], nbytes_fn: Callable[[Any], int]):
+        self.folder = folder
+        self._save = save_fn
+        self._nbytes = nbytes_fn
+        self._queue: queue.Queue = queue.Queue()
+        self._index = _JsonLines(os.path.join(folder, "index.jsonl"))
+        self._shard_no = 0
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="dispatchprobe-writer", daemon=True)
+        self._started = False
+
+    def put(self, key: str, tensor) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"dispatchprobe: tensor writer failed: {self._error}")
+        if not self._started:
+            os.makedirs(self.folder, exist_ok=True)
+            self._thread.start()
+            self._started = True
+        self._queue.put((key, tensor))
+
+    def flush(self) -> None:
+        """Write everything queued so far as a shard and wait for it."""
+        if self._started:
+            done = threading.Event()
+            self._queue.put(("__flush__", done))
+            done.wait()
+        if self._error is not None:
+            raise RuntimeError(f"dispatchprobe: tensor writer failed: {self._error}")
+
+    def close(self) -> None:
+        if self._started:
+            self.flush()
+            self._queue.put(None)
+            self._thread.join()
+            self._started = False
+        self._index.close()
+
+    def _run(self) -> None:
+        pending: dict = {}
+        size = 0
+        since = time.monotonic()
+        while True:
+            try:
+                item = self._queue.get(timeout=SHARD_SECONDS)
+            except queue.Empty:
+                item = ("__tick__", None)
+            if item is None:
+                break
+            key, value = item
+            if key not in ("__flush__", "__tick__"):
+                pending[key] = value
+                size += self._nbytes(value)
+            full = size >= SHARD_BYTES or (pending and time.monotonic() - since >= SHARD_SECONDS)
+            if pending and (full or key == "__flush__"):
+                try:
+                    self._write_shard(pending)
+                except BaseException as exc:  # reported on the next put/flush, on the op thread
+                    self._error = exc
+                pending, size, since = {}, 0, time.monotonic()
+            if key == "__flush__":
+                value.set()
+
+    def _write_shard(self, tensors: dict) -> None:
+        name = f"shard_{self._shard_no:05d}.safetensors"
+        self._shard_no += 1
+        path = os.path.join(self.folder, name)
+        tmp = path + ".tmp"
+        self._save(tensors, tmp)
+        os.replace(tmp, path)
+        self._index.append({"shard": name, "keys": list(tensors)})
+
+
+class PartWriter:
+    """The records of one step and rank: ``{run}/step{S}/rank{R}/``."""
+
+    def __init__(self, folder: str, save_fn=None, nbytes_fn=None):
+        self.folder = folder
+        os.makedirs(folder, exist_ok=True)
+        self.ops = _JsonLines(os.path.join(folder, "ops.jsonl"))
+        self.stacks = _JsonLines(os.path.join(folder, "stacks.jsonl"))
+        self.modules = _JsonLines(os.path.join(folder, "modules.jsonl"))
+        self.tensors = TensorShardWriter(os.path.join(folder, "tensors"), save_fn, nbytes_fn) if save_fn else None
+        self._stack_ids: dict[tuple, int] = {}
+        self._modules_seen: set[str] = set()
+
+    def stack_id(self, frames: tuple) -> int:
+        """Deduplicated stacks: each distinct stack is written once and referred to by id."""
+        sid = self._stack_ids.get(frames)
+        if sid is None:
+            sid = self._stack_ids[frames] = len(self._stack_ids)
+            self.stacks.append({"id": sid, "frames": list(frames)})
+        return sid
+
+    def module(self, scope: str, type_name: str) -> None:
+        if scope not in self._modules_seen:
+            self._modules_seen.add(scope)
+            parent = scope.rpartition(".")[0] if "." in scope else None
+            self.modules.append({"scope": scope, "type": type_name, "parent": parent})
+
+    def close(self) -> None:
+        if self.tensors is not None:
+            self.tensors.close()
+        for f in (self.ops, self.stacks, self.modules):
+            f.close()
