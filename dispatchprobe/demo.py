@@ -1,0 +1,40 @@
+"""The built-in demo: record a few training steps of a tiny transformer, then summarise them.
+
+Needs nothing from the network: the model and its data are generated here.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .models import TinyTransformer, lm_batch, lm_loss
+from .reader import load
+from .summary import summarize
+from .torch_probe import DispatchProbe
+
+
+def run_demo(dump_path: str = "runs/demo", task: str = "tensor", steps: int = 2) -> str:
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    probe = DispatchProbe(task=task, dump_path=dump_path, level="mix", model=model)
+    for step in range(steps):
+        tokens, targets = lm_batch(seed=step)
+        with probe:
+            loss = lm_loss(model, tokens, targets)
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+        probe.step()
+        print(f"step {step}: loss {loss.item():.4f}")
+    probe.close()
+    print(summarize(load(dump_path)))
+    print(f"\nrecords written to {os.path.abspath(dump_path)}")
+    print(f"next: dispatchprobe show {dump_path} --op aten.mm")
+    return dump_path
+
+
+if __name__ == "__main__":
+    run_demo()

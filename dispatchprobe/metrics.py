@@ -1,0 +1,236 @@
+"""The one implementation of every accuracy metric (DESIGN invariant 2).
+
+compare, run-ut, precision-compare and free-benchmark all call these functions.  They take
+numpy arrays (never torch), compute in float64, and accept different dtypes on the two sides:
+the *actual* array is judged by the tolerance of its own dtype (``dtype`` argument), so a
+bf16-vs-fp32 compare is judged by bf16's tolerance rather than failing every row.
+
+Relative error everywhere is ``|actual - expected| / max(|expected|, floor)`` where ``floor``
+is the dtype's small-value threshold (``data/standards.yaml``): an output that is near zero
+cannot produce a huge relative error from a tiny absolute one.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from typing import Any
+
+import numpy as np
+import yaml
+
+_DATA = os.path.join(os.path.dirname(__file__), "data", "standards.yaml")
+
+HALF_TYPES = ("float16", "bfloat16")
+FLOAT_TYPES = ("float16", "bfloat16", "float32", "float64")
+
+# Mantissa bits and minimum normal exponent, for ULP sizes.
+_FLOAT_LAYOUT = {"float16": (10, -14), "bfloat16": (7, -126), "float32": (23, -126), "float64": (52, -1022)}
+
+
+@functools.lru_cache(maxsize=None)
+def standards() -> dict:
+    """The shipped precision standards (``dispatchprobe/data/standards.yaml``)."""
+    with open(_DATA, encoding="utf-8") as fh:
+        return yaml.safe_load(fh)
+
+
+def per_dtype(table: str, dtype: str):
+    """Look up a per-dtype value of ``table`` in the standards, falling back to ``default``."""
+    values = standards()[table]
+    return values.get(short_dtype(dtype), values["default"])
+
+
+def short_dtype(dtype: str) -> str:
+    """``torch.float16`` / ``Float16`` / ``float16`` -> ``float16``."""
+    name = str(dtype).rsplit(".", 1)[-1].lower()
+    return {"half": "float16", "float": "float32", "double": "float64", "bf16": "bfloat16"}.get(name, name)
+
+
+def is_float(dtype: str) -> bool:
+    return short_dtype(dtype) in FLOAT_TYPES
+
+
+# ---- element-wise pieces ---------------------------------------------------------------------
+def relative_error(actual: np.ndarray, expected: np.ndarray, dtype: str) -> np.ndarray:
+    """``|a - e| / max(|e|, small_value(dtype))`` in float64."""
+    floor = per_dtype("small_value", dtype)
+    return np.abs(actual - expected) / np.maximum(np.abs(expected), floor)
+
+
+def ulp_error(actual: np.ndarray, expected: np.ndarray, dtype: str) -> np.ndarray:
+    """|a - e| in units in the last place of ``dtype`` at the expected value."""
+    mantissa, min_exp = _FLOAT_LAYOUT.get(short_dtype(dtype), _FLOAT_LAYOUT["float32"])
+    with np.errstate(divide="ignore"):
+        exponent = np.floor(np.log2(np.abs(expected)))
+    exponent = np.maximum(np.where(np.isfinite(exponent), exponent, min_exp), min_exp)
+    return np.abs(actual - expected) / np.exp2(exponent - mantissa)
+
+
+# ---- the metric set ----------------------------------------------------------------------------
+def compare_arrays(actual, expected, dtype: str | None = None) -> dict[str, Any]:
+    """All metrics of ``actual`` against ``expected`` (same number of elements).
+
+    ``dtype`` is the dtype whose tolerance applies (default: the actual array's dtype).
+    Non-finite elements are excluded from the value metrics and counted in
+    ``inf_nan_mismatch`` when the two sides disagree on them.
+    """
+    dtype = short_dtype(dtype or getattr(actual, "dtype", "float32"))
+    a = np.asarray(actual, dtype=np.float64).reshape(-1)
+    e = np.asarray(expected, dtype=np.float64).reshape(-1)
+    if a.size != e.size:
+        raise ValueError(f"cannot compare {a.size} elements with {e.size}")
+    out: dict[str, Any] = {"elements": int(a.size)}
+    fin_a, fin_e = np.isfinite(a), np.isfinite(e)
+    both = fin_a & fin_e
+    # inf/nan must match exactly: same positions, same kind (nan, +inf, -inf).
+    special_a = np.where(fin_a, 0, np.where(np.isnan(a), 2, np.sign(a)))
+    special_e = np.where(fin_e, 0, np.where(np.isnan(e), 2, np.sign(e)))
+    mismatch = int(np.count_nonzero(special_a != special_e))
+    out["inf_nan_mismatch"] = mismatch
+    out["inf_nan_error_rate"] = mismatch / a.size if a.size else 0.0
+    if not both.all():
+        a, e = a[both], e[both]
+    n = a.size
+    if n == 0:
+        out.update(cosine=1.0 if mismatch == 0 else float("nan"), max_abs_err=0.0, max_rel_err=0.0,
+                   mean_rel_err=0.0, rmse=0.0, mape=0.0, one_hundredth=1.0, one_thousandth=1.0,
+                   one_ten_thousandth=1.0, small_value_error_rate=0.0, rel_err_error_rate=0.0,
+                   ulp_max=0.0, ulp_mean=0.0, ulp_over_threshold=0.0, error_balance=0.0, sign_flips=0)
+        return out
+    diff = a - e
+    abs_err = np.abs(diff)
+    out["cosine"] = cosine(a, e)
+    out["max_abs_err"] = float(abs_err.max())
+    rel = relative_error(a, e, dtype)
+    out["max_rel_err"] = float(rel.max())
+    out["mean_rel_err"] = float(rel.mean())
+    out["rmse"] = float(math.sqrt(np.mean(diff * diff)))
+    nonzero = e != 0
+    out["mape"] = float(np.mean(abs_err[nonzero] / np.abs(e[nonzero]))) if nonzero.any() else 0.0
+    out["one_hundredth"] = float(np.count_nonzero(rel <= 1e-2) / n)
+    out["one_thousandth"] = float(np.count_nonzero(rel <= 1e-3) / n)
+    out["one_ten_thousandth"] = float(np.count_nonzero(rel <= 1e-4) / n)
+    small = np.abs(e) < per_dtype("small_value", dtype)
+    n_small = int(np.count_nonzero(small))
+    out["small_value_error_rate"] = (
+        float(np.count_nonzero(abs_err[small] > per_dtype("small_value_atol", dtype)) / n_small) if n_small else 0.0)
+    normal = ~small
+    rel_threshold = per_dtype("free_benchmark_threshold", dtype)
+    out["rel_err_error_rate"] = (
+        float(np.count_nonzero(rel[normal] > rel_threshold) / np.count_nonzero(normal)) if normal.any() else 0.0)
+    ulp = ulp_error(a, e, dtype)
+    out["ulp_max"] = float(ulp.max())
+    out["ulp_mean"] = float(ulp.mean())
+    out["ulp_over_threshold"] = float(np.count_nonzero(ulp > per_dtype("ulp_threshold", dtype)) / n)
+    # Error balance: the mean *signed* relative error -- a bias that rounding should not have.
+    out["error_balance"] = float(abs(np.mean(diff / np.maximum(np.abs(e), per_dtype("small_value", dtype)))))
+    out["sign_flips"] = int(np.count_nonzero((np.sign(a) * np.sign(e)) < 0))
+    return out
+
+
+def cosine(a: np.ndarray, e: np.ndarray) -> float:
+    """Cosine similarity; two all-zero vectors are identical (1.0), one all-zero is nan."""
+    na, ne = float(np.linalg.norm(a)), float(np.linalg.norm(e))
+    if na == 0.0 and ne == 0.0:
+        return 1.0
+    if na == 0.0 or ne == 0.0:
+        return float("nan")
+    return float(np.clip(np.dot(a, e) / (na * ne), -1.0, 1.0))
+
+
+def binary_mismatch(actual, expected) -> float:
+    """Fraction of elements that are not bit-for-bit equal (integer, bool, index outputs)."""
+    a, e = np.asarray(actual).reshape(-1), np.asarray(expected).reshape(-1)
+    if a.size != e.size:
+        return 1.0
+    if a.size == 0:
+        return 0.0
+    same = (a == e) | (np.isnan(a) & np.isnan(e)) if a.dtype.kind == "f" else (a == e)
+    return float(np.count_nonzero(~same) / a.size)
+
+
+def max_relative_change(actual, expected, dtype: str) -> float:
+    """The free-benchmark measure: largest relative change (floored), inf if inf/nan differ."""
+    a = np.asarray(actual, dtype=np.float64).reshape(-1)
+    e = np.asarray(expected, dtype=np.float64).reshape(-1)
+    fin_a, fin_e = np.isfinite(a), np.isfinite(e)
+    if not np.array_equal(fin_a, fin_e) or not np.array_equal(a[~fin_a], e[~fin_e], equal_nan=True):
+        return float("inf")
+    if not fin_a.all():
+        a, e = a[fin_a], e[fin_e]
+    return float(relative_error(a, e, dtype).max()) if a.size else 0.0
+
+
+# ---- statistics-only comparison --------------------------------------------------------------
+STAT_KEYS = ("max", "min", "mean", "norm")
+
+
+def compare_stats(actual: dict, expected: dict) -> dict[str, Any]:
+    """Differences of the recorded statistics (for statistics-only records)."""
+    out: dict[str, Any] = {}
+    for key in STAT_KEYS:
+        a, e = _num(actual.get(key)), _num(expected.get(key))
+        diff = a - e if a is not None and e is not None else None
+        out[f"{key}_diff"] = diff
+        if diff is None or not math.isfinite(diff):
+            out[f"{key}_rel_diff"] = None if diff is None else (0.0 if a == e else float("inf"))
+        else:
+            out[f"{key}_rel_diff"] = abs(diff) / abs(e) if e != 0 else (0.0 if diff == 0 else float("inf"))
+    return out
+
+
+def _num(value) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, str):  # non-finite values are stored as strings
+        return float(value)
+    return float(value)
+
+
+# ---- verdicts ----------------------------------------------------------------------------------
+PASS, WARNING, ERROR = "pass", "warning", "error"
+
+
+def judge_benchmark(metrics: dict, dtype: str, rule: str = "benchmark") -> tuple[str, str]:
+    """The seeds' per-output rule (cosine, max abs error, dual-hundredth/thousandth/...).
+
+    Returns ``(verdict, reason)``.  ``rule`` is ``benchmark`` (PyTorch run-ut and compare) or
+    ``mindspore_benchmark`` (cosine and max-abs only).
+    """
+    std = standards()[rule]
+    if metrics.get("inf_nan_mismatch"):
+        return ERROR, f"{metrics['inf_nan_mismatch']} inf/nan mismatches"
+    cos = metrics.get("cosine")
+    if cos is not None and not math.isnan(cos) and cos <= std["cosine_min"]:
+        return ERROR, f"cosine {cos:.6f} <= {std['cosine_min']}"
+    if cos is not None and math.isnan(cos) and metrics.get("max_abs_err", 0) >= std["max_abs_pass"]:
+        return ERROR, "one side is all zeros"
+    if metrics.get("max_abs_err", 0.0) < std["max_abs_pass"]:
+        return PASS, ""
+    if rule != "benchmark":
+        return ERROR, f"max abs error {metrics['max_abs_err']:.3g} >= {std['max_abs_pass']}"
+    coarse, fine = per_dtype_tiers(dtype)
+    names = {0.01: "one_hundredth", 0.001: "one_thousandth", 0.0001: "one_ten_thousandth"}
+    if metrics[names[coarse]] < 1 - coarse:
+        return ERROR, f"{names[coarse]} ratio {metrics[names[coarse]]:.6f} < {1 - coarse:g}"
+    if metrics[names[fine]] < 1 - fine:
+        return WARNING, f"{names[fine]} ratio {metrics[names[fine]]:.6f} < {1 - fine:g}"
+    return PASS, ""
+
+
+def per_dtype_tiers(dtype: str) -> tuple[float, float]:
+    tiers = standards()["benchmark"]["tiers"]
+    coarse, fine = tiers.get(short_dtype(dtype), tiers["default"])
+    return float(coarse), float(fine)
+
+
+def worst(verdicts) -> str:
+    """Combine verdicts: any error -> error, else any warning -> warning, else pass."""
+    verdicts = list(verdicts)
+    if ERROR in verdicts:
+        return ERROR
+    if WARNING in verdicts:
+        return WARNING
+    return PASS

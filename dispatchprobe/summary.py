@@ -1,0 +1,80 @@
+"""Text summaries of a run for ``dispatchprobe show`` (records only; no torch)."""
+
+from __future__ import annotations
+
+import re
+
+import pandas as pd
+
+from .reader import Run
+
+
+def summarize(run: Run, top: int = 10, stage: str | None = None) -> str:
+    """Steps, ranks, op counts per stage, most frequent ops, and every tensor with nan/inf."""
+    m = run.manifest
+    ops = run.ops
+    if stage:
+        ops = ops[ops["stage"] == stage]
+    lines = [f"run        {run.path}"]
+    if m:
+        cfg = m.get("config", {})
+        lines.append(f"framework  {m.get('framework')} {m.get('framework_version')}  device {m.get('device')}  "
+                     f"task {cfg.get('task')}  level {cfg.get('level')}")
+    steps = sorted({s for s, _ in run.parts})
+    ranks = sorted({r for _, r in run.parts})
+    lines.append(f"steps      {_ranges(steps)}   ranks {_ranges(ranks)}   records {len(ops)}")
+    kernel = ops[ops["kind"] == "op"]
+    if len(kernel):
+        counts = kernel.groupby("stage").size()
+        lines.append("op calls   " + "   ".join(f"{s} {n}" for s, n in counts.items())
+                     + f"   distinct ops {kernel['op'].nunique()}")
+        lines.append(f"top ops")
+        for op, n in kernel["op"].value_counts().head(top).items():
+            lines.append(f"  {n:7d}  {op}")
+    modules = ops[ops["kind"] == "module"]
+    if len(modules):
+        lines.append(f"module records {len(modules)} ({modules['scope'].nunique()} modules)")
+    tensors = run.tensors
+    if stage:
+        tensors = tensors[tensors["stage"] == stage]
+    bad = tensors[(tensors["nan"].fillna(0) > 0) | (tensors["inf"].fillna(0) > 0)]
+    if len(bad):
+        lines.append(f"nan/inf    {len(bad)} tensors in {bad['name'].nunique()} records; first:")
+        for _, row in bad.head(5).iterrows():
+            lines.append(f"  step {row['step']} rank {row['rank']} {row['name']} {row['arg']} [{row['scope']}] "
+                         f"nan={int(row['nan'] or 0)} inf={int(row['inf'] or 0)}")
+    else:
+        lines.append("nan/inf    none")
+    for part in run.parts.values():
+        if part.truncated:
+            lines.append(f"truncated  step {part.step} rank {part.rank}: records end early (process killed?)")
+    return "\n".join(lines)
+
+
+def matching_records(run: Run, pattern: str, stage: str | None = None) -> pd.DataFrame:
+    """Tensor rows of the records whose op or name matches ``pattern`` (substring or regex)."""
+    try:
+        rx = re.compile(pattern)
+    except re.error:
+        rx = re.compile(re.escape(pattern))
+    tensors = run.tensors
+    hit = tensors["op"].map(lambda s: bool(rx.search(str(s)))) | tensors["name"].map(lambda s: bool(rx.search(str(s))))
+    rows = tensors[hit]
+    if stage:
+        rows = rows[rows["stage"] == stage]
+    cols = ["step", "rank", "name", "scope", "io", "arg", "dtype", "shape", "max", "min", "mean", "norm", "nan", "inf"]
+    return rows[cols]
+
+
+def _ranges(values: list[int]) -> str:
+    if not values:
+        return "-"
+    out, start, prev = [], values[0], values[0]
+    for v in values[1:] + [None]:
+        if v is not None and v == prev + 1:
+            prev = v
+            continue
+        out.append(str(start) if start == prev else f"{start}-{prev}")
+        if v is not None:
+            start = prev = v
+    return ",".join(out)
