@@ -63,6 +63,13 @@ def read_safetensors(path: str, keys=None) -> dict[str, np.ndarray]:
     return out
 
 
+def as_view(base: np.ndarray, view: dict) -> np.ndarray:
+    """Rebuild a strided view (offset, shape, stride in elements) of a saved 1-D array, as a copy."""
+    flat = base.reshape(-1)[view["offset"]:]
+    strides = tuple(s * flat.itemsize for s in view["stride"])
+    return np.lib.stride_tricks.as_strided(flat, shape=tuple(view["shape"]), strides=strides).copy()
+
+
 def _read_jsonl(path: str) -> tuple[list[dict], list[str]]:
     """Records of a JSON-lines file, tolerating a torn last line (the writer was killed)."""
     if not os.path.exists(path):
@@ -142,29 +149,46 @@ class Part:
         return _read_jsonl(os.path.join(self.path, "modules.jsonl"))[0]
 
     @cached_property
-    def shards(self) -> dict[str, str]:
-        """tensor key -> shard file; only shards fully written (listed in the index) count."""
+    def _index(self) -> tuple[dict[str, str], dict[str, dict]]:
         rows, _ = _read_jsonl(os.path.join(self.path, "tensors", "index.jsonl"))
-        return {key: row["shard"] for row in rows for key in row["keys"]}
+        shards = {key: row["shard"] for row in rows for key in row.get("keys", ())}
+        views = {key: v for row in rows for key, v in (row.get("views") or {}).items()}
+        return shards, views
+
+    @property
+    def shards(self) -> dict[str, str]:
+        """stored tensor key -> shard file; only shards fully written (listed in the index) count."""
+        return self._index[0]
+
+    @property
+    def views(self) -> dict[str, dict]:
+        """tensor key -> {"base", "offset", "shape", "stride"} for tensors saved as views of others."""
+        return self._index[1]
+
+    def has_tensor(self, key: str) -> bool:
+        view = self.views.get(key)
+        return (view["base"] if view else key) in self.shards
 
     def tensor(self, key: str) -> np.ndarray:
         """A saved tensor as a numpy array (bf16 as float32)."""
-        shard = self.shards.get(key)
-        if shard is None:
-            raise RecordError(f"{self.path}: tensor {key} was not saved (not a 'tensor' run, or the process "
-                              f"ended before its shard was written)")
-        return read_safetensors(os.path.join(self.path, "tensors", shard), keys={key})[key]
+        return self.tensors_of([key])[key]
 
     def tensors_of(self, keys) -> dict[str, np.ndarray]:
-        """Many saved tensors at once, one pass per shard."""
+        """Many saved tensors at once, one pass per shard; views are rebuilt from their base."""
+        keys = list(keys)
+        stored = {self.views[k]["base"] if k in self.views else k for k in keys}
         by_shard: dict[str, set] = {}
-        for key in keys:
-            if key in self.shards:
-                by_shard.setdefault(self.shards[key], set()).add(key)
-        out = {}
+        for key in stored:
+            shard = self.shards.get(key)
+            if shard is None:
+                raise RecordError(f"{self.path}: tensor {key} was not saved (not a 'tensor' run, or the process "
+                                  f"ended before its shard was written)")
+            by_shard.setdefault(shard, set()).add(key)
+        arrays = {}
         for shard, wanted in by_shard.items():
-            out.update(read_safetensors(os.path.join(self.path, "tensors", shard), keys=wanted))
-        return out
+            arrays.update(read_safetensors(os.path.join(self.path, "tensors", shard), keys=wanted))
+        return {k: as_view(arrays[self.views[k]["base"]], self.views[k]) if k in self.views else arrays[k]
+                for k in keys}
 
     @cached_property
     def ops(self) -> pd.DataFrame:

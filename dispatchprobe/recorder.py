@@ -68,6 +68,7 @@ class Recorder(Handler):
         self.checksum = checksum
         self.io_filter = io_filter or (lambda io: True)
         self._cache: dict = {}
+        self._spans: dict = {}
         self._next_key = 0
 
     # -- encoding --------------------------------------------------------------------------
@@ -139,13 +140,45 @@ class Recorder(Handler):
         entry = self._lookup(t)
         if entry is not None and "data" in entry:
             return entry["data"]
-        key = f"t{self._next_key}"
-        self._next_key += 1
-        self.session.part.tensors.put(key, self.backend.snapshot(t))
+        key = self._save_by_storage(t)
         if entry is None:
             entry = {}
             self._remember(t, entry)
         entry["data"] = key
+        return key
+
+    def _new_key(self) -> str:
+        key = f"t{self._next_key}"
+        self._next_key += 1
+        return key
+
+    def _save_by_storage(self, t) -> str:
+        """Save the memory under ``t`` once: views of saved memory become index entries.
+
+        A transpose, reshape or slice of an already saved tensor (same memory, same in-place
+        version) is written as (base key, offset, shape, stride) instead of a second copy.
+        """
+        writer = self.session.part.tensors
+        span = self.backend.storage_span(t)
+        if span is None:
+            key = self._new_key()
+            writer.put(key, self.backend.snapshot(t))
+            return key
+        span_key, start, length, offset, stride, plain = span
+        shape = self.backend.shape(t)
+        hit = self._spans.get(span_key)
+        if hit is not None and hit[0]() is not None:
+            base, base_shape = hit[1], hit[2]
+        else:
+            base = self._new_key()
+            # a plain tensor is saved in its own shape; the bytes are the same 1-D span
+            base_shape = shape if plain else [length]
+            writer.put(base, self.backend.snapshot(t) if plain else self.backend.span_snapshot(t, start, length))
+            self._spans[span_key] = (weakref.ref(t), base, base_shape)
+        if plain and base_shape == shape:
+            return base
+        key = self._new_key()
+        writer.put_view(key, base, offset, shape, stride)
         return key
 
     # -- the per-tensor cache ----------------------------------------------------------------
@@ -176,6 +209,7 @@ class Recorder(Handler):
     def reset(self) -> None:
         """A new step/rank part: tensor keys and cache start over."""
         self._cache.clear()
+        self._spans.clear()
         self._next_key = 0
 
     # -- handler ------------------------------------------------------------------------------

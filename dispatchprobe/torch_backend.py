@@ -96,6 +96,8 @@ def tensor_stats(tensors: list[torch.Tensor]) -> list[dict | None]:
 def _finish(x: torch.Tensor, values: list[float]) -> dict:
     hi, lo, total, norm = values
     n = x.numel()
+    if not math.isfinite(norm) and math.isfinite(hi) and math.isfinite(lo):
+        norm = torch.linalg.vector_norm(x, dtype=torch.float64).item()  # float32 squares overflowed
     stats = {"max": hi, "min": lo, "mean": total / n, "norm": norm, "nan": 0, "inf": 0}
     if not (math.isfinite(hi) and math.isfinite(lo) and math.isfinite(total)):
         # rare: count exactly, and give max/min over the finite values so they still mean something
@@ -115,6 +117,48 @@ def checksum(t: torch.Tensor) -> str:
     if x.dtype in (torch.bfloat16,) or x.dtype.is_floating_point and x.element_size() == 1:
         x = x.view(torch.uint16 if x.element_size() == 2 else torch.uint8)
     return f"crc32:{zlib.crc32(x.reshape(-1).numpy().tobytes()):08x}"
+
+
+def shape(t: torch.Tensor) -> list[int]:
+    return list(t.shape)
+
+
+def storage_span(t: torch.Tensor):
+    """Where ``t`` lives in its storage, for saving shared memory once.
+
+    Returns ``(span_key, start, length, offset, stride, plain)``: the 1-D span of storage to save
+    (the whole storage when ``t`` covers most of it, so sibling views such as q/k/v share
+    one copy), and ``t``'s offset and stride inside that span.  None when ``t`` is better
+    saved as its own compact copy (it touches a small part of a large storage).  ``plain``:
+    ``t`` is exactly the span, contiguous, so it needs no view entry.
+    """
+    if t.layout != torch.strided or t.is_meta or t.numel() == 0:
+        return None
+    try:
+        storage = t.untyped_storage()
+        ptr, nbytes = storage.data_ptr(), storage.nbytes()
+    except (RuntimeError, NotImplementedError):
+        return None
+    size = t.element_size()
+    total = nbytes // size
+    own_start = t.storage_offset()
+    own_len = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    if total <= 4 * t.numel():
+        start, length = 0, total
+    elif own_len <= 2 * t.numel():
+        start, length = own_start, own_len
+    else:
+        return None
+    key = (ptr, start, length, t.dtype, t.device, t._version)
+    plain = own_start == start and length == t.numel() and t.is_contiguous()
+    return key, start, length, own_start - start, list(t.stride()), plain
+
+
+def span_snapshot(t: torch.Tensor, start: int, length: int) -> torch.Tensor:
+    """A private copy of ``length`` elements of ``t``'s storage from ``start``, as 1-D."""
+    with torch.no_grad():
+        flat = t.detach().as_strided((length,), (1,), start)
+        return flat.clone() if flat.device.type == "cpu" else flat.to("cpu", copy=True)
 
 
 def snapshot(t: torch.Tensor) -> torch.Tensor:

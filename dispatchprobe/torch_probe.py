@@ -49,11 +49,47 @@ class _ProbeMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
         probe = self.probe
         if probe._busy or not probe._wants(func):
-            return out
-        return probe._on_op(func, args, kwargs, out)
+            return func(*args, **kwargs)
+        seen_args, seen_kwargs = args, kwargs
+        written = _written_args(func)
+        if written:  # in-place/out= ops: record the inputs as they were *before* the op ran
+            seen_args, seen_kwargs = _copy_written(written, args, kwargs)
+        out = func(*args, **kwargs)
+        return probe._on_op(func, seen_args, seen_kwargs, out)
+
+
+_WRITTEN: dict = {}
+
+
+# In-place ops that overwrite every element without reading it: the old contents are often
+# uninitialised memory, so they are not copied (the recorded input is the written value).
+_OVERWRITE_OPS = {aten.bernoulli_, aten.uniform_, aten.normal_, aten.random_, aten.exponential_,
+                  aten.geometric_, aten.cauchy_, aten.log_normal_, aten.fill_, aten.zero_}
+
+
+def _written_args(func) -> tuple:
+    """Positions and names of the arguments an op writes to (``self`` of ``add_``, ``out=``)."""
+    hit = _WRITTEN.get(func)
+    if hit is None and func.overloadpacket in _OVERWRITE_OPS:
+        hit = _WRITTEN[func] = ()
+    if hit is None:
+        hit = _WRITTEN[func] = tuple((i, a.name) for i, a in enumerate(func._schema.arguments)
+                                     if a.alias_info is not None and a.alias_info.is_write)
+    return hit
+
+
+def _copy_written(written, args, kwargs):
+    """Copies of the tensors an op is about to overwrite, in place of the originals."""
+    args, kwargs = list(args), dict(kwargs)
+    with torch.no_grad():
+        for i, name in written:
+            if i < len(args) and isinstance(args[i], torch.Tensor):
+                args[i] = args[i].clone()
+            elif isinstance(kwargs.get(name), torch.Tensor):
+                kwargs[name] = kwargs[name].clone()
+    return tuple(args), kwargs
 
 
 class _ModuleScopes:

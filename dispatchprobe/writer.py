@@ -14,6 +14,7 @@ Why this shape (see docs/record-format.md):
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 import os
 import queue
 import socket
@@ -101,6 +102,10 @@ class TensorShardWriter:
             self._started = True
         self._queue.put((key, tensor))
 
+    def put_view(self, key: str, base: str, offset: int, shape, stride) -> None:
+        """Record ``key`` as a strided view of the saved 1-D tensor ``base`` (stored once)."""
+        self.put(key, _View(base, offset, list(shape), list(stride)))
+
     def flush(self) -> None:
         """Write everything queued so far as a shard and wait for it."""
         if self._started:
@@ -132,7 +137,7 @@ class TensorShardWriter:
             key, value = item
             if key not in ("__flush__", "__tick__"):
                 pending[key] = value
-                size += self._nbytes(value)
+                size += 0 if isinstance(value, _View) else self._nbytes(value)
             full = size >= SHARD_BYTES or (pending and time.monotonic() - since >= SHARD_SECONDS)
             if pending and (full or key == "__flush__"):
                 try:
@@ -143,14 +148,34 @@ class TensorShardWriter:
             if key == "__flush__":
                 value.set()
 
-    def _write_shard(self, tensors: dict) -> None:
-        name = f"shard_{self._shard_no:05d}.safetensors"
-        self._shard_no += 1
-        path = os.path.join(self.folder, name)
-        tmp = path + ".tmp"
-        self._save(tensors, tmp)
-        os.replace(tmp, path)
-        self._index.append({"shard": name, "keys": list(tensors)})
+    def _write_shard(self, pending: dict) -> None:
+        views = {k: v.to_json() for k, v in pending.items() if isinstance(v, _View)}
+        tensors = {k: v for k, v in pending.items() if not isinstance(v, _View)}
+        line: dict = {"shard": None, "keys": []}
+        if tensors:
+            name = f"shard_{self._shard_no:05d}.safetensors"
+            self._shard_no += 1
+            path = os.path.join(self.folder, name)
+            tmp = path + ".tmp"
+            self._save(tensors, tmp)
+            os.replace(tmp, path)
+            line = {"shard": name, "keys": list(tensors)}
+        if views:
+            line["views"] = views
+        self._index.append(line)
+
+
+@dataclass
+class _View:
+    """A saved tensor that is a strided view of another saved (1-D) tensor."""
+
+    base: str
+    offset: int
+    shape: list
+    stride: list
+
+    def to_json(self) -> dict:
+        return {"base": self.base, "offset": self.offset, "shape": self.shape, "stride": self.stride}
 
 
 class PartWriter:

@@ -1,0 +1,198 @@
+"""What the eager probe records: names, stages, scopes, arguments, statistics, levels, filters."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from dispatchprobe import DispatchProbe, load
+from dispatchprobe.reader import tensor_rows
+from conftest import train
+
+
+def records(path, step=0):
+    return load(path).part(step, 0).records
+
+
+def test_forward_and_backward_records(tiny_run):
+    run = load(tiny_run)
+    recs = run.part(0, 0).records
+    ops = [r for r in recs if r["kind"] == "op"]
+    fwd = [r for r in ops if r["stage"] == "forward"]
+    bwd = [r for r in ops if r["stage"] == "backward"]
+    assert fwd and bwd
+    assert all(r["grad_fn"] for r in bwd) and not any(r["grad_fn"] for r in fwd)
+    # stable names: op, per-(op, stage) call index, stage
+    assert fwd[0]["name"] == f"{fwd[0]['op']}.0.forward"
+    calls = [r["call"] for r in fwd if r["op"] == "aten.addmm.default"]
+    assert calls == list(range(len(calls)))
+    # module scope in both stages
+    gelu = next(r for r in fwd if r["op"] == "aten.gelu.default")
+    assert gelu["scope"] == "TinyTransformer.layers.0.mlp"
+    gelu_bwd = [r for r in bwd if r["op"] == "aten.gelu_backward.default"]
+    assert {r["scope"] for r in gelu_bwd} == {"TinyTransformer.layers.0.mlp", "TinyTransformer.layers.1.mlp"}
+    assert {r["grad_fn"] for r in gelu_bwd} == {"GeluBackward0"}
+    # the first backward op belongs to the last module of forward (the loss is outside any module)
+    head_mm = [r for r in bwd if r["op"] == "aten.mm.default" and r["scope"] == "TinyTransformer.head"]
+    assert len(head_mm) == 2 and head_mm[0]["grad_fn"] == "AddmmBackward0"
+
+
+def test_arguments_rebuildable(tiny_run):
+    recs = records(tiny_run)
+    ln = next(r for r in recs if r["op"] == "aten.native_layer_norm.default")
+    assert ln["inputs"][1] == {"type": "list", "value": [{"type": "int", "value": 64}]}
+    assert ln["inputs"][4] == {"type": "float", "value": 1e-05}
+    assert ln["output_type"] == "tuple" and len(ln["outputs"]) == 3
+    softmax = next(r for r in recs if r["op"] == "aten._softmax.default")
+    assert softmax["inputs"][1:] == [{"type": "int", "value": -1}, {"type": "bool", "value": False}]
+    ones = next(r for r in recs if r["op"] == "aten.ones.default")
+    assert ones["kwargs"]["dtype"] == {"type": "dtype", "value": "bool"}
+    assert ones["kwargs"]["device"] == {"type": "device", "value": "cpu"}
+    # every tensor of a tensor run points at saved data that can be read back
+    part = load(tiny_run).part(0, 0)
+    keys = {spec["data"] for r in recs for _, _, spec in tensor_rows(r)}
+    assert all(part.has_tensor(k) for k in keys)
+    assert part.views, "views of saved memory are stored as index entries"
+
+
+def test_statistics_match_the_saved_tensors(tiny_run):
+    part = load(tiny_run).part(0, 0)
+    checked = 0
+    for r in part.records[:60]:
+        for io, arg, spec in tensor_rows(r):
+            data = part.tensor(spec["data"]).astype(np.float64)
+            st = spec["stats"]
+            assert list(data.shape) == spec["shape"]
+            if data.size == 0 or spec["dtype"] == "bool":
+                continue
+            finite = data[np.isfinite(data)]
+            if spec["dtype"].startswith("float") and not (st["inf"] or st["nan"]):
+                assert st["max"] == pytest.approx(finite.max(), rel=1e-6, abs=1e-6)
+                assert st["min"] == pytest.approx(finite.min(), rel=1e-6, abs=1e-6)
+                assert st["mean"] == pytest.approx(data.mean(), rel=1e-4, abs=1e-6)
+                assert st["norm"] == pytest.approx(np.linalg.norm(data), rel=1e-4)  # float32 accumulation
+            checked += 1
+    assert checked > 50
+
+
+def test_integer_and_nonfinite_stats(tmp_path):
+    probe = DispatchProbe(dump_path=str(tmp_path / "r"))
+    idx = torch.tensor([3, 1, 2])
+    x = torch.tensor([1.0, float("inf"), float("nan"), -2.0])
+    src = torch.arange(10.0)
+    with probe:
+        torch.ops.aten.index_select(src, 0, idx)
+        torch.ops.aten.mul(x, 2)
+    probe.close()
+    recs = records(tmp_path / "r")
+    st = recs[0]["inputs"][2]["stats"]
+    assert recs[0]["inputs"][2]["dtype"] == "int64"
+    assert (st["max"], st["min"], st["mean"]) == (3, 1, 2)
+    st = recs[1]["outputs"][0]["stats"]
+    assert (st["nan"], st["inf"]) == (1, 1)
+    assert (st["finite_max"], st["finite_min"]) == (2.0, -4.0)
+
+
+def test_in_place_ops_record_inputs_before_the_write(tmp_path):
+    probe = DispatchProbe(task="tensor", dump_path=str(tmp_path / "r"))
+    x = torch.ones(4)
+    with probe:
+        x.add_(1.0)
+    probe.close()
+    part = load(tmp_path / "r").part()
+    rec = part.records[0]
+    assert rec["op"] == "aten.add_.Tensor" or rec["op"].startswith("aten.add_")
+    np.testing.assert_array_equal(part.tensor(rec["inputs"][0]["data"]), np.ones(4))
+    np.testing.assert_array_equal(part.tensor(rec["outputs"][0]["data"]), np.full(4, 2.0))
+
+
+def test_views_skipped_unless_asked(tmp_path):
+    def ops(include_views):
+        path = str(tmp_path / f"v{include_views}")
+        probe = DispatchProbe(dump_path=path, include_views=include_views)
+        a = torch.randn(4, 4)
+        with probe:
+            a.t().reshape(16).expand(2, 16).detach().sum()
+        probe.close()
+        return [r["op"] for r in records(path)]
+
+    assert ops(False) == ["aten.clone.default", "aten.sum.default"]
+    with_views = ops(True)
+    assert {"aten.t.default", "aten.expand.default", "aten.detach.default"} <= set(with_views)
+
+
+def test_stacks_deduplicated_and_checksums(tiny_run):
+    part = load(tiny_run).part(0, 0)
+    fwd = [r for r in part.records if r["stage"] == "forward" and r["kind"] == "op"]
+    assert all(r["stack"] is not None for r in fwd)
+    assert len(part.stacks) < len(fwd)
+    frames = part.stacks[fwd[0]["stack"]]
+    assert any("conftest.py" in f or "models.py" in f for f in frames)
+    specs = [spec for r in fwd for _, _, spec in tensor_rows(r)]
+    assert all(str(s.get("checksum")).startswith("crc32:") for s in specs)
+
+
+def test_tensors_stored_once(tiny_run):
+    part = load(tiny_run).part(0, 0)
+    keys = [spec["data"] for r in part.records for _, _, spec in tensor_rows(r)]
+    stored = set(part.shards)
+    assert len(stored) < 0.75 * len(set(keys)) and len(stored) < 0.5 * len(keys)
+    # an op's output that is the next op's input is the same stored tensor
+    recs = [r for r in part.records if r["kind"] == "op"]
+    gelu = next(i for i, r in enumerate(recs) if r["op"] == "aten.gelu.default")
+    def stored_as(key):
+        return part.views[key]["base"] if key in part.views else key
+
+    nxt = recs[gelu + 1]
+    assert nxt["op"] == "aten.addmm.default"  # takes a 2-D view of gelu's output
+    assert stored_as(recs[gelu]["outputs"][0]["data"]) in {stored_as(s["data"]) for _, _, s in tensor_rows(nxt)}
+
+
+@pytest.mark.parametrize("level,kinds", [("op", {"op"}), ("module", {"module"}), ("mix", {"op", "module"})])
+def test_levels(tmp_path, level, kinds):
+    path = tmp_path / level
+    train(DispatchProbe(dump_path=str(path), level=level), steps=1)
+    recs = records(path)
+    assert {r["kind"] for r in recs} == kinds
+    if "module" in kinds:
+        mods = [r for r in recs if r["kind"] == "module"]
+        assert {r["stage"] for r in mods} == {"forward", "backward"}
+        mlp = [r for r in mods if r["scope"] == "TinyTransformer.layers.1.mlp"]
+        assert [r["stage"] for r in mlp] == ["forward", "backward"]
+        assert mlp[1]["name"] == "TinyTransformer.layers.1.mlp.backward.0"
+        assert mlp[0]["inputs"][0]["shape"] == [4, 32, 64]
+
+
+def test_filters(tmp_path):
+    train(DispatchProbe(dump_path=str(tmp_path / "list"), list=["^aten\\.(mm|addmm)\\."]), steps=1)
+    assert {r["op"] for r in records(tmp_path / "list")} == {"aten.mm.default", "aten.addmm.default"}
+    train(DispatchProbe(dump_path=str(tmp_path / "sub"), list=["gelu"]), steps=1)
+    assert {r["op"] for r in records(tmp_path / "sub")} == {"aten.gelu.default", "aten.gelu_backward.default"}
+    train(DispatchProbe(dump_path=str(tmp_path / "scope"), scope=["TinyTransformer.layers.1"]), steps=1)
+    scopes = {r["scope"] for r in records(tmp_path / "scope")}
+    assert scopes and all(s.startswith("TinyTransformer.layers.1") for s in scopes)
+    train(DispatchProbe(dump_path=str(tmp_path / "step"), step=[1, 2]), steps=3)
+    assert sorted(load(tmp_path / "step").parts) == [(1, 0), (2, 0)]
+    train(DispatchProbe(dump_path=str(tmp_path / "fwd"), data_mode=["forward"]), steps=1)
+    assert {r["stage"] for r in records(tmp_path / "fwd")} == {"forward"}
+    train(DispatchProbe(dump_path=str(tmp_path / "out"), data_mode=["output"]), steps=1)
+    assert all("inputs" not in r and r["outputs"] for r in records(tmp_path / "out"))
+
+
+def test_rank_filter_and_detection(tmp_path, monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    train(DispatchProbe(dump_path=str(tmp_path / "r1")), steps=1)
+    assert list(load(tmp_path / "r1").parts) == [(0, 1)]
+    train(DispatchProbe(dump_path=str(tmp_path / "r0"), rank=[0]), steps=1)
+    assert not os.path.exists(tmp_path / "r0")
+
+
+def test_manifest(tiny_run):
+    with open(tiny_run / "manifest.json") as f:
+        m = json.load(f)
+    assert m["format"] == "dispatchprobe-records" and m["format_version"] == 1
+    assert m["framework"] == "torch" and m["config"]["task"] == "tensor"
