@@ -139,6 +139,7 @@ class Config:
             _type(key, getattr(self, key), bool)
         o, fb = self.overflow, self.free_benchmark
         _type("overflow_nums", o.overflow_nums, int)
+        o.check_mode = {"all": "both"}.get(o.check_mode, o.check_mode)  # msprobe's spelling
         _choice("check_mode", o.check_mode, OVERFLOW_STAGES)
         _choice("pert_mode", fb.pert_mode, PERT_MODES)
         _choice("handler_type", fb.handler_type, HANDLER_TYPES)
@@ -257,6 +258,8 @@ def _int_list(key: str, value) -> list[int]:
                 item = int(item)
             except (TypeError, ValueError):
                 raise ConfigError(f"config: {key} must hold integers or 'a-b' ranges, got {item!r}") from None
+        if item < 0:
+            raise ConfigError(f"config: {key} must hold non-negative integers, got {item}")
         out.append(item)
     return out
 

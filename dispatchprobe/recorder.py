@@ -69,6 +69,7 @@ class Recorder(Handler):
         self.io_filter = io_filter or (lambda io: True)
         self._cache: dict = {}
         self._spans: dict = {}
+        self._dense: dict = {}
         self._next_key = 0
 
     # -- encoding --------------------------------------------------------------------------
@@ -122,15 +123,30 @@ class Recorder(Handler):
                 if "checksum" in entry:
                     spec["checksum"] = entry["checksum"]
             else:
-                missing.append((t, spec))
+                # a reshape/transpose of measured memory has the same max/min/mean/norm
+                dense = backend.dense_key(t)
+                hit = self._dense.get(dense) if dense is not None else None
+                if hit is not None and hit[0]() is not None:
+                    spec["stats"] = hit[1]
+                    entry = {"stats": hit[1]}
+                    if self.checksum:
+                        entry["checksum"] = spec["checksum"] = backend.checksum(t)
+                    self._remember(t, entry)
+                else:
+                    missing.append((t, spec, dense))
         if missing:
-            stats = backend.tensor_stats([t for t, _ in missing])
-            for (t, spec), st in zip(missing, stats):
+            stats = backend.tensor_stats([t for t, _, _ in missing])
+            for (t, spec, dense), st in zip(missing, stats):
                 spec["stats"] = st
                 entry = {"stats": st}
                 if self.checksum:
                     entry["checksum"] = spec["checksum"] = backend.checksum(t)
                 self._remember(t, entry)
+                if dense is not None:
+                    try:
+                        self._dense[dense] = (weakref.ref(t), st)
+                    except TypeError:
+                        pass
         if save:
             for t, spec in found:
                 spec["data"] = self.save(t)
@@ -210,6 +226,7 @@ class Recorder(Handler):
         """A new step/rank part: tensor keys and cache start over."""
         self._cache.clear()
         self._spans.clear()
+        self._dense.clear()
         self._next_key = 0
 
     # -- handler ------------------------------------------------------------------------------

@@ -1,0 +1,194 @@
+"""Cost of recording a training step: uninstrumented vs statistics vs tensor vs DebugMode vs msprobe.
+
+Prints one table (median step time over several steps, ratio to uninstrumented, bytes and
+files written per step) for a small transformer and an MLP, all measured in the same run.
+
+    python benchmarks/record_overhead.py [--steps 8] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import tempfile
+import time
+
+import torch
+
+from dispatchprobe import DispatchProbe
+from dispatchprobe.models import MLPNet, TinyTransformer, lm_batch, lm_loss
+
+
+def transformer_case(quick: bool):
+    kw = dict(vocab=512, dim=128, heads=4, layers=2, seq=64) if quick else \
+        dict(vocab=1024, dim=256, heads=8, layers=4, seq=128)
+    model = TinyTransformer(**kw)
+    tokens, targets = lm_batch(batch=8, seq=kw["seq"], vocab=kw["vocab"])
+
+    def step():
+        lm_loss(model, tokens, targets).backward()
+    return "transformer", model, step
+
+
+def mlp_case(quick: bool):
+    model = MLPNet(dim=512, depth=4)
+    x, y = torch.randn(256, 512), torch.randint(0, 10, (256,))
+
+    def step():
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+    return "mlp", model, step
+
+
+def folder_size(path: str) -> tuple[int, int]:
+    total = files = 0
+    for root, _, names in os.walk(path):
+        for n in names:
+            total += os.path.getsize(os.path.join(root, n))
+            files += 1
+    return total, files
+
+
+def time_steps(model, step, steps: int, wrap) -> list[float]:
+    """Run ``steps`` timed steps; ``wrap(i)`` returns the context to run step i in and an end hook."""
+    times = []
+    for i in range(steps + 2):          # two warm-up steps
+        ctx, end = wrap(i)
+        t0 = time.perf_counter()
+        with ctx:
+            step()
+        end()
+        dt = time.perf_counter() - t0
+        model.zero_grad(set_to_none=True)
+        if i >= 2:
+            times.append(dt)
+    return times
+
+
+class _Null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def run_modes(case, steps: int, tmp: str):
+    name, model, step = case
+    rows = []
+
+    def plain(i):
+        return _Null(), lambda: None
+    rows.append(("uninstrumented", time_steps(model, step, steps, plain), None))
+
+    for task in ("statistics", "tensor"):
+        path = os.path.join(tmp, f"{name}-{task}")
+        probe = DispatchProbe(task=task, dump_path=path, model=model)
+
+        def wrap(i, probe=probe):
+            return probe, probe.step     # step() closes the step's records: its cost is counted
+        times = time_steps(model, step, steps, wrap)
+        probe.close()
+        size, files = folder_size(path)
+        rows.append((f"dispatchprobe {task}", times, (size / (steps + 2), files / (steps + 2))))
+
+    try:
+        from torch.utils._debug_mode import DebugMode
+    except ImportError:
+        DebugMode = None
+    if DebugMode is not None:
+        def debug(i):
+            return DebugMode(), lambda: None
+        rows.append(("torch DebugMode", time_steps(model, step, steps, debug), None))
+
+    rows.append(msprobe_row(name, model, step, steps, tmp))
+    return name, rows
+
+
+def msprobe_row(name, model, step, steps, tmp):
+    """msprobe's PrecisionDebugger is a process-wide singleton that logs every step: run it in a
+    child process per model, which also times its own uninstrumented baseline."""
+    import json
+    import subprocess
+    import sys
+    try:
+        import msprobe  # noqa: F401
+    except Exception:
+        return ("msprobe statistics L1", None, "not installed (pip install mindstudio-probe)")
+    out = subprocess.run([sys.executable, __file__, "--msprobe-child", name, "--steps", str(steps), "--tmp", tmp]
+                         + (["--quick"] if QUICK else []), capture_output=True, text=True)
+    lines = [l for l in out.stdout.splitlines() if l.startswith("{")]
+    if out.returncode or not lines:
+        return ("msprobe statistics L1", None, f"failed: {out.stderr.strip().splitlines()[-1:]}")
+    res = json.loads(lines[-1])
+    return ("msprobe statistics L1", res["times"], (res["bytes"], res["files"]), res["base"])
+
+
+def msprobe_child(name: str, steps: int, tmp: str) -> None:
+    import json
+    from msprobe.pytorch import PrecisionDebugger
+    case = {"transformer": transformer_case, "mlp": mlp_case}[name](QUICK)
+    _, model, step = case
+    base = time_steps(model, step, steps, lambda i: (_Null(), lambda: None))
+    cfg = os.path.join(tmp, f"msprobe-{name}.json")
+    dump = os.path.join(tmp, f"msprobe-{name}")
+    with open(cfg, "w") as f:
+        json.dump({"task": "statistics", "dump_path": dump, "rank": [], "step": [], "level": "L1",
+                   "statistics": {"scope": [], "list": [], "data_mode": ["all"], "summary_mode": "statistics"}}, f)
+    debugger = PrecisionDebugger(config_path=cfg)
+
+    def wrap(i):
+        debugger.start(model)
+
+        def end():
+            debugger.stop()
+            debugger.step()
+        return _Null(), end
+    times = time_steps(model, step, steps, wrap)
+    size, files = folder_size(dump)
+    print(json.dumps({"times": times, "base": base, "bytes": size / (steps + 2), "files": files / (steps + 2)}))
+
+
+QUICK = False
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--quick", action="store_true", help="smaller transformer (for smoke runs)")
+    parser.add_argument("--msprobe-child", help=argparse.SUPPRESS)
+    parser.add_argument("--tmp", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    global QUICK
+    QUICK = args.quick
+    if args.msprobe_child:
+        msprobe_child(args.msprobe_child, args.steps, args.tmp)
+        return
+    torch.manual_seed(0)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.steps} timed steps per mode\n")
+    tmp = tempfile.mkdtemp(prefix="dp-bench-")
+    try:
+        for case in (transformer_case(args.quick), mlp_case(args.quick)):
+            name, rows = run_modes(case, args.steps, tmp)
+            base = statistics.median(rows[0][1])
+            print(f"{name}:")
+            print(f"  {'mode':26s} {'median ms':>10s} {'ratio':>7s} {'MB/step':>9s} {'files/step':>10s}")
+            for label, times, written, *own_base in rows:
+                if times is None:
+                    print(f"  {label:26s} {written}")
+                    continue
+                med = statistics.median(times)
+                ratio = med / (statistics.median(own_base[0]) if own_base else base)
+                mb = f"{written[0] / 1e6:9.2f}" if written else f"{'-':>9s}"
+                nf = f"{written[1]:10.1f}" if written else f"{'-':>10s}"
+                print(f"  {label:26s} {med * 1e3:10.2f} {ratio:6.2f}x {mb} {nf}")
+            print()
+        print("msprobe runs in a child process (its debugger is a process-wide singleton); its ratio is to the\n"
+              "child's own uninstrumented median.  Bytes and files: whole run folder / recorded steps.")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""Records on disk: crash safety, truncated tails, reading without torch, version checks."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from dispatchprobe import RecordError, load
+
+TRAIN_FOREVER = textwrap.dedent("""
+    import sys, torch
+    from dispatchprobe import DispatchProbe
+    from dispatchprobe.models import TinyTransformer, lm_batch, lm_loss
+    model = TinyTransformer()
+    probe = DispatchProbe(task="tensor", dump_path=sys.argv[1])
+    step = 0
+    while True:
+        tokens, targets = lm_batch(seed=step)
+        with probe:
+            lm_loss(model, tokens, targets).backward()
+            print("step", step, flush=True)
+        probe.step()
+        step += 1
+""")
+
+
+def test_sigkill_leaves_readable_records(tmp_path):
+    path = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, "-c", TRAIN_FOREVER, str(path)], stdout=subprocess.PIPE, text=True)
+    try:
+        # let it finish a couple of steps, then kill it mid-step
+        assert proc.stdout.readline().startswith("step 0")
+        assert proc.stdout.readline().startswith("step 1")
+        time.sleep(0.15)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    run = load(path)
+    assert (0, 0) in run.parts and (1, 0) in run.parts
+    done = run.part(0, 0)
+    assert not done.truncated and len(done.records) > 100
+    # every tensor of a finished step is readable
+    keys = [t["data"] for r in done.records for t in r.get("outputs", []) if t.get("type") == "tensor"]
+    assert len(done.tensors_of(keys)) == len(keys)
+    # the last (killed) part reads up to its last flushed op without raising
+    last = run.parts[max(run.parts)]
+    assert isinstance(last.records, list)
+    assert len(run.ops) >= 2 * len(done.records)
+
+
+def test_truncated_tail_is_reported_not_fatal(tiny_run):
+    ops = tiny_run / "step1" / "rank0" / "ops.jsonl"
+    data = ops.read_bytes()
+    ops.write_bytes(data[: len(data) - 37])        # a torn final line
+    run = load(tiny_run)
+    part = run.part(1, 0)
+    assert part.truncated
+    assert len(part.records) == data.count(b"\n") - 1
+    assert any("incomplete" in p for p in run.problems)
+
+
+def test_missing_and_corrupt_inputs(tmp_path, tiny_run):
+    with pytest.raises(RecordError, match="no such records directory"):
+        load(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(RecordError, match="no op records"):
+        load(tmp_path / "empty")
+    manifest = tiny_run / "manifest.json"
+    m = json.loads(manifest.read_text())
+    m["format_version"] = 99
+    manifest.write_text(json.dumps(m))
+    with pytest.raises(RecordError, match="newer than this"):
+        load(tiny_run)
+    manifest.write_text("{not json")
+    with pytest.raises(RecordError, match="corrupt manifest"):
+        load(tiny_run)
+
+
+def test_step_rank_folder_loads_alone(tiny_run):
+    run = load(tiny_run / "step1" / "rank0")
+    assert list(run.parts) == [(1, 0)]
+    assert run.manifest["format"] == "dispatchprobe-records"
+
+
+def test_reader_needs_no_torch(tiny_run):
+    code = textwrap.dedent(f"""
+        import sys
+        sys.modules["torch"] = None          # any import of torch now fails
+        import dispatchprobe
+        run = dispatchprobe.load({str(tiny_run)!r})
+        ops = run.ops
+        part = run.part(0, 0)
+        rec = next(r for r in part.records if r["op"] == "aten.mm.default")
+        arr = part.tensor(rec["outputs"][0]["data"])
+        assert list(arr.shape) == rec["outputs"][0]["shape"]
+        print(len(ops), len(run.tensors))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    n_ops, n_tensors = map(int, out.stdout.split())
+    assert n_ops > 100 and n_tensors > n_ops
+
+
+def test_bf16_tensors_read_exactly(tmp_path):
+    import numpy as np
+    import torch
+    from dispatchprobe import DispatchProbe
+    x = torch.randn(8, 8).bfloat16()
+    probe = DispatchProbe(task="tensor", dump_path=str(tmp_path / "bf"))
+    with probe:
+        y = x * 3
+    probe.close()
+    part = load(tmp_path / "bf").part()
+    rec = part.records[0]
+    assert rec["outputs"][0]["dtype"] == "bfloat16"
+    np.testing.assert_array_equal(part.tensor(rec["outputs"][0]["data"]), y.float().numpy())
