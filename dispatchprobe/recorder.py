@@ -117,31 +117,32 @@ class Recorder(Handler):
         backend = self.backend
         missing = []
         for t, spec in found:
-            entry = self._lookup(t)
+            ident = backend.identity(t)
+            entry = self._lookup(t, ident)
             if entry is not None and "stats" in entry:
                 spec["stats"] = entry["stats"]
                 if "checksum" in entry:
                     spec["checksum"] = entry["checksum"]
+                continue
+            # a reshape/transpose of measured memory has the same max/min/mean/norm
+            dense = backend.dense_key(t)
+            hit = self._dense.get(dense) if dense is not None else None
+            if hit is not None and hit[0]() is not None:
+                spec["stats"] = hit[1]
+                entry = {"stats": hit[1]}
+                if self.checksum:
+                    entry["checksum"] = spec["checksum"] = backend.checksum(t)
+                self._remember(t, entry, ident)
             else:
-                # a reshape/transpose of measured memory has the same max/min/mean/norm
-                dense = backend.dense_key(t)
-                hit = self._dense.get(dense) if dense is not None else None
-                if hit is not None and hit[0]() is not None:
-                    spec["stats"] = hit[1]
-                    entry = {"stats": hit[1]}
-                    if self.checksum:
-                        entry["checksum"] = spec["checksum"] = backend.checksum(t)
-                    self._remember(t, entry)
-                else:
-                    missing.append((t, spec, dense))
+                missing.append((t, spec, dense, ident))
         if missing:
-            stats = backend.tensor_stats([t for t, _, _ in missing])
-            for (t, spec, dense), st in zip(missing, stats):
+            stats = backend.tensor_stats([m[0] for m in missing])
+            for (t, spec, dense, ident), st in zip(missing, stats):
                 spec["stats"] = st
                 entry = {"stats": st}
                 if self.checksum:
                     entry["checksum"] = spec["checksum"] = backend.checksum(t)
-                self._remember(t, entry)
+                self._remember(t, entry, ident)
                 if dense is not None:
                     try:
                         self._dense[dense] = (weakref.ref(t), st)
@@ -198,27 +199,23 @@ class Recorder(Handler):
         return key
 
     # -- the per-tensor cache ----------------------------------------------------------------
-    def _lookup(self, t):
-        key = self.backend.identity(t)
+    def _lookup(self, t, key=None):
+        """The cache entry of this live tensor value, if any (``key``: its identity, if known)."""
+        key = self.backend.identity(t) if key is None else key
         if key is None:
             return None
         hit = self._cache.get(key)
-        if hit is None or hit[0]() is not t:
+        if hit is None or hit[0]() is not t:   # a dead tensor's memory may have been reused
             return None
         return hit[1]
 
-    def _remember(self, t, entry: dict) -> None:
-        key = self.backend.identity(t)
+    def _remember(self, t, entry: dict, key=None) -> None:
+        """Cache ``entry`` for ``t``.  Dead entries are never trusted and go at the next step."""
+        key = self.backend.identity(t) if key is None else key
         if key is None:
             return
-        cache = self._cache
-
-        def forget(_ref, key=key):
-            hit = cache.get(key)
-            if hit is not None and hit[0] is _ref:
-                del cache[key]
         try:
-            cache[key] = (weakref.ref(t, forget), entry)
+            self._cache[key] = (weakref.ref(t), entry)
         except TypeError:  # not weak-referenceable
             pass
 

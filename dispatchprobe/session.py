@@ -121,8 +121,11 @@ class ProbeSession:
         return n
 
     def flush(self) -> None:
-        if self.part is not None and self.part.tensors is not None:
-            self.part.tensors.flush()
+        """Wait until every record and tensor so far is on disk."""
+        if self.part is not None:
+            self.part.ops.flush()
+            if self.part.tensors is not None:
+                self.part.tensors.flush()
 
     # ---- internals --------------------------------------------------------------------------
     def _make_handlers(self) -> list:

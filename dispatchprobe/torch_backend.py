@@ -89,7 +89,10 @@ def tensor_stats(tensors: list[torch.Tensor]) -> list[dict | None]:
             else:
                 norm = torch.linalg.vector_norm(x, dtype=acc)
             if x.device.type == "cpu":
-                values = [hi.item(), lo.item(), total.item(), norm.item()]
+                if x.dtype == torch.float32:
+                    values = torch.stack([hi, lo, total, norm]).tolist()   # one read-back, not four
+                else:
+                    values = [hi.item(), lo.item(), total.item(), norm.item()]
                 out[i] = _finish(x, values)
             else:
                 pending.append((i, torch.stack([hi.double(), lo.double(), total, norm.double()])))
