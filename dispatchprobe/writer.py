@@ -1,11 +1,10 @@
 """Writes records to disk: append-only JSON lines, tensors in safetensors shards.
 
 Why this shape (see docs/record-format.md):
-* ``ops.jsonl`` gets one line per op, serialised and written by a background thread within
-  milliseconds of the op (JSON encoding then overlaps the training step's kernels instead of
-  adding to it), so a process that is killed leaves every record up to (nearly) the op it died
-  in.  ``flush()`` -- called at every ``stop()``/``step()`` -- waits until all is written.  No
-  fsync per op: a killed process loses nothing the OS already has; a power cut is out of scope.
+* ``ops.jsonl`` gets one line per op, written and flushed as the op finishes, so a process that
+  is killed leaves every record up to the op it died in.  No fsync per op: a killed process
+  loses nothing the OS already has; a power cut is out of scope.  (Encoding on a background
+  thread was tried: GIL contention made it no faster on 2 cores.)
 * Tensors are copied on the op's thread (the value must be snapshotted before a later in-place
   op changes it) and written by one background thread into shards of ~64 MB.  A shard becomes
   visible only by an atomic rename, and only then is it listed in ``tensors/index.jsonl``: a
@@ -71,66 +70,13 @@ class _JsonLines:
         self._file.write(json.dumps(obj, separators=(",", ":"), default=str) + "\n")
         self._file.flush()
 
+    def flush(self) -> None:
+        """Lines are flushed as they are appended."""
+
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
-
-
-class _BackgroundJsonLines(_JsonLines):
-    """``_JsonLines`` whose encoding and writing happen on a daemon thread, in arrival order."""
-
-    def __init__(self, path: str):
-        super().__init__(path)
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
-
-    def append(self, obj: dict) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="dispatchprobe-records", daemon=True)
-            self._thread.start()
-        self._queue.put(obj)
-
-    def flush(self) -> None:
-        if self._thread is not None:
-            done = threading.Event()
-            self._queue.put(done)
-            done.wait()
-        if self._error is not None:
-            raise RuntimeError(f"dispatchprobe: writing {self.path} failed: {self._error}")
-
-    def close(self) -> None:
-        if self._thread is not None:
-            self.flush()
-            self._queue.put(None)
-            self._thread.join()
-            self._thread = None
-        super().close()
-
-    def _run(self) -> None:
-        get = self._queue.get
-        while True:
-            item = get()
-            lines = []
-            while isinstance(item, dict):          # drain what is queued: one write for all of it
-                lines.append(json.dumps(item, separators=(",", ":"), default=str))
-                try:
-                    item = self._queue.get_nowait()
-                except queue.Empty:
-                    item = False
-            if lines:
-                try:
-                    if self._file is None:
-                        self._file = open(self.path, "a", encoding="utf-8")
-                    self._file.write("\n".join(lines) + "\n")
-                    self._file.flush()
-                except BaseException as exc:   # reported on the next flush, on the op thread
-                    self._error = exc
-            if isinstance(item, threading.Event):
-                item.set()
-            elif item is None:
-                return
 
 
 class TensorShardWriter:
@@ -242,7 +188,7 @@ class PartWriter:
     def __init__(self, folder: str, save_fn=None, nbytes_fn=None):
         self.folder = folder
         os.makedirs(folder, exist_ok=True)
-        self.ops = _BackgroundJsonLines(os.path.join(folder, "ops.jsonl"))
+        self.ops = _JsonLines(os.path.join(folder, "ops.jsonl"))
         self.stacks = _JsonLines(os.path.join(folder, "stacks.jsonl"))
         self.modules = _JsonLines(os.path.join(folder, "modules.jsonl"))
         self.tensors = TensorShardWriter(os.path.join(folder, "tensors"), save_fn, nbytes_fn) if save_fn else None
