@@ -51,18 +51,24 @@ def folder_size(path: str) -> tuple[int, int]:
 
 
 def time_steps(model, step, steps: int, wrap) -> list[float]:
-    """Run ``steps`` timed steps; ``wrap(i)`` returns the context to run step i in and an end hook."""
-    times = []
-    for i in range(steps + 2):          # two warm-up steps
-        ctx, end = wrap(i)
-        t0 = time.perf_counter()
-        with ctx:
-            step()
-        end()
-        dt = time.perf_counter() - t0
-        model.zero_grad(set_to_none=True)
-        if i >= 2:
-            times.append(dt)
+    """Run ``steps`` timed steps (after two warm-up steps); ``wrap(i)`` gives (context, end hook)."""
+    return interleaved(model, step, steps, {"only": wrap})["only"]
+
+
+def interleaved(model, step, steps: int, wraps: dict) -> dict[str, list[float]]:
+    """Time every mode one step at a time, in rounds, so drift in machine speed hits all alike."""
+    times: dict[str, list[float]] = {label: [] for label in wraps}
+    for i in range(steps + 2):          # two warm-up rounds
+        for label, wrap in wraps.items():
+            ctx, end = wrap(i)
+            t0 = time.perf_counter()
+            with ctx:
+                step()
+            end()
+            dt = time.perf_counter() - t0
+            model.zero_grad(set_to_none=True)
+            if i >= 2:
+                times[label].append(dt)
     return times
 
 
@@ -76,37 +82,34 @@ class _Null:
 
 def run_modes(case, steps: int, tmp: str):
     name, model, step = case
-    rows = []
-
-    def plain(i):
-        return _Null(), lambda: None
-    rows.append(("uninstrumented", time_steps(model, step, steps, plain), None))
-
+    wraps = {"uninstrumented": lambda i: (_Null(), lambda: None)}
+    probes = {}
     for task in ("statistics", "tensor"):
         path = os.path.join(tmp, f"{name}-{task}")
-        probe = DispatchProbe(task=task, dump_path=path, model=model)
-
-        def wrap(i, probe=probe):
-            return probe, probe.step     # step() closes the step's records: its cost is counted
-        times = time_steps(model, step, steps, wrap)
-        probe.close()
-        size, files = folder_size(path)
-        rows.append((f"dispatchprobe {task}", times, (size / (steps + 2), files / (steps + 2))))
-
+        probe = probes[task] = (DispatchProbe(task=task, dump_path=path, model=model), path)
+        # step() closes the step's records (waits for its tensors): its cost is counted
+        wraps[f"dispatchprobe {task}"] = lambda i, probe=probe[0]: (probe, probe.step)
     try:
         from torch.utils._debug_mode import DebugMode
+        wraps["torch DebugMode"] = lambda i: (DebugMode(), lambda: None)
     except ImportError:
-        DebugMode = None
-    if DebugMode is not None:
-        def debug(i):
-            return DebugMode(), lambda: None
-        rows.append(("torch DebugMode", time_steps(model, step, steps, debug), None))
-
-    rows.append(msprobe_row(name, model, step, steps, tmp))
+        pass
+    times = interleaved(model, step, steps, wraps)
+    rows = []
+    for label, ts in times.items():
+        written = None
+        task = label.removeprefix("dispatchprobe ")
+        if task in probes:
+            probes[task][0].close()
+            size, files = folder_size(probes[task][1])
+            written = (size / (steps + 2), files / (steps + 2))
+        rows.append((label, ts, written))
+    rows.append(msprobe_row(name, model, step, steps, tmp, "statistics"))
+    rows.append(msprobe_row(name, model, step, steps, tmp, "tensor"))
     return name, rows
 
 
-def msprobe_row(name, model, step, steps, tmp):
+def msprobe_row(name, model, step, steps, tmp, task):
     """msprobe's PrecisionDebugger is a process-wide singleton that logs every step: run it in a
     child process per model, which also times its own uninstrumented baseline."""
     import json
@@ -115,27 +118,29 @@ def msprobe_row(name, model, step, steps, tmp):
     try:
         import msprobe  # noqa: F401
     except Exception:
-        return ("msprobe statistics L1", None, "not installed (pip install mindstudio-probe)")
-    out = subprocess.run([sys.executable, __file__, "--msprobe-child", name, "--steps", str(steps), "--tmp", tmp]
+        return (f"msprobe {task} L1", None, "not installed (pip install mindstudio-probe)")
+    out = subprocess.run([sys.executable, __file__, "--msprobe-child", f"{name}:{task}", "--steps", str(steps),
+                          "--tmp", tmp]
                          + (["--quick"] if QUICK else []), capture_output=True, text=True)
     lines = [l for l in out.stdout.splitlines() if l.startswith("{")]
     if out.returncode or not lines:
-        return ("msprobe statistics L1", None, f"failed: {out.stderr.strip().splitlines()[-1:]}")
+        return (f"msprobe {task} L1", None, f"failed: {out.stderr.strip().splitlines()[-1:]}")
     res = json.loads(lines[-1])
-    return ("msprobe statistics L1", res["times"], (res["bytes"], res["files"]), res["base"])
+    return (f"msprobe {task} L1", res["times"], (res["bytes"], res["files"]), res["base"])
 
 
-def msprobe_child(name: str, steps: int, tmp: str) -> None:
+def msprobe_child(spec: str, steps: int, tmp: str) -> None:
     import json
-    from msprobe.pytorch import PrecisionDebugger
+    name, task = spec.split(":")
     case = {"transformer": transformer_case, "mlp": mlp_case}[name](QUICK)
     _, model, step = case
-    base = time_steps(model, step, steps, lambda i: (_Null(), lambda: None))
-    cfg = os.path.join(tmp, f"msprobe-{name}.json")
-    dump = os.path.join(tmp, f"msprobe-{name}")
+    base = time_steps(model, step, steps, lambda i: (_Null(), lambda: None))   # before msprobe patches torch
+    from msprobe.pytorch import PrecisionDebugger
+    cfg = os.path.join(tmp, f"msprobe-{name}-{task}.json")
+    dump = os.path.join(tmp, f"msprobe-{name}-{task}")
     with open(cfg, "w") as f:
-        json.dump({"task": "statistics", "dump_path": dump, "rank": [], "step": [], "level": "L1",
-                   "statistics": {"scope": [], "list": [], "data_mode": ["all"], "summary_mode": "statistics"}}, f)
+        json.dump({"task": task, "dump_path": dump, "rank": [], "step": [], "level": "L1",
+                   task: {"scope": [], "list": [], "data_mode": ["all"], "summary_mode": "statistics"}}, f)
     debugger = PrecisionDebugger(config_path=cfg)
 
     def wrap(i):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import zlib
 
+import numpy as np
 import torch
 
 name = "torch"
@@ -78,6 +79,9 @@ def tensor_stats(tensors: list[torch.Tensor]) -> list[dict | None]:
             if t.numel() == 0 or t.is_meta or t.layout != torch.strided:
                 continue
             x = _stat_source(t)
+            if x.device.type == "cpu" and x.numel() <= _NUMPY_MAX and x.dtype in _NUMPY_DTYPES:
+                out[i] = _finish(x, _numpy_reductions(x))
+                continue
             lo, hi = torch.aminmax(x)
             # float32 accumulation for half/single (float64 sums are ~10x slower on CPU); torch's
             # reductions sum pairwise, so the mean stays accurate to ~1e-6 relative
@@ -101,6 +105,18 @@ def tensor_stats(tensors: list[torch.Tensor]) -> list[dict | None]:
             for (i, _), values in zip(pending, rows):
                 out[i] = _finish(_stat_source(tensors[i]), values)
     return out
+
+
+# Small CPU tensors: four torch calls cost ~30 us of dispatch each time; numpy's cost ~8 us.
+_NUMPY_MAX = 16384
+_NUMPY_DTYPES = (torch.float32, torch.float64)
+
+
+def _numpy_reductions(x: torch.Tensor) -> list[float]:
+    flat = x.numpy().reshape(-1)
+    with np.errstate(all="ignore"):       # overflow of the squares is redone in float64 by _finish
+        return [float(flat.max()), float(flat.min()), float(flat.sum(dtype=np.float64)),
+                math.sqrt(float(np.dot(flat, flat)))]
 
 
 def _finish(x: torch.Tensor, values: list[float]) -> dict:
