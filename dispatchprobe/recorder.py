@@ -110,10 +110,11 @@ class Recorder(Handler):
             out = event.outputs
             record["output_type"] = "tuple" if isinstance(out, tuple) else "list" if isinstance(out, list) else "single"
             record["outputs"] = [enc(o) for o in flat_outputs(out)]
-        self._fill_tensors(found, save)
+        same = self.backend.same_values(event) if save and event.func is not None else None
+        self._fill_tensors(found, save, same)
         return record
 
-    def _fill_tensors(self, found, save: bool) -> None:
+    def _fill_tensors(self, found, save: bool, same: dict | None = None) -> None:
         backend = self.backend
         missing = []
         for t, spec in found:
@@ -150,14 +151,19 @@ class Recorder(Handler):
                         pass
         if save:
             for t, spec in found:
-                spec["data"] = self.save(t)
+                spec["data"] = self.save(t, like=same.get(id(t)) if same else None)
 
-    def save(self, t) -> str:
-        """Queue a tensor for the shard writer (once per live tensor value); returns its key."""
+    def save(self, t, like=None) -> str:
+        """Queue a tensor for the shard writer (once per live tensor value); returns its key.
+
+        ``like``: an already saved tensor known to hold the same values in the same shape (the
+        input of a ``clone``), whose key is reused instead of storing a copy.
+        """
         entry = self._lookup(t)
         if entry is not None and "data" in entry:
             return entry["data"]
-        key = self._save_by_storage(t)
+        source = self._lookup(like) if like is not None else None
+        key = source["data"] if source is not None and "data" in source else self._save_by_storage(t)
         if entry is None:
             entry = {}
             self._remember(t, entry)

@@ -22,6 +22,7 @@ class OpSelector:
         self._patterns = [self._compile(n) for n in names]
         self._scopes = tuple(scopes)
         self._memo: dict[str, bool] = {}
+        self._scope_memo: dict[str, bool] = {}
 
     @staticmethod
     def _compile(text: str):
@@ -42,7 +43,11 @@ class OpSelector:
     def scope_selected(self, scope: str) -> bool:
         if not self._scopes:
             return True
-        return any(scope == s or scope.startswith(s + ".") or s in scope for s in self._scopes)
+        hit = self._scope_memo.get(scope)
+        if hit is None:
+            hit = self._scope_memo[scope] = any(scope == s or scope.startswith(s + ".") or s in scope
+                                                for s in self._scopes)
+        return hit
 
 
 class ProbeSession:

@@ -145,6 +145,28 @@ def checksum(t: torch.Tensor) -> str:
     return f"crc32:{zlib.crc32(x.reshape(-1).numpy().tobytes()):08x}"
 
 
+_aten = torch.ops.aten
+
+
+def same_values(event) -> dict:
+    """Outputs that hold exactly an input's values in the same shape and dtype (``clone``,
+    ``contiguous``, a same-dtype ``_to_copy``, ``copy_``): {id(output): input}.  Lets the
+    recorder store such an output as the input's saved data instead of a second copy."""
+    packet = getattr(event.func, "overloadpacket", None)
+    args, out = event.args, event.outputs
+    if not isinstance(out, torch.Tensor) or not args:
+        return {}
+    if packet in (_aten.clone, _aten.contiguous, _aten._to_copy):
+        src = args[0]
+    elif packet is _aten.copy_ and len(args) > 1:
+        src = args[1]
+    else:
+        return {}
+    if isinstance(src, torch.Tensor) and src.dtype == out.dtype and src.shape == out.shape:
+        return {id(out): src}
+    return {}
+
+
 def shape(t: torch.Tensor) -> list[int]:
     return list(t.shape)
 

@@ -214,6 +214,7 @@ class DispatchProbe(ProbeSession):
         self._record_ops = level in ("op", "mix")
         self._record_modules = level in ("module", "mix") and self.config.task in ("statistics", "tensor")
         self._wants_memo: dict = {}
+        self._stage_on = {s: self.config.stage_enabled(s) for s in ("forward", "backward")}
 
     # ---- installation -------------------------------------------------------------------------
     def _install(self) -> None:
@@ -252,7 +253,7 @@ class DispatchProbe(ProbeSession):
         backward = torch._C._current_graph_task_id() != -1
         stage = "backward" if backward else "forward"
         scope = self.scopes.current
-        if not self.config.stage_enabled(stage) or not self.selector.scope_selected(scope):
+        if not self._stage_on[stage] or not self.selector.scope_selected(scope):
             return out
         op = _op_name(func)
         grad_fn = None
@@ -271,7 +272,7 @@ class DispatchProbe(ProbeSession):
         return out if replaced is None else replaced
 
     def _on_module(self, mod, name: str, stage: str, inputs, outputs) -> None:
-        if not self._record_modules or self._busy or not self.config.stage_enabled(stage):
+        if not self._record_modules or self._busy or not self._stage_on[stage]:
             return
         if not self.selector.scope_selected(name):
             return

@@ -196,3 +196,16 @@ def test_manifest(tiny_run):
         m = json.load(f)
     assert m["format"] == "dispatchprobe-records" and m["format_version"] == 1
     assert m["framework"] == "torch" and m["config"]["task"] == "tensor"
+
+
+def test_clone_output_is_the_input_data(tmp_path):
+    probe = DispatchProbe(task="tensor", dump_path=str(tmp_path / "c"))
+    x = torch.randn(4, 6)
+    with probe:
+        y = x.t().contiguous()          # a clone: same values as its (transposed view) input
+        torch.ops.aten.add(y, 1)
+    probe.close()
+    part = load(tmp_path / "c").part()
+    clone = next(r for r in part.records if r["op"] == "aten.clone.default")
+    assert clone["outputs"][0]["data"] == clone["inputs"][0]["data"]
+    np.testing.assert_array_equal(part.tensor(clone["outputs"][0]["data"]), x.t().numpy())

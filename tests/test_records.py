@@ -48,7 +48,7 @@ def test_sigkill_leaves_readable_records(tmp_path):
     done = run.part(0, 0)
     assert not done.truncated and len(done.records) > 100
     # every tensor of a finished step is readable
-    keys = [t["data"] for r in done.records for t in r.get("outputs", []) if t.get("type") == "tensor"]
+    keys = {t["data"] for r in done.records for t in r.get("outputs", []) if t.get("type") == "tensor"}
     assert len(done.tensors_of(keys)) == len(keys)
     # the last (killed) part reads up to its last flushed op without raising
     last = run.parts[max(run.parts)]
