@@ -9,10 +9,13 @@ objects.  The MindSpore adapter provides the same few functions.
 from __future__ import annotations
 
 import math
+import threading
 import zlib
 
 import numpy as np
 import torch
+
+from .writer import write_safetensors
 
 name = "torch"
 version = torch.__version__
@@ -217,31 +220,114 @@ def storage_span(t: torch.Tensor):
     return key, start, length, own_start - start, list(t.stride()), plain
 
 
+class _Arenas:
+    """Recycled, already-touched CPU memory for tensor snapshots.
+
+    A fresh ``clone`` of a large tensor pays page faults on first touch (~3x the copy itself
+    here); snapshots are instead copied into 32 MB arenas that go back to a small free list
+    once the shard writer has written everything in them.
+    """
+
+    SIZE = 32 << 20
+    KEEP = 8                  # free arenas kept for reuse (256 MB at most)
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._free: list[torch.Tensor] = []
+        self._current: torch.Tensor | None = None
+        self._used = 0
+        self._live: dict[int, int] = {}   # arena id -> snapshots not yet released
+
+    def take(self, nbytes: int):
+        """(``nbytes`` of arena memory as a uint8 tensor, its arena), or None if too big."""
+        if nbytes > self.SIZE // 4:
+            return None
+        nbytes = (nbytes + 63) & ~63
+        with self._lock:
+            if self._current is None or self._used + nbytes > self.SIZE:
+                if self._current is not None:
+                    self._retire(self._current)
+                self._current = self._free.pop() if self._free else torch.empty(self.SIZE, dtype=torch.uint8)
+                self._used = 0
+                self._live[id(self._current)] = 0
+            block = self._current[self._used:self._used + nbytes]
+            self._used += nbytes
+            self._live[id(self._current)] += 1
+            return block, self._current
+
+    def release(self, tensors) -> None:
+        """The writer is done with these snapshots: their arenas may be reused."""
+        with self._lock:
+            for t in tensors:
+                base = getattr(t, "_dp_arena", None)
+                if base is None:
+                    continue
+                key = id(base)
+                self._live[key] -= 1
+                if self._live[key] == 0 and base is not self._current:
+                    self._recycle(base)
+
+    def _retire(self, arena: torch.Tensor) -> None:
+        if self._live.get(id(arena)) == 0:
+            self._recycle(arena)
+
+    def _recycle(self, arena: torch.Tensor) -> None:
+        del self._live[id(arena)]
+        if len(self._free) < self.KEEP:
+            self._free.append(arena)
+
+
+_ARENAS = _Arenas()
+
+
+def _copy_out(src: torch.Tensor) -> torch.Tensor:
+    """A contiguous CPU copy of ``src`` in arena memory (or a plain copy when it is large)."""
+    nbytes = src.numel() * src.element_size()
+    taken = _ARENAS.take(nbytes) if src.device.type == "cpu" else None
+    if taken is None:
+        return src.to("cpu", copy=True, memory_format=torch.contiguous_format) if src.device.type != "cpu" \
+            else src.clone(memory_format=torch.contiguous_format)
+    block, arena = taken
+    out = block[:nbytes].view(src.dtype).view(src.shape)
+    out.copy_(src)
+    out._dp_arena = arena
+    return out
+
+
 def span_snapshot(t: torch.Tensor, start: int, length: int) -> torch.Tensor:
     """A private copy of ``length`` elements of ``t``'s storage from ``start``, as 1-D."""
     with torch.no_grad():
-        flat = t.detach().as_strided((length,), (1,), start)
-        return flat.clone() if flat.device.type == "cpu" else flat.to("cpu", copy=True)
+        return _copy_out(t.detach().as_strided((length,), (1,), start))
 
 
 def snapshot(t: torch.Tensor) -> torch.Tensor:
-    """A private contiguous copy to save (safetensors refuses shared or strided storage).
-
-    The copy is taken now, on the op's thread: a later in-place op must not change what is saved.
-    """
+    """A private contiguous copy to save, taken now on the op's thread: a later in-place op
+    must not change what is saved."""
     with torch.no_grad():
-        if t.device.type == "cpu":
-            return t.detach().clone(memory_format=torch.contiguous_format)
-        return t.detach().to("cpu", copy=True).contiguous()
+        return _copy_out(t.detach())
 
 
 def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+_ST_CODES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+             torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+             torch.bool: "BOOL", torch.complex64: "C64"}
+
+
 def save_shard(tensors: dict, path: str) -> None:
-    from safetensors.torch import save_file
-    save_file(tensors, path)
+    """Write a safetensors file straight from the snapshots' memory, then free their arenas."""
+    entries = {}
+    for key, t in tensors.items():
+        code = _ST_CODES.get(t.dtype)
+        if code is None:                  # rare dtypes: stored widened to float32
+            t = t.float()
+            code = "F32"
+        raw = t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+        entries[key] = (code, list(t.shape), memoryview(raw.numpy()))
+    write_safetensors(entries, path)
+    _ARENAS.release(tensors.values())
 
 
 def encode_other(value) -> dict:

@@ -63,10 +63,11 @@ class _ProbeMode(TorchDispatchMode):
 _WRITTEN: dict = {}
 
 
-# In-place ops that overwrite every element without reading it: the old contents are often
+# In-place ops that overwrite every element without reading it (copy_ broadcasts its source
+# over all of the destination): the old contents are often
 # uninitialised memory, so they are not copied (the recorded input is the written value).
 _OVERWRITE_OPS = {aten.bernoulli_, aten.uniform_, aten.normal_, aten.random_, aten.exponential_,
-                  aten.geometric_, aten.cauchy_, aten.log_normal_, aten.fill_, aten.zero_}
+                  aten.geometric_, aten.cauchy_, aten.log_normal_, aten.fill_, aten.zero_, aten.copy_}
 
 
 def _written_args(func) -> tuple:

@@ -57,6 +57,29 @@ def write_manifest(run_dir: str, *, framework: str, framework_version: str, devi
     atomic_write_text(os.path.join(run_dir, "manifest.json"), json.dumps(manifest, indent=1, default=str))
 
 
+def write_safetensors(entries: dict, path: str) -> None:
+    """Write ``{key: (dtype_code, shape, buffer)}`` as a safetensors file, without copying.
+
+    The format (8-byte little-endian header size, JSON header with dtype/shape/byte offsets,
+    then the raw bytes) is written directly because the library's ``save_file`` copies every
+    tensor into a bytes object first and refuses tensors that share memory (our snapshots
+    share recycled arenas).  Files are read by ``reader.read_safetensors`` and by the library.
+    """
+    header: dict = {}
+    offset = 0
+    for key, (code, shape, buf) in entries.items():
+        size = buf.nbytes
+        header[key] = {"dtype": code, "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    with open(path, "wb") as f:
+        f.write(len(head).to_bytes(8, "little"))
+        f.write(head)
+        for _, _, buf in entries.values():
+            f.write(buf)
+
+
 class _JsonLines:
     """An append-only JSON-lines file, flushed after every line."""
 
