@@ -6,8 +6,9 @@ numpy and pandas, so importing this package does not import torch.
 
 from .config import Config, ConfigError
 from .reader import RecordError, load
+from .compare import compare
 
-__all__ = ["Config", "ConfigError", "DispatchProbe", "RecordError", "load"]
+__all__ = ["Config", "ConfigError", "DispatchProbe", "RecordError", "compare", "load"]
 __version__ = "0.1.0"
 
 

@@ -234,3 +234,114 @@ def worst(verdicts) -> str:
     if WARNING in verdicts:
         return WARNING
     return PASS
+
+
+# ---- compare: scale-aware judgement and vectorised statistics (appended for `compare`) ----------
+_COMPARE_DATA = os.path.join(os.path.dirname(__file__), "data", "compare_standards.yaml")
+
+
+@functools.lru_cache(maxsize=None)
+def compare_standards() -> dict:
+    """Thresholds of ``compare`` that the seeds leave open (``data/compare_standards.yaml``)."""
+    with open(_COMPARE_DATA, encoding="utf-8") as fh:
+        return yaml.safe_load(fh)
+
+
+def lower_precision(dtype_a: str, dtype_b: str) -> str:
+    """The dtype whose tolerance applies when two sides differ (bf16 vs fp32 -> bf16)."""
+    rank = {"bfloat16": 0, "float16": 1, "float32": 2, "float64": 3}
+    a, b = short_dtype(dtype_a), short_dtype(dtype_b)
+    if a not in rank or b not in rank:
+        return a if a not in rank else b
+    return a if rank[a] <= rank[b] else b
+
+
+def judge_compare(metrics: dict, dtype: str, scale: float) -> tuple[str, str]:
+    """The benchmark rule for compare: :func:`judge_benchmark` with its absolute-error shortcut
+    (``max_abs_err < max_abs_pass``) scaled by the expected tensor's magnitude when that is below 1.
+
+    Activations are O(1) but gradients are often O(1e-4): without scaling, a gradient with 10 %
+    relative error would pass on absolute error alone.  ``scale`` is ``max(|max|, |min|)`` of
+    the expected tensor.
+    """
+    factor = min(1.0, scale) if scale and math.isfinite(scale) else 1.0
+    scaled = dict(metrics)
+    if factor < 1.0 and factor > 0.0:
+        scaled["max_abs_err"] = metrics.get("max_abs_err", 0.0) / factor
+    verdict, reason = judge_benchmark(scaled, dtype)
+    if reason.startswith("max abs"):
+        reason = f"max abs error {metrics['max_abs_err']:.3g} >= {standards()['benchmark']['max_abs_pass']} x {factor:.3g}"
+    return verdict, reason
+
+
+def compare_stats_columns(actual: dict, expected: dict) -> dict:
+    """:func:`compare_stats` over whole columns (numpy float arrays, nan where absent); same formulas."""
+    out = {}
+    with np.errstate(divide="ignore", invalid="ignore"):
+        for key in STAT_KEYS:
+            a = np.asarray(actual[key], dtype=np.float64)
+            e = np.asarray(expected[key], dtype=np.float64)
+            diff = a - e
+            out[f"{key}_diff"] = diff
+            rel = np.abs(diff) / np.abs(e)
+            rel = np.where(e == 0, np.where(diff == 0, 0.0, np.inf), rel)
+            rel = np.where(np.isfinite(diff), rel, np.where(a == e, 0.0, np.inf))
+            rel = np.where(np.isnan(a) | np.isnan(e), np.nan, rel)
+            out[f"{key}_rel_diff"] = rel
+    return out
+
+
+def stats_error(actual: dict, expected: dict) -> np.ndarray:
+    """One relative error per row from statistics alone (columns as in :func:`compare_stats_columns`):
+    the largest of the norm's relative difference and the max/min/mean differences divided by the
+    expected tensor's magnitude ``max(|max|, |min|)``.  Dividing by the magnitude rather than by
+    each statistic keeps a near-zero mean from producing a huge relative difference."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        e_max = np.asarray(expected["max"], dtype=np.float64)
+        e_min = np.asarray(expected["min"], dtype=np.float64)
+        scale = np.fmax(np.abs(e_max), np.abs(e_min))
+        scale = np.where(np.isfinite(scale) & (scale > 0), scale, 1.0)
+        parts = []
+        for key in ("max", "min", "mean"):
+            a = np.asarray(actual[key], dtype=np.float64)
+            e = np.asarray(expected[key], dtype=np.float64)
+            d = np.abs(a - e) / scale
+            parts.append(np.where(np.isfinite(a) | np.isfinite(e), np.where(a == e, 0.0, d), 0.0))
+        a_n = np.asarray(actual["norm"], dtype=np.float64)
+        e_n = np.asarray(expected["norm"], dtype=np.float64)
+        rel_n = np.abs(a_n - e_n) / np.where(e_n > 0, e_n, 1.0)
+        parts.append(np.where(a_n == e_n, 0.0, rel_n))
+        err = np.nanmax(np.vstack(parts), axis=0)
+    return np.nan_to_num(err, nan=0.0, posinf=np.inf)
+
+
+def judge_stats_columns(error: np.ndarray, dtypes, nonfinite_differs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Verdicts for statistics-only rows: nan/inf counts differ -> error; else :func:`stats_error`
+    against the dtype's ``pass``/``error`` limits in ``compare_standards.yaml``."""
+    std = compare_standards()["statistics"]
+    dtypes = np.asarray(dtypes, dtype=object)
+    pass_lim = np.array([std["pass"].get(short_dtype(d), std["pass"]["default"]) for d in dtypes], dtype=np.float64) \
+        if len(dtypes) else np.zeros(0)
+    err_lim = np.array([std["error"].get(short_dtype(d), std["error"]["default"]) for d in dtypes], dtype=np.float64) \
+        if len(dtypes) else np.zeros(0)
+    error = np.asarray(error, dtype=np.float64)
+    verdict = np.where(nonfinite_differs, ERROR, np.where(error > err_lim, ERROR, np.where(error > pass_lim, WARNING, PASS)))
+    reason = np.where(nonfinite_differs, "nan/inf counts differ",
+                      np.where(verdict == PASS, "", "statistics differ"))
+    return verdict.astype(object), reason.astype(object)
+
+
+def judge_cross_precision(metrics: dict, dtype: str) -> tuple[str, str]:
+    """Verdict for a compare of runs in different precisions (see ``compare_standards.yaml``)."""
+    if metrics.get("inf_nan_mismatch"):
+        return ERROR, f"{metrics['inf_nan_mismatch']} inf/nan mismatches"
+    cos = metrics.get("cosine")
+    cos_min = standards()["benchmark"]["cosine_min"]
+    if cos is not None and not math.isnan(cos) and cos <= cos_min:
+        return ERROR, f"cosine {cos:.6f} <= {cos_min}"
+    limits = compare_standards()["cross_precision_rel_l2"]
+    limit = limits.get(short_dtype(dtype), limits["default"])
+    rel = metrics.get("rel_l2_err", 0.0)
+    if rel > limit:
+        return ERROR, f"relative L2 error {rel:.3g} > {limit:g} ({short_dtype(dtype)}, cross-precision)"
+    return PASS, ""

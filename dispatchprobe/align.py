@@ -1,0 +1,217 @@
+"""Pairs the records of two runs (numpy/pandas/stdlib only; never imports torch).
+
+Two runs of one model on different devices, dtypes or versions do not produce identical op
+sequences: kernels differ (``addmm`` vs ``mm`` + ``add``), casts appear on one side only
+(autocast), recomputation repeats ops.  Per stage, op records are aligned as sequences of
+keys with :class:`difflib.SequenceMatcher` (tolerant of inserted, deleted and substituted ops):
+
+1. key ``(scope, op, output shapes)``; then, inside every gap left by pass 1,
+2. key ``(scope, op)`` (shapes differ, e.g. another batch size); then
+3. key ``(scope, output shapes)`` (a substituted kernel with the same result, e.g. a fused op).
+
+Because the module scope is part of every key, ops only pair inside the same module.  Module
+records (``kind == "module"``) pair by ``(scope, stage, call)``.  ``match="exact"`` pairs by
+record name only.  Whatever is left is returned as unmatched, never dropped.
+
+A mapping (YAML, see docs/compare.md) renames run A's ops and scope prefixes into run B's
+vocabulary before anything is paired.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from dataclasses import dataclass, field
+
+import yaml
+
+CAST_OPS = frozenset({"aten._to_copy.default", "aten.to.dtype", "aten.to.dtype_layout", "aten.to.device",
+                      "aten._to_copy", "prims.convert_element_type.default", "aten.copy.default"})
+# Above this many elements in a gap, the quadratic SequenceMatcher is replaced by in-order pairing.
+_MAX_GAP = 20000
+
+
+@dataclass
+class Mapping:
+    """Renames from run A's vocabulary to run B's: whole op names and scope prefixes."""
+
+    ops: dict = field(default_factory=dict)
+    scopes: dict = field(default_factory=dict)
+
+    @classmethod
+    def load(cls, path: str | None) -> "Mapping":
+        if not path:
+            return cls()
+        if not os.path.isfile(path):
+            raise ValueError(f"{path}: mapping file not found")
+        try:
+            with open(path, encoding="utf-8") as fh:
+                data = yaml.safe_load(fh) or {}
+        except yaml.YAMLError as exc:
+            raise ValueError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from None
+        if not isinstance(data, dict) or set(data) - {"ops", "scopes"}:
+            raise ValueError(f"{path}: a mapping file has only the keys 'ops' and 'scopes' (each a dict)")
+        ops, scopes = data.get("ops") or {}, data.get("scopes") or {}
+        if not isinstance(ops, dict) or not isinstance(scopes, dict):
+            raise ValueError(f"{path}: 'ops' and 'scopes' must each map names to names")
+        return cls({str(k): str(v) for k, v in ops.items()}, {str(k): str(v) for k, v in scopes.items()})
+
+    def op(self, name: str) -> str:
+        return self.ops.get(name, name)
+
+    def scope(self, scope: str) -> str:
+        if not self.scopes or not scope:
+            return scope
+        best = None
+        for old in self.scopes:
+            if (scope == old or scope.startswith(old + ".")) and (best is None or len(old) > len(best)):
+                best = old
+        return scope if best is None else self.scopes[best] + scope[len(best):]
+
+    def name(self, record: dict) -> str:
+        """The record name in B's vocabulary (op and scope renamed)."""
+        name = record["name"]
+        if record["kind"] == "module":
+            scope = record["scope"]
+            return self.scope(scope) + name[len(scope):] if name.startswith(scope) else name
+        op = record["op"]
+        return self.op(op) + name[len(op):] if name.startswith(op) and op in self.ops else name
+
+    def __bool__(self):
+        return bool(self.ops or self.scopes)
+
+
+def _out_shapes(record: dict) -> tuple:
+    shapes = []
+    for spec in record.get("outputs", ()):
+        _shapes(spec, shapes)
+    return tuple(shapes)
+
+
+def _shapes(spec, acc):
+    kind = spec.get("type")
+    if kind == "tensor":
+        acc.append(tuple(spec["shape"]))
+    elif kind in ("list", "tuple"):
+        for item in spec["value"]:
+            _shapes(item, acc)
+
+
+@dataclass
+class Alignment:
+    pairs: list          # (index in A, index in B, how) -- indices into the records lists
+    only_a: list         # indices into A's records
+    only_b: list
+
+
+def _match_blocks(ka: list, kb: list, ia: list, ib: list, how: str, pairs: list):
+    """Pair ia/ib (record indices) by equal keys; returns the unpaired gaps [(ia_part, ib_part)]."""
+    n, m = len(ka), len(kb)
+    # common prefix and suffix first: the usual case is two nearly identical sequences
+    p = 0
+    while p < n and p < m and ka[p] == kb[p]:
+        p += 1
+    s = 0
+    while s < n - p and s < m - p and ka[n - 1 - s] == kb[m - 1 - s]:
+        s += 1
+    for k in range(p):
+        pairs.append((ia[k], ib[k], how))
+    for k in range(s):
+        pairs.append((ia[n - s + k], ib[m - s + k], how))
+    ka_mid, kb_mid = ka[p:n - s], kb[p:m - s]
+    ia_mid, ib_mid = ia[p:n - s], ib[p:m - s]
+    if not ka_mid or not kb_mid:
+        return [(ia_mid, ib_mid)] if (ia_mid or ib_mid) else []
+    if len(ka_mid) + len(kb_mid) > _MAX_GAP:
+        return [(ia_mid, ib_mid)]
+    gaps = []
+    sm = difflib.SequenceMatcher(None, ka_mid, kb_mid, autojunk=False)
+    a0 = b0 = 0
+    for blk in sm.get_matching_blocks():
+        if blk.a > a0 or blk.b > b0:
+            gaps.append((ia_mid[a0:blk.a], ib_mid[b0:blk.b]))
+        for k in range(blk.size):
+            pairs.append((ia_mid[blk.a + k], ib_mid[blk.b + k], how))
+        a0, b0 = blk.a + blk.size, blk.b + blk.size
+    return gaps
+
+
+def align_ops(recs_a: list, recs_b: list, ia: list, ib: list, mapping: Mapping) -> Alignment:
+    """Fuzzy alignment of op records ia (of recs_a) against ib (of recs_b), one stage."""
+    keyers = (
+        ("op+shapes", lambda r, m: (m.scope(r["scope"]) if m else r["scope"], m.op(r["op"]) if m else r["op"],
+                                    _out_shapes(r))),
+        ("op", lambda r, m: (m.scope(r["scope"]) if m else r["scope"], m.op(r["op"]) if m else r["op"])),
+        ("shapes", lambda r, m: (m.scope(r["scope"]) if m else r["scope"], _out_shapes(r))),
+    )
+    none = Mapping()
+    pairs: list = []
+    gaps = [(ia, ib)]
+    for how, key in keyers:
+        next_gaps = []
+        for ga, gb in gaps:
+            if not ga or not gb:
+                next_gaps.append((ga, gb))
+                continue
+            ka = [key(recs_a[i], mapping) for i in ga]
+            kb = [key(recs_b[i], none) for i in gb]
+            next_gaps.extend(_match_blocks(ka, kb, ga, gb, how, pairs))
+        gaps = next_gaps
+    only_a = [i for ga, _ in gaps for i in ga]
+    only_b = [i for _, gb in gaps for i in gb]
+    return Alignment(pairs, only_a, only_b)
+
+
+def align_exact(recs_a: list, recs_b: list, ia: list, ib: list, mapping: Mapping) -> Alignment:
+    """Pair by record name only (after the mapping)."""
+    by_name = {recs_b[i]["name"]: i for i in ib}
+    pairs, only_a, used = [], [], set()
+    for i in ia:
+        j = by_name.get(mapping.name(recs_a[i]) if mapping else recs_a[i]["name"])
+        if j is None or j in used:
+            only_a.append(i)
+        else:
+            pairs.append((i, j, "name"))
+            used.add(j)
+    return Alignment(pairs, only_a, [j for j in ib if j not in used])
+
+
+def align_modules(recs_a: list, recs_b: list, ia: list, ib: list, mapping: Mapping) -> Alignment:
+    """Module boundary records pair by (scope, stage, call)."""
+    def key(r, m):
+        return (m.scope(r["scope"]) if m else r["scope"], r["stage"], r["call"])
+    by_key = {key(recs_b[i], None): i for i in ib}
+    pairs, only_a, used = [], [], set()
+    for i in ia:
+        j = by_key.get(key(recs_a[i], mapping))
+        if j is None or j in used:
+            only_a.append(i)
+        else:
+            pairs.append((i, j, "module"))
+            used.add(j)
+    return Alignment(pairs, only_a, [j for j in ib if j not in used])
+
+
+def align(recs_a: list, recs_b: list, match: str = "fuzzy", mapping: Mapping | None = None) -> Alignment:
+    """Align two parts' records (ops per stage, modules by scope); pairs sorted by A's order."""
+    mapping = mapping or Mapping()
+    pairs, only_a, only_b = [], [], []
+    for stage in ("forward", "backward"):
+        for kind in ("op", "module"):
+            ia = [i for i, r in enumerate(recs_a) if r["stage"] == stage and r["kind"] == kind]
+            ib = [i for i, r in enumerate(recs_b) if r["stage"] == stage and r["kind"] == kind]
+            if kind == "module":
+                al = align_modules(recs_a, recs_b, ia, ib, mapping)
+            elif match == "exact":
+                al = align_exact(recs_a, recs_b, ia, ib, mapping)
+            else:
+                al = align_ops(recs_a, recs_b, ia, ib, mapping)
+            pairs += al.pairs
+            only_a += al.only_a
+            only_b += al.only_b
+    # records of other stages (none today) count as unmatched rather than vanish
+    known = ("forward", "backward")
+    only_a += [i for i, r in enumerate(recs_a) if r["stage"] not in known]
+    only_b += [i for i, r in enumerate(recs_b) if r["stage"] not in known]
+    pairs.sort()
+    return Alignment(pairs, sorted(only_a), sorted(only_b))

@@ -1,0 +1,196 @@
+"""compare's reports: CSV, .xlsx (failing rows highlighted) and one self-contained HTML page.
+
+The HTML has no external resource: the charts are inline SVG built here, the table sorting is a
+few lines of inline JavaScript.  No torch (DESIGN invariant 1).
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+import os
+
+import numpy as np
+import pandas as pd
+
+from .writer import atomic_write_text
+
+_TEMPLATE = os.path.join(os.path.dirname(__file__), "templates", "compare.html")
+# metrics a chart can show, and whether larger is worse
+CHART_METRICS = {"cosine": False, "max_abs_err": True, "max_rel_err": True, "rmse": True, "mape": True,
+                 "rel_l2_err": True, "error": True, "one_thousandth": False, "norm_rel_diff": True}
+
+
+def write_reports(out: str, table: pd.DataFrame, verdict, manifest_a: dict, manifest_b: dict,
+                  metric: str = "cosine") -> str:
+    """Write compare.csv, unmatched.csv, compare.xlsx, compare.html into ``out``; returns the HTML path."""
+    if metric not in CHART_METRICS:
+        raise ValueError(f"--metric must be one of {', '.join(CHART_METRICS)}, not {metric!r}")
+    os.makedirs(out, exist_ok=True)
+    csv_path = os.path.join(out, "compare.csv")
+    table.to_csv(csv_path + ".tmp", index=False)
+    os.replace(csv_path + ".tmp", csv_path)
+    um_path = os.path.join(out, "unmatched.csv")
+    verdict.unmatched.to_csv(um_path + ".tmp", index=False)
+    os.replace(um_path + ".tmp", um_path)
+    write_xlsx(os.path.join(out, "compare.xlsx"), table, verdict)
+    html_path = os.path.join(out, "compare.html")
+    atomic_write_text(html_path, render_html(table, verdict, manifest_a, manifest_b, metric))
+    return os.path.abspath(out)
+
+
+def write_xlsx(path: str, table: pd.DataFrame, verdict) -> None:
+    from openpyxl import Workbook
+    from openpyxl.styles import Font, PatternFill
+
+    wb = Workbook(write_only=True)
+    ws = wb.create_sheet("compare")
+    red, yellow = PatternFill("solid", fgColor="FFC7CE"), PatternFill("solid", fgColor="FFEB9C")
+    from openpyxl.cell import WriteOnlyCell
+    bold = Font(bold=True)
+    cols = list(table.columns)
+    ws.append([_cell(ws, c, font=bold) for c in cols])
+    status_i = cols.index("status") if "status" in cols else -1
+    values = table.astype(object).where(pd.notna(table), None).to_numpy()
+    for row in values:
+        status = row[status_i] if status_i >= 0 else None
+        fill = red if status == "error" else yellow if status == "warning" else None
+        if fill is None:
+            ws.append([_plain(v) for v in row])
+        else:
+            ws.append([_cell(ws, _plain(v), fill=fill) for v in row])
+    ws2 = wb.create_sheet("unmatched")
+    um = verdict.unmatched
+    ws2.append(list(um.columns))
+    for row in um.astype(object).to_numpy():
+        ws2.append([_plain(v) for v in row])
+    tmp = path + ".tmp.xlsx"
+    wb.save(tmp)
+    os.replace(tmp, path)
+    del WriteOnlyCell
+
+
+def _cell(ws, value, font=None, fill=None):
+    from openpyxl.cell import WriteOnlyCell
+    c = WriteOnlyCell(ws, value=value)
+    if font:
+        c.font = font
+    if fill:
+        c.fill = fill
+    return c
+
+
+def _plain(v):
+    if isinstance(v, (tuple, list)):
+        return str(list(v))
+    if isinstance(v, (np.integer,)):
+        return int(v)
+    if isinstance(v, (np.floating, float)):
+        f = float(v)
+        return f if math.isfinite(f) else str(f)
+    if isinstance(v, np.bool_):
+        return bool(v)
+    return v
+
+
+# ---- HTML -------------------------------------------------------------------------------------------
+def _series(table: pd.DataFrame, stage: str, metric: str) -> pd.DataFrame:
+    """One point per op/module output along the stage's sequence (first step/rank part)."""
+    t = table[(table["stage"] == stage) & (table["io"] == "output")]
+    if not len(t):
+        return t
+    first = t[["step", "rank"]].drop_duplicates().sort_values(["step", "rank"]).iloc[0]
+    t = t[(t["step"] == first["step"]) & (t["rank"] == first["rank"]) & (t["kind"] == "op")]
+    worse_high = CHART_METRICS[metric]
+    vals = pd.to_numeric(t[metric], errors="coerce")
+    if metric == "cosine":
+        vals = vals.fillna(1.0)
+    t = t.assign(_v=vals)
+    agg = t.groupby("seq", sort=True).agg(v=("_v", "max" if worse_high else "min"), scope=("scope", "first"),
+                                           op=("op_a", "first"), call=("call_a", "first"),
+                                           status=("status", lambda s: "error" if (s == "error").any() else
+                                                   "warning" if (s == "warning").any() else "pass"),
+                                           origin=("origin", "any"))
+    return agg.reset_index()
+
+
+def _svg_chart(points: pd.DataFrame, metric: str, stage: str, first_seq) -> str:
+    w, h, pad = 900, 220, 40
+    if not len(points):
+        return f'<svg class="chart" id="chart-{stage}" width="{w}" height="60"><text x="10" y="30">no {stage} ops compared</text></svg>'
+    v = points["v"].to_numpy(np.float64)
+    finite = v[np.isfinite(v)]
+    log = CHART_METRICS[metric] and metric != "error" and len(finite) and (finite > 0).any()
+    log = bool(CHART_METRICS[metric]) and len(finite) > 0
+    if log:
+        y = np.log10(np.clip(np.where(np.isfinite(v), v, finite.max() if len(finite) else 1.0), 1e-12, None))
+    else:
+        y = np.where(np.isfinite(v), v, np.nan)
+    lo, hi = (np.nanmin(y), np.nanmax(y)) if np.isfinite(y).any() else (0.0, 1.0)
+    if hi - lo < 1e-12:
+        lo, hi = lo - 1, hi + 1
+    n = len(points)
+    xs = pad + (np.arange(n) / max(n - 1, 1)) * (w - 2 * pad)
+    ys = h - pad - (np.nan_to_num(y, nan=lo) - lo) / (hi - lo) * (h - 2 * pad)
+    path = " ".join(f"{'M' if i == 0 else 'L'}{x:.1f},{yy:.1f}" for i, (x, yy) in enumerate(zip(xs, ys)))
+    dots = []
+    for i, r in enumerate(points.itertuples()):
+        color = {"error": "#d33", "warning": "#e90"}.get(r.status, "#3a3")
+        tip = html.escape(f"#{r.seq} {r.op} [{r.scope}] call {r.call}: {metric}={r.v:.4g}")
+        dots.append(f'<circle cx="{xs[i]:.1f}" cy="{ys[i]:.1f}" r="2.5" fill="{color}"><title>{tip}</title></circle>')
+    marker = ""
+    if first_seq is not None and (points["seq"] == first_seq).any():
+        i = int(np.flatnonzero(points["seq"].to_numpy() == first_seq)[0])
+        marker = (f'<line class="first-divergence" x1="{xs[i]:.1f}" x2="{xs[i]:.1f}" y1="{pad - 10}" y2="{h - pad}" '
+                  f'stroke="#d33" stroke-dasharray="4 3"/><text x="{xs[i] + 4:.1f}" y="{pad - 14}" fill="#d33" '
+                  f'font-size="12">first divergence: {html.escape(points["op"].iat[i])}</text>')
+    label = f"log10({metric})" if log else metric
+    return (f'<svg class="chart" id="chart-{stage}" width="{w}" height="{h}" viewBox="0 0 {w} {h}" '
+            f'xmlns="http://www.w3.org/2000/svg"><rect width="{w}" height="{h}" fill="#fafafa"/>'
+            f'<line x1="{pad}" y1="{h - pad}" x2="{w - pad}" y2="{h - pad}" stroke="#888"/>'
+            f'<line x1="{pad}" y1="{pad}" x2="{pad}" y2="{h - pad}" stroke="#888"/>'
+            f'<text x="{pad}" y="{h - 10}" font-size="12">{stage} op sequence (0..{int(points["seq"].max())})</text>'
+            f'<text x="4" y="{pad - 24}" font-size="12">{html.escape(label)}: {lo:.3g} .. {hi:.3g}</text>'
+            f'<path d="{path}" fill="none" stroke="#36c" stroke-width="1"/>{"".join(dots)}{marker}</svg>')
+
+
+def render_html(table: pd.DataFrame, verdict, manifest_a: dict, manifest_b: dict, metric: str = "cosine") -> str:
+    charts = []
+    for stage, div in (("forward", verdict.forward), ("backward", verdict.backward)):
+        pts = _series(table, stage, metric)
+        charts.append(f"<h3>{stage}</h3>" + _svg_chart(pts, metric, stage, div.seq if div else None))
+    sus = table[table["origin"] & (table["io"] == "output") & (table["status"] == "error")]
+    cols = ["step", "rank", "stage", "seq", "kind", "scope", "op_a", "op_b", "call_a", "arg", "dtype_a", "dtype_b",
+            "cosine", "max_abs_err", "max_rel_err", "rel_l2_err", "status", "reason"]
+    sus = sus[[c for c in cols if c in sus.columns]].head(2000)
+    head = "".join(f'<th onclick="sortTable(this)">{html.escape(c)}</th>' for c in sus.columns)
+    body = []
+    for row in sus.itertuples(index=False):
+        cells = []
+        for v in row:
+            if isinstance(v, float):
+                txt = "" if math.isnan(v) else f"{v:.6g}"
+            else:
+                txt = str(v)
+            cells.append(f"<td>{html.escape(txt)}</td>")
+        body.append(f'<tr class="{html.escape(str(row.status))}">{"".join(cells)}</tr>')
+    summary = "".join(f"<li>{html.escape(line)}</li>" for line in str(verdict).splitlines())
+    meta = {"run A (under test)": verdict.a, "run B (benchmark)": verdict.b,
+            "parts compared": ", ".join(f"step {s} rank {r}" for s, r in verdict.parts),
+            "chart metric": metric}
+    for tag, m in (("A", manifest_a), ("B", manifest_b)):
+        for k in ("framework", "framework_version", "device", "started_at", "host"):
+            if m.get(k) is not None:
+                meta[f"{tag} {k}"] = m[k]
+        if isinstance(m.get("config"), dict):
+            meta[f"{tag} config"] = json.dumps(m["config"], default=str)[:300]
+    meta_rows = "".join(f"<tr><th>{html.escape(str(k))}</th><td>{html.escape(str(v))}</td></tr>" for k, v in meta.items())
+    problems = "".join(f"<li>{html.escape(p)}</li>" for p in verdict.problems[:200])
+    with open(_TEMPLATE, encoding="utf-8") as fh:
+        page = fh.read()
+    return (page.replace("{{summary}}", summary).replace("{{charts}}", "".join(charts))
+            .replace("{{head}}", head).replace("{{rows}}", "".join(body)).replace("{{meta}}", meta_rows)
+            .replace("{{n_suspicious}}", str(len(sus)))
+            .replace("{{problems}}", problems or "<li>none</li>")
+            .replace("{{n_unmatched}}", str(len(verdict.unmatched))))

@@ -1,0 +1,75 @@
+"""Recording helpers for the compare tests and benchmark: clean runs and runs with a planted bad softmax."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from dispatchprobe import DispatchProbe
+from dispatchprobe.models import TinyTransformer, lm_batch, lm_loss
+
+FWD_ERR = 2e-3   # relative error of the planted forward softmax (fails fp32's dual-thousandth)
+BWD_ERR = 5e-2   # relative error of the planted softmax backward
+
+
+@contextlib.contextmanager
+def planted_softmax(model: TinyTransformer, layer: int = 1):
+    """Override aten::_softmax and aten::_softmax_backward_data on CPU with Python kernels that are
+    slightly wrong, only inside ``model.layers[layer].attn``; unregistered on exit."""
+    state = {"on": False, "ptrs": set()}
+    lib = torch.library.Library("aten", "IMPL")
+
+    def pattern(y, err):
+        sign = torch.where(torch.arange(y.shape[-1]) % 2 == 0, 1.0, -1.0).to(y.dtype)
+        return y * (1 + err * sign)
+
+    def softmax(x, dim, half_to_float):
+        y = torch.exp(x - x.amax(dim, keepdim=True))
+        y = y / y.sum(dim, keepdim=True)
+        if state["on"]:
+            y = pattern(y, FWD_ERR)
+            state["ptrs"].add(y.data_ptr())
+        return y
+
+    def softmax_backward(grad, output, dim, input_dtype):
+        gx = output * (grad - (grad * output).sum(dim, keepdim=True))
+        if output.data_ptr() in state["ptrs"]:
+            gx = pattern(gx, BWD_ERR)
+        return gx
+
+    lib.impl("_softmax", softmax, "CPU")
+    lib.impl("_softmax_backward_data", softmax_backward, "CPU")
+    attn = model.layers[layer].attn
+    hooks = [attn.register_forward_pre_hook(lambda m, i: state.__setitem__("on", True)),
+             attn.register_forward_hook(lambda m, i, o: state.__setitem__("on", False))]
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
+        del lib
+
+
+def record(path, *, plant: bool = False, autocast: bool = False, steps: int = 1, task: str = "tensor",
+           model_kw: dict | None = None, level: str = "mix", stack: bool = False, batch: int = 4, **probe_kw):
+    """Record ``steps`` training steps of the tiny transformer (dropout 0, fixed seed) to ``path``."""
+    torch.manual_seed(0)
+    model_kw = dict(model_kw or {})
+    model = TinyTransformer(dropout=0.0, **model_kw)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    probe = DispatchProbe(task=task, dump_path=str(path), level=level, stack=stack, **probe_kw)
+    ctx = planted_softmax(model) if plant else contextlib.nullcontext()
+    with ctx:
+        for step in range(steps):
+            tokens, targets = lm_batch(batch=batch, seq=model_kw.get("seq", 32), vocab=model_kw.get("vocab", 128),
+                                       seed=step)
+            with probe:
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                    loss = lm_loss(model, tokens, targets)
+                loss.backward()
+            opt.step()
+            opt.zero_grad()
+            probe.step()
+    probe.close()
+    return path
