@@ -9,7 +9,6 @@ module (``torch_backend``, ``dispatchprobe_ms.backend``) with the same small set
 from __future__ import annotations
 
 import math
-import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -57,7 +56,8 @@ def flat_outputs(outputs) -> list:
 class Recorder(Handler):
     """Writes every event it is given as one JSON line; saves tensors when asked.
 
-    Statistics and saved copies are cached per live tensor (identity + weakref), so an op's
+    Statistics and saved copies are cached per live tensor value (memory, view, version, checked
+    with a weak reference to the memory), so an op's
     output that is the next op's input is measured once and stored once.
     """
 
@@ -128,7 +128,7 @@ class Recorder(Handler):
             # a reshape/transpose of measured memory has the same max/min/mean/norm
             dense = backend.dense_key(t)
             hit = self._dense.get(dense) if dense is not None else None
-            if hit is not None and hit[0]() is not None:
+            if hit is not None and self.backend.memory_alive(hit[0]):
                 spec["stats"] = hit[1]
                 entry = {"stats": hit[1]}
                 if self.checksum:
@@ -145,10 +145,7 @@ class Recorder(Handler):
                     entry["checksum"] = spec["checksum"] = backend.checksum(t)
                 self._remember(t, entry, ident)
                 if dense is not None:
-                    try:
-                        self._dense[dense] = (weakref.ref(t), st)
-                    except TypeError:
-                        pass
+                    self._dense[dense] = (self.backend.memory_ref(t), st)
         if save:
             for t, spec in found:
                 spec["data"] = self.save(t, like=same.get(id(t)) if same else None)
@@ -190,14 +187,14 @@ class Recorder(Handler):
         span_key, start, length, offset, stride, plain = span
         shape = self.backend.shape(t)
         hit = self._spans.get(span_key)
-        if hit is not None and hit[0]() is not None:
+        if hit is not None and self.backend.memory_alive(hit[0]):
             base, base_shape = hit[1], hit[2]
         else:
             base = self._new_key()
             # a plain tensor is saved in its own shape; the bytes are the same 1-D span
             base_shape = shape if plain else [length]
             writer.put(base, self.backend.snapshot(t) if plain else self.backend.span_snapshot(t, start, length))
-            self._spans[span_key] = (weakref.ref(t), base, base_shape)
+            self._spans[span_key] = (self.backend.memory_ref(t), base, base_shape)
         if plain and base_shape == shape:
             return base
         key = self._new_key()
@@ -211,7 +208,10 @@ class Recorder(Handler):
         if key is None:
             return None
         hit = self._cache.get(key)
-        if hit is None or hit[0]() is not t:   # a dead tensor's memory may have been reused
+        # the key holds the memory address: trust it only while that memory is still alive (a
+        # freed block may be reused); tensors sharing it (a saved activation unpacked in
+        # backward) then hit too.  Cleared at every step.
+        if hit is None or not self.backend.memory_alive(hit[0]):
             return None
         return hit[1]
 
@@ -220,10 +220,9 @@ class Recorder(Handler):
         key = self.backend.identity(t) if key is None else key
         if key is None:
             return
-        try:
-            self._cache[key] = (weakref.ref(t), entry)
-        except TypeError:  # not weak-referenceable
-            pass
+        ref = self.backend.memory_ref(t)
+        if ref is not None:
+            self._cache[key] = (ref, entry)
 
     def reset(self) -> None:
         """A new step/rank part: tensor keys and cache start over."""

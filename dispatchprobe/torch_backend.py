@@ -14,6 +14,7 @@ import zlib
 
 import numpy as np
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from .writer import write_safetensors
 
@@ -172,6 +173,19 @@ def same_values(event) -> dict:
 
 def shape(t: torch.Tensor) -> list[int]:
     return list(t.shape)
+
+
+def memory_ref(t: torch.Tensor):
+    """A weak reference to ``t``'s memory (None if it has none): while it is alive, no other
+    tensor can be given the same address, so an address-based cache key stays truthful."""
+    try:
+        return StorageWeakRef(t.untyped_storage())
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+
+
+def memory_alive(ref) -> bool:
+    return ref is not None and not ref.expired()
 
 
 def dense_key(t: torch.Tensor):
