@@ -69,13 +69,22 @@ def ulp_error(actual: np.ndarray, expected: np.ndarray, dtype: str) -> np.ndarra
 
 
 # ---- the metric set ----------------------------------------------------------------------------
-def compare_arrays(actual, expected, dtype: str | None = None) -> dict[str, Any]:
+ALL_METRICS = ("cosine", "max_abs_err", "max_rel_err", "mean_rel_err", "rmse", "mape", "one_hundredth",
+               "one_thousandth", "one_ten_thousandth", "small_value_error_rate", "rel_err_error_rate", "ulp_max",
+               "ulp_mean", "ulp_over_threshold", "error_balance", "sign_flips")
+
+
+def compare_arrays(actual, expected, dtype: str | None = None, only=None) -> dict[str, Any]:
     """All metrics of ``actual`` against ``expected`` (same number of elements).
 
     ``dtype`` is the dtype whose tolerance applies (default: the actual array's dtype).
     Non-finite elements are excluded from the value metrics and counted in
-    ``inf_nan_mismatch`` when the two sides disagree on them.
+    ``inf_nan_mismatch`` when the two sides disagree on them.  ``only`` (a set of names from
+    :data:`ALL_METRICS`) computes just those value metrics (same values; ``elements``,
+    ``inf_nan_mismatch`` and ``inf_nan_error_rate`` are always there): compare uses it to skip
+    the ULP and rate passes it does not report.
     """
+    want = (lambda k: True) if only is None else (lambda k: k in only)
     dtype = short_dtype(dtype or getattr(actual, "dtype", "float32"))
     a = np.asarray(actual, dtype=np.float64).reshape(-1)
     e = np.asarray(expected, dtype=np.float64).reshape(-1)
@@ -83,50 +92,70 @@ def compare_arrays(actual, expected, dtype: str | None = None) -> dict[str, Any]
         raise ValueError(f"cannot compare {a.size} elements with {e.size}")
     out: dict[str, Any] = {"elements": int(a.size)}
     fin_a, fin_e = np.isfinite(a), np.isfinite(e)
-    both = fin_a & fin_e
-    # inf/nan must match exactly: same positions, same kind (nan, +inf, -inf).
-    special_a = np.where(fin_a, 0, np.where(np.isnan(a), 2, np.sign(a)))
-    special_e = np.where(fin_e, 0, np.where(np.isnan(e), 2, np.sign(e)))
-    mismatch = int(np.count_nonzero(special_a != special_e))
+    if fin_a.all() and fin_e.all():
+        mismatch, both_all = 0, True
+    else:
+        both = fin_a & fin_e
+        both_all = False
+        # inf/nan must match exactly: same positions, same kind (nan, +inf, -inf).
+        special_a = np.where(fin_a, 0, np.where(np.isnan(a), 2, np.sign(a)))
+        special_e = np.where(fin_e, 0, np.where(np.isnan(e), 2, np.sign(e)))
+        mismatch = int(np.count_nonzero(special_a != special_e))
+    del fin_a, fin_e
     out["inf_nan_mismatch"] = mismatch
     out["inf_nan_error_rate"] = mismatch / a.size if a.size else 0.0
-    if not both.all():
+    if not both_all:
         a, e = a[both], e[both]
     n = a.size
     if n == 0:
-        out.update(cosine=1.0 if mismatch == 0 else float("nan"), max_abs_err=0.0, max_rel_err=0.0,
-                   mean_rel_err=0.0, rmse=0.0, mape=0.0, one_hundredth=1.0, one_thousandth=1.0,
-                   one_ten_thousandth=1.0, small_value_error_rate=0.0, rel_err_error_rate=0.0,
-                   ulp_max=0.0, ulp_mean=0.0, ulp_over_threshold=0.0, error_balance=0.0, sign_flips=0)
+        empty = dict(cosine=1.0 if mismatch == 0 else float("nan"), max_abs_err=0.0, max_rel_err=0.0,
+                     mean_rel_err=0.0, rmse=0.0, mape=0.0, one_hundredth=1.0, one_thousandth=1.0,
+                     one_ten_thousandth=1.0, small_value_error_rate=0.0, rel_err_error_rate=0.0,
+                     ulp_max=0.0, ulp_mean=0.0, ulp_over_threshold=0.0, error_balance=0.0, sign_flips=0)
+        out.update((k, v) for k, v in empty.items() if want(k))
         return out
     diff = a - e
     abs_err = np.abs(diff)
-    out["cosine"] = cosine(a, e)
-    out["max_abs_err"] = float(abs_err.max())
-    rel = relative_error(a, e, dtype)
-    out["max_rel_err"] = float(rel.max())
-    out["mean_rel_err"] = float(rel.mean())
-    out["rmse"] = float(math.sqrt(np.mean(diff * diff)))
-    nonzero = e != 0
-    out["mape"] = float(np.mean(abs_err[nonzero] / np.abs(e[nonzero]))) if nonzero.any() else 0.0
-    out["one_hundredth"] = float(np.count_nonzero(rel <= 1e-2) / n)
-    out["one_thousandth"] = float(np.count_nonzero(rel <= 1e-3) / n)
-    out["one_ten_thousandth"] = float(np.count_nonzero(rel <= 1e-4) / n)
-    small = np.abs(e) < per_dtype("small_value", dtype)
-    n_small = int(np.count_nonzero(small))
-    out["small_value_error_rate"] = (
-        float(np.count_nonzero(abs_err[small] > per_dtype("small_value_atol", dtype)) / n_small) if n_small else 0.0)
-    normal = ~small
-    rel_threshold = per_dtype("free_benchmark_threshold", dtype)
-    out["rel_err_error_rate"] = (
-        float(np.count_nonzero(rel[normal] > rel_threshold) / np.count_nonzero(normal)) if normal.any() else 0.0)
-    ulp = ulp_error(a, e, dtype)
-    out["ulp_max"] = float(ulp.max())
-    out["ulp_mean"] = float(ulp.mean())
-    out["ulp_over_threshold"] = float(np.count_nonzero(ulp > per_dtype("ulp_threshold", dtype)) / n)
+    if want("cosine"):
+        out["cosine"] = cosine(a, e)
+    if want("max_abs_err"):
+        out["max_abs_err"] = float(abs_err.max())
+    rel_names = ("max_rel_err", "mean_rel_err", "one_hundredth", "one_thousandth", "one_ten_thousandth",
+                 "rel_err_error_rate")
+    if any(want(k) for k in rel_names):
+        rel = relative_error(a, e, dtype)
+        if want("max_rel_err"):
+            out["max_rel_err"] = float(rel.max())
+        if want("mean_rel_err"):
+            out["mean_rel_err"] = float(rel.mean())
+    if want("rmse"):
+        out["rmse"] = float(math.sqrt(np.mean(diff * diff)))
+    if want("mape"):
+        nonzero = e != 0
+        out["mape"] = float(np.mean(abs_err[nonzero] / np.abs(e[nonzero]))) if nonzero.any() else 0.0
+    for name, tol in (("one_hundredth", 1e-2), ("one_thousandth", 1e-3), ("one_ten_thousandth", 1e-4)):
+        if want(name):
+            out[name] = float(np.count_nonzero(rel <= tol) / n)
+    if want("small_value_error_rate") or want("rel_err_error_rate"):
+        small = np.abs(e) < per_dtype("small_value", dtype)
+        n_small = int(np.count_nonzero(small))
+        out["small_value_error_rate"] = (
+            float(np.count_nonzero(abs_err[small] > per_dtype("small_value_atol", dtype)) / n_small)
+            if n_small else 0.0)
+        normal = ~small
+        rel_threshold = per_dtype("free_benchmark_threshold", dtype)
+        out["rel_err_error_rate"] = (
+            float(np.count_nonzero(rel[normal] > rel_threshold) / np.count_nonzero(normal)) if normal.any() else 0.0)
+    if want("ulp_max") or want("ulp_mean") or want("ulp_over_threshold"):
+        ulp = ulp_error(a, e, dtype)
+        out["ulp_max"] = float(ulp.max())
+        out["ulp_mean"] = float(ulp.mean())
+        out["ulp_over_threshold"] = float(np.count_nonzero(ulp > per_dtype("ulp_threshold", dtype)) / n)
     # Error balance: the mean *signed* relative error -- a bias that rounding should not have.
-    out["error_balance"] = float(abs(np.mean(diff / np.maximum(np.abs(e), per_dtype("small_value", dtype)))))
-    out["sign_flips"] = int(np.count_nonzero((np.sign(a) * np.sign(e)) < 0))
+    if want("error_balance"):
+        out["error_balance"] = float(abs(np.mean(diff / np.maximum(np.abs(e), per_dtype("small_value", dtype)))))
+    if want("sign_flips"):
+        out["sign_flips"] = int(np.count_nonzero((np.sign(a) * np.sign(e)) < 0))
     return out
 
 
@@ -320,15 +349,26 @@ def judge_stats_columns(error: np.ndarray, dtypes, nonfinite_differs: np.ndarray
     against the dtype's ``pass``/``error`` limits in ``compare_standards.yaml``."""
     std = compare_standards()["statistics"]
     dtypes = np.asarray(dtypes, dtype=object)
-    pass_lim = np.array([std["pass"].get(short_dtype(d), std["pass"]["default"]) for d in dtypes], dtype=np.float64) \
-        if len(dtypes) else np.zeros(0)
-    err_lim = np.array([std["error"].get(short_dtype(d), std["error"]["default"]) for d in dtypes], dtype=np.float64) \
-        if len(dtypes) else np.zeros(0)
+    if len(dtypes):  # look up each distinct dtype once
+        codes, uniques = pd_factorize(dtypes)
+        pass_lim = np.array([std["pass"].get(short_dtype(d), std["pass"]["default"]) for d in uniques],
+                            dtype=np.float64)[codes]
+        err_lim = np.array([std["error"].get(short_dtype(d), std["error"]["default"]) for d in uniques],
+                           dtype=np.float64)[codes]
+    else:
+        pass_lim = err_lim = np.zeros(0)
     error = np.asarray(error, dtype=np.float64)
     verdict = np.where(nonfinite_differs, ERROR, np.where(error > err_lim, ERROR, np.where(error > pass_lim, WARNING, PASS)))
     reason = np.where(nonfinite_differs, "nan/inf counts differ",
                       np.where(verdict == PASS, "", "statistics differ"))
     return verdict.astype(object), reason.astype(object)
+
+
+def pd_factorize(values) -> tuple[np.ndarray, list]:
+    """(codes, distinct values) of a 1-D object array, in order of first appearance."""
+    index: dict = {}
+    codes = np.fromiter((index.setdefault(v, len(index)) for v in values), dtype=np.int64, count=len(values))
+    return codes, list(index)
 
 
 def judge_cross_precision(metrics: dict, dtype: str) -> tuple[str, str]:
@@ -345,3 +385,30 @@ def judge_cross_precision(metrics: dict, dtype: str) -> tuple[str, str]:
     if rel > limit:
         return ERROR, f"relative L2 error {rel:.3g} > {limit:g} ({short_dtype(dtype)}, cross-precision)"
     return PASS, ""
+
+
+def perturbation_change(actual, expected, dtype: str) -> dict[str, Any]:
+    """The free-benchmark measure of a re-run ``actual`` against ``expected`` (same size).
+
+    ``max_rel``: the largest ``|a - e| / max(|e|, floor)`` with ``floor = max(small_value(dtype),
+    rms(e))``: an element far below the tensor's typical magnitude is judged against that
+    magnitude, not against itself, so an output that happens to be near zero (a dot product whose
+    terms cancel) cannot raise a false alarm, while an op whose *whole* output lost its digits
+    (catastrophic cancellation) still shows the loss in full.  inf when the inf/nan patterns differ.
+    ``sign_flips``: elements above the small-value threshold whose sign changed.
+    """
+    a = np.asarray(actual, dtype=np.float64).reshape(-1)
+    e = np.asarray(expected, dtype=np.float64).reshape(-1)
+    fin_a, fin_e = np.isfinite(a), np.isfinite(e)
+    if not np.array_equal(fin_a, fin_e) or not np.array_equal(a[~fin_a], e[~fin_e], equal_nan=True):
+        return {"max_rel": float("inf"), "sign_flips": 0}
+    if not fin_a.all():
+        a, e = a[fin_a], e[fin_e]
+    if not a.size:
+        return {"max_rel": 0.0, "sign_flips": 0}
+    small = per_dtype("small_value", dtype)
+    floor = max(small, math.sqrt(float(np.dot(e, e)) / e.size))
+    max_rel = float((np.abs(a - e) / np.maximum(np.abs(e), floor)).max())
+    big = np.abs(e) > small
+    flips = int(np.count_nonzero((np.sign(a[big]) * np.sign(e[big])) < 0))
+    return {"max_rel": max_rel, "sign_flips": flips}

@@ -43,6 +43,9 @@ class Handler:
     def on_op(self, event: OpEvent):  # pragma: no cover - interface
         return None
 
+    def flush(self) -> None:
+        """End of a capture region: finish deferred work (may write records, may raise)."""
+
     def close(self) -> None:
         pass
 

@@ -126,11 +126,15 @@ class ProbeSession:
         return n
 
     def flush(self) -> None:
-        """Wait until every record and tensor so far is on disk."""
-        if self.part is not None:
-            self.part.ops.flush()
-            if self.part.tensors is not None:
-                self.part.tensors.flush()
+        """Wait until every record and tensor so far is on disk (handlers finish pending work first)."""
+        try:
+            for h in self.handlers:
+                h.flush()
+        finally:
+            if self.part is not None:
+                self.part.ops.flush()
+                if self.part.tensors is not None:
+                    self.part.tensors.flush()
 
     # ---- internals --------------------------------------------------------------------------
     def _make_handlers(self) -> list:

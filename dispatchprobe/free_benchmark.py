@@ -1,0 +1,291 @@
+"""``task="free_benchmark"``: re-run each selected op on perturbed inputs, no reference run.
+
+The handler gets every op after it ran (the probe's mode is popped and ``no_grad`` is on, so
+nothing it does is recorded), runs ``event.func`` again on perturbed copies of the inputs and
+compares the two results with :func:`dispatchprobe.metrics.perturbation_change`.
+
+Perturbations (``pert_mode``, msprobe's names):
+
+* ``improve_precision`` -- float16/bfloat16 inputs in float32, float32 in float64; the
+  original output is judged against the wider result.  ``fix`` returns that result cast back.
+* ``to_cpu`` -- the same call on CPU (``fuzz_device="cpu"``).  ``fix`` returns it.
+* ``bit_noise`` -- the last mantissa bit of every finite input element with |x| >= the small
+  value threshold flipped.
+* ``add_noise`` -- x * (1 + u * eps(dtype)), u uniform in [-1, 1) from the handler's own seeded
+  generator (never the global RNG), where |x| is not small.
+* ``change_value`` -- first and last entries along the reduced dimension exchanged in every
+  reduced operand (mm/bmm/addmm, sum/mean/amax/..., softmax/log_softmax/cumsum); the exact
+  result is unchanged, so a difference is order-dependent rounding.  Other ops are skipped.
+* ``no_change`` -- the same inputs again: any difference is non-determinism.
+
+An output is flagged when its change exceeds the seeds' threshold for its dtype
+(``data/standards.yaml``); for the two noise modes, also more than ``NOISE_GAIN`` times the
+noise itself (eps of the input dtype) -- a well-conditioned op moves by about as much as its
+inputs did, so only amplification is a finding -- and for every mode whose two results are
+both rounded to the output dtype, more than 2 eps of that dtype.  With ``fuzz_stage="backward"`` forward ops
+are re-run with autograd on, the same seeded random output gradient is pushed through the
+original and the perturbed call, and the input gradients are compared.
+
+Random ops (dropout, bernoulli, anything with a ``generator``) are never re-run.  In
+``check`` mode the training run's values are never touched: perturbations are copies.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+from collections import defaultdict
+
+import torch
+
+from . import metrics, perturb
+from .recorder import Handler, OpEvent
+
+NOISE_GAIN = 16.0
+CSV_COLUMNS = ("rank", "pert_mode", "stage", "step", "api_name", "max_rel", "dtype", "shape", "output_index",
+               "threshold", "sign_flips", "scope", "op", "id")
+_WIDER = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.float32: torch.float64}
+
+
+class FreeBenchmarkHandler(Handler):
+    def __init__(self, session):
+        self.session = session
+        cfg = session.config.free_benchmark
+        self.cfg = cfg
+        self.mode = cfg.pert_mode
+        self.fix = cfg.handler_type == "fix"
+        self.gen = torch.Generator().manual_seed(cfg.seed)
+        self._part = None
+        self._csv = None
+        self._sampled: dict = defaultdict(int)       # op -> calls checked in this step (preheat)
+        self._suspects: set[str] = set()             # ops flagged during preheat
+        self.checked = self.flagged = self.skipped = 0
+
+    # ---- selection ---------------------------------------------------------------------------------
+    def _sample(self, event: OpEvent) -> bool:
+        if not self.cfg.if_preheat:
+            return True
+        if self.session.step_no < self.cfg.preheat_step:
+            n = self._sampled[event.op]
+            self._sampled[event.op] = n + 1
+            return n < self.cfg.max_sample
+        return event.op in self._suspects
+
+    def on_op(self, event: OpEvent):
+        func = event.func
+        if event.kind != "op" or func is None or perturb.is_random(func):
+            return None
+        if self.cfg.fuzz_stage == "backward" and event.stage != "forward":
+            return None
+        self._new_part_if_needed()
+        outs = perturb.flat_with_index(event.outputs)
+        if not outs or not perturb.float_tensors((event.args, event.kwargs)) or not self._sample(event):
+            return None
+        try:
+            if self.cfg.fuzz_stage == "backward":
+                self._check_backward(event)
+                return None
+            return self._check_forward(event, outs)
+        except Exception:      # an op that cannot take the perturbation (dtype/device support)
+            self.skipped += 1
+            return None
+
+    # ---- forward ---------------------------------------------------------------------------------------
+    def _perturbed(self, event: OpEvent):
+        """(args, kwargs, output fix-up, reference is the re-run?) or None to skip this op."""
+        args, kwargs, mode = event.args, event.kwargs, self.mode
+        if mode == "improve_precision":
+            if not any(t.dtype in _WIDER for t in perturb.float_tensors((args, kwargs))):
+                return None
+            a, k = perturb.cast_args(args, kwargs, _WIDER)
+            return a, k, None, True
+        if mode == "to_cpu":
+            a, k = perturb.cast_args(args, kwargs, {}, device=torch.device("cpu"))
+            return a, k, None, True
+        if mode == "no_change":
+            return _clone_tensors(args), _clone_tensors(kwargs), None, False
+        if mode == "change_value":
+            plan = perturb.change_value_plan(event.func, args, kwargs)
+            if plan is None:
+                return None
+            return plan[0], dict(kwargs), plan[1], False
+        noise = perturb.bit_noise if mode == "bit_noise" else (lambda t: perturb.add_noise(t, self.gen))
+        from torch.utils._pytree import tree_map
+        conv = (lambda v: noise(v) if isinstance(v, torch.Tensor) and v.dtype in perturb.FLOATS
+                and v.numel() > 0 else v)
+        return tree_map(conv, tuple(args)), tree_map(conv, dict(kwargs)), None, False
+
+    def _check_forward(self, event: OpEvent, outs):
+        plan = self._perturbed(event)
+        if plan is None:
+            return None
+        args, kwargs, fixup, rerun_is_reference = plan
+        result = perturb.run(event.func, args, kwargs, outs[0][1].device.type)
+        if fixup is not None:
+            result = fixup(result)
+        new = dict(perturb.flat_with_index(result))
+        self.checked += 1
+        worst = None
+        for index, orig in outs:
+            other = new.get(index)
+            if other is None or other.shape != orig.shape:
+                continue
+            a, e = (orig, other) if rerun_is_reference else (other, orig)
+            limit = self._limit(event, orig)
+            if perturb.surely_within(a, e, limit, metrics.per_dtype("small_value", _dtype(orig))):
+                continue
+            change = metrics.perturbation_change(_np(a), _np(e), _dtype(orig))
+            if change["max_rel"] > limit and (worst is None or change["max_rel"] > worst[1]["max_rel"]):
+                worst = (index, change, limit)
+        if worst is not None:
+            self._report(event, event.stage, *worst)
+        if self.fix and not perturb.returns_alias(event.func):
+            return _replacement(event.outputs, result)
+        return None
+
+    def _limit(self, event: OpEvent, out: torch.Tensor) -> float:
+        limit = metrics.per_dtype("free_benchmark_threshold", _dtype(out))
+        if self.mode != "improve_precision":
+            # both sides rounded to the output dtype: one rounding step apart is not a finding
+            # (the seeds' bfloat16 threshold 0.004 is below bfloat16's own eps, 0.0078)
+            limit = max(limit, 2 * perturb.eps(out.dtype))
+        if self.mode in ("bit_noise", "add_noise"):
+            ins = perturb.float_tensors((event.args, event.kwargs))
+            limit = max(limit, NOISE_GAIN * max(perturb.eps(t.dtype) for t in ins))
+        return limit
+
+    # ---- backward ---------------------------------------------------------------------------------------
+    def _check_backward(self, event: OpEvent) -> None:
+        plan = self._perturbed(event)
+        if plan is None:
+            return
+        p_args, p_kwargs, fixup, rerun_is_reference = plan
+        device = perturb.flat_with_index(event.outputs)[0][1].device.type
+        base = _input_grads(event.func, event.args, event.kwargs, None, self.gen, device)
+        if base is None:
+            return
+        grads, grad_outs = base
+        other = _input_grads(event.func, p_args, p_kwargs, grad_outs, self.gen, device, fixup)
+        if other is None:
+            return
+        self.checked += 1
+        worst = None
+        for index, (g0, g1) in enumerate(zip(grads, other[0])):
+            if g0 is None or g1 is None or g0.shape != g1.shape:
+                continue
+            a, e = (g0, g1) if rerun_is_reference else (g1, g0)
+            limit = self._limit(event, g0)
+            if perturb.surely_within(a, e, limit, metrics.per_dtype("small_value", _dtype(g0))):
+                continue
+            change = metrics.perturbation_change(_np(a), _np(e), _dtype(g0))
+            if change["max_rel"] > limit and (worst is None or change["max_rel"] > worst[1]["max_rel"]):
+                worst = (index, change, limit)
+        if worst is not None:
+            self._report(event, "backward", *worst)
+
+    # ---- output ------------------------------------------------------------------------------------------
+    def _report(self, event: OpEvent, stage: str, index: int, change: dict, limit: float) -> None:
+        self.flagged += 1
+        if self.cfg.if_preheat and self.session.step_no < self.cfg.preheat_step:
+            self._suspects.add(event.op)
+        first = perturb.float_tensors((event.args, event.kwargs))[0]
+        record = self.session.recorder.encode(event, save=True)
+        record["free_benchmark"] = {"pert_mode": self.mode, "stage": stage, "max_rel": change["max_rel"],
+                                    "threshold": limit, "sign_flips": change["sign_flips"],
+                                    "output_index": index, "handler_type": self.cfg.handler_type}
+        self.session.write(record)
+        row = {"rank": self.session.rank, "pert_mode": self.mode, "stage": stage, "step": self.session.step_no,
+               "api_name": event.name, "max_rel": change["max_rel"], "dtype": _dtype(first),
+               "shape": str(tuple(first.shape)), "output_index": index if _multi(event, stage) else "",
+               "threshold": limit, "sign_flips": change["sign_flips"], "scope": event.scope, "op": event.op,
+               "id": record["id"]}
+        if self._csv is None:
+            path = os.path.join(self.session.part_dir, "free_benchmark.csv")
+            new = not os.path.exists(path)
+            self._csv = open(path, "a", newline="", encoding="utf-8")
+            self._writer = csv.DictWriter(self._csv, fieldnames=CSV_COLUMNS, lineterminator="\n")
+            if new:
+                self._writer.writeheader()
+        self._writer.writerow(row)
+        self._csv.flush()
+
+    def _new_part_if_needed(self) -> None:
+        part = self.session.part
+        if part is not self._part:
+            self._part = part
+            self._sampled.clear()
+            if self._csv is not None:
+                self._csv.close()
+                self._csv = None
+
+    def close(self) -> None:
+        if self._csv is not None:
+            self._csv.close()
+            self._csv = None
+
+
+# ---- helpers --------------------------------------------------------------------------------------------
+def _np(t: torch.Tensor):
+    x = t.detach()
+    if x.device.type != "cpu":
+        x = x.cpu()
+    return (x if x.dtype == torch.float64 else x.float()).numpy()
+
+
+def _dtype(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def _multi(event: OpEvent, stage: str) -> bool:
+    if stage == "backward" and event.stage == "forward":
+        return True
+    return isinstance(event.outputs, (tuple, list))
+
+
+def _clone_tensors(obj):
+    from torch.utils._pytree import tree_map
+    return tree_map(lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v, obj)
+
+
+def _replacement(original, result):
+    """The re-run's outputs in the original's dtype, device and strides (``fix``)."""
+    def one(orig, new):
+        if not isinstance(orig, torch.Tensor) or not isinstance(new, torch.Tensor) or \
+                orig.dtype not in perturb.FLOATS or new.shape != orig.shape:
+            return orig
+        out = torch.empty_like(orig)
+        out.copy_(new)
+        return out
+    if isinstance(original, torch.Tensor):
+        return one(original, result)
+    if isinstance(original, (tuple, list)) and isinstance(result, (tuple, list)):
+        return type(original)(one(o, n) for o, n in zip(original, result))
+    return None
+
+
+def _input_grads(func, args, kwargs, grad_outs, gen, device, fixup=None):
+    """Gradients of the op's float inputs for the given (or fresh seeded random) output grads."""
+    from torch.utils._pytree import tree_flatten, tree_unflatten
+    flat, spec = tree_flatten((tuple(args), dict(kwargs)))
+    leaves, idx = [], []
+    for i, v in enumerate(flat):
+        if isinstance(v, torch.Tensor) and v.dtype in perturb.FLOATS and v.numel() > 0:
+            flat[i] = v.detach().clone().requires_grad_(True)
+            leaves.append(flat[i])
+            idx.append(i)
+    if not leaves:
+        return None
+    a, k = tree_unflatten(flat, spec)
+    with perturb.autograd_on():
+        out = perturb.run(func, a, k, device)
+        if fixup is not None:
+            out = fixup(out)
+        outs = [t for _, t in perturb.flat_with_index(out) if t.requires_grad]
+        if not outs:
+            return None
+        if grad_outs is None:
+            grad_outs = [torch.randn(t.shape, generator=gen, dtype=torch.float32).to(device=t.device, dtype=t.dtype)
+                         for t in outs]
+        grads = torch.autograd.grad(outs, leaves, [g.to(t.dtype) for g, t in zip(grad_outs, outs)],
+                                    allow_unused=True)
+    return list(grads), grad_outs

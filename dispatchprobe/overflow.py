@@ -1,0 +1,230 @@
+"""``task="overflow"``: find the op that first produced inf/nan, forward and backward.
+
+For every checked op the handler reduces each floating output to one number (its squared L2
+norm accumulated in float32: finite exactly when the tensor is, barring float32 overflow of
+the squares, which is re-checked).  Nothing else happens while everything is finite, apart
+from the growth check (output norm / input norm), whose input norms mostly come from a cache of
+the previous ops' outputs.  On CPU the numbers are read at once; on an accelerator they stay
+on the device and are read back every ``_WINDOW`` ops or at the end of the region (one host
+sync per window, not per op), and the op is then located from the kept events.
+
+A flagged op is classified (msprobe's classes):
+
+* ``critical``  -- finite inputs, inf/nan output: this op created the overflow.  Its inputs are
+  saved as tensors in an ordinary op record (so ``run-ut`` can replay it) and it is replayed
+  on CPU in float64: ``inherent`` (float64 overflows too) or ``precision`` (only the low
+  precision result did; ``exceeds_dtype_range`` says the float64 value is beyond the output
+  dtype's finite range, e.g. an fp32->fp16 ``_to_copy`` or an fp16 matmul accumulated wider).
+* ``propagated`` -- inf/nan in and out (recorded without tensors, at most ``_MAX_LIGHT`` per step).
+* ``suspicious growth`` -- finite, but output norm > ``_GROWTH`` x the largest input norm.
+
+Each critical op counts towards ``overflow_nums``; reaching it raises :class:`OverflowDetected`
+(-1: never).  A summary of the step lies in ``overflow.csv`` / ``overflow.json`` of the part.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import os
+
+import torch
+
+from . import perturb
+from .recorder import Handler, OpEvent
+from .writer import atomic_write_text
+
+_GROWTH = 100.0        # output/input norm ratio above which a finite op is "suspicious growth"
+_WINDOW = 256          # accelerator: ops between host reads of the finiteness flags
+_MAX_LIGHT = 100       # propagated / growth records kept per step (the rest are only counted)
+_CAST_OPS = {torch.ops.aten._to_copy, torch.ops.aten.copy_, torch.ops.aten.to}
+
+CSV_COLUMNS = ("step", "rank", "id", "class", "stage", "op", "name", "scope", "grad_fn", "call", "dtype",
+               "nan", "inf", "growth", "replay", "float64_max_abs", "dtype_max", "exceeds_dtype_range",
+               "stack")
+
+
+class OverflowDetected(RuntimeError):
+    """Raised when ``overflow_nums`` overflows were found; the message names the op."""
+
+
+class OverflowHandler(Handler):
+    def __init__(self, session):
+        self.session = session
+        cfg = session.config.overflow
+        self.stages = {"forward", "backward"} if cfg.check_mode == "both" else {cfg.check_mode}
+        self.limit = cfg.overflow_nums
+        self.replay = cfg.replay
+        self.found = 0                       # critical overflows so far (whole run)
+        self.rows: list[dict] = []
+        self.counts = {"critical": 0, "propagated": 0, "suspicious growth": 0}
+        self._part = None
+        self._cache: dict = {}               # identity -> (memory ref, squared norm tensor)
+        self._pending: list = []             # accelerator: (event, outs, ins, norms on device)
+        self._stop: OverflowDetected | None = None
+        self._backend = session.backend
+
+    # ---- per op ---------------------------------------------------------------------------------
+    def on_op(self, event: OpEvent):
+        if event.stage not in self.stages or event.kind != "op":
+            return None
+        self._new_part_if_needed()
+        outs = perturb.flat_with_index(event.outputs)
+        if not outs:
+            return None
+        ins = perturb.float_tensors((event.args, event.kwargs))
+        norms = [perturb.norm32(t) for _, t in outs]
+        norms += [self._input_norm(t) for t in ins]
+        for (_, t), n in zip(outs, norms):
+            self._remember(t, n)
+        if outs[0][1].device.type == "cpu":
+            self._judge(event, outs, ins, torch.stack(norms).tolist())
+        else:
+            event.stack = event.stack or (perturb.user_stack() if event.stage == "forward" else None)
+            self._pending.append((event, outs, ins, torch.stack([n.float() for n in norms])))
+            if len(self._pending) >= _WINDOW:
+                self._resolve()
+        if self._stop is not None:
+            exc, self._stop = self._stop, None
+            self.session.flush()
+            raise exc
+        return None
+
+    def flush(self) -> None:
+        """End of a region: resolve what is pending on the device (may raise)."""
+        self._resolve()
+        if self._stop is not None:
+            exc, self._stop = self._stop, None
+            raise exc
+
+    def _resolve(self) -> None:
+        pending, self._pending = self._pending, []
+        if not pending:
+            return
+        values = torch.cat([p[3] for p in pending]).tolist()     # the one host sync of the window
+        pos = 0
+        for event, outs, ins, norms in pending:
+            n = len(norms)
+            self._judge(event, outs, ins, values[pos:pos + n])
+            pos += n
+
+    def _input_norm(self, t):
+        key = self._backend.identity(t)
+        hit = self._cache.get(key) if key is not None else None
+        if hit is not None and self._backend.memory_alive(hit[0]):
+            return hit[1]
+        n = perturb.norm32(t)
+        self._remember(t, n, key)
+        return n
+
+    def _remember(self, t, n, key=None) -> None:
+        key = self._backend.identity(t) if key is None else key
+        if key is None:
+            return
+        if len(self._cache) > 4096:
+            self._cache.clear()
+        self._cache[key] = (self._backend.memory_ref(t), n)
+
+    # ---- classification -----------------------------------------------------------------------------
+    def _judge(self, event, outs, ins, sq_norms) -> None:
+        k = len(outs)
+        out_sq, in_sq = sq_norms[:k], sq_norms[k:]
+        out_bad = [not math.isfinite(v) and bool((~torch.isfinite(t)).any()) for (_, t), v in zip(outs, out_sq)]
+        if any(out_bad):
+            # a non-finite Python scalar argument (masked_fill(mask, -inf), full(inf)) is a
+            # deliberate inf given to the op, not one it created
+            in_bad = any(not math.isfinite(v) and bool((~torch.isfinite(t)).any()) for t, v in zip(ins, in_sq)) \
+                or perturb.has_nonfinite_scalar((event.args, event.kwargs))
+            self._flag(event, outs, "propagated" if in_bad else "critical")
+            return
+        if in_sq and out_sq:
+            out_n = math.sqrt(max(min(v, 1e300) for v in out_sq))
+            in_n = math.sqrt(max(min(v, 1e300) for v in in_sq))
+            if in_n > 0 and out_n > _GROWTH * in_n and math.isfinite(out_n):
+                self._flag(event, outs, "suspicious growth", growth=out_n / in_n)
+
+    def _flag(self, event: OpEvent, outs, klass: str, growth: float | None = None) -> None:
+        self.counts[klass] += 1
+        if klass != "critical" and self.counts[klass] > _MAX_LIGHT:
+            return
+        critical = klass == "critical"
+        if critical and event.stack is None and event.stage == "forward":
+            event.stack = perturb.user_stack()
+        nan = inf = 0
+        for _, t in outs:
+            a, b = perturb.nonfinite_counts(t)
+            nan, inf = nan + a, inf + b
+        info = {"class": klass, "nan": nan, "inf": inf}
+        if growth is not None:
+            info["growth"] = growth
+        if critical:
+            if event.func is not None and event.func.overloadpacket in _CAST_OPS:
+                info["cast"] = True
+            if self.replay:
+                info.update(self._replay(event, outs))
+        record = self.session.recorder.encode(event, save=critical)
+        record["overflow"] = info
+        self.session.write(record)
+        out_dtype = str(outs[0][1].dtype).removeprefix("torch.")
+        self.rows.append({
+            "step": self.session.step_no, "rank": self.session.rank, "id": record["id"], "class": klass,
+            "stage": event.stage, "op": event.op, "name": event.name, "scope": event.scope,
+            "grad_fn": event.grad_fn or "", "call": event.call, "dtype": out_dtype, "nan": nan, "inf": inf,
+            "growth": info.get("growth", ""), "replay": info.get("replay", ""),
+            "float64_max_abs": info.get("float64_max_abs", ""), "dtype_max": info.get("dtype_max", ""),
+            "exceeds_dtype_range": info.get("exceeds_dtype_range", ""),
+            "stack": " <- ".join(reversed(event.stack[-3:])) if event.stack else ""})
+        self._write_summary()
+        if critical:
+            self.found += 1
+            if self.limit != -1 and self.found >= self.limit and self._stop is None:
+                where = f"scope {event.scope!r}, " if event.scope else ""
+                self._stop = OverflowDetected(
+                    f"dispatchprobe: overflow in {event.op} ({event.stage}, {where}call {event.call}"
+                    f"{', ' + event.grad_fn if event.grad_fn else ''}): {inf} inf, {nan} nan from finite inputs"
+                    f"{'; float64 replay: ' + info['replay'] if 'replay' in info else ''}"
+                    f"; see {os.path.join(self.session.part_dir, 'overflow.csv')}")
+
+    def _replay(self, event: OpEvent, outs) -> dict:
+        """Run the op again on CPU in float64: does the overflow belong to the maths or the dtype?"""
+        if event.func is None or perturb.is_random(event.func):
+            return {"replay": "not replayed (random op)"}
+        wide = {d: torch.float64 for d in (torch.float16, torch.bfloat16, torch.float32)}
+        try:
+            args, kwargs = perturb.cast_args(event.args, event.kwargs, wide, device=torch.device("cpu"))
+            result = perturb.run(event.func, args, kwargs)
+        except Exception as exc:  # an op without a float64 CPU kernel
+            return {"replay": f"replay failed: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"}
+        results = perturb.flat_with_index(result)
+        bad = any(not bool(torch.isfinite(r).all()) for _, r in results)
+        finite = [r[torch.isfinite(r)] for _, r in results]
+        max_abs = max((float(f.abs().max()) for f in finite if f.numel()), default=0.0)
+        dtype_max = float(torch.finfo(outs[0][1].dtype).max)
+        return {"replay": "inherent" if bad else "precision", "float64_max_abs": max_abs,
+                "dtype_max": dtype_max, "exceeds_dtype_range": max_abs > dtype_max}
+
+    # ---- summary files ---------------------------------------------------------------------------------
+    def _new_part_if_needed(self) -> None:
+        part = self.session.part
+        if part is not self._part:
+            self._part = part
+            self.rows = []
+            self.counts = {k: 0 for k in self.counts}
+            self._cache.clear()
+
+    def _write_summary(self) -> None:
+        folder = self.session.part_dir
+        buf = io.StringIO()
+        w = csv.DictWriter(buf, fieldnames=CSV_COLUMNS, lineterminator="\n")
+        w.writeheader()
+        w.writerows(self.rows)
+        atomic_write_text(os.path.join(folder, "overflow.csv"), buf.getvalue())
+        summary = {"step": self.session.step_no, "rank": self.session.rank, "counts": self.counts,
+                   "first_critical": next((r for r in self.rows if r["class"] == "critical"), None),
+                   "rows": self.rows}
+        atomic_write_text(os.path.join(folder, "overflow.json"), json.dumps(summary, indent=1, default=str))
+
+    def close(self) -> None:
+        self._pending = []

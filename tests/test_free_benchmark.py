@@ -1,0 +1,171 @@
+"""task="free_benchmark": perturbed re-runs, sound thresholds, transparency, planted bad ops."""
+
+from __future__ import annotations
+
+import csv
+
+import pytest
+import torch
+from torch import nn
+
+from dispatchprobe import DispatchProbe
+from dispatchprobe.models import TinyTransformer, lm_batch, lm_loss
+from conftest import train
+
+CSV_HEAD = ["rank", "pert_mode", "stage", "step", "api_name", "max_rel", "dtype", "shape", "output_index"]
+
+
+def fb_rows(path):
+    out = []
+    for p in sorted(path.glob("step*/rank*/free_benchmark.csv")):
+        with open(p) as f:
+            reader = csv.DictReader(f)
+            assert reader.fieldnames[:9] == CSV_HEAD
+            out += list(reader)
+    return out
+
+
+def probe(path, mode="improve_precision", **kw):
+    return DispatchProbe(task="free_benchmark", dump_path=str(path), pert_mode=mode,
+                         fuzz_device="cpu" if mode == "to_cpu" else "same", **kw)
+
+
+@pytest.mark.parametrize("mode,stage", [("improve_precision", "forward"), ("add_noise", "forward"),
+                                        ("bit_noise", "backward")])
+def test_check_mode_is_bit_identical(tmp_path, mode, stage):
+    off = train(None, steps=2, dropout=0.1)
+    on = train(probe(tmp_path, mode, fuzz_stage=stage), steps=2, dropout=0.1)
+    for a, b in zip(off[0], on[0]):
+        assert torch.equal(a, b)
+    for n in off[1]:
+        assert torch.equal(off[1][n], on[1][n]) and torch.equal(off[2][n], on[2][n]), n
+    assert torch.equal(off[3], on[3]), "global RNG consumed"
+
+
+def one_step(path, dtype, mode, model=None, **kw):
+    torch.manual_seed(0)
+    model = model or TinyTransformer()
+    model = model.to(dtype)
+    tokens, targets = lm_batch()
+    p = probe(path, mode, model=model, **kw)
+    with p:
+        lm_loss(model, tokens, targets).backward()
+    handler = p.handlers[0]
+    p.close()
+    return handler, fb_rows(path)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mode", ["add_noise", "bit_noise", "change_value", "no_change", "to_cpu"])
+def test_no_false_positives_on_clean_step(tmp_path, dtype, mode):
+    handler, rows = one_step(tmp_path, dtype, mode)
+    assert handler.checked > 40
+    assert rows == [], [(r["api_name"], r["max_rel"]) for r in rows]
+
+
+def test_improve_precision_clean_fp32(tmp_path):
+    handler, rows = one_step(tmp_path, torch.float32, "improve_precision")
+    assert handler.checked > 100 and rows == []
+
+
+class Cancel(nn.Module):
+    """Catastrophic cancellation: (x + c) - c in bf16 keeps only the digits c leaves."""
+
+    def forward(self, x):
+        return (x + 256.0) - 256.0
+
+
+class NaiveSoftmax(nn.Module):
+    """Softmax without max subtraction: exp of large logits."""
+
+    def forward(self, x):
+        e = torch.exp(x * 8.0 + 40.0)
+        return e / e.sum(-1, keepdim=True)
+
+
+class Planted(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.cancel = Cancel()
+        self.softmax = NaiveSoftmax()
+
+    def forward(self, x):
+        return self.softmax(self.cancel(self.fc(x)))
+
+
+@pytest.mark.parametrize("mode", ["add_noise", "bit_noise"])
+def test_planted_ill_conditioned_ops_found(tmp_path, mode):
+    torch.manual_seed(0)
+    model = Planted().to(torch.bfloat16)
+    x = torch.randn(8, 16).to(torch.bfloat16)
+    p = probe(tmp_path, mode, model=model)
+    with p:
+        model(x).float().sum().backward()
+    p.close()
+    rows = fb_rows(tmp_path)
+    flagged = {(r["op"], r["scope"]) for r in rows if r["stage"] == "forward"}
+    assert ("aten.sub.Tensor", "Planted.cancel") in flagged
+    assert ("aten.exp.default", "Planted.softmax") in flagged
+    assert not any(r["scope"] == "Planted.fc" for r in rows), "the well-conditioned linear is flagged"
+    sub = next(r for r in rows if r["op"] == "aten.sub.Tensor")
+    assert float(sub["max_rel"]) > 0.1
+
+
+def test_measure_floors_near_zero_and_counts_sign_flips():
+    from dispatchprobe.metrics import perturbation_change
+    e = [1.0, -1.0, 1e-5, 2.0]
+    near_zero = perturbation_change([1.0, -1.0, 3e-5, 2.0], e, "float32")   # tiny element moved 3x
+    assert near_zero["max_rel"] < 2e-4 and near_zero["sign_flips"] == 0
+    flipped = perturbation_change([1.0, 1.0, 1e-5, 2.0], e, "float32")
+    assert flipped["sign_flips"] == 1 and flipped["max_rel"] > 1
+    assert perturbation_change([1.0, float("inf")], [1.0, 2.0], "float32")["max_rel"] == float("inf")
+
+
+def test_fix_replaces_outputs_with_higher_precision(tmp_path):
+    # bf16 layer_norm backward loses digits inside the kernel: fix substitutes the fp32 result
+    off = train(None, steps=1, dropout=0.0)
+    torch.manual_seed(0)
+    model = TinyTransformer().to(torch.bfloat16)
+    tokens, targets = lm_batch()
+    grads = {}
+    for label, p in (("off", None), ("fix", probe(tmp_path, handler_type="fix", list=["native_layer_norm_backward"]))):
+        model.zero_grad()
+        ctx = p if p is not None else torch.no_grad()
+        if p is None:
+            lm_loss(model, tokens, targets).backward()
+        else:
+            with p:
+                lm_loss(model, tokens, targets).backward()
+            p.close()
+        grads[label] = {n: q.grad.clone() for n, q in model.named_parameters()}
+    assert any(not torch.equal(grads["off"][n], grads["fix"][n]) for n in grads["off"])
+    assert {r["op"] for r in fb_rows(tmp_path)} == {"aten.native_layer_norm_backward.default"}
+    assert off  # the fp32 run is unaffected by construction
+
+
+def test_backward_stage_compares_input_grads(tmp_path):
+    handler, rows = one_step(tmp_path, torch.bfloat16, "improve_precision", fuzz_stage="backward",
+                             list=["native_layer_norm"])
+    assert handler.checked >= 5
+    assert rows and {r["stage"] for r in rows} == {"backward"}
+    assert all(r["op"] == "aten.native_layer_norm.default" for r in rows)
+
+
+def test_preheat_samples_then_follows_suspects(tmp_path):
+    p = probe(tmp_path, "improve_precision", if_preheat=True, preheat_step=1, max_sample=2)
+    torch.manual_seed(0)
+    model = TinyTransformer().to(torch.bfloat16)
+    tokens, targets = lm_batch()
+    checked = []
+    for _ in range(2):
+        with p:
+            lm_loss(model, tokens, targets).backward()
+        checked.append(p.handlers[0].checked)
+        p.step()
+    p.close()
+    handler = p.handlers[0]
+    assert checked[0] < 60                       # at most 2 calls per op in the preheat step
+    suspects = handler._suspects
+    assert suspects and suspects <= {"aten.native_layer_norm_backward.default", "aten.embedding_dense_backward.default"}
+    assert checked[1] - checked[0] <= 8          # afterwards: only the suspects

@@ -1,0 +1,155 @@
+"""task="overflow": the first op that made inf/nan, forward and backward, localized and replayed."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from dispatchprobe import DispatchProbe, load
+from dispatchprobe.overflow import OverflowDetected
+from conftest import train
+
+
+class Block(nn.Module):
+    def __init__(self, dim, explode=False):
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+        self.explode = explode
+
+    def forward(self, x):
+        h = self.fc(x)
+        return torch.exp(h * 50) if self.explode else torch.relu(h)   # exp of large logits
+
+
+class ExpNet(nn.Module):
+    """fp16 net whose second layer (layers.1) overflows in forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([Block(16), Block(16, explode=True), Block(16)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class Cube(nn.Module):
+    def forward(self, h):
+        return h.pow(3)
+
+
+class CubeNet(nn.Module):
+    """Finite forward (|h|^3 < 65504); the backward of pow (3 h^2 * 100) overflows in fp16."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.cube = Cube()
+
+    def forward(self, x):
+        return self.cube(self.fc(x))
+
+
+def cube_net():
+    torch.manual_seed(0)
+    net = CubeNet()
+    with torch.no_grad():
+        net.fc.weight.copy_(torch.eye(8))
+        net.fc.bias.zero_()
+    return net.half(), torch.full((2, 8), 30.0).half()
+
+
+def rows(path):
+    with open(path / "step0" / "rank0" / "overflow.csv") as f:
+        return list(csv.DictReader(f))
+
+
+def test_forward_overflow_localized_and_raised(tmp_path):
+    torch.manual_seed(0)
+    net, x = ExpNet().half(), torch.randn(4, 16).half()
+    probe = DispatchProbe(task="overflow", dump_path=str(tmp_path), model=net)
+    with pytest.raises(OverflowDetected, match=r"aten\.exp\.default \(forward, scope 'ExpNet\.layers\.1'"):
+        with probe:
+            net(x).float().sum().backward()
+    probe.close()
+    crit = [r for r in rows(tmp_path) if r["class"] == "critical"]
+    assert len(crit) == 1
+    r = crit[0]
+    assert (r["op"], r["stage"], r["scope"]) == ("aten.exp.default", "forward", "ExpNet.layers.1")
+    assert r["replay"] == "precision" and r["exceeds_dtype_range"] == "True"   # float64 is fine: fp16 range
+    assert "test_overflow.py" in r["stack"]
+    # the record keeps the inputs as tensors (run-ut can replay it) and carries the verdict
+    run = load(tmp_path)
+    recs = [json.loads(l) for l in open(tmp_path / "step0" / "rank0" / "ops.jsonl")]
+    rec = next(x for x in recs if x.get("overflow", {}).get("class") == "critical")
+    assert rec["inputs"][0]["data"] and rec["overflow"]["inf"] > 0
+    assert "aten.exp.default" in set(run.ops["op"])
+    summary = json.loads((tmp_path / "step0" / "rank0" / "overflow.json").read_text())
+    assert summary["first_critical"]["op"] == "aten.exp.default"
+
+
+def test_backward_only_overflow_keep_going(tmp_path):
+    net, x = cube_net()
+    probe = DispatchProbe(task="overflow", dump_path=str(tmp_path), model=net, overflow_nums=-1)
+    with probe:
+        y = net(x)
+        assert torch.isfinite(y).all()
+        (y.float().sum() * 100).backward()
+    probe.close()
+    crit = [r for r in rows(tmp_path) if r["class"] == "critical"]
+    assert crit, "backward overflow not found"
+    first = crit[0]
+    assert first["stage"] == "backward" and first["scope"] == "CubeNet.cube"
+    assert first["grad_fn"] == "PowBackward0" and first["op"] == "aten.mul.Tensor"
+    assert not any(r["stage"] == "forward" for r in crit)
+    assert any(r["class"] == "propagated" for r in rows(tmp_path))   # later ops: inf in, inf out
+
+
+def test_check_mode_forward_ignores_backward(tmp_path):
+    net, x = cube_net()
+    probe = DispatchProbe(task="overflow", dump_path=str(tmp_path), model=net, check_mode="forward")
+    with probe:
+        (net(x).float().sum() * 100).backward()
+    probe.close()
+    p = tmp_path / "step0" / "rank0" / "overflow.csv"
+    assert not p.exists() or not [r for r in rows(tmp_path) if r["class"] == "critical"]
+
+
+def test_cast_down_flagged_with_float64_verdict(tmp_path):
+    probe = DispatchProbe(task="overflow", dump_path=str(tmp_path), overflow_nums=-1)
+    x = torch.tensor([1.0, 7e4, -1e5])
+    with probe:
+        y = (x * 1.0).half()
+    probe.close()
+    assert torch.isinf(y).sum() == 2
+    r = [r for r in rows(tmp_path) if r["class"] == "critical"][0]
+    assert r["op"] == "aten._to_copy.default" and r["replay"] == "precision"
+    assert float(r["float64_max_abs"]) == 1e5 and r["exceeds_dtype_range"] == "True"
+    rec = [json.loads(l) for l in open(tmp_path / "step0" / "rank0" / "ops.jsonl")][0]
+    assert rec["overflow"]["cast"] is True
+
+
+def test_inherent_overflow_in_float64(tmp_path):
+    probe = DispatchProbe(task="overflow", dump_path=str(tmp_path), overflow_nums=-1)
+    with probe:
+        torch.tensor([1.0, 0.0]) / torch.tensor([0.0, 0.0])
+    probe.close()
+    r = rows(tmp_path)[0]
+    assert r["class"] == "critical" and r["replay"] == "inherent" and r["nan"] == "1" and r["inf"] == "1"
+
+
+def test_transparent_and_quiet_on_clean_training(tmp_path):
+    off = train(None, steps=2, dropout=0.1)
+    on = train(DispatchProbe(task="overflow", dump_path=str(tmp_path)), steps=2, dropout=0.1)
+    for a, b in zip(off[0], on[0]):
+        assert torch.equal(a, b)
+    for n in off[1]:
+        assert torch.equal(off[1][n], on[1][n]) and torch.equal(off[2][n], on[2][n])
+    assert torch.equal(off[3], on[3]), "global RNG consumed"
+    for p in tmp_path.glob("step*/rank0/overflow.csv"):
+        assert not [r for r in csv.DictReader(open(p)) if r["class"] == "critical"]
