@@ -2,7 +2,12 @@
 
 1. statistics compare of two synthetic 100k-op runs (records written as JSON lines directly);
 2. tensor compare of two recorded transformer steps (a bigger TinyTransformer);
-3. msprobe's compare on the same dumps, when mindstudio-probe is importable (else "unavailable").
+3. msprobe's compare (``pt_compare``, real-data mode) on msprobe's own dumps of the same two
+   transformer steps (task "tensor", level "L1"), when mindstudio-probe is importable.  Each
+   msprobe dump runs in its own interpreter (its debugger is a process-wide singleton).
+
+Every compare runs in a fresh interpreter: "seconds" is its whole wall time (imports included),
+"in-call" the compare call alone; peak RSS is the child's.
 
     python benchmarks/compare_speed.py [--ops 100000] [--skip-tensor]
 """
@@ -45,24 +50,91 @@ def synthetic_run(path: str, n_ops: int, seed: int, noise: float) -> None:
             f.write(json.dumps(rec, separators=(",", ":")) + "\n")
 
 
-def timed_subprocess(code: str) -> tuple[float, float, str]:
-    """Run code in a fresh interpreter; (seconds, peak RSS MB, stdout)."""
+def timed_subprocess(code: str) -> tuple[float, float, str, float]:
+    """Run code in a fresh interpreter; (seconds, peak RSS MB, stdout or error, in-call seconds).
+    The code prints ``CALL_SECONDS <s>`` around the call it times."""
     t = time.perf_counter()
     res = subprocess.run([sys.executable, "-c", code + "\nimport resource, sys\n"
                           "print('RSS', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"],
                          capture_output=True, text=True)
     dt = time.perf_counter() - t
     if res.returncode:
-        return dt, float("nan"), res.stderr.strip().splitlines()[-1]
+        return dt, float("nan"), res.stderr.strip().splitlines()[-1], float("nan")
     rss = [l for l in res.stdout.splitlines() if l.startswith("RSS")]
-    return dt, int(rss[-1].split()[1]) / 1024, res.stdout
+    call = [l for l in res.stdout.splitlines() if l.startswith("CALL_SECONDS")]
+    return dt, int(rss[-1].split()[1]) / 1024, res.stdout, float(call[-1].split()[1]) if call else float("nan")
+
+
+def _timed(call: str) -> str:
+    return f"import time\n_t = time.perf_counter()\n{call}\nprint('CALL_SECONDS', time.perf_counter() - _t)"
+
+
+def msprobe_dump(out: str, plant: bool, model_kw: dict, batch: int) -> None:
+    """Child process: one training step of the benchmark's transformer under msprobe's
+    PrecisionDebugger (task tensor, level L1), the same model, batch and planted op as ours."""
+    import contextlib
+    import torch
+    from compare_helpers import planted_softmax
+    from dispatchprobe.models import TinyTransformer, lm_batch, lm_loss
+    from msprobe.pytorch import PrecisionDebugger
+    torch.manual_seed(0)
+    model = TinyTransformer(dropout=0.0, **model_kw)
+    cfg = out + ".json"
+    with open(cfg, "w") as f:
+        json.dump({"task": "tensor", "dump_path": out, "rank": [], "step": [], "level": "L1",
+                   "tensor": {"scope": [], "list": [], "data_mode": ["all"]}}, f)
+    debugger = PrecisionDebugger(config_path=cfg)
+    tokens, targets = lm_batch(batch=batch, seq=model_kw["seq"], vocab=model_kw["vocab"], seed=0)
+    with planted_softmax(model) if plant else contextlib.nullcontext():
+        debugger.start(model)
+        loss = lm_loss(model, tokens, targets)
+        loss.backward()
+        debugger.stop()
+        debugger.step()
+
+
+def msprobe_rows(tmp: str, model_kw: dict, batch: int) -> tuple[list, str]:
+    """msprobe dumps of the clean and the planted step, then its compare timed; (rows, note)."""
+    try:
+        import msprobe  # noqa: F401
+    except Exception as exc:  # noqa: BLE001
+        return [], f"msprobe unavailable ({type(exc).__name__}: {exc})"
+    import glob
+    dumps = {}
+    for tag, plant in (("ma", False), ("mb", True)):
+        out = os.path.join(tmp, tag)
+        res = subprocess.run([sys.executable, __file__, "--msprobe-dump", out] + (["--plant"] if plant else []),
+                             capture_output=True, text=True)
+        found = glob.glob(os.path.join(out, "step0", "*", "dump.json"))
+        if res.returncode or not found:
+            why = (res.stderr.strip().splitlines() or ["no dump.json written"])[-1]
+            return [], f"msprobe dump failed: {why}"
+        dumps[tag] = found[0]
+    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(os.path.dirname(dumps["ma"]))
+               for f in fs) / 2**20
+    call = (f"pt_compare({{'npu_path': {dumps['ma']!r}, 'bench_path': {dumps['mb']!r}, "
+            f"'is_print_compare_log': False}}, {os.path.join(tmp, 'msout')!r})")
+    dt, rss, out, in_call = timed_subprocess("from msprobe.pytorch.compare.pt_compare import pt_compare\n"
+                                             + _timed(call))
+    if rss != rss:  # nan: it failed
+        return [], f"msprobe compare failed: {out}"
+    csvs = glob.glob(os.path.join(tmp, "msout", "*.csv"))
+    rows = [(f"tensor, transformer step ({size:.0f} MB per dump)", "msprobe", dt, in_call, rss)]
+    return rows, f"msprobe: pt_compare real-data mode on its own dumps ({len(csvs)} result csv)"
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ops", type=int, default=100_000)
     ap.add_argument("--skip-tensor", action="store_true")
+    ap.add_argument("--msprobe-dump", help=argparse.SUPPRESS)
+    ap.add_argument("--plant", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    kw = {"dim": 256, "heads": 8, "layers": 4, "seq": 128, "vocab": 1024}
+    batch = 8
+    if args.msprobe_dump:
+        msprobe_dump(args.msprobe_dump, args.plant, kw, batch)
+        return
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         a, b = os.path.join(tmp, "sa"), os.path.join(tmp, "sb")
@@ -70,32 +142,30 @@ def main():
         synthetic_run(a, args.ops, 1, 0.0)
         synthetic_run(b, args.ops, 2, 1e-4)
         gen = time.perf_counter() - t
-        dt, rss, _ = timed_subprocess(f"from dispatchprobe import compare\nt, v = compare({a!r}, {b!r})\n"
-                                      f"print(len(t))")
-        rows.append((f"statistics, {args.ops:,} ops x 3 tensors", "dispatchprobe", dt, rss))
+        dt, rss, _, call = timed_subprocess("from dispatchprobe import compare\n"
+                                            + _timed(f"t, v = compare({a!r}, {b!r})") + "\nprint(len(t))")
+        rows.append((f"statistics, {args.ops:,} ops x 3 tensors", "dispatchprobe", dt, call, rss))
         if not args.skip_tensor:
             from compare_helpers import record
-            kw = {"dim": 256, "heads": 8, "layers": 4, "seq": 128, "vocab": 1024}
             ta, tb = os.path.join(tmp, "ta"), os.path.join(tmp, "tb")
-            record(ta, model_kw=kw, batch=8)
-            record(tb, model_kw=kw, batch=8, plant=True)
+            record(ta, model_kw=kw, batch=batch)
+            record(tb, model_kw=kw, batch=batch, plant=True)
             size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(ta) for f in fs) / 2**20
-            dt, rss, _ = timed_subprocess(f"from dispatchprobe import compare\nt, v = compare({ta!r}, {tb!r})")
-            rows.append((f"tensor, transformer step ({size:.0f} MB per run)", "dispatchprobe", dt, rss))
-            try:
-                import msprobe  # noqa: F401
-                rows.append(("tensor, transformer step", "msprobe",
-                             float("nan"), float("nan")))  # its compare needs msprobe's own dump format
-                ms_note = "mindstudio-probe installed, but it compares only its own dump.json/.pt format; " \
-                          "not run on dispatchprobe records"
-            except Exception as exc:  # noqa: BLE001
-                ms_note = f"msprobe unavailable ({type(exc).__name__}: {exc})"
+            dt, rss, _, call = timed_subprocess("from dispatchprobe import compare\n"
+                                                + _timed(f"t, v = compare({ta!r}, {tb!r})"))
+            rows.append((f"tensor, transformer step ({size:.0f} MB per run)", "dispatchprobe", dt, call, rss))
+            ms_rows, ms_note = msprobe_rows(tmp, kw, batch)
+            rows += ms_rows
+            if ms_rows:
+                ours, theirs = rows[-2], rows[-1]
+                ms_note += (f"\ntensor compare speedup over msprobe: {theirs[2] / ours[2]:.1f}x wall, "
+                            f"{theirs[3] / ours[3]:.1f}x in-call")
         else:
             ms_note = "tensor compare skipped"
     print(f"(synthetic runs generated in {gen:.1f} s)")
-    print(f"{'case':48s} {'tool':14s} {'seconds':>8s} {'peak RSS MB':>12s}")
-    for case, tool, dt, rss in rows:
-        print(f"{case:48s} {tool:14s} {dt:8.2f} {rss:12.0f}")
+    print(f"{'case':48s} {'tool':14s} {'seconds':>8s} {'in-call':>8s} {'peak RSS MB':>12s}")
+    for case, tool, dt, call, rss in rows:
+        print(f"{case:48s} {tool:14s} {dt:8.2f} {call:8.2f} {rss:12.0f}")
     print(ms_note)
 
 

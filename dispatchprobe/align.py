@@ -82,6 +82,9 @@ class Mapping:
 
 
 def _out_shapes(record: dict) -> tuple:
+    outs = record.get("outputs", ())
+    if len(outs) == 1 and outs[0].get("type") == "tensor":  # the common case
+        return (tuple(outs[0]["shape"]),)
     shapes = []
     for spec in record.get("outputs", ()):
         _shapes(spec, shapes)
@@ -139,8 +142,8 @@ def _match_blocks(ka: list, kb: list, ia: list, ib: list, how: str, pairs: list)
 def align_ops(recs_a: list, recs_b: list, ia: list, ib: list, mapping: Mapping) -> Alignment:
     """Fuzzy alignment of op records ia (of recs_a) against ib (of recs_b), one stage."""
     keyers = (
-        ("op+shapes", lambda r, m: (m.scope(r["scope"]) if m else r["scope"], m.op(r["op"]) if m else r["op"],
-                                    _out_shapes(r))),
+        ("op+shapes", lambda r, m: (m.scope(r["scope"]), m.op(r["op"]), _out_shapes(r)) if m else
+         (r["scope"], r["op"], _out_shapes(r))),
         ("op", lambda r, m: (m.scope(r["scope"]) if m else r["scope"], m.op(r["op"]) if m else r["op"])),
         ("shapes", lambda r, m: (m.scope(r["scope"]) if m else r["scope"], _out_shapes(r))),
     )

@@ -95,13 +95,18 @@ def _plain(v):
 
 
 # ---- HTML -------------------------------------------------------------------------------------------
-def _series(table: pd.DataFrame, stage: str, metric: str) -> pd.DataFrame:
-    """One point per op/module output along the stage's sequence (first step/rank part)."""
+MAX_CHART_PARTS = 64   # step/rank parts charted in one HTML page (the selector lists them)
+
+
+def _series(table: pd.DataFrame, stage: str, metric: str, part=None) -> pd.DataFrame:
+    """One point per op output along the stage's sequence of one step/rank ``part`` (default: the first)."""
     t = table[(table["stage"] == stage) & (table["io"] == "output")]
     if not len(t):
         return t
-    first = t[["step", "rank"]].drop_duplicates().sort_values(["step", "rank"]).iloc[0]
-    t = t[(t["step"] == first["step"]) & (t["rank"] == first["rank"]) & (t["kind"] == "op")]
+    if part is None:
+        first = t[["step", "rank"]].drop_duplicates().sort_values(["step", "rank"]).iloc[0]
+        part = (first["step"], first["rank"])
+    t = t[(t["step"] == part[0]) & (t["rank"] == part[1]) & (t["kind"] == "op")]
     worse_high = CHART_METRICS[metric]
     vals = pd.to_numeric(t[metric], errors="coerce")
     if metric == "cosine":
@@ -115,10 +120,11 @@ def _series(table: pd.DataFrame, stage: str, metric: str) -> pd.DataFrame:
     return agg.reset_index()
 
 
-def _svg_chart(points: pd.DataFrame, metric: str, stage: str, first_seq) -> str:
+def _svg_chart(points: pd.DataFrame, metric: str, stage: str, first_seq, svg_id: str | None = None) -> str:
     w, h, pad = 900, 220, 40
+    svg_id = svg_id or f"chart-{stage}"
     if not len(points):
-        return f'<svg class="chart" id="chart-{stage}" width="{w}" height="60"><text x="10" y="30">no {stage} ops compared</text></svg>'
+        return f'<svg class="chart" id="{svg_id}" width="{w}" height="60"><text x="10" y="30">no {stage} ops compared</text></svg>'
     v = points["v"].to_numpy(np.float64)
     finite = v[np.isfinite(v)]
     log = CHART_METRICS[metric] and metric != "error" and len(finite) and (finite > 0).any()
@@ -146,7 +152,7 @@ def _svg_chart(points: pd.DataFrame, metric: str, stage: str, first_seq) -> str:
                   f'stroke="#d33" stroke-dasharray="4 3"/><text x="{xs[i] + 4:.1f}" y="{pad - 14}" fill="#d33" '
                   f'font-size="12">first divergence: {html.escape(points["op"].iat[i])}</text>')
     label = f"log10({metric})" if log else metric
-    return (f'<svg class="chart" id="chart-{stage}" width="{w}" height="{h}" viewBox="0 0 {w} {h}" '
+    return (f'<svg class="chart" id="{svg_id}" width="{w}" height="{h}" viewBox="0 0 {w} {h}" '
             f'xmlns="http://www.w3.org/2000/svg"><rect width="{w}" height="{h}" fill="#fafafa"/>'
             f'<line x1="{pad}" y1="{h - pad}" x2="{w - pad}" y2="{h - pad}" stroke="#888"/>'
             f'<line x1="{pad}" y1="{pad}" x2="{pad}" y2="{h - pad}" stroke="#888"/>'
@@ -155,11 +161,39 @@ def _svg_chart(points: pd.DataFrame, metric: str, stage: str, first_seq) -> str:
             f'<path d="{path}" fill="none" stroke="#36c" stroke-width="1"/>{"".join(dots)}{marker}</svg>')
 
 
+def _charts(table: pd.DataFrame, verdict, metric: str) -> list:
+    """Forward and backward charts of every step/rank part (up to MAX_CHART_PARTS), one part shown at
+    a time through a selector; the part of the first divergence is shown first.  The shown part's
+    charts have the ids ``chart-forward`` / ``chart-backward``."""
+    parts = (sorted({(int(s), int(r)) for s, r in zip(table["step"], table["rank"])}) if len(table) else []) \
+        or [(0, 0)]
+    first = next((d for d in (verdict.forward, verdict.backward) if d), None)
+    shown = (first.step, first.rank) if first and (first.step, first.rank) in parts else parts[0]
+    listed = parts[:MAX_CHART_PARTS]
+    if shown not in listed:
+        listed = [shown] + listed[:-1]
+    out = []
+    if len(parts) > 1:
+        opts = "".join(f'<option value="step{s}-rank{r}"{" selected" if (s, r) == shown else ""}>step {s} rank {r}'
+                       f'</option>' for s, r in listed)
+        more = f" (first {MAX_CHART_PARTS} of {len(parts)} parts)" if len(parts) > len(listed) else ""
+        out.append(f'<p><label>step/rank: <select id="part-select" onchange="showPart(this.value)">{opts}'
+                   f'</select></label>{more}</p>')
+    for s, r in listed:
+        is_shown = (s, r) == shown
+        block = [f'<div class="part" id="part-step{s}-rank{r}"{"" if is_shown else " hidden"}>']
+        for stage, div in (("forward", verdict.forward), ("backward", verdict.backward)):
+            pts = _series(table, stage, metric, (s, r))
+            seq = div.seq if div and (div.step, div.rank) == (s, r) else None
+            svg_id = f"chart-{stage}" if is_shown else f"chart-{stage}-step{s}-rank{r}"
+            block.append(f"<h3>{stage} (step {s} rank {r})</h3>" + _svg_chart(pts, metric, stage, seq, svg_id))
+        block.append("</div>")
+        out.append("".join(block))
+    return out
+
+
 def render_html(table: pd.DataFrame, verdict, manifest_a: dict, manifest_b: dict, metric: str = "cosine") -> str:
-    charts = []
-    for stage, div in (("forward", verdict.forward), ("backward", verdict.backward)):
-        pts = _series(table, stage, metric)
-        charts.append(f"<h3>{stage}</h3>" + _svg_chart(pts, metric, stage, div.seq if div else None))
+    charts = _charts(table, verdict, metric)
     sus = table[table["origin"] & (table["io"] == "output") & (table["status"] == "error")]
     cols = ["step", "rank", "stage", "seq", "kind", "scope", "op_a", "op_b", "call_a", "arg", "dtype_a", "dtype_b",
             "cosine", "max_abs_err", "max_rel_err", "rel_l2_err", "status", "reason"]

@@ -72,3 +72,17 @@ def test_html_renders_in_headless_chromium(report, tmp_path):
         assert fh.read(8) == b"\x89PNG\r\n\x1a\n"
     dom = subprocess.run(base + ["--dump-dom", url], capture_output=True, text=True, timeout=90).stdout
     assert 'id="chart-forward"' in dom and 'class="first-divergence"' in dom and "<tr class=\"error\">" in dom
+
+
+def test_html_charts_every_part(tmp_path):
+    """Multi-step runs: one chart block per step/rank, a selector to switch, ids unique."""
+    a = record(tmp_path / "a", steps=2, task="statistics")
+    b = record(tmp_path / "b", steps=2, task="statistics", plant=True)
+    compare(a, b, out=str(tmp_path / "out"))
+    page = (tmp_path / "out" / "compare.html").read_text()
+    assert 'id="part-select"' in page and "showPart" in page
+    for s in (0, 1):
+        assert f'id="part-step{s}-rank0"' in page
+    import re
+    ids = re.findall(r'id="([^"]+)"', page)
+    assert len(ids) == len(set(ids)) and "chart-forward" in ids and "chart-backward-step1-rank0" in ids
