@@ -4,7 +4,8 @@ uninstrumented vs ``task="overflow"`` vs ``task="free_benchmark"`` with each ``p
 every op (check handler, fuzz_stage forward), all timed in the same run, interleaved step by
 step.  Prints median seconds per step and the ratio to uninstrumented.
 
-    python benchmarks/inline_checks.py [--steps 5] [--quick] [--dtype float32|bfloat16]
+    python benchmarks/inline_checks.py [--steps 5] [--quick] [--dtype float32|bfloat16] [--threads N]
+        [--modes overflow,add_noise,...]
 """
 
 from __future__ import annotations
@@ -31,7 +32,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (default: torch's)")
+    ap.add_argument("--modes", default="", help="comma-separated subset: overflow and/or pert_modes")
     opts = ap.parse_args()
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
+    chosen = set(filter(None, opts.modes.split(","))) or {"overflow", *MODES}
     kw = dict(vocab=512, dim=128, heads=4, layers=2, seq=64) if opts.quick else \
         dict(vocab=1024, dim=256, heads=8, layers=4, seq=128)
     torch.manual_seed(0)
@@ -43,8 +49,10 @@ def main() -> None:
 
     tmp = tempfile.mkdtemp(prefix="inline-checks-")
     wraps = {"uninstrumented": lambda i: (_Null(), lambda: None)}
-    probes = {"overflow": DispatchProbe(task="overflow", dump_path=os.path.join(tmp, "overflow"), model=model)}
-    for mode in MODES:
+    probes = {}
+    if "overflow" in chosen:
+        probes["overflow"] = DispatchProbe(task="overflow", dump_path=os.path.join(tmp, "overflow"), model=model)
+    for mode in (m for m in MODES if m in chosen):
         probes[f"free_benchmark {mode}"] = DispatchProbe(
             task="free_benchmark", dump_path=os.path.join(tmp, mode), model=model, pert_mode=mode,
             fuzz_device="cpu" if mode == "to_cpu" else "same")

@@ -8,7 +8,7 @@ from .config import Config, ConfigError
 from .reader import RecordError, load
 from .compare import compare
 
-__all__ = ["Config", "ConfigError", "DispatchProbe", "RecordError", "compare", "load"]
+__all__ = ["Config", "ConfigError", "DispatchProbe", "RecordError", "compare", "load", "run_ut"]
 __version__ = "0.1.0"
 
 
@@ -17,4 +17,7 @@ def __getattr__(name):
     if name == "DispatchProbe":
         from .torch_probe import DispatchProbe
         return DispatchProbe
+    if name == "run_ut":  # replays ops: needs torch, imported on first use
+        from .run_ut import run_ut
+        return run_ut
     raise AttributeError(f"module 'dispatchprobe' has no attribute {name!r}")

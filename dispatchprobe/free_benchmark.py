@@ -79,13 +79,17 @@ class FreeBenchmarkHandler(Handler):
             return None
         self._new_part_if_needed()
         outs = perturb.flat_with_index(event.outputs)
-        if not outs or not perturb.float_tensors((event.args, event.kwargs)) or not self._sample(event):
+        if not outs:
+            return None
+        ins = perturb.float_tensors((event.args, event.kwargs))
+        if not ins or not self._sample(event):
             return None
         try:
-            if self.cfg.fuzz_stage == "backward":
-                self._check_backward(event)
-                return None
-            return self._check_forward(event, outs)
+            with perturb.own_threads([t for _, t in outs] + ins):
+                if self.cfg.fuzz_stage == "backward":
+                    self._check_backward(event)
+                    return None
+                return self._check_forward(event, outs, ins)
         except Exception:      # an op that cannot take the perturbation (dtype/device support)
             self.skipped += 1
             return None
@@ -115,7 +119,7 @@ class FreeBenchmarkHandler(Handler):
                 and v.numel() > 0 else v)
         return tree_map(conv, tuple(args)), tree_map(conv, dict(kwargs)), None, False
 
-    def _check_forward(self, event: OpEvent, outs):
+    def _check_forward(self, event: OpEvent, outs, ins):
         plan = self._perturbed(event)
         if plan is None:
             return None
@@ -131,7 +135,7 @@ class FreeBenchmarkHandler(Handler):
             if other is None or other.shape != orig.shape:
                 continue
             a, e = (orig, other) if rerun_is_reference else (other, orig)
-            limit = self._limit(event, orig)
+            limit = self._limit(ins, orig)
             if perturb.surely_within(a, e, limit, metrics.per_dtype("small_value", _dtype(orig))):
                 continue
             change = metrics.perturbation_change(_np(a), _np(e), _dtype(orig))
@@ -143,14 +147,13 @@ class FreeBenchmarkHandler(Handler):
             return _replacement(event.outputs, result)
         return None
 
-    def _limit(self, event: OpEvent, out: torch.Tensor) -> float:
+    def _limit(self, ins, out: torch.Tensor) -> float:
         limit = metrics.per_dtype("free_benchmark_threshold", _dtype(out))
         if self.mode != "improve_precision":
             # both sides rounded to the output dtype: one rounding step apart is not a finding
             # (the seeds' bfloat16 threshold 0.004 is below bfloat16's own eps, 0.0078)
             limit = max(limit, 2 * perturb.eps(out.dtype))
         if self.mode in ("bit_noise", "add_noise"):
-            ins = perturb.float_tensors((event.args, event.kwargs))
             limit = max(limit, NOISE_GAIN * max(perturb.eps(t.dtype) for t in ins))
         return limit
 
@@ -174,7 +177,7 @@ class FreeBenchmarkHandler(Handler):
             if g0 is None or g1 is None or g0.shape != g1.shape:
                 continue
             a, e = (g0, g1) if rerun_is_reference else (g1, g0)
-            limit = self._limit(event, g0)
+            limit = self._limit(perturb.float_tensors((event.args, event.kwargs)), g0)
             if perturb.surely_within(a, e, limit, metrics.per_dtype("small_value", _dtype(g0))):
                 continue
             change = metrics.perturbation_change(_np(a), _np(e), _dtype(g0))

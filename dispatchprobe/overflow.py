@@ -64,6 +64,7 @@ class OverflowHandler(Handler):
         self._cache: dict = {}               # identity -> (memory ref, squared norm tensor)
         self._pending: list = []             # accelerator: (event, outs, ins, norms on device)
         self._stop: OverflowDetected | None = None
+        self._dirty = False                  # rows not yet in overflow.csv (written at flush)
         self._backend = session.backend
 
     # ---- per op ---------------------------------------------------------------------------------
@@ -75,13 +76,12 @@ class OverflowHandler(Handler):
         if not outs:
             return None
         ins = perturb.float_tensors((event.args, event.kwargs))
-        norms = [perturb.norm32(t) for _, t in outs]
-        norms += [self._input_norm(t) for t in ins]
-        for (_, t), n in zip(outs, norms):
-            self._remember(t, n)
         if outs[0][1].device.type == "cpu":
-            self._judge(event, outs, ins, torch.stack(norms).tolist())
+            with perturb.own_threads([t for _, t in outs] + ins):
+                norms = self._norms(outs, ins)
+                self._judge(event, outs, ins, torch.stack(norms).tolist())
         else:
+            norms = self._norms(outs, ins)
             event.stack = event.stack or (perturb.user_stack() if event.stage == "forward" else None)
             self._pending.append((event, outs, ins, torch.stack([n.float() for n in norms])))
             if len(self._pending) >= _WINDOW:
@@ -93,8 +93,12 @@ class OverflowHandler(Handler):
         return None
 
     def flush(self) -> None:
-        """End of a region: resolve what is pending on the device (may raise)."""
-        self._resolve()
+        """End of a region: resolve what is pending on the device (may raise), write the summary."""
+        try:
+            self._resolve()
+        finally:
+            if self._dirty:
+                self._write_summary()
         if self._stop is not None:
             exc, self._stop = self._stop, None
             raise exc
@@ -109,6 +113,13 @@ class OverflowHandler(Handler):
             n = len(norms)
             self._judge(event, outs, ins, values[pos:pos + n])
             pos += n
+
+    def _norms(self, outs, ins) -> list:
+        norms = [perturb.norm32(t) for _, t in outs]
+        norms += [self._input_norm(t) for t in ins]
+        for (_, t), n in zip(outs, norms):
+            self._remember(t, n)
+        return norms
 
     def _input_norm(self, t):
         key = self._backend.identity(t)
@@ -147,6 +158,7 @@ class OverflowHandler(Handler):
 
     def _flag(self, event: OpEvent, outs, klass: str, growth: float | None = None) -> None:
         self.counts[klass] += 1
+        self._dirty = True
         if klass != "critical" and self.counts[klass] > _MAX_LIGHT:
             return
         critical = klass == "critical"
@@ -176,8 +188,8 @@ class OverflowHandler(Handler):
             "float64_max_abs": info.get("float64_max_abs", ""), "dtype_max": info.get("dtype_max", ""),
             "exceeds_dtype_range": info.get("exceeds_dtype_range", ""),
             "stack": " <- ".join(reversed(event.stack[-3:])) if event.stack else ""})
-        self._write_summary()
         if critical:
+            self._write_summary()
             self.found += 1
             if self.limit != -1 and self.found >= self.limit and self._stop is None:
                 where = f"scope {event.scope!r}, " if event.scope else ""
@@ -215,6 +227,7 @@ class OverflowHandler(Handler):
             self._cache.clear()
 
     def _write_summary(self) -> None:
+        self._dirty = False
         folder = self.session.part_dir
         buf = io.StringIO()
         w = csv.DictWriter(buf, fieldnames=CSV_COLUMNS, lineterminator="\n")

@@ -1,0 +1,183 @@
+"""Capture, overflow and free-benchmark on an accelerator (cuda, npu, any torch.accelerator).
+
+CI has no accelerator; this script is how the device paths are exercised and timed when one is
+lent.  It prints one table of checks (bit-identical training under the probe with deterministic
+kernels, overflow localisation on the device, free-benchmark flags) and one of step times.
+
+    python benchmarks/accelerator_check.py [--steps 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from dispatchprobe import DispatchProbe, load  # noqa: E402
+from dispatchprobe.models import TinyTransformer, lm_batch, lm_loss  # noqa: E402
+
+
+def device_name() -> str:
+    acc = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
+    return str(acc.type) if acc is not None else "cpu"
+
+
+def sync(dev):
+    if dev != "cpu":
+        torch.accelerator.synchronize()
+
+
+def train(dev, probe=None, steps=3, dtype=None, size=None):
+    torch.manual_seed(0)
+    kw = size or {}
+    model = TinyTransformer(dropout=0.1, **kw).to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    for step in range(steps):
+        tokens, targets = lm_batch(batch=8, seq=kw.get("seq", 32), vocab=kw.get("vocab", 128), seed=step)
+        tokens, targets = tokens.to(dev), targets.to(dev)
+        ctx = probe if probe is not None else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+        with ctx:
+            with torch.autocast(dev, dtype=dtype, enabled=dtype is not None):
+                loss = lm_loss(model, tokens, targets)
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if probe is not None:
+            probe.step()
+        losses.append(loss.detach().cpu())
+    if probe is not None:
+        probe.close()
+    return losses, {n: p.detach().cpu() for n, p in model.named_parameters()}
+
+
+def same(a, b) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a[0], b[0])) and all(torch.equal(a[1][k], b[1][k]) for k in a[1])
+
+
+class Exploding(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(64, 64) for _ in range(3))
+
+    def forward(self, x):
+        x = torch.relu(self.layers[0](x))
+        x = torch.exp(self.layers[1](x) * 50)      # overflows in fp16
+        return self.layers[2](x)
+
+
+def checks(dev, tmp) -> list[tuple[str, str]]:
+    rows = []
+    torch.use_deterministic_algorithms(True, warn_only=False)
+    try:
+        for dtype in (None, torch.bfloat16):
+            base = train(dev, dtype=dtype)
+            for task in ("statistics", "tensor", "overflow"):
+                kw = {"overflow_nums": -1} if task == "overflow" else {}
+                probed = train(dev, DispatchProbe(task=task, dump_path=f"{tmp}/{task}-{dtype}", **kw), dtype=dtype)
+                rows.append((f"bit-identical training, {task}, {dtype or 'fp32'}", str(same(base, probed))))
+            probed = train(dev, DispatchProbe(task="free_benchmark", dump_path=f"{tmp}/fb-{dtype}",
+                                              pert_mode="improve_precision"), dtype=dtype)
+            rows.append((f"bit-identical training, free_benchmark check, {dtype or 'fp32'}", str(same(base, probed))))
+    finally:
+        torch.use_deterministic_algorithms(False)
+    run = load(f"{tmp}/tensor-None")
+    devices = set(run.tensors["device"])
+    rows.append(("recorded tensor devices", ",".join(sorted(devices))))
+    part = run.part(0, 0)
+    rec = next(r for r in part.records if r["op"] == "aten.addmm.default")
+    arr = part.tensor(rec["outputs"][0]["data"])
+    rows.append(("saved device tensor readable", f"{arr.shape}"))
+
+    # overflow localisation on the device, fp16
+    from dispatchprobe.overflow import OverflowDetected
+    torch.manual_seed(0)
+    net = Exploding().to(dev).half()
+    probe = DispatchProbe(task="overflow", dump_path=f"{tmp}/ovf", model=net)
+    where = "not detected"
+    try:
+        with probe:
+            net(torch.randn(8, 64, device=dev, dtype=torch.half) * 4).float().sum().backward()
+    except OverflowDetected as err:
+        where = str(err)[:120]
+    probe.close()
+    rows.append(("overflow localised (fp16)", where))
+    return rows
+
+
+def timings(dev, steps, tmp) -> list[tuple[str, float]]:
+    size = dict(vocab=4096, dim=512, heads=8, layers=6, seq=256)
+    torch.manual_seed(0)
+    model = TinyTransformer(**size).to(dev)
+    tokens, targets = lm_batch(batch=16, seq=size["seq"], vocab=size["vocab"])
+    tokens, targets = tokens.to(dev), targets.to(dev)
+
+    def step():
+        with torch.autocast(dev, dtype=torch.bfloat16):
+            loss = lm_loss(model, tokens, targets)
+        loss.backward()
+
+    class Null:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            return False
+
+    modes = {"uninstrumented": lambda: (Null(), None)}
+    probes = {}
+    for label, kw in {"statistics": dict(task="statistics"), "tensor": dict(task="tensor"),
+                      "overflow": dict(task="overflow", overflow_nums=-1),
+                      "free_benchmark improve_precision": dict(task="free_benchmark")}.items():
+        probes[label] = DispatchProbe(dump_path=f"{tmp}/t-{label.split()[0]}", model=model, **kw)
+        modes[label] = lambda p=probes[label]: (p, p.step)
+    try:
+        from torch.utils._debug_mode import DebugMode
+        modes["torch DebugMode"] = lambda: (DebugMode(), None)
+    except ImportError:
+        pass
+    times = {k: [] for k in modes}
+    for i in range(steps + 2):
+        for label, make in modes.items():
+            ctx, end = make()
+            sync(dev)
+            t0 = time.perf_counter()
+            with ctx:
+                step()
+            if end:
+                end()
+            sync(dev)
+            if i >= 2:
+                times[label].append(time.perf_counter() - t0)
+            model.zero_grad(set_to_none=True)
+    for p in probes.values():
+        p.close()
+    return [(k, statistics.median(v)) for k, v in times.items()]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=10)
+    args = parser.parse_args()
+    dev = device_name()
+    name = torch.cuda.get_device_name() if dev == "cuda" else dev
+    print(f"device {dev} ({name}), torch {torch.__version__}\n")
+    with tempfile.TemporaryDirectory() as tmp:
+        for label, value in checks(dev, tmp):
+            print(f"  {label:58s} {value}")
+        print("\nstep time, bf16 autocast transformer (dim 512, 6 layers, seq 256, batch 16):")
+        rows = timings(dev, args.steps, tmp)
+        base = rows[0][1]
+        for label, t in rows:
+            print(f"  {label:36s} {t * 1e3:9.2f} ms  {t / base:6.2f}x")
+
+
+if __name__ == "__main__":
+    main()

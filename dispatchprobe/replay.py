@@ -1,0 +1,451 @@
+"""Rebuild one recorded op call from its record and run it: on the target device in the recorded
+dtype ("device") and on CPU in float64 ("benchmark").
+
+The record encoding is the recorder's (``recorder.Recorder.encode`` and
+``torch_backend.encode_other``); this module is its inverse.  Used by :mod:`dispatchprobe.run_ut`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import zlib
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from safetensors import safe_open
+
+from .reader import Part
+
+_MEMORY_FORMATS = {"contiguous_format": torch.contiguous_format, "channels_last": torch.channels_last,
+                   "channels_last_3d": torch.channels_last_3d, "preserve_format": torch.preserve_format}
+_LAYOUTS = {"strided": torch.strided, "sparse_coo": torch.sparse_coo, "mkldnn": torch._mkldnn}  # noqa: SLF001
+
+# Ops whose outputs depend on a random generator: never replayable deterministically.
+RANDOM_OPS = {"dropout", "native_dropout", "feature_dropout", "alpha_dropout", "feature_alpha_dropout",
+              "bernoulli", "rand", "rand_like", "randn", "randn_like", "randint", "randint_like", "randperm",
+              "normal", "uniform", "random", "exponential", "geometric", "cauchy", "log_normal", "multinomial",
+              "rrelu", "rrelu_with_noise", "poisson", "_fused_dropout", "_standard_gamma", "_sample_dirichlet",
+              "binomial", "_scaled_dot_product_flash_attention_for_cpu_dropout"}
+# Ops with nothing to compute: allocation and metadata.
+NOTHING_TO_CHECK = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "resize",
+                    "set", "record_stream", "_local_scalar_dense", "sym_size", "sym_stride", "sym_numel"}
+
+
+class Skip(Exception):
+    """This op cannot be replayed; the message is the stated reason."""
+
+
+class ReplayError(Exception):
+    """The replay itself failed (the op raised on the device)."""
+
+
+@dataclass
+class Output:
+    """One compared output leaf."""
+
+    name: str                      # "output.0", "output.1.2"
+    device: torch.Tensor | None    # CPU copy of the device result
+    bench: torch.Tensor | None     # CPU float64 (or exact dtype) benchmark result
+    device_dtype: str = ""
+    bench_dtype: str = ""
+    shape: tuple = ()
+
+
+@dataclass
+class Replayed:
+    outputs: list[Output] = field(default_factory=list)
+    inputs: dict[str, torch.Tensor] = field(default_factory=dict)   # device-run inputs (for --save-error-data)
+
+
+# ---- ops ----------------------------------------------------------------------------------------
+_OPS: dict = {}
+
+
+def resolve(op: str):
+    """``aten.addmm.default`` -> ``torch.ops.aten.addmm.default`` (Skip if this torch lacks it)."""
+    hit = _OPS.get(op)
+    if hit is None:
+        parts = op.split(".")
+        if len(parts) != 3:
+            raise Skip(f"op {op!r} is not an 'namespace.name.overload' operator")
+        try:
+            hit = getattr(getattr(getattr(torch.ops, parts[0]), parts[1]), parts[2])
+        except (AttributeError, RuntimeError):
+            raise Skip(f"op {op} does not exist in this torch ({torch.__version__}) or its loaded plugins") from None
+        _OPS[op] = hit
+    return hit
+
+
+def op_base(op: str) -> str:
+    parts = op.split(".")
+    name = parts[1] if len(parts) >= 2 else op
+    return name[:-1] if name.endswith("_") and not name.endswith("__") else name
+
+
+def written_args(func) -> set:
+    """Positions and names of arguments the op writes (``self`` of ``add_``, ``out=``)."""
+    out = set()
+    for i, a in enumerate(func._schema.arguments):
+        if a.alias_info is not None and a.alias_info.is_write:
+            out.add(i)
+            out.add(a.name)
+    return out
+
+
+# ---- tensors -------------------------------------------------------------------------------------
+_DTYPES = {}
+
+
+def to_dtype(name: str) -> torch.dtype:
+    hit = _DTYPES.get(name)
+    if hit is None:
+        hit = getattr(torch, str(name).removeprefix("torch."), None)
+        if not isinstance(hit, torch.dtype):
+            raise Skip(f"unknown dtype {name!r}")
+        _DTYPES[name] = hit
+    return hit
+
+
+class TensorSource:
+    """Saved tensors of one part, read exactly (bf16 stays bf16) with safetensors' torch API."""
+
+    def __init__(self, part: Part):
+        self.part = part
+        self._handles: dict = {}
+
+    def _handle(self, shard: str):
+        h = self._handles.get(shard)
+        if h is None:
+            h = self._handles[shard] = safe_open(os.path.join(self.part.path, "tensors", shard), framework="pt")
+        return h
+
+    def has(self, key: str) -> bool:
+        return self.part.has_tensor(key)
+
+    def get(self, key: str) -> torch.Tensor:
+        view = self.part.views.get(key)
+        stored = view["base"] if view else key
+        shard = self.part.shards.get(stored)
+        if shard is None:
+            raise Skip(f"saved tensor {key} is missing (the run ended before its shard was written)")
+        t = self._handle(shard).get_tensor(stored)
+        if view:
+            t = t.reshape(-1).as_strided(tuple(view["shape"]), tuple(view["stride"]), view["offset"]).clone()
+        return t
+
+
+def random_tensor(spec: dict, seed: int) -> torch.Tensor:
+    """A tensor of the recorded shape and dtype whose values follow the recorded statistics."""
+    dtype = to_dtype(spec["dtype"])
+    shape = tuple(spec["shape"])
+    st = spec.get("stats") or {}
+    g = torch.Generator().manual_seed(seed)
+    n = math.prod(shape)
+
+    def num(key, default):
+        v = st.get(key)
+        try:
+            v = float(v)
+        except (TypeError, ValueError):
+            return default
+        return v if math.isfinite(v) else default
+
+    lo, hi = num("finite_min", num("min", -1.0)), num("finite_max", num("max", 1.0))
+    if dtype == torch.bool:
+        if lo == hi:
+            return torch.full(shape, bool(lo), dtype=dtype)
+        return torch.randint(0, 2, shape, generator=g).bool()
+    if not (dtype.is_floating_point or dtype.is_complex):
+        return torch.randint(int(math.floor(lo)), int(math.floor(hi)) + 1, shape, generator=g, dtype=torch.int64).to(dtype)
+    mean = num("mean", (lo + hi) / 2)
+    norm = num("norm", 0.0)
+    var = norm * norm / n - mean * mean if n else 0.0
+    std = math.sqrt(var) if var > 0 else (hi - lo) / 4
+    x = torch.randn(shape, generator=g, dtype=torch.float64) * std + mean
+    x = x.clamp(lo, hi) if lo <= hi else x
+    return x.to(dtype)
+
+
+def _restride(t: torch.Tensor, stride) -> torch.Tensor:
+    """``t``'s values laid out with the recorded strides (some kernels depend on the layout)."""
+    if stride is None or t.dim() == 0 or list(t.stride()) == list(stride) or t.numel() <= 1:
+        return t
+    if len(stride) != t.dim():
+        return t
+    if any(s == 0 for s, n in zip(stride, t.shape) if n > 1):
+        # an expanded view: keep one slice of each broadcast dim, expand it again
+        v = t
+        for d, (s, n) in enumerate(zip(stride, t.shape)):
+            if s == 0 and n > 1:
+                v = v.narrow(d, 0, 1)
+        return v.contiguous().expand(t.shape)
+    try:
+        out = torch.empty_strided(tuple(t.shape), tuple(stride), dtype=t.dtype, device=t.device)
+        out.copy_(t)
+        return out
+    except RuntimeError:
+        return t
+
+
+# ---- decoding a call -----------------------------------------------------------------------------
+class CallBuilder:
+    """Turns one record's encoded inputs into (args, kwargs) twice: device and benchmark."""
+
+    def __init__(self, record: dict, source: TensorSource | None, random: bool):
+        self.record = record
+        self.source = source
+        self.random = random
+        self.cache: dict[str, torch.Tensor] = {}
+
+    def tensor(self, spec: dict, path: str) -> torch.Tensor:
+        hit = self.cache.get(path)
+        if hit is not None:
+            return hit
+        key = spec.get("data")
+        if self.random:
+            t = random_tensor(spec, zlib.crc32(f"{self.record['name']}:{path}".encode()))
+        elif key is None:
+            raise Skip(f"{path} was not saved (statistics-only records: replay them with --random)")
+        else:
+            t = self.source.get(key)
+            if list(t.shape) != list(spec["shape"]):
+                t = t.reshape(spec["shape"])
+            if str(t.dtype).removeprefix("torch.") != spec["dtype"]:
+                t = t.to(to_dtype(spec["dtype"]))
+        self.cache[path] = t
+        return t
+
+    def decode(self, spec, path: str, device: torch.device, bench: bool, keep_dtype: bool):
+        kind = spec.get("type")
+        if kind == "tensor":
+            t = self.tensor(spec, path)
+            if bench:
+                if t.is_floating_point() and not keep_dtype:
+                    t = t.to(torch.float64)
+                elif t.is_complex() and not keep_dtype:
+                    t = t.to(torch.complex128)
+                else:
+                    t = t.clone()
+            else:
+                t = t.to(device, copy=True)
+            return _restride(t, spec.get("stride"))
+        if kind == "none":
+            return None
+        if kind in ("bool", "int", "str", "symint", "symbool"):
+            return spec["value"]
+        if kind in ("float", "symfloat"):
+            return float(spec["value"])
+        if kind == "complex":
+            return complex(*spec["value"])
+        if kind in ("list", "tuple"):
+            items = [self.decode(v, f"{path}.{i}", device, bench, keep_dtype) for i, v in enumerate(spec["value"])]
+            return items if kind == "list" else tuple(items)
+        if kind == "dtype":
+            return to_dtype(spec["value"])
+        if kind == "device":
+            return torch.device("cpu") if bench else device
+        if kind == "memory_format":
+            return _MEMORY_FORMATS.get(spec["value"], torch.preserve_format)
+        if kind == "layout":
+            return _LAYOUTS.get(spec["value"], torch.strided)
+        if kind == "generator":
+            raise Skip(f"{path} is a random generator: the op is random")
+        raise Skip(f"{path} ({spec.get('repr', kind)}) cannot be rebuilt from the record")
+
+    def call(self, device: torch.device, bench: bool, written: set):
+        r = self.record
+        args = [self.decode(s, f"input.{i}", device, bench, bench and i in written)
+                for i, s in enumerate(r.get("inputs") or ())]
+        kwargs = {k: self.decode(s, f"input.{k}", device, bench, bench and k in written)
+                  for k, s in (r.get("kwargs") or {}).items()}
+        return args, kwargs
+
+
+def _specs(spec):
+    kind = spec.get("type")
+    if kind == "tensor":
+        yield spec
+    elif kind in ("list", "tuple"):
+        for v in spec["value"]:
+            yield from _specs(v)
+
+
+def _all_specs(record: dict) -> list:
+    out = []
+    for s in record.get("inputs") or ():
+        out.extend(_specs(s))
+    for s in (record.get("kwargs") or {}).values():
+        out.extend(_specs(s))
+    return out
+
+
+def _is_float_name(dtype: str) -> bool:
+    return dtype in ("float16", "bfloat16", "float32", "float64") or dtype.startswith("float8") or \
+        dtype.startswith("complex")
+
+
+def check_replayable(record: dict, random: bool) -> None:
+    """Raise :class:`Skip` with the reason when the op cannot be replayed."""
+    base = op_base(record["op"])
+    if base in RANDOM_OPS:
+        raise Skip(f"random op ({base}): its output cannot be replayed deterministically")
+    if base in NOTHING_TO_CHECK:
+        raise Skip(f"{base} allocates or reads metadata only: nothing to check")
+    ins = _all_specs(record)
+    outs = [t for s in record.get("outputs") or () for t in _specs(s)]
+    if "inputs" not in record:
+        raise Skip("inputs were not recorded (io filter)")
+    if not any(_is_float_name(s["dtype"]) for s in ins + outs):
+        raise Skip("integer-only op: no floating-point data to upcast")
+    func = resolve(record["op"])
+    written = written_args(func)
+    for i, s in enumerate(record.get("inputs") or ()):
+        if i in written and s.get("type") == "tensor":
+            stride, shape = s.get("stride"), s.get("shape")
+            if stride and any(st == 0 and n > 1 for st, n in zip(stride, shape)):
+                raise Skip("in-place op on an overlapping view (broadcast strides): cannot be rebuilt")
+    if not random:
+        for s in ins:
+            if s.get("data") is None:
+                raise Skip("inputs were not saved (statistics-only records: replay them with --random)")
+
+
+def _leaves(value, name: str, out: list):
+    if isinstance(value, (tuple, list)):
+        for i, v in enumerate(value):
+            _leaves(v, f"{name}.{i}", out)
+    else:
+        out.append((name, value))
+
+
+def _flat_outputs(value) -> list:
+    out: list = []
+    if isinstance(value, (tuple, list)):
+        for i, v in enumerate(value):
+            _leaves(v, f"output.{i}", out)
+    else:
+        out.append(("output.0", value))
+    return out
+
+
+def _as_tensor(v):
+    if isinstance(v, torch.Tensor):
+        return v
+    if isinstance(v, bool):
+        return torch.tensor(v)
+    if isinstance(v, int):
+        return torch.tensor(v, dtype=torch.int64)
+    if isinstance(v, float):
+        return torch.tensor(v, dtype=torch.float64)
+    return None
+
+
+def _is_no_cpu_kernel(exc: Exception) -> bool:
+    msg = str(exc)
+    return isinstance(exc, NotImplementedError) or "Could not run" in msg and "CPU" in msg
+
+
+def replay(record: dict, source: TensorSource | None, device: torch.device, random: bool = False,
+           keep_inputs: bool = False) -> Replayed:
+    """Run the recorded call on ``device`` in the recorded dtypes and on CPU in float64."""
+    check_replayable(record, random)
+    func = resolve(record["op"])
+    written = written_args(func)
+    builder = CallBuilder(record, source, random)
+    result = Replayed()
+    with torch.no_grad():
+        args, kwargs = builder.call(device, False, written)
+        if keep_inputs:
+            for path, t in builder.cache.items():
+                result.inputs[path] = t
+        try:
+            dev_out = func(*args, **kwargs)
+        except Skip:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the op's own failure is its error
+            raise ReplayError(f"device run failed: {type(exc).__name__}: {_one_line(exc)}") from None
+        dev_leaves = [(n, v.detach().cpu() if isinstance(v, torch.Tensor) else v) for n, v in _flat_outputs(dev_out)]
+        del dev_out, args, kwargs
+        bargs, bkwargs = builder.call(torch.device("cpu"), True, written)
+        try:
+            bench_out = func(*bargs, **bkwargs)
+        except Exception as exc:  # noqa: BLE001
+            if _is_no_cpu_kernel(exc):
+                raise Skip(f"no CPU float64 kernel for the benchmark: {_one_line(exc)}") from None
+            # kernels that insist on a dtype argument matching their inputs (e.g.
+            # _log_softmax_backward_data's input_dtype): upcast dtype arguments too
+            bargs, bkwargs = _upcast_dtypes(bargs), {k: _upcast_dtypes(v) for k, v in bkwargs.items()}
+            try:
+                bench_out = func(*bargs, **bkwargs)
+            except Exception as exc2:  # noqa: BLE001
+                raise Skip(f"cannot be upcast to float64 for the benchmark: {type(exc2).__name__}: "
+                           f"{_one_line(exc2)}") from None
+        bench_leaves = _flat_outputs(bench_out)
+    if len(bench_leaves) != len(dev_leaves):
+        raise ReplayError(f"device gave {len(dev_leaves)} outputs, benchmark {len(bench_leaves)}")
+    for (name, d), (_, b) in zip(dev_leaves, bench_leaves):
+        d, b = _as_tensor(d), _as_tensor(b)
+        if d is None and b is None:
+            continue
+        if d is None or b is None:
+            raise ReplayError(f"{name}: device gave {type(d).__name__}, benchmark {type(b).__name__}")
+        result.outputs.append(Output(name, d, b, str(d.dtype).removeprefix("torch."),
+                                     str(b.dtype).removeprefix("torch."), tuple(d.shape)))
+    return result
+
+
+def _upcast_dtypes(value):
+    if isinstance(value, torch.dtype) and value.is_floating_point:
+        return torch.float64
+    if isinstance(value, list):
+        return [_upcast_dtypes(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_upcast_dtypes(v) for v in value)
+    return value
+
+
+def _one_line(exc: Exception) -> str:
+    text = " ".join(str(exc).split())
+    return text[:300]
+
+
+def to_numpy(t: torch.Tensor) -> np.ndarray:
+    """float -> float64 numpy; integers and bool keep their type."""
+    t = t.detach().cpu()
+    if t.is_complex():
+        t = torch.view_as_real(t.resolve_conj())
+    if t.is_floating_point():
+        return t.to(torch.float64).numpy()
+    if t.dtype in (torch.uint16, torch.uint32, torch.uint64):
+        return t.to(torch.int64).numpy()
+    return t.numpy()
+
+
+# ---- devices -------------------------------------------------------------------------------------
+def resolve_device(name: str | None) -> torch.device:
+    """``cpu``, ``cuda[:i]``, ``npu[:i]`` (imports torch_npu), any ``torch.accelerator`` type;
+    None: the current accelerator, else cpu."""
+    if name in (None, "", "auto"):
+        try:
+            acc = torch.accelerator.current_accelerator()
+            return torch.device(acc) if acc is not None else torch.device("cpu")
+        except (AttributeError, RuntimeError):
+            return torch.device("cpu")
+    kind = name.split(":")[0]
+    if kind == "npu":
+        try:
+            import torch_npu  # noqa: F401
+        except ImportError:
+            raise ValueError("--device npu needs torch_npu installed") from None
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"unknown device {name!r} (expected cpu, cuda, npu, or a torch.accelerator type)") from None
+    if dev.type != "cpu":
+        mod = getattr(torch, dev.type, None)
+        avail = getattr(mod, "is_available", None)
+        if avail is not None and not avail():
+            raise ValueError(f"device {name!r} is not available on this machine")
+    return dev

@@ -1,0 +1,472 @@
+"""``run-ut``: replay every recorded op on the device and as a float64 CPU benchmark, judge it.
+
+Results go to ``accuracy_checking_result_{ts}.csv`` (one row per op) and
+``accuracy_checking_details_{ts}.csv`` (one row per output), appended and flushed op by op so
+an interrupted run loses at most the op it was on; ``resume=`` continues it (see docs/run-ut.md).
+Parallel: ``jobs`` worker processes on this host; across processes/nodes: launch under
+``torchrun`` and each rank replays a disjoint shard, rank 0 writes the merged result.
+"""
+
+from __future__ import annotations
+
+import csv
+import glob
+import importlib
+import io
+import json
+import multiprocessing as mp
+import os
+import re
+import sys
+import time
+from dataclasses import dataclass
+
+import pandas as pd
+import torch
+
+from .metrics import ERROR, PASS, binary_mismatch, compare_arrays, is_float, worst
+from .reader import Run, load
+from .replay import ReplayError, Skip, TensorSource, replay, resolve_device, to_numpy
+from .standards import SKIP, category, judge
+
+RESULT_COLUMNS = ["Step", "Rank", "API Name", "Op", "Stage", "Scope", "Category", "Forward Test Success",
+                  "Backward Test Success", "Message", "Elapsed (s)"]
+# metric column -> compare_arrays key
+METRIC_COLUMNS = {
+    "Cosine": "cosine", "Max Abs Err": "max_abs_err", "One Hundredth": "one_hundredth",
+    "One Thousandth": "one_thousandth", "One Ten Thousandth": "one_ten_thousandth",
+    "Binary Mismatch Rate": "binary_mismatch", "Error Balance": "error_balance", "RMSE": "rmse",
+    "Small Value Error Rate": "small_value_error_rate", "Max Rel Err": "max_rel_err", "Mean Rel Err": "mean_rel_err",
+    "Inf/Nan Error Rate": "inf_nan_error_rate", "Rel Err Error Rate": "rel_err_error_rate",
+    "Abs Err Error Rate": "abs_err_error_rate", "ULP Max": "ulp_max", "ULP Mean": "ulp_mean",
+    "ULP Over Threshold": "ulp_over_threshold",
+}
+DETAIL_COLUMNS = (["Step", "Rank", "API Name", "Output", "Category", "Bench Dtype", "Device Dtype", "Shape"]
+                  + list(METRIC_COLUMNS) + ["Status", "Message"])
+TIMING_COLUMNS = ("Elapsed (s)",)
+_RESULT_RE = re.compile(r"^accuracy_checking_result_(.+)\.csv$")
+
+
+@dataclass
+class RunUTResult:
+    """What :func:`run_ut` returns: the two tables and where they were written."""
+
+    results: pd.DataFrame
+    details: pd.DataFrame
+    result_csv: str
+    details_csv: str
+    replayed: int          # ops replayed by this call (not counting resumed ones)
+    seconds: float
+
+    @property
+    def counts(self) -> dict:
+        v = self.results["Forward Test Success"].fillna("").astype(str) + \
+            self.results["Backward Test Success"].fillna("").astype(str)
+        return v.value_counts().to_dict()
+
+
+# ---- the per-op check (runs in workers) -----------------------------------------------------------
+class _State:
+    def __init__(self, run: Run, options: dict):
+        self.run = run
+        self.options = options
+        self.device = resolve_device(options.get("device"))
+        self.sources: dict = {}
+
+    def source(self, key):
+        src = self.sources.get(key)
+        if src is None:
+            src = self.sources[key] = TensorSource(self.run.parts[key])
+        return src
+
+
+_STATE: _State | None = None
+
+
+def _fmt(value) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return repr(value)
+    return str(value)
+
+
+def output_metrics(device_t, bench_t, dtype: str, cat: str) -> dict:
+    """Metrics of one output leaf; float outputs get the full set, others binary consistency."""
+    d, b = to_numpy(device_t), to_numpy(bench_t)
+    if d.shape != b.shape:
+        raise ReplayError(f"shape {list(d.shape)} on the device but {list(b.shape)} in the benchmark")
+    if is_float(dtype) and d.dtype.kind == "f":
+        m = compare_arrays(d, b, dtype=dtype)
+        m["abs_err_error_rate"] = m["small_value_error_rate"]
+        m["binary_mismatch"] = binary_mismatch(d, b) if cat == "binary" else None
+        return m
+    return {"binary_mismatch": binary_mismatch(d, b)}
+
+
+def check_op(step: int, rank: int, index: int) -> tuple[list, list, dict | None]:
+    """Replay and judge one op record; returns (result row, detail rows, error data or None)."""
+    st = _STATE
+    rec = st.run.parts[(step, rank)].records[index]
+    opts = st.options
+    t0 = time.perf_counter()
+    cat = category(rec["op"])
+    head = [step, rank, rec["name"]]
+    details, messages, verdicts, error_data = [], [], [], None
+    try:
+        rep = replay(rec, None if opts.get("random") else st.source((step, rank)), st.device,
+                     random=opts.get("random", False), keep_inputs=opts.get("save_error_data", False))
+        for out in rep.outputs:
+            m = output_metrics(out.device, out.bench, out.device_dtype, cat)
+            verdict, reason = judge(cat, m, out.device_dtype)
+            verdicts.append(verdict)
+            if reason:
+                messages.append(f"{out.name}: {reason}")
+            details.append(head + [out.name, cat if is_float(out.device_dtype) else "binary", out.bench_dtype,
+                                   out.device_dtype, json.dumps(list(out.shape))]
+                           + [_fmt(m.get(k)) for k in METRIC_COLUMNS.values()] + [verdict, reason])
+        if not rep.outputs:
+            verdicts, messages = [SKIP], ["the op returned no tensor to compare"]
+        status = SKIP if verdicts == [SKIP] else worst(verdicts)
+        if status == ERROR and opts.get("save_error_data"):
+            error_data = {f"{k}": v for k, v in rep.inputs.items()}
+            for out in rep.outputs:
+                error_data[f"{out.name}.device"] = out.device
+                error_data[f"{out.name}.bench"] = out.bench
+    except Skip as exc:
+        status, messages, details = SKIP, [str(exc)], []
+    except ReplayError as exc:
+        status, messages, details = ERROR, [str(exc)], []
+    except Exception as exc:  # noqa: BLE001 - one op's failure must not stop the run
+        status, messages, details = ERROR, [f"replay failed: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}"], []
+    message = "; ".join(messages)
+    if not details:
+        details = [head + ["", cat, "", "", ""] + [""] * len(METRIC_COLUMNS) + [status, message]]
+    fwd, bwd = (status, "") if rec.get("stage") != "backward" else ("", status)
+    row = head + [rec["op"], rec.get("stage", ""), rec.get("scope", ""), cat, fwd, bwd, message,
+                  f"{time.perf_counter() - t0:.6f}"]
+    return [_fmt(v) for v in row], [[_fmt(v) for v in d] for d in details], error_data
+
+
+def _blas_limit(threads: int):
+    """Limit numpy's BLAS threads while replaying (restored after)."""
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:  # pragma: no cover
+        return None
+    return threadpool_limits(limits=threads, user_api="blas")
+
+
+def _check_chunk(tasks):
+    return [(t, check_op(*t)) for t in tasks]
+
+
+def _init_worker(path, options, threads):
+    global _STATE
+    for name in options.get("imports") or ():
+        importlib.import_module(name)
+    if _STATE is None or _STATE.run.path != path:
+        _STATE = _State(load(path), options)
+    else:
+        _STATE.sources = {}        # safetensors handles are not shared across fork
+    torch.set_num_threads(threads)
+    _blas_limit(threads)
+
+
+# ---- CSV files -----------------------------------------------------------------------------------
+def _repair_tail(path: str) -> None:
+    """Cut a torn last line (the process was killed while writing it)."""
+    if not os.path.exists(path):
+        return
+    with open(path, "rb+") as f:
+        data = f.read()
+        if data and not data.endswith(b"\n"):
+            f.truncate(data.rfind(b"\n") + 1)
+
+
+def _read_rows(path: str) -> list[list[str]]:
+    if not os.path.exists(path):
+        return []
+    with open(path, newline="", encoding="utf-8") as f:
+        rows = list(csv.reader(f))
+    return rows[1:] if rows else []
+
+
+class _Journal:
+    """Appends result and detail rows, flushed per op, so a kill loses at most one op."""
+
+    def __init__(self, result_path: str, details_path: str):
+        self.result_path, self.details_path = result_path, details_path
+        for path in (result_path, details_path):
+            _repair_tail(path)
+        done_rows = _read_rows(result_path)
+        self.done = {tuple(r[:3]) for r in done_rows if len(r) == len(RESULT_COLUMNS)}
+        if os.path.exists(details_path):
+            # keep only the details of ops whose result row made it (written last)
+            kept, seen = [], set()
+            for r in _read_rows(details_path):
+                key = tuple(r[:4])
+                if len(r) == len(DETAIL_COLUMNS) and tuple(r[:3]) in self.done and key not in seen:
+                    seen.add(key)
+                    kept.append(r)
+            _write_csv(details_path, DETAIL_COLUMNS, kept)
+        else:
+            _write_csv(details_path, DETAIL_COLUMNS, [])
+        if len(done_rows) != len(self.done) or not os.path.exists(result_path):
+            _write_csv(result_path, RESULT_COLUMNS, [r for r in done_rows if len(r) == len(RESULT_COLUMNS)])
+        self._res = open(result_path, "a", newline="", encoding="utf-8")
+        self._det = open(details_path, "a", newline="", encoding="utf-8")
+        self._res_w, self._det_w = csv.writer(self._res), csv.writer(self._det)
+
+    def write(self, row, details) -> None:
+        self._det_w.writerows(details)
+        self._det.flush()
+        self._res_w.writerow(row)
+        self._res.flush()
+        self.done.add(tuple(row[:3]))
+
+    def close(self) -> None:
+        self._res.close()
+        self._det.close()
+
+
+def _write_csv(path: str, header, rows) -> None:
+    """Whole-file write, atomic (temp + rename)."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", newline="", encoding="utf-8") as f:
+        w = csv.writer(f)
+        w.writerow(header)
+        w.writerows(rows)
+    os.replace(tmp, path)
+
+
+def _save_error_data(out_dir: str, row, data: dict) -> None:
+    from safetensors.torch import save_file
+    folder = os.path.join(out_dir, "error_data")
+    os.makedirs(folder, exist_ok=True)
+    name = re.sub(r"[^A-Za-z0-9_.-]", "_", f"step{row[0]}_rank{row[1]}_{row[2]}")
+    tensors = {k: v.detach().cpu().contiguous().clone() for k, v in data.items() if isinstance(v, torch.Tensor)}
+    tmp = os.path.join(folder, f".{name}.tmp")
+    save_file(tensors, tmp, metadata={"op": row[3], "name": row[2]})
+    os.replace(tmp, os.path.join(folder, f"{name}.safetensors"))
+
+
+# ---- distributed ---------------------------------------------------------------------------------
+def _dist_world(distributed) -> tuple[int, int]:
+    """(rank, world size); initialises a gloo process group when launched by torchrun."""
+    if distributed is False:
+        return 0, 1
+    import torch.distributed as dist
+    if not dist.is_available():
+        return 0, 1
+    if not dist.is_initialized():
+        if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or "MASTER_ADDR" not in os.environ:
+            return 0, 1
+        dist.init_process_group("gloo")
+    return dist.get_rank(), dist.get_world_size()
+
+
+# ---- the driver ----------------------------------------------------------------------------------
+def _signature(rec: dict) -> str:
+    def strip(spec):
+        if isinstance(spec, dict):
+            return {k: strip(v) for k, v in spec.items() if k not in ("data", "stats", "requires_grad", "checksum")}
+        if isinstance(spec, list):
+            return [strip(v) for v in spec]
+        return spec
+    return json.dumps([rec["op"], strip(rec.get("inputs")), strip(rec.get("kwargs"))], sort_keys=True)
+
+
+def run_ut(records, out_dir: str | None = None, *, random: bool = False, device: str | None = None, jobs: int = 1,
+           resume: str | None = None, filter_duplicates: bool = False, save_error_data: bool = False,
+           imports=(), progress: bool | None = None, api: str | None = None, distributed="auto",
+           limit: int | None = None, threads: int | None = None) -> RunUTResult:
+    """Replay the op records of ``records`` (a run directory, a step/rank folder, or a loaded
+    :class:`~dispatchprobe.reader.Run`) and judge each op; see ``docs/run-ut.md``.
+
+    Runs in this process with ``jobs=1`` (so ``torch.library`` kernels registered here are the
+    ones replayed; with ``jobs>1`` forked workers inherit them).  ``resume``: an
+    ``accuracy_checking_result_{ts}.csv`` of an interrupted run to continue.  ``api``: a regex
+    selecting ops by name.  ``limit``: replay at most this many ops (then stop; resumable).
+    ``threads``: torch/BLAS threads per replaying process (default 1: replayed ops are small).
+    Under ``torchrun`` each rank takes a disjoint shard and rank 0 writes the merged CSVs.
+    """
+    global _STATE
+    t_start = time.perf_counter()
+    for name in imports or ():
+        try:
+            importlib.import_module(name)
+        except ImportError as exc:
+            raise ValueError(f"--import {name}: {exc}") from None
+    run = records if isinstance(records, Run) else load(records)
+    if resume:
+        m = _RESULT_RE.match(os.path.basename(resume))
+        if not m:
+            raise ValueError(f"{resume}: --resume needs an accuracy_checking_result_{{timestamp}}.csv file")
+        if not os.path.isfile(resume):
+            raise FileNotFoundError(f"{resume}: no such result file to resume")
+        ts, out_dir = m.group(1), out_dir or os.path.dirname(resume) or "."
+        if os.path.abspath(os.path.dirname(resume) or ".") != os.path.abspath(out_dir):
+            raise ValueError(f"--resume {resume} is not in the output directory {out_dir}")
+    else:
+        ts = time.strftime("%Y%m%d%H%M%S")
+    out_dir = out_dir or "."
+    os.makedirs(out_dir, exist_ok=True)
+    if jobs < 1:
+        raise ValueError(f"--jobs must be >= 1, got {jobs}")
+    rank, world = _dist_world(distributed)
+    if world > 1:
+        import torch.distributed as dist
+        box = [ts]
+        dist.broadcast_object_list(box, src=0)
+        ts = box[0]
+    options = {"random": random, "device": device, "save_error_data": save_error_data, "imports": list(imports or ())}
+    resolve_device(device)   # a bad device is a one-line error before any work
+
+    # every op record in a fixed order; the same list on every rank
+    api_re = re.compile(api) if api else None
+    tasks, dup_of = [], {}
+    seen: dict = {}
+    for (step, prank), part in run.parts.items():
+        for i, rec in enumerate(part.records):
+            if rec.get("kind") != "op" or (api_re and not api_re.search(rec["name"])):
+                continue
+            task = (step, prank, i)
+            if filter_duplicates:
+                sig = _signature(rec)
+                first = seen.setdefault(sig, rec["name"])
+                if first != rec["name"]:
+                    dup_of[task] = first
+            tasks.append(task)
+    order = {(str(s), str(r), run.parts[(s, r)].records[i]["name"]): n for n, (s, r, i) in enumerate(tasks)}
+    mine = tasks[rank::world]
+
+    result_path = os.path.join(out_dir, f"accuracy_checking_result_{ts}.csv")
+    details_path = os.path.join(out_dir, f"accuracy_checking_details_{ts}.csv")
+    shard_suffix = f".rank{rank}-of-{world}.partial" if world > 1 else ""
+    journal = _Journal(result_path + shard_suffix, details_path + shard_suffix)
+    todo = []
+    for t in mine:
+        rec = run.parts[(t[0], t[1])].records[t[2]]
+        if (str(t[0]), str(t[1]), rec["name"]) not in journal.done:
+            todo.append(t)
+    if limit is not None:
+        todo = todo[:limit]
+
+    show = sys.stderr.isatty() if progress is None else progress
+    try:
+        from tqdm import tqdm
+        bar = tqdm(total=len(todo), disable=not show, unit="op", desc=f"run-ut{f' rank {rank}' if world > 1 else ''}")
+    except ImportError:  # pragma: no cover
+        bar = None
+    replayed = 0
+    try:
+        runnable = []
+        for t in todo:
+            if t in dup_of:
+                rec = run.parts[(t[0], t[1])].records[t[2]]
+                fwd, bwd = (SKIP, "") if rec.get("stage") != "backward" else ("", SKIP)
+                msg = f"duplicate of {dup_of[t]} (same op, shapes, dtypes and arguments)"
+                row = [_fmt(v) for v in [t[0], t[1], rec["name"], rec["op"], rec.get("stage", ""),
+                                         rec.get("scope", ""), category(rec["op"]), fwd, bwd, msg, "0"]]
+                det = [row[:3] + ["", row[6], "", "", ""] + [""] * len(METRIC_COLUMNS) + [SKIP, msg]]
+                journal.write(row, det)
+                if bar is not None:
+                    bar.update(1)
+            else:
+                runnable.append(t)
+        # replayed ops are small: one thread each is much faster than threads contending
+        # (torch's OpenMP and numpy's BLAS both spin); -j gives the parallelism
+        threads = max(1, int(threads or 1))
+        if jobs == 1 or len(runnable) <= 1:
+            prev, prev_threads = _STATE, torch.get_num_threads()
+            _STATE = _State(run, options)
+            torch.set_num_threads(threads)
+            blas = _blas_limit(threads)
+            try:
+                for t in runnable:
+                    row, det, err = check_op(*t)
+                    _emit(journal, out_dir, row, det, err)
+                    replayed += 1
+                    if bar is not None:
+                        bar.update(1)
+            finally:
+                _STATE = prev
+                torch.set_num_threads(prev_threads)
+                if blas is not None:
+                    blas.restore_original_limits()
+        else:
+            method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+            ctx = mp.get_context(method)
+            if method == "fork":
+                _STATE = _State(run, options)   # inherited by the workers: records parsed once
+            chunk = max(1, min(16, len(runnable) // (jobs * 8) or 1))
+            chunks = [runnable[i:i + chunk] for i in range(0, len(runnable), chunk)]
+            with ctx.Pool(jobs, initializer=_init_worker, initargs=(run.path, options, threads)) as pool:
+                try:
+                    for results in pool.imap(_check_chunk, chunks):
+                        for _, (row, det, err) in results:
+                            _emit(journal, out_dir, row, det, err)
+                            replayed += 1
+                        if bar is not None:
+                            bar.update(len(results))
+                except BaseException:
+                    pool.terminate()
+                    raise
+    finally:
+        if bar is not None:
+            bar.close()
+        journal.close()
+
+    if world > 1:
+        _merge_ranks(result_path, details_path, shard_suffix, order, rank)
+    results = pd.read_csv(result_path, dtype=str, keep_default_na=False)
+    details = pd.read_csv(details_path, dtype=str, keep_default_na=False)
+    return RunUTResult(results, details, result_path, details_path, replayed, time.perf_counter() - t_start)
+
+
+def _emit(journal: _Journal, out_dir: str, row, det, err) -> None:
+    if err:
+        try:
+            _save_error_data(out_dir, row, err)
+        except Exception as exc:  # noqa: BLE001 - saving evidence must not lose the verdict
+            row[9] = f"{row[9]}; error data not saved: {exc}".strip("; ")
+    journal.write(row, det)
+
+
+def _merge_ranks(result_path: str, details_path: str, suffix: str, order: dict, rank: int) -> None:
+    """Gather every rank's rows on rank 0 (works across nodes: no shared filesystem needed)."""
+    import torch.distributed as dist
+    mine = (_read_rows(result_path + suffix), _read_rows(details_path + suffix))
+    gathered = [None] * dist.get_world_size() if rank == 0 else None
+    dist.gather_object(mine, gathered, dst=0)
+    if rank == 0:
+        res = [r for g in gathered for r in g[0]]
+        det = [r for g in gathered for r in g[1]]
+        big = len(order)
+        res.sort(key=lambda r: order.get(tuple(r[:3]), big))
+        det.sort(key=lambda r: order.get(tuple(r[:3]), big))     # stable: outputs stay in order
+        _write_csv(details_path, DETAIL_COLUMNS, det)
+        _write_csv(result_path, RESULT_COLUMNS, res)
+    dist.barrier()
+    for p in (result_path + suffix, details_path + suffix):
+        if os.path.exists(p):
+            os.remove(p)
+
+
+def latest_result(out_dir: str) -> str | None:
+    files = sorted(glob.glob(os.path.join(out_dir, "accuracy_checking_result_*.csv")))
+    return files[-1] if files else None
+
+
+def summary_text(res: RunUTResult) -> str:
+    r = res.results
+    status = r["Forward Test Success"].where(r["Forward Test Success"] != "", r["Backward Test Success"])
+    counts = status.value_counts().to_dict()
+    parts = ", ".join(f"{counts.get(k, 0)} {k}" for k in (PASS, "warning", ERROR, SKIP))
+    buf = io.StringIO()
+    buf.write(f"run-ut: {len(r)} ops: {parts}\n")
+    for _, row in r[status == ERROR].head(20).iterrows():
+        buf.write(f"  error  {row['API Name']}  {row['Message'][:160]}\n")
+    buf.write(f"results: {res.result_csv}\ndetails: {res.details_csv}")
+    return buf.getvalue()

@@ -1,0 +1,227 @@
+"""run-ut and precision-compare: planted wrong kernel, random mode, resume after SIGKILL,
+parallel workers, torchrun sharding, CLI errors."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pandas as pd
+import pytest
+import torch
+
+from dispatchprobe import DispatchProbe
+from dispatchprobe.models import TinyTransformer, lm_batch, lm_loss
+from dispatchprobe.precision_compare import precision_compare
+from dispatchprobe.run_ut import TIMING_COLUMNS, run_ut
+
+
+def record(path, dtype=torch.float32, task="tensor"):
+    torch.manual_seed(0)
+    model = TinyTransformer().to(dtype)
+    probe = DispatchProbe(task=task, dump_path=str(path), model=model)
+    tokens, targets = lm_batch()
+    with probe:
+        lm_loss(model, tokens, targets).backward()
+    probe.step()
+    probe.close()
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ut_records")
+    return {"f32": record(root / "f32"), "bf16": record(root / "bf16", torch.bfloat16),
+            "stats": record(root / "stats", task="statistics")}
+
+
+def wrong_gelu(x, approximate="none"):
+    """gelu with 1e-2 relative error in fp32/bf16 (a dtype-specific kernel bug); float64 -- the
+    benchmark -- stays right."""
+    if x.dtype == torch.float64:
+        return 0.5 * x * (1 + torch.erf(x / math.sqrt(2)))
+    y = x.float()
+    return (0.5 * y * (1 + torch.erf(y / math.sqrt(2))) * (1 + 1e-2)).to(x.dtype)
+
+
+@pytest.fixture
+def planted_gelu():
+    lib = torch.library.Library("aten", "IMPL")
+    lib.impl("gelu", wrong_gelu, "CPU")
+    try:
+        yield
+    finally:
+        del lib
+    x = torch.randn(8)
+    assert torch.equal(torch.ops.aten.gelu.default(x), torch.nn.functional.gelu(x))
+
+
+VERDICT_COLUMNS = ["Step", "Rank", "API Name", "Output", "Category", "Bench Dtype", "Device Dtype", "Shape", "Status"]
+
+
+def verdict_rows(details: pd.DataFrame) -> set:
+    """Detail rows without the metric values (which move in the last bits with the thread count)."""
+    return set(map(tuple, details[VERDICT_COLUMNS].values.tolist()))
+
+
+def status(results: pd.DataFrame) -> pd.Series:
+    fwd, bwd = results["Forward Test Success"], results["Backward Test Success"]
+    return fwd.where(fwd != "", bwd)
+
+
+def rows(df: pd.DataFrame) -> set:
+    return set(map(tuple, df.drop(columns=[c for c in TIMING_COLUMNS if c in df.columns]).values.tolist()))
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_planted_kernel_flagged_clean_ops_pass(runs, tmp_path, planted_gelu, dtype):
+    res = run_ut(runs[dtype], tmp_path / "bad")
+    r = res.results
+    st = status(r)
+    is_gelu = r["Op"] == "aten.gelu.default"
+    assert is_gelu.sum() == 2 and (st[is_gelu] == "error").all()
+    assert not (st[~is_gelu] == "error").any(), r[(st == "error") & ~is_gelu]
+    if dtype == "f32":   # clean fp32 ops: zero errors and zero warnings
+        assert set(st[~is_gelu]) <= {"pass", "SKIP"}
+    skipped = r[st == "SKIP"]
+    assert (skipped["Message"] != "").all()                    # never silently
+    assert os.path.basename(res.result_csv).startswith("accuracy_checking_result_")
+    d = res.details
+    assert {"Cosine", "Max Abs Err", "ULP Mean", "Status", "Bench Dtype", "Device Dtype"} <= set(d.columns)
+    assert (d[d["Output"] != ""]["Bench Dtype"] == "float64").mean() > 0.8   # dtype arguments keep theirs
+
+
+def test_parallel_workers_save_error_data(runs, tmp_path, planted_gelu):
+    bad = run_ut(runs["f32"], tmp_path / "bad", jobs=2, save_error_data=True)   # forked workers inherit the kernel
+    saved = os.listdir(tmp_path / "bad" / "error_data")
+    assert len(saved) == 2 and all("gelu" in f for f in saved)
+    from safetensors.torch import load_file
+    data = load_file(str(tmp_path / "bad" / "error_data" / sorted(saved)[0]))
+    assert {"input.0", "output.0.device", "output.0.bench"} <= set(data)
+    assert (status(bad.results) == "error").sum() == 2
+
+
+def test_three_way(runs, tmp_path):
+    clean_dir = tmp_path / "clean"
+    run_ut(runs["f32"], clean_dir)                        # the reference device: correct kernels
+    lib = torch.library.Library("aten", "IMPL")           # the device under test: a wrong gelu
+    lib.impl("gelu", wrong_gelu, "CPU")
+    try:
+        bad = run_ut(runs["f32"], tmp_path / "bad")
+    finally:
+        del lib
+    results, details, res_path, det_path = precision_compare(bad.details_csv, str(clean_dir), tmp_path / "pc")
+    st = status(results)
+    gelu = results["API Name"].str.startswith("aten.gelu.default")
+    assert (st[gelu] == "error").all() and gelu.sum() == 2
+    assert set(st[~gelu]) <= {"pass", "SKIP"}, results[~gelu & ~st.isin(["pass", "SKIP"])]
+    assert os.path.basename(res_path).startswith("api_precision_compare_result_")
+    assert os.path.basename(det_path).startswith("api_precision_compare_details_")
+    assert {"RMSE Ratio", "Max Rel Err Verdict", "ULP Verdict", "Status"} <= set(details.columns)
+
+
+def test_jobs_and_filter_duplicates(runs, tmp_path):
+    one = run_ut(runs["f32"], tmp_path / "j1")
+    two = run_ut(runs["f32"], tmp_path / "j2", jobs=2)
+    assert rows(one.results) == rows(two.results)
+    assert verdict_rows(one.details) == verdict_rows(two.details)
+    dedup = run_ut(runs["f32"], tmp_path / "dd", filter_duplicates=True)
+    msgs = dedup.results["Message"]
+    assert msgs.str.startswith("duplicate of").sum() > 0
+    assert len(dedup.results) == len(one.results)
+
+
+def test_random_mode_on_statistics_records(runs, tmp_path):
+    res = run_ut(runs["stats"], tmp_path / "rnd", random=True)
+    st = status(res.results)
+    assert len(res.results) > 100
+    replayable = st != "SKIP"
+    assert replayable.sum() >= len(st) - 8
+    assert set(st[replayable]) <= {"pass", "warning", "error"}
+    skipped = res.results[~replayable]
+    assert skipped["Message"].str.contains("integer-only|random op|nothing to check").all(), skipped
+    # without --random, statistics records are skipped with the reason
+    plain = run_ut(runs["stats"], tmp_path / "plain", api="aten.mm")
+    assert (status(plain.results) == "SKIP").all()
+    assert plain.results["Message"].str.contains("--random").all()
+
+
+SLOW = """
+import time, dispatchprobe.run_ut as m
+_orig = m.check_op
+def slow(*a):
+    time.sleep(0.03)
+    return _orig(*a)
+m.check_op = slow
+"""
+
+
+def test_resume_after_sigkill(runs, tmp_path):
+    (tmp_path / "slowdown.py").write_text(SLOW)
+    out = tmp_path / "killed"
+    env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    proc = subprocess.Popen([sys.executable, "-m", "dispatchprobe.cli", "run-ut", runs["f32"], "-o", str(out),
+                             "--import", "slowdown"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 60
+    result = None
+    while time.time() < deadline:
+        found = list(out.glob("accuracy_checking_result_*.csv")) if out.exists() else []
+        if found and found[0].read_text().count("\n") > 30:
+            result = found[0]
+            break
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert result is not None
+    with open(result, "a") as f:
+        f.write("0,0,aten.torn")             # a torn last line
+    n_before = result.read_text().count("\n") - 1
+    full = run_ut(runs["f32"], tmp_path / "full")
+    assert n_before < len(full.results)
+    resumed = run_ut(runs["f32"], resume=str(result))
+    assert resumed.replayed == len(full.results) - n_before
+    assert rows(resumed.results) == rows(full.results)
+    assert len(resumed.results) == len(full.results)          # no duplicate rows
+    assert rows(resumed.details) == rows(full.details) and len(resumed.details) == len(full.details)
+
+
+def test_torchrun_two_ranks_merge(runs, tmp_path):
+    single = run_ut(runs["f32"], tmp_path / "single")
+    out = tmp_path / "dist"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517",
+           "-m", "dispatchprobe.cli", "run-ut", runs["f32"], "-o", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert done.returncode == 0, done.stderr[-2000:]
+    files = sorted(os.listdir(out))
+    assert len(files) == 2, files                             # merged; the rank journals are gone
+    merged = pd.read_csv(out / [f for f in files if "result" in f][0], dtype=str, keep_default_na=False)
+    details = pd.read_csv(out / [f for f in files if "details" in f][0], dtype=str, keep_default_na=False)
+    assert list(merged["API Name"]) == list(single.results["API Name"])
+    assert rows(merged) == rows(single.results)
+    assert verdict_rows(details) == verdict_rows(single.details)
+
+
+def test_cli_errors(runs, tmp_path):
+    from click.testing import CliRunner
+    from dispatchprobe.cli import main
+
+    def cli(*args):
+        res = CliRunner().invoke(main, list(args))
+        return res.exit_code, res.output
+    code, text = cli("run-ut", str(tmp_path / "nope"), "-o", str(tmp_path / "o"))
+    assert code == 1 and text.strip().count("\n") == 0 and "nope" in text
+    code, text = cli("run-ut", runs["f32"], "--resume", str(tmp_path / "x.csv"))
+    assert code == 1 and "accuracy_checking_result_" in text
+    code, text = cli("run-ut", runs["f32"], "--device", "nosuchdevice", "-o", str(tmp_path / "o"))
+    assert code == 1 and text.strip().count("\n") == 0
+    code, text = cli("precision-compare", str(tmp_path / "a.csv"), str(tmp_path / "b.csv"))
+    assert code == 1 and text.strip().count("\n") == 0
+    code, text = cli("run-ut", runs["f32"], "--import", "no_such_module_xyz", "-o", str(tmp_path / "o"))
+    assert code == 1 and "no_such_module_xyz" in text
+    code, text = cli("run-ut", runs["f32"], "-o", str(tmp_path / "ok"), "--api", "aten.mm", "--no-progress")
+    assert code == 0 and "pass" in text
