@@ -8,6 +8,7 @@ module (``torch_backend``, ``dispatchprobe_ms.backend``) with the same small set
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -56,6 +57,9 @@ def flat_outputs(outputs) -> list:
     return [outputs]
 
 
+DEFER_BATCH = 512   # accelerator tensors measured per host sync
+
+
 class Recorder(Handler):
     """Writes every event it is given as one JSON line; saves tensors when asked.
 
@@ -74,33 +78,46 @@ class Recorder(Handler):
         self._spans: dict = {}
         self._dense: dict = {}
         self._next_key = 0
+        # accelerator statistics still on the device, and the records waiting for them: read
+        # back with one host sync every DEFER_BATCH tensors or at flush, not one per op
+        self._rows: list = []
+        self._row_stats: list = []
+        self._waiting: list[dict] = []
 
     # -- encoding --------------------------------------------------------------------------
-    def encode(self, event: OpEvent, save: bool | None = None) -> dict:
+    def _encode_value(self, found: list, value):
+        """One argument as JSON; tensors get their metadata now and are collected in ``found``.
+
+        A method, not a closure: a recursive closure is a reference cycle that would keep the
+        op's tensors alive until the garbage collector runs, and autograd's gradient
+        accumulation copies instead of stealing a gradient that someone else still holds --
+        the probe would change which ops run."""
+        if self.backend.is_tensor(value):
+            spec = self.backend.tensor_meta(value)
+            found.append((value, spec))
+            return spec
+        if value is None:
+            return {"type": "none"}
+        if isinstance(value, bool):
+            return {"type": "bool", "value": value}
+        if isinstance(value, int):
+            return {"type": "int", "value": value}
+        if isinstance(value, float):
+            return {"type": "float", "value": value if math.isfinite(value) else str(value)}
+        if isinstance(value, str):
+            return {"type": "str", "value": value}
+        if isinstance(value, complex):
+            return {"type": "complex", "value": [value.real, value.imag]}
+        if isinstance(value, (list, tuple)):
+            return {"type": type(value).__name__, "value": [self._encode_value(found, v) for v in value]}
+        return self.backend.encode_other(value)
+
+    def encode(self, event: OpEvent, save: bool | None = None, defer: bool = False) -> dict:
+        """The record of ``event``.  ``defer``: statistics of accelerator tensors are reduced on
+        the device and filled in later (:meth:`emit` then holds the record until they are)."""
         save = self.save_tensors if save is None else save
         found: list[tuple[Any, dict]] = []
-
-        def enc(value):
-            if self.backend.is_tensor(value):
-                spec = self.backend.tensor_meta(value)
-                found.append((value, spec))
-                return spec
-            if value is None:
-                return {"type": "none"}
-            if isinstance(value, bool):
-                return {"type": "bool", "value": value}
-            if isinstance(value, int):
-                return {"type": "int", "value": value}
-            if isinstance(value, float):
-                return {"type": "float", "value": value if math.isfinite(value) else str(value)}
-            if isinstance(value, str):
-                return {"type": "str", "value": value}
-            if isinstance(value, complex):
-                return {"type": "complex", "value": [value.real, value.imag]}
-            if isinstance(value, (list, tuple)):
-                return {"type": type(value).__name__, "value": [enc(v) for v in value]}
-            return self.backend.encode_other(value)
-
+        enc = functools.partial(self._encode_value, found)
         record = {
             "id": None, "kind": event.kind, "name": event.name, "op": event.op, "stage": event.stage,
             "scope": event.scope, "call": event.call, "grad_fn": event.grad_fn,
@@ -114,10 +131,10 @@ class Recorder(Handler):
             record["output_type"] = "tuple" if isinstance(out, tuple) else "list" if isinstance(out, list) else "single"
             record["outputs"] = [enc(o) for o in flat_outputs(out)]
         same = self.backend.same_values(event) if save and event.func is not None else None
-        self._fill_tensors(found, save, same)
+        self._fill_tensors(found, save, same, defer and not self.checksum)
         return record
 
-    def _fill_tensors(self, found, save: bool, same: dict | None = None) -> None:
+    def _fill_tensors(self, found, save: bool, same: dict | None = None, defer: bool = False) -> None:
         backend = self.backend
         missing = []
         for t, spec in found:
@@ -139,6 +156,20 @@ class Recorder(Handler):
                 self._remember(t, entry, ident)
             else:
                 missing.append((t, spec, dense, ident))
+        if defer and missing:
+            now = []
+            for item in missing:
+                t, spec, dense, ident = item
+                if not backend.stats_on_device(t):
+                    now.append(item)
+                    continue
+                st = spec["stats"] = {}          # filled by _resolve, before the record is written
+                self._rows.append(backend.device_stats_row(t))
+                self._row_stats.append((st, t.numel()))
+                self._remember(t, {"stats": st}, ident)
+                if dense is not None:
+                    self._dense[dense] = (backend.memory_ref(t), st)
+            missing = now
         if missing:
             stats = backend.tensor_stats([m[0] for m in missing])
             for (t, spec, dense, ident), st in zip(missing, stats):
@@ -228,7 +259,7 @@ class Recorder(Handler):
             self._cache[key] = (ref, entry)
 
     def reset(self) -> None:
-        """A new step/rank part: tensor keys and cache start over."""
+        """A new step/rank part: tensor keys and cache start over (the old part was flushed)."""
         self._cache.clear()
         self._spans.clear()
         self._dense.clear()
@@ -236,6 +267,25 @@ class Recorder(Handler):
 
     # -- handler ------------------------------------------------------------------------------
     def on_op(self, event: OpEvent):
-        record = self.encode(event)
-        self.session.write(record)
+        self.emit(self.encode(event, defer=True))
         return None
+
+    def emit(self, record: dict) -> None:
+        """Write ``record`` now, or after the device statistics queued before it are read."""
+        if not self._waiting and not self._row_stats:
+            self.session.write(record)
+            return
+        self._waiting.append(record)
+        if len(self._row_stats) >= DEFER_BATCH:
+            self.flush()
+
+    def flush(self) -> None:
+        """Read the pending device statistics (one sync per device) and write waiting records."""
+        if self._row_stats:
+            values = self.backend.read_stats_rows(self._rows, [n for _, n in self._row_stats])
+            for (st, _), v in zip(self._row_stats, values):
+                st.update(v)
+            self._rows, self._row_stats = [], []
+        waiting, self._waiting = self._waiting, []
+        for record in waiting:
+            self.session.write(record)

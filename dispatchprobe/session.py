@@ -130,6 +130,8 @@ class ProbeSession:
         try:
             for h in self.handlers:
                 h.flush()
+            if self.recorder not in self.handlers:
+                self.recorder.flush()
         finally:
             if self.part is not None:
                 self.part.ops.flush()

@@ -111,6 +111,42 @@ def tensor_stats(tensors: list[torch.Tensor]) -> list[dict | None]:
     return out
 
 
+def stats_on_device(t: torch.Tensor) -> bool:
+    """Whether ``t``'s statistics are best reduced on its (accelerator) device and read later."""
+    return t.device.type != "cpu" and not t.is_meta and t.layout == torch.strided and t.numel() > 0
+
+
+def device_stats_row(t: torch.Tensor) -> torch.Tensor:
+    """max, min, sum, L2 norm, nan count, inf count of ``t`` as a float64 vector on its device:
+    no host sync; many rows are read back together by :func:`read_stats_rows`."""
+    with torch.no_grad():
+        x = _stat_source(t)
+        lo, hi = torch.aminmax(x)
+        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+        parts = [hi.double(), lo.double(), x.sum(dtype=acc).double(),
+                 torch.linalg.vector_norm(x, dtype=acc).double()]
+        if x.is_floating_point():
+            parts += [torch.isnan(x).sum().double(), torch.isinf(x).sum().double()]
+        else:
+            parts += [torch.zeros((), dtype=torch.float64, device=x.device)] * 2
+        return torch.stack(parts)
+
+
+def read_stats_rows(rows: list[torch.Tensor], numels: list[int]) -> list[dict]:
+    """Read many :func:`device_stats_row` results with one host sync per device."""
+    by_device: dict = {}
+    for i, row in enumerate(rows):
+        by_device.setdefault(row.device, []).append(i)
+    values: list = [None] * len(rows)
+    for idx in by_device.values():
+        for i, v in zip(idx, torch.stack([rows[i] for i in idx]).tolist()):
+            values[i] = v
+    out = []
+    for (hi, lo, total, norm, nan, inf), n in zip(values, numels):
+        out.append({"max": hi, "min": lo, "mean": total / n, "norm": norm, "nan": int(nan), "inf": int(inf)})
+    return out
+
+
 # Small CPU tensors: four torch calls cost ~30 us of dispatch each time; numpy's cost ~8 us.
 _NUMPY_MAX = 16384
 _NUMPY_DTYPES = (torch.float32, torch.float64)

@@ -289,7 +289,7 @@ class DispatchProbe(ProbeSession):
             self._busy = False
 
     def session_write_module(self, event: OpEvent) -> None:
-        self.write(self.recorder.encode(event))
+        self.recorder.emit(self.recorder.encode(event, defer=True))
 
 
 def _user_stack() -> tuple:

@@ -209,3 +209,34 @@ def test_clone_output_is_the_input_data(tmp_path):
     clone = next(r for r in part.records if r["op"] == "aten.clone.default")
     assert clone["outputs"][0]["data"] == clone["inputs"][0]["data"]
     np.testing.assert_array_equal(part.tensor(clone["outputs"][0]["data"]), x.t().numpy())
+
+
+def test_deferred_device_statistics_match(tmp_path, monkeypatch):
+    """The accelerator path (stats reduced on the device, read back in batches) gives the same
+    records, in the same order, as the immediate path; forced here on CPU tensors."""
+    from dispatchprobe import recorder, torch_backend
+    train(DispatchProbe(dump_path=str(tmp_path / "now"), level="mix"), steps=1)
+    monkeypatch.setattr(torch_backend, "stats_on_device", lambda t: t.numel() > 0 and t.layout == torch.strided)
+    monkeypatch.setattr(recorder, "DEFER_BATCH", 64)
+    train(DispatchProbe(dump_path=str(tmp_path / "later"), level="mix"), steps=1)
+    now, later = records(tmp_path / "now"), records(tmp_path / "later")
+    assert [r["name"] for r in now] == [r["name"] for r in later]
+    assert [r["id"] for r in later] == list(range(len(later)))
+    for a, b in zip(now, later):
+        for (_, arg, sa), (_, _, sb) in zip(tensor_rows(a), tensor_rows(b)):
+            for key in ("max", "min", "mean", "norm", "nan", "inf"):
+                va, vb = sa["stats"][key], sb["stats"][key]
+                if isinstance(va, float) and not np.isfinite(va):
+                    assert not np.isfinite(vb), (a["name"], arg, key)
+                else:
+                    assert vb == pytest.approx(va, rel=1e-4, abs=1e-6), (a["name"], arg, key)  # f32 sums
+
+
+def test_identical_runs_record_identical_op_sequences(tmp_path):
+    """The probe must not change which ops run: e.g. holding a gradient alive (a reference cycle
+    in the probe) makes autograd copy it instead of stealing it -- an extra copy_ in one run."""
+    names = []
+    for i in range(3):
+        train(DispatchProbe(dump_path=str(tmp_path / f"r{i}")), steps=2)
+        names.append([r["name"] for step in (0, 1) for r in records(tmp_path / f"r{i}", step)])
+    assert names[0] == names[1] == names[2]
