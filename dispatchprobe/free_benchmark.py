@@ -55,6 +55,7 @@ class FreeBenchmarkHandler(Handler):
         self.mode = cfg.pert_mode
         self.fix = cfg.handler_type == "fix"
         self.gen = torch.Generator().manual_seed(cfg.seed)
+        self.noise = perturb.NoiseSource(torch.Generator().manual_seed(cfg.seed))
         self._part = None
         self._csv = None
         self._sampled: dict = defaultdict(int)       # op -> calls checked in this step (preheat)
@@ -85,11 +86,10 @@ class FreeBenchmarkHandler(Handler):
         if not ins or not self._sample(event):
             return None
         try:
-            with perturb.own_threads([t for _, t in outs] + ins):
-                if self.cfg.fuzz_stage == "backward":
-                    self._check_backward(event)
-                    return None
-                return self._check_forward(event, outs, ins)
+            if self.cfg.fuzz_stage == "backward":
+                self._check_backward(event)
+                return None
+            return self._check_forward(event, outs, ins)
         except Exception:      # an op that cannot take the perturbation (dtype/device support)
             self.skipped += 1
             return None
@@ -106,14 +106,14 @@ class FreeBenchmarkHandler(Handler):
         if mode == "to_cpu":
             a, k = perturb.cast_args(args, kwargs, {}, device=torch.device("cpu"))
             return a, k, None, True
-        if mode == "no_change":
-            return _clone_tensors(args), _clone_tensors(kwargs), None, False
+        if mode == "no_change":      # the same inputs (the op's written ones copied by _check_forward)
+            return args, kwargs, None, False
         if mode == "change_value":
             plan = perturb.change_value_plan(event.func, args, kwargs)
             if plan is None:
                 return None
             return plan[0], dict(kwargs), plan[1], False
-        noise = perturb.bit_noise if mode == "bit_noise" else (lambda t: perturb.add_noise(t, self.gen))
+        noise = perturb.bit_noise if mode == "bit_noise" else self.noise.apply
         from torch.utils._pytree import tree_map
         conv = (lambda v: noise(v) if isinstance(v, torch.Tensor) and v.dtype in perturb.FLOATS
                 and v.numel() > 0 else v)
@@ -124,6 +124,7 @@ class FreeBenchmarkHandler(Handler):
         if plan is None:
             return None
         args, kwargs, fixup, rerun_is_reference = plan
+        args, kwargs = perturb.protect_written(event.func, args, kwargs, event.args, event.kwargs)
         result = perturb.run(event.func, args, kwargs, outs[0][1].device.type)
         if fixup is not None:
             result = fixup(result)
@@ -243,11 +244,6 @@ def _multi(event: OpEvent, stage: str) -> bool:
     if stage == "backward" and event.stage == "forward":
         return True
     return isinstance(event.outputs, (tuple, list))
-
-
-def _clone_tensors(obj):
-    from torch.utils._pytree import tree_map
-    return tree_map(lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v, obj)
 
 
 def _replacement(original, result):

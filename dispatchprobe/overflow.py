@@ -15,11 +15,14 @@ A flagged op is classified (msprobe's classes):
   on CPU in float64: ``inherent`` (float64 overflows too) or ``precision`` (only the low
   precision result did; ``exceeds_dtype_range`` says the float64 value is beyond the output
   dtype's finite range, e.g. an fp32->fp16 ``_to_copy`` or an fp16 matmul accumulated wider).
-* ``propagated`` -- inf/nan in and out (recorded without tensors, at most ``_MAX_LIGHT`` per step).
+* ``propagated`` -- inf/nan in and out (recorded without tensors, at most ``_MAX_LIGHT`` per step;
+  when the only non-finite input is a Python scalar, e.g. ``masked_fill(mask, -inf)``, a summary
+  row only, no record).
 * ``suspicious growth`` -- finite, but output norm > ``_GROWTH`` x the largest input norm.
 
 Each critical op counts towards ``overflow_nums``; reaching it raises :class:`OverflowDetected`
-(-1: never).  A summary of the step lies in ``overflow.csv`` / ``overflow.json`` of the part.
+(-1: never).  A summary of the step lies in ``overflow.csv`` / ``overflow.json`` of the part,
+rewritten at each critical op and at the end of each region (``flush``).
 """
 
 from __future__ import annotations
@@ -76,12 +79,10 @@ class OverflowHandler(Handler):
         if not outs:
             return None
         ins = perturb.float_tensors((event.args, event.kwargs))
+        norms = self._norms(outs, ins)
         if outs[0][1].device.type == "cpu":
-            with perturb.own_threads([t for _, t in outs] + ins):
-                norms = self._norms(outs, ins)
-                self._judge(event, outs, ins, torch.stack(norms).tolist())
+            self._judge(event, outs, ins, torch.stack(norms).tolist())
         else:
-            norms = self._norms(outs, ins)
             event.stack = event.stack or (perturb.user_stack() if event.stage == "forward" else None)
             self._pending.append((event, outs, ins, torch.stack([n.float() for n in norms])))
             if len(self._pending) >= _WINDOW:
@@ -121,8 +122,14 @@ class OverflowHandler(Handler):
             self._remember(t, n)
         return norms
 
+    def _key(self, t):
+        """Cache key: shared by every reshape/transpose of the same memory (same elements, same
+        norm), so the views that feed most ops (weight.t(), q/k/v splits) are not re-read."""
+        key = self._backend.dense_key(t)
+        return key if key is not None else self._backend.identity(t)
+
     def _input_norm(self, t):
-        key = self._backend.identity(t)
+        key = self._key(t)
         hit = self._cache.get(key) if key is not None else None
         if hit is not None and self._backend.memory_alive(hit[0]):
             return hit[1]
@@ -131,7 +138,7 @@ class OverflowHandler(Handler):
         return n
 
     def _remember(self, t, n, key=None) -> None:
-        key = self._backend.identity(t) if key is None else key
+        key = self._key(t) if key is None else key
         if key is None:
             return
         if len(self._cache) > 4096:
@@ -142,13 +149,17 @@ class OverflowHandler(Handler):
     def _judge(self, event, outs, ins, sq_norms) -> None:
         k = len(outs)
         out_sq, in_sq = sq_norms[:k], sq_norms[k:]
-        out_bad = [not math.isfinite(v) and bool((~torch.isfinite(t)).any()) for (_, t), v in zip(outs, out_sq)]
+        out_bad = [not math.isfinite(v) and not perturb.all_finite(t) for (_, t), v in zip(outs, out_sq)]
         if any(out_bad):
             # a non-finite Python scalar argument (masked_fill(mask, -inf), full(inf)) is a
             # deliberate inf given to the op, not one it created
-            in_bad = any(not math.isfinite(v) and bool((~torch.isfinite(t)).any()) for t, v in zip(ins, in_sq)) \
-                or perturb.has_nonfinite_scalar((event.args, event.kwargs))
-            self._flag(event, outs, "propagated" if in_bad else "critical")
+            in_bad = any(not math.isfinite(v) and not perturb.all_finite(t) for t, v in zip(ins, in_sq))
+            if in_bad:
+                self._flag(event, outs, "propagated")
+            elif perturb.has_nonfinite_scalar((event.args, event.kwargs)):
+                self._flag(event, outs, "propagated", record=False)
+            else:
+                self._flag(event, outs, "critical")
             return
         if in_sq and out_sq:
             out_n = math.sqrt(max(min(v, 1e300) for v in out_sq))
@@ -156,7 +167,11 @@ class OverflowHandler(Handler):
             if in_n > 0 and out_n > _GROWTH * in_n and math.isfinite(out_n):
                 self._flag(event, outs, "suspicious growth", growth=out_n / in_n)
 
-    def _flag(self, event: OpEvent, outs, klass: str, growth: float | None = None) -> None:
+    def _flag(self, event: OpEvent, outs, klass: str, growth: float | None = None, record: bool = True) -> None:
+        """One summary row (and, unless ``record`` is False, one op record) for a flagged op.
+        ``record=False``: the only non-finite input is a Python scalar (``masked_fill(mask,
+        -inf)`` in every attention layer, every step): a row, no record -- its record's
+        statistics cost more than the whole check of the op."""
         self.counts[klass] += 1
         self._dirty = True
         if klass != "critical" and self.counts[klass] > _MAX_LIGHT:
@@ -176,12 +191,14 @@ class OverflowHandler(Handler):
                 info["cast"] = True
             if self.replay:
                 info.update(self._replay(event, outs))
-        record = self.session.recorder.encode(event, save=critical)
-        record["overflow"] = info
-        self.session.write(record)
+        if record:
+            rec = self.session.recorder.encode(event, save=critical)
+            rec["overflow"] = info
+            self.session.write(rec)
         out_dtype = str(outs[0][1].dtype).removeprefix("torch.")
         self.rows.append({
-            "step": self.session.step_no, "rank": self.session.rank, "id": record["id"], "class": klass,
+            "step": self.session.step_no, "rank": self.session.rank, "id": rec["id"] if record else "",
+            "class": klass,
             "stage": event.stage, "op": event.op, "name": event.name, "scope": event.scope,
             "grad_fn": event.grad_fn or "", "call": event.call, "dtype": out_dtype, "nan": nan, "inf": inf,
             "growth": info.get("growth", ""), "replay": info.get("replay", ""),

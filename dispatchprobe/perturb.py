@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import threading
 import traceback
 
 import torch
@@ -44,9 +43,55 @@ def returns_alias(func) -> bool:
     return any(r.alias_info is not None for r in func._schema.returns)
 
 
+_written_memo: dict = {}
+
+
+def written_args(func) -> tuple:
+    """(position, name) of the arguments the op writes to (``self`` of ``add_``, ``out=``)."""
+    hit = _written_memo.get(func)
+    if hit is None:
+        hit = _written_memo[func] = tuple((i, a.name) for i, a in enumerate(func._schema.arguments)
+                                          if a.alias_info is not None and a.alias_info.is_write)
+    return hit
+
+
+def protect_written(func, args, kwargs, original_args, original_kwargs):
+    """``args``/``kwargs`` for a re-run, with a private copy of every tensor the op writes to
+    that is still the caller's own object (``fill_``/``copy_`` get the training tensor itself,
+    in-place ops the probe's copy of its old value, which the records keep): a re-run never
+    writes into anything but its own copies."""
+    written = written_args(func)
+    if not written:
+        return args, kwargs
+    args, kwargs = list(args), dict(kwargs)
+    for i, name in written:
+        if i < len(args) and isinstance(args[i], torch.Tensor) and i < len(original_args) \
+                and args[i] is original_args[i]:
+            args[i] = args[i].detach().clone()
+        elif isinstance(kwargs.get(name), torch.Tensor) and kwargs[name] is original_kwargs.get(name):
+            kwargs[name] = kwargs[name].detach().clone()
+    return tuple(args), kwargs
+
+
 def float_tensors(obj) -> list[torch.Tensor]:
-    return [t for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor) and t.dtype in FLOATS
-            and t.layout == torch.strided and not t.is_meta and t.numel() > 0]
+    """The non-empty dense floating tensors in an op's arguments or outputs (nested tuples,
+    lists and dicts -- all an aten call holds; a plain walk, several times faster than pytree)."""
+    out: list = []
+    _collect(obj, out)
+    return out
+
+
+def _collect(obj, out: list) -> None:
+    if isinstance(obj, torch.Tensor):
+        if obj.dtype in FLOATS and obj.layout == torch.strided and not obj.is_meta and obj.numel() > 0:
+            out.append(obj)
+    elif isinstance(obj, (tuple, list)):
+        for v in obj:
+            if isinstance(v, (torch.Tensor, tuple, list, dict)):
+                _collect(v, out)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _collect(v, out)
 
 
 def has_nonfinite_scalar(obj) -> bool:
@@ -73,6 +118,15 @@ def norm32(t: torch.Tensor) -> torch.Tensor:
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     n = torch.linalg.vector_norm(x, dtype=acc)
     return n * n
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """Exact: one fused min/max pass (nan and inf reach one of them), no bool tensor."""
+    try:
+        lo, hi = torch.aminmax(t.detach())
+    except (RuntimeError, NotImplementedError):     # a dtype without aminmax on this device
+        return bool(torch.isfinite(t).all())
+    return math.isfinite(float(lo)) and math.isfinite(float(hi))
 
 
 def nonfinite_counts(t: torch.Tensor) -> tuple[int, int]:
@@ -120,49 +174,9 @@ def cast_args(args, kwargs, dtype_map: dict, device=None):
     return tree_map(conv, tuple(args)), tree_map(conv, dict(kwargs))
 
 
-# ---- threads -----------------------------------------------------------------------------------
-# The checks' own CPU work (norms, perturbed copies, comparisons) is a few short memory-bound
-# passes per op.  Run on several intra-op threads, each pass is a parallel region whose cost is
-# a thread hand-off; on a busy host (more runnable threads than cores) that hand-off costs a
-# scheduler time slice (milliseconds) instead of microseconds, so a pass on a 1 MB tensor took
-# 1-8 ms on 2 threads against 0.03 ms on 1.  The handlers therefore do their own work on one
-# thread, for tensors up to _SERIAL_MAX elements (beyond that, parallel passes pay off), and
-# re-run the op itself (:func:`run`) on the user's thread count, so a re-run computes exactly
-# what the original call did.  The count is restored before the training run continues.
-_SERIAL_MAX = 1 << 21
-_threads = threading.local()
-
-
-@contextlib.contextmanager
-def own_threads(tensors):
-    """The handler's own work on one CPU thread (see above); a no-op off CPU or for big tensors."""
-    n = torch.get_num_threads()
-    if n == 1 or not tensors or tensors[0].device.type != "cpu" or \
-            max(t.numel() for t in tensors) > _SERIAL_MAX:
-        yield
-        return
-    stack = _threads.__dict__.setdefault("user", [])
-    stack.append(n)
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        stack.pop()
-        torch.set_num_threads(n)
-
-
 def run(func, args, kwargs, device_type: str = "cpu"):
-    """Call the op again as the training run did: autocast off, the user's intra-op threads."""
-    user = _threads.__dict__.get("user")
-    if not user:
-        with no_autocast(device_type):
-            return func(*args, **kwargs)
-    torch.set_num_threads(user[-1])
-    try:
-        with no_autocast(device_type):
-            return func(*args, **kwargs)
-    finally:
-        torch.set_num_threads(1)
+    with no_autocast(device_type):
+        return func(*args, **kwargs)
 
 
 def user_stack(skip: int = 2) -> tuple:
@@ -223,11 +237,12 @@ def _int_view(dtype):
 
 
 def _noisy_mask(x: torch.Tensor) -> torch.Tensor:
-    """Elements that get noise: finite with |x| >= the small-value threshold (2 passes: inf and
-    nan are zeroed in the |x| buffer in place, so no ``isfinite``, itself several passes)."""
+    """1 where an element gets noise (finite, |x| >= the small-value threshold), else 0, in
+    x's dtype.  Built in place in one buffer (|x|, inf/nan zeroed, ``ge_``): an out-of-place
+    comparison that makes a bool tensor, or ``isfinite`` (several passes), is 5-10x slower."""
     ax = x.abs()
     ax.nan_to_num_(nan=0.0, posinf=0.0)
-    return ax >= small_value(x.dtype)
+    return ax.ge_(small_value(x.dtype))
 
 
 def bit_noise(t: torch.Tensor) -> torch.Tensor:
@@ -235,27 +250,80 @@ def bit_noise(t: torch.Tensor) -> torch.Tensor:
     x = t.detach()
     if not x.is_contiguous():
         x = x.contiguous()
-    return torch.bitwise_xor(x.view(_int_view(x.dtype)), _noisy_mask(x)).view(x.dtype).view(t.shape)
+    ints = _int_view(x.dtype)
+    return _noisy_mask(x).to(ints).bitwise_xor_(x.view(ints)).view(x.dtype).view(t.shape)
 
 
-def add_noise(t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    """x * (1 + u * eps(dtype)), u uniform in [-1, 1) from ``gen``, where |x| is not small.
+class NoiseSource:
+    """Multiplicative noise factors 1 + u * eps(dtype), u uniform in [-1, 1), from a seeded
+    ``torch.Generator`` of the caller's (never the global RNG).
+
+    Drawing a fresh uniform per element costs ~4 ns (CPU Mersenne twister): for a whole training
+    step that is several times the step itself.  So ``_POOL`` (a prime, so the pattern never lines
+    up with power-of-two dimensions) factors are drawn once per (dtype, device), and each
+    tensor reads them from a random offset (one draw per tensor and ``_CHUNK``): every element
+    still gets a uniform factor, neighbours independent, and a tensor's factors repeat only
+    every ``_POOL`` elements.  Factors are in float32 for 16-bit and float32 inputs (float64 for
+    float64), so ``x * factor`` is one pass and the 16-bit product is rounded once."""
+
+    _POOL = 65521
+    _CHUNK = 1 << 22
+
+    def __init__(self, gen: torch.Generator):
+        self.gen = gen
+        self._tiled: dict = {}
+
+    def _deltas(self, dtype, device, n):
+        """u * eps(dtype), tiled to cover n + _POOL elements, float32 (float64 for float64)."""
+        key = (dtype, device)
+        tiled = self._tiled.get(key)
+        if tiled is None or tiled.numel() < min(n, self._CHUNK) + self._POOL:
+            if tiled is None:
+                e = eps(dtype)
+                u = torch.rand(self._POOL, generator=self.gen, dtype=torch.float64, device="cpu")
+                pool = u.mul_(2 * e).sub_(e).to(dtype=torch.float64 if dtype == torch.float64
+                                                 else torch.float32, device=device)
+            else:
+                pool = tiled[:self._POOL]
+            reps = -(-(min(n, self._CHUNK) + self._POOL) // self._POOL)
+            tiled = self._tiled[key] = pool.repeat(reps)
+        return tiled
+
+    def _offset(self) -> int:
+        return int(torch.randint(self._POOL, (1,), generator=self.gen))
+
+    def apply(self, t: torch.Tensor) -> torch.Tensor:
+        """x * (1 + u * eps) where x is finite and |x| >= the small-value threshold, x elsewhere.
+
+        The factor is built in place in one buffer (0/1 mask from |x|, times the deltas, plus
+        1): exactly 1 where the mask is 0 (so small values, inf and nan are unchanged), 1 + delta
+        rounded to float32 (float64) elsewhere -- for float32 inputs one of 1 - eps, 1 - eps/2,
+        1, 1 + eps, as before.  No bool tensor, no ``where`` (both slow on CPU)."""
+        x = t.detach()
+        n = x.numel()
+        wide = torch.float64 if x.dtype == torch.float64 else torch.float32
+        deltas = self._deltas(x.dtype, x.device, n)
+        flat = x.reshape(-1)
+        chunks = []
+        for start in range(0, n, self._CHUNK):
+            part = flat[start:start + self._CHUNK]
+            factor = _noisy_mask(part)            # in x's dtype: its small-value threshold
+            if part.dtype != wide:
+                part, factor = part.to(wide), factor.to(wide)
+            off = self._offset()
+            factor.mul_(deltas[off:off + part.numel()]).add_(1.0)
+            chunks.append(factor.mul_(part))
+        out = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
+        return out.to(x.dtype).view(x.shape)
+
+
+def add_noise(t: torch.Tensor, gen: "torch.Generator | NoiseSource") -> torch.Tensor:
+    """x * (1 + u * eps(dtype)), u uniform in [-1, 1), where |x| is not small (see NoiseSource).
 
     The noise is about one unit in the last place: large enough to survive rounding in the
-    input's dtype, small enough that a well-conditioned op moves by about as much.  The factor
-    (1 + u * eps) is computed in float32 (float64 for float64) and set to exactly 1 where |x| is
-    small, so those elements (and inf/nan, as a positive factor keeps them) are unchanged."""
-    x = t.detach()
-    e = eps(x.dtype)
-    factor = torch.rand(x.shape, generator=gen, dtype=torch.float32, device="cpu")
-    if x.dtype == torch.float64:
-        factor = factor.double()
-    factor = factor.to(x.device).mul_(2 * e).add_(1 - e)
-    ax = x.abs()
-    factor.masked_fill_(ax < small_value(x.dtype), 1.0)
-    if x.dtype in HALF:
-        return (x * factor).to(x.dtype)
-    return x * factor
+    input's dtype, small enough that a well-conditioned op moves by about as much."""
+    source = gen if isinstance(gen, NoiseSource) else NoiseSource(gen)
+    return source.apply(t)
 
 
 def swap_first_last(t: torch.Tensor, dim: int) -> torch.Tensor:

@@ -153,3 +153,52 @@ def test_transparent_and_quiet_on_clean_training(tmp_path):
     assert torch.equal(off[3], on[3]), "global RNG consumed"
     for p in tmp_path.glob("step*/rank0/overflow.csv"):
         assert not [r for r in csv.DictReader(open(p)) if r["class"] == "critical"]
+
+
+class Amplify(nn.Module):
+    """Finite but blows up: the output norm is 1000x the input's (fp32, nowhere near overflow)."""
+
+    def forward(self, h):
+        return h * 1000.0
+
+
+class GrowthNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.amp = Amplify()
+
+    def forward(self, x):
+        return torch.tanh(self.amp(torch.relu(self.fc(x))))
+
+
+def test_suspicious_growth_classified(tmp_path):
+    torch.manual_seed(0)
+    net, x = GrowthNet(), torch.randn(4, 8)
+    probe = DispatchProbe(task="overflow", dump_path=str(tmp_path), model=net, check_mode="forward")
+    with probe:
+        y = net(x)
+    probe.close()
+    assert torch.isfinite(y).all()
+    found = rows(tmp_path)
+    assert [r["class"] for r in found] == ["suspicious growth"], found     # only the amplifier
+    r = found[0]
+    assert r["op"] == "aten.mul.Tensor" and r["scope"] == "GrowthNet.amp" and r["stage"] == "forward"
+    assert 999 < float(r["growth"]) < 1001      # |1000 h| / |h|
+    summary = json.loads((tmp_path / "step0" / "rank0" / "overflow.json").read_text())
+    assert summary["counts"] == {"critical": 0, "propagated": 0, "suspicious growth": 1}
+    assert summary["first_critical"] is None
+    rec = [json.loads(l) for l in open(tmp_path / "step0" / "rank0" / "ops.jsonl")][0]
+    assert rec["overflow"]["class"] == "suspicious growth"
+
+
+def test_no_growth_flags_on_ordinary_ops(tmp_path):
+    """A x10 scale, linear, relu, softmax, layer norm, a reduction: ratios below 100, no rows."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.LayerNorm(16), nn.Softmax(-1))
+    x = torch.randn(8, 16)
+    probe = DispatchProbe(task="overflow", dump_path=str(tmp_path), model=net)
+    with probe:
+        (net(x * 10.0).sum() * 2.0).backward()
+    probe.close()
+    assert not (tmp_path / "step0" / "rank0" / "overflow.csv").exists() or not rows(tmp_path)
