@@ -76,7 +76,7 @@ def ulp_error(actual: np.ndarray, expected: np.ndarray, dtype: str) -> np.ndarra
 # ---- the metric set ----------------------------------------------------------------------------
 ALL_METRICS = ("cosine", "max_abs_err", "max_rel_err", "mean_rel_err", "rmse", "mape", "one_hundredth",
                "one_thousandth", "one_ten_thousandth", "small_value_error_rate", "rel_err_error_rate", "ulp_max",
-               "ulp_mean", "ulp_over_threshold", "error_balance", "sign_flips")
+               "ulp_mean", "ulp_over_threshold", "error_balance", "sign_flips", "rel_l2_err")
 
 
 _BLOCK = 1 << 16   # elements per pass: float64 blocks that stay in cache
@@ -149,10 +149,11 @@ class _Sums:
         if want("cosine"):
             self.dot += float(np.dot(a, e))
             self.ss_a += float(np.dot(a, a))
+        if want("cosine") or want("rel_l2_err"):
             self.ss_e += float(np.dot(e, e))
         if want("max_abs_err"):
             self.max_abs = max(self.max_abs, float(abs_err.max()))
-        if want("rmse"):
+        if want("rmse") or want("rel_l2_err"):
             self.ss_diff += float(np.dot(diff, diff))
         if want("mape"):
             nonzero = e != 0
@@ -197,7 +198,8 @@ class _Sums:
             values = dict(cosine=1.0 if self.mismatch == 0 else float("nan"), max_abs_err=0.0, max_rel_err=0.0,
                           mean_rel_err=0.0, rmse=0.0, mape=0.0, one_hundredth=1.0, one_thousandth=1.0,
                           one_ten_thousandth=1.0, small_value_error_rate=0.0, rel_err_error_rate=0.0,
-                          ulp_max=0.0, ulp_mean=0.0, ulp_over_threshold=0.0, error_balance=0.0, sign_flips=0)
+                          ulp_max=0.0, ulp_mean=0.0, ulp_over_threshold=0.0, error_balance=0.0, sign_flips=0,
+                          rel_l2_err=0.0)
         else:
             na, ne = math.sqrt(self.ss_a), math.sqrt(self.ss_e)
             cos = 1.0 if na == 0 and ne == 0 else float("nan") if na == 0 or ne == 0 else \
@@ -210,7 +212,10 @@ class _Sums:
                 small_value_error_rate=self.small_err / self.n_small if self.n_small else 0.0,
                 rel_err_error_rate=self.normal_err / self.n_normal if self.n_normal else 0.0,
                 ulp_max=self.ulp_max, ulp_mean=self.ulp_sum / n, ulp_over_threshold=self.ulp_over / n,
-                error_balance=abs(self.signed_rel / n), sign_flips=self.flips)
+                error_balance=abs(self.signed_rel / n), sign_flips=self.flips,
+                # ||a - e|| / ||e||: the scale-free error of the whole tensor
+                rel_l2_err=math.sqrt(self.ss_diff / self.ss_e) if self.ss_e > 0 else
+                (0.0 if self.ss_diff == 0 else math.inf))
         out.update((k, v) for k, v in values.items() if want(k))
         return out
 
