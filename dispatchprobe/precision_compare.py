@@ -9,7 +9,6 @@ same float64 benchmark by ``run-ut``; this pairs their ``accuracy_checking_detai
 
 from __future__ import annotations
 
-import csv
 import glob
 import os
 import time
@@ -19,6 +18,7 @@ import pandas as pd
 from .metrics import ERROR, PASS, WARNING, worst
 from .reader import RecordError
 from .standards import BENCHMARK_RATIOS, SKIP, judge_three_way
+from .writer import write_csv
 
 _KEY = ["Step", "Rank", "API Name", "Output"]
 _METRICS = {  # details column -> metric key
@@ -135,13 +135,8 @@ def precision_compare(dut: str, ref: str, out_dir: str = ".") -> tuple[pd.DataFr
     os.makedirs(out_dir, exist_ok=True)
     res_path = os.path.join(out_dir, f"api_precision_compare_result_{ts}.csv")
     det_path = os.path.join(out_dir, f"api_precision_compare_details_{ts}.csv")
-    for path, header, rows in ((det_path, DETAIL_COLUMNS, details), (res_path, RESULT_COLUMNS, results)):
-        tmp = f"{path}.tmp"
-        with open(tmp, "w", newline="", encoding="utf-8") as f:
-            w = csv.writer(f)
-            w.writerow(header)
-            w.writerows(rows)
-        os.replace(tmp, path)
+    write_csv(det_path, DETAIL_COLUMNS, details)
+    write_csv(res_path, RESULT_COLUMNS, results)
     return (pd.DataFrame(results, columns=RESULT_COLUMNS), pd.DataFrame(details, columns=DETAIL_COLUMNS),
             res_path, det_path)
 

@@ -28,6 +28,7 @@ from .metrics import ERROR, PASS, binary_mismatch, compare_arrays, is_float, wor
 from .reader import Run, load
 from .replay import ReplayError, Skip, TensorSource, replay, resolve_device, to_numpy
 from .standards import SKIP, category, judge
+from .writer import write_csv
 
 RESULT_COLUMNS = ["Step", "Rank", "API Name", "Op", "Stage", "Scope", "Category", "Forward Test Success",
                   "Backward Test Success", "Message", "Elapsed (s)"]
@@ -209,11 +210,11 @@ class _Journal:
                 if len(r) == len(DETAIL_COLUMNS) and tuple(r[:3]) in self.done and key not in seen:
                     seen.add(key)
                     kept.append(r)
-            _write_csv(details_path, DETAIL_COLUMNS, kept)
+            write_csv(details_path, DETAIL_COLUMNS, kept)
         else:
-            _write_csv(details_path, DETAIL_COLUMNS, [])
+            write_csv(details_path, DETAIL_COLUMNS, [])
         if len(done_rows) != len(self.done) or not os.path.exists(result_path):
-            _write_csv(result_path, RESULT_COLUMNS, [r for r in done_rows if len(r) == len(RESULT_COLUMNS)])
+            write_csv(result_path, RESULT_COLUMNS, [r for r in done_rows if len(r) == len(RESULT_COLUMNS)])
         self._res = open(result_path, "a", newline="", encoding="utf-8")
         self._det = open(details_path, "a", newline="", encoding="utf-8")
         self._res_w, self._det_w = csv.writer(self._res), csv.writer(self._det)
@@ -228,16 +229,6 @@ class _Journal:
     def close(self) -> None:
         self._res.close()
         self._det.close()
-
-
-def _write_csv(path: str, header, rows) -> None:
-    """Whole-file write, atomic (temp + rename)."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", newline="", encoding="utf-8") as f:
-        w = csv.writer(f)
-        w.writerow(header)
-        w.writerows(rows)
-    os.replace(tmp, path)
 
 
 def _save_error_data(out_dir: str, row, data: dict) -> None:
@@ -446,8 +437,8 @@ def _merge_ranks(result_path: str, details_path: str, suffix: str, order: dict, 
         big = len(order)
         res.sort(key=lambda r: order.get(tuple(r[:3]), big))
         det.sort(key=lambda r: order.get(tuple(r[:3]), big))     # stable: outputs stay in order
-        _write_csv(details_path, DETAIL_COLUMNS, det)
-        _write_csv(result_path, RESULT_COLUMNS, res)
+        write_csv(details_path, DETAIL_COLUMNS, det)
+        write_csv(result_path, RESULT_COLUMNS, res)
     dist.barrier()
     for p in (result_path + suffix, details_path + suffix):
         if os.path.exists(p):

@@ -57,6 +57,17 @@ def write_manifest(run_dir: str, *, framework: str, framework_version: str, devi
     atomic_write_text(os.path.join(run_dir, "manifest.json"), json.dumps(manifest, indent=1, default=str))
 
 
+def write_csv(path: str, header, rows) -> None:
+    """A whole CSV file, atomically (temp + rename): readers never see half a table."""
+    import csv
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", newline="", encoding="utf-8") as f:
+        w = csv.writer(f)
+        w.writerow(header)
+        w.writerows(rows)
+    os.replace(tmp, path)
+
+
 def write_safetensors(entries: dict, path: str) -> None:
     """Write ``{key: (dtype_code, shape, buffer)}`` as a safetensors file, without copying.
 
