@@ -79,21 +79,12 @@ def demo(dump_path, task, steps):
     run_demo(dump_path, task=task, steps=steps)
 
 
-# ---- commands from other modules register themselves here ------------------------------------
-def _register() -> None:
-    import importlib
-    for module, name in (("compare_cli", "compare"), ("run_ut_cli", "run_ut"),
-                         ("run_ut_cli", "precision_compare")):
-        try:
-            mod = importlib.import_module(f"{__package__}.{module}")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"{__package__}.{module}":
-                raise
-            continue
-        main.add_command(getattr(mod, name))
+# ---- commands that live beside their implementation --------------------------------------------
+from .compare_cli import compare  # noqa: E402  (numpy/pandas only)
+from .run_ut_cli import precision_compare, run_ut  # noqa: E402  (torch imported when run-ut runs)
 
-
-_register()
+for _command in (compare, run_ut, precision_compare):
+    main.add_command(_command)
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())
