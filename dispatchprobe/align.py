@@ -165,34 +165,31 @@ def align_ops(recs_a: list, recs_b: list, ia: list, ib: list, mapping: Mapping) 
     return Alignment(pairs, only_a, only_b)
 
 
-def align_exact(recs_a: list, recs_b: list, ia: list, ib: list, mapping: Mapping) -> Alignment:
-    """Pair by record name only (after the mapping)."""
-    by_name = {recs_b[i]["name"]: i for i in ib}
+def _pair_by_key(ia: list, ib: list, key_a, key_b, how: str) -> Alignment:
+    """Pair records whose keys are equal, each B record at most once; the rest is unmatched."""
+    by_key = {key_b(i): i for i in ib}
     pairs, only_a, used = [], [], set()
     for i in ia:
-        j = by_name.get(mapping.name(recs_a[i]) if mapping else recs_a[i]["name"])
+        j = by_key.get(key_a(i))
         if j is None or j in used:
             only_a.append(i)
         else:
-            pairs.append((i, j, "name"))
+            pairs.append((i, j, how))
             used.add(j)
     return Alignment(pairs, only_a, [j for j in ib if j not in used])
+
+
+def align_exact(recs_a: list, recs_b: list, ia: list, ib: list, mapping: Mapping) -> Alignment:
+    """Pair by record name only (after the mapping)."""
+    return _pair_by_key(ia, ib, lambda i: mapping.name(recs_a[i]) if mapping else recs_a[i]["name"],
+                        lambda j: recs_b[j]["name"], "name")
 
 
 def align_modules(recs_a: list, recs_b: list, ia: list, ib: list, mapping: Mapping) -> Alignment:
     """Module boundary records pair by (scope, stage, call)."""
     def key(r, m):
         return (m.scope(r["scope"]) if m else r["scope"], r["stage"], r["call"])
-    by_key = {key(recs_b[i], None): i for i in ib}
-    pairs, only_a, used = [], [], set()
-    for i in ia:
-        j = by_key.get(key(recs_a[i], mapping))
-        if j is None or j in used:
-            only_a.append(i)
-        else:
-            pairs.append((i, j, "module"))
-            used.add(j)
-    return Alignment(pairs, only_a, [j for j in ib if j not in used])
+    return _pair_by_key(ia, ib, lambda i: key(recs_a[i], mapping), lambda j: key(recs_b[j], None), "module")
 
 
 def align(recs_a: list, recs_b: list, match: str = "fuzzy", mapping: Mapping | None = None) -> Alignment:

@@ -56,7 +56,6 @@ class FreeBenchmarkHandler(Handler):
         self.fix = cfg.handler_type == "fix"
         self.gen = torch.Generator().manual_seed(cfg.seed)
         self.noise = perturb.NoiseSource(torch.Generator().manual_seed(cfg.seed))
-        self._part = None
         self._csv = None
         self._sampled: dict = defaultdict(int)       # op -> calls checked in this step (preheat)
         self._suspects: set[str] = set()             # ops flagged during preheat
@@ -78,7 +77,6 @@ class FreeBenchmarkHandler(Handler):
             return None
         if self.cfg.fuzz_stage == "backward" and event.stage != "forward":
             return None
-        self._new_part_if_needed()
         outs = perturb.flat_with_index(event.outputs)
         if not outs:
             return None
@@ -213,14 +211,11 @@ class FreeBenchmarkHandler(Handler):
         self._writer.writerow(row)
         self._csv.flush()
 
-    def _new_part_if_needed(self) -> None:
-        part = self.session.part
-        if part is not self._part:
-            self._part = part
-            self._sampled.clear()
-            if self._csv is not None:
-                self._csv.close()
-                self._csv = None
+    def start_part(self) -> None:
+        self._sampled.clear()
+        if self._csv is not None:
+            self._csv.close()
+            self._csv = None
 
     def close(self) -> None:
         if self._csv is not None:

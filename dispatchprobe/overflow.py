@@ -63,7 +63,6 @@ class OverflowHandler(Handler):
         self.found = 0                       # critical overflows so far (whole run)
         self.rows: list[dict] = []
         self.counts = {"critical": 0, "propagated": 0, "suspicious growth": 0}
-        self._part = None
         self._cache: dict = {}               # identity -> (memory ref, squared norm tensor)
         self._pending: list = []             # accelerator: (event, outs, ins, norms on device)
         self._stop: OverflowDetected | None = None
@@ -74,7 +73,6 @@ class OverflowHandler(Handler):
     def on_op(self, event: OpEvent):
         if event.stage not in self.stages or event.kind != "op":
             return None
-        self._new_part_if_needed()
         outs = perturb.flat_with_index(event.outputs)
         if not outs:
             return None
@@ -235,13 +233,10 @@ class OverflowHandler(Handler):
                 "dtype_max": dtype_max, "exceeds_dtype_range": max_abs > dtype_max}
 
     # ---- summary files ---------------------------------------------------------------------------------
-    def _new_part_if_needed(self) -> None:
-        part = self.session.part
-        if part is not self._part:
-            self._part = part
-            self.rows = []
-            self.counts = {k: 0 for k in self.counts}
-            self._cache.clear()
+    def start_part(self) -> None:
+        self.rows = []
+        self.counts = {k: 0 for k in self.counts}
+        self._cache.clear()
 
     def _write_summary(self) -> None:
         self._dirty = False

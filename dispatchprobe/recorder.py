@@ -44,6 +44,9 @@ class Handler:
     def on_op(self, event: OpEvent):  # pragma: no cover - interface
         return None
 
+    def start_part(self) -> None:
+        """A new step/rank part was opened: per-part state (caches, summary files) starts over."""
+
     def flush(self) -> None:
         """End of a capture region: finish deferred work (may write records, may raise)."""
 
@@ -258,7 +261,7 @@ class Recorder(Handler):
         if ref is not None:
             self._cache[key] = (ref, entry)
 
-    def reset(self) -> None:
+    def start_part(self) -> None:
         """A new step/rank part: tensor keys and cache start over (the old part was flushed)."""
         self._cache.clear()
         self._spans.clear()

@@ -163,7 +163,10 @@ class ProbeSession:
             self.part = PartWriter(self.part_dir, self.backend.save_shard, self.backend.nbytes)
             self._next_id = 0
             self._calls.clear()
-            self.recorder.reset()
+            self.recorder.start_part()
+            for h in self.handlers:
+                if h is not self.recorder:
+                    h.start_part()
 
     def _close_part(self) -> None:
         if self.part is not None:

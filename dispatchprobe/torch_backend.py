@@ -73,8 +73,8 @@ def _stat_source(t: torch.Tensor) -> torch.Tensor:
 def tensor_stats(tensors: list[torch.Tensor]) -> list[dict | None]:
     """max, min, mean, L2 norm, nan and inf counts of each tensor, in float32 or wider.
 
-    On CPU each reduction is read back at once (cheapest there).  On an accelerator the
-    reductions of all tensors of the call are stacked and read back with one host sync.
+    On CPU each tensor's reductions are read back at once (cheapest there).  Accelerator
+    tensors go through :func:`device_stats_row` and are read back together, one host sync.
     """
     out: list[dict | None] = [None] * len(tensors)
     pending: list[tuple[int, torch.Tensor]] = []
@@ -82,8 +82,11 @@ def tensor_stats(tensors: list[torch.Tensor]) -> list[dict | None]:
         for i, t in enumerate(tensors):
             if t.numel() == 0 or t.is_meta or t.layout != torch.strided:
                 continue
+            if stats_on_device(t):
+                pending.append((i, device_stats_row(t)))
+                continue
             x = _stat_source(t)
-            if x.device.type == "cpu" and x.numel() <= _NUMPY_MAX and x.dtype in _NUMPY_DTYPES:
+            if x.numel() <= _NUMPY_MAX and x.dtype in _NUMPY_DTYPES:
                 out[i] = _finish(x, _numpy_reductions(x))
                 continue
             lo, hi = torch.aminmax(x)
@@ -94,20 +97,15 @@ def tensor_stats(tensors: list[torch.Tensor]) -> list[dict | None]:
             if x.dtype == torch.float32 and x.is_contiguous():
                 flat = x.view(-1)
                 norm = torch.dot(flat, flat).sqrt()     # one BLAS pass: about 2x faster than vector_norm
+                values = torch.stack([hi, lo, total, norm]).tolist()   # one read-back, not four
             else:
                 norm = torch.linalg.vector_norm(x, dtype=acc)
-            if x.device.type == "cpu":
-                if x.dtype == torch.float32:
-                    values = torch.stack([hi, lo, total, norm]).tolist()   # one read-back, not four
-                else:
-                    values = [hi.item(), lo.item(), total.item(), norm.item()]
-                out[i] = _finish(x, values)
-            else:
-                pending.append((i, torch.stack([hi.double(), lo.double(), total, norm.double()])))
-        if pending:
-            rows = torch.stack([v for _, v in pending]).tolist()
-            for (i, _), values in zip(pending, rows):
-                out[i] = _finish(_stat_source(tensors[i]), values)
+                values = [hi.item(), lo.item(), total.item(), norm.item()]
+            out[i] = _finish(x, values)
+    if pending:
+        rows = read_stats_rows([r for _, r in pending], [tensors[i].numel() for i, _ in pending])
+        for (i, _), st in zip(pending, rows):
+            out[i] = st
     return out
 
 
