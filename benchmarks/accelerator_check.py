@@ -135,7 +135,8 @@ def timings(dev, steps, tmp) -> list[tuple[str, float]]:
     probes = {}
     for label, kw in {"statistics": dict(task="statistics"), "tensor": dict(task="tensor"),
                       "overflow": dict(task="overflow", overflow_nums=-1),
-                      "free_benchmark improve_precision": dict(task="free_benchmark")}.items():
+                      "free_benchmark improve_precision": dict(task="free_benchmark"),
+                      "free_benchmark add_noise": dict(task="free_benchmark", pert_mode="add_noise")}.items():
         probes[label] = DispatchProbe(dump_path=f"{tmp}/t-{label.split()[0]}", model=model, **kw)
         modes[label] = lambda p=probes[label]: (p, p.step)
     try:
@@ -157,7 +158,10 @@ def timings(dev, steps, tmp) -> list[tuple[str, float]]:
             if i >= 2:
                 times[label].append(time.perf_counter() - t0)
             model.zero_grad(set_to_none=True)
-    for p in probes.values():
+    for label, p in probes.items():
+        h = p.handlers[0]
+        if hasattr(h, "checked"):
+            print(f"  {label}: {h.flagged} flagged / {h.checked} checked over {steps + 2} steps")
         p.close()
     return [(k, statistics.median(v)) for k, v in times.items()]
 

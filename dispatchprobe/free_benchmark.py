@@ -33,6 +33,7 @@ Random ops (dropout, bernoulli, anything with a ``generator``) are never re-run.
 from __future__ import annotations
 
 import csv
+import itertools
 import os
 from collections import defaultdict
 
@@ -42,6 +43,8 @@ from . import metrics, perturb
 from .recorder import Handler, OpEvent
 
 NOISE_GAIN = 16.0
+_WINDOW_BYTES = 64 << 20    # accelerator: tensor bytes kept before they are measured together
+_WINDOW_OPS = 512           # ... and checked ops
 CSV_COLUMNS = ("rank", "pert_mode", "stage", "step", "api_name", "max_rel", "dtype", "shape", "output_index",
                "threshold", "sign_flips", "scope", "op", "id")
 _WIDER = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.float32: torch.float64}
@@ -60,6 +63,12 @@ class FreeBenchmarkHandler(Handler):
         self._sampled: dict = defaultdict(int)       # op -> calls checked in this step (preheat)
         self._suspects: set[str] = set()             # ops flagged during preheat
         self.checked = self.flagged = self.skipped = 0
+        self.scratch = perturb.Scratch()             # CPU temporaries of one op's check
+        self._pending: list = []                     # accelerator: (event, stage, slots) to report
+        self._pairs: dict = {}                       # small value -> ([re-run/original], [reference])
+        self._pending_bytes = 0
+        self.defer = False                           # measure on the device, read back later (tests
+                                                     # set it on CPU; accelerators always defer)
 
     # ---- selection ---------------------------------------------------------------------------------
     def _sample(self, event: OpEvent) -> bool:
@@ -83,6 +92,7 @@ class FreeBenchmarkHandler(Handler):
         ins = perturb.float_tensors((event.args, event.kwargs))
         if not ins or not self._sample(event):
             return None
+        self.scratch.reset()
         try:
             if self.cfg.fuzz_stage == "backward":
                 self._check_backward(event)
@@ -99,7 +109,7 @@ class FreeBenchmarkHandler(Handler):
         if mode == "improve_precision":
             if not any(t.dtype in _WIDER for t in perturb.float_tensors((args, kwargs))):
                 return None
-            a, k = perturb.cast_args(args, kwargs, _WIDER)
+            a, k = perturb.cast_args(args, kwargs, _WIDER, scratch=None if self.fix else self.scratch)
             return a, k, None, True
         if mode == "to_cpu":
             a, k = perturb.cast_args(args, kwargs, {}, device=torch.device("cpu"))
@@ -128,20 +138,13 @@ class FreeBenchmarkHandler(Handler):
             result = fixup(result)
         new = dict(perturb.flat_with_index(result))
         self.checked += 1
-        worst = None
+        pairs = []
         for index, orig in outs:
             other = new.get(index)
-            if other is None or other.shape != orig.shape:
-                continue
-            a, e = (orig, other) if rerun_is_reference else (other, orig)
-            limit = self._limit(ins, orig)
-            if perturb.surely_within(a, e, limit, metrics.per_dtype("small_value", _dtype(orig))):
-                continue
-            change = metrics.perturbation_change(_np(a), _np(e), _dtype(orig))
-            if change["max_rel"] > limit and (worst is None or change["max_rel"] > worst[1]["max_rel"]):
-                worst = (index, change, limit)
-        if worst is not None:
-            self._report(event, event.stage, *worst)
+            if other is not None and other.shape == orig.shape:
+                a, e = (orig, other) if rerun_is_reference else (other, orig)
+                pairs.append((index, a, e, self._limit(ins, orig)))
+        self._judge(event, event.stage, pairs)
         if self.fix and not perturb.returns_alias(event.func):
             return _replacement(event.outputs, result)
         return None
@@ -171,19 +174,66 @@ class FreeBenchmarkHandler(Handler):
         if other is None:
             return
         self.checked += 1
-        worst = None
+        ins = perturb.float_tensors((event.args, event.kwargs))
+        pairs = []
         for index, (g0, g1) in enumerate(zip(grads, other[0])):
-            if g0 is None or g1 is None or g0.shape != g1.shape:
-                continue
-            a, e = (g0, g1) if rerun_is_reference else (g1, g0)
-            limit = self._limit(perturb.float_tensors((event.args, event.kwargs)), g0)
-            if perturb.surely_within(a, e, limit, metrics.per_dtype("small_value", _dtype(g0))):
-                continue
-            change = metrics.perturbation_change(_np(a), _np(e), _dtype(g0))
-            if change["max_rel"] > limit and (worst is None or change["max_rel"] > worst[1]["max_rel"]):
-                worst = (index, change, limit)
-        if worst is not None:
-            self._report(event, "backward", *worst)
+            if g0 is not None and g1 is not None and g0.shape == g1.shape:
+                a, e = (g0, g1) if rerun_is_reference else (g1, g0)
+                pairs.append((index, a, e, self._limit(ins, g0)))
+        self._judge(event, "backward", pairs)
+
+    # ---- judging ------------------------------------------------------------------------------------
+    def _judge(self, event: OpEvent, stage: str, pairs) -> None:
+        """Measure each (output index, re-run/original, reference, limit) and report the worst
+        output over its limit.  On CPU at once, after the cheap :func:`perturb.surely_within`
+        screen; on an accelerator the pairs are kept (copies of the training's own tensors) until
+        ``_WINDOW_BYTES`` (or ``_WINDOW_OPS`` ops) have gathered or the region ends, then measured together on the device
+        (:func:`perturb.changes`) and read back with one host sync."""
+        if not pairs:
+            return
+        if pairs[0][1].device.type == "cpu" and not self.defer:
+            measured = []
+            for index, a, e, limit in pairs:
+                small = metrics.per_dtype("small_value", _dtype(a))
+                if not perturb.surely_within(a, e, limit, small, self.scratch):
+                    measured.append((index, limit, *[float(v) for v in perturb.change(a, e, small)]))
+            self._report_worst(event, stage, measured)
+            return
+        own = {id(t) for _, t in perturb.flat_with_index(event.outputs)}
+        slots = []
+        for index, a, e, limit in pairs:
+            small = metrics.per_dtype("small_value", _dtype(a))
+            group = self._pairs.setdefault(small, ([], []))
+            # the training's own output may be overwritten in place before the window is measured
+            group[0].append(a.detach().clone() if id(a) in own else a.detach())
+            group[1].append(e.detach().clone() if id(e) in own else e.detach())
+            slots.append((index, limit, small, len(group[0]) - 1))
+            self._pending_bytes += a.numel() * a.element_size() + e.numel() * e.element_size()
+        self._pending.append((event, stage, slots))
+        if self._pending_bytes >= _WINDOW_BYTES or len(self._pending) >= _WINDOW_OPS:
+            self._resolve()
+
+    def _resolve(self) -> None:
+        pending, pairs = self._pending, self._pairs
+        self._pending, self._pairs, self._pending_bytes = [], {}, 0
+        if not pending:
+            return
+        smalls = list(pairs)
+        measured = torch.cat([perturb.changes(*pairs[small], small) for small in smalls])
+        values = measured.tolist()                                    # the one host sync of the window
+        base = dict(zip(smalls, itertools.accumulate([0] + [len(pairs[s][0]) for s in smalls])))
+        for event, stage, slots in pending:
+            self._report_worst(event, stage, [(index, limit, *values[base[small] + k])
+                                              for index, limit, small, k in slots])
+
+    def _report_worst(self, event: OpEvent, stage: str, measured) -> None:
+        over = [m for m in measured if m[2] > m[1]]
+        if over:
+            index, limit, max_rel, flips = max(over, key=lambda m: m[2])
+            self._report(event, stage, index, {"max_rel": max_rel, "sign_flips": int(flips)}, limit)
+
+    def flush(self) -> None:
+        self._resolve()
 
     # ---- output ------------------------------------------------------------------------------------------
     def _report(self, event: OpEvent, stage: str, index: int, change: dict, limit: float) -> None:
@@ -218,19 +268,13 @@ class FreeBenchmarkHandler(Handler):
             self._csv = None
 
     def close(self) -> None:
+        self._pending, self._pairs, self._pending_bytes = [], {}, 0
         if self._csv is not None:
             self._csv.close()
             self._csv = None
 
 
 # ---- helpers --------------------------------------------------------------------------------------------
-def _np(t: torch.Tensor):
-    x = t.detach()
-    if x.device.type != "cpu":
-        x = x.cpu()
-    return (x if x.dtype == torch.float64 else x.float()).numpy()
-
-
 def _dtype(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
 

@@ -449,27 +449,60 @@ def judge_cross_precision(metrics: dict, dtype: str) -> tuple[str, str]:
 
 
 def perturbation_change(actual, expected, dtype: str) -> dict[str, Any]:
-    """The free-benchmark measure of a re-run ``actual`` against ``expected`` (same size).
-
-    ``max_rel``: the largest ``|a - e| / max(|e|, floor)`` with ``floor = max(small_value(dtype),
-    rms(e))``: an element far below the tensor's typical magnitude is judged against that
-    magnitude, not against itself, so an output that happens to be near zero (a dot product whose
-    terms cancel) cannot raise a false alarm, while an op whose *whole* output lost its digits
-    (catastrophic cancellation) still shows the loss in full.  inf when the inf/nan patterns differ.
-    ``sign_flips``: elements above the small-value threshold whose sign changed.
-    """
+    """The free-benchmark measure of a re-run ``actual`` against ``expected`` (same size), as
+    Python numbers: :func:`perturbation_terms` on numpy float64 arrays."""
     a = np.asarray(actual, dtype=np.float64).reshape(-1)
     e = np.asarray(expected, dtype=np.float64).reshape(-1)
-    fin_a, fin_e = np.isfinite(a), np.isfinite(e)
-    if not np.array_equal(fin_a, fin_e) or not np.array_equal(a[~fin_a], e[~fin_e], equal_nan=True):
-        return {"max_rel": float("inf"), "sign_flips": 0}
-    if not fin_a.all():
-        a, e = a[fin_a], e[fin_e]
-    if not a.size:
-        return {"max_rel": 0.0, "sign_flips": 0}
-    small = per_dtype("small_value", dtype)
-    floor = max(small, math.sqrt(float(np.dot(e, e)) / e.size))
-    max_rel = float((np.abs(a - e) / np.maximum(np.abs(e), floor)).max())
-    big = np.abs(e) > small
-    flips = int(np.count_nonzero((np.sign(a[big]) * np.sign(e[big])) < 0))
-    return {"max_rel": max_rel, "sign_flips": flips}
+    max_rel, flips = perturbation_terms(a, e, per_dtype("small_value", dtype), np)
+    return {"max_rel": float(max_rel), "sign_flips": int(flips)}
+
+
+class WholeArray:
+    """The reductions of :func:`perturbation_terms` over the whole (flat) array; a framework
+    side may pass its own with the same four methods to measure many concatenated arrays at
+    once (one result per segment, see ``dispatchprobe.perturb.Segments``)."""
+
+    def __init__(self, xp):
+        self.xp = xp
+
+    def count(self, mask):
+        return mask.sum()
+
+    def sumsq(self, x):
+        return self.xp.vdot(x, x)
+
+    def max(self, x):
+        return x.max()
+
+    def spread(self, per_segment):
+        return per_segment
+
+
+def perturbation_terms(a, e, small: float, xp, reduce=None):
+    """(max_rel, sign_flips) of the flat arrays ``a`` (re-run) and ``e`` (reference), as arrays
+    of the namespace ``xp`` -- ``numpy``, or ``torch`` so that the free benchmark can measure on
+    the accelerator and read many results back in one go.  The one implementation of the
+    measure: written without data-dependent branches (nothing forces a host sync) and with the
+    names numpy and torch share.  ``reduce`` (default :class:`WholeArray`: 0-d results) says
+    what is reduced together; a segmented one gives one result per segment.
+
+    ``max_rel``: the largest ``|a - e| / max(|e|, floor)`` with ``floor = max(small, rms(e))``:
+    an element far below the tensor's typical magnitude is judged against that magnitude, not
+    against itself, so an output that happens to be near zero (a dot product whose terms
+    cancel) cannot raise a false alarm, while an op whose *whole* output lost its digits
+    (catastrophic cancellation) still shows the loss in full.  inf when the inf/nan patterns
+    differ.  ``sign_flips``: elements above ``small`` whose sign changed."""
+    reduce = reduce or WholeArray(xp)
+    if a.shape[0] == 0:
+        return xp.abs(a).sum(), xp.abs(a).sum()
+    fin = xp.isfinite(e)
+    # inf/nan patterns differ: finite on one side only, or different non-finite values (nan = nan)
+    differs = (xp.isfinite(a) != fin) | (~fin & (a != e) & ((a == a) | (e == e)))
+    a, e = xp.where(fin, a, 0.0), xp.where(fin, e, 0.0)
+    n = reduce.count(fin).clip(min=1)
+    floor = xp.sqrt(reduce.sumsq(e) / n).clip(min=small)
+    abs_e = xp.abs(e)
+    max_rel = reduce.max(xp.abs(a - e) / xp.maximum(abs_e, reduce.spread(floor)))
+    max_rel = xp.where(reduce.count(differs) > 0, float("inf"), max_rel)
+    flips = reduce.count((abs_e > small) & (xp.sign(a) * xp.sign(e) < 0))
+    return max_rel, flips

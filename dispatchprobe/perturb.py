@@ -156,14 +156,43 @@ def autograd_on():
         yield
 
 
-def cast_args(args, kwargs, dtype_map: dict, device=None):
+class Scratch:
+    """Reusable CPU memory for the temporaries of one op's check (casts of its inputs, screen
+    buffers), handed out front to back and taken back all at once by :meth:`reset`.
+
+    Why: a fresh multi-megabyte CPU tensor is fresh pages from the kernel, and faulting them in
+    costs more than the cast or subtraction written into them.  Only for values that die with
+    the check; a holder of a view keeps the old block alive if the buffer has to grow."""
+
+    def __init__(self):
+        self._buf = torch.empty(0, dtype=torch.uint8)
+        self._used = 0
+
+    def reset(self) -> None:
+        self._used = 0
+
+    def take(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        numel = math.prod(shape)
+        start = -(-self._used // 64) * 64
+        end = start + numel * dtype.itemsize
+        if end > self._buf.numel():
+            self._buf = torch.empty(max(end, 2 * self._buf.numel()), dtype=torch.uint8)
+            start, end = 0, numel * dtype.itemsize
+        self._used = end
+        return self._buf[start:end].view(dtype).view(shape)
+
+
+def cast_args(args, kwargs, dtype_map: dict, device=None, scratch: Scratch | None = None):
     """Floating tensors (and floating ``dtype`` arguments) converted per ``dtype_map``
-    ({from: to}); tensors moved to ``device`` if given.  Other values unchanged."""
+    ({from: to}); tensors moved to ``device`` if given.  Other values unchanged.  With
+    ``scratch``, CPU casts are written into it (contiguous) instead of fresh memory."""
 
     def conv(v):
         if isinstance(v, torch.Tensor):
             to = dtype_map.get(v.dtype, v.dtype)
             if to != v.dtype or (device is not None and v.device != device):
+                if scratch is not None and v.device.type == "cpu" and device is None and v.layout == torch.strided:
+                    return scratch.take(v.shape, to).copy_(v.detach())
                 return v.detach().to(device=device or v.device, dtype=to)
             return v
         if isinstance(v, torch.dtype):
@@ -187,7 +216,16 @@ def user_stack(skip: int = 2) -> tuple:
     return tuple(f"{f.filename}:{f.lineno} in {f.name}" for f in frames if not f.filename.startswith(skip_prefixes))
 
 
-def surely_within(actual: torch.Tensor, expected: torch.Tensor, limit: float, small: float) -> bool:
+def _as_float32(t: torch.Tensor, scratch: Scratch | None) -> torch.Tensor:
+    if t.dtype == torch.float32:
+        return t
+    if scratch is not None and t.device.type == "cpu":
+        return scratch.take(t.shape, torch.float32).copy_(t)
+    return t.to(torch.float32)
+
+
+def surely_within(actual: torch.Tensor, expected: torch.Tensor, limit: float, small: float,
+                  scratch: Scratch | None = None) -> bool:
     """A cheap, conservative screen before :func:`metrics.perturbation_change`: True only when
     that measure is certainly <= ``limit`` (every element's error is at most ``max|a - e|`` and
     its floor at least ``max(small, rms(e))``).  Not a second metric: a False goes to the
@@ -201,21 +239,73 @@ def surely_within(actual: torch.Tensor, expected: torch.Tensor, limit: float, sm
         a = a.to(e.device)
     slack = 0.0
     if a.dtype != torch.float64 or e.dtype != torch.float64:
-        if e.dtype == torch.float64:
-            e, slack = e.to(torch.float32), 2.0 ** -23
-        elif e.dtype != torch.float32:
-            e = e.to(torch.float32)
-        if a.dtype == torch.float64:
-            a, slack = a.to(torch.float32), 2.0 ** -23
-        elif a.dtype != torch.float32:
-            a = a.to(torch.float32)
+        if e.dtype == torch.float64 or a.dtype == torch.float64:
+            slack = 2.0 ** -23
+        a, e = _as_float32(a, scratch), _as_float32(e, scratch)
     if not slack and torch.equal(a, e):
         return True
-    lo, hi = torch.aminmax(a - e)
+    if scratch is not None and a.device.type == "cpu":
+        diff = torch.sub(a, e, out=scratch.take(e.shape, e.dtype))
+    else:
+        diff = a - e
+    lo, hi = torch.aminmax(diff)
     rms = torch.linalg.vector_norm(e) / math.sqrt(max(e.numel(), 1))
     lo, hi, r = torch.stack([lo, hi, rms]).tolist()
     d = max(-lo, hi)
     return math.isfinite(d) and math.isfinite(r) and d <= (limit - slack) * max(small, r) * (1 - 1e-5)
+
+
+def change(actual: torch.Tensor, expected: torch.Tensor, small: float):
+    """:func:`metrics.perturbation_terms` of two tensors, on ``expected``'s device, as 0-d
+    tensors (max_rel, sign_flips): nothing is read back here.  In float64, like the numpy
+    measure: squares of large float32 (or exp'd bfloat16) values overflow float32 and would
+    hide a finding behind an infinite floor."""
+    from .metrics import perturbation_terms
+    a = actual.detach().to(device=expected.device, dtype=torch.float64).reshape(-1)
+    e = expected.detach().to(torch.float64).reshape(-1)
+    return perturbation_terms(a, e, small, torch)
+
+
+class Segments:
+    """The reductions of :func:`metrics.perturbation_terms` per segment of a flat concatenation
+    (one segment per measured output): a window of measures costs a few dozen kernel launches
+    instead of a few dozen per op -- on an accelerator the launches, not the arithmetic, are the
+    cost.  Per-segment sums and maxima are ``_foreach_norm`` over views of the segments (a
+    multi-tensor kernel; ``segment_reduce`` and ``repeat_interleave`` take one thread per
+    segment on CUDA and were 50x slower here).  Every reduced value is >= 0 (counts, squares,
+    relative errors), so the 1-, 2- and inf-norms are the sum, root of the sum of squares, max."""
+
+    def __init__(self, lengths: list[int]):
+        self.lengths = lengths
+
+    def _norms(self, x, order):
+        return torch.stack(torch._foreach_norm(list(x.split(self.lengths)), order))
+
+    def count(self, mask):
+        return self._norms(mask.to(torch.float64), 1)
+
+    def sumsq(self, x):
+        return self._norms(x, 2) ** 2
+
+    def max(self, x):
+        return self._norms(x, float("inf"))
+
+    def spread(self, per_segment):
+        return torch.cat([v.expand(n) for v, n in zip(per_segment.unbind(), self.lengths)])
+
+
+def changes(actuals: list, expecteds: list, small: float) -> torch.Tensor:
+    """:func:`change` of many pairs at once, as one (n, 2) float64 tensor of (max_rel,
+    sign_flips) rows on the device of the pairs: the pairs are concatenated in float64 and
+    measured per segment."""
+    from .metrics import perturbation_terms
+    device = expecteds[0].device
+    total = sum(t.numel() for t in expecteds)
+    a = torch.cat([t.reshape(-1) for t in actuals], out=torch.empty(total, dtype=torch.float64, device=device))
+    e = torch.cat([t.reshape(-1) for t in expecteds], out=torch.empty(total, dtype=torch.float64, device=device))
+    seg = Segments([t.numel() for t in expecteds])
+    max_rel, flips = perturbation_terms(a, e, small, torch, seg)
+    return torch.stack([max_rel, flips], dim=1)
 
 
 # ---- free-benchmark perturbations -------------------------------------------------------------

@@ -94,12 +94,16 @@ class Planted(nn.Module):
         return self.softmax(self.cancel(self.fc(x)))
 
 
-@pytest.mark.parametrize("mode", ["add_noise", "bit_noise"])
-def test_planted_ill_conditioned_ops_found(tmp_path, mode):
+@pytest.mark.parametrize("mode,defer", [("add_noise", False), ("bit_noise", False), ("add_noise", True)])
+def test_planted_ill_conditioned_ops_found(tmp_path, mode, defer, monkeypatch):
+    """``defer``: the accelerator path (pairs kept, measured together per window, read back
+    once) forced on CPU, with windows of a few ops -- it must find the same ops."""
+    monkeypatch.setattr("dispatchprobe.free_benchmark._WINDOW_OPS", 3)
     torch.manual_seed(0)
     model = Planted().to(torch.bfloat16)
     x = torch.randn(8, 16).to(torch.bfloat16)
     p = probe(tmp_path, mode, model=model)
+    p.handlers[0].defer = defer
     with p:
         model(x).float().sum().backward()
     p.close()
@@ -120,6 +124,26 @@ def test_measure_floors_near_zero_and_counts_sign_flips():
     flipped = perturbation_change([1.0, 1.0, 1e-5, 2.0], e, "float32")
     assert flipped["sign_flips"] == 1 and flipped["max_rel"] > 1
     assert perturbation_change([1.0, float("inf")], [1.0, 2.0], "float32")["max_rel"] == float("inf")
+
+
+def test_measure_of_many_pairs_at_once_equals_one_by_one():
+    """The accelerator path measures a window of outputs as segments of one concatenation; each
+    segment must get exactly the numpy measure of its pair (inf/nan patterns, sign flips)."""
+    from dispatchprobe import perturb
+    from dispatchprobe.metrics import perturbation_change
+    gen = torch.Generator().manual_seed(0)
+    pairs = []
+    for n in (5, 1, 1000, 7, 3):
+        e = torch.randn(n, generator=gen)
+        pairs.append(((e * (1 + 1e-2 * torch.randn(n, generator=gen))).bfloat16(), e))
+    pairs[0][1][2] = float("inf")                        # pattern differs -> inf
+    pairs[4][0][1], pairs[4][1][1] = float("nan"), float("nan")   # same pattern: measured
+    pairs[3][0][1] = -5 * pairs[3][1][1]                 # a sign flip
+    rows = perturb.changes([a for a, _ in pairs], [e for _, e in pairs], 1e-3).tolist()
+    for (a, e), (max_rel, flips) in zip(pairs, rows):
+        want = perturbation_change(a.float().numpy(), e.numpy(), "bfloat16")
+        assert max_rel == pytest.approx(want["max_rel"], rel=1e-12) and flips == want["sign_flips"]
+    assert rows[0][0] == float("inf") and rows[3][1] == 1 and rows[4][0] < 1
 
 
 def test_fix_replaces_outputs_with_higher_precision(tmp_path):
