@@ -10,6 +10,9 @@ kernels, overflow localisation on the device, free-benchmark flags) and one of s
 from __future__ import annotations
 
 import argparse
+import collections
+import csv
+import glob
 import os
 import statistics
 import tempfile
@@ -137,7 +140,7 @@ def timings(dev, steps, tmp) -> list[tuple[str, float]]:
                       "overflow": dict(task="overflow", overflow_nums=-1),
                       "free_benchmark improve_precision": dict(task="free_benchmark"),
                       "free_benchmark add_noise": dict(task="free_benchmark", pert_mode="add_noise")}.items():
-        probes[label] = DispatchProbe(dump_path=f"{tmp}/t-{label.split()[0]}", model=model, **kw)
+        probes[label] = DispatchProbe(dump_path=f"{tmp}/t-{label.replace(' ', '-')}", model=model, **kw)
         modes[label] = lambda p=probes[label]: (p, p.step)
     try:
         from torch.utils._debug_mode import DebugMode
@@ -160,9 +163,18 @@ def timings(dev, steps, tmp) -> list[tuple[str, float]]:
             model.zero_grad(set_to_none=True)
     for label, p in probes.items():
         h = p.handlers[0]
-        if hasattr(h, "checked"):
-            print(f"  {label}: {h.flagged} flagged / {h.checked} checked over {steps + 2} steps")
         p.close()
+        if hasattr(h, "checked"):
+            flagged, worst = collections.Counter(), {}
+            for path in glob.glob(f"{tmp}/t-{label.replace(' ', '-')}/step*/rank*/free_benchmark.csv"):
+                with open(path, newline="") as f:
+                    for r in csv.DictReader(f):
+                        key = f"{r['op']} {r['scope']} ({r['dtype']})"
+                        flagged[key] += 1
+                        worst[key] = max(worst.get(key, (0, 0)), (float(r["max_rel"]), float(r["threshold"])))
+            print(f"  {label}: {h.flagged} flagged / {h.checked} checked over {steps + 2} steps")
+            for key, n in flagged.most_common(8):
+                print(f"      {n} x {key}: max_rel up to {worst[key][0]:.3g} (limit {worst[key][1]:.3g})")
     return [(k, statistics.median(v)) for k, v in times.items()]
 
 

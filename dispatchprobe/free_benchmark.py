@@ -122,10 +122,9 @@ class FreeBenchmarkHandler(Handler):
                 return None
             return plan[0], dict(kwargs), plan[1], False
         noise = perturb.bit_noise if mode == "bit_noise" else self.noise.apply
-        from torch.utils._pytree import tree_map
         conv = (lambda v: noise(v) if isinstance(v, torch.Tensor) and v.dtype in perturb.FLOATS
                 and v.numel() > 0 else v)
-        return tree_map(conv, tuple(args)), tree_map(conv, dict(kwargs)), None, False
+        return (*perturb.map_args(conv, args, kwargs), None, False)
 
     def _check_forward(self, event: OpEvent, outs, ins):
         plan = self._perturbed(event)

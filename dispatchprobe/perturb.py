@@ -14,7 +14,7 @@ import math
 import traceback
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 HALF = (torch.float16, torch.bfloat16)
@@ -200,10 +200,32 @@ def cast_args(args, kwargs, dtype_map: dict, device=None, scratch: Scratch | Non
         if isinstance(v, torch.device) and device is not None:
             return device
         return v
-    return tree_map(conv, tuple(args)), tree_map(conv, dict(kwargs))
+    return map_args(conv, args, kwargs)
+
+
+def map_args(fn, args, kwargs):
+    """``fn`` applied to every leaf of an aten call's (args, kwargs): the nested tuples, lists
+    and dicts an aten call holds, walked directly (pytree's generic walk costs more than the
+    small ops it is used around)."""
+    def walk(v):
+        if isinstance(v, (tuple, list)):
+            return type(v)(walk(x) for x in v)
+        if isinstance(v, dict):
+            return {k: walk(x) for k, x in v.items()}
+        return fn(v)
+    return tuple(walk(v) for v in args), {k: walk(v) for k, v in kwargs.items()}
 
 
 def run(func, args, kwargs, device_type: str = "cpu"):
+    """The op called again, never re-cast by an enclosing autocast region (checked first: the
+    backward pass and most forward code run with autocast off, and entering the contexts
+    costs more than a small op)."""
+    try:
+        plain = not (torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled(device_type))
+    except RuntimeError:          # a device type autocast does not know
+        plain = False
+    if plain:
+        return func(*args, **kwargs)
     with no_autocast(device_type):
         return func(*args, **kwargs)
 

@@ -193,3 +193,15 @@ def test_preheat_samples_then_follows_suspects(tmp_path):
     suspects = handler._suspects
     assert suspects and suspects <= {"aten.native_layer_norm_backward.default", "aten.embedding_dense_backward.default"}
     assert checked[1] - checked[0] <= 8          # afterwards: only the suspects
+
+
+def test_rerun_escapes_enclosing_autocast_and_is_plain_without_it():
+    """A re-run inside a bf16 autocast region must not be cast back down (the float32
+    reference would silently be the bf16 result again); outside autocast the fast path runs."""
+    from dispatchprobe import perturb
+    a, b = torch.randn(4, 8), torch.randn(8, 3)
+    mm = torch.ops.aten.mm.default
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert mm(a, b).dtype == torch.bfloat16            # what autocast would do to the re-run
+        assert perturb.run(mm, (a, b), {}).dtype == torch.float32
+    assert torch.equal(perturb.run(mm, (a, b), {}), a @ b)
