@@ -205,3 +205,32 @@ def test_rerun_escapes_enclosing_autocast_and_is_plain_without_it():
         assert mm(a, b).dtype == torch.bfloat16            # what autocast would do to the re-run
         assert perturb.run(mm, (a, b), {}).dtype == torch.float32
     assert torch.equal(perturb.run(mm, (a, b), {}), a @ b)
+
+
+def test_screen_clears_only_what_the_measure_passes():
+    """``surely_within`` is a shortcut, never a second opinion: whenever it clears a pair, the
+    measure is within the limit -- float32 against a float64 reference (rounded once), masks of
+    -inf, a float64 value beyond float32's range that float32 turned into inf, nan."""
+    from dispatchprobe import perturb
+    from dispatchprobe.metrics import perturbation_change
+    gen = torch.Generator().manual_seed(1)
+    cases = []
+    for scale in (1e-3, 1e-6, 1e-9):
+        e = torch.randn(500, generator=gen, dtype=torch.float64)
+        cases.append(((e * (1 + scale * torch.randn(500, generator=gen, dtype=torch.float64))).float(), e))
+    masked = torch.randn(500, generator=gen, dtype=torch.float64)
+    masked[::7] = float("-inf")
+    cases.append((masked.float(), masked))                              # exact op with a -inf mask
+    beyond = masked.clone()
+    beyond[3] = 1e39
+    cases.append((beyond.float(), beyond))                              # inf in float32 only
+    with_nan = masked.clone()
+    with_nan[5] = float("nan")
+    cases.append((with_nan.float(), with_nan))
+    cleared = []
+    for a, e in cases:
+        ok = perturb.surely_within(a, e, 2e-4, 1e-6, perturb.Scratch())
+        measure = perturbation_change(a.double().numpy(), e.numpy(), "float32")["max_rel"]
+        assert not ok or measure <= 2e-4, (ok, measure)
+        cleared.append(ok)
+    assert cleared == [False, True, True, True, False, False]
