@@ -171,8 +171,12 @@ class Scratch:
     def reset(self) -> None:
         self._used = 0
 
+    MIN_NUMEL = 1 << 16      # below this a fresh tensor is cheaper than slicing and viewing
+
     def take(self, shape, dtype: torch.dtype) -> torch.Tensor:
         numel = math.prod(shape)
+        if numel < self.MIN_NUMEL:
+            return torch.empty(shape, dtype=dtype)
         start = -(-self._used // 64) * 64
         end = start + numel * dtype.itemsize
         if end > self._buf.numel():
