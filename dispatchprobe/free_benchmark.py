@@ -33,6 +33,7 @@ Random ops (dropout, bernoulli, anything with a ``generator``) are never re-run.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import itertools
 import os
 from collections import defaultdict
@@ -198,17 +199,24 @@ class FreeBenchmarkHandler(Handler):
                     measured.append((index, limit, *[float(v) for v in perturb.change(a, e, small)]))
             self._report_worst(event, stage, measured)
             return
-        own = {id(t) for _, t in perturb.flat_with_index(event.outputs)}
+        # The training's own outputs are copied: they may be overwritten in place before the
+        # window is measured, and holding them would change autograd's choices (it steals a
+        # gradient nobody else holds and copies one that is held: extra ops, extra memory).
+        # The kept event holds the copies too, for the record of a flagged op.
+        copies = {id(t): t.detach().clone() for _, t in perturb.flat_with_index(event.outputs)}
+        kept = dataclasses.replace(event, outputs=perturb.swap_tensors(event.outputs, copies))
         slots = []
         for index, a, e, limit in pairs:
             small = metrics.per_dtype("small_value", _dtype(a))
+            a, e = copies.get(id(a), a.detach()), copies.get(id(e), e.detach())
+            if e.device != a.device:         # to_cpu: the CPU reference joins the device's window
+                e = e.to(a.device)
             group = self._pairs.setdefault(small, ([], []))
-            # the training's own output may be overwritten in place before the window is measured
-            group[0].append(a.detach().clone() if id(a) in own else a.detach())
-            group[1].append(e.detach().clone() if id(e) in own else e.detach())
+            group[0].append(a)
+            group[1].append(e)
             slots.append((index, limit, small, len(group[0]) - 1))
             self._pending_bytes += a.numel() * a.element_size() + e.numel() * e.element_size()
-        self._pending.append((event, stage, slots))
+        self._pending.append((kept, stage, slots))
         if self._pending_bytes >= _WINDOW_BYTES or len(self._pending) >= _WINDOW_OPS:
             self._resolve()
 

@@ -28,6 +28,7 @@ rewritten at each critical op and at the end of each region (``flush``).
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import json
 import math
@@ -68,6 +69,9 @@ class OverflowHandler(Handler):
         self._stop: OverflowDetected | None = None
         self._dirty = False                  # rows not yet in overflow.csv (written at flush)
         self._backend = session.backend
+        self.checked = 0                     # ops checked (whole run)
+        self.defer = False                   # read back in windows (tests set it on CPU;
+                                             # accelerators always do)
 
     # ---- per op ---------------------------------------------------------------------------------
     def on_op(self, event: OpEvent):
@@ -78,11 +82,17 @@ class OverflowHandler(Handler):
             return None
         ins = perturb.float_tensors((event.args, event.kwargs))
         norms = self._norms(outs, ins)
-        if outs[0][1].device.type == "cpu":
+        self.checked += 1
+        if outs[0][1].device.type == "cpu" and not self.defer:
             self._judge(event, outs, ins, torch.stack(norms).tolist())
         else:
             event.stack = event.stack or (perturb.user_stack() if event.stage == "forward" else None)
-            self._pending.append((event, outs, ins, torch.stack([n.float() for n in norms])))
+            # detached aliases, not the outputs themselves: autograd steals a gradient only when
+            # nothing else holds that tensor object (else it copies: extra ops and memory)
+            alias = {id(t): t.detach() for _, t in outs}
+            kept = dataclasses.replace(event, outputs=perturb.swap_tensors(event.outputs, alias))
+            outs = [(i, alias[id(t)]) for i, t in outs]
+            self._pending.append((kept, outs, ins, torch.stack([n.float() for n in norms])))
             if len(self._pending) >= _WINDOW:
                 self._resolve()
         if self._stop is not None:

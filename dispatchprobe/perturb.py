@@ -108,6 +108,18 @@ def flat_with_index(outputs) -> list[tuple[int, torch.Tensor]]:
     return out
 
 
+def swap_tensors(outputs, replacements: dict):
+    """``outputs`` (a tensor or nested tuples/lists) with every tensor in ``replacements``
+    (keyed by ``id``) replaced: what a handler keeps of an op for later must not be the
+    training's own output objects -- autograd steals a gradient into ``.grad`` only when no
+    one else holds that tensor object, and copies it otherwise (extra ops, extra memory)."""
+    if isinstance(outputs, torch.Tensor):
+        return replacements.get(id(outputs), outputs)
+    if isinstance(outputs, (tuple, list)):
+        return type(outputs)(swap_tensors(o, replacements) for o in outputs)
+    return outputs
+
+
 def norm32(t: torch.Tensor) -> torch.Tensor:
     """L2 norm accumulated in float32 (float64 for float64): inf/nan iff the tensor has one,
     except when float32 squares overflow (|x| > ~1e19), which callers re-check exactly."""

@@ -42,12 +42,13 @@ def test_check_mode_is_bit_identical(tmp_path, mode, stage):
     assert torch.equal(off[3], on[3]), "global RNG consumed"
 
 
-def one_step(path, dtype, mode, model=None, **kw):
+def one_step(path, dtype, mode, model=None, defer=False, **kw):
     torch.manual_seed(0)
     model = model or TinyTransformer()
     model = model.to(dtype)
     tokens, targets = lm_batch()
     p = probe(path, mode, model=model, **kw)
+    p.handlers[0].defer = defer
     with p:
         lm_loss(model, tokens, targets).backward()
     handler = p.handlers[0]
@@ -66,6 +67,26 @@ def test_no_false_positives_on_clean_step(tmp_path, dtype, mode):
 def test_improve_precision_clean_fp32(tmp_path):
     handler, rows = one_step(tmp_path, torch.float32, "improve_precision")
     assert handler.checked > 100 and rows == []
+
+
+@pytest.mark.parametrize("mode", ["improve_precision", "to_cpu"])
+def test_device_path_flags_what_the_cpu_path_flags(tmp_path, mode, monkeypatch):
+    """The accelerator path (pairs kept, measured per window as segments, one read-back),
+    forced on CPU with small windows, against the per-op path on a bf16 step: the same ops
+    flagged with the same measures (bf16 improve_precision flags layer-norm and embedding
+    backward), and the same ops checked: the kept outputs are copies, so autograd still
+    steals the gradients nobody else holds (holding them made it copy: 9 extra ops)."""
+    monkeypatch.setattr("dispatchprobe.free_benchmark._WINDOW_OPS", 7)
+    now, rows_now = one_step(tmp_path / "now", torch.bfloat16, mode)
+    later, rows_later = one_step(tmp_path / "later", torch.bfloat16, mode, defer=True)
+    assert now.checked == later.checked > 40
+    key = lambda r: (r["op"], r["scope"], r["output_index"])                  # noqa: E731
+    assert sorted(map(key, rows_now)) == sorted(map(key, rows_later))
+    for a, b in zip(sorted(rows_now, key=key), sorted(rows_later, key=key)):
+        assert float(a["max_rel"]) == pytest.approx(float(b["max_rel"]), rel=1e-9)
+    if mode == "improve_precision":
+        assert rows_now and {r["op"] for r in rows_now} <= {"aten.native_layer_norm_backward.default",
+                                                            "aten.embedding_dense_backward.default"}
 
 
 class Cancel(nn.Module):

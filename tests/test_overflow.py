@@ -69,10 +69,13 @@ def rows(path):
         return list(csv.DictReader(f))
 
 
-def test_forward_overflow_localized_and_raised(tmp_path):
+@pytest.mark.parametrize("defer", [False, True])
+def test_forward_overflow_localized_and_raised(tmp_path, defer):
+    """``defer``: the accelerator path (norms kept, read back at the end of the region) on CPU."""
     torch.manual_seed(0)
     net, x = ExpNet().half(), torch.randn(4, 16).half()
     probe = DispatchProbe(task="overflow", dump_path=str(tmp_path), model=net)
+    probe.handlers[0].defer = defer
     with pytest.raises(OverflowDetected, match=r"aten\.exp\.default \(forward, scope 'ExpNet\.layers\.1'"):
         with probe:
             net(x).float().sum().backward()
@@ -93,9 +96,11 @@ def test_forward_overflow_localized_and_raised(tmp_path):
     assert summary["first_critical"]["op"] == "aten.exp.default"
 
 
-def test_backward_only_overflow_keep_going(tmp_path):
+@pytest.mark.parametrize("defer", [False, True])
+def test_backward_only_overflow_keep_going(tmp_path, defer):
     net, x = cube_net()
     probe = DispatchProbe(task="overflow", dump_path=str(tmp_path), model=net, overflow_nums=-1)
+    probe.handlers[0].defer = defer
     with probe:
         y = net(x)
         assert torch.isfinite(y).all()
@@ -202,3 +207,23 @@ def test_no_growth_flags_on_ordinary_ops(tmp_path):
         (net(x * 10.0).sum() * 2.0).backward()
     probe.close()
     assert not (tmp_path / "step0" / "rank0" / "overflow.csv").exists() or not rows(tmp_path)
+
+
+def test_deferred_checks_leave_autograd_alone(tmp_path):
+    """What the accelerator path keeps of an op until the read-back must not be the output
+    objects: holding a gradient makes autograd copy it into ``.grad`` instead of stealing it
+    (12 extra ops per step on this model before)."""
+    from dispatchprobe.models import TinyTransformer, lm_batch, lm_loss
+    checked = []
+    for defer in (False, True):
+        torch.manual_seed(0)
+        model = TinyTransformer()
+        tokens, targets = lm_batch()
+        probe = DispatchProbe(task="overflow", dump_path=str(tmp_path / str(defer)), model=model,
+                              overflow_nums=-1)
+        probe.handlers[0].defer = defer
+        with probe:
+            lm_loss(model, tokens, targets).backward()
+        checked.append(probe.handlers[0].checked)
+        probe.close()
+    assert checked[0] == checked[1] > 100
