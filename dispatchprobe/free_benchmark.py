@@ -2,7 +2,8 @@
 
 The handler gets every op after it ran (the probe's mode is popped and ``no_grad`` is on, so
 nothing it does is recorded), runs ``event.func`` again on perturbed copies of the inputs and
-compares the two results with :func:`dispatchprobe.metrics.perturbation_change`.
+compares the two results with :func:`dispatchprobe.metrics.perturbation_terms` (the one
+measure, in torch on the tensors' device).
 
 Perturbations (``pert_mode``, msprobe's names):
 
@@ -22,8 +23,8 @@ An output is flagged when its change exceeds the seeds' threshold for its dtype
 (``data/standards.yaml``); for the two noise modes, also more than ``NOISE_GAIN`` times the
 noise itself (eps of the input dtype) -- a well-conditioned op moves by about as much as its
 inputs did, so only amplification is a finding -- and for every mode whose two results are
-both rounded to the output dtype, more than 2 eps of that dtype.  With ``fuzz_stage="backward"`` forward ops
-are re-run with autograd on, the same seeded random output gradient is pushed through the
+both rounded to the output dtype, more than 2 eps of that dtype.  With
+``fuzz_stage="backward"`` forward ops are re-run with autograd on, the same seeded random output gradient is pushed through the
 original and the perturbed call, and the input gradients are compared.
 
 Random ops (dropout, bernoulli, anything with a ``generator``) are never re-run.  In
@@ -186,9 +187,10 @@ class FreeBenchmarkHandler(Handler):
     def _judge(self, event: OpEvent, stage: str, pairs) -> None:
         """Measure each (output index, re-run/original, reference, limit) and report the worst
         output over its limit.  On CPU at once, after the cheap :func:`perturb.surely_within`
-        screen; on an accelerator the pairs are kept (copies of the training's own tensors) until
-        ``_WINDOW_BYTES`` (or ``_WINDOW_OPS`` ops) have gathered or the region ends, then measured together on the device
-        (:func:`perturb.changes`) and read back with one host sync."""
+        screen.  On an accelerator the pairs are kept (copies of the training's own tensors)
+        until ``_WINDOW_BYTES`` or ``_WINDOW_OPS`` ops have gathered or the region ends, then
+        measured together on the device (:func:`perturb.changes`) and read back with one host
+        sync."""
         if not pairs:
             return
         if pairs[0][1].device.type == "cpu" and not self.defer:
@@ -199,11 +201,13 @@ class FreeBenchmarkHandler(Handler):
                     measured.append((index, limit, *[float(v) for v in perturb.change(a, e, small)]))
             self._report_worst(event, stage, measured)
             return
-        # The training's own outputs are copied: they may be overwritten in place before the
-        # window is measured, and holding them would change autograd's choices (it steals a
-        # gradient nobody else holds and copies one that is held: extra ops, extra memory).
-        # The kept event holds the copies too, for the record of a flagged op.
-        copies = {id(t): t.detach().clone() for _, t in perturb.flat_with_index(event.outputs)}
+        # The training's own outputs that are measured are copied (they may be overwritten in
+        # place before the window is measured); the others are kept as detached aliases.  Never
+        # the output objects themselves: autograd steals a gradient into .grad only when
+        # nobody else holds it, and copies it otherwise (extra ops, extra memory).
+        measured_ids = {id(t) for _, a, e, _ in pairs for t in (a, e)}
+        copies = {id(t): t.detach().clone() if id(t) in measured_ids else t.detach()
+                  for _, t in perturb.flat_with_index(event.outputs)}
         kept = dataclasses.replace(event, outputs=perturb.swap_tensors(event.outputs, copies))
         slots = []
         for index, a, e, limit in pairs:

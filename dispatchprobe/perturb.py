@@ -264,15 +264,15 @@ def _as_float32(t: torch.Tensor, scratch: Scratch | None) -> torch.Tensor:
 
 def surely_within(actual: torch.Tensor, expected: torch.Tensor, limit: float, small: float,
                   scratch: Scratch | None = None) -> bool:
-    """A cheap, conservative screen before :func:`metrics.perturbation_change`: True only when
-    that measure is certainly <= ``limit`` (every element's error is at most ``max|a - e|`` and
-    its floor at least ``max(small, rms(e))``).  Not a second metric: a False goes to the
-    metric.  Runs in torch on the tensors' device in float32 (float64 only when both sides are
+    """A cheap, conservative screen before the measure (:func:`metrics.perturbation_terms`
+    via :func:`change`): True only when that measure is certainly <= ``limit`` (every
+    element's error is at most ``max|a - e|`` and its floor at least ``max(small, rms(e))``).
+    Not a second metric: a False goes to the measure.  Runs in torch on the tensors' device in float32 (float64 only when both sides are
     float64): a float64 reference (``improve_precision`` of float32) is rounded to float32 once,
     and that rounding (relative 2**-24, also on rms(e)) is taken off the limit, so the screen
     stays an upper bound on the float64 measure.  Three passes: equal (exits at the first
     difference; an op that is exact in float32 -- masks, copies, gathers, relu -- ends there),
-    a - e, and one fused min/max; plus the norm of e."""
+    a - e, and one fused min/max; plus the squared norm of e."""
     a, e = actual.detach(), expected.detach()
     if a.device != e.device:
         a = a.to(e.device)
