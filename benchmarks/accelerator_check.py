@@ -164,7 +164,7 @@ def timings(dev, steps, tmp) -> list[tuple[str, float]]:
     for label, p in probes.items():
         h = p.handlers[0]
         p.close()
-        if hasattr(h, "checked"):
+        if hasattr(h, "flagged"):
             flagged, worst = collections.Counter(), {}
             for path in glob.glob(f"{tmp}/t-{label.replace(' ', '-')}/step*/rank*/free_benchmark.csv"):
                 with open(path, newline="") as f:

@@ -67,7 +67,7 @@ def main() -> None:
         extra = ""
         if label in probes:
             h = probes[label].handlers[0]
-            if hasattr(h, "checked"):
+            if hasattr(h, "flagged"):
                 extra = f"{h.flagged}/{h.checked}"
             else:
                 extra = f"{h.found} critical"
