@@ -176,6 +176,9 @@ class Scratch:
     costs more than the cast or subtraction written into them.  Only for values that die with
     the check; a holder of a view keeps the old block alive if the buffer has to grow."""
 
+    MIN_NUMEL = 1 << 16      # below this a fresh tensor is cheaper than slicing and viewing
+    MAX_BYTES = 256 << 20    # the buffer (kept between ops) never grows beyond this
+
     def __init__(self):
         self._buf = torch.empty(0, dtype=torch.uint8)
         self._used = 0
@@ -183,19 +186,19 @@ class Scratch:
     def reset(self) -> None:
         self._used = 0
 
-    MIN_NUMEL = 1 << 16      # below this a fresh tensor is cheaper than slicing and viewing
-
     def take(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised tensor of ``shape``/``dtype``: a slice of the buffer, or fresh
+        memory when it is small or does not fit under ``MAX_BYTES``."""
         numel = math.prod(shape)
-        if numel < self.MIN_NUMEL:
-            return torch.empty(shape, dtype=dtype)
+        nbytes = numel * dtype.itemsize
         start = -(-self._used // 64) * 64
-        end = start + numel * dtype.itemsize
-        if end > self._buf.numel():
-            self._buf = torch.empty(max(end, 2 * self._buf.numel()), dtype=torch.uint8)
-            start, end = 0, numel * dtype.itemsize
-        self._used = end
-        return self._buf[start:end].view(dtype).view(shape)
+        if numel < self.MIN_NUMEL or start + nbytes > self.MAX_BYTES:
+            return torch.empty(shape, dtype=dtype)
+        if start + nbytes > self._buf.numel():      # grow; blocks already handed out keep the old one
+            self._buf = torch.empty(min(self.MAX_BYTES, max(start + nbytes, 2 * self._buf.numel())),
+                                    dtype=torch.uint8)
+        self._used = start + nbytes
+        return self._buf[start:start + nbytes].view(dtype).view(shape)
 
 
 def cast_args(args, kwargs, dtype_map: dict, device=None, scratch: Scratch | None = None):

@@ -255,3 +255,21 @@ def test_screen_clears_only_what_the_measure_passes():
         assert not ok or measure <= 2e-4, (ok, measure)
         cleared.append(ok)
     assert cleared == [False, True, True, True, False, False]
+
+
+def test_scratch_blocks_never_overlap_and_stay_bounded(monkeypatch):
+    """Blocks of one op's check are disjoint (also across a growth), memory is reused after
+    ``reset``, and the kept buffer never exceeds MAX_BYTES (larger needs get fresh memory)."""
+    from dispatchprobe.perturb import Scratch
+    monkeypatch.setattr(Scratch, "MIN_NUMEL", 4)
+    monkeypatch.setattr(Scratch, "MAX_BYTES", 4096)
+    s = Scratch()
+    blocks = [s.take((100,), torch.float32), s.take((50,), torch.float64), s.take((200,), torch.float32)]
+    for i, b in enumerate(blocks):
+        b.fill_(i)
+    assert [int(b.min()) for b in blocks] == [0, 1, 2] and [int(b.max()) for b in blocks] == [0, 1, 2]
+    s.reset()
+    again = s.take((100,), torch.float32)
+    assert again.data_ptr() == s._buf.data_ptr()                    # reused from the start
+    big = s.take((2000,), torch.float32)                            # 8000 bytes > MAX_BYTES
+    assert s._buf.numel() <= 4096 and big.untyped_storage().data_ptr() != s._buf.data_ptr()
