@@ -24,8 +24,9 @@ An output is flagged when its change exceeds the seeds' threshold for its dtype
 noise itself (eps of the input dtype) -- a well-conditioned op moves by about as much as its
 inputs did, so only amplification is a finding -- and for every mode whose two results are
 both rounded to the output dtype, more than 2 eps of that dtype.  With
-``fuzz_stage="backward"`` forward ops are re-run with autograd on, the same seeded random output gradient is pushed through the
-original and the perturbed call, and the input gradients are compared.
+``fuzz_stage="backward"`` forward ops are re-run with autograd on, the same seeded random
+output gradient is pushed through the original and the perturbed call, and the input
+gradients are compared.
 
 Random ops (dropout, bernoulli, anything with a ``generator``) are never re-run.  In
 ``check`` mode the training run's values are never touched: perturbations are copies.

@@ -493,7 +493,7 @@ def perturbation_terms(a, e, small: float, xp, reduce=None):
     (catastrophic cancellation) still shows the loss in full.  inf when the inf/nan patterns
     differ.  ``sign_flips``: elements above ``small`` whose sign changed."""
     reduce = reduce or WholeArray(xp)
-    if a.shape[0] == 0:
+    if a.shape[0] == 0:                    # nothing to compare: (0, 0) in the namespace's type
         return xp.abs(a).sum(), xp.abs(a).sum()
     fin = xp.isfinite(e)
     # inf/nan patterns differ: finite on one side only, or different non-finite values (nan = nan)
