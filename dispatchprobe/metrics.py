@@ -450,7 +450,9 @@ def judge_cross_precision(metrics: dict, dtype: str) -> tuple[str, str]:
 
 def perturbation_change(actual, expected, dtype: str) -> dict[str, Any]:
     """The free-benchmark measure of a re-run ``actual`` against ``expected`` (same size), as
-    Python numbers: :func:`perturbation_terms` on numpy float64 arrays."""
+    Python numbers: :func:`perturbation_terms` on numpy float64 arrays -- the entry for a
+    framework side that hands over numpy arrays (and the tests' reference); the torch side
+    calls :func:`perturbation_terms` on device tensors directly."""
     a = np.asarray(actual, dtype=np.float64).reshape(-1)
     e = np.asarray(expected, dtype=np.float64).reshape(-1)
     max_rel, flips = perturbation_terms(a, e, per_dtype("small_value", dtype), np)
