@@ -200,6 +200,12 @@ class Scratch:
         self._used = start + nbytes
         return self._buf[start:start + nbytes].view(dtype).view(shape)
 
+    def cast(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``t`` converted to ``dtype`` (contiguous), in the buffer when that pays."""
+        if t.device.type != "cpu" or t.layout != torch.strided or t.numel() < self.MIN_NUMEL:
+            return t.detach().to(dtype)
+        return self.take(t.shape, dtype).copy_(t.detach())
+
 
 def cast_args(args, kwargs, dtype_map: dict, device=None, scratch: Scratch | None = None):
     """Floating tensors (and floating ``dtype`` arguments) converted per ``dtype_map``
@@ -210,8 +216,8 @@ def cast_args(args, kwargs, dtype_map: dict, device=None, scratch: Scratch | Non
         if isinstance(v, torch.Tensor):
             to = dtype_map.get(v.dtype, v.dtype)
             if to != v.dtype or (device is not None and v.device != device):
-                if scratch is not None and v.device.type == "cpu" and device is None and v.layout == torch.strided:
-                    return scratch.take(v.shape, to).copy_(v.detach())
+                if scratch is not None and device is None:
+                    return scratch.cast(v, to)
                 return v.detach().to(device=device or v.device, dtype=to)
             return v
         if isinstance(v, torch.dtype):
@@ -260,8 +266,8 @@ def user_stack(skip: int = 2) -> tuple:
 def _as_float32(t: torch.Tensor, scratch: Scratch | None) -> torch.Tensor:
     if t.dtype == torch.float32:
         return t
-    if scratch is not None and t.device.type == "cpu":
-        return scratch.take(t.shape, torch.float32).copy_(t)
+    if scratch is not None:
+        return scratch.cast(t, torch.float32)
     return t.to(torch.float32)
 
 
@@ -294,7 +300,7 @@ def surely_within(actual: torch.Tensor, expected: torch.Tensor, limit: float, sm
         if math.isfinite(lo) and math.isfinite(hi) or \
                 int(torch.isinf(wide).sum()) == int(torch.isinf(rounded).sum()):
             return True
-    if scratch is not None and a.device.type == "cpu":
+    if scratch is not None and a.device.type == "cpu" and e.numel() >= scratch.MIN_NUMEL:
         diff = torch.sub(a, e, out=scratch.take(e.shape, e.dtype))
     else:
         diff = a - e
