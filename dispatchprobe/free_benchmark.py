@@ -199,7 +199,7 @@ class FreeBenchmarkHandler(Handler):
             for index, a, e, limit in pairs:
                 small = metrics.per_dtype("small_value", _dtype(a))
                 if not perturb.surely_within(a, e, limit, small, self.scratch):
-                    measured.append((index, limit, *[float(v) for v in perturb.change(a, e, small)]))
+                    measured.append((index, limit, *perturb.changes([a], [e], small)[0].tolist()))
             self._report_worst(event, stage, measured)
             return
         # The training's own outputs that are measured are copied (they may be overwritten in

@@ -274,12 +274,13 @@ def _as_float32(t: torch.Tensor, scratch: Scratch | None) -> torch.Tensor:
 def surely_within(actual: torch.Tensor, expected: torch.Tensor, limit: float, small: float,
                   scratch: Scratch | None = None) -> bool:
     """A cheap, conservative screen before the measure (:func:`metrics.perturbation_terms`
-    via :func:`change`): True only when that measure is certainly <= ``limit`` (every
+    via :func:`changes`): True only when that measure is certainly <= ``limit`` (every
     element's error is at most ``max|a - e|`` and its floor at least ``max(small, rms(e))``).
-    Not a second metric: a False goes to the measure.  Runs in torch on the tensors' device in float32 (float64 only when both sides are
-    float64): a float64 reference (``improve_precision`` of float32) is rounded to float32 once,
-    and that rounding (relative 2**-24, also on rms(e)) is taken off the limit, so the screen
-    stays an upper bound on the float64 measure.  Three passes: equal (exits at the first
+    Not a second metric: a False goes to the measure.  Runs in torch on the tensors' device
+    in float32 (float64 only when both sides are float64): a float64 reference
+    (``improve_precision`` of float32) is rounded to float32 once, and that rounding (relative
+    2**-24, also on rms(e)) is taken off the limit, so the screen stays an upper bound on the
+    float64 measure.  Three passes: equal (exits at the first
     difference; an op that is exact in float32 -- masks, copies, gathers, relu -- ends there),
     a - e, and one fused min/max; plus the squared norm of e."""
     a, e = actual.detach(), expected.detach()
@@ -312,17 +313,6 @@ def surely_within(actual: torch.Tensor, expected: torch.Tensor, limit: float, sm
     return math.isfinite(d) and math.isfinite(r) and d <= (limit - slack) * max(small, r) * (1 - 1e-5)
 
 
-def change(actual: torch.Tensor, expected: torch.Tensor, small: float):
-    """:func:`metrics.perturbation_terms` of two tensors, on ``expected``'s device, as 0-d
-    tensors (max_rel, sign_flips): nothing is read back here.  In float64, like the numpy
-    measure: squares of large float32 (or exp'd bfloat16) values overflow float32 and would
-    hide a finding behind an infinite floor."""
-    from .metrics import perturbation_terms
-    a = actual.detach().to(device=expected.device, dtype=torch.float64).reshape(-1)
-    e = expected.detach().to(torch.float64).reshape(-1)
-    return perturbation_terms(a, e, small, torch)
-
-
 class Segments:
     """The reductions of :func:`metrics.perturbation_terms` per segment of a flat concatenation
     (one segment per measured output): a window of measures costs a few dozen kernel launches
@@ -352,9 +342,11 @@ class Segments:
 
 
 def changes(actuals: list, expecteds: list, small: float) -> torch.Tensor:
-    """:func:`change` of many pairs at once, as one (n, 2) float64 tensor of (max_rel,
-    sign_flips) rows on the device of the pairs: the pairs are concatenated in float64 and
-    measured per segment."""
+    """:func:`metrics.perturbation_terms` of each (actual, expected) pair, as one (n, 2)
+    float64 tensor of (max_rel, sign_flips) rows on the device of the pairs: nothing is read
+    back here.  The pairs are concatenated and measured per segment, in float64 like the numpy
+    measure: squares of large float32 (or exp'd bfloat16) values overflow float32 and would hide
+    a finding behind an infinite floor."""
     from .metrics import perturbation_terms
     device = expecteds[0].device
     total = sum(t.numel() for t in expecteds)
