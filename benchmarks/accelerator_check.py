@@ -87,7 +87,7 @@ def checks(dev, tmp) -> list[tuple[str, str]]:
                 probed = train(dev, DispatchProbe(task=task, dump_path=f"{tmp}/{task}-{dtype}", **kw), dtype=dtype)
                 rows.append((f"bit-identical training, {task}, {dtype or 'fp32'}", str(same(base, probed))))
             probed = train(dev, DispatchProbe(task="free_benchmark", dump_path=f"{tmp}/fb-{dtype}",
-                                              pert_mode="improve_precision"), dtype=dtype)
+                                              pert_mode="improve_precision", widen_float32=True), dtype=dtype)
             rows.append((f"bit-identical training, free_benchmark check, {dtype or 'fp32'}", str(same(base, probed))))
     finally:
         torch.use_deterministic_algorithms(False)

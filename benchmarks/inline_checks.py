@@ -24,7 +24,8 @@ from record_overhead import _Null, interleaved  # noqa: E402
 from dispatchprobe import DispatchProbe  # noqa: E402
 from dispatchprobe.models import TinyTransformer, lm_batch, lm_loss  # noqa: E402
 
-MODES = ("improve_precision", "bit_noise", "add_noise", "change_value", "no_change", "to_cpu")
+MODES = ("improve_precision", "improve_precision+fp64", "bit_noise", "add_noise", "change_value", "no_change",
+         "to_cpu")       # +fp64: widen_float32=True (float32 ops re-run in float64; not in msprobe)
 
 
 def main() -> None:
@@ -53,9 +54,10 @@ def main() -> None:
     if "overflow" in chosen:
         probes["overflow"] = DispatchProbe(task="overflow", dump_path=os.path.join(tmp, "overflow"), model=model)
     for mode in (m for m in MODES if m in chosen):
+        pert_mode, _, fp64 = mode.partition("+")
         probes[f"free_benchmark {mode}"] = DispatchProbe(
-            task="free_benchmark", dump_path=os.path.join(tmp, mode), model=model, pert_mode=mode,
-            fuzz_device="cpu" if mode == "to_cpu" else "same")
+            task="free_benchmark", dump_path=os.path.join(tmp, mode), model=model, pert_mode=pert_mode,
+            fuzz_device="cpu" if mode == "to_cpu" else "same", widen_float32=bool(fp64))
     for label, probe in probes.items():
         wraps[label] = lambda i, probe=probe: (probe, probe.step)
     times = interleaved(model, step, opts.steps, wraps)
@@ -69,6 +71,8 @@ def main() -> None:
             h = probes[label].handlers[0]
             if hasattr(h, "flagged"):
                 extra = f"{h.flagged}/{h.checked}"
+                if getattr(h, "not_widened", 0):
+                    extra += f" ({h.not_widened} fp32 left)"
             else:
                 extra = f"{h.found} critical"
             probes[label].close()

@@ -51,6 +51,8 @@ class FreeBenchmarkConfig:
     preheat_step: int = 15
     max_sample: int = 20
     seed: int = 1234                # seeds the probe's own noise generator, never the global RNG
+    widen_float32: bool = False     # improve_precision also re-runs float32 ops in float64 (msprobe
+                                    # widens only float16/bfloat16; costs ~5x a float32 CPU step)
 
 
 @dataclass

@@ -18,6 +18,8 @@ from .torch_probe import DispatchProbe
 def run_demo(dump_path: str = "runs/demo", task: str = "tensor", steps: int = 2) -> str:
     torch.manual_seed(0)
     model = TinyTransformer()
+    if task == "free_benchmark":     # improve_precision re-runs 16-bit ops in float32: train in bf16
+        model = model.to(torch.bfloat16)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     probe = DispatchProbe(task=task, dump_path=dump_path, level="mix", model=model)
     for step in range(steps):
@@ -29,10 +31,20 @@ def run_demo(dump_path: str = "runs/demo", task: str = "tensor", steps: int = 2)
         opt.zero_grad()
         probe.step()
         print(f"step {step}: loss {loss.item():.4f}")
+    handler = probe.handlers[0]
     probe.close()
+    if task in ("overflow", "free_benchmark"):     # records only for what they flag
+        found = handler.flagged if task == "free_benchmark" else handler.found
+        print(f"{task}: {handler.checked} op calls checked, {found} flagged")
+        if not found:
+            print(f"\nnothing to show: no op was flagged (records in {os.path.abspath(dump_path)})")
+            return dump_path
     print(summarize(load(dump_path)))
     print(f"\nrecords written to {os.path.abspath(dump_path)}")
-    print(f"next: dispatchprobe show {dump_path} --op aten.mm")
+    if task in ("overflow", "free_benchmark"):
+        print(f"flagged ops: {dump_path}/step*/rank*/{task}.csv;  next: dispatchprobe show {dump_path}")
+    else:
+        print(f"next: dispatchprobe show {dump_path} --op aten.mm")
     return dump_path
 
 

@@ -7,8 +7,11 @@ measure, in torch on the tensors' device).
 
 Perturbations (``pert_mode``, msprobe's names):
 
-* ``improve_precision`` -- float16/bfloat16 inputs in float32, float32 in float64; the
-  original output is judged against the wider result.  ``fix`` returns that result cast back.
+* ``improve_precision`` -- float16/bfloat16 inputs in float32 (and, with ``widen_float32``,
+  float32 in float64); the original output is judged against the wider result.  ``fix``
+  returns that result cast back.  Like msprobe, ops with no 16-bit float input are left
+  alone by default: they already run at the precision this mode would raise a 16-bit op to,
+  and their float64 re-runs cost ~5x a float32 CPU step (float64 GEMMs).
 * ``to_cpu`` -- the same call on CPU (``fuzz_device="cpu"``).  ``fix`` returns it.
 * ``bit_noise`` -- the last mantissa bit of every finite input element with |x| >= the small
   value threshold flipped.
@@ -34,10 +37,11 @@ Random ops (dropout, bernoulli, anything with a ``generator``) are never re-run.
 
 from __future__ import annotations
 
+import copy
 import csv
-import dataclasses
 import itertools
 import os
+import warnings
 from collections import defaultdict
 
 import torch
@@ -50,7 +54,8 @@ _WINDOW_BYTES = 64 << 20    # accelerator: tensor bytes kept before they are mea
 _WINDOW_OPS = 512           # ... and checked ops
 CSV_COLUMNS = ("rank", "pert_mode", "stage", "step", "api_name", "max_rel", "dtype", "shape", "output_index",
                "threshold", "sign_flips", "scope", "op", "id")
-_WIDER = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.float32: torch.float64}
+_WIDER = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
+_WIDER_FLOAT32 = {**_WIDER, torch.float32: torch.float64}
 
 
 class FreeBenchmarkHandler(Handler):
@@ -66,6 +71,9 @@ class FreeBenchmarkHandler(Handler):
         self._sampled: dict = defaultdict(int)       # op -> calls checked in this step (preheat)
         self._suspects: set[str] = set()             # ops flagged during preheat
         self.checked = self.flagged = self.skipped = 0
+        self.not_widened = 0                         # improve_precision: float32-only ops left alone
+        self._told_float32 = False
+        self._wider = _WIDER_FLOAT32 if cfg.widen_float32 else _WIDER
         self.scratch = perturb.Scratch()             # CPU temporaries of one op's check
         self._pending: list = []                     # accelerator: (event, stage, slots) to report
         self._pairs: dict = {}                       # small value -> ([re-run/original], [reference])
@@ -98,7 +106,7 @@ class FreeBenchmarkHandler(Handler):
         self.scratch.reset()
         try:
             if self.cfg.fuzz_stage == "backward":
-                self._check_backward(event)
+                self._check_backward(event, outs, ins)
                 return None
             return self._check_forward(event, outs, ins)
         except Exception:      # an op that cannot take the perturbation (dtype/device support)
@@ -106,13 +114,14 @@ class FreeBenchmarkHandler(Handler):
             return None
 
     # ---- forward ---------------------------------------------------------------------------------------
-    def _perturbed(self, event: OpEvent):
+    def _perturbed(self, event: OpEvent, ins):
         """(args, kwargs, output fix-up, reference is the re-run?) or None to skip this op."""
         args, kwargs, mode = event.args, event.kwargs, self.mode
         if mode == "improve_precision":
-            if not any(t.dtype in _WIDER for t in perturb.float_tensors((args, kwargs))):
+            if not any(t.dtype in self._wider for t in ins):
+                self.not_widened += 1
                 return None
-            a, k = perturb.cast_args(args, kwargs, _WIDER, scratch=None if self.fix else self.scratch)
+            a, k = perturb.cast_args(args, kwargs, self._wider, scratch=None if self.fix else self.scratch)
             return a, k, None, True
         if mode == "to_cpu":
             a, k = perturb.cast_args(args, kwargs, {}, device=torch.device("cpu"))
@@ -130,7 +139,7 @@ class FreeBenchmarkHandler(Handler):
         return (*perturb.map_args(conv, args, kwargs), None, False)
 
     def _check_forward(self, event: OpEvent, outs, ins):
-        plan = self._perturbed(event)
+        plan = self._perturbed(event, ins)
         if plan is None:
             return None
         args, kwargs, fixup, rerun_is_reference = plan
@@ -146,7 +155,7 @@ class FreeBenchmarkHandler(Handler):
             if other is not None and other.shape == orig.shape:
                 a, e = (orig, other) if rerun_is_reference else (other, orig)
                 pairs.append((index, a, e, self._limit(ins, orig)))
-        self._judge(event, event.stage, pairs)
+        self._judge(event, event.stage, pairs, outs, ins)
         if self.fix and not perturb.returns_alias(event.func):
             return _replacement(event.outputs, result)
         return None
@@ -162,12 +171,12 @@ class FreeBenchmarkHandler(Handler):
         return limit
 
     # ---- backward ---------------------------------------------------------------------------------------
-    def _check_backward(self, event: OpEvent) -> None:
-        plan = self._perturbed(event)
+    def _check_backward(self, event: OpEvent, outs, ins) -> None:
+        plan = self._perturbed(event, ins)
         if plan is None:
             return
         p_args, p_kwargs, fixup, rerun_is_reference = plan
-        device = perturb.flat_with_index(event.outputs)[0][1].device.type
+        device = outs[0][1].device.type
         base = _input_grads(event.func, event.args, event.kwargs, None, self.gen, device)
         if base is None:
             return
@@ -176,22 +185,23 @@ class FreeBenchmarkHandler(Handler):
         if other is None:
             return
         self.checked += 1
-        ins = perturb.float_tensors((event.args, event.kwargs))
         pairs = []
         for index, (g0, g1) in enumerate(zip(grads, other[0])):
             if g0 is not None and g1 is not None and g0.shape == g1.shape:
                 a, e = (g0, g1) if rerun_is_reference else (g1, g0)
                 pairs.append((index, a, e, self._limit(ins, g0)))
-        self._judge(event, "backward", pairs)
+        self._judge(event, "backward", pairs, outs, ins)
 
     # ---- judging ------------------------------------------------------------------------------------
-    def _judge(self, event: OpEvent, stage: str, pairs) -> None:
-        """Measure each (output index, re-run/original, reference, limit) and report the worst
-        output over its limit.  On CPU at once, after the cheap :func:`perturb.surely_within`
-        screen.  On an accelerator the pairs are kept (copies of the training's own tensors)
-        until ``_WINDOW_BYTES`` or ``_WINDOW_OPS`` ops have gathered or the region ends, then
-        measured together on the device (:func:`perturb.changes`) and read back with one host
-        sync."""
+    def _judge(self, event: OpEvent, stage: str, pairs, outs, ins) -> None:
+        """Measure each (output index, re-run/original, reference, limit) of the op's float
+        outputs ``outs`` (:func:`perturb.flat_with_index`) and report the worst output over its
+        limit.  On CPU at once, after the cheap :func:`perturb.surely_within` screen (keeping
+        the uncleared pairs for a batched measure, as below, was slower here: 2.1-2.3x against
+        1.6-1.9x on the quick bf16 step -- the copies cost more than the per-op measure).  On
+        an accelerator the pairs are kept until ``_WINDOW_BYTES`` or ``_WINDOW_OPS`` ops have
+        gathered or the region ends, then measured together on the device
+        (:func:`perturb.changes`) and read back with one host sync."""
         if not pairs:
             return
         if pairs[0][1].device.type == "cpu" and not self.defer:
@@ -206,14 +216,19 @@ class FreeBenchmarkHandler(Handler):
         # place before the window is measured); the others are kept as detached aliases.  Never
         # the output objects themselves: autograd steals a gradient into .grad only when
         # nobody else holds it, and copies it otherwise (extra ops, extra memory).
+        # (The handler runs under no_grad: clones carry no graph.)  Re-run results are the
+        # handler's own tensors and are kept as they are, unless the op returns an alias of its
+        # (perturbed) inputs: on CPU those may live in the scratch buffer, reused by the next op.
         measured_ids = {id(t) for _, a, e, _ in pairs for t in (a, e)}
-        copies = {id(t): t.detach().clone() if id(t) in measured_ids else t.detach()
-                  for _, t in perturb.flat_with_index(event.outputs)}
-        kept = dataclasses.replace(event, outputs=perturb.swap_tensors(event.outputs, copies))
+        copies = {id(t): t.clone() if id(t) in measured_ids else t.detach()
+                  for _, t in outs}
+        kept = copy.copy(event)
+        kept.outputs = perturb.swap_tensors(event.outputs, copies)
+        alias = perturb.returns_alias(event.func)
         slots = []
         for index, a, e, limit in pairs:
             small = metrics.per_dtype("small_value", _dtype(a))
-            a, e = copies.get(id(a), a.detach()), copies.get(id(e), e.detach())
+            a, e = (copies[id(t)] if id(t) in copies else t.clone() if alias else t for t in (a, e))
             if e.device != a.device:         # to_cpu: the CPU reference joins the device's window
                 e = e.to(a.device)
             group = self._pairs.setdefault(small, ([], []))
@@ -221,7 +236,7 @@ class FreeBenchmarkHandler(Handler):
             group[1].append(e)
             slots.append((index, limit, small, len(group[0]) - 1))
             self._pending_bytes += a.numel() * a.element_size() + e.numel() * e.element_size()
-        self._pending.append((kept, stage, slots))
+        self._pending.append((kept, stage, slots, ins, perturb.versions(ins)))
         if self._pending_bytes >= _WINDOW_BYTES or len(self._pending) >= _WINDOW_OPS:
             self._resolve()
 
@@ -234,26 +249,38 @@ class FreeBenchmarkHandler(Handler):
         measured = torch.cat([perturb.changes(*pairs[small], small) for small in smalls])
         values = measured.tolist()                                    # the one host sync of the window
         base = dict(zip(smalls, itertools.accumulate([0] + [len(pairs[s][0]) for s in smalls])))
-        for event, stage, slots in pending:
+        for event, stage, slots, ins, seen in pending:
             self._report_worst(event, stage, [(index, limit, *values[base[small] + k])
-                                              for index, limit, small, k in slots])
+                                              for index, limit, small, k in slots],
+                               stale=perturb.versions(ins) != seen)
 
-    def _report_worst(self, event: OpEvent, stage: str, measured) -> None:
+    def _report_worst(self, event: OpEvent, stage: str, measured, stale: bool = False) -> None:
         over = [m for m in measured if m[2] > m[1]]
         if over:
             index, limit, max_rel, flips = max(over, key=lambda m: m[2])
-            self._report(event, stage, index, {"max_rel": max_rel, "sign_flips": int(flips)}, limit)
+            self._report(event, stage, index, {"max_rel": max_rel, "sign_flips": int(flips)}, limit, stale)
 
     def flush(self) -> None:
         self._resolve()
+        if self.checked == 0 and self.not_widened and not self._told_float32:
+            self._told_float32 = True       # an empty free_benchmark.csv must not read as "all clean"
+            warnings.warn(f"free_benchmark: improve_precision re-ran none of {self.not_widened} op calls: none had "
+                          "a float16/bfloat16 input; set free_benchmark.widen_float32=true to check float32 ops "
+                          "against float64", stacklevel=2)
 
     # ---- output ------------------------------------------------------------------------------------------
-    def _report(self, event: OpEvent, stage: str, index: int, change: dict, limit: float) -> None:
+    def _report(self, event: OpEvent, stage: str, index: int, change: dict, limit: float,
+                stale: bool = False) -> None:
+        """One CSV row and one op record.  ``stale``: an input was written in place between
+        the op and the read-back of its window -- its values are no longer the op's, so no
+        tensors are saved and the record says so (run-ut skips it with that reason)."""
         self.flagged += 1
         if self.cfg.if_preheat and self.session.step_no < self.cfg.preheat_step:
             self._suspects.add(event.op)
         first = perturb.float_tensors((event.args, event.kwargs))[0]
-        record = self.session.recorder.encode(event, save=True)
+        record = self.session.recorder.encode(event, save=not stale)
+        if stale:
+            record["inputs_overwritten"] = True
         record["free_benchmark"] = {"pert_mode": self.mode, "stage": stage, "max_rel": change["max_rel"],
                                     "threshold": limit, "sign_flips": change["sign_flips"],
                                     "output_index": index, "handler_type": self.cfg.handler_type}

@@ -92,7 +92,7 @@ class OverflowHandler(Handler):
             alias = {id(t): t.detach() for _, t in outs}
             kept = dataclasses.replace(event, outputs=perturb.swap_tensors(event.outputs, alias))
             outs = [(i, alias[id(t)]) for i, t in outs]
-            self._pending.append((kept, outs, ins, torch.stack([n.float() for n in norms])))
+            self._pending.append((kept, outs, ins, torch.stack([n.float() for n in norms]), perturb.versions(ins)))
             if len(self._pending) >= _WINDOW:
                 self._resolve()
         if self._stop is not None:
@@ -118,9 +118,9 @@ class OverflowHandler(Handler):
             return
         values = torch.cat([p[3] for p in pending]).tolist()     # the one host sync of the window
         pos = 0
-        for event, outs, ins, norms in pending:
+        for event, outs, ins, norms, seen in pending:
             n = len(norms)
-            self._judge(event, outs, ins, values[pos:pos + n])
+            self._judge(event, outs, ins, values[pos:pos + n], stale=perturb.versions(ins) != seen)
             pos += n
 
     def _norms(self, outs, ins) -> list:
@@ -154,28 +154,32 @@ class OverflowHandler(Handler):
         self._cache[key] = (self._backend.memory_ref(t), n)
 
     # ---- classification -----------------------------------------------------------------------------
-    def _judge(self, event, outs, ins, sq_norms) -> None:
+    def _judge(self, event, outs, ins, sq_norms, stale: bool = False) -> None:
+        """Classify from the squared norms taken when the op ran.  ``stale``: an input was
+        written in place before they were read back (accelerator windows), so the op is not
+        replayed and its inputs are not saved: they are no longer what it saw."""
         k = len(outs)
         out_sq, in_sq = sq_norms[:k], sq_norms[k:]
         out_bad = [not math.isfinite(v) and not perturb.all_finite(t) for (_, t), v in zip(outs, out_sq)]
         if any(out_bad):
             # a non-finite Python scalar argument (masked_fill(mask, -inf), full(inf)) is a
             # deliberate inf given to the op, not one it created
-            in_bad = any(not math.isfinite(v) and not perturb.all_finite(t) for t, v in zip(ins, in_sq))
+            in_bad = any(not math.isfinite(v) and (stale or not perturb.all_finite(t)) for t, v in zip(ins, in_sq))
             if in_bad:
-                self._flag(event, outs, "propagated")
+                self._flag(event, outs, "propagated", stale=stale)
             elif perturb.has_nonfinite_scalar((event.args, event.kwargs)):
                 self._flag(event, outs, "propagated", record=False)
             else:
-                self._flag(event, outs, "critical")
+                self._flag(event, outs, "critical", stale=stale)
             return
         if in_sq and out_sq:
             out_n = math.sqrt(max(min(v, 1e300) for v in out_sq))
             in_n = math.sqrt(max(min(v, 1e300) for v in in_sq))
             if in_n > 0 and out_n > _GROWTH * in_n and math.isfinite(out_n):
-                self._flag(event, outs, "suspicious growth", growth=out_n / in_n)
+                self._flag(event, outs, "suspicious growth", growth=out_n / in_n, stale=stale)
 
-    def _flag(self, event: OpEvent, outs, klass: str, growth: float | None = None, record: bool = True) -> None:
+    def _flag(self, event: OpEvent, outs, klass: str, growth: float | None = None, record: bool = True,
+              stale: bool = False) -> None:
         """One summary row (and, unless ``record`` is False, one op record) for a flagged op.
         ``record=False``: the only non-finite input is a Python scalar (``masked_fill(mask,
         -inf)`` in every attention layer, every step): a row, no record -- its record's
@@ -197,10 +201,14 @@ class OverflowHandler(Handler):
         if critical:
             if event.func is not None and event.func.overloadpacket in _CAST_OPS:
                 info["cast"] = True
-            if self.replay:
+            if stale:
+                info["replay"] = "not replayed (inputs written in place before the check was read)"
+            elif self.replay:
                 info.update(self._replay(event, outs))
         if record:
-            rec = self.session.recorder.encode(event, save=critical)
+            rec = self.session.recorder.encode(event, save=critical and not stale)
+            if stale:
+                rec["inputs_overwritten"] = True
             rec["overflow"] = info
             self.session.write(rec)
         out_dtype = str(outs[0][1].dtype).removeprefix("torch.")

@@ -98,6 +98,12 @@ def has_nonfinite_scalar(obj) -> bool:
     return any(isinstance(v, float) and not math.isfinite(v) for v in tree_flatten(obj)[0])
 
 
+def versions(tensors) -> tuple:
+    """The in-place version counters of ``tensors``: a check read back later (accelerator
+    windows) compares them to tell whether an op's inputs still hold what the op saw."""
+    return tuple(t._version for t in tensors)
+
+
 def flat_with_index(outputs) -> list[tuple[int, torch.Tensor]]:
     """(output index, tensor) of every float tensor output; nested lists flattened."""
     items = outputs if isinstance(outputs, (tuple, list)) else [outputs]
@@ -203,8 +209,14 @@ class Scratch:
     def cast(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """``t`` converted to ``dtype`` (contiguous), in the buffer when that pays."""
         if t.device.type != "cpu" or t.layout != torch.strided or t.numel() < self.MIN_NUMEL:
-            return t.detach().to(dtype)
-        return self.take(t.shape, dtype).copy_(t.detach())
+            return _detached(t).to(dtype)
+        return self.take(t.shape, dtype).copy_(_detached(t))
+
+
+def _detached(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as the source of a copy that must not join autograd's graph: itself under no_grad
+    (the handlers' case: a ``detach`` per input is one more dispatcher call per op)."""
+    return t.detach() if t.requires_grad and torch.is_grad_enabled() else t
 
 
 def cast_args(args, kwargs, dtype_map: dict, device=None, scratch: Scratch | None = None):
@@ -218,7 +230,7 @@ def cast_args(args, kwargs, dtype_map: dict, device=None, scratch: Scratch | Non
             if to != v.dtype or (device is not None and v.device != device):
                 if scratch is not None and device is None:
                     return scratch.cast(v, to)
-                return v.detach().to(device=device or v.device, dtype=to)
+                return _detached(v).to(device=device or v.device, dtype=to)
             return v
         if isinstance(v, torch.dtype):
             return dtype_map.get(v, v)

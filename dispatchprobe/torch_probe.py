@@ -38,8 +38,15 @@ _ALIAS_OPS = {aten.detach, aten.alias, aten.lift_fresh, aten.lift, aten._unsafe_
 _SKIP_FILES = (f"{torch.__path__[0]}", __file__.rpartition("/")[0], "<frozen ", "contextlib.py")
 
 
+_OP_NAMES: dict = {}
+
+
 def _op_name(func) -> str:
-    return str(func)  # "aten.addmm.default"
+    """"aten.addmm.default" (memoised: ``str`` formats the schema name on every call)."""
+    name = _OP_NAMES.get(func)
+    if name is None:
+        name = _OP_NAMES[func] = str(func)
+    return name
 
 
 class _ProbeMode(TorchDispatchMode):

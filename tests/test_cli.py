@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 from click.testing import CliRunner
 
 from dispatchprobe.cli import main
@@ -47,3 +48,13 @@ def test_demo_end_to_end(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "records written to" in out.stdout and "aten.mm.default" in out.stdout
     assert (tmp_path / "demo" / "step0" / "rank0" / "ops.jsonl").exists()
+
+
+@pytest.mark.parametrize("task,expect", [("overflow", "0 flagged"), ("free_benchmark", "native_layer_norm_backward")])
+def test_demo_inline_checks(tmp_path, task, expect):
+    """Inline checks write records only for what they flag: the demo reports its counts and
+    never ends in "no op records found" (it did when the model was clean).  The free-benchmark
+    demo trains in bf16, where improve_precision finds the bf16 CPU layer-norm backward."""
+    result = CliRunner().invoke(main, ["demo", "--task", task, "-o", str(tmp_path / task), "--steps", "1"])
+    assert result.exit_code == 0, result.output
+    assert "op calls checked" in result.output and expect in result.output

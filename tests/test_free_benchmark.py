@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import warnings
 
 import pytest
 import torch
@@ -34,7 +35,7 @@ def probe(path, mode="improve_precision", **kw):
                                         ("bit_noise", "backward")])
 def test_check_mode_is_bit_identical(tmp_path, mode, stage):
     off = train(None, steps=2, dropout=0.1)
-    on = train(probe(tmp_path, mode, fuzz_stage=stage), steps=2, dropout=0.1)
+    on = train(probe(tmp_path, mode, fuzz_stage=stage, widen_float32=True), steps=2, dropout=0.1)
     for a, b in zip(off[0], on[0]):
         assert torch.equal(a, b)
     for n in off[1]:
@@ -64,9 +65,23 @@ def test_no_false_positives_on_clean_step(tmp_path, dtype, mode):
     assert rows == [], [(r["api_name"], r["max_rel"]) for r in rows]
 
 
-def test_improve_precision_clean_fp32(tmp_path):
-    handler, rows = one_step(tmp_path, torch.float32, "improve_precision")
-    assert handler.checked > 100 and rows == []
+def test_improve_precision_clean_fp32_against_float64(tmp_path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")              # ops were checked: no "nothing re-run" warning
+        handler, rows = one_step(tmp_path, torch.float32, "improve_precision", widen_float32=True)
+    assert handler.checked > 100 and handler.not_widened == 0 and rows == []
+
+
+def test_improve_precision_leaves_float32_ops_alone_by_default(tmp_path):
+    """msprobe's improve_precision widens float16/bfloat16 only; a float32-only region then
+    checks nothing, and says so instead of leaving an empty CSV that reads as "all clean"."""
+    with pytest.warns(UserWarning, match=r"re-ran none of \d+ op calls.*widen_float32=true"):
+        handler, rows = one_step(tmp_path, torch.float32, "improve_precision")
+    assert handler.checked == 0 and handler.not_widened > 100 and rows == []
+    # a bf16 model under the default: every op with a 16-bit input is checked, float32 ops
+    # (the loss's float32 upcast) are not
+    handler, _ = one_step(tmp_path / "bf16", torch.bfloat16, "improve_precision")
+    assert handler.checked > 100 and handler.not_widened > 0
 
 
 @pytest.mark.parametrize("mode", ["improve_precision", "to_cpu"])
@@ -135,6 +150,35 @@ def test_planted_ill_conditioned_ops_found(tmp_path, mode, defer, monkeypatch):
     assert not any(r["scope"] == "Planted.fc" for r in rows), "the well-conditioned linear is flagged"
     sub = next(r for r in rows if r["op"] == "aten.sub.Tensor")
     assert float(sub["max_rel"]) > 0.1
+
+
+@pytest.mark.parametrize("defer", [False, True])
+def test_inputs_overwritten_before_read_back_are_not_saved(tmp_path, defer):
+    """On the deferred path a flagged op is reported when its window is read back; if one of
+    its inputs was written in place in between, saving it would store values the op never
+    saw.  The record then says so, keeps no tensors, and run-ut skips it with the reason."""
+    import json
+    from dispatchprobe.replay import Skip, check_replayable
+
+    def cancel_then_overwrite(x):
+        h = x + 256.0
+        y = h - 256.0                 # catastrophic cancellation: flagged by add_noise
+        h.zero_()                     # its input, overwritten before the window is read
+        return y
+
+    p = probe(tmp_path, "add_noise")
+    p.handlers[0].defer = defer
+    with p:
+        cancel_then_overwrite(torch.randn(8, 16, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16))
+    p.close()
+    assert [r["op"] for r in fb_rows(tmp_path)] == ["aten.sub.Tensor"]
+    rec = next(json.loads(line) for line in open(tmp_path / "step0" / "rank0" / "ops.jsonl"))
+    if defer:
+        assert rec["inputs_overwritten"] is True and "data" not in rec["inputs"][0]
+        with pytest.raises(Skip, match="written in place"):
+            check_replayable(rec, random=True)
+    else:
+        assert "inputs_overwritten" not in rec and rec["inputs"][0]["data"]
 
 
 def test_measure_floors_near_zero_and_counts_sign_flips():

@@ -11,6 +11,7 @@ from torch import nn
 
 from dispatchprobe import DispatchProbe, load
 from dispatchprobe.overflow import OverflowDetected
+from dispatchprobe.replay import Skip, check_replayable
 from conftest import train
 
 
@@ -227,3 +228,39 @@ def test_deferred_checks_leave_autograd_alone(tmp_path):
         checked.append(probe.handlers[0].checked)
         probe.close()
     assert checked[0] == checked[1] > 100
+
+
+class ExpThenOverwrite(nn.Module):
+    """exp overflows in fp16; then its input is zeroed in place, before a deferred check of
+    the exp is read back (legal: exp saves its output, not its input)."""
+
+    def forward(self, x):
+        h = x * 40.0
+        y = torch.exp(h)
+        h.zero_()
+        return y
+
+
+@pytest.mark.parametrize("defer", [False, True])
+def test_inputs_overwritten_before_read_back_are_not_replayed(tmp_path, defer):
+    """A deferred check reads back after later ops ran: the flagged op's inputs may no longer
+    hold what it saw.  Replaying zeros would call the overflow "precision"; the version
+    counters show the write, so nothing stale is replayed or saved, and run-ut says why."""
+    x = torch.full((4, 4), 3.0).half()
+    probe = DispatchProbe(task="overflow", dump_path=str(tmp_path), overflow_nums=-1)
+    probe.handlers[0].defer = defer
+    with probe:
+        ExpThenOverwrite()(x)
+    probe.close()
+    crit = [r for r in rows(tmp_path) if r["class"] == "critical"]
+    assert [r["op"] for r in crit] == ["aten.exp.default"]
+    rec = next(json.loads(l) for l in open(tmp_path / "step0" / "rank0" / "ops.jsonl")
+               if json.loads(l).get("overflow", {}).get("class") == "critical")
+    if defer:
+        assert crit[0]["replay"].startswith("not replayed (inputs written in place")
+        assert rec["inputs_overwritten"] is True and "data" not in rec["inputs"][0]
+        with pytest.raises(Skip, match="written in place"):
+            check_replayable(rec, random=True)
+    else:            # checked while the op's inputs were still intact: exp(120) is finite in float64
+        assert crit[0]["replay"] == "precision" and rec["inputs"][0]["data"]
+        assert "inputs_overwritten" not in rec
