@@ -63,7 +63,7 @@ def main() -> None:
     times = interleaved(model, step, opts.steps, wraps)
     base = statistics.median(times["uninstrumented"])
     print(f"transformer step {kw}, {opts.dtype}, {torch.get_num_threads()} threads, {opts.steps} steps")
-    print(f"{'mode':34s} {'median s':>9s} {'ratio':>7s} {'flagged/checked':>16s}")
+    print(f"{'mode':40s} {'median s':>9s} {'ratio':>7s} {'flagged/checked':>16s}")
     for label, ts in times.items():
         med = statistics.median(ts)
         extra = ""
@@ -76,7 +76,7 @@ def main() -> None:
             else:
                 extra = f"{h.found} critical"
             probes[label].close()
-        print(f"{label:34s} {med:9.4f} {med / base:6.2f}x {extra:>16s}")
+        print(f"{label:40s} {med:9.4f} {med / base:6.2f}x {extra:>16s}")
 
 
 if __name__ == "__main__":

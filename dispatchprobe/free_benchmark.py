@@ -37,8 +37,8 @@ Random ops (dropout, bernoulli, anything with a ``generator``) are never re-run.
 
 from __future__ import annotations
 
-import copy
 import csv
+import functools
 import itertools
 import os
 import warnings
@@ -73,6 +73,7 @@ class FreeBenchmarkHandler(Handler):
         self.checked = self.flagged = self.skipped = 0
         self.not_widened = 0                         # improve_precision: float32-only ops left alone
         self._told_float32 = False
+        self._limits: dict = {}                      # (output dtype, input dtypes) -> limit
         self._wider = _WIDER_FLOAT32 if cfg.widen_float32 else _WIDER
         self.scratch = perturb.Scratch()             # CPU temporaries of one op's check
         self._pending: list = []                     # accelerator: (event, stage, slots) to report
@@ -161,6 +162,13 @@ class FreeBenchmarkHandler(Handler):
         return None
 
     def _limit(self, ins, out: torch.Tensor) -> float:
+        key = (out.dtype, *{t.dtype for t in ins}) if self.mode in ("bit_noise", "add_noise") else out.dtype
+        hit = self._limits.get(key)
+        if hit is None:
+            hit = self._limits[key] = self._compute_limit(ins, out)
+        return hit
+
+    def _compute_limit(self, ins, out: torch.Tensor) -> float:
         limit = metrics.per_dtype("free_benchmark_threshold", _dtype(out))
         if self.mode != "improve_precision":
             # both sides rounded to the output dtype: one rounding step apart is not a finding
@@ -207,7 +215,7 @@ class FreeBenchmarkHandler(Handler):
         if pairs[0][1].device.type == "cpu" and not self.defer:
             measured = []
             for index, a, e, limit in pairs:
-                small = metrics.per_dtype("small_value", _dtype(a))
+                small = _small(a.dtype)
                 if not perturb.surely_within(a, e, limit, small, self.scratch):
                     measured.append((index, limit, *perturb.changes([a], [e], small)[0].tolist()))
             self._report_worst(event, stage, measured)
@@ -222,12 +230,11 @@ class FreeBenchmarkHandler(Handler):
         measured_ids = {id(t) for _, a, e, _ in pairs for t in (a, e)}
         copies = {id(t): t.clone() if id(t) in measured_ids else t.detach()
                   for _, t in outs}
-        kept = copy.copy(event)
-        kept.outputs = perturb.swap_tensors(event.outputs, copies)
+        kept = event.with_outputs(perturb.swap_tensors(event.outputs, copies))
         alias = perturb.returns_alias(event.func)
         slots = []
         for index, a, e, limit in pairs:
-            small = metrics.per_dtype("small_value", _dtype(a))
+            small = _small(a.dtype)
             a, e = (copies[id(t)] if id(t) in copies else t.clone() if alias else t for t in (a, e))
             if e.device != a.device:         # to_cpu: the CPU reference joins the device's window
                 e = e.to(a.device)
@@ -314,6 +321,11 @@ class FreeBenchmarkHandler(Handler):
 
 
 # ---- helpers --------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def _small(dtype: torch.dtype) -> float:
+    return metrics.per_dtype("small_value", str(dtype).removeprefix("torch."))
+
+
 def _dtype(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
 

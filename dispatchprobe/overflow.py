@@ -28,7 +28,6 @@ rewritten at each critical op and at the end of each region (``flush``).
 from __future__ import annotations
 
 import csv
-import dataclasses
 import io
 import json
 import math
@@ -90,7 +89,7 @@ class OverflowHandler(Handler):
             # detached aliases, not the outputs themselves: autograd steals a gradient only when
             # nothing else holds that tensor object (else it copies: extra ops and memory)
             alias = {id(t): t.detach() for _, t in outs}
-            kept = dataclasses.replace(event, outputs=perturb.swap_tensors(event.outputs, alias))
+            kept = event.with_outputs(perturb.swap_tensors(event.outputs, alias))
             outs = [(i, alias[id(t)]) for i, t in outs]
             self._pending.append((kept, outs, ins, torch.stack([n.float() for n in norms]), perturb.versions(ins)))
             if len(self._pending) >= _WINDOW:

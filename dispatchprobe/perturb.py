@@ -38,9 +38,15 @@ def is_random(func) -> bool:
     return hit
 
 
+_alias_memo: dict = {}
+
+
 def returns_alias(func) -> bool:
     """True for ops whose output aliases an input (in-place, out=, views): not replaceable."""
-    return any(r.alias_info is not None for r in func._schema.returns)
+    hit = _alias_memo.get(func)
+    if hit is None:
+        hit = _alias_memo[func] = any(r.alias_info is not None for r in func._schema.returns)
+    return hit
 
 
 _written_memo: dict = {}
