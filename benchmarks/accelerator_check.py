@@ -4,7 +4,10 @@ CI has no accelerator; this script is how the device paths are exercised and tim
 lent.  It prints one table of checks (bit-identical training under the probe with deterministic
 kernels, overflow localisation on the device, free-benchmark flags) and one of step times.
 
-    python benchmarks/accelerator_check.py [--steps 10]
+    python benchmarks/accelerator_check.py [--steps 10] [--large] [--timings-only]
+
+``--large``: a transformer whose step is GPU-bound (dim 2048, 8 layers, seq 1024, batch 8),
+where the cost of the re-runs themselves shows, not the Python per op.
 """
 
 from __future__ import annotations
@@ -115,11 +118,15 @@ def checks(dev, tmp) -> list[tuple[str, str]]:
     return rows
 
 
-def timings(dev, steps, tmp) -> list[tuple[str, float]]:
-    size = dict(vocab=4096, dim=512, heads=8, layers=6, seq=256)
+SIZES = {"small": (dict(vocab=4096, dim=512, heads=8, layers=6, seq=256), 16),
+         "large": (dict(vocab=8192, dim=2048, heads=16, layers=8, seq=1024), 8)}
+
+
+def timings(dev, steps, tmp, size_name="small") -> list[tuple[str, float]]:
+    size, batch = SIZES[size_name]
     torch.manual_seed(0)
     model = TinyTransformer(**size).to(dev)
-    tokens, targets = lm_batch(batch=16, seq=size["seq"], vocab=size["vocab"])
+    tokens, targets = lm_batch(batch=batch, seq=size["seq"], vocab=size["vocab"])
     tokens, targets = tokens.to(dev), targets.to(dev)
 
     def step():
@@ -139,9 +146,12 @@ def timings(dev, steps, tmp) -> list[tuple[str, float]]:
     for label, kw in {"statistics": dict(task="statistics"), "tensor": dict(task="tensor"),
                       "overflow": dict(task="overflow", overflow_nums=-1),
                       "free_benchmark improve_precision": dict(task="free_benchmark"),
+                      "improve_precision, no TF32 re-runs": dict(task="free_benchmark"),
                       "free_benchmark add_noise": dict(task="free_benchmark", pert_mode="add_noise")}.items():
         probes[label] = DispatchProbe(dump_path=f"{tmp}/t-{label.replace(' ', '-')}", model=model, **kw)
         modes[label] = lambda p=probes[label]: (p, p.step)
+    # the float32 re-runs of bf16 GEMMs in plain float32 (what TF32 saves; same flags expected)
+    probes["improve_precision, no TF32 re-runs"].handlers[0]._tf32_ok = lambda ins: False
     try:
         from torch.utils._debug_mode import DebugMode
         modes["torch DebugMode"] = lambda: (DebugMode(), None)
@@ -181,15 +191,20 @@ def timings(dev, steps, tmp) -> list[tuple[str, float]]:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--large", action="store_true", help="a GPU-bound transformer for the timings")
+    parser.add_argument("--timings-only", action="store_true", help="skip the table of checks")
     args = parser.parse_args()
+    size_name = "large" if args.large else "small"
+    size, batch = SIZES[size_name]
     dev = device_name()
     name = torch.cuda.get_device_name() if dev == "cuda" else dev
     print(f"device {dev} ({name}), torch {torch.__version__}\n")
     with tempfile.TemporaryDirectory() as tmp:
-        for label, value in checks(dev, tmp):
-            print(f"  {label:58s} {value}")
-        print("\nstep time, bf16 autocast transformer (dim 512, 6 layers, seq 256, batch 16):")
-        rows = timings(dev, args.steps, tmp)
+        if not args.timings_only:
+            for label, value in checks(dev, tmp):
+                print(f"  {label:58s} {value}")
+        print(f"\nstep time, bf16 autocast transformer ({size}, batch {batch}):")
+        rows = timings(dev, args.steps, tmp, size_name)
         base = rows[0][1]
         for label, t in rows:
             print(f"  {label:36s} {t * 1e3:9.2f} ms  {t / base:6.2f}x")

@@ -145,7 +145,7 @@ class FreeBenchmarkHandler(Handler):
             return None
         args, kwargs, fixup, rerun_is_reference = plan
         args, kwargs = perturb.protect_written(event.func, args, kwargs, event.args, event.kwargs)
-        result = perturb.run(event.func, args, kwargs, outs[0][1].device.type)
+        result = perturb.run(event.func, args, kwargs, outs[0][1].device.type, tf32=self._tf32_ok(ins))
         if fixup is not None:
             result = fixup(result)
         new = dict(perturb.flat_with_index(result))
@@ -160,6 +160,11 @@ class FreeBenchmarkHandler(Handler):
         if self.fix and not perturb.returns_alias(event.func):
             return _replacement(event.outputs, result)
         return None
+
+    def _tf32_ok(self, ins) -> bool:
+        """improve_precision of an op whose float inputs are all 16-bit: its float32 re-run
+        may use TF32 tensor cores on CUDA without losing anything (:func:`perturb.tf32_matmul`)."""
+        return self.mode == "improve_precision" and all(t.dtype in perturb.HALF_FLOATS for t in ins)
 
     def _limit(self, ins, out: torch.Tensor) -> float:
         key = (out.dtype, *{t.dtype for t in ins}) if self.mode in ("bit_noise", "add_noise") else out.dtype

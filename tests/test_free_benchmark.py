@@ -272,6 +272,30 @@ def test_rerun_escapes_enclosing_autocast_and_is_plain_without_it():
     assert torch.equal(perturb.run(mm, (a, b), {}), a @ b)
 
 
+def test_tf32_only_for_cuda_reruns_of_all_16bit_ops(tmp_path):
+    """The float32 re-run of an op whose float inputs are all 16-bit may use TF32 on CUDA (the
+    inputs are exact in TF32); the user's matmul setting is back afterwards, CPU re-runs and
+    ops with a float32 operand (it would be rounded to TF32) never get it."""
+    from dispatchprobe import perturb
+    m = torch.backends.cuda.matmul
+    name = "fp32_precision" if hasattr(m, "fp32_precision") else "allow_tf32"
+    before = getattr(m, name)
+    seen = lambda: getattr(m, name)                                               # noqa: E731
+    assert perturb.run(seen, (), {}, "cuda", tf32=True) in ("tf32", True)
+    assert getattr(m, name) == before
+    assert perturb.run(seen, (), {}, "cpu", tf32=True) == before
+    assert perturb.run(seen, (), {}, "cuda", tf32=False) == before
+    with torch.autocast("cpu", dtype=torch.bfloat16):                             # both contexts
+        assert perturb.run(seen, (), {}, "cuda", tf32=True) in ("tf32", True)
+    assert getattr(m, name) == before
+
+    handler = probe(tmp_path, "improve_precision").handlers[0]
+    half, single = torch.ones(2, dtype=torch.bfloat16), torch.ones(2, dtype=torch.float16)
+    assert handler._tf32_ok([half, single])
+    assert not handler._tf32_ok([half, torch.ones(2)])                            # a float32 operand
+    assert not probe(tmp_path / "n", "add_noise").handlers[0]._tf32_ok([half])
+
+
 def test_screen_clears_only_what_the_measure_passes():
     """``surely_within`` is a shortcut, never a second opinion: whenever it clears a pair, the
     measure is within the limit -- float32 against a float64 reference (rounded once), masks of
