@@ -325,6 +325,31 @@ def test_screen_clears_only_what_the_measure_passes():
     assert cleared == [False, True, True, True, False, False]
 
 
+@pytest.mark.parametrize("numel", [500, 100_000])          # fresh temporaries / scratch blocks
+def test_elementwise_screen_clears_16bit_rounding_and_nothing_over_the_limit(numel):
+    """bf16 outputs against their float32 reference: one rounding of an element far above the
+    rms exceeds ``limit * floor``, so the screen's second stage (the measure's elementwise bound,
+    in float32) decides.  It clears plain rounding and never an element whose error relative to
+    max(|e|, floor) is over the limit -- including errors within 0.1% of it."""
+    from dispatchprobe import perturb
+    from dispatchprobe.metrics import perturbation_change
+    gen = torch.Generator().manual_seed(2)
+    e = torch.randn(numel, generator=gen) * torch.rand(numel, generator=gen).pow(8) * 50   # heavy tail
+    limit, small = 0.004, 1e-3
+    rounded = e.bfloat16().float()
+    floor = float(e.pow(2).mean().sqrt())
+    assert float((rounded - e).abs().max()) > limit * floor           # the first stage cannot clear it
+    assert perturb.surely_within(rounded, e, limit, small, perturb.Scratch())
+    big = int(e.abs().argmax())
+    for rel in (1.02, 1.0005, 0.98):                                  # that element's error / limit
+        a = rounded.clone()
+        a[big] = e[big] * (1 + rel * limit)
+        ok = perturb.surely_within(a, e, limit, small, perturb.Scratch())
+        measure = perturbation_change(a.double().numpy(), e.double().numpy(), "bfloat16")["max_rel"]
+        assert not ok or measure <= limit, (rel, measure)
+        assert ok == (rel < 1), rel
+
+
 def test_scratch_blocks_never_overlap_and_stay_bounded(monkeypatch):
     """Blocks of one op's check are disjoint (also across a growth), memory is reused after
     ``reset``, and the kept buffer never exceeds MAX_BYTES (larger needs get fresh memory)."""
