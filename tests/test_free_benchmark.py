@@ -350,6 +350,37 @@ def test_elementwise_screen_clears_16bit_rounding_and_nothing_over_the_limit(num
         assert ok == (rel < 1), rel
 
 
+def test_window_screen_clears_only_what_the_measure_passes():
+    """The accelerator window's float32 screen (per segment, nothing read back): True only
+    where the float64 measure is within the pair's limit; inf/nan, float32-overflowing
+    squares (values of 1e20: the floor would be inf and every ratio 0) and near-limit errors
+    go to the measure."""
+    from dispatchprobe import perturb
+    from dispatchprobe.metrics import perturbation_change
+    gen = torch.Generator().manual_seed(3)
+    e = [torch.randn(n, generator=gen) * torch.rand(n, generator=gen).pow(6) * 30 for n in (700, 1, 64, 3000)]
+    acts = [t.bfloat16().float() for t in e]                       # plain bf16 rounding: clears
+    e += [e[0].clone(), e[2].clone(), e[3] * 1e20, e[2].clone(), e[2].clone()]
+    acts += [e[0].clone(), e[2].clone(), e[3] * 1e20, e[2].clone(), e[2].clone()]
+    big = int(e[5].abs().argmax())
+    acts[4][3] = float("nan")                                      # nan in one side
+    acts[5][big] = e[5][big] * (1 + 1.0005 * 0.004)                # just over the limit
+    acts[7][big] = e[7][big] * (1 + 0.98 * 0.004)                  # just under
+    e[8][0] = float("inf")
+    acts[8][0] = float("inf")                                      # same inf both sides: measure decides
+    limits = [0.004] * len(e)
+    got = perturb.within_limits(acts, e, limits, 1e-3).tolist()
+    for ok, a, x, lim in zip(got, acts, e, limits):
+        measure = perturbation_change(a.double().numpy(), x.double().numpy(), "bfloat16")["max_rel"]
+        assert not ok or measure <= lim, (ok, measure)
+    assert got == [True, True, True, True, False, False, False, True, False]
+    # float64 sides are rounded to float32 and the rounding is taken off the limit: a float32
+    # result against its float64 reference clears at the float32 limit, never at a float64 one
+    wide = torch.randn(1000, generator=gen, dtype=torch.float64)
+    assert perturb.within_limits([wide.float()], [wide], [2e-4], 1e-6).tolist() == [True]
+    assert perturb.within_limits([wide * (1 + 1e-15)], [wide], [1e-14], 1e-6).tolist() == [False]
+
+
 def test_scratch_blocks_never_overlap_and_stay_bounded(monkeypatch):
     """Blocks of one op's check are disjoint (also across a growth), memory is reused after
     ``reset``, and the kept buffer never exceeds MAX_BYTES (larger needs get fresh memory)."""
