@@ -91,7 +91,7 @@ class OverflowHandler(Handler):
             alias = {id(t): t.detach() for _, t in outs}
             kept = event.with_outputs(perturb.swap_tensors(event.outputs, alias))
             outs = [(i, alias[id(t)]) for i, t in outs]
-            self._pending.append((kept, outs, ins, torch.stack([n.float() for n in norms]), perturb.versions(ins)))
+            self._pending.append((kept, outs, ins, norms, perturb.versions(ins)))
             if len(self._pending) >= _WINDOW:
                 self._resolve()
         if self._stop is not None:
@@ -115,7 +115,8 @@ class OverflowHandler(Handler):
         pending, self._pending = self._pending, []
         if not pending:
             return
-        values = torch.cat([p[3] for p in pending]).tolist()     # the one host sync of the window
+        # one stack (not one per op: a kernel launch each) and the one host sync of the window
+        values = torch.stack([n for p in pending for n in p[3]]).tolist()   # (dtypes promote)
         pos = 0
         for event, outs, ins, norms, seen in pending:
             n = len(norms)
