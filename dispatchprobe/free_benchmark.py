@@ -76,8 +76,9 @@ class FreeBenchmarkHandler(Handler):
         self._limits: dict = {}                      # (output dtype, input dtypes) -> limit
         self._wider = _WIDER_FLOAT32 if cfg.widen_float32 else _WIDER
         self.scratch = perturb.Scratch()             # CPU temporaries of one op's check
-        self._pending: list = []                     # accelerator: (event, stage, slots) to report
-        self._pairs: dict = {}                       # small value -> ([re-run/original], [reference])
+        self._pending: list = []                     # accelerator: (event, stage, slots, inputs, their
+                                                     # versions) to report
+        self._pairs: dict = {}                       # small value -> ([re-run/original], [reference], [limit])
         self._pending_bytes = 0
         self.defer = False                           # measure on the device, read back later (tests
                                                      # set it on CPU; accelerators always defer)
@@ -213,8 +214,8 @@ class FreeBenchmarkHandler(Handler):
         the uncleared pairs for a batched measure, as below, was slower here: 2.1-2.3x against
         1.6-1.9x on the quick bf16 step -- the copies cost more than the per-op measure).  On
         an accelerator the pairs are kept until ``_WINDOW_BYTES`` or ``_WINDOW_OPS`` ops have
-        gathered or the region ends, then measured together on the device
-        (:func:`perturb.changes`) and read back with one host sync."""
+        gathered or the region ends, then screened and measured together on the device
+        (:meth:`_resolve`): two host syncs per window, none per op."""
         if not pairs:
             return
         if pairs[0][1].device.type == "cpu" and not self.defer:

@@ -371,14 +371,21 @@ def surely_within(actual: torch.Tensor, expected: torch.Tensor, limit: float, sm
     floor = max(small, r)
     if d <= (limit - slack) * floor * (1 - LIMIT_MARGIN):
         return True
-    # elementwise: |a - e| / max(|e|, floor), with the floor taken 1e-3 low (a lower floor can
-    # only raise the ratio, so this stays an upper bound of the float64 measure)
-    if scratch is not None and a.device.type == "cpu" and e.numel() >= scratch.MIN_NUMEL:
-        den = torch.abs(e, out=scratch.take(e.shape, e.dtype))
-    else:
-        den = e.abs()
-    ratio = diff.abs_().div_(den.clamp_(min=floor * (1 - FLOOR_MARGIN)))
+    # elementwise, with the floor taken low (a lower floor can only raise the ratio, so this
+    # stays an upper bound of the float64 measure)
+    out = scratch.take(e.shape, e.dtype) if scratch is not None and a.device.type == "cpu" and \
+        e.numel() >= scratch.MIN_NUMEL else None
+    ratio = _relative_errors(diff, e, floor * (1 - FLOOR_MARGIN), out)
     return float(ratio.max()) <= (limit - slack) * (1 - LIMIT_MARGIN)
+
+
+def _relative_errors(diff: torch.Tensor, e: torch.Tensor, floor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The measure's elementwise term ``|a - e| / max(|e|, floor)``, written into ``diff``
+    (``a - e``); ``floor`` a number or one value per element; ``|e|`` goes to ``out`` (may be
+    ``e`` itself) or fresh memory."""
+    den = e.abs() if out is None else torch.abs(e, out=out)
+    den = den.clamp_(min=floor) if isinstance(floor, float) else torch.maximum(den, floor, out=den)
+    return diff.abs_().div_(den)
 
 
 class Segments:
@@ -428,7 +435,7 @@ def within_limits(actuals: list, expecteds: list, limits: list, small: float) ->
     sumsq = seg.sumsq(e)
     counts = torch.tensor(lengths, dtype=torch.float32).to(device, non_blocking=True)
     floor = (sumsq / counts).sqrt().clamp(min=small) * (1 - FLOOR_MARGIN)
-    ratio = a.sub_(e).abs_().div_(torch.maximum(e.abs_(), seg.spread(floor), out=e))
+    ratio = _relative_errors(a.sub_(e), e, seg.spread(floor), out=e)
     bound = [(limit - slack) * (1 - LIMIT_MARGIN) for limit in limits]
     bound = torch.tensor(bound, dtype=torch.float32).to(device, non_blocking=True)
     return (seg.max(ratio) <= bound) & torch.isfinite(sumsq)
