@@ -165,7 +165,7 @@ class FreeBenchmarkHandler(Handler):
     def _tf32_ok(self, ins) -> bool:
         """improve_precision of an op whose float inputs are all 16-bit: its float32 re-run
         may use TF32 tensor cores on CUDA without losing anything (:func:`perturb.tf32_matmul`)."""
-        return self.mode == "improve_precision" and all(t.dtype in perturb.HALF_FLOATS for t in ins)
+        return self.mode == "improve_precision" and all(t.dtype in perturb.HALF for t in ins)
 
     def _limit(self, ins, out: torch.Tensor) -> float:
         key = (out.dtype, *{t.dtype for t in ins}) if self.mode in ("bit_noise", "add_noise") else out.dtype

@@ -10,6 +10,7 @@ same few functions.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import traceback
 
@@ -38,15 +39,10 @@ def is_random(func) -> bool:
     return hit
 
 
-_alias_memo: dict = {}
-
-
+@functools.cache
 def returns_alias(func) -> bool:
     """True for ops whose output aliases an input (in-place, out=, views): not replaceable."""
-    hit = _alias_memo.get(func)
-    if hit is None:
-        hit = _alias_memo[func] = any(r.alias_info is not None for r in func._schema.returns)
-    return hit
+    return any(r.alias_info is not None for r in func._schema.returns)
 
 
 _written_memo: dict = {}
@@ -259,9 +255,6 @@ def map_args(fn, args, kwargs):
     return tuple(walk(v) for v in args), {k: walk(v) for k, v in kwargs.items()}
 
 
-HALF_FLOATS = (torch.float16, torch.bfloat16)
-
-
 @contextlib.contextmanager
 def tf32_matmul():
     """CUDA float32 matmuls on TF32 tensor cores for the duration, then the user's setting back.
@@ -357,10 +350,8 @@ def surely_within(actual: torch.Tensor, expected: torch.Tensor, limit: float, sm
         if math.isfinite(lo) and math.isfinite(hi) or \
                 int(torch.isinf(wide).sum()) == int(torch.isinf(rounded).sum()):
             return True
-    if scratch is not None and a.device.type == "cpu" and e.numel() >= scratch.MIN_NUMEL:
-        diff = torch.sub(a, e, out=scratch.take(e.shape, e.dtype))
-    else:
-        diff = a - e
+    buffered = scratch is not None and a.device.type == "cpu" and e.numel() >= scratch.MIN_NUMEL
+    diff = torch.sub(a, e, out=scratch.take(e.shape, e.dtype)) if buffered else a - e
     lo, hi = torch.aminmax(diff)
     sq = norm32(e)          # squared norm, one BLAS dot when e is contiguous float32
     lo, hi, sq = torch.stack([lo, hi, sq.to(lo.dtype)]).tolist()
@@ -373,8 +364,7 @@ def surely_within(actual: torch.Tensor, expected: torch.Tensor, limit: float, sm
         return True
     # elementwise, with the floor taken low (a lower floor can only raise the ratio, so this
     # stays an upper bound of the float64 measure)
-    out = scratch.take(e.shape, e.dtype) if scratch is not None and a.device.type == "cpu" and \
-        e.numel() >= scratch.MIN_NUMEL else None
+    out = scratch.take(e.shape, e.dtype) if buffered else None
     ratio = _relative_errors(diff, e, floor * (1 - FLOOR_MARGIN), out)
     return float(ratio.max()) <= (limit - slack) * (1 - LIMIT_MARGIN)
 
@@ -416,6 +406,13 @@ class Segments:
         return torch.cat([v.expand(n) for v, n in zip(per_segment.unbind(), self.lengths)])
 
 
+def _concat(tensors: list, dtype: torch.dtype) -> torch.Tensor:
+    """The tensors flattened into one ``dtype`` vector on their device (one cast on the way)."""
+    total = sum(t.numel() for t in tensors)
+    out = torch.empty(total, dtype=dtype, device=tensors[0].device)
+    return torch.cat([t.reshape(-1) for t in tensors], out=out)
+
+
 def within_limits(actuals: list, expecteds: list, limits: list, small: float) -> torch.Tensor:
     """Per pair, on the pairs' device and without reading anything back: True where the
     float64 measure (:func:`changes`) is certainly within its limit -- the measure's
@@ -427,9 +424,7 @@ def within_limits(actuals: list, expecteds: list, limits: list, small: float) ->
     relative) is taken off the limits, as in :func:`surely_within`."""
     device = expecteds[0].device
     slack = 2.0 ** -23 if any(t.dtype == torch.float64 for t in (*actuals, *expecteds)) else 0.0
-    total = sum(t.numel() for t in expecteds)
-    a = torch.cat([t.reshape(-1) for t in actuals], out=torch.empty(total, dtype=torch.float32, device=device))
-    e = torch.cat([t.reshape(-1) for t in expecteds], out=torch.empty(total, dtype=torch.float32, device=device))
+    a, e = _concat(actuals, torch.float32), _concat(expecteds, torch.float32)
     lengths = [t.numel() for t in expecteds]
     seg = Segments(lengths)
     sumsq = seg.sumsq(e)
@@ -448,10 +443,7 @@ def changes(actuals: list, expecteds: list, small: float) -> torch.Tensor:
     measure: squares of large float32 (or exp'd bfloat16) values overflow float32 and would hide
     a finding behind an infinite floor."""
     from .metrics import perturbation_terms
-    device = expecteds[0].device
-    total = sum(t.numel() for t in expecteds)
-    a = torch.cat([t.reshape(-1) for t in actuals], out=torch.empty(total, dtype=torch.float64, device=device))
-    e = torch.cat([t.reshape(-1) for t in expecteds], out=torch.empty(total, dtype=torch.float64, device=device))
+    a, e = _concat(actuals, torch.float64), _concat(expecteds, torch.float64)
     seg = Segments([t.numel() for t in expecteds])
     max_rel, flips = perturbation_terms(a, e, small, torch, seg)
     return torch.stack([max_rel, flips], dim=1)

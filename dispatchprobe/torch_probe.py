@@ -13,6 +13,7 @@ draws from the global RNG.
 
 from __future__ import annotations
 
+import functools
 import traceback
 import weakref
 
@@ -38,15 +39,10 @@ _ALIAS_OPS = {aten.detach, aten.alias, aten.lift_fresh, aten.lift, aten._unsafe_
 _SKIP_FILES = (f"{torch.__path__[0]}", __file__.rpartition("/")[0], "<frozen ", "contextlib.py")
 
 
-_OP_NAMES: dict = {}
-
-
+@functools.cache
 def _op_name(func) -> str:
     """"aten.addmm.default" (memoised: ``str`` formats the schema name on every call)."""
-    name = _OP_NAMES.get(func)
-    if name is None:
-        name = _OP_NAMES[func] = str(func)
-    return name
+    return str(func)
 
 
 class _ProbeMode(TorchDispatchMode):
