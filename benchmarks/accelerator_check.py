@@ -103,7 +103,7 @@ def checks(dev, tmp) -> list[tuple[str, str]]:
     rows.append(("saved device tensor readable", f"{arr.shape}"))
 
     # overflow localisation on the device, fp16
-    from dispatchprobe.overflow import OverflowDetected
+    from dispatchprobe.core.overflow import OverflowDetected
     torch.manual_seed(0)
     net = Exploding().to(dev).half()
     probe = DispatchProbe(task="overflow", dump_path=f"{tmp}/ovf", model=net)

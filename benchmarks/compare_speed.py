@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 
 def synthetic_run(path: str, n_ops: int, seed: int, noise: float) -> None:
-    from dispatchprobe.writer import write_manifest
+    from dispatchprobe.records.writer import write_manifest
     rng = np.random.default_rng(seed)
     write_manifest(path, framework="synthetic", framework_version="0", device="cpu", config={"task": "statistics"})
     folder = os.path.join(path, "step0", "rank0")

@@ -30,7 +30,7 @@ import torch
 
 from dispatchprobe import DispatchProbe
 from dispatchprobe.models import TinyTransformer, lm_batch, lm_loss
-from dispatchprobe.run_ut import run_ut
+from dispatchprobe.offline.run_ut import run_ut
 
 
 def record(path: str, steps: int) -> None:

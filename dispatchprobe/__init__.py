@@ -4,9 +4,9 @@ Capture (``DispatchProbe``) needs torch; the offline side (``load``, ``compare``
 numpy and pandas, so importing this package does not import torch.
 """
 
-from .config import Config, ConfigError
-from .reader import RecordError, load
-from .compare import compare
+from .core.config import Config, ConfigError
+from .records.reader import RecordError, load
+from .offline.compare import compare
 
 __all__ = ["Config", "ConfigError", "DispatchProbe", "RecordError", "compare", "load", "run_ut"]
 __version__ = "0.1.0"
@@ -15,9 +15,9 @@ __version__ = "0.1.0"
 def __getattr__(name):
     # torch is imported only when a capture class is asked for
     if name == "DispatchProbe":
-        from .torch_probe import DispatchProbe
+        from .torch.capture import DispatchProbe
         return DispatchProbe
     if name == "run_ut":  # replays ops: needs torch, imported on first use
-        from .run_ut import run_ut
+        from .offline.run_ut import run_ut
         return run_ut
     raise AttributeError(f"module 'dispatchprobe' has no attribute {name!r}")

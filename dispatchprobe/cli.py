@@ -6,13 +6,13 @@ on stderr and exit code 1 (DESIGN invariant 7); ``--debug`` shows the traceback 
 
 from __future__ import annotations
 
-import functools
+import os
 import sys
 
 import click
 
-from .config import ConfigError
-from .reader import RecordError
+from .core.config import ConfigError
+from .records.reader import RecordError
 
 # Errors a user can cause; anything else is our bug and keeps its traceback.
 USER_ERRORS = (RecordError, ConfigError, FileNotFoundError, NotADirectoryError, PermissionError, ValueError)
@@ -56,8 +56,8 @@ def echo_table(df, max_rows: int = 40) -> None:
 @click.option("--limit", default=40, show_default=True, help="Rows to print with --op.")
 def show(path, op_pattern, stage, top, limit):
     """Summarise a run (steps, ranks, op counts, nan/inf), or list records with --op."""
-    from .summary import summarize, matching_records
-    from .reader import load
+    from .offline.summary import summarize, matching_records
+    from .records.reader import load
 
     run = load(path)
     if op_pattern:
@@ -79,12 +79,86 @@ def demo(dump_path, task, steps):
     run_demo(dump_path, task=task, steps=steps)
 
 
-# ---- commands that live beside their implementation --------------------------------------------
-from .compare_cli import compare  # noqa: E402  (numpy/pandas only)
-from .run_ut_cli import precision_compare, run_ut  # noqa: E402  (torch imported when run-ut runs)
+# ---- offline commands (torch is imported only when run-ut runs) --------------------------------
+@main.command()
+@click.argument("a", type=click.Path())
+@click.argument("b", type=click.Path())
+@click.option("-o", "--out", default=None, help="Write compare.csv, compare.xlsx, compare.html, unmatched.csv here.")
+@click.option("--match", type=click.Choice(["fuzzy", "exact"]), default="fuzzy", show_default=True,
+              help="fuzzy: sequence alignment over (scope, op, shapes); exact: by record name only.")
+@click.option("--mapping", type=click.Path(), default=None, help="YAML file renaming A's ops/scopes to B's.")
+@click.option("-j", "--jobs", default=1, show_default=True, help="Worker processes for multi-step/rank runs.")
+@click.option("--metric", default="cosine", show_default=True, help="Metric charted in the HTML report.")
+@click.option("--stats-only", is_flag=True, help="Ignore saved tensors; compare recorded statistics only.")
+def compare(a, b, out, match, mapping, jobs, metric, stats_only):
+    """Compare run A (under test) with run B (benchmark); name the first op that diverged.
 
-for _command in (compare, run_ut, precision_compare):
-    main.add_command(_command)
+    A and B are run directories or single step*/rank* folders.  Exit code 0 when every
+    compared tensor passes, 2 when some diverge, 1 when nothing could be compared.
+    """
+    from .offline.compare import compare as run_compare
+    _, verdict = run_compare(a, b, match=match, mapping=mapping, out=out, jobs=jobs, metric=metric,
+                             progress=sys.stderr.isatty(), tensors=not stats_only)
+    click.echo(str(verdict))
+    if not verdict.passed:
+        sys.exit(2)
+
+
+@main.command("run-ut")
+@click.argument("records", type=click.Path())
+@click.option("-o", "--out", "out_dir", default=None, help="Output directory for the result CSVs (default: . or the --resume file's).")
+@click.option("--random", "random_inputs", is_flag=True,
+              help="Generate inputs from the recorded statistics/shapes/dtypes (for statistics-only records).")
+@click.option("--resume", "-csv_path", "--result-csv-path", "resume", default=None, type=click.Path(),
+              help="Continue an interrupted run: its accuracy_checking_result_{timestamp}.csv.")
+@click.option("-j", "--jobs", default=1, show_default=True, help="Worker processes.")
+@click.option("--device", default=None, help="Device for the device run: cpu, cuda[:i], npu[:i], ... (default: the accelerator, else cpu).")
+@click.option("--filter-duplicates", is_flag=True, help="Replay only the first of ops with identical op, shapes, dtypes and arguments.")
+@click.option("--save-error-data", is_flag=True, help="Save inputs and outputs of failing ops to OUT/error_data/*.safetensors.")
+@click.option("--import", "imports", multiple=True, help="Import this module first (custom kernels, a device plugin). Repeatable.")
+@click.option("--api", default=None, help="Only ops whose record name matches this regex.")
+@click.option("--progress/--no-progress", default=None, help="Progress bar (default: when stderr is a terminal).")
+def run_ut(records, out_dir, random_inputs, resume, jobs, device, filter_duplicates, save_error_data, imports, api,
+           progress):
+    """Replay each recorded op on the device and as a float64 CPU benchmark; judge it.
+
+    Writes accuracy_checking_result_{ts}.csv and accuracy_checking_details_{ts}.csv.  Exit code 0
+    when no op errs, 2 when some do.  Under torchrun, ranks share the work and rank 0 merges.
+    """
+    from .offline.run_ut import run_ut as do_run_ut, summary_text
+    try:
+        res = do_run_ut(records, out_dir, random=random_inputs, device=device, jobs=jobs, resume=resume,
+                        filter_duplicates=filter_duplicates, save_error_data=save_error_data, imports=imports,
+                        progress=progress, api=api)
+    except KeyboardInterrupt:
+        click.echo("interrupted: rows so far are saved; continue with --resume "
+                   "OUT/accuracy_checking_result_{timestamp}.csv", err=True)
+        sys.exit(130)
+    if int(os.environ.get("RANK", "0")) == 0:
+        click.echo(summary_text(res))
+    statuses = set(res.results["Forward Test Success"]) | set(res.results["Backward Test Success"])
+    if "error" in statuses:
+        sys.exit(2)
+
+
+@main.command("precision-compare")
+@click.argument("dut", type=click.Path())
+@click.argument("ref", type=click.Path())
+@click.option("-o", "--out", "out_dir", default=".", show_default=True, help="Output directory.")
+def precision_compare(dut, ref, out_dir):
+    """Three-way verdict: DUT's run-ut errors against a reference device's, both vs float64.
+
+    DUT and REF are accuracy_checking_details_{ts}.csv files (or run-ut output directories).
+    Exit code 0 when no op errs, 2 when some do.
+    """
+    from .offline.precision_compare import precision_compare as do_compare, summary_text
+    results, _, res_path, det_path = do_compare(dut, ref, out_dir)
+    click.echo(summary_text(results))
+    click.echo(f"results: {res_path}\ndetails: {det_path}")
+    statuses = set(results["Forward Test Success"]) | set(results["Backward Test Success"])
+    if "error" in statuses:
+        sys.exit(2)
+
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())

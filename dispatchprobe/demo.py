@@ -10,9 +10,9 @@ import os
 import torch
 
 from .models import TinyTransformer, lm_batch, lm_loss
-from .reader import load
-from .summary import summarize
-from .torch_probe import DispatchProbe
+from .records.reader import load
+from .offline.summary import summarize
+from .torch.capture import DispatchProbe
 
 
 def run_demo(dump_path: str = "runs/demo", task: str = "tensor", steps: int = 2) -> str:

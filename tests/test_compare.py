@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from dispatchprobe.cli import main
-from dispatchprobe.compare import compare
+from dispatchprobe.offline.compare import compare
 
 sys.path.insert(0, os.path.dirname(__file__))
 from compare_helpers import record  # noqa: E402

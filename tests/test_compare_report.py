@@ -10,7 +10,7 @@ import sys
 import pandas as pd
 import pytest
 
-from dispatchprobe.compare import COLUMNS
+from dispatchprobe.offline.compare import COLUMNS
 from dispatchprobe import compare
 
 sys.path.insert(0, os.path.dirname(__file__))

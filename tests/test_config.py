@@ -73,3 +73,13 @@ def test_probe_rejects_bad_config_before_running(tmp_path):
     with pytest.raises(ConfigError, match="unknown key 'lvl'"):
         DispatchProbe(dump_path=str(tmp_path), lvl="op")
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("source", [{"task": "free_benchmark", "free_benchmark": {"seed": 7}},
+                                    {"task": "free_benchmark", "seed": 7}])
+def test_free_benchmark_seed_is_kept(tmp_path, source):
+    cfg = Config.load(source, dump_path=str(tmp_path))
+    assert cfg.free_benchmark.seed == 7
+    from dispatchprobe import DispatchProbe
+    probe = DispatchProbe(cfg)
+    assert probe.handlers[0].gen.initial_seed() == 7

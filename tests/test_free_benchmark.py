@@ -91,7 +91,7 @@ def test_device_path_flags_what_the_cpu_path_flags(tmp_path, mode, monkeypatch):
     flagged with the same measures (bf16 improve_precision flags layer-norm and embedding
     backward), and the same ops checked: the kept outputs are copies, so autograd still
     steals the gradients nobody else holds (holding them made it copy: 9 extra ops)."""
-    monkeypatch.setattr("dispatchprobe.free_benchmark._WINDOW_OPS", 7)
+    monkeypatch.setattr("dispatchprobe.core.free_benchmark._WINDOW_OPS", 7)
     now, rows_now = one_step(tmp_path / "now", torch.bfloat16, mode)
     later, rows_later = one_step(tmp_path / "later", torch.bfloat16, mode, defer=True)
     assert now.checked == later.checked > 40
@@ -134,7 +134,7 @@ class Planted(nn.Module):
 def test_planted_ill_conditioned_ops_found(tmp_path, mode, defer, monkeypatch):
     """``defer``: the accelerator path (pairs kept, measured together per window, read back
     once) forced on CPU, with windows of a few ops -- it must find the same ops."""
-    monkeypatch.setattr("dispatchprobe.free_benchmark._WINDOW_OPS", 3)
+    monkeypatch.setattr("dispatchprobe.core.free_benchmark._WINDOW_OPS", 3)
     torch.manual_seed(0)
     model = Planted().to(torch.bfloat16)
     x = torch.randn(8, 16).to(torch.bfloat16)
@@ -158,7 +158,7 @@ def test_inputs_overwritten_before_read_back_are_not_saved(tmp_path, defer):
     its inputs was written in place in between, saving it would store values the op never
     saw.  The record then says so, keeps no tensors, and run-ut skips it with the reason."""
     import json
-    from dispatchprobe.replay import Skip, check_replayable
+    from dispatchprobe.torch.replay import Skip, check_replayable
 
     def cancel_then_overwrite(x):
         h = x + 256.0
@@ -182,7 +182,7 @@ def test_inputs_overwritten_before_read_back_are_not_saved(tmp_path, defer):
 
 
 def test_measure_floors_near_zero_and_counts_sign_flips():
-    from dispatchprobe.metrics import perturbation_change
+    from dispatchprobe.standards.metrics import perturbation_change
     e = [1.0, -1.0, 1e-5, 2.0]
     near_zero = perturbation_change([1.0, -1.0, 3e-5, 2.0], e, "float32")   # tiny element moved 3x
     assert near_zero["max_rel"] < 2e-4 and near_zero["sign_flips"] == 0
@@ -194,8 +194,8 @@ def test_measure_floors_near_zero_and_counts_sign_flips():
 def test_measure_of_many_pairs_at_once_equals_one_by_one():
     """The accelerator path measures a window of outputs as segments of one concatenation; each
     segment must get exactly the numpy measure of its pair (inf/nan patterns, sign flips)."""
-    from dispatchprobe import perturb
-    from dispatchprobe.metrics import perturbation_change
+    from dispatchprobe.torch import perturb
+    from dispatchprobe.standards.metrics import perturbation_change
     gen = torch.Generator().manual_seed(0)
     pairs = []
     for n in (5, 1, 1000, 7, 3):
@@ -263,7 +263,7 @@ def test_preheat_samples_then_follows_suspects(tmp_path):
 def test_rerun_escapes_enclosing_autocast_and_is_plain_without_it():
     """A re-run inside a bf16 autocast region must not be cast back down (the float32
     reference would silently be the bf16 result again); outside autocast the fast path runs."""
-    from dispatchprobe import perturb
+    from dispatchprobe.torch import perturb
     a, b = torch.randn(4, 8), torch.randn(8, 3)
     mm = torch.ops.aten.mm.default
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -276,7 +276,7 @@ def test_tf32_only_for_cuda_reruns_of_all_16bit_ops(tmp_path):
     """The float32 re-run of an op whose float inputs are all 16-bit may use TF32 on CUDA (the
     inputs are exact in TF32); the user's matmul setting is back afterwards, CPU re-runs and
     ops with a float32 operand (it would be rounded to TF32) never get it."""
-    from dispatchprobe import perturb
+    from dispatchprobe.torch import perturb
     m = torch.backends.cuda.matmul
     name = "fp32_precision" if hasattr(m, "fp32_precision") else "allow_tf32"
     before = getattr(m, name)
@@ -300,8 +300,8 @@ def test_screen_clears_only_what_the_measure_passes():
     """``surely_within`` is a shortcut, never a second opinion: whenever it clears a pair, the
     measure is within the limit -- float32 against a float64 reference (rounded once), masks of
     -inf, a float64 value beyond float32's range that float32 turned into inf, nan."""
-    from dispatchprobe import perturb
-    from dispatchprobe.metrics import perturbation_change
+    from dispatchprobe.torch import perturb
+    from dispatchprobe.standards.metrics import perturbation_change
     gen = torch.Generator().manual_seed(1)
     cases = []
     for scale in (1e-3, 1e-6, 1e-9):
@@ -331,8 +331,8 @@ def test_elementwise_screen_clears_16bit_rounding_and_nothing_over_the_limit(num
     rms exceeds ``limit * floor``, so the screen's second stage (the measure's elementwise bound,
     in float32) decides.  It clears plain rounding and never an element whose error relative to
     max(|e|, floor) is over the limit -- including errors within 0.1% of it."""
-    from dispatchprobe import perturb
-    from dispatchprobe.metrics import perturbation_change
+    from dispatchprobe.torch import perturb
+    from dispatchprobe.standards.metrics import perturbation_change
     gen = torch.Generator().manual_seed(2)
     e = torch.randn(numel, generator=gen) * torch.rand(numel, generator=gen).pow(8) * 50   # heavy tail
     limit, small = 0.004, 1e-3
@@ -355,8 +355,8 @@ def test_window_screen_clears_only_what_the_measure_passes():
     where the float64 measure is within the pair's limit; inf/nan, float32-overflowing
     squares (values of 1e20: the floor would be inf and every ratio 0) and near-limit errors
     go to the measure."""
-    from dispatchprobe import perturb
-    from dispatchprobe.metrics import perturbation_change
+    from dispatchprobe.torch import perturb
+    from dispatchprobe.standards.metrics import perturbation_change
     gen = torch.Generator().manual_seed(3)
     e = [torch.randn(n, generator=gen) * torch.rand(n, generator=gen).pow(6) * 30 for n in (700, 1, 64, 3000)]
     acts = [t.bfloat16().float() for t in e]                       # plain bf16 rounding: clears
@@ -384,7 +384,7 @@ def test_window_screen_clears_only_what_the_measure_passes():
 def test_scratch_blocks_never_overlap_and_stay_bounded(monkeypatch):
     """Blocks of one op's check are disjoint (also across a growth), memory is reused after
     ``reset``, and the kept buffer never exceeds MAX_BYTES (larger needs get fresh memory)."""
-    from dispatchprobe.perturb import Scratch
+    from dispatchprobe.torch.perturb import Scratch
     monkeypatch.setattr(Scratch, "MIN_NUMEL", 4)
     monkeypatch.setattr(Scratch, "MAX_BYTES", 4096)
     s = Scratch()

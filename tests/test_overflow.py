@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from dispatchprobe import DispatchProbe, load
-from dispatchprobe.overflow import OverflowDetected
-from dispatchprobe.replay import Skip, check_replayable
+from dispatchprobe.core.overflow import OverflowDetected
+from dispatchprobe.torch.replay import Skip, check_replayable
 from conftest import train
 
 

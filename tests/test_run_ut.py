@@ -16,8 +16,8 @@ import torch
 
 from dispatchprobe import DispatchProbe
 from dispatchprobe.models import TinyTransformer, lm_batch, lm_loss
-from dispatchprobe.precision_compare import precision_compare
-from dispatchprobe.run_ut import TIMING_COLUMNS, run_ut
+from dispatchprobe.offline.precision_compare import precision_compare
+from dispatchprobe.offline.run_ut import TIMING_COLUMNS, run_ut
 
 
 def record(path, dtype=torch.float32, task="tensor"):
@@ -151,7 +151,7 @@ def test_random_mode_on_statistics_records(runs, tmp_path):
 
 
 SLOW = """
-import time, dispatchprobe.run_ut as m
+import time, dispatchprobe.offline.run_ut as m
 _orig = m.check_op
 def slow(*a):
     time.sleep(0.03)
@@ -225,3 +225,13 @@ def test_cli_errors(runs, tmp_path):
     assert code == 1 and "no_such_module_xyz" in text
     code, text = cli("run-ut", runs["f32"], "-o", str(tmp_path / "ok"), "--api", "aten.mm", "--no-progress")
     assert code == 0 and "pass" in text
+
+
+def test_documented_python_api_works_twice(runs, tmp_path):
+    """``dispatchprobe.run_ut`` stays the function however often it is used (the run-ut module
+    once shadowed it after its first import)."""
+    import dispatchprobe
+    first = dispatchprobe.run_ut(runs["stats"], tmp_path / "one", api="aten.mm")
+    second = dispatchprobe.run_ut(runs["stats"], tmp_path / "two", api="aten.mm")
+    assert callable(dispatchprobe.run_ut)
+    assert len(first.results) == len(second.results) > 0

@@ -23,9 +23,9 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from . import torch_backend
-from .recorder import OpEvent
-from .session import ProbeSession
+from . import backend as torch_backend
+from ..core.recorder import OpEvent
+from ..core.session import ProbeSession
 
 aten = torch.ops.aten
 
@@ -36,7 +36,7 @@ _NEVER_RECORDED = {aten.empty, aten.empty_like, aten.empty_strided, aten.new_emp
 # Ops that only make a new view or alias of existing data (skipped unless include_views=True).
 _ALIAS_OPS = {aten.detach, aten.alias, aten.lift_fresh, aten.lift, aten._unsafe_view}
 
-_SKIP_FILES = (f"{torch.__path__[0]}", __file__.rpartition("/")[0], "<frozen ", "contextlib.py")
+_SKIP_FILES = (f"{torch.__path__[0]}", __file__.rpartition("/")[0].rpartition("/")[0], "<frozen ", "contextlib.py")
 
 
 @functools.cache

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from . import metrics as M
+from ..standards import metrics as M
 from .align import CAST_OPS, Mapping, align
-from .reader import Part, RecordError, load, no_gc, tensor_list
+from ..records.reader import Part, RecordError, load, no_gc, tensor_list
 
 STATS = ("max", "min", "mean", "norm")
 TENSOR_METRICS = ("cosine", "max_abs_err", "max_rel_err", "rmse", "mape", "one_thousandth",

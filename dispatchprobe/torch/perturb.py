@@ -442,7 +442,7 @@ def changes(actuals: list, expecteds: list, small: float) -> torch.Tensor:
     back here.  The pairs are concatenated and measured per segment, in float64 like the numpy
     measure: squares of large float32 (or exp'd bfloat16) values overflow float32 and would hide
     a finding behind an infinite floor."""
-    from .metrics import perturbation_terms
+    from ..standards.metrics import perturbation_terms
     a, e = _concat(actuals, torch.float64), _concat(expecteds, torch.float64)
     seg = Segments([t.numel() for t in expecteds])
     max_rel, flips = perturbation_terms(a, e, small, torch, seg)

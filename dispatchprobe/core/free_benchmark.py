@@ -46,7 +46,8 @@ from collections import defaultdict
 
 import torch
 
-from . import metrics, perturb
+from ..standards import metrics
+from ..torch import perturb
 from .recorder import Handler, OpEvent
 
 NOISE_GAIN = 16.0

@@ -15,10 +15,10 @@ import time
 
 import pandas as pd
 
-from .metrics import ERROR, PASS, WARNING, worst
-from .reader import RecordError
-from .standards import BENCHMARK_RATIOS, SKIP, judge_three_way
-from .writer import write_csv
+from ..standards.metrics import ERROR, PASS, WARNING, worst
+from ..records.reader import RecordError
+from ..standards.verdicts import BENCHMARK_RATIOS, SKIP, judge_three_way
+from ..records.writer import write_csv
 
 _KEY = ["Step", "Rank", "API Name", "Output"]
 _METRICS = {  # details column -> metric key

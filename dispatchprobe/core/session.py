@@ -12,7 +12,7 @@ from collections import defaultdict
 
 from .config import Config
 from .recorder import OpEvent, Recorder
-from .writer import PartWriter, write_manifest
+from ..records.writer import PartWriter, write_manifest
 
 
 class OpSelector:

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from .reader import Part
+from ..records.reader import Part
 
 _MEMORY_FORMATS = {"contiguous_format": torch.contiguous_format, "channels_last": torch.channels_last,
                    "channels_last_3d": torch.channels_last_3d, "preserve_format": torch.preserve_format}

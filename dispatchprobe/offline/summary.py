@@ -6,7 +6,7 @@ import re
 
 import pandas as pd
 
-from .reader import Run
+from ..records.reader import Run
 
 
 def summarize(run: Run, top: int = 10, stage: str | None = None) -> str:

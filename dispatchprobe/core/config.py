@@ -171,7 +171,7 @@ class Config:
 
 
 # ---- helpers ------------------------------------------------------------------------------
-_IGNORED_MSPROBE_KEYS = {"enable_dataloader", "is_deterministic", "seed", "framework", "file_format",
+_IGNORED_MSPROBE_KEYS = {"enable_dataloader", "is_deterministic", "framework", "file_format",
                          "fuzz_level", "acl_config", "online_run_ut", "nfs_path", "host", "port",
                          "error_data_path", "white_list", "black_list"}
 

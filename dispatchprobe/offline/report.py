@@ -14,7 +14,7 @@ import os
 import numpy as np
 import pandas as pd
 
-from .writer import atomic_write_text
+from ..records.writer import atomic_write_text
 
 _TEMPLATE = os.path.join(os.path.dirname(__file__), "templates", "compare.html")
 # metrics a chart can show, and whether larger is worse

@@ -24,11 +24,11 @@ from dataclasses import dataclass
 import pandas as pd
 import torch
 
-from .metrics import ERROR, PASS, binary_mismatch, compare_arrays, is_float, worst
-from .reader import Run, load
-from .replay import ReplayError, Skip, TensorSource, replay, resolve_device, to_numpy
-from .standards import SKIP, category, judge
-from .writer import write_csv
+from ..standards.metrics import ERROR, PASS, binary_mismatch, compare_arrays, is_float, worst
+from ..records.reader import Run, load
+from ..torch.replay import ReplayError, Skip, TensorSource, replay, resolve_device, to_numpy
+from ..standards.verdicts import SKIP, category, judge
+from ..records.writer import write_csv
 
 RESULT_COLUMNS = ["Step", "Rank", "API Name", "Op", "Stage", "Scope", "Category", "Forward Test Success",
                   "Backward Test Success", "Message", "Elapsed (s)"]

@@ -31,7 +31,7 @@ _FLOAT_LAYOUT = {"float16": (10, -14), "bfloat16": (7, -126), "float32": (23, -1
 
 @functools.lru_cache(maxsize=None)
 def standards() -> dict:
-    """The shipped precision standards (``dispatchprobe/data/standards.yaml``)."""
+    """The shipped precision standards (``dispatchprobe/standards/data/standards.yaml``)."""
     with open(_DATA, encoding="utf-8") as fh:
         return yaml.safe_load(fh)
 

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from .writer import write_safetensors
+from ..records.writer import write_safetensors
 
 name = "torch"
 version = torch.__version__

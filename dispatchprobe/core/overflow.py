@@ -35,9 +35,9 @@ import os
 
 import torch
 
-from . import perturb
+from ..torch import perturb
 from .recorder import Handler, OpEvent
-from .writer import atomic_write_text
+from ..records.writer import atomic_write_text
 
 _GROWTH = 100.0        # output/input norm ratio above which a finite op is "suspicious growth"
 _WINDOW = 256          # accelerator: ops between host reads of the finiteness flags
