@@ -47,7 +47,7 @@ from collections import defaultdict
 import torch
 
 from ..standards import metrics
-from ..torch import perturb
+from ..torch import ops, perturb
 from .recorder import Handler, OpEvent
 
 NOISE_GAIN = 16.0
@@ -96,7 +96,7 @@ class FreeBenchmarkHandler(Handler):
 
     def on_op(self, event: OpEvent):
         func = event.func
-        if event.kind != "op" or func is None or perturb.is_random(func):
+        if event.kind != "op" or func is None or ops.is_random(func):
             return None
         if self.cfg.fuzz_stage == "backward" and event.stage != "forward":
             return None
@@ -159,7 +159,7 @@ class FreeBenchmarkHandler(Handler):
                 a, e = (orig, other) if rerun_is_reference else (other, orig)
                 pairs.append((index, a, e, self._limit(ins, orig)))
         self._judge(event, event.stage, pairs, outs, ins)
-        if self.fix and not perturb.returns_alias(event.func):
+        if self.fix and not ops.returns_alias(event.func):
             return _replacement(event.outputs, result)
         return None
 
@@ -238,7 +238,7 @@ class FreeBenchmarkHandler(Handler):
         copies = {id(t): t.clone() if id(t) in measured_ids else t.detach()
                   for _, t in outs}
         kept = event.with_outputs(perturb.swap_tensors(event.outputs, copies))
-        alias = perturb.returns_alias(event.func)
+        alias = ops.returns_alias(event.func)
         slots = []
         for index, a, e, limit in pairs:
             small = _small(a.dtype)

@@ -35,14 +35,14 @@ import os
 
 import torch
 
-from ..torch import perturb
+from ..torch import ops, perturb
+from . import op_traits
 from .recorder import Handler, OpEvent
 from ..records.writer import atomic_write_text
 
 _GROWTH = 100.0        # output/input norm ratio above which a finite op is "suspicious growth"
 _WINDOW = 256          # accelerator: ops between host reads of the finiteness flags
 _MAX_LIGHT = 100       # propagated / growth records kept per step (the rest are only counted)
-_CAST_OPS = {torch.ops.aten._to_copy, torch.ops.aten.copy_, torch.ops.aten.to}
 
 CSV_COLUMNS = ("step", "rank", "id", "class", "stage", "op", "name", "scope", "grad_fn", "call", "dtype",
                "nan", "inf", "growth", "replay", "float64_max_abs", "dtype_max", "exceeds_dtype_range",
@@ -85,7 +85,7 @@ class OverflowHandler(Handler):
         if outs[0][1].device.type == "cpu" and not self.defer:
             self._judge(event, outs, ins, torch.stack(norms).tolist())
         else:
-            event.stack = event.stack or (perturb.user_stack() if event.stage == "forward" else None)
+            event.stack = event.stack or (ops.user_stack() if event.stage == "forward" else None)
             # detached aliases, not the outputs themselves: autograd steals a gradient only when
             # nothing else holds that tensor object (else it copies: extra ops and memory)
             alias = {id(t): t.detach() for _, t in outs}
@@ -190,7 +190,7 @@ class OverflowHandler(Handler):
             return
         critical = klass == "critical"
         if critical and event.stack is None and event.stage == "forward":
-            event.stack = perturb.user_stack()
+            event.stack = ops.user_stack()
         nan = inf = 0
         for _, t in outs:
             a, b = perturb.nonfinite_counts(t)
@@ -199,7 +199,7 @@ class OverflowHandler(Handler):
         if growth is not None:
             info["growth"] = growth
         if critical:
-            if event.func is not None and event.func.overloadpacket in _CAST_OPS:
+            if op_traits.is_cast(event.op):
                 info["cast"] = True
             if stale:
                 info["replay"] = "not replayed (inputs written in place before the check was read)"
@@ -234,7 +234,7 @@ class OverflowHandler(Handler):
 
     def _replay(self, event: OpEvent, outs) -> dict:
         """Run the op again on CPU in float64: does the overflow belong to the maths or the dtype?"""
-        if event.func is None or perturb.is_random(event.func):
+        if event.func is None or ops.is_random(event.func):
             return {"replay": "not replayed (random op)"}
         wide = {d: torch.float64 for d in (torch.float16, torch.bfloat16, torch.float32)}
         try:

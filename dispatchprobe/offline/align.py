@@ -25,8 +25,6 @@ from dataclasses import dataclass, field
 
 import yaml
 
-CAST_OPS = frozenset({"aten._to_copy.default", "aten.to.dtype", "aten.to.dtype_layout", "aten.to.device",
-                      "aten._to_copy", "prims.convert_element_type.default", "aten.copy.default"})
 # Above this many elements in a gap, the quadratic SequenceMatcher is replaced by in-order pairing.
 _MAX_GAP = 20000
 

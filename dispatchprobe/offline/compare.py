@@ -20,7 +20,8 @@ import numpy as np
 import pandas as pd
 
 from ..standards import metrics as M
-from .align import CAST_OPS, Mapping, align
+from ..core import op_traits
+from .align import Mapping, align
 from ..records.reader import Part, RecordError, load, no_gc, tensor_list
 
 STATS = ("max", "min", "mean", "norm")
@@ -39,8 +40,6 @@ _PERFECT = {"cosine": 1.0, "max_abs_err": 0.0, "max_rel_err": 0.0, "rmse": 0.0, 
             "one_thousandth": 1.0, "one_ten_thousandth": 1.0, "inf_nan_mismatch": 0}
 # the value metrics compare needs: its columns, plus the ratio judge_benchmark reads for half types
 _COMPUTED = frozenset(TENSOR_METRICS) | {"one_hundredth", "rel_l2_err"}
-# ops whose first argument is only a destination: its old content is not compared
-_OVERWRITTEN = frozenset({"aten.copy_.default", "aten.zero_.default", "aten.fill_.Scalar", "aten.fill_.Tensor"})
 # the per-tensor row built by compare_parts, before the statistics columns
 _ROW_FIELDS = ("stage", "kind", "seq", "scope", "op_a", "op_b", "name_a", "name_b", "call_a", "call_b", "match",
                "io", "arg", "dtype_a", "dtype_b", "shape_a", "shape_b", "nan_a", "nan_b", "inf_a", "inf_b",
@@ -168,7 +167,7 @@ def _frames(part: Part, record: dict) -> list:
 def _is_cast(record: dict) -> bool:
     """A cast or copy, not compute: cast ops and ``copy_`` (autograd's AccumulateGrad copies a
     gradient in one run and steals it in another, and copies between dtypes under autocast)."""
-    return record["op"] in CAST_OPS or record["op"] == "aten.copy_.default"
+    return op_traits.is_cast(record["op"])
 
 
 def compare_parts(part_a: Part, part_b: Part, match: str = "fuzzy", mapping: Mapping | None = None,
@@ -203,7 +202,7 @@ def _compare_parts(part_a: Part, part_b: Part, match: str, mapping: Mapping, ten
         stack = None
         head = (ra["stage"], ra["kind"], seq_a[i], ra["scope"], ra["op"], rb["op"], ra["name"], rb["name"],
                 ra["call"], rb["call"], how)
-        overwritten = ra["op"] in _OVERWRITTEN
+        overwritten = op_traits.overwrites_first_input(ra["op"])
         for io, arg, sa, sb in _pair_tensors(ra, rb, same):
             if overwritten and arg == "input.0":
                 continue  # the destination's old (often uninitialised) content is not an input

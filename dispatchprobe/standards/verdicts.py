@@ -18,6 +18,7 @@ import os
 
 import yaml
 
+from ..core.op_traits import base_name
 from .metrics import ERROR, PASS, WARNING, is_float, judge_benchmark, short_dtype, worst
 
 SKIP = "SKIP"
@@ -34,15 +35,6 @@ def api_standard() -> dict:
         for name in data.get(cat) or ():
             table[name] = cat
     return {"table": table, "default": data.get("default", "benchmark"), "thresholds": data["thresholds"]}
-
-
-def base_name(op: str) -> str:
-    """``aten.addmm.default`` -> ``addmm``; ``aten.add_.Tensor`` -> ``add``."""
-    parts = op.split(".")
-    name = parts[1] if len(parts) >= 2 else parts[0]
-    if name.endswith("_") and not name.endswith("__"):
-        name = name[:-1]
-    return name
 
 
 @functools.lru_cache(maxsize=4096)

@@ -13,8 +13,6 @@ draws from the global RNG.
 
 from __future__ import annotations
 
-import functools
-import traceback
 import weakref
 
 import torch
@@ -24,26 +22,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from . import backend as torch_backend
+from . import ops
 from ..core.recorder import OpEvent
 from ..core.session import ProbeSession
-
-aten = torch.ops.aten
-
-# Ops whose outputs are uninitialised memory or pure bookkeeping: their "values" would differ
-# between identical runs and only add noise to compare.
-_NEVER_RECORDED = {aten.empty, aten.empty_like, aten.empty_strided, aten.new_empty, aten.new_empty_strided,
-                   aten.resize_, aten.set_, aten._local_scalar_dense, aten.record_stream}
-# Ops that only make a new view or alias of existing data (skipped unless include_views=True).
-_ALIAS_OPS = {aten.detach, aten.alias, aten.lift_fresh, aten.lift, aten._unsafe_view}
-
-_SKIP_FILES = (f"{torch.__path__[0]}", __file__.rpartition("/")[0].rpartition("/")[0], "<frozen ", "contextlib.py")
-
-
-@functools.cache
-def _op_name(func) -> str:
-    """"aten.addmm.default" (memoised: ``str`` formats the schema name on every call)."""
-    return str(func)
-
 
 class _ProbeMode(TorchDispatchMode):
     def __init__(self, probe: "DispatchProbe"):
@@ -56,32 +37,11 @@ class _ProbeMode(TorchDispatchMode):
         if probe._busy or not probe._wants(func):
             return func(*args, **kwargs)
         seen_args, seen_kwargs = args, kwargs
-        written = _written_args(func)
+        written = ops.reads_written(func)
         if written:  # in-place/out= ops: record the inputs as they were *before* the op ran
             seen_args, seen_kwargs = _copy_written(written, args, kwargs)
         out = func(*args, **kwargs)
         return probe._on_op(func, seen_args, seen_kwargs, out)
-
-
-_WRITTEN: dict = {}
-
-
-# In-place ops that overwrite every element without reading it (copy_ broadcasts its source
-# over all of the destination): the old contents are often
-# uninitialised memory, so they are not copied (the recorded input is the written value).
-_OVERWRITE_OPS = {aten.bernoulli_, aten.uniform_, aten.normal_, aten.random_, aten.exponential_,
-                  aten.geometric_, aten.cauchy_, aten.log_normal_, aten.fill_, aten.zero_, aten.copy_}
-
-
-def _written_args(func) -> tuple:
-    """Positions and names of the arguments an op writes to (``self`` of ``add_``, ``out=``)."""
-    hit = _WRITTEN.get(func)
-    if hit is None and func.overloadpacket in _OVERWRITE_OPS:
-        hit = _WRITTEN[func] = ()
-    if hit is None:
-        hit = _WRITTEN[func] = tuple((i, a.name) for i, a in enumerate(func._schema.arguments)
-                                     if a.alias_info is not None and a.alias_info.is_write)
-    return hit
 
 
 def _copy_written(written, args, kwargs):
@@ -246,9 +206,8 @@ class DispatchProbe(ProbeSession):
     def _wants(self, func) -> bool:
         hit = self._wants_memo.get(func)
         if hit is None:
-            packet = func.overloadpacket
-            hit = packet not in _NEVER_RECORDED and self.selector.op_selected(_op_name(func))
-            if not self.config.include_views and (func.is_view or packet in _ALIAS_OPS):
+            hit = not ops.never_recorded(func) and self.selector.op_selected(ops.op_name(func))
+            if not self.config.include_views and ops.is_alias(func):
                 hit = False
             self._wants_memo[func] = hit
         return hit
@@ -259,12 +218,12 @@ class DispatchProbe(ProbeSession):
         scope = self.scopes.current
         if not self._stage_on[stage] or not self.selector.scope_selected(scope):
             return out
-        op = _op_name(func)
+        op = ops.op_name(func)
         grad_fn = None
         if backward:
             node = torch._C._current_autograd_node()
             grad_fn = node.name() if node is not None else None
-        stack = _user_stack() if self.config.stack and not backward else None
+        stack = ops.user_stack(3) if self.config.stack and not backward else None
         event = OpEvent("op", op, stage, scope, self.next_call(op, stage), args, kwargs, out,
                         grad_fn=grad_fn, stack=stack, func=func)
         self._busy = True
@@ -294,8 +253,3 @@ class DispatchProbe(ProbeSession):
     def session_write_module(self, event: OpEvent) -> None:
         self.recorder.emit(self.recorder.encode(event, defer=True))
 
-
-def _user_stack() -> tuple:
-    frames = traceback.extract_stack()[:-3]
-    return tuple(f"{f.filename}:{f.lineno} in {f.name}" for f in frames
-                 if not f.filename.startswith(_SKIP_FILES))

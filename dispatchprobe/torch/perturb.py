@@ -10,59 +10,23 @@ same few functions.
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
-import traceback
 
 import torch
 from torch.utils._pytree import tree_flatten
 
+from . import ops
+
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 HALF = (torch.float16, torch.bfloat16)
 _aten = torch.ops.aten
-
-# Ops that draw random numbers: re-running them would consume the global RNG and give other
-# values by design.  Never re-run (any op with a ``generator`` argument is added on first use).
-_RANDOM_PACKETS = {_aten.native_dropout, _aten.bernoulli, _aten.bernoulli_, _aten.uniform_, _aten.normal_,
-                   _aten.rand, _aten.randn, _aten.rand_like, _aten.randn_like, _aten.randint, _aten.randint_like,
-                   _aten.randperm, _aten.multinomial, _aten.exponential_, _aten.geometric_, _aten.cauchy_,
-                   _aten.log_normal_, _aten.random_, _aten.rrelu_with_noise, _aten.normal}
-_random_memo: dict = {}
-
-
-def is_random(func) -> bool:
-    hit = _random_memo.get(func)
-    if hit is None:
-        hit = func.overloadpacket in _RANDOM_PACKETS or any(
-            a.name == "generator" for a in func._schema.arguments)
-        _random_memo[func] = hit
-    return hit
-
-
-@functools.cache
-def returns_alias(func) -> bool:
-    """True for ops whose output aliases an input (in-place, out=, views): not replaceable."""
-    return any(r.alias_info is not None for r in func._schema.returns)
-
-
-_written_memo: dict = {}
-
-
-def written_args(func) -> tuple:
-    """(position, name) of the arguments the op writes to (``self`` of ``add_``, ``out=``)."""
-    hit = _written_memo.get(func)
-    if hit is None:
-        hit = _written_memo[func] = tuple((i, a.name) for i, a in enumerate(func._schema.arguments)
-                                          if a.alias_info is not None and a.alias_info.is_write)
-    return hit
-
 
 def protect_written(func, args, kwargs, original_args, original_kwargs):
     """``args``/``kwargs`` for a re-run, with a private copy of every tensor the op writes to
     that is still the caller's own object (``fill_``/``copy_`` get the training tensor itself,
     in-place ops the probe's copy of its old value, which the records keep): a re-run never
     writes into anything but its own copies."""
-    written = written_args(func)
+    written = ops.written_args(func)
     if not written:
         return args, kwargs
     args, kwargs = list(args), dict(kwargs)
@@ -293,14 +257,6 @@ def run(func, args, kwargs, device_type: str = "cpu", tf32: bool = False):
         if not plain:
             stack.enter_context(no_autocast(device_type))
         return func(*args, **kwargs)
-
-
-def user_stack(skip: int = 2) -> tuple:
-    """The Python frames of user code at this moment (torch and dispatchprobe frames left out)."""
-    import dispatchprobe
-    skip_prefixes = (torch.__path__[0], dispatchprobe.__path__[0], "<frozen ", "contextlib.py")
-    frames = traceback.extract_stack()[:-skip]
-    return tuple(f"{f.filename}:{f.lineno} in {f.name}" for f in frames if not f.filename.startswith(skip_prefixes))
 
 
 def _as_float32(t: torch.Tensor, scratch: Scratch | None) -> torch.Tensor:

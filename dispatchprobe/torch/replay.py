@@ -16,22 +16,13 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
+from ..core import op_traits
 from ..records.reader import Part
+from . import ops
 
 _MEMORY_FORMATS = {"contiguous_format": torch.contiguous_format, "channels_last": torch.channels_last,
                    "channels_last_3d": torch.channels_last_3d, "preserve_format": torch.preserve_format}
 _LAYOUTS = {"strided": torch.strided, "sparse_coo": torch.sparse_coo, "mkldnn": torch._mkldnn}  # noqa: SLF001
-
-# Ops whose outputs depend on a random generator: never replayable deterministically.
-RANDOM_OPS = {"dropout", "native_dropout", "feature_dropout", "alpha_dropout", "feature_alpha_dropout",
-              "bernoulli", "rand", "rand_like", "randn", "randn_like", "randint", "randint_like", "randperm",
-              "normal", "uniform", "random", "exponential", "geometric", "cauchy", "log_normal", "multinomial",
-              "rrelu", "rrelu_with_noise", "poisson", "_fused_dropout", "_standard_gamma", "_sample_dirichlet",
-              "binomial", "_scaled_dot_product_flash_attention_for_cpu_dropout"}
-# Ops with nothing to compute: allocation and metadata.
-NOTHING_TO_CHECK = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "resize",
-                    "set", "record_stream", "_local_scalar_dense", "sym_size", "sym_stride", "sym_numel"}
-
 
 class Skip(Exception):
     """This op cannot be replayed; the message is the stated reason."""
@@ -76,22 +67,6 @@ def resolve(op: str):
             raise Skip(f"op {op} does not exist in this torch ({torch.__version__}) or its loaded plugins") from None
         _OPS[op] = hit
     return hit
-
-
-def op_base(op: str) -> str:
-    parts = op.split(".")
-    name = parts[1] if len(parts) >= 2 else op
-    return name[:-1] if name.endswith("_") and not name.endswith("__") else name
-
-
-def written_args(func) -> set:
-    """Positions and names of arguments the op writes (``self`` of ``add_``, ``out=``)."""
-    out = set()
-    for i, a in enumerate(func._schema.arguments):
-        if a.alias_info is not None and a.alias_info.is_write:
-            out.add(i)
-            out.add(a.name)
-    return out
 
 
 # ---- tensors -------------------------------------------------------------------------------------
@@ -288,10 +263,10 @@ def _is_float_name(dtype: str) -> bool:
 
 def check_replayable(record: dict, random: bool) -> None:
     """Raise :class:`Skip` with the reason when the op cannot be replayed."""
-    base = op_base(record["op"])
-    if base in RANDOM_OPS:
+    base = op_traits.base_name(record["op"])
+    if base in op_traits.RANDOM:
         raise Skip(f"random op ({base}): its output cannot be replayed deterministically")
-    if base in NOTHING_TO_CHECK:
+    if base in op_traits.NOTHING_TO_CHECK:
         raise Skip(f"{base} allocates or reads metadata only: nothing to check")
     if record.get("inputs_overwritten"):
         raise Skip("its inputs were written in place before the check was read back: not saved")
@@ -302,7 +277,7 @@ def check_replayable(record: dict, random: bool) -> None:
     if not any(_is_float_name(s["dtype"]) for s in ins + outs):
         raise Skip("integer-only op: no floating-point data to upcast")
     func = resolve(record["op"])
-    written = written_args(func)
+    written = {x for pair in ops.written_args(func) for x in pair}
     for i, s in enumerate(record.get("inputs") or ()):
         if i in written and s.get("type") == "tensor":
             stride, shape = s.get("stride"), s.get("shape")
@@ -354,7 +329,7 @@ def replay(record: dict, source: TensorSource | None, device: torch.device, rand
     """Run the recorded call on ``device`` in the recorded dtypes and on CPU in float64."""
     check_replayable(record, random)
     func = resolve(record["op"])
-    written = written_args(func)
+    written = {x for pair in ops.written_args(func) for x in pair}
     builder = CallBuilder(record, source, random)
     result = Replayed()
     with torch.no_grad():

@@ -1,0 +1,57 @@
+"""What the pipeline knows about ops by name: one table, read by capture, the inline checks,
+compare and run-ut alike (no framework import; adapters map their ops onto these names).
+
+Names are *base names*: ``aten.add_.Tensor`` -> ``add`` (namespace, overload and the trailing
+underscore of an in-place variant dropped), so one entry covers every variant of an op.
+"""
+
+from __future__ import annotations
+
+import functools
+
+
+@functools.lru_cache(maxsize=8192)
+def base_name(op: str) -> str:
+    """``aten.addmm.default`` -> ``addmm``; ``aten.add_.Tensor`` -> ``add``; ``Dense`` -> ``Dense``."""
+    parts = op.split(".")
+    name = parts[1] if len(parts) >= 2 else parts[0]
+    return name[:-1] if name.endswith("_") and not name.endswith("__") else name
+
+
+# Outputs depend on a random generator: never re-run by the inline checks, never replayed.
+RANDOM = frozenset({
+    "dropout", "native_dropout", "feature_dropout", "alpha_dropout", "feature_alpha_dropout", "bernoulli", "rand",
+    "rand_like", "randn", "randn_like", "randint", "randint_like", "randperm", "normal", "uniform", "random",
+    "exponential", "geometric", "cauchy", "log_normal", "multinomial", "rrelu", "rrelu_with_noise", "poisson",
+    "_fused_dropout", "_standard_gamma", "_sample_dirichlet", "binomial",
+    "_scaled_dot_product_flash_attention_for_cpu_dropout"})
+
+# Allocation and bookkeeping: outputs are uninitialised memory or metadata.  Never recorded by
+# capture (their "values" differ between identical runs), nothing to check in run-ut.
+NOTHING_TO_CHECK = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "resize",
+                              "set", "record_stream", "_local_scalar_dense", "sym_size", "sym_stride", "sym_numel"})
+
+# Only make a new alias of existing data (skipped by capture unless include_views=True).
+ALIAS = frozenset({"detach", "alias", "lift_fresh", "lift", "_unsafe_view"})
+
+# Write every element of their first argument without reading it: its old content (often
+# uninitialised memory) is neither copied by capture nor compared.
+OVERWRITE = frozenset({"bernoulli", "uniform", "normal", "random", "exponential", "geometric", "cauchy",
+                       "log_normal", "fill", "zero", "copy"})
+
+# Casts and copies, not compute: autocast adds them on one side only, autograd copies a
+# gradient in one run and steals it in another.  compare lists them apart when unmatched.
+CAST = frozenset({"_to_copy", "to", "copy", "convert_element_type"})
+
+
+def is_random(op: str) -> bool:
+    return base_name(op) in RANDOM
+
+
+def is_cast(op: str) -> bool:
+    return base_name(op) in CAST
+
+
+def overwrites_first_input(op: str) -> bool:
+    """The op writes its first argument in place without reading it (``copy_``, ``fill_``)."""
+    return op.split(".")[1].endswith("_") if op.count(".") >= 1 and base_name(op) in OVERWRITE else False

@@ -1,0 +1,78 @@
+"""What the torch adapter knows about an aten op: its name and the traits its schema and the
+neutral table (:mod:`dispatchprobe.core.op_traits`) give it, each memoised per overload.
+
+Capture, the inline checks' re-runs and replay all ask here; nothing else reads schemas.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import traceback
+
+import torch
+
+from ..core import op_traits
+
+# frames of torch and of dispatchprobe itself are not the user's
+_SKIP = (torch.__path__[0], os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "<frozen ", "contextlib.py")
+
+
+@functools.cache
+def op_name(func) -> str:
+    """``aten.addmm.default`` (``str`` formats the schema name on every call)."""
+    return str(func)
+
+
+@functools.cache
+def base(func) -> str:
+    return op_traits.base_name(op_name(func))
+
+
+@functools.cache
+def written_args(func) -> tuple:
+    """(position, name) of the arguments the op writes (``self`` of ``add_``, ``out=``)."""
+    return tuple((i, a.name) for i, a in enumerate(func._schema.arguments)
+                 if a.alias_info is not None and a.alias_info.is_write)
+
+
+@functools.cache
+def reads_written(func) -> tuple:
+    """:func:`written_args` whose old content the op reads: not those of ops that overwrite
+    every element (``fill_``, ``copy_``, ``uniform_``), whose old content is often uninitialised."""
+    return () if base(func) in op_traits.OVERWRITE else written_args(func)
+
+
+@functools.cache
+def returns_alias(func) -> bool:
+    """The output aliases an input (in-place, out=, views): not replaceable by a re-run's."""
+    return any(r.alias_info is not None for r in func._schema.returns)
+
+
+@functools.cache
+def is_random(func) -> bool:
+    """Draws random numbers: by name, or any op with a ``generator`` argument."""
+    return base(func) in op_traits.RANDOM or any(a.name == "generator" for a in func._schema.arguments)
+
+
+@functools.cache
+def never_recorded(func) -> bool:
+    return base(func) in op_traits.NOTHING_TO_CHECK
+
+
+@functools.cache
+def is_alias(func) -> bool:
+    """A view or alias of existing data (recorded only with ``include_views``)."""
+    return func.is_view or base(func) in op_traits.ALIAS
+
+
+@functools.cache
+def is_cast(func) -> bool:
+    return base(func) in op_traits.CAST
+
+
+def user_stack(skip: int = 2) -> tuple:
+    """The Python frames of user code at this moment (torch and dispatchprobe frames left out)."""
+    frames = traceback.extract_stack()[:-skip]
+    return tuple(f"{f.filename}:{f.lineno} in {f.name}" for f in frames if not f.filename.startswith(_SKIP))
+
