@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 
 import yaml
 
+from ..records.format import output_shapes
+
 # Above this many elements in a gap, the quadratic SequenceMatcher is replaced by in-order pairing.
 _MAX_GAP = 20000
 
@@ -79,25 +81,6 @@ class Mapping:
         return bool(self.ops or self.scopes)
 
 
-def _out_shapes(record: dict) -> tuple:
-    outs = record.get("outputs", ())
-    if len(outs) == 1 and outs[0].get("type") == "tensor":  # the common case
-        return (tuple(outs[0]["shape"]),)
-    shapes = []
-    for spec in record.get("outputs", ()):
-        _shapes(spec, shapes)
-    return tuple(shapes)
-
-
-def _shapes(spec, acc):
-    kind = spec.get("type")
-    if kind == "tensor":
-        acc.append(tuple(spec["shape"]))
-    elif kind in ("list", "tuple"):
-        for item in spec["value"]:
-            _shapes(item, acc)
-
-
 @dataclass
 class Alignment:
     pairs: list          # (index in A, index in B, how) -- indices into the records lists
@@ -140,10 +123,10 @@ def _match_blocks(ka: list, kb: list, ia: list, ib: list, how: str, pairs: list)
 def align_ops(recs_a: list, recs_b: list, ia: list, ib: list, mapping: Mapping) -> Alignment:
     """Fuzzy alignment of op records ia (of recs_a) against ib (of recs_b), one stage."""
     keyers = (
-        ("op+shapes", lambda r, m: (m.scope(r["scope"]), m.op(r["op"]), _out_shapes(r)) if m else
-         (r["scope"], r["op"], _out_shapes(r))),
+        ("op+shapes", lambda r, m: (m.scope(r["scope"]), m.op(r["op"]), output_shapes(r)) if m else
+         (r["scope"], r["op"], output_shapes(r))),
         ("op", lambda r, m: (m.scope(r["scope"]) if m else r["scope"], m.op(r["op"]) if m else r["op"])),
-        ("shapes", lambda r, m: (m.scope(r["scope"]) if m else r["scope"], _out_shapes(r))),
+        ("shapes", lambda r, m: (m.scope(r["scope"]) if m else r["scope"], output_shapes(r))),
     )
     none = Mapping()
     pairs: list = []

@@ -19,7 +19,7 @@ from functools import cached_property
 import numpy as np
 import pandas as pd
 
-from .writer import FORMAT_NAME, FORMAT_VERSION
+from .format import FORMAT_NAME, FORMAT_VERSION, tensor_list, tensor_rows, walk  # noqa: F401 - re-exported
 
 
 class RecordError(Exception):
@@ -134,44 +134,6 @@ def _read_jsonl(path: str) -> tuple[list[dict], list[str]]:
     return records, problems
 
 
-def _walk(spec: dict, path: str):
-    """Yield (arg path, tensor spec) for every tensor in an encoded value, nested lists included."""
-    kind = spec.get("type")
-    if kind == "tensor":
-        yield path, spec
-    elif kind in ("list", "tuple"):
-        for i, item in enumerate(spec["value"]):
-            yield from _walk(item, f"{path}.{i}")
-
-
-_ARG_NAMES = {io: [f"{io}.{i}" for i in range(256)] for io in ("input", "output")}
-
-
-def _arg_name(io: str, i: int) -> str:
-    return _ARG_NAMES[io][i] if i < 256 else f"{io}.{i}"
-
-
-def tensor_list(record: dict) -> list:
-    """[(io, arg, spec)] for each tensor of an op record, in a fixed order (see :func:`tensor_rows`)."""
-    out = []
-    for io, specs in (("input", record.get("inputs", ())), ("output", record.get("outputs", ()))):
-        for i, spec in enumerate(specs):
-            if spec.get("type") == "tensor":  # the common case, without the generator
-                out.append((io, _arg_name(io, i), spec))
-            else:
-                out.extend((io, arg, t) for arg, t in _walk(spec, _arg_name(io, i)))
-        if io == "input":
-            for k, spec in (record.get("kwargs") or {}).items():
-                out.extend(("input", arg, t) for arg, t in _walk(spec, f"input.{k}"))
-    return out
-
-
-def tensor_rows(record: dict):
-    """(io, arg, spec) for each tensor of an op record, in a fixed order: positional inputs,
-    keyword inputs, outputs (nested lists flattened, ``input.1.0``)."""
-    return iter(tensor_list(record))
-
-
 @dataclass
 class Part:
     """The records of one step and rank."""
@@ -256,7 +218,7 @@ class Part:
         for r in self.records:
             head = (self.step, self.rank, r["id"], r["kind"], r["name"], r["op"], r["stage"], r["scope"],
                     r["call"], r.get("grad_fn"))
-            for io, arg, t in tensor_rows(r):
+            for io, arg, t in walk(r):
                 st = t.get("stats") or {}
                 rows.append(head + (io, arg, t["dtype"], tuple(t["shape"]), t.get("device"), st.get("max"),
                                     st.get("min"), st.get("mean"), st.get("norm"), st.get("nan"), st.get("inf"),

@@ -23,8 +23,8 @@ import threading
 import time
 from typing import Any, Callable
 
-FORMAT_NAME = "dispatchprobe-records"
-FORMAT_VERSION = 1
+from .format import FORMAT_NAME, FORMAT_VERSION
+
 SHARD_BYTES = 64 << 20
 SHARD_SECONDS = 2.0
 

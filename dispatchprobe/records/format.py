@@ -1,0 +1,75 @@
+"""The record format's identity and its one walk over a record's encoded values (see
+docs/record-format.md).  Writer, reader, compare, align and every replay walk records through
+here, so an argument is named the same way (``input.1.0``, ``input.weight``, ``output.0``) by all."""
+
+from __future__ import annotations
+
+import json
+
+FORMAT_NAME = "dispatchprobe-records"
+FORMAT_VERSION = 1
+
+_CONTAINERS = ("list", "tuple")
+_ARG_NAMES = {io: [f"{io}.{i}" for i in range(256)] for io in ("input", "output")}
+
+
+def _arg_name(io: str, i: int) -> str:
+    return _ARG_NAMES[io][i] if i < 256 else f"{io}.{i}"
+
+
+def _leaves(spec: dict, path: str, tensors_only: bool):
+    """(path, value) for the leaves of an encoded value; an empty list is a leaf of its own."""
+    kind = spec.get("type")
+    if kind in _CONTAINERS and spec["value"]:
+        for i, item in enumerate(spec["value"]):
+            yield from _leaves(item, f"{path}.{i}", tensors_only)
+    elif kind == "tensor" or not tensors_only:
+        yield path, spec
+
+
+def walk(record: dict, *, inputs: bool = True, outputs: bool = True, tensors_only: bool = True) -> list:
+    """[(io, arg, spec)] for each tensor of a record (``tensors_only=False``: each leaf value), in
+    a fixed order: positional inputs, keyword inputs, outputs; nested lists flattened."""
+    out = []
+    for io, key in (("input", "inputs"), ("output", "outputs")):
+        if not (inputs if io == "input" else outputs):
+            continue
+        for i, spec in enumerate(record.get(key, ())):
+            kind = spec.get("type")
+            if kind == "tensor" or (not tensors_only and kind not in _CONTAINERS):  # flat: no generator
+                out.append((io, _arg_name(io, i), spec))
+            elif kind in _CONTAINERS:
+                out.extend((io, arg, t) for arg, t in _leaves(spec, _arg_name(io, i), tensors_only))
+        if io == "input":
+            for k, spec in (record.get("kwargs") or {}).items():
+                out.extend(("input", arg, t) for arg, t in _leaves(spec, f"input.{k}", tensors_only))
+    return out
+
+
+def tensor_list(record: dict) -> list:
+    """[(io, arg, spec)] for each tensor of an op record, in :func:`walk`'s order."""
+    return walk(record)
+
+
+def tensor_rows(record: dict):
+    """(io, arg, spec) for each tensor of an op record, in :func:`walk`'s order."""
+    return iter(walk(record))
+
+
+def output_shapes(record: dict) -> tuple:
+    """The shapes of a record's output tensors (alignment keys on them)."""
+    outs = record.get("outputs", ())
+    if len(outs) == 1 and outs[0].get("type") == "tensor":  # the common case
+        return (tuple(outs[0]["shape"]),)
+    return tuple(tuple(spec["shape"]) for _, _, spec in walk(record, inputs=False))
+
+
+_VALUE_KEYS = frozenset({"data", "stats", "checksum", "requires_grad"})
+
+
+def call_signature(record: dict) -> str:
+    """The call a record makes, its tensors' values left out: records with equal signatures
+    call the same op on the same shapes, dtypes, strides and scalar arguments."""
+    leaves = [(arg, {k: v for k, v in spec.items() if k not in _VALUE_KEYS})
+              for _, arg, spec in walk(record, outputs=False, tensors_only=False)]
+    return json.dumps([record["op"], "inputs" in record, leaves], sort_keys=True)
