@@ -15,12 +15,12 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-TASKS = ("statistics", "tensor", "overflow", "free_benchmark")
+from .perturbations import PERTURBATIONS
+from .tasks import TASKS, canonical
+
 LEVELS = ("op", "module", "mix")
 _LEVEL_ALIASES = {"L0": "module", "L1": "op", "L2": "op", "mix": "mix"}
-_TASK_ALIASES = {"overflow_check": "overflow"}
 DATA_MODES = ("all", "forward", "backward", "input", "output")
-PERT_MODES = ("improve_precision", "bit_noise", "add_noise", "change_value", "no_change", "to_cpu")
 HANDLER_TYPES = ("check", "fix")
 FUZZ_STAGES = ("forward", "backward")
 OVERFLOW_STAGES = ("forward", "backward", "both")
@@ -123,8 +123,8 @@ class Config:
 
     # ---- validation ---------------------------------------------------------------------
     def validate(self) -> None:
-        self.task = _TASK_ALIASES.get(self.task, self.task)
-        _choice("task", self.task, TASKS)
+        self.task = canonical(self.task)
+        _choice("task", self.task, tuple(TASKS))
         self.level = _LEVEL_ALIASES.get(self.level, self.level)
         _choice("level", self.level, LEVELS)
         _type("dump_path", self.dump_path, str)
@@ -143,19 +143,22 @@ class Config:
         _type("overflow_nums", o.overflow_nums, int)
         o.check_mode = {"all": "both"}.get(o.check_mode, o.check_mode)  # msprobe's spelling
         _choice("check_mode", o.check_mode, OVERFLOW_STAGES)
-        _choice("pert_mode", fb.pert_mode, PERT_MODES)
+        _choice("pert_mode", fb.pert_mode, tuple(PERTURBATIONS))
         _choice("handler_type", fb.handler_type, HANDLER_TYPES)
         _choice("fuzz_stage", fb.fuzz_stage, FUZZ_STAGES)
         fb.fuzz_device = {"npu": "same", "gpu": "same", "cuda": "same"}.get(fb.fuzz_device, fb.fuzz_device)
         _choice("fuzz_device", fb.fuzz_device, ("same", "cpu"))
         for key in ("preheat_step", "max_sample", "seed"):
             _type(key, getattr(fb, key), int)
-        if fb.handler_type == "fix" and fb.pert_mode not in ("improve_precision", "to_cpu"):
-            raise ConfigError(
-                f"config: handler_type='fix' needs pert_mode 'improve_precision' or 'to_cpu', got {fb.pert_mode!r}")
-        if (fb.fuzz_device == "cpu") != (fb.pert_mode == "to_cpu"):
-            raise ConfigError("config: fuzz_device='cpu' goes with pert_mode='to_cpu' and only with it")
-        if self.task in ("overflow", "free_benchmark") and self.level == "module":
+        fixable = [p.name for p in PERTURBATIONS.values() if p.fixable]
+        if fb.handler_type == "fix" and fb.pert_mode not in fixable:
+            raise ConfigError(f"config: handler_type='fix' needs pert_mode {' or '.join(map(repr, fixable))}, "
+                              f"got {fb.pert_mode!r}")
+        on_cpu = [p.name for p in PERTURBATIONS.values() if p.device == "cpu"]
+        if (fb.fuzz_device == "cpu") != (fb.pert_mode in on_cpu):
+            raise ConfigError(f"config: fuzz_device='cpu' goes with pert_mode={' or '.join(map(repr, on_cpu))} "
+                              "and only with it")
+        if TASKS[self.task].checks_ops and self.level == "module":
             raise ConfigError(f"config: task={self.task!r} checks ops; level must be 'op' or 'mix', not 'module'")
 
     def stage_enabled(self, stage: str) -> bool:

@@ -3,7 +3,7 @@
 The handler gets every op after it ran (the probe's mode is popped and ``no_grad`` is on, so
 nothing it does is recorded), runs ``event.func`` again on perturbed copies of the inputs and
 compares the two results with :func:`dispatchprobe.metrics.perturbation_terms` (the one
-measure, in torch on the tensors' device).
+measure, run by the backend on the tensors' device).
 
 Perturbations (``pert_mode``, msprobe's names):
 
@@ -44,30 +44,31 @@ import os
 import warnings
 from collections import defaultdict
 
-import torch
-
 from ..standards import metrics
-from ..torch import ops, perturb
-from .recorder import Handler, OpEvent
+from .events import Handler, OpEvent
+from .perturbations import PERTURBATIONS
 
 NOISE_GAIN = 16.0
 _WINDOW_BYTES = 64 << 20    # accelerator: tensor bytes kept before they are measured together
 _WINDOW_OPS = 512           # ... and checked ops
 CSV_COLUMNS = ("rank", "pert_mode", "stage", "step", "api_name", "max_rel", "dtype", "shape", "output_index",
                "threshold", "sign_flips", "scope", "op", "id")
-_WIDER = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
-_WIDER_FLOAT32 = {**_WIDER, torch.float32: torch.float64}
+_WIDER = {"float16": "float32", "bfloat16": "float32"}
+_WIDER_FLOAT32 = {**_WIDER, "float32": "float64"}
 
 
 class FreeBenchmarkHandler(Handler):
-    def __init__(self, session):
+    def __init__(self, session, recorder):
         self.session = session
+        self.recorder = recorder
+        self.backend = b = session.backend
         cfg = session.config.free_benchmark
         self.cfg = cfg
         self.mode = cfg.pert_mode
+        self.perturbation = PERTURBATIONS[cfg.pert_mode]
         self.fix = cfg.handler_type == "fix"
-        self.gen = torch.Generator().manual_seed(cfg.seed)
-        self.noise = perturb.NoiseSource(torch.Generator().manual_seed(cfg.seed))
+        self.gen = b.generator(cfg.seed)
+        self.noise = b.noise_source(cfg.seed)
         self._csv = None
         self._sampled: dict = defaultdict(int)       # op -> calls checked in this step (preheat)
         self._suspects: set[str] = set()             # ops flagged during preheat
@@ -75,8 +76,8 @@ class FreeBenchmarkHandler(Handler):
         self.not_widened = 0                         # improve_precision: float32-only ops left alone
         self._told_float32 = False
         self._limits: dict = {}                      # (output dtype, input dtypes) -> limit
-        self._wider = _WIDER_FLOAT32 if cfg.widen_float32 else _WIDER
-        self.scratch = perturb.Scratch()             # CPU temporaries of one op's check
+        self.wider = _WIDER_FLOAT32 if cfg.widen_float32 else _WIDER
+        self.scratch = b.scratch()                   # CPU temporaries of one op's check
         self._pending: list = []                     # accelerator: (event, stage, slots, inputs, their
                                                      # versions) to report
         self._pairs: dict = {}                       # small value -> ([re-run/original], [reference], [limit])
@@ -96,14 +97,15 @@ class FreeBenchmarkHandler(Handler):
 
     def on_op(self, event: OpEvent):
         func = event.func
-        if event.kind != "op" or func is None or ops.is_random(func):
+        b = self.backend
+        if event.kind != "op" or func is None or b.is_random(func):
             return None
         if self.cfg.fuzz_stage == "backward" and event.stage != "forward":
             return None
-        outs = perturb.flat_with_index(event.outputs)
+        outs = b.float_outputs(event.outputs)
         if not outs:
             return None
-        ins = perturb.float_tensors((event.args, event.kwargs))
+        ins = b.float_tensors((event.args, event.kwargs))
         if not ins or not self._sample(event):
             return None
         self.scratch.reset()
@@ -117,101 +119,82 @@ class FreeBenchmarkHandler(Handler):
             return None
 
     # ---- forward ---------------------------------------------------------------------------------------
-    def _perturbed(self, event: OpEvent, ins):
-        """(args, kwargs, output fix-up, reference is the re-run?) or None to skip this op."""
-        args, kwargs, mode = event.args, event.kwargs, self.mode
-        if mode == "improve_precision":
-            if not any(t.dtype in self._wider for t in ins):
-                self.not_widened += 1
-                return None
-            a, k = perturb.cast_args(args, kwargs, self._wider, scratch=None if self.fix else self.scratch)
-            return a, k, None, True
-        if mode == "to_cpu":
-            a, k = perturb.cast_args(args, kwargs, {}, device=torch.device("cpu"))
-            return a, k, None, True
-        if mode == "no_change":      # the same inputs (the op's written ones copied by _check_forward)
-            return args, kwargs, None, False
-        if mode == "change_value":
-            plan = perturb.change_value_plan(event.func, args, kwargs)
-            if plan is None:
-                return None
-            return plan[0], dict(kwargs), plan[1], False
-        noise = perturb.bit_noise if mode == "bit_noise" else self.noise.apply
-        conv = (lambda v: noise(v) if isinstance(v, torch.Tensor) and v.dtype in perturb.FLOATS
-                and v.numel() > 0 else v)
-        return (*perturb.map_args(conv, args, kwargs), None, False)
-
     def _check_forward(self, event: OpEvent, outs, ins):
-        plan = self._perturbed(event, ins)
+        b = self.backend
+        plan = self.perturbation.fn(self, event, ins)
         if plan is None:
             return None
-        args, kwargs, fixup, rerun_is_reference = plan
-        args, kwargs = perturb.protect_written(event.func, args, kwargs, event.args, event.kwargs)
-        result = perturb.run(event.func, args, kwargs, outs[0][1].device.type, tf32=self._tf32_ok(ins))
+        args, kwargs, fixup = plan
+        args, kwargs = b.protect_written(event.func, args, kwargs, event.args, event.kwargs)
+        result = b.run(event.func, args, kwargs, b.device_type(outs[0][1]), tf32=self._tf32_ok(ins))
         if fixup is not None:
             result = fixup(result)
-        new = dict(perturb.flat_with_index(result))
+        new = dict(b.float_outputs(result))
         self.checked += 1
         pairs = []
         for index, orig in outs:
             other = new.get(index)
-            if other is not None and other.shape == orig.shape:
-                a, e = (orig, other) if rerun_is_reference else (other, orig)
+            if other is not None and b.shape(other) == b.shape(orig):
+                a, e = (orig, other) if self.perturbation.rerun_is_reference else (other, orig)
                 pairs.append((index, a, e, self._limit(ins, orig)))
         self._judge(event, event.stage, pairs, outs, ins)
-        if self.fix and not ops.returns_alias(event.func):
-            return _replacement(event.outputs, result)
+        if self.fix and not b.returns_alias(event.func):
+            return b.replacement(event.outputs, result)
         return None
 
     def _tf32_ok(self, ins) -> bool:
         """improve_precision of an op whose float inputs are all 16-bit: its float32 re-run
-        may use TF32 tensor cores on CUDA without losing anything (:func:`perturb.tf32_matmul`)."""
-        return self.mode == "improve_precision" and all(t.dtype in perturb.HALF for t in ins)
+        may use TF32 tensor cores on CUDA without losing anything (float32 products of 16-bit values
+        are exact in TF32)."""
+        return self.mode == "improve_precision" and all(self.backend.dtype_of(t) in _WIDER for t in ins)
 
-    def _limit(self, ins, out: torch.Tensor) -> float:
-        key = (out.dtype, *{t.dtype for t in ins}) if self.mode in ("bit_noise", "add_noise") else out.dtype
+    def _limit(self, ins, out) -> float:
+        dtype = self.backend.dtype_of
+        key = (dtype(out), *{dtype(t) for t in ins}) if self.perturbation.noise else dtype(out)
         hit = self._limits.get(key)
         if hit is None:
             hit = self._limits[key] = self._compute_limit(ins, out)
         return hit
 
-    def _compute_limit(self, ins, out: torch.Tensor) -> float:
-        limit = metrics.per_dtype("free_benchmark_threshold", _dtype(out))
+    def _compute_limit(self, ins, out) -> float:
+        b = self.backend
+        limit = metrics.per_dtype("free_benchmark_threshold", b.dtype_of(out))
         if self.mode != "improve_precision":
             # both sides rounded to the output dtype: one rounding step apart is not a finding
             # (the seeds' bfloat16 threshold 0.004 is below bfloat16's own eps, 0.0078)
-            limit = max(limit, 2 * perturb.eps(out.dtype))
-        if self.mode in ("bit_noise", "add_noise"):
-            limit = max(limit, NOISE_GAIN * max(perturb.eps(t.dtype) for t in ins))
+            limit = max(limit, 2 * b.eps(b.dtype_of(out)))
+        if self.perturbation.noise:
+            limit = max(limit, NOISE_GAIN * max(b.eps(b.dtype_of(t)) for t in ins))
         return limit
 
     # ---- backward ---------------------------------------------------------------------------------------
     def _check_backward(self, event: OpEvent, outs, ins) -> None:
-        plan = self._perturbed(event, ins)
+        b = self.backend
+        plan = self.perturbation.fn(self, event, ins)
         if plan is None:
             return
-        p_args, p_kwargs, fixup, rerun_is_reference = plan
-        device = outs[0][1].device.type
-        base = _input_grads(event.func, event.args, event.kwargs, None, self.gen, device)
+        p_args, p_kwargs, fixup = plan
+        device = b.device_type(outs[0][1])
+        base = b.input_grads(event.func, event.args, event.kwargs, None, self.gen, device)
         if base is None:
             return
         grads, grad_outs = base
-        other = _input_grads(event.func, p_args, p_kwargs, grad_outs, self.gen, device, fixup)
+        other = b.input_grads(event.func, p_args, p_kwargs, grad_outs, self.gen, device, fixup)
         if other is None:
             return
         self.checked += 1
         pairs = []
         for index, (g0, g1) in enumerate(zip(grads, other[0])):
-            if g0 is not None and g1 is not None and g0.shape == g1.shape:
-                a, e = (g0, g1) if rerun_is_reference else (g1, g0)
+            if g0 is not None and g1 is not None and b.shape(g0) == b.shape(g1):
+                a, e = (g0, g1) if self.perturbation.rerun_is_reference else (g1, g0)
                 pairs.append((index, a, e, self._limit(ins, g0)))
         self._judge(event, "backward", pairs, outs, ins)
 
     # ---- judging ------------------------------------------------------------------------------------
     def _judge(self, event: OpEvent, stage: str, pairs, outs, ins) -> None:
         """Measure each (output index, re-run/original, reference, limit) of the op's float
-        outputs ``outs`` (:func:`perturb.flat_with_index`) and report the worst output over its
-        limit.  On CPU at once, after the cheap :func:`perturb.surely_within` screen (keeping
+        outputs ``outs`` (``backend.float_outputs``) and report the worst output over its
+        limit.  On CPU at once, after the cheap ``backend.surely_within`` screen (keeping
         the uncleared pairs for a batched measure, as below, was slower here: 2.1-2.3x against
         1.6-1.9x on the quick bf16 step -- the copies cost more than the per-op measure).  On
         an accelerator the pairs are kept until ``_WINDOW_BYTES`` or ``_WINDOW_OPS`` ops have
@@ -219,12 +202,13 @@ class FreeBenchmarkHandler(Handler):
         (:meth:`_resolve`): two host syncs per window, none per op."""
         if not pairs:
             return
-        if pairs[0][1].device.type == "cpu" and not self.defer:
+        b = self.backend
+        if b.on_host(pairs[0][1]) and not self.defer:
             measured = []
             for index, a, e, limit in pairs:
-                small = _small(a.dtype)
-                if not perturb.surely_within(a, e, limit, small, self.scratch):
-                    measured.append((index, limit, *perturb.changes([a], [e], small)[0].tolist()))
+                small = _small(b.dtype_of(a))
+                if not b.surely_within(a, e, limit, small, self.scratch):
+                    measured.append((index, limit, *b.read(b.changes([a], [e], small))[0]))
             self._report_worst(event, stage, measured)
             return
         # The training's own outputs that are measured are copied (they may be overwritten in
@@ -235,23 +219,22 @@ class FreeBenchmarkHandler(Handler):
         # handler's own tensors and are kept as they are, unless the op returns an alias of its
         # (perturbed) inputs: on CPU those may live in the scratch buffer, reused by the next op.
         measured_ids = {id(t) for _, a, e, _ in pairs for t in (a, e)}
-        copies = {id(t): t.clone() if id(t) in measured_ids else t.detach()
+        copies = {id(t): b.clone(t) if id(t) in measured_ids else b.detach(t)
                   for _, t in outs}
-        kept = event.with_outputs(perturb.swap_tensors(event.outputs, copies))
-        alias = ops.returns_alias(event.func)
+        kept = event.with_outputs(b.swap_tensors(event.outputs, copies))
+        alias = b.returns_alias(event.func)
         slots = []
         for index, a, e, limit in pairs:
-            small = _small(a.dtype)
-            a, e = (copies[id(t)] if id(t) in copies else t.clone() if alias else t for t in (a, e))
-            if e.device != a.device:         # to_cpu: the CPU reference joins the device's window
-                e = e.to(a.device)
+            small = _small(b.dtype_of(a))
+            a, e = (copies[id(t)] if id(t) in copies else b.clone(t) if alias else t for t in (a, e))
+            e = b.to_device_of(e, a)         # to_cpu: the CPU reference joins the device's window
             group = self._pairs.setdefault(small, ([], [], []))
             group[0].append(a)
             group[1].append(e)
             group[2].append(limit)
             slots.append((index, limit, small, len(group[0]) - 1))
-            self._pending_bytes += a.numel() * a.element_size() + e.numel() * e.element_size()
-        self._pending.append((kept, stage, slots, ins, perturb.versions(ins)))
+            self._pending_bytes += b.nbytes(a) + b.nbytes(e)
+        self._pending.append((kept, stage, slots, ins, b.versions(ins)))
         if self._pending_bytes >= _WINDOW_BYTES or len(self._pending) >= _WINDOW_OPS:
             self._resolve()
 
@@ -262,12 +245,13 @@ class FreeBenchmarkHandler(Handler):
             return
         # Two read-backs per window: which pairs a float32 screen clears, then the float64
         # measure of the others (what is reported is always the float64 measure).
+        b = self.backend
         smalls = list(pairs)
-        cleared = iter(torch.cat([perturb.within_limits(*pairs[small], small) for small in smalls]).tolist())
+        cleared = iter(b.read(b.concat([b.within_limits(*pairs[small], small) for small in smalls])))
         todo = {small: [k for k in range(len(pairs[small][0])) if not next(cleared)] for small in smalls}
-        parts = [perturb.changes([pairs[s][0][k] for k in todo[s]], [pairs[s][1][k] for k in todo[s]], s)
+        parts = [b.changes([pairs[s][0][k] for k in todo[s]], [pairs[s][1][k] for k in todo[s]], s)
                  for s in smalls if todo[s]]
-        measured = iter(torch.cat(parts).tolist() if parts else [])
+        measured = iter(b.read(b.concat(parts)) if parts else [])
         values: list = []
         for small in smalls:
             row = [(0.0, 0.0)] * len(pairs[small][0])          # cleared: within the limit
@@ -278,7 +262,7 @@ class FreeBenchmarkHandler(Handler):
         for event, stage, slots, ins, seen in pending:
             self._report_worst(event, stage, [(index, limit, *values[base[small] + k])
                                               for index, limit, small, k in slots],
-                               stale=perturb.versions(ins) != seen)
+                               stale=b.versions(ins) != seen)
 
     def _report_worst(self, event: OpEvent, stage: str, measured, stale: bool = False) -> None:
         over = [m for m in measured if m[2] > m[1]]
@@ -303,17 +287,18 @@ class FreeBenchmarkHandler(Handler):
         self.flagged += 1
         if self.cfg.if_preheat and self.session.step_no < self.cfg.preheat_step:
             self._suspects.add(event.op)
-        first = perturb.float_tensors((event.args, event.kwargs))[0]
-        record = self.session.recorder.encode(event, save=not stale)
+        b = self.backend
+        first = b.float_tensors((event.args, event.kwargs))[0]
+        record = self.recorder.encode(event, save=not stale)
         if stale:
             record["inputs_overwritten"] = True
         record["free_benchmark"] = {"pert_mode": self.mode, "stage": stage, "max_rel": change["max_rel"],
                                     "threshold": limit, "sign_flips": change["sign_flips"],
                                     "output_index": index, "handler_type": self.cfg.handler_type}
-        self.session.write(record)
+        self.recorder.write(record)
         row = {"rank": self.session.rank, "pert_mode": self.mode, "stage": stage, "step": self.session.step_no,
-               "api_name": event.name, "max_rel": change["max_rel"], "dtype": _dtype(first),
-               "shape": str(tuple(first.shape)), "output_index": index if _multi(event, stage) else "",
+               "api_name": event.name, "max_rel": change["max_rel"], "dtype": b.dtype_of(first),
+               "shape": str(tuple(b.shape(first))), "output_index": index if _multi(event, stage) else "",
                "threshold": limit, "sign_flips": change["sign_flips"], "scope": event.scope, "op": event.op,
                "id": record["id"]}
         if self._csv is None:
@@ -341,59 +326,11 @@ class FreeBenchmarkHandler(Handler):
 
 # ---- helpers --------------------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=None)
-def _small(dtype: torch.dtype) -> float:
-    return metrics.per_dtype("small_value", str(dtype).removeprefix("torch."))
-
-
-def _dtype(t: torch.Tensor) -> str:
-    return str(t.dtype).removeprefix("torch.")
+def _small(dtype: str) -> float:
+    return metrics.per_dtype("small_value", dtype)
 
 
 def _multi(event: OpEvent, stage: str) -> bool:
     if stage == "backward" and event.stage == "forward":
         return True
     return isinstance(event.outputs, (tuple, list))
-
-
-def _replacement(original, result):
-    """The re-run's outputs in the original's dtype, device and strides (``fix``)."""
-    def one(orig, new):
-        if not isinstance(orig, torch.Tensor) or not isinstance(new, torch.Tensor) or \
-                orig.dtype not in perturb.FLOATS or new.shape != orig.shape:
-            return orig
-        out = torch.empty_like(orig)
-        out.copy_(new)
-        return out
-    if isinstance(original, torch.Tensor):
-        return one(original, result)
-    if isinstance(original, (tuple, list)) and isinstance(result, (tuple, list)):
-        return type(original)(one(o, n) for o, n in zip(original, result))
-    return None
-
-
-def _input_grads(func, args, kwargs, grad_outs, gen, device, fixup=None):
-    """Gradients of the op's float inputs for the given (or fresh seeded random) output grads."""
-    from torch.utils._pytree import tree_flatten, tree_unflatten
-    flat, spec = tree_flatten((tuple(args), dict(kwargs)))
-    leaves, idx = [], []
-    for i, v in enumerate(flat):
-        if isinstance(v, torch.Tensor) and v.dtype in perturb.FLOATS and v.numel() > 0:
-            flat[i] = v.detach().clone().requires_grad_(True)
-            leaves.append(flat[i])
-            idx.append(i)
-    if not leaves:
-        return None
-    a, k = tree_unflatten(flat, spec)
-    with perturb.autograd_on():
-        out = perturb.run(func, a, k, device)
-        if fixup is not None:
-            out = fixup(out)
-        outs = [t for _, t in perturb.flat_with_index(out) if t.requires_grad]
-        if not outs:
-            return None
-        if grad_outs is None:
-            grad_outs = [torch.randn(t.shape, generator=gen, dtype=torch.float32).to(device=t.device, dtype=t.dtype)
-                         for t in outs]
-        grads = torch.autograd.grad(outs, leaves, [g.to(t.dtype) for g, t in zip(grad_outs, outs)],
-                                    allow_unused=True)
-    return list(grads), grad_outs

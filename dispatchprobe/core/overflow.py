@@ -33,17 +33,15 @@ import json
 import math
 import os
 
-import torch
-
-from ..torch import ops, perturb
 from . import op_traits
-from .recorder import Handler, OpEvent
+from .events import Handler, OpEvent, has_nonfinite_scalar
 from ..records.writer import atomic_write_text
 
 _GROWTH = 100.0        # output/input norm ratio above which a finite op is "suspicious growth"
 _WINDOW = 256          # accelerator: ops between host reads of the finiteness flags
 _MAX_LIGHT = 100       # propagated / growth records kept per step (the rest are only counted)
 
+_TO_FLOAT64 = {"float16": "float64", "bfloat16": "float64", "float32": "float64"}
 CSV_COLUMNS = ("step", "rank", "id", "class", "stage", "op", "name", "scope", "grad_fn", "call", "dtype",
                "nan", "inf", "growth", "replay", "float64_max_abs", "dtype_max", "exceeds_dtype_range",
                "stack")
@@ -54,8 +52,9 @@ class OverflowDetected(RuntimeError):
 
 
 class OverflowHandler(Handler):
-    def __init__(self, session):
+    def __init__(self, session, recorder):
         self.session = session
+        self.recorder = recorder
         cfg = session.config.overflow
         self.stages = {"forward", "backward"} if cfg.check_mode == "both" else {cfg.check_mode}
         self.limit = cfg.overflow_nums
@@ -67,7 +66,7 @@ class OverflowHandler(Handler):
         self._pending: list = []             # accelerator: (event, outs, ins, norms on device)
         self._stop: OverflowDetected | None = None
         self._dirty = False                  # rows not yet in overflow.csv (written at flush)
-        self._backend = session.backend
+        self.backend = session.backend
         self.checked = 0                     # ops checked (whole run)
         self.defer = False                   # read back in windows (tests set it on CPU;
                                              # accelerators always do)
@@ -76,22 +75,23 @@ class OverflowHandler(Handler):
     def on_op(self, event: OpEvent):
         if event.stage not in self.stages or event.kind != "op":
             return None
-        outs = perturb.flat_with_index(event.outputs)
+        b = self.backend
+        outs = b.float_outputs(event.outputs)
         if not outs:
             return None
-        ins = perturb.float_tensors((event.args, event.kwargs))
+        ins = b.float_tensors((event.args, event.kwargs))
         norms = self._norms(outs, ins)
         self.checked += 1
-        if outs[0][1].device.type == "cpu" and not self.defer:
-            self._judge(event, outs, ins, torch.stack(norms).tolist())
+        if b.on_host(outs[0][1]) and not self.defer:
+            self._judge(event, outs, ins, b.read(norms))
         else:
-            event.stack = event.stack or (ops.user_stack() if event.stage == "forward" else None)
+            event.stack = event.stack or (b.user_stack() if event.stage == "forward" else None)
             # detached aliases, not the outputs themselves: autograd steals a gradient only when
             # nothing else holds that tensor object (else it copies: extra ops and memory)
-            alias = {id(t): t.detach() for _, t in outs}
-            kept = event.with_outputs(perturb.swap_tensors(event.outputs, alias))
+            alias = {id(t): b.detach(t) for _, t in outs}
+            kept = event.with_outputs(b.swap_tensors(event.outputs, alias))
             outs = [(i, alias[id(t)]) for i, t in outs]
-            self._pending.append((kept, outs, ins, norms, perturb.versions(ins)))
+            self._pending.append((kept, outs, ins, norms, b.versions(ins)))
             if len(self._pending) >= _WINDOW:
                 self._resolve()
         if self._stop is not None:
@@ -116,15 +116,15 @@ class OverflowHandler(Handler):
         if not pending:
             return
         # one stack (not one per op: a kernel launch each) and the one host sync of the window
-        values = torch.stack([n for p in pending for n in p[3]]).tolist()   # (dtypes promote)
+        values = self.backend.read([n for p in pending for n in p[3]])
         pos = 0
         for event, outs, ins, norms, seen in pending:
             n = len(norms)
-            self._judge(event, outs, ins, values[pos:pos + n], stale=perturb.versions(ins) != seen)
+            self._judge(event, outs, ins, values[pos:pos + n], stale=self.backend.versions(ins) != seen)
             pos += n
 
     def _norms(self, outs, ins) -> list:
-        norms = [perturb.norm32(t) for _, t in outs]
+        norms = [self.backend.sq_norm(t) for _, t in outs]
         norms += [self._input_norm(t) for t in ins]
         for (_, t), n in zip(outs, norms):
             self._remember(t, n)
@@ -133,15 +133,15 @@ class OverflowHandler(Handler):
     def _key(self, t):
         """Cache key: shared by every reshape/transpose of the same memory (same elements, same
         norm), so the views that feed most ops (weight.t(), q/k/v splits) are not re-read."""
-        key = self._backend.dense_key(t)
-        return key if key is not None else self._backend.identity(t)
+        key = self.backend.dense_key(t)
+        return key if key is not None else self.backend.identity(t)
 
     def _input_norm(self, t):
         key = self._key(t)
         hit = self._cache.get(key) if key is not None else None
-        if hit is not None and self._backend.memory_alive(hit[0]):
+        if hit is not None and self.backend.memory_alive(hit[0]):
             return hit[1]
-        n = perturb.norm32(t)
+        n = self.backend.sq_norm(t)
         self._remember(t, n, key)
         return n
 
@@ -151,7 +151,7 @@ class OverflowHandler(Handler):
             return
         if len(self._cache) > 4096:
             self._cache.clear()
-        self._cache[key] = (self._backend.memory_ref(t), n)
+        self._cache[key] = (self.backend.memory_ref(t), n)
 
     # ---- classification -----------------------------------------------------------------------------
     def _judge(self, event, outs, ins, sq_norms, stale: bool = False) -> None:
@@ -160,14 +160,15 @@ class OverflowHandler(Handler):
         replayed and its inputs are not saved: they are no longer what it saw."""
         k = len(outs)
         out_sq, in_sq = sq_norms[:k], sq_norms[k:]
-        out_bad = [not math.isfinite(v) and not perturb.all_finite(t) for (_, t), v in zip(outs, out_sq)]
+        finite = self.backend.all_finite
+        out_bad = [not math.isfinite(v) and not finite(t) for (_, t), v in zip(outs, out_sq)]
         if any(out_bad):
             # a non-finite Python scalar argument (masked_fill(mask, -inf), full(inf)) is a
             # deliberate inf given to the op, not one it created
-            in_bad = any(not math.isfinite(v) and (stale or not perturb.all_finite(t)) for t, v in zip(ins, in_sq))
+            in_bad = any(not math.isfinite(v) and (stale or not finite(t)) for t, v in zip(ins, in_sq))
             if in_bad:
                 self._flag(event, outs, "propagated", stale=stale)
-            elif perturb.has_nonfinite_scalar((event.args, event.kwargs)):
+            elif has_nonfinite_scalar((event.args, event.kwargs)):
                 self._flag(event, outs, "propagated", record=False)
             else:
                 self._flag(event, outs, "critical", stale=stale)
@@ -190,10 +191,10 @@ class OverflowHandler(Handler):
             return
         critical = klass == "critical"
         if critical and event.stack is None and event.stage == "forward":
-            event.stack = ops.user_stack()
+            event.stack = self.backend.user_stack()
         nan = inf = 0
         for _, t in outs:
-            a, b = perturb.nonfinite_counts(t)
+            a, b = self.backend.nonfinite_counts(t)
             nan, inf = nan + a, inf + b
         info = {"class": klass, "nan": nan, "inf": inf}
         if growth is not None:
@@ -206,12 +207,12 @@ class OverflowHandler(Handler):
             elif self.replay:
                 info.update(self._replay(event, outs))
         if record:
-            rec = self.session.recorder.encode(event, save=critical and not stale)
+            rec = self.recorder.encode(event, save=critical and not stale)
             if stale:
                 rec["inputs_overwritten"] = True
             rec["overflow"] = info
-            self.session.write(rec)
-        out_dtype = str(outs[0][1].dtype).removeprefix("torch.")
+            self.recorder.write(rec)
+        out_dtype = self.backend.dtype_of(outs[0][1])
         self.rows.append({
             "step": self.session.step_no, "rank": self.session.rank, "id": rec["id"] if record else "",
             "class": klass,
@@ -234,19 +235,18 @@ class OverflowHandler(Handler):
 
     def _replay(self, event: OpEvent, outs) -> dict:
         """Run the op again on CPU in float64: does the overflow belong to the maths or the dtype?"""
-        if event.func is None or ops.is_random(event.func):
+        b = self.backend
+        if event.func is None or b.is_random(event.func):
             return {"replay": "not replayed (random op)"}
-        wide = {d: torch.float64 for d in (torch.float16, torch.bfloat16, torch.float32)}
         try:
-            args, kwargs = perturb.cast_args(event.args, event.kwargs, wide, device=torch.device("cpu"))
-            result = perturb.run(event.func, args, kwargs)
+            args, kwargs = b.cast_args(event.args, event.kwargs, _TO_FLOAT64, device="cpu")
+            result = b.run(event.func, args, kwargs)
         except Exception as exc:  # an op without a float64 CPU kernel
             return {"replay": f"replay failed: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"}
-        results = perturb.flat_with_index(result)
-        bad = any(not bool(torch.isfinite(r).all()) for _, r in results)
-        finite = [r[torch.isfinite(r)] for _, r in results]
-        max_abs = max((float(f.abs().max()) for f in finite if f.numel()), default=0.0)
-        dtype_max = float(torch.finfo(outs[0][1].dtype).max)
+        results = [r for _, r in b.float_outputs(result)]
+        bad = not all(b.all_finite(r) for r in results)
+        max_abs = max((b.max_abs_finite(r) for r in results), default=0.0)
+        dtype_max = b.dtype_max(b.dtype_of(outs[0][1]))
         return {"replay": "inherent" if bad else "precision", "float64_max_abs": max_abs,
                 "dtype_max": dtype_max, "exceeds_dtype_range": max_abs > dtype_max}
 

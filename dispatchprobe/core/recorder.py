@@ -1,71 +1,17 @@
-"""The framework-neutral middle of the pipeline: op events, task handlers and the recorder.
-
-A framework adapter (torch eager, torch.compile, MindSpore) turns each intercepted call into
-an :class:`OpEvent` and hands it to the session's handlers.  The recorder turns events into
-the JSON lines of ``docs/record-format.md``; it talks to tensors only through a *backend*
-module (``torch_backend``, ``dispatchprobe_ms.backend``) with the same small set of functions.
+"""The recorder: turns op events into the records of ``docs/record-format.md`` and writes them
+into the open step/rank part.  It talks to tensors only through the backend
+(:class:`dispatchprobe.core.backend.TensorBackend`).  Every task's records go through it: the
+statistics and tensor tasks use it as their handler, the inline checks call :meth:`Recorder.encode`
+and :meth:`Recorder.write` for the ops they flag.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
-
-@dataclass
-class OpEvent:
-    """One intercepted call, in neutral terms."""
-
-    kind: str                     # "op" (a kernel call) or "module" (a module boundary)
-    op: str                       # e.g. "aten.addmm.default", or the module's type for kind="module"
-    stage: str                    # "forward" or "backward"
-    scope: str                    # module scope, e.g. "TinyTransformer.layers.1.mlp"
-    call: int                     # n-th call of this op in this stage, step and rank
-    args: tuple = ()
-    kwargs: dict = field(default_factory=dict)
-    outputs: Any = None
-    grad_fn: str | None = None    # backward ops: the autograd node that ran them
-    stack: tuple | None = None    # Python frames ("file:line in func"), innermost last
-    func: Callable | None = None  # the callable, so a handler can run it again
-
-    def with_outputs(self, outputs) -> "OpEvent":
-        """A shallow copy holding ``outputs`` instead: what a handler keeps of an op until a
-        deferred check is read back (``dataclasses.replace`` re-runs ``__init__``: 5x slower)."""
-        kept = object.__new__(OpEvent)
-        kept.__dict__.update(self.__dict__)
-        kept.outputs = outputs
-        return kept
-
-    @property
-    def name(self) -> str:
-        """Stable across runs and devices: op (or scope for modules), call index, stage."""
-        if self.kind == "module":
-            return f"{self.scope}.{self.stage}.{self.call}"
-        return f"{self.op}.{self.call}.{self.stage}"
-
-
-class Handler:
-    """A task's reaction to each op.  ``on_op`` may return replacement outputs (``fix`` only)."""
-
-    def on_op(self, event: OpEvent):  # pragma: no cover - interface
-        return None
-
-    def start_part(self) -> None:
-        """A new step/rank part was opened: per-part state (caches, summary files) starts over."""
-
-    def flush(self) -> None:
-        """End of a capture region: finish deferred work (may write records, may raise)."""
-
-    def close(self) -> None:
-        pass
-
-
-def flat_outputs(outputs) -> list:
-    if isinstance(outputs, (tuple, list)):
-        return list(outputs)
-    return [outputs]
+from .events import Handler, OpEvent, flat_outputs
 
 
 DEFER_BATCH = 512   # accelerator tensors measured per host sync
@@ -79,9 +25,10 @@ class Recorder(Handler):
     output that is the next op's input is measured once and stored once.
     """
 
-    def __init__(self, backend, session, *, save_tensors: bool, checksum: bool, io_filter=None):
+    def __init__(self, backend, *, save_tensors: bool, checksum: bool, io_filter=None):
         self.backend = backend
-        self.session = session
+        self.part = None               # the open PartWriter (start_part)
+        self._next_id = 0
         self.save_tensors = save_tensors
         self.checksum = checksum
         self.io_filter = io_filter or (lambda io: True)
@@ -132,7 +79,7 @@ class Recorder(Handler):
         record = {
             "id": None, "kind": event.kind, "name": event.name, "op": event.op, "stage": event.stage,
             "scope": event.scope, "call": event.call, "grad_fn": event.grad_fn,
-            "stack": self.session.part.stack_id(event.stack) if event.stack else None,
+            "stack": self.part.stack_id(event.stack) if event.stack else None,
         }
         if self.io_filter("input"):
             record["inputs"] = [enc(a) for a in event.args]
@@ -176,7 +123,7 @@ class Recorder(Handler):
                     continue
                 st = spec["stats"] = {}          # filled by _resolve, before the record is written
                 self._rows.append(backend.device_stats_row(t))
-                self._row_stats.append((st, t.numel()))
+                self._row_stats.append((st, backend.numel(t)))
                 self._remember(t, {"stats": st}, ident)
                 if dense is not None:
                     self._dense[dense] = (backend.memory_ref(t), st)
@@ -223,7 +170,7 @@ class Recorder(Handler):
         A transpose, reshape or slice of an already saved tensor (same memory, same in-place
         version) is written as (base key, offset, shape, stride) instead of a second copy.
         """
-        writer = self.session.part.tensors
+        writer = self.part.tensors
         span = self.backend.storage_span(t)
         if span is None:
             key = self._new_key()
@@ -269,8 +216,11 @@ class Recorder(Handler):
         if ref is not None:
             self._cache[key] = (ref, entry)
 
-    def start_part(self) -> None:
-        """A new step/rank part: tensor keys and cache start over (the old part was flushed)."""
+    def start_part(self, part=None) -> None:
+        """A new step/rank part (its ``PartWriter``): ids, tensor keys and cache start over."""
+        if part is not None:
+            self.part = part
+        self._next_id = 0
         self._cache.clear()
         self._spans.clear()
         self._dense.clear()
@@ -281,10 +231,20 @@ class Recorder(Handler):
         self.emit(self.encode(event, defer=True))
         return None
 
+    def write(self, record: dict) -> None:
+        """Append one record to the part's ``ops.jsonl`` (flushed at once), giving it its id."""
+        record["id"] = self._next_id
+        self._next_id += 1
+        self.part.ops.append(record)
+
+    def module(self, scope: str, type_name: str) -> None:
+        """Note a module of the part's module tree (``modules.jsonl``, each scope once)."""
+        self.part.module(scope, type_name)
+
     def emit(self, record: dict) -> None:
         """Write ``record`` now, or after the device statistics queued before it are read."""
         if not self._waiting and not self._row_stats:
-            self.session.write(record)
+            self.write(record)
             return
         self._waiting.append(record)
         if len(self._row_stats) >= DEFER_BATCH:
@@ -299,4 +259,4 @@ class Recorder(Handler):
             self._rows, self._row_stats = [], []
         waiting, self._waiting = self._waiting, []
         for record in waiting:
-            self.session.write(record)
+            self.write(record)

@@ -1,7 +1,8 @@
-"""A probe session: config, step/rank bookkeeping, the open part writer and the handlers.
+"""A probe session: config, step/rank bookkeeping, the open part writer and the task's handlers.
 
-Framework-neutral.  The torch and MindSpore adapters subclass it and add only the
-interception (a dispatch mode, module hooks) that produces :class:`OpEvent` objects.
+Framework-neutral.  The torch and MindSpore adapters subclass it, set ``backend`` (a
+:class:`~dispatchprobe.core.backend.TensorBackend`) and add only the interception (a dispatch
+mode, module hooks) that turns calls into :class:`OpEvent` objects for :meth:`ProbeSession.dispatch`.
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ import re
 from collections import defaultdict
 
 from .config import Config
-from .recorder import OpEvent, Recorder
+from .events import OpEvent
+from .recorder import Recorder
+from .tasks import TASKS
 from ..records.writer import PartWriter, write_manifest
 
 
@@ -53,7 +56,7 @@ class OpSelector:
 class ProbeSession:
     """Holds what every adapter shares.  Subclasses implement ``_install``/``_uninstall``."""
 
-    backend = None            # set by subclasses: a module like dispatchprobe.torch_backend
+    backend = None            # set by subclasses: a TensorBackend such as dispatchprobe.torch.backend
 
     def __init__(self, config: Config | str | dict | None = None, **overrides):
         self.config = Config.load(config, **overrides)
@@ -61,13 +64,13 @@ class ProbeSession:
         self.step_no = 0
         self.rank = self._detect_rank()
         self.part: PartWriter | None = None
-        self._next_id = 0
         self._calls: dict = defaultdict(int)
         self._manifest_written = False
         self._active = False
-        self.recorder = Recorder(self.backend, self, save_tensors=self.config.task == "tensor",
+        self.task = TASKS[self.config.task]
+        self.recorder = Recorder(self.backend, save_tensors=self.task.saves_tensors,
                                  checksum=self.config.checksum, io_filter=self.config.io_enabled)
-        self.handlers = self._make_handlers()
+        self.handlers = self.task.handlers(self, self.recorder)
 
     # ---- what users call ------------------------------------------------------------------
     def start(self) -> None:
@@ -112,13 +115,7 @@ class ProbeSession:
     def part_dir(self) -> str:
         return os.path.join(self.config.dump_path, f"step{self.step_no}", f"rank{self.rank}")
 
-    # ---- for handlers -----------------------------------------------------------------------
-    def write(self, record: dict) -> None:
-        """Append one record to this step/rank's ``ops.jsonl`` (flushed at once)."""
-        record["id"] = self._next_id
-        self._next_id += 1
-        self.part.ops.append(record)
-
+    # ---- for adapters and handlers ----------------------------------------------------------
     def next_call(self, op: str, stage: str) -> int:
         key = (op, stage)
         n = self._calls[key]
@@ -139,16 +136,6 @@ class ProbeSession:
                     self.part.tensors.flush()
 
     # ---- internals --------------------------------------------------------------------------
-    def _make_handlers(self) -> list:
-        task = self.config.task
-        if task in ("statistics", "tensor"):
-            return [self.recorder]
-        if task == "overflow":
-            from .overflow import OverflowHandler
-            return [OverflowHandler(self)]
-        from .free_benchmark import FreeBenchmarkHandler
-        return [FreeBenchmarkHandler(self)]
-
     def _enabled_here(self) -> bool:
         cfg = self.config
         return (not cfg.step or self.step_no in cfg.step) and (not cfg.rank or self.rank in cfg.rank)
@@ -161,9 +148,8 @@ class ProbeSession:
             self._manifest_written = True
         if self.part is None:
             self.part = PartWriter(self.part_dir, self.backend.save_shard, self.backend.nbytes)
-            self._next_id = 0
             self._calls.clear()
-            self.recorder.start_part()
+            self.recorder.start_part(self.part)
             for h in self.handlers:
                 if h is not self.recorder:
                     h.start_part()

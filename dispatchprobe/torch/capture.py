@@ -23,7 +23,7 @@ from torch.utils._pytree import tree_flatten
 
 from . import backend as torch_backend
 from . import ops
-from ..core.recorder import OpEvent
+from ..core.events import OpEvent
 from ..core.session import ProbeSession
 
 class _ProbeMode(TorchDispatchMode):
@@ -176,7 +176,7 @@ class DispatchProbe(ProbeSession):
         self.scopes = _ModuleScopes(self, model)
         level = self.config.level
         self._record_ops = level in ("op", "mix")
-        self._record_modules = level in ("module", "mix") and self.config.task in ("statistics", "tensor")
+        self._record_modules = level in ("module", "mix") and self.task.records_modules
         self._wants_memo: dict = {}
         self._stage_on = {s: self.config.stage_enabled(s) for s in ("forward", "backward")}
 
@@ -245,11 +245,8 @@ class DispatchProbe(ProbeSession):
         self._busy = True
         try:
             with torch.no_grad():
-                self.part.module(name, type_name)
-                self.session_write_module(event)
+                self.recorder.module(name, type_name)
+                self.recorder.emit(self.recorder.encode(event, defer=True))
         finally:
             self._busy = False
-
-    def session_write_module(self, event: OpEvent) -> None:
-        self.recorder.emit(self.recorder.encode(event, defer=True))
 

@@ -1,20 +1,23 @@
-"""Torch tensor helpers of the inline checks (``overflow`` and ``free_benchmark``).
+"""The inline-check half of the torch backend: the primitives ``core/overflow.py`` and
+``core/free_benchmark.py`` call through :class:`~dispatchprobe.core.backend.TensorBackend`
+(re-exported by :mod:`dispatchprobe.torch.backend`): walking an op's tensors, re-running it,
+perturbing its inputs, and screening/measuring changes on the tensors' device.
 
 Everything here runs inside a handler, i.e. with the probe's dispatch mode popped and under
-``no_grad``: none of these ops is recorded.  Random perturbations draw from the caller's own
-``torch.Generator``, never from the global RNG.  The handlers keep the logic; this module is
-the only place that touches torch tensors, so another framework's backend would supply the
-same few functions.
+``no_grad``: none of these ops is recorded.  Random perturbations draw from the handler's own
+``torch.Generator``, never from the global RNG.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 
 import torch
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from ..standards.metrics import per_dtype
 from . import ops
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -60,17 +63,13 @@ def _collect(obj, out: list) -> None:
             _collect(v, out)
 
 
-def has_nonfinite_scalar(obj) -> bool:
-    return any(isinstance(v, float) and not math.isfinite(v) for v in tree_flatten(obj)[0])
-
-
 def versions(tensors) -> tuple:
     """The in-place version counters of ``tensors``: a check read back later (accelerator
     windows) compares them to tell whether an op's inputs still hold what the op saw."""
     return tuple(t._version for t in tensors)
 
 
-def flat_with_index(outputs) -> list[tuple[int, torch.Tensor]]:
+def float_outputs(outputs) -> list[tuple[int, torch.Tensor]]:
     """(output index, tensor) of every float tensor output; nested lists flattened."""
     items = outputs if isinstance(outputs, (tuple, list)) else [outputs]
     out = []
@@ -92,7 +91,7 @@ def swap_tensors(outputs, replacements: dict):
     return outputs
 
 
-def norm32(t: torch.Tensor) -> torch.Tensor:
+def sq_norm(t: torch.Tensor) -> torch.Tensor:
     """L2 norm accumulated in float32 (float64 for float64): inf/nan iff the tensor has one,
     except when float32 squares overflow (|x| > ~1e19), which callers re-check exactly."""
     x = t.detach()
@@ -187,8 +186,11 @@ def _detached(t: torch.Tensor) -> torch.Tensor:
 
 def cast_args(args, kwargs, dtype_map: dict, device=None, scratch: Scratch | None = None):
     """Floating tensors (and floating ``dtype`` arguments) converted per ``dtype_map``
-    ({from: to}); tensors moved to ``device`` if given.  Other values unchanged.  With
-    ``scratch``, CPU casts are written into it (contiguous) instead of fresh memory."""
+    ({from: to}, by name: ``{"bfloat16": "float32"}``); tensors moved to ``device`` if given.
+    Other values unchanged.  With ``scratch``, CPU casts are written into it (contiguous)
+    instead of fresh memory."""
+    dtype_map = _torch_dtypes(dtype_map)
+    device = torch.device(device) if isinstance(device, str) else device
 
     def conv(v):
         if isinstance(v, torch.Tensor):
@@ -204,6 +206,16 @@ def cast_args(args, kwargs, dtype_map: dict, device=None, scratch: Scratch | Non
             return device
         return v
     return map_args(conv, args, kwargs)
+
+
+def _torch_dtypes(names: dict) -> dict:
+    return {getattr(torch, a): getattr(torch, b) for a, b in names.items()}
+
+
+def map_floats(fn, args, kwargs):
+    """``fn`` applied to every non-empty floating tensor of an op's (args, kwargs)."""
+    return map_args(lambda v: fn(v) if isinstance(v, torch.Tensor) and v.dtype in FLOATS and v.numel() > 0
+                    else v, args, kwargs)
 
 
 def map_args(fn, args, kwargs):
@@ -309,7 +321,7 @@ def surely_within(actual: torch.Tensor, expected: torch.Tensor, limit: float, sm
     buffered = scratch is not None and a.device.type == "cpu" and e.numel() >= scratch.MIN_NUMEL
     diff = torch.sub(a, e, out=scratch.take(e.shape, e.dtype)) if buffered else a - e
     lo, hi = torch.aminmax(diff)
-    sq = norm32(e)          # squared norm, one BLAS dot when e is contiguous float32
+    sq = sq_norm(e)         # squared norm, one BLAS dot when e is contiguous float32
     lo, hi, sq = torch.stack([lo, hi, sq.to(lo.dtype)]).tolist()
     r = math.sqrt(sq / max(e.numel(), 1)) if math.isfinite(sq) else math.inf
     d = max(-lo, hi)
@@ -406,16 +418,19 @@ def changes(actuals: list, expecteds: list, small: float) -> torch.Tensor:
 
 
 # ---- free-benchmark perturbations -------------------------------------------------------------
-def eps(dtype: torch.dtype) -> float:
-    return float(torch.finfo(dtype).eps)
+def eps(dtype) -> float:
+    """Machine epsilon of a torch dtype or a dtype name."""
+    return float(torch.finfo(getattr(torch, dtype) if isinstance(dtype, str) else dtype).eps)
 
 
-_SMALL = {torch.float16: 1e-3, torch.bfloat16: 1e-3}
+def dtype_max(name: str) -> float:
+    return float(torch.finfo(getattr(torch, name)).max)
 
 
+@functools.cache
 def small_value(dtype: torch.dtype) -> float:
-    """The seeds' small-value threshold (1e-3 half types, 1e-6 otherwise): below it, no noise."""
-    return _SMALL.get(dtype, 1e-6)
+    """The seeds' small-value threshold (``standards.yaml``): below it, no noise."""
+    return per_dtype("small_value", str(dtype).removeprefix("torch."))
 
 
 def _int_view(dtype):
@@ -504,15 +519,6 @@ class NoiseSource:
         return out.to(x.dtype).view(x.shape)
 
 
-def add_noise(t: torch.Tensor, gen: "torch.Generator | NoiseSource") -> torch.Tensor:
-    """x * (1 + u * eps(dtype)), u uniform in [-1, 1), where |x| is not small (see NoiseSource).
-
-    The noise is about one unit in the last place: large enough to survive rounding in the
-    input's dtype, small enough that a well-conditioned op moves by about as much."""
-    source = gen if isinstance(gen, NoiseSource) else NoiseSource(gen)
-    return source.apply(t)
-
-
 def swap_first_last(t: torch.Tensor, dim: int) -> torch.Tensor:
     """A copy with the first and last slices along ``dim`` exchanged."""
     n = t.shape[dim]
@@ -562,3 +568,94 @@ def change_value_plan(func, args, kwargs):
         args[0] = swap_first_last(x, dim)
         return tuple(args), None
     return None
+
+
+# ---- the rest of the contract: small helpers the handlers call -------------------------------
+def on_host(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu"
+
+
+def device_type(t: torch.Tensor) -> str:
+    return t.device.type
+
+
+def read(values) -> list:
+    """One host sync: a list of 0-d tensors (dtypes promote) or one tensor, as Python values."""
+    return (torch.stack(values) if isinstance(values, (list, tuple)) else values).tolist()
+
+
+def concat(values: list) -> torch.Tensor:
+    return torch.cat(values)
+
+
+def detach(t: torch.Tensor) -> torch.Tensor:
+    return t.detach()
+
+
+def clone(t: torch.Tensor) -> torch.Tensor:
+    return t.clone()
+
+
+def to_device_of(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return t if t.device == like.device else t.to(like.device)
+
+
+def max_abs_finite(t: torch.Tensor) -> float:
+    finite = t[torch.isfinite(t)]
+    return float(finite.abs().max()) if finite.numel() else 0.0
+
+
+def generator(seed: int) -> torch.Generator:
+    """A private CPU generator: the probe never draws from the global RNG."""
+    return torch.Generator().manual_seed(seed)
+
+
+def noise_source(seed: int) -> NoiseSource:
+    return NoiseSource(generator(seed))
+
+
+def scratch() -> Scratch:
+    return Scratch()
+
+
+def replacement(original, result):
+    """The re-run's outputs in the original's dtype, device and strides (``fix``)."""
+    def one(orig, new):
+        if not isinstance(orig, torch.Tensor) or not isinstance(new, torch.Tensor) or \
+                orig.dtype not in FLOATS or new.shape != orig.shape:
+            return orig
+        out = torch.empty_like(orig)
+        out.copy_(new)
+        return out
+    if isinstance(original, torch.Tensor):
+        return one(original, result)
+    if isinstance(original, (tuple, list)) and isinstance(result, (tuple, list)):
+        return type(original)(one(o, n) for o, n in zip(original, result))
+    return None
+
+
+def input_grads(func, args, kwargs, grad_outs, gen, device, fixup=None):
+    """Gradients of the op's float inputs for the given (or fresh seeded random) output grads."""
+    flat, spec = tree_flatten((tuple(args), dict(kwargs)))
+    leaves, idx = [], []
+    for i, v in enumerate(flat):
+        if isinstance(v, torch.Tensor) and v.dtype in FLOATS and v.numel() > 0:
+            flat[i] = v.detach().clone().requires_grad_(True)
+            leaves.append(flat[i])
+            idx.append(i)
+    if not leaves:
+        return None
+    a, k = tree_unflatten(flat, spec)
+    with autograd_on():
+        out = run(func, a, k, device)
+        if fixup is not None:
+            out = fixup(out)
+        outs = [t for _, t in float_outputs(out) if t.requires_grad]
+        if not outs:
+            return None
+        if grad_outs is None:
+            grad_outs = [torch.randn(t.shape, generator=gen, dtype=torch.float32).to(device=t.device, dtype=t.dtype)
+                         for t in outs]
+        grads = torch.autograd.grad(outs, leaves, [g.to(t.dtype) for g, t in zip(grad_outs, outs)],
+                                    allow_unused=True)
+    return list(grads), grad_outs

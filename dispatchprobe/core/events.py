@@ -1,0 +1,76 @@
+"""What a capture adapter hands to the core: one :class:`OpEvent` per intercepted call, given
+to each :class:`Handler` of the session's task."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+
+@dataclass
+class OpEvent:
+    """One intercepted call, in neutral terms."""
+
+    kind: str                     # "op" (a kernel call) or "module" (a module boundary)
+    op: str                       # e.g. "aten.addmm.default", or the module's type for kind="module"
+    stage: str                    # "forward" or "backward"
+    scope: str                    # module scope, e.g. "TinyTransformer.layers.1.mlp"
+    call: int                     # n-th call of this op in this stage, step and rank
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+    outputs: Any = None
+    grad_fn: str | None = None    # backward ops: the autograd node that ran them
+    stack: tuple | None = None    # Python frames ("file:line in func"), innermost last
+    func: Callable | None = None  # the callable, so a handler can run it again
+
+    def with_outputs(self, outputs) -> "OpEvent":
+        """A shallow copy holding ``outputs`` instead: what a handler keeps of an op until a
+        deferred check is read back (``dataclasses.replace`` re-runs ``__init__``: 5x slower)."""
+        kept = object.__new__(OpEvent)
+        kept.__dict__.update(self.__dict__)
+        kept.outputs = outputs
+        return kept
+
+    @property
+    def name(self) -> str:
+        """Stable across runs and devices: op (or scope for modules), call index, stage."""
+        if self.kind == "module":
+            return f"{self.scope}.{self.stage}.{self.call}"
+        return f"{self.op}.{self.call}.{self.stage}"
+
+
+class Handler:
+    """A task's reaction to each op.  ``on_op`` may return replacement outputs (``fix`` only).
+
+    Built by the task registry (:mod:`dispatchprobe.core.tasks`) with the session (config,
+    step, rank, part folder, backend) and the recorder that writes its records."""
+
+    def on_op(self, event: OpEvent):  # pragma: no cover - interface
+        return None
+
+    def start_part(self) -> None:
+        """A new step/rank part was opened: per-part state (caches, summary files) starts over."""
+
+    def flush(self) -> None:
+        """End of a capture region: finish deferred work (may write records, may raise)."""
+
+    def close(self) -> None:
+        pass
+
+
+def flat_outputs(outputs) -> list:
+    if isinstance(outputs, (tuple, list)):
+        return list(outputs)
+    return [outputs]
+
+
+def has_nonfinite_scalar(obj) -> bool:
+    """A Python float inf/nan anywhere in nested tuples/lists/dicts (``masked_fill(mask, -inf)``)."""
+    if isinstance(obj, float):
+        return not math.isfinite(obj)
+    if isinstance(obj, (tuple, list)):
+        return any(has_nonfinite_scalar(v) for v in obj)
+    if isinstance(obj, dict):
+        return any(has_nonfinite_scalar(v) for v in obj.values())
+    return False
