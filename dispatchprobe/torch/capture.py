@@ -2,9 +2,8 @@
 
 The mode sees every aten call -- forward, and backward too when ``.backward()`` runs inside
 the probe -- after autocast and autograd have done their work, so what is recorded is what the
-kernels computed.  Module scope comes from global module hooks in forward and from multi-grad
-hooks in backward (the technique of ``torch.utils.module_tracker``), which observe gradients
-without changing them.
+kernels computed.  Module scope comes from torch's ``ModuleTracker`` (global module hooks in
+forward, multi-grad hooks in backward, which observe gradients without changing them).
 
 Transparency: the mode runs the op first, untouched, and only then looks at its results, under
 ``no_grad`` with the mode itself popped (so the probe's own ops are not recorded).  Nothing here
@@ -13,13 +12,10 @@ draws from the global RNG.
 
 from __future__ import annotations
 
-import weakref
 
 import torch
-from torch.autograd.graph import register_multi_grad_hook
-from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils.module_tracker import ModuleTracker
 
 from . import backend as torch_backend
 from . import ops
@@ -56,20 +52,23 @@ def _copy_written(written, args, kwargs):
     return tuple(args), kwargs
 
 
-class _ModuleScopes:
-    """Tracks the module scope in forward and backward, and emits module-boundary events."""
+class _ModuleScopes(ModuleTracker):
+    """torch's own module tracker, told to keep order and to report module boundaries.
+
+    ``ModuleTracker`` names modules (``Net.layers.1.mlp``, from the root's attribute names when
+    it has seen the root) and follows them through forward and backward (multi-grad hooks,
+    which observe gradients without changing them); its ``parents`` is a set, so the active
+    modules are also kept in the order they were entered, for the innermost scope of an op."""
 
     def __init__(self, probe: "DispatchProbe", root: torch.nn.Module | None):
+        super().__init__()
         self.probe = probe
         self.forward_stack: list[str] = []
         self.backward_active: list[str] = []
-        self._names: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self._handles: list = []
-        self._grad_hooks: list = []
-        self._callback_queued = False
-        self._pending_grad_out: dict = {}
+        self._types: dict[str, str] = {}
+        self._grad_out: dict = {}
         if root is not None:
-            self._name_tree(root, type(root).__name__)
+            self._get_mod_name(root)
 
     @property
     def current(self) -> str:
@@ -90,73 +89,51 @@ class _ModuleScopes:
         return current
 
     def install(self) -> None:
-        self._handles = [register_module_forward_pre_hook(self._pre), register_module_forward_hook(self._post)]
+        self.__enter__()
 
     def uninstall(self) -> None:
-        for h in self._handles + self._grad_hooks:
-            h.remove()
-        self._handles, self._grad_hooks = [], []
+        self.__exit__(None, None, None)
         self.forward_stack.clear()
 
-    def _name_tree(self, mod, name) -> None:
-        self._names[mod] = name
-        for child_name, child in mod.named_children():
-            if child not in self._names:
-                self._name_tree(child, f"{name}.{child_name}")
+    def _fw_pre_hook(self, mod, input) -> None:
+        self._types[self._get_mod_name(mod)] = type(mod).__name__
+        super()._fw_pre_hook(mod, input)
 
-    def name_of(self, mod) -> str:
-        name = self._names.get(mod)
-        if name is None:
-            self._name_tree(mod, type(mod).__name__)
-            name = self._names[mod]
-        return name
+    def _fw_post_hook(self, mod, input, output) -> None:
+        super()._fw_post_hook(mod, input, output)
+        self.probe._on_module(self._types[self._get_mod_name(mod)], self._get_mod_name(mod), "forward",
+                              input, output)
 
-    # forward hooks --------------------------------------------------------------------------
-    def _pre(self, mod, args) -> None:
-        name = self.name_of(mod)
-        self.forward_stack.append(name)
-        tensors = [a for a in tree_flatten(args)[0] if isinstance(a, torch.Tensor) and a.requires_grad]
-        if tensors and torch.is_grad_enabled():
-            self._grad_hooks.append(register_multi_grad_hook(tensors, self._backward_exit(mod, name), mode="all"))
+    def _get_append_fn(self, name, is_bw):
+        base = super()._get_append_fn(name, is_bw)
 
-    def _post(self, mod, args, output) -> None:
-        name = self.name_of(mod)
-        if self.forward_stack and self.forward_stack[-1] == name:
-            self.forward_stack.pop()
-        elif name in self.forward_stack:
-            self.forward_stack.remove(name)
-        self.probe._on_module(mod, name, "forward", args, output)
-        tensors = [a for a in tree_flatten(output)[0] if isinstance(a, torch.Tensor) and a.requires_grad]
-        if tensors and torch.is_grad_enabled():
-            self._grad_hooks.append(register_multi_grad_hook(tensors, self._backward_enter(name), mode="all"))
+        def enter(*grads) -> None:
+            if is_bw and not self._has_callback:
+                torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+            base(*grads)
+            if is_bw:
+                self.backward_active.append(name)
+                self._grad_out[name] = grads
+            else:
+                self.forward_stack.append(name)
+        return enter
 
-    # backward hooks (fire when the gradients of the watched tensors are ready) -----------
-    def _backward_enter(self, name):
-        def hook(grads):
-            self._queue_reset()
-            self.backward_active.append(name)
-            self._pending_grad_out[name] = grads
-        return hook
+    def _get_pop_fn(self, name, is_bw):
+        base = super()._get_pop_fn(name, is_bw)
 
-    def _backward_exit(self, mod, name):
-        def hook(grads):
-            if name in self.backward_active:
-                idx = len(self.backward_active) - 1 - self.backward_active[::-1].index(name)
-                del self.backward_active[idx]
-            grad_out = self._pending_grad_out.pop(name, ())
-            self.probe._on_module(mod, name, "backward", grad_out, tuple(grads))
-        return hook
+        def leave(*grads) -> None:
+            base(*grads)
+            stack = self.backward_active if is_bw else self.forward_stack
+            if name in stack:
+                del stack[len(stack) - 1 - stack[::-1].index(name)]
+            if is_bw:
+                self.probe._on_module(self._types.get(name, ""), name, "backward", self._grad_out.pop(name, ()),
+                                      tuple(grads))
+        return leave
 
-    def _queue_reset(self) -> None:
-        if self._callback_queued:
-            return
-
-        def reset():
-            self.backward_active.clear()
-            self._pending_grad_out.clear()
-            self._callback_queued = False
-        torch.autograd.Variable._execution_engine.queue_callback(reset)
-        self._callback_queued = True
+    def _backward_done(self) -> None:
+        self.backward_active.clear()
+        self._grad_out.clear()
 
 
 class DispatchProbe(ProbeSession):
@@ -234,12 +211,11 @@ class DispatchProbe(ProbeSession):
             self._busy = False
         return out if replaced is None else replaced
 
-    def _on_module(self, mod, name: str, stage: str, inputs, outputs) -> None:
+    def _on_module(self, type_name: str, name: str, stage: str, inputs, outputs) -> None:
         if not self._record_modules or self._busy or not self._stage_on[stage]:
             return
         if not self.selector.scope_selected(name):
             return
-        type_name = type(mod).__name__
         event = OpEvent("module", type_name, stage, name, self.next_call(name, stage),
                         tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,), {}, outputs)
         self._busy = True
