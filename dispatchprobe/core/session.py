@@ -7,6 +7,7 @@ mode, module hooks) that turns calls into :class:`OpEvent` objects for :meth:`Pr
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from collections import defaultdict
@@ -71,6 +72,10 @@ class ProbeSession:
         self.recorder = Recorder(self.backend, save_tensors=self.task.saves_tensors,
                                  checksum=self.config.checksum, io_filter=self.config.io_enabled)
         self.handlers = self.task.handlers(self, self.recorder)
+        self.busy = False              # handlers are running: their own calls are not the user's
+        self.record_ops = self.config.level in ("op", "mix")
+        self.record_modules = self.config.level in ("module", "mix") and self.task.records_modules
+        self._stage_on = {s: self.config.stage_enabled(s) for s in ("forward", "backward")}
 
     # ---- what users call ------------------------------------------------------------------
     def start(self) -> None:
@@ -116,6 +121,42 @@ class ProbeSession:
         return os.path.join(self.config.dump_path, f"step{self.step_no}", f"rank{self.rank}")
 
     # ---- for adapters and handlers ----------------------------------------------------------
+    def on_op(self, op: str, stage: str, scope: str, args, kwargs, outputs, *, func=None, grad_fn=None,
+              stack=None):
+        """What every capture path does with one op call: the config's stage and scope filters,
+        the call index, an :class:`OpEvent` for the handlers (run with the framework's tracing
+        off, :meth:`_quiet`).  ``stack``: a callable giving the user's frames, called only when
+        the config asks for stacks of forward ops.  Returns replacement outputs (``fix``) or None."""
+        if not self._stage_on[stage] or not self.selector.scope_selected(scope):
+            return None
+        frames = stack() if stack is not None and self.config.stack and stage == "forward" else None
+        event = OpEvent("op", op, stage, scope, self.next_call(op, stage), args, kwargs, outputs,
+                        grad_fn=grad_fn, stack=frames, func=func)
+        self.busy = True
+        try:
+            with self._quiet():
+                return self.dispatch(event)
+        finally:
+            self.busy = False
+
+    def on_module(self, type_name: str, scope: str, stage: str, inputs, outputs) -> None:
+        """A module boundary (level ``module``/``mix``): one module record, in the module tree."""
+        if not self.record_modules or self.busy or not self._stage_on[stage] or not self.selector.scope_selected(scope):
+            return
+        event = OpEvent("module", type_name, stage, scope, self.next_call(scope, stage),
+                        tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,), {}, outputs)
+        self.busy = True
+        try:
+            with self._quiet():
+                self.recorder.module(scope, type_name)
+                self.recorder.emit(self.recorder.encode(event, defer=True))
+        finally:
+            self.busy = False
+
+    def _quiet(self):
+        """A context with the framework's autograd/tracing off, for the handlers (adapters override)."""
+        return contextlib.nullcontext()
+
     def next_call(self, op: str, stage: str) -> int:
         key = (op, stage)
         n = self._calls[key]

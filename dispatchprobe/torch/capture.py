@@ -19,7 +19,6 @@ from torch.utils.module_tracker import ModuleTracker
 
 from . import backend as torch_backend
 from . import ops
-from ..core.events import OpEvent
 from ..core.session import ProbeSession
 
 class _ProbeMode(TorchDispatchMode):
@@ -30,7 +29,7 @@ class _ProbeMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         probe = self.probe
-        if probe._busy or not probe._wants(func):
+        if probe.busy or not probe._wants(func):
             return func(*args, **kwargs)
         seen_args, seen_kwargs = args, kwargs
         written = ops.reads_written(func)
@@ -101,7 +100,7 @@ class _ModuleScopes(ModuleTracker):
 
     def _fw_post_hook(self, mod, input, output) -> None:
         super()._fw_post_hook(mod, input, output)
-        self.probe._on_module(self._types[self._get_mod_name(mod)], self._get_mod_name(mod), "forward",
+        self.probe.on_module(self._types[self._get_mod_name(mod)], self._get_mod_name(mod), "forward",
                               input, output)
 
     def _get_append_fn(self, name, is_bw):
@@ -127,7 +126,7 @@ class _ModuleScopes(ModuleTracker):
             if name in stack:
                 del stack[len(stack) - 1 - stack[::-1].index(name)]
             if is_bw:
-                self.probe._on_module(self._types.get(name, ""), name, "backward", self._grad_out.pop(name, ()),
+                self.probe.on_module(self._types.get(name, ""), name, "backward", self._grad_out.pop(name, ()),
                                       tuple(grads))
         return leave
 
@@ -148,19 +147,14 @@ class DispatchProbe(ProbeSession):
 
     def __init__(self, config=None, *, model: torch.nn.Module | None = None, **overrides):
         super().__init__(config, **overrides)
-        self._busy = False
         self._mode: _ProbeMode | None = None
         self.scopes = _ModuleScopes(self, model)
-        level = self.config.level
-        self._record_ops = level in ("op", "mix")
-        self._record_modules = level in ("module", "mix") and self.task.records_modules
         self._wants_memo: dict = {}
-        self._stage_on = {s: self.config.stage_enabled(s) for s in ("forward", "backward")}
 
     # ---- installation -------------------------------------------------------------------------
     def _install(self) -> None:
         self.scopes.install()
-        if self._record_ops:
+        if self.record_ops:
             self._mode = _ProbeMode(self)
             self._mode.__enter__()
 
@@ -191,38 +185,14 @@ class DispatchProbe(ProbeSession):
 
     def _on_op(self, func, args, kwargs, out):
         backward = torch._C._current_graph_task_id() != -1
-        stage = "backward" if backward else "forward"
-        scope = self.scopes.current
-        if not self._stage_on[stage] or not self.selector.scope_selected(scope):
-            return out
-        op = ops.op_name(func)
         grad_fn = None
         if backward:
             node = torch._C._current_autograd_node()
             grad_fn = node.name() if node is not None else None
-        stack = ops.user_stack(3) if self.config.stack and not backward else None
-        event = OpEvent("op", op, stage, scope, self.next_call(op, stage), args, kwargs, out,
-                        grad_fn=grad_fn, stack=stack, func=func)
-        self._busy = True
-        try:
-            with torch.no_grad():
-                replaced = self.dispatch(event)
-        finally:
-            self._busy = False
+        replaced = self.on_op(ops.op_name(func), "backward" if backward else "forward", self.scopes.current,
+                              args, kwargs, out, func=func, grad_fn=grad_fn, stack=ops.user_stack)
         return out if replaced is None else replaced
 
-    def _on_module(self, type_name: str, name: str, stage: str, inputs, outputs) -> None:
-        if not self._record_modules or self._busy or not self._stage_on[stage]:
-            return
-        if not self.selector.scope_selected(name):
-            return
-        event = OpEvent("module", type_name, stage, name, self.next_call(name, stage),
-                        tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,), {}, outputs)
-        self._busy = True
-        try:
-            with torch.no_grad():
-                self.recorder.module(name, type_name)
-                self.recorder.emit(self.recorder.encode(event, defer=True))
-        finally:
-            self._busy = False
+    def _quiet(self):
+        return torch.no_grad()
 

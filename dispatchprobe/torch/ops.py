@@ -19,6 +19,12 @@ _SKIP = (torch.__path__[0], os.path.dirname(os.path.dirname(os.path.abspath(__fi
 
 
 @functools.cache
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``bfloat16``: how dtypes are named in records and to the core."""
+    return str(dtype).removeprefix("torch.")
+
+
+@functools.cache
 def op_name(func) -> str:
     """``aten.addmm.default`` (``str`` formats the schema name on every call)."""
     return str(func)

@@ -430,7 +430,7 @@ def dtype_max(name: str) -> float:
 @functools.cache
 def small_value(dtype: torch.dtype) -> float:
     """The seeds' small-value threshold (``standards.yaml``): below it, no noise."""
-    return per_dtype("small_value", str(dtype).removeprefix("torch."))
+    return per_dtype("small_value", ops.dtype_name(dtype))
 
 
 def _int_view(dtype):
