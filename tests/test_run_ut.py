@@ -227,6 +227,68 @@ def test_cli_errors(runs, tmp_path):
     assert code == 0 and "pass" in text
 
 
+NO_TORCH = """
+import os, sys
+sys.modules["torch"] = None                       # any import of torch now fails
+import numpy as np
+from safetensors.numpy import save_file
+from dispatchprobe.offline.replayer import Output, Replayed, Replayer, ReplayError, Skip
+from dispatchprobe.offline.run_ut import run_ut
+from dispatchprobe.records.format import walk
+
+def replay(record, part, device, random=False, keep_data=False):   # device: the recorded outputs, mm's off by 1 %
+    if record["op"] == "aten.gelu.default":
+        raise ReplayError("planted failure")
+    outs = walk(record, inputs=False)
+    if not outs:
+        raise Skip("no output tensor")
+    res = Replayed()
+    for _, arg, spec in outs:
+        b = np.asarray(part.tensor(spec["data"]))
+        b = b.astype(np.float64) if b.dtype.kind == "f" else b
+        d = b * 1.01 if record["op"] == "aten.mm.default" and b.dtype.kind == "f" else b
+        res.outputs.append(Output(arg, d, b, spec["dtype"], str(b.dtype), tuple(spec["shape"])))
+        if keep_data:
+            res.data[arg + ".device"] = d
+    return res
+
+fake = Replayer("numpy", replay=replay, resolve_device=lambda name: name or "host", tensor_source=lambda part: part,
+                set_threads=lambda n: 1, save_error_data=lambda path, data, meta: save_file(data, path, meta),
+                distributed=lambda: None)
+res = run_ut(sys.argv[1], sys.argv[2], jobs=2, save_error_data=True, replayer=fake, progress=False)
+assert not [m for m in sys.modules if m.startswith("dispatchprobe.torch")]
+res.results.to_csv(os.path.join(sys.argv[2], "seen.csv"), index=False)
+"""
+
+
+def test_driver_runs_without_torch(runs, tmp_path):
+    """A framework plugs in only its replay: the driver, workers and CSVs need no torch."""
+    out = tmp_path / "np"
+    done = subprocess.run([sys.executable, "-c", NO_TORCH, runs["f32"], str(out)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    r = pd.read_csv(out / "seen.csv", dtype=str, keep_default_na=False)
+    st = status(r)
+    assert set(st) == {"pass", "error"} and (st == "pass").sum() > 50
+    assert (st[r["Op"] == "aten.mm.default"] == "error").all()
+    gelu = r[r["Op"] == "aten.gelu.default"]
+    assert len(gelu) == 2 and gelu["Message"].str.contains("planted failure").all()
+    assert len(os.listdir(out / "error_data")) == (r["Op"] == "aten.mm.default").sum()
+
+
+def test_unknown_framework(runs, tmp_path):
+    import json
+    import shutil
+    from click.testing import CliRunner
+    from dispatchprobe.cli import main
+    path = shutil.copytree(runs["stats"], tmp_path / "ms")
+    manifest = json.loads((path / "manifest.json").read_text())
+    (path / "manifest.json").write_text(json.dumps(dict(manifest, framework="nosuchframework")))
+    with pytest.raises(ValueError, match="framework 'nosuchframework'"):
+        run_ut(path, tmp_path / "o")
+    res = CliRunner().invoke(main, ["run-ut", str(path), "-o", str(tmp_path / "o")])
+    assert res.exit_code == 1 and res.output.strip().count("\n") == 0 and "nosuchframework" in res.output
+
+
 def test_documented_python_api_works_twice(runs, tmp_path):
     """``dispatchprobe.run_ut`` stays the function however often it is used (the run-ut module
     once shadowed it after its first import)."""

@@ -5,6 +5,7 @@ Results go to ``accuracy_checking_result_{ts}.csv`` (one row per op) and
 an interrupted run loses at most the op it was on; ``resume=`` continues it (see docs/run-ut.md).
 Parallel: ``jobs`` worker processes on this host; across processes/nodes: launch under
 ``torchrun`` and each rank replays a disjoint shard, rank 0 writes the merged result.
+Framework-neutral: the replay and its services come from a :class:`~.replayer.Replayer`.
 """
 
 from __future__ import annotations
@@ -21,14 +22,17 @@ import sys
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import pandas as pd
-import torch
 
 from ..standards.metrics import ERROR, PASS, binary_mismatch, compare_arrays, is_float, worst
+from ..records.format import call_signature
 from ..records.reader import Run, load
-from ..torch.replay import ReplayError, Skip, TensorSource, replay, resolve_device, to_numpy
 from ..standards.verdicts import SKIP, category, judge
 from ..records.writer import write_csv
+from .replayer import Distributed, Replayer, ReplayError, Skip, replayer_for
+
+to_numpy = np.asarray   # replayers hand over numpy arrays
 
 RESULT_COLUMNS = ["Step", "Rank", "API Name", "Op", "Stage", "Scope", "Category", "Forward Test Success",
                   "Backward Test Success", "Message", "Elapsed (s)"]
@@ -68,16 +72,17 @@ class RunUTResult:
 
 # ---- the per-op check (runs in workers) -----------------------------------------------------------
 class _State:
-    def __init__(self, run: Run, options: dict):
+    def __init__(self, run: Run, options: dict, replayer: Replayer):
         self.run = run
         self.options = options
-        self.device = resolve_device(options.get("device"))
+        self.replayer = replayer
+        self.device = replayer.resolve_device(options.get("device"))
         self.sources: dict = {}
 
     def source(self, key):
         src = self.sources.get(key)
         if src is None:
-            src = self.sources[key] = TensorSource(self.run.parts[key])
+            src = self.sources[key] = self.replayer.tensor_source(self.run.parts[key])
         return src
 
 
@@ -115,8 +120,8 @@ def check_op(step: int, rank: int, index: int) -> tuple[list, list, dict | None]
     head = [step, rank, rec["name"]]
     details, messages, verdicts, error_data = [], [], [], None
     try:
-        rep = replay(rec, None if opts.get("random") else st.source((step, rank)), st.device,
-                     random=opts.get("random", False), keep_inputs=opts.get("save_error_data", False))
+        rep = st.replayer.replay(rec, None if opts.get("random") else st.source((step, rank)), st.device,
+                                 random=opts.get("random", False), keep_data=opts.get("save_error_data", False))
         for out in rep.outputs:
             m = output_metrics(out.device, out.bench, out.device_dtype, cat)
             verdict, reason = judge(cat, m, out.device_dtype)
@@ -130,10 +135,7 @@ def check_op(step: int, rank: int, index: int) -> tuple[list, list, dict | None]
             verdicts, messages = [SKIP], ["the op returned no tensor to compare"]
         status = SKIP if verdicts == [SKIP] else worst(verdicts)
         if status == ERROR and opts.get("save_error_data"):
-            error_data = {f"{k}": v for k, v in rep.inputs.items()}
-            for out in rep.outputs:
-                error_data[f"{out.name}.device"] = out.device
-                error_data[f"{out.name}.bench"] = out.bench
+            error_data = rep.data
     except Skip as exc:
         status, messages, details = SKIP, [str(exc)], []
     except ReplayError as exc:
@@ -162,15 +164,15 @@ def _check_chunk(tasks):
     return [(t, check_op(*t)) for t in tasks]
 
 
-def _init_worker(path, options, threads):
+def _init_worker(path, options, threads, replayer):
     global _STATE
     for name in options.get("imports") or ():
         importlib.import_module(name)
     if _STATE is None or _STATE.run.path != path:
-        _STATE = _State(load(path), options)
+        _STATE = _State(load(path), options, replayer)
     else:
         _STATE.sources = {}        # safetensors handles are not shared across fork
-    torch.set_num_threads(threads)
+    replayer.set_threads(threads)
     _blas_limit(threads)
 
 
@@ -231,47 +233,20 @@ class _Journal:
         self._det.close()
 
 
-def _save_error_data(out_dir: str, row, data: dict) -> None:
-    from safetensors.torch import save_file
+def _save_error_data(out_dir: str, row, data: dict, replayer: Replayer) -> None:
     folder = os.path.join(out_dir, "error_data")
     os.makedirs(folder, exist_ok=True)
     name = re.sub(r"[^A-Za-z0-9_.-]", "_", f"step{row[0]}_rank{row[1]}_{row[2]}")
-    tensors = {k: v.detach().cpu().contiguous().clone() for k, v in data.items() if isinstance(v, torch.Tensor)}
     tmp = os.path.join(folder, f".{name}.tmp")
-    save_file(tensors, tmp, metadata={"op": row[3], "name": row[2]})
+    replayer.save_error_data(tmp, data, {"op": row[3], "name": row[2]})
     os.replace(tmp, os.path.join(folder, f"{name}.safetensors"))
 
 
-# ---- distributed ---------------------------------------------------------------------------------
-def _dist_world(distributed) -> tuple[int, int]:
-    """(rank, world size); initialises a gloo process group when launched by torchrun."""
-    if distributed is False:
-        return 0, 1
-    import torch.distributed as dist
-    if not dist.is_available():
-        return 0, 1
-    if not dist.is_initialized():
-        if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or "MASTER_ADDR" not in os.environ:
-            return 0, 1
-        dist.init_process_group("gloo")
-    return dist.get_rank(), dist.get_world_size()
-
-
 # ---- the driver ----------------------------------------------------------------------------------
-def _signature(rec: dict) -> str:
-    def strip(spec):
-        if isinstance(spec, dict):
-            return {k: strip(v) for k, v in spec.items() if k not in ("data", "stats", "requires_grad", "checksum")}
-        if isinstance(spec, list):
-            return [strip(v) for v in spec]
-        return spec
-    return json.dumps([rec["op"], strip(rec.get("inputs")), strip(rec.get("kwargs"))], sort_keys=True)
-
-
 def run_ut(records, out_dir: str | None = None, *, random: bool = False, device: str | None = None, jobs: int = 1,
            resume: str | None = None, filter_duplicates: bool = False, save_error_data: bool = False,
            imports=(), progress: bool | None = None, api: str | None = None, distributed="auto",
-           limit: int | None = None, threads: int | None = None) -> RunUTResult:
+           limit: int | None = None, threads: int | None = None, replayer: Replayer | None = None) -> RunUTResult:
     """Replay the op records of ``records`` (a run directory, a step/rank folder, or a loaded
     :class:`~dispatchprobe.reader.Run`) and judge each op; see ``docs/run-ut.md``.
 
@@ -279,8 +254,9 @@ def run_ut(records, out_dir: str | None = None, *, random: bool = False, device:
     ones replayed; with ``jobs>1`` forked workers inherit them).  ``resume``: an
     ``accuracy_checking_result_{ts}.csv`` of an interrupted run to continue.  ``api``: a regex
     selecting ops by name.  ``limit``: replay at most this many ops (then stop; resumable).
-    ``threads``: torch/BLAS threads per replaying process (default 1: replayed ops are small).
+    ``threads``: framework/BLAS threads per replaying process (default 1: replayed ops are small).
     Under ``torchrun`` each rank takes a disjoint shard and rank 0 writes the merged CSVs.
+    ``replayer``: the framework's replay (default: the one of the manifest's ``framework``).
     """
     global _STATE
     t_start = time.perf_counter()
@@ -290,6 +266,7 @@ def run_ut(records, out_dir: str | None = None, *, random: bool = False, device:
         except ImportError as exc:
             raise ValueError(f"--import {name}: {exc}") from None
     run = records if isinstance(records, Run) else load(records)
+    replayer = replayer or replayer_for(run)
     if resume:
         m = _RESULT_RE.match(os.path.basename(resume))
         if not m:
@@ -305,14 +282,12 @@ def run_ut(records, out_dir: str | None = None, *, random: bool = False, device:
     os.makedirs(out_dir, exist_ok=True)
     if jobs < 1:
         raise ValueError(f"--jobs must be >= 1, got {jobs}")
-    rank, world = _dist_world(distributed)
+    engine = replayer.distributed() if distributed is not False else None
+    rank, world = (engine.rank, engine.world) if engine else (0, 1)
     if world > 1:
-        import torch.distributed as dist
-        box = [ts]
-        dist.broadcast_object_list(box, src=0)
-        ts = box[0]
+        ts = engine.broadcast(ts)
     options = {"random": random, "device": device, "save_error_data": save_error_data, "imports": list(imports or ())}
-    resolve_device(device)   # a bad device is a one-line error before any work
+    replayer.resolve_device(device)   # a bad device is a one-line error before any work
 
     # every op record in a fixed order; the same list on every rank
     api_re = re.compile(api) if api else None
@@ -324,7 +299,7 @@ def run_ut(records, out_dir: str | None = None, *, random: bool = False, device:
                 continue
             task = (step, prank, i)
             if filter_duplicates:
-                sig = _signature(rec)
+                sig = call_signature(rec)
                 first = seen.setdefault(sig, rec["name"])
                 if first != rec["name"]:
                     dup_of[task] = first
@@ -367,37 +342,37 @@ def run_ut(records, out_dir: str | None = None, *, random: bool = False, device:
             else:
                 runnable.append(t)
         # replayed ops are small: one thread each is much faster than threads contending
-        # (torch's OpenMP and numpy's BLAS both spin); -j gives the parallelism
+        # (the framework's OpenMP and numpy's BLAS both spin); -j gives the parallelism
         threads = max(1, int(threads or 1))
         if jobs == 1 or len(runnable) <= 1:
-            prev, prev_threads = _STATE, torch.get_num_threads()
-            _STATE = _State(run, options)
-            torch.set_num_threads(threads)
+            prev = _STATE
+            _STATE = _State(run, options, replayer)
+            prev_threads = replayer.set_threads(threads)
             blas = _blas_limit(threads)
             try:
                 for t in runnable:
                     row, det, err = check_op(*t)
-                    _emit(journal, out_dir, row, det, err)
+                    _emit(journal, out_dir, row, det, err, replayer)
                     replayed += 1
                     if bar is not None:
                         bar.update(1)
             finally:
                 _STATE = prev
-                torch.set_num_threads(prev_threads)
+                replayer.set_threads(prev_threads)
                 if blas is not None:
                     blas.restore_original_limits()
         else:
             method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
             ctx = mp.get_context(method)
             if method == "fork":
-                _STATE = _State(run, options)   # inherited by the workers: records parsed once
+                _STATE = _State(run, options, replayer)   # inherited by the workers: records parsed once
             chunk = max(1, min(16, len(runnable) // (jobs * 8) or 1))
             chunks = [runnable[i:i + chunk] for i in range(0, len(runnable), chunk)]
-            with ctx.Pool(jobs, initializer=_init_worker, initargs=(run.path, options, threads)) as pool:
+            with ctx.Pool(jobs, initializer=_init_worker, initargs=(run.path, options, threads, replayer)) as pool:
                 try:
                     for results in pool.imap(_check_chunk, chunks):
                         for _, (row, det, err) in results:
-                            _emit(journal, out_dir, row, det, err)
+                            _emit(journal, out_dir, row, det, err, replayer)
                             replayed += 1
                         if bar is not None:
                             bar.update(len(results))
@@ -410,28 +385,25 @@ def run_ut(records, out_dir: str | None = None, *, random: bool = False, device:
         journal.close()
 
     if world > 1:
-        _merge_ranks(result_path, details_path, shard_suffix, order, rank)
+        _merge_ranks(result_path, details_path, shard_suffix, order, engine)
     results = pd.read_csv(result_path, dtype=str, keep_default_na=False)
     details = pd.read_csv(details_path, dtype=str, keep_default_na=False)
     return RunUTResult(results, details, result_path, details_path, replayed, time.perf_counter() - t_start)
 
 
-def _emit(journal: _Journal, out_dir: str, row, det, err) -> None:
+def _emit(journal: _Journal, out_dir: str, row, det, err, replayer: Replayer) -> None:
     if err:
         try:
-            _save_error_data(out_dir, row, err)
+            _save_error_data(out_dir, row, err, replayer)
         except Exception as exc:  # noqa: BLE001 - saving evidence must not lose the verdict
             row[9] = f"{row[9]}; error data not saved: {exc}".strip("; ")
     journal.write(row, det)
 
 
-def _merge_ranks(result_path: str, details_path: str, suffix: str, order: dict, rank: int) -> None:
+def _merge_ranks(result_path: str, details_path: str, suffix: str, order: dict, engine: Distributed) -> None:
     """Gather every rank's rows on rank 0 (works across nodes: no shared filesystem needed)."""
-    import torch.distributed as dist
-    mine = (_read_rows(result_path + suffix), _read_rows(details_path + suffix))
-    gathered = [None] * dist.get_world_size() if rank == 0 else None
-    dist.gather_object(mine, gathered, dst=0)
-    if rank == 0:
+    gathered = engine.gather((_read_rows(result_path + suffix), _read_rows(details_path + suffix)), dst=0)
+    if engine.rank == 0:
         res = [r for g in gathered for r in g[0]]
         det = [r for g in gathered for r in g[1]]
         big = len(order)
@@ -439,7 +411,7 @@ def _merge_ranks(result_path: str, details_path: str, suffix: str, order: dict, 
         det.sort(key=lambda r: order.get(tuple(r[:3]), big))     # stable: outputs stay in order
         write_csv(details_path, DETAIL_COLUMNS, det)
         write_csv(result_path, RESULT_COLUMNS, res)
-    dist.barrier()
+    engine.barrier()
     for p in (result_path + suffix, details_path + suffix):
         if os.path.exists(p):
             os.remove(p)

@@ -1,8 +1,8 @@
-"""Rebuild one recorded op call from its record and run it: on the target device in the recorded
-dtype ("device") and on CPU in float64 ("benchmark").
+"""The torch replayer of run-ut: rebuild one recorded op call from its record and run it on the
+target device in the recorded dtypes ("device") and on CPU in float64 ("benchmark").
 
-The record encoding is the recorder's (``recorder.Recorder.encode`` and
-``torch_backend.encode_other``); this module is its inverse.  Used by :mod:`dispatchprobe.run_ut`.
+The record encoding is the recorder's (``backend.encode_other`` for non-tensor values); this
+module is its inverse.  :data:`REPLAYER` is what :mod:`dispatchprobe.offline.run_ut` drives.
 """
 
 from __future__ import annotations
@@ -10,45 +10,21 @@ from __future__ import annotations
 import math
 import os
 import zlib
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 from safetensors import safe_open
 
 from ..core import op_traits
+from ..offline.replayer import Output, Replayed, Replayer, ReplayError, Skip
+from ..records.format import walk
 from ..records.reader import Part
 from . import ops
+from .backend import dtype_name
 
 _MEMORY_FORMATS = {"contiguous_format": torch.contiguous_format, "channels_last": torch.channels_last,
                    "channels_last_3d": torch.channels_last_3d, "preserve_format": torch.preserve_format}
 _LAYOUTS = {"strided": torch.strided, "sparse_coo": torch.sparse_coo, "mkldnn": torch._mkldnn}  # noqa: SLF001
-
-class Skip(Exception):
-    """This op cannot be replayed; the message is the stated reason."""
-
-
-class ReplayError(Exception):
-    """The replay itself failed (the op raised on the device)."""
-
-
-@dataclass
-class Output:
-    """One compared output leaf."""
-
-    name: str                      # "output.0", "output.1.2"
-    device: torch.Tensor | None    # CPU copy of the device result
-    bench: torch.Tensor | None     # CPU float64 (or exact dtype) benchmark result
-    device_dtype: str = ""
-    bench_dtype: str = ""
-    shape: tuple = ()
-
-
-@dataclass
-class Replayed:
-    outputs: list[Output] = field(default_factory=list)
-    inputs: dict[str, torch.Tensor] = field(default_factory=dict)   # device-run inputs (for --save-error-data)
-
 
 # ---- ops ----------------------------------------------------------------------------------------
 _OPS: dict = {}
@@ -187,7 +163,7 @@ class CallBuilder:
             t = self.source.get(key)
             if list(t.shape) != list(spec["shape"]):
                 t = t.reshape(spec["shape"])
-            if str(t.dtype).removeprefix("torch.") != spec["dtype"]:
+            if dtype_name(t.dtype) != spec["dtype"]:
                 t = t.to(to_dtype(spec["dtype"]))
         self.cache[path] = t
         return t
@@ -238,24 +214,6 @@ class CallBuilder:
         return args, kwargs
 
 
-def _specs(spec):
-    kind = spec.get("type")
-    if kind == "tensor":
-        yield spec
-    elif kind in ("list", "tuple"):
-        for v in spec["value"]:
-            yield from _specs(v)
-
-
-def _all_specs(record: dict) -> list:
-    out = []
-    for s in record.get("inputs") or ():
-        out.extend(_specs(s))
-    for s in (record.get("kwargs") or {}).values():
-        out.extend(_specs(s))
-    return out
-
-
 def _is_float_name(dtype: str) -> bool:
     return dtype in ("float16", "bfloat16", "float32", "float64") or dtype.startswith("float8") or \
         dtype.startswith("complex")
@@ -270,11 +228,10 @@ def check_replayable(record: dict, random: bool) -> None:
         raise Skip(f"{base} allocates or reads metadata only: nothing to check")
     if record.get("inputs_overwritten"):
         raise Skip("its inputs were written in place before the check was read back: not saved")
-    ins = _all_specs(record)
-    outs = [t for s in record.get("outputs") or () for t in _specs(s)]
+    tensors = walk(record)
     if "inputs" not in record:
         raise Skip("inputs were not recorded (io filter)")
-    if not any(_is_float_name(s["dtype"]) for s in ins + outs):
+    if not any(_is_float_name(s["dtype"]) for _, _, s in tensors):
         raise Skip("integer-only op: no floating-point data to upcast")
     func = resolve(record["op"])
     written = {x for pair in ops.written_args(func) for x in pair}
@@ -284,27 +241,16 @@ def check_replayable(record: dict, random: bool) -> None:
             if stride and any(st == 0 and n > 1 for st, n in zip(stride, shape)):
                 raise Skip("in-place op on an overlapping view (broadcast strides): cannot be rebuilt")
     if not random:
-        for s in ins:
-            if s.get("data") is None:
+        for io, _, s in tensors:
+            if io == "input" and s.get("data") is None:
                 raise Skip("inputs were not saved (statistics-only records: replay them with --random)")
 
 
-def _leaves(value, name: str, out: list):
+def _flat_outputs(value, name: str | None = None) -> list:
+    """[(name, leaf)] of a returned value, named as the record names outputs (``output.1.0``)."""
     if isinstance(value, (tuple, list)):
-        for i, v in enumerate(value):
-            _leaves(v, f"{name}.{i}", out)
-    else:
-        out.append((name, value))
-
-
-def _flat_outputs(value) -> list:
-    out: list = []
-    if isinstance(value, (tuple, list)):
-        for i, v in enumerate(value):
-            _leaves(v, f"output.{i}", out)
-    else:
-        out.append(("output.0", value))
-    return out
+        return [leaf for i, v in enumerate(value) for leaf in _flat_outputs(v, f"{name or 'output'}.{i}")]
+    return [(name or "output.0", value)]
 
 
 def _as_tensor(v):
@@ -325,7 +271,7 @@ def _is_no_cpu_kernel(exc: Exception) -> bool:
 
 
 def replay(record: dict, source: TensorSource | None, device: torch.device, random: bool = False,
-           keep_inputs: bool = False) -> Replayed:
+           keep_data: bool = False) -> Replayed:
     """Run the recorded call on ``device`` in the recorded dtypes and on CPU in float64."""
     check_replayable(record, random)
     func = resolve(record["op"])
@@ -334,9 +280,8 @@ def replay(record: dict, source: TensorSource | None, device: torch.device, rand
     result = Replayed()
     with torch.no_grad():
         args, kwargs = builder.call(device, False, written)
-        if keep_inputs:
-            for path, t in builder.cache.items():
-                result.inputs[path] = t
+        if keep_data:
+            result.data.update(builder.cache)
         try:
             dev_out = func(*args, **kwargs)
         except Skip:
@@ -368,8 +313,10 @@ def replay(record: dict, source: TensorSource | None, device: torch.device, rand
             continue
         if d is None or b is None:
             raise ReplayError(f"{name}: device gave {type(d).__name__}, benchmark {type(b).__name__}")
-        result.outputs.append(Output(name, d, b, str(d.dtype).removeprefix("torch."),
-                                     str(b.dtype).removeprefix("torch."), tuple(d.shape)))
+        result.outputs.append(Output(name, to_numpy(d), to_numpy(b), dtype_name(d.dtype), dtype_name(b.dtype),
+                                     tuple(d.shape)))
+        if keep_data:
+            result.data[f"{name}.device"], result.data[f"{name}.bench"] = d, b
     return result
 
 
@@ -426,3 +373,52 @@ def resolve_device(name: str | None) -> torch.device:
         if avail is not None and not avail():
             raise ValueError(f"device {name!r} is not available on this machine")
     return dev
+
+
+# ---- the services run-ut asks of a framework ---------------------------------------------------
+def set_threads(n: int) -> int:
+    prev = torch.get_num_threads()
+    torch.set_num_threads(n)
+    return prev
+
+
+def save_error_data(path: str, data: dict, metadata: dict) -> None:
+    from safetensors.torch import save_file
+    save_file({k: v.detach().cpu().contiguous().clone() for k, v in data.items() if isinstance(v, torch.Tensor)},
+              path, metadata=metadata)
+
+
+class TorchDistributed:
+    """torch.distributed's object collectives over the process group torchrun set up."""
+
+    def __init__(self, dist):
+        self._dist, self.rank, self.world = dist, dist.get_rank(), dist.get_world_size()
+
+    def broadcast(self, obj, src: int = 0):
+        box = [obj]
+        self._dist.broadcast_object_list(box, src=src)
+        return box[0]
+
+    def gather(self, obj, dst: int = 0):
+        out = [None] * self.world if self.rank == dst else None
+        self._dist.gather_object(obj, out, dst=dst)
+        return out
+
+    def barrier(self) -> None:
+        self._dist.barrier()
+
+
+def distributed() -> TorchDistributed | None:
+    """The engine when launched by torchrun (a gloo group is initialised), else None."""
+    import torch.distributed as dist
+    if not dist.is_available():
+        return None
+    if not dist.is_initialized():
+        if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or "MASTER_ADDR" not in os.environ:
+            return None
+        dist.init_process_group("gloo")
+    return TorchDistributed(dist)
+
+
+REPLAYER = Replayer("torch", replay=replay, resolve_device=resolve_device, tensor_source=TensorSource,
+                    set_threads=set_threads, save_error_data=save_error_data, distributed=distributed)

@@ -1,0 +1,82 @@
+"""What a framework supplies to the framework-neutral run-ut driver: its replay of one record
+(results as numpy arrays) and the few services around it.  ``dispatchprobe.torch.replay.REPLAYER``
+is the torch one; another framework adds a :class:`Replayer` and one line to :data:`REPLAYERS`."""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+import numpy as np
+
+from ..records.reader import Part, Run
+
+
+class Skip(Exception):
+    """This op cannot be replayed; the message is the stated reason."""
+
+
+class ReplayError(Exception):
+    """The replay itself failed (the op raised on the device)."""
+
+
+@dataclass
+class Output:
+    """One compared output leaf, as numpy: floats widened to float64, complex as (re, im) pairs."""
+
+    name: str                      # "output.0", "output.1.2"
+    device: np.ndarray             # the device result
+    bench: np.ndarray              # the float64 (or exact dtype) benchmark result
+    device_dtype: str = ""         # the framework's dtypes before conversion: "bfloat16", ...
+    bench_dtype: str = ""
+    shape: tuple = ()
+
+
+@dataclass
+class Replayed:
+    outputs: list[Output] = field(default_factory=list)
+    data: dict[str, Any] = field(default_factory=dict)   # keep_data: input.0, output.0.device/.bench, own dtypes
+
+
+class Distributed(Protocol):
+    """The launcher's collective engine (torchrun's gloo group for torch): shards and merges run-ut."""
+
+    rank: int
+    world: int
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any: ...
+    def gather(self, obj: Any, dst: int = 0) -> list | None: ...   # the list on dst, None elsewhere
+    def barrier(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Replayer:
+    """A framework's replay for run-ut; functions at module level, so it pickles to spawned workers."""
+
+    framework: str
+    # (record, source or None with random inputs, device, random, keep_data) -> Replayed; raises Skip / ReplayError
+    replay: Callable[..., Replayed]
+    # the --device option (None: the framework's default) -> a device; ValueError with a one-line reason
+    resolve_device: Callable[[str | None], Any]
+    # a part's saved tensors as the framework reads them; made per process (handles do not survive fork)
+    tensor_source: Callable[[Part], Any]
+    # threads of one replaying process -> the previous setting
+    set_threads: Callable[[int], int]
+    # (safetensors path, Replayed.data, metadata) -> writes the file
+    save_error_data: Callable[[str, dict, dict], None]
+    # the engine when launched by the framework's launcher (torchrun), else None
+    distributed: Callable[[], Distributed | None]
+
+
+REPLAYERS = {"torch": "dispatchprobe.torch.replay"}   # manifest "framework" -> module with REPLAYER
+
+
+def replayer_for(run: Run) -> Replayer:
+    """The replayer of the framework that recorded ``run`` (a bare step/rank folder: torch)."""
+    framework = run.manifest.get("framework") or "torch"
+    module = REPLAYERS.get(framework)
+    if module is None:
+        raise ValueError(f"{run.path}: records of framework {framework!r}, which run-ut cannot replay "
+                         f"(known: {', '.join(sorted(REPLAYERS))})")
+    return importlib.import_module(module).REPLAYER
