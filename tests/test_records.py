@@ -122,3 +122,21 @@ def test_bf16_tensors_read_exactly(tmp_path):
     rec = part.records[0]
     assert rec["outputs"][0]["dtype"] == "bfloat16"
     np.testing.assert_array_equal(part.tensor(rec["outputs"][0]["data"]), y.float().numpy())
+
+
+def test_walk_names_arguments_and_signature_ignores_values():
+    from dispatchprobe.records.format import call_signature, output_shapes, walk
+
+    def t(key):
+        return {"type": "tensor", "dtype": "float32", "shape": [2], "stride": [1], "data": key}
+    rec = {"op": "aten.cat.out", "inputs": [{"type": "list", "value": [t("a"), t("b")]}, {"type": "int", "value": 0}],
+           "kwargs": {"out": t("c")}, "outputs": [t("c")]}
+    assert [arg for _, arg, _ in walk(rec)] == ["input.0.0", "input.0.1", "input.out", "output.0"]
+    assert output_shapes(rec) == ((2,),)
+    other = json.loads(json.dumps(rec))
+    other["inputs"][0]["value"][0].update(data="x", stats={"max": 1.0})
+    assert call_signature(other) == call_signature(rec)
+    other["inputs"][1]["value"] = 1
+    assert call_signature(other) != call_signature(rec)
+    empty, none = dict(rec, inputs=[{"type": "list", "value": []}]), dict(rec, inputs=[{"type": "none"}])
+    assert call_signature(empty) != call_signature(none)

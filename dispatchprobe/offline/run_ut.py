@@ -142,13 +142,17 @@ def check_op(step: int, rank: int, index: int) -> tuple[list, list, dict | None]
         status, messages, details = ERROR, [str(exc)], []
     except Exception as exc:  # noqa: BLE001 - one op's failure must not stop the run
         status, messages, details = ERROR, [f"replay failed: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}"], []
-    message = "; ".join(messages)
-    if not details:
-        details = [head + ["", cat, "", "", ""] + [""] * len(METRIC_COLUMNS) + [status, message]]
+    return (*_op_rows(step, rank, rec, cat, status, "; ".join(messages), details,
+                      f"{time.perf_counter() - t0:.6f}"), error_data)
+
+
+def _op_rows(step, rank, rec: dict, cat: str, status: str, message: str, details: list, elapsed: str):
+    """(result row, detail rows) as CSV strings; an op that compared nothing gets one detail row."""
+    head = [step, rank, rec["name"]]
+    details = details or [head + ["", cat, "", "", ""] + [""] * len(METRIC_COLUMNS) + [status, message]]
     fwd, bwd = (status, "") if rec.get("stage") != "backward" else ("", status)
-    row = head + [rec["op"], rec.get("stage", ""), rec.get("scope", ""), cat, fwd, bwd, message,
-                  f"{time.perf_counter() - t0:.6f}"]
-    return [_fmt(v) for v in row], [[_fmt(v) for v in d] for d in details], error_data
+    row = head + [rec["op"], rec.get("stage", ""), rec.get("scope", ""), cat, fwd, bwd, message, elapsed]
+    return [_fmt(v) for v in row], [[_fmt(v) for v in d] for d in details]
 
 
 def _blas_limit(threads: int):
@@ -331,12 +335,8 @@ def run_ut(records, out_dir: str | None = None, *, random: bool = False, device:
         for t in todo:
             if t in dup_of:
                 rec = run.parts[(t[0], t[1])].records[t[2]]
-                fwd, bwd = (SKIP, "") if rec.get("stage") != "backward" else ("", SKIP)
-                msg = f"duplicate of {dup_of[t]} (same op, shapes, dtypes and arguments)"
-                row = [_fmt(v) for v in [t[0], t[1], rec["name"], rec["op"], rec.get("stage", ""),
-                                         rec.get("scope", ""), category(rec["op"]), fwd, bwd, msg, "0"]]
-                det = [row[:3] + ["", row[6], "", "", ""] + [""] * len(METRIC_COLUMNS) + [SKIP, msg]]
-                journal.write(row, det)
+                journal.write(*_op_rows(t[0], t[1], rec, category(rec["op"]), SKIP,
+                                        f"duplicate of {dup_of[t]} (same op, shapes, dtypes and arguments)", [], "0"))
                 if bar is not None:
                     bar.update(1)
             else:

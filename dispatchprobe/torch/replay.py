@@ -20,7 +20,7 @@ from ..offline.replayer import Output, Replayed, Replayer, ReplayError, Skip
 from ..records.format import walk
 from ..records.reader import Part
 from . import ops
-from .backend import dtype_name
+from .ops import dtype_name
 
 _MEMORY_FORMATS = {"contiguous_format": torch.contiguous_format, "channels_last": torch.channels_last,
                    "channels_last_3d": torch.channels_last_3d, "preserve_format": torch.preserve_format}
