@@ -46,16 +46,6 @@ def walk(record: dict, *, inputs: bool = True, outputs: bool = True, tensors_onl
     return out
 
 
-def tensor_list(record: dict) -> list:
-    """[(io, arg, spec)] for each tensor of an op record, in :func:`walk`'s order."""
-    return walk(record)
-
-
-def tensor_rows(record: dict):
-    """(io, arg, spec) for each tensor of an op record, in :func:`walk`'s order."""
-    return iter(walk(record))
-
-
 def output_shapes(record: dict) -> tuple:
     """The shapes of a record's output tensors (alignment keys on them)."""
     outs = record.get("outputs", ())

@@ -19,12 +19,14 @@ from functools import cached_property
 import numpy as np
 import pandas as pd
 
-from .format import FORMAT_NAME, FORMAT_VERSION, tensor_list, tensor_rows, walk  # noqa: F401 - re-exported
+from .format import FORMAT_NAME, FORMAT_VERSION, walk
 
 
 class RecordError(Exception):
     """A missing, corrupt or unreadable record; the message says what and where."""
 
+
+tensor_list = tensor_rows = walk   # the names compare and the tests read tensors by
 
 _ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32,
               "I16": np.int16, "I8": np.int8, "U8": np.uint8, "U16": np.uint16, "U32": np.uint32,
