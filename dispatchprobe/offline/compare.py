@@ -1,8 +1,8 @@
 """Offline compare of two runs: align op by op, compute the metrics, name the first divergence.
 
 Runs on numpy + pandas only (DESIGN invariant 1): this module, ``align``, ``report``, ``reader``
-and ``metrics`` never import torch.  Every metric and verdict comes from ``dispatchprobe.metrics``
-(invariant 2).  Run A is the run under test ("actual"), run B the benchmark ("expected").
+and ``standards`` never import torch.  Every metric, statistic and verdict comes from
+``dispatchprobe.standards`` (invariant 2); the metric columns derive from its registry (invariant 8).  Run A is the run under test ("actual"), run B the benchmark ("expected").
 
     >>> table, verdict = dispatchprobe.compare("runs/npu", "runs/cpu")
     >>> print(verdict)
@@ -19,27 +19,25 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from ..standards import metrics as M
+from ..standards import metrics as M, statistics as S, verdicts as V
+from ..standards.loader import is_float, standard
 from ..core import op_traits
 from .align import Mapping, align
 from ..records.reader import Part, RecordError, load, no_gc, tensor_list
 
-STATS = ("max", "min", "mean", "norm")
-TENSOR_METRICS = ("cosine", "max_abs_err", "max_rel_err", "rmse", "mape", "one_thousandth",
-                  "one_ten_thousandth", "inf_nan_mismatch")
-# CSV columns, in order (documented in docs/compare.md).
-COLUMNS = (["step", "rank", "stage", "kind", "seq", "scope", "op_a", "op_b", "name_a", "name_b", "call_a", "call_b",
-            "match", "io", "arg", "dtype_a", "dtype_b", "shape_a", "shape_b"]
-           + [f"{s}_{side}" for s in STATS for side in ("a", "b")]
-           + ["nan_a", "nan_b", "inf_a", "inf_b"]
-           + [f"{s}_diff" for s in STATS] + [f"{s}_rel_diff" for s in STATS]
-           + ["checksum_match"] + list(TENSOR_METRICS) + ["rel_l2_err", "stats_err", "error", "status", "reason",
-                                                          "origin", "stack"])
+STATS = S.KEYS
+# the metrics compare shows (registry order; rel_l2_err also holds a binary row's mismatch rate)
+TENSOR_METRICS = M.derived(M.compare_columns)
+# CSV columns, in order (documented in docs/compare.md); stats_err and error are compare's own
+COLUMNS = M.derived(lambda: ["step", "rank", "stage", "kind", "seq", "scope", "op_a", "op_b", "name_a", "name_b",
+                             "call_a", "call_b", "match", "io", "arg", "dtype_a", "dtype_b", "shape_a", "shape_b"]
+                    + [f"{s}_{side}" for s in STATS for side in ("a", "b")] + ["nan_a", "nan_b", "inf_a", "inf_b"]
+                    + [f"{s}_diff" for s in STATS] + [f"{s}_rel_diff" for s in STATS] + ["checksum_match"]
+                    + M.compare_columns() + ["stats_err", "error", "status", "reason", "origin", "stack"])
 UNMATCHED_COLUMNS = ["step", "rank", "side", "stage", "kind", "seq", "scope", "op", "name", "call", "is_cast"]
-_PERFECT = {"cosine": 1.0, "max_abs_err": 0.0, "max_rel_err": 0.0, "rmse": 0.0, "mape": 0.0,
-            "one_thousandth": 1.0, "one_ten_thousandth": 1.0, "inf_nan_mismatch": 0}
-# the value metrics compare needs: its columns, plus the ratio judge_benchmark reads for half types
-_COMPUTED = frozenset(TENSOR_METRICS) | {"one_hundredth", "rel_l2_err"}
+# the metrics compare computes: its columns and what its verdicts read; and their values on equal tensors
+_COMPUTED = M.derived(lambda: set(M.compare_columns()) | set(V.COMPARE_READS))
+_PERFECT = M.derived(lambda: M.perfect(set(M.compare_columns()) | set(V.COMPARE_READS)))
 # the per-tensor row built by compare_parts, before the statistics columns
 _ROW_FIELDS = ("stage", "kind", "seq", "scope", "op_a", "op_b", "name_a", "name_b", "call_a", "call_b", "match",
                "io", "arg", "dtype_a", "dtype_b", "shape_a", "shape_b", "nan_a", "nan_b", "inf_a", "inf_b",
@@ -128,13 +126,6 @@ class Result(tuple):
 
 
 # ---- one step/rank part -------------------------------------------------------------------------
-def _stat(spec, key):
-    v = (spec.get("stats") or {}).get(key)
-    if v is None:
-        return math.nan
-    return float(v)
-
-
 def _pair_tensors(ra: dict, rb: dict, same_op: bool):
     ta = tensor_list(ra)
     tb = tensor_list(rb)
@@ -253,38 +244,37 @@ def _score(df: pd.DataFrame, part_a: Part, part_b: Part, tensors: bool, problems
     n = len(df)
     sa = {s: df[f"{s}_a"].to_numpy(np.float64) for s in STATS}
     sb = {s: df[f"{s}_b"].to_numpy(np.float64) for s in STATS}
-    for k, v in M.compare_stats_columns(sa, sb).items():
+    for k, v in S.compare_stats_columns(sa, sb).items():
         df[k] = v
-    stats_err = M.stats_error(sa, sb)
+    stats_err = S.stats_error(sa, sb)
     df["stats_err"] = stats_err
     dtype_a = df["dtype_a"].to_numpy(object)
     dtype_b = df["dtype_b"].to_numpy(object)
     # per distinct (dtype_a, dtype_b) pair, not per row
-    pair_codes, pair_uniques = M.pd_factorize(list(zip(dtype_a, dtype_b)))
-    judge_dtype = np.array([M.lower_precision(x, y) for x, y in pair_uniques], dtype=object)[pair_codes] if n else \
+    pair_codes, pair_uniques = S.factorize(list(zip(dtype_a, dtype_b)))
+    judge_dtype = np.array([V.lower_precision(x, y) for x, y in pair_uniques], dtype=object)[pair_codes] if n else \
         np.zeros(0, object)
     # cross-precision part: some float tensor is held in different dtypes on the two sides
-    mixed = [M.lower_precision(x, y) for x, y in set(zip(dtype_a, dtype_b)) if x != y and M.is_float(x) and M.is_float(y)]
+    mixed = [V.lower_precision(x, y) for x, y in set(zip(dtype_a, dtype_b)) if x != y and is_float(x) and is_float(y)]
     cross = None
     if mixed:
         cross = mixed[0]
         for d in mixed[1:]:
-            cross = M.lower_precision(cross, d)
-        judge_dtype = np.array([cross if M.is_float(d) else d for d in judge_dtype], dtype=object)
+            cross = V.lower_precision(cross, d)
+        judge_dtype = np.array([cross if is_float(d) else d for d in judge_dtype], dtype=object)
     nonfinite = ((df["nan_a"].fillna(0).to_numpy() != df["nan_b"].fillna(0).to_numpy())
                  | (df["inf_a"].fillna(0).to_numpy() != df["inf_b"].fillna(0).to_numpy()))
-    status, reason = M.judge_stats_columns(stats_err, judge_dtype, nonfinite)
+    status, reason = S.judge_stats_columns(stats_err, judge_dtype, nonfinite)
     ca, cb = df["checksum_a"].to_numpy(object), df["checksum_b"].to_numpy(object)
     has_ck = ~pd.isna(ca) & ~pd.isna(cb) if n else np.zeros(0, dtype=bool)
     ck_equal = has_ck & (ca == cb) & (dtype_a == dtype_b)
     df["checksum_match"] = np.where(has_ck, np.where(ck_equal, "equal", "unequal"), "")
-    status = np.where(ck_equal, M.PASS, status).astype(object)
-    reason = np.where(ck_equal, "", np.where(has_ck & (status != M.PASS), reason + "; checksum unequal", reason)
+    status = np.where(ck_equal, V.PASS, status).astype(object)
+    reason = np.where(ck_equal, "", np.where(has_ck & (status != V.PASS), reason + "; checksum unequal", reason)
                       ).astype(object)
     error = stats_err.copy()
     for m in TENSOR_METRICS:
         df[m] = np.nan
-    df["rel_l2_err"] = np.nan
 
     if tensors and n:
         da, db = df["data_a"].to_numpy(object), df["data_b"].to_numpy(object)
@@ -297,7 +287,7 @@ def _score(df: pd.DataFrame, part_a: Part, part_b: Part, tensors: bool, problems
             scale = np.fmax(np.abs(sb["max"][rows]), np.abs(sb["min"][rows]))
             norm_b = sb["norm"][rows]
             mvals = {m: np.full(len(rows), np.nan) for m in TENSOR_METRICS}
-            rel_l2 = np.full(len(rows), np.nan)
+            rel_l2 = mvals["rel_l2_err"]
             for k, (r, res) in enumerate(zip(rows, results)):
                 if res is None:
                     continue
@@ -307,19 +297,18 @@ def _score(df: pd.DataFrame, part_a: Part, part_b: Part, tensors: bool, problems
                         mvals[m][k] = met[m]
                 if kind == "binary":
                     mism = met["binary_mismatch"]
-                    status[r] = M.ERROR if mism > 0 else M.PASS
+                    status[r] = V.ERROR if mism > 0 else V.PASS
                     reason[r] = f"{mism:.2%} of elements differ" if mism > 0 else ""
                     rel_l2[k] = mism
                     continue
                 if cross is not None:
-                    st, why = M.judge_cross_precision(met, cross)
+                    st, why = V.judge_cross_precision(met, cross)
                 else:
-                    st, why = M.judge_compare(met, judge_dtype[r], float(scale[k]) if np.isfinite(scale[k]) else 1.0)
+                    st, why = V.judge_compare(met, judge_dtype[r], float(scale[k]) if np.isfinite(scale[k]) else 1.0)
                 status[r], reason[r] = st, why
                 rel_l2[k] = math.inf if met.get("inf_nan_mismatch") else met["rel_l2_err"]
             for m in TENSOR_METRICS:
                 df.loc[df.index[rows], m] = mvals[m]
-            df.loc[df.index[rows], "rel_l2_err"] = rel_l2
             error[rows] = np.where(np.isnan(rel_l2), error[rows], rel_l2)
     df["error"] = error
     df["status"] = status
@@ -383,10 +372,10 @@ def _metrics_chunks(part_a, part_b, pairs, todo, out, problems, pool):
 
 
 def _metrics_of(a: np.ndarray, b: np.ndarray, dtype: str):
-    if not M.is_float(dtype) or a.dtype.kind not in "fc" or b.dtype.kind not in "fc":
+    if not is_float(dtype) or a.dtype.kind not in "fc" or b.dtype.kind not in "fc":
         return {"binary_mismatch": M.binary_mismatch(a, b), "elements": int(a.size)}, "binary"
     if a.dtype == b.dtype and a.shape == b.shape and _same_bytes(a, b):
-        return {**_PERFECT, "elements": int(a.size), "rel_l2_err": 0.0}, "float"
+        return {**_PERFECT, "elements": int(a.size)}, "float"
     return M.compare_arrays(a, b, dtype, only=_COMPUTED), "float"
 
 
@@ -407,7 +396,7 @@ def _origins(df: pd.DataFrame) -> np.ndarray:
     n = len(df)
     if not n:
         return np.zeros(0, dtype=bool)
-    amp = float(M.compare_standards().get("origin_amplification", 10.0))
+    amp = float(standard("compare_standards").get("origin_amplification", 10.0))
     uid = df["uid"].to_numpy()
     is_out = (df["io"] == "output").to_numpy()
     status = df["status"].to_numpy(object)
@@ -415,7 +404,7 @@ def _origins(df: pd.DataFrame) -> np.ndarray:
     err = np.where(np.isnan(err), 0.0, err)
     key = pd.Series(uid)
     in_err = pd.Series(np.where(is_out, 0.0, err)).groupby(key).transform("max").to_numpy()
-    out_bad = is_out & (status == M.ERROR)
+    out_bad = is_out & (status == V.ERROR)
     op_out_bad = pd.Series(out_bad).groupby(key).transform("any").to_numpy()
     out_err = pd.Series(np.where(out_bad, err, 0.0)).groupby(key).transform("max").to_numpy()
     return op_out_bad & (out_err > amp * in_err)
@@ -429,7 +418,7 @@ def _worker(args):
 
 
 def _first(df: pd.DataFrame, stage: str, parts: dict) -> Divergence | None:
-    sel = df[(df["stage"] == stage) & df["origin"] & (df["io"] == "output") & (df["status"] == M.ERROR)]
+    sel = df[(df["stage"] == stage) & df["origin"] & (df["io"] == "output") & (df["status"] == V.ERROR)]
     if not len(sel):
         return None
     ops = sel[sel["kind"] == "op"]
@@ -443,11 +432,11 @@ def _first(df: pd.DataFrame, stage: str, parts: dict) -> Divergence | None:
     row = pick.sort_values(["step", "rank", "seq"]).iloc[0]
     rows = pick[(pick["step"] == row["step"]) & (pick["rank"] == row["rank"]) & (pick["uid"] == row["uid"])]
     failed = "; ".join(f"{r.arg}: {r.reason}" for r in rows.itertuples() if r.reason) or "outputs differ"
-    met = {m: row[m] for m in TENSOR_METRICS + ("rel_l2_err", "stats_err") if pd.notna(row[m])}
+    met = {m: row[m] for m in [*TENSOR_METRICS, "stats_err"] if pd.notna(row[m])}
     stack = [f for f in str(row["stack"] or "").split(" | ") if f]
     if module is None and row["kind"] == "op":
         mods_all = df[(df["kind"] == "module") & (df["stage"] == stage) & (df["io"] == "output")
-                      & (df["status"] == M.ERROR) & (df["step"] == row["step"]) & (df["rank"] == row["rank"])]
+                      & (df["status"] == V.ERROR) & (df["step"] == row["step"]) & (df["rank"] == row["rank"])]
         scopes = [s for s in mods_all["scope"].unique() if row["scope"] == s or row["scope"].startswith(s + ".")]
         module = max(scopes, key=lambda s: s.count(".")) if scopes else None
     return Divergence(stage=stage, step=int(row["step"]), rank=int(row["rank"]), seq=int(row["seq"]),

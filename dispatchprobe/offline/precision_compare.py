@@ -3,7 +3,7 @@
 The device under test (DUT) and a reference device (REF) have each been judged against the
 same float64 benchmark by ``run-ut``; this pairs their ``accuracy_checking_details`` rows by
 (step, rank, API name, output) and judges the DUT's errors against the REF's with
-:func:`dispatchprobe.standards.judge_three_way`.  Writes ``api_precision_compare_result_{ts}.csv``
+:func:`dispatchprobe.standards.verdicts.judge_three_way`.  Writes ``api_precision_compare_result_{ts}.csv``
 (per op) and ``api_precision_compare_details_{ts}.csv`` (per output); see docs/run-ut.md.
 """
 
@@ -15,19 +15,13 @@ import time
 
 import pandas as pd
 
-from ..standards.metrics import ERROR, PASS, WARNING, worst
 from ..records.reader import RecordError
-from ..standards.verdicts import BENCHMARK_RATIOS, SKIP, judge_three_way
+from ..standards import metrics
+from ..standards.verdicts import BENCHMARK_RATIOS, ERROR, PASS, SKIP, WARNING, judge_three_way, worst
 from ..records.writer import write_csv
 
 _KEY = ["Step", "Rank", "API Name", "Output"]
-_METRICS = {  # details column -> metric key
-    "Small Value Error Rate": "small_value_error_rate", "RMSE": "rmse", "Max Rel Err": "max_rel_err",
-    "Mean Rel Err": "mean_rel_err", "Error Balance": "error_balance", "Inf/Nan Error Rate": "inf_nan_error_rate",
-    "Rel Err Error Rate": "rel_err_error_rate", "Abs Err Error Rate": "abs_err_error_rate",
-    "Binary Mismatch Rate": "binary_mismatch", "ULP Mean": "ulp_mean", "ULP Over Threshold": "ulp_over_threshold",
-    "One Thousandth": "one_thousandth",
-}
+_METRICS = metrics.derived(metrics.columns)  # run-ut's details column -> metric key
 _RATIO_NAMES = {"small_value_error_rate": "Small Value Error", "rmse": "RMSE", "max_rel_err": "Max Rel Err",
                 "mean_rel_err": "Mean Rel Err", "error_balance": "Error Balance"}
 DETAIL_COLUMNS = (_KEY + ["Category", "Device Dtype"]

@@ -15,11 +15,12 @@ import numpy as np
 import pandas as pd
 
 from ..records.writer import atomic_write_text
+from ..standards import metrics as M
 
 _TEMPLATE = os.path.join(os.path.dirname(__file__), "templates", "compare.html")
-# metrics a chart can show, and whether larger is worse
-CHART_METRICS = {"cosine": False, "max_abs_err": True, "max_rel_err": True, "rmse": True, "mape": True,
-                 "rel_l2_err": True, "error": True, "one_thousandth": False, "norm_rel_diff": True}
+# columns a chart can show, and whether larger is worse: compare's metric columns and two of its own
+CHART_METRICS = M.derived(lambda: {**{m: M.METRICS[m].larger_is_worse for m in M.compare_columns()},
+                                   "error": True, "norm_rel_diff": True})
 
 
 def write_reports(out: str, table: pd.DataFrame, verdict, manifest_a: dict, manifest_b: dict,
@@ -127,7 +128,6 @@ def _svg_chart(points: pd.DataFrame, metric: str, stage: str, first_seq, svg_id:
         return f'<svg class="chart" id="{svg_id}" width="{w}" height="60"><text x="10" y="30">no {stage} ops compared</text></svg>'
     v = points["v"].to_numpy(np.float64)
     finite = v[np.isfinite(v)]
-    log = CHART_METRICS[metric] and metric != "error" and len(finite) and (finite > 0).any()
     log = bool(CHART_METRICS[metric]) and len(finite) > 0
     if log:
         y = np.log10(np.clip(np.where(np.isfinite(v), v, finite.max() if len(finite) else 1.0), 1e-12, None))

@@ -25,10 +25,11 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from ..standards.metrics import ERROR, PASS, binary_mismatch, compare_arrays, is_float, worst
+from ..standards.loader import is_float
+from ..standards.metrics import binary_mismatch, columns, compare_arrays, derived
 from ..records.format import call_signature
 from ..records.reader import Run, load
-from ..standards.verdicts import SKIP, category, judge
+from ..standards.verdicts import ERROR, PASS, SKIP, category, judge, worst
 from ..records.writer import write_csv
 from .replayer import Distributed, Replayer, ReplayError, Skip, replayer_for
 
@@ -36,18 +37,9 @@ to_numpy = np.asarray   # replayers hand over numpy arrays
 
 RESULT_COLUMNS = ["Step", "Rank", "API Name", "Op", "Stage", "Scope", "Category", "Forward Test Success",
                   "Backward Test Success", "Message", "Elapsed (s)"]
-# metric column -> compare_arrays key
-METRIC_COLUMNS = {
-    "Cosine": "cosine", "Max Abs Err": "max_abs_err", "One Hundredth": "one_hundredth",
-    "One Thousandth": "one_thousandth", "One Ten Thousandth": "one_ten_thousandth",
-    "Binary Mismatch Rate": "binary_mismatch", "Error Balance": "error_balance", "RMSE": "rmse",
-    "Small Value Error Rate": "small_value_error_rate", "Max Rel Err": "max_rel_err", "Mean Rel Err": "mean_rel_err",
-    "Inf/Nan Error Rate": "inf_nan_error_rate", "Rel Err Error Rate": "rel_err_error_rate",
-    "Abs Err Error Rate": "abs_err_error_rate", "ULP Max": "ulp_max", "ULP Mean": "ulp_mean",
-    "ULP Over Threshold": "ulp_over_threshold",
-}
-DETAIL_COLUMNS = (["Step", "Rank", "API Name", "Output", "Category", "Bench Dtype", "Device Dtype", "Shape"]
-                  + list(METRIC_COLUMNS) + ["Status", "Message"])
+METRIC_COLUMNS = derived(columns)   # metric column -> metric key (the metric registry)
+DETAIL_COLUMNS = derived(lambda: ["Step", "Rank", "API Name", "Output", "Category", "Bench Dtype", "Device Dtype",
+                                  "Shape"] + list(columns()) + ["Status", "Message"])
 TIMING_COLUMNS = ("Elapsed (s)",)
 _RESULT_RE = re.compile(r"^accuracy_checking_result_(.+)\.csv$")
 

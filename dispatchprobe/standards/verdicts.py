@@ -1,51 +1,129 @@
-"""Per-op precision standards of run-ut and precision-compare (the one implementation).
+"""Every verdict (the one implementation): compare's, run-ut's and precision-compare's.
 
 Which category judges an op comes from ``data/api_precision_standard.yaml``; the metrics come
-from :mod:`dispatchprobe.metrics` and the dtype thresholds from ``data/standards.yaml``.  No torch.
+from :mod:`.metrics` and the thresholds from the standards (:mod:`.loader`).  No torch.
 
-* :func:`category` -- the op's category: ``benchmark``, ``absolute_threshold``, ``ulp``,
-  ``binary`` or ``thousandth``.
-* :func:`judge` -- run-ut's two-way verdict of one output (device vs float64 benchmark).
+* :func:`judge_benchmark` -- the seeds' per-output benchmark rule (cosine, max abs, dual ratios).
+* :func:`judge_compare`, :func:`judge_cross_precision` -- compare's rules (same / mixed precision).
+* :func:`category`, :func:`judge` -- run-ut's two-way verdict of one output by its op's category:
+  ``benchmark``, ``absolute_threshold``, ``ulp``, ``binary`` or ``thousandth``.
 * :func:`judge_three_way` -- precision-compare's verdict of one output: the device-under-test's
   errors against a reference device's errors, both measured against the float64 benchmark.
+
+compare's statistics-only rows are judged in :mod:`.statistics`.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-import os
-
-import yaml
 
 from ..core.op_traits import base_name
-from .metrics import ERROR, PASS, WARNING, is_float, judge_benchmark, short_dtype, worst
+from .loader import is_float, per_dtype, short_dtype, standard
 
+PASS, WARNING, ERROR = "pass", "warning", "error"
 SKIP = "SKIP"
 CATEGORIES = ("benchmark", "absolute_threshold", "ulp", "binary", "thousandth")
-_DATA = os.path.join(os.path.dirname(__file__), "data", "api_precision_standard.yaml")
+_TIERS = {0.01: "one_hundredth", 0.001: "one_thousandth", 0.0001: "one_ten_thousandth"}
+# the metrics compare's verdicts read (compare computes these besides the ones it shows)
+COMPARE_READS = ("inf_nan_mismatch", "cosine", "max_abs_err", *_TIERS.values(), "rel_l2_err")
 
 
-@functools.lru_cache(maxsize=None)
-def api_standard() -> dict:
-    with open(_DATA, encoding="utf-8") as fh:
-        data = yaml.safe_load(fh)
-    table = {}
-    for cat in CATEGORIES:
-        for name in data.get(cat) or ():
-            table[name] = cat
-    return {"table": table, "default": data.get("default", "benchmark"), "thresholds": data["thresholds"]}
+def worst(verdicts) -> str:
+    """Combine verdicts: any error -> error, else any warning -> warning, else pass."""
+    verdicts = list(verdicts)
+    if ERROR in verdicts:
+        return ERROR
+    if WARNING in verdicts:
+        return WARNING
+    return PASS
+
+
+def lower_precision(dtype_a: str, dtype_b: str) -> str:
+    """The dtype whose tolerance applies when two sides differ (bf16 vs fp32 -> bf16)."""
+    rank = {"bfloat16": 0, "float16": 1, "float32": 2, "float64": 3}
+    a, b = short_dtype(dtype_a), short_dtype(dtype_b)
+    if a not in rank or b not in rank:
+        return a if a not in rank else b
+    return a if rank[a] <= rank[b] else b
+
+
+# ---- the benchmark rule (run-ut and compare) --------------------------------------------------
+def judge_benchmark(metrics: dict, dtype: str, rule: str = "benchmark") -> tuple[str, str]:
+    """The seeds' per-output rule (cosine, max abs error, dual-hundredth/thousandth/...).
+
+    Returns ``(verdict, reason)``.  ``rule`` is ``benchmark`` (PyTorch run-ut and compare) or
+    ``mindspore_benchmark`` (cosine and max-abs only).
+    """
+    std = standard()[rule]
+    if metrics.get("inf_nan_mismatch"):
+        return ERROR, f"{metrics['inf_nan_mismatch']} inf/nan mismatches"
+    cos = metrics.get("cosine")
+    if cos is not None and not math.isnan(cos) and cos <= std["cosine_min"]:
+        return ERROR, f"cosine {cos:.6f} <= {std['cosine_min']}"
+    if cos is not None and math.isnan(cos) and metrics.get("max_abs_err", 0) >= std["max_abs_pass"]:
+        return ERROR, "one side is all zeros"
+    if metrics.get("max_abs_err", 0.0) < std["max_abs_pass"]:
+        return PASS, ""
+    if rule != "benchmark":
+        return ERROR, f"max abs error {metrics['max_abs_err']:.3g} >= {std['max_abs_pass']}"
+    coarse, fine = (float(t) for t in per_dtype("benchmark.tiers", dtype))
+    for tol, verdict in ((coarse, ERROR), (fine, WARNING)):
+        if metrics[_TIERS[tol]] < 1 - tol:
+            return verdict, f"{_TIERS[tol]} ratio {metrics[_TIERS[tol]]:.6f} < {1 - tol:g}"
+    return PASS, ""
+
+
+# ---- compare -------------------------------------------------------------------------------------
+def judge_compare(metrics: dict, dtype: str, scale: float) -> tuple[str, str]:
+    """The benchmark rule for compare: :func:`judge_benchmark` with its absolute-error shortcut
+    (``max_abs_err < max_abs_pass``) scaled by the expected tensor's magnitude when that is below 1.
+
+    Activations are O(1) but gradients are often O(1e-4): without scaling, a gradient with 10 %
+    relative error would pass on absolute error alone.  ``scale`` is ``max(|max|, |min|)`` of
+    the expected tensor.
+    """
+    factor = min(1.0, scale) if scale and math.isfinite(scale) else 1.0
+    scaled = dict(metrics)
+    if factor < 1.0 and factor > 0.0:
+        scaled["max_abs_err"] = metrics.get("max_abs_err", 0.0) / factor
+    verdict, reason = judge_benchmark(scaled, dtype)
+    if reason.startswith("max abs"):
+        reason = f"max abs error {metrics['max_abs_err']:.3g} >= {standard()['benchmark']['max_abs_pass']} x {factor:.3g}"
+    return verdict, reason
+
+
+def judge_cross_precision(metrics: dict, dtype: str) -> tuple[str, str]:
+    """Verdict for a compare of runs in different precisions (see ``compare_standards.yaml``)."""
+    if metrics.get("inf_nan_mismatch"):
+        return ERROR, f"{metrics['inf_nan_mismatch']} inf/nan mismatches"
+    cos = metrics.get("cosine")
+    cos_min = standard()["benchmark"]["cosine_min"]
+    if cos is not None and not math.isnan(cos) and cos <= cos_min:
+        return ERROR, f"cosine {cos:.6f} <= {cos_min}"
+    limit = per_dtype("cross_precision_rel_l2", dtype, "compare_standards")
+    rel = metrics.get("rel_l2_err", 0.0)
+    if rel > limit:
+        return ERROR, f"relative L2 error {rel:.3g} > {limit:g} ({short_dtype(dtype)}, cross-precision)"
+    return PASS, ""
+
+
+# ---- run-ut: categories and the two-way verdict -------------------------------------------------
+@functools.cache
+def _categories() -> dict:
+    data = standard("api_precision_standard")
+    return {name: cat for cat in CATEGORIES for name in data.get(cat) or ()}
 
 
 @functools.lru_cache(maxsize=4096)
 def category(op: str) -> str:
-    std = api_standard()
-    name = base_name(op)
-    return std["table"].get(name, std["table"].get(name.lstrip("_"), std["default"]))
+    name, table = base_name(op), _categories()
+    default = standard("api_precision_standard").get("default", "benchmark")
+    return table.get(name, table.get(name.lstrip("_"), default))
 
 
 def _thr() -> dict:
-    return api_standard()["thresholds"]
+    return standard("api_precision_standard")["thresholds"]
 
 
 def output_category(op_category: str, dtype: str) -> str:

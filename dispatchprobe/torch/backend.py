@@ -17,11 +17,11 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..records.writer import write_safetensors
+from ..standards import statistics
 
 name = "torch"
 version = torch.__version__
 
-_FLOAT_STATS_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)  # reduced in place, accumulated in float32+
 _MEMORY_FORMATS = {torch.contiguous_format: "contiguous_format", torch.channels_last: "channels_last",
                    torch.channels_last_3d: "channels_last_3d", torch.preserve_format: "preserve_format"}
 _LAYOUTS = {torch.strided: "strided", torch.sparse_coo: "sparse_coo", torch._mkldnn: "mkldnn"}  # noqa: SLF001
@@ -59,19 +59,8 @@ def identity(t: torch.Tensor):
         return None
 
 
-def _stat_source(t: torch.Tensor) -> torch.Tensor:
-    x = t.detach()
-    if x.is_complex():
-        x = x.abs()
-    if x.dtype in _FLOAT_STATS_DTYPES:
-        return x
-    if x.is_floating_point() or x.dtype == torch.bool:
-        return x.float()
-    return x.double()  # integers: exact below 2**53, and mean/norm make sense
-
-
 def tensor_stats(tensors: list[torch.Tensor]) -> list[dict | None]:
-    """max, min, mean, L2 norm, nan and inf counts of each tensor, in float32 or wider.
+    """The statistics records (:mod:`dispatchprobe.standards.statistics`) of each tensor.
 
     On CPU each tensor's reductions are read back at once (cheapest there).  Accelerator
     tensors go through :func:`device_stats_row` and are read back together, one host sync.
@@ -85,14 +74,12 @@ def tensor_stats(tensors: list[torch.Tensor]) -> list[dict | None]:
             if stats_on_device(t):
                 pending.append((i, device_stats_row(t)))
                 continue
-            x = _stat_source(t)
+            x = statistics.source(t.detach(), torch)
             if x.numel() <= _NUMPY_MAX and x.dtype in _NUMPY_DTYPES:
-                out[i] = _finish(x, _numpy_reductions(x))
+                out[i] = statistics.finish(x, _numpy_reductions(x), torch)
                 continue
             lo, hi = torch.aminmax(x)
-            # float32 accumulation for half/single (float64 sums are ~10x slower on CPU); torch's
-            # reductions sum pairwise, so the mean stays accurate to ~1e-6 relative
-            acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+            acc = statistics.accumulator(x, torch)   # torch sums pairwise: float32 keeps ~1e-6 relative
             total = x.sum(dtype=acc)
             if x.dtype == torch.float32 and x.is_contiguous():
                 flat = x.view(-1)
@@ -101,7 +88,7 @@ def tensor_stats(tensors: list[torch.Tensor]) -> list[dict | None]:
             else:
                 norm = torch.linalg.vector_norm(x, dtype=acc)
                 values = [hi.item(), lo.item(), total.item(), norm.item()]
-            out[i] = _finish(x, values)
+            out[i] = statistics.finish(x, values, torch)
     if pending:
         rows = read_stats_rows([r for _, r in pending], [tensors[i].numel() for i, _ in pending])
         for (i, _), st in zip(pending, rows):
@@ -118,16 +105,12 @@ def device_stats_row(t: torch.Tensor) -> torch.Tensor:
     """max, min, sum, L2 norm, nan count, inf count of ``t`` as a float64 vector on its device:
     no host sync; many rows are read back together by :func:`read_stats_rows`."""
     with torch.no_grad():
-        x = _stat_source(t)
+        x = statistics.source(t.detach(), torch)     # floating point
         lo, hi = torch.aminmax(x)
-        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-        parts = [hi.double(), lo.double(), x.sum(dtype=acc).double(),
-                 torch.linalg.vector_norm(x, dtype=acc).double()]
-        if x.is_floating_point():
-            parts += [torch.isnan(x).sum().double(), torch.isinf(x).sum().double()]
-        else:
-            parts += [torch.zeros((), dtype=torch.float64, device=x.device)] * 2
-        return torch.stack(parts)
+        acc = statistics.accumulator(x, torch)
+        return torch.stack([hi.double(), lo.double(), x.sum(dtype=acc).double(),
+                            torch.linalg.vector_norm(x, dtype=acc).double(),
+                            torch.isnan(x).sum().double(), torch.isinf(x).sum().double()])
 
 
 def read_stats_rows(rows: list[torch.Tensor], numels: list[int]) -> list[dict]:
@@ -139,10 +122,7 @@ def read_stats_rows(rows: list[torch.Tensor], numels: list[int]) -> list[dict]:
     for idx in by_device.values():
         for i, v in zip(idx, torch.stack([rows[i] for i in idx]).tolist()):
             values[i] = v
-    out = []
-    for (hi, lo, total, norm, nan, inf), n in zip(values, numels):
-        out.append({"max": hi, "min": lo, "mean": total / n, "norm": norm, "nan": int(nan), "inf": int(inf)})
-    return out
+    return [statistics.from_row(v, n) for v, n in zip(values, numels)]
 
 
 # Small CPU tensors: four torch calls cost ~30 us of dispatch each time; numpy's cost ~8 us.
@@ -152,27 +132,9 @@ _NUMPY_DTYPES = (torch.float32, torch.float64)
 
 def _numpy_reductions(x: torch.Tensor) -> list[float]:
     flat = x.numpy().reshape(-1)
-    with np.errstate(all="ignore"):       # overflow of the squares is redone in float64 by _finish
+    with np.errstate(all="ignore"):       # overflow of the squares is redone in float64 by finish
         return [float(flat.max()), float(flat.min()), float(flat.sum(dtype=np.float64)),
                 math.sqrt(float(np.dot(flat, flat)))]
-
-
-def _finish(x: torch.Tensor, values: list[float]) -> dict:
-    hi, lo, total, norm = values
-    n = x.numel()
-    if not math.isfinite(norm) and math.isfinite(hi) and math.isfinite(lo):
-        norm = torch.linalg.vector_norm(x, dtype=torch.float64).item()  # float32 squares overflowed
-    stats = {"max": hi, "min": lo, "mean": total / n, "norm": norm, "nan": 0, "inf": 0}
-    if not (math.isfinite(hi) and math.isfinite(lo) and math.isfinite(total)):
-        # rare: count exactly, and give max/min over the finite values so they still mean something
-        nan = int(torch.isnan(x).sum())
-        inf = int(torch.isinf(x).sum())
-        stats.update(nan=nan, inf=inf)
-        finite = x[torch.isfinite(x)]
-        if finite.numel():
-            stats["finite_max"] = finite.max().item()
-            stats["finite_min"] = finite.min().item()
-    return stats
 
 
 def checksum(t: torch.Tensor) -> str:

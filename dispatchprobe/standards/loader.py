@@ -1,0 +1,43 @@
+"""The shipped precision standards (``data/*.yaml``): numbers live there, not in code.
+
+``standards`` -- dtype thresholds and the benchmark rule; ``compare_standards`` -- the limits of
+``compare`` the seeds leave open; ``api_precision_standard`` -- run-ut's op categories and rule
+numbers.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import yaml
+
+FLOAT_TYPES = ("float16", "bfloat16", "float32", "float64")
+
+
+@functools.cache
+def standard(name: str = "standards") -> dict:
+    """The parsed ``data/{name}.yaml`` (read once)."""
+    with open(os.path.join(os.path.dirname(__file__), "data", f"{name}.yaml"), encoding="utf-8") as fh:
+        return yaml.safe_load(fh)
+
+
+def per_dtype(table, dtype: str, name: str = "standards"):
+    """``dtype``'s value in a per-dtype table, else the table's ``default``.  ``table``: the
+    table itself, or its key in standard ``name`` (dotted for a nested one: ``benchmark.tiers``)."""
+    if isinstance(table, str):
+        values = standard(name)
+        for key in table.split("."):
+            values = values[key]
+        table = values
+    return table.get(short_dtype(dtype), table["default"])
+
+
+def short_dtype(dtype: str) -> str:
+    """``torch.float16`` / ``Float16`` / ``half`` -> ``float16``."""
+    name = str(dtype).rsplit(".", 1)[-1].lower()
+    return {"half": "float16", "float": "float32", "double": "float64", "bf16": "bfloat16"}.get(name, name)
+
+
+def is_float(dtype: str) -> bool:
+    return short_dtype(dtype) in FLOAT_TYPES

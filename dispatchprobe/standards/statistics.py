@@ -1,0 +1,141 @@
+"""Record statistics: what the recorder writes for each tensor, and how compare compares them.
+
+One implementation for every framework (DESIGN invariant 2), written against an array namespace
+``xp`` (numpy or torch): :func:`record` computes a record from an array; a backend with faster
+kernels for the four reductions passes their values to :func:`finish`, and one that reduces on
+its device reads the rows back through :func:`from_row`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+
+from .loader import per_dtype
+from .verdicts import ERROR, PASS, WARNING
+
+KEYS = ("max", "min", "mean", "norm")   # besides the "nan"/"inf" counts (and finite_max/finite_min)
+_KEEP = ("float32", "float64", "float16", "bfloat16")
+
+
+@functools.lru_cache(maxsize=None)
+def _plan(dtype) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name.startswith("complex"):
+        return "abs"
+    if name in _KEEP:
+        return "keep"
+    return "float32" if name.startswith("float") or name == "bool" else "float64"
+
+
+def source(x, xp):
+    """The values statistics are taken of: ``|x|`` for complex; half and single floats as they
+    are (accumulated in float32: float64 sums are ~10x slower on CPU); other floats and bool as
+    float32; integers as float64 (exact below 2**53)."""
+    plan = _plan(x.dtype)
+    if plan == "keep":
+        return x
+    if plan == "abs":
+        return source(xp.abs(x), xp)
+    return xp.asarray(x, dtype=getattr(xp, plan))
+
+
+def accumulator(x, xp):
+    """The dtype sums and norms of ``source`` values are accumulated in."""
+    return xp.float64 if x.dtype == xp.float64 else xp.float32
+
+
+def record(x, xp) -> dict | None:
+    """The statistics record of array ``x`` (None when it is empty)."""
+    x = source(x, xp)
+    if math.prod(x.shape) == 0:
+        return None
+    wide = xp.asarray(x.reshape(-1), dtype=accumulator(x, xp))
+    return finish(x, [float(x.max()), float(x.min()), float(wide.sum()), float(xp.linalg.vector_norm(wide))], xp)
+
+
+def finish(x, values, xp) -> dict:
+    """The record from the reductions ``values`` = (max, min, sum, L2 norm) of ``source`` values
+    ``x``; the rare non-finite cases are completed here."""
+    hi, lo, total, norm = values
+    if not math.isfinite(norm) and math.isfinite(hi) and math.isfinite(lo):   # float32 squares overflowed
+        norm = float(xp.linalg.vector_norm(xp.asarray(x.reshape(-1), dtype=xp.float64)))
+    stats = {"max": hi, "min": lo, "mean": total / math.prod(x.shape), "norm": norm, "nan": 0, "inf": 0}
+    if not (math.isfinite(hi) and math.isfinite(lo) and math.isfinite(total)):
+        # count exactly, and give max/min over the finite values so they still mean something
+        stats.update(nan=int(xp.isnan(x).sum()), inf=int(xp.isinf(x).sum()))
+        finite = x[xp.isfinite(x)]
+        if finite.shape[0]:
+            stats["finite_max"], stats["finite_min"] = float(finite.max()), float(finite.min())
+    return stats
+
+
+def from_row(row, n: int) -> dict:
+    """The record from a device row (max, min, sum, L2 norm, nan count, inf count) of ``n`` elements."""
+    hi, lo, total, norm, nan, inf = row
+    return {"max": hi, "min": lo, "mean": total / n, "norm": norm, "nan": int(nan), "inf": int(inf)}
+
+
+# ---- compare: statistics-only rows, whole columns at once -------------------------------------------
+def compare_stats_columns(actual: dict, expected: dict) -> dict:
+    """``{key}_diff`` (a - b) and ``{key}_rel_diff`` of each statistic over whole columns (float
+    arrays, nan where absent)."""
+    out = {}
+    with np.errstate(divide="ignore", invalid="ignore"):
+        for key in KEYS:
+            a = np.asarray(actual[key], dtype=np.float64)
+            e = np.asarray(expected[key], dtype=np.float64)
+            diff = a - e
+            out[f"{key}_diff"] = diff
+            rel = np.abs(diff) / np.abs(e)
+            rel = np.where(e == 0, np.where(diff == 0, 0.0, np.inf), rel)
+            rel = np.where(np.isfinite(diff), rel, np.where(a == e, 0.0, np.inf))
+            rel = np.where(np.isnan(a) | np.isnan(e), np.nan, rel)
+            out[f"{key}_rel_diff"] = rel
+    return out
+
+
+def stats_error(actual: dict, expected: dict) -> np.ndarray:
+    """One relative error per row from statistics alone (columns as in :func:`compare_stats_columns`):
+    the largest of the norm's relative difference and the max/min/mean differences divided by the
+    expected tensor's magnitude ``max(|max|, |min|)``.  Dividing by the magnitude rather than by
+    each statistic keeps a near-zero mean from producing a huge relative difference."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        e_max = np.asarray(expected["max"], dtype=np.float64)
+        e_min = np.asarray(expected["min"], dtype=np.float64)
+        scale = np.fmax(np.abs(e_max), np.abs(e_min))
+        scale = np.where(np.isfinite(scale) & (scale > 0), scale, 1.0)
+        parts = []
+        for key in ("max", "min", "mean"):
+            a = np.asarray(actual[key], dtype=np.float64)
+            e = np.asarray(expected[key], dtype=np.float64)
+            d = np.abs(a - e) / scale
+            parts.append(np.where(np.isfinite(a) | np.isfinite(e), np.where(a == e, 0.0, d), 0.0))
+        a_n = np.asarray(actual["norm"], dtype=np.float64)
+        e_n = np.asarray(expected["norm"], dtype=np.float64)
+        rel_n = np.abs(a_n - e_n) / np.where(e_n > 0, e_n, 1.0)
+        parts.append(np.where(a_n == e_n, 0.0, rel_n))
+        err = np.nanmax(np.vstack(parts), axis=0)
+    return np.nan_to_num(err, nan=0.0, posinf=np.inf)
+
+
+def judge_stats_columns(error: np.ndarray, dtypes, nonfinite_differs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Verdicts for statistics-only rows: nan/inf counts differ -> error; else :func:`stats_error`
+    against the dtype's ``pass``/``error`` limits in ``compare_standards.yaml``."""
+    codes, uniques = factorize(np.asarray(dtypes, dtype=object))   # look up each distinct dtype once
+    pass_lim, err_lim = (np.array([per_dtype(f"statistics.{k}", d, "compare_standards") for d in uniques],
+                                  dtype=np.float64)[codes] for k in ("pass", "error"))
+    error = np.asarray(error, dtype=np.float64)
+    verdict = np.where(nonfinite_differs, ERROR, np.where(error > err_lim, ERROR, np.where(error > pass_lim, WARNING, PASS)))
+    reason = np.where(nonfinite_differs, "nan/inf counts differ",
+                      np.where(verdict == PASS, "", "statistics differ"))
+    return verdict.astype(object), reason.astype(object)
+
+
+def factorize(values) -> tuple[np.ndarray, list]:
+    """(codes, distinct values) of a 1-D sequence, in order of first appearance."""
+    index: dict = {}
+    codes = np.fromiter((index.setdefault(v, len(index)) for v in values), dtype=np.int64, count=len(values))
+    return codes, list(index)
