@@ -37,7 +37,7 @@ COLUMNS = M.derived(lambda: ["step", "rank", "stage", "kind", "seq", "scope", "o
 UNMATCHED_COLUMNS = ["step", "rank", "side", "stage", "kind", "seq", "scope", "op", "name", "call", "is_cast"]
 # the metrics compare computes: its columns and what its verdicts read; and their values on equal tensors
 _COMPUTED = M.derived(lambda: set(M.compare_columns()) | set(V.COMPARE_READS))
-_PERFECT = M.derived(lambda: M.perfect(set(M.compare_columns()) | set(V.COMPARE_READS)))
+_PERFECT = M.derived(lambda: {m: M.METRICS[m].perfect for m in _COMPUTED})
 # the per-tensor row built by compare_parts, before the statistics columns
 _ROW_FIELDS = ("stage", "kind", "seq", "scope", "op_a", "op_b", "name_a", "name_b", "call_a", "call_b", "match",
                "io", "arg", "dtype_a", "dtype_b", "shape_a", "shape_b", "nan_a", "nan_b", "inf_a", "inf_b",
@@ -155,12 +155,6 @@ def _frames(part: Part, record: dict) -> list:
         return []
 
 
-def _is_cast(record: dict) -> bool:
-    """A cast or copy, not compute: cast ops and ``copy_`` (autograd's AccumulateGrad copies a
-    gradient in one run and steals it in another, and copies between dtypes under autocast)."""
-    return op_traits.is_cast(record["op"])
-
-
 def compare_parts(part_a: Part, part_b: Part, match: str = "fuzzy", mapping: Mapping | None = None,
                   tensors: bool = True) -> tuple[pd.DataFrame, pd.DataFrame, list]:
     """Compare one step/rank part against another: (rows, unmatched records, problems)."""
@@ -225,7 +219,7 @@ def _compare_parts(part_a: Part, part_b: Part, match: str, mapping: Mapping, ten
         for i in idx:
             r = recs[i]
             rows.append((step, rank, side, r["stage"], r["kind"], seq[i], r["scope"], r["op"], r["name"], r["call"],
-                         _is_cast(r)))
+                         op_traits.is_cast(r["op"])))
     unmatched = pd.DataFrame(rows, columns=UNMATCHED_COLUMNS)
     n_ops_a = sum(1 for r in recs_a if r["kind"] == "op")
     if recs_a and recs_b and not al.pairs:

@@ -22,8 +22,7 @@ from ..records.writer import write_csv
 
 _KEY = ["Step", "Rank", "API Name", "Output"]
 _METRICS = metrics.derived(metrics.columns)  # run-ut's details column -> metric key
-_RATIO_NAMES = {"small_value_error_rate": "Small Value Error", "rmse": "RMSE", "max_rel_err": "Max Rel Err",
-                "mean_rel_err": "Mean Rel Err", "error_balance": "Error Balance"}
+_RATIO_NAMES = {k: metrics.METRICS[k].column.removesuffix(" Rate") for k in BENCHMARK_RATIOS}  # "RMSE Ratio"
 DETAIL_COLUMNS = (_KEY + ["Category", "Device Dtype"]
                   + [c for k in BENCHMARK_RATIOS for c in (f"{_RATIO_NAMES[k]} Ratio", f"{_RATIO_NAMES[k]} Verdict")]
                   + ["Inf/Nan Error Rate", "Inf/Nan Verdict", "Rel Err Error Rate", "Rel Err Verdict",
@@ -97,7 +96,6 @@ def precision_compare(dut: str, ref: str, out_dir: str = ".") -> tuple[pd.DataFr
             dm = {k: v for k, v in dm.items() if v is not None}
             rm = {k: v for k, v in rm.items() if v is not None}
             status, cols, message = judge_three_way(row["Category"], dm, rm, row["Device Dtype"])
-            cols.update({f"_{k}": v for k, v in dm.items()})
         per_op[op_key].append((status, message, row["Output"]))
         out = {c: "" for c in DETAIL_COLUMNS}
         out.update({k: row[k] for k in _KEY})

@@ -48,7 +48,6 @@ def write_xlsx(path: str, table: pd.DataFrame, verdict) -> None:
     wb = Workbook(write_only=True)
     ws = wb.create_sheet("compare")
     red, yellow = PatternFill("solid", fgColor="FFC7CE"), PatternFill("solid", fgColor="FFEB9C")
-    from openpyxl.cell import WriteOnlyCell
     bold = Font(bold=True)
     cols = list(table.columns)
     ws.append([_cell(ws, c, font=bold) for c in cols])
@@ -69,7 +68,6 @@ def write_xlsx(path: str, table: pd.DataFrame, verdict) -> None:
     tmp = path + ".tmp.xlsx"
     wb.save(tmp)
     os.replace(tmp, path)
-    del WriteOnlyCell
 
 
 def _cell(ws, value, font=None, fill=None):

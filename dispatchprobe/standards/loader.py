@@ -1,9 +1,4 @@
-"""The shipped precision standards (``data/*.yaml``): numbers live there, not in code.
-
-``standards`` -- dtype thresholds and the benchmark rule; ``compare_standards`` -- the limits of
-``compare`` the seeds leave open; ``api_precision_standard`` -- run-ut's op categories and rule
-numbers.
-"""
+"""The shipped precision standards, ``data/*.yaml`` (numbers live there, not in code), and dtype names."""
 
 from __future__ import annotations
 

@@ -1,27 +1,18 @@
-"""The one implementation of every accuracy metric, and the registry that names them (DESIGN
-invariants 2 and 8).
+"""Every accuracy metric, once (DESIGN invariant 2), in one registry (invariant 8).
 
-A metric is added by one :func:`register_metric` call (as torch's ``register_flop_formula``):
-its name, its run-ut/precision-compare CSV title (``column``), its place among compare's CSV
-columns (``compare``), whether larger is worse (charts), and how :func:`compare_arrays`
-computes it block by block: ``block`` maps one :class:`Block` (finite element pairs in float64,
-with shared terms such as ``rel`` and ``ulp`` computed once per block) to a partial, ``combine``
-merges partials across blocks (``sum``, elementwise for tuples, or ``max``) and ``finish`` turns
-the total into the value.  compare's metric columns, run-ut's and precision-compare's columns
-and the HTML report's chart choices derive from the registry (:func:`derived`).
+A metric is one :func:`register_metric` call (as torch's ``register_flop_formula``): its name,
+run-ut CSV title (``column``), place among compare's columns (``compare``), chart direction, and
+how :func:`compare_arrays` computes it over cache-sized blocks: ``block`` maps a :class:`Block`
+(finite pairs in float64 plus shared terms such as ``rel`` and ``ulp``, each computed once per
+block) to a partial, ``combine`` merges the blocks' partials (sum or max), ``finish`` makes the
+value.  Entries with ``finish`` only come from the inf/nan screen and are always returned
+(``elements``, ``inf_nan_*``); entries with neither are columns filled elsewhere:
+``binary_mismatch`` (:func:`binary_mismatch`) and ``abs_err_error_rate`` (the seeds' name of
+``small_value_error_rate`` in the absolute-threshold rule; run-ut copies it).  compare's
+``stats_err`` (:mod:`.statistics`) and ``error`` are compare's own columns, not array metrics.
 
-Three kinds of entries: value metrics (``block``); screen metrics (``finish`` only: ``elements``,
-``inf_nan_mismatch``, ``inf_nan_error_rate`` come from the inf/nan screen and are always
-returned); and columns computed elsewhere (neither): ``binary_mismatch`` (:func:`binary_mismatch`,
-bit-for-bit, for integer/bool outputs) and ``abs_err_error_rate`` (the seeds' name of
-``small_value_error_rate`` in the absolute-threshold rule; run-ut fills it).  compare's own
-columns ``stats_err`` (:mod:`.statistics`) and ``error`` (the row's error for origin detection)
-are not array metrics and are listed in ``offline/compare.py``.
-
-Inputs are numpy arrays (never torch), computed in float64; the actual array is judged by its own
-dtype's tolerance (``dtype``).  Relative error is ``|a - e| / max(|e|, small_value(dtype))``
-(``data/standards.yaml``): a near-zero output cannot produce a huge relative error from a tiny
-absolute one.
+numpy only.  Relative error is ``|a - e| / max(|e|, small_value(dtype))`` (``data/standards.yaml``),
+``dtype`` being the actual side's: a near-zero output cannot make a huge one from a tiny absolute one.
 """
 
 from __future__ import annotations
@@ -53,8 +44,6 @@ def _ulp(b) -> np.ndarray:
 class _Term:
     """A per-block term metrics share: computed on first use, then an attribute of the block."""
 
-    __slots__ = ("fn", "name")
-
     def __init__(self, fn: Callable):
         self.fn = fn
 
@@ -67,8 +56,7 @@ class _Term:
 
 
 class Block:
-    """One block's finite element pairs (``a`` actual, ``e`` expected, float64) and the terms its
-    metrics share."""
+    """One block's finite pairs (``a`` actual, ``e`` expected, float64) and its shared terms."""
 
     def __init__(self, a: np.ndarray, e: np.ndarray, dtype: str):
         self.a, self.e, self.dtype, self.n = a, e, dtype, a.size
@@ -173,11 +161,6 @@ def compare_columns() -> list[str]:
     return [m.name for m in sorted(shown, key=lambda m: m.compare)]
 
 
-def perfect(names) -> dict[str, Any]:
-    """The metrics ``names`` of two identical arrays."""
-    return {n: METRICS[n].perfect for n in names}
-
-
 @functools.lru_cache(maxsize=64)
 def _plan(only: frozenset | None) -> tuple[list, list]:
     """(screen metrics, value metrics to compute) for ``only``."""
@@ -186,15 +169,12 @@ def _plan(only: frozenset | None) -> tuple[list, list]:
 
 
 def compare_arrays(actual, expected, dtype: str | None = None, only=None) -> dict[str, Any]:
-    """Every value metric of ``actual`` against ``expected`` (same number of elements), plus the
-    screen metrics (always).  ``only``: the value metrics to compute (same values; compare skips
-    the ULP and rate passes it does not report).
+    """The value metrics ``only`` (default: all) and the screen metrics of ``actual`` against
+    ``expected`` (same size), judged by ``dtype``'s tolerance (default: the actual array's).
 
-    ``dtype`` is the dtype whose tolerance applies (default: the actual array's).  Non-finite
-    elements are left out of the value metrics and counted in ``inf_nan_mismatch`` when the two
-    sides disagree on them.  Computed in float64 over blocks of 64k elements that stay in cache:
-    about 5x faster on large tensors than whole-array passes, equal to them up to float64
-    rounding of the sums.
+    Non-finite elements are left out of the value metrics and counted in ``inf_nan_mismatch``
+    when the two sides disagree on them.  Blocks of 64k float64 elements stay in cache: about 5x
+    faster on large tensors than whole-array passes, equal to them up to rounding of the sums.
     """
     dtype = short_dtype(dtype or getattr(actual, "dtype", "float32"))
     a_all = np.asarray(actual).reshape(-1)
@@ -311,10 +291,8 @@ def binary_mismatch(actual, expected) -> float:
 
 # ---- free benchmark ----------------------------------------------------------------------------
 def perturbation_change(actual, expected, dtype: str) -> dict[str, Any]:
-    """The free-benchmark measure of a re-run ``actual`` against ``expected`` (same size), as
-    Python numbers: :func:`perturbation_terms` on numpy float64 arrays -- the entry for a
-    framework side that hands over numpy arrays (and the tests' reference); the torch side
-    calls :func:`perturbation_terms` on device tensors directly."""
+    """:func:`perturbation_terms` of numpy arrays, as Python numbers (for a framework side that
+    hands over numpy arrays, and the tests' reference)."""
     a = np.asarray(actual, dtype=np.float64).reshape(-1)
     e = np.asarray(expected, dtype=np.float64).reshape(-1)
     max_rel, flips = perturbation_terms(a, e, per_dtype("small_value", dtype), np)
@@ -322,9 +300,8 @@ def perturbation_change(actual, expected, dtype: str) -> dict[str, Any]:
 
 
 class WholeArray:
-    """The reductions of :func:`perturbation_terms` over the whole (flat) array; a framework
-    side may pass its own with the same four methods to measure many concatenated arrays at
-    once (one result per segment, see ``dispatchprobe.perturb.Segments``)."""
+    """The reductions of :func:`perturbation_terms` over the whole flat array (a segmented one,
+    ``torch.perturb.Segments``, measures many concatenated arrays at once)."""
 
     def __init__(self, xp):
         self.xp = xp
@@ -343,12 +320,9 @@ class WholeArray:
 
 
 def perturbation_terms(a, e, small: float, xp, reduce=None):
-    """(max_rel, sign_flips) of the flat arrays ``a`` (re-run) and ``e`` (reference), as arrays
-    of the namespace ``xp`` -- ``numpy``, or ``torch`` so that the free benchmark can measure on
-    the accelerator and read many results back in one go.  The one implementation of the
-    measure: written without data-dependent branches (nothing forces a host sync) and with the
-    names numpy and torch share.  ``reduce`` (default :class:`WholeArray`: 0-d results) says
-    what is reduced together; a segmented one gives one result per segment.
+    """(max_rel, sign_flips) of the flat arrays ``a`` (re-run) and ``e`` (reference) in the
+    namespace ``xp`` (numpy, or torch to measure on the accelerator): no data-dependent branch
+    (no host sync).  ``reduce`` (default :class:`WholeArray`) says what is reduced together.
 
     ``max_rel``: the largest ``|a - e| / max(|e|, floor)`` with ``floor = max(small, rms(e))``:
     an element far below the tensor's typical magnitude is judged against that magnitude, not

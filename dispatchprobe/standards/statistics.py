@@ -1,9 +1,6 @@
-"""Record statistics: what the recorder writes for each tensor, and how compare compares them.
-
-One implementation for every framework (DESIGN invariant 2), written against an array namespace
-``xp`` (numpy or torch): :func:`record` computes a record from an array; a backend with faster
-kernels for the four reductions passes their values to :func:`finish`, and one that reduces on
-its device reads the rows back through :func:`from_row`.
+"""Record statistics, once for every framework (DESIGN invariant 2): what the recorder writes for a
+tensor, written against an array namespace ``xp`` (numpy or torch) -- :func:`record`, or a backend's
+own reductions completed by :func:`finish` / read back by :func:`from_row` -- and how compare compares them.
 """
 
 from __future__ import annotations
@@ -25,9 +22,7 @@ def _plan(dtype) -> str:
     name = str(dtype).removeprefix("torch.")
     if name.startswith("complex"):
         return "abs"
-    if name in _KEEP:
-        return "keep"
-    return "float32" if name.startswith("float") or name == "bool" else "float64"
+    return "keep" if name in _KEEP else "float32" if name.startswith("float") or name == "bool" else "float64"
 
 
 def source(x, xp):
@@ -43,7 +38,7 @@ def source(x, xp):
 
 
 def accumulator(x, xp):
-    """The dtype sums and norms of ``source`` values are accumulated in."""
+    """The dtype sums and norms of :func:`source` values are accumulated in."""
     return xp.float64 if x.dtype == xp.float64 else xp.float32
 
 
@@ -53,12 +48,13 @@ def record(x, xp) -> dict | None:
     if math.prod(x.shape) == 0:
         return None
     wide = xp.asarray(x.reshape(-1), dtype=accumulator(x, xp))
-    return finish(x, [float(x.max()), float(x.min()), float(wide.sum()), float(xp.linalg.vector_norm(wide))], xp)
+    with np.errstate(over="ignore", invalid="ignore"):    # overflowing squares are redone by finish
+        return finish(x, [float(x.max()), float(x.min()), float(wide.sum()), float(xp.linalg.vector_norm(wide))], xp)
 
 
 def finish(x, values, xp) -> dict:
-    """The record from the reductions ``values`` = (max, min, sum, L2 norm) of ``source`` values
-    ``x``; the rare non-finite cases are completed here."""
+    """The record from (max, min, sum, L2 norm) of :func:`source` values ``x``, completing the rare
+    non-finite cases."""
     hi, lo, total, norm = values
     if not math.isfinite(norm) and math.isfinite(hi) and math.isfinite(lo):   # float32 squares overflowed
         norm = float(xp.linalg.vector_norm(xp.asarray(x.reshape(-1), dtype=xp.float64)))
@@ -80,8 +76,7 @@ def from_row(row, n: int) -> dict:
 
 # ---- compare: statistics-only rows, whole columns at once -------------------------------------------
 def compare_stats_columns(actual: dict, expected: dict) -> dict:
-    """``{key}_diff`` (a - b) and ``{key}_rel_diff`` of each statistic over whole columns (float
-    arrays, nan where absent)."""
+    """``{key}_diff`` (a - b) and ``{key}_rel_diff`` of each statistic over whole columns (nan: absent)."""
     out = {}
     with np.errstate(divide="ignore", invalid="ignore"):
         for key in KEYS:
@@ -98,10 +93,8 @@ def compare_stats_columns(actual: dict, expected: dict) -> dict:
 
 
 def stats_error(actual: dict, expected: dict) -> np.ndarray:
-    """One relative error per row from statistics alone (columns as in :func:`compare_stats_columns`):
-    the largest of the norm's relative difference and the max/min/mean differences divided by the
-    expected tensor's magnitude ``max(|max|, |min|)``.  Dividing by the magnitude rather than by
-    each statistic keeps a near-zero mean from producing a huge relative difference."""
+    """One relative error per row: the largest of the norm's relative difference and the max/min/mean
+    differences over the expected magnitude ``max(|max|, |min|)`` (so a near-zero mean cannot make a huge one)."""
     with np.errstate(divide="ignore", invalid="ignore"):
         e_max = np.asarray(expected["max"], dtype=np.float64)
         e_min = np.asarray(expected["min"], dtype=np.float64)

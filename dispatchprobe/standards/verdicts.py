@@ -1,16 +1,8 @@
-"""Every verdict (the one implementation): compare's, run-ut's and precision-compare's.
-
-Which category judges an op comes from ``data/api_precision_standard.yaml``; the metrics come
-from :mod:`.metrics` and the thresholds from the standards (:mod:`.loader`).  No torch.
-
-* :func:`judge_benchmark` -- the seeds' per-output benchmark rule (cosine, max abs, dual ratios).
-* :func:`judge_compare`, :func:`judge_cross_precision` -- compare's rules (same / mixed precision).
-* :func:`category`, :func:`judge` -- run-ut's two-way verdict of one output by its op's category:
-  ``benchmark``, ``absolute_threshold``, ``ulp``, ``binary`` or ``thousandth``.
-* :func:`judge_three_way` -- precision-compare's verdict of one output: the device-under-test's
-  errors against a reference device's errors, both measured against the float64 benchmark.
-
-compare's statistics-only rows are judged in :mod:`.statistics`.
+"""Every verdict, once: the seeds' benchmark rule (:func:`judge_benchmark`), compare's
+(:func:`judge_compare`, :func:`judge_cross_precision`; statistics-only rows in :mod:`.statistics`),
+run-ut's two-way verdict by the op's category (:func:`category`, :func:`judge`; categories in
+``data/api_precision_standard.yaml``) and precision-compare's three-way one (:func:`judge_three_way`:
+the device under test's errors against a reference device's, both against float64).  No torch.
 """
 
 from __future__ import annotations
@@ -31,12 +23,8 @@ COMPARE_READS = ("inf_nan_mismatch", "cosine", "max_abs_err", *_TIERS.values(), 
 
 def worst(verdicts) -> str:
     """Combine verdicts: any error -> error, else any warning -> warning, else pass."""
-    verdicts = list(verdicts)
-    if ERROR in verdicts:
-        return ERROR
-    if WARNING in verdicts:
-        return WARNING
-    return PASS
+    verdicts = set(verdicts)
+    return ERROR if ERROR in verdicts else WARNING if WARNING in verdicts else PASS
 
 
 def lower_precision(dtype_a: str, dtype_b: str) -> str:
