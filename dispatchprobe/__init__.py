@@ -1,7 +1,7 @@
 """dispatchprobe: find the op that made a training run go wrong.
 
-Capture (``DispatchProbe``) needs torch; the offline side (``load``, ``compare``) needs only
-numpy and pandas, so importing this package does not import torch.
+Capture (``DispatchProbe``) needs torch; the offline side (``load``, ``compare``, the run-ut
+driver) needs only numpy and pandas, so importing this package does not import torch.
 """
 
 from .core.config import Config, ConfigError
@@ -17,7 +17,7 @@ def __getattr__(name):
     if name == "DispatchProbe":
         from .torch.capture import DispatchProbe
         return DispatchProbe
-    if name == "run_ut":  # replays ops: needs torch, imported on first use
+    if name == "run_ut":  # the run-ut driver (replay itself needs the run's framework)
         from .offline.run_ut import run_ut
         return run_ut
     raise AttributeError(f"module 'dispatchprobe' has no attribute {name!r}")

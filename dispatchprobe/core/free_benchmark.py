@@ -2,7 +2,7 @@
 
 The handler gets every op after it ran (the probe's mode is popped and ``no_grad`` is on, so
 nothing it does is recorded), runs ``event.func`` again on perturbed copies of the inputs and
-compares the two results with :func:`dispatchprobe.metrics.perturbation_terms` (the one
+compares the two results with :func:`dispatchprobe.standards.metrics.perturbation_terms` (the one
 measure, run by the backend on the tensors' device).
 
 Perturbations (``pert_mode``, msprobe's names):
@@ -44,7 +44,7 @@ import os
 import warnings
 from collections import defaultdict
 
-from ..standards import metrics
+from ..standards.loader import per_dtype
 from .events import Handler, OpEvent
 from .perturbations import PERTURBATIONS
 
@@ -158,7 +158,7 @@ class FreeBenchmarkHandler(Handler):
 
     def _compute_limit(self, ins, out) -> float:
         b = self.backend
-        limit = metrics.per_dtype("free_benchmark_threshold", b.dtype_of(out))
+        limit = per_dtype("free_benchmark_threshold", b.dtype_of(out))
         if self.mode != "improve_precision":
             # both sides rounded to the output dtype: one rounding step apart is not a finding
             # (the seeds' bfloat16 threshold 0.004 is below bfloat16's own eps, 0.0078)
@@ -327,7 +327,7 @@ class FreeBenchmarkHandler(Handler):
 # ---- helpers --------------------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=None)
 def _small(dtype: str) -> float:
-    return metrics.per_dtype("small_value", dtype)
+    return per_dtype("small_value", dtype)
 
 
 def _multi(event: OpEvent, stage: str) -> bool:

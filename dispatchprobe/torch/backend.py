@@ -31,8 +31,7 @@ def is_tensor(value) -> bool:
     return isinstance(value, torch.Tensor)
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+from .ops import dtype_name  # noqa: E402
 
 
 def tensor_meta(t: torch.Tensor) -> dict:

@@ -17,7 +17,7 @@ import math
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..standards.metrics import per_dtype
+from ..standards.loader import per_dtype
 from . import ops
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
