@@ -2,9 +2,8 @@
 
 msprobe's ``config.json`` keys are accepted as they are (``task``, ``dump_path``, ``level``
 ``L0/L1/mix``, ``step``, ``rank``, ``scope``, ``list``, ``data_mode``, ``summary_mode``, the nested
-``statistics``/``tensor``/``overflow_check``/``free_benchmark`` sections), so a user can bring
-the file they already have.  Anything unknown or impossible fails here, at construction, with
-one line that names the key and what is allowed -- never deep inside a training step.
+``statistics``/``tensor``/``overflow_check``/``free_benchmark`` sections).  Anything unknown or
+impossible fails at construction, in one line naming the key and what is allowed.
 """
 
 from __future__ import annotations
@@ -51,8 +50,7 @@ class FreeBenchmarkConfig:
     preheat_step: int = 15
     max_sample: int = 20
     seed: int = 1234                # seeds the probe's own noise generator, never the global RNG
-    widen_float32: bool = False     # improve_precision also re-runs float32 ops in float64 (msprobe
-                                    # widens only float16/bfloat16; costs ~5x a float32 CPU step)
+    widen_float32: bool = False     # improve_precision also widens float32 to float64 (msprobe does not; slow)
 
 
 @dataclass
@@ -73,12 +71,11 @@ class Config:
     overflow: OverflowConfig = field(default_factory=OverflowConfig)
     free_benchmark: FreeBenchmarkConfig = field(default_factory=FreeBenchmarkConfig)
 
-    # ---- construction -------------------------------------------------------------------
     @classmethod
     def load(cls, source: "Config | str | os.PathLike | dict | None" = None, **overrides) -> "Config":
         """Build a config from a Config, a path to JSON/YAML, a dict, and/or keyword overrides."""
         if isinstance(source, Config):
-            data = _to_plain(source)
+            data = dataclasses.asdict(source)
         elif source is None:
             data = {}
         elif isinstance(source, dict):
@@ -121,7 +118,6 @@ class Config:
         cfg.validate()
         return cfg
 
-    # ---- validation ---------------------------------------------------------------------
     def validate(self) -> None:
         self.task = canonical(self.task)
         _choice("task", self.task, tuple(TASKS))
@@ -170,10 +166,9 @@ class Config:
         return "all" in modes or io in modes or not (modes & {"input", "output"})
 
     def to_dict(self) -> dict:
-        return _to_plain(self)
+        return dataclasses.asdict(self)
 
 
-# ---- helpers ------------------------------------------------------------------------------
 _IGNORED_MSPROBE_KEYS = {"enable_dataloader", "is_deterministic", "framework", "file_format",
                          "fuzz_level", "acl_config", "online_run_ut", "nfs_path", "host", "port",
                          "error_data_path", "white_list", "black_list"}
@@ -230,10 +225,6 @@ def _read_file(path: str) -> dict:
     if not isinstance(data, dict):
         raise ConfigError(f"config: {path} must hold a mapping of keys to values")
     return data
-
-
-def _to_plain(cfg) -> dict:
-    return dataclasses.asdict(cfg)
 
 
 def _choice(key: str, value, allowed) -> None:

@@ -26,7 +26,7 @@ class OpEvent:
 
     def with_outputs(self, outputs) -> "OpEvent":
         """A shallow copy holding ``outputs`` instead: what a handler keeps of an op until a
-        deferred check is read back (``dataclasses.replace`` re-runs ``__init__``: 5x slower)."""
+        deferred check is read back (not ``dataclasses.replace``: it re-runs ``__init__``)."""
         kept = object.__new__(OpEvent)
         kept.__dict__.update(self.__dict__)
         kept.outputs = outputs
@@ -60,9 +60,7 @@ class Handler:
 
 
 def flat_outputs(outputs) -> list:
-    if isinstance(outputs, (tuple, list)):
-        return list(outputs)
-    return [outputs]
+    return list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
 
 
 def has_nonfinite_scalar(obj) -> bool:

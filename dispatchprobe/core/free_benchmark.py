@@ -1,38 +1,19 @@
 """``task="free_benchmark"``: re-run each selected op on perturbed inputs, no reference run.
 
 The handler gets every op after it ran (the probe's mode is popped and ``no_grad`` is on, so
-nothing it does is recorded), runs ``event.func`` again on perturbed copies of the inputs and
-compares the two results with :func:`dispatchprobe.standards.metrics.perturbation_terms` (the one
-measure, run by the backend on the tensors' device).
-
-Perturbations (``pert_mode``, msprobe's names):
-
-* ``improve_precision`` -- float16/bfloat16 inputs in float32 (and, with ``widen_float32``,
-  float32 in float64); the original output is judged against the wider result.  ``fix``
-  returns that result cast back.  Like msprobe, ops with no 16-bit float input are left
-  alone by default: they already run at the precision this mode would raise a 16-bit op to,
-  and their float64 re-runs cost ~5x a float32 CPU step (float64 GEMMs).
-* ``to_cpu`` -- the same call on CPU (``fuzz_device="cpu"``).  ``fix`` returns it.
-* ``bit_noise`` -- the last mantissa bit of every finite input element with |x| >= the small
-  value threshold flipped.
-* ``add_noise`` -- x * (1 + u * eps(dtype)), u uniform in [-1, 1) from the handler's own seeded
-  generator (never the global RNG), where |x| is not small.
-* ``change_value`` -- first and last entries along the reduced dimension exchanged in every
-  reduced operand (mm/bmm/addmm, sum/mean/amax/..., softmax/log_softmax/cumsum); the exact
-  result is unchanged, so a difference is order-dependent rounding.  Other ops are skipped.
-* ``no_change`` -- the same inputs again: any difference is non-determinism.
+nothing it does is recorded), re-runs ``event.func`` on what the perturbation of ``pert_mode``
+(:mod:`.perturbations`, msprobe's names) makes of the inputs, and measures the change with
+:func:`dispatchprobe.standards.metrics.perturbation_terms` on the tensors' device.
 
 An output is flagged when its change exceeds the seeds' threshold for its dtype
-(``data/standards.yaml``); for the two noise modes, also more than ``NOISE_GAIN`` times the
-noise itself (eps of the input dtype) -- a well-conditioned op moves by about as much as its
-inputs did, so only amplification is a finding -- and for every mode whose two results are
-both rounded to the output dtype, more than 2 eps of that dtype.  With
-``fuzz_stage="backward"`` forward ops are re-run with autograd on, the same seeded random
-output gradient is pushed through the original and the perturbed call, and the input
-gradients are compared.
+(``data/standards.yaml``); for the noise modes also ``NOISE_GAIN`` eps of the input dtype (a
+well-conditioned op moves about as much as its inputs: only amplification is a finding); for
+modes whose two results are both rounded to the output dtype also 2 eps of that dtype.  With
+``fuzz_stage="backward"`` forward ops are re-run with autograd on and the input gradients for
+one seeded random output gradient are compared.
 
-Random ops (dropout, bernoulli, anything with a ``generator``) are never re-run.  In
-``check`` mode the training run's values are never touched: perturbations are copies.
+Random ops (dropout, bernoulli, anything with a ``generator``) are never re-run.  In ``check``
+mode the training run's values are never touched: perturbations are copies.  See docs/inline-checks.md.
 """
 
 from __future__ import annotations
@@ -62,8 +43,7 @@ class FreeBenchmarkHandler(Handler):
         self.session = session
         self.recorder = recorder
         self.backend = b = session.backend
-        cfg = session.config.free_benchmark
-        self.cfg = cfg
+        self.cfg = cfg = session.config.free_benchmark
         self.mode = cfg.pert_mode
         self.perturbation = PERTURBATIONS[cfg.pert_mode]
         self.fix = cfg.handler_type == "fix"
@@ -78,14 +58,11 @@ class FreeBenchmarkHandler(Handler):
         self._limits: dict = {}                      # (output dtype, input dtypes) -> limit
         self.wider = _WIDER_FLOAT32 if cfg.widen_float32 else _WIDER
         self.scratch = b.scratch()                   # CPU temporaries of one op's check
-        self._pending: list = []                     # accelerator: (event, stage, slots, inputs, their
-                                                     # versions) to report
+        self._pending: list = []                     # accelerator: (event, stage, slots, inputs, versions)
         self._pairs: dict = {}                       # small value -> ([re-run/original], [reference], [limit])
         self._pending_bytes = 0
-        self.defer = False                           # measure on the device, read back later (tests
-                                                     # set it on CPU; accelerators always defer)
+        self.defer = False                           # read back in windows (accelerators always; tests on CPU)
 
-    # ---- selection ---------------------------------------------------------------------------------
     def _sample(self, event: OpEvent) -> bool:
         if not self.cfg.if_preheat:
             return True
@@ -118,7 +95,6 @@ class FreeBenchmarkHandler(Handler):
             self.skipped += 1
             return None
 
-    # ---- forward ---------------------------------------------------------------------------------------
     def _check_forward(self, event: OpEvent, outs, ins):
         b = self.backend
         plan = self.perturbation.fn(self, event, ins)
@@ -143,31 +119,26 @@ class FreeBenchmarkHandler(Handler):
         return None
 
     def _tf32_ok(self, ins) -> bool:
-        """improve_precision of an op whose float inputs are all 16-bit: its float32 re-run
-        may use TF32 tensor cores on CUDA without losing anything (float32 products of 16-bit values
-        are exact in TF32)."""
+        """improve_precision with only 16-bit float inputs: the float32 re-run may use TF32 on
+        CUDA without loss (products of 16-bit values are exact in TF32)."""
         return self.mode == "improve_precision" and all(self.backend.dtype_of(t) in _WIDER for t in ins)
 
     def _limit(self, ins, out) -> float:
         dtype = self.backend.dtype_of
         key = (dtype(out), *{dtype(t) for t in ins}) if self.perturbation.noise else dtype(out)
-        hit = self._limits.get(key)
-        if hit is None:
-            hit = self._limits[key] = self._compute_limit(ins, out)
-        return hit
-
-    def _compute_limit(self, ins, out) -> float:
-        b = self.backend
-        limit = per_dtype("free_benchmark_threshold", b.dtype_of(out))
-        if self.mode != "improve_precision":
-            # both sides rounded to the output dtype: one rounding step apart is not a finding
-            # (the seeds' bfloat16 threshold 0.004 is below bfloat16's own eps, 0.0078)
-            limit = max(limit, 2 * b.eps(b.dtype_of(out)))
-        if self.perturbation.noise:
-            limit = max(limit, NOISE_GAIN * max(b.eps(b.dtype_of(t)) for t in ins))
+        limit = self._limits.get(key)
+        if limit is None:
+            b = self.backend
+            limit = per_dtype("free_benchmark_threshold", dtype(out))
+            if self.mode != "improve_precision":
+                # both sides rounded to the output dtype: one rounding step apart is not a finding
+                # (the seeds' bfloat16 threshold 0.004 is below bfloat16's own eps, 0.0078)
+                limit = max(limit, 2 * b.eps(dtype(out)))
+            if self.perturbation.noise:
+                limit = max(limit, NOISE_GAIN * max(b.eps(dtype(t)) for t in ins))
+            self._limits[key] = limit
         return limit
 
-    # ---- backward ---------------------------------------------------------------------------------------
     def _check_backward(self, event: OpEvent, outs, ins) -> None:
         b = self.backend
         plan = self.perturbation.fn(self, event, ins)
@@ -190,14 +161,11 @@ class FreeBenchmarkHandler(Handler):
                 pairs.append((index, a, e, self._limit(ins, g0)))
         self._judge(event, "backward", pairs, outs, ins)
 
-    # ---- judging ------------------------------------------------------------------------------------
     def _judge(self, event: OpEvent, stage: str, pairs, outs, ins) -> None:
         """Measure each (output index, re-run/original, reference, limit) of the op's float
         outputs ``outs`` (``backend.float_outputs``) and report the worst output over its
-        limit.  On CPU at once, after the cheap ``backend.surely_within`` screen (keeping
-        the uncleared pairs for a batched measure, as below, was slower here: 2.1-2.3x against
-        1.6-1.9x on the quick bf16 step -- the copies cost more than the per-op measure).  On
-        an accelerator the pairs are kept until ``_WINDOW_BYTES`` or ``_WINDOW_OPS`` ops have
+        limit.  On CPU at once, after the cheap ``backend.surely_within`` screen.  On an
+        accelerator the pairs are kept until ``_WINDOW_BYTES`` or ``_WINDOW_OPS`` ops have
         gathered or the region ends, then screened and measured together on the device
         (:meth:`_resolve`): two host syncs per window, none per op."""
         if not pairs:
@@ -211,13 +179,10 @@ class FreeBenchmarkHandler(Handler):
                     measured.append((index, limit, *b.read(b.changes([a], [e], small))[0]))
             self._report_worst(event, stage, measured)
             return
-        # The training's own outputs that are measured are copied (they may be overwritten in
-        # place before the window is measured); the others are kept as detached aliases.  Never
-        # the output objects themselves: autograd steals a gradient into .grad only when
-        # nobody else holds it, and copies it otherwise (extra ops, extra memory).
-        # (The handler runs under no_grad: clones carry no graph.)  Re-run results are the
-        # handler's own tensors and are kept as they are, unless the op returns an alias of its
-        # (perturbed) inputs: on CPU those may live in the scratch buffer, reused by the next op.
+        # Measured training outputs are copied (they may be written in place before the window
+        # is read), the others kept as detached aliases; never the output objects: autograd
+        # steals a gradient into .grad only when nobody else holds it.  Re-run results are kept
+        # as they are unless they alias the perturbed inputs (CPU scratch, reused by the next op).
         measured_ids = {id(t) for _, a, e, _ in pairs for t in (a, e)}
         copies = {id(t): b.clone(t) if id(t) in measured_ids else b.detach(t)
                   for _, t in outs}
@@ -278,7 +243,6 @@ class FreeBenchmarkHandler(Handler):
                           "a float16/bfloat16 input; set free_benchmark.widen_float32=true to check float32 ops "
                           "against float64", stacklevel=2)
 
-    # ---- output ------------------------------------------------------------------------------------------
     def _report(self, event: OpEvent, stage: str, index: int, change: dict, limit: float,
                 stale: bool = False) -> None:
         """One CSV row and one op record.  ``stale``: an input was written in place between
@@ -289,6 +253,7 @@ class FreeBenchmarkHandler(Handler):
             self._suspects.add(event.op)
         b = self.backend
         first = b.float_tensors((event.args, event.kwargs))[0]
+        multi = (stage == "backward" and event.stage == "forward") or isinstance(event.outputs, (tuple, list))
         record = self.recorder.encode(event, save=not stale)
         if stale:
             record["inputs_overwritten"] = True
@@ -298,7 +263,7 @@ class FreeBenchmarkHandler(Handler):
         self.recorder.write(record)
         row = {"rank": self.session.rank, "pert_mode": self.mode, "stage": stage, "step": self.session.step_no,
                "api_name": event.name, "max_rel": change["max_rel"], "dtype": b.dtype_of(first),
-               "shape": str(tuple(b.shape(first))), "output_index": index if _multi(event, stage) else "",
+               "shape": str(tuple(b.shape(first))), "output_index": index if multi else "",
                "threshold": limit, "sign_flips": change["sign_flips"], "scope": event.scope, "op": event.op,
                "id": record["id"]}
         if self._csv is None:
@@ -324,13 +289,6 @@ class FreeBenchmarkHandler(Handler):
             self._csv = None
 
 
-# ---- helpers --------------------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=None)
 def _small(dtype: str) -> float:
     return per_dtype("small_value", dtype)
-
-
-def _multi(event: OpEvent, stage: str) -> bool:
-    if stage == "backward" and event.stage == "forward":
-        return True
-    return isinstance(event.outputs, (tuple, list))

@@ -1,28 +1,16 @@
 """``task="overflow"``: find the op that first produced inf/nan, forward and backward.
 
-For every checked op the handler reduces each floating output to one number (its squared L2
-norm accumulated in float32: finite exactly when the tensor is, barring float32 overflow of
-the squares, which is re-checked).  Nothing else happens while everything is finite, apart
-from the growth check (output norm / input norm), whose input norms mostly come from a cache of
-the previous ops' outputs.  On CPU the numbers are read at once; on an accelerator they stay
-on the device and are read back every ``_WINDOW`` ops or at the end of the region (one host
-sync per window, not per op), and the op is then located from the kept events.
+Each checked op's floating outputs are reduced to their squared L2 norm accumulated in float32
+(finite exactly when the tensor is, barring overflow of the squares, which is re-checked); input
+norms mostly come from a cache of earlier outputs.  On an accelerator the norms stay on the
+device and are read back every ``_WINDOW`` ops or at the end of the region (no sync per op).
 
-A flagged op is classified (msprobe's classes):
-
-* ``critical``  -- finite inputs, inf/nan output: this op created the overflow.  Its inputs are
-  saved as tensors in an ordinary op record (so ``run-ut`` can replay it) and it is replayed
-  on CPU in float64: ``inherent`` (float64 overflows too) or ``precision`` (only the low
-  precision result did; ``exceeds_dtype_range`` says the float64 value is beyond the output
-  dtype's finite range, e.g. an fp32->fp16 ``_to_copy`` or an fp16 matmul accumulated wider).
-* ``propagated`` -- inf/nan in and out (recorded without tensors, at most ``_MAX_LIGHT`` per step;
-  when the only non-finite input is a Python scalar, e.g. ``masked_fill(mask, -inf)``, a summary
-  row only, no record).
-* ``suspicious growth`` -- finite, but output norm > ``_GROWTH`` x the largest input norm.
-
-Each critical op counts towards ``overflow_nums``; reaching it raises :class:`OverflowDetected`
-(-1: never).  A summary of the step lies in ``overflow.csv`` / ``overflow.json`` of the part,
-rewritten at each critical op and at the end of each region (``flush``).
+Classes (msprobe's): ``critical`` (finite inputs, inf/nan output: recorded with its tensors and
+replayed on CPU in float64, ``inherent`` or ``precision``), ``propagated`` (inf/nan in and out;
+a non-finite Python scalar input gives a summary row, no record) and ``suspicious growth``
+(output norm > ``_GROWTH`` x the largest input norm).  The ``overflow_nums``-th critical op
+raises :class:`OverflowDetected` (-1: never).  ``overflow.csv`` / ``overflow.json`` of the part
+summarise the step.  See docs/inline-checks.md.
 """
 
 from __future__ import annotations
@@ -68,8 +56,7 @@ class OverflowHandler(Handler):
         self._dirty = False                  # rows not yet in overflow.csv (written at flush)
         self.backend = session.backend
         self.checked = 0                     # ops checked (whole run)
-        self.defer = False                   # read back in windows (tests set it on CPU;
-                                             # accelerators always do)
+        self.defer = False                   # read back in windows (accelerators always; tests on CPU)
 
     # ---- per op ---------------------------------------------------------------------------------
     def on_op(self, event: OpEvent):
@@ -181,10 +168,9 @@ class OverflowHandler(Handler):
 
     def _flag(self, event: OpEvent, outs, klass: str, growth: float | None = None, record: bool = True,
               stale: bool = False) -> None:
-        """One summary row (and, unless ``record`` is False, one op record) for a flagged op.
-        ``record=False``: the only non-finite input is a Python scalar (``masked_fill(mask,
-        -inf)`` in every attention layer, every step): a row, no record -- its record's
-        statistics cost more than the whole check of the op."""
+        """One summary row and, unless ``record`` is False, one op record for a flagged op.
+        ``record=False``: the only non-finite input is a Python scalar (``masked_fill(mask, -inf)``
+        in every attention layer): its record's statistics would cost more than the check."""
         self.counts[klass] += 1
         self._dirty = True
         if klass != "critical" and self.counts[klass] > _MAX_LIGHT:
@@ -215,8 +201,7 @@ class OverflowHandler(Handler):
         out_dtype = self.backend.dtype_of(outs[0][1])
         self.rows.append({
             "step": self.session.step_no, "rank": self.session.rank, "id": rec["id"] if record else "",
-            "class": klass,
-            "stage": event.stage, "op": event.op, "name": event.name, "scope": event.scope,
+            "class": klass, "stage": event.stage, "op": event.op, "name": event.name, "scope": event.scope,
             "grad_fn": event.grad_fn or "", "call": event.call, "dtype": out_dtype, "nan": nan, "inf": inf,
             "growth": info.get("growth", ""), "replay": info.get("replay", ""),
             "float64_max_abs": info.get("float64_max_abs", ""), "dtype_max": info.get("dtype_max", ""),

@@ -62,8 +62,9 @@ def no_change(check, event, inputs):
 
 @register_perturbation("change_value")
 def change_value(check, event, inputs):
-    """First and last entries along the reduced dimension exchanged in every reduced operand:
-    the exact result is unchanged, so a difference is order-dependent rounding."""
+    """First and last entries along the reduced dimension exchanged in every reduced operand
+    (mm/bmm/addmm, sum/mean/amax/..., softmax/log_softmax/cumsum; other ops are skipped): the
+    exact result is unchanged, so a difference is order-dependent rounding."""
     plan = check.backend.change_value_plan(event.func, event.args, event.kwargs)
     return None if plan is None else (plan[0], dict(event.kwargs), plan[1])
 
@@ -76,5 +77,6 @@ def bit_noise(check, event, inputs):
 
 @register_perturbation("add_noise", noise=True)
 def add_noise(check, event, inputs):
-    """x * (1 + u * eps(dtype)), u uniform in [-1, 1), from the check's own seeded generator."""
+    """x * (1 + u * eps(dtype)) where |x| is not small, u uniform in [-1, 1) from the check's
+    own seeded generator (never the global RNG)."""
     return (*check.backend.map_floats(check.noise.apply, event.args, event.kwargs), None)

@@ -13,17 +13,15 @@ from typing import Any
 
 from .events import Handler, OpEvent, flat_outputs
 
-
 DEFER_BATCH = 512   # accelerator tensors measured per host sync
 
 
 class Recorder(Handler):
     """Writes every event it is given as one JSON line; saves tensors when asked.
 
-    Statistics and saved copies are cached per live tensor value (memory, view, version, checked
-    with a weak reference to the memory), so an op's
-    output that is the next op's input is measured once and stored once.
-    """
+    Statistics and saved copies are cached per live tensor value (memory, view, version; the
+    memory checked through a weak reference), so an op's output that is the next op's input is
+    measured once and stored once."""
 
     def __init__(self, backend, *, save_tensors: bool, checksum: bool, io_filter=None):
         self.backend = backend
@@ -45,11 +43,8 @@ class Recorder(Handler):
     # -- encoding --------------------------------------------------------------------------
     def _encode_value(self, found: list, value):
         """One argument as JSON; tensors get their metadata now and are collected in ``found``.
-
-        A method, not a closure: a recursive closure is a reference cycle that would keep the
-        op's tensors alive until the garbage collector runs, and autograd's gradient
-        accumulation copies instead of stealing a gradient that someone else still holds --
-        the probe would change which ops run."""
+        A method, not a closure: a recursive closure's reference cycle would keep the op's tensors
+        alive and make autograd copy gradients it would steal (the probe would change the ops)."""
         if self.backend.is_tensor(value):
             spec = self.backend.tensor_meta(value)
             found.append((value, spec))
@@ -144,10 +139,8 @@ class Recorder(Handler):
 
     def save(self, t, like=None) -> str:
         """Queue a tensor for the shard writer (once per live tensor value); returns its key.
-
-        ``like``: an already saved tensor known to hold the same values in the same shape (the
-        input of a ``clone``), whose key is reused instead of storing a copy.
-        """
+        ``like``: an already saved tensor with the same values and shape (a ``clone``'s input),
+        whose key is reused instead of storing a copy."""
         entry = self._lookup(t)
         if entry is not None and "data" in entry:
             return entry["data"]
@@ -165,11 +158,8 @@ class Recorder(Handler):
         return key
 
     def _save_by_storage(self, t) -> str:
-        """Save the memory under ``t`` once: views of saved memory become index entries.
-
-        A transpose, reshape or slice of an already saved tensor (same memory, same in-place
-        version) is written as (base key, offset, shape, stride) instead of a second copy.
-        """
+        """Save the memory under ``t`` once: a transpose, reshape or slice of saved memory (same
+        in-place version) is written as (base key, offset, shape, stride), not a second copy."""
         writer = self.part.tensors
         span = self.backend.storage_span(t)
         if span is None:
@@ -200,9 +190,8 @@ class Recorder(Handler):
         if key is None:
             return None
         hit = self._cache.get(key)
-        # the key holds the memory address: trust it only while that memory is still alive (a
-        # freed block may be reused); tensors sharing it (a saved activation unpacked in
-        # backward) then hit too.  Cleared at every step.
+        # the key holds the memory address: trusted only while that memory is alive (a freed
+        # block may be reused); tensors sharing it (an activation unpacked in backward) hit too
         if hit is None or not self.backend.memory_alive(hit[0]):
             return None
         return hit[1]

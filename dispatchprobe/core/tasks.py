@@ -35,13 +35,9 @@ def canonical(name: str) -> str:
     return next((t.name for t in TASKS.values() if name in t.aliases), name)
 
 
-@register_task("statistics", records_modules=True)
-def _statistics(session, recorder):
-    return [recorder]
-
-
 @register_task("tensor", saves_tensors=True, records_modules=True)
-def _tensor(session, recorder):
+@register_task("statistics", records_modules=True)   # innermost runs first: statistics stays first
+def _recorder_only(session, recorder):
     return [recorder]
 
 

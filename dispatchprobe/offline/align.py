@@ -1,20 +1,13 @@
 """Pairs the records of two runs (numpy/pandas/stdlib only; never imports torch).
 
-Two runs of one model on different devices, dtypes or versions do not produce identical op
-sequences: kernels differ (``addmm`` vs ``mm`` + ``add``), casts appear on one side only
-(autocast), recomputation repeats ops.  Per stage, op records are aligned as sequences of
-keys with :class:`difflib.SequenceMatcher` (tolerant of inserted, deleted and substituted ops):
-
-1. key ``(scope, op, output shapes)``; then, inside every gap left by pass 1,
-2. key ``(scope, op)`` (shapes differ, e.g. another batch size); then
-3. key ``(scope, output shapes)`` (a substituted kernel with the same result, e.g. a fused op).
-
-Because the module scope is part of every key, ops only pair inside the same module.  Module
-records (``kind == "module"``) pair by ``(scope, stage, call)``.  ``match="exact"`` pairs by
-record name only.  Whatever is left is returned as unmatched, never dropped.
-
-A mapping (YAML, see docs/compare.md) renames run A's ops and scope prefixes into run B's
-vocabulary before anything is paired.
+Runs on different devices, dtypes or versions differ in their op sequences (``addmm`` vs ``mm``
++ ``add``, casts under autocast, recomputation).  Per stage, op records are aligned with
+:class:`difflib.SequenceMatcher` on ``(scope, op, output shapes)``, then inside every gap on
+``(scope, op)`` (e.g. another batch size), then on ``(scope, output shapes)`` (a substituted
+kernel); the scope in every key keeps pairs inside one module.  Module records pair by
+``(scope, stage, call)``; ``match="exact"`` pairs by record name.  Whatever is left is returned
+as unmatched, never dropped.  A mapping (YAML, see docs/compare.md) first renames A's ops and
+scope prefixes into B's vocabulary.
 """
 
 from __future__ import annotations
@@ -62,10 +55,7 @@ class Mapping:
     def scope(self, scope: str) -> str:
         if not self.scopes or not scope:
             return scope
-        best = None
-        for old in self.scopes:
-            if (scope == old or scope.startswith(old + ".")) and (best is None or len(old) > len(best)):
-                best = old
+        best = max((old for old in self.scopes if scope == old or scope.startswith(old + ".")), key=len, default=None)
         return scope if best is None else self.scopes[best] + scope[len(best):]
 
     def name(self, record: dict) -> str:
@@ -190,7 +180,7 @@ def align(recs_a: list, recs_b: list, match: str = "fuzzy", mapping: Mapping | N
             pairs += al.pairs
             only_a += al.only_a
             only_b += al.only_b
-    # records of other stages (none today) count as unmatched rather than vanish
+    # records of any other stage count as unmatched rather than vanish
     known = ("forward", "backward")
     only_a += [i for i, r in enumerate(recs_a) if r["stage"] not in known]
     only_b += [i for i, r in enumerate(recs_b) if r["stage"] not in known]

@@ -2,7 +2,8 @@
 
 Runs on numpy + pandas only (DESIGN invariant 1): this module, ``align``, ``report``, ``reader``
 and ``standards`` never import torch.  Every metric, statistic and verdict comes from
-``dispatchprobe.standards`` (invariant 2); the metric columns derive from its registry (invariant 8).  Run A is the run under test ("actual"), run B the benchmark ("expected").
+``dispatchprobe.standards`` (invariant 2); the metric columns derive from its registry
+(invariant 8).  Run A is the run under test ("actual"), run B the benchmark ("expected").
 
     >>> table, verdict = dispatchprobe.compare("runs/npu", "runs/cpu")
     >>> print(verdict)
@@ -10,11 +11,13 @@ and ``standards`` never import torch.  Every metric, statistic and verdict comes
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 import os
-import contextlib
-from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import pandas as pd
@@ -64,14 +67,11 @@ class Divergence:
     module: str | None = None    # smallest module whose output differs and whose inputs agree
 
     def describe(self) -> str:
-        where = f"step {self.step} rank {self.rank}"
-        head = (f"first {self.stage} divergence: {self.op} [{self.scope or '<top>'}] call {self.call} "
-                f"(#{self.seq} in {self.stage}, {where}): {self.failed}")
-        lines = [head]
+        lines = [f"first {self.stage} divergence: {self.op} [{self.scope or '<top>'}] call {self.call} "
+                 f"(#{self.seq} in {self.stage}, step {self.step} rank {self.rank}): {self.failed}"]
         if self.module and self.module != self.scope:
             lines.append(f"  smallest module whose output differs: {self.module}")
-        for frame in self.stack[-4:]:
-            lines.append(f"  at {frame}")
+        lines += [f"  at {frame}" for frame in self.stack[-4:]]
         return "\n".join(lines)
 
 
@@ -106,8 +106,7 @@ class Verdict:
         if len(self.unmatched):
             lines.append(f"unmatched records: {len(self.unmatched)} ({len(compute)} compute ops or modules, "
                          f"{len(self.unmatched) - len(compute)} casts)")
-        for p in self.problems[:5]:
-            lines.append(f"warning: {p}")
+        lines += [f"warning: {p}" for p in self.problems[:5]]
         if len(self.problems) > 5:
             lines.append(f"warning: ... {len(self.problems) - 5} more problems (see the report)")
         if self.report:
@@ -115,14 +114,11 @@ class Verdict:
         return "\n".join(lines)
 
 
-class Result(tuple):
+class Result(NamedTuple):
     """``(table, verdict)``; unpack it or use ``.table`` / ``.verdict``."""
 
-    def __new__(cls, table, verdict):
-        return super().__new__(cls, (table, verdict))
-
-    table = property(lambda self: self[0])
-    verdict = property(lambda self: self[1])
+    table: pd.DataFrame
+    verdict: Verdict
 
 
 # ---- one step/rank part -------------------------------------------------------------------------
@@ -146,11 +142,8 @@ def _pair_tensors(ra: dict, rb: dict, same_op: bool):
 
 
 def _frames(part: Part, record: dict) -> list:
-    sid = record.get("stack")
-    if sid is None:
-        return []
     try:
-        return list(part.stacks.get(sid, []))
+        return list(part.stacks.get(record.get("stack"), []))
     except Exception:  # a stacks file we cannot read must not stop a compare
         return []
 
@@ -221,7 +214,6 @@ def _compare_parts(part_a: Part, part_b: Part, match: str, mapping: Mapping, ten
             rows.append((step, rank, side, r["stage"], r["kind"], seq[i], r["scope"], r["op"], r["name"], r["call"],
                          op_traits.is_cast(r["op"])))
     unmatched = pd.DataFrame(rows, columns=UNMATCHED_COLUMNS)
-    n_ops_a = sum(1 for r in recs_a if r["kind"] == "op")
     if recs_a and recs_b and not al.pairs:
         problems.append(f"step {step} rank {rank}: no record of {part_a.path} could be aligned with "
                         f"{part_b.path} (different models?)")
@@ -250,11 +242,8 @@ def _score(df: pd.DataFrame, part_a: Part, part_b: Part, tensors: bool, problems
         np.zeros(0, object)
     # cross-precision part: some float tensor is held in different dtypes on the two sides
     mixed = [V.lower_precision(x, y) for x, y in set(zip(dtype_a, dtype_b)) if x != y and is_float(x) and is_float(y)]
-    cross = None
-    if mixed:
-        cross = mixed[0]
-        for d in mixed[1:]:
-            cross = V.lower_precision(cross, d)
+    cross = functools.reduce(V.lower_precision, mixed) if mixed else None
+    if cross is not None:
         judge_dtype = np.array([cross if is_float(d) else d for d in judge_dtype], dtype=object)
     nonfinite = ((df["nan_a"].fillna(0).to_numpy() != df["nan_b"].fillna(0).to_numpy())
                  | (df["inf_a"].fillna(0).to_numpy() != df["inf_b"].fillna(0).to_numpy()))
@@ -325,10 +314,9 @@ def _tensor_metrics(part_a: Part, part_b: Part, keys_a, keys_b, judge_dtypes, dt
 
 
 def _threads() -> int:
-    """Threads for the tensor metrics: ``DISPATCHPROBE_THREADS``, else 1.  The metrics work in
-    cache-sized blocks, many short numpy calls that hold the GIL between them: on 2 cores one
-    thread measured 1.9 s against 3.3 s for two on a transformer step's tensors.  Parts (steps,
-    ranks) still run in parallel processes (``-j``)."""
+    """Threads for the tensor metrics: ``DISPATCHPROBE_THREADS``, else 1 (the metrics are many
+    short numpy calls on cache-sized blocks, holding the GIL between them: threads contend).
+    Parts (steps, ranks) still run in parallel processes (``-j``)."""
     env = os.environ.get("DISPATCHPROBE_THREADS")
     if env and env.isdigit() and int(env) > 0:
         return int(env)
@@ -362,7 +350,6 @@ def _metrics_chunks(part_a, part_b, pairs, todo, out, problems, pool):
             for k in todo[p]:
                 out[k] = res
         del ta, tb, one
-    return out
 
 
 def _metrics_of(a: np.ndarray, b: np.ndarray, dtype: str):
@@ -407,11 +394,10 @@ def _origins(df: pd.DataFrame) -> np.ndarray:
 # ---- whole runs ----------------------------------------------------------------------------------
 def _worker(args):
     path_a, key_a, path_b, key_b, match, mapping, tensors = args
-    part_a, part_b = Part(path_a, *key_a), Part(path_b, *key_b)
-    return compare_parts(part_a, part_b, match=match, mapping=mapping, tensors=tensors)
+    return compare_parts(Part(path_a, *key_a), Part(path_b, *key_b), match=match, mapping=mapping, tensors=tensors)
 
 
-def _first(df: pd.DataFrame, stage: str, parts: dict) -> Divergence | None:
+def _first(df: pd.DataFrame, stage: str) -> Divergence | None:
     sel = df[(df["stage"] == stage) & df["origin"] & (df["io"] == "output") & (df["status"] == V.ERROR)]
     if not len(sel):
         return None
@@ -465,20 +451,18 @@ def compare(a, b, *, match: str = "fuzzy", mapping: str | Mapping | None = None,
         raise RecordError(f"{run_a.path} and {run_b.path} have no step/rank in common "
                           f"({sorted(run_a.parts)} vs {sorted(run_b.parts)})")
     tasks = [(run_a.parts[ka].path, ka, run_b.parts[kb].path, kb, match, mapping, tensors) for ka, kb in jobs_list]
-    results = _run_tasks(tasks, jobs, progress)
     tables, unmatched = [], []
-    for df, um, probs in results:
+    for df, um, probs in _run_tasks(tasks, jobs, progress):
         tables.append(df)
         unmatched.append(um)
         problems.extend(probs)
     table = pd.concat(tables, ignore_index=True) if tables else pd.DataFrame(columns=COLUMNS)
     um = pd.concat(unmatched, ignore_index=True) if unmatched else pd.DataFrame(columns=UNMATCHED_COLUMNS)
     um["is_cast"] = um["is_cast"].astype(bool)
-    parts = {ka: run_a.parts[ka] for ka, _ in jobs_list}
     if jobs_list[0][0] != jobs_list[0][1] and len(jobs_list) == 1:
         table["step"], table["rank"] = jobs_list[0][0]
-    fwd = _first(table, "forward", parts) if len(table) else None
-    bwd = _first(table, "backward", parts) if len(table) else None
+    fwd = _first(table, "forward") if len(table) else None
+    bwd = _first(table, "backward") if len(table) else None
     counts = {k: int(v) for k, v in table["status"].value_counts().items()} if len(table) else {}
     verdict = Verdict(a=str(run_a.path), b=str(run_b.path), forward=fwd, backward=bwd, counts=counts, unmatched=um,
                       problems=problems, parts=[k for k, _ in jobs_list])
@@ -505,7 +489,6 @@ def _run_tasks(tasks, jobs: int, progress: bool):
     if jobs > 1 and len(tasks) > 1:
         with ProcessPoolExecutor(max_workers=min(jobs, len(tasks))) as pool:
             futures = {pool.submit(_worker, t): k for k, t in enumerate(tasks)}
-            from concurrent.futures import as_completed
             for fut in as_completed(futures):
                 results[futures[fut]] = fut.result()
                 if bar:

@@ -55,18 +55,14 @@ def _read(path: str) -> pd.DataFrame:
 
 
 def _num(v):
-    if v is None or v == "":
-        return None
     try:
         return float(v)
-    except ValueError:
+    except (TypeError, ValueError):  # "" or None: no value
         return None
 
 
 def _fmt(v) -> str:
-    if v is None:
-        return ""
-    return repr(v) if isinstance(v, float) else str(v)
+    return "" if v is None else repr(v) if isinstance(v, float) else str(v)
 
 
 def precision_compare(dut: str, ref: str, out_dir: str = ".") -> tuple[pd.DataFrame, pd.DataFrame, str, str]:
@@ -91,15 +87,12 @@ def precision_compare(dut: str, ref: str, out_dir: str = ".") -> tuple[pd.DataFr
         elif other["Status"] == SKIP or other["Output"] == "":
             status, message = SKIP, f"the reference did not replay it: {other.get('Message', '')}"
         else:
-            dm = {k: _num(row[c]) for c, k in _METRICS.items()}
-            rm = {k: _num(other[c]) for c, k in _METRICS.items()}
-            dm = {k: v for k, v in dm.items() if v is not None}
-            rm = {k: v for k, v in rm.items() if v is not None}
+            dm = {k: v for c, k in _METRICS.items() if (v := _num(row[c])) is not None}
+            rm = {k: v for c, k in _METRICS.items() if (v := _num(other[c])) is not None}
             status, cols, message = judge_three_way(row["Category"], dm, rm, row["Device Dtype"])
         per_op[op_key].append((status, message, row["Output"]))
         out = {c: "" for c in DETAIL_COLUMNS}
-        out.update({k: row[k] for k in _KEY})
-        out["Category"], out["Device Dtype"] = row["Category"], row["Device Dtype"]
+        out.update({k: row[k] for k in _KEY + ["Category", "Device Dtype"]})
         for k in BENCHMARK_RATIOS:
             out[f"{_RATIO_NAMES[k]} Ratio"] = _fmt(cols.get(f"{k}_ratio"))
             out[f"{_RATIO_NAMES[k]} Verdict"] = cols.get(f"{k}_verdict", "")

@@ -29,15 +29,12 @@ def write_reports(out: str, table: pd.DataFrame, verdict, manifest_a: dict, mani
     if metric not in CHART_METRICS:
         raise ValueError(f"--metric must be one of {', '.join(CHART_METRICS)}, not {metric!r}")
     os.makedirs(out, exist_ok=True)
-    csv_path = os.path.join(out, "compare.csv")
-    table.to_csv(csv_path + ".tmp", index=False)
-    os.replace(csv_path + ".tmp", csv_path)
-    um_path = os.path.join(out, "unmatched.csv")
-    verdict.unmatched.to_csv(um_path + ".tmp", index=False)
-    os.replace(um_path + ".tmp", um_path)
+    for name, df in (("compare.csv", table), ("unmatched.csv", verdict.unmatched)):
+        path = os.path.join(out, name)
+        df.to_csv(path + ".tmp", index=False)
+        os.replace(path + ".tmp", path)
     write_xlsx(os.path.join(out, "compare.xlsx"), table, verdict)
-    html_path = os.path.join(out, "compare.html")
-    atomic_write_text(html_path, render_html(table, verdict, manifest_a, manifest_b, metric))
+    atomic_write_text(os.path.join(out, "compare.html"), render_html(table, verdict, manifest_a, manifest_b, metric))
     return os.path.abspath(out)
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import csv
 import glob
 import importlib
-import io
 import json
 import multiprocessing as mp
 import os
@@ -82,11 +81,7 @@ _STATE: _State | None = None
 
 
 def _fmt(value) -> str:
-    if value is None:
-        return ""
-    if isinstance(value, float):
-        return repr(value)
-    return str(value)
+    return "" if value is None else repr(value) if isinstance(value, float) else str(value)
 
 
 def output_metrics(device_t, bench_t, dtype: str, cat: str) -> dict:
@@ -200,17 +195,14 @@ class _Journal:
             _repair_tail(path)
         done_rows = _read_rows(result_path)
         self.done = {tuple(r[:3]) for r in done_rows if len(r) == len(RESULT_COLUMNS)}
-        if os.path.exists(details_path):
-            # keep only the details of ops whose result row made it (written last)
-            kept, seen = [], set()
-            for r in _read_rows(details_path):
-                key = tuple(r[:4])
-                if len(r) == len(DETAIL_COLUMNS) and tuple(r[:3]) in self.done and key not in seen:
-                    seen.add(key)
-                    kept.append(r)
-            write_csv(details_path, DETAIL_COLUMNS, kept)
-        else:
-            write_csv(details_path, DETAIL_COLUMNS, [])
+        # keep only the details of ops whose result row made it (written last)
+        kept, seen = [], set()
+        for r in _read_rows(details_path):
+            key = tuple(r[:4])
+            if len(r) == len(DETAIL_COLUMNS) and tuple(r[:3]) in self.done and key not in seen:
+                seen.add(key)
+                kept.append(r)
+        write_csv(details_path, DETAIL_COLUMNS, kept)
         if len(done_rows) != len(self.done) or not os.path.exists(result_path):
             write_csv(result_path, RESULT_COLUMNS, [r for r in done_rows if len(r) == len(RESULT_COLUMNS)])
         self._res = open(result_path, "a", newline="", encoding="utf-8")
@@ -251,7 +243,6 @@ def run_ut(records, out_dir: str | None = None, *, random: bool = False, device:
     ``accuracy_checking_result_{ts}.csv`` of an interrupted run to continue.  ``api``: a regex
     selecting ops by name.  ``limit``: replay at most this many ops (then stop; resumable).
     ``threads``: framework/BLAS threads per replaying process (default 1: replayed ops are small).
-    Under ``torchrun`` each rank takes a disjoint shard and rank 0 writes the merged CSVs.
     ``replayer``: the framework's replay (default: the one of the manifest's ``framework``).
     """
     global _STATE
@@ -287,8 +278,7 @@ def run_ut(records, out_dir: str | None = None, *, random: bool = False, device:
 
     # every op record in a fixed order; the same list on every rank
     api_re = re.compile(api) if api else None
-    tasks, dup_of = [], {}
-    seen: dict = {}
+    tasks, dup_of, seen = [], {}, {}
     for (step, prank), part in run.parts.items():
         for i, rec in enumerate(part.records):
             if rec.get("kind") != "op" or (api_re and not api_re.search(rec["name"])):
@@ -307,11 +297,7 @@ def run_ut(records, out_dir: str | None = None, *, random: bool = False, device:
     details_path = os.path.join(out_dir, f"accuracy_checking_details_{ts}.csv")
     shard_suffix = f".rank{rank}-of-{world}.partial" if world > 1 else ""
     journal = _Journal(result_path + shard_suffix, details_path + shard_suffix)
-    todo = []
-    for t in mine:
-        rec = run.parts[(t[0], t[1])].records[t[2]]
-        if (str(t[0]), str(t[1]), rec["name"]) not in journal.done:
-            todo.append(t)
+    todo = [t for t in mine if (str(t[0]), str(t[1]), run.parts[t[:2]].records[t[2]]["name"]) not in journal.done]
     if limit is not None:
         todo = todo[:limit]
 
@@ -333,9 +319,7 @@ def run_ut(records, out_dir: str | None = None, *, random: bool = False, device:
                     bar.update(1)
             else:
                 runnable.append(t)
-        # replayed ops are small: one thread each is much faster than threads contending
-        # (the framework's OpenMP and numpy's BLAS both spin); -j gives the parallelism
-        threads = max(1, int(threads or 1))
+        threads = max(1, int(threads or 1))   # replayed ops are small: threads would only contend
         if jobs == 1 or len(runnable) <= 1:
             prev = _STATE
             _STATE = _State(run, options, replayer)
@@ -419,9 +403,6 @@ def summary_text(res: RunUTResult) -> str:
     status = r["Forward Test Success"].where(r["Forward Test Success"] != "", r["Backward Test Success"])
     counts = status.value_counts().to_dict()
     parts = ", ".join(f"{counts.get(k, 0)} {k}" for k in (PASS, "warning", ERROR, SKIP))
-    buf = io.StringIO()
-    buf.write(f"run-ut: {len(r)} ops: {parts}\n")
-    for _, row in r[status == ERROR].head(20).iterrows():
-        buf.write(f"  error  {row['API Name']}  {row['Message'][:160]}\n")
-    buf.write(f"results: {res.result_csv}\ndetails: {res.details_csv}")
-    return buf.getvalue()
+    lines = [f"run-ut: {len(r)} ops: {parts}"]
+    lines += [f"  error  {row['API Name']}  {row['Message'][:160]}" for _, row in r[status == ERROR].head(20).iterrows()]
+    return "\n".join(lines + [f"results: {res.result_csv}", f"details: {res.details_csv}"])

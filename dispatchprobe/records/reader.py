@@ -41,9 +41,8 @@ OP_COLUMNS = ["step", "rank", "id", "kind", "name", "op", "stage", "scope", "cal
 def read_safetensors(path: str, keys=None) -> dict[str, np.ndarray]:
     """Tensors of a safetensors file as numpy arrays (bf16 widened to float32).
 
-    Arrays are read-only views of the memory-mapped file, not copies: compare converts them to
-    float64 anyway, and an extra copy was two thirds of a tensor compare's time.  ``.copy()``
-    one to modify it."""
+    Arrays are read-only views of the memory-mapped file, not copies (compare widens them to
+    float64 anyway); ``.copy()`` one to modify it."""
     with open(path, "rb") as f:
         raw = f.read(8)
         if len(raw) < 8:
@@ -78,7 +77,7 @@ def as_view(base: np.ndarray, view: dict) -> np.ndarray:
     return np.lib.stride_tricks.as_strided(flat, shape=tuple(view["shape"]), strides=strides, writeable=False)
 
 
-try:  # orjson (a dependency) parses big op indexes about 2x faster than the stdlib; same values
+try:  # orjson (a dependency) parses big op indexes faster than the stdlib; same values
     import orjson as _orjson
 except ImportError:  # pragma: no cover - a broken install: the stdlib still works
     _orjson = None
@@ -117,11 +116,8 @@ def _read_jsonl(path: str) -> tuple[list[dict], list[str]]:
     lines = text.split("\n")
     del text
     problems: list[str] = []
-    if lines and lines[-1] == "":
-        lines.pop()
-    elif lines:
+    if lines.pop() != "":  # a complete file ends with a newline
         problems.append(f"{path}: last line is incomplete (the process ended while writing it); ignored")
-        lines.pop()
     with no_gc():
         try:
             return _loads_array("[" + ",".join(lines) + "]"), problems

@@ -3,8 +3,7 @@
 Why this shape (see docs/record-format.md):
 * ``ops.jsonl`` gets one line per op, written and flushed as the op finishes, so a process that
   is killed leaves every record up to the op it died in.  No fsync per op: a killed process
-  loses nothing the OS already has; a power cut is out of scope.  (Encoding on a background
-  thread was tried: GIL contention made it no faster on 2 cores.)
+  loses nothing the OS already has; a power cut is out of scope.
 * Tensors are copied on the op's thread (the value must be snapshotted before a later in-place
   op changes it) and written by one background thread into shards of ~64 MB.  A shard becomes
   visible only by an atomic rename, and only then is it listed in ``tensors/index.jsonl``: a
@@ -14,8 +13,8 @@ Why this shape (see docs/record-format.md):
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from dataclasses import dataclass
 import os
 import queue
 import socket
@@ -71,11 +70,9 @@ def write_csv(path: str, header, rows) -> None:
 def write_safetensors(entries: dict, path: str) -> None:
     """Write ``{key: (dtype_code, shape, buffer)}`` as a safetensors file, without copying.
 
-    The format (8-byte little-endian header size, JSON header with dtype/shape/byte offsets,
-    then the raw bytes) is written directly because the library's ``save_file`` copies every
-    tensor into a bytes object first and refuses tensors that share memory (our snapshots
-    share recycled arenas).  Files are read by ``reader.read_safetensors`` and by the library.
-    """
+    Not the library's ``save_file``: it copies every tensor into a bytes object first and
+    refuses tensors that share memory (our snapshots share recycled arenas).  Files are read by
+    ``reader.read_safetensors`` and by the library."""
     header: dict = {}
     offset = 0
     for key, (code, shape, buf) in entries.items():
@@ -114,11 +111,8 @@ class _JsonLines:
 
 
 class TensorShardWriter:
-    """Background writer of safetensors shards.
-
-    ``save_fn(dict_of_tensors, path)`` does the serialisation (framework specific: torch's
-    ``safetensors.torch.save_file`` or numpy's).  ``nbytes_fn`` sizes a queued tensor.
-    """
+    """Background writer of safetensors shards.  ``save_fn(dict_of_tensors, path)`` serialises
+    (the backend's ``save_shard``); ``nbytes_fn`` sizes a queued tensor."""
 
     def __init__(self, folder: str, save_fn: Callable[[dict, str], None], nbytes_fn: Callable[[Any], int]):
         self.folder = folder
@@ -187,7 +181,7 @@ class TensorShardWriter:
                 value.set()
 
     def _write_shard(self, pending: dict) -> None:
-        views = {k: v.to_json() for k, v in pending.items() if isinstance(v, _View)}
+        views = {k: dataclasses.asdict(v) for k, v in pending.items() if isinstance(v, _View)}
         tensors = {k: v for k, v in pending.items() if not isinstance(v, _View)}
         line: dict = {"shard": None, "keys": []}
         if tensors:
@@ -203,7 +197,7 @@ class TensorShardWriter:
         self._index.append(line)
 
 
-@dataclass
+@dataclasses.dataclass
 class _View:
     """A saved tensor that is a strided view of another saved (1-D) tensor."""
 
@@ -211,9 +205,6 @@ class _View:
     offset: int
     shape: list
     stride: list
-
-    def to_json(self) -> dict:
-        return {"base": self.base, "offset": self.offset, "shape": self.shape, "stride": self.stride}
 
 
 class PartWriter:
