@@ -1,7 +1,5 @@
-"""The ``dispatchprobe`` command line (click).
-
-Every command turns expected failures (bad paths, corrupt records, bad options) into one line
-on stderr and exit code 1 (DESIGN invariant 7); ``--debug`` shows the traceback instead.
+"""The ``dispatchprobe`` command line (click).  Expected failures (bad paths, corrupt records, bad
+options) are one line on stderr and exit code 1 (DESIGN invariant 7); ``--debug`` shows the traceback.
 """
 
 from __future__ import annotations

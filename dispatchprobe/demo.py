@@ -1,7 +1,5 @@
-"""The built-in demo: record a few training steps of a tiny transformer, then summarise them.
-
-Needs nothing from the network: the model and its data are generated here.
-"""
+"""The built-in demo: record a few training steps of a tiny transformer (model and data generated
+here, no downloads), then summarise them."""
 
 from __future__ import annotations
 

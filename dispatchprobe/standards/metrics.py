@@ -1,15 +1,12 @@
 """Every accuracy metric, once (DESIGN invariant 2), in one registry (invariant 8).
 
-A metric is one :func:`register_metric` call (as torch's ``register_flop_formula``): its name,
-run-ut CSV title (``column``), place among compare's columns (``compare``), chart direction, and
-how :func:`compare_arrays` computes it over cache-sized blocks: ``block`` maps a :class:`Block`
-(finite pairs in float64 plus shared terms such as ``rel`` and ``ulp``, each computed once per
-block) to a partial, ``combine`` merges the blocks' partials (sum or max), ``finish`` makes the
-value.  Entries with ``finish`` only come from the inf/nan screen and are always returned
-(``elements``, ``inf_nan_*``); entries with neither are columns filled elsewhere:
-``binary_mismatch`` (:func:`binary_mismatch`) and ``abs_err_error_rate`` (the seeds' name of
-``small_value_error_rate`` in the absolute-threshold rule; run-ut copies it).  compare's
-``stats_err`` (:mod:`.statistics`) and ``error`` are compare's own columns, not array metrics.
+A metric is one :func:`register_metric` call: its name, run-ut CSV title (``column``), place
+among compare's columns (``compare``), chart direction, and how :func:`compare_arrays` computes
+it over cache-sized blocks: ``block`` maps a :class:`Block` (finite pairs in float64 plus shared
+terms such as ``rel`` and ``ulp``, computed once per block) to a partial, ``combine`` merges the
+partials (sum or max), ``finish`` makes the value.  Entries with ``finish`` only come from the
+inf/nan screen and are always returned; entries with neither are columns filled elsewhere
+(``binary_mismatch``; ``abs_err_error_rate``, which run-ut copies from ``small_value_error_rate``).
 
 numpy only.  Relative error is ``|a - e| / max(|e|, small_value(dtype))`` (``data/standards.yaml``),
 ``dtype`` being the actual side's: a near-zero output cannot make a huge one from a tiny absolute one.
@@ -173,9 +170,8 @@ def compare_arrays(actual, expected, dtype: str | None = None, only=None) -> dic
     ``expected`` (same size), judged by ``dtype``'s tolerance (default: the actual array's).
 
     Non-finite elements are left out of the value metrics and counted in ``inf_nan_mismatch``
-    when the two sides disagree on them.  Blocks of 64k float64 elements stay in cache: about 5x
-    faster on large tensors than whole-array passes, equal to them up to rounding of the sums.
-    """
+    when the two sides disagree on them.  Computed in cache-sized blocks (equal to whole-array
+    passes up to rounding of the sums)."""
     dtype = short_dtype(dtype or getattr(actual, "dtype", "float32"))
     a_all = np.asarray(actual).reshape(-1)
     e_all = np.asarray(expected).reshape(-1)
@@ -189,7 +185,7 @@ def compare_arrays(actual, expected, dtype: str | None = None, only=None) -> dic
                              np.asarray(e_all[start:start + _BLOCK], dtype=np.float64))
         if block is not None:
             rows.append([m.block(block) for m in active])
-            del block                 # free its terms before the next block's (cache-hot memory reused)
+            del block                 # free its terms before the next block's
     out = {m.name: m.finish(None, screen) for m in screened}
     if not rows:
         out.update((m.name, m.empty(screen) if m.empty else m.perfect) for m in active)
@@ -288,8 +284,7 @@ def binary_mismatch(actual, expected) -> float:
 
 # ---- free benchmark ----------------------------------------------------------------------------
 def perturbation_change(actual, expected, dtype: str) -> dict[str, Any]:
-    """:func:`perturbation_terms` of numpy arrays, as Python numbers (for a framework side that
-    hands over numpy arrays, and the tests' reference)."""
+    """:func:`perturbation_terms` of numpy arrays, as Python numbers (the tests' reference)."""
     a = np.asarray(actual, dtype=np.float64).reshape(-1)
     e = np.asarray(expected, dtype=np.float64).reshape(-1)
     max_rel, flips = perturbation_terms(a, e, per_dtype("small_value", dtype), np)
@@ -318,15 +313,14 @@ class WholeArray:
 
 def perturbation_terms(a, e, small: float, xp, reduce=None):
     """(max_rel, sign_flips) of the flat arrays ``a`` (re-run) and ``e`` (reference) in the
-    namespace ``xp`` (numpy, or torch to measure on the accelerator): no data-dependent branch
-    (no host sync).  ``reduce`` (default :class:`WholeArray`) says what is reduced together.
+    namespace ``xp`` (numpy, or torch on the accelerator), with no data-dependent branch (no host
+    sync).  ``reduce`` (default :class:`WholeArray`) says what is reduced together.
 
-    ``max_rel``: the largest ``|a - e| / max(|e|, floor)`` with ``floor = max(small, rms(e))``:
-    an element far below the tensor's typical magnitude is judged against that magnitude, not
-    against itself, so an output that happens to be near zero (a dot product whose terms
-    cancel) cannot raise a false alarm, while an op whose *whole* output lost its digits
-    (catastrophic cancellation) still shows the loss in full.  inf when the inf/nan patterns
-    differ.  ``sign_flips``: elements above ``small`` whose sign changed."""
+    ``max_rel``: the largest ``|a - e| / max(|e|, floor)``, ``floor = max(small, rms(e))``: an
+    element far below the tensor's typical magnitude (a dot product whose terms cancel) is judged
+    against that magnitude, while an op whose *whole* output lost its digits still shows the loss
+    in full.  inf when the inf/nan patterns differ.  ``sign_flips``: elements above ``small``
+    whose sign changed."""
     reduce = reduce or WholeArray(xp)
     if a.shape[0] == 0:                    # nothing to compare: (0, 0) in the namespace's type
         return xp.abs(a).sum(), xp.abs(a).sum()

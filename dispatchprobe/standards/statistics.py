@@ -1,7 +1,6 @@
-"""Record statistics, once for every framework (DESIGN invariant 2): what the recorder writes for a
-tensor, written against an array namespace ``xp`` (numpy or torch) -- :func:`record`, or a backend's
-own reductions completed by :func:`finish` / read back by :func:`from_row` -- and how compare compares them.
-"""
+"""Record statistics, once for every framework (DESIGN invariant 2), against an array namespace
+``xp`` (numpy or torch): :func:`record`, or a backend's own reductions completed by :func:`finish`
+or :func:`from_row`; and how compare compares them."""
 
 from __future__ import annotations
 
@@ -27,7 +26,7 @@ def _plan(dtype) -> str:
 
 def source(x, xp):
     """The values statistics are taken of: ``|x|`` for complex; half and single floats as they
-    are (accumulated in float32: float64 sums are ~10x slower on CPU); other floats and bool as
+    are (accumulated in float32, far cheaper than float64 on CPU); other floats and bool as
     float32; integers as float64 (exact below 2**53)."""
     plan = _plan(x.dtype)
     if plan == "keep":

@@ -1,8 +1,7 @@
-"""Every verdict, once: the seeds' benchmark rule (:func:`judge_benchmark`), compare's
-(:func:`judge_compare`, :func:`judge_cross_precision`; statistics-only rows in :mod:`.statistics`),
-run-ut's two-way verdict by the op's category (:func:`category`, :func:`judge`; categories in
-``data/api_precision_standard.yaml``) and precision-compare's three-way one (:func:`judge_three_way`:
-the device under test's errors against a reference device's, both against float64).  No torch.
+"""Every verdict, once: the benchmark rule (:func:`judge_benchmark`), compare's (:func:`judge_compare`,
+:func:`judge_cross_precision`; statistics-only rows in :mod:`.statistics`), run-ut's by the op's
+category (:func:`judge`; ``data/api_precision_standard.yaml``) and precision-compare's three-way
+one (:func:`judge_three_way`: the device's errors against a reference device's).  No torch.
 """
 
 from __future__ import annotations
@@ -38,11 +37,9 @@ def lower_precision(dtype_a: str, dtype_b: str) -> str:
 
 # ---- the benchmark rule (run-ut and compare) --------------------------------------------------
 def judge_benchmark(metrics: dict, dtype: str, rule: str = "benchmark") -> tuple[str, str]:
-    """The seeds' per-output rule (cosine, max abs error, dual-hundredth/thousandth/...).
-
-    Returns ``(verdict, reason)``.  ``rule`` is ``benchmark`` (PyTorch run-ut and compare) or
-    ``mindspore_benchmark`` (cosine and max-abs only).
-    """
+    """``(verdict, reason)`` of one output by the per-output rule (cosine, max abs error, then the
+    hundredth/thousandth ratios).  ``rule``: ``benchmark``, or ``mindspore_benchmark`` (cosine and
+    max-abs only)."""
     std = standard()[rule]
     if metrics.get("inf_nan_mismatch"):
         return ERROR, f"{metrics['inf_nan_mismatch']} inf/nan mismatches"
@@ -64,13 +61,9 @@ def judge_benchmark(metrics: dict, dtype: str, rule: str = "benchmark") -> tuple
 
 # ---- compare -------------------------------------------------------------------------------------
 def judge_compare(metrics: dict, dtype: str, scale: float) -> tuple[str, str]:
-    """The benchmark rule for compare: :func:`judge_benchmark` with its absolute-error shortcut
-    (``max_abs_err < max_abs_pass``) scaled by the expected tensor's magnitude when that is below 1.
-
-    Activations are O(1) but gradients are often O(1e-4): without scaling, a gradient with 10 %
-    relative error would pass on absolute error alone.  ``scale`` is ``max(|max|, |min|)`` of
-    the expected tensor.
-    """
+    """:func:`judge_benchmark` with its absolute-error shortcut (``max_abs_err < max_abs_pass``)
+    scaled by ``scale`` (``max(|max|, |min|)`` of the expected tensor) when that is below 1:
+    gradients are often O(1e-4), and one with 10 % relative error would pass on absolute error."""
     factor = min(1.0, scale) if scale and math.isfinite(scale) else 1.0
     scaled = dict(metrics)
     if factor < 1.0 and factor > 0.0:
@@ -119,7 +112,6 @@ def output_category(op_category: str, dtype: str) -> str:
     return op_category if is_float(dtype) else "binary"
 
 
-# ---- run-ut: two-way --------------------------------------------------------------------------
 def judge(cat: str, metrics: dict, dtype: str) -> tuple[str, str]:
     """(verdict, reason) of one output of ``dtype`` (the device dtype) by category ``cat``."""
     cat = output_category(cat, dtype)
@@ -176,20 +168,16 @@ def ratio(dut: float, ref: float) -> float:
 
 def ratio_verdict(metric: str, value: float) -> str:
     r = _thr()["ratio"]
-    if value is None or math.isnan(value):
-        return PASS
-    if value <= r["pass"]:
+    if value is None or math.isnan(value) or value <= r["pass"]:
         return PASS
     limit = r["max_rel_err_error"] if metric == "max_rel_err" else r["error"]
     return WARNING if value <= limit else ERROR
 
 
 def judge_three_way(cat: str, dut: dict, ref: dict, dtype: str) -> tuple[str, dict, str]:
-    """(verdict, {column: value}, message) of one output: DUT's errors judged against REF's.
+    """(verdict, {column: value}, message) of one output: DUT's run-ut metrics (against float64)
+    judged against REF's.  float64 outputs are SKIP (the standard has no tier for them)."""
 
-    ``dut``/``ref`` hold run-ut's metrics of the same output on the two devices (each against
-    the float64 benchmark).  float64 outputs are SKIP (the standard has no tier for them).
-    """
     cat = output_category(cat, dtype)
     cols: dict = {}
     if cat != "binary" and short_dtype(dtype) == "float64":

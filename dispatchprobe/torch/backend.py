@@ -1,9 +1,6 @@
-"""What the framework-neutral recorder needs to know about torch tensors and values.
-
-The recorder (``recorder.py``) never touches torch itself; it asks this backend to describe a
-tensor, compute its statistics, snapshot it for saving, and encode non-tensor arguments
-(dtypes, devices, memory formats ...) as JSON values that ``replay`` can turn back into torch
-objects.  The MindSpore adapter provides the same few functions.
+"""The torch :class:`~dispatchprobe.core.backend.TensorBackend`: what the framework-neutral recorder
+asks of torch tensors (describe, statistics, snapshots, JSON encoding of non-tensor arguments that
+``replay`` turns back), plus the inline-check primitives of :mod:`.perturb`.
 """
 
 from __future__ import annotations
@@ -18,6 +15,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..records.writer import write_safetensors
 from ..standards import statistics
+from .ops import dtype_name
 
 name = "torch"
 version = torch.__version__
@@ -29,9 +27,6 @@ _LAYOUTS = {torch.strided: "strided", torch.sparse_coo: "sparse_coo", torch._mkl
 
 def is_tensor(value) -> bool:
     return isinstance(value, torch.Tensor)
-
-
-from .ops import dtype_name  # noqa: E402
 
 
 def tensor_meta(t: torch.Tensor) -> dict:
@@ -59,11 +54,8 @@ def identity(t: torch.Tensor):
 
 
 def tensor_stats(tensors: list[torch.Tensor]) -> list[dict | None]:
-    """The statistics records (:mod:`dispatchprobe.standards.statistics`) of each tensor.
-
-    On CPU each tensor's reductions are read back at once (cheapest there).  Accelerator
-    tensors go through :func:`device_stats_row` and are read back together, one host sync.
-    """
+    """The statistics records (:mod:`dispatchprobe.standards.statistics`) of each tensor: CPU
+    tensors read back one by one, accelerator ones (:func:`device_stats_row`) in one host sync."""
     out: list[dict | None] = [None] * len(tensors)
     pending: list[tuple[int, torch.Tensor]] = []
     with torch.no_grad():
@@ -82,8 +74,8 @@ def tensor_stats(tensors: list[torch.Tensor]) -> list[dict | None]:
             total = x.sum(dtype=acc)
             if x.dtype == torch.float32 and x.is_contiguous():
                 flat = x.view(-1)
-                norm = torch.dot(flat, flat).sqrt()     # one BLAS pass: about 2x faster than vector_norm
-                values = torch.stack([hi, lo, total, norm]).tolist()   # one read-back, not four
+                norm = torch.dot(flat, flat).sqrt()     # one BLAS pass
+                values = torch.stack([hi, lo, total, norm]).tolist()   # one read-back
             else:
                 norm = torch.linalg.vector_norm(x, dtype=acc)
                 values = [hi.item(), lo.item(), total.item(), norm.item()]
@@ -101,8 +93,8 @@ def stats_on_device(t: torch.Tensor) -> bool:
 
 
 def device_stats_row(t: torch.Tensor) -> torch.Tensor:
-    """max, min, sum, L2 norm, nan count, inf count of ``t`` as a float64 vector on its device:
-    no host sync; many rows are read back together by :func:`read_stats_rows`."""
+    """max, min, sum, L2 norm, nan count, inf count of ``t``: a float64 vector on its device, no
+    host sync (:func:`read_stats_rows` reads many at once)."""
     with torch.no_grad():
         x = statistics.source(t.detach(), torch)     # floating point
         lo, hi = torch.aminmax(x)
@@ -124,7 +116,7 @@ def read_stats_rows(rows: list[torch.Tensor], numels: list[int]) -> list[dict]:
     return [statistics.from_row(v, n) for v, n in zip(values, numels)]
 
 
-# Small CPU tensors: four torch calls cost ~30 us of dispatch each time; numpy's cost ~8 us.
+# Small CPU float tensors: numpy's reductions cost less dispatch than torch's.
 _NUMPY_MAX = 16384
 _NUMPY_DTYPES = (torch.float32, torch.float64)
 
@@ -202,11 +194,9 @@ def storage_span(t: torch.Tensor):
     """Where ``t`` lives in its storage, for saving shared memory once.
 
     Returns ``(span_key, start, length, offset, stride, plain)``: the 1-D span of storage to save
-    (the whole storage when ``t`` covers most of it, so sibling views such as q/k/v share
-    one copy), and ``t``'s offset and stride inside that span.  None when ``t`` is better
-    saved as its own compact copy (it touches a small part of a large storage).  ``plain``:
-    ``t`` is exactly the span, contiguous, so it needs no view entry.
-    """
+    (the whole storage when ``t`` covers most of it, so sibling views such as q/k/v share one
+    copy) and ``t``'s offset and stride in it; ``plain``: ``t`` is exactly the span, contiguous.
+    None when ``t`` touches a small part of a large storage (saved as its own compact copy)."""
     if t.layout != torch.strided or t.is_meta or t.numel() == 0:
         return None
     try:
@@ -230,12 +220,9 @@ def storage_span(t: torch.Tensor):
 
 
 class _Arenas:
-    """Recycled, already-touched CPU memory for tensor snapshots.
-
-    A fresh ``clone`` of a large tensor pays page faults on first touch (~3x the copy itself
-    here); snapshots are instead copied into 32 MB arenas that go back to a small free list
-    once the shard writer has written everything in them.
-    """
+    """Recycled, already-touched CPU memory for tensor snapshots: a fresh ``clone`` pays page
+    faults on first touch, so snapshots are copied into 32 MB arenas that go back to a small
+    free list once the shard writer has written everything in them."""
 
     SIZE = 32 << 20
     KEEP = 8                  # free arenas kept for reuse (256 MB at most)
@@ -254,8 +241,8 @@ class _Arenas:
         nbytes = (nbytes + 63) & ~63
         with self._lock:
             if self._current is None or self._used + nbytes > self.SIZE:
-                if self._current is not None:
-                    self._retire(self._current)
+                if self._current is not None and self._live.get(id(self._current)) == 0:
+                    self._recycle(self._current)      # retired with nothing left unwritten in it
                 self._current = self._free.pop() if self._free else torch.empty(self.SIZE, dtype=torch.uint8)
                 self._used = 0
                 self._live[id(self._current)] = 0
@@ -275,10 +262,6 @@ class _Arenas:
                 self._live[key] -= 1
                 if self._live[key] == 0 and base is not self._current:
                     self._recycle(base)
-
-    def _retire(self, arena: torch.Tensor) -> None:
-        if self._live.get(id(arena)) == 0:
-            self._recycle(arena)
 
     def _recycle(self, arena: torch.Tensor) -> None:
         del self._live[id(arena)]
@@ -375,7 +358,7 @@ def numel(t: torch.Tensor) -> int:
     return t.numel()
 
 
-# ---- the rest of the TensorBackend contract: op traits and the inline-check primitives ----------
+# ---- the rest of the contract: op traits and the inline-check primitives ------------------------
 from .ops import is_random, returns_alias, user_stack  # noqa: E402,F401
 from .perturb import (  # noqa: E402,F401
     all_finite, bit_noise, cast_args, change_value_plan, changes, clone, concat, detach, device_type,

@@ -1,17 +1,13 @@
 """PyTorch eager capture: a TorchDispatchMode below autograd plus module-scope tracking.
 
-The mode sees every aten call -- forward, and backward too when ``.backward()`` runs inside
-the probe -- after autocast and autograd have done their work, so what is recorded is what the
-kernels computed.  Module scope comes from torch's ``ModuleTracker`` (global module hooks in
-forward, multi-grad hooks in backward, which observe gradients without changing them).
+The mode sees every aten call (forward, and backward when ``.backward()`` runs inside the probe)
+after autocast and autograd, so what is recorded is what the kernels computed.
 
 Transparency: the mode runs the op first, untouched, and only then looks at its results, under
-``no_grad`` with the mode itself popped (so the probe's own ops are not recorded).  Nothing here
-draws from the global RNG.
+``no_grad`` with the mode popped (the probe's own ops are not recorded).  Never the global RNG.
 """
 
 from __future__ import annotations
-
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -20,6 +16,7 @@ from torch.utils.module_tracker import ModuleTracker
 from . import backend as torch_backend
 from . import ops
 from ..core.session import ProbeSession
+
 
 class _ProbeMode(TorchDispatchMode):
     def __init__(self, probe: "DispatchProbe"):
@@ -52,12 +49,12 @@ def _copy_written(written, args, kwargs):
 
 
 class _ModuleScopes(ModuleTracker):
-    """torch's own module tracker, told to keep order and to report module boundaries.
+    """torch's ``ModuleTracker``, keeping order and reporting module boundaries.
 
-    ``ModuleTracker`` names modules (``Net.layers.1.mlp``, from the root's attribute names when
-    it has seen the root) and follows them through forward and backward (multi-grad hooks,
-    which observe gradients without changing them); its ``parents`` is a set, so the active
-    modules are also kept in the order they were entered, for the innermost scope of an op."""
+    It names modules (``Net.layers.1.mlp``) and follows them through forward (global module
+    hooks) and backward (multi-grad hooks, which observe gradients without changing them); its
+    ``parents`` is a set, so the active modules are also kept in entry order, for an op's
+    innermost scope."""
 
     def __init__(self, probe: "DispatchProbe", root: torch.nn.Module | None):
         super().__init__()
@@ -195,4 +192,3 @@ class DispatchProbe(ProbeSession):
 
     def _quiet(self):
         return torch.no_grad()
-

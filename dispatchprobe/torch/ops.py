@@ -1,7 +1,5 @@
-"""What the torch adapter knows about an aten op: its name and the traits its schema and the
-neutral table (:mod:`dispatchprobe.core.op_traits`) give it, each memoised per overload.
-
-Capture, the inline checks' re-runs and replay all ask here; nothing else reads schemas.
+"""What the torch adapter knows about an aten op: its name and the traits its schema and
+:mod:`dispatchprobe.core.op_traits` give it, memoised per overload.  Nothing else reads schemas.
 """
 
 from __future__ import annotations
@@ -72,13 +70,7 @@ def is_alias(func) -> bool:
     return func.is_view or base(func) in op_traits.ALIAS
 
 
-@functools.cache
-def is_cast(func) -> bool:
-    return base(func) in op_traits.CAST
-
-
 def user_stack(skip: int = 2) -> tuple:
     """The Python frames of user code at this moment (torch and dispatchprobe frames left out)."""
     frames = traceback.extract_stack()[:-skip]
     return tuple(f"{f.filename}:{f.lineno} in {f.name}" for f in frames if not f.filename.startswith(_SKIP))
-

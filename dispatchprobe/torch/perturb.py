@@ -1,11 +1,9 @@
-"""The inline-check half of the torch backend: the primitives ``core/overflow.py`` and
-``core/free_benchmark.py`` call through :class:`~dispatchprobe.core.backend.TensorBackend`
-(re-exported by :mod:`dispatchprobe.torch.backend`): walking an op's tensors, re-running it,
-perturbing its inputs, and screening/measuring changes on the tensors' device.
+"""The inline-check primitives of the torch backend (contract:
+:class:`~dispatchprobe.core.backend.TensorBackend`, re-exported by :mod:`dispatchprobe.torch.backend`):
+walk an op's tensors, re-run it, perturb its inputs, screen and measure changes on their device.
 
-Everything here runs inside a handler, i.e. with the probe's dispatch mode popped and under
-``no_grad``: none of these ops is recorded.  Random perturbations draw from the handler's own
-``torch.Generator``, never from the global RNG.
+All of it runs inside a handler (dispatch mode popped, ``no_grad``), so none of these ops is
+recorded; random perturbations draw from the handler's own ``torch.Generator``, never the global RNG.
 """
 
 from __future__ import annotations
@@ -21,14 +19,13 @@ from ..standards.loader import per_dtype
 from . import ops
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-HALF = (torch.float16, torch.bfloat16)
 _aten = torch.ops.aten
+
 
 def protect_written(func, args, kwargs, original_args, original_kwargs):
     """``args``/``kwargs`` for a re-run, with a private copy of every tensor the op writes to
-    that is still the caller's own object (``fill_``/``copy_`` get the training tensor itself,
-    in-place ops the probe's copy of its old value, which the records keep): a re-run never
-    writes into anything but its own copies."""
+    that is still the caller's object (``fill_``/``copy_`` get the training tensor itself):
+    a re-run never writes into the training's tensors."""
     written = ops.written_args(func)
     if not written:
         return args, kwargs
@@ -44,7 +41,7 @@ def protect_written(func, args, kwargs, original_args, original_kwargs):
 
 def float_tensors(obj) -> list[torch.Tensor]:
     """The non-empty dense floating tensors in an op's arguments or outputs (nested tuples,
-    lists and dicts -- all an aten call holds; a plain walk, several times faster than pytree)."""
+    lists and dicts: all an aten call holds; a plain walk, cheaper than pytree)."""
     out: list = []
     _collect(obj, out)
     return out
@@ -64,26 +61,21 @@ def _collect(obj, out: list) -> None:
 
 
 def versions(tensors) -> tuple:
-    """The in-place version counters of ``tensors``: a check read back later (accelerator
-    windows) compares them to tell whether an op's inputs still hold what the op saw."""
+    """The in-place version counters: a check read back later tells by them whether an op's
+    inputs still hold what the op saw."""
     return tuple(t._version for t in tensors)
 
 
 def float_outputs(outputs) -> list[tuple[int, torch.Tensor]]:
     """(output index, tensor) of every float tensor output; nested lists flattened."""
     items = outputs if isinstance(outputs, (tuple, list)) else [outputs]
-    out = []
-    for i, o in enumerate(items):
-        for t in float_tensors(o):
-            out.append((i, t))
-    return out
+    return [(i, t) for i, o in enumerate(items) for t in float_tensors(o)]
 
 
 def swap_tensors(outputs, replacements: dict):
     """``outputs`` (a tensor or nested tuples/lists) with every tensor in ``replacements``
-    (keyed by ``id``) replaced: what a handler keeps of an op for later must not be the
-    training's own output objects -- autograd steals a gradient into ``.grad`` only when no
-    one else holds that tensor object, and copies it otherwise (extra ops, extra memory)."""
+    (keyed by ``id``) replaced: a handler must not keep the training's own output objects, since
+    autograd steals a gradient into ``.grad`` only when no one else holds it (else it copies)."""
     if isinstance(outputs, torch.Tensor):
         return replacements.get(id(outputs), outputs)
     if isinstance(outputs, (tuple, list)):
@@ -107,7 +99,7 @@ def all_finite(t: torch.Tensor) -> bool:
     """Exact: one fused min/max pass (nan and inf reach one of them), no bool tensor."""
     try:
         lo, hi = torch.aminmax(t.detach())
-    except (RuntimeError, NotImplementedError):     # a dtype without aminmax on this device
+    except (RuntimeError, NotImplementedError):     # no aminmax for this dtype/device
         return bool(torch.isfinite(t).all())
     return math.isfinite(float(lo)) and math.isfinite(float(hi))
 
@@ -117,22 +109,9 @@ def nonfinite_counts(t: torch.Tensor) -> tuple[int, int]:
 
 
 @contextlib.contextmanager
-def no_autocast(device_type: str = "cpu"):
-    """Re-runs of an aten op must not be re-cast by an enclosing autocast region."""
-    with contextlib.ExitStack() as stack:
-        for dev in {"cpu", device_type}:
-            try:
-                stack.enter_context(torch.autocast(dev, enabled=False))
-            except RuntimeError:
-                pass
-        yield
-
-
-@contextlib.contextmanager
 def autograd_on():
-    """Autograd back on inside ``__torch_dispatch__`` (which runs below it, with the autograd
-    keys excluded), so a handler can differentiate a re-run of the op.  Only the Python key
-    stays excluded; autocast is kept off by :func:`run`."""
+    """Autograd back on inside ``__torch_dispatch__`` (which runs with the autograd keys
+    excluded), so a handler can differentiate a re-run.  Only the Python key stays excluded."""
     keys = torch._C._dispatch_tls_local_include_set()
     with torch._C._ForceDispatchKeyGuard(keys, torch._C.DispatchKeySet(torch._C.DispatchKey.Python)), \
             torch.enable_grad():
@@ -140,12 +119,9 @@ def autograd_on():
 
 
 class Scratch:
-    """Reusable CPU memory for the temporaries of one op's check (casts of its inputs, screen
-    buffers), handed out front to back and taken back all at once by :meth:`reset`.
-
-    Why: a fresh multi-megabyte CPU tensor is fresh pages from the kernel, and faulting them in
-    costs more than the cast or subtraction written into them.  Only for values that die with
-    the check; a holder of a view keeps the old block alive if the buffer has to grow."""
+    """Reusable CPU memory for the temporaries of one op's check (input casts, screen buffers),
+    handed out front to back and taken back at once by :meth:`reset`: faulting in fresh pages
+    costs more than the cast written into them.  Only for values that die with the check."""
 
     MIN_NUMEL = 1 << 16      # below this a fresh tensor is cheaper than slicing and viewing
     MAX_BYTES = 256 << 20    # the buffer (kept between ops) never grows beyond this
@@ -158,8 +134,7 @@ class Scratch:
         self._used = 0
 
     def take(self, shape, dtype: torch.dtype) -> torch.Tensor:
-        """An uninitialised tensor of ``shape``/``dtype``: a slice of the buffer, or fresh
-        memory when it is small or does not fit under ``MAX_BYTES``."""
+        """An uninitialised tensor: a slice of the buffer, or fresh memory when small or too big."""
         numel = math.prod(shape)
         nbytes = numel * dtype.itemsize
         start = -(-self._used // 64) * 64
@@ -179,17 +154,16 @@ class Scratch:
 
 
 def _detached(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as the source of a copy that must not join autograd's graph: itself under no_grad
-    (the handlers' case: a ``detach`` per input is one more dispatcher call per op)."""
+    """``t`` as the source of a copy outside autograd's graph: itself under no_grad (the
+    handlers' case, sparing a dispatcher call per input)."""
     return t.detach() if t.requires_grad and torch.is_grad_enabled() else t
 
 
 def cast_args(args, kwargs, dtype_map: dict, device=None, scratch: Scratch | None = None):
     """Floating tensors (and floating ``dtype`` arguments) converted per ``dtype_map``
     ({from: to}, by name: ``{"bfloat16": "float32"}``); tensors moved to ``device`` if given.
-    Other values unchanged.  With ``scratch``, CPU casts are written into it (contiguous)
-    instead of fresh memory."""
-    dtype_map = _torch_dtypes(dtype_map)
+    Other values unchanged.  With ``scratch``, CPU casts are written into it (contiguous)."""
+    dtype_map = {getattr(torch, a): getattr(torch, b) for a, b in dtype_map.items()}
     device = torch.device(device) if isinstance(device, str) else device
 
     def conv(v):
@@ -208,10 +182,6 @@ def cast_args(args, kwargs, dtype_map: dict, device=None, scratch: Scratch | Non
     return map_args(conv, args, kwargs)
 
 
-def _torch_dtypes(names: dict) -> dict:
-    return {getattr(torch, a): getattr(torch, b) for a, b in names.items()}
-
-
 def map_floats(fn, args, kwargs):
     """``fn`` applied to every non-empty floating tensor of an op's (args, kwargs)."""
     return map_args(lambda v: fn(v) if isinstance(v, torch.Tensor) and v.dtype in FLOATS and v.numel() > 0
@@ -219,9 +189,8 @@ def map_floats(fn, args, kwargs):
 
 
 def map_args(fn, args, kwargs):
-    """``fn`` applied to every leaf of an aten call's (args, kwargs): the nested tuples, lists
-    and dicts an aten call holds, walked directly (pytree's generic walk costs more than the
-    small ops it is used around)."""
+    """``fn`` applied to every leaf of an aten call's (args, kwargs), nested tuples, lists and
+    dicts walked directly (cheaper than pytree around small ops)."""
     def walk(v):
         if isinstance(v, (tuple, list)):
             return type(v)(walk(x) for x in v)
@@ -235,12 +204,9 @@ def map_args(fn, args, kwargs):
 def tf32_matmul():
     """CUDA float32 matmuls on TF32 tensor cores for the duration, then the user's setting back.
 
-    For re-runs in float32 of ops whose float inputs were *all* 16-bit: those values are exact
-    in TF32 (bfloat16 has 8 significant bits, float16 11, TF32 11), tensor cores form the
-    products exactly and accumulate in float32, so the result is a float32 reference to within
-    accumulation rounding (~2^-23 per add, four orders below the 16-bit thresholds) -- at
-    tensor-core speed: plain float32 GEMMs run ~15x slower than bfloat16 ones on an H100.
-    A float32 operand would be rounded to TF32, so mixed ops never come here."""
+    Only for re-runs of ops whose float inputs were *all* 16-bit: those are exact in TF32, and
+    products accumulate in float32, so the result is a float32 reference within accumulation
+    rounding (~2^-23 per add).  A float32 operand would be rounded to TF32: never mixed ops."""
     m = torch.backends.cuda.matmul
     name = "fp32_precision" if hasattr(m, "fp32_precision") else "allow_tf32"   # new API: torch >= 2.9
     prev = getattr(m, name)
@@ -252,10 +218,9 @@ def tf32_matmul():
 
 
 def run(func, args, kwargs, device_type: str = "cpu", tf32: bool = False):
-    """The op called again, never re-cast by an enclosing autocast region (checked first: the
-    backward pass and most forward code run with autocast off, and entering the contexts
-    costs more than a small op).  ``tf32``: on CUDA, float32 matmuls may use TF32
-    (:func:`tf32_matmul`; the caller vouches that every float input was 16-bit)."""
+    """The op called again, never re-cast by an enclosing autocast region (entered only when
+    autocast is on: the contexts cost more than a small op).  ``tf32``: on CUDA, float32 matmuls
+    may use TF32 (:func:`tf32_matmul`; the caller vouches that every float input was 16-bit)."""
     try:
         plain = not (torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled(device_type))
     except RuntimeError:          # a device type autocast does not know
@@ -267,7 +232,11 @@ def run(func, args, kwargs, device_type: str = "cpu", tf32: bool = False):
         if tf32:
             stack.enter_context(tf32_matmul())
         if not plain:
-            stack.enter_context(no_autocast(device_type))
+            for dev in {"cpu", device_type}:
+                try:
+                    stack.enter_context(torch.autocast(dev, enabled=False))
+                except RuntimeError:    # a device type autocast does not know
+                    pass
         return func(*args, **kwargs)
 
 
@@ -286,20 +255,14 @@ FLOOR_MARGIN, LIMIT_MARGIN = 1e-3, 1e-5
 
 def surely_within(actual: torch.Tensor, expected: torch.Tensor, limit: float, small: float,
                   scratch: Scratch | None = None) -> bool:
-    """A cheap, conservative screen before the measure (:func:`metrics.perturbation_terms`
-    via :func:`changes`): True only when that measure is certainly <= ``limit`` (every
-    element's error is at most ``max|a - e|`` and its floor at least ``max(small, rms(e))``).
-    Not a second metric: a False goes to the measure.  Runs in torch on the tensors' device
-    in float32 (float64 only when both sides are float64): a float64 reference
-    (``improve_precision`` of float32) is rounded to float32 once, and that rounding (relative
-    2**-24, also on rms(e)) is taken off the limit, so the screen stays an upper bound on the
-    float64 measure.  Three passes: equal (exits at the first
-    difference; an op that is exact in float32 -- masks, copies, gathers, relu -- ends there),
-    a - e, and one fused min/max; plus the squared norm of e.  When the largest error is
-    above ``limit * floor`` (most 16-bit outputs: one rounding of a large element does it),
-    the measure's own elementwise bound ``|a - e| <= limit * max(|e|, floor)`` is checked in
-    float32 (four more passes) with a 1e-3 margin for float32's rounding of the floor, rather
-    than sending every such op to the float64 measure (~15 passes over twice the bytes)."""
+    """A cheap, conservative screen before the measure (:func:`metrics.perturbation_terms` via
+    :func:`changes`): True only when that measure is certainly <= ``limit`` (a False goes to it).
+    Every element's error is at most ``max|a - e|`` and its floor at least ``max(small, rms(e))``;
+    failing that, the measure's bound ``|a - e| <= limit * max(|e|, floor)`` is checked
+    elementwise with the floor taken ``FLOOR_MARGIN`` low.  In float32 on the tensors' device
+    (float64 only when both sides are): a float64 side is rounded to float32 once, and that
+    rounding (2**-24 relative, also on rms(e)) is taken off the limit, so the screen stays an
+    upper bound of the float64 measure.  Ops exact in float32 end at ``torch.equal``."""
     a, e = actual.detach(), expected.detach()
     if a.device != e.device:
         a = a.to(e.device)
@@ -348,12 +311,9 @@ def _relative_errors(diff: torch.Tensor, e: torch.Tensor, floor, out: torch.Tens
 
 class Segments:
     """The reductions of :func:`metrics.perturbation_terms` per segment of a flat concatenation
-    (one segment per measured output): a window of measures costs a few dozen kernel launches
-    instead of a few dozen per op -- on an accelerator the launches, not the arithmetic, are the
-    cost.  Per-segment sums and maxima are ``_foreach_norm`` over views of the segments (a
-    multi-tensor kernel; ``segment_reduce`` and ``repeat_interleave`` take one thread per
-    segment on CUDA and were 50x slower here).  Every reduced value is >= 0 (counts, squares,
-    relative errors), so the 1-, 2- and inf-norms are the sum, root of the sum of squares, max."""
+    (one per measured output), so a window of measures costs a few kernel launches, not a few per
+    op.  Sums and maxima are ``_foreach_norm`` (one multi-tensor kernel) over the segments: every
+    reduced value is >= 0, so the 1-, 2- and inf-norms are the sum, root of the sum of squares, max."""
 
     def __init__(self, lengths: list[int]):
         self.lengths = lengths
@@ -382,14 +342,10 @@ def _concat(tensors: list, dtype: torch.dtype) -> torch.Tensor:
 
 
 def within_limits(actuals: list, expecteds: list, limits: list, small: float) -> torch.Tensor:
-    """Per pair, on the pairs' device and without reading anything back: True where the
-    float64 measure (:func:`changes`) is certainly within its limit -- the measure's
-    elementwise bound ``|a - e| <= limit * max(|e|, floor)`` in float32 over the concatenated
-    pairs, per segment, with the margins of :func:`surely_within`.  About ten float32 passes
-    instead of the measure's ~15 over float64: the accelerator window measures only what this
-    cannot clear.  inf/nan anywhere in a pair, or a sum of squares that overflows float32,
-    never clears.  float64 tensors are rounded to float32 once, and that rounding (2**-24
-    relative) is taken off the limits, as in :func:`surely_within`."""
+    """Per pair, on the pairs' device, nothing read back: True where the float64 measure
+    (:func:`changes`) is certainly within its limit -- its elementwise bound in float32 over the
+    concatenated pairs, per segment, with the margins and float64 rounding slack of
+    :func:`surely_within`.  inf/nan in a pair, or a float32 sum of squares that overflows, never clears."""
     device = expecteds[0].device
     slack = 2.0 ** -23 if any(t.dtype == torch.float64 for t in (*actuals, *expecteds)) else 0.0
     a, e = _concat(actuals, torch.float32), _concat(expecteds, torch.float32)
@@ -405,11 +361,9 @@ def within_limits(actuals: list, expecteds: list, limits: list, small: float) ->
 
 
 def changes(actuals: list, expecteds: list, small: float) -> torch.Tensor:
-    """:func:`metrics.perturbation_terms` of each (actual, expected) pair, as one (n, 2)
-    float64 tensor of (max_rel, sign_flips) rows on the device of the pairs: nothing is read
-    back here.  The pairs are concatenated and measured per segment, in float64 like the numpy
-    measure: squares of large float32 (or exp'd bfloat16) values overflow float32 and would hide
-    a finding behind an infinite floor."""
+    """:func:`metrics.perturbation_terms` of each (actual, expected) pair, as one (n, 2) float64
+    tensor of (max_rel, sign_flips) rows on the pairs' device (nothing read back).  In float64:
+    squares of large values overflow float32 and would hide a finding behind an infinite floor."""
     from ..standards.metrics import perturbation_terms
     a, e = _concat(actuals, torch.float64), _concat(expecteds, torch.float64)
     seg = Segments([t.numel() for t in expecteds])
@@ -433,15 +387,13 @@ def small_value(dtype: torch.dtype) -> float:
     return per_dtype("small_value", ops.dtype_name(dtype))
 
 
-def _int_view(dtype):
-    return {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32,
-            torch.float64: torch.int64}[dtype]
+_INT_VIEW = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32,
+             torch.float64: torch.int64}
 
 
 def _noisy_mask(x: torch.Tensor) -> torch.Tensor:
     """1 where an element gets noise (finite, |x| >= the small-value threshold), else 0, in
-    x's dtype.  Built in place in one buffer (|x|, inf/nan zeroed, ``ge_``): an out-of-place
-    comparison that makes a bool tensor, or ``isfinite`` (several passes), is 5-10x slower."""
+    x's dtype; built in place in one buffer, with no bool tensor and no ``isfinite`` passes."""
     ax = x.abs()
     ax.nan_to_num_(nan=0.0, posinf=0.0)
     return ax.ge_(small_value(x.dtype))
@@ -452,21 +404,18 @@ def bit_noise(t: torch.Tensor) -> torch.Tensor:
     x = t.detach()
     if not x.is_contiguous():
         x = x.contiguous()
-    ints = _int_view(x.dtype)
+    ints = _INT_VIEW[x.dtype]
     return _noisy_mask(x).to(ints).bitwise_xor_(x.view(ints)).view(x.dtype).view(t.shape)
 
 
 class NoiseSource:
-    """Multiplicative noise factors 1 + u * eps(dtype), u uniform in [-1, 1), from a seeded
-    ``torch.Generator`` of the caller's (never the global RNG).
+    """Multiplicative noise factors 1 + u * eps(dtype), u uniform in [-1, 1), from the caller's
+    seeded ``torch.Generator`` (never the global RNG).
 
-    Drawing a fresh uniform per element costs ~4 ns (CPU Mersenne twister): for a whole training
-    step that is several times the step itself.  So ``_POOL`` (a prime, so the pattern never lines
-    up with power-of-two dimensions) factors are drawn once per (dtype, device), and each
-    tensor reads them from a random offset (one draw per tensor and ``_CHUNK``): every element
-    still gets a uniform factor, neighbours independent, and a tensor's factors repeat only
-    every ``_POOL`` elements.  Factors are in float32 for 16-bit and float32 inputs (float64 for
-    float64), so ``x * factor`` is one pass and the 16-bit product is rounded once."""
+    A fresh uniform per element would cost more than the training step, so ``_POOL`` factors (a
+    prime, out of step with power-of-two dimensions) are drawn once per (dtype, device) and read
+    from a random offset per tensor and ``_CHUNK``: uniform factors, repeating every ``_POOL``
+    elements.  Factors are float32 (float64 for float64): the 16-bit product is rounded once."""
 
     _POOL = 65521
     _CHUNK = 1 << 22
@@ -491,16 +440,11 @@ class NoiseSource:
             tiled = self._tiled[key] = pool.repeat(reps)
         return tiled
 
-    def _offset(self) -> int:
-        return int(torch.randint(self._POOL, (1,), generator=self.gen))
-
     def apply(self, t: torch.Tensor) -> torch.Tensor:
         """x * (1 + u * eps) where x is finite and |x| >= the small-value threshold, x elsewhere.
 
-        The factor is built in place in one buffer (0/1 mask from |x|, times the deltas, plus
-        1): exactly 1 where the mask is 0 (so small values, inf and nan are unchanged), 1 + delta
-        rounded to float32 (float64) elsewhere -- for float32 inputs one of 1 - eps, 1 - eps/2,
-        1, 1 + eps, as before.  No bool tensor, no ``where`` (both slow on CPU)."""
+        The factor (0/1 mask, times the deltas, plus 1) is built in place in one buffer: exactly 1
+        where the mask is 0, so small values, inf and nan are unchanged."""
         x = t.detach()
         n = x.numel()
         wide = torch.float64 if x.dtype == torch.float64 else torch.float32
@@ -512,7 +456,7 @@ class NoiseSource:
             factor = _noisy_mask(part)            # in x's dtype: its small-value threshold
             if part.dtype != wide:
                 part, factor = part.to(wide), factor.to(wide)
-            off = self._offset()
+            off = int(torch.randint(self._POOL, (1,), generator=self.gen))
             factor.mul_(deltas[off:off + part.numel()]).add_(1.0)
             chunks.append(factor.mul_(part))
         out = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
@@ -545,8 +489,7 @@ def change_value_plan(func, args, kwargs):
     packet = func.overloadpacket
     args = list(args)
     if packet in (_aten.mm, _aten.bmm) and len(args) >= 2:
-        a, b = args[0], args[1]
-        args[0], args[1] = swap_first_last(a, -1), swap_first_last(b, -2)
+        args[0], args[1] = swap_first_last(args[0], -1), swap_first_last(args[1], -2)
         return tuple(args), None
     if packet is _aten.addmm and len(args) >= 3:
         args[1], args[2] = swap_first_last(args[1], -1), swap_first_last(args[2], -2)
@@ -570,7 +513,7 @@ def change_value_plan(func, args, kwargs):
     return None
 
 
-# ---- the rest of the contract: small helpers the handlers call -------------------------------
+# ---- the rest of the contract: one-line helpers the handlers call ------------------------------
 def on_host(t: torch.Tensor) -> bool:
     return t.device.type == "cpu"
 

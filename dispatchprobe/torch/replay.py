@@ -1,8 +1,6 @@
-"""The torch replayer of run-ut: rebuild one recorded op call from its record and run it on the
-target device in the recorded dtypes ("device") and on CPU in float64 ("benchmark").
-
-The record encoding is the recorder's (``backend.encode_other`` for non-tensor values); this
-module is its inverse.  :data:`REPLAYER` is what :mod:`dispatchprobe.offline.run_ut` drives.
+"""The torch replayer of run-ut: rebuild one recorded op call (the inverse of the recorder's
+encoding, ``backend.encode_other``) and run it on the target device in the recorded dtypes
+("device") and on CPU in float64 ("benchmark").  :data:`REPLAYER` is what run-ut drives.
 """
 
 from __future__ import annotations
@@ -121,9 +119,8 @@ def random_tensor(spec: dict, seed: int) -> torch.Tensor:
 
 def _restride(t: torch.Tensor, stride) -> torch.Tensor:
     """``t``'s values laid out with the recorded strides (some kernels depend on the layout)."""
-    if stride is None or t.dim() == 0 or list(t.stride()) == list(stride) or t.numel() <= 1:
-        return t
-    if len(stride) != t.dim():
+    if stride is None or t.dim() == 0 or len(stride) != t.dim() or list(t.stride()) == list(stride) \
+            or t.numel() <= 1:
         return t
     if any(s == 0 for s, n in zip(stride, t.shape) if n > 1):
         # an expanded view: keep one slice of each broadcast dim, expand it again
@@ -331,8 +328,7 @@ def _upcast_dtypes(value):
 
 
 def _one_line(exc: Exception) -> str:
-    text = " ".join(str(exc).split())
-    return text[:300]
+    return " ".join(str(exc).split())[:300]
 
 
 def to_numpy(t: torch.Tensor) -> np.ndarray:
