@@ -241,3 +241,59 @@ def test_identical_runs_record_identical_op_sequences(tmp_path):
         train(DispatchProbe(dump_path=str(tmp_path / f"r{i}")), steps=2)
         names.append([r["name"] for step in (0, 1) for r in records(tmp_path / f"r{i}", step)])
     assert names[0] == names[1] == names[2]
+
+
+class _IdentityNet(torch.nn.Module):
+    def __init__(self, middle: torch.nn.Module):
+        super().__init__()
+        self.fc1, self.act, self.fc2 = torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8)
+        self.middle, self.fc3 = middle, torch.nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.fc3(self.middle(self.fc2(self.act(self.fc1(x)))))
+
+
+def _backward_scopes(tmp_path, model, *inputs, name="run"):
+    probe = DispatchProbe(task="statistics", dump_path=str(tmp_path / name), model=model)
+    with probe:
+        out = model(*inputs)
+        (out[0] if isinstance(out, tuple) else out).float().sum().backward()
+    probe.close()
+    return [(r["op"], r["scope"]) for r in load(tmp_path / name).parts[(0, 0)].records if r["stage"] == "backward"]
+
+
+@pytest.mark.parametrize("middle", [torch.nn.Identity(), torch.nn.Dropout(p=0.0)])
+def test_backward_scope_is_not_an_identity_like_module(tmp_path, middle):
+    """A module whose output is its input (Identity, Dropout(p=0)) runs no backward op: the
+    ops before it in backward belong to the layer that ran them."""
+    torch.manual_seed(0)
+    scopes = _backward_scopes(tmp_path, _IdentityNet(middle), torch.randn(3, 4))
+    assert [s for _, s in scopes if s.endswith("middle")] == []
+    assert [op for op, s in scopes if s == "_IdentityNet.fc2"] == ["aten.mm.default", "aten.mm.default",
+                                                                  "aten.sum.dim_IntList"]
+
+
+def test_backward_scopes_of_a_transformer_layer_without_dropout(tmp_path):
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, dropout=0.0, batch_first=True)
+    scopes = _backward_scopes(tmp_path, layer, torch.randn(2, 5, 16))
+    assert not [s for _, s in scopes if "dropout" in s], scopes
+    assert any(s == "TransformerEncoderLayer.self_attn" for _, s in scopes)
+    assert any(s == "TransformerEncoderLayer.norm2" and "layer_norm" in op for op, s in scopes)
+
+
+def test_uninitialised_memory_is_recorded_undefined(tmp_path):
+    """Values from the empty family differ run to run until written: recorded as undefined
+    (no statistics, never judged); once an op has written the tensor, it is an ordinary value."""
+    probe = DispatchProbe(task="tensor", dump_path=str(tmp_path / "run"))
+    with probe:
+        buf = torch.empty(6, dtype=torch.int64)
+        buf.index_put_((torch.arange(6),), torch.arange(6) * 2)
+        total = buf.sum()
+    probe.close()
+    assert int(total) == 30
+    recs = {r["op"]: r for r in load(tmp_path / "run").parts[(0, 0)].records}
+    before = recs["aten.index_put_.default"]["inputs"][0]
+    assert before["undefined"] is True and "stats" not in before and before["data"]
+    after = recs["aten.sum.default"]["inputs"][0]
+    assert "undefined" not in after and after["stats"]["max"] == 10

@@ -23,6 +23,7 @@ class OpEvent:
     grad_fn: str | None = None    # backward ops: the autograd node that ran them
     stack: tuple | None = None    # Python frames ("file:line in func"), innermost last
     func: Callable | None = None  # the callable, so a handler can run it again
+    undefined: set | None = None  # ids of argument tensors holding uninitialised memory
 
     def with_outputs(self, outputs) -> "OpEvent":
         """A shallow copy holding ``outputs`` instead: what a handler keeps of an op until a

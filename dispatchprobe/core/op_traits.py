@@ -26,10 +26,14 @@ RANDOM = frozenset({
     "_fused_dropout", "_standard_gamma", "_sample_dirichlet", "binomial",
     "_scaled_dot_product_flash_attention_for_cpu_dropout"})
 
+# Hand out memory without writing it: its contents are undefined until an op writes them.
+UNINITIALISED = frozenset({"empty", "empty_like", "empty_strided", "empty_permuted", "new_empty",
+                           "new_empty_strided"})
+
 # Allocation and bookkeeping: outputs are uninitialised memory or metadata.  Never recorded by
 # capture (their "values" differ between identical runs), nothing to check in run-ut.
-NOTHING_TO_CHECK = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "resize",
-                              "set", "record_stream", "_local_scalar_dense", "sym_size", "sym_stride", "sym_numel"})
+NOTHING_TO_CHECK = UNINITIALISED | {"resize", "set", "record_stream", "_local_scalar_dense", "sym_size", "sym_stride",
+                                    "sym_numel"}
 
 # Only make a new alias of existing data (skipped by capture unless include_views=True).
 ALIAS = frozenset({"detach", "alias", "lift_fresh", "lift", "_unsafe_view"})

@@ -84,6 +84,10 @@ class Recorder(Handler):
             record["output_type"] = "tuple" if isinstance(out, tuple) else "list" if isinstance(out, list) else "single"
             record["outputs"] = [enc(o) for o in flat_outputs(out)]
         same = self.backend.same_values(event) if save and event.func is not None else None
+        if event.undefined:
+            for t, spec in found:
+                if id(t) in event.undefined:
+                    spec["undefined"] = True
         self._fill_tensors(found, save, same, defer and not self.checksum)
         return record
 
@@ -91,6 +95,8 @@ class Recorder(Handler):
         backend = self.backend
         missing = []
         for t, spec in found:
+            if "undefined" in spec:       # uninitialised memory: its statistics mean nothing
+                continue
             ident = backend.identity(t)
             entry = self._lookup(t, ident)
             if entry is not None and "stats" in entry:

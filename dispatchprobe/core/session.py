@@ -122,7 +122,7 @@ class ProbeSession:
 
     # ---- for adapters and handlers ----------------------------------------------------------
     def on_op(self, op: str, stage: str, scope: str, args, kwargs, outputs, *, func=None, grad_fn=None,
-              stack=None):
+              stack=None, undefined=None):
         """What every capture path does with one op call: the config's stage and scope filters,
         the call index, an :class:`OpEvent` for the handlers (run with the framework's tracing
         off, :meth:`_quiet`).  ``stack``: a callable giving the user's frames, called only when
@@ -131,7 +131,7 @@ class ProbeSession:
             return None
         frames = stack() if stack is not None and self.config.stack and stage == "forward" else None
         event = OpEvent("op", op, stage, scope, self.next_call(op, stage), args, kwargs, outputs,
-                        grad_fn=grad_fn, stack=frames, func=func)
+                        grad_fn=grad_fn, stack=frames, func=func, undefined=undefined or None)
         self.busy = True
         try:
             with self._quiet():

@@ -27,25 +27,92 @@ class _ProbeMode(TorchDispatchMode):
         kwargs = kwargs or {}
         probe = self.probe
         if probe.busy or not probe._wants(func):
-            return func(*args, **kwargs)
+            out = func(*args, **kwargs)
+            if ops.allocates_uninitialised(func) and not probe.busy:
+                probe.uninitialised.add(out)
+            return out
         seen_args, seen_kwargs = args, kwargs
+        undefined = probe.uninitialised.among(func, args, kwargs) if probe.uninitialised else None
         written = ops.reads_written(func)
         if written:  # in-place/out= ops: record the inputs as they were *before* the op ran
-            seen_args, seen_kwargs = _copy_written(written, args, kwargs)
+            seen_args, seen_kwargs = _copy_written(written, args, kwargs, undefined)
         out = func(*args, **kwargs)
-        return probe._on_op(func, seen_args, seen_kwargs, out)
+        if undefined is not None:
+            probe.uninitialised.written(func, args, kwargs)
+        return probe._on_op(func, seen_args, seen_kwargs, out, undefined)
 
 
-def _copy_written(written, args, kwargs):
-    """Copies of the tensors an op is about to overwrite, in place of the originals."""
+def _copy_written(written, args, kwargs, undefined: set | None):
+    """Copies of the tensors an op is about to overwrite, in place of the originals (a copy of
+    an undefined tensor is undefined too)."""
     args, kwargs = list(args), dict(kwargs)
     with torch.no_grad():
         for i, name in written:
             if i < len(args) and isinstance(args[i], torch.Tensor):
-                args[i] = args[i].clone()
+                old = args[i]
+                args[i] = new = old.clone()
             elif isinstance(kwargs.get(name), torch.Tensor):
-                kwargs[name] = kwargs[name].clone()
+                old = kwargs[name]
+                kwargs[name] = new = old.clone()
+            else:
+                continue
+            if undefined and id(old) in undefined:
+                undefined.add(id(new))
     return tuple(args), kwargs
+
+
+class _Uninitialised:
+    """Memory from the ``empty`` family holds no values until an op writes it: its bytes differ
+    from run to run, so such tensors are recorded with ``undefined: true`` and never judged.
+    Any write (in-place or ``out=``, even a partial one) counts as defining the whole tensor."""
+
+    def __init__(self):
+        self._live: dict = {}            # storage address -> weak reference to the storage
+
+    def __bool__(self) -> bool:
+        return bool(self._live)
+
+    @staticmethod
+    def _key(t):
+        try:
+            return t.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):
+            return None
+
+    def add(self, out) -> None:
+        if isinstance(out, torch.Tensor) and out.numel() and out.layout == torch.strided:
+            key = self._key(out)
+            if key is not None:
+                self._live[key] = torch_backend.memory_ref(out)
+
+    def _hit(self, t) -> bool:
+        key = self._key(t)
+        ref = self._live.get(key)
+        if ref is None:
+            return False
+        if ref.expired():
+            del self._live[key]
+            return False
+        return True
+
+    def among(self, func, args, kwargs) -> set:
+        """``id``s of the op's tensor arguments that are still undefined; the arguments an
+        overwrite-only op (``fill_``, ``copy_``) writes are recorded after the op, so not these."""
+        skip = {i for pair in ops.written_args(func) for i in pair} if ops.reads_written(func) == () else ()
+        found = set()
+        for k, v in [*enumerate(args), *kwargs.items()]:
+            if k in skip:
+                continue
+            for t in (v if isinstance(v, (tuple, list)) else (v,)):
+                if isinstance(t, torch.Tensor) and self._hit(t):
+                    found.add(id(t))
+        return found
+
+    def written(self, func, args, kwargs) -> None:
+        for i, name in ops.written_args(func):
+            t = args[i] if i < len(args) else kwargs.get(name)
+            if isinstance(t, torch.Tensor):
+                self._live.pop(self._key(t), None)
 
 
 class _ModuleScopes(ModuleTracker):
@@ -63,6 +130,7 @@ class _ModuleScopes(ModuleTracker):
         self.backward_active: list[str] = []
         self._types: dict[str, str] = {}
         self._grad_out: dict = {}
+        self._left_early: dict = {}      # backward exits seen before their module entered
         if root is not None:
             self._get_mod_name(root)
 
@@ -107,11 +175,17 @@ class _ModuleScopes(ModuleTracker):
             if is_bw and not self._has_callback:
                 torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
             base(*grads)
-            if is_bw:
+            if not is_bw:
+                self.forward_stack.append(name)
+            elif name in self._left_early:
+                # output and input are one tensor (Identity, Dropout(p=0) returns its input): the
+                # module's exit hook fired first; it runs no backward op, so it never becomes a scope
+                self.parents.discard(name)
+                self.probe.on_module(self._types.get(name, ""), name, "backward", grads,
+                                     self._left_early.pop(name))
+            else:
                 self.backward_active.append(name)
                 self._grad_out[name] = grads
-            else:
-                self.forward_stack.append(name)
         return enter
 
     def _get_pop_fn(self, name, is_bw):
@@ -122,6 +196,9 @@ class _ModuleScopes(ModuleTracker):
             stack = self.backward_active if is_bw else self.forward_stack
             if name in stack:
                 del stack[len(stack) - 1 - stack[::-1].index(name)]
+            elif is_bw:
+                self._left_early[name] = tuple(grads)
+                return
             if is_bw:
                 self.probe.on_module(self._types.get(name, ""), name, "backward", self._grad_out.pop(name, ()),
                                       tuple(grads))
@@ -130,6 +207,7 @@ class _ModuleScopes(ModuleTracker):
     def _backward_done(self) -> None:
         self.backward_active.clear()
         self._grad_out.clear()
+        self._left_early.clear()
 
 
 class DispatchProbe(ProbeSession):
@@ -146,6 +224,7 @@ class DispatchProbe(ProbeSession):
         super().__init__(config, **overrides)
         self._mode: _ProbeMode | None = None
         self.scopes = _ModuleScopes(self, model)
+        self.uninitialised = _Uninitialised()
         self._wants_memo: dict = {}
 
     # ---- installation -------------------------------------------------------------------------
@@ -180,14 +259,15 @@ class DispatchProbe(ProbeSession):
             self._wants_memo[func] = hit
         return hit
 
-    def _on_op(self, func, args, kwargs, out):
+    def _on_op(self, func, args, kwargs, out, undefined=None):
         backward = torch._C._current_graph_task_id() != -1
         grad_fn = None
         if backward:
             node = torch._C._current_autograd_node()
             grad_fn = node.name() if node is not None else None
         replaced = self.on_op(ops.op_name(func), "backward" if backward else "forward", self.scopes.current,
-                              args, kwargs, out, func=func, grad_fn=grad_fn, stack=ops.user_stack)
+                              args, kwargs, out, func=func, grad_fn=grad_fn, stack=ops.user_stack,
+                              undefined=undefined)
         return out if replaced is None else replaced
 
     def _quiet(self):

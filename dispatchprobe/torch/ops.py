@@ -65,6 +65,11 @@ def never_recorded(func) -> bool:
 
 
 @functools.cache
+def allocates_uninitialised(func) -> bool:
+    return base(func) in op_traits.UNINITIALISED
+
+
+@functools.cache
 def is_alias(func) -> bool:
     """A view or alias of existing data (recorded only with ``include_views``)."""
     return func.is_view or base(func) in op_traits.ALIAS
