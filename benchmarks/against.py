@@ -5,8 +5,11 @@ old, new, ...) as child processes, each with its own copy of the script and its 
 on ``PYTHONPATH``, so drift in machine speed hits both alike.  Every table row a script prints
 as ``<mode> <median> <ratio>x`` is collected, and the median ratio per mode and version printed.
 
-    python benchmarks/against.py REV record_overhead.py --quick --steps 5 [--rounds 3]
+    python benchmarks/against.py REV record_overhead.py --quick --steps 5 [--rounds 3] [--new REV2]
     python benchmarks/against.py REV inline_checks.py --quick --dtype bfloat16
+
+``--new REV2`` measures commit REV2 (also in a worktree) instead of this working tree, so that
+edits made while it runs cannot reach the measurement.
 """
 
 from __future__ import annotations
@@ -52,12 +55,14 @@ def main() -> None:
     if len(sys.argv) < 3:
         raise SystemExit(__doc__)
     rev, script, args = sys.argv[1], sys.argv[2], sys.argv[3:]
-    rounds = 3
-    if "--rounds" in args:
-        i = args.index("--rounds")
-        rounds = int(args[i + 1])
-        del args[i:i + 2]
-    trees = {f"old ({rev})": worktree(rev), "new (this tree)": ROOT}
+    options = {"--rounds": "3", "--new": None}
+    for name in options:
+        if name in args:
+            i = args.index(name)
+            options[name] = args[i + 1]
+            del args[i:i + 2]
+    rounds, new = int(options["--rounds"]), options["--new"]
+    trees = {f"old ({rev})": worktree(rev), f"new ({new})" if new else "new (this tree)": worktree(new) if new else ROOT}
     ratios: dict[str, dict[str, list[float]]] = {label: {} for label in trees}
     for r in range(rounds):
         for label, tree in trees.items():
