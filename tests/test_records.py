@@ -10,9 +10,10 @@ import sys
 import textwrap
 import time
 
+import numpy as np
 import pytest
 
-from dispatchprobe import RecordError, load
+from dispatchprobe import DispatchProbe, RecordError, load
 
 TRAIN_FOREVER = textwrap.dedent("""
     import sys, torch
@@ -140,3 +141,60 @@ def test_walk_names_arguments_and_signature_ignores_values():
     assert call_signature(other) != call_signature(rec)
     empty, none = dict(rec, inputs=[{"type": "list", "value": []}]), dict(rec, inputs=[{"type": "none"}])
     assert call_signature(empty) != call_signature(none)
+
+
+def _every_dtype_tensor():
+    """One small tensor of every dtype torch can make values of (sub-byte ints and quantized
+    dtypes have no elementwise values to record), with extreme and awkward values."""
+    import torch
+    base = torch.tensor([0.0, 1.5, -2.0, 3.0e4, 1e-3, 7.0])
+    out = {}
+    for dt in sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str):
+        try:
+            if dt.is_complex:
+                t = torch.complex(base, -base).to(dt)
+            elif dt == torch.bool:
+                t = base != 0
+            elif dt.is_floating_point:
+                t = base.to(dt)
+            elif dt == torch.uint32:
+                t = torch.tensor([4128883887, 1, 2, 3, 4, 5]).to(dt)
+            elif dt == torch.uint64:
+                t = torch.tensor([2**63 - 7, 1, 2, 3, 4, 5]).to(dt)
+            else:
+                t = base.to(torch.int64).to(dt)
+        except (NotImplementedError, RuntimeError):
+            continue
+        out[str(dt).removeprefix("torch.")] = t
+    return out
+
+
+def test_every_dtype_round_trips_exactly(tmp_path):
+    """Saved tensors keep their values whatever the dtype (never widened, narrowed or cut to
+    real parts); the reader gives numpy arrays holding exactly those values."""
+    import torch
+    tensors = _every_dtype_tensor()
+    assert {"complex128", "complex32", "complex64", "uint32", "uint64", "float8_e4m3fn", "float8_e8m0fnu",
+            "bfloat16", "bool"} <= set(tensors)
+    probe = DispatchProbe(task="tensor", dump_path=str(tmp_path / "run"))
+    with probe:
+        for t in tensors.values():
+            t.clone()
+    probe.close()
+    part = load(tmp_path / "run").parts[(0, 0)]
+    seen = set()
+    for rec in part.records:
+        spec = rec["outputs"][0]
+        t = tensors[spec["dtype"]]
+        if t.dtype == torch.complex32:
+            want = t.to(torch.complex64).numpy()
+        elif t.dtype == torch.bfloat16 or t.dtype.itemsize == 1 and t.dtype.is_floating_point:
+            want = t.float().numpy()
+        else:
+            want = t.numpy()
+        got = part.tensor(spec["data"])
+        assert got.shape == want.shape and got.dtype == want.dtype, spec["dtype"]
+        assert np.array_equal(got, want, equal_nan=True), spec["dtype"]
+        assert spec["stats"] is not None
+        seen.add(spec["dtype"])
+    assert seen == set(tensors)

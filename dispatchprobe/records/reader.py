@@ -30,7 +30,31 @@ tensor_list = tensor_rows = walk   # the names compare and the tests read tensor
 
 _ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32,
               "I16": np.int16, "I8": np.int8, "U8": np.uint8, "U16": np.uint16, "U32": np.uint32,
-              "U64": np.uint64, "BOOL": np.bool_}
+              "U64": np.uint64, "BOOL": np.bool_, "C64": np.complex64}
+
+
+def _float8_table(exp_bits: int, man_bits: int, bias: int, *, ieee: bool = False, fnuz: bool = False) -> np.ndarray:
+    """The float32 value of each of the 256 bytes of an 8-bit float format (exact)."""
+    out = np.empty(256, np.float32)
+    top = (1 << exp_bits) - 1
+    for b in range(256):
+        sign = -1.0 if b >> 7 else 1.0
+        exp, man = (b >> man_bits) & top, b & ((1 << man_bits) - 1)
+        if (fnuz and b == 0x80) or (not ieee and not fnuz and exp == top and man == (1 << man_bits) - 1):
+            out[b] = np.nan
+        elif ieee and exp == top:
+            out[b] = sign * np.inf if man == 0 else np.nan
+        elif exp == 0:
+            out[b] = sign * man / (1 << man_bits) * 2.0 ** (1 - bias)
+        else:
+            out[b] = sign * (1 + man / (1 << man_bits)) * 2.0 ** (exp - bias)
+    return out
+
+
+# 8-bit floats, widened exactly to float32 (numpy has none): by safetensors code or torch dtype name
+_FLOAT8 = {"F8_E4M3": _float8_table(4, 3, 7), "F8_E5M2": _float8_table(5, 2, 15, ieee=True),
+           "F8_E4M3FNUZ": _float8_table(4, 3, 8, fnuz=True), "F8_E5M2FNUZ": _float8_table(5, 2, 16, fnuz=True),
+           "float8_e8m0fnu": np.array([2.0 ** (b - 127) for b in range(255)] + [np.nan], np.float32)}
 
 TENSOR_COLUMNS = ["step", "rank", "id", "kind", "name", "op", "stage", "scope", "call", "grad_fn", "io", "arg",
                   "dtype", "shape", "device", "max", "min", "mean", "norm", "nan", "inf", "checksum", "data"]
@@ -53,21 +77,40 @@ def read_safetensors(path: str, keys=None) -> dict[str, np.ndarray]:
         except ValueError:
             raise RecordError(f"{path}: corrupt safetensors header") from None
     data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n) if os.path.getsize(path) > 8 + n else np.zeros(0, np.uint8)
+    stored_as = header.get("__metadata__") or {}
     out = {}
     for key, info in header.items():
         if key == "__metadata__" or (keys is not None and key not in keys):
             continue
         start, end = info["data_offsets"]
         buf = data[start:end]
-        dt = info["dtype"]
+        dt, shape = info["dtype"], info["shape"]
+        if len(buf) != end - start:
+            raise RecordError(f"{path}: tensor {key} is cut short ({len(buf)} of {end - start} bytes): a damaged shard")
         if dt == "BF16":
             arr = (np.frombuffer(buf, dtype="<u2").astype(np.uint32) << 16).view(np.float32)
+        elif dt in _FLOAT8:
+            arr = _FLOAT8[dt][np.frombuffer(buf, dtype=np.uint8)]
         elif dt in _ST_DTYPES:
             arr = np.frombuffer(buf, dtype=np.dtype(_ST_DTYPES[dt]).newbyteorder("<"))
         else:
             raise RecordError(f"{path}: tensor {key} has dtype {dt}, which numpy cannot hold; read it with torch")
-        out[key] = arr.reshape(info["shape"])
+        if key in stored_as:            # a dtype safetensors has no code for (see torch.backend.save_shard)
+            real = json.loads(stored_as[key])
+            arr, shape = _restore(arr, real["dtype"], path, key), real["shape"]
+        out[key] = arr.reshape(shape)
     return out
+
+
+def _restore(arr: np.ndarray, dtype: str, path: str, key: str) -> np.ndarray:
+    """The values of a tensor stored as (re, im) pairs or raw bytes, as numpy can hold them."""
+    if dtype == "complex128":
+        return arr.view(np.complex128)
+    if dtype == "complex32":
+        return arr.astype(np.float32).view(np.complex64)
+    if dtype in _FLOAT8:
+        return _FLOAT8[dtype][arr]
+    raise RecordError(f"{path}: tensor {key} has dtype {dtype}, which numpy cannot hold; read it with torch")
 
 
 def as_view(base: np.ndarray, view: dict) -> np.ndarray:

@@ -67,13 +67,14 @@ def write_csv(path: str, header, rows) -> None:
     os.replace(tmp, path)
 
 
-def write_safetensors(entries: dict, path: str) -> None:
-    """Write ``{key: (dtype_code, shape, buffer)}`` as a safetensors file, without copying.
+def write_safetensors(entries: dict, path: str, metadata: dict | None = None) -> None:
+    """Write ``{key: (dtype_code, shape, buffer)}`` as a safetensors file, without copying;
+    ``metadata`` ({key: dtype name}) names the real dtype of entries stored in another form.
 
     Not the library's ``save_file``: it copies every tensor into a bytes object first and
     refuses tensors that share memory (our snapshots share recycled arenas).  Files are read by
     ``reader.read_safetensors`` and by the library."""
-    header: dict = {}
+    header: dict = {"__metadata__": {k: str(v) for k, v in metadata.items()}} if metadata else {}
     offset = 0
     for key, (code, shape, buf) in entries.items():
         size = buf.nbytes

@@ -5,12 +5,14 @@ asks of torch tensors (describe, statistics, snapshots, JSON encoding of non-ten
 
 from __future__ import annotations
 
+import json
 import math
 import threading
 import zlib
 
 import numpy as np
 import torch
+from safetensors import torch as safetensors_torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..records.writer import write_safetensors
@@ -303,22 +305,28 @@ def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-_ST_CODES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-             torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-             torch.bool: "BOOL", torch.complex64: "C64"}
+_ST_CODES = {dtype: code for code, dtype in safetensors_torch._TYPES.items()}
+_PAIRS = {torch.complex128: ("F64", torch.float64), torch.complex32: ("F16", torch.float16)}
 
 
 def save_shard(tensors: dict, path: str) -> None:
-    """Write a safetensors file straight from the snapshots' memory, then free their arenas."""
-    entries = {}
+    """Write a safetensors file straight from the snapshots' memory, then free their arenas.
+
+    Bytes are never converted: a dtype safetensors has no code for is stored as its (re, im)
+    pairs (complex128, complex32) or as raw bytes, with its dtype and shape in the file's
+    metadata (``records.reader.read_safetensors`` restores them)."""
+    entries, renamed = {}, {}
     for key, t in tensors.items():
-        code = _ST_CODES.get(t.dtype)
-        if code is None:                  # rare dtypes: stored widened to float32
-            t = t.float()
-            code = "F32"
+        code, shape = _ST_CODES.get(t.dtype), list(t.shape)
+        if code is None:
+            renamed[key] = json.dumps({"dtype": dtype_name(t.dtype), "shape": shape})
+            if t.dtype in _PAIRS:
+                code, shape = _PAIRS[t.dtype][0], shape + [2]
+            else:
+                code, shape = "U8", [nbytes(t)]
         raw = t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
-        entries[key] = (code, list(t.shape), memoryview(raw.numpy()))
-    write_safetensors(entries, path)
+        entries[key] = (code, shape, memoryview(raw.numpy()))
+    write_safetensors(entries, path, metadata=renamed)
     _ARENAS.release(tensors.values())
 
 
