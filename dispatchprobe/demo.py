@@ -19,7 +19,8 @@ def run_demo(dump_path: str = "runs/demo", task: str = "tensor", steps: int = 2)
     if task == "free_benchmark":     # improve_precision re-runs 16-bit ops in float32: train in bf16
         model = model.to(torch.bfloat16)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    probe = DispatchProbe(task=task, dump_path=dump_path, level="mix", model=model)
+    # the demo owns its output folder: a second demo replaces the first one's records
+    probe = DispatchProbe(task=task, dump_path=dump_path, level="mix", model=model, overwrite=True)
     for step in range(steps):
         tokens, targets = lm_batch(seed=step)
         with probe:

@@ -198,3 +198,30 @@ def test_every_dtype_round_trips_exactly(tmp_path):
         assert spec["stats"] is not None
         seen.add(spec["dtype"])
     assert seen == set(tensors)
+
+
+def _record_once(path, scale: float, **kw):
+    import torch
+    probe = DispatchProbe(task="tensor", dump_path=str(path), **kw)
+    with probe:
+        (torch.arange(6.0) * scale).exp()
+    probe.close()
+
+
+def test_a_run_directory_never_holds_two_runs(tmp_path):
+    """Recording again into a run directory is refused with one line naming the option, and the
+    first run stays as it was; with overwrite=True the first run's records are replaced whole."""
+    from dispatchprobe import ConfigError
+    path = tmp_path / "run"
+    _record_once(path, 1.0)
+    shard = next((path / "step0" / "rank0" / "tensors").glob("shard_*.safetensors"))
+    before = (shard.read_bytes(), (path / "step0" / "rank0" / "ops.jsonl").read_text())
+    with pytest.raises(ConfigError, match="already holds records of rank 0.*overwrite=True") as err:
+        _record_once(path, 2.0)
+    assert "\n" not in str(err.value)
+    assert (shard.read_bytes(), (path / "step0" / "rank0" / "ops.jsonl").read_text()) == before
+    _record_once(path, 2.0, overwrite=True)
+    part = load(path).parts[(0, 0)]
+    assert [r["id"] for r in part.records] == list(range(len(part.records)))
+    exp = next(r for r in part.records if r["op"] == "aten.exp.default")
+    assert np.allclose(part.tensor(exp["inputs"][0]["data"]), np.arange(6.0) * 2)

@@ -68,6 +68,7 @@ class Config:
     include_views: bool = False     # record view/metadata-only ops (view, t, expand, ...)
     stack: bool = False             # record the Python stack of each forward op (deduplicated)
     checksum: bool = False          # a fast hash of each tensor's bytes (msprobe summary_mode=md5)
+    overwrite: bool = False         # delete this rank's records of an earlier run in dump_path first
     overflow: OverflowConfig = field(default_factory=OverflowConfig)
     free_benchmark: FreeBenchmarkConfig = field(default_factory=FreeBenchmarkConfig)
 
@@ -133,7 +134,7 @@ class Config:
         self.data_mode = _str_list("data_mode", self.data_mode) or ["all"]
         for mode in self.data_mode:
             _choice("data_mode", mode, DATA_MODES)
-        for key in ("include_views", "stack", "checksum"):
+        for key in ("include_views", "stack", "checksum", "overwrite"):
             _type(key, getattr(self, key), bool)
         o, fb = self.overflow, self.free_benchmark
         _type("overflow_nums", o.overflow_nums, int)

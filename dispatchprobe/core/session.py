@@ -8,11 +8,13 @@ mode, module hooks) that turns calls into :class:`OpEvent` objects for :meth:`Pr
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import re
+import shutil
 from collections import defaultdict
 
-from .config import Config
+from .config import Config, ConfigError
 from .events import OpEvent
 from .recorder import Recorder
 from .tasks import TASKS
@@ -64,6 +66,8 @@ class ProbeSession:
         self.selector = OpSelector(self.config.list, self.config.scope)
         self.step_no = 0
         self.rank = self._detect_rank()
+        self._parts_written: set[str] = set()
+        self._claim_run_dir()
         self.part: PartWriter | None = None
         self._calls: dict = defaultdict(int)
         self._manifest_written = False
@@ -181,7 +185,23 @@ class ProbeSession:
         cfg = self.config
         return (not cfg.step or self.step_no in cfg.step) and (not cfg.rank or self.rank in cfg.rank)
 
+    def _claim_run_dir(self) -> None:
+        """A run directory never holds two runs: this rank's records of an earlier run (or an
+        earlier probe) are refused, or deleted first with ``overwrite=True``."""
+        old = [os.path.dirname(f) for f in
+               glob.glob(os.path.join(glob.escape(self.run_dir), "step*", f"rank{self.rank}", "ops.jsonl"))]
+        old = sorted(d for d in old if d not in self._parts_written)
+        if not old:
+            return
+        if not self.config.overwrite:
+            raise ConfigError(f"{self.run_dir} already holds records of rank {self.rank} from an earlier run "
+                              f"({len(old)} step folder(s)); choose another dump_path, or set overwrite=True to "
+                              "delete them first")
+        for folder in old:
+            shutil.rmtree(folder)
+
     def _open_part(self) -> None:
+        self._claim_run_dir()
         if not self._manifest_written:
             write_manifest(self.run_dir, framework=self.backend.name, framework_version=self.backend.version,
                            device=self.backend.accelerator(), config=self.config.to_dict(),
@@ -189,6 +209,7 @@ class ProbeSession:
             self._manifest_written = True
         if self.part is None:
             self.part = PartWriter(self.part_dir, self.backend.save_shard, self.backend.nbytes)
+            self._parts_written.add(self.part_dir)
             self._calls.clear()
             self.recorder.start_part(self.part)
             for h in self.handlers:
