@@ -225,3 +225,59 @@ def test_a_run_directory_never_holds_two_runs(tmp_path):
     assert [r["id"] for r in part.records] == list(range(len(part.records)))
     exp = next(r for r in part.records if r["op"] == "aten.exp.default")
     assert np.allclose(part.tensor(exp["inputs"][0]["data"]), np.arange(6.0) * 2)
+
+
+FULL_DISK = textwrap.dedent("""
+    import contextlib, json, resource, signal, sys, warnings
+    import torch
+    from dispatchprobe import DispatchProbe
+    from dispatchprobe.models import TinyTransformer, lm_batch, lm_loss
+
+    def train(probe):
+        torch.manual_seed(0)
+        model = TinyTransformer(dropout=0.0)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = []
+        for step in range(3):
+            tokens, targets = lm_batch(seed=step)
+            with probe if probe is not None else contextlib.nullcontext():
+                loss = lm_loss(model, tokens, targets)
+                loss.backward()
+            opt.step(); opt.zero_grad()
+            if probe is not None:
+                probe.step()
+            losses.append(loss.item())
+        return losses
+
+    plain = train(None)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)        # writes past the limit fail with EFBIG
+    resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[2]), int(sys.argv[2])))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        probe = DispatchProbe(task="tensor", dump_path=sys.argv[1])
+        probed = train(probe)
+        probe.close()
+    print(json.dumps({"plain": plain, "probed": probed, "warnings": [str(w.message) for w in caught],
+                      "failed": probe.failed}))
+""")
+
+
+@pytest.mark.parametrize("limit", [20_000, 400_000])
+def test_full_disk_stops_recording_not_training(tmp_path, limit):
+    """Records that cannot be written (here: a file size limit, as on a full disk) end the
+    recording with one warning; training computes exactly what it computes unprobed, and what
+    was written before stays readable."""
+    out = subprocess.run([sys.executable, "-c", FULL_DISK, str(tmp_path / "run"), str(limit)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["probed"] == res["plain"]
+    assert res["failed"] and "writing" in res["failed"]
+    stopped = [w for w in res["warnings"] if "recording stopped" in w]
+    assert len(stopped) == 1 and "\n" not in stopped[0]
+    run = load(tmp_path / "run")
+    for part in run.parts.values():
+        for rec in part.records:
+            for spec in (s for s in rec.get("outputs", ()) if s.get("type") == "tensor" and s.get("data")):
+                if part.has_tensor(spec["data"]):
+                    part.tensor(spec["data"])

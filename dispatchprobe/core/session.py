@@ -12,6 +12,7 @@ import glob
 import os
 import re
 import shutil
+import warnings
 from collections import defaultdict
 
 from .config import Config, ConfigError
@@ -67,6 +68,7 @@ class ProbeSession:
         self.step_no = 0
         self.rank = self._detect_rank()
         self._parts_written: set[str] = set()
+        self.failed: str | None = None     # why recording stopped (records could not be written)
         self._claim_run_dir()
         self.part: PartWriter | None = None
         self._calls: dict = defaultdict(int)
@@ -83,9 +85,12 @@ class ProbeSession:
 
     # ---- what users call ------------------------------------------------------------------
     def start(self) -> None:
-        if self._active or not self._enabled_here():
+        if self._active or self.failed or not self._enabled_here():
             return
-        self._open_part()
+        with self._writing():
+            self._open_part()
+        if self.failed:
+            return
         self._active = True
         self._install()
 
@@ -94,17 +99,20 @@ class ProbeSession:
             return
         self._uninstall()
         self._active = False
-        self.flush()
+        with self._writing():
+            self.flush()
 
     def step(self) -> None:
         """End of a training step: close this step's records and count on."""
         self.stop()
-        self._close_part()
+        with self._writing():
+            self._close_part()
         self.step_no += 1
 
     def close(self) -> None:
         self.stop()
-        self._close_part()
+        with self._writing():
+            self._close_part()
         for h in self.handlers:
             h.close()
 
@@ -131,31 +139,44 @@ class ProbeSession:
         the call index, an :class:`OpEvent` for the handlers (run with the framework's tracing
         off, :meth:`_quiet`).  ``stack``: a callable giving the user's frames, called only when
         the config asks for stacks of forward ops.  Returns replacement outputs (``fix``) or None."""
-        if not self._stage_on[stage] or not self.selector.scope_selected(scope):
+        if self.failed or not self._stage_on[stage] or not self.selector.scope_selected(scope):
             return None
         frames = stack() if stack is not None and self.config.stack and stage == "forward" else None
         event = OpEvent("op", op, stage, scope, self.next_call(op, stage), args, kwargs, outputs,
                         grad_fn=grad_fn, stack=frames, func=func, undefined=undefined or None)
         self.busy = True
         try:
-            with self._quiet():
+            with self._quiet(), self._writing():
                 return self.dispatch(event)
         finally:
             self.busy = False
 
     def on_module(self, type_name: str, scope: str, stage: str, inputs, outputs) -> None:
         """A module boundary (level ``module``/``mix``): one module record, in the module tree."""
-        if not self.record_modules or self.busy or not self._stage_on[stage] or not self.selector.scope_selected(scope):
+        if not self.record_modules or self.busy or self.failed or not self._stage_on[stage] \
+                or not self.selector.scope_selected(scope):
             return
         event = OpEvent("module", type_name, stage, scope, self.next_call(scope, stage),
                         tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,), {}, outputs)
         self.busy = True
         try:
-            with self._quiet():
+            with self._quiet(), self._writing():
                 self.recorder.module(scope, type_name)
                 self.recorder.emit(self.recorder.encode(event, defer=True))
         finally:
             self.busy = False
+
+    @contextlib.contextmanager
+    def _writing(self):
+        """Records that cannot be written (disk full, quota) end the recording, not the training:
+        one warning, nothing more is recorded, what was written stays readable."""
+        try:
+            yield
+        except OSError as exc:
+            if not self.failed:
+                self.failed = str(exc)
+                warnings.warn(f"dispatchprobe: recording stopped: {exc}; the records written before are "
+                              "readable, training goes on unrecorded", RuntimeWarning, stacklevel=4)
 
     def _quiet(self):
         """A context with the framework's autograd/tracing off, for the handlers (adapters override)."""

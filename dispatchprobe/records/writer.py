@@ -13,6 +13,7 @@ Why this shape (see docs/record-format.md):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -89,6 +90,11 @@ def write_safetensors(entries: dict, path: str, metadata: dict | None = None) ->
             f.write(buf)
 
 
+class WriteFailed(OSError):
+    """Records could not be written (disk full, quota, file size limit): the probe stops
+    recording and training goes on; what was written before stays readable."""
+
+
 class _JsonLines:
     """An append-only JSON-lines file, flushed after every line."""
 
@@ -97,10 +103,13 @@ class _JsonLines:
         self._file = None
 
     def append(self, obj: dict) -> None:
-        if self._file is None:
-            self._file = open(self.path, "a", encoding="utf-8")
-        self._file.write(json.dumps(obj, separators=(",", ":"), default=str) + "\n")
-        self._file.flush()
+        try:
+            if self._file is None:
+                self._file = open(self.path, "a", encoding="utf-8")
+            self._file.write(json.dumps(obj, separators=(",", ":"), default=str) + "\n")
+            self._file.flush()
+        except OSError as exc:
+            raise WriteFailed(f"{exc.strerror or exc} writing {self.path}") from None
 
     def flush(self) -> None:
         """Lines are flushed as they are appended."""
@@ -128,7 +137,7 @@ class TensorShardWriter:
 
     def put(self, key: str, tensor) -> None:
         if self._error is not None:
-            raise RuntimeError(f"dispatchprobe: tensor writer failed: {self._error}")
+            raise WriteFailed(self._error)
         if not self._started:
             os.makedirs(self.folder, exist_ok=True)
             self._thread.start()
@@ -146,7 +155,7 @@ class TensorShardWriter:
             self._queue.put(("__flush__", done))
             done.wait()
         if self._error is not None:
-            raise RuntimeError(f"dispatchprobe: tensor writer failed: {self._error}")
+            raise WriteFailed(self._error)
 
     def close(self) -> None:
         if self._started:
@@ -173,10 +182,11 @@ class TensorShardWriter:
                 size += 0 if isinstance(value, _View) else self._nbytes(value)
             full = size >= SHARD_BYTES or (pending and time.monotonic() - since >= SHARD_SECONDS)
             if pending and (full or key == "__flush__"):
-                try:
-                    self._write_shard(pending)
-                except BaseException as exc:  # reported on the next put/flush, on the op thread
-                    self._error = exc
+                if self._error is None:        # after a failure nothing more is written
+                    try:
+                        self._write_shard(pending)
+                    except BaseException as exc:  # reported on the next put/flush, on the op thread
+                        self._error = str(exc) if isinstance(exc, WriteFailed) else f"{type(exc).__name__}: {exc}"
                 pending, size, since = {}, 0, time.monotonic()
             if key == "__flush__":
                 value.set()
@@ -190,8 +200,13 @@ class TensorShardWriter:
             self._shard_no += 1
             path = os.path.join(self.folder, name)
             tmp = path + ".tmp"
-            self._save(tensors, tmp)
-            os.replace(tmp, path)
+            try:
+                self._save(tensors, tmp)
+                os.replace(tmp, path)
+            except OSError as exc:
+                with contextlib.suppress(OSError):
+                    os.remove(tmp)
+                raise WriteFailed(f"{exc.strerror or exc} writing {path}") from None
             line = {"shard": name, "keys": list(tensors)}
         if views:
             line["views"] = views
