@@ -281,3 +281,56 @@ def test_full_disk_stops_recording_not_training(tmp_path, limit):
             for spec in (s for s in rec.get("outputs", ()) if s.get("type") == "tensor" and s.get("data")):
                 if part.has_tensor(spec["data"]):
                     part.tensor(spec["data"])
+
+
+KILL_TRIALS = textwrap.dedent("""
+    import os, random, signal, sys, time, torch
+    from dispatchprobe import DispatchProbe
+    from dispatchprobe.models import TinyTransformer, lm_batch, lm_loss
+    torch.set_num_threads(1)
+    model = TinyTransformer(dim=32, heads=2, layers=1, seq=16)
+    warm = DispatchProbe(task="tensor", dump_path=os.path.join(sys.argv[1], "warm-up"))
+    with warm:                                         # imports and first-use costs before forking
+        lm_loss(model, *lm_batch(batch=2, seq=16, seed=0)).backward()
+    warm.close()
+    rng = random.Random(0)
+    for trial in range(int(sys.argv[2])):
+        delay = rng.uniform(0.05, 0.5)
+        pid = os.fork()
+        if pid == 0:                                   # the child records until it is killed
+            probe = DispatchProbe(task="tensor", dump_path=os.path.join(sys.argv[1], str(trial)))
+            step = 0
+            while True:
+                with probe:
+                    lm_loss(model, *lm_batch(batch=2, seq=16, seed=step)).backward()
+                probe.step()
+                step += 1
+        time.sleep(delay)
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+""")
+
+
+def test_random_sigkills_leave_records_whose_tensors_match_them(tmp_path):
+    """20 recordings killed at random moments: every record that reads back references tensors
+    that are complete, or reported missing, never changed: each one that loads matches the
+    statistics recorded with it."""
+    out = subprocess.run([sys.executable, "-c", KILL_TRIALS, str(tmp_path), "20"], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    checked = 0
+    for trial in range(20):
+        if not list((tmp_path / str(trial)).glob("step*/rank*/ops.jsonl")):
+            continue                                    # killed before its first record
+        for part in load(tmp_path / str(trial)).parts.values():
+            for rec in part.records:
+                for spec in rec.get("outputs", ()):
+                    if spec.get("type") != "tensor" or not spec.get("data") or not part.has_tensor(spec["data"]):
+                        continue
+                    arr = np.asarray(part.tensor(spec["data"]), dtype=np.float64)
+                    stats = spec["stats"]
+                    if arr.size and np.isfinite(arr).all():
+                        assert arr.max() == stats["max"] and arr.min() == stats["min"], rec["name"]
+                        assert np.isclose(arr.mean(), stats["mean"], rtol=1e-4, atol=1e-6), rec["name"]
+                    checked += 1
+    assert checked > 300
