@@ -50,8 +50,9 @@ def echo_table(df, max_rows: int = 40) -> None:
 @click.argument("path", type=click.Path(exists=True, file_okay=False))
 @click.option("--op", "op_pattern", default=None, help="List records whose op or name matches (substring or regex).")
 @click.option("--stage", type=click.Choice(["forward", "backward"]), default=None, help="Only this stage.")
-@click.option("--top", default=10, show_default=True, help="How many of the most frequent ops to list.")
-@click.option("--limit", default=40, show_default=True, help="Rows to print with --op.")
+@click.option("--top", default=10, show_default=True, type=click.IntRange(min=1),
+              help="How many of the most frequent ops to list.")
+@click.option("--limit", default=40, show_default=True, type=click.IntRange(min=1), help="Rows to print with --op.")
 def show(path, op_pattern, stage, top, limit):
     """Summarise a run (steps, ranks, op counts, nan/inf), or list records with --op."""
     from .offline.summary import summarize, matching_records
@@ -59,11 +60,18 @@ def show(path, op_pattern, stage, top, limit):
 
     run = load(path)
     if op_pattern:
-        echo_table(matching_records(run, op_pattern, stage), max_rows=limit)
+        rows = matching_records(run, op_pattern, stage)
+        if not len(rows):
+            raise ValueError(f"no record matches {op_pattern!r}{f' in {stage}' if stage else ''} "
+                                       f"(a substring or regex of op or record names, e.g. aten.mm)")
+        echo_table(rows, max_rows=limit)
     else:
         click.echo(summarize(run, top=top, stage=stage))
-    for problem in run.problems:
+    damaged = [line for part in run.parts.values() for line in part.damaged_shards()]
+    for problem in run.problems + damaged:
         click.echo(f"warning: {problem}", err=True)
+    if damaged:
+        sys.exit(1)
 
 
 @main.command()
@@ -91,8 +99,9 @@ def demo(dump_path, task, steps):
 def compare(a, b, out, match, mapping, jobs, metric, stats_only):
     """Compare run A (under test) with run B (benchmark); name the first op that diverged.
 
-    A and B are run directories or single step*/rank* folders.  Exit code 0 when every
-    compared tensor passes, 2 when some diverge, 1 when nothing could be compared.
+    A and B are run directories or single step*/rank* folders.  Exit code 0 when the runs
+    agree (no error row), 2 when some rows diverge (the verdict says where), 1 when the runs
+    do not align or nothing could be compared.
     """
     from .offline.compare import compare as run_compare
     _, verdict = run_compare(a, b, match=match, mapping=mapping, out=out, jobs=jobs, metric=metric,

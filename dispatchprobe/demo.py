@@ -30,12 +30,11 @@ def run_demo(dump_path: str = "runs/demo", task: str = "tensor", steps: int = 2)
         opt.zero_grad()
         probe.step()
         print(f"step {step}: loss {loss.item():.4f}")
-    handler = probe.handlers[0]
     probe.close()
     if task in ("overflow", "free_benchmark"):     # records only for what they flag
-        found = handler.flagged if task == "free_benchmark" else handler.found
-        print(f"{task}: {handler.checked} op calls checked, {found} flagged")
-        if not found:
+        counts = probe.summary()
+        print(f"{task}: {counts['checked']} op calls checked, {counts['flagged']} flagged")
+        if not counts["flagged"]:
             print(f"\nnothing to show: no op was flagged (records in {os.path.abspath(dump_path)})")
             return dump_path
     print(summarize(load(dump_path)))

@@ -59,6 +59,10 @@ class Handler:
     def close(self) -> None:
         pass
 
+    def summary(self) -> dict:
+        """Counts an inline check reports (``checked``, ``flagged``, ...); empty for recording."""
+        return {}
+
 
 def flat_outputs(outputs) -> list:
     return list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]

@@ -282,6 +282,10 @@ class FreeBenchmarkHandler(Handler):
             self._csv.close()
             self._csv = None
 
+    def summary(self) -> dict:
+        return {"checked": self.checked, "flagged": self.flagged, "skipped": self.skipped,
+                "not_widened": self.not_widened}
+
     def close(self) -> None:
         self._pending, self._pairs, self._pending_bytes = [], {}, 0
         if self._csv is not None:

@@ -254,5 +254,8 @@ class OverflowHandler(Handler):
                    "rows": self.rows}
         atomic_write_text(os.path.join(folder, "overflow.json"), json.dumps(summary, indent=1, default=str))
 
+    def summary(self) -> dict:
+        return {"checked": self.checked, "flagged": self.found, **self.counts}
+
     def close(self) -> None:
         self._pending = []

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import json
 import os
 import re
 import shutil
@@ -19,7 +20,7 @@ from .config import Config, ConfigError
 from .events import OpEvent
 from .recorder import Recorder
 from .tasks import TASKS
-from ..records.writer import PartWriter, write_manifest
+from ..records.writer import PartWriter, atomic_write_text, write_manifest
 
 
 class OpSelector:
@@ -64,6 +65,8 @@ class ProbeSession:
 
     def __init__(self, config: Config | str | dict | None = None, **overrides):
         self.config = Config.load(config, **overrides)
+        if os.path.exists(self.config.dump_path) and not os.path.isdir(self.config.dump_path):
+            raise ConfigError(f"dump_path {self.config.dump_path!r} is a file, not a directory")
         self.selector = OpSelector(self.config.list, self.config.scope)
         self.step_no = 0
         self.rank = self._detect_rank()
@@ -236,10 +239,24 @@ class ProbeSession:
             for h in self.handlers:
                 if h is not self.recorder:
                     h.start_part()
+            self._summary_at_open = self.summary()
+
+    def summary(self) -> dict:
+        """What the task's checks counted over the whole run so far, e.g. ``{"task": "overflow",
+        "checked": 812, "flagged": 0, ...}`` (recording tasks: the task only)."""
+        out = {"task": self.task.name}
+        for h in self.handlers:
+            out.update(h.summary())
+        return out
 
     def _close_part(self) -> None:
         if self.part is not None:
             self.part.close()
+            counts = self.summary()
+            if len(counts) > 1:      # inline checks: this part's counts, so that `show` can say
+                at_open = self._summary_at_open   # how much was checked when nothing was flagged
+                part = {k: v - at_open.get(k, 0) if isinstance(v, int) else v for k, v in counts.items()}
+                atomic_write_text(os.path.join(self.part.folder, "checks.json"), json.dumps(part))
             self.part = None
 
     @staticmethod

@@ -45,6 +45,12 @@ def summarize(run: Run, top: int = 10, stage: str | None = None) -> str:
                          f"nan={int(row['nan'] or 0)} inf={int(row['inf'] or 0)}")
     else:
         lines.append("nan/inf    none")
+    checks = [p.checks for p in run.parts.values() if p.checks]
+    if checks:
+        total = {k: sum(c.get(k, 0) for c in checks) for k in ("checked", "flagged")}
+        lines.append(f"checks     {checks[0].get('task')}: {total['checked']} op calls checked, "
+                     f"{total['flagged'] or 'none'} flagged" + ("" if total["flagged"] else
+                                                                 " (nothing to list: no records)"))
     for part in run.parts.values():
         if part.truncated:
             lines.append(f"truncated  step {part.step} rank {part.rank}: records end early (process killed?)")

@@ -166,12 +166,16 @@ def _read_jsonl(path: str) -> tuple[list[dict], list[str]]:
             return _loads_array("[" + ",".join(lines) + "]"), problems
         except ValueError:
             pass
-    records = []
+    records, bad = [], []
     for i, line in enumerate(lines, 1):
         try:
             records.append(json.loads(line))
         except ValueError:
-            problems.append(f"{path}:{i}: corrupt line ignored")
+            bad.append(i)
+    if bad and not records:
+        raise RecordError(f"{path}: not a records file (none of its {len(lines)} lines is a JSON record)")
+    if bad:
+        problems.append(f"{path}: {len(bad)} corrupt line(s) ignored (first: line {bad[0]})")
     return records, problems
 
 
@@ -189,6 +193,18 @@ class Part:
         records, problems = _read_jsonl(os.path.join(self.path, "ops.jsonl"))
         self.problems.extend(problems)
         return records
+
+    @cached_property
+    def checks(self) -> dict | None:
+        """An inline check's counts for this part (``checked``, ``flagged``, ...), if it ran one."""
+        try:
+            with open(os.path.join(self.path, "checks.json"), encoding="utf-8") as f:
+                return json.load(f)
+        except FileNotFoundError:
+            return None
+        except ValueError:
+            self.problems.append(f"{self.path}/checks.json: corrupt, ignored")
+            return None
 
     @property
     def truncated(self) -> bool:
@@ -220,6 +236,22 @@ class Part:
     def views(self) -> dict[str, dict]:
         """tensor key -> {"base", "offset", "shape", "stride"} for tensors saved as views of others."""
         return self._index[1]
+
+    def damaged_shards(self) -> list[str]:
+        """One line per listed shard that is missing, cut short or unreadable (headers only)."""
+        bad = []
+        for shard in sorted(set(self.shards.values())):
+            path = os.path.join(self.path, "tensors", shard)
+            try:
+                with open(path, "rb") as f:
+                    n = int.from_bytes(f.read(8), "little")
+                    header = json.loads(f.read(n))
+                need = 8 + n + max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+                if os.path.getsize(path) < need:
+                    bad.append(f"{path}: damaged shard, {os.path.getsize(path)} of {need} bytes")
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+                bad.append(f"{path}: damaged shard ({type(exc).__name__}: {str(exc)[:80]})")
+        return bad
 
     def has_tensor(self, key: str) -> bool:
         view = self.views.get(key)
@@ -320,6 +352,11 @@ def _find_manifest(path: str) -> tuple[str, dict]:
     return path, {}
 
 
+def _is_part(folder: str) -> bool:
+    """A step/rank folder: op records, or the counts of an inline check that flagged nothing."""
+    return os.path.isfile(os.path.join(folder, "ops.jsonl")) or os.path.isfile(os.path.join(folder, "checks.json"))
+
+
 def load(path: str | os.PathLike) -> Run:
     """Open a run directory or one ``step{S}/rank{R}`` folder of it."""
     path = os.path.normpath(os.fspath(path))
@@ -327,7 +364,7 @@ def load(path: str | os.PathLike) -> Run:
         raise RecordError(f"{path}: no such records directory")
     root, manifest = _find_manifest(path)
     parts: dict[tuple[int, int], Part] = {}
-    if os.path.isfile(os.path.join(path, "ops.jsonl")):
+    if _is_part(path):
         rank_m = _RANK_DIR.match(os.path.basename(path))
         step_m = _PART_DIR.match(os.path.basename(os.path.dirname(path)))
         key = (int(step_m.group(1)) if step_m else 0, int(rank_m.group(1)) if rank_m else 0)
@@ -340,7 +377,7 @@ def load(path: str | os.PathLike) -> Run:
             for rank_name in sorted(os.listdir(os.path.join(path, step_name))):
                 rank_m = _RANK_DIR.match(rank_name)
                 folder = os.path.join(path, step_name, rank_name)
-                if rank_m and os.path.isfile(os.path.join(folder, "ops.jsonl")):
+                if rank_m and _is_part(folder):
                     key = (int(step_m.group(1)), int(rank_m.group(1)))
                     parts[key] = Part(folder, *key)
     if not parts:

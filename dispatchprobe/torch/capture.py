@@ -15,6 +15,7 @@ from torch.utils.module_tracker import ModuleTracker
 
 from . import backend as torch_backend
 from . import ops
+from ..core.config import ConfigError
 from ..core.session import ProbeSession
 
 
@@ -221,6 +222,8 @@ class DispatchProbe(ProbeSession):
     backend = torch_backend
 
     def __init__(self, config=None, *, model: torch.nn.Module | None = None, **overrides):
+        if model is not None and not isinstance(model, torch.nn.Module):
+            raise ConfigError(f"model must be a torch.nn.Module, not {type(model).__name__}")
         super().__init__(config, **overrides)
         self._mode: _ProbeMode | None = None
         self.scopes = _ModuleScopes(self, model)

@@ -1,0 +1,83 @@
+"""Every input a user can get wrong gets one line, no traceback, and the right exit code: the
+real ``dispatchprobe`` command in a subprocess, and the Python API's construction errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dispatchprobe import ConfigError, DispatchProbe
+
+
+@pytest.fixture(scope="module")
+def records(tmp_path_factory):
+    """A tensor run, a copy with a cut-short shard, an overflow run that flagged nothing, junk."""
+    root = tmp_path_factory.mktemp("bad")
+    for name in ("tensor", "damaged"):
+        probe = DispatchProbe(task="tensor", dump_path=str(root / name))
+        with probe:
+            (torch.randn(64, 64) @ torch.randn(64, 64)).exp()
+        probe.close()
+    shard = next((root / "damaged" / "step0" / "rank0" / "tensors").glob("shard_*.safetensors"))
+    shard.write_bytes(shard.read_bytes()[:4000])
+    probe = DispatchProbe(task="overflow", dump_path=str(root / "clean_overflow"))
+    with probe:
+        torch.randn(8, 8).relu().sum()
+    probe.close()
+    (root / "junk" / "step0" / "rank0").mkdir(parents=True)
+    (root / "junk" / "step0" / "rank0" / "ops.jsonl").write_text("not json\n" * 20)
+    (root / "a_file").write_text("x")
+    return root
+
+
+# (arguments, exit code, words the one line must contain); "{root}" is the fixture's folder
+CASES = [
+    (["show", "{root}/junk"], 1, "not a records file"),
+    (["show", "{root}/damaged"], 1, "damaged shard"),
+    (["show", "{root}/tensor", "--op", "("], 1, "no record matches"),
+    (["show", "{root}/tensor", "--op", "no_such_op"], 1, "no record matches"),
+    (["show", "{root}/tensor", "--limit", "0"], 2, "--limit"),
+    (["show", "{root}/nowhere"], 2, "does not exist"),
+]
+
+
+@pytest.mark.parametrize("args,code,words", CASES, ids=[" ".join(c[0][:1] + c[0][2:]) or c[0][0] for c in CASES])
+def test_cli_bad_input(records, args, code, words):
+    args = [a.format(root=records) for a in args]
+    out = subprocess.run([sys.executable, "-m", "dispatchprobe.cli", *args], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == code, (out.stdout, out.stderr)
+    assert "Traceback" not in out.stderr and words in out.stderr
+    problems = [line for line in out.stderr.splitlines() if line.lower().startswith(("error", "usage", "try"))
+                or "damaged" in line]
+    assert problems, out.stderr
+
+
+def test_show_says_how_much_a_clean_inline_check_checked(records):
+    out = subprocess.run([sys.executable, "-m", "dispatchprobe.cli", "show", str(records / "clean_overflow")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "op calls checked, none flagged" in out.stdout
+
+
+@pytest.mark.parametrize("kwargs,words", [
+    (dict(dump_path="{root}/a_file"), "is a file"),
+    (dict(model=3), "model must be a torch.nn.Module"),
+])
+def test_probe_construction_errors(records, kwargs, words):
+    kwargs = {k: v.format(root=records) if isinstance(v, str) else v for k, v in kwargs.items()}
+    with pytest.raises(ConfigError, match=words) as err:
+        DispatchProbe(**kwargs)
+    assert "\n" not in str(err.value)
+
+
+def test_summary_is_public(tmp_path):
+    probe = DispatchProbe(task="overflow", dump_path=str(tmp_path))
+    with probe:
+        torch.ones(3).exp()                 # two op calls: ones, exp
+    probe.close()
+    assert probe.summary() == {"task": "overflow", "checked": 2, "flagged": 0, "critical": 0, "propagated": 0,
+                               "suspicious growth": 0}
