@@ -63,7 +63,7 @@ def show(path, op_pattern, stage, top, limit):
         rows = matching_records(run, op_pattern, stage)
         if not len(rows):
             raise ValueError(f"no record matches {op_pattern!r}{f' in {stage}' if stage else ''} "
-                                       f"(a substring or regex of op or record names, e.g. aten.mm)")
+                             "(a substring or regex of op or record names, e.g. aten.mm)")
         echo_table(rows, max_rows=limit)
     else:
         click.echo(summarize(run, top=top, stage=stage))
