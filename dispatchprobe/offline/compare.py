@@ -11,8 +11,8 @@ and ``standards`` never import torch.  Every metric, statistic and verdict comes
 
 from __future__ import annotations
 
+import bisect
 import contextlib
-import functools
 import math
 import os
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor, as_completed
@@ -44,13 +44,24 @@ _PERFECT = M.derived(lambda: {m: M.METRICS[m].perfect for m in _COMPUTED})
 # the per-tensor row built by compare_parts, before the statistics columns
 _ROW_FIELDS = ("stage", "kind", "seq", "scope", "op_a", "op_b", "name_a", "name_b", "call_a", "call_b", "match",
                "io", "arg", "dtype_a", "dtype_b", "shape_a", "shape_b", "nan_a", "nan_b", "inf_a", "inf_b",
-               "checksum_a", "checksum_b", "data_a", "data_b", "stack", "uid")
+               "checksum_a", "checksum_b", "data_a", "data_b", "stack", "uid",
+               # internal: undefined contents, the precision each value carries, its producer (index, arg)
+               "undef_a", "undef_b", "lineage_a", "lineage_b", "src_a", "src_b")
 _FLOAT_FIELDS = frozenset(f"{s}_{side}" for s in STATS for side in ("a", "b"))
+NOT_JUDGED = "not judged"   # status of a row whose values are undefined (uninitialised memory)
 
 
 @dataclass
 class Divergence:
-    """The first op (or smallest module) whose own error crosses the line, in one stage."""
+    """Where one stage's error rows come from (``cause``):
+
+    - ``op``: the first op (or smallest module) whose own error crosses the line: its outputs differ
+      while its inputs agree, or its error exceeds its inputs' ``origin_amplification``-fold;
+    - ``unmatched``: an op present in one run only (``side``) between agreeing and failing records;
+    - ``inputs``: a value no recorded op produced (parameter, data) already differs (``arg``);
+    - ``unrecorded``: an input differs although the op that produced it agreed;
+    - ``inherited``: backward only: no backward op diverges by itself, its errors come from forward values.
+    """
 
     stage: str
     step: int
@@ -61,14 +72,34 @@ class Divergence:
     name: str
     call: int
     kind: str
-    failed: str                  # the reasons (failed metrics) of its failing outputs
+    failed: str                  # why: the reasons of its failing tensors
     metrics: dict = field(default_factory=dict)
     stack: list = field(default_factory=list)
     module: str | None = None    # smallest module whose output differs and whose inputs agree
+    cause: str = "op"
+    side: str = "a"              # the run holding the record (``unmatched`` ops of run B: "b")
+    arg: str = ""                # the tensor where ``inputs``/``inherited``/``unrecorded`` is seen
+    errors: int = 0              # error rows of this stage in this step/rank part
+
+    def where(self) -> str:
+        return (f"{self.op} [{self.scope or '<top>'}] call {self.call} "
+                f"(#{self.seq} in {self.stage}{'' if self.side == 'a' else ' of run B'}, "
+                f"step {self.step} rank {self.rank})")
 
     def describe(self) -> str:
-        lines = [f"first {self.stage} divergence: {self.op} [{self.scope or '<top>'}] call {self.call} "
-                 f"(#{self.seq} in {self.stage}, step {self.step} rank {self.rank}): {self.failed}"]
+        if self.cause == "inputs":
+            lines = [f"the runs differ already at their inputs/parameters: first seen at {self.op} "
+                     f"[{self.scope or '<top>'}] {self.arg} (#{self.seq} in {self.stage}, step {self.step} "
+                     f"rank {self.rank}): {self.failed}"]
+        elif self.cause == "inherited":
+            lines = [f"{self.stage}: no {self.stage} op diverges by itself; its {self.errors} error rows follow from "
+                     f"differing forward values (first at {self.op} [{self.scope or '<top>'}] {self.arg}, "
+                     f"#{self.seq} in {self.stage}, step {self.step} rank {self.rank})"]
+        elif self.cause == "unmatched":
+            lines = [f"first {self.stage} divergence: {self.where()}, present only in run {self.side.upper()} "
+                     f"(prime suspect): {self.failed}"]
+        else:
+            lines = [f"first {self.stage} divergence: {self.where()}: {self.failed}"]
         if self.module and self.module != self.scope:
             lines.append(f"  smallest module whose output differs: {self.module}")
         lines += [f"  at {frame}" for frame in self.stack[-4:]]
@@ -88,20 +119,29 @@ class Verdict:
     problems: list
     parts: list
     report: str | None = None
+    aligned: float = 1.0         # share of the smaller run's compute records (ops, modules) paired
 
     @property
     def passed(self) -> bool:
         return self.counts.get("error", 0) == 0
 
     @property
+    def inputs_differ(self) -> bool:
+        return any(d is not None and d.cause == "inputs" for d in (self.forward, self.backward))
+
+    @property
     def compared(self) -> int:
         return int(sum(self.counts.values()))
 
     def __str__(self) -> str:
-        lines = [f"compared {self.compared} tensors in {len(self.parts)} step/rank part(s): "
-                 + ", ".join(f"{k} {self.counts.get(k, 0)}" for k in ("pass", "warning", "error"))]
+        counts = ", ".join(f"{k} {self.counts.get(k, 0)}" for k in ("pass", "warning", "error"))
+        if self.counts.get(NOT_JUDGED):
+            counts += f", not judged {self.counts[NOT_JUDGED]} (undefined values)"
+        lines = [f"compared {self.compared} tensors in {len(self.parts)} step/rank part(s): {counts}"]
         for div, stage in ((self.forward, "forward"), (self.backward, "backward")):
             lines.append(div.describe() if div else f"no {stage} divergence")
+        if self.passed:
+            lines.append("the runs agree")
         compute = self.unmatched[~self.unmatched["is_cast"]] if len(self.unmatched) else self.unmatched
         if len(self.unmatched):
             lines.append(f"unmatched records: {len(self.unmatched)} ({len(compute)} compute ops or modules, "
@@ -112,6 +152,14 @@ class Verdict:
         if self.report:
             lines.append(f"report: {self.report}")
         return "\n".join(lines)
+
+
+class RunsDoNotAlign(RecordError):
+    """The runs' records mostly do not pair (different models or options); ``result`` holds what did."""
+
+    def __init__(self, message: str, result=None):
+        super().__init__(message)
+        self.result = result
 
 
 class Result(NamedTuple):
@@ -141,6 +189,68 @@ def _pair_tensors(ra: dict, rb: dict, same_op: bool):
             yield "output", arg, sa, sb
 
 
+class _Flow(NamedTuple):
+    """The data flow of one part's records, keyed by ``id()`` of the tensor specs."""
+
+    src: dict       # input spec -> (index, output arg) of the record that produced the value
+    lineage: dict   # float spec -> the lowest precision rank (``verdicts.PRECISIONS``) it was computed from
+
+
+def _value_keys(spec: dict):
+    """How a value is recognised where it is used again: its saved tensor key, and its dtype, size
+    and statistics (statistics records; reshapes autograd makes without a record keep all four)."""
+    st = spec.get("stats")
+    if not st:
+        return spec.get("data"), None
+    sig = (spec["dtype"], math.prod(spec["shape"]), st.get("max"), st.get("min"), st.get("mean"), st.get("norm"),
+           st.get("nan"), st.get("inf"))
+    if not all(v == v for v in sig[2:6]):   # nan never equals itself: key it by its text
+        sig = sig[:2] + tuple(str(v) for v in sig[2:])
+    return spec.get("data"), sig
+
+
+def _flow(recs: list) -> _Flow:
+    """Which earlier record produced each input (the latest with that value) and the precision each
+    value carries: a float value computed from bfloat16 values carries bfloat16 rounding, whatever its
+    own dtype.  Op records produce values; module records only where a part has no op records."""
+    producers = "op" if any(r["kind"] == "op" for r in recs) else "module"
+    by_data: dict = {}
+    by_sig: dict = {}
+    src: dict = {}
+    lineage: dict = {}
+    rank_of = V.precision_rank
+    for i, r in enumerate(recs):
+        low = None
+        produces = r["kind"] == producers
+        for io, arg, spec in tensor_list(r):
+            data, sig = _value_keys(spec)
+            own = rank_of(spec["dtype"])
+            hit = by_data.get(data) if data is not None else None
+            if hit is None and sig is not None:
+                hit = by_sig.get(sig)
+            if io == "input" or not produces:
+                if hit is not None and io == "input":
+                    src[id(spec)] = hit[0], hit[1]
+                if own < 0:
+                    continue
+                rk = own if hit is None or hit[2] is None else min(own, hit[2])
+                if io == "output" and hit is None and low is not None:
+                    rk = min(rk, low)
+                lineage[id(spec)] = rk
+                if io == "input":
+                    low = rk if low is None else min(low, rk)
+            else:
+                rk = None if own < 0 else own if low is None else min(own, low)
+                if rk is not None:
+                    lineage[id(spec)] = rk
+                entry = (i, arg, rk)
+                if data is not None:
+                    by_data[data] = entry
+                if sig is not None:
+                    by_sig[sig] = entry
+    return _Flow(src, lineage)
+
+
 def _frames(part: Part, record: dict) -> list:
     try:
         return list(part.stacks.get(record.get("stack"), []))
@@ -148,9 +258,17 @@ def _frames(part: Part, record: dict) -> list:
         return []
 
 
+class PartResult(NamedTuple):
+    rows: pd.DataFrame
+    unmatched: pd.DataFrame
+    problems: list
+    divergences: list     # at most one :class:`Divergence` per stage
+    aligned: tuple        # (compute records paired, compute records of A, of B)
+
+
 def compare_parts(part_a: Part, part_b: Part, match: str = "fuzzy", mapping: Mapping | None = None,
-                  tensors: bool = True) -> tuple[pd.DataFrame, pd.DataFrame, list]:
-    """Compare one step/rank part against another: (rows, unmatched records, problems)."""
+                  tensors: bool = True) -> PartResult:
+    """Compare one step/rank part against another."""
     with no_gc():
         return _compare_parts(part_a, part_b, match, mapping or Mapping(), tensors)
 
@@ -170,6 +288,8 @@ def _compare_parts(part_a: Part, part_b: Part, match: str, mapping: Mapping, ten
             counters[r["stage"]] = c + 1
         return out
     seq_a, seq_b = seqs(recs_a), seqs(recs_b)
+    flow_a, flow_b = _flow(recs_a), _flow(recs_b)
+    src_a, src_b, lin_a, lin_b = flow_a.src.get, flow_b.src.get, flow_a.lineage.get, flow_b.lineage.get
 
     rows = []
     append = rows.append
@@ -191,6 +311,8 @@ def _compare_parts(part_a: Part, part_b: Part, match: str, mapping: Mapping, ten
             append(head + (io, arg, sa["dtype"], sb["dtype"], tuple(sa["shape"]), tuple(sb["shape"]),
                            sta.get("nan"), stb.get("nan"), sta.get("inf"), stb.get("inf"),
                            sa.get("checksum"), sb.get("checksum"), sa.get("data"), sb.get("data"), stack, i,
+                           bool(sa.get("undefined")), bool(sb.get("undefined")), lin_a(id(sa), -1), lin_b(id(sb), -1),
+                           src_a(id(sa)), src_b(id(sb)),
                            sta.get("max"), stb.get("max"), sta.get("min"), stb.get("min"),
                            sta.get("mean"), stb.get("mean"), sta.get("norm"), stb.get("norm")))
     names = _ROW_FIELDS + tuple(f"{s}_{side}" for s in STATS for side in ("a", "b"))
@@ -222,7 +344,195 @@ def _compare_parts(part_a: Part, part_b: Part, match: str, mapping: Mapping, ten
         problems.append(f"step {step} rank {rank}: {int((~unmatched['is_cast']).sum())} of "
                         f"{len(recs_a) + len(recs_b)} records could not be aligned{hint}; listed in unmatched.csv")
     df = _score(df, part_a, part_b, tensors, problems)
-    return df, unmatched, problems
+    compute = [sum(1 for r in recs if not op_traits.is_cast(r["op"])) for recs in (recs_a, recs_b)]
+    paired = sum(1 for i, _, _ in al.pairs if not op_traits.is_cast(recs_a[i]["op"]))
+    divs = _divergences(df, part_a, recs_a, recs_b, al, seq_a, seq_b, flow_a) if len(df) else []
+    return PartResult(df, unmatched, problems, divs, (paired, *compute))
+
+
+# ---- where the error rows come from ---------------------------------------------------------------
+def _divergences(df: pd.DataFrame, part_a: Part, recs_a: list, recs_b: list, al, seq_a: list, seq_b: list,
+                 flow_a: _Flow) -> list:
+    """For each stage with error rows, the :class:`Divergence` they come from.
+
+    One pass over run A's records in execution order follows each differing value (a warning or an
+    error) back to where it started: the op that produced it, when that op's outputs differ while its
+    inputs agree (or its error exceeds its inputs' ``origin_amplification``-fold); an op present in one
+    run only, producing it or standing between the agreeing producer and the failing consumer; or no
+    recorded op at all (the runs differ at their inputs/parameters).  Each record keeps the earliest
+    such source, so the pass is linear in the records.  A stage's divergence is the earliest source of
+    its error rows; backward values that differ only because forward values do are ``inherited``."""
+    status = df["status"].to_numpy(object)
+    bad = status == V.ERROR
+    if not bad.any():
+        return []
+    off = bad | (status == V.WARNING)
+    uid = df["uid"].to_numpy(np.int64)
+    is_in = (df["io"] == "input").to_numpy()
+    args = df["arg"].to_numpy(object)
+    src_a, src_b = df["src_a"].to_numpy(object), df["src_b"].to_numpy(object)
+    origin = df["origin"].to_numpy(bool)
+    # the differing outputs: (record, arg) -> row
+    out_row = {(int(uid[k]), args[k]): k for k in np.flatnonzero(off & ~is_in)}
+    pair_b = {i: j for i, j, _ in al.pairs}
+    only_a = set(al.only_a)
+
+    def unmatched_ops(recs, idx):   # per stage: sorted indices of one-run-only op records, compute ops first
+        out: dict = {}
+        for i in idx:
+            r = recs[i]
+            if r["kind"] == "op":
+                out.setdefault((r["stage"], op_traits.is_cast(r["op"])), []).append(i)
+        return out
+    loose_a, loose_b = unmatched_ops(recs_a, al.only_a), unmatched_ops(recs_b, al.only_b)
+
+    def between(recs_loose, stage, lo, hi):
+        for cast in (False, True):
+            cand = recs_loose.get((stage, cast), ())
+            k = bisect.bisect_right(cand, lo)
+            if k < len(cand) and cand[k] < hi:
+                return cand[k]
+        return None
+
+    best: dict = {}     # record -> earliest own-stage source of its differing outputs (a root tuple)
+    inh: dict = {}      # record -> earliest inherited source
+    usrc: dict = {}     # one-run-only record of A -> (best, inherited) of what it passes on
+
+    def root(seq, i, side, arg, cause):   # ordered by the stage position where it is seen
+        return (seq, i, side, arg, cause)
+
+    def mn(x, y):
+        return y if x is None else x if y is None else min(x, y)
+
+    def source(r, arg, src, srcb, stage):
+        """(own-stage root, inherited root) of input ``arg`` of record ``r``, whose value differs."""
+        if src is not None:
+            p, parg = src
+            if recs_a[p]["stage"] != stage:
+                return None, root(seq_a[r], r, "a", arg, "inherited")
+            if p in only_a:
+                return usrc.get(p) or (root(seq_a[p], p, "a", "", "unmatched"), None)
+            if (p, parg) in out_row:
+                return best.get(p), inh.get(p)
+            u = between(loose_a, stage, p, r)
+            if u is not None:
+                return root(seq_a[u], u, "a", "", "unmatched"), None
+            jp, jr = pair_b.get(p), pair_b.get(r)
+            if jp is not None and jr is not None:
+                u = between(loose_b, recs_b[jr]["stage"], jp, jr)
+                if u is not None:
+                    return root(seq_a[r], u, "b", "", "unmatched"), None
+            return root(seq_a[r], r, "a", arg, "unrecorded"), None
+        if srcb is not None:
+            pb = srcb[0]
+            if pb in al_only_b:
+                return root(seq_a[r], pb, "b", "", "unmatched"), None
+            if recs_b[pb]["stage"] != stage:
+                return None, root(seq_a[r], r, "a", arg, "inherited")
+        if stage != "forward":   # backward values come from the forward (views autograd makes are not recorded)
+            return None, root(seq_a[r], r, "a", arg, "inherited")
+        return root(seq_a[r], r, "a", arg, "inputs"), None
+
+    al_only_b = set(al.only_b)
+    # rows are in A's record order: one group of rows per record
+    starts = np.flatnonzero(np.r_[True, uid[1:] != uid[:-1]])
+    ends = np.r_[starts[1:], len(uid)]
+    groups = {int(uid[s0]): (s0, e0) for s0, e0 in zip(starts, ends) if off[s0:e0].any()}
+    stage_src: dict = {}   # (stage, kind) -> [earliest own-stage source, earliest inherited one]
+    for i in sorted(groups.keys() | {i for i in al.only_a if recs_a[i]["kind"] == "op"}):
+        rec = recs_a[i]
+        stage = rec["stage"]
+        if i in only_a:   # what a one-run-only op passes on: itself, unless a cast passes on its input's
+            own = (root(seq_a[i], i, "a", "", "unmatched"), None)
+            follow = op_traits.is_cast(rec["op"])
+            res = None
+            for io, arg, spec in tensor_list(rec, outputs=False):
+                src = flow_a.src.get(id(spec))
+                if src is None or recs_a[src[0]]["stage"] != stage:
+                    continue
+                p, parg = src
+                if p in only_a:   # a chain of one-run-only ops: its first one
+                    up = usrc[p]
+                    res = up if res is None else (mn(res[0], up[0]), mn(res[1], up[1]))
+                    continue
+                pk = out_row.get((p, parg))
+                if pk is not None and (follow or bad[pk]):
+                    res = (best.get(p), inh.get(p)) if res is None else (mn(res[0], best.get(p)), mn(res[1], inh.get(p)))
+            usrc[i] = res if res is not None and (res[0] is not None or res[1] is not None) else own
+            continue
+        s0, e0 = groups[i]
+        b = h = None
+        ins = [k for k in range(s0, e0) if is_in[k] and off[k]]
+        if any(off[k] and not is_in[k] for k in range(s0, e0)):
+            if origin[s0] or not ins:
+                b = root(seq_a[i], i, "a", "", "op")
+            else:
+                for k in ins:
+                    kb, kh = source(i, args[k], src_a[k], src_b[k], stage)
+                    b, h = mn(b, kb), mn(h, kh)
+            best[i], inh[i] = b, h
+        errs = [k for k in range(s0, e0) if bad[k]]
+        if not errs:
+            continue
+        eb = eh = None
+        if any(not is_in[k] for k in errs):
+            eb, eh = b, h
+        for k in errs:
+            if is_in[k]:
+                kb, kh = source(i, args[k], src_a[k], src_b[k], stage)
+                eb, eh = mn(eb, kb), mn(eh, kh)
+        acc = stage_src.setdefault((stage, rec["kind"]), [None, None])
+        acc[0], acc[1] = mn(acc[0], eb), mn(acc[1], eh)
+    out = []
+    for stage in ("forward", "backward"):
+        acc = stage_src.get((stage, "op")) or stage_src.get((stage, "module"))
+        if acc is None:
+            continue
+        errors = int((bad & (df["stage"] == stage).to_numpy()).sum())
+        pick = acc[0] or acc[1]
+        if pick is None:   # not reached: every differing value has a source; keep the verdict honest anyway
+            k = int(np.flatnonzero(bad & (df["stage"].to_numpy(object) == stage))[0])
+            pick = root(seq_a[int(uid[k])], int(uid[k]), "a", args[k], "op")
+        out.append(_describe(df, part_a, recs_a, recs_b, seq_a, seq_b, stage, pick, errors))
+    return out
+
+
+def _describe(df, part_a, recs_a, recs_b, seq_a, seq_b, stage, pick, errors) -> Divergence:
+    seq, i, side, arg, cause = pick
+    rec = recs_a[i] if side == "a" else recs_b[i]
+    at = df[(df["uid"] == i) & (df["stage"] == stage)] if side == "a" else df.iloc[:0]
+    step, rank = int(df["step"].iat[0]), int(df["rank"].iat[0])
+    module = None
+    if cause in ("op", "unrecorded"):
+        rows = at[(at["io"] == "output") & at["status"].isin((V.ERROR, V.WARNING))] if cause == "op" \
+            else at[at["arg"] == arg]
+        failed = "; ".join(f"{r.arg}: {r.reason}" for r in rows.itertuples() if r.reason) or "outputs differ"
+        if cause == "op" and (rows["status"] != V.ERROR).all():
+            failed += f" (below the error line, but the {errors} error rows after it start here)"
+        if cause == "unrecorded":
+            failed = f"{arg} differs although the op that produced it agreed ({failed})"
+        scopes = df[(df["kind"] == "module") & (df["stage"] == stage) & (df["io"] == "output")
+                    & df["status"].isin((V.ERROR, V.WARNING))]["scope"].unique()
+        scope = rec["scope"]
+        inside = [m for m in scopes if scope == m or scope.startswith(m + ".")]
+        module = max(inside, key=lambda m: m.count(".")) if inside else None
+    elif cause in ("inputs", "inherited"):
+        rows = at[at["arg"] == arg]
+        failed = "; ".join(f"{r.reason}" for r in rows.itertuples() if r.reason) or "values differ"
+    else:   # unmatched: name the first failing record after it
+        later = df[(df["stage"] == stage) & (df["status"] == V.ERROR) & (df["seq"] >= seq)]
+        nxt = later.iloc[0] if len(later) else None
+        failed = (f"no counterpart in run {'B' if side == 'a' else 'A'}; the first failing record after it is "
+                  f"{nxt['op_a']} [{nxt['scope'] or '<top>'}] {nxt['arg']} (#{nxt['seq']})") if nxt is not None \
+            else f"no counterpart in run {'B' if side == 'a' else 'A'}"
+        rows = at.iloc[:0]
+    row = rows.iloc[0] if len(rows) else None
+    met = {m: row[m] for m in [*TENSOR_METRICS, "stats_err"] if row is not None and pd.notna(row[m])}
+    frames = _frames(part_a, rec) if side == "a" and rec.get("stack") is not None else []
+    return Divergence(stage=stage, step=step, rank=rank, seq=int(seq_a[i] if side == "a" else seq_b[i]),
+                      scope=rec["scope"], op=rec["op"], name=rec["name"], call=int(rec["call"]), kind=rec["kind"],
+                      failed=failed, metrics=met, stack=list(frames), module=module, cause=cause, side=side,
+                      arg=arg, errors=errors)
 
 
 def _score(df: pd.DataFrame, part_a: Part, part_b: Part, tensors: bool, problems: list) -> pd.DataFrame:
@@ -236,15 +546,7 @@ def _score(df: pd.DataFrame, part_a: Part, part_b: Part, tensors: bool, problems
     df["stats_err"] = stats_err
     dtype_a = df["dtype_a"].to_numpy(object)
     dtype_b = df["dtype_b"].to_numpy(object)
-    # per distinct (dtype_a, dtype_b) pair, not per row
-    pair_codes, pair_uniques = S.factorize(list(zip(dtype_a, dtype_b)))
-    judge_dtype = np.array([V.lower_precision(x, y) for x, y in pair_uniques], dtype=object)[pair_codes] if n else \
-        np.zeros(0, object)
-    # cross-precision part: some float tensor is held in different dtypes on the two sides
-    mixed = [V.lower_precision(x, y) for x, y in set(zip(dtype_a, dtype_b)) if x != y and is_float(x) and is_float(y)]
-    cross = functools.reduce(V.lower_precision, mixed) if mixed else None
-    if cross is not None:
-        judge_dtype = np.array([cross if is_float(d) else d for d in judge_dtype], dtype=object)
+    judge_dtype, cross = _tolerances(df, dtype_a, dtype_b)
     nonfinite = ((df["nan_a"].fillna(0).to_numpy() != df["nan_b"].fillna(0).to_numpy())
                  | (df["inf_a"].fillna(0).to_numpy() != df["inf_b"].fillna(0).to_numpy()))
     status, reason = S.judge_stats_columns(stats_err, judge_dtype, nonfinite)
@@ -255,20 +557,28 @@ def _score(df: pd.DataFrame, part_a: Part, part_b: Part, tensors: bool, problems
     status = np.where(ck_equal, V.PASS, status).astype(object)
     reason = np.where(ck_equal, "", np.where(has_ck & (status != V.PASS), reason + "; checksum unequal", reason)
                       ).astype(object)
+    # undefined values (uninitialised memory) are never judged and never count towards a divergence
+    undef_a, undef_b = df["undef_a"].to_numpy(bool), df["undef_b"].to_numpy(bool)
+    undef = undef_a | undef_b
+    if undef.any():
+        status[undef] = NOT_JUDGED
+        which = np.where(undef_a & undef_b, "both runs", np.where(undef_a, "run A", "run B"))
+        reason[undef] = [f"undefined contents (uninitialised memory) in {w}" for w in which[undef]]
+        stats_err[undef] = np.nan
+        df["stats_err"] = stats_err
     error = stats_err.copy()
     for m in TENSOR_METRICS:
         df[m] = np.nan
 
     if tensors and n:
         da, db = df["data_a"].to_numpy(object), df["data_b"].to_numpy(object)
-        rows = np.flatnonzero(~pd.isna(da) & ~pd.isna(db))
+        rows = np.flatnonzero(~pd.isna(da) & ~pd.isna(db) & ~undef)
         shapes_ok = [int(np.prod(df["shape_a"].iat[r])) == int(np.prod(df["shape_b"].iat[r])) for r in rows]
         rows = rows[np.array(shapes_ok, dtype=bool)] if len(rows) else rows
         if len(rows):
             results = _tensor_metrics(part_a, part_b, da[rows], db[rows], judge_dtype[rows],
                                       df["dtype_a"].to_numpy(object)[rows], problems)
             scale = np.fmax(np.abs(sb["max"][rows]), np.abs(sb["min"][rows]))
-            norm_b = sb["norm"][rows]
             mvals = {m: np.full(len(rows), np.nan) for m in TENSOR_METRICS}
             rel_l2 = mvals["rel_l2_err"]
             for k, (r, res) in enumerate(zip(rows, results)):
@@ -284,8 +594,8 @@ def _score(df: pd.DataFrame, part_a: Part, part_b: Part, tensors: bool, problems
                     reason[r] = f"{mism:.2%} of elements differ" if mism > 0 else ""
                     rel_l2[k] = mism
                     continue
-                if cross is not None:
-                    st, why = V.judge_cross_precision(met, cross)
+                if cross[r]:
+                    st, why = V.judge_cross_precision(met, judge_dtype[r])
                 else:
                     st, why = V.judge_compare(met, judge_dtype[r], float(scale[k]) if np.isfinite(scale[k]) else 1.0)
                 status[r], reason[r] = st, why
@@ -298,6 +608,28 @@ def _score(df: pd.DataFrame, part_a: Part, part_b: Part, tensors: bool, problems
     df["reason"] = reason
     df["origin"] = _origins(df)
     return df
+
+
+def _tolerances(df: pd.DataFrame, dtype_a, dtype_b) -> tuple[np.ndarray, np.ndarray]:
+    """Per row: the dtype whose tolerance applies and whether the pair is cross-precision.  A float
+    pair is judged by the lowest precision among its two dtypes and the precisions its values were
+    computed from (``_Flow.lineage``); it is cross-precision when those differ between the runs
+    (a bfloat16 layer in one run only: its outputs and everything computed from them)."""
+    n = len(df)
+    if not n:
+        return np.zeros(0, object), np.zeros(0, bool)
+    codes, uniques = S.factorize(list(zip(dtype_a, dtype_b)))
+    base = np.array([V.lower_precision(x, y) for x, y in uniques], dtype=object)[codes]
+    own_a = np.array([V.precision_rank(x) for x, _ in uniques], dtype=np.int64)[codes]
+    own_b = np.array([V.precision_rank(y) for _, y in uniques], dtype=np.int64)[codes]
+    lin_a, lin_b = df["lineage_a"].to_numpy(np.int64), df["lineage_b"].to_numpy(np.int64)
+    carried_a = np.where(lin_a >= 0, np.minimum(lin_a, own_a), own_a)
+    carried_b = np.where(lin_b >= 0, np.minimum(lin_b, own_b), own_b)
+    floats = (own_a >= 0) & (own_b >= 0)
+    cross = floats & ((own_a != own_b) | (carried_a != carried_b))
+    names = np.array(V.PRECISIONS, dtype=object)
+    judge = np.where(floats, names[np.clip(np.minimum(carried_a, carried_b), 0, None)], base)
+    return judge, cross
 
 
 def _tensor_metrics(part_a: Part, part_b: Part, keys_a, keys_b, judge_dtypes, dtypes_a, problems):
@@ -397,40 +729,15 @@ def _worker(args):
     return compare_parts(Part(path_a, *key_a), Part(path_b, *key_b), match=match, mapping=mapping, tensors=tensors)
 
 
-def _first(df: pd.DataFrame, stage: str) -> Divergence | None:
-    sel = df[(df["stage"] == stage) & df["origin"] & (df["io"] == "output") & (df["status"] == V.ERROR)]
-    if not len(sel):
-        return None
-    ops = sel[sel["kind"] == "op"]
-    mods = sel[sel["kind"] == "module"]
-    module = None
-    if not len(ops):  # no op pairs: the smallest (deepest) origin module of the first part with one
-        m0 = mods.sort_values(["step", "rank", "seq"]).iloc[0]
-        same = mods[(mods["step"] == m0["step"]) & (mods["rank"] == m0["rank"])]
-        module = max(same["scope"], key=lambda s: s.count("."))
-    pick = ops if len(ops) else mods
-    row = pick.sort_values(["step", "rank", "seq"]).iloc[0]
-    rows = pick[(pick["step"] == row["step"]) & (pick["rank"] == row["rank"]) & (pick["uid"] == row["uid"])]
-    failed = "; ".join(f"{r.arg}: {r.reason}" for r in rows.itertuples() if r.reason) or "outputs differ"
-    met = {m: row[m] for m in [*TENSOR_METRICS, "stats_err"] if pd.notna(row[m])}
-    stack = [f for f in str(row["stack"] or "").split(" | ") if f]
-    if module is None and row["kind"] == "op":
-        mods_all = df[(df["kind"] == "module") & (df["stage"] == stage) & (df["io"] == "output")
-                      & (df["status"] == V.ERROR) & (df["step"] == row["step"]) & (df["rank"] == row["rank"])]
-        scopes = [s for s in mods_all["scope"].unique() if row["scope"] == s or row["scope"].startswith(s + ".")]
-        module = max(scopes, key=lambda s: s.count(".")) if scopes else None
-    return Divergence(stage=stage, step=int(row["step"]), rank=int(row["rank"]), seq=int(row["seq"]),
-                      scope=row["scope"], op=row["op_a"], name=row["name_a"], call=int(row["call_a"]),
-                      kind=row["kind"], failed=failed, metrics=met, stack=stack, module=module)
-
-
 def compare(a, b, *, match: str = "fuzzy", mapping: str | Mapping | None = None, out: str | None = None,
             jobs: int = 1, progress: bool = False, tensors: bool = True, metric: str = "cosine") -> Result:
     """Compare run (or step/rank folder) ``a`` (under test) against ``b`` (benchmark).
 
     Returns ``(table, verdict)``: one row per compared tensor (columns in docs/compare.md) and a
     :class:`Verdict`.  With ``out``, writes ``compare.csv``, ``compare.xlsx``, ``unmatched.csv``
-    and ``compare.html`` there.  Raises :class:`RecordError` when nothing could be compared.
+    and ``compare.html`` there.  Raises :class:`RecordError` when nothing could be compared, and
+    :class:`RunsDoNotAlign` (a ``RecordError``) when less than ``min_aligned`` of the smaller run's compute
+    records pair.
     """
     if match not in ("fuzzy", "exact"):
         raise ValueError(f"--match must be 'fuzzy' or 'exact', not {match!r}")
@@ -451,21 +758,33 @@ def compare(a, b, *, match: str = "fuzzy", mapping: str | Mapping | None = None,
         raise RecordError(f"{run_a.path} and {run_b.path} have no step/rank in common "
                           f"({sorted(run_a.parts)} vs {sorted(run_b.parts)})")
     tasks = [(run_a.parts[ka].path, ka, run_b.parts[kb].path, kb, match, mapping, tensors) for ka, kb in jobs_list]
-    tables, unmatched = [], []
-    for df, um, probs in _run_tasks(tasks, jobs, progress):
-        tables.append(df)
-        unmatched.append(um)
-        problems.extend(probs)
+    tables, unmatched, divs, aligned = [], [], [], np.zeros(3, np.int64)
+    for res in _run_tasks(tasks, jobs, progress):
+        tables.append(res.rows)
+        unmatched.append(res.unmatched)
+        problems.extend(res.problems)
+        divs.extend(res.divergences)
+        aligned += res.aligned
     table = pd.concat(tables, ignore_index=True) if tables else pd.DataFrame(columns=COLUMNS)
     um = pd.concat(unmatched, ignore_index=True) if unmatched else pd.DataFrame(columns=UNMATCHED_COLUMNS)
     um["is_cast"] = um["is_cast"].astype(bool)
     if jobs_list[0][0] != jobs_list[0][1] and len(jobs_list) == 1:
         table["step"], table["rank"] = jobs_list[0][0]
-    fwd = _first(table, "forward") if len(table) else None
-    bwd = _first(table, "backward") if len(table) else None
+    # per stage, the divergence of the first step/rank part that has one
+    first = {}
+    for d in sorted(divs, key=lambda d: (d.step, d.rank)):
+        first.setdefault(d.stage, d)
+    for d in first.values():   # a divergence op whose own error is only a warning is an origin too
+        if d.cause == "op" and len(table):
+            at = ((table["step"] == d.step) & (table["rank"] == d.rank) & (table["stage"] == d.stage)
+                  & (table["seq"] == d.seq) & (table["kind"] == d.kind) & (table["io"] == "output"))
+            table.loc[at, "origin"] = True
     counts = {k: int(v) for k, v in table["status"].value_counts().items()} if len(table) else {}
-    verdict = Verdict(a=str(run_a.path), b=str(run_b.path), forward=fwd, backward=bwd, counts=counts, unmatched=um,
-                      problems=problems, parts=[k for k, _ in jobs_list])
+    smaller = min(int(aligned[1]), int(aligned[2]))   # a truncated or shorter run is judged on what it has
+    share = float(aligned[0]) / max(smaller, 1)
+    verdict = Verdict(a=str(run_a.path), b=str(run_b.path), forward=first.get("forward"),
+                      backward=first.get("backward"), counts=counts, unmatched=um, problems=problems,
+                      parts=[k for k, _ in jobs_list], aligned=share)
     table = table.drop(columns=["uid", "data_a", "data_b", "checksum_a", "checksum_b"], errors="ignore")
     table = table[[c for c in COLUMNS if c in table.columns]]
     if out:
@@ -475,6 +794,12 @@ def compare(a, b, *, match: str = "fuzzy", mapping: str | Mapping | None = None,
         why = problems[-1] if problems else "no tensor could be paired"
         raise RecordError(f"nothing could be compared: {why}"
                           + (f" (partial report: {verdict.report})" if verdict.report else ""))
+    need = float(standard("compare_standards").get("min_aligned", 0.5))
+    if share < need:
+        raise RunsDoNotAlign(f"the runs do not align: {smaller - int(aligned[0])} of the smaller run's {smaller} "
+                             f"compute records could not be aligned (different models or options?)"
+                             + (f" (partial report: {verdict.report})" if verdict.report else ""),
+                             Result(table, verdict))
     return Result(table, verdict)
 
 

@@ -121,9 +121,13 @@ def judge_stats_columns(error: np.ndarray, dtypes, nonfinite_differs: np.ndarray
                                   dtype=np.float64)[codes] for k in ("pass", "error"))
     error = np.asarray(error, dtype=np.float64)
     verdict = np.where(nonfinite_differs, ERROR, np.where(error > err_lim, ERROR, np.where(error > pass_lim, WARNING, PASS)))
-    reason = np.where(nonfinite_differs, "nan/inf counts differ",
-                      np.where(verdict == PASS, "", "statistics differ"))
-    return verdict.astype(object), reason.astype(object)
+    reason = np.where(nonfinite_differs, "nan/inf counts differ", "").astype(object)
+    moved = np.flatnonzero((verdict != PASS) & ~np.asarray(nonfinite_differs, dtype=bool))
+    if len(moved):   # the error and the limit it crossed, so a warning's distance from the line shows
+        limits = np.where(verdict[moved] == ERROR, err_lim[moved], pass_lim[moved])
+        names = np.asarray(uniques, dtype=object)[codes[moved]]
+        reason[moved] = [f"statistics differ: error {e:.3g} > {lim:g} ({d})" for e, lim, d in zip(error[moved], limits, names)]
+    return verdict.astype(object), reason
 
 
 def factorize(values) -> tuple[np.ndarray, list]:

@@ -26,9 +26,19 @@ def worst(verdicts) -> str:
     return ERROR if ERROR in verdicts else WARNING if WARNING in verdicts else PASS
 
 
+# float dtypes from the coarsest tolerance to the finest (bf16 below fp16: fewer mantissa bits)
+PRECISIONS = ("bfloat16", "float16", "float32", "float64")
+_PRECISION_RANK = {d: k for k, d in enumerate(PRECISIONS)}
+
+
+def precision_rank(dtype: str) -> int:
+    """Position of ``dtype`` in :data:`PRECISIONS`; -1 for dtypes outside it (integers, complex)."""
+    return _PRECISION_RANK.get(short_dtype(dtype), -1)
+
+
 def lower_precision(dtype_a: str, dtype_b: str) -> str:
     """The dtype whose tolerance applies when two sides differ (bf16 vs fp32 -> bf16)."""
-    rank = {"bfloat16": 0, "float16": 1, "float32": 2, "float64": 3}
+    rank = _PRECISION_RANK
     a, b = short_dtype(dtype_a), short_dtype(dtype_b)
     if a not in rank or b not in rank:
         return a if a not in rank else b
