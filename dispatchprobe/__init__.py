@@ -7,7 +7,7 @@ from .core.config import Config, ConfigError
 from .records.reader import RecordError, load
 from .offline.compare import compare
 
-__all__ = ["Config", "ConfigError", "DispatchProbe", "RecordError", "compare", "load", "run_ut"]
+__all__ = ["Config", "ConfigError", "DispatchProbe", "RecordError", "compare", "load", "probe_backend", "run_ut"]
 __version__ = "0.1.0"
 
 
@@ -15,6 +15,9 @@ def __getattr__(name):
     if name == "DispatchProbe":     # torch is imported only when asked for
         from .torch.capture import DispatchProbe
         return DispatchProbe
+    if name == "probe_backend":
+        from .torch.compile import probe_backend
+        return probe_backend
     if name == "run_ut":
         from .offline.run_ut import run_ut
         return run_ut

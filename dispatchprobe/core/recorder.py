@@ -236,6 +236,13 @@ class Recorder(Handler):
         """Note a module of the part's module tree (``modules.jsonl``, each scope once)."""
         self.part.module(scope, type_name)
 
+    def defer_stats(self, spec: dict, row, numel: int) -> None:
+        """Give ``spec`` the statistics of a device row computed elsewhere (inside a compiled
+        graph; :meth:`TensorBackend.device_stats_row`'s layout), read with the other pending rows."""
+        st = spec["stats"] = {}
+        self._rows.append(row)
+        self._row_stats.append((st, numel))
+
     def emit(self, record: dict) -> None:
         """Write ``record`` now, or after the device statistics queued before it are read."""
         if not self._waiting and not self._row_stats:

@@ -9,6 +9,9 @@ Transparency: the mode runs the op first, untouched, and only then looks at its 
 
 from __future__ import annotations
 
+import os
+import sys
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.module_tracker import ModuleTracker
@@ -19,15 +22,49 @@ from ..core.config import ConfigError
 from ..core.session import ProbeSession
 
 
+# where AOTAutograd's runtime wrappers live (not imported: that would import dynamo)
+_AOT_RUNTIME = os.path.join(torch.__path__[0], "_functorch", "_aot_autograd", "runtime_wrappers.py")
+active_probes: list = []      # DispatchProbes recording now, innermost last
+
+
+def _in_compiled_code() -> bool:
+    """Whether the op is called by a compiled graph (inductor's ``.out`` calls, an ``aot_eager``
+    graph's ops, a probe backend's recording op): every AOTAutograd-compiled region, forward
+    and backward, runs inside a function of ``runtime_wrappers.py``."""
+    f = sys._getframe(2)
+    while f is not None:
+        if f.f_code.co_filename == _AOT_RUNTIME:
+            return True
+        f = f.f_back
+    return False
+
+
 class _ProbeMode(TorchDispatchMode):
+    """Records the ops the user's eager code runs.  Compiled code keeps running compiled (a mode
+    without ``ignore_compile_internals`` makes dynamo skip every frame, silently running the
+    model eagerly); the calls compiled graphs make are not recorded: they are not the eager
+    op granularity, and ``probe_backend`` records the graphs' own ops."""
+
     def __init__(self, probe: "DispatchProbe"):
         super().__init__()
         self.probe = probe
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+    def __enter__(self):
+        active_probes.append(self.probe)     # probe_backend's graphs record into it (same dump_path)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        active_probes.remove(self.probe)
+        return super().__exit__(*exc)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         probe = self.probe
-        if probe.busy or not probe._wants(func):
+        if probe.busy or not probe._wants(func) or _in_compiled_code():
             out = func(*args, **kwargs)
             if ops.allocates_uninitialised(func) and not probe.busy:
                 probe.uninitialised.add(out)
@@ -160,11 +197,18 @@ class _ModuleScopes(ModuleTracker):
         self.__exit__(None, None, None)
         self.forward_stack.clear()
 
+    # Inside a graph dynamo traces, and in modules compiled code calls (an aot_eager graph is a
+    # GraphModule), module hooks do nothing: that code runs compiled, its ops are not recorded
+    # (and tracing the tracker's weak dictionaries fails).
     def _fw_pre_hook(self, mod, input) -> None:
+        if torch.compiler.is_compiling() or _in_compiled_code():
+            return
         self._types[self._get_mod_name(mod)] = type(mod).__name__
         super()._fw_pre_hook(mod, input)
 
     def _fw_post_hook(self, mod, input, output) -> None:
+        if torch.compiler.is_compiling() or _in_compiled_code():
+            return
         super()._fw_post_hook(mod, input, output)
         self.probe.on_module(self._types[self._get_mod_name(mod)], self._get_mod_name(mod), "forward",
                               input, output)

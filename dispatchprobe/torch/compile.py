@@ -1,0 +1,475 @@
+"""``torch.compile(model, backend=probe_backend(...))``: the probe inside compiled graphs.
+
+The backend runs inductor's own pipeline (``compile_fx``: its decompositions, partitioner and
+passes) and instruments each post-grad graph, forward and backward, in a custom post pass:
+the statistics of every recorded value are computed inside the graph (inductor fuses them into
+the producing kernels) and handed, as one vector per graph call, to a side-effectful recording
+op.  The records go through the same session, recorder and writer as the eager probe's, in
+execution order with the eager records of the code around the graphs.  See docs/compile.md.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import math
+import operator
+import re
+
+import torch
+import torch.fx
+
+from . import backend as torch_backend
+from . import ops
+from .capture import active_probes
+from ..core.session import ProbeSession
+
+STAT_FIELDS = 6          # max, min, sum, L2 norm, nan count, inf count: a device stats row
+
+
+# ---- the recording op ---------------------------------------------------------------------------
+@torch.library.custom_op("dispatchprobe::record_stats", mutates_args=())
+def _record_stats(values: list[torch.Tensor], graph: int) -> None:
+    """Statistics of one graph call (``STAT_FIELDS`` 0-d tensors per recorded tensor), kept as
+    one float64 matrix (a copy: inductor reuses its buffers after the call) for the records."""
+    block = torch.stack([v.to(torch.float64) for v in values]).view(-1, STAT_FIELDS)
+    _GRAPHS[graph].emit(block)
+
+
+@_record_stats.register_fake
+def _(values, graph):
+    return None
+
+
+torch.fx.node.has_side_effect(torch.ops.dispatchprobe.record_stats.default)
+
+_GRAPHS: dict[int, "_GraphRecords"] = {}
+_graph_ids = itertools.count()
+
+
+# ---- the session records are written through ---------------------------------------------------
+class CompiledProbe(ProbeSession):
+    """The session of a probe backend: the eager probe's config, recorder and writer, started
+    by the first graph call (there is no ``with``) and ended by :meth:`ProbeBackend.step`."""
+
+    backend = torch_backend
+
+    def _install(self) -> None:
+        pass
+
+    def _uninstall(self) -> None:
+        pass
+
+    def _detect_rank(self) -> int:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            return torch.distributed.get_rank()
+        return super()._detect_rank()
+
+    def _open_part(self) -> None:
+        self.rank = self._detect_rank()
+        super()._open_part()
+
+    def _quiet(self):
+        return torch.no_grad()
+
+
+class ProbeBackend:
+    """A ``torch.compile`` backend recording every compiled graph.  ``step()`` ends a training
+    step (as ``DispatchProbe.step``), ``close()`` finishes the records (also run at exit)."""
+
+    def __init__(self, config=None, *, inner: str = "inductor", model: torch.nn.Module | None = None, **overrides):
+        if inner not in ("inductor", "aot_eager"):
+            raise ValueError(f"inner must be 'inductor' or 'aot_eager', not {inner!r}")
+        self.inner = inner
+        # the session is created when a graph first records outside a DispatchProbe on the same
+        # dump_path, so that such a probe alone may own the run directory
+        self._args = (config, overrides)
+        from ..core.config import Config
+        self.config = Config.load(config, **overrides)
+        if self.config.task not in ("statistics",):
+            raise ValueError(f"probe_backend records task 'statistics' (not {self.config.task!r} yet)")
+        self._session: CompiledProbe | None = None
+        self.module_names: dict[int, str] = {}
+        if model is not None:
+            root = type(model).__name__
+            self.module_names = {id(m): f"{root}.{n}" if n else root for n, m in model.named_modules()}
+        atexit.register(self.close)
+
+    @property
+    def session(self) -> CompiledProbe:
+        if self._session is None:
+            config, overrides = self._args
+            self._session = CompiledProbe(config, **overrides)
+        return self._session
+
+    def target(self):
+        """The session a graph call records into now: an active DispatchProbe writing to the same
+        run directory (so both capture paths share one record stream), else this backend's own."""
+        for probe in reversed(active_probes):
+            if probe.config.dump_path == self.config.dump_path:
+                return probe
+        session = self.session
+        session.start()
+        return session if session._active else None
+
+    def step(self) -> None:
+        if self._session is not None:
+            self._session.step()
+
+    def close(self) -> None:
+        if self._session is not None:
+            self._session.close()
+
+    # -- compiling ------------------------------------------------------------------------------
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+        from torch._functorch import config as functorch_config
+        from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+        roots = _frame_modules(self.module_names)
+
+        def inner_compile(graph_module, inputs, **kw):
+            instrument = _Instrument(self, roots, backward=bool(kw.get("is_backward")))
+            if self.inner == "aot_eager":
+                instrument(graph_module.graph)
+                graph_module.recompile()
+                return _EagerOutput(graph_module)
+            with torch._inductor.config.patch(post_grad_custom_post_pass=instrument):
+                return compile_fx_inner(graph_module, inputs, **kw)
+
+        # both caches would skip the instrumenting pass: off for this backend's graphs only
+        with functorch_config.patch(enable_autograd_cache=False):
+            return compile_fx(gm, example_inputs, inner_compile=inner_compile,
+                              config_patches={"fx_graph_cache": False})
+
+
+def probe_backend(config=None, *, inner: str = "inductor", model: torch.nn.Module | None = None,
+                  **overrides) -> ProbeBackend:
+    """``torch.compile(model, backend=probe_backend(task="statistics", dump_path="runs/c"))``:
+    record the compiled graphs' ops at eager granularity.  ``inner``: ``"inductor"`` (compiled
+    code, the default) or ``"aot_eager"`` (the same instrumented aten graphs run eagerly).
+    ``model`` names the scopes of graphs that start inside a submodule (after a graph break)."""
+    return ProbeBackend(config, inner=inner, model=model, **overrides)
+
+
+def _eager_output_type():
+    from torch._inductor.output_code import OutputCode
+
+    class EagerOutput(OutputCode):
+        """An instrumented aten graph run eagerly, in inductor's compiled-output interface."""
+
+        def __init__(self, gm):
+            self.gm = gm
+            self._boxed_call = True
+
+        def __call__(self, inputs):
+            return self.gm(*inputs)
+
+        def post_compile(self, example_inputs, constants, graph_kwargs) -> None:
+            pass
+
+        def set_triton_bundle(self, triton_bundle) -> None:
+            pass
+
+    return EagerOutput
+
+
+def _EagerOutput(gm):
+    global _EagerOutput
+    cls = _eager_output_type()
+    _EagerOutput = cls
+    return cls(gm)
+
+
+# ---- names and scopes -----------------------------------------------------------------------------
+_SOURCE = re.compile(r"^L\['([^']+)'\]")
+
+
+def _frame_modules(names: dict) -> dict[str, str]:
+    """Eager scope names of the modules among the compiled frame's locals (``L['self']`` ->
+    ``TinyTransformer`` or, with ``model=``, the submodule's full name ``TinyTransformer.layers.0``)."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+        local = InstructionTranslator.current_tx().f_locals
+    except Exception:        # not called by dynamo (a direct backend call)
+        return {}
+    return {k: names.get(id(v), type(v).__name__) for k, v in local.items() if isinstance(v, torch.nn.Module)}
+
+
+def _scope(stack: dict | None, roots: dict[str, str]) -> str:
+    """Innermost module of a node's ``nn_module_stack`` in eager's naming."""
+    if not stack:
+        return roots.get("self", "")
+    path = list(stack.values())[-1][0]
+    m = _SOURCE.match(path)
+    if m:
+        path = roots.get(m.group(1), m.group(1)) + path[m.end():]
+    return re.sub(r"\[(\d+)\]", r".\1", path).replace("._modules['", ".").replace("']", "")
+
+
+# ---- the pass ------------------------------------------------------------------------------------
+def _stats_nodes(graph: torch.fx.Graph, node: torch.fx.Node, at: torch.fx.Node) -> list[torch.fx.Node]:
+    """Nodes computing a device stats row of ``node``'s value (0-d float64 each), inserted after
+    ``at``: the formulas of :func:`~dispatchprobe.torch.backend.device_stats_row`, in ops with
+    inductor lowerings (``isfinite``/``stack`` have none)."""
+    aten = torch.ops.aten
+    val = node.meta["val"]
+    acc = torch.float64 if val.dtype in (torch.float64,) or not (val.dtype.is_floating_point or val.dtype == torch.bool) \
+        else torch.float32
+    with graph.inserting_after(at):
+        x = node if val.dtype == acc else graph.call_function(aten._to_copy.default, (node,), {"dtype": acc})
+    new = [] if x is node else [x]
+
+    def call(op, *args, **kwargs):
+        with graph.inserting_after(new[-1] if new else at):
+            n = graph.call_function(op, args, kwargs)
+        new.append(n)
+        return n
+
+    hi = call(aten.amax.default, x)
+    lo = call(aten.amin.default, x)
+    total = call(aten.sum.default, x)
+    sq = call(aten.mul.Tensor, x, x)
+    norm = call(aten.sqrt.default, call(aten.sum.default, sq))
+    nan = call(aten.sum.dim_IntList, call(aten.ne.Tensor, x, x), [], dtype=acc)
+    nonfinite = call(aten.sum.dim_IntList, call(aten.ne.Scalar, call(aten.mul.Scalar, x, 0), 0), [], dtype=acc)
+    inf = call(aten.sub.Tensor, nonfinite, nan)
+    return [hi, lo, total, norm, nan, inf]
+
+
+class _Group:
+    """The post-grad nodes of one eager op call: same ``original_aten``, ``seq_nr`` and
+    partitioner tag."""
+
+    def __init__(self, op, nodes):
+        self.op = op
+        self.nodes = nodes
+
+
+class _Instrument:
+    """The post-grad pass of one graph: group nodes into eager op calls, add the statistics of
+    each group's values and one recording op, and keep the records' templates."""
+
+    def __init__(self, owner: ProbeBackend, roots: dict, backward: bool):
+        self.owner = owner
+        self.roots = roots
+        self.backward = backward
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        groups = self._groups(graph)
+        records = _GraphRecords(self.owner, "backward" if self.backward else "forward", self.roots)
+        stats: dict[torch.fx.Node, list] = {}
+        order: list[torch.fx.Node] = []
+        for group in groups:
+            exact = len([n for n in group.nodes if n.target is not operator.getitem]) == 1 \
+                and str(group.nodes[0].target) == str(group.op)
+            outputs = self._exported(group, not exact, self.owner_of)
+            if not outputs:
+                continue
+            if exact:
+                first = group.nodes[0]
+                inputs = list(first.args)
+                kwargs = dict(first.kwargs)
+            else:
+                inputs, kwargs = [], {}
+            template = records.add(group, inputs, kwargs, outputs, exact)
+            for n in template.tensor_nodes:
+                if n not in stats:
+                    at = n if n.op != "placeholder" else _last_placeholder(graph)
+                    stats[n] = _stats_nodes(graph, n, at)
+                    order.append(n)
+        if not records.templates:
+            return
+        flat = [s for n in order for s in stats[n]]
+        out = next(n for n in reversed(graph.nodes) if n.op == "output")
+        with graph.inserting_before(out):
+            graph.call_function(torch.ops.dispatchprobe.record_stats.default, (flat, records.id))
+        records.finish(order)
+
+    def _groups(self, graph: torch.fx.Graph) -> list[_Group]:
+        by_key: dict = {}
+        groups: list[_Group] = []
+        owner_of: dict = {}
+        for node in graph.nodes:
+            if node.op != "call_function":
+                continue
+            if node.target is operator.getitem and node.args[0] in owner_of:
+                g = owner_of[node.args[0]]
+                g.nodes.append(node)
+                owner_of[node] = g
+                continue
+            if not isinstance(node.target, torch._ops.OpOverload) or node.target.namespace == "dispatchprobe":
+                continue
+            tag = node.meta.get("partitioner_tag")
+            # the partitioner moves work across graphs: recomputed forward values in backward
+            # (recorded in forward), parts of backward ops in forward (recorded with the rest)
+            if tag == ("is_forward" if self.backward else "is_backward"):
+                continue
+            op = node.meta.get("original_aten") or node.target
+            # a node of the original op itself is one eager call (two mm of one addmm's backward)
+            exact = str(op) == str(node.target) or node.meta.get("seq_nr") is None
+            key = node if exact else (str(op), node.meta.get("seq_nr"), tag)
+            g = by_key.get(key)
+            if g is None:
+                g = by_key[key] = _Group(op, [])
+                groups.append(g)
+            g.nodes.append(node)
+            owner_of[node] = g
+        self.owner_of = owner_of
+        session_like = self.owner.config
+        wanted = []
+        for g in groups:
+            op = g.op
+            if isinstance(op, torch._ops.OpOverload):
+                if ops.never_recorded(op) or (not session_like.include_views and ops.is_alias(op)):
+                    continue
+            wanted.append(g)
+        return wanted
+
+    @staticmethod
+    def _exported(group: _Group, decomposed: bool, owner_of: dict) -> list[torch.fx.Node]:
+        """The values of an op call: a node's own outputs; of a decomposition only its main
+        result, the last of its values another op call reads (its other values, such as layer
+        norm's mean, cannot be told apart from intermediates the partitioner saves)."""
+        inside = set(group.nodes)
+        out = [n for n in group.nodes if isinstance(n.meta.get("val"), torch.Tensor)
+               and any(u not in inside for u in n.users)]
+        if not decomposed:
+            return out
+        read = [n for n in out if any(owner_of.get(u) not in (None, group) for u in n.users)]
+        return (read or out)[-1:]
+
+
+def _last_placeholder(graph: torch.fx.Graph) -> torch.fx.Node:
+    last = None
+    for n in graph.nodes:
+        if n.op == "placeholder":
+            last = n
+    return last
+
+
+class _Template:
+    """One record of a graph call, all but its call index and statistics."""
+
+    def __init__(self, op: str, scope: str, nodes: list[str], exact: bool):
+        self.op, self.scope = op, scope
+        self.tensor_nodes: list[torch.fx.Node] = []
+        self.inputs: list = []
+        self.kwargs: dict = {}
+        self.outputs: list = []
+        self.slots: list[tuple[dict, torch.fx.Node]] = []   # (tensor spec, node) filled per call
+        self.compiled = {"nodes": nodes, "decomposed": not exact}
+        self.rows: list[int] = []
+
+    def encode(self, value):
+        if isinstance(value, torch.fx.Node):
+            val = value.meta.get("val")
+            if isinstance(val, torch.Tensor):
+                spec = torch_backend.tensor_meta(val)
+                spec["device"] = str(val.device)
+                spec["requires_grad"] = False
+                if val.numel() and not val.is_complex():
+                    self.tensor_nodes.append(value)
+                    self.slots.append((spec, value))
+                return spec
+            if isinstance(val, (int, float, bool)) or hasattr(val, "node"):   # symbolic sizes: hint
+                try:
+                    return _scalar(int(val) if isinstance(val, torch.SymInt) else val)
+                except Exception:
+                    return {"type": "other", "repr": str(val)}
+            return {"type": "other", "repr": value.name}
+        if isinstance(value, (list, tuple)):
+            return {"type": type(value).__name__, "value": [self.encode(v) for v in value]}
+        if isinstance(value, torch.dtype):
+            return {"type": "dtype", "value": ops.dtype_name(value)}
+        if isinstance(value, torch.device):
+            return {"type": "device", "value": str(value)}
+        if value is None or isinstance(value, (bool, int, float, str)):
+            return _scalar(value)
+        return torch_backend.encode_other(value)
+
+
+def _scalar(value) -> dict:
+    if value is None:
+        return {"type": "none"}
+    if isinstance(value, bool):
+        return {"type": "bool", "value": value}
+    if isinstance(value, int):
+        return {"type": "int", "value": value}
+    if isinstance(value, float):
+        return {"type": "float", "value": value if math.isfinite(value) else str(value)}
+    return {"type": "str", "value": str(value)}
+
+
+class _GraphRecords:
+    """The records one compiled graph writes per call, and how its statistics map onto them."""
+
+    def __init__(self, owner: ProbeBackend, stage: str, roots: dict):
+        self.owner = owner
+        self.stage = stage
+        self.roots = roots
+        self.id = next(_graph_ids)
+        self.templates: list[_Template] = []
+        _GRAPHS[self.id] = self
+
+    def add(self, group: _Group, inputs, kwargs, outputs, exact: bool) -> _Template:
+        scope_meta = group.nodes[0].meta.get("fwd_nn_module_stack" if self.stage == "backward" else "nn_module_stack")
+        if self.stage == "backward" and not scope_meta:
+            scope_meta = group.nodes[0].meta.get("nn_module_stack")
+        t = _Template(str(group.op), _scope(scope_meta, self.roots), [n.name for n in group.nodes], exact)
+        t.inputs = [t.encode(a) for a in inputs]
+        t.kwargs = {k: t.encode(v) for k, v in kwargs.items()}
+        t.outputs = [t.encode(o) for o in outputs]
+        t.output_type = "single" if len(outputs) == 1 else "tuple"
+        self.templates.append(t)
+        return t
+
+    def finish(self, order: list) -> None:
+        row_of = {n: i for i, n in enumerate(order)}
+        for t in self.templates:
+            t.rows = [row_of[n] for _, n in t.slots]
+            t.node_slots = t.slots
+            t.slots = [spec for spec, _ in t.slots]
+            t.tensor_nodes = []
+
+    def emit(self, block: torch.Tensor) -> None:
+        """One graph call: a record per template, in graph order, statistics read later."""
+        session = self.owner.target()
+        if session is None or session.failed or not session._stage_on[self.stage]:
+            return
+        rows = block.unbind(0)
+        recorder = session.recorder
+        selector = session.selector
+        with session._writing():
+            for t in self.templates:
+                if not selector.op_selected(t.op) or not selector.scope_selected(t.scope):
+                    continue
+                record = {"id": None, "kind": "op", "name": None, "op": t.op, "stage": self.stage,
+                          "scope": t.scope, "call": session.next_call(t.op, self.stage), "grad_fn": None,
+                          "stack": None}
+                record["name"] = f"{t.op}.{record['call']}.{self.stage}"
+                fresh = {}
+                for spec, r in zip(t.slots, t.rows):
+                    copy = fresh[id(spec)] = dict(spec)
+                    recorder.defer_stats(copy, rows[r], math.prod(spec["shape"]))
+                if recorder.io_filter("input"):
+                    record["inputs"] = _fill(t.inputs, fresh)
+                    record["kwargs"] = {k: _fill(v, fresh) for k, v in t.kwargs.items()}
+                if recorder.io_filter("output"):
+                    record["output_type"] = t.output_type
+                    record["outputs"] = _fill(t.outputs, fresh)
+                record["compiled"] = {"graph": self.id, **t.compiled}
+                recorder.emit(record)
+
+
+def _fill(value, fresh: dict):
+    """A template value with this call's tensor specs in place of the template's."""
+    if isinstance(value, list):
+        return [_fill(v, fresh) for v in value]
+    if isinstance(value, dict):
+        hit = fresh.get(id(value))
+        if hit is not None:
+            return hit
+        if value.get("type") in ("list", "tuple"):
+            return {"type": value["type"], "value": [_fill(v, fresh) for v in value["value"]]}
+        return value
+    return value

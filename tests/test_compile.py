@@ -1,0 +1,195 @@
+"""torch.compile: the eager probe keeps compiled code compiled; ``probe_backend`` records the
+compiled graphs at eager granularity, through the same records, transparently."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from dispatchprobe import DispatchProbe, compare, load
+from dispatchprobe.models import MLPNet, TinyTransformer, lm_batch, lm_loss
+from dispatchprobe.torch.compile import probe_backend
+
+
+def _ops(path):
+    return [json.loads(line) for line in open(path / "step0" / "rank0" / "ops.jsonl")]
+
+
+def _aot_counting(runs: list):
+    """An AOTAutograd backend whose compiled forward counts its calls (runs compiled or not?)."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    def fw(gm, example_inputs):
+        def run(*args):
+            runs.append(1)
+            return gm(*args)
+        return make_boxed_func(run)
+    return aot_autograd(fw_compiler=fw, bw_compiler=lambda gm, ex: make_boxed_func(gm.forward))
+
+
+class _Breaks(torch.nn.Module):
+    """Two compiled regions around eager code (a function dynamo does not trace)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8)
+        self.b = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.b(_eager_part(torch.relu(self.a(x)))).sum()
+
+
+@torch._dynamo.disable
+def _eager_part(x):
+    return torch.tanh(x)
+
+
+def test_eager_probe_lets_compiled_code_run(tmp_path):
+    torch.manual_seed(0)
+    model = _Breaks()
+    runs: list = []
+    compiled = torch.compile(model, backend=_aot_counting(runs))
+    x = torch.randn(4, 8)
+    plain = compiled(x)
+    plain.backward()
+    plain_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    before = len(runs)
+    with DispatchProbe(task="statistics", dump_path=str(tmp_path / "r")) as probe:
+        probed = compiled(x)
+        probed.backward()
+    probe.close()
+    assert len(runs) == before + 2          # both compiled regions ran compiled under the probe
+    assert torch.equal(probed, plain)
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), plain_grads))
+    ops = {(r["op"], r["stage"]) for r in _ops(tmp_path / "r")}
+    assert ("aten.tanh.default", "forward") in ops          # the eager code between the graphs
+    assert ("aten.tanh_backward.default", "backward") in ops
+    assert not {op for op, _ in ops} & {"aten.addmm.default", "aten.relu.default", "aten.mm.default",
+                                        "aten.threshold_backward.default"}   # inside the graphs
+
+
+def _tiny():
+    torch.manual_seed(0)
+    return TinyTransformer(dim=32, layers=1, seq=16, vocab=64)
+
+
+def _batch():
+    return lm_batch(batch=2, seq=16, vocab=64)
+
+
+def _plain_aot_eager(gm, example_inputs):
+    """The uninstrumented reference of ``inner="aot_eager"``: inductor's decompositions and
+    partitioner, graphs run eagerly."""
+    from torch._inductor.compile_fx import compile_fx
+    from dispatchprobe.torch.compile import _EagerOutput
+
+    with torch._functorch.config.patch(enable_autograd_cache=False):
+        return compile_fx(gm, example_inputs, inner_compile=lambda g, ex, **kw: _EagerOutput(g),
+                          config_patches={"fx_graph_cache": False})
+
+
+def test_probe_backend_records_forward_backward_and_aligns_with_eager(tmp_path):
+    tokens, targets = _batch()
+    model = _tiny()
+    with DispatchProbe(task="statistics", dump_path=str(tmp_path / "eager")) as probe:
+        lm_loss(model, tokens, targets).backward()
+    probe.close()
+
+    model = _tiny()
+    backend = probe_backend(task="statistics", dump_path=str(tmp_path / "compiled"), inner="aot_eager")
+    compiled = torch.compile(model, backend=backend)
+    with DispatchProbe(task="statistics", dump_path=str(tmp_path / "compiled")) as probe:
+        loss = lm_loss(compiled, tokens, targets)
+        loss.backward()
+    probe.close()
+    backend.close()
+
+    records = _ops(tmp_path / "compiled")
+    kinds = [("C" if "compiled" in r else "E", r["stage"]) for r in records]
+    # execution order: compiled forward graph, eager loss, eager loss backward, compiled backward graph
+    first_eager = kinds.index(("E", "forward"))
+    assert kinds[:first_eager] == [("C", "forward")] * first_eager and first_eager >= 20
+    assert kinds.index(("E", "backward")) < kinds.index(("C", "backward"))
+    by_op = {(r["op"], r["scope"], r["stage"]) for r in records if "compiled" in r}
+    assert ("aten.addmm.default", "TinyTransformer.layers.0.mlp.up", "forward") in by_op
+    assert ("aten.native_layer_norm.default", "TinyTransformer.layers.0.norm1", "forward") in by_op
+    assert ("aten.mm.default", "TinyTransformer.layers.0.attn.qkv", "backward") in by_op
+    assert ("aten.native_layer_norm_backward.default", "TinyTransformer.norm", "backward") in by_op
+    assert all(set(o["stats"]) >= {"max", "min", "mean", "norm", "nan", "inf"}
+               for r in records if "compiled" in r for o in r["outputs"])
+
+    table, verdict = compare(str(tmp_path / "compiled"), str(tmp_path / "eager"), out=str(tmp_path / "report"))
+    assert verdict.forward is None and "no forward divergence" in str(verdict)
+    forward = table[table["stage"] == "forward"]
+    assert len(forward) >= 30 and (forward["status"] != "error").all()
+    # backward: every pair of the same op agrees; what differs is the decomposition dynamo traces
+    # (``q, k, v = t`` is three selects, whose backward is select_backward + add, eager's is stack)
+    backward = table[(table["stage"] == "backward") & (table["op_a"] == table["op_b"])]
+    assert len(backward) >= 40 and (backward["status"] != "error").all()
+
+
+def test_probe_backend_is_transparent_aot_eager(tmp_path):
+    tokens, targets = _batch()
+    results = []
+    for backend in (_plain_aot_eager, probe_backend(task="statistics", dump_path=str(tmp_path / "c"),
+                                                    inner="aot_eager")):
+        model = _tiny()
+        compiled = torch.compile(model, backend=backend)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses = []
+        for _ in range(2):
+            loss = lm_loss(compiled, tokens, targets)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        results.append((losses, [p.detach().clone() for p in model.parameters()]))
+    (la, pa), (lb, pb) = results
+    assert all(torch.equal(a, b) for a, b in zip(la, lb))
+    assert all(torch.equal(a, b) for a, b in zip(pa, pb))
+
+
+def test_probe_backend_inductor_transparent_and_recorded(tmp_path):
+    """Inductor with the statistics fused in: bit-identical outputs and gradients, two steps, no recompile."""
+    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(1))
+    results = []
+    backend = probe_backend(task="statistics", dump_path=str(tmp_path / "c"))
+    from torch._dynamo.utils import counters
+    for b in ("inductor", backend):
+        torch.manual_seed(0)
+        model = MLPNet(dim=32, depth=2, classes=4)
+        compiled = torch.compile(model, backend=b)
+        graphs = counters["stats"]["unique_graphs"]
+        outs, grads = [], []
+        for step in range(2):
+            out = compiled(x)
+            F.cross_entropy(out, torch.arange(16) % 4).backward()
+            outs.append(out.detach())
+            grads.append([p.grad.clone() for p in model.parameters()])
+            model.zero_grad()
+            if b is backend:
+                backend.step()
+        assert counters["stats"]["unique_graphs"] == graphs + 1     # compiled once for both steps
+        results.append((outs, grads))
+    backend.close()
+    (oa, ga), (ob, gb) = results
+    assert all(torch.equal(a, b) for a, b in zip(oa, ob))
+    assert all(torch.equal(a, b) for sa, sb in zip(ga, gb) for a, b in zip(sa, sb))
+    run = load(str(tmp_path / "c"))
+    ops = run.ops
+    for step in (0, 1):
+        part = ops[ops["step"] == step]
+        assert set(part["stage"]) == {"forward", "backward"}
+        assert (part["op"] == "aten.addmm.default").sum() == 3
+    eager = [r for r in _ops(tmp_path / "c") if r["op"] == "aten.addmm.default"][0]["outputs"][0]["stats"]
+    with torch.no_grad():
+        torch.manual_seed(0)
+        ref = MLPNet(dim=32, depth=2, classes=4).body[0](x)
+    assert eager["max"] == pytest.approx(ref.max().item(), rel=1e-6)
+    assert eager["mean"] == pytest.approx(ref.mean().item(), rel=1e-4, abs=1e-6)
+    assert eager["nan"] == 0 and eager["inf"] == 0
