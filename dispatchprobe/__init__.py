@@ -1,13 +1,14 @@
 """dispatchprobe: find the op that made a training run go wrong.
 
-Capture (``DispatchProbe``) needs torch; the offline side (``load``, ``compare``, ``run_ut``)
+Capture (``DispatchProbe``) and ``seed_all`` need torch; the offline side (``load``, ``compare``, ``run_ut``)
 needs only numpy and pandas: importing this package does not import torch."""
 
-from .core.config import Config, ConfigError
+from .core.config import Config, ConfigError, ConfigWarning
 from .records.reader import RecordError, load
 from .offline.compare import compare
 
-__all__ = ["Config", "ConfigError", "DispatchProbe", "RecordError", "compare", "load", "probe_backend", "run_ut"]
+__all__ = ["Config", "ConfigError", "ConfigWarning", "DispatchProbe", "RecordError", "compare", "load", "probe_backend",
+           "run_ut", "seed_all"]
 __version__ = "0.1.0"
 
 
@@ -15,6 +16,9 @@ def __getattr__(name):
     if name == "DispatchProbe":     # torch is imported only when asked for
         from .torch.capture import DispatchProbe
         return DispatchProbe
+    if name == "seed_all":
+        from .torch.seeding import seed_all
+        return seed_all
     if name == "probe_backend":
         from .torch.compile import probe_backend
         return probe_backend

@@ -24,20 +24,26 @@ from ..records.writer import PartWriter, atomic_write_text, write_manifest
 
 
 class OpSelector:
-    """Which ops a config selects: by name (exact, substring or regex) and module scope."""
+    """Which ops a config selects: by name (exact, substring or regex) and module scope.
+
+    A scope selects the modules whose name holds it as whole dot-separated parts
+    (``layers.1`` selects ``Net.layers.1.mlp``, not ``Net.layers.10``); ``*.`` stands for the
+    root module, whatever its name (msprobe module names are read so).  ``hits`` counts the
+    selected calls, for the empty-selection warning at close."""
 
     def __init__(self, names: list[str], scopes: list[str]):
-        self._patterns = [self._compile(n) for n in names]
+        try:
+            self._patterns = [re.compile(n) for n in names]
+        except re.error as exc:
+            raise ConfigError(f"config: list entry {exc.pattern!r} is not a valid regex ({exc})") from None
         self._scopes = tuple(scopes)
         self._memo: dict[str, bool] = {}
         self._scope_memo: dict[str, bool] = {}
+        self.hits = 0
 
-    @staticmethod
-    def _compile(text: str):
-        try:
-            return re.compile(text)
-        except re.error:
-            return re.compile(re.escape(text))
+    @property
+    def filters(self) -> bool:
+        return bool(self._patterns or self._scopes)
 
     def op_selected(self, op: str) -> bool:
         if not self._patterns:
@@ -49,13 +55,21 @@ class OpSelector:
         return hit
 
     def scope_selected(self, scope: str) -> bool:
-        if not self._scopes:
-            return True
         hit = self._scope_memo.get(scope)
         if hit is None:
-            hit = self._scope_memo[scope] = any(scope == s or scope.startswith(s + ".") or s in scope
-                                                for s in self._scopes)
+            hit = self._scope_memo[scope] = not self._scopes or any(self._in_scope(s, scope) for s in self._scopes)
+        self.hits += hit
         return hit
+
+    @staticmethod
+    def _in_scope(wanted: str, scope: str) -> bool:
+        if wanted == "*":
+            return bool(scope)
+        if wanted.startswith("*."):
+            _, _, path = scope.partition(".")
+            wanted = wanted[2:]
+            return path == wanted or path.startswith(wanted + ".")
+        return f".{wanted}." in f".{scope}."
 
 
 class ProbeSession:
@@ -68,6 +82,11 @@ class ProbeSession:
         if os.path.exists(self.config.dump_path) and not os.path.isdir(self.config.dump_path):
             raise ConfigError(f"dump_path {self.config.dump_path!r} is a file, not a directory")
         self.selector = OpSelector(self.config.list, self.config.scope)
+        self.seeded = None             # what seed_all changed, for configs with seed/is_deterministic
+        if self.config.seed is not None or self.config.is_deterministic:
+            from .. import seed_all
+            seed = self.config.seed if self.config.seed is not None else 1234
+            self.seeded = seed_all(seed, mode=self.config.is_deterministic)
         self.step_no = 0
         self.rank = self._detect_rank()
         self._parts_written: set[str] = set()
@@ -118,6 +137,23 @@ class ProbeSession:
             self._close_part()
         for h in self.handlers:
             h.close()
+        self._warn_if_nothing_selected()
+
+    def _warn_if_nothing_selected(self) -> None:
+        """A run whose filters selected nothing says so once, naming them."""
+        cfg = self.config
+        if getattr(self, "_selection_checked", False) or (cfg.rank and self.rank not in cfg.rank):
+            return
+        self._selection_checked = True
+        if not self._manifest_written and cfg.step:
+            steps = cfg.step if len(cfg.step) <= 8 else f"[{cfg.step[0]}, {cfg.step[1]}, ..., {cfg.step[-1]}]"
+            warnings.warn(f"dispatchprobe: step={steps} selected none of the {self.step_no} step(s) this probe "
+                          "saw (steps count from 0 at each probe.step())", RuntimeWarning, stacklevel=3)
+        elif self._manifest_written and self.selector.filters and not self.selector.hits and not self.failed:
+            warnings.warn(f"dispatchprobe: the filters selected no op in {self.run_dir}: list={cfg.list} "
+                          f"scope={cfg.scope}; list holds aten op names or regexes (e.g. 'addmm', "
+                          "'^aten\\.mm\\.'), scope module names such as 'Net.layers.1' or '*.layers.1'",
+                          RuntimeWarning, stacklevel=3)
 
     def __enter__(self):
         self.start()

@@ -1,0 +1,97 @@
+"""``seed_all``: make two runs comparable with one call (msprobe's ``seed_all(seed, mode)``).
+
+Seeds every generator a training step draws from (Python ``random``, numpy, torch on CPU and
+every CUDA/NPU device, MindSpore where importable); ``mode=True`` also makes kernels
+deterministic.  The probe calls it when its config holds ``seed`` or ``is_deterministic: true``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import random
+import sys
+
+CUBLAS_WORKSPACE = ":4096:8"
+log = logging.getLogger("dispatchprobe")
+
+
+class Seeded(dict):
+    """What :func:`seed_all` changed, setting -> value; ``str()`` is the one line it logged."""
+
+    def __str__(self) -> str:
+        return "dispatchprobe.seed_all: " + "; ".join(f"{k}={v}" for k, v in self.items())
+
+
+def seed_all(seed: int = 1234, mode: bool = False) -> Seeded:
+    """Seed ``random``, numpy, torch (CPU, CUDA, NPU) and MindSpore with ``seed``.
+
+    ``mode=True``: deterministic algorithms (``torch.use_deterministic_algorithms(True)``: an op
+    without a deterministic kernel raises), ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` (cuBLAS reads it
+    when its first handle is made: call this before any CUDA matmul), cuDNN deterministic with
+    benchmarking off, ``HCCL_DETERMINISTIC=true`` for NPU collectives.  ``mode=False`` leaves
+    those settings as they are.  ``PYTHONHASHSEED`` is set for child processes; this process's
+    string hashing was fixed when it started.  Returns what was changed and logs it as one line.
+    """
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
+        raise ValueError(f"seed_all: seed must be an integer in [0, 2**32), got {seed!r}")
+    if not isinstance(mode, bool):
+        raise ValueError(f"seed_all: mode must be True or False, got {mode!r}")
+    done = Seeded(seed=seed)
+    random.seed(seed)
+    os.environ["PYTHONHASHSEED"] = str(seed)
+    done["PYTHONHASHSEED"] = f"{seed} (child processes)"
+    import numpy as np
+    np.random.seed(seed)
+    seeded = ["random", "numpy"]
+    torch = _optional("torch")
+    if torch is not None:
+        torch.manual_seed(seed)                  # CPU and every CUDA device
+        seeded.append("torch")
+        if torch.cuda.is_available():
+            torch.cuda.manual_seed_all(seed)
+            seeded.append("cuda")
+        npu = getattr(torch, "npu", None)
+        if npu is not None and hasattr(npu, "manual_seed_all"):
+            npu.manual_seed_all(seed)
+            seeded.append("npu")
+    ms = _optional("mindspore")
+    if ms is not None:
+        ms.set_seed(seed)
+        seeded.append("mindspore")
+    done["seeded"] = ",".join(seeded)
+    if mode:
+        done.update(_deterministic(torch, ms))
+    log.info(str(done))
+    return done
+
+
+def _deterministic(torch, ms) -> dict:
+    changed = {}
+    if os.environ.get("CUBLAS_WORKSPACE_CONFIG") not in (":4096:8", ":16:8"):
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = CUBLAS_WORKSPACE
+        changed["CUBLAS_WORKSPACE_CONFIG"] = CUBLAS_WORKSPACE
+    os.environ["HCCL_DETERMINISTIC"] = "true"
+    changed["HCCL_DETERMINISTIC"] = "true"
+    if torch is not None:
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
+        changed["torch.use_deterministic_algorithms"] = True
+        changed["cudnn.deterministic"] = True
+        changed["cudnn.benchmark"] = False
+    if ms is not None and hasattr(ms, "set_deterministic"):
+        ms.set_deterministic(True)
+        changed["mindspore.set_deterministic"] = True
+    return changed
+
+
+def _optional(name: str):
+    """The module if it is importable (and not blocked), else None."""
+    if name in sys.modules:
+        return sys.modules[name]
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
