@@ -297,3 +297,27 @@ def test_uninitialised_memory_is_recorded_undefined(tmp_path):
     assert before["undefined"] is True and "stats" not in before and before["data"]
     after = recs["aten.sum.default"]["inputs"][0]
     assert "undefined" not in after and after["stats"]["max"] == 10
+
+
+@pytest.mark.parametrize("task", ["statistics", "tensor"])
+def test_identical_mixture_of_experts_runs_agree(tmp_path, task):
+    """Mixtral (transformers, tiny config, random init) fills an uninitialised int64 buffer with
+    index_put_: its old contents differ run to run, are recorded undefined and never judged, so
+    two identical runs agree (they once showed 4 error rows and exited 2)."""
+    import transformers
+    from dispatchprobe import compare
+    cfg = transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                     num_experts_per_tok=2, max_position_embeddings=64)
+    for name in ("a", "b"):
+        torch.manual_seed(0)
+        model = transformers.MixtralForCausalLM(cfg)
+        ids = torch.randint(0, 64, (2, 8))
+        probe = DispatchProbe(task=task, dump_path=str(tmp_path / name), model=model)
+        with probe:
+            model(input_ids=ids, labels=ids).loss.backward()
+        probe.close()
+    recs = load(tmp_path / "a").parts[(0, 0)].records
+    assert any(s.get("undefined") for r in recs if r["op"] == "aten.index_put_.default" for s in r["inputs"])
+    table, verdict = compare(tmp_path / "a", tmp_path / "b")
+    assert verdict.passed and verdict.counts.get("error", 0) == 0, str(verdict)

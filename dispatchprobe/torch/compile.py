@@ -216,7 +216,7 @@ def _stats_nodes(graph: torch.fx.Graph, node: torch.fx.Node, at: torch.fx.Node) 
     acc = torch.float64 if val.dtype in (torch.float64,) or not (val.dtype.is_floating_point or val.dtype == torch.bool) \
         else torch.float32
     with graph.inserting_after(at):
-        x = node if val.dtype == acc else graph.call_function(aten._to_copy.default, (node,), {"dtype": acc})
+        x = node if val.dtype == acc else graph.call_function(torch.ops.prims.convert_element_type.default, (node, acc))
     new = [] if x is node else [x]
 
     def call(op, *args, **kwargs):
@@ -365,7 +365,8 @@ class _Template:
             val = value.meta.get("val")
             if isinstance(val, torch.Tensor):
                 spec = torch_backend.tensor_meta(val)
-                spec["device"] = str(val.device)
+                spec["shape"] = [_hint(d) for d in spec["shape"]]       # symbolic sizes: their hints
+                spec["stride"] = [_hint(d) for d in spec["stride"]] if spec["stride"] is not None else None
                 spec["requires_grad"] = False
                 if val.numel() and not val.is_complex():
                     self.tensor_nodes.append(value)
@@ -373,7 +374,7 @@ class _Template:
                 return spec
             if isinstance(val, (int, float, bool)) or hasattr(val, "node"):   # symbolic sizes: hint
                 try:
-                    return _scalar(int(val) if isinstance(val, torch.SymInt) else val)
+                    return _scalar(_hint(val) if isinstance(val, torch.SymInt) else val)
                 except Exception:
                     return {"type": "other", "repr": str(val)}
             return {"type": "other", "repr": value.name}
@@ -386,6 +387,13 @@ class _Template:
         if value is None or isinstance(value, (bool, int, float, str)):
             return _scalar(value)
         return torch_backend.encode_other(value)
+
+
+def _hint(size) -> int:
+    if isinstance(size, torch.SymInt):
+        hint = size.node.hint
+        return int(hint) if hint is not None else -1
+    return int(size)
 
 
 def _scalar(value) -> dict:
