@@ -23,7 +23,7 @@ class ReplayError(Exception):
 
 @dataclass
 class Output:
-    """One compared output leaf, as numpy: floats widened to float64, complex as (re, im) pairs."""
+    """One compared output leaf, as numpy: floats widened to float64, complex to complex128."""
 
     name: str                      # "output.0", "output.1.2"
     device: np.ndarray             # the device result
@@ -37,6 +37,14 @@ class Output:
 class Replayed:
     outputs: list[Output] = field(default_factory=list)
     data: dict[str, Any] = field(default_factory=dict)   # keep_data: input.0, output.0.device/.bench, own dtypes
+    # () -> {output name: array}: the benchmark run on the absolute values of the floating inputs
+    # (for a reduction: each element's sum of |terms|); asked only for reductions not already a pass
+    terms: Callable[[], dict[str, np.ndarray]] | None = None
+    # () -> {output name: array}: how far each benchmark element moves when the floating inputs
+    # move by a small relative amount, over that amount (the magnitude it is computed from);
+    # asked only for outputs not already a pass
+    spread: Callable[[], dict[str, np.ndarray]] | None = None
+    written: bool = True           # the op writes some argument (False: an op returning nothing did nothing)
 
 
 class Distributed(Protocol):

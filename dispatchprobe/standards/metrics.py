@@ -10,6 +10,8 @@ inf/nan screen and are always returned; entries with neither are columns filled 
 
 numpy only.  Relative error is ``|a - e| / max(|e|, small_value(dtype))`` (``data/standards.yaml``),
 ``dtype`` being the actual side's: a near-zero output cannot make a huge one from a tiny absolute one.
+Complex arrays are compared as complex numbers: errors and magnitudes are moduli, cosine is the
+real part of the inner product over the norms (the cosine of the (re, im) pairs).
 """
 
 from __future__ import annotations
@@ -33,9 +35,18 @@ def _ulp(b) -> np.ndarray:
     """|a - e| in units in the last place of the dtype at the expected value."""
     mantissa, min_exp = _FLOAT_LAYOUT.get(b.dtype, _FLOAT_LAYOUT["float32"])
     with np.errstate(divide="ignore"):
-        exponent = np.floor(np.log2(b.abs_e))
+        exponent = np.floor(np.log2(b.mag))
     exponent = np.maximum(np.where(np.isfinite(exponent), exponent, min_exp), min_exp)
     return b.abs_err / np.exp2(exponent - mantissa)
+
+
+def _sumsq(x) -> float:
+    return float(np.vdot(x, x).real)
+
+
+def _inner(a, e) -> float:
+    """Re <a, e>: the dot product of real arrays, of the (re, im) pairs of complex ones."""
+    return float(np.vdot(e, a).real)
 
 
 class _Term:
@@ -55,18 +66,20 @@ class _Term:
 class Block:
     """One block's finite pairs (``a`` actual, ``e`` expected, float64) and its shared terms."""
 
-    def __init__(self, a: np.ndarray, e: np.ndarray, dtype: str):
-        self.a, self.e, self.dtype, self.n = a, e, dtype, a.size
+    def __init__(self, a: np.ndarray, e: np.ndarray, dtype: str, scale: np.ndarray | None = None):
+        self.a, self.e, self.dtype, self.n, self.scale = a, e, dtype, a.size, scale
 
     diff = _Term(lambda b: b.a - b.e)
     abs_err = _Term(lambda b: np.abs(b.diff))
     abs_e = _Term(lambda b: np.abs(b.e))
-    floor = _Term(lambda b: np.maximum(b.abs_e, _limit("small_value", b.dtype)))
+    # the magnitude errors are relative to: |e|, or the element's scale when one is given
+    mag = _Term(lambda b: b.abs_e if b.scale is None else np.maximum(b.abs_e, b.scale))
+    floor = _Term(lambda b: np.maximum(b.mag, _limit("small_value", b.dtype)))
     rel = _Term(lambda b: b.abs_err / b.floor)
-    small = _Term(lambda b: b.abs_e < _limit("small_value", b.dtype))
+    small = _Term(lambda b: b.mag < _limit("small_value", b.dtype))
     n_small = _Term(lambda b: int(np.count_nonzero(b.small)))
-    ss_e = _Term(lambda b: float(np.dot(b.e, b.e)))
-    ss_diff = _Term(lambda b: float(np.dot(b.diff, b.diff)))
+    ss_e = _Term(lambda b: _sumsq(b.e))
+    ss_diff = _Term(lambda b: _sumsq(b.diff))
     ulp = _Term(_ulp)
 
 
@@ -77,7 +90,7 @@ class _Screen:
     def __init__(self, dtype: str, size: int):
         self.dtype, self.size, self.n, self.mismatch = dtype, size, 0, 0
 
-    def block(self, a: np.ndarray, e: np.ndarray) -> Block | None:
+    def block(self, a: np.ndarray, e: np.ndarray, scale: np.ndarray | None = None) -> Block | None:
         fin_a, fin_e = np.isfinite(a), np.isfinite(e)
         if not (fin_a.all() and fin_e.all()):
             special_a = np.where(fin_a, 0, np.where(np.isnan(a), 2, np.sign(a)))
@@ -85,10 +98,11 @@ class _Screen:
             self.mismatch += int(np.count_nonzero(special_a != special_e))
             both = fin_a & fin_e
             a, e = a[both], e[both]
+            scale = None if scale is None else scale[both]
         if a.size == 0:
             return None
         self.n += a.size
-        return Block(a, e, self.dtype)
+        return Block(a, e, self.dtype, scale)
 
 
 def _sum(parts: list):
@@ -165,12 +179,14 @@ def _plan(only: frozenset | None) -> tuple[list, list]:
             [m for m in METRICS.values() if m.block and (only is None or m.name in only)])
 
 
-def compare_arrays(actual, expected, dtype: str | None = None, only=None) -> dict[str, Any]:
+def compare_arrays(actual, expected, dtype: str | None = None, only=None, scale=None) -> dict[str, Any]:
     """The value metrics ``only`` (default: all) and the screen metrics of ``actual`` against
     ``expected`` (same size), judged by ``dtype``'s tolerance (default: the actual array's).
 
     Non-finite elements are left out of the value metrics and counted in ``inf_nan_mismatch``
-    when the two sides disagree on them.  Computed in cache-sized blocks (equal to whole-array
+    when the two sides disagree on them.  ``scale`` (same size, optional): a magnitude per element
+    that relative and ULP errors are measured against when larger than ``|expected|`` (the
+    magnitude an element was computed from, where its value cancelled).  Computed in cache-sized blocks (equal to whole-array
     passes up to rounding of the sums)."""
     dtype = short_dtype(dtype or getattr(actual, "dtype", "float32"))
     a_all = np.asarray(actual).reshape(-1)
@@ -178,11 +194,15 @@ def compare_arrays(actual, expected, dtype: str | None = None, only=None) -> dic
     if a_all.size != e_all.size:
         raise ValueError(f"cannot compare {a_all.size} elements with {e_all.size}")
     screened, active = _plan(None if only is None else frozenset(only))
+    wide = np.complex128 if np.iscomplexobj(a_all) or np.iscomplexobj(e_all) else np.float64
+    s_all = None if scale is None else np.nan_to_num(np.abs(np.asarray(scale)).astype(np.float64).reshape(-1),
+                                                     nan=0.0, posinf=0.0)
     rows = []                         # per block: each active metric's partial
     screen = _Screen(dtype, a_all.size)
     for start in range(0, a_all.size, _BLOCK):
-        block = screen.block(np.asarray(a_all[start:start + _BLOCK], dtype=np.float64),
-                             np.asarray(e_all[start:start + _BLOCK], dtype=np.float64))
+        block = screen.block(np.asarray(a_all[start:start + _BLOCK], dtype=wide),
+                             np.asarray(e_all[start:start + _BLOCK], dtype=wide),
+                             None if s_all is None else s_all[start:start + _BLOCK])
         if block is not None:
             rows.append([m.block(block) for m in active])
             del block                 # free its terms before the next block's
@@ -242,7 +262,7 @@ def _rel_l2(total, screen) -> float:
 # ---- the metrics, in run-ut's column order ---------------------------------------------------
 register_metric("elements", finish=lambda _, s: int(s.size), perfect=0)
 register_metric("inf_nan_mismatch", finish=lambda _, s: s.mismatch, perfect=0, compare=8)
-register_metric("cosine", "Cosine", lambda b: (float(np.dot(b.a, b.e)), float(np.dot(b.a, b.a)), b.ss_e), _cosine,
+register_metric("cosine", "Cosine", lambda b: (_inner(b.a, b.e), _sumsq(b.a), b.ss_e), _cosine,
                 perfect=1.0, empty=lambda s: 1.0 if s.mismatch == 0 else math.nan, compare=1, larger_is_worse=False)
 register_metric("max_abs_err", "Max Abs Err", lambda b: float(b.abs_err.max()), combine=max, compare=2)
 # untitled, so free to go first: its temporary is gone before the relative-error terms are made
@@ -255,7 +275,7 @@ for _name, _title, _tol, _rank in (("one_hundredth", "One Hundredth", 1e-2, None
                     compare=_rank, larger_is_worse=False)
 register_metric("binary_mismatch", "Binary Mismatch Rate")
 # the mean *signed* relative error: a bias that rounding should not have
-register_metric("error_balance", "Error Balance", lambda b: float(np.sum(b.diff / b.floor)), lambda t, s: abs(t / s.n))
+register_metric("error_balance", "Error Balance", lambda b: np.sum(b.diff / b.floor).item(), lambda t, s: abs(t / s.n))
 register_metric("rmse", "RMSE", lambda b: b.ss_diff, lambda t, s: math.sqrt(t / s.n), compare=4)
 register_metric("small_value_error_rate", "Small Value Error Rate", _small_errors, _rate)
 register_metric("max_rel_err", "Max Rel Err", lambda b: float(b.rel.max()), combine=max, compare=3)
@@ -267,7 +287,9 @@ register_metric("ulp_max", "ULP Max", lambda b: float(b.ulp.max()), combine=max)
 register_metric("ulp_mean", "ULP Mean", lambda b: float(b.ulp.sum()), _mean)
 register_metric("ulp_over_threshold", "ULP Over Threshold",
                 lambda b: int(np.count_nonzero(b.ulp > _limit("ulp_threshold", b.dtype))), _mean)
-register_metric("sign_flips", block=lambda b: int(np.count_nonzero(np.sign(b.a) * np.sign(b.e) < 0)), perfect=0)
+# elements pointing the other way: opposite signs (complex: more than 90 degrees apart)
+register_metric("sign_flips", block=lambda b: int(np.count_nonzero(
+    (b.a * np.conj(b.e)).real < 0 if np.iscomplexobj(b.a) else np.sign(b.a) * np.sign(b.e) < 0)), perfect=0)
 register_metric("rel_l2_err", block=lambda b: (b.ss_diff, b.ss_e), finish=_rel_l2, compare=9)
 
 
@@ -278,7 +300,7 @@ def binary_mismatch(actual, expected) -> float:
         return 1.0
     if a.size == 0:
         return 0.0
-    same = (a == e) | (np.isnan(a) & np.isnan(e)) if a.dtype.kind == "f" else (a == e)
+    same = (a == e) | (np.isnan(a) & np.isnan(e)) if a.dtype.kind in "fc" else (a == e)
     return float(np.count_nonzero(~same) / a.size)
 
 

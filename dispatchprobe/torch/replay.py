@@ -152,7 +152,10 @@ class CallBuilder:
         if hit is not None:
             return hit
         key = spec.get("data")
-        if self.random:
+        if spec.get("undefined"):
+            # uninitialised memory: any contents are a faithful instance; both runs get zeros
+            t = torch.zeros(tuple(spec["shape"]), dtype=to_dtype(spec["dtype"]))
+        elif self.random:
             t = random_tensor(spec, zlib.crc32(f"{self.record['name']}:{path}".encode()))
         elif key is None:
             raise Skip(f"{path} was not saved (statistics-only records: replay them with --random)")
@@ -165,7 +168,7 @@ class CallBuilder:
         self.cache[path] = t
         return t
 
-    def decode(self, spec, path: str, device: torch.device, bench: bool, keep_dtype: bool):
+    def decode(self, spec, path: str, device: torch.device, bench: bool, keep_dtype: bool, alter=None):
         kind = spec.get("type")
         if kind == "tensor":
             t = self.tensor(spec, path)
@@ -178,17 +181,20 @@ class CallBuilder:
                     t = t.clone()
             else:
                 t = t.to(device, copy=True)
+            if alter is not None and (t.is_floating_point() or t.is_complex()):
+                t = alter(t)
             return _restride(t, spec.get("stride"))
         if kind == "none":
             return None
         if kind in ("bool", "int", "str", "symint", "symbool"):
             return spec["value"]
         if kind in ("float", "symfloat"):
-            return float(spec["value"])
+            return float(spec["value"]) if alter is None else alter(float(spec["value"]))
         if kind == "complex":
-            return complex(*spec["value"])
+            return complex(*spec["value"]) if alter is None else alter(complex(*spec["value"]))
         if kind in ("list", "tuple"):
-            items = [self.decode(v, f"{path}.{i}", device, bench, keep_dtype) for i, v in enumerate(spec["value"])]
+            items = [self.decode(v, f"{path}.{i}", device, bench, keep_dtype, alter)
+                     for i, v in enumerate(spec["value"])]
             return items if kind == "list" else tuple(items)
         if kind == "dtype":
             return to_dtype(spec["value"])
@@ -202,18 +208,15 @@ class CallBuilder:
             raise Skip(f"{path} is a random generator: the op is random")
         raise Skip(f"{path} ({spec.get('repr', kind)}) cannot be rebuilt from the record")
 
-    def call(self, device: torch.device, bench: bool, written: set):
+    def call(self, device: torch.device, bench: bool, written: set, alter=None):
+        """(args, kwargs) of the device or the benchmark run; ``written`` args keep their dtype in
+        the benchmark; ``alter``: applied to every floating tensor and scalar (the terms' runs)."""
         r = self.record
-        args = [self.decode(s, f"input.{i}", device, bench, bench and i in written)
+        args = [self.decode(s, f"input.{i}", device, bench, bench and i in written, alter)
                 for i, s in enumerate(r.get("inputs") or ())]
-        kwargs = {k: self.decode(s, f"input.{k}", device, bench, bench and k in written)
+        kwargs = {k: self.decode(s, f"input.{k}", device, bench, bench and k in written, alter)
                   for k, s in (r.get("kwargs") or {}).items()}
         return args, kwargs
-
-
-def _is_float_name(dtype: str) -> bool:
-    return dtype in ("float16", "bfloat16", "float32", "float64") or dtype.startswith("float8") or \
-        dtype.startswith("complex")
 
 
 def check_replayable(record: dict, random: bool) -> None:
@@ -228,8 +231,6 @@ def check_replayable(record: dict, random: bool) -> None:
     tensors = walk(record)
     if "inputs" not in record:
         raise Skip("inputs were not recorded (io filter)")
-    if not any(_is_float_name(s["dtype"]) for _, _, s in tensors):
-        raise Skip("integer-only op: no floating-point data to upcast")
     func = resolve(record["op"])
     written = {x for pair in ops.written_args(func) for x in pair}
     for i, s in enumerate(record.get("inputs") or ()):
@@ -239,7 +240,7 @@ def check_replayable(record: dict, random: bool) -> None:
                 raise Skip("in-place op on an overlapping view (broadcast strides): cannot be rebuilt")
     if not random:
         for io, _, s in tensors:
-            if io == "input" and s.get("data") is None:
+            if io == "input" and s.get("data") is None and not s.get("undefined"):
                 raise Skip("inputs were not saved (statistics-only records: replay them with --random)")
 
 
@@ -274,7 +275,7 @@ def replay(record: dict, source: TensorSource | None, device: torch.device, rand
     func = resolve(record["op"])
     written = {x for pair in ops.written_args(func) for x in pair}
     builder = CallBuilder(record, source, random)
-    result = Replayed()
+    result = Replayed(written=bool(written))
     with torch.no_grad():
         args, kwargs = builder.call(device, False, written)
         if keep_data:
@@ -287,20 +288,7 @@ def replay(record: dict, source: TensorSource | None, device: torch.device, rand
             raise ReplayError(f"device run failed: {type(exc).__name__}: {_one_line(exc)}") from None
         dev_leaves = [(n, v.detach().cpu() if isinstance(v, torch.Tensor) else v) for n, v in _flat_outputs(dev_out)]
         del dev_out, args, kwargs
-        bargs, bkwargs = builder.call(torch.device("cpu"), True, written)
-        try:
-            bench_out = func(*bargs, **bkwargs)
-        except Exception as exc:  # noqa: BLE001
-            if _is_no_cpu_kernel(exc):
-                raise Skip(f"no CPU float64 kernel for the benchmark: {_one_line(exc)}") from None
-            # kernels that insist on a dtype argument matching their inputs (e.g.
-            # _log_softmax_backward_data's input_dtype): upcast dtype arguments too
-            bargs, bkwargs = _upcast_dtypes(bargs), {k: _upcast_dtypes(v) for k, v in bkwargs.items()}
-            try:
-                bench_out = func(*bargs, **bkwargs)
-            except Exception as exc2:  # noqa: BLE001
-                raise Skip(f"cannot be upcast to float64 for the benchmark: {type(exc2).__name__}: "
-                           f"{_one_line(exc2)}") from None
+        bench_out, widened = _bench(func, builder, written)
         bench_leaves = _flat_outputs(bench_out)
     if len(bench_leaves) != len(dev_leaves):
         raise ReplayError(f"device gave {len(dev_leaves)} outputs, benchmark {len(bench_leaves)}")
@@ -314,7 +302,70 @@ def replay(record: dict, source: TensorSource | None, device: torch.device, rand
                                      tuple(d.shape)))
         if keep_data:
             result.data[f"{name}.device"], result.data[f"{name}.bench"] = d, b
+    keep = set() if widened else written
+    result.terms = lambda: _run_floats(func, builder.call(torch.device("cpu"), True, keep, abs))
+    result.spread = lambda: _spread(func, builder, keep, bench_leaves)
     return result
+
+
+def _bench(func, builder: CallBuilder, written: set):
+    """(benchmark output, whether written arguments were widened too).  Written arguments keep
+    their dtype (the result must be stored in it) unless the kernel then rejects the mix; dtype
+    arguments are widened when the kernel insists they match its inputs
+    (``_log_softmax_backward_data``'s input_dtype)."""
+    attempts = ((written, False), (written, True), (set(), True))
+    for n, (keep, dtypes) in enumerate(attempts):
+        bargs, bkwargs = builder.call(torch.device("cpu"), True, keep)
+        if dtypes:
+            bargs, bkwargs = _upcast_dtypes(bargs), {k: _upcast_dtypes(v) for k, v in bkwargs.items()}
+        try:
+            return func(*bargs, **bkwargs), not keep
+        except Exception as exc:  # noqa: BLE001
+            if n == 0 and _is_no_cpu_kernel(exc):
+                raise Skip(f"no CPU float64 kernel for the benchmark: {_one_line(exc)}") from None
+            if n == len(attempts) - 1:
+                raise Skip(f"cannot be upcast to float64 for the benchmark: {type(exc).__name__}: "
+                           f"{_one_line(exc)}") from None
+    raise AssertionError("unreachable")
+
+
+def _run_floats(func, call) -> dict:
+    """{output name: numpy array} of the floating outputs of ``func(*args, **kwargs)``; empty
+    when the run fails (the outputs are then judged without it)."""
+    args, kwargs = call
+    with torch.no_grad():
+        try:
+            out = func(*args, **kwargs)
+        except Exception:  # noqa: BLE001
+            return {}
+    return {name: to_numpy(v) for name, v in _flat_outputs(out)
+            if isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex())}
+
+
+_NUDGE = 2.0 ** -20   # relative input perturbation of the spread runs (linear regime in float64)
+
+
+def _spread(func, builder: CallBuilder, written: set, bench_leaves: list) -> dict:
+    """{output name: array}: how far each benchmark element moves when every floating input moves
+    by a relative ``_NUDGE`` in random directions, over ``_NUDGE`` (the largest of two draws): the
+    magnitude the element is computed from, which is its own size unless it cancelled."""
+    base = {n: to_numpy(v) for n, v in bench_leaves
+            if isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex())}
+    out: dict = {}
+    for seed in (1, 2):
+        g = torch.Generator().manual_seed(seed)
+
+        def nudge(x):
+            if isinstance(x, torch.Tensor):
+                sign = torch.randint(0, 2, x.shape, generator=g).to(x.dtype) * 2 - 1
+                return x * (1 + _NUDGE * sign)
+            return x * (1 + _NUDGE * (1 if torch.randint(0, 2, (), generator=g).item() else -1))
+        moved = _run_floats(func, builder.call(torch.device("cpu"), True, written, nudge))
+        for name, v in moved.items():
+            if name in base and np.shape(v) == np.shape(base[name]):
+                d = np.abs(v - base[name]) / _NUDGE
+                out[name] = d if name not in out else np.maximum(out[name], d)
+    return out
 
 
 def _upcast_dtypes(value):
@@ -332,10 +383,10 @@ def _one_line(exc: Exception) -> str:
 
 
 def to_numpy(t: torch.Tensor) -> np.ndarray:
-    """float -> float64 numpy; integers and bool keep their type."""
+    """float -> float64 numpy, complex -> complex128; integers and bool keep their type."""
     t = t.detach().cpu()
     if t.is_complex():
-        t = torch.view_as_real(t.resolve_conj())
+        return t.resolve_conj().to(torch.complex128).numpy()
     if t.is_floating_point():
         return t.to(torch.float64).numpy()
     if t.dtype in (torch.uint16, torch.uint32, torch.uint64):
@@ -379,9 +430,18 @@ def set_threads(n: int) -> int:
 
 
 def save_error_data(path: str, data: dict, metadata: dict) -> None:
+    """Complex tensors are stored as their (re, im) pairs (``torch.view_as_real``), listed in the
+    metadata's ``complex`` entry."""
     from safetensors.torch import save_file
-    save_file({k: v.detach().cpu().contiguous().clone() for k, v in data.items() if isinstance(v, torch.Tensor)},
-              path, metadata=metadata)
+    tensors, cplx = {}, []
+    for k, v in data.items():
+        if isinstance(v, torch.Tensor):
+            v = v.detach().cpu()
+            if v.is_complex():
+                v = torch.view_as_real(v.resolve_conj())
+                cplx.append(k)
+            tensors[k] = v.contiguous().clone()
+    save_file(tensors, path, metadata=dict(metadata, **({"complex": ",".join(cplx)} if cplx else {})))
 
 
 class TorchDistributed:
