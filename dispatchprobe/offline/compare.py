@@ -45,8 +45,8 @@ _PERFECT = M.derived(lambda: {m: M.METRICS[m].perfect for m in _COMPUTED})
 _ROW_FIELDS = ("stage", "kind", "seq", "scope", "op_a", "op_b", "name_a", "name_b", "call_a", "call_b", "match",
                "io", "arg", "dtype_a", "dtype_b", "shape_a", "shape_b", "nan_a", "nan_b", "inf_a", "inf_b",
                "checksum_a", "checksum_b", "data_a", "data_b", "stack", "uid",
-               # internal: undefined contents, the precision each value carries, its producer (index, arg)
-               "undef_a", "undef_b", "lineage_a", "lineage_b", "src_a", "src_b")
+               # internal: undefined contents; the precision a value carries when below its dtype's
+               "undef_a", "undef_b", "lineage_a", "lineage_b", "spec_a", "spec_b")
 _FLOAT_FIELDS = frozenset(f"{s}_{side}" for s in STATS for side in ("a", "b"))
 NOT_JUDGED = "not judged"   # status of a row whose values are undefined (uninitialised memory)
 
@@ -170,9 +170,8 @@ class Result(NamedTuple):
 
 
 # ---- one step/rank part -------------------------------------------------------------------------
-def _pair_tensors(ra: dict, rb: dict, same_op: bool):
-    ta = tensor_list(ra)
-    tb = tensor_list(rb)
+def _pair_tensors(ta: list, tb: list, same_op: bool):
+    """(io, arg, spec_a, spec_b) of two paired records' tensors (``ta``, ``tb``: their walks)."""
     if same_op and len(ta) == len(tb) and all(x[1] == y[1] for x, y in zip(ta, tb)):
         for (io, arg, sa), (_, _, sb) in zip(ta, tb):  # the usual case: the same arguments in order
             yield io, arg, sa, sb
@@ -193,20 +192,21 @@ class _Flow(NamedTuple):
     """The data flow of one part's records, keyed by ``id()`` of the tensor specs."""
 
     src: dict       # input spec -> (index, output arg) of the record that produced the value
-    lineage: dict   # float spec -> the lowest precision rank (``verdicts.PRECISIONS``) it was computed from
+    lineage: dict   # float spec -> the lowest precision rank (``verdicts.PRECISIONS``) it was computed
+                    # from, where that is below its own dtype's
+    walks: list     # per record: its tensors, ``(io, arg, spec)`` (records.format.walk)
+    undefined: set  # specs flagged ``undefined`` (uninitialised memory)
 
 
-def _value_keys(spec: dict):
-    """How a value is recognised where it is used again: its saved tensor key, and its dtype, size
-    and statistics (statistics records; reshapes autograd makes without a record keep all four)."""
+def _signature(spec: dict):
+    """A value recognised by its dtype and statistics, where no saved-tensor key says more
+    (statistics records; reshapes autograd makes without a record keep all of them)."""
     st = spec.get("stats")
     if not st:
-        return spec.get("data"), None
-    sig = (spec["dtype"], math.prod(spec["shape"]), st.get("max"), st.get("min"), st.get("mean"), st.get("norm"),
-           st.get("nan"), st.get("inf"))
-    if not all(v == v for v in sig[2:6]):   # nan never equals itself: key it by its text
-        sig = sig[:2] + tuple(str(v) for v in sig[2:])
-    return spec.get("data"), sig
+        return None
+    if st.get("nan"):   # nan never equals itself: key it by its text
+        return (spec["dtype"], *map(str, st.values()))
+    return (spec["dtype"], *st.values())
 
 
 def _flow(recs: list) -> _Flow:
@@ -218,17 +218,25 @@ def _flow(recs: list) -> _Flow:
     by_sig: dict = {}
     src: dict = {}
     lineage: dict = {}
-    rank_of = V.precision_rank
+    ranks: dict = {}
+    undefined: set = set()
+    walks = [tensor_list(r) for r in recs]
     for i, r in enumerate(recs):
         low = None
         produces = r["kind"] == producers
-        for io, arg, spec in tensor_list(r):
-            data, sig = _value_keys(spec)
-            own = rank_of(spec["dtype"])
-            hit = by_data.get(data) if data is not None else None
-            if hit is None and sig is not None:
-                hit = by_sig.get(sig)
+        for io, arg, spec in walks[i]:
+            dt = spec["dtype"]
+            own = ranks.get(dt)
+            if own is None:
+                own = ranks[dt] = V.precision_rank(dt)
+            data = spec.get("data")
+            if spec.get("undefined"):
+                undefined.add(id(spec))
             if io == "input" or not produces:
+                hit = by_data.get(data) if data is not None else None
+                if hit is None:
+                    sig = _signature(spec)
+                    hit = by_sig.get(sig) if sig is not None else None
                 if hit is not None and io == "input":
                     src[id(spec)] = hit[0], hit[1]
                 if own < 0:
@@ -236,19 +244,21 @@ def _flow(recs: list) -> _Flow:
                 rk = own if hit is None or hit[2] is None else min(own, hit[2])
                 if io == "output" and hit is None and low is not None:
                     rk = min(rk, low)
-                lineage[id(spec)] = rk
+                if rk < own:
+                    lineage[id(spec)] = rk
                 if io == "input":
                     low = rk if low is None else min(low, rk)
             else:
                 rk = None if own < 0 else own if low is None else min(own, low)
-                if rk is not None:
+                if rk is not None and rk < own:
                     lineage[id(spec)] = rk
                 entry = (i, arg, rk)
                 if data is not None:
                     by_data[data] = entry
+                sig = _signature(spec)
                 if sig is not None:
                     by_sig[sig] = entry
-    return _Flow(src, lineage)
+    return _Flow(src, lineage, walks, undefined)
 
 
 def _frames(part: Part, record: dict) -> list:
@@ -289,7 +299,10 @@ def _compare_parts(part_a: Part, part_b: Part, match: str, mapping: Mapping, ten
         return out
     seq_a, seq_b = seqs(recs_a), seqs(recs_b)
     flow_a, flow_b = _flow(recs_a), _flow(recs_b)
-    src_a, src_b, lin_a, lin_b = flow_a.src.get, flow_b.src.get, flow_a.lineage.get, flow_b.lineage.get
+    walks_a, walks_b = flow_a.walks, flow_b.walks
+    # most runs carry no lower precision and no undefined value: no per-row lookup then
+    lin_a, lin_b = flow_a.lineage.get if flow_a.lineage else None, flow_b.lineage.get if flow_b.lineage else None
+    und_a, und_b = flow_a.undefined, flow_b.undefined
 
     rows = []
     append = rows.append
@@ -301,7 +314,7 @@ def _compare_parts(part_a: Part, part_b: Part, match: str, mapping: Mapping, ten
         head = (ra["stage"], ra["kind"], seq_a[i], ra["scope"], ra["op"], rb["op"], ra["name"], rb["name"],
                 ra["call"], rb["call"], how)
         overwritten = op_traits.overwrites_first_input(ra["op"])
-        for io, arg, sa, sb in _pair_tensors(ra, rb, same):
+        for io, arg, sa, sb in _pair_tensors(walks_a[i], walks_b[j], same):
             if overwritten and arg == "input.0":
                 continue  # the destination's old (often uninitialised) content is not an input
             if stack is None:
@@ -311,8 +324,8 @@ def _compare_parts(part_a: Part, part_b: Part, match: str, mapping: Mapping, ten
             append(head + (io, arg, sa["dtype"], sb["dtype"], tuple(sa["shape"]), tuple(sb["shape"]),
                            sta.get("nan"), stb.get("nan"), sta.get("inf"), stb.get("inf"),
                            sa.get("checksum"), sb.get("checksum"), sa.get("data"), sb.get("data"), stack, i,
-                           bool(sa.get("undefined")), bool(sb.get("undefined")), lin_a(id(sa), -1), lin_b(id(sb), -1),
-                           src_a(id(sa)), src_b(id(sb)),
+                           bool(und_a) and id(sa) in und_a, bool(und_b) and id(sb) in und_b,
+                           lin_a(id(sa), -1) if lin_a else -1, lin_b(id(sb), -1) if lin_b else -1, id(sa), id(sb),
                            sta.get("max"), stb.get("max"), sta.get("min"), stb.get("min"),
                            sta.get("mean"), stb.get("mean"), sta.get("norm"), stb.get("norm")))
     names = _ROW_FIELDS + tuple(f"{s}_{side}" for s in STATS for side in ("a", "b"))
@@ -346,13 +359,13 @@ def _compare_parts(part_a: Part, part_b: Part, match: str, mapping: Mapping, ten
     df = _score(df, part_a, part_b, tensors, problems)
     compute = [sum(1 for r in recs if not op_traits.is_cast(r["op"])) for recs in (recs_a, recs_b)]
     paired = sum(1 for i, _, _ in al.pairs if not op_traits.is_cast(recs_a[i]["op"]))
-    divs = _divergences(df, part_a, recs_a, recs_b, al, seq_a, seq_b, flow_a) if len(df) else []
+    divs = _divergences(df, part_a, recs_a, recs_b, al, seq_a, seq_b, flow_a, flow_b) if len(df) else []
     return PartResult(df, unmatched, problems, divs, (paired, *compute))
 
 
 # ---- where the error rows come from ---------------------------------------------------------------
 def _divergences(df: pd.DataFrame, part_a: Part, recs_a: list, recs_b: list, al, seq_a: list, seq_b: list,
-                 flow_a: _Flow) -> list:
+                 flow_a: _Flow, flow_b: _Flow) -> list:
     """For each stage with error rows, the :class:`Divergence` they come from.
 
     One pass over run A's records in execution order follows each differing value (a warning or an
@@ -366,14 +379,20 @@ def _divergences(df: pd.DataFrame, part_a: Part, recs_a: list, recs_b: list, al,
     bad = status == V.ERROR
     if not bad.any():
         return []
+    bad_rows = bad.copy()
     off = bad | (status == V.WARNING)
     uid = df["uid"].to_numpy(np.int64)
     is_in = (df["io"] == "input").to_numpy()
     args = df["arg"].to_numpy(object)
-    src_a, src_b = df["src_a"].to_numpy(object), df["src_b"].to_numpy(object)
     origin = df["origin"].to_numpy(bool)
     # the differing outputs: (record, arg) -> row
     out_row = {(int(uid[k]), args[k]): k for k in np.flatnonzero(off & ~is_in)}
+    starts = np.flatnonzero(np.r_[True, uid[1:] != uid[:-1]])   # rows are in A's record order
+    ends = np.r_[starts[1:], len(uid)]
+    differs = np.add.reduceat(off, starts) > 0
+    groups = {int(uid[s0]): (s0, e0) for s0, e0 in zip(starts[differs].tolist(), ends[differs].tolist())}
+    # plain lists: element access in the pass below is many times cheaper than numpy's
+    bad, off, is_in, origin = bad.tolist(), off.tolist(), is_in.tolist(), origin.tolist()
     pair_b = {i: j for i, j, _ in al.pairs}
     only_a = set(al.only_a)
 
@@ -404,8 +423,13 @@ def _divergences(df: pd.DataFrame, part_a: Part, recs_a: list, recs_b: list, al,
     def mn(x, y):
         return y if x is None else x if y is None else min(x, y)
 
-    def source(r, arg, src, srcb, stage):
-        """(own-stage root, inherited root) of input ``arg`` of record ``r``, whose value differs."""
+    spec_a, spec_b = df["spec_a"].tolist(), df["spec_b"].tolist()   # id() of each row's specs
+    src_of_a, src_of_b = flow_a.src.get, flow_b.src.get
+
+    def source(r, k, stage):
+        """(own-stage root, inherited root) of input row ``k`` of record ``r``, whose value differs."""
+        arg = args[k]
+        src, srcb = src_of_a(spec_a[k]), src_of_b(spec_b[k])
         if src is not None:
             p, parg = src
             if recs_a[p]["stage"] != stage:
@@ -434,10 +458,6 @@ def _divergences(df: pd.DataFrame, part_a: Part, recs_a: list, recs_b: list, al,
         return root(seq_a[r], r, "a", arg, "inputs"), None
 
     al_only_b = set(al.only_b)
-    # rows are in A's record order: one group of rows per record
-    starts = np.flatnonzero(np.r_[True, uid[1:] != uid[:-1]])
-    ends = np.r_[starts[1:], len(uid)]
-    groups = {int(uid[s0]): (s0, e0) for s0, e0 in zip(starts, ends) if off[s0:e0].any()}
     stage_src: dict = {}   # (stage, kind) -> [earliest own-stage source, earliest inherited one]
     for i in sorted(groups.keys() | {i for i in al.only_a if recs_a[i]["kind"] == "op"}):
         rec = recs_a[i]
@@ -446,7 +466,9 @@ def _divergences(df: pd.DataFrame, part_a: Part, recs_a: list, recs_b: list, al,
             own = (root(seq_a[i], i, "a", "", "unmatched"), None)
             follow = op_traits.is_cast(rec["op"])
             res = None
-            for io, arg, spec in tensor_list(rec, outputs=False):
+            for io, arg, spec in flow_a.walks[i]:
+                if io != "input":
+                    break
                 src = flow_a.src.get(id(spec))
                 if src is None or recs_a[src[0]]["stage"] != stage:
                     continue
@@ -468,7 +490,7 @@ def _divergences(df: pd.DataFrame, part_a: Part, recs_a: list, recs_b: list, al,
                 b = root(seq_a[i], i, "a", "", "op")
             else:
                 for k in ins:
-                    kb, kh = source(i, args[k], src_a[k], src_b[k], stage)
+                    kb, kh = source(i, k, stage)
                     b, h = mn(b, kb), mn(h, kh)
             best[i], inh[i] = b, h
         errs = [k for k in range(s0, e0) if bad[k]]
@@ -479,7 +501,7 @@ def _divergences(df: pd.DataFrame, part_a: Part, recs_a: list, recs_b: list, al,
             eb, eh = b, h
         for k in errs:
             if is_in[k]:
-                kb, kh = source(i, args[k], src_a[k], src_b[k], stage)
+                kb, kh = source(i, k, stage)
                 eb, eh = mn(eb, kb), mn(eh, kh)
         acc = stage_src.setdefault((stage, rec["kind"]), [None, None])
         acc[0], acc[1] = mn(acc[0], eb), mn(acc[1], eh)
@@ -488,13 +510,21 @@ def _divergences(df: pd.DataFrame, part_a: Part, recs_a: list, recs_b: list, al,
         acc = stage_src.get((stage, "op")) or stage_src.get((stage, "module"))
         if acc is None:
             continue
-        errors = int((bad & (df["stage"] == stage).to_numpy()).sum())
+        errors = int((bad_rows & (df["stage"] == stage).to_numpy()).sum())
         pick = acc[0] or acc[1]
         if pick is None:   # not reached: every differing value has a source; keep the verdict honest anyway
-            k = int(np.flatnonzero(bad & (df["stage"].to_numpy(object) == stage))[0])
+            k = int(np.flatnonzero(bad_rows & (df["stage"].to_numpy(object) == stage))[0])
             pick = root(seq_a[int(uid[k])], int(uid[k]), "a", args[k], "op")
         out.append(_describe(df, part_a, recs_a, recs_b, seq_a, seq_b, stage, pick, errors))
     return out
+
+
+def _why(row) -> str:
+    """A row's reason, with its statistics error filled in."""
+    reason = row.reason
+    if reason.startswith("statistics differ: error >") and pd.notna(row.stats_err):
+        reason = reason.replace("error >", f"error {row.stats_err:.3g} >", 1)
+    return reason
 
 
 def _describe(df, part_a, recs_a, recs_b, seq_a, seq_b, stage, pick, errors) -> Divergence:
@@ -506,7 +536,7 @@ def _describe(df, part_a, recs_a, recs_b, seq_a, seq_b, stage, pick, errors) -> 
     if cause in ("op", "unrecorded"):
         rows = at[(at["io"] == "output") & at["status"].isin((V.ERROR, V.WARNING))] if cause == "op" \
             else at[at["arg"] == arg]
-        failed = "; ".join(f"{r.arg}: {r.reason}" for r in rows.itertuples() if r.reason) or "outputs differ"
+        failed = "; ".join(f"{r.arg}: {_why(r)}" for r in rows.itertuples() if r.reason) or "outputs differ"
         if cause == "op" and (rows["status"] != V.ERROR).all():
             failed += f" (below the error line, but the {errors} error rows after it start here)"
         if cause == "unrecorded":
@@ -518,7 +548,7 @@ def _describe(df, part_a, recs_a, recs_b, seq_a, seq_b, stage, pick, errors) -> 
         module = max(inside, key=lambda m: m.count(".")) if inside else None
     elif cause in ("inputs", "inherited"):
         rows = at[at["arg"] == arg]
-        failed = "; ".join(f"{r.reason}" for r in rows.itertuples() if r.reason) or "values differ"
+        failed = "; ".join(_why(r) for r in rows.itertuples() if r.reason) or "values differ"
     else:   # unmatched: name the first failing record after it
         later = df[(df["stage"] == stage) & (df["status"] == V.ERROR) & (df["seq"] >= seq)]
         nxt = later.iloc[0] if len(later) else None

@@ -123,10 +123,12 @@ def judge_stats_columns(error: np.ndarray, dtypes, nonfinite_differs: np.ndarray
     verdict = np.where(nonfinite_differs, ERROR, np.where(error > err_lim, ERROR, np.where(error > pass_lim, WARNING, PASS)))
     reason = np.where(nonfinite_differs, "nan/inf counts differ", "").astype(object)
     moved = np.flatnonzero((verdict != PASS) & ~np.asarray(nonfinite_differs, dtype=bool))
-    if len(moved):   # the error and the limit it crossed, so a warning's distance from the line shows
-        limits = np.where(verdict[moved] == ERROR, err_lim[moved], pass_lim[moved])
-        names = np.asarray(uniques, dtype=object)[codes[moved]]
-        reason[moved] = [f"statistics differ: error {e:.3g} > {lim:g} ({d})" for e, lim, d in zip(error[moved], limits, names)]
+    if len(moved):   # the limit crossed (the error itself is the stats_err column), per distinct one
+        crossed = codes[moved] * 2 + (verdict[moved] == ERROR)
+        kinds, inverse = np.unique(crossed, return_inverse=True)
+        texts = [f"statistics differ: error > {per_dtype(f'statistics.{kind}', uniques[c], 'compare_standards'):g} "
+                 f"({uniques[c]})" for c, kind in ((k // 2, "error" if k % 2 else "pass") for k in kinds)]
+        reason[moved] = np.array(texts, dtype=object)[inverse.reshape(-1)]
     return verdict.astype(object), reason
 
 
