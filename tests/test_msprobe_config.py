@@ -342,3 +342,11 @@ def test_seed_all_is_lazy():
             "print(a, 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.stdout.split() == ["False", "True"], out.stderr
+
+
+def test_docs_list_every_key():
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "msprobe-config.md").read_text()
+    for key, row in MSPROBE_KEYS.items():
+        assert f"| `{key}` |" in doc and row.how in doc.replace("&#124;", "|"), key
+    for api in API_TO_ATEN:
+        assert f"`{api}`" in doc, api

@@ -250,8 +250,8 @@ MSPROBE_KEYS: dict[str, MsprobeKey] = {
                              "the device per op", (False,)),
     "dump_enable": MsprobeKey("top", False, "the config is read once; switch recording with probe.start()/"
                               "stop() or `with probe:`", (True,)),
-    "extra_info": MsprobeKey("top", False, "the module tree is always written; Python stacks are the key "
-                             "stack: true", (False,)),
+    "extra_info": MsprobeKey("top", False, "the module tree is always written; Python stacks are recorded "
+                             "with stack: true", (False,)),
     "precision": MsprobeKey("top, run_ut", False, "statistics are always accumulated in float32 or wider "
                             "(msprobe's 'high')", ("high",)),
     "risk_level": MsprobeKey("top", False, "every aten op is recorded, view/metadata ops only with "
