@@ -24,13 +24,17 @@ from ..core.session import ProbeSession
 
 # where AOTAutograd's runtime wrappers live (not imported: that would import dynamo)
 _AOT_RUNTIME = os.path.join(torch.__path__[0], "_functorch", "_aot_autograd", "runtime_wrappers.py")
+_AOT_MODULE = "torch._functorch._aot_autograd.runtime_wrappers"
 active_probes: list = []      # DispatchProbes recording now, innermost last
 
 
 def _in_compiled_code() -> bool:
     """Whether the op is called by a compiled graph (inductor's ``.out`` calls, an ``aot_eager``
     graph's ops, a probe backend's recording op): every AOTAutograd-compiled region, forward
-    and backward, runs inside a function of ``runtime_wrappers.py``."""
+    and backward, runs inside a function of ``runtime_wrappers.py`` (not even imported until
+    something is compiled: eager-only training pays one dictionary lookup per op)."""
+    if _AOT_MODULE not in sys.modules:
+        return False
     f = sys._getframe(2)
     while f is not None:
         if f.f_code.co_filename == _AOT_RUNTIME:
