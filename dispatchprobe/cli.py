@@ -38,6 +38,10 @@ def main(ctx, debug):
     ctx.meta["dispatchprobe.debug"] = debug
 
 
+# an output folder: may not exist yet, must not be a file
+OUT_DIR = click.Path(file_okay=False, writable=True)
+
+
 def echo_table(df, max_rows: int = 40) -> None:
     import pandas as pd
     with pd.option_context("display.max_rows", max_rows, "display.max_columns", 30, "display.width", 200,
@@ -75,7 +79,8 @@ def show(path, op_pattern, stage, top, limit):
 
 
 @main.command()
-@click.option("-o", "--out", "dump_path", default="runs/demo", show_default=True, help="Where to write the records.")
+@click.option("-o", "--out", "dump_path", default="runs/demo", show_default=True, type=OUT_DIR,
+              help="Where to write the records.")
 @click.option("--task", type=click.Choice(["statistics", "tensor", "overflow", "free_benchmark"]), default="tensor",
               show_default=True)
 @click.option("--steps", default=2, show_default=True, help="Training steps to record.")
@@ -89,11 +94,13 @@ def demo(dump_path, task, steps):
 @main.command()
 @click.argument("a", type=click.Path())
 @click.argument("b", type=click.Path())
-@click.option("-o", "--out", default=None, help="Write compare.csv, compare.xlsx, compare.html, unmatched.csv here.")
+@click.option("-o", "--out", default=None, type=OUT_DIR,
+              help="Write compare.csv, compare.xlsx, compare.html, unmatched.csv here.")
 @click.option("--match", type=click.Choice(["fuzzy", "exact"]), default="fuzzy", show_default=True,
               help="fuzzy: sequence alignment over (scope, op, shapes); exact: by record name only.")
 @click.option("--mapping", type=click.Path(), default=None, help="YAML file renaming A's ops/scopes to B's.")
-@click.option("-j", "--jobs", default=1, show_default=True, help="Worker processes for multi-step/rank runs.")
+@click.option("-j", "--jobs", default=1, show_default=True, type=click.IntRange(min=1),
+              help="Worker processes for multi-step/rank runs.")
 @click.option("--metric", default="cosine", show_default=True, help="Metric charted in the HTML report.")
 @click.option("--stats-only", is_flag=True, help="Ignore saved tensors; compare recorded statistics only.")
 def compare(a, b, out, match, mapping, jobs, metric, stats_only):
@@ -113,12 +120,13 @@ def compare(a, b, out, match, mapping, jobs, metric, stats_only):
 
 @main.command("run-ut")
 @click.argument("records", type=click.Path())
-@click.option("-o", "--out", "out_dir", default=None, help="Output directory for the result CSVs (default: . or the --resume file's).")
+@click.option("-o", "--out", "out_dir", default=None, type=OUT_DIR,
+              help="Output directory for the result CSVs (default: . or the --resume file's).")
 @click.option("--random", "random_inputs", is_flag=True,
               help="Generate inputs from the recorded statistics/shapes/dtypes (for statistics-only records).")
 @click.option("--resume", "-csv_path", "--result-csv-path", "resume", default=None, type=click.Path(),
               help="Continue an interrupted run: its accuracy_checking_result_{timestamp}.csv.")
-@click.option("-j", "--jobs", default=1, show_default=True, help="Worker processes.")
+@click.option("-j", "--jobs", default=1, show_default=True, type=click.IntRange(min=1), help="Worker processes.")
 @click.option("--device", default=None, help="Device for the device run: cpu, cuda[:i], npu[:i], ... (default: the accelerator, else cpu).")
 @click.option("--filter-duplicates", is_flag=True, help="Replay only the first of ops with identical op, shapes, dtypes and arguments.")
 @click.option("--save-error-data", is_flag=True, help="Save inputs and outputs of failing ops to OUT/error_data/*.safetensors.")
@@ -151,7 +159,7 @@ def run_ut(records, out_dir, random_inputs, resume, jobs, device, filter_duplica
 @main.command("precision-compare")
 @click.argument("dut", type=click.Path())
 @click.argument("ref", type=click.Path())
-@click.option("-o", "--out", "out_dir", default=".", show_default=True, help="Output directory.")
+@click.option("-o", "--out", "out_dir", default=".", show_default=True, type=OUT_DIR, help="Output directory.")
 def precision_compare(dut, ref, out_dir):
     """Three-way verdict: DUT's run-ut errors against a reference device's, both vs float64.
 

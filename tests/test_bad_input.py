@@ -41,10 +41,17 @@ CASES = [
     (["show", "{root}/tensor", "--op", "no_such_op"], 1, "no record matches"),
     (["show", "{root}/tensor", "--limit", "0"], 2, "--limit"),
     (["show", "{root}/nowhere"], 2, "does not exist"),
+    (["compare", "{root}/tensor", "{root}/tensor", "-o", "{root}/a_file"], 2, "is a file"),
+    (["compare", "{root}/tensor", "{root}/tensor", "-j", "0"], 2, "--jobs"),
+    (["compare", "{root}/tensor", "{root}/tensor", "-j", "-3"], 2, "--jobs"),
+    (["run-ut", "{root}/tensor", "-o", "{root}/a_file"], 2, "is a file"),
+    (["run-ut", "{root}/tensor", "-j", "0"], 2, "--jobs"),
+    (["precision-compare", "{root}/tensor", "{root}/tensor", "-o", "{root}/a_file"], 2, "is a file"),
+    (["demo", "-o", "{root}/a_file"], 2, "is a file"),
 ]
 
 
-@pytest.mark.parametrize("args,code,words", CASES, ids=[" ".join(c[0][:1] + c[0][2:]) or c[0][0] for c in CASES])
+@pytest.mark.parametrize("args,code,words", CASES, ids=[" ".join(a.replace("{root}/", "") for a in c[0]) for c in CASES])
 def test_cli_bad_input(records, args, code, words):
     args = [a.format(root=records) for a in args]
     out = subprocess.run([sys.executable, "-m", "dispatchprobe.cli", *args], capture_output=True, text=True,
