@@ -298,3 +298,35 @@ def test_documented_python_api_works_twice(runs, tmp_path):
     second = dispatchprobe.run_ut(runs["stats"], tmp_path / "two", api="aten.mm")
     assert callable(dispatchprobe.run_ut)
     assert len(first.results) == len(second.results) > 0
+
+
+def test_complex_outputs_judged_as_complex_and_saved(tmp_path):
+    """A complex op is judged by its values (not bitwise against complex128); its error data,
+    complex included, is saved as (re, im) pairs."""
+    def wrong_polar(r, theta):
+        out = torch.complex(r * torch.cos(theta), r * torch.sin(theta))
+        return out if r.dtype == torch.float64 else out * (1 + 1e-2)
+
+    torch.manual_seed(0)
+    r, theta, x = torch.rand(64) + 0.5, torch.randn(64), torch.randn(32)
+    probe = DispatchProbe(task="tensor", dump_path=str(tmp_path / "rec"))
+    with probe:
+        torch.fft.fft(x)
+        torch.polar(r, theta)
+    probe.close()
+    clean = run_ut(str(tmp_path / "rec"), tmp_path / "clean")
+    assert set(status(clean.results)) == {"pass"}, clean.results
+    assert set(clean.details["Category"]) == {"benchmark"}          # complex64: not binary
+    lib = torch.library.Library("aten", "IMPL")
+    lib.impl("polar", wrong_polar, "CPU")
+    try:
+        bad = run_ut(str(tmp_path / "rec"), tmp_path / "bad", save_error_data=True)
+    finally:
+        del lib
+    st = status(bad.results)
+    assert list(st[bad.results["Op"] == "aten.polar.default"]) == ["error"] and (st == "error").sum() == 1
+    from safetensors import safe_open
+    [saved] = os.listdir(tmp_path / "bad" / "error_data")
+    with safe_open(str(tmp_path / "bad" / "error_data" / saved), framework="pt") as f:
+        assert set(f.metadata()["complex"].split(",")) == {"output.0.device", "output.0.bench"}
+        assert f.get_tensor("output.0.bench").shape == (64, 2)

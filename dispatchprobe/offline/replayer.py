@@ -37,9 +37,10 @@ class Output:
 class Replayed:
     outputs: list[Output] = field(default_factory=list)
     data: dict[str, Any] = field(default_factory=dict)   # keep_data: input.0, output.0.device/.bench, own dtypes
-    # () -> {output name: array}: the benchmark run on the absolute values of the floating inputs
-    # (for a reduction: each element's sum of |terms|); asked only for reductions not already a pass
-    terms: Callable[[], dict[str, np.ndarray]] | None = None
+    # (kind) -> {output name: array}: the benchmark run on the absolute values of the floating
+    # inputs ("magnitude": for a reduction, each element's sum of |terms|) or on ones ("count": its
+    # number of terms); asked only for reductions not already a pass
+    terms: Callable[..., dict[str, np.ndarray]] | None = None
     # () -> {output name: array}: how far each benchmark element moves when the floating inputs
     # move by a small relative amount, over that amount (the magnitude it is computed from);
     # asked only for outputs not already a pass

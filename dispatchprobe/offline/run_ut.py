@@ -28,8 +28,8 @@ from ..standards.loader import is_float
 from ..standards.metrics import binary_mismatch, columns, compare_arrays, derived
 from ..records.format import call_signature
 from ..records.reader import Run, load
-from ..standards.verdicts import (ERROR, PASS, SKIP, cancelled_scale, category, component_dtype, is_reduction, judge,
-                                  output_category, output_trait, unique_form, within_terms, worst)
+from ..standards.verdicts import (ERROR, PASS, SKIP, cancelled_scale, category, component_dtype, is_reduction, is_staged,
+                                  judge, output_category, output_trait, unique_form, within_terms, worst)
 from ..records.writer import write_csv
 from .replayer import Distributed, Replayer, ReplayError, Skip, replayer_for
 
@@ -148,7 +148,7 @@ def judge_outputs(op: str, cat: str, rep) -> list[tuple[dict, str, str, tuple]]:
     from (the benchmark's spread) where its value cancelled."""
     by_name = {o.name: o for o in rep.outputs}
     ordered = [by_name.get(f"output.{i}") for i in range(len(rep.outputs))]
-    terms, spread, judged = None, None, []
+    terms, counts, spread, judged = None, None, None, []
     for out in rep.outputs:
         trait = output_trait(op, out.name)
         if trait == "undefined":
@@ -171,8 +171,12 @@ def judge_outputs(op: str, cat: str, rep) -> list[tuple[dict, str, str, tuple]]:
             if is_reduction(op) and rep.terms is not None:
                 terms = rep.terms() if terms is None else terms
                 t = terms.get(out.name)
+                k = None
+                if is_staged(op):
+                    counts = rep.terms("count") if counts is None else counts
+                    k = counts.get(out.name)
                 if t is not None and np.shape(t) == np.shape(b):
-                    d = within_terms(d, b, t, out.device_dtype, op)
+                    d = within_terms(d, b, t, out.device_dtype, op, k if np.shape(k) == np.shape(b) else None)
                     notes.append("errors within the rounding bound of its terms discounted")
             scale = None
             if rep.spread is not None:

@@ -150,6 +150,11 @@ def is_reduction(op: str) -> bool:
     return _reduction_kind(op) is not None
 
 
+def is_staged(op: str) -> bool:
+    """Accumulates into its stored result term by term (``staged_reductions``)."""
+    return _reduction_kind(op) == "staged"
+
+
 @functools.lru_cache(maxsize=4096)
 def _reduction_kind(op: str) -> str | None:
     data = standard("api_precision_standard")
@@ -223,20 +228,23 @@ def cancelled_scale(bench, spread):
 _EPS = {"float16": 2.0 ** -11, "bfloat16": 2.0 ** -8, "float32": 2.0 ** -24, "float64": 2.0 ** -53}
 
 
-def within_terms(device, bench, terms, dtype: str, op: str = ""):
+def within_terms(device, bench, terms, dtype: str, op: str = "", counts=None):
     """``device`` with each element's error reduced by the rounding bound of its terms
     (``terms``: the op on the inputs' absolute values, i.e. sum |x|): an error that accumulation
     order explains is not one; what exceeds it is judged in full.  The bound is
     ``reduction_slack * eps * terms`` with float32's eps for half types (correct kernels
-    accumulate them in float32), or for a staged reduction ``staged_slack * eps(dtype) * terms``."""
+    accumulate them in float32); for a staged reduction ``staged_slack * eps(dtype) * terms *
+    (1 - 1/counts)`` (``counts``: terms per element; one term is never rounded in a sum)."""
     thr = standard("api_precision_standard")["thresholds"]
     dtype = short_dtype(component_dtype(dtype))
+    terms = np.abs(np.asarray(terms)).astype(np.float64)
     if _reduction_kind(op) == "staged":
-        slack, eps = thr["staged_slack"], _EPS.get(dtype, _EPS["float32"])
+        bound = thr["staged_slack"] * _EPS.get(dtype, _EPS["float32"]) * terms
+        if counts is not None:
+            bound = bound * (1 - 1 / np.maximum(np.abs(np.asarray(counts)).astype(np.float64), 1))
     else:
-        slack, eps = thr["reduction_slack"], min(_EPS.get(dtype, _EPS["float32"]), _EPS["float32"])
+        bound = thr["reduction_slack"] * min(_EPS.get(dtype, _EPS["float32"]), _EPS["float32"]) * terms
     d, b = np.asarray(device), np.asarray(bench)
-    bound = slack * eps * np.abs(np.asarray(terms)).astype(np.float64)
     err = d - b
     mag = np.abs(err)
     with np.errstate(invalid="ignore", divide="ignore"):

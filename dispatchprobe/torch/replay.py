@@ -303,7 +303,8 @@ def replay(record: dict, source: TensorSource | None, device: torch.device, rand
         if keep_data:
             result.data[f"{name}.device"], result.data[f"{name}.bench"] = d, b
     keep = set() if widened else written
-    result.terms = lambda: _run_floats(func, builder.call(torch.device("cpu"), True, keep, abs))
+    result.terms = lambda kind="magnitude": _run_floats(
+        func, builder.call(torch.device("cpu"), True, keep, abs if kind == "magnitude" else _one))
     result.spread = lambda: _spread(func, builder, keep, bench_leaves)
     return result
 
@@ -340,6 +341,10 @@ def _run_floats(func, call) -> dict:
             return {}
     return {name: to_numpy(v) for name, v in _flat_outputs(out)
             if isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex())}
+
+
+def _one(x):
+    return torch.ones_like(x) if isinstance(x, torch.Tensor) else type(x)(1)
 
 
 _NUDGE = 2.0 ** -20   # relative input perturbation of the spread runs (linear regime in float64)
