@@ -26,15 +26,54 @@ def report(tmp_path_factory):
 
 
 def test_csv_and_xlsx(report):
-    out, table, _ = report
+    out, table, verdict = report
     csv = pd.read_csv(out / "compare.csv")
     assert list(csv.columns) == COLUMNS and len(csv) == len(table)
     from openpyxl import load_workbook
-    ws = load_workbook(out / "compare.xlsx")["compare"]
+    wb = load_workbook(out / "compare.xlsx")
+    assert wb.sheetnames == ["summary", "compare", "unmatched"]
+    summary = [r[0] for r in wb["summary"].iter_rows(values_only=True)]
+    lines = [x for x in str(verdict).splitlines() if not x.startswith("report: ")]   # set once written
+    assert summary[:len(lines)] == lines
+    ws = wb["compare"]
+    assert ws.freeze_panes == "A2" and ws.auto_filter.ref == f"A1:{ws.cell(1, len(COLUMNS)).column_letter}{len(table) + 1}"
     header = [c.value for c in ws[1]]
-    status = header.index("status")
-    fills = {row[status].value: row[status].fill.fgColor.rgb for row in ws.iter_rows(min_row=2)}
-    assert fills["error"].endswith("FFC7CE") and fills["pass"] in (None, "00000000")
+    assert header == COLUMNS and ws.max_row == len(table) + 1   # a small run: every row
+    status, origin = header.index("status"), header.index("origin")
+    fills = {}
+    for row in ws.iter_rows(min_row=2):
+        key = "origin" if row[origin].value and row[status].value == "error" else row[status].value
+        fills[key] = (row[status].fill.fgColor.rgb, bool(row[status].font.b))
+    assert fills["error"] == ("FFFFC7CE", False) and fills["origin"] == ("FFC0392B", True)
+    assert fills["pass"][0] in (None, "00000000")
+    widths = {header[i]: ws.column_dimensions[ws.cell(1, i + 1).column_letter].width for i in (0, header.index("scope"))}
+    assert widths["scope"] > widths["step"] >= 8
+
+
+def test_xlsx_of_a_big_run_holds_the_failing_rows(report, tmp_path):
+    """Past XLSX_MAX_ROWS rows the compare sheet holds origin rows, errors, then warnings (in execution
+    order); the summary says so and compare.csv keeps every row."""
+    from openpyxl import load_workbook
+    from dispatchprobe.offline import report as R
+    _, table, verdict = report
+    big = pd.concat([table.assign(step=k) for k in range(30)], ignore_index=True)   # 30 parts, ~13k rows
+    path = tmp_path / "big.xlsx"
+    R.write_xlsx(str(path), big, verdict)
+    wb = load_workbook(path, read_only=True)
+    rows = list(wb["compare"].iter_rows(min_row=2, values_only=True))
+    failing = big[big["status"].isin(["error", "warning"])]
+    status, origin, step = COLUMNS.index("status"), COLUMNS.index("origin"), COLUMNS.index("step")
+    assert len(rows) == min(len(failing), R.XLSX_MAX_ROWS) and all(r[status] != "pass" for r in rows)
+    assert sum(bool(r[origin]) for r in rows) == int((failing["origin"] & (failing["status"] == "error")).sum())
+    assert [r[step] for r in rows] == sorted(r[step] for r in rows)
+    assert any(f"of {len(big)}" in (r[0] or "") for r in wb["summary"].iter_rows(values_only=True))
+
+
+def test_progress_bar_covers_the_report(tmp_path, capsys):
+    a = record(tmp_path / "a", task="statistics")
+    compare(a, a, out=str(tmp_path / "out"), progress=True)
+    err = capsys.readouterr().err
+    assert "compare.xlsx" in err and "compare.html" in err
 
 
 def test_html_structure(report):

@@ -819,7 +819,8 @@ def compare(a, b, *, match: str = "fuzzy", mapping: str | Mapping | None = None,
     table = table[[c for c in COLUMNS if c in table.columns]]
     if out:
         from .report import write_reports
-        verdict.report = write_reports(out, table, verdict, run_a.manifest, run_b.manifest, metric=metric)
+        verdict.report = write_reports(out, table, verdict, run_a.manifest, run_b.manifest, metric=metric,
+                                       progress=progress)
     if not len(table):
         why = problems[-1] if problems else "no tensor could be paired"
         raise RecordError(f"nothing could be compared: {why}"

@@ -16,6 +16,7 @@ import pandas as pd
 
 from ..records.writer import atomic_write_text
 from ..standards import metrics as M
+from .compare import NOT_JUDGED
 
 _TEMPLATE = os.path.join(os.path.dirname(__file__), "templates", "compare.html")
 # columns a chart can show, and whether larger is worse: compare's metric columns and two of its own
@@ -24,70 +25,125 @@ CHART_METRICS = M.derived(lambda: {**{m: M.METRICS[m].larger_is_worse for m in M
 
 
 def write_reports(out: str, table: pd.DataFrame, verdict, manifest_a: dict, manifest_b: dict,
-                  metric: str = "cosine") -> str:
-    """Write compare.csv, unmatched.csv, compare.xlsx, compare.html into ``out``; returns the HTML path."""
+                  metric: str = "cosine", progress: bool = False) -> str:
+    """Write compare.csv, unmatched.csv, compare.xlsx, compare.html into ``out``; returns the folder.
+    ``progress``: a tqdm bar over the four files (big runs spend seconds here)."""
     if metric not in CHART_METRICS:
         raise ValueError(f"--metric must be one of {', '.join(CHART_METRICS)}, not {metric!r}")
     os.makedirs(out, exist_ok=True)
-    for name, df in (("compare.csv", table), ("unmatched.csv", verdict.unmatched)):
-        path = os.path.join(out, name)
-        df.to_csv(path + ".tmp", index=False)
-        os.replace(path + ".tmp", path)
-    write_xlsx(os.path.join(out, "compare.xlsx"), table, verdict)
-    atomic_write_text(os.path.join(out, "compare.html"), render_html(table, verdict, manifest_a, manifest_b, metric))
+    from tqdm import tqdm
+    steps = [("compare.csv", lambda p: _write_csv(p, table)),
+             ("unmatched.csv", lambda p: _write_csv(p, verdict.unmatched)),
+             ("compare.xlsx", lambda p: write_xlsx(p, table, verdict)),
+             ("compare.html", lambda p: atomic_write_text(p, render_html(table, verdict, manifest_a, manifest_b,
+                                                                          metric)))]
+    with tqdm(total=len(steps), desc="report", unit="file", disable=not progress, leave=False) as bar:
+        for name, write in steps:
+            bar.set_postfix_str(name)
+            write(os.path.join(out, name))
+            bar.update()
     return os.path.abspath(out)
 
 
-def write_xlsx(path: str, table: pd.DataFrame, verdict) -> None:
-    from openpyxl import Workbook
-    from openpyxl.styles import Font, PatternFill
+def _write_csv(path: str, df: pd.DataFrame) -> None:
+    df.to_csv(path + ".tmp", index=False)
+    os.replace(path + ".tmp", path)
 
-    wb = Workbook(write_only=True)
-    ws = wb.create_sheet("compare")
-    red, yellow = PatternFill("solid", fgColor="FFC7CE"), PatternFill("solid", fgColor="FFEB9C")
-    bold = Font(bold=True)
-    cols = list(table.columns)
-    ws.append([_cell(ws, c, font=bold) for c in cols])
-    status_i = cols.index("status") if "status" in cols else -1
-    values = table.astype(object).where(pd.notna(table), None).to_numpy()
-    for row in values:
-        status = row[status_i] if status_i >= 0 else None
-        fill = red if status == "error" else yellow if status == "warning" else None
-        if fill is None:
-            ws.append([_plain(v) for v in row])
-        else:
-            ws.append([_cell(ws, _plain(v), fill=fill) for v in row])
-    ws2 = wb.create_sheet("unmatched")
-    um = verdict.unmatched
-    ws2.append(list(um.columns))
-    for row in um.astype(object).to_numpy():
-        ws2.append([_plain(v) for v in row])
+
+# ---- spreadsheet ------------------------------------------------------------------------------------
+# Rows in the ``compare`` sheet: every row of runs up to XLSX_MAX_ROWS; of bigger ones the failing rows
+# (origin rows, then errors, then warnings, up to XLSX_MAX_ROWS), in execution order.  Why bounded: a
+# spreadsheet cell costs ~4 us to write (13k rows x 55 columns took 11 s); compare.csv keeps every row.
+XLSX_MAX_ROWS = 4000
+_RANK = {"error": 1, "warning": 2}
+_FILLS = {"origin": {"bg_color": "#C0392B", "font_color": "#FFFFFF", "bold": True},
+          "error": {"bg_color": "#FFC7CE"}, "warning": {"bg_color": "#FFEB9C"}}
+
+
+def xlsx_rows(table: pd.DataFrame) -> pd.DataFrame:
+    """The rows of the ``compare`` sheet, in execution order."""
+    if len(table) <= XLSX_MAX_ROWS:
+        return table
+    rank = table["status"].map(_RANK).fillna(9).to_numpy()
+    rank = np.where(table["origin"].fillna(False).astype(bool).to_numpy() & (rank == 1), 0, rank)
+    order = np.argsort(rank, kind="stable")[:XLSX_MAX_ROWS]
+    return table.iloc[np.sort(order[rank[order] < 9])]
+
+
+def write_xlsx(path: str, table: pd.DataFrame, verdict) -> None:
+    """Sheets ``summary`` (the verdict, counts), ``compare`` (see XLSX_MAX_ROWS; origin rows bold on red,
+    errors red, warnings yellow) and ``unmatched``; frozen header, autofilter, fitted widths."""
+    import xlsxwriter
+
     tmp = path + ".tmp.xlsx"
-    wb.save(tmp)
+    wb = xlsxwriter.Workbook(tmp, {"constant_memory": True, "strings_to_numbers": False,
+                                   "strings_to_formulas": False, "strings_to_urls": False})
+    bold = wb.add_format({"bold": True})
+    fills = {k: wb.add_format(v) for k, v in _FILLS.items()}
+    rows = xlsx_rows(table)
+
+    ws = wb.add_worksheet("summary")
+    ws.set_column(0, 0, 110)
+    lines = str(verdict).splitlines()
+    shown = (f"sheet compare: all {len(table)} rows" if len(rows) == len(table) else
+             f"sheet compare: {len(rows)} failing rows of {len(table)} (origin rows, then errors, then warnings, "
+             f"at most {XLSX_MAX_ROWS}; every row is in compare.csv)")
+    r = 0
+    for line in lines + ["", shown, "", "rows by stage and status"]:
+        ws.write_string(r, 0, line, bold if r == 0 else None)
+        r += 1
+    if len(table):
+        counts = table.groupby(["stage", "status"]).size().unstack(fill_value=0)
+        ws.write_row(r, 1, [str(c) for c in counts.columns], bold)
+        r += 1
+        for stage, vals in counts.iterrows():
+            ws.write_string(r, 0, str(stage))
+            ws.write_row(r, 1, [int(v) for v in vals])
+            r += 1
+
+    status = rows["status"].tolist() if "status" in rows.columns else [None] * len(rows)
+    origin = rows["origin"].fillna(False).astype(bool).tolist() if "origin" in rows.columns else [False] * len(rows)
+    fmt = [fills["origin"] if o and s == "error" else fills.get(s) for s, o in zip(status, origin)]
+    _sheet(wb.add_worksheet("compare"), rows, bold, fmt)
+    _sheet(wb.add_worksheet("unmatched"), verdict.unmatched, bold, [None] * len(verdict.unmatched))
+    wb.close()
     os.replace(tmp, path)
 
 
-def _cell(ws, value, font=None, fill=None):
-    from openpyxl.cell import WriteOnlyCell
-    c = WriteOnlyCell(ws, value=value)
-    if font:
-        c.font = font
-    if fill:
-        c.fill = fill
-    return c
+def _sheet(ws, df: pd.DataFrame, bold, row_formats: list) -> None:
+    cols = list(df.columns)
+    values = [_cells(df[c]) for c in cols]
+    ws.write_row(0, 0, cols, bold)
+    ws.freeze_panes(1, 0)
+    ws.autofilter(0, 0, max(len(df), 1), max(len(cols) - 1, 0))
+    for j, (name, col) in enumerate(zip(cols, values)):
+        sample = [len(v) if isinstance(v, str) else 11 for v in col[:500] if v is not None]
+        ws.set_column(j, j, min(max([len(name) + 3] + sample), 48))
+    for i, (row, f) in enumerate(zip(zip(*values), row_formats), 1):
+        ws.write_row(i, 0, row, f)
 
 
-def _plain(v):
-    if isinstance(v, (tuple, list)):
-        return str(list(v))
-    if isinstance(v, (np.integer,)):
-        return int(v)
-    if isinstance(v, (np.floating, float)):
-        f = float(v)
-        return f if math.isfinite(f) else str(f)
-    if isinstance(v, np.bool_):
-        return bool(v)
-    return v
+def _cells(s: pd.Series) -> list:
+    """A column as cell values: numbers, bools, strings; None for a missing value, 'inf'/'nan' as text."""
+    if pd.api.types.is_bool_dtype(s) and not s.hasnans:
+        return s.tolist()
+    if pd.api.types.is_integer_dtype(s) and not s.hasnans:
+        return s.tolist()
+    if pd.api.types.is_numeric_dtype(s) and not pd.api.types.is_bool_dtype(s):
+        return [None if x != x else x if x - x == 0 else str(x) for x in s.to_numpy(np.float64).tolist()]
+    return [_cell(v) for v in s.tolist()]
+
+
+def _cell(v):
+    if v is None or v is pd.NA:
+        return None
+    if isinstance(v, np.generic):
+        v = v.item()
+    if isinstance(v, float):
+        return None if v != v else v if v - v == 0 else str(v)
+    if isinstance(v, (str, bool, int)):
+        return v
+    return str(list(v)) if isinstance(v, (tuple, list)) else str(v)
 
 
 # ---- HTML -------------------------------------------------------------------------------------------
