@@ -145,15 +145,21 @@ def run_ut(records, out_dir, random_inputs, resume, jobs, device, filter_duplica
         res = do_run_ut(records, out_dir, random=random_inputs, device=device, jobs=jobs, resume=resume,
                         filter_duplicates=filter_duplicates, save_error_data=save_error_data, imports=imports,
                         progress=progress, api=api)
-    except KeyboardInterrupt:
-        click.echo("interrupted: rows so far are saved; continue with --resume "
-                   "OUT/accuracy_checking_result_{timestamp}.csv", err=True)
+    except KeyboardInterrupt as exc:
+        saved = getattr(exc, "result_csv", None)
+        if saved and getattr(exc, "rows_saved", 0):
+            click.echo(f"interrupted: {exc.rows_saved} ops are saved in {saved}; continue with: dispatchprobe "
+                       f"run-ut {records} --resume {saved}", err=True)
+        else:
+            click.echo("interrupted before any op was judged: nothing to resume", err=True)
         sys.exit(130)
     if int(os.environ.get("RANK", "0")) == 0:
         click.echo(summary_text(res))
     statuses = set(res.results["Forward Test Success"]) | set(res.results["Backward Test Success"])
     if "error" in statuses:
         sys.exit(2)
+    if res.results["Message"].str.startswith("damaged record").any():
+        sys.exit(1)
 
 
 @main.command("precision-compare")

@@ -23,6 +23,10 @@ def records(tmp_path_factory):
         probe.close()
     shard = next((root / "damaged" / "step0" / "rank0" / "tensors").glob("shard_*.safetensors"))
     shard.write_bytes(shard.read_bytes()[:4000])
+    probe = DispatchProbe(task="statistics", dump_path=str(root / "stats"))
+    with probe:
+        (torch.randn(8, 8) @ torch.randn(8, 8)).exp()
+    probe.close()
     probe = DispatchProbe(task="overflow", dump_path=str(root / "clean_overflow"))
     with probe:
         torch.randn(8, 8).relu().sum()
@@ -49,6 +53,48 @@ CASES = [
     (["precision-compare", "{root}/tensor", "{root}/tensor", "-o", "{root}/a_file"], 2, "is a file"),
     (["demo", "-o", "{root}/a_file"], 2, "is a file"),
 ]
+
+# (arguments, exit code, words on stdout): run-ut says on the terminal what the CSV says
+RUN_UT = [
+    (["run-ut", "{root}/damaged", "-o", "{root}/ut_damaged"], 1, "damaged records"),
+    (["run-ut", "{root}/stats", "-o", "{root}/ut_stats"], 0, "replay them with --random"),
+]
+
+
+@pytest.mark.parametrize("args,code,words", RUN_UT, ids=["damaged", "statistics-only"])
+def test_run_ut_says_why_ops_were_not_replayed(records, args, code, words):
+    args = [a.format(root=records) for a in args]
+    out = subprocess.run([sys.executable, "-m", "dispatchprobe.cli", *args], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == code, (out.stdout, out.stderr)
+    assert words in out.stdout and "Traceback" not in out.stderr
+
+
+SLOW_RUN_UT = """
+import sys, time
+import dispatchprobe.offline.run_ut as m
+_check = m.check_op
+m.check_op = lambda *a: (time.sleep(0.4), _check(*a))[1]
+from dispatchprobe.cli import main
+sys.argv[0] = "dispatchprobe"
+main()
+"""
+
+
+def test_ctrl_c_in_run_ut_names_the_file_to_resume(records, tmp_path):
+    import signal
+    import time
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_RUN_UT, "run-ut", str(records / "tensor"), "-o",
+                             str(tmp_path / "ut")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not any(len(p.read_text().splitlines()) > 1
+                                              for p in (tmp_path / "ut").glob("accuracy_checking_result_*.csv")):
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    saved = next((tmp_path / "ut").glob("accuracy_checking_result_*.csv"))
+    assert f"--resume {saved}" in err and "{timestamp}" not in err and err.strip().count("\n") == 0
 
 
 @pytest.mark.parametrize("args,code,words", CASES, ids=[" ".join(a.replace("{root}/", "") for a in c[0]) for c in CASES])

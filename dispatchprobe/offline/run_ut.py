@@ -417,6 +417,9 @@ def run_ut(records, out_dir: str | None = None, *, random: bool = False, device:
                 except BaseException:
                     pool.terminate()
                     raise
+    except KeyboardInterrupt as exc:
+        exc.result_csv, exc.rows_saved = journal.result_path, len(journal.done)   # for the CLI's one line
+        raise
     finally:
         if bar is not None:
             bar.close()
@@ -467,4 +470,12 @@ def summary_text(res: RunUTResult) -> str:
     parts = ", ".join(f"{counts.get(k, 0)} {k}" for k in (PASS, "warning", ERROR, SKIP))
     lines = [f"run-ut: {len(r)} ops: {parts}"]
     lines += [f"  error  {row['API Name']}  {row['Message'][:160]}" for _, row in r[status == ERROR].head(20).iterrows()]
+    skipped = r["Message"].where(status == SKIP, "")
+    damaged = skipped[skipped.str.startswith("damaged record")]
+    if len(damaged):     # a record problem, not a precision verdict
+        lines.append(f"  {len(damaged)} ops not replayed: damaged records ({damaged.iloc[0][16:][:160]})")
+    unsaved = skipped.str.contains("statistics-only records").sum()
+    if unsaved:
+        lines.append(f"  {unsaved} ops not replayed: their inputs were not saved (statistics-only records); "
+                     "replay them with --random, or record with task='tensor'")
     return "\n".join(lines + [f"results: {res.result_csv}", f"details: {res.details_csv}"])
