@@ -111,8 +111,13 @@ def compare(a, b, out, match, mapping, jobs, metric, stats_only):
     do not align or nothing could be compared.
     """
     from .offline.compare import compare as run_compare
-    _, verdict = run_compare(a, b, match=match, mapping=mapping, out=out, jobs=jobs, metric=metric,
-                             progress=sys.stderr.isatty(), tensors=not stats_only)
+    try:
+        _, verdict = run_compare(a, b, match=match, mapping=mapping, out=out, jobs=jobs, metric=metric,
+                                 progress=sys.stderr.isatty(), tensors=not stats_only)
+    except KeyboardInterrupt:
+        click.echo("interrupted: no verdict" + (f"; the report in {out} is incomplete (each file in it is whole "
+                                                 "or absent)" if out and os.path.isdir(out) else ""), err=True)
+        sys.exit(130)
     click.echo(str(verdict))
     if not verdict.passed:
         sys.exit(2)
