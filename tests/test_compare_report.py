@@ -77,13 +77,55 @@ def test_progress_bar_covers_the_report(tmp_path, capsys):
 
 
 def test_html_structure(report):
-    out, _, verdict = report
+    out, table, verdict = report
     page = (out / "compare.html").read_text()
-    for needle in ('id="chart-forward"', 'id="chart-backward"', 'class="first-divergence"', 'id="suspicious"',
-                   "sortTable", 'id="metadata"', "aten._softmax.default"):
+    for needle in ('id="chart-forward"', 'id="chart-backward"', 'id="tree"', 'id="report-data"', 'id="suspicious"',
+                   "sortTable", 'id="metadata"', "aten._softmax.default", 'href="unmatched.csv"', "Plotly.react"):
         assert needle in page
-    assert "http://" not in page.replace('xmlns="http://www.w3.org/2000/svg"', "")
-    assert "https://" not in page
+    import re
+    # self-contained: no resource loaded from elsewhere (plotly.js's own strings may name URLs)
+    assert not re.search(r'<(script|link|img|iframe)[^>]+(src|href)="(https?:)?//', page)
+    from dispatchprobe.offline.report import report_data
+    data = report_data(table, verdict, "rel_l2_err")
+    fwd = data["nodes"][data["divs"]["forward"]["node"]]
+    assert fwd["path"] == verdict.forward.scope and "forward" in fwd["div"] and fwd["c"][3] > 0
+    assert data["metric"] == "rel_l2_err" and set(data["series"]) == {"0/0"}
+    root = next(n for n in data["nodes"] if n["parent"] is None)
+    assert root["c"][3] == table.groupby(["step", "rank", "stage", "kind", "seq"])["status"].apply(
+        lambda s: (s == "error").any()).sum()
+    embedded = [op for n in data["nodes"] for op in n["ops"]]
+    assert len(embedded) == len(set(embedded)) and all(len(n["ops"]) <= 40 for n in data["nodes"])
+
+
+def test_html_statistics_records_default_to_stats_err(tmp_path):
+    """Statistics records have no cosine: the chart shows stats_err; several steps get a heatmap."""
+    a = record(tmp_path / "a", steps=2, task="statistics")
+    b = record(tmp_path / "b", steps=2, task="statistics", plant=True)
+    table, verdict = compare(a, b, out=str(tmp_path / "out"))
+    from dispatchprobe.offline.report import report_data
+    data = report_data(table, verdict, "cosine")
+    assert data["metric"] == "stats_err" and "cosine" not in data["metrics"]
+    assert set(data["series"]) == {"0/0", "1/0"} and data["heat"]["parts"] == ["0/0", "1/0"]
+    page = (tmp_path / "out" / "compare.html").read_text()
+    import re
+    ids = re.findall(r'id="([^"]+)"', re.sub(r"<script.*?</script>", "", page, flags=re.S))
+    assert len(ids) == len(set(ids)) and "part-select" in ids and "heatmap" in ids
+
+
+def test_html_marks_structure_differences(tmp_path):
+    """Ops present in one run only mark their module ('in one run only') in the tree."""
+    from compare_helpers import record as rec
+    a = rec(tmp_path / "a", task="statistics", autocast=True)
+    b = rec(tmp_path / "b", task="statistics")
+    table, verdict = compare(a, b)
+    from dispatchprobe.offline.report import report_data
+    data = report_data(table, verdict, "cosine")
+    um = verdict.unmatched[~verdict.unmatched["is_cast"]]
+    assert len(verdict.unmatched) and verdict.unmatched["is_cast"].any()
+    root = next(n for n in data["nodes"] if n["parent"] is None)
+    assert root["ua"] + root["ub"] == len(um)
+    assert sum(len(n["um"]) for n in data["nodes"]) == min(len(verdict.unmatched), sum(
+        min(40, c) for c in verdict.unmatched.groupby(verdict.unmatched["scope"].fillna("")).size()))
 
 
 def _chromium():
@@ -94,34 +136,52 @@ def _chromium():
     return None
 
 
+# Runs after the page's own script and Plotly: what a person sees, written into the DOM for --dump-dom.
+_LAYOUT_CHECK = """<script>
+setTimeout(function () {
+  var w = document.documentElement.clientWidth, wide = [];
+  document.querySelectorAll("body *").forEach(function (el) {
+    if (el.closest(".scroll, #tree, #detail, .js-plotly-plot") && !el.matches(".scroll, #tree, #detail, .js-plotly-plot")) return;
+    var r = el.getBoundingClientRect();
+    if (r.width && r.right > w + 1) wide.push(el.tagName + "#" + el.id + "." + el.className);
+  });
+  var d = document.getElementById("div-forward"), r = d && d.getBoundingClientRect();
+  var tree = document.getElementById("tree").getBoundingClientRect();
+  var res = {page: document.documentElement.scrollWidth, client: w, wide: wide.slice(0, 5),
+             marked: !!d && d.classList.contains("first-divergence") && !!d.querySelector(".badge.div"),
+             visible: !!r && r.height > 0 && r.top >= tree.top && r.bottom <= tree.bottom,
+             selected: !!d && d.classList.contains("sel"), rows: document.querySelectorAll("#node-ops tr.hl").length,
+             plots: document.querySelectorAll("#chart-forward .main-svg, #chart-backward .main-svg").length};
+  var pre = document.createElement("pre"); pre.id = "layout-check"; pre.textContent = JSON.stringify(res);
+  document.body.appendChild(pre);
+}, 1500);
+</script></body>"""
+
+
 # In CI the README's test command installs Chromium, so a missing browser there is a failure.
 @pytest.mark.skipif(_chromium() is None and not os.environ.get("CI"),
                     reason="no chromium on this machine (the README's test command installs it): "
                            "HTML checked structurally only")
 def test_html_renders_in_headless_chromium(report, tmp_path):
+    """At 1400 px: the first forward divergence is expanded, visible, marked and selected (its op row
+    highlighted), both charts drawn, and nothing is wider than the page."""
+    import json
     out, _, _ = report
     shot = tmp_path / "shot.png"
     base = [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
             "--disable-background-networking", "--disable-component-update", "--disable-sync",
-            f"--user-data-dir={tmp_path / 'ud'}"]
-    url = (out / "compare.html").as_uri()
-    subprocess.run(base + [f"--screenshot={shot}", "--window-size=1000,1200", url], capture_output=True, timeout=90)
+            f"--user-data-dir={tmp_path / 'ud'}", "--window-size=1400,900", "--virtual-time-budget=10000"]
+    subprocess.run(base + [f"--screenshot={shot}", (out / "compare.html").as_uri()], capture_output=True, timeout=120)
     assert shot.stat().st_size > 10_000
     with open(shot, "rb") as fh:
         assert fh.read(8) == b"\x89PNG\r\n\x1a\n"
-    dom = subprocess.run(base + ["--dump-dom", url], capture_output=True, text=True, timeout=90).stdout
-    assert 'id="chart-forward"' in dom and 'class="first-divergence"' in dom and "<tr class=\"error\">" in dom
-
-
-def test_html_charts_every_part(tmp_path):
-    """Multi-step runs: one chart block per step/rank, a selector to switch, ids unique."""
-    a = record(tmp_path / "a", steps=2, task="statistics")
-    b = record(tmp_path / "b", steps=2, task="statistics", plant=True)
-    compare(a, b, out=str(tmp_path / "out"))
-    page = (tmp_path / "out" / "compare.html").read_text()
-    assert 'id="part-select"' in page and "showPart" in page
-    for s in (0, 1):
-        assert f'id="part-step{s}-rank0"' in page
+    checked = tmp_path / "checked.html"
+    checked.write_text((out / "compare.html").read_text().replace("</body>", _LAYOUT_CHECK))
+    dom = subprocess.run(base + ["--dump-dom", checked.as_uri()], capture_output=True, text=True, timeout=120).stdout
     import re
-    ids = re.findall(r'id="([^"]+)"', page)
-    assert len(ids) == len(set(ids)) and "chart-forward" in ids and "chart-backward-step1-rank0" in ids
+    m = re.search(r'<pre id="layout-check">(.*?)</pre>', dom)
+    assert m, dom[-2000:]
+    res = json.loads(m.group(1).replace("&quot;", '"').replace("&amp;", "&"))
+    assert res["marked"] and res["visible"] and res["selected"] and res["rows"] >= 1, res
+    assert res["plots"] >= 2, res
+    assert res["page"] <= res["client"] and not res["wide"], res

@@ -1,7 +1,7 @@
 """compare's reports: CSV, .xlsx (failing rows highlighted) and one self-contained HTML page.
 
-The HTML has no external resource: the charts are inline SVG built here, the table sorting is a
-few lines of inline JavaScript.  No torch (DESIGN invariant 1).
+The HTML has no external resource: plotly.js and the page's own script are inline, the data is an
+inline JSON block.  No torch (DESIGN invariant 1).
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import html
 import json
 import math
 import os
+import re
 
 import numpy as np
 import pandas as pd
@@ -147,135 +148,271 @@ def _cell(v):
 
 
 # ---- HTML -------------------------------------------------------------------------------------------
-MAX_CHART_PARTS = 64   # step/rank parts charted in one HTML page (the selector lists them)
+# The page embeds what it shows, not the table: per-module aggregates, chart points (one per op output),
+# and per module at most OPS_PER_NODE ops (failing and divergence ops first) with their tensor rows.
+MAX_CHART_PARTS = 64   # step/rank parts charted (the selector lists them)
+OPS_PER_NODE = 40
+UNMATCHED_PER_NODE = 40
+HEATMAP_MODULES = 60
+_SEVERITY = {"error": 3, "warning": 2, "pass": 1, NOT_JUDGED: 0}
+_ROW_COLS = ["io", "arg", "dtype_a", "dtype_b", "shape_a", "shape_b"] + \
+    [f"{s}_{side}" for s in ("max", "min", "mean", "norm") for side in ("a", "b")] + \
+    ["nan_a", "nan_b", "inf_a", "inf_b", "checksum_match"]
+_ROW_METRICS = ["cosine", "max_abs_err", "max_rel_err", "rel_l2_err", "stats_err"]
 
 
-def _series(table: pd.DataFrame, stage: str, metric: str, part=None) -> pd.DataFrame:
-    """One point per op output along the stage's sequence of one step/rank ``part`` (default: the first)."""
-    t = table[(table["stage"] == stage) & (table["io"] == "output")]
-    if not len(t):
-        return t
-    if part is None:
-        first = t[["step", "rank"]].drop_duplicates().sort_values(["step", "rank"]).iloc[0]
-        part = (first["step"], first["rank"])
-    t = t[(t["step"] == part[0]) & (t["rank"] == part[1]) & (t["kind"] == "op")]
-    worse_high = CHART_METRICS[metric]
-    vals = pd.to_numeric(t[metric], errors="coerce")
-    if metric == "cosine":
-        vals = vals.fillna(1.0)
-    t = t.assign(_v=vals)
-    agg = t.groupby("seq", sort=True).agg(v=("_v", "max" if worse_high else "min"), scope=("scope", "first"),
-                                           op=("op_a", "first"), call=("call_a", "first"),
-                                           status=("status", lambda s: "error" if (s == "error").any() else
-                                                   "warning" if (s == "warning").any() else "pass"),
-                                           origin=("origin", "any"))
-    return agg.reset_index()
+def chart_metric(table: pd.DataFrame, metric: str) -> str:
+    """``metric`` when the records have it (tensor records), else the statistics error, else ``error``."""
+    for m in (metric, "stats_err", "error"):
+        if m in table.columns and pd.to_numeric(table[m], errors="coerce").notna().any():
+            return m
+    return metric
 
 
-def _svg_chart(points: pd.DataFrame, metric: str, stage: str, first_seq, svg_id: str | None = None) -> str:
-    w, h, pad = 900, 220, 40
-    svg_id = svg_id or f"chart-{stage}"
-    if not len(points):
-        return f'<svg class="chart" id="{svg_id}" width="{w}" height="60"><text x="10" y="30">no {stage} ops compared</text></svg>'
-    v = points["v"].to_numpy(np.float64)
-    finite = v[np.isfinite(v)]
-    log = bool(CHART_METRICS[metric]) and len(finite) > 0
-    if log:
-        y = np.log10(np.clip(np.where(np.isfinite(v), v, finite.max() if len(finite) else 1.0), 1e-12, None))
-    else:
-        y = np.where(np.isfinite(v), v, np.nan)
-    lo, hi = (np.nanmin(y), np.nanmax(y)) if np.isfinite(y).any() else (0.0, 1.0)
-    if hi - lo < 1e-12:
-        lo, hi = lo - 1, hi + 1
-    n = len(points)
-    xs = pad + (np.arange(n) / max(n - 1, 1)) * (w - 2 * pad)
-    ys = h - pad - (np.nan_to_num(y, nan=lo) - lo) / (hi - lo) * (h - 2 * pad)
-    path = " ".join(f"{'M' if i == 0 else 'L'}{x:.1f},{yy:.1f}" for i, (x, yy) in enumerate(zip(xs, ys)))
-    dots = []
-    for i, r in enumerate(points.itertuples()):
-        color = {"error": "#d33", "warning": "#e90"}.get(r.status, "#3a3")
-        tip = html.escape(f"#{r.seq} {r.op} [{r.scope}] call {r.call}: {metric}={r.v:.4g}")
-        dots.append(f'<circle cx="{xs[i]:.1f}" cy="{ys[i]:.1f}" r="2.5" fill="{color}"><title>{tip}</title></circle>')
-    marker = ""
-    if first_seq is not None and (points["seq"] == first_seq).any():
-        i = int(np.flatnonzero(points["seq"].to_numpy() == first_seq)[0])
-        marker = (f'<line class="first-divergence" x1="{xs[i]:.1f}" x2="{xs[i]:.1f}" y1="{pad - 10}" y2="{h - pad}" '
-                  f'stroke="#d33" stroke-dasharray="4 3"/><text x="{xs[i] + 4:.1f}" y="{pad - 14}" fill="#d33" '
-                  f'font-size="12">first divergence: {html.escape(points["op"].iat[i])}</text>')
-    label = f"log10({metric})" if log else metric
-    return (f'<svg class="chart" id="{svg_id}" width="{w}" height="{h}" viewBox="0 0 {w} {h}" '
-            f'xmlns="http://www.w3.org/2000/svg"><rect width="{w}" height="{h}" fill="#fafafa"/>'
-            f'<line x1="{pad}" y1="{h - pad}" x2="{w - pad}" y2="{h - pad}" stroke="#888"/>'
-            f'<line x1="{pad}" y1="{pad}" x2="{pad}" y2="{h - pad}" stroke="#888"/>'
-            f'<text x="{pad}" y="{h - 10}" font-size="12">{stage} op sequence (0..{int(points["seq"].max())})</text>'
-            f'<text x="4" y="{pad - 24}" font-size="12">{html.escape(label)}: {lo:.3g} .. {hi:.3g}</text>'
-            f'<path d="{path}" fill="none" stroke="#36c" stroke-width="1"/>{"".join(dots)}{marker}</svg>')
+def _num(v):
+    if v is None or v is pd.NA:
+        return None
+    if isinstance(v, np.generic):
+        v = v.item()
+    if isinstance(v, float):
+        return v if v - v == 0 else (None if v != v else ("inf" if v > 0 else "-inf"))
+    return v
 
 
-def _charts(table: pd.DataFrame, verdict, metric: str) -> list:
-    """Forward and backward charts of every step/rank part (up to MAX_CHART_PARTS), one part shown at
-    a time through a selector; the part of the first divergence is shown first.  The shown part's
-    charts have the ids ``chart-forward`` / ``chart-backward``."""
-    parts = (sorted({(int(s), int(r)) for s, r in zip(table["step"], table["rank"])}) if len(table) else []) \
-        or [(0, 0)]
+def _col(s: pd.Series) -> list:
+    """A column as JSON values (non-finite floats as null / 'inf')."""
+    if pd.api.types.is_float_dtype(s):
+        return [None if x != x else x if x - x == 0 else ("inf" if x > 0 else "-inf") for x in s.tolist()]
+    if pd.api.types.is_bool_dtype(s) or pd.api.types.is_integer_dtype(s):
+        return s.tolist()
+    return [_cell(v) for v in s.tolist()]
+
+
+def _op_groups(table: pd.DataFrame) -> pd.DataFrame:
+    """One row per compared op/module call: key columns, worst status, origin, nan/inf, first row index."""
+    t = table.assign(_sev=table["status"].map(_SEVERITY).fillna(0).astype(int),
+                     _nf=(table[["nan_a", "nan_b", "inf_a", "inf_b"]].fillna(0).to_numpy() > 0).any(axis=1),
+                     _org=table["origin"].fillna(False).astype(bool) & (table["status"] == "error"),
+                     _i=np.arange(len(table)))
+    keys = ["step", "rank", "stage", "kind", "seq"]
+    g = t.groupby(keys, sort=False).agg(scope=("scope", "first"), sev=("_sev", "max"), nf=("_nf", "any"),
+                                         origin=("_org", "any"), first=("_i", "min"), n=("_i", "size"))
+    return g.reset_index().sort_values("first", kind="stable")
+
+
+def _tree(table: pd.DataFrame, ops: pd.DataFrame, verdict) -> tuple[list, dict]:
+    """Module tree nodes (both runs' scopes) with subtree aggregates; returns (nodes, index by path)."""
+    um = verdict.unmatched
+    paths = set(ops["scope"].fillna("").astype(str)) | set(um["scope"].fillna("").astype(str) if len(um) else [])
+    nodes, index = [], {}
+
+    def node(path):
+        path = path or "<top>"
+        if path in index:
+            return index[path]
+        parent = node(path.rsplit(".", 1)[0] if "." in path else "<top>") if path != "<top>" else None
+        n = {"id": len(nodes), "name": path.rsplit(".", 1)[-1], "path": path, "parent": parent["id"] if parent else None,
+             "children": [], "c": [0, 0, 0, 0], "nf": 0, "ua": 0, "ub": 0, "own": 0, "ops": [], "um": [],
+             "div": []}
+        nodes.append(n)
+        index[path] = n
+        if parent:
+            parent["children"].append(n["id"])
+        return n
+
+    node("<top>")
+    for p in sorted(paths):
+        node(p)
+
+    def up(n, fn):
+        while n is not None:
+            fn(n)
+            n = nodes[n["parent"]] if n["parent"] is not None else None
+
+    if len(ops):
+        agg = ops.assign(scope=ops["scope"].fillna("").astype(str)).groupby(["scope", "sev"]).size()
+        for (scope, sev), cnt in agg.items():
+            up(index[scope or "<top>"], lambda n: n["c"].__setitem__(int(sev), n["c"][int(sev)] + int(cnt)))
+        for scope, cnt in ops.groupby(ops["scope"].fillna("").astype(str))["nf"].sum().items():
+            if cnt:
+                up(index[scope or "<top>"], lambda n: n.__setitem__("nf", n["nf"] + int(cnt)))
+    if len(um):
+        comp = um[~um["is_cast"].astype(bool)]
+        for (scope, side), cnt in comp.groupby([comp["scope"].fillna("").astype(str), "side"]).size().items():
+            key = "ua" if side == "a" else "ub"
+            up(index[scope or "<top>"], lambda n: n.__setitem__(key, n[key] + int(cnt)))
+    return nodes, index
+
+
+def report_data(table: pd.DataFrame, verdict, metric: str) -> dict:
+    """What compare.html embeds (JSON): the tree, each node's ops (bounded), chart series, heatmap."""
+    ops = _op_groups(table) if len(table) else pd.DataFrame(columns=["step", "rank", "stage", "kind", "seq",
+                                                                      "scope", "sev", "nf", "origin", "first", "n"])
+    nodes, index = _tree(table, ops, verdict)
+    divs = {}
+    for d in (verdict.forward, verdict.backward):
+        if d is None:
+            continue
+        n = index.get(d.scope or "<top>") or index["<top>"]
+        n["div"].append(d.stage)
+        divs[d.stage] = {"node": n["id"], "op": d.op, "key": [d.step, d.rank, d.stage, d.kind, d.seq],
+                         "side": d.side, "cause": d.cause, "text": d.describe().splitlines()[0]}
+    # ops embedded per node: failing, origin and divergence ops first, then in execution order
+    div_keys = {tuple(v["key"]) for v in divs.values()}
+    stacks, stack_ix = [], {}
+    rows_out = []
+    row_cols = [c for c in _ROW_COLS + _ROW_METRICS if c in table.columns]
+    if len(ops):
+        ops = ops.assign(skey=ops["scope"].fillna("").astype(str),
+                         prio=-(ops["sev"] * 2 + ops["origin"].astype(int) * 4
+                                 + [10 * (k in div_keys) for k in zip(ops["step"], ops["rank"], ops["stage"],
+                                                                      ops["kind"], ops["seq"])]))
+        chosen = (ops.sort_values(["prio", "first"], kind="stable").groupby("skey", sort=False)
+                  .head(OPS_PER_NODE).sort_values("first", kind="stable"))
+        for scope, cnt in ops.groupby("skey").size().items():
+            index[scope or "<top>"]["own"] = int(cnt)
+        keys = ["step", "rank", "stage", "kind", "seq"]
+        sub = table.reset_index(drop=True).merge(chosen[keys + ["first"]], on=keys, how="inner")
+        cols = {c: _col(sub[c]) for c in row_cols + ["status", "reason", "origin"]}
+        stack = sub["stack"].tolist() if "stack" in sub.columns else [None] * len(sub)
+        first_of = sub["first"].tolist()
+        by_op = {}
+        for i, f in enumerate(first_of):
+            by_op.setdefault(f, []).append(i)
+        for r in chosen.itertuples(index=False):
+            ix = by_op.get(r.first, [])
+            t0 = ix[0] if ix else None
+            st = stack[t0] if t0 is not None else None
+            if isinstance(st, str) and st:
+                if st not in stack_ix:
+                    stack_ix[st] = len(stacks)
+                    stacks.append(st)
+                st = stack_ix[st]
+            else:
+                st = None
+            row0 = table.iloc[int(r.first)]
+            op = {"k": [int(r.step), int(r.rank), r.stage, r.kind, int(r.seq)], "op_a": _cell(row0["op_a"]),
+                  "op_b": _cell(row0["op_b"]), "call": _num(row0["call_a"]), "sev": int(r.sev),
+                  "origin": bool(r.origin), "stack": st,
+                  "rows": [[cols[c][i] for c in row_cols] + [cols["status"][i], cols["reason"][i],
+                                                              bool(cols["origin"][i])] for i in ix]}
+            index[r.skey or "<top>"]["ops"].append(len(rows_out))
+            rows_out.append(op)
+    um = verdict.unmatched
+    if len(um):
+        for scope, g in um.groupby(um["scope"].fillna("").astype(str), sort=False):
+            index[scope or "<top>"]["um"] = [[str(x.side), str(x.stage), str(x.kind), int(x.seq), str(x.op),
+                                             _num(x.call), bool(x.is_cast), int(x.step), int(x.rank)]
+                                            for x in g.head(UNMATCHED_PER_NODE).itertuples(index=False)]
+    metric = chart_metric(table, metric)
+    metrics = [m for m in CHART_METRICS if m in table.columns and pd.to_numeric(table[m], errors="coerce").notna().any()]
+    if metric not in metrics:
+        metrics.insert(0, metric)
+    series, parts = _chart_series(table, metrics)
     first = next((d for d in (verdict.forward, verdict.backward) if d), None)
-    shown = (first.step, first.rank) if first and (first.step, first.rank) in parts else parts[0]
+    shown = f"{first.step}/{first.rank}" if first and f"{first.step}/{first.rank}" in series else \
+        (next(iter(series)) if series else None)
+    return {"nodes": nodes, "ops": rows_out, "row_cols": row_cols + ["status", "reason", "origin"],
+            "stacks": stacks, "divs": divs, "metric": metric, "metrics": metrics,
+            "worse_high": {m: bool(CHART_METRICS.get(m, True)) for m in metrics}, "series": series,
+            # larger-is-worse metrics span decades: charted as log10 (hover shows the value itself)
+            "axis": {m: f"log10({m})" if CHART_METRICS.get(m, True) else m for m in metrics},
+            "parts": parts, "shown_part": shown, "n_parts": len(verdict.parts),
+            "heat": _heatmap(table, ops, metric) if len(verdict.parts) > 1 else None}
+
+
+def _chart_series(table: pd.DataFrame, metrics: list) -> tuple[dict, list]:
+    """Per step/rank part and stage: one point per op (its outputs' worst value of each metric)."""
+    t = table[(table["io"] == "output") & (table["kind"] == "op")] if len(table) else table
+    if not len(t):
+        return {}, []
+    t = t.assign(_sev=t["status"].map(_SEVERITY).fillna(0).astype(int),
+                 _org=t["origin"].fillna(False).astype(bool) & (t["status"] == "error"))
+    aggs = {m: (m, "max" if CHART_METRICS.get(m, True) else "min") for m in metrics}
+    g = t.groupby(["step", "rank", "stage", "seq"], sort=True).agg(
+        scope=("scope", "first"), op=("op_a", "first"), call=("call_a", "first"), sev=("_sev", "max"),
+        origin=("_org", "any"), **{f"m_{k}": v for k, v in aggs.items()}).reset_index()
+    parts = sorted({(int(a), int(b)) for a, b in zip(g["step"], g["rank"])})
     listed = parts[:MAX_CHART_PARTS]
-    if shown not in listed:
-        listed = [shown] + listed[:-1]
-    out = []
-    if len(parts) > 1:
-        opts = "".join(f'<option value="step{s}-rank{r}"{" selected" if (s, r) == shown else ""}>step {s} rank {r}'
-                       f'</option>' for s, r in listed)
-        more = f" (first {MAX_CHART_PARTS} of {len(parts)} parts)" if len(parts) > len(listed) else ""
-        out.append(f'<p><label>step/rank: <select id="part-select" onchange="showPart(this.value)">{opts}'
-                   f'</select></label>{more}</p>')
-    for s, r in listed:
-        is_shown = (s, r) == shown
-        block = [f'<div class="part" id="part-step{s}-rank{r}"{"" if is_shown else " hidden"}>']
-        for stage, div in (("forward", verdict.forward), ("backward", verdict.backward)):
-            pts = _series(table, stage, metric, (s, r))
-            seq = div.seq if div and (div.step, div.rank) == (s, r) else None
-            svg_id = f"chart-{stage}" if is_shown else f"chart-{stage}-step{s}-rank{r}"
-            block.append(f"<h3>{stage} (step {s} rank {r})</h3>" + _svg_chart(pts, metric, stage, seq, svg_id))
-        block.append("</div>")
-        out.append("".join(block))
-    return out
+    out = {}
+    for (step, rank, stage), s in g.groupby(["step", "rank", "stage"], sort=True):
+        if (int(step), int(rank)) not in listed:
+            continue
+        out.setdefault(f"{int(step)}/{int(rank)}", {})[stage] = {
+            "seq": s["seq"].astype(int).tolist(), "scope": _col(s["scope"]), "op": _col(s["op"]),
+            "call": _col(s["call"]), "sev": s["sev"].tolist(), "origin": s["origin"].tolist(),
+            **{m: _col(s[f"m_{m}"].astype(float)) for m in metrics}}
+    return out, [f"{s}/{r}" for s, r in parts]
 
 
-def render_html(table: pd.DataFrame, verdict, manifest_a: dict, manifest_b: dict, metric: str = "cosine") -> str:
-    charts = _charts(table, verdict, metric)
+def _heatmap(table: pd.DataFrame, ops: pd.DataFrame, metric: str) -> dict | None:
+    """Steps/ranks x modules: each cell the worst ``metric`` of the module's ops (scopes cut at the
+    deepest level with at most HEATMAP_MODULES modules)."""
+    t = table[table["io"] == "output"]
+    if not len(t):
+        return None
+    scope = t["scope"].fillna("").astype(str)
+    split = scope.str.split(".")
+    depth = 1
+    for d in range(1, int(split.str.len().max()) + 1):
+        if split.str[:d].str.join(".").nunique() > HEATMAP_MODULES:
+            break
+        depth = d
+    mod = split.str[:depth].str.join(".").replace("", "<top>")
+    worse_high = bool(CHART_METRICS.get(metric, True))
+    v = pd.to_numeric(t[metric], errors="coerce")
+    g = pd.DataFrame({"part": t["step"].astype(str) + "/" + t["rank"].astype(str), "mod": mod, "v": v,
+                      "err": (t["status"] == "error").astype(int)})
+    agg = g.groupby(["part", "mod"], sort=False).agg(v=("v", "max" if worse_high else "min"), err=("err", "sum"))
+    mods = list(dict.fromkeys(mod.tolist()))
+    parts = sorted(agg.index.get_level_values(0).unique(), key=lambda p: tuple(int(x) for x in p.split("/")))
+    z = agg["v"].unstack().reindex(index=parts, columns=mods)
+    e = agg["err"].unstack().reindex(index=parts, columns=mods).fillna(0).astype(int)
+    return {"modules": mods, "parts": parts, "z": [_col(z.loc[p].astype(float)) for p in parts],
+            "errors": e.to_numpy().tolist(), "metric": metric}
+
+
+def _suspicious(table: pd.DataFrame) -> tuple[str, str, int]:
     sus = table[table["origin"] & (table["io"] == "output") & (table["status"] == "error")]
     cols = ["step", "rank", "stage", "seq", "kind", "scope", "op_a", "op_b", "call_a", "arg", "dtype_a", "dtype_b",
-            "cosine", "max_abs_err", "max_rel_err", "rel_l2_err", "status", "reason"]
+            "cosine", "max_abs_err", "max_rel_err", "rel_l2_err", "stats_err", "status", "reason"]
     sus = sus[[c for c in cols if c in sus.columns]].head(2000)
     head = "".join(f'<th onclick="sortTable(this)">{html.escape(c)}</th>' for c in sus.columns)
     body = []
     for row in sus.itertuples(index=False):
         cells = []
         for v in row:
-            if isinstance(v, float):
-                txt = "" if math.isnan(v) else f"{v:.6g}"
-            else:
-                txt = str(v)
+            txt = ("" if math.isnan(v) else f"{v:.6g}") if isinstance(v, float) else str(v)
             cells.append(f"<td>{html.escape(txt)}</td>")
-        body.append(f'<tr class="{html.escape(str(row.status))}">{"".join(cells)}</tr>')
+        key = f"{row.step}-{row.rank}-{row.stage}-{row.kind}-{row.seq}"
+        body.append(f'<tr class="{html.escape(str(row.status))}" data-op="{html.escape(key)}">{"".join(cells)}</tr>')
+    return head, "".join(body), len(sus)
+
+
+def render_html(table: pd.DataFrame, verdict, manifest_a: dict, manifest_b: dict, metric: str = "cosine") -> str:
+    from plotly.offline import get_plotlyjs
+
+    data = report_data(table, verdict, metric)
+    head, rows, n_sus = _suspicious(table)
     summary = "".join(f"<li>{html.escape(line)}</li>" for line in str(verdict).splitlines())
     meta = {"run A (under test)": verdict.a, "run B (benchmark)": verdict.b,
             "parts compared": ", ".join(f"step {s} rank {r}" for s, r in verdict.parts),
-            "chart metric": metric}
+            "chart metric": data["metric"]}
+    configs = []
     for tag, m in (("A", manifest_a), ("B", manifest_b)):
         for k in ("framework", "framework_version", "device", "started_at", "host"):
             if m.get(k) is not None:
                 meta[f"{tag} {k}"] = m[k]
         if isinstance(m.get("config"), dict):
-            meta[f"{tag} config"] = json.dumps(m["config"], default=str)[:300]
+            configs.append((f"{tag} config", json.dumps(m["config"], default=str, indent=1)))
     meta_rows = "".join(f"<tr><th>{html.escape(str(k))}</th><td>{html.escape(str(v))}</td></tr>" for k, v in meta.items())
+    meta_rows += "".join(f"<tr><th>{html.escape(k)}</th><td><details><summary>{len(v.splitlines())} lines</summary>"
+                         f"<pre>{html.escape(v)}</pre></details></td></tr>" for k, v in configs)
     problems = "".join(f"<li>{html.escape(p)}</li>" for p in verdict.problems[:200])
+    payload = json.dumps(data, separators=(",", ":"), allow_nan=False).replace("</", "<\\/")
+    fills = {"summary": summary, "head": head, "rows": rows, "meta": meta_rows, "n_suspicious": str(n_sus),
+             "problems": problems or "<li>none</li>", "n_unmatched": str(len(verdict.unmatched)),
+             "data": payload, "plotly": get_plotlyjs()}
     with open(_TEMPLATE, encoding="utf-8") as fh:
         page = fh.read()
-    return (page.replace("{{summary}}", summary).replace("{{charts}}", "".join(charts))
-            .replace("{{head}}", head).replace("{{rows}}", "".join(body)).replace("{{meta}}", meta_rows)
-            .replace("{{n_suspicious}}", str(len(sus)))
-            .replace("{{problems}}", problems or "<li>none</li>")
-            .replace("{{n_unmatched}}", str(len(verdict.unmatched))))
+    return re.sub(r"\{\{(\w+)\}\}", lambda m: fills[m.group(1)], page)
