@@ -13,6 +13,24 @@ from typing import Any
 
 from .events import Handler, OpEvent, flat_outputs
 
+def encode_plain(value, backend) -> dict:
+    """A non-tensor, non-sequence argument as JSON: builtins here, framework objects (dtypes,
+    devices, ...) by the backend, as replay rebuilds them."""
+    if value is None:
+        return {"type": "none"}
+    if isinstance(value, bool):
+        return {"type": "bool", "value": value}
+    if isinstance(value, int):
+        return {"type": "int", "value": value}
+    if isinstance(value, float):
+        return {"type": "float", "value": value if math.isfinite(value) else str(value)}
+    if isinstance(value, str):
+        return {"type": "str", "value": value}
+    if isinstance(value, complex):
+        return {"type": "complex", "value": [value.real, value.imag]}
+    return backend.encode_other(value)
+
+
 DEFER_BATCH = 512   # accelerator tensors measured per host sync
 
 
@@ -49,21 +67,9 @@ class Recorder(Handler):
             spec = self.backend.tensor_meta(value)
             found.append((value, spec))
             return spec
-        if value is None:
-            return {"type": "none"}
-        if isinstance(value, bool):
-            return {"type": "bool", "value": value}
-        if isinstance(value, int):
-            return {"type": "int", "value": value}
-        if isinstance(value, float):
-            return {"type": "float", "value": value if math.isfinite(value) else str(value)}
-        if isinstance(value, str):
-            return {"type": "str", "value": value}
-        if isinstance(value, complex):
-            return {"type": "complex", "value": [value.real, value.imag]}
         if isinstance(value, (list, tuple)):
             return {"type": type(value).__name__, "value": [self._encode_value(found, v) for v in value]}
-        return self.backend.encode_other(value)
+        return encode_plain(value, self.backend)
 
     def encode(self, event: OpEvent, save: bool | None = None, defer: bool = False) -> dict:
         """The record of ``event``.  ``defer``: statistics of accelerator tensors are reduced on

@@ -259,15 +259,32 @@ class _ModuleScopes(ModuleTracker):
         self._left_early.clear()
 
 
-class DispatchProbe(ProbeSession):
+class TorchSession(ProbeSession):
+    """What every torch capture path's session shares: the torch backend, the rank from
+    torch.distributed once it is initialised, handlers run under ``no_grad``."""
+
+    backend = torch_backend
+
+    def _detect_rank(self) -> int:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            return torch.distributed.get_rank()
+        return super()._detect_rank()
+
+    def _open_part(self) -> None:
+        self.rank = self._detect_rank()
+        super()._open_part()
+
+    def _quiet(self):
+        return torch.no_grad()
+
+
+class DispatchProbe(TorchSession):
     """Record, check or perturb every op run inside ``with probe:``.
 
     ``DispatchProbe(task="statistics", dump_path="runs/a")``, ``DispatchProbe("config.yaml")``
     or ``DispatchProbe(config_dict, model=model)``.  Passing ``model`` names module scopes from
     it (``Transformer.layers.1.mlp``); without it the same names are derived on first use.
     """
-
-    backend = torch_backend
 
     def __init__(self, config=None, *, model: torch.nn.Module | None = None, **overrides):
         if model is not None and not isinstance(model, torch.nn.Module):
@@ -291,15 +308,6 @@ class DispatchProbe(ProbeSession):
             self._mode = None
         self.scopes.uninstall()
 
-    def _detect_rank(self) -> int:
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            return torch.distributed.get_rank()
-        return super()._detect_rank()
-
-    def _open_part(self) -> None:
-        self.rank = self._detect_rank()
-        super()._open_part()
-
     # ---- per op -----------------------------------------------------------------------------------
     def _wants(self, func) -> bool:
         hit = self._wants_memo.get(func)
@@ -321,5 +329,3 @@ class DispatchProbe(ProbeSession):
                               undefined=undefined)
         return out if replaced is None else replaced
 
-    def _quiet(self):
-        return torch.no_grad()

@@ -21,8 +21,8 @@ import torch.fx
 
 from . import backend as torch_backend
 from . import ops
-from .capture import active_probes
-from ..core.session import ProbeSession
+from .capture import TorchSession, active_probes
+from ..core.recorder import encode_plain
 
 STAT_FIELDS = 6          # max, min, sum, L2 norm, nan count, inf count: a device stats row
 
@@ -48,29 +48,15 @@ _graph_ids = itertools.count()
 
 
 # ---- the session records are written through ---------------------------------------------------
-class CompiledProbe(ProbeSession):
+class CompiledProbe(TorchSession):
     """The session of a probe backend: the eager probe's config, recorder and writer, started
     by the first graph call (there is no ``with``) and ended by :meth:`ProbeBackend.step`."""
-
-    backend = torch_backend
 
     def _install(self) -> None:
         pass
 
     def _uninstall(self) -> None:
         pass
-
-    def _detect_rank(self) -> int:
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            return torch.distributed.get_rank()
-        return super()._detect_rank()
-
-    def _open_part(self) -> None:
-        self.rank = self._detect_rank()
-        super()._open_part()
-
-    def _quiet(self):
-        return torch.no_grad()
 
 
 class ProbeBackend:
@@ -374,19 +360,13 @@ class _Template:
                 return spec
             if isinstance(val, (int, float, bool)) or hasattr(val, "node"):   # symbolic sizes: hint
                 try:
-                    return _scalar(_hint(val) if isinstance(val, torch.SymInt) else val)
+                    return encode_plain(_hint(val) if isinstance(val, torch.SymInt) else val, torch_backend)
                 except Exception:
                     return {"type": "other", "repr": str(val)}
             return {"type": "other", "repr": value.name}
         if isinstance(value, (list, tuple)):
             return {"type": type(value).__name__, "value": [self.encode(v) for v in value]}
-        if isinstance(value, torch.dtype):
-            return {"type": "dtype", "value": ops.dtype_name(value)}
-        if isinstance(value, torch.device):
-            return {"type": "device", "value": str(value)}
-        if value is None or isinstance(value, (bool, int, float, str)):
-            return _scalar(value)
-        return torch_backend.encode_other(value)
+        return encode_plain(value, torch_backend)
 
 
 def _hint(size) -> int:
@@ -394,18 +374,6 @@ def _hint(size) -> int:
         hint = size.node.hint
         return int(hint) if hint is not None else -1
     return int(size)
-
-
-def _scalar(value) -> dict:
-    if value is None:
-        return {"type": "none"}
-    if isinstance(value, bool):
-        return {"type": "bool", "value": value}
-    if isinstance(value, int):
-        return {"type": "int", "value": value}
-    if isinstance(value, float):
-        return {"type": "float", "value": value if math.isfinite(value) else str(value)}
-    return {"type": "str", "value": str(value)}
 
 
 class _GraphRecords:
