@@ -121,6 +121,8 @@ def compare(a, b, out, match, mapping, jobs, metric, stats_only):
     click.echo(str(verdict))
     if not verdict.passed:
         sys.exit(2)
+    if verdict.damaged:
+        sys.exit(1)
 
 
 @main.command("run-ut")

@@ -54,14 +54,17 @@ CASES = [
     (["demo", "-o", "{root}/a_file"], 2, "is a file"),
 ]
 
-# (arguments, exit code, words on stdout): run-ut says on the terminal what the CSV says
-RUN_UT = [
+# (arguments, exit code, words on stdout): the terminal says what the CSVs say; a damaged record
+# is a record problem (exit 1), never a precision verdict
+STDOUT_CASES = [
     (["run-ut", "{root}/damaged", "-o", "{root}/ut_damaged"], 1, "damaged records"),
     (["run-ut", "{root}/stats", "-o", "{root}/ut_stats"], 0, "replay them with --random"),
+    (["compare", "{root}/damaged", "{root}/damaged"], 1, "damaged records were not compared"),
 ]
 
 
-@pytest.mark.parametrize("args,code,words", RUN_UT, ids=["damaged", "statistics-only"])
+@pytest.mark.parametrize("args,code,words", STDOUT_CASES, ids=["run-ut damaged", "run-ut statistics-only",
+                                                               "compare damaged"])
 def test_run_ut_says_why_ops_were_not_replayed(records, args, code, words):
     args = [a.format(root=records) for a in args]
     out = subprocess.run([sys.executable, "-m", "dispatchprobe.cli", *args], capture_output=True, text=True,

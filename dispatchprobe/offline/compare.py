@@ -126,6 +126,12 @@ class Verdict:
         return self.counts.get("error", 0) == 0
 
     @property
+    def damaged(self) -> list:
+        """Problems reading saved tensors (cut short or corrupt shards): their rows fell back to
+        statistics, so an agreement is only an agreement on what could be read."""
+        return [p for p in self.problems if p.startswith("damaged record")]
+
+    @property
     def inputs_differ(self) -> bool:
         return any(d is not None and d.cause == "inputs" for d in (self.forward, self.backward))
 
@@ -140,7 +146,10 @@ class Verdict:
         lines = [f"compared {self.compared} tensors in {len(self.parts)} step/rank part(s): {counts}"]
         for div, stage in ((self.forward, "forward"), (self.backward, "backward")):
             lines.append(div.describe() if div else f"no {stage} divergence")
-        if self.passed:
+        if self.passed and self.damaged:
+            lines.append("the runs agree on what could be read; damaged records were not compared (see the "
+                         "warnings)")
+        elif self.passed:
             lines.append("the runs agree")
         compute = self.unmatched[~self.unmatched["is_cast"]] if len(self.unmatched) else self.unmatched
         if len(self.unmatched):

@@ -26,6 +26,10 @@ class RecordError(Exception):
     """A missing, corrupt or unreadable record; the message says what and where."""
 
 
+class DamagedRecord(RecordError):
+    """A saved file that is cut short or corrupt: a record problem, never a precision verdict."""
+
+
 tensor_list = tensor_rows = walk   # the names compare and the tests read tensors by
 
 _ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32,
@@ -70,12 +74,12 @@ def read_safetensors(path: str, keys=None) -> dict[str, np.ndarray]:
     with open(path, "rb") as f:
         raw = f.read(8)
         if len(raw) < 8:
-            raise RecordError(f"{path}: not a safetensors file (too short)")
+            raise DamagedRecord(f"damaged record: {path}: not a safetensors file (too short)")
         n = int.from_bytes(raw, "little")
         try:
             header = json.loads(f.read(n))
         except ValueError:
-            raise RecordError(f"{path}: corrupt safetensors header") from None
+            raise DamagedRecord(f"damaged record: {path}: corrupt safetensors header") from None
     data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n) if os.path.getsize(path) > 8 + n else np.zeros(0, np.uint8)
     stored_as = header.get("__metadata__") or {}
     out = {}
@@ -86,7 +90,8 @@ def read_safetensors(path: str, keys=None) -> dict[str, np.ndarray]:
         buf = data[start:end]
         dt, shape = info["dtype"], info["shape"]
         if len(buf) != end - start:
-            raise RecordError(f"{path}: tensor {key} is cut short ({len(buf)} of {end - start} bytes): a damaged shard")
+            raise DamagedRecord(f"damaged record: {path}: tensor {key} is cut short ({len(buf)} of {end - start} "
+                                "bytes)")
         if dt == "BF16":
             arr = (np.frombuffer(buf, dtype="<u2").astype(np.uint32) << 16).view(np.float32)
         elif dt in _FLOAT8:
