@@ -1,7 +1,8 @@
 """Cost of recording a training step: uninstrumented vs statistics vs tensor vs DebugMode vs msprobe.
 
 Prints one table (median step time over several steps, ratio to uninstrumented, bytes and
-files written per step) for a small transformer and an MLP, all measured in the same run.
+files written per step) for a small transformer, an MLP and a transformers Llama (random init),
+all measured in the same run.
 
     python benchmarks/record_overhead.py [--steps 8] [--quick]
 """
@@ -30,6 +31,20 @@ def transformer_case(quick: bool):
     def step():
         lm_loss(model, tokens, targets).backward()
     return "transformer", model, step
+
+
+def llama_case(quick: bool):
+    """A transformers Llama (random init, no downloads): many small ops per step."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    hidden, layers, seq, batch = (128, 2, 64, 2) if quick else (256, 4, 128, 4)
+    cfg = LlamaConfig(vocab_size=1024, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=seq)
+    model = LlamaForCausalLM(cfg)
+    ids = torch.randint(0, 1024, (batch, seq))
+
+    def step():
+        model(input_ids=ids, labels=ids).loss.backward()
+    return "llama", model, step
 
 
 def mlp_case(quick: bool):
@@ -132,7 +147,7 @@ def msprobe_row(name, model, step, steps, tmp, task):
 def msprobe_child(spec: str, steps: int, tmp: str) -> None:
     import json
     name, task = spec.split(":")
-    case = {"transformer": transformer_case, "mlp": mlp_case}[name](QUICK)
+    case = {"transformer": transformer_case, "mlp": mlp_case, "llama": llama_case}[name](QUICK)
     _, model, step = case
     base = time_steps(model, step, steps, lambda i: (_Null(), lambda: None))   # before msprobe patches torch
     from msprobe.pytorch import PrecisionDebugger
@@ -174,7 +189,7 @@ def main():
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.steps} timed steps per mode\n")
     tmp = tempfile.mkdtemp(prefix="dp-bench-")
     try:
-        for case in (transformer_case(args.quick), mlp_case(args.quick)):
+        for case in (transformer_case(args.quick), mlp_case(args.quick), llama_case(args.quick)):
             name, rows = run_modes(case, args.steps, tmp)
             base = statistics.median(rows[0][1])
             print(f"{name}:")
