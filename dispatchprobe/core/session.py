@@ -185,8 +185,11 @@ class ProbeSession:
                         grad_fn=grad_fn, stack=frames, func=func, undefined=undefined or None)
         self.busy = True
         try:
-            with self._quiet(), self._writing():
+            with self._quiet():
                 return self.dispatch(event)
+        except OSError as exc:          # per op: a plain except, not the _writing() context
+            self._write_failed(exc)
+            return None
         finally:
             self.busy = False
 
@@ -212,10 +215,13 @@ class ProbeSession:
         try:
             yield
         except OSError as exc:
-            if not self.failed:
-                self.failed = str(exc)
-                warnings.warn(f"dispatchprobe: recording stopped: {exc}; the records written before are "
-                              "readable, training goes on unrecorded", RuntimeWarning, stacklevel=4)
+            self._write_failed(exc)
+
+    def _write_failed(self, exc: OSError) -> None:
+        if not self.failed:
+            self.failed = str(exc)
+            warnings.warn(f"dispatchprobe: recording stopped: {exc}; the records written before are "
+                          "readable, training goes on unrecorded", RuntimeWarning, stacklevel=4)
 
     def _quiet(self):
         """A context with the framework's autograd/tracing off, for the handlers (adapters override)."""

@@ -136,13 +136,9 @@ def _cells(s: pd.Series) -> list:
 
 
 def _cell(v):
-    if v is None or v is pd.NA:
-        return None
-    if isinstance(v, np.generic):
-        v = v.item()
-    if isinstance(v, float):
-        return None if v != v else v if v - v == 0 else str(v)
-    if isinstance(v, (str, bool, int)):
+    """A spreadsheet cell: numbers as :func:`_num` gives them, sequences and others as text."""
+    v = _num(v)
+    if v is None or isinstance(v, (str, bool, int, float)):
         return v
     return str(list(v)) if isinstance(v, (tuple, list)) else str(v)
 

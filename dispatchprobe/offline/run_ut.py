@@ -11,7 +11,6 @@ Framework-neutral: the replay and its services come from a :class:`~.replayer.Re
 from __future__ import annotations
 
 import csv
-import glob
 import importlib
 import json
 import multiprocessing as mp
@@ -456,11 +455,6 @@ def _merge_ranks(result_path: str, details_path: str, suffix: str, order: dict, 
     for p in (result_path + suffix, details_path + suffix):
         if os.path.exists(p):
             os.remove(p)
-
-
-def latest_result(out_dir: str) -> str | None:
-    files = sorted(glob.glob(os.path.join(out_dir, "accuracy_checking_result_*.csv")))
-    return files[-1] if files else None
 
 
 def summary_text(res: RunUTResult) -> str:
