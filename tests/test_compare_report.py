@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
 import sys
 
 import pandas as pd
@@ -15,6 +13,7 @@ from dispatchprobe import compare
 
 sys.path.insert(0, os.path.dirname(__file__))
 from compare_helpers import record  # noqa: E402
+from html_check import assert_fits, layout, needs_chromium, screenshot  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -128,60 +127,16 @@ def test_html_marks_structure_differences(tmp_path):
         min(40, c) for c in verdict.unmatched.groupby(verdict.unmatched["scope"].fillna("")).size()))
 
 
-def _chromium():
-    for name in ("chromium", "chromium-browser", "google-chrome"):
-        path = shutil.which(name)
-        if path:
-            return path
-    return None
-
-
-# Runs after the page's own script and Plotly: what a person sees, written into the DOM for --dump-dom.
-_LAYOUT_CHECK = """<script>
-setTimeout(function () {
-  var w = document.documentElement.clientWidth, wide = [];
-  document.querySelectorAll("body *").forEach(function (el) {
-    if (el.closest(".scroll, #tree, #detail, .js-plotly-plot") && !el.matches(".scroll, #tree, #detail, .js-plotly-plot")) return;
-    var r = el.getBoundingClientRect();
-    if (r.width && r.right > w + 1) wide.push(el.tagName + "#" + el.id + "." + el.className);
-  });
-  var d = document.getElementById("div-forward"), r = d && d.getBoundingClientRect();
-  var tree = document.getElementById("tree").getBoundingClientRect();
-  var res = {page: document.documentElement.scrollWidth, client: w, wide: wide.slice(0, 5),
-             marked: !!d && d.classList.contains("first-divergence") && !!d.querySelector(".badge.div"),
-             visible: !!r && r.height > 0 && r.top >= tree.top && r.bottom <= tree.bottom,
-             selected: !!d && d.classList.contains("sel"), rows: document.querySelectorAll("#node-ops tr.hl").length,
-             plots: document.querySelectorAll("#chart-forward .main-svg, #chart-backward .main-svg").length};
-  var pre = document.createElement("pre"); pre.id = "layout-check"; pre.textContent = JSON.stringify(res);
-  document.body.appendChild(pre);
-}, 1500);
-</script></body>"""
-
-
-# In CI the README's test command installs Chromium, so a missing browser there is a failure.
-@pytest.mark.skipif(_chromium() is None and not os.environ.get("CI"),
-                    reason="no chromium on this machine (the README's test command installs it): "
-                           "HTML checked structurally only")
+@needs_chromium
 def test_html_renders_in_headless_chromium(report, tmp_path):
     """At 1400 px: the first forward divergence is expanded, visible, marked and selected (its op row
     highlighted), both charts drawn, and nothing is wider than the page."""
-    import json
-    out, _, _ = report
-    shot = tmp_path / "shot.png"
-    base = [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-            "--disable-background-networking", "--disable-component-update", "--disable-sync",
-            f"--user-data-dir={tmp_path / 'ud'}", "--window-size=1400,900", "--virtual-time-budget=10000"]
-    subprocess.run(base + [f"--screenshot={shot}", (out / "compare.html").as_uri()], capture_output=True, timeout=120)
-    assert shot.stat().st_size > 10_000
-    with open(shot, "rb") as fh:
-        assert fh.read(8) == b"\x89PNG\r\n\x1a\n"
-    checked = tmp_path / "checked.html"
-    checked.write_text((out / "compare.html").read_text().replace("</body>", _LAYOUT_CHECK))
-    dom = subprocess.run(base + ["--dump-dom", checked.as_uri()], capture_output=True, text=True, timeout=120).stdout
-    import re
-    m = re.search(r'<pre id="layout-check">(.*?)</pre>', dom)
-    assert m, dom[-2000:]
-    res = json.loads(m.group(1).replace("&quot;", '"').replace("&amp;", "&"))
-    assert res["marked"] and res["visible"] and res["selected"] and res["rows"] >= 1, res
+    out, _, verdict = report
+    png = screenshot(out / "compare.html", tmp_path)
+    assert len(png) > 10_000 and png[:8] == b"\x89PNG\r\n\x1a\n"
+    res = layout(out / "compare.html", tmp_path)
+    fwd = res["marks"]["forward"]
+    assert fwd["marked"] and fwd["visible"] and fwd["selected"] and res["rows"] >= 1, res
+    assert fwd["badge"] == "first forward divergence" and res["detail"] == verdict.forward.scope
     assert res["plots"] >= 2, res
-    assert res["page"] <= res["client"] and not res["wide"], res
+    assert_fits(res)

@@ -19,7 +19,6 @@ from ..records.writer import atomic_write_text
 from ..standards import metrics as M
 from .compare import NOT_JUDGED
 
-_TEMPLATE = os.path.join(os.path.dirname(__file__), "templates", "compare.html")
 # columns a chart can show, and whether larger is worse: compare's metric columns and two of its own
 CHART_METRICS = M.derived(lambda: {**{m: M.METRICS[m].larger_is_worse for m in M.compare_columns()},
                                    "error": True, "norm_rel_diff": True})
@@ -151,6 +150,9 @@ OPS_PER_NODE = 40
 UNMATCHED_PER_NODE = 40
 HEATMAP_MODULES = 60
 _SEVERITY = {"error": 3, "warning": 2, "pass": 1, NOT_JUDGED: 0}
+# the explorer's levels by severity (templates/explorer.js): name, short count label, colour
+COMPARE_LEVELS = [{"name": "not judged", "short": "", "color": "#bbb"}, {"name": "pass", "short": "", "color": "#3fa34d"},
+                  {"name": "warning", "short": "warn", "color": "#f0b429"}, {"name": "error", "short": "err", "color": "#d9363e"}]
 _ROW_COLS = ["io", "arg", "dtype_a", "dtype_b", "shape_a", "shape_b"] + \
     [f"{s}_{side}" for s in ("max", "min", "mean", "norm") for side in ("a", "b")] + \
     ["nan_a", "nan_b", "inf_a", "inf_b", "checksum_match"]
@@ -196,10 +198,10 @@ def _op_groups(table: pd.DataFrame) -> pd.DataFrame:
     return g.reset_index().sort_values("first", kind="stable")
 
 
-def _tree(table: pd.DataFrame, ops: pd.DataFrame, verdict) -> tuple[list, dict]:
-    """Module tree nodes (both runs' scopes) with subtree aggregates; returns (nodes, index by path)."""
-    um = verdict.unmatched
-    paths = set(ops["scope"].fillna("").astype(str)) | set(um["scope"].fillna("").astype(str) if len(um) else [])
+def scope_tree(paths, levels: int, **fields) -> tuple[list, dict]:
+    """The module tree of dotted scopes (ancestors included, '' is ``<top>``) as the explorer's nodes:
+    per node ``c`` (op counts by level), ``div`` (marked stages), ``own`` (ops directly in it), ``ops``
+    (embedded op indexes) and a fresh copy of each of ``fields``; returns (nodes, index by path)."""
     nodes, index = [], {}
 
     def node(path):
@@ -208,8 +210,8 @@ def _tree(table: pd.DataFrame, ops: pd.DataFrame, verdict) -> tuple[list, dict]:
             return index[path]
         parent = node(path.rsplit(".", 1)[0] if "." in path else "<top>") if path != "<top>" else None
         n = {"id": len(nodes), "name": path.rsplit(".", 1)[-1], "path": path, "parent": parent["id"] if parent else None,
-             "children": [], "c": [0, 0, 0, 0], "nf": 0, "ua": 0, "ub": 0, "own": 0, "ops": [], "um": [],
-             "div": []}
+             "children": [], "c": [0] * levels, "div": [], "own": 0, "ops": [],
+             **{k: (list(v) if isinstance(v, list) else v) for k, v in fields.items()}}
         nodes.append(n)
         index[path] = n
         if parent:
@@ -219,24 +221,33 @@ def _tree(table: pd.DataFrame, ops: pd.DataFrame, verdict) -> tuple[list, dict]:
     node("<top>")
     for p in sorted(paths):
         node(p)
+    return nodes, index
 
-    def up(n, fn):
-        while n is not None:
-            fn(n)
-            n = nodes[n["parent"]] if n["parent"] is not None else None
 
+def up(nodes: list, n: dict, fn) -> None:
+    """Apply ``fn`` to node ``n`` and each of its ancestors (subtree aggregates)."""
+    while n is not None:
+        fn(n)
+        n = nodes[n["parent"]] if n["parent"] is not None else None
+
+
+def _tree(table: pd.DataFrame, ops: pd.DataFrame, verdict) -> tuple[list, dict]:
+    """Module tree nodes (both runs' scopes) with subtree aggregates; returns (nodes, index by path)."""
+    um = verdict.unmatched
+    paths = set(ops["scope"].fillna("").astype(str)) | set(um["scope"].fillna("").astype(str) if len(um) else [])
+    nodes, index = scope_tree(paths, len(COMPARE_LEVELS), nf=0, ua=0, ub=0, um=[])
     if len(ops):
         agg = ops.assign(scope=ops["scope"].fillna("").astype(str)).groupby(["scope", "sev"]).size()
         for (scope, sev), cnt in agg.items():
-            up(index[scope or "<top>"], lambda n: n["c"].__setitem__(int(sev), n["c"][int(sev)] + int(cnt)))
+            up(nodes, index[scope or "<top>"], lambda n: n["c"].__setitem__(int(sev), n["c"][int(sev)] + int(cnt)))
         for scope, cnt in ops.groupby(ops["scope"].fillna("").astype(str))["nf"].sum().items():
             if cnt:
-                up(index[scope or "<top>"], lambda n: n.__setitem__("nf", n["nf"] + int(cnt)))
+                up(nodes, index[scope or "<top>"], lambda n: n.__setitem__("nf", n["nf"] + int(cnt)))
     if len(um):
         comp = um[~um["is_cast"].astype(bool)]
         for (scope, side), cnt in comp.groupby([comp["scope"].fillna("").astype(str), "side"]).size().items():
             key = "ua" if side == "a" else "ub"
-            up(index[scope or "<top>"], lambda n: n.__setitem__(key, n[key] + int(cnt)))
+            up(nodes, index[scope or "<top>"], lambda n: n.__setitem__(key, n[key] + int(cnt)))
     return nodes, index
 
 
@@ -308,7 +319,8 @@ def report_data(table: pd.DataFrame, verdict, metric: str) -> dict:
     first = next((d for d in (verdict.forward, verdict.backward) if d), None)
     shown = f"{first.step}/{first.rank}" if first and f"{first.step}/{first.rank}" in series else \
         (next(iter(series)) if series else None)
-    return {"nodes": nodes, "ops": rows_out, "row_cols": row_cols + ["status", "reason", "origin"],
+    return {"nodes": nodes, "levels": COMPARE_LEVELS, "mark": "first {stage} divergence", "full_table": "compare.csv",
+            "ops": rows_out, "row_cols": row_cols + ["status", "reason", "origin"],
             "stacks": stacks, "divs": divs, "metric": metric, "metrics": metrics,
             "worse_high": {m: bool(CHART_METRICS.get(m, True)) for m in metrics}, "series": series,
             # larger-is-worse metrics span decades: charted as log10 (hover shows the value itself)
@@ -390,25 +402,43 @@ def render_html(table: pd.DataFrame, verdict, manifest_a: dict, manifest_b: dict
 
     data = report_data(table, verdict, metric)
     head, rows, n_sus = _suspicious(table)
-    summary = "".join(f"<li>{html.escape(line)}</li>" for line in str(verdict).splitlines())
     meta = {"run A (under test)": verdict.a, "run B (benchmark)": verdict.b,
             "parts compared": ", ".join(f"step {s} rank {r}" for s, r in verdict.parts),
             "chart metric": data["metric"]}
-    configs = []
-    for tag, m in (("A", manifest_a), ("B", manifest_b)):
+    problems = "".join(f"<li>{html.escape(p)}</li>" for p in verdict.problems[:200])
+    return _fill("compare.html", data, summary=_lines(str(verdict).splitlines()), head=head, rows=rows,
+                 meta=_meta_rows(meta, {"A": manifest_a, "B": manifest_b}), n_suspicious=str(n_sus),
+                 problems=problems or "<li>none</li>", n_unmatched=str(len(verdict.unmatched)), plotly=get_plotlyjs())
+
+
+def _lines(lines) -> str:
+    return "".join(f"<li>{html.escape(line)}</li>" for line in lines)
+
+
+def _meta_rows(meta: dict, manifests: dict) -> str:
+    """The run metadata table: ``meta`` and each run's manifest (``tag`` -> manifest), configs folded."""
+    meta, configs = dict(meta), []
+    for tag, m in manifests.items():
+        prefix = f"{tag} " if tag else ""
         for k in ("framework", "framework_version", "device", "started_at", "host"):
             if m.get(k) is not None:
-                meta[f"{tag} {k}"] = m[k]
+                meta[prefix + k] = m[k]
         if isinstance(m.get("config"), dict):
-            configs.append((f"{tag} config", json.dumps(m["config"], default=str, indent=1)))
-    meta_rows = "".join(f"<tr><th>{html.escape(str(k))}</th><td>{html.escape(str(v))}</td></tr>" for k, v in meta.items())
-    meta_rows += "".join(f"<tr><th>{html.escape(k)}</th><td><details><summary>{len(v.splitlines())} lines</summary>"
-                         f"<pre>{html.escape(v)}</pre></details></td></tr>" for k, v in configs)
-    problems = "".join(f"<li>{html.escape(p)}</li>" for p in verdict.problems[:200])
-    payload = json.dumps(data, separators=(",", ":"), allow_nan=False).replace("</", "<\\/")
-    fills = {"summary": summary, "head": head, "rows": rows, "meta": meta_rows, "n_suspicious": str(n_sus),
-             "problems": problems or "<li>none</li>", "n_unmatched": str(len(verdict.unmatched)),
-             "data": payload, "plotly": get_plotlyjs()}
-    with open(_TEMPLATE, encoding="utf-8") as fh:
+            configs.append((prefix + "config", json.dumps(m["config"], default=str, indent=1)))
+    rows = "".join(f"<tr><th>{html.escape(str(k))}</th><td>{html.escape(str(v))}</td></tr>" for k, v in meta.items())
+    return rows + "".join(f"<tr><th>{html.escape(k)}</th><td><details><summary>{len(v.splitlines())} lines</summary>"
+                          f"<pre>{html.escape(v)}</pre></details></td></tr>" for k, v in configs)
+
+
+def _fill(template: str, data: dict, **fills) -> str:
+    """A page from ``templates/``: ``{{name}}`` slots filled, the explorer's style and script and the
+    page's JSON (``data``) inlined."""
+    here = os.path.join(os.path.dirname(__file__), "templates")
+    with open(os.path.join(here, "explorer.css"), encoding="utf-8") as fh:
+        fills["explorer_css"] = fh.read()
+    with open(os.path.join(here, "explorer.js"), encoding="utf-8") as fh:
+        fills["explorer_js"] = fh.read()
+    fills["data"] = json.dumps(data, separators=(",", ":"), allow_nan=False).replace("</", "<\\/")
+    with open(os.path.join(here, template), encoding="utf-8") as fh:
         page = fh.read()
     return re.sub(r"\{\{(\w+)\}\}", lambda m: fills[m.group(1)], page)

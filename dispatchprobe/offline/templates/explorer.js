@@ -1,0 +1,107 @@
+// The module-tree explorer shared by every dispatchprobe report page (compare, run-ut, overflow).
+// The page defines PAGE before this script: PAGE.detail(n, rowKey) -> html of a node's detail pane,
+// and optionally PAGE.badges(n) -> [badge html], PAGE.flags [{id, label, test(n)}] (extra filters),
+// PAGE.empty(n) (whether a node with no levelled op is shown when filtering).
+// D (the page's JSON): nodes [{id, name, path, parent, children, c: counts by level, div: marked stages}],
+// levels [{name, color}] by severity (highest is worst), mark "first {stage} divergence"-like label.
+var D = JSON.parse(document.getElementById("report-data").textContent);
+var N = D.nodes, LV = D.levels, expanded = {}, selected = null;
+function worst(n) { for (var s = LV.length - 1; s >= 0; s--) if (n.c[s]) return s; return -1; }
+function fmt(v) {
+  if (v === null || v === undefined) return "";
+  if (typeof v === "number") { if (Number.isInteger(v)) return String(v); return String(Number(v.toPrecision(6))); }
+  if (Array.isArray(v)) return "[" + v.join(", ") + "]";
+  return String(v);
+}
+function esc(s) { return fmt(s).replace(/[&<>"]/g, function (c) { return {"&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;"}[c]; }); }
+function opKey(k) { return k.join("-"); }
+function markLabel(stage) { return D.mark.replace("{stage}", stage); }
+function levelDot(s) { return '<span class="dot" style="background:' + (s >= 0 ? LV[s].color : "#fff") + '" title="' + (s >= 0 ? LV[s].name : "nothing judged") + '"></span>'; }
+function levelCounts(n) { return LV.map(function (l, i) { return n.c[i] + " " + l.name; }).reverse().join(", "); }
+
+(function buildTools() {
+  var t = document.getElementById("tools"), h = ['<input type="search" id="search" placeholder="search modules (name or path)">'];
+  for (var s = LV.length - 1; s >= 0; s--) h.push('<label><input type="checkbox" class="vf" value="' + s + '" checked> ' + esc(LV[s].name) + "</label>");
+  (PAGE.flags || []).forEach(function (f) { h.push('<label><input type="checkbox" id="' + f.id + '"> ' + esc(f.label) + "</label>"); });
+  t.innerHTML = h.join("");
+  var legend = document.getElementById("legend");
+  if (legend) legend.insertAdjacentHTML("afterbegin", "Dot: the worst beneath the module (" + LV.map(function (l, i) { return levelDot(i) + " " + esc(l.name); }).reverse().join(", ") + "). ");
+})();
+function filters() {
+  var vs = {}; document.querySelectorAll(".vf").forEach(function (c) { if (c.checked) vs[c.value] = 1; });
+  return {q: document.getElementById("search").value.trim().toLowerCase(), vs: vs,
+          flags: (PAGE.flags || []).filter(function (f) { return document.getElementById(f.id).checked; })};
+}
+function passes(n, f) {
+  var w = worst(n), ok = w < 0 ? !!(PAGE.empty && PAGE.empty(n)) : !!f.vs[w];
+  if (!ok && w >= 0) { for (var s in f.vs) if (n.c[s]) { ok = true; break; } }
+  if (f.flags.some(function (fl) { return !fl.test(n); })) return false;
+  if (f.q && n.path.toLowerCase().indexOf(f.q) < 0) return false;
+  return ok;
+}
+function active(f) { return f.q || f.flags.length || Object.keys(f.vs).length < LV.length; }
+function visibleSet(f) {
+  var vis = {};
+  N.forEach(function (n) { if (passes(n, f)) { for (var m = n; m; m = m.parent === null ? null : N[m.parent]) vis[m.id] = 1; } });
+  return vis;
+}
+function nodeRow(n) {
+  var w = worst(n), b = [], top = LV.length - 1;
+  n.div.forEach(function (s) { b.push('<span class="badge mark">' + esc(markLabel(s)) + "</span>"); });
+  b = b.concat(PAGE.badges ? PAGE.badges(n) : []);
+  var cnt = n.c[top] ? n.c[top] + " " + LV[top].short : n.c[top - 1] ? n.c[top - 1] + " " + LV[top - 1].short : "";
+  return '<div class="nrow' + (n.div.length ? " marked" : "") + (selected === n.id ? " sel" : "") + '" data-id="' + n.id + '"' +
+    (n.div.length ? ' id="mark-' + n.div[0] + '"' : "") + ' title="' + esc(n.path) + '">' +
+    '<span class="tw">' + (n.children.length ? (expanded[n.id] ? "&#9662;" : "&#9656;") : "") + "</span>" +
+    levelDot(w) + '<span class="name">' + esc(n.name) + "</span>" + '<span class="badge">' + cnt + "</span>" + b.join("") + "</div>";
+}
+function renderTree() {
+  var f = filters(), vis = active(f) ? visibleSet(f) : null;
+  function sub(ids) {
+    var h = [];
+    ids.forEach(function (id) {
+      var n = N[id]; if (vis && !vis[id]) return;
+      var open = expanded[id] || (vis && f.q && n.children.some(function (c) { return vis[c]; }));
+      h.push("<li>" + nodeRow(n) + (open && n.children.length ? "<ul>" + sub(n.children) + "</ul>" : "") + "</li>");
+    });
+    return h.join("");
+  }
+  var roots = N.filter(function (n) { return n.parent === null; }).map(function (n) { return n.id; });
+  // a <top> root without its own ops only holds the model: show its children
+  if (roots.length === 1 && !N[roots[0]].own && !(N[roots[0]].um || []).length) roots = N[roots[0]].children;
+  document.getElementById("tree").innerHTML = "<ul>" + sub(roots) + "</ul>";
+}
+function expandTo(id) { for (var m = N[id]; m; m = m.parent === null ? null : N[m.parent]) { if (m.id !== id) expanded[m.id] = true; } }
+function nodeOfScope(scope) {
+  var best = null;
+  N.forEach(function (n) { if (n.path === (scope || "<top>")) best = n.id; });
+  return best;
+}
+// show node ``id`` selected in the tree and its ops in the detail pane; ``rowKey``: the op row to highlight
+function select(id, rowKey) {
+  selected = id; expandTo(id); renderTree();
+  var det = document.getElementById("detail");
+  det.innerHTML = PAGE.detail(N[id], rowKey);
+  if (rowKey) {
+    var tr = document.getElementById("op-" + rowKey);
+    if (tr) { det.querySelectorAll('tr[data-op="' + rowKey + '"]').forEach(function (x) { x.classList.add("hl"); }); det.scrollTop += tr.getBoundingClientRect().top - det.getBoundingClientRect().top - det.clientHeight / 3; }
+    else det.insertAdjacentHTML("afterbegin", '<p class="note">op #' + rowKey.split("-")[4] + " is not among the embedded ops: see " + esc(D.full_table) + "</p>");
+  }
+  var nr = document.querySelector('.nrow[data-id="' + id + '"]');
+  if (nr) { var t = document.getElementById("tree"); t.scrollTop = nr.offsetTop - t.offsetTop - t.clientHeight / 3; }
+}
+document.getElementById("tree").addEventListener("click", function (e) {
+  var r = e.target.closest(".nrow"); if (!r) return;
+  var id = +r.getAttribute("data-id");
+  if (e.target.classList.contains("tw")) { expanded[id] = !expanded[id]; renderTree(); return; }
+  if (selected === id && N[id].children.length) expanded[id] = !expanded[id];
+  select(id);
+});
+document.getElementById("search").addEventListener("input", renderTree);
+(PAGE.flags || []).forEach(function (f) { document.getElementById(f.id).addEventListener("input", renderTree); });
+document.querySelectorAll(".vf").forEach(function (c) { c.addEventListener("change", renderTree); });
+// open the roots and every marked node; select ``first`` ({node, key}) if given
+function startTree(first) {
+  N.forEach(function (n) { if (n.parent === null) expanded[n.id] = true; if (n.div.length) expandTo(n.id); });
+  if (first) select(first.node, first.key ? opKey(first.key) : null); else renderTree();
+}
