@@ -41,6 +41,12 @@ def accumulator(x, xp):
     return xp.float64 if x.dtype == xp.float64 else xp.float32
 
 
+def _norm(v, xp) -> float:
+    """L2 norm of 1-D ``v`` (numpy 1.x, which MindSpore needs, has no ``linalg.vector_norm``)."""
+    fn = getattr(xp.linalg, "vector_norm", None) or xp.linalg.norm
+    return float(fn(v))
+
+
 def record(x, xp) -> dict | None:
     """The statistics record of array ``x`` (None when it is empty)."""
     x = source(x, xp)
@@ -48,7 +54,7 @@ def record(x, xp) -> dict | None:
         return None
     wide = xp.asarray(x.reshape(-1), dtype=accumulator(x, xp))
     with np.errstate(over="ignore", invalid="ignore"):    # overflowing squares are redone by finish
-        return finish(x, [float(x.max()), float(x.min()), float(wide.sum()), float(xp.linalg.vector_norm(wide))], xp)
+        return finish(x, [float(x.max()), float(x.min()), float(wide.sum()), _norm(wide, xp)], xp)
 
 
 def finish(x, values, xp) -> dict:
@@ -56,7 +62,7 @@ def finish(x, values, xp) -> dict:
     non-finite cases."""
     hi, lo, total, norm = values
     if not math.isfinite(norm) and math.isfinite(hi) and math.isfinite(lo):   # float32 squares overflowed
-        norm = float(xp.linalg.vector_norm(xp.asarray(x.reshape(-1), dtype=xp.float64)))
+        norm = _norm(xp.asarray(x.reshape(-1), dtype=xp.float64), xp)
     stats = {"max": hi, "min": lo, "mean": total / math.prod(x.shape), "norm": norm, "nan": 0, "inf": 0}
     if not (math.isfinite(hi) and math.isfinite(lo) and math.isfinite(total)):
         # count exactly, and give max/min over the finite values so they still mean something

@@ -1,0 +1,61 @@
+"""A small MindSpore net and training loop (no downloads): the tests', the benchmark's and the
+README's demo.  The PyTorch twin with the same weights is in :mod:`dispatchprobe.models`."""
+
+from __future__ import annotations
+
+import mindspore as ms
+import numpy as np
+from mindspore import mint, nn
+
+DIMS = (16, 32, 8)
+
+
+class TinyNet(nn.Cell):
+    """Dense -> GELU -> LayerNorm -> Dense -> softmax (the loss takes log of it)."""
+
+    def __init__(self, dtype=ms.float32):
+        super().__init__()
+        d_in, d_hidden, d_out = DIMS
+        self.fc1 = nn.Dense(d_in, d_hidden, dtype=dtype)
+        self.act = nn.GELU()
+        self.norm = nn.LayerNorm((d_hidden,), dtype=dtype)
+        self.fc2 = nn.Dense(d_hidden, d_out, dtype=dtype)
+
+    def construct(self, x):
+        return mint.softmax(self.fc2(self.norm(self.act(self.fc1(x)))), dim=-1)
+
+
+def batch(step: int, dtype=ms.float32, n: int = 8):
+    rng = np.random.RandomState(step)
+    x = rng.randn(n, DIMS[0]).astype(np.float32)
+    y = np.eye(DIMS[2], dtype=np.float32)[rng.randint(0, DIMS[2], n)]
+    return ms.Tensor(x).astype(dtype), ms.Tensor(y).astype(dtype)
+
+
+def train(probe=None, steps: int = 3, dtype=ms.float32, seed: int = 0, net=None):
+    """``steps`` of SGD on a squared-error loss of the softmax; returns (losses, parameters) as numpy."""
+    ms.set_seed(seed)
+    net = net or TinyNet(dtype)
+    if probe is not None and probe.scopes.model is None:
+        probe.scopes.model = net
+
+    def loss_fn(x, y):
+        return ((net(x) - y) ** 2).mean()
+
+    grad_fn = ms.value_and_grad(loss_fn, None, net.trainable_params())
+    opt = nn.SGD(net.trainable_params(), learning_rate=0.5)
+    losses = []
+    for step in range(steps):
+        x, y = batch(step, dtype)
+        if probe is not None:
+            with probe:
+                loss, grads = grad_fn(x, y)
+        else:
+            loss, grads = grad_fn(x, y)
+        opt(grads)
+        if probe is not None:
+            probe.step()
+        losses.append(loss.asnumpy().copy())
+    if probe is not None:
+        probe.close()
+    return losses, {p.name: p.asnumpy().copy() for p in net.trainable_params()}

@@ -1,0 +1,126 @@
+"""What the MindSpore adapter knows about a primitive call, by the primitive's name.
+
+``MsDispatchMode`` hands over calls in two conventions: pyboost ops (the flat argument list the
+generated ``pyboost_<name>`` function takes, dtypes as type ids) and legacy ``Primitive`` ops
+(``(prim, name, inputs)``, attributes inside ``prim``).  :func:`normalise` turns both into one
+form -- inputs as positional arguments, dtypes as MindSpore dtypes, a legacy op's attributes as
+keyword arguments -- and a :class:`Call` that runs the op again from that form.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+import re
+import traceback
+
+import mindspore as ms
+from mindspore import _c_expression
+from mindspore._c_expression import typing
+from mindspore.ops import Primitive
+
+from dispatchprobe.core import op_traits
+
+# ops of the framework's own machinery, never the user's numerics
+NOT_RECORDED = {"typeof", "CellBackwardHook"}
+_RANDOM = re.compile(r"random|dropout|uniform|normal|bernoulli|multinomial|randperm|randint|rand\b|gamma$", re.I)
+_SKIP = (os.path.dirname(ms.__file__), os.path.dirname(os.path.abspath(__file__)),
+         os.path.dirname(os.path.dirname(op_traits.__file__)), "<frozen ", "contextlib.py")
+
+
+@functools.cache
+def primitive_class(name: str):
+    """The Primitive class named ``name`` (generated ops, then hand-written ones), or None."""
+    from mindspore.ops.auto_generate import gen_ops_prim
+    from mindspore.ops.operations.manually_defined import ops_def
+    import mindspore.ops.operations as operations
+    for module in (gen_ops_prim, ops_def, operations):
+        cls = getattr(module, name, None)
+        if isinstance(cls, type) and issubclass(cls, Primitive):
+            return cls
+    return None
+
+
+def _top_level_items(text: str) -> list[str]:
+    items, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += ch in "([{"
+        depth -= ch in ")]}"
+        if ch == "," and depth == 0:
+            items.append(text[start:i])
+            start = i + 1
+    items.append(text[start:])
+    return [s.strip() for s in items]
+
+
+@functools.cache
+def pyboost_form(name: str) -> tuple[str, tuple[int, ...]] | None:
+    """(``pyboost_<name>`` function, positions of its dtype arguments) of a pyboost op, read from
+    the generated ``__call__`` that converts them (``dtype_to_type_id``), or None."""
+    cls = primitive_class(name)
+    try:
+        source = inspect.getsource(cls.__call__) if cls is not None else ""
+    except (OSError, TypeError):
+        return None
+    found = re.search(r"(pyboost_\w+)\(self, \[(.*)\]\)", source)
+    if found is None or not hasattr(_c_expression, found.group(1)):
+        return None
+    items = _top_level_items(found.group(2))
+    return found.group(1), tuple(i for i, s in enumerate(items) if "dtype_to_type_id" in s)
+
+
+def dtype_from_id(value):
+    return typing.type_id_to_type(value)
+
+
+def dtype_to_id(dtype) -> int:
+    from mindspore.ops.auto_generate.gen_ops_prim import dtype_to_type_id
+    return dtype_to_type_id("Cast", "dtype", dtype)
+
+
+class Call:
+    """One primitive, callable again from the normalised arguments (the free benchmark's
+    re-runs): a legacy op with its ``Primitive`` instance, a pyboost op with dtypes back as ids."""
+
+    def __init__(self, func, name: str, prim=None, dtype_positions: tuple = ()):
+        self.func, self.name, self.prim, self.dtype_positions = func, name, prim, dtype_positions
+
+    def __call__(self, *args, **attrs):
+        if self.prim is not None:
+            return self.func(self.prim, self.name, tuple(args))
+        args = [dtype_to_id(a) if i in self.dtype_positions and isinstance(a, ms.dtype.Type) else a
+                for i, a in enumerate(args)]
+        return self.func(*args)
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+def normalise(func, args) -> tuple[str, Call, tuple, dict]:
+    """(op name, re-runnable call, inputs, attributes) of one intercepted call."""
+    if len(args) == 3 and isinstance(args[0], Primitive) and isinstance(args[1], str):
+        prim, name, inputs = args
+        return name, Call(func, name, prim), tuple(inputs), dict(prim.init_attrs)
+    name = func.name
+    form = pyboost_form(name)
+    positions = form[1] if form else ()
+    if positions:
+        args = tuple(dtype_from_id(a) if i in positions and isinstance(a, int) else a for i, a in enumerate(args))
+    return name, Call(func, name, dtype_positions=positions), tuple(args), {}
+
+
+@functools.cache
+def is_random(name: str) -> bool:
+    return bool(_RANDOM.search(name))
+
+
+def writes_first(name: str) -> bool:
+    """In-place primitives write their first input (``InplaceAddExt``, ``Assign``, ``ScatterUpdate``)."""
+    return name.startswith(("Inplace", "Assign", "Scatter")) or name.endswith("_")
+
+
+def user_stack() -> tuple:
+    """The user's Python frames (MindSpore's and dispatchprobe's own left out), innermost last."""
+    return tuple(f"{f.filename}:{f.lineno} in {f.name}" for f in traceback.extract_stack()
+                 if not f.filename.startswith(_SKIP))

@@ -1,0 +1,151 @@
+"""The MindSpore twin: same tasks, same records, bit-identical training, planted faults found.
+
+Runs where mindspore is installed (``pip install -e ".[mindspore]"``), in blocking mode
+(``MS_DEV_LAUNCH_BLOCKING=1``, set before mindspore is imported)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("MS_DEV_LAUNCH_BLOCKING", "1")
+ms = pytest.importorskip("mindspore")
+
+from mindspore import mint, nn  # noqa: E402
+
+from dispatchprobe import load  # noqa: E402
+from dispatchprobe.core.config import ConfigError  # noqa: E402
+from dispatchprobe_ms import DispatchProbe  # noqa: E402
+from dispatchprobe_ms.demo import TinyNet, batch, train  # noqa: E402
+
+ms.set_context(mode=ms.PYNATIVE_MODE)
+DTYPES = {"fp32": ms.float32, "fp16": ms.float16}
+
+
+def ops_of(path, step=0):
+    return [json.loads(line) for line in open(os.path.join(path, f"step{step}", "rank0", "ops.jsonl"))]
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return {k: train(dtype=dt) for k, dt in DTYPES.items()}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("task", ["statistics", "tensor", "overflow", "free_benchmark"])
+def test_bit_identical_training(tmp_path, plain, task, dtype):
+    losses, params = train(DispatchProbe(task=task, dump_path=str(tmp_path)), dtype=DTYPES[dtype])
+    ref_losses, ref_params = plain[dtype]
+    assert all(np.array_equal(a, b) for a, b in zip(losses, ref_losses))
+    assert params.keys() == ref_params.keys()
+    assert all(np.array_equal(params[k], ref_params[k]) for k in params)
+
+
+def test_records_forward_backward_scopes_and_unobserved_kernels(tmp_path):
+    probe = DispatchProbe(task="tensor", dump_path=str(tmp_path), level="mix")
+    with pytest.warns(RuntimeWarning, match=r"TinyNet\.norm \(LayerNormGrad"):
+        train(probe, steps=2)
+    recs = ops_of(tmp_path)
+    ops = [r for r in recs if r["kind"] == "op"]
+    fwd = {(r["op"], r["scope"]) for r in ops if r["stage"] == "forward"}
+    assert {("MatMul", "TinyNet.fc1"), ("BiasAdd", "TinyNet.fc1"), ("GeLU", "TinyNet.act"),
+            ("LayerNorm", "TinyNet.norm"), ("MatMul", "TinyNet.fc2")} <= fwd
+    bwd = {(r["op"], r["scope"]) for r in ops if r["stage"] == "backward"}
+    assert ("GeLUGrad", "TinyNet.act") in bwd and ("MatMul", "TinyNet.fc1") in bwd
+    assert not any(r["op"] in ("View", "typeof") and r["scope"] for r in ops)   # hook machinery left out
+    modules = {(r["scope"], r["stage"]) for r in recs if r["kind"] == "module"}
+    assert ("TinyNet.fc1", "forward") in modules and ("TinyNet.act", "backward") in modules
+    # the unobservable backward kernels are said, per cell, in the part's checks
+    checks = json.loads((tmp_path / "step0" / "rank0" / "checks.json").read_text())
+    assert "LayerNormGrad" in checks["backward_not_observable"]["TinyNet.norm"]
+    assert "BiasAddGrad" in checks["backward_not_observable"]["TinyNet.fc1"]
+    # statistics are the tensors' own, and the saved tensors read back
+    run = load(tmp_path)
+    mm = next(r for r in ops if r["op"] == "MatMul" and r["stage"] == "forward")
+    x = run.part(0, 0).tensor(mm["inputs"][0]["data"])
+    assert np.allclose(mm["inputs"][0]["stats"]["max"], np.asarray(x).max())
+    assert mm["inputs"][0]["dtype"] == "float32" and mm["inputs"][2] == {"type": "bool", "value": False}
+    assert {r["framework"] for r in [run.manifest]} == {"mindspore"}
+
+
+def test_dtype_arguments_are_recorded_as_dtypes(tmp_path):
+    x = ms.Tensor(np.ones((2, 3), np.float32))
+    with DispatchProbe(task="statistics", dump_path=str(tmp_path)) as probe:
+        mint.sum(x, dim=1, dtype=ms.float64)
+        x.astype(ms.float16)
+    probe.close()
+    recs = {r["op"]: r for r in ops_of(tmp_path)}
+    assert recs["SumExt"]["inputs"][3] == {"type": "dtype", "value": "float64"}
+    assert recs["Cast"]["inputs"][1] == {"type": "dtype", "value": "float16"}
+    assert recs["SumExt"]["outputs"][0]["dtype"] == "float64"
+
+
+class Blow(nn.Cell):
+    def construct(self, x):
+        return mint.exp(x * 40)
+
+
+class ExpNet(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Dense(4, 4, dtype=ms.float16)
+        self.blow = Blow()
+        self.head = nn.Dense(4, 4, dtype=ms.float16)
+
+    def construct(self, x):
+        return self.head(self.blow(self.fc(x)))
+
+
+def test_planted_fp16_overflow_localized_to_primitive_and_cell(tmp_path):
+    from dispatchprobe.core.overflow import OverflowDetected
+    ms.set_seed(0)
+    net = ExpNet()
+    probe = DispatchProbe(task="overflow", dump_path=str(tmp_path), model=net)
+    x = ms.Tensor(np.full((2, 4), 2.0, np.float16))
+    with pytest.raises(OverflowDetected, match=r"Exp \(forward"):
+        with probe:
+            net(x)
+    probe.close()
+    summary = json.loads((tmp_path / "step0" / "rank0" / "overflow.json").read_text())
+    first = summary["first_critical"]
+    assert (first["op"], first["stage"], first["scope"]) == ("Exp", "forward", "ExpNet.blow")
+    assert first["replay"] == "precision"          # float64 holds it: the fp16 range is the problem
+
+
+class Cancel(nn.Cell):
+    """(x + 1000) - 1000 in fp16: a difference of nearly equal numbers amplifies any input noise."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Dense(16, 16, dtype=ms.float16)
+
+    def construct(self, x):
+        y = self.fc(x)
+        return (y + 1000.0) - 1000.0
+
+
+def test_free_benchmark_flags_the_ill_conditioned_op(tmp_path):
+    ms.set_seed(0)
+    net = Cancel()
+    probe = DispatchProbe(task="free_benchmark", dump_path=str(tmp_path), model=net,
+                          free_benchmark={"pert_mode": "add_noise"})
+    x, _ = batch(0, ms.float16)
+    with probe:
+        net(x)
+    probe.close()
+    import pandas as pd
+    files = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path) for f in fs if f.startswith("free_benchmark") and f.endswith(".csv")]
+    rows = pd.concat([pd.read_csv(f) for f in files])
+    flagged = set(rows["op"])
+    assert "SubExt" in flagged or "Sub" in flagged or "Subs" in flagged, rows
+    assert not (rows["scope"] == "Cancel.fc").any(), "the well-conditioned Dense is flagged"
+
+
+def test_backward_fuzzing_refused_with_a_clear_error(tmp_path):
+    with pytest.raises(ConfigError, match="fuzz_stage 'backward' is not available for MindSpore"):
+        DispatchProbe(task="free_benchmark", dump_path=str(tmp_path), free_benchmark={"fuzz_stage": "backward"})
+    with pytest.raises(ConfigError, match="model must be a mindspore.nn.Cell"):
+        DispatchProbe(task="statistics", dump_path=str(tmp_path), model=object())
