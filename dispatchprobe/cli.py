@@ -57,12 +57,18 @@ def echo_table(df, max_rows: int = 40) -> None:
 @click.option("--top", default=10, show_default=True, type=click.IntRange(min=1),
               help="How many of the most frequent ops to list.")
 @click.option("--limit", default=40, show_default=True, type=click.IntRange(min=1), help="Rows to print with --op.")
-def show(path, op_pattern, stage, top, limit):
+@click.option("--html", "html_path", default=None, type=click.Path(dir_okay=False, writable=True),
+              help="Overflow runs: write the module tree with the op that first created inf/nan marked to this file.")
+def show(path, op_pattern, stage, top, limit, html_path):
     """Summarise a run (steps, ranks, op counts, nan/inf), or list records with --op."""
     from .offline.summary import summarize, matching_records
     from .records.reader import load
 
     run = load(path)
+    page = None
+    if html_path:
+        from .offline.report import overflow_html
+        page = overflow_html(run)
     if op_pattern:
         rows = matching_records(run, op_pattern, stage)
         if not len(rows):
@@ -71,6 +77,10 @@ def show(path, op_pattern, stage, top, limit):
         echo_table(rows, max_rows=limit)
     else:
         click.echo(summarize(run, top=top, stage=stage))
+    if page is not None:
+        from .records.writer import atomic_write_text
+        atomic_write_text(html_path, page)
+        click.echo(f"report: {html_path}")
     damaged = [line for part in run.parts.values() for line in part.damaged_shards()]
     for problem in run.problems + damaged:
         click.echo(f"warning: {problem}", err=True)

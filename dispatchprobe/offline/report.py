@@ -442,3 +442,171 @@ def _fill(template: str, data: dict, **fills) -> str:
     with open(os.path.join(here, template), encoding="utf-8") as fh:
         page = fh.read()
     return re.sub(r"\{\{(\w+)\}\}", lambda m: fills[m.group(1)], page)
+
+
+# ---- op pages: run-ut results and overflow runs as the module tree (templates/ops.html) ---------------
+def ops_page(ops: pd.DataFrame, *, title: str, tree_heading: str, summary: list, levels: list, mark: str,
+             op_cols: list, row_cols: list, rows_of, meta: dict, manifest: dict, full_table: str, legend: str,
+             message_col: str = "") -> str:
+    """One self-contained page: ``ops`` (one row per op: step, rank, stage, scope, op, sev -- an index into
+    ``levels`` --, mark -- bool, the first marked op of each stage is marked in the tree --, and
+    ``op_cols``) grouped by module scope, each node coloured by its worst level; per node at most
+    OPS_PER_NODE ops are embedded (worst and marked first), each with ``rows_of(op row labels)`` ->
+    {label: [[row_cols values]]} (its tensors)."""
+    ops = ops.reset_index(drop=True)
+    scope = ops["scope"].fillna("").astype(str)
+    nodes, index = scope_tree(set(scope), len(levels))
+    for (sc, sev), cnt in ops.groupby([scope, "sev"]).size().items():
+        up(nodes, index[sc or "<top>"], lambda n: n["c"].__setitem__(int(sev), n["c"][int(sev)] + int(cnt)))
+    for sc, cnt in scope.value_counts().items():
+        index[sc or "<top>"]["own"] = int(cnt)
+    key = [[int(s), int(r), str(st), "op", i] for i, (s, r, st) in enumerate(zip(ops["step"], ops["rank"], ops["stage"]))]
+    marks = {}
+    for i in np.flatnonzero(ops["mark"].to_numpy(bool)):
+        stage = str(ops.at[i, "stage"])
+        if stage not in marks:
+            n = index[scope[i] or "<top>"]
+            n["div"].append(stage)
+            marks[stage] = {"node": n["id"], "key": key[i], "i": int(i),
+                            "text": f"{mark.replace('{stage}', stage)}: {ops.at[i, 'op']} (step {key[i][0]} rank {key[i][1]})"}
+    prio = -(ops["sev"].astype(int) * 2) - 10 * ops.index.isin([m["i"] for m in marks.values()])
+    chosen = (ops.assign(_p=prio, _s=scope).sort_values(["_p"], kind="stable").groupby("_s", sort=False)
+              .head(OPS_PER_NODE).sort_index())
+    rows = rows_of(chosen.index) if len(chosen) else {}
+    cells = {c: _col(chosen[c]) for c in op_cols}
+    out = []
+    for j, i in enumerate(chosen.index):
+        index[scope[i] or "<top>"]["ops"].append(len(out))
+        out.append({"k": key[i], "op": _cell(ops.at[i, "op"]), "sev": int(ops.at[i, "sev"]),
+                    "cells": [cells[c][j] for c in op_cols], "rows": rows.get(i, [])})
+    worst = len(levels) - 1
+    first = next((m for m in marks.values()), None)
+    if first is None and (ops["sev"] == worst).any():
+        i = int(np.argmax(ops["sev"].to_numpy() == worst))
+        first = {"node": index[scope[i] or "<top>"]["id"], "key": key[i]}
+    data = {"nodes": nodes, "levels": levels, "mark": mark, "full_table": full_table, "ops": out, "op_cols": op_cols,
+            "row_cols": row_cols, "message_col": message_col,
+            "marks": {s: {k: v for k, v in m.items() if k != "i"} for s, m in marks.items()},
+            "first": first and {"node": first["node"], "key": first["key"]},
+            "expand": sorted({index[sc or "<top>"]["id"] for sc in scope[ops["sev"] == worst]})}
+    return _fill("ops.html", data, title=html.escape(title), tree_heading=html.escape(tree_heading),
+                 summary=_lines(summary), legend=legend, meta=_meta_rows(meta, {"": manifest}))
+
+
+# run-ut statuses as levels (SKIP: not replayed or nothing judged)
+RUN_UT_LEVELS = [{"name": "SKIP", "short": "", "color": "#bbb"}, {"name": "pass", "short": "", "color": "#3fa34d"},
+                 {"name": "warning", "short": "warn", "color": "#f0b429"}, {"name": "error", "short": "err", "color": "#d9363e"}]
+_RUN_UT_SEVERITY = {lv["name"]: i for i, lv in enumerate(RUN_UT_LEVELS)}
+
+
+def run_ut_html(results: pd.DataFrame, details: pd.DataFrame, *, summary: list, records: str, manifest: dict,
+                result_csv: str) -> str:
+    """run-ut's results by module: each op's status (forward or backward) as its level, the first forward
+    and backward error marked, every module holding an error opened; per op its outputs' metrics."""
+    fwd, bwd = results["Forward Test Success"], results["Backward Test Success"]
+    status = fwd.where(fwd != "", bwd)
+    ops = pd.DataFrame({"step": results["Step"].astype(int), "rank": results["Rank"].astype(int),
+                        "stage": results["Stage"], "scope": results["Scope"], "op": results["API Name"],
+                        "sev": status.map(_RUN_UT_SEVERITY).fillna(0).astype(int), "mark": status == "error",
+                        "status": status, "Category": results["Category"], "Message": results["Message"],
+                        "Elapsed (s)": pd.to_numeric(results["Elapsed (s)"], errors="coerce")})
+    from .run_ut import METRIC_COLUMNS
+    head = ["Output", "Device Dtype", "Bench Dtype", "Shape"]
+    metric_cols = [c for c in METRIC_COLUMNS if c in details.columns and (details[c] != "").any()]
+    row_cols = head + metric_cols + ["Status", "Message"]
+    by_op = details.groupby(["Step", "Rank", "API Name"], sort=False).indices
+
+    def rows_of(labels):
+        out = {}
+        for i in labels:
+            ix = by_op.get((results.at[i, "Step"], results.at[i, "Rank"], results.at[i, "API Name"]), [])
+            sub = details.iloc[ix]
+            sub = sub[sub["Output"] != ""]
+            out[i] = [[_text_number(v) if c in metric_cols else v for c, v in zip(row_cols, r)]
+                      for r in sub[row_cols].itertuples(index=False)]
+        return out
+
+    return ops_page(ops, title="dispatchprobe run-ut", tree_heading="Replayed ops by module", summary=summary,
+                    levels=RUN_UT_LEVELS, mark="first {stage} error", rows_of=rows_of, message_col="Message",
+                    op_cols=["status", "Category", "Message", "Elapsed (s)"], row_cols=row_cols,
+                    meta={"records": records, "results": result_csv}, manifest=manifest,
+                    full_table=os.path.basename(result_csv),
+                    legend="Each op is judged on its own recorded inputs (device against a float64 benchmark): "
+                           "an error is the op's own, not inherited.")
+
+
+def _text_number(text: str):
+    """A CSV cell as the page's JSON value: a number ('inf' for infinities), None when empty or nan."""
+    try:
+        return _num(float(text))
+    except ValueError:
+        return text or None
+
+
+# overflow classes as levels (docs/inline-checks.md): critical created inf/nan from finite inputs
+OVERFLOW_LEVELS = [{"name": "suspicious growth", "short": "growth", "color": "#f0b429"},
+                   {"name": "propagated", "short": "propagated", "color": "#7a3cbd"},
+                   {"name": "critical", "short": "critical", "color": "#d9363e"}]
+_OVERFLOW_COLS = ["class", "call", "dtype", "nan", "inf", "growth", "replay", "float64_max_abs", "dtype_max",
+                  "exceeds_dtype_range", "grad_fn", "stack"]
+_TENSOR_COLS = ["io", "arg", "dtype", "shape", "max", "min", "mean", "norm", "nan", "inf"]
+
+
+def overflow_rows(run) -> pd.DataFrame:
+    """Every part's ``overflow.json`` rows (step, rank order), or a ValueError if the run has none."""
+    rows = []
+    for key in sorted(run.parts):
+        path = os.path.join(run.parts[key].path, "overflow.json")
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8") as fh:
+                rows += json.load(fh)["rows"]
+    if not rows and not any(os.path.isfile(os.path.join(p.path, "checks.json")) and (p.checks or {}).get("task") ==
+                            "overflow" for p in run.parts.values()):
+        raise ValueError(f"{run.path}: not an overflow run (no overflow.json or overflow checks.json in any step/rank "
+                         "folder); record with task='overflow'")
+    return pd.DataFrame(rows, columns=["step", "rank", "id", "stage", "op", "name", "scope"] + _OVERFLOW_COLS)
+
+
+def overflow_summary(run, rows: pd.DataFrame) -> list[str]:
+    """What the page's heading says: the counts, and the op that first created inf/nan in each stage."""
+    checked = sum((p.checks or {}).get("checked", 0) for p in run.parts.values())
+    counts = rows["class"].value_counts()
+    lines = [f"overflow run: {checked} op calls checked in {len(run.parts)} step/rank part(s): "
+             + ", ".join(f"{int(counts.get(lv['name'], 0))} {lv['name']}" for lv in reversed(OVERFLOW_LEVELS))]
+    critical = rows[rows["class"] == "critical"]
+    for stage, r in critical.groupby("stage", sort=False).head(1).set_index("stage").iterrows():
+        replay = f"; float64 replay: {r['replay']}" if r["replay"] else ""
+        if r["replay"] == "precision" and r["exceeds_dtype_range"] in (True, "True"):
+            replay += f" (float64 max {float(r['float64_max_abs']):.6g} > {r['dtype']} max {float(r['dtype_max']):.6g})"
+        lines.append(f"first op to create inf/nan in {stage}: {r['op']} [{r['scope'] or '<top>'}] call {r['call']} "
+                     f"(step {r['step']} rank {r['rank']}): {r['inf']} inf, {r['nan']} nan from finite inputs{replay}")
+    if not len(critical):
+        lines.append("no op created inf/nan from finite inputs")
+    return lines
+
+
+def overflow_html(run) -> str:
+    """An overflow run as the module tree: each flagged op at its class's level, the op that first created
+    inf/nan in forward and in backward marked and selected; a recorded op shows its tensors' statistics."""
+    rows = overflow_rows(run)
+    ops = rows.assign(sev=rows["class"].map({lv["name"]: i for i, lv in enumerate(OVERFLOW_LEVELS)}).fillna(0)
+                      .astype(int), mark=rows["class"] == "critical", op=rows["name"].where(rows["name"] != "", rows["op"]))
+
+    def rows_of(labels):
+        out = {}
+        for i in labels:
+            rec_id = rows.at[i, "id"]
+            if rec_id in ("", None):
+                continue
+            t = run.parts[(int(rows.at[i, "step"]), int(rows.at[i, "rank"]))].tensors
+            t = t[t["id"] == int(rec_id)]
+            out[i] = [[_cell(v) for v in r] for r in t[_TENSOR_COLS].itertuples(index=False)]
+        return out
+
+    return ops_page(ops, title="dispatchprobe overflow", tree_heading="Where inf/nan appeared: module tree",
+                    summary=overflow_summary(run, rows), levels=OVERFLOW_LEVELS, mark="first {stage} overflow",
+                    op_cols=_OVERFLOW_COLS, row_cols=_TENSOR_COLS, rows_of=rows_of, message_col="stack",
+                    meta={"run": run.path}, manifest=run.manifest or {}, full_table="overflow.csv",
+                    legend="critical: finite inputs, inf/nan output (the op that created it); propagated: inf/nan "
+                           "in and out; suspicious growth: output norm over 100x the largest input norm.  A "
+                           "recorded op lists its tensors' statistics; its inputs are saved for run-ut.")

@@ -29,7 +29,7 @@ from ..records.format import call_signature
 from ..records.reader import Run, load
 from ..standards.verdicts import (ERROR, PASS, SKIP, cancelled_scale, category, component_dtype, is_reduction, is_staged,
                                   judge, output_category, output_trait, unique_form, within_terms, worst)
-from ..records.writer import write_csv
+from ..records.writer import atomic_write_text, write_csv
 from .replayer import Distributed, Replayer, ReplayError, Skip, replayer_for
 
 to_numpy = np.asarray   # replayers hand over numpy arrays
@@ -53,6 +53,7 @@ class RunUTResult:
     details_csv: str
     replayed: int          # ops replayed by this call (not counting resumed ones)
     seconds: float
+    report_html: str = ""  # accuracy_checking_report_{ts}.html: the results by module (rank 0)
 
     @property
     def counts(self) -> dict:
@@ -428,7 +429,22 @@ def run_ut(records, out_dir: str | None = None, *, random: bool = False, device:
         _merge_ranks(result_path, details_path, shard_suffix, order, engine)
     results = pd.read_csv(result_path, dtype=str, keep_default_na=False)
     details = pd.read_csv(details_path, dtype=str, keep_default_na=False)
-    return RunUTResult(results, details, result_path, details_path, replayed, time.perf_counter() - t_start)
+    res = RunUTResult(results, details, result_path, details_path, replayed, time.perf_counter() - t_start)
+    if rank == 0:
+        res.report_html = _write_report(res, run, out_dir, ts, len(tasks))
+    return res
+
+
+def _write_report(res: RunUTResult, run: Run, out_dir: str, ts: str, total: int) -> str:
+    """The results by module as one HTML page beside the CSVs (rewritten by each resume)."""
+    from .report import run_ut_html
+    path = os.path.join(out_dir, f"accuracy_checking_report_{ts}.html")
+    lines = summary_text(res).splitlines()[:-2]
+    if len(res.results) < total:
+        lines.append(f"incomplete: {len(res.results)} of {total} ops judged; continue with --resume {res.result_csv}")
+    atomic_write_text(path, run_ut_html(res.results, res.details, summary=lines, records=run.path,
+                                        manifest=run.manifest or {}, result_csv=res.result_csv))
+    return path
 
 
 def _emit(journal: _Journal, out_dir: str, row, det, err, replayer: Replayer) -> None:
@@ -472,4 +488,5 @@ def summary_text(res: RunUTResult) -> str:
     if unsaved:
         lines.append(f"  {unsaved} ops not replayed: their inputs were not saved (statistics-only records); "
                      "replay them with --random, or record with task='tensor'")
-    return "\n".join(lines + [f"results: {res.result_csv}", f"details: {res.details_csv}"])
+    return "\n".join(lines + [f"results: {res.result_csv}", f"details: {res.details_csv}"]
+                     + ([f"report: {res.report_html}"] if res.report_html else []))

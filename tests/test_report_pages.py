@@ -1,0 +1,166 @@
+"""run-ut's results page and the overflow page: the module tree of the tiny transformer with the planted
+wrong kernel / fp16 overflow marked, checked in the page's data and as a person sees it (headless Chromium)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from dispatchprobe import DispatchProbe, load
+from dispatchprobe.cli import main
+from dispatchprobe.models import TinyTransformer, lm_batch, lm_loss
+from dispatchprobe.offline.run_ut import run_ut, summary_text
+
+sys.path.insert(0, os.path.dirname(__file__))
+from html_check import assert_fits, layout, needs_chromium  # noqa: E402
+from test_run_ut import record, wrong_gelu  # noqa: E402
+
+GELU_SCOPES = ["TinyTransformer.layers.0.mlp", "TinyTransformer.layers.1.mlp"]
+
+
+def page_data(path) -> dict:
+    return page_data_of(open(path).read())
+
+
+def page_data_of(page: str) -> dict:
+    """The JSON a report page embeds (what its script draws)."""
+    m = re.search(r'<script type="application/json" id="report-data">(.*?)</script>', page, re.S)
+    return json.loads(m.group(1).replace("<\\/", "</"))
+
+
+def node(data, path) -> dict:
+    return next(n for n in data["nodes"] if n["path"] == path)
+
+
+@pytest.fixture(scope="module")
+def gelu_run(tmp_path_factory):
+    """run-ut of a float32 tiny-transformer step with a wrong gelu kernel (both gelu calls err)."""
+    root = tmp_path_factory.mktemp("ut_page")
+    rec = record(root / "rec")
+    lib = torch.library.Library("aten", "IMPL")
+    lib.impl("gelu", wrong_gelu, "CPU")
+    try:
+        partial = run_ut(rec, root / "out", limit=40)
+        partial_page = open(partial.report_html).read()
+        res = run_ut(rec, resume=partial.result_csv)
+    finally:
+        del lib
+    return partial, partial_page, res
+
+
+def test_run_ut_page_beside_the_csvs_and_rewritten_on_resume(gelu_run):
+    partial, _, res = gelu_run
+    ts = re.match(r"accuracy_checking_result_(.+)\.csv", os.path.basename(res.result_csv)).group(1)
+    assert res.report_html == os.path.join(os.path.dirname(res.result_csv), f"accuracy_checking_report_{ts}.html")
+    assert partial.report_html == res.report_html and f"report: {res.report_html}" in summary_text(res)
+    page = open(res.report_html).read()
+    assert "incomplete" not in page and not re.search(r'<(script|link|img)[^>]+(src|href)="', page)
+    data = page_data(res.report_html)
+    root = next(n for n in data["nodes"] if n["parent"] is None)
+    assert root["c"] == [0, len(res.results) - 2, 0, 2]          # SKIP, pass, warning, error
+    assert [n["path"] for n in data["nodes"] if any(data["ops"][i]["sev"] == 3 for i in n["ops"])] == GELU_SCOPES
+    assert {data["nodes"][i]["path"] for i in data["expand"]} == set(GELU_SCOPES)
+    fwd = data["marks"]["forward"]
+    assert data["nodes"][fwd["node"]]["path"] == GELU_SCOPES[0] and "backward" not in data["marks"]
+    gelu = data["ops"][next(i for i in node(data, GELU_SCOPES[0])["ops"] if data["ops"][i]["sev"] == 3)]
+    assert gelu["op"] == "aten.gelu.default.0.forward" and gelu["cells"][0] == "error"
+    cosine = data["row_cols"].index("Cosine")
+    assert gelu["rows"][0][0] == "output.0" and isinstance(gelu["rows"][0][cosine], float)
+
+
+def test_run_ut_page_of_an_interrupted_run_says_so(gelu_run):
+    """A run stopped early (``limit``) writes the page of the ops judged so far and says how to go on."""
+    partial, partial_page, res = gelu_run
+    assert len(partial.results) == 40 < len(res.results)
+    assert f"incomplete: 40 of {len(res.results)} ops judged; continue with --resume {partial.result_csv}" in partial_page
+    assert sum(sum(n["c"]) for n in page_data_of(partial_page)["nodes"] if n["parent"] is None) == 40
+
+
+@needs_chromium
+def test_run_ut_page_in_headless_chromium(gelu_run, tmp_path):
+    """At 1400 px: the first gelu error's module is expanded, marked, selected, its op row highlighted;
+    nothing is wider than the page."""
+    _, _, res = gelu_run
+    from pathlib import Path
+    seen = layout(Path(res.report_html), tmp_path)
+    fwd = seen["marks"]["forward"]
+    assert fwd["marked"] and fwd["visible"] and fwd["selected"] and fwd["badge"] == "first forward error", seen
+    assert seen["detail"] == GELU_SCOPES[0] and seen["rows"] == 1 and "aten.gelu.default.0.forward" in seen["row_text"]
+    assert "error" in seen["row_text"]
+    assert_fits(seen)
+
+
+def record_overflow(path, *, plant_weight: bool = False, loss_scale: float = 1.0):
+    """One fp16 training step of the tiny transformer under task='overflow' (keep going): ``plant_weight``
+    scales layers.1.mlp.up's weight by 1e5 (its addmm overflows in forward); ``loss_scale`` too large
+    overflows the first backward cast."""
+    torch.manual_seed(0)
+    model = TinyTransformer().half()
+    if plant_weight:
+        with torch.no_grad():
+            model.layers[1].mlp.up.weight.mul_(1e5)
+    tokens, targets = lm_batch()
+    probe = DispatchProbe(task="overflow", dump_path=str(path), model=model, overflow_nums=-1)
+    with probe:
+        (lm_loss(model, tokens, targets) * loss_scale).backward()
+    probe.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def overflow_pages(tmp_path_factory):
+    """`dispatchprobe show RUN --html` of a forward and of a backward overflow."""
+    root = tmp_path_factory.mktemp("ovf_page")
+    pages = {}
+    for stage, kw in (("forward", {"plant_weight": True}), ("backward", {"loss_scale": 2.0 ** 24})):
+        run = record_overflow(root / stage, **kw)
+        out = root / f"{stage}.html"
+        result = CliRunner().invoke(main, ["show", str(run), "--html", str(out)])
+        assert result.exit_code == 0, result.output
+        assert f"report: {out}" in result.output
+        pages[stage] = out
+    return pages
+
+
+@pytest.mark.parametrize("stage, scope, op", [("forward", "TinyTransformer.layers.1.mlp.up", "aten.addmm.default"),
+                                              ("backward", "<top>", "aten._to_copy.default")])
+def test_overflow_page_marks_the_op_that_created_inf_nan(overflow_pages, stage, scope, op):
+    page = overflow_pages[stage]
+    data = page_data(page)
+    assert list(data["marks"]) == [stage]
+    marked = data["nodes"][data["marks"][stage]["node"]]
+    assert marked["path"] == scope and stage in marked["div"] and marked["c"][2] == 1     # one critical op
+    crit = [data["ops"][i] for i in marked["ops"] if data["ops"][i]["sev"] == 2]
+    assert len(crit) == 1 and crit[0]["op"].startswith(op) and crit[0]["k"][2] == stage
+    # the recorded critical op lists its tensors: finite inputs, inf in the output
+    ios = {(r[0], r[1]): r for r in crit[0]["rows"]}
+    inf = data["row_cols"].index("inf")
+    assert ios[("output", "output.0")][inf] > 0 and all(r[inf] == 0 for (io, _), r in ios.items() if io == "input")
+    root = next(n for n in data["nodes"] if n["parent"] is None)
+    assert root["c"][2] == 1 and root["c"][1] > 0       # the overflow propagated beyond its op
+    text = open(page).read()
+    assert f"first op to create inf/nan in {stage}: {op}" in text
+
+
+@needs_chromium
+@pytest.mark.parametrize("stage, name", [("forward", "up"), ("backward", "<top>")])
+def test_overflow_page_in_headless_chromium(overflow_pages, tmp_path, stage, name):
+    seen = layout(overflow_pages[stage], tmp_path)
+    mark = seen["marks"][stage]
+    assert mark["marked"] and mark["visible"] and mark["selected"] and mark["name"] == name, seen
+    assert mark["badge"] == f"first {stage} overflow" and seen["rows"] >= 2 and "critical" in seen["row_text"]
+    assert_fits(seen)
+
+
+def test_show_html_needs_an_overflow_run(tmp_path):
+    run = record(tmp_path / "rec", task="statistics")
+    result = CliRunner().invoke(main, ["show", run, "--html", str(tmp_path / "x.html")])
+    assert result.exit_code == 1 and "not an overflow run" in result.output
+    assert not (tmp_path / "x.html").exists() and len(result.output.strip().splitlines()) == 1
+    assert load(run).parts      # the records are untouched and readable
