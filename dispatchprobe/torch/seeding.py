@@ -56,7 +56,7 @@ def seed_all(seed: int = 1234, mode: bool = False) -> Seeded:
         if npu is not None and hasattr(npu, "manual_seed_all"):
             npu.manual_seed_all(seed)
             seeded.append("npu")
-    ms = _optional("mindspore")
+    ms = sys.modules.get("mindspore")      # seeded when the program uses it; never imported here (3 s)
     if ms is not None:
         ms.set_seed(seed)
         seeded.append("mindspore")
@@ -82,7 +82,10 @@ def _deterministic(torch, ms) -> dict:
         changed["cudnn.deterministic"] = True
         changed["cudnn.benchmark"] = False
     if ms is not None and hasattr(ms, "set_deterministic"):
-        ms.set_deterministic(True)
+        try:
+            ms.set_deterministic(True)
+        except RuntimeError:     # "can not be set repeatedly": set once per process, by an earlier call
+            pass
         changed["mindspore.set_deterministic"] = True
     return changed
 
