@@ -9,6 +9,7 @@ import json
 import os
 
 import numpy as np
+import pandas as pd
 import pytest
 
 os.environ.setdefault("MS_DEV_LAUNCH_BLOCKING", "1")
@@ -149,3 +150,45 @@ def test_backward_fuzzing_refused_with_a_clear_error(tmp_path):
         DispatchProbe(task="free_benchmark", dump_path=str(tmp_path), free_benchmark={"fuzz_stage": "backward"})
     with pytest.raises(ConfigError, match="model must be a mindspore.nn.Cell"):
         DispatchProbe(task="statistics", dump_path=str(tmp_path), model=object())
+
+
+@pytest.fixture(scope="module")
+def ms_records(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ms_records")
+    for name, dt in DTYPES.items():
+        train(DispatchProbe(task="tensor", dump_path=str(root / name)), steps=1, dtype=dt)
+    return root
+
+
+def status(results):
+    fwd, bwd = results["Forward Test Success"], results["Backward Test Success"]
+    return fwd.where(fwd != "", bwd)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_run_ut_replays_with_mindspore_against_float64(ms_records, tmp_path, dtype):
+    from dispatchprobe.offline.run_ut import run_ut
+    r = run_ut(str(ms_records / dtype), tmp_path / "ut").results
+    st = status(r)
+    assert len(r) >= 20 and not (st == "error").any(), r[st == "error"]
+    assert {"MatMul", "BiasAdd", "GeLU", "LayerNorm", "Softmax", "GeLUGrad"} <= set(r[st != "SKIP"]["Op"])
+    if dtype == "fp32":
+        assert set(st) == {"pass"}
+    details = pd.read_csv(next((tmp_path / "ut").glob("accuracy_checking_details_*.csv")))
+    assert set(details["Bench Dtype"].dropna()) >= {"float64"}
+
+
+def test_run_ut_flags_a_planted_wrong_kernel(ms_records, tmp_path, monkeypatch):
+    """A GeLU kernel 1% off in float32 (right in float64, the benchmark) is the only error."""
+    from mindspore import _c_expression
+    from dispatchprobe.offline.run_ut import run_ut
+    right = _c_expression.pyboost_gelu
+
+    def wrong(prim, args):
+        out = right(prim, args)
+        return out * 1.01 if out.dtype == ms.float32 else out
+    monkeypatch.setattr(_c_expression, "pyboost_gelu", wrong)
+    r = run_ut(str(ms_records / "fp32"), tmp_path / "ut").results
+    st = status(r)
+    assert set(r[st == "error"]["Op"]) == {"GeLU"}
+    assert set(st[r["Op"] != "GeLU"]) == {"pass"}

@@ -78,7 +78,7 @@ class Replayer:
     distributed: Callable[[], Distributed | None]
 
 
-REPLAYERS = {"torch": "dispatchprobe.torch.replay"}   # manifest "framework" -> module with REPLAYER
+REPLAYERS = {"torch": "dispatchprobe.torch.replay", "mindspore": "dispatchprobe_ms.replay"}   # manifest "framework" -> module with REPLAYER
 
 
 def replayer_for(run: Run) -> Replayer:

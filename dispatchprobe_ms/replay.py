@@ -1,0 +1,143 @@
+"""The MindSpore replayer of run-ut: one recorded primitive call rebuilt and run in its recorded
+dtypes ("device") and with float64 inputs ("benchmark"), both with MindSpore on this machine.
+
+pyboost ops run through their ``pyboost_<name>`` function, legacy ones through ``_run_op`` with a
+primitive built from the recorded attributes.  A primitive without a float64 kernel on the CPU
+is skipped with that reason (no silent downgrade of the benchmark).
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import mindspore as ms
+import numpy as np
+from mindspore import _c_expression
+from mindspore.ops.primitive import _run_op
+
+from dispatchprobe.core import op_traits
+from dispatchprobe.offline.replayer import Output, Replayed, Replayer, ReplayError, Skip
+
+from . import ops
+from .backend import dtype_of, host, tensor
+
+_FLOATS = ("float16", "bfloat16", "float32")
+
+
+def _callable(record: dict):
+    """(function of the inputs, whether attributes are the kwargs) for the recorded primitive."""
+    name = record["op"]
+    cls = ops.primitive_class(name)
+    if cls is None:
+        raise Skip(f"primitive {name} does not exist in this MindSpore ({ms.__version__})")
+    form = ops.pyboost_form(name)
+    attrs = {k: _value(v, False, "") for k, v in (record.get("kwargs") or {}).items()}
+    try:
+        prim = cls(**attrs) if attrs else cls()
+    except Exception as exc:  # noqa: BLE001 - a constructor that needs arguments the record lacks
+        raise Skip(f"{name}: cannot build the primitive ({type(exc).__name__}: {exc})") from None
+    if form is not None and not attrs:
+        fn, positions = getattr(_c_expression, form[0]), form[1]
+        return lambda args: fn(prim, [ops.dtype_to_id(a) if i in positions and isinstance(a, ms.dtype.Type) else a
+                                      for i, a in enumerate(args)])
+    return lambda args: _run_op(prim, name, tuple(args))
+
+
+def _value(spec, bench: bool, path: str, source=None, record=None, random=False):
+    kind = spec.get("type")
+    if kind == "tensor":
+        if random:
+            st = spec.get("stats") or {"min": -1.0, "max": 1.0}
+            rng = np.random.default_rng(zlib.crc32(f"{record['name']}:{path}".encode()))
+            values = rng.uniform(st["min"], st["max"], size=spec["shape"]) if spec["dtype"] != "bool" \
+                else rng.integers(0, 2, size=spec["shape"]).astype(bool)
+        elif spec.get("data") is None:
+            raise Skip(f"{path} was not saved (statistics-only records: replay them with --random)")
+        else:
+            values = np.asarray(source.tensor(spec["data"])).reshape(spec["shape"])
+        dtype = "float64" if bench and spec["dtype"] in _FLOATS else spec["dtype"]
+        return tensor(np.asarray(values, dtype=np.float64) if dtype == "float64" else values, dtype)
+    if kind == "none":
+        return None
+    if kind in ("bool", "int", "str", "float"):
+        return spec["value"]
+    if kind in ("list", "tuple"):
+        items = [_value(v, bench, f"{path}.{i}", source, record, random) for i, v in enumerate(spec["value"])]
+        return items if kind == "list" else tuple(items)
+    if kind == "dtype":
+        return getattr(ms, spec["value"])
+    raise Skip(f"{path} ({spec.get('repr', kind)}) cannot be rebuilt from the record")
+
+
+def _outputs(value) -> list:
+    flat = value if isinstance(value, (tuple, list)) else (value,)
+    return [(f"output.{i}", v) for i, v in enumerate(flat)]
+
+
+def replay(record: dict, source, device, random: bool = False, keep_data: bool = False) -> Replayed:
+    """Run the recorded call in its dtypes and with float64 inputs; outputs as numpy."""
+    name = record["op"]
+    if ops.is_random(name) or op_traits.base_name(name) in op_traits.RANDOM:
+        raise Skip(f"random op ({name}): its output cannot be replayed deterministically")
+    if "inputs" not in record:
+        raise Skip("inputs were not recorded (io filter)")
+    run = _callable(record)
+    specs = record.get("inputs") or []
+    result = Replayed(written=ops.writes_first(name))
+    outs = {}
+    for bench in (False, True):
+        args = [_value(s, bench, f"input.{i}", source, record, random) for i, s in enumerate(specs)]
+        if keep_data and not bench:
+            result.data.update({f"input.{i}": host(a) for i, a in enumerate(args) if isinstance(a, ms.Tensor)})
+        try:
+            outs[bench] = _outputs(run(args))
+        except Skip:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the op's own failure
+            if bench:
+                raise Skip(f"no float64 {name} kernel on {ms.get_context('device_target')} "
+                           f"({type(exc).__name__}: {str(exc).splitlines()[0][:120]})") from None
+            raise ReplayError(f"device run failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}") from None
+    for (out_name, d), (_, b) in zip(outs[False], outs[True]):
+        if not isinstance(d, ms.Tensor) or not isinstance(b, ms.Tensor):
+            continue
+        dn, bn = host(d), host(b)
+        result.outputs.append(Output(out_name, np.asarray(dn, dtype=np.float64) if dn.dtype.kind == "f" else dn,
+                                     np.asarray(bn, dtype=np.float64) if bn.dtype.kind == "f" else bn,
+                                     dtype_of(d), dtype_of(b), tuple(d.shape)))
+        if keep_data:
+            result.data[f"{out_name}.device"], result.data[f"{out_name}.bench"] = np.array(dn), np.array(bn)
+    return result
+
+
+def resolve_device(name: str | None):
+    target = ms.get_context("device_target")
+    if name not in (None, target.lower(), target):
+        raise ValueError(f"device {name!r}: MindSpore here runs on {target}; replay on another device needs "
+                         "a MindSpore built for it")
+    return target
+
+
+def set_threads(n: int) -> int:
+    """MindSpore fixes its CPU thread pool when it starts: nothing to change per worker."""
+    return n
+
+
+def save_error_data(path: str, data: dict, metadata: dict) -> None:
+    from safetensors.numpy import save_file
+    save_file({k: np.ascontiguousarray(v) for k, v in data.items() if isinstance(v, np.ndarray)
+               and v.dtype.kind in "fiub"}, path, metadata=metadata)
+
+
+def distributed():
+    """Sharding across processes uses torchrun's engine; MindSpore replays run in one launcher-less job."""
+    return None
+
+
+def tensor_source(part):
+    """A part's saved tensors as numpy (``Part.tensor``)."""
+    return part
+
+
+REPLAYER = Replayer("mindspore", replay=replay, resolve_device=resolve_device, tensor_source=tensor_source,
+                    set_threads=set_threads, save_error_data=save_error_data, distributed=distributed)
