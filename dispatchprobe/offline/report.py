@@ -431,13 +431,12 @@ def _meta_rows(meta: dict, manifests: dict) -> str:
 
 
 def _fill(template: str, data: dict, **fills) -> str:
-    """A page from ``templates/``: ``{{name}}`` slots filled, the explorer's style and script and the
-    page's JSON (``data``) inlined."""
+    """A page from ``templates/``: ``{{name}}`` slots filled, the explorer's markup, style and script
+    (``explorer.html/css/js``) and the page's JSON (``data``) inlined."""
     here = os.path.join(os.path.dirname(__file__), "templates")
-    with open(os.path.join(here, "explorer.css"), encoding="utf-8") as fh:
-        fills["explorer_css"] = fh.read()
-    with open(os.path.join(here, "explorer.js"), encoding="utf-8") as fh:
-        fills["explorer_js"] = fh.read()
+    for part in ("html", "css", "js"):
+        with open(os.path.join(here, f"explorer.{part}"), encoding="utf-8") as fh:
+            fills[f"explorer_{part}"] = fh.read()
     fills["data"] = json.dumps(data, separators=(",", ":"), allow_nan=False).replace("</", "<\\/")
     with open(os.path.join(here, template), encoding="utf-8") as fh:
         page = fh.read()
