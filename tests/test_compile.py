@@ -193,3 +193,111 @@ def test_probe_backend_inductor_transparent_and_recorded(tmp_path):
     assert eager["max"] == pytest.approx(ref.max().item(), rel=1e-6)
     assert eager["mean"] == pytest.approx(ref.mean().item(), rel=1e-4, abs=1e-6)
     assert eager["nan"] == 0 and eager["inf"] == 0
+
+
+# ---- a planted divergence: a custom op whose compiled decomposition differs from its eager kernel ----
+@torch.library.custom_op("dptest::soft_act", mutates_args=())
+def _soft_act(x: torch.Tensor) -> torch.Tensor:
+    """Eager kernel: ``x * sigmoid(1.702 x)``."""
+    return x * torch.sigmoid(1.702 * x)
+
+
+@_soft_act.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def _soft_act_backward(ctx, grad):
+    x, = ctx.saved_tensors
+    s = torch.sigmoid(1.702 * x)
+    return grad * (s + 1.702 * x * s * (1 - s))
+
+
+_soft_act.register_autograd(_soft_act_backward, setup_context=lambda ctx, inputs, output: ctx.save_for_backward(inputs[0]))
+
+
+def _planted_decomposition(x):
+    """What inductor computes instead: another slope (a wrong decomposition, planted)."""
+    return x * torch.sigmoid(1.5 * x)
+
+
+class _Act(torch.nn.Module):
+    def forward(self, x):
+        return torch.ops.dptest.soft_act(x)
+
+
+class _Planted(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(8, 16)
+        self.act = _Act()
+        self.b = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.b(self.act(self.a(x)))
+
+
+def test_planted_divergence_named_with_scope(tmp_path, monkeypatch):
+    """compare eager compiled names the custom op whose inductor decomposition differs, in its
+    module, as the first forward divergence; backward differs only through it."""
+    from torch._inductor import decomposition
+    for table in (decomposition.decompositions, decomposition.fast_random_decomps()):   # the latter: a cached copy
+        monkeypatch.setitem(table, torch.ops.dptest.soft_act.default, _planted_decomposition)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(0)
+    model = _Planted()
+    with DispatchProbe(task="statistics", dump_path=str(tmp_path / "eager")) as probe:
+        model(x).sum().backward()
+    probe.close()
+    torch.manual_seed(0)
+    model = _Planted()
+    backend = probe_backend(task="statistics", dump_path=str(tmp_path / "compiled"))     # inductor
+    compiled = torch.compile(model, backend=backend)
+    with DispatchProbe(task="statistics", dump_path=str(tmp_path / "compiled")) as probe:
+        compiled(x).sum().backward()
+    probe.close()
+    backend.close()
+    act = [r for r in _ops(tmp_path / "compiled") if r["op"] == "dptest.soft_act.default"]
+    assert len(act) == 1 and act[0]["compiled"]["decomposed"] and act[0]["scope"] == "_Planted.act"
+    _, verdict = compare(str(tmp_path / "eager"), str(tmp_path / "compiled"))
+    div = verdict.forward
+    assert (div.op, div.scope, div.stage, div.cause) == ("dptest.soft_act.default", "_Planted.act", "forward", "op")
+    assert verdict.backward is None or verdict.backward.cause == "inherited"
+
+
+def test_hf_llama_compiled_agrees_with_eager(tmp_path):
+    """A transformers Llama (tiny config, random init, its causal mask at finfo.min), eager vs the
+    probe backend: every paired record agrees; what stays unpaired is what dynamo traces
+    differently (mask and position arithmetic, gradient accumulation, reordered bmm)."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   attn_implementation="eager")
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    with DispatchProbe(task="statistics", dump_path=str(tmp_path / "eager")) as probe:
+        model(input_ids=ids, labels=ids).loss.backward()
+    probe.close()
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    backend = probe_backend(task="statistics", dump_path=str(tmp_path / "compiled"), inner="aot_eager")
+    compiled = torch.compile(model, backend=backend)
+    with DispatchProbe(task="statistics", dump_path=str(tmp_path / "compiled")) as probe:
+        compiled(input_ids=ids, labels=ids).loss.backward()
+    probe.close()
+    backend.close()
+    records = [r for r in _ops(tmp_path / "compiled") if "compiled" in r]
+    scopes = {(r["op"], r["scope"], r["stage"]) for r in records}
+    assert ("aten.mm.default", "LlamaForCausalLM.model.layers.1.mlp.down_proj", "forward") in scopes
+    assert ("aten.mm.default", "LlamaForCausalLM.model.layers.0.self_attn.q_proj", "backward") in scopes
+    # the mask's float32 sums overflow unless the in-graph statistics accumulate in float64
+    mask = next(r for r in records if r["op"] == "aten.where.self")["outputs"][0]["stats"]
+    assert mask["min"] == torch.finfo(torch.float32).min and mask["mean"] > -1e39 and mask["norm"] < 1e41
+    table, verdict = compare(str(tmp_path / "eager"), str(tmp_path / "compiled"))
+    assert verdict.forward is None and verdict.backward is None and "the runs agree" in str(verdict)
+    assert len(table) > 500 and (table["status"] != "error").all()
+    loose = verdict.unmatched
+    forward = set(loose[loose["stage"] == "forward"]["op"])
+    assert forward <= {"aten.arange.default", "aten.add.Tensor", "aten.cat.default"}
+    assert len(loose) < 0.2 * len(table)

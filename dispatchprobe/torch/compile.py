@@ -213,8 +213,11 @@ def _stats_nodes(graph: torch.fx.Graph, node: torch.fx.Node, at: torch.fx.Node) 
 
     hi = call(aten.amax.default, x)
     lo = call(aten.amin.default, x)
-    total = call(aten.sum.default, x)
-    sq = call(aten.mul.Tensor, x, x)
+    # sums in float64: float32 ones overflow on common values (attention masks at finfo.min), and
+    # the eager probe redoes those from the tensor, which is gone once the graph call returns
+    wide = x if acc == torch.float64 else call(torch.ops.prims.convert_element_type.default, x, torch.float64)
+    total = call(aten.sum.default, wide)
+    sq = call(aten.mul.Tensor, wide, wide)
     norm = call(aten.sqrt.default, call(aten.sum.default, sq))
     nan = call(aten.sum.dim_IntList, call(aten.ne.Tensor, x, x), [], dtype=acc)
     nonfinite = call(aten.sum.dim_IntList, call(aten.ne.Scalar, call(aten.mul.Scalar, x, 0), 0), [], dtype=acc)
@@ -273,6 +276,7 @@ class _Instrument:
 
     def _groups(self, graph: torch.fx.Graph) -> list[_Group]:
         by_key: dict = {}
+        last: dict = {}        # (op, partitioner tag) -> key of its latest decomposed call
         groups: list[_Group] = []
         owner_of: dict = {}
         for node in graph.nodes:
@@ -291,9 +295,15 @@ class _Instrument:
             if tag == ("is_forward" if self.backward else "is_backward"):
                 continue
             op = node.meta.get("original_aten") or node.target
+            seq_nr = node.meta.get("seq_nr")
             # a node of the original op itself is one eager call (two mm of one addmm's backward)
-            exact = str(op) == str(node.target) or node.meta.get("seq_nr") is None
-            key = node if exact else (str(op), node.meta.get("seq_nr"), tag)
+            exact = str(op) == str(node.target)
+            if exact:
+                key = node
+            elif seq_nr is not None:
+                key = last[(str(op), tag)] = (str(op), seq_nr, tag)
+            else:   # made by a pattern rewrite, without seq_nr: part of the call it rewrote
+                key = last.get((str(op), tag), node)
             g = by_key.get(key)
             if g is None:
                 g = by_key[key] = _Group(op, [])
