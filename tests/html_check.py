@@ -80,6 +80,12 @@ def layout(page, tmp_path) -> dict:
     return json.loads(m.group(1).replace("&quot;", '"').replace("&lt;", "<").replace("&gt;", ">").replace("&amp;", "&"))
 
 
+def page_data(page: str) -> dict:
+    """The JSON a report page embeds (what its scripts draw)."""
+    m = re.search(r'<script type="application/json" id="report-data">(.*?)</script>', page, re.S)
+    return json.loads(m.group(1).replace("<\\/", "</"))
+
+
 def assert_fits(res: dict) -> None:
     """Nothing wider than the page (wide tables scroll inside their own box)."""
     assert res["page"] <= res["client"] and not res["wide"], res

@@ -3,7 +3,6 @@ wrong kernel / fp16 overflow marked, checked in the page's data and as a person 
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import sys
@@ -18,20 +17,10 @@ from dispatchprobe.models import TinyTransformer, lm_batch, lm_loss
 from dispatchprobe.offline.run_ut import run_ut, summary_text
 
 sys.path.insert(0, os.path.dirname(__file__))
-from html_check import assert_fits, layout, needs_chromium  # noqa: E402
+from html_check import assert_fits, layout, needs_chromium, page_data  # noqa: E402
 from test_run_ut import record, wrong_gelu  # noqa: E402
 
 GELU_SCOPES = ["TinyTransformer.layers.0.mlp", "TinyTransformer.layers.1.mlp"]
-
-
-def page_data(path) -> dict:
-    return page_data_of(open(path).read())
-
-
-def page_data_of(page: str) -> dict:
-    """The JSON a report page embeds (what its script draws)."""
-    m = re.search(r'<script type="application/json" id="report-data">(.*?)</script>', page, re.S)
-    return json.loads(m.group(1).replace("<\\/", "</"))
 
 
 def node(data, path) -> dict:
@@ -61,7 +50,7 @@ def test_run_ut_page_beside_the_csvs_and_rewritten_on_resume(gelu_run):
     assert partial.report_html == res.report_html and f"report: {res.report_html}" in summary_text(res)
     page = open(res.report_html).read()
     assert "incomplete" not in page and not re.search(r'<(script|link|img)[^>]+(src|href)="', page)
-    data = page_data(res.report_html)
+    data = page_data(open(res.report_html).read())
     root = next(n for n in data["nodes"] if n["parent"] is None)
     assert root["c"] == [0, len(res.results) - 2, 0, 2]          # SKIP, pass, warning, error
     assert [n["path"] for n in data["nodes"] if any(data["ops"][i]["sev"] == 3 for i in n["ops"])] == GELU_SCOPES
@@ -79,7 +68,7 @@ def test_run_ut_page_of_an_interrupted_run_says_so(gelu_run):
     partial, partial_page, res = gelu_run
     assert len(partial.results) == 40 < len(res.results)
     assert f"incomplete: 40 of {len(res.results)} ops judged; continue with --resume {partial.result_csv}" in partial_page
-    assert sum(sum(n["c"]) for n in page_data_of(partial_page)["nodes"] if n["parent"] is None) == 40
+    assert sum(sum(n["c"]) for n in page_data(partial_page)["nodes"] if n["parent"] is None) == 40
 
 
 @needs_chromium
@@ -132,7 +121,7 @@ def overflow_pages(tmp_path_factory):
                                               ("backward", "<top>", "aten._to_copy.default")])
 def test_overflow_page_marks_the_op_that_created_inf_nan(overflow_pages, stage, scope, op):
     page = overflow_pages[stage]
-    data = page_data(page)
+    data = page_data(page.read_text())
     assert list(data["marks"]) == [stage]
     marked = data["nodes"][data["marks"][stage]["node"]]
     assert marked["path"] == scope and stage in marked["div"] and marked["c"][2] == 1     # one critical op
