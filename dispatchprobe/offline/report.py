@@ -516,13 +516,17 @@ def run_ut_html(results: pd.DataFrame, details: pd.DataFrame, *, summary: list, 
     by_op = details.groupby(["Step", "Rank", "API Name"], sort=False).indices
 
     def rows_of(labels):
-        out = {}
-        for i in labels:
-            ix = by_op.get((results.at[i, "Step"], results.at[i, "Rank"], results.at[i, "API Name"]), [])
-            sub = details.iloc[ix]
-            sub = sub[sub["Output"] != ""]
-            out[i] = [[_text_number(v) if c in metric_cols else v for c, v in zip(row_cols, r)]
-                      for r in sub[row_cols].itertuples(index=False)]
+        """Each chosen op's output rows, read from ``details`` in one take."""
+        keys = zip(results["Step"][labels], results["Rank"][labels], results["API Name"][labels])
+        spans = [(i, by_op.get(k, [])) for i, k in zip(labels, keys)]
+        take = details.iloc[np.concatenate([ix for _, ix in spans] + [np.zeros(0, int)])][row_cols]
+        values = take.to_numpy(object).tolist()
+        number = [c in metric_cols for c in row_cols]
+        out, at = {}, 0
+        for i, ix in spans:
+            rows = values[at:at + len(ix)]
+            at += len(ix)
+            out[i] = [[_text_number(v) if num else v for v, num in zip(r, number)] for r in rows if r[0] != ""]
         return out
 
     return ops_page(ops, title="dispatchprobe run-ut", tree_heading="Replayed ops by module", summary=summary,
