@@ -75,9 +75,14 @@ def _tensors():
     big = torch.randn(1 << 16, generator=g)
     with_special = torch.randn(1000, generator=g)
     with_special[3], with_special[7], with_special[9] = math.nan, math.inf, -math.inf
+    masked = torch.randn(2, 3, 40, 40, generator=g).masked_fill(torch.ones(40, 40, dtype=torch.bool).triu(1), -math.inf)
+    infinities = torch.randn(3000, generator=g)
+    infinities[5], infinities[11] = math.inf, -math.inf
     return {
         "f32 small": torch.randn(64, 33, generator=g), "f32 large": big, "f32 strided": big.view(256, 256).t(),
-        "f32 nan/inf": with_special, "f32 all nan": torch.full((5,), math.nan),
+        "f32 nan/inf": with_special, "f32 causal mask": masked, "f32 +-inf": infinities,
+        "f32 +inf only": torch.full((4,), math.inf), "f32 permuted": torch.randn(9, 40, 3, generator=g).permute(2, 0, 1),
+        "f32 sliced": torch.randn(40, 30, generator=g)[:, ::2], "f32 all nan": torch.full((5,), math.nan),
         "f32 squares overflow": torch.tensor([1e30, -3e30, 2e25]), "f32 large overflow": big * 1e25,
         "f64": torch.randn(300, dtype=torch.float64, generator=g),
         "bf16": torch.randn(1 << 15, generator=g).bfloat16(), "bf16 inf": torch.tensor([1.0, math.inf, -2.0]).bfloat16(),

@@ -67,26 +67,69 @@ def tensor_stats(tensors: list[torch.Tensor]) -> list[dict | None]:
             if stats_on_device(t):
                 pending.append((i, device_stats_row(t)))
                 continue
-            x = statistics.source(t.detach(), torch)
-            if x.numel() <= _NUMPY_MAX and x.dtype in _NUMPY_DTYPES:
-                out[i] = statistics.finish(x, _numpy_reductions(x), torch)
-                continue
-            lo, hi = torch.aminmax(x)
-            acc = statistics.accumulator(x, torch)   # torch sums pairwise: float32 keeps ~1e-6 relative
-            total = x.sum(dtype=acc)
-            if x.dtype == torch.float32 and x.is_contiguous():
-                flat = x.view(-1)
-                norm = torch.dot(flat, flat).sqrt()     # one BLAS pass
-                values = torch.stack([hi, lo, total, norm]).tolist()   # one read-back
-            else:
-                norm = torch.linalg.vector_norm(x, dtype=acc)
-                values = [hi.item(), lo.item(), total.item(), norm.item()]
-            out[i] = statistics.finish(x, values, torch)
+            out[i] = _cpu_stats(t)
     if pending:
         rows = read_stats_rows([r for _, r in pending], [tensors[i].numel() for i, _ in pending])
         for (i, _), st in zip(pending, rows):
             out[i] = st
     return out
+
+
+def _dense_flat(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as a 1-D contiguous view of its memory when its elements fill a block exactly (a
+    transpose or permute of dense memory): the same values in another order, so the same
+    statistics, reduced by the contiguous kernels.  Otherwise ``x`` itself."""
+    if x.is_contiguous():
+        return x.view(-1)
+    expected = 1
+    for stride, size in sorted((s, n) for s, n in zip(x.stride(), x.shape) if n != 1):
+        if stride != expected:
+            return x
+        expected *= size
+    return x.as_strided((x.numel(),), (1,))
+
+
+def _cpu_stats(t: torch.Tensor) -> dict:
+    x = statistics.source(_dense_flat(t.detach()), torch)
+    if x.numel() <= _NUMPY_MAX and x.dtype in _NUMPY_DTYPES and x.is_contiguous():
+        values = _numpy_reductions(x)
+    else:
+        lo, hi = torch.aminmax(x)
+        acc = statistics.accumulator(x, torch)   # torch sums pairwise: float32 keeps ~1e-6 relative
+        total = x.sum(dtype=acc)
+        if x.dtype == torch.float32 and x.is_contiguous():
+            flat = x.view(-1)
+            norm = torch.dot(flat, flat).sqrt()     # one BLAS pass
+            values = torch.stack([hi, lo, total, norm]).tolist()   # one read-back
+        else:
+            norm = torch.linalg.vector_norm(x, dtype=acc)
+            values = [hi.item(), lo.item(), total.item(), norm.item()]
+    hi, lo, total, _ = values
+    if math.isnan(hi) or math.isnan(lo) or math.isfinite(hi) and math.isfinite(lo):
+        return statistics.finish(x, values, torch)
+    return _with_infinities(x, values)
+
+
+def _with_infinities(x: torch.Tensor, values: list) -> dict:
+    """:func:`statistics.finish` for values holding infinities but no nan (a causal mask's
+    ``-inf``), the same record in far fewer passes: a count and a masked max/min per sign."""
+    hi, lo, total, norm = values
+    n = x.numel()
+    stats = {"max": hi, "min": lo, "mean": total / n, "norm": norm, "nan": 0, "inf": 0}
+    inf = 0
+    finite_max, finite_min = hi, lo
+    if hi == math.inf:
+        pos = x == math.inf
+        inf += int(pos.sum())
+        finite_max = float(x.masked_fill(pos, -math.inf).max())
+    if lo == -math.inf:
+        neg = x == -math.inf
+        inf += int(neg.sum())
+        finite_min = float(x.masked_fill(neg, math.inf).min())
+    stats["inf"] = inf
+    if inf < n:
+        stats["finite_max"], stats["finite_min"] = finite_max, finite_min
+    return stats
 
 
 def stats_on_device(t: torch.Tensor) -> bool:
