@@ -59,3 +59,7 @@ def is_cast(op: str) -> bool:
 def overwrites_first_input(op: str) -> bool:
     """The op writes its first argument in place without reading it (``copy_``, ``fill_``)."""
     return op.split(".")[1].endswith("_") if op.count(".") >= 1 and base_name(op) in OVERWRITE else False
+
+# two-input ops whose inputs may be given in either order (another framework may swap them)
+COMMUTATIVE = frozenset({"add", "mul", "maximum", "minimum", "eq", "ne", "logical_and", "logical_or", "bitwise_and",
+                         "bitwise_or", "bitwise_xor"})

@@ -30,6 +30,7 @@ class Mapping:
 
     ops: dict = field(default_factory=dict)
     scopes: dict = field(default_factory=dict)
+    frameworks: dict = field(default_factory=dict)   # e.g. {"mindspore": {ops, regions, layout}}: offline.translate
 
     @classmethod
     def load(cls, path: str | None) -> "Mapping":
@@ -42,12 +43,14 @@ class Mapping:
                 data = yaml.safe_load(fh) or {}
         except yaml.YAMLError as exc:
             raise ValueError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from None
-        if not isinstance(data, dict) or set(data) - {"ops", "scopes"}:
-            raise ValueError(f"{path}: a mapping file has only the keys 'ops' and 'scopes' (each a dict)")
+        if not isinstance(data, dict) or set(data) - {"ops", "scopes", "mindspore"}:
+            raise ValueError(f"{path}: a mapping file has only the keys 'ops', 'scopes' (each a dict) and "
+                             "'mindspore' (extends the shipped MindSpore-to-aten translation)")
         ops, scopes = data.get("ops") or {}, data.get("scopes") or {}
         if not isinstance(ops, dict) or not isinstance(scopes, dict):
             raise ValueError(f"{path}: 'ops' and 'scopes' must each map names to names")
-        return cls({str(k): str(v) for k, v in ops.items()}, {str(k): str(v) for k, v in scopes.items()})
+        frameworks = {"mindspore": data["mindspore"]} if isinstance(data.get("mindspore"), dict) else {}
+        return cls({str(k): str(v) for k, v in ops.items()}, {str(k): str(v) for k, v in scopes.items()}, frameworks)
 
     def op(self, name: str) -> str:
         return self.ops.get(name, name)

@@ -26,6 +26,7 @@ from ..standards import metrics as M, statistics as S, verdicts as V
 from ..standards.loader import is_float, standard
 from ..core import op_traits
 from .align import Mapping, align
+from .translate import Translation
 from ..records.reader import Part, RecordError, load, no_gc, tensor_list
 
 STATS = S.KEYS
@@ -179,8 +180,50 @@ class Result(NamedTuple):
 
 
 # ---- one step/rank part -------------------------------------------------------------------------
-def _pair_tensors(ta: list, tb: list, same_op: bool):
+def _stats_distance(sa: dict, sb: dict) -> float:
+    a, b = sa.get("stats") or {}, sb.get("stats") or {}
+    try:
+        return sum(abs(a[k] - b[k]) / (abs(a[k]) + abs(b[k]) + 1e-30) for k in ("mean", "norm"))
+    except (KeyError, TypeError):
+        return 0.0
+
+
+def _swap_commutative(ta: list, tb: list) -> list:
+    """``tb`` with its two inputs exchanged when they match ``ta``'s crosswise by their statistics
+    (``mul(a, b)`` recorded as ``mul(b, a)`` by another framework)."""
+    ins_a = [x for x in ta if x[1] in ("input.0", "input.1")]
+    ins_b = [x for x in tb if x[1] in ("input.0", "input.1")]
+    if len(ins_a) != 2 or len(ins_b) != 2:
+        return tb
+    straight = _stats_distance(ins_a[0][2], ins_b[0][2]) + _stats_distance(ins_a[1][2], ins_b[1][2])
+    crossed = _stats_distance(ins_a[0][2], ins_b[1][2]) + _stats_distance(ins_a[1][2], ins_b[0][2])
+    if crossed >= straight:
+        return tb
+    swap = {"input.0": ins_b[1][2], "input.1": ins_b[0][2]}
+    return [(io, arg, swap.get(arg, spec)) if io == "input" else (io, arg, spec) for io, arg, spec in tb]
+
+
+def _explain_unobservable(unmatched: pd.DataFrame, translate: tuple, problems: list, step: int, rank: int):
+    """Mark the PyTorch side's unmatched backward records whose counterpart the other framework
+    runs unobserved (``unobservable`` in its translation), and say so once."""
+    unmatched["unobservable"] = False
+    for side, other in (("a", translate[1]), ("b", translate[0])):
+        if other is None or not other.unobservable:
+            continue
+        hit = (unmatched["side"] == side) & (unmatched["stage"] == "backward") & unmatched["op"].isin(other.unobservable)
+        unmatched.loc[hit, "unobservable"] = True
+        if hit.any():
+            kernels = sorted({other.unobservable[op] for op in unmatched.loc[hit, "op"]})
+            problems.append(f"step {step} rank {rank}: {int(hit.sum())} backward record(s) of run {side.upper()} have no "
+                            f"counterpart: the other framework runs {', '.join(kernels)} outside its dispatch mode "
+                            "on that device (not observable)")
+    return unmatched
+
+
+def _pair_tensors(ta: list, tb: list, same_op: bool, op: str = ""):
     """(io, arg, spec_a, spec_b) of two paired records' tensors (``ta``, ``tb``: their walks)."""
+    if same_op and op_traits.base_name(op) in op_traits.COMMUTATIVE:
+        tb = _swap_commutative(ta, tb)
     if same_op and len(ta) == len(tb) and all(x[1] == y[1] for x, y in zip(ta, tb)):
         for (io, arg, sa), (_, _, sb) in zip(ta, tb):  # the usual case: the same arguments in order
             yield io, arg, sa, sb
@@ -286,14 +329,15 @@ class PartResult(NamedTuple):
 
 
 def compare_parts(part_a: Part, part_b: Part, match: str = "fuzzy", mapping: Mapping | None = None,
-                  tensors: bool = True) -> PartResult:
-    """Compare one step/rank part against another."""
+                  tensors: bool = True, translate: tuple = (None, None)) -> PartResult:
+    """Compare one step/rank part against another; ``translate``: each side's
+    :class:`~dispatchprobe.offline.translate.Translation` into aten's vocabulary, or None."""
     with no_gc():
-        return _compare_parts(part_a, part_b, match, mapping or Mapping(), tensors)
+        return _compare_parts(part_a, part_b, match, mapping or Mapping(), tensors, translate)
 
 
-def _compare_parts(part_a: Part, part_b: Part, match: str, mapping: Mapping, tensors: bool):
-    recs_a, recs_b = part_a.records, part_b.records
+def _compare_parts(part_a: Part, part_b: Part, match: str, mapping: Mapping, tensors: bool, translate: tuple):
+    recs_a, recs_b = (t.records(p.records) if t else p.records for t, p in zip(translate, (part_a, part_b)))
     problems = list(part_a.problems) + list(part_b.problems)
     al = align(recs_a, recs_b, match=match, mapping=mapping)
     step, rank = part_a.step, part_a.rank
@@ -323,7 +367,7 @@ def _compare_parts(part_a: Part, part_b: Part, match: str, mapping: Mapping, ten
         head = (ra["stage"], ra["kind"], seq_a[i], ra["scope"], ra["op"], rb["op"], ra["name"], rb["name"],
                 ra["call"], rb["call"], how)
         overwritten = op_traits.overwrites_first_input(ra["op"])
-        for io, arg, sa, sb in _pair_tensors(walks_a[i], walks_b[j], same):
+        for io, arg, sa, sb in _pair_tensors(walks_a[i], walks_b[j], same, rb["op"]):
             if overwritten and arg == "input.0":
                 continue  # the destination's old (often uninitialised) content is not an input
             if stack is None:
@@ -358,12 +402,13 @@ def _compare_parts(part_a: Part, part_b: Part, match: str, mapping: Mapping, ten
             rows.append((step, rank, side, r["stage"], r["kind"], seq[i], r["scope"], r["op"], r["name"], r["call"],
                          op_traits.is_cast(r["op"])))
     unmatched = pd.DataFrame(rows, columns=UNMATCHED_COLUMNS)
+    unmatched = _explain_unobservable(unmatched, translate, problems, step, rank)
     if recs_a and recs_b and not al.pairs:
         problems.append(f"step {step} rank {rank}: no record of {part_a.path} could be aligned with "
                         f"{part_b.path} (different models?)")
-    elif len(unmatched) and (~unmatched["is_cast"]).any():
+    elif len(unmatched) and (~unmatched["is_cast"] & ~unmatched["unobservable"]).any():
         hint = " (different models or options?)" if len(unmatched) > 0.2 * (len(recs_a) + len(recs_b)) else ""
-        problems.append(f"step {step} rank {rank}: {int((~unmatched['is_cast']).sum())} of "
+        problems.append(f"step {step} rank {rank}: {int((~unmatched['is_cast'] & ~unmatched['unobservable']).sum())} of "
                         f"{len(recs_a) + len(recs_b)} records could not be aligned{hint}; listed in unmatched.csv")
     df = _score(df, part_a, part_b, tensors, problems)
     compute = [sum(1 for r in recs if not op_traits.is_cast(r["op"])) for recs in (recs_a, recs_b)]
@@ -764,8 +809,17 @@ def _origins(df: pd.DataFrame) -> np.ndarray:
 
 # ---- whole runs ----------------------------------------------------------------------------------
 def _worker(args):
-    path_a, key_a, path_b, key_b, match, mapping, tensors = args
-    return compare_parts(Part(path_a, *key_a), Part(path_b, *key_b), match=match, mapping=mapping, tensors=tensors)
+    path_a, key_a, path_b, key_b, match, mapping, tensors, translate = args
+    return compare_parts(Part(path_a, *key_a), Part(path_b, *key_b), match=match, mapping=mapping, tensors=tensors,
+                         translate=translate)
+
+
+def _translations(run_a, run_b, mapping: Mapping) -> tuple:
+    """Runs of two frameworks are compared in aten's vocabulary: the non-torch side(s) translated."""
+    fa, fb = (r.manifest.get("framework") or "torch" for r in (run_a, run_b))
+    if fa == fb:
+        return None, None
+    return tuple(None if f == "torch" else Translation.shipped(f, mapping.frameworks.get(f)) for f in (fa, fb))
 
 
 def compare(a, b, *, match: str = "fuzzy", mapping: str | Mapping | None = None, out: str | None = None,
@@ -796,7 +850,9 @@ def compare(a, b, *, match: str = "fuzzy", mapping: str | Mapping | None = None,
     if not jobs_list:
         raise RecordError(f"{run_a.path} and {run_b.path} have no step/rank in common "
                           f"({sorted(run_a.parts)} vs {sorted(run_b.parts)})")
-    tasks = [(run_a.parts[ka].path, ka, run_b.parts[kb].path, kb, match, mapping, tensors) for ka, kb in jobs_list]
+    translate = _translations(run_a, run_b, mapping)
+    tasks = [(run_a.parts[ka].path, ka, run_b.parts[kb].path, kb, match, mapping, tensors, translate)
+             for ka, kb in jobs_list]
     tables, unmatched, divs, aligned = [], [], [], np.zeros(3, np.int64)
     for res in _run_tasks(tasks, jobs, progress):
         tables.append(res.rows)
@@ -805,7 +861,7 @@ def compare(a, b, *, match: str = "fuzzy", mapping: str | Mapping | None = None,
         divs.extend(res.divergences)
         aligned += res.aligned
     table = pd.concat(tables, ignore_index=True) if tables else pd.DataFrame(columns=COLUMNS)
-    um = pd.concat(unmatched, ignore_index=True) if unmatched else pd.DataFrame(columns=UNMATCHED_COLUMNS)
+    um = pd.concat(unmatched, ignore_index=True) if unmatched else pd.DataFrame(columns=UNMATCHED_COLUMNS + ["unobservable"])
     um["is_cast"] = um["is_cast"].astype(bool)
     if jobs_list[0][0] != jobs_list[0][1] and len(jobs_list) == 1:
         table["step"], table["rank"] = jobs_list[0][0]
