@@ -133,11 +133,11 @@ def test_probe_backend_records_forward_backward_and_aligns_with_eager(tmp_path):
     assert len(backward) >= 40 and (backward["status"] != "error").all()
 
 
-def test_probe_backend_is_transparent_aot_eager(tmp_path):
+@pytest.mark.parametrize("task", ["statistics", "tensor"])
+def test_probe_backend_is_transparent_aot_eager(tmp_path, task):
     tokens, targets = _batch()
     results = []
-    for backend in (_plain_aot_eager, probe_backend(task="statistics", dump_path=str(tmp_path / "c"),
-                                                    inner="aot_eager")):
+    for backend in (_plain_aot_eager, probe_backend(task=task, dump_path=str(tmp_path / "c"), inner="aot_eager")):
         model = _tiny()
         compiled = torch.compile(model, backend=backend)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -301,3 +301,42 @@ def test_hf_llama_compiled_agrees_with_eager(tmp_path):
     forward = set(loose[loose["stage"] == "forward"]["op"])
     assert forward <= {"aten.arange.default", "aten.add.Tensor", "aten.cat.default"}
     assert len(loose) < 0.2 * len(table)
+
+
+def _planted_lowering(x):
+    """Inductor's kernel for ``dptest::soft_act`` with another slope (a wrong lowering, planted)."""
+    from torch._inductor.lowering import lowerings
+    aten = torch.ops.aten
+    return lowerings[aten.mul.Tensor](x, lowerings[aten.sigmoid.default](lowerings[aten.mul.Tensor](x, 1.5)))
+
+
+def test_tensor_task_compiled_and_run_ut_judges_the_compiled_kernels(tmp_path, monkeypatch):
+    """task tensor saves the values the inductor kernels computed; run-ut judges those against its
+    float64 benchmark of the recorded inputs, so a wrong lowering is an error there; decomposed calls
+    (no call in the graph to replay) are skipped with the reason."""
+    from torch._inductor import lowering
+    from dispatchprobe import run_ut
+    from dispatchprobe.torch.replay import TensorSource
+
+    monkeypatch.setitem(lowering.lowerings, torch.ops.dptest.soft_act.default, _planted_lowering)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(0)
+    model = _Planted()
+    backend = probe_backend(task="tensor", dump_path=str(tmp_path / "c"))
+    torch.compile(model, backend=backend)(x).sum().backward()
+    backend.close()
+    records = _ops(tmp_path / "c")
+    first = records[0]
+    assert first["op"] == "aten.addmm.default" and all(s.get("data") for s in first["inputs"] + first["outputs"])
+    source = TensorSource(load(str(tmp_path / "c")).parts[(0, 0)])
+    torch.testing.assert_close(source.get(first["outputs"][0]["data"]), model.a(x).detach())
+    torch.testing.assert_close(source.get(first["inputs"][1]["data"]), x)
+    res = run_ut(str(tmp_path / "c"), str(tmp_path / "ut"), progress=False).results
+    verdicts = res["Forward Test Success"] + res["Backward Test Success"]
+    status = dict(zip(res["API Name"], verdicts))
+    assert status["dptest.soft_act.default.0.forward"] == "error"
+    assert status["aten.addmm.default.1.forward"] == "pass" and status["aten.mm.default.0.backward"] == "pass"
+    skipped = res[verdicts == "SKIP"]
+    assert len(skipped) >= 1 and skipped["Message"].str.startswith("decomposed by the compiler").all()
+    others = ~res["API Name"].str.startswith("dptest") & (verdicts != "SKIP")
+    assert (verdicts[others] == "pass").all() and others.sum() >= 10

@@ -25,23 +25,25 @@ from .capture import TorchSession, active_probes
 from ..core.recorder import encode_plain
 
 STAT_FIELDS = 6          # max, min, sum, L2 norm, nan count, inf count: a device stats row
+COMPILED_TASKS = ("statistics", "tensor")
 
 
 # ---- the recording op ---------------------------------------------------------------------------
-@torch.library.custom_op("dispatchprobe::record_stats", mutates_args=())
-def _record_stats(values: list[torch.Tensor], graph: int) -> None:
-    """Statistics of one graph call (``STAT_FIELDS`` 0-d tensors per recorded tensor), kept as
-    one float64 matrix (a copy: inductor reuses its buffers after the call) for the records."""
-    block = torch.stack([v.to(torch.float64) for v in values]).view(-1, STAT_FIELDS)
-    _GRAPHS[graph].emit(block)
+@torch.library.custom_op("dispatchprobe::record", mutates_args=())
+def _record(stats: list[torch.Tensor], values: list[torch.Tensor], graph: int) -> None:
+    """One graph call: ``STAT_FIELDS`` 0-d statistics per recorded tensor, and with task
+    ``tensor`` the tensors themselves.  Both are copied here: inductor reuses its buffers after
+    the call, and writes into them without bumping their version (the recorder's cache key)."""
+    block = torch.stack([v.to(torch.float64) for v in stats]).view(-1, STAT_FIELDS)
+    _GRAPHS[graph].emit(block, [v.clone() for v in values] if values else None)
 
 
-@_record_stats.register_fake
-def _(values, graph):
+@_record.register_fake
+def _(stats, values, graph):
     return None
 
 
-torch.fx.node.has_side_effect(torch.ops.dispatchprobe.record_stats.default)
+torch.fx.node.has_side_effect(torch.ops.dispatchprobe.record.default)
 
 _GRAPHS: dict[int, "_GraphRecords"] = {}
 _graph_ids = itertools.count()
@@ -72,8 +74,9 @@ class ProbeBackend:
         self._args = (config, overrides)
         from ..core.config import Config
         self.config = Config.load(config, **overrides)
-        if self.config.task not in ("statistics",):
-            raise ValueError(f"probe_backend records task 'statistics' (not {self.config.task!r} yet)")
+        if self.config.task not in COMPILED_TASKS:
+            raise ValueError(f"probe_backend records the tasks {', '.join(COMPILED_TASKS)}, not {self.config.task!r}"
+                             + (" (it checks each op eagerly: use DispatchProbe)" if self.config.task == "free_benchmark" else ""))
         self._session: CompiledProbe | None = None
         self.module_names: dict[int, str] = {}
         if model is not None:
@@ -252,7 +255,7 @@ class _Instrument:
             exact = len([n for n in group.nodes if n.target is not operator.getitem]) == 1 \
                 and str(group.nodes[0].target) == str(group.op)
             outputs = self._exported(group, not exact, self.owner_of)
-            if not outputs:
+            if not any(o is not None for o in outputs):
                 continue
             if exact:
                 first = group.nodes[0]
@@ -269,9 +272,10 @@ class _Instrument:
         if not records.templates:
             return
         flat = [s for n in order for s in stats[n]]
+        values = order if self.owner.config.task == "tensor" else []
         out = next(n for n in reversed(graph.nodes) if n.op == "output")
         with graph.inserting_before(out):
-            graph.call_function(torch.ops.dispatchprobe.record_stats.default, (flat, records.id))
+            graph.call_function(torch.ops.dispatchprobe.record.default, (flat, values, records.id))
         records.finish(order)
 
     def _groups(self, graph: torch.fx.Graph) -> list[_Group]:
@@ -330,6 +334,11 @@ class _Instrument:
         out = [n for n in group.nodes if isinstance(n.meta.get("val"), torch.Tensor)
                and any(u not in inside for u in n.users)]
         if not decomposed:
+            first = group.nodes[0]
+            if isinstance(first.meta.get("val"), (tuple, list)):
+                # outputs by position (None: unread by the graph), named output.i as in eager
+                at = {n.args[1]: n for n in out if n.target is operator.getitem and n.args[0] is first}
+                return [at.get(i) for i in range(len(first.meta["val"]))]
             return out
         read = [n for n in out if any(owner_of.get(u) not in (None, group) for u in n.users)]
         return (read or out)[-1:]
@@ -375,7 +384,8 @@ class _Template:
                     return {"type": "other", "repr": str(val)}
             return {"type": "other", "repr": value.name}
         if isinstance(value, (list, tuple)):
-            return {"type": type(value).__name__, "value": [self.encode(v) for v in value]}
+            # fx's immutable_list/tuple as the plain kinds eager records and replay rebuild
+            return {"type": "tuple" if isinstance(value, tuple) else "list", "value": [self.encode(v) for v in value]}
         return encode_plain(value, torch_backend)
 
 
@@ -417,8 +427,9 @@ class _GraphRecords:
             t.slots = [spec for spec, _ in t.slots]
             t.tensor_nodes = []
 
-    def emit(self, block: torch.Tensor) -> None:
-        """One graph call: a record per template, in graph order, statistics read later."""
+    def emit(self, block: torch.Tensor, values: list | None = None) -> None:
+        """One graph call: a record per template, in graph order, statistics read later;
+        ``values``: the recorded tensors (task ``tensor``), saved with the records."""
         session = self.owner.target()
         if session is None or session.failed or not session._stage_on[self.stage]:
             return
@@ -437,6 +448,8 @@ class _GraphRecords:
                 for spec, r in zip(t.slots, t.rows):
                     copy = fresh[id(spec)] = dict(spec)
                     recorder.defer_stats(copy, rows[r], math.prod(spec["shape"]))
+                    if values is not None and recorder.part.tensors is not None:
+                        copy["data"] = recorder.save(values[r])
                 if recorder.io_filter("input"):
                     record["inputs"] = _fill(t.inputs, fresh)
                     record["kwargs"] = {k: _fill(v, fresh) for k, v in t.kwargs.items()}
