@@ -340,3 +340,54 @@ def test_tensor_task_compiled_and_run_ut_judges_the_compiled_kernels(tmp_path, m
     assert len(skipped) >= 1 and skipped["Message"].str.startswith("decomposed by the compiler").all()
     others = ~res["API Name"].str.startswith("dptest") & (verdicts != "SKIP")
     assert (verdicts[others] == "pass").all() and others.sum() >= 10
+
+
+class _Overflows(torch.nn.Module):
+    """exp overflows float32 in forward (finite in float64); clamp hides it from what follows."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8)
+        self.b = torch.nn.Linear(8, 1)
+
+    def forward(self, x):
+        h = self.a(x)
+        return self.b(torch.exp(h * 40).clamp(max=1.0) + torch.tanh(h))
+
+
+def test_overflow_task_compiled_finds_the_op_and_reruns_it_eagerly(tmp_path):
+    """task overflow in an inductor graph: the first call making inf from finite values is found
+    in the graph's statistics; the graph re-run eagerly names the node, saves its inputs, replays
+    it in float64 (precision: float64 stays finite) and stops the run as the eager check does."""
+    from dispatchprobe.core.overflow import OverflowDetected
+    torch.manual_seed(0)
+    model = _Overflows()
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1)) * 3
+    backend = probe_backend(task="overflow", dump_path=str(tmp_path / "o"))
+    with pytest.raises(OverflowDetected, match=r"overflow in aten\.exp\.default \(forward.*float64 replay: precision"):
+        torch.compile(model, backend=backend)(x).sum().backward()
+    backend.close()
+    compiled, rerun = _ops(tmp_path / "o")
+    assert compiled["op"] == rerun["op"] == "aten.exp.default"
+    assert compiled["compiled"]["nodes"] == ["exp"] and compiled["overflow"]["inf"] > 0
+    assert compiled["inputs"][0]["stats"]["inf"] == 0
+    assert rerun["overflow"]["class"] == "critical" and rerun["overflow"]["replay"] == "precision"
+    saved = load(str(tmp_path / "o")).parts[(0, 0)]
+    assert rerun["inputs"][0]["data"] and saved.has_tensor(rerun["inputs"][0]["data"])
+    csv = (tmp_path / "o" / "step0" / "rank0" / "overflow.csv").read_text().splitlines()
+    assert len(csv) == 2 and ",critical,forward,aten.exp.default," in csv[1]
+
+
+def test_overflow_task_compiled_ignores_inf_given_to_ops(tmp_path):
+    """masked_fill(mask, -inf) in every attention layer, and softmax over it, is no overflow: a
+    step of the tiny transformer records nothing and runs as without the probe."""
+    tokens, targets = _batch()
+    model = _tiny()
+    backend = probe_backend(task="overflow", dump_path=str(tmp_path / "o"), inner="aot_eager",
+                            overflow={"overflow_nums": -1})
+    loss = lm_loss(torch.compile(model, backend=backend), tokens, targets)
+    loss.backward()
+    backend.close()
+    assert torch.isfinite(loss)
+    ops_file = tmp_path / "o" / "step0" / "rank0" / "ops.jsonl"
+    assert not ops_file.exists() or ops_file.read_text() == ""

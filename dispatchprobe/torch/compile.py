@@ -22,24 +22,31 @@ import torch.fx
 from . import backend as torch_backend
 from . import ops
 from .capture import TorchSession, active_probes
+from ..core.events import has_nonfinite_scalar
 from ..core.recorder import encode_plain
+from ..standards import statistics
 
 STAT_FIELDS = 6          # max, min, sum, L2 norm, nan count, inf count: a device stats row
-COMPILED_TASKS = ("statistics", "tensor")
+COMPILED_TASKS = ("statistics", "tensor", "overflow")
 
 
 # ---- the recording op ---------------------------------------------------------------------------
 @torch.library.custom_op("dispatchprobe::record", mutates_args=())
-def _record(stats: list[torch.Tensor], values: list[torch.Tensor], graph: int) -> None:
-    """One graph call: ``STAT_FIELDS`` 0-d statistics per recorded tensor, and with task
-    ``tensor`` the tensors themselves.  Both are copied here: inductor reuses its buffers after
-    the call, and writes into them without bumping their version (the recorder's cache key)."""
+def _record(stats: list[torch.Tensor], values: list[torch.Tensor], inputs: list[torch.Tensor], graph: int) -> None:
+    """One graph call: ``STAT_FIELDS`` 0-d statistics per recorded tensor; with task ``tensor``
+    the tensors themselves (copied here: inductor reuses its buffers after the call, and writes
+    into them without bumping their version, the recorder's cache key); with task ``overflow``
+    the graph's inputs, to re-run the graph eagerly on a hit."""
     block = torch.stack([v.to(torch.float64) for v in stats]).view(-1, STAT_FIELDS)
-    _GRAPHS[graph].emit(block, [v.clone() for v in values] if values else None)
+    records = _GRAPHS[graph]
+    if records.overflow:
+        records.check(block, inputs)
+    else:
+        records.emit(block, [v.clone() for v in values] if values else None)
 
 
 @_record.register_fake
-def _(stats, values, graph):
+def _(stats, values, inputs, graph):
     return None
 
 
@@ -247,6 +254,10 @@ class _Instrument:
         self.backward = backward
 
     def __call__(self, graph: torch.fx.Graph) -> None:
+        task = self.owner.config.task
+        # task overflow: the graph as it is now (before the statistics and the later passes), to
+        # re-run eagerly when a call overflows
+        plain = _rerun_module(graph) if self.owner.config.task == "overflow" else None
         groups = self._groups(graph)
         records = _GraphRecords(self.owner, "backward" if self.backward else "forward", self.roots)
         stats: dict[torch.fx.Node, list] = {}
@@ -264,6 +275,8 @@ class _Instrument:
             else:
                 inputs, kwargs = [], {}
             template = records.add(group, inputs, kwargs, outputs, exact)
+            if task == "overflow":
+                template.check_inputs(group, exact)
             for n in template.tensor_nodes:
                 if n not in stats:
                     at = n if n.op != "placeholder" else _last_placeholder(graph)
@@ -272,10 +285,16 @@ class _Instrument:
         if not records.templates:
             return
         flat = [s for n in order for s in stats[n]]
-        values = order if self.owner.config.task == "tensor" else []
+        values = order if task == "tensor" else []
+        inputs = []
+        if task == "overflow":
+            records.rerun = plain
+            inputs = [n for n in graph.nodes if n.op == "placeholder"]
+            if not all(isinstance(n.meta.get("val"), torch.Tensor) for n in inputs):
+                records.rerun, inputs = None, []        # symbolic sizes: detection only
         out = next(n for n in reversed(graph.nodes) if n.op == "output")
         with graph.inserting_before(out):
-            graph.call_function(torch.ops.dispatchprobe.record.default, (flat, values, records.id))
+            graph.call_function(torch.ops.dispatchprobe.record.default, (flat, values, inputs, records.id))
         records.finish(order)
 
     def _groups(self, graph: torch.fx.Graph) -> list[_Group]:
@@ -364,6 +383,22 @@ class _Template:
         self.slots: list[tuple[dict, torch.fx.Node]] = []   # (tensor spec, node) filled per call
         self.compiled = {"nodes": nodes, "decomposed": not exact}
         self.rows: list[int] = []
+        self.producers: list[torch.fx.Node] = []   # task overflow: the values the call reads
+        self.nonfinite_scalar = False              # it is given inf/nan (masked_fill(mask, -inf))
+
+    def check_inputs(self, group, exact: bool) -> None:
+        """Task overflow: what the call reads, to tell an overflow it makes from one it passes on.
+        A decomposed call records no inputs: its statistics are taken of the values its nodes read
+        from outside it, and its constants (``full(-inf)``) count as inf given to it."""
+        inside = set(group.nodes)
+        for node in group.nodes:
+            for a in (*node.args, *node.kwargs.values()):
+                self.nonfinite_scalar |= has_nonfinite_scalar(a)
+                if not exact and isinstance(a, torch.fx.Node) and a not in inside and a not in self.producers \
+                        and isinstance(a.meta.get("val"), torch.Tensor) and a.meta["val"].numel() \
+                        and not a.meta["val"].is_complex():
+                    self.producers.append(a)
+                    self.tensor_nodes.append(a)
 
     def encode(self, value):
         if isinstance(value, torch.fx.Node):
@@ -405,6 +440,8 @@ class _GraphRecords:
         self.roots = roots
         self.id = next(_graph_ids)
         self.templates: list[_Template] = []
+        self.overflow = owner.config.task == "overflow"
+        self.rerun: torch.fx.GraphModule | None = None
         _GRAPHS[self.id] = self
 
     def add(self, group: _Group, inputs, kwargs, outputs, exact: bool) -> _Template:
@@ -423,6 +460,11 @@ class _GraphRecords:
         row_of = {n: i for i, n in enumerate(order)}
         for t in self.templates:
             t.rows = [row_of[n] for _, n in t.slots]
+            outs = {id(o) for o in t.outputs}
+            t.out_rows = [r for (spec, _), r in zip(t.slots, t.rows) if id(spec) in outs]
+            t.in_rows = [r for (spec, _), r in zip(t.slots, t.rows) if id(spec) not in outs] \
+                + [row_of[n] for n in t.producers]
+            t.producers = []
             t.node_slots = t.slots
             t.slots = [spec for spec, _ in t.slots]
             t.tensor_nodes = []
@@ -458,6 +500,80 @@ class _GraphRecords:
                     record["outputs"] = _fill(t.outputs, fresh)
                 record["compiled"] = {"graph": self.id, **t.compiled}
                 recorder.emit(record)
+
+
+    def check(self, block: torch.Tensor, inputs: list) -> None:
+        """Task overflow, one graph call: the first call whose outputs hold inf/nan while what it
+        reads is finite (and it is given no inf/nan) is a hit.  Its compiled record is written
+        (flag ``overflow``), then the graph is re-run eagerly, node by node, through the session's
+        overflow check, which finds the node, saves its inputs and replays it in float64."""
+        session = self.owner.target()
+        if session is None or session.failed or not session._stage_on[self.stage]:
+            return
+        rows = block.tolist()            # one host read per graph call
+
+        def bad(r):
+            return rows[r][4] + rows[r][5] > 0
+        hit = next((t for t in self.templates if any(bad(r) for r in t.out_rows)
+                    and not t.nonfinite_scalar and not any(bad(r) for r in t.in_rows)), None)
+        if hit is None:
+            return
+        with session._writing():
+            record = {"id": None, "kind": "op", "name": None, "op": hit.op, "stage": self.stage,
+                      "scope": hit.scope, "call": session.next_call(hit.op, self.stage), "grad_fn": None,
+                      "stack": None}
+            record["name"] = f"{hit.op}.{record['call']}.{self.stage}"
+            fresh = {}
+            for spec, r in zip(hit.slots, hit.rows):
+                copy = fresh[id(spec)] = dict(spec)
+                copy["stats"] = statistics.from_row(rows[r], math.prod(spec["shape"]))
+            record["inputs"] = _fill(hit.inputs, fresh)
+            record["kwargs"] = {k: _fill(v, fresh) for k, v in hit.kwargs.items()}
+            record["output_type"] = hit.output_type
+            record["outputs"] = _fill(hit.outputs, fresh)
+            nan = sum(int(rows[r][4]) for r in hit.out_rows)
+            inf = sum(int(rows[r][5]) for r in hit.out_rows)
+            record["overflow"] = {"class": "critical", "nan": nan, "inf": inf,
+                                  "rerun": "the graph is re-run eagerly: see the records after this one"
+                                  if self.rerun is not None else "not re-run (symbolic sizes)"}
+            record["compiled"] = {"graph": self.id, **hit.compiled}
+            session.recorder.flush()
+            session.recorder.write(record)
+        if self.rerun is not None:
+            _Rerun(self.rerun, session, self.stage, self.roots).run(*inputs)
+
+
+def _rerun_module(graph: torch.fx.Graph) -> torch.fx.GraphModule:
+    """A copy of a post-grad graph, to run eagerly (node metadata kept)."""
+    copy = torch.fx.Graph()
+    out = copy.graph_copy(graph, {})
+    copy.output(out)
+    return torch.fx.GraphModule(graph.owning_module or torch.nn.Module(), copy)
+
+
+class _Rerun(torch.fx.Interpreter):
+    """Runs a post-grad graph eagerly, giving each node's call to the session as an op event, so
+    the eager overflow check judges the graph's own ops (node granularity, scopes from metadata)."""
+
+    def __init__(self, gm, session, stage: str, roots: dict):
+        super().__init__(gm)
+        self.extra_traceback = False     # the check's OverflowDetected reaches the user as it is
+        self.session, self.stage, self.roots = session, stage, roots
+
+    def run_node(self, n):
+        self._node = n
+        return super().run_node(n)
+
+    def call_function(self, target, args, kwargs):
+        out = super().call_function(target, args, kwargs)
+        if isinstance(target, torch._ops.OpOverload) and not ops.never_recorded(target) \
+                and not ops.is_alias(target):
+            meta = self._node.meta
+            scope = meta.get("fwd_nn_module_stack" if self.stage == "backward" else "nn_module_stack") \
+                or meta.get("nn_module_stack")
+            self.session.on_op(ops.op_name(target), self.stage, _scope(scope, self.roots), args, kwargs, out,
+                               func=target)
+        return out
 
 
 def _fill(value, fresh: dict):
