@@ -369,6 +369,7 @@ def test_overflow_task_compiled_finds_the_op_and_reruns_it_eagerly(tmp_path):
     backend.close()
     compiled, rerun = _ops(tmp_path / "o")
     assert compiled["op"] == rerun["op"] == "aten.exp.default"
+    assert compiled["scope"] == rerun["scope"] == "_Overflows"
     assert compiled["compiled"]["nodes"] == ["exp"] and compiled["overflow"]["inf"] > 0
     assert compiled["inputs"][0]["stats"]["inf"] == 0
     assert rerun["overflow"]["class"] == "critical" and rerun["overflow"]["replay"] == "precision"
