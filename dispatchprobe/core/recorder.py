@@ -99,21 +99,24 @@ class Recorder(Handler):
 
     def _fill_tensors(self, found, save: bool, same: dict | None = None, defer: bool = False) -> None:
         backend = self.backend
+        cache, alive = self._cache, backend.memory_alive
         missing = []
         for t, spec in found:
             if "undefined" in spec:       # uninitialised memory: its statistics mean nothing
                 continue
             ident = backend.identity(t)
-            entry = self._lookup(t, ident)
-            if entry is not None and "stats" in entry:
-                spec["stats"] = entry["stats"]
-                if "checksum" in entry:
-                    spec["checksum"] = entry["checksum"]
-                continue
+            hit = cache.get(ident) if ident is not None else None
+            if hit is not None and alive(hit[0]):
+                entry = hit[1]
+                if "stats" in entry:
+                    spec["stats"] = entry["stats"]
+                    if "checksum" in entry:
+                        spec["checksum"] = entry["checksum"]
+                    continue
             # a reshape/transpose of measured memory has the same max/min/mean/norm
             dense = backend.dense_key(t)
             hit = self._dense.get(dense) if dense is not None else None
-            if hit is not None and self.backend.memory_alive(hit[0]):
+            if hit is not None and alive(hit[0]):
                 spec["stats"] = hit[1]
                 entry = {"stats": hit[1]}
                 if self.checksum:
@@ -131,9 +134,7 @@ class Recorder(Handler):
                 st = spec["stats"] = {}          # filled by _resolve, before the record is written
                 self._rows.append(backend.device_stats_row(t))
                 self._row_stats.append((st, backend.numel(t)))
-                self._remember(t, {"stats": st}, ident)
-                if dense is not None:
-                    self._dense[dense] = (backend.memory_ref(t), st)
+                self._measured(t, {"stats": st}, ident, dense)
             missing = now
         if missing:
             stats = backend.tensor_stats([m[0] for m in missing])
@@ -142,12 +143,21 @@ class Recorder(Handler):
                 entry = {"stats": st}
                 if self.checksum:
                     entry["checksum"] = spec["checksum"] = backend.checksum(t)
-                self._remember(t, entry, ident)
-                if dense is not None:
-                    self._dense[dense] = (self.backend.memory_ref(t), st)
+                self._measured(t, entry, ident, dense)
         if save:
             for t, spec in found:
                 spec["data"] = self.save(t, like=same.get(id(t)) if same else None)
+
+    def _measured(self, t, entry: dict, ident, dense) -> None:
+        """Cache freshly measured statistics under the tensor's identity and its dense key (one
+        weak reference to its memory for both)."""
+        ref = self.backend.memory_ref(t)
+        if ref is None:
+            return
+        if ident is not None:
+            self._cache[ident] = (ref, entry)
+        if dense is not None:
+            self._dense[dense] = (ref, entry["stats"])
 
     def save(self, t, like=None) -> str:
         """Queue a tensor for the shard writer (once per live tensor value); returns its key.

@@ -121,7 +121,7 @@ def json_line(obj: dict) -> bytes:
             pass
         else:
             nulls = line.count(b"null")
-            if not nulls or nulls == sum(v is None for v in obj.values()) or _orjson.loads(line) == obj:
+            if not nulls or nulls == list(obj.values()).count(None) or _orjson.loads(line) == obj:
                 return line
     return (json.dumps(obj, separators=(",", ":"), default=str) + "\n").encode()
 

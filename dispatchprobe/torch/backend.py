@@ -48,9 +48,8 @@ def identity(t: torch.Tensor):
     died (and whose memory may be reused) is never trusted."""
     if t.layout != torch.strided or t.is_meta:
         return None
-    try:
-        return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype,
-                t.device, t._version)
+    try:     # the data pointer is the storage's plus the view's offset
+        return t.data_ptr(), t.shape, t.stride(), t.dtype, t.device, t._version
     except (RuntimeError, NotImplementedError):  # inference tensors, wrapper subclasses
         return None
 
@@ -60,7 +59,7 @@ def tensor_stats(tensors: list[torch.Tensor]) -> list[dict | None]:
     tensors read back one by one, accelerator ones (:func:`device_stats_row`) in one host sync."""
     out: list[dict | None] = [None] * len(tensors)
     pending: list[tuple[int, torch.Tensor]] = []
-    with torch.no_grad():
+    with NoGrad():
         for i, t in enumerate(tensors):
             if t.numel() == 0 or t.is_meta or t.layout != torch.strided:
                 continue
@@ -75,22 +74,44 @@ def tensor_stats(tensors: list[torch.Tensor]) -> list[dict | None]:
     return out
 
 
+class NoGrad:
+    """``torch.no_grad()`` for the per-op path, without its decorator machinery (a third of
+    the cost); not re-entrant per instance, so one is made per use."""
+
+    __slots__ = ("prev",)
+
+    def __enter__(self):
+        self.prev = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+
+    def __exit__(self, *exc):
+        torch._C._set_grad_enabled(self.prev)
+
+
 def _dense_flat(x: torch.Tensor) -> torch.Tensor:
     """``x`` as a 1-D contiguous view of its memory when its elements fill a block exactly (a
     transpose or permute of dense memory): the same values in another order, so the same
     statistics, reduced by the contiguous kernels.  Otherwise ``x`` itself."""
     if x.is_contiguous():
         return x.view(-1)
+    return x.as_strided((x.numel(),), (1,)) if _fills_block(x) else x
+
+
+def _fills_block(t: torch.Tensor) -> bool:
+    """Whether the elements of strided ``t`` fill one block of memory, without gap or overlap."""
     expected = 1
-    for stride, size in sorted((s, n) for s, n in zip(x.stride(), x.shape) if n != 1):
+    for stride, size in sorted((s, k) for s, k in zip(t.stride(), t.shape) if k != 1):
         if stride != expected:
-            return x
+            return False
         expected *= size
-    return x.as_strided((x.numel(),), (1,))
+    return True
 
 
 def _cpu_stats(t: torch.Tensor) -> dict:
-    x = statistics.source(_dense_flat(t.detach()), torch)
+    x = _dense_flat(t.detach())
+    if not x.is_contiguous() and x.is_floating_point():
+        x = x.contiguous()   # strided reductions cost several times a copy (the norm above all)
+    x = statistics.source(x, torch)
     if x.numel() <= _NUMPY_MAX and x.dtype in _NUMPY_DTYPES and x.is_contiguous():
         values = _numpy_reductions(x)
     else:
@@ -166,11 +187,16 @@ _NUMPY_MAX = 16384
 _NUMPY_DTYPES = (torch.float32, torch.float64)
 
 
+_max, _min, _add = np.maximum.reduce, np.minimum.reduce, np.add.reduce
+
+
 def _numpy_reductions(x: torch.Tensor) -> list[float]:
     flat = x.numpy().reshape(-1)
-    with np.errstate(all="ignore"):       # overflow of the squares is redone in float64 by finish
-        return [float(flat.max()), float(flat.min()), float(flat.sum(dtype=np.float64)),
-                math.sqrt(float(np.dot(flat, flat)))]
+    if flat.dtype == np.float64:     # float32 sums in float64 and BLAS dots cannot warn
+        with np.errstate(all="ignore"):       # overflow of the squares is redone by finish
+            return [float(_max(flat)), float(_min(flat)), float(_add(flat)), math.sqrt(float(np.dot(flat, flat)))]
+    return [float(_max(flat)), float(_min(flat)), float(_add(flat, dtype=np.float64)),
+            math.sqrt(float(np.dot(flat, flat)))]
 
 
 def checksum(t: torch.Tensor) -> str:
@@ -223,16 +249,17 @@ def memory_alive(ref) -> bool:
 def dense_key(t: torch.Tensor):
     """A key shared by all views that show exactly the same set of elements of one memory
     (a reshape or transpose of it): they have the same statistics.  None if not dense."""
-    if t.layout != torch.strided or t.is_meta or t.numel() == 0:
+    if t.layout != torch.strided or t.is_meta:
+        return None
+    n = t.numel()
+    if n == 0:
+        return None
+    if not t.is_contiguous() and not _fills_block(t):
         return None
     try:
-        ptr = t.untyped_storage().data_ptr()
+        return t.data_ptr(), n, t.dtype, t.device, t._version
     except (RuntimeError, NotImplementedError):
         return None
-    span = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
-    if span != t.numel() or min(t.stride(), default=1) < 1 and t.numel() > 1:
-        return None
-    return ptr, t.storage_offset(), span, t.dtype, t.device, t._version
 
 
 def storage_span(t: torch.Tensor):

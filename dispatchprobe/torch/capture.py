@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import NamedTuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -68,20 +69,31 @@ class _ProbeMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         probe = self.probe
-        if probe.busy or not probe._wants(func) or _in_compiled_code():
+        facts = probe._facts.get(id(func)) or probe._learn(func)
+        if probe.busy or not facts.wanted or _in_compiled_code():
             out = func(*args, **kwargs)
-            if ops.allocates_uninitialised(func) and not probe.busy:
+            if facts.allocates_uninitialised and not probe.busy:
                 probe.uninitialised.add(out)
             return out
         seen_args, seen_kwargs = args, kwargs
         undefined = probe.uninitialised.among(func, args, kwargs) if probe.uninitialised else None
-        written = ops.reads_written(func)
+        written = facts.reads_written
         if written:  # in-place/out= ops: record the inputs as they were *before* the op ran
             seen_args, seen_kwargs = _copy_written(written, args, kwargs, undefined)
         out = func(*args, **kwargs)
         if undefined is not None:
             probe.uninitialised.written(func, args, kwargs)
-        return probe._on_op(func, seen_args, seen_kwargs, out, undefined)
+        return probe._on_op(func, seen_args, seen_kwargs, out, undefined, facts.name)
+
+
+class _Facts(NamedTuple):
+    """What the mode asks of an overload on every call, looked up once per overload."""
+
+    func: object                     # held, so that the id keying it stays this overload's
+    wanted: bool
+    name: str
+    reads_written: tuple
+    allocates_uninitialised: bool
 
 
 def _copy_written(written, args, kwargs, undefined: set | None):
@@ -275,7 +287,7 @@ class TorchSession(ProbeSession):
         super()._open_part()
 
     def _quiet(self):
-        return torch.no_grad()
+        return torch_backend.NoGrad()
 
 
 class DispatchProbe(TorchSession):
@@ -293,7 +305,7 @@ class DispatchProbe(TorchSession):
         self._mode: _ProbeMode | None = None
         self.scopes = _ModuleScopes(self, model)
         self.uninitialised = _Uninitialised()
-        self._wants_memo: dict = {}
+        self._facts: dict[int, _Facts] = {}
 
     # ---- installation -------------------------------------------------------------------------
     def _install(self) -> None:
@@ -310,22 +322,27 @@ class DispatchProbe(TorchSession):
 
     # ---- per op -----------------------------------------------------------------------------------
     def _wants(self, func) -> bool:
-        hit = self._wants_memo.get(func)
-        if hit is None:
-            hit = not ops.never_recorded(func) and self.selector.op_selected(ops.op_name(func))
-            if not self.config.include_views and ops.is_alias(func):
-                hit = False
-            self._wants_memo[func] = hit
-        return hit
+        return (self._facts.get(id(func)) or self._learn(func)).wanted
 
-    def _on_op(self, func, args, kwargs, out, undefined=None):
-        backward = torch._C._current_graph_task_id() != -1
-        grad_fn = None
-        if backward:
+    def _learn(self, func) -> _Facts:
+        """The per-overload facts the mode needs on every call (keyed by ``id``: an overload's
+        hash is a Python method)."""
+        wanted = not ops.never_recorded(func) and self.selector.op_selected(ops.op_name(func))
+        if not self.config.include_views and ops.is_alias(func):
+            wanted = False
+        facts = self._facts[id(func)] = _Facts(func, wanted, ops.op_name(func), ops.reads_written(func),
+                                                ops.allocates_uninitialised(func))
+        return facts
+
+    def _on_op(self, func, args, kwargs, out, undefined=None, name=None):
+        if torch._C._current_graph_task_id() != -1:
+            stage, scope = "backward", self.scopes._innermost_backward()
             node = torch._C._current_autograd_node()
             grad_fn = node.name() if node is not None else None
-        replaced = self.on_op(ops.op_name(func), "backward" if backward else "forward", self.scopes.current,
-                              args, kwargs, out, func=func, grad_fn=grad_fn, stack=ops.user_stack,
-                              undefined=undefined)
+        else:
+            forward = self.scopes.forward_stack
+            stage, scope, grad_fn = "forward", forward[-1] if forward else "", None
+        replaced = self.on_op(name or ops.op_name(func), stage, scope, args, kwargs, out, func=func,
+                              grad_fn=grad_fn, stack=ops.user_stack, undefined=undefined)
         return out if replaced is None else replaced
 
