@@ -55,10 +55,15 @@ class OpSelector:
         return hit
 
     def scope_selected(self, scope: str) -> bool:
+        hit = self.in_scope(scope)
+        self.hits += hit
+        return hit
+
+    def in_scope(self, scope: str) -> bool:
+        """:meth:`scope_selected` without counting a hit (a capture path asking ahead)."""
         hit = self._scope_memo.get(scope)
         if hit is None:
             hit = self._scope_memo[scope] = not self._scopes or any(self._in_scope(s, scope) for s in self._scopes)
-        self.hits += hit
         return hit
 
     @staticmethod
@@ -172,6 +177,11 @@ class ProbeSession:
         return os.path.join(self.config.dump_path, f"step{self.step_no}", f"rank{self.rank}")
 
     # ---- for adapters and handlers ----------------------------------------------------------
+    def records(self, stage: str, scope: str) -> bool:
+        """Whether :meth:`on_op` would record an op at ``stage`` and ``scope``: a capture path asks
+        before the op runs, so that a filtered op costs nothing more (no copies of what it writes)."""
+        return not self.failed and self._stage_on[stage] and self.selector.in_scope(scope)
+
     def on_op(self, op: str, stage: str, scope: str, args, kwargs, outputs, *, func=None, grad_fn=None,
               stack=None, undefined=None):
         """What every capture path does with one op call: the config's stage and scope filters,

@@ -75,15 +75,19 @@ class _ProbeMode(TorchDispatchMode):
             if facts.allocates_uninitialised and not probe.busy:
                 probe.uninitialised.add(out)
             return out
+        where = probe._where()
         seen_args, seen_kwargs = args, kwargs
         undefined = probe.uninitialised.among(func, args, kwargs) if probe.uninitialised else None
+        recorded = probe.records(where[0], where[1])
         written = facts.reads_written
-        if written:  # in-place/out= ops: record the inputs as they were *before* the op ran
+        if written and recorded:  # in-place/out= ops: record the inputs as they were *before* the op ran
             seen_args, seen_kwargs = _copy_written(written, args, kwargs, undefined)
         out = func(*args, **kwargs)
         if undefined is not None:
             probe.uninitialised.written(func, args, kwargs)
-        return probe._on_op(func, seen_args, seen_kwargs, out, undefined, facts.name)
+        if not recorded:          # stage or scope filtered out: nothing more to do
+            return out
+        return probe._on_op(func, seen_args, seen_kwargs, out, undefined, facts.name, where)
 
 
 class _Facts(NamedTuple):
@@ -334,14 +338,16 @@ class DispatchProbe(TorchSession):
                                                 ops.allocates_uninitialised(func))
         return facts
 
-    def _on_op(self, func, args, kwargs, out, undefined=None, name=None):
+    def _where(self) -> tuple[str, str, str | None]:
+        """(stage, module scope, autograd node) of the op being called."""
         if torch._C._current_graph_task_id() != -1:
-            stage, scope = "backward", self.scopes._innermost_backward()
             node = torch._C._current_autograd_node()
-            grad_fn = node.name() if node is not None else None
-        else:
-            forward = self.scopes.forward_stack
-            stage, scope, grad_fn = "forward", forward[-1] if forward else "", None
+            return "backward", self.scopes._innermost_backward(), node.name() if node is not None else None
+        forward = self.scopes.forward_stack
+        return "forward", forward[-1] if forward else "", None
+
+    def _on_op(self, func, args, kwargs, out, undefined=None, name=None, where=None):
+        stage, scope, grad_fn = where or self._where()
         replaced = self.on_op(name or ops.op_name(func), stage, scope, args, kwargs, out, func=func,
                               grad_fn=grad_fn, stack=ops.user_stack, undefined=undefined)
         return out if replaced is None else replaced
