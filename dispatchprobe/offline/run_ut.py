@@ -28,7 +28,8 @@ from ..standards.metrics import binary_mismatch, columns, compare_arrays, derive
 from ..records.format import call_signature
 from ..records.reader import Run, load
 from ..standards.verdicts import (ERROR, PASS, SKIP, cancelled_scale, category, component_dtype, is_reduction, is_staged,
-                                  judge, output_category, output_trait, unique_form, within_terms, worst)
+                                  judge, judge_benchmark, output_category, output_trait, unique_form, within_terms,
+                                  worst)
 from ..records.writer import atomic_write_text, write_csv
 from .replayer import Distributed, Replayer, ReplayError, Skip, replayer_for
 
@@ -38,7 +39,7 @@ RESULT_COLUMNS = ["Step", "Rank", "API Name", "Op", "Stage", "Scope", "Category"
                   "Backward Test Success", "Message", "Elapsed (s)"]
 METRIC_COLUMNS = derived(columns)   # metric column -> metric key (the metric registry)
 DETAIL_COLUMNS = derived(lambda: ["Step", "Rank", "API Name", "Output", "Category", "Bench Dtype", "Device Dtype",
-                                  "Shape"] + list(columns()) + ["Status", "Message"])
+                                  "Shape"] + list(columns()) + ["MindSpore Rule", "Status", "Message"])
 TIMING_COLUMNS = ("Elapsed (s)",)
 _RESULT_RE = re.compile(r"^accuracy_checking_result_(.+)\.csv$")
 
@@ -116,9 +117,12 @@ def check_op(step: int, rank: int, index: int) -> tuple[list, list, dict | None]
                 verdicts.append(verdict)
                 if verdict != PASS:
                     messages.append(f"{out.name}: {reason}")
+            # the seeds' MindSpore rule (cosine and max abs error only), beside the full verdict
+            ms_rule = judge_benchmark(m, out.device_dtype, "mindspore_benchmark")[0] \
+                if st.replayer.framework == "mindspore" and verdict != SKIP else ""
             details.append(head + [out.name, output_category(cat, out.device_dtype), out.bench_dtype,
                                    out.device_dtype, json.dumps(list(shape))]
-                           + [_fmt(m.get(k)) for k in METRIC_COLUMNS.values()] + [verdict, reason])
+                           + [_fmt(m.get(k)) for k in METRIC_COLUMNS.values()] + [ms_rule, verdict, reason])
         if not rep.outputs and not rep.written:
             # a check such as _linalg_check_errors: running without raising is all it does
             verdicts, messages = [PASS], ["returns nothing and writes nothing: ran without error"]
@@ -198,7 +202,7 @@ def judge_outputs(op: str, cat: str, rep) -> list[tuple[dict, str, str, tuple]]:
 def _op_rows(step, rank, rec: dict, cat: str, status: str, message: str, details: list, elapsed: str):
     """(result row, detail rows) as CSV strings; an op that compared nothing gets one detail row."""
     head = [step, rank, rec["name"]]
-    details = details or [head + ["", cat, "", "", ""] + [""] * len(METRIC_COLUMNS) + [status, message]]
+    details = details or [head + ["", cat, "", "", ""] + [""] * len(METRIC_COLUMNS) + ["", status, message]]
     fwd, bwd = (status, "") if rec.get("stage") != "backward" else ("", status)
     row = head + [rec["op"], rec.get("stage", ""), rec.get("scope", ""), cat, fwd, bwd, message, elapsed]
     return [_fmt(v) for v in row], [[_fmt(v) for v in d] for d in details]
