@@ -283,3 +283,16 @@ def test_planted_difference_is_the_first_divergence_with_its_scope(twin_runs, pl
     _, verdict = compare(str(twin_runs / planted), str(twin_runs / reference))
     first = verdict.forward
     assert first is not None and first.scope == "TinyNet.act" and first.cause != "inputs", str(verdict)
+
+
+def test_equal_ops_in_swapped_order_pair_by_statistics():
+    """Two frameworks may run equal ops (same op, scope, shapes) in the other order: within such a
+    run, records pair by their closest output statistics, not by position."""
+    from dispatchprobe.offline.align import pair_runs_by_stats
+
+    def rec(mean):
+        return {"kind": "op", "stage": "backward", "scope": "Net.fc", "op": "aten.mul.Tensor",
+                "outputs": [{"type": "tensor", "shape": [4], "stats": {"mean": mean, "norm": abs(mean) * 2}}]}
+    a, b = [rec(1.0), rec(-5.0), rec(3.0)], [rec(-5.0), rec(1.0), rec(3.0)]
+    pairs = pair_runs_by_stats([(0, 0, "op"), (1, 1, "op"), (2, 2, "op")], a, b)
+    assert [(i, j) for i, j, _ in pairs] == [(0, 1), (1, 0), (2, 2)]

@@ -166,8 +166,48 @@ def align_modules(recs_a: list, recs_b: list, ia: list, ib: list, mapping: Mappi
     return _pair_by_key(ia, ib, lambda i: key(recs_a[i], mapping), lambda j: key(recs_b[j], None), "module")
 
 
-def align(recs_a: list, recs_b: list, match: str = "fuzzy", mapping: Mapping | None = None) -> Alignment:
-    """Align two parts' records (ops per stage, modules by scope); pairs sorted by A's order."""
+def _output_distance(ra: dict, rb: dict) -> float:
+    """How far apart two records' output statistics are (relative, over mean and norm)."""
+    total = 0.0
+    for sa, sb in zip(ra.get("outputs") or (), rb.get("outputs") or ()):
+        a, b = sa.get("stats") or {}, sb.get("stats") or {}
+        for k in ("mean", "norm"):
+            x, y = a.get(k), b.get(k)
+            if isinstance(x, (int, float)) and isinstance(y, (int, float)):
+                total += abs(x - y) / (abs(x) + abs(y) + 1e-30)
+    return total
+
+
+def pair_runs_by_stats(pairs: list, recs_a: list, recs_b: list) -> list:
+    """Within each run of consecutive pairs whose records share op, scope and output shapes, pair
+    by closest output statistics instead of by order: two frameworks may run equal ops (the two
+    backward ``mul`` of a product) in the other order."""
+    def key(r):
+        return r["kind"], r["stage"], r["scope"], r["op"], output_shapes(r)
+    pairs = sorted(pairs)
+    out, i = [], 0
+    while i < len(pairs):
+        j = i + 1
+        while j < len(pairs) and pairs[j][0] == pairs[j - 1][0] + 1 and pairs[j][1] == pairs[j - 1][1] + 1 \
+                and key(recs_a[pairs[j][0]]) == key(recs_a[pairs[i][0]]) == key(recs_b[pairs[j][1]]):
+            j += 1
+        run = pairs[i:j]
+        if len(run) > 1:
+            free = [b for _, b, _ in run]
+            for a, _, how in run:
+                best = min(free, key=lambda b: _output_distance(recs_a[a], recs_b[b]))
+                free.remove(best)
+                out.append((a, best, how))
+        else:
+            out.extend(run)
+        i = j
+    return out
+
+
+def align(recs_a: list, recs_b: list, match: str = "fuzzy", mapping: Mapping | None = None,
+          by_stats: bool = False) -> Alignment:
+    """Align two parts' records (ops per stage, modules by scope); pairs sorted by A's order.
+    ``by_stats``: equal-key runs paired by closest statistics (:func:`pair_runs_by_stats`)."""
     mapping = mapping or Mapping()
     pairs, only_a, only_b = [], [], []
     for stage in ("forward", "backward"):
@@ -187,5 +227,5 @@ def align(recs_a: list, recs_b: list, match: str = "fuzzy", mapping: Mapping | N
     known = ("forward", "backward")
     only_a += [i for i, r in enumerate(recs_a) if r["stage"] not in known]
     only_b += [i for i, r in enumerate(recs_b) if r["stage"] not in known]
-    pairs.sort()
+    pairs = pair_runs_by_stats(pairs, recs_a, recs_b) if by_stats else sorted(pairs)
     return Alignment(pairs, sorted(only_a), sorted(only_b))

@@ -339,7 +339,7 @@ def compare_parts(part_a: Part, part_b: Part, match: str = "fuzzy", mapping: Map
 def _compare_parts(part_a: Part, part_b: Part, match: str, mapping: Mapping, tensors: bool, translate: tuple):
     recs_a, recs_b = (t.records(p.records) if t else p.records for t, p in zip(translate, (part_a, part_b)))
     problems = list(part_a.problems) + list(part_b.problems)
-    al = align(recs_a, recs_b, match=match, mapping=mapping)
+    al = align(recs_a, recs_b, match=match, mapping=mapping, by_stats=any(translate))
     step, rank = part_a.step, part_a.rank
 
     # sequence numbers per stage, in A's (and B's) execution order
