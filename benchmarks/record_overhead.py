@@ -188,26 +188,55 @@ def main():
     torch.manual_seed(0)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.steps} timed steps per mode\n")
     tmp = tempfile.mkdtemp(prefix="dp-bench-")
+    summary = []
     try:
         for case in (transformer_case(args.quick), mlp_case(args.quick), llama_case(args.quick)):
             name, rows = run_modes(case, args.steps, tmp)
             base = statistics.median(rows[0][1])
             print(f"{name}:")
             print(f"  {'mode':26s} {'median ms':>10s} {'ratio':>7s} {'MB/step':>9s} {'files/step':>10s}")
+            cells = {}
             for label, times, written, *own_base in rows:
                 if times is None:
                     print(f"  {label:26s} {written}")
+                    cells[label] = "-"
                     continue
                 med = statistics.median(times)
                 ratio = med / (statistics.median(own_base[0]) if own_base else base)
                 mb = f"{written[0] / 1e6:9.2f}" if written else f"{'-':>9s}"
                 nf = f"{written[1]:10.1f}" if written else f"{'-':>10s}"
                 print(f"  {label:26s} {med * 1e3:10.2f} {ratio:6.2f}x {mb} {nf}")
+                cells[label] = f"{med * 1e3:.1f} ms" if label == "uninstrumented" else f"{ratio:.2f}x"
+                if written and (label.startswith("msprobe tensor") or label == "dispatchprobe tensor"):
+                    cells[label] += f" ({written[0] / 1e6:.0f} MB)"
+            summary.append((name, cells))
             print()
         print("msprobe runs in a child process (its debugger is a process-wide singleton); its ratio is to the\n"
-              "child's own uninstrumented median.  Bytes and files: whole run folder / recorded steps.")
+              "child's own uninstrumented median.  Bytes and files: whole run folder / recorded steps.\n")
+        print_summary(summary, args.quick)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+CASES = {"transformer": ("transformer (dim 128, 2 layers, seq 64, batch 8)", "transformer (dim 256, 4 layers, seq 128, batch 8)"),
+         "mlp": ("MLP (512 wide, 4 layers, batch 256)",) * 2,
+         "llama": ("transformers Llama (hidden 128, 2 layers, seq 64, batch 2)",
+                   "transformers Llama (hidden 256, 4 layers, seq 128, batch 4)")}
+COLUMNS = ("uninstrumented", "dispatchprobe statistics", "msprobe statistics L1", "torch DebugMode",
+           "dispatchprobe tensor", "msprobe tensor L1")
+TARGETS = {("transformer", "dispatchprobe statistics"): 1.3, ("mlp", "dispatchprobe statistics"): 2.0,
+           ("llama", "dispatchprobe statistics"): 2.0, ("transformer", "dispatchprobe tensor"): 3.0}
+
+
+def print_summary(summary, quick: bool) -> None:
+    """The table of issue 17 (markdown): step time uninstrumented, each tool's ratio to it."""
+    print("| step | " + " | ".join(COLUMNS) + " |")
+    print("| --- " * (len(COLUMNS) + 1) + "|")
+    for name, cells in summary:
+        print(f"| {CASES[name][0 if quick else 1]} | " + " | ".join(cells.get(c, "-") for c in COLUMNS) + " |")
+    print("\ntargets (ratio to uninstrumented): " + ", ".join(f"{case} {mode.removeprefix('dispatchprobe ')} <= {v}x"
+                                                       for (case, mode), v in TARGETS.items())
+          + "; statistics within 10% of DebugMode's ratio on the transformer")
 
 
 if __name__ == "__main__":
