@@ -42,10 +42,16 @@ setTimeout(function () {
                            visible: r.height > 0 && r.top >= tree.top && r.bottom <= tree.bottom,
                            selected: d.classList.contains("sel")};
   });
-  var hl = document.querySelectorAll("#detail tr.hl");
+  var hl = document.querySelectorAll("#detail .hl"), det = document.getElementById("detail"), tooWide = [];
+  // the detail pane scrolls down, never sideways: nothing in it wider than the pane
+  det.querySelectorAll("*").forEach(function (el) {
+    var r = el.getBoundingClientRect();
+    if (r.width && r.right > det.getBoundingClientRect().left + det.clientWidth + 1) tooWide.push(el.tagName + "." + el.className);
+  });
   var res = {page: document.documentElement.scrollWidth, client: w, wide: wide.slice(0, 5), marks: marks,
              rows: hl.length, row_text: Array.prototype.map.call(hl, function (r) { return r.textContent; }).join(" | "),
              detail: (document.querySelector("#detail .path") || {}).textContent || "",
+             detail_overflow: det.scrollWidth - det.clientWidth, detail_wide: tooWide.slice(0, 5),
              tree_rows: document.querySelectorAll("#tree .nrow").length,
              plots: document.querySelectorAll(".js-plotly-plot .main-svg").length};
   var pre = document.createElement("pre"); pre.id = "layout-check"; pre.textContent = JSON.stringify(res);
@@ -69,8 +75,10 @@ def screenshot(page, tmp_path) -> bytes:
 
 def layout(page, tmp_path) -> dict:
     """The page's layout and explorer state after its scripts ran: ``page``/``client`` widths, ``wide``
-    (elements past the right edge), ``marks`` per stage (marked, visible in the tree, selected, badge
-    text), highlighted detail rows, the selected node's path, tree rows and drawn plots."""
+    (elements past the right edge), ``detail_overflow``/``detail_wide`` (how far and what runs past the
+    detail pane's width), ``marks`` per stage (marked, visible in the tree, selected, badge text),
+    highlighted ops in the detail pane (``rows``, ``row_text``), the selected node's path, tree rows and
+    drawn plots."""
     checked = tmp_path / ("checked-" + page.name)
     checked.write_text(page.read_text().replace("</body>", _LAYOUT_CHECK))
     dom = subprocess.run(_browser(tmp_path) + ["--dump-dom", checked.as_uri()], capture_output=True, text=True,
@@ -87,5 +95,7 @@ def page_data(page: str) -> dict:
 
 
 def assert_fits(res: dict) -> None:
-    """Nothing wider than the page (wide tables scroll inside their own box)."""
+    """Nothing wider than the page (wide tables scroll inside their own box), and nothing wider than the
+    detail pane (an op's columns wrap or turn instead)."""
     assert res["page"] <= res["client"] and not res["wide"], res
+    assert res["detail_overflow"] <= 0 and not res["detail_wide"], res

@@ -446,12 +446,13 @@ def _fill(template: str, data: dict, **fills) -> str:
 # ---- op pages: run-ut results and overflow runs as the module tree (templates/ops.html) ---------------
 def ops_page(ops: pd.DataFrame, *, title: str, tree_heading: str, summary: list, levels: list, mark: str,
              op_cols: list, row_cols: list, rows_of, meta: dict, manifest: dict, full_table: str, legend: str,
-             message_col: str = "") -> str:
+             message_col: str = "", fold_col: str = "") -> str:
     """One self-contained page: ``ops`` (one row per op: step, rank, stage, scope, op, sev -- an index into
     ``levels`` --, mark -- bool, the first marked op of each stage is marked in the tree --, and
     ``op_cols``) grouped by module scope, each node coloured by its worst level; per node at most
     OPS_PER_NODE ops are embedded (worst and marked first), each with ``rows_of(op row labels)`` ->
-    {label: [[row_cols values]]} (its tensors)."""
+    {label: [[row_cols values]]} (its tensors).  ``message_col`` (an op or row column) is shown as a line of
+    text, ``fold_col`` (an op column: a stack) folded."""
     ops = ops.reset_index(drop=True)
     scope = ops["scope"].fillna("").astype(str)
     nodes, index = scope_tree(set(scope), len(levels))
@@ -484,7 +485,7 @@ def ops_page(ops: pd.DataFrame, *, title: str, tree_heading: str, summary: list,
         i = int(np.argmax(ops["sev"].to_numpy() == worst))
         first = {"node": index[scope[i] or "<top>"]["id"], "key": key[i]}
     data = {"nodes": nodes, "levels": levels, "mark": mark, "full_table": full_table, "ops": out, "op_cols": op_cols,
-            "row_cols": row_cols, "message_col": message_col,
+            "row_cols": row_cols, "message_col": message_col, "fold_col": fold_col,
             "marks": {s: {k: v for k, v in m.items() if k != "i"} for s, m in marks.items()},
             "first": first and {"node": first["node"], "key": first["key"]},
             "expand": sorted({index[sc or "<top>"]["id"] for sc in scope[ops["sev"] == worst]})}
@@ -608,7 +609,7 @@ def overflow_html(run) -> str:
 
     return ops_page(ops, title="dispatchprobe overflow", tree_heading="Where inf/nan appeared: module tree",
                     summary=overflow_summary(run, rows), levels=OVERFLOW_LEVELS, mark="first {stage} overflow",
-                    op_cols=_OVERFLOW_COLS, row_cols=_TENSOR_COLS, rows_of=rows_of, message_col="stack",
+                    op_cols=_OVERFLOW_COLS, row_cols=_TENSOR_COLS, rows_of=rows_of, fold_col="stack",
                     meta={"run": run.path}, manifest=run.manifest or {}, full_table="overflow.csv",
                     legend="critical: finite inputs, inf/nan output (the op that created it); propagated: inf/nan "
                            "in and out; suspicious growth: output norm over 100x the largest input norm.  A "
