@@ -321,3 +321,35 @@ def test_identical_mixture_of_experts_runs_agree(tmp_path, task):
     assert any(s.get("undefined") for r in recs if r["op"] == "aten.index_put_.default" for s in r["inputs"])
     table, verdict = compare(tmp_path / "a", tmp_path / "b")
     assert verdict.passed and verdict.counts.get("error", 0) == 0, str(verdict)
+
+
+def test_loss_module_backward_is_scoped_and_every_module_gets_its_backward_record(tmp_path):
+    """The loss module's output is the root of backward, where torch's multi-grad hook never
+    fires: its backward ops still carry its scope; modules whose inputs need no gradient (the
+    first layer, the root) get their backward module record when backward ends."""
+    import json
+
+    class Loss(torch.nn.Module):
+        def forward(self, x, y):
+            return torch.nn.functional.cross_entropy(x, y)
+
+    class Train(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.loss = torch.nn.Linear(4, 3), Loss()
+
+        def forward(self, x, y):
+            return self.loss(self.fc(x), y)
+
+    model = Train()
+    x, y = torch.randn(2, 4), torch.tensor([0, 1])
+    with DispatchProbe(task="statistics", dump_path=str(tmp_path), model=model, level="mix") as probe:
+        model(x, y).backward()
+    probe.close()
+    recs = [json.loads(line) for line in open(tmp_path / "step0" / "rank0" / "ops.jsonl")]
+    scope = {r["op"]: r["scope"] for r in recs if r["kind"] == "op" and r["stage"] == "backward"}
+    assert scope["aten.nll_loss_backward.default"] == "Train.loss"
+    assert scope["aten._log_softmax_backward_data.default"] == "Train.loss"
+    assert scope["aten.mm.default"] == "Train.fc"
+    modules = [r["scope"] for r in recs if r["kind"] == "module" and r["stage"] == "backward"]
+    assert modules == ["Train.loss", "Train.fc", "Train"]

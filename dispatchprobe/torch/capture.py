@@ -14,7 +14,9 @@ import sys
 from typing import NamedTuple
 
 import torch
+from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 from torch.utils.module_tracker import ModuleTracker
 
 from . import backend as torch_backend
@@ -229,7 +231,16 @@ class _ModuleScopes(ModuleTracker):
     def _fw_post_hook(self, mod, input, output) -> None:
         if torch.compiler.is_compiling() or _in_compiled_code():
             return
-        super()._fw_post_hook(mod, input, output)
+        name = self._get_mod_name(mod)
+        self._get_pop_fn(name, False)()
+        tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        if len(tensors) == 1:
+            # one output: a plain tensor hook, which also fires on the root of backward (the loss
+            # module's output), where torch's multi-grad hook never does
+            enter = self._get_append_fn(name, True)
+            self._hooks.append(tensors[0].register_hook(lambda grad: enter(grad) and None))
+        elif tensors:
+            self._hooks.append(register_multi_grad_hook(tensors, self._get_append_fn(name, True)))
         self.probe.on_module(self._types[self._get_mod_name(mod)], self._get_mod_name(mod), "forward",
                               input, output)
 
@@ -270,6 +281,11 @@ class _ModuleScopes(ModuleTracker):
         return leave
 
     def _backward_done(self) -> None:
+        # modules whose inputs need no gradient (the first layer, the root) never leave backward
+        # by a hook: their module records are written when backward ends, innermost first
+        for name in reversed(self.backward_active):
+            self.parents.discard(name)
+            self.probe.on_module(self._types.get(name, ""), name, "backward", self._grad_out.get(name, ()), ())
         self.backward_active.clear()
         self._grad_out.clear()
         self._left_early.clear()
