@@ -121,10 +121,20 @@ def test_probe_backend_records_forward_backward_and_aligns_with_eager(tmp_path):
     assert ("aten.mm.default", "TinyTransformer.layers.0.attn.qkv", "backward") in by_op
     assert ("aten.native_layer_norm_backward.default", "TinyTransformer.norm", "backward") in by_op
     assert all(set(o["stats"]) >= {"max", "min", "mean", "norm", "nan", "inf"}
-               for r in records if "compiled" in r for o in r["outputs"])
+               for r in records if "compiled" in r for o in r["outputs"] if o["type"] != "none")
+    # a decomposed call is recorded as eager calls it: its traced arguments and its outputs by position
+    norm = next(r for r in records if r["op"] == "aten.native_layer_norm.default" and "compiled" in r)
+    assert norm["compiled"]["decomposed"] and norm["compiled"]["call"]
+    x, shape, weight, bias, eps = norm["inputs"]
+    assert [x["type"], weight["type"], bias["type"]] == ["tensor"] * 3 and x["stats"]["norm"] > 0
+    assert shape == {"type": "list", "value": [{"type": "int", "value": 32}]} and eps["value"] == 1e-5
+    assert [o["type"] for o in norm["outputs"]] == ["tensor"] * 3 and norm["outputs"][2]["shape"] == [2, 16, 1]
 
     table, verdict = compare(str(tmp_path / "compiled"), str(tmp_path / "eager"), out=str(tmp_path / "report"))
     assert verdict.forward is None and "no forward divergence" in str(verdict)
+    paired = table[(table["op_a"] == "aten.native_layer_norm.default") & (table["scope"] == "TinyTransformer.layers.0.norm1")]
+    assert set(paired["arg"]) == {"input.0", "input.2", "input.3", "output.0", "output.1", "output.2"}
+    assert (paired["status"] == "pass").all()
     forward = table[table["stage"] == "forward"]
     assert len(forward) >= 30 and (forward["status"] != "error").all()
     # backward: every pair of the same op agrees; what differs is the decomposition dynamo traces
@@ -313,7 +323,7 @@ def _planted_lowering(x):
 def test_tensor_task_compiled_and_run_ut_judges_the_compiled_kernels(tmp_path, monkeypatch):
     """task tensor saves the values the inductor kernels computed; run-ut judges those against its
     float64 benchmark of the recorded inputs, so a wrong lowering is an error there; decomposed calls
-    (no call in the graph to replay) are skipped with the reason."""
+    are replayed from their traced arguments."""
     from torch._inductor import lowering
     from dispatchprobe import run_ut
     from dispatchprobe.torch.replay import TensorSource
@@ -336,10 +346,49 @@ def test_tensor_task_compiled_and_run_ut_judges_the_compiled_kernels(tmp_path, m
     status = dict(zip(res["API Name"], verdicts))
     assert status["dptest.soft_act.default.0.forward"] == "error"
     assert status["aten.addmm.default.1.forward"] == "pass" and status["aten.mm.default.0.backward"] == "pass"
-    skipped = res[verdicts == "SKIP"]
-    assert len(skipped) >= 1 and skipped["Message"].str.startswith("decomposed by the compiler").all()
-    others = ~res["API Name"].str.startswith("dptest") & (verdicts != "SKIP")
+    assert status["aten.rsub.Scalar.0.backward"] == "pass"          # decomposed by inductor
+    others = ~res["API Name"].str.startswith("dptest")
     assert (verdicts[others] == "pass").all() and others.sum() >= 10
+
+
+class _Normed(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(8, 16)
+        self.norm = torch.nn.LayerNorm(16)
+        self.b = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.b(F.gelu(self.norm(self.a(x))))
+
+
+def test_decomposed_calls_recorded_with_their_arguments_and_replayed(tmp_path):
+    """Layer norm and gelu, decomposed by inductor's table: their records hold the traced call
+    (tensors, normalized_shape, eps) and every output by position, so run-ut replays them; an
+    argument the graph no longer reads (the backward uses the forward's saved values) is a SKIP
+    saying so."""
+    from dispatchprobe import run_ut
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(0)
+    model = _Normed()
+    backend = probe_backend(task="tensor", dump_path=str(tmp_path / "c"), inner="aot_eager")
+    torch.compile(model, backend=backend)(x).sum().backward()
+    backend.close()
+    records = {r["name"]: r for r in _ops(tmp_path / "c")}
+    norm = records["aten.native_layer_norm.default.0.forward"]
+    assert norm["compiled"] == {**norm["compiled"], "decomposed": True, "call": True}
+    assert [v["type"] for v in norm["inputs"]] == ["tensor", "list", "tensor", "tensor", "float"]
+    assert all(v.get("data") for v in norm["outputs"]) and norm["output_type"] == "tuple"
+    res = run_ut(str(tmp_path / "c"), str(tmp_path / "ut"), progress=False).results
+    verdicts = res["Forward Test Success"] + res["Backward Test Success"]
+    status = dict(zip(res["API Name"], verdicts))
+    message = dict(zip(res["API Name"], res["Message"]))
+    assert status["aten.native_layer_norm.default.0.forward"] == "pass"
+    assert status["aten.gelu.default.0.forward"] == "pass" and status["aten.gelu_backward.default.0.backward"] == "pass"
+    backward = "aten.native_layer_norm_backward.default.0.backward"
+    assert status[backward] == "pass" or (status[backward] == "SKIP"
+                                          and "is not in the compiled graph" in message[backward])
+    assert (verdicts.isin(["pass", "SKIP"])).all() and (verdicts == "pass").sum() >= 8
 
 
 class _Overflows(torch.nn.Module):

@@ -11,6 +11,7 @@ execution order with the eager records of the code around the graphs.  See docs/
 from __future__ import annotations
 
 import atexit
+import functools
 import itertools
 import math
 import operator
@@ -135,7 +136,7 @@ class ProbeBackend:
         # both caches would skip the instrumenting pass: off for this backend's graphs only
         with functorch_config.patch(enable_autograd_cache=False):
             return compile_fx(gm, example_inputs, inner_compile=inner_compile,
-                              config_patches={"fx_graph_cache": False})
+                              config_patches={"fx_graph_cache": False}, decompositions=_traced_decompositions())
 
 
 def probe_backend(config=None, *, inner: str = "inductor", model: torch.nn.Module | None = None,
@@ -174,6 +175,99 @@ def _EagerOutput(gm):
     cls = _eager_output_type()
     _EagerOutput = cls
     return cls(gm)
+
+
+# ---- the calls inductor decomposes ---------------------------------------------------------------
+CALL_KEY = "dispatchprobe_call"         # node.meta: the traced call (a _Call) a decomposition's node comes from
+OUTPUT_KEY = "dispatchprobe_output"     # node.meta: which output of that call the node is
+VALUE_KEY = "dispatchprobe_value"       # node.meta: identity of a value a traced call reads
+_value_ids = itertools.count()
+
+
+class _Value:
+    """A tensor argument of a traced call: the id put on the node holding it, and its metadata
+    (for an argument the post-grad graph no longer reads)."""
+
+    __slots__ = ("id", "spec")
+
+    def __init__(self, vid, spec: dict):
+        self.id, self.spec = vid, spec
+
+
+class _Call:
+    """A call that inductor's decompositions replace, as AOTAutograd traced it: the op, its
+    arguments (tensors as :class:`_Value`, symbolic sizes as their hints) and its output count.
+    Plain data, shared by the nodes of its decomposition through their metadata (which survives
+    the partitioner's and the passes' graph copies)."""
+
+    __slots__ = ("op", "args", "kwargs", "outputs")
+
+    def __init__(self, op, args, kwargs, outputs: int):
+        self.op, self.args, self.kwargs, self.outputs = op, args, kwargs, outputs
+
+
+_IDENTITIES = (torch.ops.aten.detach.default, torch.ops.aten.alias.default)
+
+
+def _traced_decompositions() -> dict:
+    """Inductor's decomposition table, each entry noting the call it decomposes on the nodes it
+    makes, so a decomposed call can be recorded with its arguments and its outputs by position."""
+    from torch._inductor.decomposition import select_decomp_table
+    return {op: _traced(op, fn) for op, fn in select_decomp_table().items()}
+
+
+def _traced(op, fn):
+    @functools.wraps(fn)
+    def decomposition(*args, **kwargs):
+        from torch.fx.experimental import proxy_tensor
+        mode = proxy_tensor.get_proxy_mode()
+        # only the outermost call (the one named by original_aten), not the calls it decomposes into
+        if mode is None or proxy_tensor.ORIGINAL_ATEN.get() is not op:
+            return fn(*args, **kwargs)
+        tracer = mode.tracer
+        nodes = tracer.graph.nodes
+        last = next(reversed(nodes), None)
+
+        def value(x):
+            if isinstance(x, torch.Tensor):
+                slot = proxy_tensor.get_proxy_slot(x, tracer, None)
+                spec = torch_backend.tensor_meta(x)
+                spec["shape"] = [_hint(d) for d in spec["shape"]]
+                spec["stride"] = [_hint(d) for d in spec["stride"]] if spec["stride"] is not None else None
+                spec["requires_grad"] = False
+                vid = None
+                if slot is not None:
+                    node = slot.proxy.node
+                    # autograd's saved values are detach()es of the value, which later passes drop
+                    while node.target in _IDENTITIES and isinstance(node.args[0], torch.fx.Node):
+                        node = node.args[0]
+                    vid = node.meta.setdefault(VALUE_KEY, next(_value_ids))
+                return _Value(vid, spec)
+            if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+                return _hint(x)
+            if isinstance(x, (list, tuple)):
+                return type(x)(value(v) for v in x) if isinstance(x, tuple) else [value(v) for v in x]
+            return x
+
+        call_args = tuple(value(a) for a in args)
+        call_kwargs = {k: value(v) for k, v in kwargs.items()}
+        out = fn(*args, **kwargs)
+        if out is NotImplemented:
+            return out
+        flat = out if isinstance(out, (tuple, list)) else (out,)
+        call = _Call(op, call_args, call_kwargs, len(flat))
+        node = last.next if last is not None else next(iter(nodes), None)
+        while node is not None and node.op != "root":
+            node.meta[CALL_KEY] = call
+            node = node.next
+        for i, t in enumerate(flat):
+            if isinstance(t, torch.Tensor):
+                slot = proxy_tensor.get_proxy_slot(t, tracer, None)
+                if slot is not None and slot.proxy.node.meta.get(CALL_KEY) is call:
+                    slot.proxy.node.meta.setdefault(OUTPUT_KEY, i)
+        return out
+
+    return decomposition
 
 
 # ---- names and scopes -----------------------------------------------------------------------------
@@ -259,6 +353,7 @@ class _Instrument:
         # re-run eagerly when a call overflows
         plain = _rerun_module(graph) if self.owner.config.task == "overflow" else None
         groups = self._groups(graph)
+        users = {n: tuple(n.users) for n in graph.nodes}      # before the statistics add users
         records = _GraphRecords(self.owner, "backward" if self.backward else "forward", self.roots)
         stats: dict[torch.fx.Node, list] = {}
         order: list[torch.fx.Node] = []
@@ -268,13 +363,19 @@ class _Instrument:
             outputs = self._exported(group, not exact, self.owner_of)
             if not any(o is not None for o in outputs):
                 continue
+            call = None
             if exact:
                 first = group.nodes[0]
                 inputs = list(first.args)
                 kwargs = dict(first.kwargs)
             else:
                 inputs, kwargs = [], {}
-            template = records.add(group, inputs, kwargs, outputs, exact)
+                call = _traced_call(group)
+                if call is not None:
+                    inputs, kwargs, traced_outputs = _call_values(graph, group, call, self.owner_of, users)
+                    if any(o is not None for o in traced_outputs):
+                        outputs = traced_outputs
+            template = records.add(group, inputs, kwargs, outputs, exact, call is not None)
             if task == "overflow":
                 template.check_inputs(group, exact)
             for n in template.tensor_nodes:
@@ -363,6 +464,61 @@ class _Instrument:
         return (read or out)[-1:]
 
 
+def _traced_call(group: _Group) -> _Call | None:
+    """The traced call a decomposed group comes from, when its nodes name exactly one."""
+    calls = {id(c): c for c in (n.meta.get(CALL_KEY) for n in group.nodes) if c is not None}
+    if len(calls) != 1:
+        return None
+    call = next(iter(calls.values()))
+    return call if str(call.op) == str(group.op) else None
+
+
+def _call_values(graph: torch.fx.Graph, group: _Group, call: _Call, owner_of: dict, users: dict):
+    """A decomposed call's arguments and outputs in the graph: each tensor argument is the node
+    holding the value it was called with (a :class:`_Value` when the graph does not read it any
+    more); each output is the node the decomposition returned in that position, if an op outside
+    the call reads it."""
+    inside = set(group.nodes)
+    holders: dict = {}
+    for n in graph.nodes:
+        vid = n.meta.get(VALUE_KEY)
+        if vid is not None and n not in inside and isinstance(n.meta.get("val"), torch.Tensor):
+            holders.setdefault(vid, []).append(n)
+    reads = []          # what the call's nodes read from outside it: preferred holders
+    for n in group.nodes:
+        for a in n.all_input_nodes:
+            if a not in inside and a not in reads and isinstance(a.meta.get("val"), torch.Tensor):
+                reads.append(a)
+    used: set = set()
+
+    def node_of(v: _Value):
+        # only the node holding that very value: a value of the same shape found otherwise may be
+        # another one (the joint graph's CSE gives layer norm's backward the forward's x_hat, not x)
+        found = [n for n in holders.get(v.id, ()) if n not in used]
+        if not found:
+            return v
+        found.sort(key=lambda n: n not in reads)
+        used.add(found[0])
+        return found[0]
+
+    def resolve(x):
+        if isinstance(x, _Value):
+            return node_of(x)
+        if isinstance(x, (list, tuple)):
+            return type(x)(resolve(v) for v in x) if isinstance(x, tuple) else [resolve(v) for v in x]
+        return x
+
+    args = [resolve(a) for a in call.args]
+    kwargs = {k: resolve(v) for k, v in call.kwargs.items()}
+    at = {}
+    for n in group.nodes:
+        i = n.meta.get(OUTPUT_KEY)
+        if i is not None and n.meta.get(CALL_KEY) is call and isinstance(n.meta.get("val"), torch.Tensor) \
+                and any(owner_of.get(u) is not group for u in users.get(n, ())):
+            at.setdefault(i, n)
+    return args, kwargs, [at.get(i) for i in range(call.outputs)]
+
+
 def _last_placeholder(graph: torch.fx.Graph) -> torch.fx.Node:
     last = None
     for n in graph.nodes:
@@ -401,6 +557,11 @@ class _Template:
                     self.tensor_nodes.append(a)
 
     def encode(self, value):
+        if isinstance(value, _Value):
+            # an argument the compiled graph no longer reads: its metadata, not a tensor to compare
+            spec = value.spec
+            return {"type": "other", "repr": f"{spec['dtype']}{spec['shape']} tensor, not read by the compiled graph",
+                    "unread": spec}
         if isinstance(value, torch.fx.Node):
             val = value.meta.get("val")
             if isinstance(val, torch.Tensor):
@@ -424,10 +585,13 @@ class _Template:
         return encode_plain(value, torch_backend)
 
 
-def _hint(size) -> int:
-    if isinstance(size, torch.SymInt):
+def _hint(size):
+    """A size (or symbolic scalar) as the plain value of its hint."""
+    if isinstance(size, (torch.SymInt, torch.SymFloat, torch.SymBool)):
         hint = size.node.hint
-        return int(hint) if hint is not None else -1
+        if hint is None:
+            return -1 if isinstance(size, torch.SymInt) else None
+        return {torch.SymInt: int, torch.SymFloat: float, torch.SymBool: bool}[type(size)](hint)
     return int(size)
 
 
@@ -444,11 +608,13 @@ class _GraphRecords:
         self.rerun: torch.fx.GraphModule | None = None
         _GRAPHS[self.id] = self
 
-    def add(self, group: _Group, inputs, kwargs, outputs, exact: bool) -> _Template:
+    def add(self, group: _Group, inputs, kwargs, outputs, exact: bool, traced: bool = False) -> _Template:
         scope_meta = group.nodes[0].meta.get("fwd_nn_module_stack" if self.stage == "backward" else "nn_module_stack")
         if self.stage == "backward" and not scope_meta:
             scope_meta = group.nodes[0].meta.get("nn_module_stack")
         t = _Template(str(group.op), _scope(scope_meta, self.roots), [n.name for n in group.nodes], exact)
+        if not exact:
+            t.compiled["call"] = traced
         t.inputs = [t.encode(a) for a in inputs]
         t.kwargs = {k: t.encode(v) for k, v in kwargs.items()}
         t.outputs = [t.encode(o) for o in outputs]

@@ -243,9 +243,15 @@ def check_replayable(record: dict, random: bool) -> None:
     tensors = walk(record)
     if "inputs" not in record:
         raise Skip("inputs were not recorded (io filter)")
-    if (record.get("compiled") or {}).get("decomposed"):
-        raise Skip("decomposed by the compiler: the graph holds its pieces, not its call (compare it with an "
-                   "eager run instead)")
+    compiled = record.get("compiled") or {}
+    if compiled.get("decomposed") and not compiled.get("call"):
+        raise Skip("decomposed by the compiler, its call not traced: the graph holds its pieces, not its "
+                   "arguments (compare it with an eager run instead)")
+    if compiled:
+        for io, arg, s in walk(record, outputs=False, tensors_only=False):
+            if s.get("type") == "other" and s.get("unread"):
+                raise Skip(f"{arg} is not in the compiled graph (it reads other values in its place, such as "
+                           "saved intermediates): no value to replay the call with")
     func = resolve(record["op"])
     written = {x for pair in ops.written_args(func) for x in pair}
     for i, s in enumerate(record.get("inputs") or ()):
