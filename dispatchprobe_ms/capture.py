@@ -68,16 +68,15 @@ def _flat(out):
 class _CellScopes:
     """Cell names (``Net.fc1``) and the active cell, forward and backward, from cell hooks.
 
-    Backward hooks make MindSpore insert identity ``View`` ops around each cell's call (one
-    after the pre-hook, two after the forward hook): :meth:`is_hook_view` keeps them out of the
-    records.  A cell whose backward ran no observable primitive is noted in ``unobserved``."""
+    Backward hooks make MindSpore insert identity ``View`` ops around each cell's call:
+    :meth:`is_hook_view` keeps them out of the records.  A cell whose backward ran no observable primitive is noted in ``unobserved``."""
 
     def __init__(self, probe: "DispatchProbe", model):
         self.probe, self.model = probe, model
         self.forward_stack: list[str] = []
         self.backward_stack: list[str] = []
         self._handles: list = []
-        self._hook_views = 0
+        self._hook_views = False
         self._ops_in: dict[str, int] = {}          # backward ops seen while the cell was active
         self.unobserved: dict[str, str] = {}       # cell -> why its backward is not (fully) recorded
 
@@ -107,10 +106,11 @@ class _CellScopes:
         self.backward_stack.clear()
 
     def is_hook_view(self, name: str, inputs) -> bool:
+        """An identity ``View`` right after a cell boundary (one per tensor the cell takes or
+        returns, and then some): the backward hooks' machinery, not the user's."""
         if self._hook_views and name == "View" and len(inputs) == 2 and list(inputs[1]) == list(inputs[0].shape):
-            self._hook_views -= 1
             return True
-        self._hook_views = 0
+        self._hook_views = False
         return False
 
     def saw_op(self, name: str, stage: str) -> None:
@@ -123,12 +123,12 @@ class _CellScopes:
 
     def _enter(self, scope: str) -> None:
         self.forward_stack.append(scope)
-        self._hook_views = 1
+        self._hook_views = True
 
     def _leave(self, scope: str, kind: str, inputs, output) -> None:
         if self.forward_stack and self.forward_stack[-1] == scope:
             self.forward_stack.pop()
-        self._hook_views = 2
+        self._hook_views = True
         self.probe.on_module(kind, scope, "forward", inputs, output)
 
     def _enter_backward(self, scope: str) -> None:

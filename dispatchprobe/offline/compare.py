@@ -203,15 +203,34 @@ def _swap_commutative(ta: list, tb: list) -> list:
     return [(io, arg, swap.get(arg, spec)) if io == "input" else (io, arg, spec) for io, arg, spec in tb]
 
 
+def _decomposed_scopes(recs_a: list, recs_b: list, translate: tuple) -> set:
+    """(stage, scope) of the modules both runs recorded a boundary of, whose own ops differ (after
+    translation): the two frameworks decompose that module differently (a loss), so it is
+    compared at its boundary (its module records), not op by op."""
+    def own_ops(recs, other):
+        unseen = other.unobservable if other is not None else {}   # not a decomposition: unobserved
+        ops, bounds = {}, set()
+        for r in recs:
+            key = (r["stage"], r["scope"])
+            if r["kind"] == "module":
+                bounds.add(key)
+            elif r["scope"] and not (r["stage"] == "backward" and r["op"] in unseen):
+                ops.setdefault(key, []).append(r["op"])
+        return ops, bounds
+    (ops_a, bounds_a), (ops_b, bounds_b) = own_ops(recs_a, translate[1]), own_ops(recs_b, translate[0])
+    return {k for k in bounds_a & bounds_b if sorted(ops_a.get(k, [])) != sorted(ops_b.get(k, []))}
+
+
 def _explain_unobservable(unmatched: pd.DataFrame, translate: tuple, problems: list, step: int, rank: int):
     """Mark the PyTorch side's unmatched backward records whose counterpart the other framework
     runs unobserved (``unobservable`` in its translation), and say so once."""
-    unmatched["unobservable"] = False
     for side, other in (("a", translate[1]), ("b", translate[0])):
         if other is None or not other.unobservable:
             continue
-        hit = (unmatched["side"] == side) & (unmatched["stage"] == "backward") & unmatched["op"].isin(other.unobservable)
-        unmatched.loc[hit, "unobservable"] = True
+        hit = (unmatched["side"] == side) & (unmatched["stage"] == "backward") & unmatched["op"].isin(other.unobservable) \
+            & (unmatched["explained"] == "")
+        unmatched.loc[hit, "explained"] = [f"not observable in the other framework ({other.unobservable[op]})"
+                                           for op in unmatched.loc[hit, "op"]]
         if hit.any():
             kernels = sorted({other.unobservable[op] for op in unmatched.loc[hit, "op"]})
             problems.append(f"step {step} rank {rank}: {int(hit.sum())} backward record(s) of run {side.upper()} have no "
@@ -338,6 +357,11 @@ def compare_parts(part_a: Part, part_b: Part, match: str = "fuzzy", mapping: Map
 
 def _compare_parts(part_a: Part, part_b: Part, match: str, mapping: Mapping, tensors: bool, translate: tuple):
     recs_a, recs_b = (t.records(p.records) if t else p.records for t, p in zip(translate, (part_a, part_b)))
+    decomposed = _decomposed_scopes(recs_a, recs_b, translate) if any(translate) else set()
+    if decomposed:       # compared at the module's boundary: its ops go to unmatched, explained
+        inside = lambda r: r["kind"] == "op" and (r["stage"], r["scope"]) in decomposed   # noqa: E731
+        set_aside = [[r for r in recs if inside(r)] for recs in (recs_a, recs_b)]
+        recs_a, recs_b = ([r for r in recs if not inside(r)] for recs in (recs_a, recs_b))
     problems = list(part_a.problems) + list(part_b.problems)
     al = align(recs_a, recs_b, match=match, mapping=mapping, by_stats=any(translate))
     step, rank = part_a.step, part_a.rank
@@ -401,14 +425,25 @@ def _compare_parts(part_a: Part, part_b: Part, match: str, mapping: Mapping, ten
             r = recs[i]
             rows.append((step, rank, side, r["stage"], r["kind"], seq[i], r["scope"], r["op"], r["name"], r["call"],
                          op_traits.is_cast(r["op"])))
+    explained = [""] * len(rows)
+    if decomposed:
+        for side, recs in zip("ab", set_aside):
+            for r in recs:
+                rows.append((step, rank, side, r["stage"], r["kind"], -1, r["scope"], r["op"], r["name"], r["call"],
+                             op_traits.is_cast(r["op"])))
+                explained.append(f"decomposed differently: compared at the boundary of {r['scope']}")
     unmatched = pd.DataFrame(rows, columns=UNMATCHED_COLUMNS)
+    unmatched["explained"] = explained
     unmatched = _explain_unobservable(unmatched, translate, problems, step, rank)
+    if decomposed:
+        problems.append(f"step {step} rank {rank}: compared at their boundary (the frameworks decompose them "
+                        f"differently): {', '.join(sorted({f'{sc} ({st})' for st, sc in decomposed}))}")
     if recs_a and recs_b and not al.pairs:
         problems.append(f"step {step} rank {rank}: no record of {part_a.path} could be aligned with "
                         f"{part_b.path} (different models?)")
-    elif len(unmatched) and (~unmatched["is_cast"] & ~unmatched["unobservable"]).any():
+    elif len(unmatched) and (~unmatched["is_cast"] & (unmatched["explained"] == "")).any():
         hint = " (different models or options?)" if len(unmatched) > 0.2 * (len(recs_a) + len(recs_b)) else ""
-        problems.append(f"step {step} rank {rank}: {int((~unmatched['is_cast'] & ~unmatched['unobservable']).sum())} of "
+        problems.append(f"step {step} rank {rank}: {int((~unmatched['is_cast'] & (unmatched['explained'] == '')).sum())} of "
                         f"{len(recs_a) + len(recs_b)} records could not be aligned{hint}; listed in unmatched.csv")
     df = _score(df, part_a, part_b, tensors, problems)
     compute = [sum(1 for r in recs if not op_traits.is_cast(r["op"])) for recs in (recs_a, recs_b)]
@@ -861,7 +896,7 @@ def compare(a, b, *, match: str = "fuzzy", mapping: str | Mapping | None = None,
         divs.extend(res.divergences)
         aligned += res.aligned
     table = pd.concat(tables, ignore_index=True) if tables else pd.DataFrame(columns=COLUMNS)
-    um = pd.concat(unmatched, ignore_index=True) if unmatched else pd.DataFrame(columns=UNMATCHED_COLUMNS + ["unobservable"])
+    um = pd.concat(unmatched, ignore_index=True) if unmatched else pd.DataFrame(columns=UNMATCHED_COLUMNS + ["explained"])
     um["is_cast"] = um["is_cast"].astype(bool)
     if jobs_list[0][0] != jobs_list[0][1] and len(jobs_list) == 1:
         table["step"], table["rank"] = jobs_list[0][0]
