@@ -58,7 +58,8 @@ def echo_table(df, max_rows: int = 40) -> None:
               help="How many of the most frequent ops to list.")
 @click.option("--limit", default=40, show_default=True, type=click.IntRange(min=1), help="Rows to print with --op.")
 @click.option("--html", "html_path", default=None, type=click.Path(dir_okay=False, writable=True),
-              help="Overflow runs: write the module tree with the op that first created inf/nan marked to this file.")
+              help="Overflow and free_benchmark runs: write the module tree with the op that first created "
+                   "inf/nan (the first flagged op) marked to this file.")
 def show(path, op_pattern, stage, top, limit, html_path):
     """Summarise a run (steps, ranks, op counts, nan/inf), or list records with --op."""
     from .offline.summary import summarize, matching_records
@@ -67,8 +68,8 @@ def show(path, op_pattern, stage, top, limit, html_path):
     run = load(path)
     page = None
     if html_path:
-        from .offline.report import overflow_html
-        page = overflow_html(run)
+        from .offline.report import check_html
+        page = check_html(run)
     if op_pattern:
         rows = matching_records(run, op_pattern, stage)
         if not len(rows):

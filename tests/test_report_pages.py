@@ -1,12 +1,15 @@
-"""run-ut's results page and the overflow page: the module tree of the tiny transformer with the planted
-wrong kernel / fp16 overflow marked, checked in the page's data and as a person sees it (headless Chromium)."""
+"""run-ut's results page and the inline-check pages (overflow, free_benchmark): the module tree of the tiny
+transformer with the planted wrong kernel / fp16 overflow / bf16-only gelu marked, checked in the page's data
+and as a person sees it (headless Chromium)."""
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import sys
 
+import pandas as pd
 import pytest
 import torch
 from click.testing import CliRunner
@@ -148,9 +151,97 @@ def test_overflow_page_in_headless_chromium(overflow_pages, tmp_path, stage, nam
     assert_fits(seen)
 
 
-def test_show_html_needs_an_overflow_run(tmp_path):
+def bf16_gelu(x, approximate="none"):
+    """gelu 2% off in bfloat16 only: the free benchmark's float32 re-run (improve_precision) is right."""
+    y = x.float()
+    out = 0.5 * y * (1 + torch.erf(y / math.sqrt(2)))
+    return (out * (1 + 2e-2) if x.dtype == torch.bfloat16 else out).to(x.dtype)
+
+
+def record_free_benchmark(path):
+    """One bf16 training step of the tiny transformer under task='free_benchmark' (improve_precision) with
+    bf16_gelu planted."""
+    torch.manual_seed(0)
+    model = TinyTransformer().to(torch.bfloat16)
+    tokens, targets = lm_batch()
+    lib = torch.library.Library("aten", "IMPL")
+    lib.impl("gelu", bf16_gelu, "CPU")
+    try:
+        probe = DispatchProbe(task="free_benchmark", dump_path=str(path), model=model, pert_mode="improve_precision")
+        with probe:
+            lm_loss(model, tokens, targets).backward()
+        probe.close()
+    finally:
+        del lib
+    return path
+
+
+@pytest.fixture(scope="module")
+def free_benchmark_page(tmp_path_factory):
+    """`dispatchprobe show RUN --html` of the free-benchmark run, and the run's free_benchmark.csv rows."""
+    root = tmp_path_factory.mktemp("fb_page")
+    run = record_free_benchmark(root / "run")
+    out = root / "fb.html"
+    result = CliRunner().invoke(main, ["show", str(run), "--html", str(out)])
+    assert result.exit_code == 0 and f"report: {out}" in result.output, result.output
+    return run, out, pd.read_csv(run / "step0" / "rank0" / "free_benchmark.csv")
+
+
+def test_free_benchmark_page_marks_the_flagged_op(free_benchmark_page):
+    """Every flagged op is in the tree; the planted gelu is the first forward flag, marked, with its
+    max_rel / limit / pert_mode and its recorded tensors."""
+    _, page, csv = free_benchmark_page
+    data = page_data(page.read_text())
+    root = next(n for n in data["nodes"] if n["parent"] is None)
+    assert sum(root["c"]) == len(csv) and data["levels"][0]["name"] == "over the limit"
+    fwd = data["marks"]["forward"]
+    assert data["nodes"][fwd["node"]]["path"] == GELU_SCOPES[0] and "forward" in data["nodes"][fwd["node"]]["div"]
+    gelus = csv[(csv["op"] == "aten.gelu.default") & (csv["stage"] == "forward")]
+    assert list(gelus["scope"]) == GELU_SCOPES and (gelus["max_rel"] > gelus["threshold"]).all()
+    op = data["ops"][next(i for i in node(data, GELU_SCOPES[0])["ops"])]
+    cell = dict(zip(data["op_cols"], op["cells"]))
+    assert op["op"] == "aten.gelu.default.0.forward" and op["k"][2] == "forward"
+    assert cell["max_rel"] == pytest.approx(gelus["max_rel"].iloc[0]) and cell["threshold"] == 0.004
+    assert cell["pert_mode"] == "improve_precision" and cell["x limit"] == pytest.approx(cell["max_rel"] / 0.004, rel=1e-3)
+    assert [r[:2] for r in op["rows"]] == [["input", "input.0"], ["output", "output.0"]]
+    text = page.read_text()
+    assert "first flagged op in forward: aten.gelu.default.0.forward [TinyTransformer.layers.0.mlp]" in text
+
+
+def test_free_benchmark_levels_by_excess(free_benchmark_page, tmp_path):
+    """Levels: over the limit, over 10x the limit, inf/nan differ (max_rel inf); a row without a record
+    (no id) is listed without tensors."""
+    import shutil
+    run, _, csv = free_benchmark_page
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    extra = csv.iloc[:1].assign(api_name=["aten.mul.Tensor.9.forward"], op="aten.mul.Tensor", id=None,
+                                scope="TinyTransformer.head")
+    far = extra.assign(max_rel=0.05, api_name="aten.mul.Tensor.8.forward")
+    diff = extra.assign(max_rel=float("inf"))
+    pd.concat([csv, far, diff]).to_csv(copy / "step0" / "rank0" / "free_benchmark.csv", index=False)
+    from dispatchprobe.offline.report import check_html
+    data = page_data(check_html(load(copy)))
+    head = node(data, "TinyTransformer.head")
+    assert head["c"] == [0, 1, 1] and {data["ops"][i]["op"]: data["ops"][i]["rows"] for i in head["ops"]} == {
+        "aten.mul.Tensor.8.forward": [], "aten.mul.Tensor.9.forward": []}
+    assert data["nodes"][data["marks"]["forward"]["node"]]["path"] == GELU_SCOPES[0]   # still the first in order
+
+
+@needs_chromium
+def test_free_benchmark_page_in_headless_chromium(free_benchmark_page, tmp_path):
+    _, page, _ = free_benchmark_page
+    seen = layout(page, tmp_path)
+    mark = seen["marks"]["forward"]
+    assert mark["marked"] and mark["visible"] and mark["selected"] and mark["name"] == "mlp", seen
+    assert mark["badge"] == "first forward flagged op" and seen["rows"] == 1
+    assert "aten.gelu.default.0.forward" in seen["row_text"] and "improve_precision" in seen["row_text"]
+    assert_fits(seen)
+
+
+def test_show_html_needs_an_inline_check_run(tmp_path):
     run = record(tmp_path / "rec", task="statistics")
     result = CliRunner().invoke(main, ["show", run, "--html", str(tmp_path / "x.html")])
-    assert result.exit_code == 1 and "not an overflow run" in result.output
+    assert result.exit_code == 1 and "not an overflow or free_benchmark run" in result.output
     assert not (tmp_path / "x.html").exists() and len(result.output.strip().splitlines()) == 1
     assert load(run).parts      # the records are untouched and readable

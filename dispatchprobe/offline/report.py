@@ -446,18 +446,22 @@ def _fill(template: str, data: dict, **fills) -> str:
 # ---- op pages: run-ut results and overflow runs as the module tree (templates/ops.html) ---------------
 def ops_page(ops: pd.DataFrame, *, title: str, tree_heading: str, summary: list, levels: list, mark: str,
              op_cols: list, row_cols: list, rows_of, meta: dict, manifest: dict, full_table: str, legend: str,
-             message_col: str = "", fold_col: str = "") -> str:
+             message_col: str = "", fold_col: str = "", flags: list = ()) -> str:
     """One self-contained page: ``ops`` (one row per op: step, rank, stage, scope, op, sev -- an index into
     ``levels`` --, mark -- bool, the first marked op of each stage is marked in the tree --, and
     ``op_cols``) grouped by module scope, each node coloured by its worst level; per node at most
     OPS_PER_NODE ops are embedded (worst and marked first), each with ``rows_of(op row labels)`` ->
     {label: [[row_cols values]]} (its tensors).  ``message_col`` (an op or row column) is shown as a line of
-    text, ``fold_col`` (an op column: a stack) folded."""
+    text, ``fold_col`` (an op column: a stack) folded.  ``flags``: (field, filter label, badge, bool per op):
+    node[field] counts the flagged ops beneath it (a filter and a badge in the tree)."""
     ops = ops.reset_index(drop=True)
     scope = ops["scope"].fillna("").astype(str)
-    nodes, index = scope_tree(set(scope), len(levels))
+    nodes, index = scope_tree(set(scope), len(levels), **{f[0]: 0 for f in flags})
     for (sc, sev), cnt in ops.groupby([scope, "sev"]).size().items():
         up(nodes, index[sc or "<top>"], lambda n: n["c"].__setitem__(int(sev), n["c"][int(sev)] + int(cnt)))
+    for field, _, _, hit in flags:
+        for sc, cnt in scope[hit.to_numpy(bool)].value_counts().items():
+            up(nodes, index[sc or "<top>"], lambda n: n.__setitem__(field, n[field] + int(cnt)))
     for sc, cnt in scope.value_counts().items():
         index[sc or "<top>"]["own"] = int(cnt)
     key = [[int(s), int(r), str(st), "op", i] for i, (s, r, st) in enumerate(zip(ops["step"], ops["rank"], ops["stage"]))]
@@ -479,13 +483,14 @@ def ops_page(ops: pd.DataFrame, *, title: str, tree_heading: str, summary: list,
         index[scope[i] or "<top>"]["ops"].append(len(out))
         out.append({"k": key[i], "op": _cell(ops.at[i, "op"]), "sev": int(ops.at[i, "sev"]),
                     "cells": [cells[c][j] for c in op_cols], "rows": rows.get(i, [])})
-    worst = len(levels) - 1
+    worst = int(ops["sev"].max()) if len(ops) else len(levels) - 1      # the worst level present
     first = next((m for m in marks.values()), None)
     if first is None and (ops["sev"] == worst).any():
         i = int(np.argmax(ops["sev"].to_numpy() == worst))
         first = {"node": index[scope[i] or "<top>"]["id"], "key": key[i]}
     data = {"nodes": nodes, "levels": levels, "mark": mark, "full_table": full_table, "ops": out, "op_cols": op_cols,
             "row_cols": row_cols, "message_col": message_col, "fold_col": fold_col,
+            "flags": [{"field": f, "label": label, "badge": badge} for f, label, badge, _ in flags],
             "marks": {s: {k: v for k, v in m.items() if k != "i"} for s, m in marks.items()},
             "first": first and {"node": first["node"], "key": first["key"]},
             "expand": sorted({index[sc or "<top>"]["id"] for sc in scope[ops["sev"] == worst]})}
@@ -515,6 +520,14 @@ def run_ut_html(results: pd.DataFrame, details: pd.DataFrame, *, summary: list, 
     metric_cols = [c for c in METRIC_COLUMNS if c in details.columns and (details[c] != "").any()]
     row_cols = head + metric_cols + ["Status", "Message"]
     by_op = details.groupby(["Step", "Rank", "API Name"], sort=False).indices
+    # the inf/nan filter: ops with an output whose inf/nan pattern differs from the benchmark's
+    inf_nan = next((c for c, k in METRIC_COLUMNS.items() if k == "inf_nan_error_rate" and c in details.columns), None)
+    flags = []
+    if inf_nan:
+        bad = details[pd.to_numeric(details[inf_nan], errors="coerce").fillna(0) > 0]
+        bad = set(zip(bad["Step"], bad["Rank"], bad["API Name"]))
+        flags = [("nf", "inf/nan differs only", "inf/nan",
+                  pd.Series([k in bad for k in zip(results["Step"], results["Rank"], results["API Name"])]))]
 
     def rows_of(labels):
         """Each chosen op's output rows, read from ``details`` in one take."""
@@ -531,7 +544,7 @@ def run_ut_html(results: pd.DataFrame, details: pd.DataFrame, *, summary: list, 
         return out
 
     return ops_page(ops, title="dispatchprobe run-ut", tree_heading="Replayed ops by module", summary=summary,
-                    levels=RUN_UT_LEVELS, mark="first {stage} error", rows_of=rows_of, message_col="Message",
+                    levels=RUN_UT_LEVELS, mark="first {stage} error", rows_of=rows_of, message_col="Message", flags=flags,
                     op_cols=["status", "Category", "Message", "Elapsed (s)"], row_cols=row_cols,
                     meta={"records": records, "results": result_csv}, manifest=manifest,
                     full_table=os.path.basename(result_csv),
@@ -547,36 +560,88 @@ def _text_number(text: str):
         return text or None
 
 
+# ---- inline-check runs (overflow, free_benchmark) as the module tree: one renderer, a mode per task ------
+_TENSOR_COLS = ["io", "arg", "dtype", "shape", "max", "min", "mean", "norm", "nan", "inf"]
+
 # overflow classes as levels (docs/inline-checks.md): critical created inf/nan from finite inputs
 OVERFLOW_LEVELS = [{"name": "suspicious growth", "short": "growth", "color": "#f0b429"},
                    {"name": "propagated", "short": "propagated", "color": "#7a3cbd"},
                    {"name": "critical", "short": "critical", "color": "#d9363e"}]
 _OVERFLOW_COLS = ["class", "call", "dtype", "nan", "inf", "growth", "replay", "float64_max_abs", "dtype_max",
                   "exceeds_dtype_range", "grad_fn", "stack"]
-_TENSOR_COLS = ["io", "arg", "dtype", "shape", "max", "min", "mean", "norm", "nan", "inf"]
+# free-benchmark flags as levels, by how far the op's output moved past its dtype's limit (max_rel / threshold)
+FREE_BENCHMARK_LEVELS = [{"name": "over the limit", "short": "flagged", "color": "#f0b429"},
+                         {"name": "over 10x the limit", "short": "10x", "color": "#e8702a"},
+                         {"name": "inf/nan differ", "short": "inf/nan", "color": "#d9363e"}]
+_FREE_BENCHMARK_COLS = ["max_rel", "threshold", "x limit", "pert_mode", "dtype", "shape", "output_index", "sign_flips"]
+
+
+def check_task(run) -> str:
+    """The inline check a run was recorded with (``overflow`` or ``free_benchmark``), from its step/rank
+    folders' ``checks.json`` or check files; a ValueError for any other run."""
+    for part in run.parts.values():
+        task = (part.checks or {}).get("task")
+        if task in CHECK_PAGES:
+            return task
+        for task, mode in CHECK_PAGES.items():
+            if os.path.isfile(os.path.join(part.path, mode["file"])):
+                return task
+    raise ValueError(f"{run.path}: not an overflow or free_benchmark run (no overflow.json, free_benchmark.csv or "
+                     "checks.json of either task in any step/rank folder); record with task='overflow' or "
+                     "task='free_benchmark'")
+
+
+def _part_files(run, name: str, read) -> list:
+    """``read(path)`` of each step/rank folder's file ``name`` that exists, in (step, rank) order."""
+    paths = [os.path.join(run.parts[k].path, name) for k in sorted(run.parts)]
+    return [read(p) for p in paths if os.path.isfile(p)]
 
 
 def overflow_rows(run) -> pd.DataFrame:
-    """Every part's ``overflow.json`` rows (step, rank order), or a ValueError if the run has none."""
-    rows = []
-    for key in sorted(run.parts):
-        path = os.path.join(run.parts[key].path, "overflow.json")
-        if os.path.isfile(path):
-            with open(path, encoding="utf-8") as fh:
-                rows += json.load(fh)["rows"]
-    if not rows and not any(os.path.isfile(os.path.join(p.path, "checks.json")) and (p.checks or {}).get("task") ==
-                            "overflow" for p in run.parts.values()):
-        raise ValueError(f"{run.path}: not an overflow run (no overflow.json or overflow checks.json in any step/rank "
-                         "folder); record with task='overflow'")
-    return pd.DataFrame(rows, columns=["step", "rank", "id", "stage", "op", "name", "scope"] + _OVERFLOW_COLS)
+    """Every part's ``overflow.json`` rows, as the page's ops (class as the level, critical ones marked)."""
+    rows = [r for part in _part_files(run, "overflow.json", _read_json) for r in part["rows"]]
+    rows = pd.DataFrame(rows, columns=["step", "rank", "id", "stage", "op", "name", "scope"] + _OVERFLOW_COLS)
+    return rows.assign(sev=rows["class"].map({lv["name"]: i for i, lv in enumerate(OVERFLOW_LEVELS)}).fillna(0)
+                       .astype(int), mark=rows["class"] == "critical", op=rows["name"].where(rows["name"] != "", rows["op"]))
+
+
+def free_benchmark_rows(run) -> pd.DataFrame:
+    """Every part's ``free_benchmark.csv`` rows, as the page's ops: the level by max_rel / threshold, every
+    flagged op marked (the first of each stage is the tree's mark)."""
+    parts = _part_files(run, "free_benchmark.csv", lambda p: pd.read_csv(p, dtype={"output_index": str, "shape": str,
+                                                                                  "id": "Int64"}, keep_default_na=False))
+    cols = ["rank", "pert_mode", "stage", "step", "api_name", "max_rel", "dtype", "shape", "output_index",
+            "threshold", "sign_flips", "scope", "op", "id"]
+    rows = pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=cols)
+    rel = pd.to_numeric(rows["max_rel"], errors="coerce").astype(float)
+    ratio = rel / pd.to_numeric(rows["threshold"], errors="coerce").astype(float)
+    sev = np.where(~np.isfinite(rel.to_numpy()), 2, np.where(ratio.to_numpy() > 10, 1, 0))
+    return rows.assign(max_rel=rel, **{"x limit": ratio.round(3)}, sev=sev, mark=True,
+                       op=rows["api_name"].where(rows["api_name"] != "", rows["op"]),
+                       scope=rows["scope"].replace("", None))
+
+
+def _read_json(path: str):
+    with open(path, encoding="utf-8") as fh:
+        return json.load(fh)
+
+
+def _checked(run) -> tuple[dict, int]:
+    """The run's check counts summed over its parts, and the number of parts."""
+    counts = {}
+    for p in run.parts.values():
+        for k, v in (p.checks or {}).items():
+            if isinstance(v, int) and not isinstance(v, bool):
+                counts[k] = counts.get(k, 0) + v
+    return counts, len(run.parts)
 
 
 def overflow_summary(run, rows: pd.DataFrame) -> list[str]:
     """What the page's heading says: the counts, and the op that first created inf/nan in each stage."""
-    checked = sum((p.checks or {}).get("checked", 0) for p in run.parts.values())
-    counts = rows["class"].value_counts()
-    lines = [f"overflow run: {checked} op calls checked in {len(run.parts)} step/rank part(s): "
-             + ", ".join(f"{int(counts.get(lv['name'], 0))} {lv['name']}" for lv in reversed(OVERFLOW_LEVELS))]
+    counts, parts = _checked(run)
+    by_class = rows["class"].value_counts()
+    lines = [f"overflow run: {counts.get('checked', 0)} op calls checked in {parts} step/rank part(s): "
+             + ", ".join(f"{int(by_class.get(lv['name'], 0))} {lv['name']}" for lv in reversed(OVERFLOW_LEVELS))]
     critical = rows[rows["class"] == "critical"]
     for stage, r in critical.groupby("stage", sort=False).head(1).set_index("stage").iterrows():
         replay = f"; float64 replay: {r['replay']}" if r["replay"] else ""
@@ -589,28 +654,74 @@ def overflow_summary(run, rows: pd.DataFrame) -> list[str]:
     return lines
 
 
-def overflow_html(run) -> str:
-    """An overflow run as the module tree: each flagged op at its class's level, the op that first created
-    inf/nan in forward and in backward marked and selected; a recorded op shows its tensors' statistics."""
-    rows = overflow_rows(run)
-    ops = rows.assign(sev=rows["class"].map({lv["name"]: i for i, lv in enumerate(OVERFLOW_LEVELS)}).fillna(0)
-                      .astype(int), mark=rows["class"] == "critical", op=rows["name"].where(rows["name"] != "", rows["op"]))
+def free_benchmark_summary(run, rows: pd.DataFrame) -> list[str]:
+    """What the page's heading says: mode, counts, the first flagged op of each stage and the largest excess."""
+    counts, parts = _checked(run)
+    cfg = ((run.manifest or {}).get("config") or {}).get("free_benchmark") or {}
+    modes = ", ".join(sorted(set(rows["pert_mode"].astype(str)))) or cfg.get("pert_mode", "?")
+    by_level = np.bincount(rows["sev"].to_numpy(int), minlength=len(FREE_BENCHMARK_LEVELS))
+    lines = [f"free_benchmark run ({modes}, {cfg.get('handler_type', 'check')}): {counts.get('checked', 0)} op calls "
+             f"re-run in {parts} step/rank part(s), {len(rows)} flagged: "
+             + ", ".join(f"{by_level[i]} {lv['name']}" for i, lv in reversed(list(enumerate(FREE_BENCHMARK_LEVELS))))]
+
+    def say(r) -> str:
+        return (f"{r['op']} [{r['scope'] or '<top>'}] (step {r['step']} rank {r['rank']}): max_rel {r['max_rel']:.6g} > "
+                f"limit {r['threshold']:.6g} ({r['x limit']:.3g}x), {r['dtype']} {r['shape']}")
+    for stage, r in rows.groupby("stage", sort=False).head(1).set_index("stage").iterrows():
+        lines.append(f"first flagged op in {stage}: " + say(r))
+    if len(rows) > 1:
+        lines.append("largest excess: " + say(rows.iloc[int(np.nanargmax(rows["x limit"].fillna(np.inf).to_numpy()))]))
+    if not len(rows):
+        lines.append("no op moved past its limit")
+    if counts.get("not_widened"):
+        lines.append(f"{counts['not_widened']} float32-only op calls not re-run (improve_precision widens 16-bit ops; "
+                     "set free_benchmark.widen_float32 to check float32 ops against float64)")
+    return lines
+
+
+# one page per inline check: its file, rows, heading, levels, mark, op columns, filters and legend
+CHECK_PAGES = {
+    "overflow": {"file": "overflow.json", "rows": overflow_rows, "summary": overflow_summary,
+                 "title": "dispatchprobe overflow", "tree_heading": "Where inf/nan appeared: module tree",
+                 "levels": OVERFLOW_LEVELS, "mark": "first {stage} overflow", "op_cols": _OVERFLOW_COLS,
+                 "full_table": "overflow.csv", "flags": [("nan", "nan only", "nan")],    # nan, not only inf
+                 "legend": "critical: finite inputs, inf/nan output (the op that created it); propagated: inf/nan "
+                           "in and out; suspicious growth: output norm over 100x the largest input norm.  A "
+                           "recorded op lists its tensors' statistics; its inputs are saved for run-ut."},
+    "free_benchmark": {"file": "free_benchmark.csv", "rows": free_benchmark_rows, "summary": free_benchmark_summary,
+                       "title": "dispatchprobe free_benchmark", "tree_heading": "Ops flagged by the free benchmark: "
+                       "module tree", "levels": FREE_BENCHMARK_LEVELS, "mark": "first {stage} flagged op",
+                       "op_cols": _FREE_BENCHMARK_COLS, "full_table": "free_benchmark.csv", "flags": [],
+                       "legend": "Each op was re-run on perturbed inputs (pert_mode) and flagged when its output moved "
+                                 "more than its dtype's limit (max_rel > threshold; x limit = max_rel / threshold); "
+                                 "ops not flagged are not listed.  A flagged op lists its tensors' statistics; its "
+                                 "inputs are saved for run-ut."},
+}
+
+
+def check_html(run) -> str:
+    """An inline-check run as the module tree (CHECK_PAGES): each listed op at its level, the first marked
+    op of each stage (the op that first created inf/nan; the first flagged op) marked and selected; an op
+    with a record shows its tensors' statistics."""
+    mode = CHECK_PAGES[check_task(run)]
+    ops = mode["rows"](run).reset_index(drop=True)
 
     def rows_of(labels):
+        """Each chosen op's tensors, from its part's records by record id."""
         out = {}
         for i in labels:
-            rec_id = rows.at[i, "id"]
-            if rec_id in ("", None):
+            rec_id = ops.at[i, "id"]
+            if rec_id is None or rec_id is pd.NA or rec_id == "" or rec_id != rec_id:
                 continue
-            t = run.parts[(int(rows.at[i, "step"]), int(rows.at[i, "rank"]))].tensors
+            t = run.parts[(int(ops.at[i, "step"]), int(ops.at[i, "rank"]))].tensors
             t = t[t["id"] == int(rec_id)]
             out[i] = [[_cell(v) for v in r] for r in t[_TENSOR_COLS].itertuples(index=False)]
         return out
 
-    return ops_page(ops, title="dispatchprobe overflow", tree_heading="Where inf/nan appeared: module tree",
-                    summary=overflow_summary(run, rows), levels=OVERFLOW_LEVELS, mark="first {stage} overflow",
-                    op_cols=_OVERFLOW_COLS, row_cols=_TENSOR_COLS, rows_of=rows_of, fold_col="stack",
-                    meta={"run": run.path}, manifest=run.manifest or {}, full_table="overflow.csv",
-                    legend="critical: finite inputs, inf/nan output (the op that created it); propagated: inf/nan "
-                           "in and out; suspicious growth: output norm over 100x the largest input norm.  A "
-                           "recorded op lists its tensors' statistics; its inputs are saved for run-ut.")
+    flags = [(field, label, badge, pd.to_numeric(ops[field], errors="coerce").fillna(0) > 0)
+             for field, label, badge in mode["flags"]]
+    return ops_page(ops, title=mode["title"], tree_heading=mode["tree_heading"], summary=mode["summary"](run, ops),
+                    levels=mode["levels"], mark=mode["mark"], op_cols=mode["op_cols"], row_cols=_TENSOR_COLS,
+                    rows_of=rows_of, fold_col="stack" if "stack" in mode["op_cols"] else "", flags=flags,
+                    meta={"run": run.path}, manifest=run.manifest or {}, full_table=mode["full_table"],
+                    legend=mode["legend"])

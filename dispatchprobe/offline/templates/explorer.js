@@ -9,7 +9,7 @@ var N = D.nodes, LV = D.levels, expanded = {}, selected = null;
 // D.flags [{field, label, badge}] (pages without their own): a filter "label" and a badge on nodes with n[field] > 0
 if (!PAGE.flags && D.flags) {
   PAGE.flags = D.flags.map(function (f) { return {id: "f-" + f.field, label: f.label, test: function (n) { return n[f.field] > 0; }}; });
-  PAGE.badges = function (n) { return D.flags.filter(function (f) { return n[f.field] > 0; }).map(function (f) { return '<span class="badge nf">' + esc(f.badge) + "</span>"; }); };
+  PAGE.badges = function (n) { return D.flags.filter(function (f) { return n[f.field] > 0; }).map(function (f) { return '<span class="badge">' + esc(f.badge) + "</span>"; }); };
 }
 function worst(n) { for (var s = LV.length - 1; s >= 0; s--) if (n.c[s]) return s; return -1; }
 function fmt(v) {
@@ -51,14 +51,15 @@ function visibleSet(f) {
   return vis;
 }
 function nodeRow(n) {
-  var w = worst(n), b = [], top = LV.length - 1;
+  var w = worst(n), b = [], cnt = "";
+  // the count of the worst level beneath that has a short label (levels such as pass or SKIP have none)
+  for (var s = LV.length - 1; s >= 0; s--) if (n.c[s] && LV[s].short) { cnt = n.c[s] + " " + LV[s].short; break; }
   n.div.forEach(function (s) { b.push('<span class="badge mark">' + esc(markLabel(s)) + "</span>"); });
   b = b.concat(PAGE.badges ? PAGE.badges(n) : []);
-  var cnt = n.c[top] ? n.c[top] + " " + LV[top].short : n.c[top - 1] ? n.c[top - 1] + " " + LV[top - 1].short : "";
   return '<div class="nrow' + (n.div.length ? " marked" : "") + (selected === n.id ? " sel" : "") + '" data-id="' + n.id + '"' +
     (n.div.length ? ' id="mark-' + n.div[0] + '"' : "") + ' title="' + esc(n.path) + '">' +
     '<span class="tw">' + (n.children.length ? (expanded[n.id] ? "&#9662;" : "&#9656;") : "") + "</span>" +
-    levelDot(w) + '<span class="name">' + esc(n.name) + "</span>" + '<span class="badge">' + cnt + "</span>" + b.join("") + "</div>";
+    levelDot(w) + '<span class="name">' + esc(n.name) + "</span>" + (cnt ? '<span class="badge">' + cnt + "</span>" : "") + b.join("") + "</div>";
 }
 function renderTree() {
   var f = filters(), vis = active(f) ? visibleSet(f) : null;
