@@ -101,10 +101,13 @@ class Recorder(Handler):
         backend = self.backend
         cache, alive = self._cache, backend.memory_alive
         missing = []
+        idents = [] if save else None
         for t, spec in found:
+            ident = backend.identity(t)
+            if save:
+                idents.append(ident)
             if "undefined" in spec:       # uninitialised memory: its statistics mean nothing
                 continue
-            ident = backend.identity(t)
             hit = cache.get(ident) if ident is not None else None
             if hit is not None and alive(hit[0]):
                 entry = hit[1]
@@ -145,8 +148,8 @@ class Recorder(Handler):
                     entry["checksum"] = spec["checksum"] = backend.checksum(t)
                 self._measured(t, entry, ident, dense)
         if save:
-            for t, spec in found:
-                spec["data"] = self.save(t, like=same.get(id(t)) if same else None)
+            for (t, spec), ident in zip(found, idents):
+                spec["data"] = self.save(t, like=same.get(id(t)) if same else None, ident=ident)
 
     def _measured(self, t, entry: dict, ident, dense) -> None:
         """Cache freshly measured statistics under the tensor's identity and its dense key (one
@@ -159,18 +162,19 @@ class Recorder(Handler):
         if dense is not None:
             self._dense[dense] = (ref, entry["stats"])
 
-    def save(self, t, like=None) -> str:
+    def save(self, t, like=None, ident=None) -> str:
         """Queue a tensor for the shard writer (once per live tensor value); returns its key.
         ``like``: an already saved tensor with the same values and shape (a ``clone``'s input),
-        whose key is reused instead of storing a copy."""
-        entry = self._lookup(t)
+        whose key is reused instead of storing a copy; ``ident``: ``t``'s identity, if known."""
+        ident = self.backend.identity(t) if ident is None else ident
+        entry = self._lookup(t, ident)
         if entry is not None and "data" in entry:
             return entry["data"]
         source = self._lookup(like) if like is not None else None
         key = source["data"] if source is not None and "data" in source else self._save_by_storage(t)
         if entry is None:
             entry = {}
-            self._remember(t, entry)
+            self._remember(t, entry, ident)
         entry["data"] = key
         return key
 
