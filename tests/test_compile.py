@@ -203,6 +203,15 @@ def test_probe_backend_inductor_transparent_and_recorded(tmp_path):
     assert eager["max"] == pytest.approx(ref.max().item(), rel=1e-6)
     assert eager["mean"] == pytest.approx(ref.mean().item(), rel=1e-4, abs=1e-6)
     assert eager["nan"] == 0 and eager["inf"] == 0
+    # inductor provenance: each record names the generated kernels that computed it, and show lists them
+    compiled = [r for r in _ops(tmp_path / "c")]
+    assert all(r["compiled"]["kernels"] for r in compiled)
+    assert all(k.startswith("extern_kernels.addmm:") for r in compiled if r["op"] == "aten.addmm.default"
+               for k in r["compiled"]["kernels"])
+    assert any(k.startswith("cpp_fused_") for r in compiled for k in r["compiled"]["kernels"])
+    from dispatchprobe.offline.summary import matching_records
+    rows = matching_records(run, "addmm")
+    assert rows["kernels"].str.startswith("extern_kernels.addmm:").all()
 
 
 # ---- a planted divergence: a custom op whose compiled decomposition differs from its eager kernel ----

@@ -69,7 +69,23 @@ def matching_records(run: Run, pattern: str, stage: str | None = None) -> pd.Dat
     if stage:
         rows = rows[rows["stage"] == stage]
     cols = ["step", "rank", "name", "scope", "io", "arg", "dtype", "shape", "max", "min", "mean", "norm", "nan", "inf"]
+    kernels = _kernels(run)
+    if kernels:
+        # compiled records (probe_backend with inductor): the generated kernels that computed them
+        rows = rows.assign(kernels=[kernels.get(k, "") for k in zip(rows["step"], rows["rank"], rows["id"])])
+        cols.append("kernels")
     return rows[cols]
+
+
+def _kernels(run: Run) -> dict:
+    """(step, rank, id) -> the inductor kernels of a compiled record (its ``compiled.kernels``)."""
+    out = {}
+    for (step, rank), part in run.parts.items():
+        for r in part.records:
+            names = (r.get("compiled") or {}).get("kernels")
+            if names:
+                out[(step, rank, r["id"])] = " ".join(names)
+    return out
 
 
 def _ranges(values: list[int]) -> str:

@@ -130,13 +130,41 @@ class ProbeBackend:
                 instrument(graph_module.graph)
                 graph_module.recompile()
                 return _EagerOutput(graph_module)
-            with torch._inductor.config.patch(post_grad_custom_post_pass=instrument):
-                return compile_fx_inner(graph_module, inputs, **kw)
+            with _kernel_provenance() as kernels, \
+                    torch._inductor.config.patch({"post_grad_custom_post_pass": instrument,
+                                                  "trace.provenance_tracking_level": _PROVENANCE_LEVEL}):
+                compiled = compile_fx_inner(graph_module, inputs, **kw)
+            if instrument.records is not None:
+                instrument.records.set_kernels(kernels)
+            return compiled
 
         # both caches would skip the instrumenting pass: off for this backend's graphs only
         with functorch_config.patch(enable_autograd_cache=False):
             return compile_fx(gm, example_inputs, inner_compile=inner_compile,
                               config_patches={"fx_graph_cache": False}, decompositions=_traced_decompositions())
+
+
+# inductor's provenance tracking, level "basic": which post-grad nodes each generated kernel computes
+# (level 1 also rewrites the metadata of pattern-matched nodes, which the grouping reads)
+_PROVENANCE_LEVEL = 2
+
+
+class _kernel_provenance:
+    """Inductor's kernel -> post-grad nodes map of one graph's compile (``"cpp_fused_add_0:3": [node
+    names]``), kept apart from other compiles' and merged back for torch's own tools afterwards."""
+
+    def __enter__(self) -> dict:
+        from torch._inductor import debug
+        self.saved = debug._inductor_triton_kernel_to_post_grad_node_info
+        self.ours = debug._inductor_triton_kernel_to_post_grad_node_info = {}
+        return self.ours
+
+    def __exit__(self, *exc) -> None:
+        from torch._inductor import debug
+        ours = debug._inductor_triton_kernel_to_post_grad_node_info
+        self.ours.update(ours)
+        self.saved.update(ours)
+        debug._inductor_triton_kernel_to_post_grad_node_info = self.saved
 
 
 def probe_backend(config=None, *, inner: str = "inductor", model: torch.nn.Module | None = None,
@@ -346,6 +374,7 @@ class _Instrument:
         self.owner = owner
         self.roots = roots
         self.backward = backward
+        self.records: _GraphRecords | None = None
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         task = self.owner.config.task
@@ -354,7 +383,7 @@ class _Instrument:
         plain = _rerun_module(graph) if self.owner.config.task == "overflow" else None
         groups = self._groups(graph)
         users = {n: tuple(n.users) for n in graph.nodes}      # before the statistics add users
-        records = _GraphRecords(self.owner, "backward" if self.backward else "forward", self.roots)
+        records = self.records = _GraphRecords(self.owner, "backward" if self.backward else "forward", self.roots)
         stats: dict[torch.fx.Node, list] = {}
         order: list[torch.fx.Node] = []
         for group in groups:
@@ -635,6 +664,20 @@ class _GraphRecords:
             t.slots = [spec for spec, _ in t.slots]
             t.tensor_nodes = []
 
+    def set_kernels(self, kernels: dict) -> None:
+        """Inductor provenance: each record names the generated kernels that compute its nodes
+        (``cpp_fused_add_native_layer_norm_0:4``, ``extern_kernels.addmm:1``: name and debug handle,
+        as in the provenance comments of inductor's output code), in the order inductor made them."""
+        by_node: dict[str, list] = {}
+        for kernel, names in sorted(kernels.items(), key=lambda kv: _handle(kv[0])):
+            for name in names:
+                by_node.setdefault(name, []).append(kernel)
+        for t in self.templates:
+            found = []
+            for name in t.compiled["nodes"]:
+                found.extend(k for k in by_node.get(name, ()) if k not in found)
+            t.compiled["kernels"] = sorted(found, key=_handle)
+
     def emit(self, block: torch.Tensor, values: list | None = None) -> None:
         """One graph call: a record per template, in graph order, statistics read later;
         ``values``: the recorded tensors (task ``tensor``), saved with the records."""
@@ -707,6 +750,14 @@ class _GraphRecords:
             session.recorder.write(record)
         if self.rerun is not None:
             _Rerun(self.rerun, session, self.stage, self.roots).run(*inputs)
+
+
+def _handle(kernel: str) -> int:
+    """The provenance debug handle of ``"name:handle"`` (the order inductor generated the kernels)."""
+    try:
+        return int(kernel.rsplit(":", 1)[1])
+    except (IndexError, ValueError):
+        return -1
 
 
 def _rerun_module(graph: torch.fx.Graph) -> torch.fx.GraphModule:
