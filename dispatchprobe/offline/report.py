@@ -699,6 +699,13 @@ CHECK_PAGES = {
 }
 
 
+def _stat(v, nan_count):
+    """A tensor statistic as the page shows it: a missing value of a tensor holding nan is 'nan' (not blank)."""
+    if isinstance(v, float) and v != v and nan_count and nan_count == nan_count and nan_count > 0:
+        return "nan"
+    return _cell(v)
+
+
 def check_html(run) -> str:
     """An inline-check run as the module tree (CHECK_PAGES): each listed op at its level, the first marked
     op of each stage (the op that first created inf/nan; the first flagged op) marked and selected; an op
@@ -715,7 +722,7 @@ def check_html(run) -> str:
                 continue
             t = run.parts[(int(ops.at[i, "step"]), int(ops.at[i, "rank"]))].tensors
             t = t[t["id"] == int(rec_id)]
-            out[i] = [[_cell(v) for v in r] for r in t[_TENSOR_COLS].itertuples(index=False)]
+            out[i] = [[_stat(v, r.nan) for v in r] for r in t[_TENSOR_COLS].itertuples(index=False)]
         return out
 
     flags = [(field, label, badge, pd.to_numeric(ops[field], errors="coerce").fillna(0) > 0)
