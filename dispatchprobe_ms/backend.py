@@ -9,6 +9,7 @@ zero-copy and writeable: it is only read here; whatever is kept is copied first.
 from __future__ import annotations
 
 import math
+import types
 import weakref
 import zlib
 
@@ -16,7 +17,8 @@ import mindspore as ms
 import numpy as np
 
 from dispatchprobe.core import host_numerics as hn
-from dispatchprobe.records.writer import write_safetensors
+from dispatchprobe.core import values
+from dispatchprobe.records.writer import save_numpy_shard
 from dispatchprobe.standards import statistics
 
 from . import ops
@@ -24,8 +26,6 @@ from . import ops
 name = "mindspore"
 version = ms.__version__
 FLOATS = ("float16", "bfloat16", "float32", "float64")
-_ST_CODES = {"float16": "F16", "bfloat16": "BF16", "float32": "F32", "float64": "F64", "int8": "I8",
-             "int16": "I16", "int32": "I32", "int64": "I64", "uint8": "U8", "bool": "BOOL"}
 _EPS = {"float16": 2.0 ** -10, "bfloat16": 2.0 ** -7, "float32": 2.0 ** -23, "float64": 2.0 ** -52}
 _MAX = {"float16": 65504.0, "bfloat16": 3.3895313892515355e38, "float32": 3.4028234663852886e38,
         "float64": 1.7976931348623157e308}
@@ -144,17 +144,7 @@ def span_snapshot(t, start: int, length: int) -> np.ndarray:
     return snapshot(t).reshape(-1)[start:start + length].copy()
 
 
-def save_shard(tensors: dict, path: str) -> None:
-    """One safetensors file; complex values as (re, im) float pairs, their dtype in the metadata."""
-    entries, renamed = {}, {}
-    for key, a in tensors.items():
-        kind, shape_ = str(a.dtype), list(a.shape)
-        if kind.startswith("complex"):
-            renamed[key] = f'{{"dtype": "{kind}", "shape": {shape_}}}'
-            a = a.view(np.float32 if kind == "complex64" else np.float64)
-            kind, shape_ = str(a.dtype), shape_ + [2]
-        entries[key] = (_ST_CODES[kind], shape_, memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8)))
-    write_safetensors(entries, path, metadata=renamed)
+save_shard = save_numpy_shard
 
 
 def same_values(event) -> dict:
@@ -162,38 +152,24 @@ def same_values(event) -> dict:
 
 
 # ---- an op's values -----------------------------------------------------------------------------------
-def _walk(obj, fn):
-    if isinstance(obj, ms.Tensor):
-        return fn(obj)
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(_walk(v, fn) for v in obj)
-    if isinstance(obj, dict):
-        return {k: _walk(v, fn) for k, v in obj.items()}
-    return obj
-
-
 def is_float(t) -> bool:
     return isinstance(t, ms.Tensor) and dtype_of(t) in FLOATS and numel(t) > 0
 
 
 def float_tensors(obj) -> list:
-    found: list = []
-    _walk(obj, lambda t: found.append(t) if is_float(t) else None)
-    return found
+    return values.collect(obj, is_float)
 
 
 def float_outputs(outputs) -> list:
-    flat = outputs if isinstance(outputs, (tuple, list)) else [outputs]
-    return [(i, t) for i, t in enumerate(flat) if is_float(t)]
+    return values.indexed_outputs(outputs, is_float)
 
 
 def map_floats(fn, args, kwargs):
-    one = lambda t: fn(t) if is_float(t) else t          # noqa: E731
-    return _walk(tuple(args), one), _walk(dict(kwargs), one)
+    return values.walk(tuple(args), is_float, fn), values.walk(dict(kwargs), is_float, fn)
 
 
 def swap_tensors(outputs, replacements: dict):
-    return _walk(outputs, lambda t: replacements.get(id(t), t))
+    return values.walk(outputs, is_tensor, lambda t: replacements.get(id(t), t))
 
 
 def versions(tensors) -> tuple:
@@ -335,13 +311,9 @@ def change_value_plan(func, args, kwargs):
     return None
 
 
-class _Scratch:
-    def reset(self) -> None:
-        pass
-
-
-def scratch() -> _Scratch:
-    return _Scratch()
+def scratch():
+    """No reusable buffers: host numbers are computed by numpy as they come."""
+    return types.SimpleNamespace(reset=lambda: None)
 
 
 def surely_within(actual, expected, limit: float, small: float, scratch=None) -> bool:

@@ -14,6 +14,7 @@ import mindspore as ms
 from mindspore import nn
 from mindspore.utils import MsDispatchMode
 
+from dispatchprobe.core import values
 from dispatchprobe.core.config import ConfigError
 from dispatchprobe.core.session import ProbeSession
 
@@ -52,17 +53,13 @@ class _Mode(MsDispatchMode):
         if ops.writes_first(name) and inputs and isinstance(inputs[0], ms.Tensor):
             seen = (ms_backend.clone(inputs[0]), *inputs[1:])     # its value before the op wrote it
         out = func(*args)
-        if not ms_backend.float_tensors(out) and not any(isinstance(t, ms.Tensor) for t in _flat(out)):
+        if not values.collect(out, ms_backend.is_tensor):       # typeof, shape queries: no numerics
             return out
         stage = "backward" if in_backward() else "forward"
         probe.scopes.saw_op(name, stage)
         replaced = probe.on_op(name, stage, probe.scopes.current(stage), seen, attrs, out, func=call,
                                stack=ops.user_stack)
         return out if replaced is None else replaced
-
-
-def _flat(out):
-    return out if isinstance(out, (tuple, list)) else (out,)
 
 
 class _CellScopes:

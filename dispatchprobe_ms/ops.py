@@ -13,20 +13,17 @@ import functools
 import inspect
 import os
 import re
-import traceback
 
 import mindspore as ms
 from mindspore import _c_expression
 from mindspore._c_expression import typing
 from mindspore.ops import Primitive
 
-from dispatchprobe.core import op_traits
+from dispatchprobe.core import values
 
 # ops of the framework's own machinery, never the user's numerics
 NOT_RECORDED = {"typeof", "CellBackwardHook"}
 _RANDOM = re.compile(r"random|dropout|uniform|normal|bernoulli|multinomial|randperm|randint|rand\b|gamma$", re.I)
-_SKIP = (os.path.dirname(ms.__file__), os.path.dirname(os.path.abspath(__file__)),
-         os.path.dirname(os.path.dirname(op_traits.__file__)), "<frozen ", "contextlib.py")
 
 
 @functools.cache
@@ -122,5 +119,4 @@ def writes_first(name: str) -> bool:
 
 def user_stack() -> tuple:
     """The user's Python frames (MindSpore's and dispatchprobe's own left out), innermost last."""
-    return tuple(f"{f.filename}:{f.lineno} in {f.name}" for f in traceback.extract_stack()
-                 if not f.filename.startswith(_SKIP))
+    return values.user_stack(os.path.dirname(ms.__file__))

@@ -23,6 +23,8 @@ import threading
 import time
 from typing import Any, Callable
 
+import numpy as np
+
 from .format import FORMAT_NAME, FORMAT_VERSION
 
 try:  # serialises a record ~9x faster than the stdlib; every line still reads as the stdlib writes it
@@ -95,6 +97,24 @@ def write_safetensors(entries: dict, path: str, metadata: dict | None = None) ->
         f.write(head)
         for _, _, buf in entries.values():
             f.write(buf)
+
+
+_NUMPY_CODES = {"float16": "F16", "bfloat16": "BF16", "float32": "F32", "float64": "F64", "int8": "I8",
+                "int16": "I16", "int32": "I32", "int64": "I64", "uint8": "U8", "bool": "BOOL"}
+
+
+def save_numpy_shard(arrays: dict, path: str) -> None:
+    """A shard of numpy snapshots (adapters whose tensors are saved as host arrays); complex
+    values as (re, im) float pairs, their dtype in the metadata as ``save_shard`` does."""
+    entries, renamed = {}, {}
+    for key, a in arrays.items():
+        kind, shape = str(a.dtype), list(a.shape)
+        if kind.startswith("complex"):
+            renamed[key] = json.dumps({"dtype": kind, "shape": shape})
+            a, kind, shape = a.view(np.float32 if kind == "complex64" else np.float64), \
+                "float32" if kind == "complex64" else "float64", shape + [2]
+        entries[key] = (_NUMPY_CODES[kind], shape, memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8)))
+    write_safetensors(entries, path, metadata=renamed)
 
 
 class WriteFailed(OSError):

@@ -5,15 +5,10 @@
 from __future__ import annotations
 
 import functools
-import os
-import traceback
 
 import torch
 
-from ..core import op_traits
-
-# frames of torch and of dispatchprobe itself are not the user's
-_SKIP = (torch.__path__[0], os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "<frozen ", "contextlib.py")
+from ..core import op_traits, values
 
 
 @functools.cache
@@ -75,7 +70,6 @@ def is_alias(func) -> bool:
     return func.is_view or base(func) in op_traits.ALIAS
 
 
-def user_stack(skip: int = 2) -> tuple:
+def user_stack(skip: int = 3) -> tuple:
     """The Python frames of user code at this moment (torch and dispatchprobe frames left out)."""
-    frames = traceback.extract_stack()[:-skip]
-    return tuple(f"{f.filename}:{f.lineno} in {f.name}" for f in frames if not f.filename.startswith(_SKIP))
+    return values.user_stack(torch.__path__[0], skip)
