@@ -342,3 +342,16 @@ def test_loss_decomposed_differently_is_compared_at_its_boundary(tmp_path):
     um = verdict.unmatched
     assert (um["explained"] != "").all(), um[um["explained"] == ""]
     assert (um[um["scope"] == "Train.loss"]["explained"].str.startswith("decomposed differently")).all()
+
+
+def test_fix_mode_replaces_fp16_outputs_with_the_float32_results(tmp_path):
+    """free_benchmark ``fix`` (improve_precision): fp16 outputs are the float32 re-run's, cast back:
+    training goes on in fp16 and its values move (within fp16 rounding) from the unprobed run."""
+    plain_losses, plain_params = train(dtype=ms.float16)
+    probe = DispatchProbe(task="free_benchmark", dump_path=str(tmp_path), free_benchmark={"handler_type": "fix"})
+    losses, params = train(probe, dtype=ms.float16)
+    assert probe.summary()["checked"] > 0
+    assert all(loss.dtype == np.float16 and np.isfinite(loss) for loss in losses)
+    assert not all(np.array_equal(a, b) for a, b in zip(losses, plain_losses))
+    assert all(np.allclose(a, b, rtol=1e-2) for a, b in zip(losses, plain_losses))
+    assert all(params[k].dtype == np.float16 for k in params)
