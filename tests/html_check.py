@@ -54,6 +54,13 @@ setTimeout(function () {
              detail_overflow: det.scrollWidth - det.clientWidth, detail_wide: tooWide.slice(0, 5),
              tree_rows: document.querySelectorAll("#tree .nrow").length,
              plots: document.querySelectorAll(".js-plotly-plot .main-svg").length};
+  // what a person gets from the tree's search (the first mark's module name) and from keeping only the
+  // worst level's filter checked
+  var names = function () { return Array.prototype.map.call(document.querySelectorAll("#tree .nrow .name"), function (e) { return e.textContent; }); };
+  var first = marks.forward || marks.backward, q = document.getElementById("search");
+  if (first) { q.value = first.name; q.dispatchEvent(new Event("input")); res.search = names(); q.value = ""; q.dispatchEvent(new Event("input")); }
+  document.querySelectorAll(".vf").forEach(function (c, i) { if (i > 0) { c.checked = false; c.dispatchEvent(new Event("change")); } });
+  res.worst_only = names();
   var pre = document.createElement("pre"); pre.id = "layout-check"; pre.textContent = JSON.stringify(res);
   document.body.appendChild(pre);
 }, 1500);
@@ -78,7 +85,8 @@ def layout(page, tmp_path) -> dict:
     (elements past the right edge), ``detail_overflow``/``detail_wide`` (how far and what runs past the
     detail pane's width), ``marks`` per stage (marked, visible in the tree, selected, badge text),
     highlighted ops in the detail pane (``rows``, ``row_text``), the selected node's path, tree rows and
-    drawn plots."""
+    drawn plots; then the tree's module names after searching the first mark's name (``search``) and
+    with only the worst level's filter checked (``worst_only``)."""
     checked = tmp_path / ("checked-" + page.name)
     checked.write_text(page.read_text().replace("</body>", _LAYOUT_CHECK))
     dom = subprocess.run(_browser(tmp_path) + ["--dump-dom", checked.as_uri()], capture_output=True, text=True,

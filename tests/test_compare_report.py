@@ -139,4 +139,5 @@ def test_html_renders_in_headless_chromium(report, tmp_path):
     assert fwd["marked"] and fwd["visible"] and fwd["selected"] and res["rows"] >= 1, res
     assert fwd["badge"] == "first forward divergence" and res["detail"] == verdict.forward.scope
     assert res["plots"] >= 2, res
+    assert "attn" in res["search"] and "mlp" not in res["search"] and "attn" in res["worst_only"]
     assert_fits(res)

@@ -85,6 +85,7 @@ def test_run_ut_page_in_headless_chromium(gelu_run, tmp_path):
     assert fwd["marked"] and fwd["visible"] and fwd["selected"] and fwd["badge"] == "first forward error", seen
     assert seen["detail"] == GELU_SCOPES[0] and seen["rows"] == 1 and "aten.gelu.default.0.forward" in seen["row_text"]
     assert "error" in seen["row_text"]
+    assert "mlp" in seen["search"] and "attn" not in seen["search"] and seen["worst_only"].count("mlp") == 2
     assert_fits(seen)
 
 
@@ -148,6 +149,7 @@ def test_overflow_page_in_headless_chromium(overflow_pages, tmp_path, stage, nam
     assert mark["marked"] and mark["visible"] and mark["selected"] and mark["name"] == name, seen
     assert mark["badge"] == f"first {stage} overflow" and seen["rows"] == 1 and "critical" in seen["row_text"]
     assert "output.0" in seen["row_text"]      # the highlighted op lists its tensors
+    assert name in seen["search"] and name in seen["worst_only"]      # critical only: the marked module stays
     assert_fits(seen)
 
 
@@ -236,6 +238,8 @@ def test_free_benchmark_page_in_headless_chromium(free_benchmark_page, tmp_path)
     assert mark["marked"] and mark["visible"] and mark["selected"] and mark["name"] == "mlp", seen
     assert mark["badge"] == "first forward flagged op" and seen["rows"] == 1
     assert "aten.gelu.default.0.forward" in seen["row_text"] and "improve_precision" in seen["row_text"]
+    assert seen["search"].count("mlp") == 2 and "norm" not in seen["search"]
+    assert seen["worst_only"] == []          # no inf/nan differ in this run
     assert_fits(seen)
 
 
