@@ -95,9 +95,18 @@ def show(path, op_pattern, stage, top, limit, html_path):
 @click.option("--task", type=click.Choice(["statistics", "tensor", "overflow", "free_benchmark"]), default="tensor",
               show_default=True)
 @click.option("--steps", default=2, show_default=True, help="Training steps to record.")
-def demo(dump_path, task, steps):
-    """Record a few training steps of the built-in tiny transformer (no downloads)."""
-    from .demo import run_demo
+@click.option("--framework", type=click.Choice(["torch", "mindspore"]), default="torch", show_default=True,
+              help="mindspore: the MindSpore twin on its demo net (needs the mindspore extra).")
+def demo(dump_path, task, steps, framework):
+    """Record a few training steps of a built-in tiny model (no downloads)."""
+    if framework == "mindspore":
+        try:
+            from dispatchprobe_ms.demo import run_demo
+        except ImportError as exc:
+            raise click.ClickException(f"--framework mindspore needs MindSpore ({exc}); "
+                                       'pip install -e ".[mindspore]"') from None
+    else:
+        from .demo import run_demo
     run_demo(dump_path, task=task, steps=steps)
 
 

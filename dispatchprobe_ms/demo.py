@@ -59,3 +59,28 @@ def train(probe=None, steps: int = 3, dtype=ms.float32, seed: int = 0, net=None)
     if probe is not None:
         probe.close()
     return losses, {p.name: p.asnumpy().copy() for p in net.trainable_params()}
+
+
+def run_demo(dump_path: str = "runs/ms_demo", task: str = "tensor", steps: int = 2) -> str:
+    """``dispatchprobe demo --framework mindspore``: record ``steps`` of the demo net, summarise."""
+    import os
+    import warnings
+
+    from dispatchprobe.offline.summary import summarize
+    from dispatchprobe.records.reader import load
+
+    from .capture import DispatchProbe
+    probe = DispatchProbe(task=task, dump_path=dump_path, level="mix", overwrite=True)
+    with warnings.catch_warnings(record=True):
+        losses, _ = train(probe, steps=steps, dtype=ms.float16 if task == "free_benchmark" else ms.float32)
+    for step, loss in enumerate(losses):
+        print(f"step {step}: loss {float(loss):.4f}")
+    counts = probe.summary()
+    for cell, why in sorted(counts.get("backward_not_observable", {}).items()):
+        print(f"not observable: backward of {cell}: {why}")
+    if task in ("overflow", "free_benchmark"):
+        print(f"{task}: {counts['checked']} op calls checked, {counts['flagged']} flagged")
+    else:
+        print(summarize(load(dump_path)))
+    print(f"\nrecords written to {os.path.abspath(dump_path)}")
+    return dump_path

@@ -45,7 +45,11 @@ def summarize(run: Run, top: int = 10, stage: str | None = None) -> str:
                          f"nan={int(row['nan'] or 0)} inf={int(row['inf'] or 0)}")
     else:
         lines.append("nan/inf    none")
-    checks = [p.checks for p in run.parts.values() if p.checks]
+    unseen = {cell: why for p in run.parts.values() if p.checks
+              for cell, why in (p.checks.get("backward_not_observable") or {}).items()}
+    for cell, why in sorted(unseen.items()):
+        lines.append(f"unseen     backward of {cell}: {why}")
+    checks = [p.checks for p in run.parts.values() if p.checks and "checked" in p.checks]
     if checks:
         total = {k: sum(c.get(k, 0) for c in checks) for k in ("checked", "flagged")}
         lines.append(f"checks     {checks[0].get('task')}: {total['checked']} op calls checked, "
