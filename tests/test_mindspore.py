@@ -355,3 +355,14 @@ def test_fix_mode_replaces_fp16_outputs_with_the_float32_results(tmp_path):
     assert not all(np.array_equal(a, b) for a, b in zip(losses, plain_losses))
     assert all(np.allclose(a, b, rtol=1e-2) for a, b in zip(losses, plain_losses))
     assert all(params[k].dtype == np.float16 for k in params)
+
+
+def test_demo_command_runs_the_mindspore_twin(tmp_path):
+    from click.testing import CliRunner
+    from dispatchprobe.cli import main
+    res = CliRunner().invoke(main, ["demo", "--framework", "mindspore", "-o", str(tmp_path / "demo")])
+    assert res.exit_code == 0, res.output
+    assert "framework  mindspore" in res.output and "MatMul" in res.output
+    assert "unseen     backward of TinyNet.norm: LayerNormGrad" in res.output
+    shown = CliRunner().invoke(main, ["show", str(tmp_path / "demo")])
+    assert shown.exit_code == 0 and "unseen     backward of TinyNet.norm" in shown.output
