@@ -427,6 +427,13 @@ def test_overflow_task_compiled_finds_the_op_and_reruns_it_eagerly(tmp_path):
     backend.close()
     compiled, rerun = _ops(tmp_path / "o")
     assert compiled["op"] == rerun["op"] == "aten.exp.default"
+    # one op identity: the eager re-run keeps the hit's call index and says which record it re-runs
+    assert compiled["name"] == rerun["name"] == "aten.exp.default.0.forward"
+    assert rerun["compiled"] == {"graph": compiled["compiled"]["graph"], "rerun_of": compiled["name"],
+                                 "nodes": ["exp"], "rerun": True}
+    from dispatchprobe.offline.summary import summarize
+    text = summarize(load(str(tmp_path / "o")))
+    assert "op calls   forward 1 " in text and "re-runs    1 " in text
     assert compiled["scope"] == rerun["scope"] == "_Overflows"
     assert compiled["compiled"]["nodes"] == ["exp"] and compiled["overflow"]["inf"] > 0
     assert compiled["inputs"][0]["stats"]["inf"] == 0

@@ -13,6 +13,10 @@ def summarize(run: Run, top: int = 10, stage: str | None = None) -> str:
     """Steps, ranks, op counts per stage, most frequent ops, and every tensor with nan/inf."""
     m = run.manifest
     ops = run.ops
+    # an overflow hit in a compiled graph and its eager re-run are one op call: count the hit once
+    reruns = _reruns(run)
+    if reruns:
+        ops = ops[~_keyed(ops, reruns)]
     if stage:
         ops = ops[ops["stage"] == stage]
     lines = [f"run        {run.path}"]
@@ -34,7 +38,11 @@ def summarize(run: Run, top: int = 10, stage: str | None = None) -> str:
     modules = ops[ops["kind"] == "module"]
     if len(modules):
         lines.append(f"module records {len(modules)} ({modules['scope'].nunique()} modules)")
+    if reruns:
+        lines.append(f"re-runs    {len(reruns)} eager re-run(s) of compiled overflow records (same name, counted once)")
     tensors = run.tensors
+    if reruns:
+        tensors = tensors[~_keyed(tensors, reruns)]
     if stage:
         tensors = tensors[tensors["stage"] == stage]
     bad = tensors[(tensors["nan"].fillna(0) > 0) | (tensors["inf"].fillna(0) > 0)]
@@ -79,6 +87,16 @@ def matching_records(run: Run, pattern: str, stage: str | None = None) -> pd.Dat
         rows = rows.assign(kernels=[kernels.get(k, "") for k in zip(rows["step"], rows["rank"], rows["id"])])
         cols.append("kernels")
     return rows[cols]
+
+
+def _reruns(run: Run) -> set:
+    """(step, rank, id) of the records that re-run a compiled record eagerly (``compiled.rerun``)."""
+    return {(step, rank, r["id"]) for (step, rank), part in run.parts.items() for r in part.records
+            if (r.get("compiled") or {}).get("rerun")}
+
+
+def _keyed(rows: pd.DataFrame, keys: set) -> pd.Series:
+    return pd.Series([k in keys for k in zip(rows["step"], rows["rank"], rows["id"])], index=rows.index, dtype=bool)
 
 
 def _kernels(run: Run) -> dict:

@@ -727,9 +727,16 @@ class _GraphRecords:
                     and not t.nonfinite_scalar and not any(bad(r) for r in t.in_rows)), None)
         if hit is None:
             return
+        # call indexes as the other tasks give them (every recorded call of the graph counts), so the
+        # hit and its eager re-run are one op identity with the eager probe's numbering
+        selector = session.selector
+        calls = {id(t): session.next_call(t.op, self.stage) for t in self.templates
+                 if selector.op_selected(t.op) and selector.scope_selected(t.scope)}
+        if id(hit) not in calls:
+            return
         with session._writing():
             record = {"id": None, "kind": "op", "name": None, "op": hit.op, "stage": self.stage,
-                      "scope": hit.scope, "call": session.next_call(hit.op, self.stage), "grad_fn": None,
+                      "scope": hit.scope, "call": calls[id(hit)], "grad_fn": None,
                       "stack": None}
             record["name"] = f"{hit.op}.{record['call']}.{self.stage}"
             fresh = {}
@@ -749,7 +756,9 @@ class _GraphRecords:
             session.recorder.flush()
             session.recorder.write(record)
         if self.rerun is not None:
-            _Rerun(self.rerun, session, self.stage, self.roots).run(*inputs)
+            node_calls = {name: calls[id(t)] for t in self.templates if id(t) in calls for name in t.compiled["nodes"]}
+            _Rerun(self.rerun, session, self.stage, self.roots, node_calls,
+                   {"graph": self.id, "rerun_of": record["name"]}).run(*inputs)
 
 
 def _handle(kernel: str) -> int:
@@ -772,10 +781,33 @@ class _Rerun(torch.fx.Interpreter):
     """Runs a post-grad graph eagerly, giving each node's call to the session as an op event, so
     the eager overflow check judges the graph's own ops (node granularity, scopes from metadata)."""
 
-    def __init__(self, gm, session, stage: str, roots: dict):
+    def __init__(self, gm, session, stage: str, roots: dict, node_calls: dict, mark: dict):
         super().__init__(gm)
         self.extra_traceback = False     # the check's OverflowDetected reaches the user as it is
         self.session, self.stage, self.roots = session, stage, roots
+        self.node_calls, self.mark = node_calls, mark
+        self._node = None
+
+    def run(self, *args):
+        """The graph's calls keep the call indexes of the graph call's records (no second numbering),
+        and each record the check writes says which compiled record it re-runs, at which node."""
+        session, recorder = self.session, self.session.recorder
+        counted, write = session.next_call, recorder.write
+
+        def next_call(op, stage):
+            call = self.node_calls.get(self._node.name) if self._node is not None else None
+            return call if call is not None else counted(op, stage)
+
+        def write_marked(record):
+            if record.get("kind") == "op" and self._node is not None:
+                record["compiled"] = {**self.mark, "nodes": [self._node.name], "rerun": True}
+            return write(record)
+
+        session.next_call, recorder.write = next_call, write_marked
+        try:
+            return super().run(*args)
+        finally:
+            del session.next_call, recorder.write
 
     def run_node(self, n):
         self._node = n
