@@ -442,6 +442,9 @@ def test_overflow_task_compiled_finds_the_op_and_reruns_it_eagerly(tmp_path):
     assert rerun["inputs"][0]["data"] and saved.has_tensor(rerun["inputs"][0]["data"])
     csv = (tmp_path / "o" / "step0" / "rank0" / "overflow.csv").read_text().splitlines()
     assert len(csv) == 2 and ",critical,forward,aten.exp.default," in csv[1]
+    # compare counts the pair once: the run against itself pairs the hit, leaves nothing unmatched
+    table, verdict = compare(str(tmp_path / "o"), str(tmp_path / "o"))
+    assert len(verdict.unmatched) == 0 and set(table["name_a"]) == {"aten.exp.default.0.forward"}
 
 
 def test_overflow_task_compiled_ignores_inf_given_to_ops(tmp_path):
