@@ -8,6 +8,7 @@ zero-copy and writeable: it is only read here; whatever is kept is copied first.
 
 from __future__ import annotations
 
+import functools
 import math
 import types
 import weakref
@@ -31,7 +32,9 @@ _MAX = {"float16": 65504.0, "bfloat16": 3.3895313892515355e38, "float32": 3.4028
         "float64": 1.7976931348623157e308}
 
 
+@functools.cache
 def accelerator() -> str:
+    """The device target (fixed once MindSpore runs its first op): asked once, not per tensor."""
     return str(ms.get_context("device_target")).lower()
 
 
@@ -40,6 +43,7 @@ def is_tensor(value) -> bool:
     return isinstance(value, ms.Tensor)
 
 
+@functools.cache
 def dtype_name(dtype) -> str:
     return str(dtype).lower().removesuffix("_")
 
