@@ -17,6 +17,7 @@ from mindspore.ops.primitive import _run_op
 
 from dispatchprobe.core import op_traits
 from dispatchprobe.offline.replayer import Output, Replayed, Replayer, ReplayError, Skip
+from dispatchprobe.offline.translate import Translation
 
 from . import ops
 from .backend import dtype_of, host, tensor
@@ -94,20 +95,45 @@ def replay(record: dict, source, device, random: bool = False, keep_data: bool =
         except Skip:
             raise
         except Exception as exc:  # noqa: BLE001 - the op's own failure
-            if bench:
-                raise Skip(f"no float64 {name} kernel on {ms.get_context('device_target')} "
-                           f"({type(exc).__name__}: {str(exc).splitlines()[0][:120]})") from None
-            raise ReplayError(f"device run failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}") from None
-    for (out_name, d), (_, b) in zip(outs[False], outs[True]):
-        if not isinstance(d, ms.Tensor) or not isinstance(b, ms.Tensor):
+            why = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+            if not bench:
+                raise ReplayError(f"device run failed: {why}") from None
+            outs[bench], result.note = _torch_benchmark(record, args), \
+                f"benchmark: the mapped torch op in float64 (MindSpore has no float64 {name} kernel here)"
+            if outs[bench] is None:
+                raise Skip(f"no float64 {name} kernel on {ms.get_context('device_target')} ({why}) and no "
+                           "torch op mapped to it") from None
+    bench_of = dict(outs[True])
+    for out_name, d in outs[False]:
+        b = bench_of.get(out_name)
+        if not isinstance(d, ms.Tensor) or not isinstance(b, (ms.Tensor, np.ndarray)):
             continue
-        dn, bn = host(d), host(b)
+        dn, bn = host(d), host(b) if isinstance(b, ms.Tensor) else b
         result.outputs.append(Output(out_name, np.asarray(dn, dtype=np.float64) if dn.dtype.kind == "f" else dn,
                                      np.asarray(bn, dtype=np.float64) if bn.dtype.kind == "f" else bn,
-                                     dtype_of(d), dtype_of(b), tuple(d.shape)))
+                                     dtype_of(d), dtype_of(b) if isinstance(b, ms.Tensor) else str(bn.dtype),
+                                     tuple(d.shape)))
         if keep_data:
             result.data[f"{out_name}.device"], result.data[f"{out_name}.bench"] = np.array(dn), np.array(bn)
     return result
+
+
+def _torch_benchmark(record: dict, args: list):
+    """[(output name, float64 numpy)] of the aten op the shipped translation maps the primitive to,
+    run by torch in float64 on the same inputs; None when torch or a complete mapping is missing."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    spec = Translation.shipped("mindspore").ops.get(record["op"])
+    positions = spec.get("inputs", list(range(len(args)))) if spec else [None]
+    if spec is None or None in positions or any(not isinstance(args[p], ms.Tensor) for p in positions):
+        return None
+    _, name, overload = spec["op"].split(".")
+    out = getattr(getattr(torch.ops.aten, name), overload)(*(torch.from_numpy(np.array(host(args[p]))) for p in positions))
+    out = out if isinstance(out, (tuple, list)) else (out,)
+    mapped = spec.get("outputs") or list(range(len(out)))
+    return [(f"output.{i}", out[k].numpy()) for k, i in enumerate(mapped) if i is not None and k < len(out)]
 
 
 def resolve_device(name: str | None):

@@ -46,6 +46,7 @@ class Replayed:
     # asked only for outputs not already a pass
     spread: Callable[[], dict[str, np.ndarray]] | None = None
     written: bool = True           # the op writes some argument (False: an op returning nothing did nothing)
+    note: str = ""                 # how the op was replayed, where the row should say (another benchmark)
 
 
 class Distributed(Protocol):

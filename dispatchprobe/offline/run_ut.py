@@ -130,6 +130,8 @@ def check_op(step: int, rank: int, index: int) -> tuple[list, list, dict | None]
             verdicts, messages = [SKIP], ["the op returned no tensor to compare"]
         elif not verdicts:
             verdicts, messages = [SKIP], ["no output with defined contents to compare"]
+        if rep.note:
+            messages.append(rep.note)
         status = SKIP if verdicts == [SKIP] else worst(verdicts)
         if status == ERROR and opts.get("save_error_data"):
             error_data = rep.data
