@@ -238,11 +238,7 @@ def replacement(original, result):
         if is_float(orig) and is_float(new) and list(orig.shape) == list(new.shape):
             return tensor(host(new), dtype_of(orig))
         return orig
-    if isinstance(original, ms.Tensor):
-        return one(original, result)
-    if isinstance(original, (tuple, list)) and isinstance(result, (tuple, list)):
-        return type(original)(one(o, n) for o, n in zip(original, result))
-    return None
+    return values.pair_outputs(original, result, is_tensor, one)
 
 
 # ---- inline checks: plain host numbers ("pending" values are already read) --------------------------------

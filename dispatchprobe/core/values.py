@@ -39,3 +39,13 @@ def user_stack(framework_dir: str, skip: int = 2) -> tuple:
     own = (framework_dir, package + os.sep, package + "_ms" + os.sep, "<frozen ", "contextlib.py")
     return tuple(f"{f.filename}:{f.lineno} in {f.name}" for f in traceback.extract_stack()[:-skip]
                  if not f.filename.startswith(own))
+
+
+def pair_outputs(original, result, is_tensor: Callable, one: Callable):
+    """``one(original output, re-run output)`` over an op's outputs, a tensor or a tuple/list of
+    them (``fix`` replacing outputs); None when the two do not have the same form."""
+    if is_tensor(original):
+        return one(original, result)
+    if isinstance(original, (tuple, list)) and isinstance(result, (tuple, list)):
+        return type(original)(one(o, n) for o, n in zip(original, result))
+    return None

@@ -15,6 +15,7 @@ import math
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from ..core import values
 from ..standards.loader import per_dtype
 from . import ops
 
@@ -570,11 +571,7 @@ def replacement(original, result):
         out = torch.empty_like(orig)
         out.copy_(new)
         return out
-    if isinstance(original, torch.Tensor):
-        return one(original, result)
-    if isinstance(original, (tuple, list)) and isinstance(result, (tuple, list)):
-        return type(original)(one(o, n) for o, n in zip(original, result))
-    return None
+    return values.pair_outputs(original, result, lambda t: isinstance(t, torch.Tensor), one)
 
 
 def input_grads(func, args, kwargs, grad_outs, gen, device, fixup=None):
