@@ -177,7 +177,7 @@ class ProbeSession:
         return os.path.join(self.config.dump_path, f"step{self.step_no}", f"rank{self.rank}")
 
     # ---- for adapters and handlers ----------------------------------------------------------
-    def records(self, stage: str, scope: str) -> bool:
+    def would_record(self, stage: str, scope: str) -> bool:
         """Whether :meth:`on_op` would record an op at ``stage`` and ``scope``: a capture path asks
         before the op runs, so that a filtered op costs nothing more (no copies of what it writes)."""
         return not self.failed and self._stage_on[stage] and self.selector.in_scope(scope)

@@ -80,7 +80,7 @@ class _ProbeMode(TorchDispatchMode):
         where = probe._where()
         seen_args, seen_kwargs = args, kwargs
         undefined = probe.uninitialised.among(func, args, kwargs) if probe.uninitialised else None
-        recorded = probe.records(where[0], where[1])
+        recorded = probe.would_record(where[0], where[1])
         written = facts.reads_written
         if written and recorded:  # in-place/out= ops: record the inputs as they were *before* the op ran
             seen_args, seen_kwargs = _copy_written(written, args, kwargs, undefined)
