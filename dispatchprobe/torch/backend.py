@@ -120,8 +120,8 @@ def _cpu_stats(t: torch.Tensor) -> dict:
         total = x.sum(dtype=acc)
         if x.dtype == torch.float32 and x.is_contiguous():
             flat = x.view(-1)
-            norm = torch.dot(flat, flat).sqrt()     # one BLAS pass
-            values = torch.stack([hi, lo, total, norm]).tolist()   # one read-back
+            squares = torch.dot(flat, flat)     # one BLAS pass
+            values = [hi.item(), lo.item(), total.item(), math.sqrt(squares.item())]   # CPU: no sync
         else:
             norm = torch.linalg.vector_norm(x, dtype=acc)
             values = [hi.item(), lo.item(), total.item(), norm.item()]
