@@ -460,3 +460,65 @@ def test_overflow_task_compiled_ignores_inf_given_to_ops(tmp_path):
     assert torch.isfinite(loss)
     ops_file = tmp_path / "o" / "step0" / "rank0" / "ops.jsonl"
     assert not ops_file.exists() or ops_file.read_text() == ""
+
+
+class _Masked(torch.nn.Module):
+    """A causal mask: scores holding -inf (with finite values), softmax over them."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        scores = self.proj(x) @ x.transpose(-1, -2)
+        causal = torch.ones(6, 6, dtype=torch.bool).triu(1)
+        return torch.softmax(scores.masked_fill(causal, float("-inf")), dim=-1).sum()
+
+
+@pytest.mark.parametrize("inner", ["inductor", "aot_eager"])
+def test_compiled_statistics_of_nonfinite_values_match_eager(tmp_path, inner):
+    """Values holding -inf get finite_max/finite_min in compiled records too (computed in the
+    graph), so the compiled record of a causal mask's output equals the eager one."""
+    x = torch.randn(2, 6, 8, generator=torch.Generator().manual_seed(3))
+    torch.manual_seed(0)
+    model = _Masked()
+    with DispatchProbe(task="statistics", dump_path=str(tmp_path / "e")) as probe:
+        model(x).backward()
+    probe.close()
+    backend = probe_backend(task="statistics", dump_path=str(tmp_path / "c"), inner=inner)
+    torch.compile(model, backend=backend)(x).backward()
+    backend.close()
+
+    def masked(path):
+        rec = next(r for r in _ops(path) if r["op"] == "aten.masked_fill.Scalar" and r["stage"] == "forward")
+        return rec["outputs"][0]["stats"]
+    eager, compiled = masked(tmp_path / "e"), masked(tmp_path / "c")
+    assert eager["inf"] == 2 * 15 and "finite_max" in eager
+    assert set(compiled) == set(eager)
+    for key, value in eager.items():
+        assert compiled[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+    # finite values keep the plain row: no finite_max where eager has none
+    finite = [o["stats"] for r in _ops(tmp_path / "c") for o in r["outputs"] if o["type"] == "tensor"]
+    assert all(("finite_max" in s) == (s["inf"] + s["nan"] > 0) for s in finite)
+
+
+def test_node_granularity_records_each_post_grad_node(tmp_path):
+    """granularity="node": one record per post-grad node, named by the node's own op (layer
+    norm's decomposition appears as its nodes, each saying the eager op it comes from)."""
+    with pytest.raises(ValueError, match="granularity"):
+        probe_backend(task="statistics", dump_path=str(tmp_path / "x"), granularity="kernel")
+    tokens, targets = _batch()
+    backend = probe_backend(task="statistics", dump_path=str(tmp_path / "n"), inner="aot_eager", granularity="node")
+    lm_loss(torch.compile(_tiny(), backend=backend), tokens, targets).backward()
+    backend.close()
+    records = [r for r in _ops(tmp_path / "n") if "compiled" in r]
+    # one node each (with the getitems of a multi-output node, such as var_mean's)
+    assert all(not r["compiled"]["decomposed"] and all(n.startswith("getitem") for n in r["compiled"]["nodes"][1:])
+               for r in records)
+    assert len(records) >= 100
+    ops_seen = {r["op"] for r in records}
+    assert "aten.native_layer_norm.default" not in ops_seen and "aten.rsqrt.default" in ops_seen
+    rsqrt = next(r for r in records if r["op"] == "aten.rsqrt.default" and r["stage"] == "forward")
+    assert rsqrt["compiled"]["original_aten"] == "aten.native_layer_norm.default"
+    assert rsqrt["scope"] == "TinyTransformer.layers.0.norm1" and rsqrt["inputs"][0]["type"] == "tensor"
+    assert {r["stage"] for r in records} == {"forward", "backward"}

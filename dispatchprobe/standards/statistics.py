@@ -74,9 +74,22 @@ def finish(x, values, xp) -> dict:
 
 
 def from_row(row, n: int) -> dict:
-    """The record from a device row (max, min, sum, L2 norm, nan count, inf count) of ``n`` elements."""
+    """The record from a device row (max, min, sum, L2 norm, nan count, inf count) of ``n`` elements.
+
+    A row of values holding inf/nan may carry their finite max and min in its sum and norm slots,
+    which are then finite (a true sum or norm of such values never is): those are derived from the
+    other fields, so the record is the one :func:`finish` gives the values, with ``finite_max`` and
+    ``finite_min``, without a second pass over them."""
     hi, lo, total, norm, nan, inf = row
-    return {"max": hi, "min": lo, "mean": total / n, "norm": norm, "nan": int(nan), "inf": int(inf)}
+    stats = {"max": hi, "min": lo, "mean": total / n, "norm": norm, "nan": int(nan), "inf": int(inf)}
+    if nan or inf:
+        if math.isfinite(total) and math.isfinite(norm):
+            stats["finite_max"], stats["finite_min"] = total, norm
+            stats["mean"] = math.nan if nan or (hi == math.inf and lo == -math.inf) else hi if math.isinf(hi) else lo
+            stats["norm"] = math.nan if nan else math.inf
+    elif not math.isfinite(total):       # finite values whose sum overflowed, as finish gives them
+        stats["finite_max"], stats["finite_min"] = hi, lo
+    return stats
 
 
 # ---- compare: statistics-only rows, whole columns at once -------------------------------------------

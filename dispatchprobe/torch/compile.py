@@ -29,6 +29,9 @@ from ..standards import statistics
 
 STAT_FIELDS = 6          # max, min, sum, L2 norm, nan count, inf count: a device stats row
 COMPILED_TASKS = ("statistics", "tensor", "overflow")
+# "eager": a record per eager op call (post-grad nodes grouped by original_aten), which compare
+# aligns with an eager run; "node": a record per post-grad node, the ops inductor compiles
+GRANULARITIES = ("eager", "node")
 
 
 # ---- the recording op ---------------------------------------------------------------------------
@@ -73,10 +76,14 @@ class ProbeBackend:
     """A ``torch.compile`` backend recording every compiled graph.  ``step()`` ends a training
     step (as ``DispatchProbe.step``), ``close()`` finishes the records (also run at exit)."""
 
-    def __init__(self, config=None, *, inner: str = "inductor", model: torch.nn.Module | None = None, **overrides):
+    def __init__(self, config=None, *, inner: str = "inductor", model: torch.nn.Module | None = None,
+                 granularity: str = "eager", **overrides):
         if inner not in ("inductor", "aot_eager"):
             raise ValueError(f"inner must be 'inductor' or 'aot_eager', not {inner!r}")
+        if granularity not in GRANULARITIES:
+            raise ValueError(f"granularity must be 'eager' or 'node', not {granularity!r}")
         self.inner = inner
+        self.granularity = granularity
         # the session is created when a graph first records outside a DispatchProbe on the same
         # dump_path, so that such a probe alone may own the run directory
         self._args = (config, overrides)
@@ -168,12 +175,14 @@ class _kernel_provenance:
 
 
 def probe_backend(config=None, *, inner: str = "inductor", model: torch.nn.Module | None = None,
-                  **overrides) -> ProbeBackend:
+                  granularity: str = "eager", **overrides) -> ProbeBackend:
     """``torch.compile(model, backend=probe_backend(task="statistics", dump_path="runs/c"))``:
     record the compiled graphs' ops at eager granularity.  ``inner``: ``"inductor"`` (compiled
     code, the default) or ``"aot_eager"`` (the same instrumented aten graphs run eagerly).
-    ``model`` names the scopes of graphs that start inside a submodule (after a graph break)."""
-    return ProbeBackend(config, inner=inner, model=model, **overrides)
+    ``model`` names the scopes of graphs that start inside a submodule (after a graph break).
+    ``granularity="node"`` records each post-grad node, the op inductor compiles, instead of the
+    eager op call it comes from."""
+    return ProbeBackend(config, inner=inner, model=model, granularity=granularity, **overrides)
 
 
 def _eager_output_type():
@@ -327,8 +336,9 @@ def _scope(stack: dict | None, roots: dict[str, str]) -> str:
 # ---- the pass ------------------------------------------------------------------------------------
 def _stats_nodes(graph: torch.fx.Graph, node: torch.fx.Node, at: torch.fx.Node) -> list[torch.fx.Node]:
     """Nodes computing a device stats row of ``node``'s value (0-d float64 each), inserted after
-    ``at``: the formulas of :func:`~dispatchprobe.torch.backend.device_stats_row`, in ops with
-    inductor lowerings (``isfinite``/``stack`` have none)."""
+    ``at``: the formulas of :func:`~dispatchprobe.torch.backend.device_stats_row`, and the finite
+    max/min of values holding inf/nan in that row's layout (:func:`statistics.from_row`), in ops
+    with inductor lowerings (``isfinite``/``stack`` have none)."""
     aten = torch.ops.aten
     val = node.meta["val"]
     acc = torch.float64 if val.dtype in (torch.float64,) or not (val.dtype.is_floating_point or val.dtype == torch.bool) \
@@ -352,8 +362,18 @@ def _stats_nodes(graph: torch.fx.Graph, node: torch.fx.Node, at: torch.fx.Node) 
     sq = call(aten.mul.Tensor, wide, wide)
     norm = call(aten.sqrt.default, call(aten.sum.default, sq))
     nan = call(aten.sum.dim_IntList, call(aten.ne.Tensor, x, x), [], dtype=acc)
-    nonfinite = call(aten.sum.dim_IntList, call(aten.ne.Scalar, call(aten.mul.Scalar, x, 0), 0), [], dtype=acc)
+    finite = call(aten.eq.Scalar, call(aten.mul.Scalar, x, 0), 0)
+    nonfinite = call(aten.sum.dim_IntList, call(aten.logical_not.default, finite), [], dtype=acc)
     inf = call(aten.sub.Tensor, nonfinite, nan)
+    # the eager record's finite_max/finite_min, in the same fused pass: where the row holds inf/nan
+    # they take the sum and norm slots (statistics.from_row derives those from the other fields)
+    def const(v):
+        return call(aten.full.default, [], v, dtype=acc, device=val.device, pin_memory=False)
+    fmax = call(aten.amax.default, call(aten.where.self, finite, x, const(-math.inf)))
+    fmin = call(aten.amin.default, call(aten.where.self, finite, x, const(math.inf)))
+    carry = call(aten.logical_and.default, call(aten.gt.Scalar, nonfinite, 0), call(aten.gt.Scalar, fmax, -math.inf))
+    total = call(aten.where.self, carry, call(torch.ops.prims.convert_element_type.default, fmax, torch.float64), total)
+    norm = call(aten.where.self, carry, call(torch.ops.prims.convert_element_type.default, fmin, torch.float64), norm)
     return [hi, lo, total, norm, nan, inf]
 
 
@@ -432,6 +452,7 @@ class _Instrument:
         last: dict = {}        # (op, partitioner tag) -> key of its latest decomposed call
         groups: list[_Group] = []
         owner_of: dict = {}
+        node_level = self.owner.granularity == "node"
         for node in graph.nodes:
             if node.op != "call_function":
                 continue
@@ -443,6 +464,11 @@ class _Instrument:
             if not isinstance(node.target, torch._ops.OpOverload) or node.target.namespace == "dispatchprobe":
                 continue
             tag = node.meta.get("partitioner_tag")
+            if node_level:      # every node where it runs, recomputed ones included
+                g = _Group(node.target, [node])
+                groups.append(g)
+                owner_of[node] = g
+                continue
             # the partitioner moves work across graphs: recomputed forward values in backward
             # (recorded in forward), parts of backward ops in forward (recorded with the rest)
             if tag == ("is_forward" if self.backward else "is_backward"):
@@ -644,6 +670,9 @@ class _GraphRecords:
         t = _Template(str(group.op), _scope(scope_meta, self.roots), [n.name for n in group.nodes], exact)
         if not exact:
             t.compiled["call"] = traced
+        original = group.nodes[0].meta.get("original_aten")
+        if self.owner.granularity == "node" and original is not None and str(original) != t.op:
+            t.compiled["original_aten"] = str(original)      # the eager op this node computes part of
         t.inputs = [t.encode(a) for a in inputs]
         t.kwargs = {k: t.encode(v) for k, v in kwargs.items()}
         t.outputs = [t.encode(o) for o in outputs]
