@@ -9,10 +9,12 @@ keyword arguments -- and a :class:`Call` that runs the op again from that form.
 
 from __future__ import annotations
 
+import ast
 import functools
 import inspect
 import os
 import re
+import textwrap
 
 import mindspore as ms
 from mindspore import _c_expression
@@ -39,32 +41,20 @@ def primitive_class(name: str):
     return None
 
 
-def _top_level_items(text: str) -> list[str]:
-    items, depth, start = [], 0, 0
-    for i, ch in enumerate(text):
-        depth += ch in "([{"
-        depth -= ch in ")]}"
-        if ch == "," and depth == 0:
-            items.append(text[start:i])
-            start = i + 1
-    items.append(text[start:])
-    return [s.strip() for s in items]
-
-
 @functools.cache
 def pyboost_form(name: str) -> tuple[str, tuple[int, ...]] | None:
     """(``pyboost_<name>`` function, positions of its dtype arguments) of a pyboost op, read from
     the generated ``__call__`` that converts them (``dtype_to_type_id``), or None."""
     cls = primitive_class(name)
     try:
-        source = inspect.getsource(cls.__call__) if cls is not None else ""
-    except (OSError, TypeError):
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls.__call__))) if cls is not None else None
+    except (OSError, TypeError, SyntaxError):
         return None
-    found = re.search(r"(pyboost_\w+)\(self, \[(.*)\]\)", source)
-    if found is None or not hasattr(_c_expression, found.group(1)):
-        return None
-    items = _top_level_items(found.group(2))
-    return found.group(1), tuple(i for i, s in enumerate(items) if "dtype_to_type_id" in s)
+    for node in ast.walk(tree) if tree else ():
+        if isinstance(node, ast.Call) and getattr(node.func, "id", "").startswith("pyboost_") \
+                and len(node.args) == 2 and isinstance(node.args[1], ast.List) and hasattr(_c_expression, node.func.id):
+            return node.func.id, tuple(i for i, e in enumerate(node.args[1].elts) if "dtype_to_type_id" in ast.unparse(e))
+    return None
 
 
 def dtype_from_id(value):

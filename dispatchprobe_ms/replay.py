@@ -144,26 +144,5 @@ def resolve_device(name: str | None):
     return target
 
 
-def set_threads(n: int) -> int:
-    """MindSpore fixes its CPU thread pool when it starts: nothing to change per worker."""
-    return n
-
-
-def save_error_data(path: str, data: dict, metadata: dict) -> None:
-    from safetensors.numpy import save_file
-    save_file({k: np.ascontiguousarray(v) for k, v in data.items() if isinstance(v, np.ndarray)
-               and v.dtype.kind in "fiub"}, path, metadata=metadata)
-
-
-def distributed():
-    """Sharding across processes uses torchrun's engine; MindSpore replays run in one launcher-less job."""
-    return None
-
-
-def tensor_source(part):
-    """A part's saved tensors as numpy (``Part.tensor``)."""
-    return part
-
-
-REPLAYER = Replayer("mindspore", replay=replay, resolve_device=resolve_device, tensor_source=tensor_source,
-                    set_threads=set_threads, save_error_data=save_error_data, distributed=distributed)
+# saved tensors read as numpy, MindSpore's thread pool fixed at start, no launcher: the defaults
+REPLAYER = Replayer("mindspore", replay=replay, resolve_device=resolve_device)

@@ -60,6 +60,28 @@ class Distributed(Protocol):
     def barrier(self) -> None: ...
 
 
+# ---- defaults for a replay that reads saved tensors as numpy and needs no launcher --------------------
+def part_arrays(part: Part) -> Part:
+    """A part's saved tensors as numpy (``Part.tensor``)."""
+    return part
+
+
+def keep_threads(n: int) -> int:
+    """For frameworks that fix their thread pool at start: nothing to change per worker."""
+    return n
+
+
+def save_numpy_error_data(path: str, data: dict, metadata: dict) -> None:
+    from safetensors.numpy import save_file
+    save_file({k: np.ascontiguousarray(v) for k, v in data.items()
+               if isinstance(v, np.ndarray) and v.dtype.kind in "fiub"}, path, metadata=metadata)
+
+
+def no_distributed() -> None:
+    """No launcher engine: run-ut runs as one job (``-j`` workers on this machine)."""
+    return None
+
+
 @dataclass(frozen=True)
 class Replayer:
     """A framework's replay for run-ut; functions at module level, so it pickles to spawned workers."""
@@ -70,13 +92,13 @@ class Replayer:
     # the --device option (None: the framework's default) -> a device; ValueError with a one-line reason
     resolve_device: Callable[[str | None], Any]
     # a part's saved tensors as the framework reads them; made per process (handles do not survive fork)
-    tensor_source: Callable[[Part], Any]
+    tensor_source: Callable[[Part], Any] = part_arrays
     # threads of one replaying process -> the previous setting
-    set_threads: Callable[[int], int]
+    set_threads: Callable[[int], int] = keep_threads
     # (safetensors path, Replayed.data, metadata) -> writes the file
-    save_error_data: Callable[[str, dict, dict], None]
+    save_error_data: Callable[[str, dict, dict], None] = save_numpy_error_data
     # the engine when launched by the framework's launcher (torchrun), else None
-    distributed: Callable[[], Distributed | None]
+    distributed: Callable[[], Distributed | None] = no_distributed
 
 
 REPLAYERS = {"torch": "dispatchprobe.torch.replay", "mindspore": "dispatchprobe_ms.replay"}   # manifest "framework" -> module with REPLAYER
