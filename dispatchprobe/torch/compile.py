@@ -41,7 +41,7 @@ def _record(stats: list[torch.Tensor], values: list[torch.Tensor], inputs: list[
     the tensors themselves (copied here: inductor reuses its buffers after the call, and writes
     into them without bumping their version, the recorder's cache key); with task ``overflow``
     the graph's inputs, to re-run the graph eagerly on a hit."""
-    block = torch.stack([v.to(torch.float64) for v in stats]).view(-1, STAT_FIELDS)
+    block = torch.stack(stats).to(torch.float64).view(-1, STAT_FIELDS)    # stack promotes to float64
     records = _GRAPHS[graph]
     if records.overflow:
         records.check(block, inputs)
