@@ -522,3 +522,33 @@ def test_node_granularity_records_each_post_grad_node(tmp_path):
     assert rsqrt["compiled"]["original_aten"] == "aten.native_layer_norm.default"
     assert rsqrt["scope"] == "TinyTransformer.layers.0.norm1" and rsqrt["inputs"][0]["type"] == "tensor"
     assert {r["stage"] for r in records} == {"forward", "backward"}
+
+
+class _NonFinite(torch.nn.Module):
+    """nan and -inf (log), +inf (reciprocal), inf - inf (add), a tensor of infinities only (exp)."""
+
+    def forward(self, x):
+        return torch.log(x) + torch.reciprocal(x) + torch.exp(x.abs() * 1e4 + 1e4).sum()
+
+
+def test_compiled_statistics_of_nan_and_inf_mixes_match_eager(tmp_path):
+    x = torch.tensor([[-1.0, 0.0, 2.0], [0.5, 3.0, 0.0]])
+    with DispatchProbe(task="statistics", dump_path=str(tmp_path / "e")) as probe:
+        _NonFinite()(x)
+    probe.close()
+    backend = probe_backend(task="statistics", dump_path=str(tmp_path / "c"), inner="aot_eager")
+    torch.compile(_NonFinite(), backend=backend)(x)
+    backend.close()
+
+    def outputs(path):
+        return {r["op"]: r["outputs"][0]["stats"] for r in _ops(path) if r["outputs"][0]["type"] == "tensor"}
+    eager, compiled = outputs(tmp_path / "e"), outputs(tmp_path / "c")
+    checked = 0
+    for op in ("aten.log.default", "aten.reciprocal.default", "aten.add.Tensor", "aten.exp.default"):
+        if op not in eager or op not in compiled:
+            continue
+        assert set(compiled[op]) == set(eager[op]), op
+        for key, value in eager[op].items():
+            assert compiled[op][key] == pytest.approx(value, rel=1e-5, nan_ok=True), (op, key)
+        checked += 1
+    assert checked == 4 and eager["aten.exp.default"]["inf"] == 6 and "finite_max" not in eager["aten.exp.default"]
