@@ -240,7 +240,8 @@ def _explain_unobservable(unmatched: pd.DataFrame, translate: tuple, problems: l
 
 
 def _pair_tensors(ta: list, tb: list, same_op: bool, op: str = ""):
-    """(io, arg, spec_a, spec_b) of two paired records' tensors (``ta``, ``tb``: their walks)."""
+    """(io, arg, spec_a, spec_b) of two paired records' tensors (``ta``, ``tb``: their walks);
+    ``op`` given (runs of two frameworks): a commutative op's inputs may come in the other order."""
     if same_op and op_traits.base_name(op) in op_traits.COMMUTATIVE:
         tb = _swap_commutative(ta, tb)
     if same_op and len(ta) == len(tb) and all(x[1] == y[1] for x, y in zip(ta, tb)):
@@ -365,7 +366,8 @@ def _compare_parts(part_a: Part, part_b: Part, match: str, mapping: Mapping, ten
         set_aside = [[r for r in recs if inside(r)] for recs in (recs_a, recs_b)]
         recs_a, recs_b = ([r for r in recs if not inside(r)] for recs in (recs_a, recs_b))
     problems = list(part_a.problems) + list(part_b.problems)
-    al = align(recs_a, recs_b, match=match, mapping=mapping, by_stats=any(translate))
+    cross = any(translate)     # two frameworks: argument order and op order may differ, not the values
+    al = align(recs_a, recs_b, match=match, mapping=mapping, by_stats=cross)
     step, rank = part_a.step, part_a.rank
 
     # sequence numbers per stage, in A's (and B's) execution order
@@ -393,7 +395,7 @@ def _compare_parts(part_a: Part, part_b: Part, match: str, mapping: Mapping, ten
         head = (ra["stage"], ra["kind"], seq_a[i], ra["scope"], ra["op"], rb["op"], ra["name"], rb["name"],
                 ra["call"], rb["call"], how)
         overwritten = op_traits.overwrites_first_input(ra["op"])
-        for io, arg, sa, sb in _pair_tensors(walks_a[i], walks_b[j], same, rb["op"]):
+        for io, arg, sa, sb in _pair_tensors(walks_a[i], walks_b[j], same, rb["op"] if cross else ""):
             if overwritten and arg == "input.0":
                 continue  # the destination's old (often uninitialised) content is not an input
             if stack is None:
