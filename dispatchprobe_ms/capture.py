@@ -12,6 +12,7 @@ import warnings
 
 import mindspore as ms
 from mindspore import nn
+from mindspore._c_expression import _DispatchGuardStack
 from mindspore.utils import MsDispatchMode
 
 from dispatchprobe.core import values
@@ -46,19 +47,20 @@ class _Mode(MsDispatchMode):
         if probe.busy:
             return func(*args)
         name, call, inputs, attrs = ops.normalise(func, args)
-        if probe.scopes.is_hook_view(name, inputs) or name in ops.NOT_RECORDED \
-                or not probe.selector.op_selected(name):
+        if probe.scopes.is_hook_view(name, inputs) or name in ops.NOT_RECORDED:
             return func(*args)
+        stage = "backward" if in_backward() else "forward"
+        probe.scopes.saw_op(name, stage)
+        scope = probe.scopes.current(stage)
+        if not probe.selector.op_selected(name) or not probe.would_record(stage, scope):
+            return func(*args)                                     # filtered: no copies, no record
         seen = inputs
         if ops.writes_first(name) and inputs and isinstance(inputs[0], ms.Tensor):
             seen = (ms_backend.clone(inputs[0]), *inputs[1:])     # its value before the op wrote it
         out = func(*args)
         if not values.collect(out, ms_backend.is_tensor):       # typeof, shape queries: no numerics
             return out
-        stage = "backward" if in_backward() else "forward"
-        probe.scopes.saw_op(name, stage)
-        replaced = probe.on_op(name, stage, probe.scopes.current(stage), seen, attrs, out, func=call,
-                               stack=ops.user_stack)
+        replaced = probe.on_op(name, stage, scope, seen, attrs, out, func=call, stack=ops.user_stack)
         return out if replaced is None else replaced
 
 
@@ -166,14 +168,12 @@ class DispatchProbe(ProbeSession):
     def _install(self) -> None:
         self.scopes.install()
         if self.record_ops:
-            from mindspore._c_expression import _DispatchGuardStack
             self._mode = _Mode(self)
             self._mode.__enter__()
             self._depth = _DispatchGuardStack.depth()
 
     def _uninstall(self) -> None:
         if self._mode is not None:
-            from mindspore._c_expression import _DispatchGuardStack
             if _DispatchGuardStack.depth() != self._depth:      # its __exit__ pops whatever is on top
                 raise RuntimeError("dispatchprobe_ms: another MsDispatchMode entered inside the probe is still "
                                    "active; exit it first")

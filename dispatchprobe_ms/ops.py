@@ -57,10 +57,6 @@ def pyboost_form(name: str) -> tuple[str, tuple[int, ...]] | None:
     return None
 
 
-def dtype_from_id(value):
-    return typing.type_id_to_type(value)
-
-
 def dtype_to_id(dtype) -> int:
     from mindspore.ops.auto_generate.gen_ops_prim import dtype_to_type_id
     return dtype_to_type_id("Cast", "dtype", dtype)
@@ -93,7 +89,7 @@ def normalise(func, args) -> tuple[str, Call, tuple, dict]:
     form = pyboost_form(name)
     positions = form[1] if form else ()
     if positions:
-        args = tuple(dtype_from_id(a) if i in positions and isinstance(a, int) else a for i, a in enumerate(args))
+        args = tuple(typing.type_id_to_type(a) if i in positions and isinstance(a, int) else a for i, a in enumerate(args))
     return name, Call(func, name, dtype_positions=positions), tuple(args), {}
 
 

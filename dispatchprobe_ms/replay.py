@@ -8,6 +8,7 @@ is skipped with that reason (no silent downgrade of the benchmark).
 
 from __future__ import annotations
 
+import functools
 import zlib
 
 import mindspore as ms
@@ -118,6 +119,9 @@ def replay(record: dict, source, device, random: bool = False, keep_data: bool =
     return result
 
 
+_translation = functools.cache(lambda: Translation.shipped("mindspore"))   # read once, when first needed
+
+
 def _torch_benchmark(record: dict, args: list):
     """[(output name, float64 numpy)] of the aten op the shipped translation maps the primitive to,
     run by torch in float64 on the same inputs; None when torch or a complete mapping is missing."""
@@ -125,7 +129,7 @@ def _torch_benchmark(record: dict, args: list):
         import torch
     except ImportError:
         return None
-    spec = Translation.shipped("mindspore").ops.get(record["op"])
+    spec = _translation().ops.get(record["op"])
     positions = spec.get("inputs", list(range(len(args)))) if spec else [None]
     if spec is None or None in positions or any(not isinstance(args[p], ms.Tensor) for p in positions):
         return None
@@ -145,4 +149,4 @@ def resolve_device(name: str | None):
 
 
 # saved tensors read as numpy, MindSpore's thread pool fixed at start, no launcher: the defaults
-REPLAYER = Replayer("mindspore", replay=replay, resolve_device=resolve_device)
+REPLAYER = Replayer("mindspore", replay=replay, resolve_device=resolve_device, seed_rule="mindspore_benchmark")

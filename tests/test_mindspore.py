@@ -385,3 +385,10 @@ def test_run_ut_falls_back_to_the_mapped_torch_op_in_float64(ms_records, tmp_pat
     assert len(gelu) == 1 and (status(gelu) == "pass").all()
     assert gelu["Message"].str.contains("the mapped torch op in float64").all()
     assert set(status(r)) == {"pass"}
+
+
+def test_scope_and_list_filters_select_primitives(tmp_path):
+    train(DispatchProbe(task="statistics", dump_path=str(tmp_path / "s"), scope=["TinyNet.fc1"]), steps=1)
+    train(DispatchProbe(task="statistics", dump_path=str(tmp_path / "l"), list=["^GeLU"]), steps=1)
+    assert {r["scope"] for r in ops_of(tmp_path / "s")} == {"TinyNet.fc1"}
+    assert {r["op"] for r in ops_of(tmp_path / "l")} == {"GeLU", "GeLUGrad"}

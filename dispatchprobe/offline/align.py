@@ -166,16 +166,20 @@ def align_modules(recs_a: list, recs_b: list, ia: list, ib: list, mapping: Mappi
     return _pair_by_key(ia, ib, lambda i: key(recs_a[i], mapping), lambda j: key(recs_b[j], None), "module")
 
 
-def _output_distance(ra: dict, rb: dict) -> float:
-    """How far apart two records' output statistics are (relative, over mean and norm)."""
+def stats_distance(sa: dict, sb: dict) -> float:
+    """How far apart two tensor specs' statistics are (relative differences of mean and norm; 0
+    where either lacks them): what pairs values when order cannot."""
+    a, b = sa.get("stats") or {}, sb.get("stats") or {}
     total = 0.0
-    for sa, sb in zip(ra.get("outputs") or (), rb.get("outputs") or ()):
-        a, b = sa.get("stats") or {}, sb.get("stats") or {}
-        for k in ("mean", "norm"):
-            x, y = a.get(k), b.get(k)
-            if isinstance(x, (int, float)) and isinstance(y, (int, float)):
-                total += abs(x - y) / (abs(x) + abs(y) + 1e-30)
+    for k in ("mean", "norm"):
+        x, y = a.get(k), b.get(k)
+        if isinstance(x, (int, float)) and isinstance(y, (int, float)):
+            total += abs(x - y) / (abs(x) + abs(y) + 1e-30)
     return total
+
+
+def _output_distance(ra: dict, rb: dict) -> float:
+    return sum(stats_distance(sa, sb) for sa, sb in zip(ra.get("outputs") or (), rb.get("outputs") or ()))
 
 
 def pair_runs_by_stats(pairs: list, recs_a: list, recs_b: list) -> list:

@@ -25,7 +25,7 @@ import pandas as pd
 from ..standards import metrics as M, statistics as S, verdicts as V
 from ..standards.loader import is_float, standard
 from ..core import op_traits
-from .align import Mapping, align
+from .align import Mapping, align, stats_distance
 from .translate import Translation
 from ..records.reader import Part, RecordError, load, no_gc, tensor_list
 
@@ -180,14 +180,6 @@ class Result(NamedTuple):
 
 
 # ---- one step/rank part -------------------------------------------------------------------------
-def _stats_distance(sa: dict, sb: dict) -> float:
-    a, b = sa.get("stats") or {}, sb.get("stats") or {}
-    try:
-        return sum(abs(a[k] - b[k]) / (abs(a[k]) + abs(b[k]) + 1e-30) for k in ("mean", "norm"))
-    except (KeyError, TypeError):
-        return 0.0
-
-
 def _swap_commutative(ta: list, tb: list) -> list:
     """``tb`` with its two inputs exchanged when they match ``ta``'s crosswise by their statistics
     (``mul(a, b)`` recorded as ``mul(b, a)`` by another framework)."""
@@ -195,8 +187,8 @@ def _swap_commutative(ta: list, tb: list) -> list:
     ins_b = [x for x in tb if x[1] in ("input.0", "input.1")]
     if len(ins_a) != 2 or len(ins_b) != 2:
         return tb
-    straight = _stats_distance(ins_a[0][2], ins_b[0][2]) + _stats_distance(ins_a[1][2], ins_b[1][2])
-    crossed = _stats_distance(ins_a[0][2], ins_b[1][2]) + _stats_distance(ins_a[1][2], ins_b[0][2])
+    straight = stats_distance(ins_a[0][2], ins_b[0][2]) + stats_distance(ins_a[1][2], ins_b[1][2])
+    crossed = stats_distance(ins_a[0][2], ins_b[1][2]) + stats_distance(ins_a[1][2], ins_b[0][2])
     if crossed >= straight:
         return tb
     swap = {"input.0": ins_b[1][2], "input.1": ins_b[0][2]}

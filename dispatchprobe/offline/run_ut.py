@@ -118,8 +118,8 @@ def check_op(step: int, rank: int, index: int) -> tuple[list, list, dict | None]
                 if verdict != PASS:
                     messages.append(f"{out.name}: {reason}")
             # the seeds' MindSpore rule (cosine and max abs error only), beside the full verdict
-            ms_rule = judge_benchmark(m, out.device_dtype, "mindspore_benchmark")[0] \
-                if st.replayer.framework == "mindspore" and verdict != SKIP else ""
+            ms_rule = judge_benchmark(m, out.device_dtype, st.replayer.seed_rule)[0] \
+                if st.replayer.seed_rule and verdict != SKIP else ""
             details.append(head + [out.name, output_category(cat, out.device_dtype), out.bench_dtype,
                                    out.device_dtype, json.dumps(list(shape))]
                            + [_fmt(m.get(k)) for k in METRIC_COLUMNS.values()] + [ms_rule, verdict, reason])
