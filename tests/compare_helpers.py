@@ -50,7 +50,7 @@ def planted_softmax(model: TinyTransformer, layer: int = 1):
     finally:
         for h in hooks:
             h.remove()
-        del lib
+        lib._destroy()      # at once: a dropped Library lives until collected, its kernels with it
 
 
 def record(path, *, plant: bool = False, autocast: bool = False, steps: int = 1, task: str = "tensor",
@@ -101,7 +101,7 @@ def scaled_gelu(err: float):
     try:
         yield
     finally:
-        del lib
+        lib._destroy()      # at once: a dropped Library lives until collected, its kernels with it
 
 
 def in_bfloat16(module: nn.Module) -> None:

@@ -234,7 +234,8 @@ def record_torch(net, path, planted: bool = False):
             ((net(x) - y) ** 2).mean().backward()
         probe.close()
     finally:
-        del lib
+        if lib is not None:
+            lib._destroy()      # at once: a dropped Library lives until collected, its kernels with it
 
 
 @pytest.fixture(scope="module")

@@ -93,7 +93,10 @@ def test_planted_kernels_flagged(tmp_path, dtype):
     try:
         s = opinfo_sweep.sweep(dtype, only=[name for name, _ in PLANTED.values()], workdir=str(tmp_path))
     finally:
-        del lib
+        lib._destroy()      # at once: a dropped Library lives until collected, its kernels with it
+    a, b = torch.randn(8, 8), torch.randn(8, 8)
+    exact = (a.double().unsqueeze(-1) * b.double().unsqueeze(0)).sum(1).float()
+    assert torch.allclose(torch.ops.aten.mm.default(a, b), exact, rtol=1e-5, atol=1e-5)   # right again for later tests
     planted = s.results["Op"].str.replace("aten.", "", regex=False).isin(
         [op if "." in op else f"{op}.default" for op in PLANTED])
     assert planted.any()

@@ -42,7 +42,7 @@ def gelu_run(tmp_path_factory):
         partial_page = open(partial.report_html).read()
         res = run_ut(rec, resume=partial.result_csv)
     finally:
-        del lib
+        lib._destroy()      # at once: a dropped Library lives until collected, its kernels with it
     return partial, partial_page, res
 
 
@@ -174,7 +174,7 @@ def record_free_benchmark(path):
             lm_loss(model, tokens, targets).backward()
         probe.close()
     finally:
-        del lib
+        lib._destroy()      # at once: a dropped Library lives until collected, its kernels with it
     return path
 
 

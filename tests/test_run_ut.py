@@ -55,7 +55,7 @@ def planted_gelu():
     try:
         yield
     finally:
-        del lib
+        lib._destroy()      # at once: a dropped Library lives until collected, its kernels with it
     x = torch.randn(8)
     assert torch.equal(torch.ops.aten.gelu.default(x), torch.nn.functional.gelu(x))
 
@@ -128,7 +128,7 @@ def test_three_way(runs, tmp_path):
     try:
         bad = run_ut(runs["f32"], tmp_path / "bad")
     finally:
-        del lib
+        lib._destroy()      # at once: a dropped Library lives until collected, its kernels with it
     results, details, res_path, det_path = precision_compare(bad.details_csv, str(clean_dir), tmp_path / "pc")
     st = status(results)
     gelu = results["API Name"].str.startswith("aten.gelu.default")
@@ -341,7 +341,7 @@ def test_complex_outputs_judged_as_complex_and_saved(tmp_path):
     try:
         bad = run_ut(str(tmp_path / "rec"), tmp_path / "bad", save_error_data=True)
     finally:
-        del lib
+        lib._destroy()      # at once: a dropped Library lives until collected, its kernels with it
     st = status(bad.results)
     assert list(st[bad.results["Op"] == "aten.polar.default"]) == ["error"] and (st == "error").sum() == 1
     from safetensors import safe_open
