@@ -37,11 +37,12 @@ GRANULARITIES = ("eager", "node")
 # ---- the recording op ---------------------------------------------------------------------------
 @torch.library.custom_op("dispatchprobe::record", mutates_args=())
 def _record(stats: list[torch.Tensor], values: list[torch.Tensor], inputs: list[torch.Tensor], graph: int) -> None:
-    """One graph call: ``STAT_FIELDS`` 0-d statistics per recorded tensor; with task ``tensor``
+    """One graph call: a row of ``STAT_FIELDS`` statistics per recorded tensor; with task ``tensor``
     the tensors themselves (copied here: inductor reuses its buffers after the call, and writes
     into them without bumping their version, the recorder's cache key); with task ``overflow``
     the graph's inputs, to re-run the graph eagerly on a hit."""
-    block = torch.stack(stats).to(torch.float64).view(-1, STAT_FIELDS)    # stack promotes to float64
+    # six 0-d statistics (accelerators) or one row (CPU) per tensor; cat promotes to float64
+    block = torch.cat([s.reshape(-1) for s in stats]).to(torch.float64).view(-1, STAT_FIELDS)
     records = _GRAPHS[graph]
     if records.overflow:
         records.check(block, inputs)
@@ -55,6 +56,32 @@ def _(stats, values, inputs, graph):
 
 
 torch.fx.node.has_side_effect(torch.ops.dispatchprobe.record.default)
+
+
+# The CPU statistics row: the graph computes max, min, sum and sum of squares (float64 sums: their
+# squares cannot overflow for float32 and narrower values, so a finite sum of squares proves every
+# value finite); this op, called by the compiled code, completes the row.  Counting nan/inf and the
+# finite max/min in the graph too would cost three more reductions per tensor on every call, for
+# values that almost never hold them; here they cost one host read (no sync on a CPU).
+_LIB = torch.library.Library("dispatchprobe", "FRAGMENT")
+_LIB.define("stats_row(Tensor x, Tensor hi, Tensor lo, Tensor total, Tensor sumsq) -> Tensor")
+
+
+def _stats_row(x, hi, lo, total, sumsq):
+    sq, total = float(sumsq), float(total)
+    row = [float(hi), float(lo), total, math.sqrt(sq), 0.0, 0.0]
+    if not math.isfinite(sq):        # inf/nan among the values: count them, carry the finite max/min
+        v = statistics.source(x.detach(), torch).reshape(-1)
+        nan, inf = int((v != v).sum()), int(torch.isinf(v).sum())
+        finite = v[torch.isfinite(v)] if nan or inf else v[:0]
+        if finite.numel():       # statistics.from_row's layout: the sum and norm slots carry them
+            row[2], row[3] = float(finite.max()), float(finite.min())
+        row[4], row[5] = float(nan), float(inf)
+    return torch.tensor(row, dtype=torch.float64)
+
+
+_LIB.impl("stats_row", _stats_row, "CPU")
+_LIB.impl("stats_row", lambda x, *rest: torch.empty(STAT_FIELDS, dtype=torch.float64, device=x.device), "Meta")
 
 _GRAPHS: dict[int, "_GraphRecords"] = {}
 _graph_ids = itertools.count()
@@ -335,8 +362,10 @@ def _scope(stack: dict | None, roots: dict[str, str]) -> str:
 
 # ---- the pass ------------------------------------------------------------------------------------
 def _stats_nodes(graph: torch.fx.Graph, node: torch.fx.Node, at: torch.fx.Node) -> list[torch.fx.Node]:
-    """Nodes computing a device stats row of ``node``'s value (0-d float64 each), inserted after
-    ``at``: the formulas of :func:`~dispatchprobe.torch.backend.device_stats_row`, and the finite
+    """Nodes computing a device stats row of ``node``'s value, inserted after ``at``: on a CPU four
+    fused reductions and :func:`_stats_row` (one row node); on an accelerator, where the extra
+    reductions cost no memory pass and a host read would sync, the whole row in the graph (six 0-d
+    nodes): the formulas of :func:`~dispatchprobe.torch.backend.device_stats_row`, and the finite
     max/min of values holding inf/nan in that row's layout (:func:`statistics.from_row`), in ops
     with inductor lowerings (``isfinite``/``stack`` have none)."""
     aten = torch.ops.aten
@@ -359,8 +388,10 @@ def _stats_nodes(graph: torch.fx.Graph, node: torch.fx.Node, at: torch.fx.Node) 
     # the eager probe redoes those from the tensor, which is gone once the graph call returns
     wide = x if acc == torch.float64 else call(torch.ops.prims.convert_element_type.default, x, torch.float64)
     total = call(aten.sum.default, wide)
-    sq = call(aten.mul.Tensor, wide, wide)
-    norm = call(aten.sqrt.default, call(aten.sum.default, sq))
+    sumsq = call(aten.sum.default, call(aten.mul.Tensor, wide, wide))
+    if val.device.type == "cpu":
+        return [call(torch.ops.dispatchprobe.stats_row.default, node, hi, lo, total, sumsq)]
+    norm = call(aten.sqrt.default, sumsq)
     nan = call(aten.sum.dim_IntList, call(aten.ne.Tensor, x, x), [], dtype=acc)
     finite = call(aten.eq.Scalar, call(aten.mul.Scalar, x, 0), 0)
     nonfinite = call(aten.sum.dim_IntList, call(aten.logical_not.default, finite), [], dtype=acc)
