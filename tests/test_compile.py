@@ -4,6 +4,7 @@ compiled graphs at eager granularity, through the same records, transparently.""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -555,3 +556,35 @@ def test_compiled_statistics_of_nan_and_inf_mixes_match_eager(tmp_path, inner):
             assert compiled[op][key] == pytest.approx(value, rel=1e-5, nan_ok=True), (op, key)
         checked += 1
     assert checked == 4 and eager["aten.exp.default"]["inf"] == 6 and "finite_max" not in eager["aten.exp.default"]
+
+
+class _BigMask(torch.nn.Module):
+    """A causal mask at finfo.min over 2 x 128 x 128 values: its float32 sums overflow."""
+
+    def forward(self, x):
+        causal = torch.ones(128, 128, dtype=torch.bool).triu(1)
+        return torch.zeros_like(x).masked_fill(causal, torch.finfo(torch.float32).min) + x
+
+
+@pytest.mark.parametrize("inner", ["inductor", "aot_eager"])
+def test_overflowed_sums_of_finite_values_are_redone_in_float64(tmp_path, inner):
+    """Finite values whose float32 sum or sum of squares overflows (a large mask at finfo.min) get
+    a finite mean and norm, eager and compiled alike (the compiled CPU path redoes them from the
+    tensor with the eager probe's code)."""
+    x = torch.randn(2, 128, 128, generator=torch.Generator().manual_seed(0))
+    with DispatchProbe(task="statistics", dump_path=str(tmp_path / "e")) as probe:
+        _BigMask()(x)
+    probe.close()
+    backend = probe_backend(task="statistics", dump_path=str(tmp_path / "c"), inner=inner)
+    torch.compile(_BigMask(), backend=backend)(x)
+    backend.close()
+
+    def mask(path):
+        return next(r for r in _ops(path) if r["op"] == "aten.masked_fill.Scalar")["outputs"][0]["stats"]
+    eager, compiled = mask(tmp_path / "e"), mask(tmp_path / "c")
+    n_masked = 2 * 127 * 128 // 2
+    assert eager["mean"] == pytest.approx(torch.finfo(torch.float32).min * n_masked / x.numel(), rel=1e-6)
+    assert math.isfinite(eager["norm"]) and eager["nan"] == eager["inf"] == 0 and "finite_max" not in eager
+    assert set(compiled) == set(eager)
+    for key, value in eager.items():
+        assert compiled[key] == pytest.approx(value, rel=1e-6), key

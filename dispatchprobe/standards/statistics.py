@@ -61,8 +61,11 @@ def finish(x, values, xp) -> dict:
     """The record from (max, min, sum, L2 norm) of :func:`source` values ``x``, completing the rare
     non-finite cases."""
     hi, lo, total, norm = values
-    if not math.isfinite(norm) and math.isfinite(hi) and math.isfinite(lo):   # float32 squares overflowed
-        norm = _norm(xp.asarray(x.reshape(-1), dtype=xp.float64), xp)
+    if math.isfinite(hi) and math.isfinite(lo):       # float32 sums of finite values that overflowed
+        if not math.isfinite(norm):
+            norm = _norm(xp.asarray(x.reshape(-1), dtype=xp.float64), xp)
+        if not math.isfinite(total):                    # (attention masks at finfo.min)
+            total = float(xp.asarray(x.reshape(-1), dtype=xp.float64).sum())
     stats = {"max": hi, "min": lo, "mean": total / math.prod(x.shape), "norm": norm, "nan": 0, "inf": 0}
     if not (math.isfinite(hi) and math.isfinite(lo) and math.isfinite(total)):
         # count exactly, and give max/min over the finite values so they still mean something
@@ -90,6 +93,14 @@ def from_row(row, n: int) -> dict:
     elif not math.isfinite(total):       # finite values whose sum overflowed, as finish gives them
         stats["finite_max"], stats["finite_min"] = hi, lo
     return stats
+
+
+def to_row(stats: dict, n: int) -> list:
+    """The device row of a record, in :func:`from_row`'s layout (``from_row(to_row(s, n), n) == s``)."""
+    nan, inf = stats["nan"], stats["inf"]
+    if (nan or inf) and "finite_max" in stats:
+        return [stats["max"], stats["min"], stats["finite_max"], stats["finite_min"], nan, inf]
+    return [stats["max"], stats["min"], stats["mean"] * n, stats["norm"], nan, inf]
 
 
 # ---- compare: statistics-only rows, whole columns at once -------------------------------------------

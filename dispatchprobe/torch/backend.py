@@ -125,7 +125,13 @@ def _cpu_stats(t: torch.Tensor) -> dict:
         else:
             norm = torch.linalg.vector_norm(x, dtype=acc)
             values = [hi.item(), lo.item(), total.item(), norm.item()]
-    hi, lo, total, _ = values
+    return complete_stats(x, values)
+
+
+def complete_stats(x: torch.Tensor, values: list) -> dict:
+    """The record of :func:`statistics.source` values ``x`` from their (max, min, sum, L2 norm),
+    counting nan/inf and their finite max/min where those show any."""
+    hi, lo = values[0], values[1]
     if math.isnan(hi) or math.isnan(lo) or math.isfinite(hi) and math.isfinite(lo):
         return statistics.finish(x, values, torch)
     return _with_infinities(x, values)

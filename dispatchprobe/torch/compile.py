@@ -41,7 +41,7 @@ def _record(stats: list[torch.Tensor], values: list[torch.Tensor], inputs: list[
     the tensors themselves (copied here: inductor reuses its buffers after the call, and writes
     into them without bumping their version, the recorder's cache key); with task ``overflow``
     the graph's inputs, to re-run the graph eagerly on a hit."""
-    # six 0-d statistics (accelerators) or one row (CPU) per tensor; cat promotes to float64
+    # six 0-d statistics per value (accelerators) or blocks of rows (CPU); cat promotes to float64
     block = torch.cat([s.reshape(-1) for s in stats]).to(torch.float64).view(-1, STAT_FIELDS)
     records = _GRAPHS[graph]
     if records.overflow:
@@ -58,30 +58,37 @@ def _(stats, values, inputs, graph):
 torch.fx.node.has_side_effect(torch.ops.dispatchprobe.record.default)
 
 
-# The CPU statistics row: the graph computes max, min, sum and sum of squares (float64 sums: their
-# squares cannot overflow for float32 and narrower values, so a finite sum of squares proves every
-# value finite); this op, called by the compiled code, completes the row.  Counting nan/inf and the
-# finite max/min in the graph too would cost three more reductions per tensor on every call, for
-# values that almost never hold them; here they cost one host read (no sync on a CPU).
+# CPU statistics rows: the graph computes max, min, sum and sum of squares of each value, the
+# eager probe's reductions in its accumulator dtype, and this op, called by the compiled code once
+# for a window of values, completes their rows.  Values whose sums are finite hold no inf/nan; the
+# others (and sums that overflowed) are completed from the tensor by the eager probe's own code:
+# counting nan/inf and the finite max/min in the graph would cost three more reductions per value
+# on every call, for values that almost never hold them (a host read here costs no sync on a CPU).
 _LIB = torch.library.Library("dispatchprobe", "FRAGMENT")
-_LIB.define("stats_row(Tensor x, Tensor hi, Tensor lo, Tensor total, Tensor sumsq) -> Tensor")
+_LIB.define("stats_rows(Tensor[] values, Tensor[] reductions) -> Tensor")
+WINDOW_VALUES = 32              # values one stats_rows call completes at most ...
+WINDOW_BYTES = 64 << 20         # ... and their bytes (kept alive until the call: a bounded delay)
 
 
-def _stats_row(x, hi, lo, total, sumsq):
-    sq, total = float(sumsq), float(total)
-    row = [float(hi), float(lo), total, math.sqrt(sq), 0.0, 0.0]
-    if not math.isfinite(sq):        # inf/nan among the values: count them, carry the finite max/min
-        v = statistics.source(x.detach(), torch).reshape(-1)
-        nan, inf = int((v != v).sum()), int(torch.isinf(v).sum())
-        finite = v[torch.isfinite(v)] if nan or inf else v[:0]
-        if finite.numel():       # statistics.from_row's layout: the sum and norm slots carry them
-            row[2], row[3] = float(finite.max()), float(finite.min())
-        row[4], row[5] = float(nan), float(inf)
-    return torch.tensor(row, dtype=torch.float64)
+def _stats_rows(values, reductions):
+    """``reductions``: (max, min, sum, sum of squares) of each of ``values``; a (len, 6) row block."""
+    flat = torch.stack(reductions).tolist()
+    rows = []
+    for i, x in enumerate(values):
+        hi, lo, total, sq = flat[4 * i:4 * i + 4]
+        if math.isfinite(sq) and math.isfinite(total):
+            rows.append([hi, lo, total, math.sqrt(sq), 0.0, 0.0])
+        else:        # inf/nan among the values (counted, finite max/min carried), or an overflowed sum
+            n = x.numel()
+            stats = torch_backend.complete_stats(statistics.source(x.detach(), torch).reshape(-1),
+                                                 [hi, lo, total, math.sqrt(sq)])
+            rows.append([float(v) for v in statistics.to_row(stats, n)])
+    return torch.tensor(rows, dtype=torch.float64)
 
 
-_LIB.impl("stats_row", _stats_row, "CPU")
-_LIB.impl("stats_row", lambda x, *rest: torch.empty(STAT_FIELDS, dtype=torch.float64, device=x.device), "Meta")
+_LIB.impl("stats_rows", _stats_rows, "CPU")
+_LIB.impl("stats_rows", lambda values, reductions: torch.empty(len(values), STAT_FIELDS, dtype=torch.float64,
+                                                                device=values[0].device), "Meta")
 
 _GRAPHS: dict[int, "_GraphRecords"] = {}
 _graph_ids = itertools.count()
@@ -361,9 +368,50 @@ def _scope(stack: dict | None, roots: dict[str, str]) -> str:
 
 
 # ---- the pass ------------------------------------------------------------------------------------
-def _stats_nodes(graph: torch.fx.Graph, node: torch.fx.Node, at: torch.fx.Node) -> list[torch.fx.Node]:
+class _Reductions:
+    """A CPU value's in-graph reductions, completed into its row by a :func:`_stats_rows` window."""
+
+    def __init__(self, node: torch.fx.Node, nodes: list):
+        self.node, self.nodes = node, nodes
+
+
+def _row_windows(graph: torch.fx.Graph, stats: dict, order: list) -> tuple[list, list]:
+    """One :func:`_stats_rows` call per window of CPU values (in graph order, bounded by
+    ``WINDOW_VALUES`` and ``WINDOW_BYTES``), inserted after the window's last reductions.  Returns
+    the stats nodes for the recording op and the values in the order of their rows."""
+    pos = {n: i for i, n in enumerate(graph.nodes)}
+    flat, rows = [], []
+    for n in order:
+        if not isinstance(stats[n], _Reductions):
+            flat.extend(stats[n])
+            rows.append(n)
+    cpu = sorted((n for n in order if isinstance(stats[n], _Reductions)), key=lambda n: pos[stats[n].nodes[-1]])
+    window: list = []
+    size = 0
+
+    def close():
+        last = max((stats[n].nodes[-1] for n in window), key=pos.__getitem__)
+        with graph.inserting_after(last):
+            flat.append(graph.call_function(torch.ops.dispatchprobe.stats_rows.default,
+                                            ([stats[n].node for n in window], [r for n in window for r in stats[n].nodes])))
+        rows.extend(window)
+
+    for n in cpu:
+        val = n.meta["val"]
+        nbytes = _hint(val.numel()) * val.element_size()
+        if window and (len(window) == WINDOW_VALUES or size + nbytes > WINDOW_BYTES):
+            close()
+            window, size = [], 0
+        window.append(n)
+        size += nbytes
+    if window:
+        close()
+    return flat, rows
+
+
+def _stats_nodes(graph: torch.fx.Graph, node: torch.fx.Node, at: torch.fx.Node):
     """Nodes computing a device stats row of ``node``'s value, inserted after ``at``: on a CPU four
-    fused reductions and :func:`_stats_row` (one row node); on an accelerator, where the extra
+    fused reductions (:class:`_Reductions`, completed by :func:`_row_windows`); on an accelerator, where the extra
     reductions cost no memory pass and a host read would sync, the whole row in the graph (six 0-d
     nodes): the formulas of :func:`~dispatchprobe.torch.backend.device_stats_row`, and the finite
     max/min of values holding inf/nan in that row's layout (:func:`statistics.from_row`), in ops
@@ -384,13 +432,20 @@ def _stats_nodes(graph: torch.fx.Graph, node: torch.fx.Node, at: torch.fx.Node) 
 
     hi = call(aten.amax.default, x)
     lo = call(aten.amin.default, x)
+    if val.device.type == "cpu":
+        # the eager probe's reductions (sums in the accumulator dtype): values whose sums are not
+        # finite are completed from the tensor itself by _stats_rows, as the eager probe does
+        total = call(aten.sum.default, x)
+        sumsq = call(aten.sum.default, call(aten.mul.Tensor, x, x))
+        reductions = [hi, lo, total, sumsq]
+        if acc != torch.float64:       # one dtype: the window's stack is then a plain copy
+            reductions = [call(torch.ops.prims.convert_element_type.default, r, torch.float64) for r in reductions]
+        return _Reductions(node, reductions)
     # sums in float64: float32 ones overflow on common values (attention masks at finfo.min), and
     # the eager probe redoes those from the tensor, which is gone once the graph call returns
     wide = x if acc == torch.float64 else call(torch.ops.prims.convert_element_type.default, x, torch.float64)
     total = call(aten.sum.default, wide)
     sumsq = call(aten.sum.default, call(aten.mul.Tensor, wide, wide))
-    if val.device.type == "cpu":
-        return [call(torch.ops.dispatchprobe.stats_row.default, node, hi, lo, total, sumsq)]
     norm = call(aten.sqrt.default, sumsq)
     nan = call(aten.sum.dim_IntList, call(aten.ne.Tensor, x, x), [], dtype=acc)
     finite = call(aten.eq.Scalar, call(aten.mul.Scalar, x, 0), 0)
@@ -465,7 +520,7 @@ class _Instrument:
                     order.append(n)
         if not records.templates:
             return
-        flat = [s for n in order for s in stats[n]]
+        flat, order = _row_windows(graph, stats, order)
         values = order if task == "tensor" else []
         inputs = []
         if task == "overflow":
