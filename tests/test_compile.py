@@ -588,3 +588,59 @@ def test_overflowed_sums_of_finite_values_are_redone_in_float64(tmp_path, inner)
     assert set(compiled) == set(eager)
     for key, value in eager.items():
         assert compiled[key] == pytest.approx(value, rel=1e-6), key
+
+
+def test_dynamic_shapes_each_call_records_its_own_shapes(tmp_path):
+    """dynamic=True: one graph serves two sequence lengths; each call's records carry that call's
+    shapes (from the graph's symbolic sizes) and statistics over them, so the second step of the
+    compiled run agrees with the second step of an eager one."""
+    batches = [lm_batch(batch=2, seq=seq, vocab=64) for seq in (8, 12)]
+    model = _tiny()
+    probe = DispatchProbe(task="statistics", dump_path=str(tmp_path / "eager"))
+    for tokens, targets in batches:
+        with probe:
+            lm_loss(model, tokens, targets).backward()
+        probe.step()
+    probe.close()
+    model = _tiny()
+    backend = probe_backend(task="statistics", dump_path=str(tmp_path / "compiled"))
+    compiled = torch.compile(model, backend=backend, dynamic=True)
+    for tokens, targets in batches:
+        lm_loss(compiled, tokens, targets).backward()
+        backend.step()
+    backend.close()
+    graphs = {r["compiled"]["graph"] for step in ("step0", "step1")
+              for r in (json.loads(line) for line in open(tmp_path / "compiled" / step / "rank0" / "ops.jsonl"))
+              if "compiled" in r}
+    assert len(graphs) == 2           # one forward and one backward graph served both lengths
+    later = [json.loads(line) for line in open(tmp_path / "compiled" / "step1" / "rank0" / "ops.jsonl")]
+    up = next(r for r in later if r["op"] == "aten.addmm.default" and r["scope"] == "TinyTransformer.layers.0.mlp.up")
+    assert up["outputs"][0]["shape"][0] == 2 * 12
+    table, verdict = compare(str(tmp_path / "compiled" / "step1" / "rank0"), str(tmp_path / "eager" / "step1" / "rank0"))
+    assert verdict.forward is None
+    forward = table[table["stage"] == "forward"]
+    assert len(forward) >= 30 and (forward["status"] != "error").all()
+    # backward: pairs of the same op agree (test_probe_backend_records_forward_backward_and_aligns_with_eager)
+    backward = table[(table["stage"] == "backward") & (table["op_a"] == table["op_b"])]
+    assert len(backward) >= 40 and (backward["status"] != "error").all()
+
+
+def test_node_granularity_tensor_task_saves_each_nodes_values_and_run_ut_replays_them(tmp_path):
+    """granularity="node" with task tensor under inductor: each post-grad node's saved output is
+    what its saved inputs give (rsqrt of layer norm's variance), and run-ut replays the node records."""
+    from dispatchprobe import run_ut
+    from dispatchprobe.torch.replay import TensorSource
+
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(0)
+    backend = probe_backend(task="tensor", dump_path=str(tmp_path / "n"), granularity="node")
+    torch.compile(_Normed(), backend=backend)(x).sum().backward()
+    backend.close()
+    records = [r for r in _ops(tmp_path / "n") if "compiled" in r]
+    source = TensorSource(load(str(tmp_path / "n")).parts[(0, 0)])
+    rsqrt = next(r for r in records if r["op"] == "aten.rsqrt.default" and r["stage"] == "forward")
+    assert rsqrt["compiled"]["original_aten"] == "aten.native_layer_norm.default" and rsqrt["scope"] == "_Normed.norm"
+    torch.testing.assert_close(source.get(rsqrt["outputs"][0]["data"]), torch.rsqrt(source.get(rsqrt["inputs"][0]["data"])))
+    res = run_ut(str(tmp_path / "n"), str(tmp_path / "ut"), progress=False).results
+    verdicts = res["Forward Test Success"] + res["Backward Test Success"]
+    assert len(res) >= 10 and (verdicts == "pass").all()

@@ -36,22 +36,24 @@ GRANULARITIES = ("eager", "node")
 
 # ---- the recording op ---------------------------------------------------------------------------
 @torch.library.custom_op("dispatchprobe::record", mutates_args=())
-def _record(stats: list[torch.Tensor], values: list[torch.Tensor], inputs: list[torch.Tensor], graph: int) -> None:
+def _record(stats: list[torch.Tensor], values: list[torch.Tensor], inputs: list[torch.Tensor], graph: int,
+            sizes: list[int]) -> None:
     """One graph call: a row of ``STAT_FIELDS`` statistics per recorded tensor; with task ``tensor``
     the tensors themselves (copied here: inductor reuses its buffers after the call, and writes
     into them without bumping their version, the recorder's cache key); with task ``overflow``
-    the graph's inputs, to re-run the graph eagerly on a hit."""
+    the graph's inputs, to re-run the graph eagerly on a hit; ``sizes``: the call's values of the
+    graph's symbolic sizes (dynamic shapes), which give each record its shapes."""
     # six 0-d statistics per value (accelerators) or blocks of rows (CPU); cat promotes to float64
     block = torch.cat([s.reshape(-1) for s in stats]).to(torch.float64).view(-1, STAT_FIELDS)
     records = _GRAPHS[graph]
     if records.overflow:
-        records.check(block, inputs)
+        records.check(block, inputs, sizes)
     else:
-        records.emit(block, [v.clone() for v in values] if values else None)
+        records.emit(block, [v.clone() for v in values] if values else None, sizes)
 
 
 @_record.register_fake
-def _(stats, values, inputs, graph):
+def _(stats, values, inputs, graph, sizes):
     return None
 
 
@@ -530,7 +532,9 @@ class _Instrument:
                 records.rerun, inputs = None, []        # symbolic sizes: detection only
         out = next(n for n in reversed(graph.nodes) if n.op == "output")
         with graph.inserting_before(out):
-            graph.call_function(torch.ops.dispatchprobe.record.default, (flat, values, inputs, records.id))
+            symbols = [n for n in graph.nodes if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.SymInt)]
+            records.symbols = [n.meta["val"].node.expr for n in symbols]
+            graph.call_function(torch.ops.dispatchprobe.record.default, (flat, values, inputs, records.id, symbols))
         records.finish(order)
 
     def _groups(self, graph: torch.fx.Graph) -> list[_Group]:
@@ -682,6 +686,7 @@ class _Template:
         self.rows: list[int] = []
         self.producers: list[torch.fx.Node] = []   # task overflow: the values the call reads
         self.nonfinite_scalar = False              # it is given inf/nan (masked_fill(mask, -inf))
+        self.symbolic: list[tuple[dict, object]] = []   # (spec, its sizes as SymInts): dynamic shapes
 
     def check_inputs(self, group, exact: bool) -> None:
         """Task overflow: what the call reads, to tell an overflow it makes from one it passes on.
@@ -707,6 +712,8 @@ class _Template:
             val = value.meta.get("val")
             if isinstance(val, torch.Tensor):
                 spec = torch_backend.tensor_meta(val)
+                if not all(isinstance(d, int) for d in (*spec["shape"], *(spec["stride"] or ()))):
+                    self.symbolic.append((spec, (spec["shape"], spec["stride"])))
                 spec["shape"] = [_hint(d) for d in spec["shape"]]       # symbolic sizes: their hints
                 spec["stride"] = [_hint(d) for d in spec["stride"]] if spec["stride"] is not None else None
                 spec["requires_grad"] = False
@@ -716,9 +723,12 @@ class _Template:
                 return spec
             if isinstance(val, (int, float, bool)) or hasattr(val, "node"):   # symbolic sizes: hint
                 try:
-                    return encode_plain(_hint(val) if isinstance(val, torch.SymInt) else val, torch_backend)
+                    spec = encode_plain(_hint(val) if isinstance(val, torch.SymInt) else val, torch_backend)
                 except Exception:
                     return {"type": "other", "repr": str(val)}
+                if isinstance(val, torch.SymInt):
+                    self.symbolic.append((spec, val))
+                return spec
             return {"type": "other", "repr": value.name}
         if isinstance(value, (list, tuple)):
             # fx's immutable_list/tuple as the plain kinds eager records and replay rebuild
@@ -747,7 +757,38 @@ class _GraphRecords:
         self.templates: list[_Template] = []
         self.overflow = owner.config.task == "overflow"
         self.rerun: torch.fx.GraphModule | None = None
+        self.symbols: list = []            # the sympy symbols of the graph's SymInt inputs
+        self._resolved: dict[tuple, dict] = {}
         _GRAPHS[self.id] = self
+
+    def resolve(self, sizes) -> dict:
+        """Dynamic shapes: {id(template spec): the spec with this call's shapes, strides and
+        sizes}, from the call's values of the graph's symbolic sizes (one evaluation per distinct
+        set of sizes).  Sizes of symbols the graph is not given (data-dependent) keep their hints."""
+        if not sizes:
+            return {}
+        key = tuple(int(v) for v in sizes)
+        hit = self._resolved.get(key)
+        if hit is not None:
+            return hit
+        env = dict(zip(self.symbols, key))
+
+        def value(size):
+            if not isinstance(size, torch.SymInt):
+                return int(size)
+            expr = size.node.expr
+            expr = expr.xreplace(env) if hasattr(expr, "xreplace") else expr
+            return int(expr) if getattr(expr, "is_number", True) else _hint(size)
+        hit = self._resolved[key] = {}
+        for t in self.templates:
+            for spec, sym in t.symbolic:
+                if isinstance(sym, tuple):
+                    shape, stride = sym
+                    hit[id(spec)] = {**spec, "shape": [value(d) for d in shape],
+                                     "stride": [value(d) for d in stride] if stride is not None else None}
+                else:
+                    hit[id(spec)] = {**spec, "value": value(sym)}
+        return hit
 
     def add(self, group: _Group, inputs, kwargs, outputs, exact: bool, traced: bool = False) -> _Template:
         scope_meta = group.nodes[0].meta.get("fwd_nn_module_stack" if self.stage == "backward" else "nn_module_stack")
@@ -793,13 +834,14 @@ class _GraphRecords:
                 found.extend(k for k in by_node.get(name, ()) if k not in found)
             t.compiled["kernels"] = sorted(found, key=_handle)
 
-    def emit(self, block: torch.Tensor, values: list | None = None) -> None:
+    def emit(self, block: torch.Tensor, values: list | None = None, sizes=()) -> None:
         """One graph call: a record per template, in graph order, statistics read later;
         ``values``: the recorded tensors (task ``tensor``), saved with the records."""
         session = self.owner.target()
         if session is None or session.failed or not session._stage_on[self.stage]:
             return
         rows = block.unbind(0)
+        resolved = self.resolve(sizes)
         recorder = session.recorder
         selector = session.selector
         with session._writing():
@@ -810,10 +852,10 @@ class _GraphRecords:
                           "scope": t.scope, "call": session.next_call(t.op, self.stage), "grad_fn": None,
                           "stack": None}
                 record["name"] = f"{t.op}.{record['call']}.{self.stage}"
-                fresh = {}
+                fresh = dict(resolved)
                 for spec, r in zip(t.slots, t.rows):
-                    copy = fresh[id(spec)] = dict(spec)
-                    recorder.defer_stats(copy, rows[r], math.prod(spec["shape"]))
+                    copy = fresh[id(spec)] = dict(resolved.get(id(spec), spec))
+                    recorder.defer_stats(copy, rows[r], math.prod(copy["shape"]))
                     if values is not None and recorder.part.tensors is not None:
                         copy["data"] = recorder.save(values[r])
                 if recorder.io_filter("input"):
@@ -826,7 +868,7 @@ class _GraphRecords:
                 recorder.emit(record)
 
 
-    def check(self, block: torch.Tensor, inputs: list) -> None:
+    def check(self, block: torch.Tensor, inputs: list, sizes=()) -> None:
         """Task overflow, one graph call: the first call whose outputs hold inf/nan while what it
         reads is finite (and it is given no inf/nan) is a hit.  Its compiled record is written
         (flag ``overflow``), then the graph is re-run eagerly, node by node, through the session's
@@ -854,10 +896,10 @@ class _GraphRecords:
                       "scope": hit.scope, "call": calls[id(hit)], "grad_fn": None,
                       "stack": None}
             record["name"] = f"{hit.op}.{record['call']}.{self.stage}"
-            fresh = {}
+            fresh = dict(self.resolve(sizes))
             for spec, r in zip(hit.slots, hit.rows):
-                copy = fresh[id(spec)] = dict(spec)
-                copy["stats"] = statistics.from_row(rows[r], math.prod(spec["shape"]))
+                copy = fresh[id(spec)] = dict(fresh.get(id(spec), spec))
+                copy["stats"] = statistics.from_row(rows[r], math.prod(copy["shape"]))
             record["inputs"] = _fill(hit.inputs, fresh)
             record["kwargs"] = {k: _fill(v, fresh) for k, v in hit.kwargs.items()}
             record["output_type"] = hit.output_type
