@@ -23,7 +23,8 @@ def _model(cfg):
     return TinyTransformer(vocab=cfg["vocab"], dim=cfg["dim"], heads=4, layers=cfg["layers"], seq=cfg["seq"])
 
 
-def _run(name, cfg, steps, tmp):
+def _setup(name, cfg, tmp):
+    """The model, step function and closer of one variant."""
     model = _model(cfg)
     probe = backend = None
     if name == "inductor":
@@ -37,8 +38,8 @@ def _run(name, cfg, steps, tmp):
         probe = DispatchProbe(task="statistics", dump_path=f"{tmp}/eager", overwrite=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     tokens, targets = lm_batch(batch=cfg["batch"], seq=cfg["seq"], vocab=cfg["vocab"])
-    times = []
-    for i in range(steps + 1):
+
+    def step():
         t0 = time.perf_counter()
         if probe is not None:
             probe.start()
@@ -50,11 +51,27 @@ def _run(name, cfg, steps, tmp):
             backend.step()
         opt.step()
         opt.zero_grad()
-        times.append(time.perf_counter() - t0)
-    for p in (probe, backend):
-        if p is not None:
-            p.close()
-    return times[0], statistics.median(times[1:])
+        return time.perf_counter() - t0
+
+    def close():
+        for p in (probe, backend):
+            if p is not None:
+                p.close()
+    return step, close
+
+
+def _run_all(names, cfg, steps, tmp) -> dict:
+    """(first step s, median step s) per variant: the first steps (compiles) one variant after the
+    other, then the timed steps one of each in turn, so drift in machine speed hits all alike."""
+    setups = {name: _setup(name, cfg, tmp) for name in names}
+    first = {name: setups[name][0]() for name in names}
+    times: dict = {name: [] for name in names}
+    for _ in range(steps):
+        for name in names:
+            times[name].append(setups[name][0]())
+    for _, close in setups.values():
+        close()
+    return {name: (first[name], statistics.median(times[name])) for name in names}
 
 
 def main(argv=None):
@@ -66,12 +83,10 @@ def main(argv=None):
         dict(layers=4, dim=256, seq=128, batch=8, vocab=128)
     steps = args.steps or (5 if args.quick else 10)
     names = ["eager", "eager + DispatchProbe", "inductor", "inductor + probe_backend"]
-    results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name in names:
-            results[name] = _run(name, cfg, steps, tmp)
+        results = _run_all(names, cfg, steps, tmp)
     eager, inductor = results["eager"][1], results["inductor"][1]
-    print(f"tiny transformer {cfg}, median of {steps} steps after the first, "
+    print(f"tiny transformer {cfg}, median of {steps} steps after the first (variants in turn), "
           f"{torch.get_num_threads()} threads")
     print(f"{'variant':26} {'step ms':>9} {'x eager':>8} {'x inductor':>11} {'first step s':>13}")
     for name in names:

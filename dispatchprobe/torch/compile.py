@@ -835,12 +835,16 @@ class _GraphRecords:
             t.compiled["kernels"] = sorted(found, key=_handle)
 
     def emit(self, block: torch.Tensor, values: list | None = None, sizes=()) -> None:
-        """One graph call: a record per template, in graph order, statistics read later;
+        """One graph call: a record per template, in graph order;
         ``values``: the recorded tensors (task ``tensor``), saved with the records."""
         session = self.owner.target()
         if session is None or session.failed or not session._stage_on[self.stage]:
             return
-        rows = block.unbind(0)
+        # a CPU block is read at once (no sync), each value's statistics made once for all its
+        # records; an accelerator's rows wait in the recorder for one sync with its other rows
+        host = block.device.type == "cpu"
+        rows = block.tolist() if host else block.unbind(0)
+        made: dict[int, dict] = {}
         resolved = self.resolve(sizes)
         recorder = session.recorder
         selector = session.selector
@@ -855,7 +859,12 @@ class _GraphRecords:
                 fresh = dict(resolved)
                 for spec, r in zip(t.slots, t.rows):
                     copy = fresh[id(spec)] = dict(resolved.get(id(spec), spec))
-                    recorder.defer_stats(copy, rows[r], math.prod(copy["shape"]))
+                    if not host:
+                        recorder.defer_stats(copy, rows[r], math.prod(copy["shape"]))
+                    elif r in made:
+                        copy["stats"] = made[r]
+                    else:
+                        copy["stats"] = made[r] = statistics.from_row(rows[r], math.prod(copy["shape"]))
                     if values is not None and recorder.part.tensors is not None:
                         copy["data"] = recorder.save(values[r])
                 if recorder.io_filter("input"):
