@@ -15,6 +15,7 @@ import torch
 from safetensors import torch as safetensors_torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from . import fused_stats
 from ..records.writer import write_safetensors
 from ..standards import statistics
 from .ops import dtype_name
@@ -112,6 +113,10 @@ def _cpu_stats(t: torch.Tensor) -> dict:
     if not x.is_contiguous() and x.is_floating_point():
         x = x.contiguous()   # strided reductions cost several times a copy (the norm above all)
     x = statistics.source(x, torch)
+    if x.dtype == torch.float32 and fused_stats.stats4 is not None and x.is_contiguous():
+        hi, lo, total, squares = fused_stats.stats4(x)      # one pass; sums in double
+        if math.isfinite(total) and math.isfinite(squares):  # else inf/nan: torch's reductions below
+            return statistics.finish(x, [hi, lo, total, math.sqrt(squares)], torch)
     if x.numel() <= _NUMPY_MAX and x.dtype in _NUMPY_DTYPES and x.is_contiguous():
         values = _numpy_reductions(x)
     else:

@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.module_tracker import ModuleTracker
 
 from . import backend as torch_backend
+from . import fused_stats
 from . import ops
 from ..core.config import ConfigError
 from ..core.session import ProbeSession
@@ -322,6 +323,7 @@ class DispatchProbe(TorchSession):
         if model is not None and not isinstance(model, torch.nn.Module):
             raise ConfigError(f"model must be a torch.nn.Module, not {type(model).__name__}")
         super().__init__(config, **overrides)
+        fused_stats.build()             # the one-pass CPU statistics kernel, loaded in the background
         self._mode: _ProbeMode | None = None
         self.scopes = _ModuleScopes(self, model)
         self.uninitialised = _Uninitialised()

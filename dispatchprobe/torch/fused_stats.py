@@ -1,0 +1,70 @@
+"""One pass over memory for the CPU statistics of a float32 tensor (max, min, sum, sum of
+squares), where torch needs three reductions: a small C++ kernel (``csrc/stats4.cpp``), built
+with torch's extension builder the first time a probe starts on a machine, in a background
+thread, and kept in torch's extension cache (``TORCH_EXTENSIONS_DIR``, by default
+``~/.cache/torch_extensions``).  Until it is ready, where no C++ compiler is found, or with
+``DISPATCHPROBE_FUSED_STATS=0``, the statistics use torch's reductions; both give the same values
+to float32 rounding.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import pathlib
+import shutil
+import tempfile
+import threading
+
+_SOURCE = pathlib.Path(__file__).with_name("csrc") / "stats4.cpp"
+_ISA_FLAGS = {"AVX2": ["-mavx2", "-mfma"], "AVX512": ["-mavx512f", "-mavx2", "-mfma"]}
+_lock = threading.Lock()
+_builder: threading.Thread | None = None
+stats4 = None             # the kernel: contiguous float32 CPU tensor -> [max, min, sum, sum of squares]
+error: str | None = None  # why it could not be built
+
+
+def enabled() -> bool:
+    return os.environ.get("DISPATCHPROBE_FUSED_STATS", "1").lower() not in ("0", "false", "no", "off")
+
+
+def build(wait: bool = False):
+    """Start loading (or building) the kernel, once per process; ``wait``: until it is done.
+    Returns the kernel, or None (not ready yet, turned off, or failed: see :data:`error`)."""
+    global _builder
+    with _lock:
+        if _builder is None and enabled() and _SOURCE.exists():
+            _builder = threading.Thread(target=_load, name="dispatchprobe-stats4", daemon=True)
+            _builder.start()
+    if wait and _builder is not None:
+        _builder.join()
+    return stats4
+
+
+def _load() -> None:
+    global stats4, error
+    try:
+        import torch
+        from torch.utils.cpp_extension import _get_build_directory, load
+        # built for the vector instructions torch found on this CPU, named by them and by the
+        # source, so a cache shared by other CPUs or versions keeps one build each
+        isa = torch.backends.cpu.get_cpu_capability()
+        digest = hashlib.sha1(_SOURCE.read_bytes() + isa.encode() + torch.__version__.encode()).hexdigest()[:12]
+        name = f"dispatchprobe_stats4_{isa.lower()}_{digest}"
+        cached = pathlib.Path(_get_build_directory(name, verbose=False)) / f"{name}.so"
+        if not cached.exists():
+            # each build in its own directory, moved into place whole: a process that exits while
+            # building leaves no lock behind for the next one to wait on
+            with tempfile.TemporaryDirectory(prefix="dispatchprobe-stats4-") as tmp:
+                load(name, [str(_SOURCE)], extra_cflags=["-O3", *_ISA_FLAGS.get(isa, [])],
+                     build_directory=tmp, verbose=False)
+                part = cached.with_suffix(f".{os.getpid()}.part")
+                shutil.copyfile(pathlib.Path(tmp) / f"{name}.so", part)
+                os.replace(part, cached)
+        spec = importlib.util.spec_from_file_location(name, cached)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        stats4 = module.stats4
+    except Exception as exc:          # no compiler, no ninja, a read-only cache: torch's reductions
+        error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
