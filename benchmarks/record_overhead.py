@@ -177,6 +177,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--quick", action="store_true", help="smaller transformer (for smoke runs)")
+    parser.add_argument("--dump-root", default=None,
+                        help="where the runs are written (default: the system temp folder); the tensor modes "
+                             "are bound by its write speed: /dev/shm measures the tools without the disk")
     parser.add_argument("--msprobe-child", help=argparse.SUPPRESS)
     parser.add_argument("--tmp", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -186,8 +189,9 @@ def main():
         msprobe_child(args.msprobe_child, args.steps, args.tmp)
         return
     torch.manual_seed(0)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.steps} timed steps per mode\n")
-    tmp = tempfile.mkdtemp(prefix="dp-bench-")
+    tmp = tempfile.mkdtemp(prefix="dp-bench-", dir=args.dump_root)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.steps} timed steps per mode, "
+          f"runs written under {tmp}\n")
     summary = []
     try:
         for case in (transformer_case(args.quick), mlp_case(args.quick), llama_case(args.quick)):
