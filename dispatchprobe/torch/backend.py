@@ -113,7 +113,7 @@ def _cpu_stats(t: torch.Tensor) -> dict:
     if not x.is_contiguous() and x.is_floating_point():
         x = x.contiguous()   # strided reductions cost several times a copy (the norm above all)
     x = statistics.source(x, torch)
-    if x.dtype == torch.float32 and fused_stats.stats4 is not None and x.is_contiguous():
+    if x.dtype in _ONE_PASS_DTYPES and fused_stats.stats4 is not None and x.is_contiguous():
         hi, lo, total, squares = fused_stats.stats4(x)      # one pass; sums in double
         if math.isfinite(total) and math.isfinite(squares):  # else inf/nan: torch's reductions below
             return statistics.finish(x, [hi, lo, total, math.sqrt(squares)], torch)
@@ -192,6 +192,8 @@ def read_stats_rows(rows: list[torch.Tensor], numels: list[int]) -> list[dict]:
             values[i] = v
     return [statistics.from_row(v, n) for v, n in zip(values, numels)]
 
+
+_ONE_PASS_DTYPES = (torch.float32, torch.bfloat16)      # what fused_stats.stats4 reads
 
 # Small CPU float tensors: numpy's reductions cost less dispatch than torch's.
 _NUMPY_MAX = 16384

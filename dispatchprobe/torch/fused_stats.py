@@ -1,5 +1,5 @@
-"""One pass over memory for the CPU statistics of a float32 tensor (max, min, sum, sum of
-squares), where torch needs three reductions: a small C++ kernel (``csrc/stats4.cpp``), built
+"""One pass over memory for the CPU statistics of a float32 or bfloat16 tensor (max, min, sum,
+sum of squares), where torch needs three reductions: a small C++ kernel (``csrc/stats4.cpp``), built
 with torch's extension builder the first time a probe starts on a machine, in a background
 thread, and kept in torch's extension cache (``TORCH_EXTENSIONS_DIR``, by default
 ``~/.cache/torch_extensions``).  Until it is ready, where no C++ compiler is found, or with
@@ -21,7 +21,7 @@ _SOURCE = pathlib.Path(__file__).with_name("csrc") / "stats4.cpp"
 _ISA_FLAGS = {"AVX2": ["-mavx2", "-mfma"], "AVX512": ["-mavx512f", "-mavx2", "-mfma"]}
 _lock = threading.Lock()
 _builder: threading.Thread | None = None
-stats4 = None             # the kernel: contiguous float32 CPU tensor -> [max, min, sum, sum of squares]
+stats4 = None             # the kernel: contiguous float32/bfloat16 CPU tensor -> [max, min, sum, sum of squares]
 error: str | None = None  # why it could not be built
 
 
