@@ -76,3 +76,17 @@ def test_fused_statistics_can_be_turned_off(monkeypatch):
     assert not fused_stats.enabled()
     monkeypatch.setenv("DISPATCHPROBE_FUSED_STATS", "1")
     assert fused_stats.enabled()
+
+
+def test_a_failed_build_leaves_torchs_reductions_and_says_why(tmp_path, monkeypatch):
+    """No usable C++ compiler: the build (in its own process) fails, the kernel stays None with
+    the reason in ``fused_stats.error``, and the statistics are torch's."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    for name, value in (("_builder", None), ("stats4", None), ("error", None)):
+        monkeypatch.setattr(fused_stats, name, value)
+    assert fused_stats.build(wait=True) is None
+    assert fused_stats.error and "RuntimeError" in fused_stats.error
+    assert not list((tmp_path / "ext").rglob("*.so"))
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    assert backend._cpu_stats(x)["max"] == x.max().item()

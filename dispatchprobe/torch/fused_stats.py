@@ -1,7 +1,7 @@
 """One pass over memory for the CPU statistics of a float32 or bfloat16 tensor (max, min, sum,
 sum of squares), where torch needs three reductions: a small C++ kernel (``csrc/stats4.cpp``), built
-with torch's extension builder the first time a probe starts on a machine, in a background
-thread, and kept in torch's extension cache (``TORCH_EXTENSIONS_DIR``, by default
+with torch's extension builder the first time a probe starts on a machine, by a process of its
+own (so a short run still completes the cache for the next), and kept in torch's extension cache (``TORCH_EXTENSIONS_DIR``, by default
 ``~/.cache/torch_extensions``).  Until it is ready, where no C++ compiler is found, or with
 ``DISPATCHPROBE_FUSED_STATS=0``, the statistics use torch's reductions; both give the same values
 to float32 rounding.
@@ -14,6 +14,8 @@ import importlib.util
 import os
 import pathlib
 import shutil
+import subprocess
+import sys
 import tempfile
 import threading
 
@@ -42,29 +44,49 @@ def build(wait: bool = False):
     return stats4
 
 
+def _target():
+    """(the cached build's path, its module name, compiler flags) for this CPU, source and torch."""
+    import torch
+    from torch.utils.cpp_extension import _get_build_directory
+    # built for the vector instructions torch found on this CPU, named by them and by the source,
+    # so a cache shared by other CPUs or versions keeps one build each
+    isa = torch.backends.cpu.get_cpu_capability()
+    digest = hashlib.sha1(_SOURCE.read_bytes() + isa.encode() + torch.__version__.encode()).hexdigest()[:12]
+    name = f"dispatchprobe_stats4_{isa.lower()}_{digest}"
+    path = pathlib.Path(_get_build_directory(name, verbose=False)) / f"{name}.so"
+    return path, name, ["-O3", *_ISA_FLAGS.get(isa, [])]
+
+
 def _load() -> None:
     global stats4, error
     try:
-        import torch
-        from torch.utils.cpp_extension import _get_build_directory, load
-        # built for the vector instructions torch found on this CPU, named by them and by the
-        # source, so a cache shared by other CPUs or versions keeps one build each
-        isa = torch.backends.cpu.get_cpu_capability()
-        digest = hashlib.sha1(_SOURCE.read_bytes() + isa.encode() + torch.__version__.encode()).hexdigest()[:12]
-        name = f"dispatchprobe_stats4_{isa.lower()}_{digest}"
-        cached = pathlib.Path(_get_build_directory(name, verbose=False)) / f"{name}.so"
-        if not cached.exists():
-            # each build in its own directory, moved into place whole: a process that exits while
-            # building leaves no lock behind for the next one to wait on
-            with tempfile.TemporaryDirectory(prefix="dispatchprobe-stats4-") as tmp:
-                load(name, [str(_SOURCE)], extra_cflags=["-O3", *_ISA_FLAGS.get(isa, [])],
-                     build_directory=tmp, verbose=False)
-                part = cached.with_suffix(f".{os.getpid()}.part")
-                shutil.copyfile(pathlib.Path(tmp) / f"{name}.so", part)
-                os.replace(part, cached)
-        spec = importlib.util.spec_from_file_location(name, cached)
+        path, name, _ = _target()
+        if not path.exists():
+            # built by a process of its own, which finishes the cache even when this one exits first
+            done = subprocess.run([sys.executable, "-m", __name__], start_new_session=True,
+                                  capture_output=True, text=True)
+            if done.returncode or not path.exists():
+                lines = (done.stderr or done.stdout).strip().splitlines()
+                raise RuntimeError(lines[-1] if lines else f"the build exited with {done.returncode}")
+        spec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         stats4 = module.stats4
     except Exception as exc:          # no compiler, no ninja, a read-only cache: torch's reductions
         error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+
+
+def _build_into_cache() -> None:
+    """Compile in a directory of its own and move the result into place whole: a build that is
+    stopped leaves no lock behind for the next one to wait on."""
+    from torch.utils.cpp_extension import load
+    path, name, flags = _target()
+    with tempfile.TemporaryDirectory(prefix="dispatchprobe-stats4-") as tmp:
+        load(name, [str(_SOURCE)], extra_cflags=flags, build_directory=tmp, verbose=False)
+        part = path.with_suffix(f".{os.getpid()}.part")
+        shutil.copyfile(pathlib.Path(tmp) / f"{name}.so", part)
+        os.replace(part, path)
+
+
+if __name__ == "__main__":
+    _build_into_cache()
