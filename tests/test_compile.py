@@ -478,19 +478,29 @@ class _Masked(torch.nn.Module):
         return torch.softmax(scores.masked_fill(causal, float("-inf")), dim=-1).sum()
 
 
+def _eager_and_compiled(tmp_path, model, x, inner, backward=False):
+    """Statistics records of ``model(x)`` eagerly (``tmp_path/e``) and through the probe backend
+    (``tmp_path/c``); ``backward``: of ``model(x).backward()``."""
+    def run(m):
+        out = m(x)
+        if backward:
+            out.backward()
+    with DispatchProbe(task="statistics", dump_path=str(tmp_path / "e")) as probe:
+        run(model)
+    probe.close()
+    backend = probe_backend(task="statistics", dump_path=str(tmp_path / "c"), inner=inner)
+    run(torch.compile(model, backend=backend))
+    backend.close()
+    return tmp_path / "e", tmp_path / "c"
+
+
 @pytest.mark.parametrize("inner", ["inductor", "aot_eager"])
 def test_compiled_statistics_of_nonfinite_values_match_eager(tmp_path, inner):
     """Values holding -inf get finite_max/finite_min in compiled records too (computed in the
     graph), so the compiled record of a causal mask's output equals the eager one."""
     x = torch.randn(2, 6, 8, generator=torch.Generator().manual_seed(3))
     torch.manual_seed(0)
-    model = _Masked()
-    with DispatchProbe(task="statistics", dump_path=str(tmp_path / "e")) as probe:
-        model(x).backward()
-    probe.close()
-    backend = probe_backend(task="statistics", dump_path=str(tmp_path / "c"), inner=inner)
-    torch.compile(model, backend=backend)(x).backward()
-    backend.close()
+    _eager_and_compiled(tmp_path, _Masked(), x, inner, backward=True)
 
     def masked(path):
         rec = next(r for r in _ops(path) if r["op"] == "aten.masked_fill.Scalar" and r["stage"] == "forward")
@@ -539,12 +549,7 @@ def test_compiled_statistics_of_nan_and_inf_mixes_match_eager(tmp_path, inner):
     """inductor on a CPU counts nan/inf outside the graph, only for values whose sum of squares
     is not finite: the records equal eager's all the same."""
     x = torch.tensor([[-1.0, 0.0, 2.0], [0.5, 3.0, 0.0]])
-    with DispatchProbe(task="statistics", dump_path=str(tmp_path / "e")) as probe:
-        _NonFinite()(x)
-    probe.close()
-    backend = probe_backend(task="statistics", dump_path=str(tmp_path / "c"), inner=inner)
-    torch.compile(_NonFinite(), backend=backend)(x)
-    backend.close()
+    _eager_and_compiled(tmp_path, _NonFinite(), x, inner)
 
     def outputs(path):
         return {r["op"]: r["outputs"][0]["stats"] for r in _ops(path) if r["outputs"][0]["type"] == "tensor"}
@@ -574,12 +579,7 @@ def test_overflowed_sums_of_finite_values_are_redone_in_float64(tmp_path, inner)
     a finite mean and norm, eager and compiled alike (the compiled CPU path redoes them from the
     tensor with the eager probe's code)."""
     x = torch.randn(2, 128, 128, generator=torch.Generator().manual_seed(0))
-    with DispatchProbe(task="statistics", dump_path=str(tmp_path / "e")) as probe:
-        _BigMask()(x)
-    probe.close()
-    backend = probe_backend(task="statistics", dump_path=str(tmp_path / "c"), inner=inner)
-    torch.compile(_BigMask(), backend=backend)(x)
-    backend.close()
+    _eager_and_compiled(tmp_path, _BigMask(), x, inner)
 
     def mask(path):
         return next(r for r in _ops(path) if r["op"] == "aten.masked_fill.Scalar")["outputs"][0]["stats"]
