@@ -3,8 +3,10 @@
 Runs on different devices, dtypes or versions differ in their op sequences (``addmm`` vs ``mm``
 + ``add``, casts under autocast, recomputation).  Per stage, op records are aligned with
 :class:`difflib.SequenceMatcher` on ``(scope, op, output shapes)``, then inside every gap on
-``(scope, op)`` (e.g. another batch size), then on ``(scope, output shapes)`` (a substituted
-kernel); the scope in every key keeps pairs inside one module.  Module records pair by
+``(scope, op)`` (e.g. another batch size), then on ``(scope, cast or compute, output shapes)`` (a
+substituted kernel: a cast never stands in for a compute op), then on ``(op, output shapes)``
+between nested scopes (a layer wrapped in one run only, ``fc2`` vs ``fc2.inner``); the scope in
+every key keeps pairs inside one module or its wrapper.  Module records pair by
 ``(scope, stage, call)``; ``match="exact"`` pairs by record name.  Whatever is left is returned
 as unmatched, never dropped.  A mapping (YAML, see docs/compare.md) first renames A's ops and
 scope prefixes into B's vocabulary.
@@ -18,6 +20,7 @@ from dataclasses import dataclass, field
 
 import yaml
 
+from ..core import op_traits
 from ..records.format import output_shapes
 
 # Above this many elements in a gap, the quadratic SequenceMatcher is replaced by in-order pairing.
@@ -113,18 +116,32 @@ def _match_blocks(ka: list, kb: list, ia: list, ib: list, how: str, pairs: list)
     return gaps
 
 
+def _nested(sa: str, sb: str) -> bool:
+    """One scope is the other or inside it (a module wrapped in one run only); ops outside every
+    module (scope "") nest only with each other."""
+    return sa == sb or (bool(sa) and sb.startswith(sa + ".")) or (bool(sb) and sa.startswith(sb + "."))
+
+
 def align_ops(recs_a: list, recs_b: list, ia: list, ib: list, mapping: Mapping) -> Alignment:
     """Fuzzy alignment of op records ia (of recs_a) against ib (of recs_b), one stage."""
+    def scope(r, m):
+        return m.scope(r["scope"]) if m else r["scope"]
+
+    def op(r, m):
+        return m.op(r["op"]) if m else r["op"]
+
     keyers = (
-        ("op+shapes", lambda r, m: (m.scope(r["scope"]), m.op(r["op"]), output_shapes(r)) if m else
-         (r["scope"], r["op"], output_shapes(r))),
-        ("op", lambda r, m: (m.scope(r["scope"]) if m else r["scope"], m.op(r["op"]) if m else r["op"])),
-        ("shapes", lambda r, m: (m.scope(r["scope"]) if m else r["scope"], output_shapes(r))),
+        ("op+shapes", lambda r, m: (scope(r, m), op(r, m), output_shapes(r)), None),
+        ("op", lambda r, m: (scope(r, m), op(r, m)), None),
+        # a substituted kernel (addmm for mm): same shapes, but a cast only ever pairs with a cast
+        ("shapes", lambda r, m: (scope(r, m), op_traits.is_cast(op(r, m)), output_shapes(r)), None),
+        # a module wrapped in one run (a bf16 wrapper around fc2): its ops sit one scope deeper
+        ("op+shapes, nested scope", lambda r, m: (op(r, m), output_shapes(r)), _nested),
     )
     none = Mapping()
     pairs: list = []
     gaps = [(ia, ib)]
-    for how, key in keyers:
+    for how, key, accept in keyers:
         next_gaps = []
         for ga, gb in gaps:
             if not ga or not gb:
@@ -132,7 +149,14 @@ def align_ops(recs_a: list, recs_b: list, ia: list, ib: list, mapping: Mapping) 
                 continue
             ka = [key(recs_a[i], mapping) for i in ga]
             kb = [key(recs_b[i], none) for i in gb]
-            next_gaps.extend(_match_blocks(ka, kb, ga, gb, how, pairs))
+            found: list = []
+            next_gaps.extend(_match_blocks(ka, kb, ga, gb, how, found))
+            if accept is not None:     # pairs the key alone cannot rule out go back to the unmatched
+                ok = [accept(scope(recs_a[a], mapping), recs_b[b]["scope"]) for a, b, _ in found]
+                rejected = [p for p, k in zip(found, ok) if not k]
+                found = [p for p, k in zip(found, ok) if k]
+                next_gaps.append(([a for a, _, _ in rejected], [b for _, b, _ in rejected]))
+            pairs.extend(found)
         gaps = next_gaps
     only_a = [i for ga, _ in gaps for i in ga]
     only_b = [i for _, gb in gaps for i in gb]
