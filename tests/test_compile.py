@@ -646,3 +646,73 @@ def test_node_granularity_tensor_task_saves_each_nodes_values_and_run_ut_replays
     res = run_ut(str(tmp_path / "n"), str(tmp_path / "ut"), progress=False).results
     verdicts = res["Forward Test Success"] + res["Backward Test Success"]
     assert len(res) >= 10 and (verdicts == "pass").all()
+
+
+def _llama():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   attn_implementation="eager")
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def _scopes(path, compiled: bool) -> set:
+    return {(r["op"], r["scope"], r["stage"]) for r in _ops(path) if ("compiled" in r) == compiled}
+
+
+@pytest.mark.parametrize("keywords", [True, False])
+def test_probe_backend_alone_names_scopes_as_eager(tmp_path, keywords):
+    """probe_backend without a DispatchProbe, on HF Llama (whose decorated ``forward`` puts
+    ``self`` in ``args``: scopes must not follow the frame's shape), called with keyword or
+    positional inputs: every compiled record's scope is one eager gives, and the runs compare."""
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))
+    model = _llama()
+    with DispatchProbe(task="statistics", dump_path=str(tmp_path / "eager")) as probe:
+        model(input_ids=ids, labels=ids).loss.backward()
+    probe.close()
+    model = _llama()
+    backend = probe_backend(task="statistics", dump_path=str(tmp_path / "compiled"), inner="aot_eager")
+    compiled = torch.compile(model, backend=backend)
+    out = compiled(input_ids=ids, labels=ids) if keywords else compiled(ids, None, None, None, None, ids)
+    out.loss.backward()
+    backend.close()
+    eager = {scope for _, scope, _ in _scopes(tmp_path / "eager", False)}
+    got = {scope for _, scope, _ in _scopes(tmp_path / "compiled", True)}
+    assert "LlamaForCausalLM.model.layers.0.mlp.down_proj" in got and "LlamaForCausalLM" in got
+    assert got <= eager, got - eager
+    _, verdict = compare(str(tmp_path / "eager"), str(tmp_path / "compiled"))
+    assert "the runs agree" in str(verdict)
+
+
+class _BreaksInside(torch.nn.Module):
+    """A graph break inside a submodule's forward: the code after it is a frame of that submodule."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = _Breaks()
+        self.head = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.head(x).relu().sum() + self.inner(x)
+
+
+def test_probe_backend_alone_scopes_across_graph_breaks(tmp_path):
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(0)
+    model = _BreaksInside()
+    with DispatchProbe(task="statistics", dump_path=str(tmp_path / "eager")) as probe:
+        model(x).backward()
+    probe.close()
+    torch.manual_seed(0)
+    model = _BreaksInside()
+    backend = probe_backend(task="statistics", dump_path=str(tmp_path / "compiled"), inner="aot_eager")
+    torch.compile(model, backend=backend)(x).backward()
+    backend.close()
+    eager, got = _scopes(tmp_path / "eager", False), _scopes(tmp_path / "compiled", True)
+    assert ("aten.addmm.default", "_BreaksInside.inner.b", "forward") in got
+    assert ("aten.addmm.default", "_BreaksInside.inner.a", "forward") in got
+    assert ("aten.mm.default", "_BreaksInside.head", "backward") in got
+    assert {s for _, s, _ in got} <= {s for _, s, _ in eager}
+    _, verdict = compare(str(tmp_path / "eager"), str(tmp_path / "compiled"))
+    assert "the runs agree" in str(verdict)

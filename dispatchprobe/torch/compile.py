@@ -16,6 +16,8 @@ import itertools
 import math
 import operator
 import re
+import sys
+import weakref
 
 import torch
 import torch.fx
@@ -129,10 +131,7 @@ class ProbeBackend:
             raise ValueError(f"probe_backend records the tasks {', '.join(COMPILED_TASKS)}, not {self.config.task!r}"
                              + (" (it checks each op eagerly: use DispatchProbe)" if self.config.task == "free_benchmark" else ""))
         self._session: CompiledProbe | None = None
-        self.module_names: dict[int, str] = {}
-        if model is not None:
-            root = type(model).__name__
-            self.module_names = {id(m): f"{root}.{n}" if n else root for n, m in model.named_modules()}
+        self.module_names = ModuleNames(model)
         atexit.register(self.close)
 
     @property
@@ -165,7 +164,7 @@ class ProbeBackend:
         from torch._functorch import config as functorch_config
         from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
-        roots = _frame_modules(self.module_names)
+        roots = self.module_names.frame()
 
         def inner_compile(graph_module, inputs, **kw):
             instrument = _Instrument(self, roots, backward=bool(kw.get("is_backward")))
@@ -345,28 +344,76 @@ def _traced(op, fn):
 
 # ---- names and scopes -----------------------------------------------------------------------------
 _SOURCE = re.compile(r"^L\['([^']+)'\]")
+_CALLS = {torch.nn.Module._call_impl.__code__, torch.nn.Module._wrapped_call_impl.__code__}
 
 
-def _frame_modules(names: dict) -> dict[str, str]:
-    """Eager scope names of the modules among the compiled frame's locals (``L['self']`` ->
-    ``TinyTransformer`` or, with ``model=``, the submodule's full name ``TinyTransformer.layers.0``)."""
-    try:
-        from torch._dynamo.symbolic_convert import InstructionTranslator
-        local = InstructionTranslator.current_tx().f_locals
-    except Exception:        # not called by dynamo (a direct backend call)
-        return {}
-    return {k: names.get(id(v), type(v).__name__) for k, v in local.items() if isinstance(v, torch.nn.Module)}
+class ModuleNames:
+    """Eager's names of modules, as the eager probe's module tracker gives them: the first module
+    seen is named by its class (``LlamaForCausalLM``), its submodules by their path in it
+    (``LlamaForCausalLM.model.layers.0``); a name once given stays.  Weak: modules are not kept."""
+
+    def __init__(self, model: torch.nn.Module | None = None):
+        self._names: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        if model is not None:
+            self.add(model)
+
+    def add(self, module: torch.nn.Module) -> None:
+        if module in self._names:
+            return
+        root = type(module).__name__
+        for path, sub in module.named_modules():
+            if sub not in self._names:
+                self._names[sub] = f"{root}.{path}" if path else root
+
+    def frame(self) -> "FrameScopes":
+        """The scopes of the frame dynamo compiles now.  Its graph's ``nn_module_stack`` entries are
+        keyed by the modules' ids and carry source paths that depend on the frame's shape
+        (``L['self'].layers.0``, ``L['args'][0].model...`` under a decorated ``forward``), so the
+        modules are resolved as objects: those being called now (``Module.__call__`` frames on the
+        stack, outermost = the model, innermost = the module running the frame's own ops) and the
+        frame's locals, each with its eager name."""
+        calling = []
+        f = sys._getframe(1)
+        while f is not None:
+            if f.f_code in _CALLS:
+                m = f.f_locals.get("self")
+                if isinstance(m, torch.nn.Module) and not isinstance(m, torch._dynamo.eval_frame.OptimizedModule):
+                    calling.append(m)
+            f = f.f_back
+        for m in reversed(calling):           # outermost first: it names its submodules
+            self.add(m)
+        local = {}
+        try:
+            from torch._dynamo.symbolic_convert import InstructionTranslator
+            local = InstructionTranslator.current_tx().f_locals
+        except Exception:        # not called by dynamo (a direct backend call)
+            pass
+        found = {k: v for k, v in local.items() if isinstance(v, torch.nn.Module)}
+        for v in found.values():
+            self.add(v)
+        by_id = {str(id(m)): name for m, name in self._names.items()}
+        return FrameScopes(by_id, self._names.get(calling[0], "") if calling else "",
+                           {k: self._names[v] for k, v in found.items()})
 
 
-def _scope(stack: dict | None, roots: dict[str, str]) -> str:
-    """Innermost module of a node's ``nn_module_stack`` in eager's naming."""
-    if not stack:
-        return roots.get("self", "")
-    path = list(stack.values())[-1][0]
-    m = _SOURCE.match(path)
-    if m:
-        path = roots.get(m.group(1), m.group(1)) + path[m.end():]
-    return re.sub(r"\[(\d+)\]", r".\1", path).replace("._modules['", ".").replace("']", "")
+class FrameScopes:
+    """Names the innermost module of a node's ``nn_module_stack`` as eager does (plain names, no
+    module references: a backward graph is compiled later, from these)."""
+
+    def __init__(self, by_id: dict[str, str], current: str, local: dict[str, str]):
+        self.by_id, self.current, self.local = by_id, current, local
+
+    def scope(self, stack: dict | None) -> str:
+        if not stack:
+            return self.current
+        key, (path, _) = list(stack.items())[-1]
+        name = self.by_id.get(str(key).split("@")[0])
+        if name is not None:
+            return name
+        m = _SOURCE.match(path)        # a module dynamo keys otherwise: its path from a named local
+        if m:
+            path = self.local.get(m.group(1), m.group(1)) + path[m.end():]
+        return re.sub(r"\[(\d+)\]", r".\1", path).replace("._modules['", ".").replace("']", "")
 
 
 # ---- the pass ------------------------------------------------------------------------------------
@@ -478,7 +525,7 @@ class _Instrument:
     """The post-grad pass of one graph: group nodes into eager op calls, add the statistics of
     each group's values and one recording op, and keep the records' templates."""
 
-    def __init__(self, owner: ProbeBackend, roots: dict, backward: bool):
+    def __init__(self, owner: ProbeBackend, roots: "FrameScopes", backward: bool):
         self.owner = owner
         self.roots = roots
         self.backward = backward
@@ -749,7 +796,7 @@ def _hint(size):
 class _GraphRecords:
     """The records one compiled graph writes per call, and how its statistics map onto them."""
 
-    def __init__(self, owner: ProbeBackend, stage: str, roots: dict):
+    def __init__(self, owner: ProbeBackend, stage: str, roots: "FrameScopes"):
         self.owner = owner
         self.stage = stage
         self.roots = roots
@@ -794,7 +841,7 @@ class _GraphRecords:
         scope_meta = group.nodes[0].meta.get("fwd_nn_module_stack" if self.stage == "backward" else "nn_module_stack")
         if self.stage == "backward" and not scope_meta:
             scope_meta = group.nodes[0].meta.get("nn_module_stack")
-        t = _Template(str(group.op), _scope(scope_meta, self.roots), [n.name for n in group.nodes], exact)
+        t = _Template(str(group.op), self.roots.scope(scope_meta), [n.name for n in group.nodes], exact)
         if not exact:
             t.compiled["call"] = traced
         original = group.nodes[0].meta.get("original_aten")
@@ -947,7 +994,7 @@ class _Rerun(torch.fx.Interpreter):
     """Runs a post-grad graph eagerly, giving each node's call to the session as an op event, so
     the eager overflow check judges the graph's own ops (node granularity, scopes from metadata)."""
 
-    def __init__(self, gm, session, stage: str, roots: dict, node_calls: dict, mark: dict):
+    def __init__(self, gm, session, stage: str, roots: "FrameScopes", node_calls: dict, mark: dict):
         super().__init__(gm)
         self.extra_traceback = False     # the check's OverflowDetected reaches the user as it is
         self.session, self.stage, self.roots = session, stage, roots
@@ -986,7 +1033,7 @@ class _Rerun(torch.fx.Interpreter):
             meta = self._node.meta
             scope = meta.get("fwd_nn_module_stack" if self.stage == "backward" else "nn_module_stack") \
                 or meta.get("nn_module_stack")
-            self.session.on_op(ops.op_name(target), self.stage, _scope(scope, self.roots), args, kwargs, out,
+            self.session.on_op(ops.op_name(target), self.stage, self.roots.scope(scope), args, kwargs, out,
                                func=target)
         return out
 
