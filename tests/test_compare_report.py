@@ -13,7 +13,7 @@ from dispatchprobe import compare
 
 sys.path.insert(0, os.path.dirname(__file__))
 from compare_helpers import record  # noqa: E402
-from html_check import assert_fits, layout, needs_chromium, screenshot  # noqa: E402
+from html_check import WIDTHS, assert_fits, counts, layout, needs_chromium, screenshot  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -127,17 +127,76 @@ def test_html_marks_structure_differences(tmp_path):
         min(40, c) for c in verdict.unmatched.groupby(verdict.unmatched["scope"].fillna("")).size()))
 
 
+def csv_counts(out) -> tuple[dict, dict]:
+    """From compare.csv: tensors (rows) by status, and ops (op/module calls, each at its worst row) by status."""
+    csv = pd.read_csv(out / "compare.csv", keep_default_na=False)
+    worst = csv.assign(sev=csv["status"].map({"error": 3, "warning": 2, "pass": 1}).fillna(0)).groupby(
+        ["step", "rank", "stage", "kind", "seq"])["sev"].max()
+    names = {3: "error", 2: "warning", 1: "pass", 0: "not judged"}
+    ops = {name: int((worst == sev).sum()) for sev, name in names.items()}
+    return csv["status"].value_counts().to_dict(), ops
+
+
 @needs_chromium
-def test_html_renders_in_headless_chromium(report, tmp_path):
-    """At 1400 px: the first forward divergence is expanded, visible, marked and selected (its op row
-    highlighted), both charts drawn, and nothing is wider than the page."""
+@pytest.mark.parametrize("width", WIDTHS)
+def test_html_renders_in_headless_chromium(report, tmp_path, width):
+    """At 1400 and 1000 px: the first forward divergence is expanded, visible, marked and selected (its op
+    row highlighted), both charts drawn, nothing is wider than the page or the detail pane in any module's
+    cards, no number or dtype wraps; the heading counts tensors and the tree ops, each as compare.csv has them."""
     out, _, verdict = report
-    png = screenshot(out / "compare.html", tmp_path)
+    png = screenshot(out / "compare.html", tmp_path, width)
     assert len(png) > 10_000 and png[:8] == b"\x89PNG\r\n\x1a\n"
-    res = layout(out / "compare.html", tmp_path)
+    res = layout(out / "compare.html", tmp_path, width)
     fwd = res["marks"]["forward"]
     assert fwd["marked"] and fwd["visible"] and fwd["selected"] and res["rows"] >= 1, res
     assert fwd["badge"] == "first forward divergence" and res["detail"] == verdict.forward.scope
     assert res["plots"] >= 2, res
     assert "attn" in res["search"] and "mlp" not in res["search"] and "attn" in res["worst_only"]
     assert_fits(res)
+    tensors, ops = csv_counts(out)
+    assert f"compared {sum(tensors.values())} tensors" in res["summary"]
+    assert all(f"{k} {tensors.get(k, 0)}" in res["summary"] for k in ("pass", "warning", "error"))
+    assert counts(res["root_counts"]) == ops and "ops beneath" in res["root_counts"]
+    assert counts(res["units"].split(": ", 1)[1]) == ops and "tensors (rows of compare.csv)" in res["units"]
+    # the tree's badges name their unit: the root (<top>: the loss's ops are outside every module) counts every error op
+    root = dict(res["badges"])["<top>"]
+    assert f"{ops['error']} err ops" in root, res["badges"]
+
+
+@pytest.fixture(scope="module")
+def two_steps(tmp_path_factory):
+    """Two steps of full tensors, a wrong softmax planted in run B's layers.1.attn: a heat map."""
+    root = tmp_path_factory.mktemp("heat")
+    a, b = record(root / "a", steps=2), record(root / "b", steps=2, plant=True)
+    return compare(a, b)
+
+
+@needs_chromium
+@pytest.mark.parametrize("metric", ["cosine", "rel_l2_err"])
+def test_heatmap_darker_is_worse(two_steps, tmp_path, metric):
+    """The heat map's cell of the planted module is drawn darker than the best-agreeing one, for a
+    larger-is-better metric (cosine) and a larger-is-worse one (rel_l2_err, log10); none is blank."""
+    from dispatchprobe.offline.report import write_reports
+    table, verdict = two_steps
+    out = tmp_path / "out"
+    write_reports(str(out), table, verdict, {}, {}, metric=metric)
+    res = layout(out / "compare.html", tmp_path, 1000)
+    heat = res["heat"]
+    assert heat["worst"]["module"] == "TinyTransformer.layers.1.attn", heat
+    assert heat["worst"]["lum"] < heat["best"]["lum"] - 100, heat      # darker is worse
+    assert "<top>" in heat["modules"]
+    assert_fits(res)
+
+
+def test_heatmap_fills_exact_agreement_and_names_what_it_leaves_out(two_steps):
+    """A module whose worst value is 0 (exact agreement) gets a cell; one without the metric at all is not a
+    blank column but named under the map."""
+    from dispatchprobe.offline.report import report_data
+    table, verdict = two_steps
+    t = table.copy()
+    t.loc[t["scope"] == "TinyTransformer.head", "rel_l2_err"] = 0.0
+    t.loc[t["scope"].fillna("") == "", "rel_l2_err"] = float("nan")
+    heat = report_data(t, verdict, "rel_l2_err")["heat"]
+    assert heat["left_out"] == ["<top>"] and "<top>" not in heat["modules"]
+    head = heat["modules"].index("TinyTransformer.head")
+    assert all(row[head] == 0 for row in heat["z"])

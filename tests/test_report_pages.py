@@ -20,7 +20,7 @@ from dispatchprobe.models import TinyTransformer, lm_batch, lm_loss
 from dispatchprobe.offline.run_ut import run_ut, summary_text
 
 sys.path.insert(0, os.path.dirname(__file__))
-from html_check import assert_fits, layout, needs_chromium, page_data  # noqa: E402
+from html_check import WIDTHS, assert_fits, counts, layout, needs_chromium, page_data  # noqa: E402
 from test_run_ut import record, wrong_gelu  # noqa: E402
 
 GELU_SCOPES = ["TinyTransformer.layers.0.mlp", "TinyTransformer.layers.1.mlp"]
@@ -75,12 +75,20 @@ def test_run_ut_page_of_an_interrupted_run_says_so(gelu_run):
 
 
 @needs_chromium
-def test_run_ut_page_in_headless_chromium(gelu_run, tmp_path):
-    """At 1400 px: the first gelu error's module is expanded, marked, selected, its op row highlighted;
-    nothing is wider than the page."""
+@pytest.mark.parametrize("width", WIDTHS)
+def test_run_ut_page_in_headless_chromium(gelu_run, tmp_path, width):
+    """At 1400 and 1000 px: the first gelu error's module is expanded, marked, selected, its op row
+    highlighted; nothing is wider than the page, no number wraps; the counts are the result CSV's ops."""
     _, _, res = gelu_run
     from pathlib import Path
-    seen = layout(Path(res.report_html), tmp_path)
+    seen = layout(Path(res.report_html), tmp_path, width)
+    csv = pd.read_csv(res.result_csv, keep_default_na=False)
+    status = csv["Forward Test Success"].where(csv["Forward Test Success"] != "", csv["Backward Test Success"])
+    by_status = {k: int((status == k).sum()) for k in ("error", "warning", "pass", "SKIP")}
+    assert counts(seen["root_counts"]) == by_status and "ops beneath" in seen["root_counts"]
+    assert f"{len(csv)} ops: {by_status['pass']} pass, {by_status['warning']} warning, {by_status['error']} error" \
+        in seen["summary"]
+    assert dict(seen["badges"])["TinyTransformer"] == [f"{by_status['error']} err ops"]
     fwd = seen["marks"]["forward"]
     assert fwd["marked"] and fwd["visible"] and fwd["selected"] and fwd["badge"] == "first forward error", seen
     assert seen["detail"] == GELU_SCOPES[0] and seen["rows"] == 1 and "aten.gelu.default.0.forward" in seen["row_text"]
@@ -142,9 +150,17 @@ def test_overflow_page_marks_the_op_that_created_inf_nan(overflow_pages, stage, 
 
 
 @needs_chromium
+@pytest.mark.parametrize("width", WIDTHS)
 @pytest.mark.parametrize("stage, name", [("forward", "up"), ("backward", "<top>")])
-def test_overflow_page_in_headless_chromium(overflow_pages, tmp_path, stage, name):
-    seen = layout(overflow_pages[stage], tmp_path)
+def test_overflow_page_in_headless_chromium(overflow_pages, tmp_path, stage, name, width):
+    seen = layout(overflow_pages[stage], tmp_path, width)
+    # the heading, the root's counts and the tree's badges: overflow.csv's rows, each an op call
+    csv = pd.read_csv(overflow_pages[stage].parent / stage / "step0" / "rank0" / "overflow.csv")
+    by_class = {k: int((csv["class"] == k).sum()) for k in ("critical", "propagated", "suspicious growth")}
+    assert counts(seen["root_counts"]) == by_class and "ops beneath" in seen["root_counts"]
+    assert ", ".join(f"{v} {k}" for k, v in by_class.items()) in seen["summary"]
+    root_badges = seen["badges"][0][1]
+    assert root_badges[0] == f"{by_class['critical']} critical op", seen["badges"]
     mark = seen["marks"][stage]
     assert mark["marked"] and mark["visible"] and mark["selected"] and mark["name"] == name, seen
     assert mark["badge"] == f"first {stage} overflow" and seen["rows"] == 1 and "critical" in seen["row_text"]
@@ -231,9 +247,14 @@ def test_free_benchmark_levels_by_excess(free_benchmark_page, tmp_path):
 
 
 @needs_chromium
-def test_free_benchmark_page_in_headless_chromium(free_benchmark_page, tmp_path):
-    _, page, _ = free_benchmark_page
-    seen = layout(page, tmp_path)
+@pytest.mark.parametrize("width", WIDTHS)
+def test_free_benchmark_page_in_headless_chromium(free_benchmark_page, tmp_path, width):
+    _, page, csv = free_benchmark_page
+    seen = layout(page, tmp_path, width)
+    # the heading, the root's counts and the tree's badges: free_benchmark.csv's rows (all over the limit here)
+    assert counts(seen["root_counts"]) == {"inf/nan differ": 0, "over 10x the limit": 0, "over the limit": len(csv)}
+    assert f"{len(csv)} flagged: 0 inf/nan differ, 0 over 10x the limit, {len(csv)} over the limit" in seen["summary"]
+    assert dict(seen["badges"])["TinyTransformer"] == [f"{len(csv)} flagged ops"]
     mark = seen["marks"]["forward"]
     assert mark["marked"] and mark["visible"] and mark["selected"] and mark["name"] == "mlp", seen
     assert mark["badge"] == "first forward flagged op" and seen["rows"] == 1

@@ -355,7 +355,8 @@ def _chart_series(table: pd.DataFrame, metrics: list) -> tuple[dict, list]:
 
 def _heatmap(table: pd.DataFrame, ops: pd.DataFrame, metric: str) -> dict | None:
     """Steps/ranks x modules: each cell the worst ``metric`` of the module's ops (scopes cut at the
-    deepest level with at most HEATMAP_MODULES modules)."""
+    deepest level with at most HEATMAP_MODULES modules; ``<top>``: ops outside every module); modules
+    without a value of ``metric`` in any part are ``left_out`` (named under the map)."""
     t = table[table["io"] == "output"]
     if not len(t):
         return None
@@ -375,9 +376,13 @@ def _heatmap(table: pd.DataFrame, ops: pd.DataFrame, metric: str) -> dict | None
     mods = list(dict.fromkeys(mod.tolist()))
     parts = sorted(agg.index.get_level_values(0).unique(), key=lambda p: tuple(int(x) for x in p.split("/")))
     z = agg["v"].unstack().reindex(index=parts, columns=mods)
+    # a module none of whose outputs has the metric (scalars have no cosine) would be an empty column
+    left_out = [m for m in mods if z[m].isna().all()]
+    mods = [m for m in mods if m not in left_out]
+    z = z[mods]
     e = agg["err"].unstack().reindex(index=parts, columns=mods).fillna(0).astype(int)
     return {"modules": mods, "parts": parts, "z": [_col(z.loc[p].astype(float)) for p in parts],
-            "errors": e.to_numpy().tolist(), "metric": metric}
+            "errors": e.to_numpy().tolist(), "metric": metric, "left_out": left_out}
 
 
 def _suspicious(table: pd.DataFrame) -> tuple[str, str, int]:
@@ -406,7 +411,12 @@ def render_html(table: pd.DataFrame, verdict, manifest_a: dict, manifest_b: dict
             "parts compared": ", ".join(f"step {s} rank {r}" for s, r in verdict.parts),
             "chart metric": data["metric"]}
     problems = "".join(f"<li>{html.escape(p)}</li>" for p in verdict.problems[:200])
-    return _fill("compare.html", data, summary=_lines(str(verdict).splitlines()), head=head, rows=rows,
+    root = data["nodes"][0]["c"]
+    units = (f"The counts above are tensors (rows of compare.csv). The module tree counts ops (op and module "
+             f"calls, each at its worst tensor's verdict): "
+             + ", ".join(f"{root[i]} {lv['name']}" for i, lv in reversed(list(enumerate(COMPARE_LEVELS)))) + " ops.")
+    return _fill("compare.html", data, summary=_lines(str(verdict).splitlines()), units=html.escape(units),
+                 head=head, rows=rows,
                  meta=_meta_rows(meta, {"A": manifest_a, "B": manifest_b}), n_suspicious=str(n_sus),
                  problems=problems or "<li>none</li>", n_unmatched=str(len(verdict.unmatched)), plotly=get_plotlyjs())
 

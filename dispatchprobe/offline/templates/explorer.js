@@ -53,7 +53,7 @@ function visibleSet(f) {
 function nodeRow(n) {
   var w = worst(n), b = [], cnt = "";
   // the count of the worst level beneath that has a short label (levels such as pass or SKIP have none)
-  for (var s = LV.length - 1; s >= 0; s--) if (n.c[s] && LV[s].short) { cnt = n.c[s] + " " + LV[s].short; break; }
+  for (var s = LV.length - 1; s >= 0; s--) if (n.c[s] && LV[s].short) { cnt = n.c[s] + " " + LV[s].short + (n.c[s] === 1 ? " op" : " ops"); break; }
   n.div.forEach(function (s) { b.push('<span class="badge mark">' + esc(markLabel(s)) + "</span>"); });
   b = b.concat(PAGE.badges ? PAGE.badges(n) : []);
   return '<div class="nrow' + (n.div.length ? " marked" : "") + (selected === n.id ? " sel" : "") + '" data-id="' + n.id + '"' +
@@ -87,7 +87,9 @@ function nodeOfScope(scope) {
 function select(id, rowKey) {
   selected = id; expandTo(id); renderTree();
   var det = document.getElementById("detail");
+  TABLES = [];
   det.innerHTML = PAGE.detail(N[id], rowKey);
+  fitTables(det);
   if (rowKey) {
     var op = document.getElementById("op-" + rowKey);
     // scrolled to only when not in view (the node's heading stays when its first op is the one)
@@ -109,6 +111,16 @@ document.getElementById("tree").addEventListener("click", function (e) {
   select(id);
 });
 document.getElementById("search").addEventListener("input", renderTree);
+// another window width: the selected module's cards laid out again for it (its scroll position kept)
+var relayout = null;
+window.addEventListener("resize", function () {
+  clearTimeout(relayout);
+  relayout = setTimeout(function () {
+    if (selected === null) return;
+    var det = document.getElementById("detail"), top = det.scrollTop;
+    TABLES = []; det.innerHTML = PAGE.detail(N[selected]); fitTables(det); det.scrollTop = top;
+  }, 150);
+});
 (PAGE.flags || []).forEach(function (f) { document.getElementById(f.id).addEventListener("input", renderTree); });
 document.querySelectorAll(".vf").forEach(function (c) { c.addEventListener("change", renderTree); });
 // open the roots and every marked node; select ``first`` ({node, key}) if given
@@ -131,36 +143,55 @@ function opCard(key, level, title, fields, table, more) {
 function blank(v) { return v === null || v === undefined || v === "" || (typeof v === "object" && !Array.isArray(v) && blank(v.a) && blank(v.b)); }
 // a cell: a value, or {a, b} (two runs: A above B)
 function cell(v) { return v && typeof v === "object" && !Array.isArray(v) ? "<div>" + esc(v.a) + "</div><div>" + esc(v.b) + "</div>" : esc(v); }
-// One op's tensors: ``cols`` names, ``rows`` [[cell values]]; a column empty in every row is left out.  Up to
-// ``wide`` columns a tensor a row; more are turned (a column per tensor, TENSORS_PER_TABLE a table, its lines
-// in blocks of TURNED_ROWS side by side) so that the pane never scrolls sideways.  ``opt.cls(row)``: a row's class; ``opt.note(row)``: html under the row.
-var TENSORS_PER_TABLE = 6, TURNED_ROWS = 8;
+// One op's tensors: ``cols`` names, ``rows`` [[cell values]]; a column empty in every row is left out.  No
+// number or dtype ever wraps: up to ``wide`` columns a tensor a row, turned (a column per tensor, its lines in
+// blocks of TURNED_ROWS side by side) past that, and turned with fewer tensors a table when the pane is too
+// narrow (fitTables, after the cards are in the page).  ``opt.cls(row)``: a row's class; ``opt.note(row)``:
+// html under the row.
+var TENSORS_PER_TABLE = 6, TURNED_ROWS = 8, TABLES = [];
 function tensorTable(cols, rows, wide, opt) {
   opt = opt || {};
   if (!rows.length) return "";
   var keep = [];
   cols.forEach(function (c, i) { if (rows.some(function (r) { return !blank(r[i]); })) keep.push(i); });
-  var cls = function (r) { return opt.cls ? opt.cls(r) : ""; }, note = function (r) { return opt.note ? opt.note(r) : ""; };
-  if (keep.length <= wide) {
-    var h = ['<table class="tensors"><thead><tr>' + keep.map(function (i) { return "<th>" + esc(cols[i]) + "</th>"; }).join("") + "</tr></thead><tbody>"];
-    rows.forEach(function (r) {
-      h.push('<tr class="' + cls(r) + '">' + keep.map(function (i) { return "<td>" + cell(r[i]) + "</td>"; }).join("") + "</tr>");
-      var nt = note(r); if (nt) h.push('<tr class="' + cls(r) + '"><td class="msg" colspan="' + keep.length + '">' + nt + "</td></tr>");
-    });
-    return h.join("") + "</tbody></table>";
-  }
-  var out = [];
-  for (var at = 0; at < rows.length; at += TENSORS_PER_TABLE) {
-    var part = rows.slice(at, at + TENSORS_PER_TABLE), head = "<thead><tr><th>" + esc(cols[keep[0]]) + "</th>" +
-      part.map(function (r) { return '<th class="' + cls(r) + '">' + cell(r[keep[0]]) + "</th>"; }).join("") + "</tr></thead>";
+  var t = {cols: cols, rows: rows, keep: keep, opt: opt};
+  TABLES.push(t);
+  return '<div class="tt" data-tt="' + (TABLES.length - 1) + '">' + (keep.length <= wide ? wideTable(t) : turnedTable(t, TENSORS_PER_TABLE)) + "</div>";
+}
+function rowClass(t, r) { return t.opt.cls ? t.opt.cls(r) : ""; }
+function rowNote(t, r) { return t.opt.note ? t.opt.note(r) : ""; }
+function wideTable(t) {
+  var keep = t.keep, cols = t.cols;
+  var h = ['<table class="tensors"><thead><tr>' + keep.map(function (i) { return "<th>" + esc(cols[i]) + "</th>"; }).join("") + "</tr></thead><tbody>"];
+  t.rows.forEach(function (r) {
+    h.push('<tr class="' + rowClass(t, r) + '">' + keep.map(function (i) { return "<td>" + cell(r[i]) + "</td>"; }).join("") + "</tr>");
+    var nt = rowNote(t, r); if (nt) h.push('<tr class="' + rowClass(t, r) + '"><td class="msg" colspan="' + keep.length + '">' + nt + "</td></tr>");
+  });
+  return h.join("") + "</tbody></table>";
+}
+function turnedTable(t, per) {
+  var keep = t.keep, cols = t.cols, out = [];
+  for (var at = 0; at < t.rows.length; at += per) {
+    var part = t.rows.slice(at, at + per), head = "<thead><tr><th>" + esc(cols[keep[0]]) + "</th>" +
+      part.map(function (r) { return '<th class="' + rowClass(t, r) + '">' + cell(r[keep[0]]) + "</th>"; }).join("") + "</tr></thead>";
     var lines = keep.slice(1).filter(function (i) { return !part.every(function (r) { return blank(r[i]); }); }).map(function (i) {
-      return "<tr><th>" + esc(cols[i]) + "</th>" + part.map(function (r) { return '<td class="' + cls(r) + '">' + cell(r[i]) + "</td>"; }).join("") + "</tr>";
+      return "<tr><th>" + esc(cols[i]) + "</th>" + part.map(function (r) { return '<td class="' + rowClass(t, r) + '">' + cell(r[i]) + "</td>"; }).join("") + "</tr>";
     });
-    // blocks of TURNED_ROWS lines side by side (as many as the pane's width holds), each with the tensors' header
-    var blocks = [];
-    for (var b = 0; b < lines.length; b += TURNED_ROWS) blocks.push('<table class="tensors turned">' + head + "<tbody>" + lines.slice(b, b + TURNED_ROWS).join("") + "</tbody></table>");
+    // a long list of lines in even blocks of about TURNED_ROWS side by side (as many as the pane's width
+    // holds), each with the tensors' header
+    var blocks = [], size = lines.length > TURNED_ROWS + 4 ? Math.ceil(lines.length / Math.ceil(lines.length / TURNED_ROWS)) : lines.length;
+    for (var b = 0; b < lines.length; b += size) blocks.push('<table class="tensors turned">' + head + "<tbody>" + lines.slice(b, b + size).join("") + "</tbody></table>");
     out.push('<div class="turned">' + blocks.join("") + "</div>");
-    part.forEach(function (r) { var nt = note(r); if (nt) out.push('<p class="msg">' + cell(r[keep[0]]) + ": " + nt + "</p>"); });
+    part.forEach(function (r) { var nt = rowNote(t, r); if (nt) out.push('<p class="msg">' + cell(r[keep[0]]) + ": " + nt + "</p>"); });
   }
   return out.join("");
+}
+// every tensor table in ``box`` that is wider than its card turned, with fewer tensors a table until it fits;
+// one that fits in no form (a single tensor wider than the pane) scrolls in its own box
+function fitTables(box) {
+  box.querySelectorAll(".tt").forEach(function (el) {
+    var t = TABLES[+el.getAttribute("data-tt")];
+    for (var per = Math.min(TENSORS_PER_TABLE, t.rows.length); el.scrollWidth > el.clientWidth + 1 && per >= 1; per--) el.innerHTML = turnedTable(t, per);
+    if (el.scrollWidth > el.clientWidth + 1) el.classList.add("scroll");
+  });
 }
