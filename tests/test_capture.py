@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from dispatchprobe import DispatchProbe, load
+from dispatchprobe.models import TinyTransformer, lm_batch, lm_loss
 from dispatchprobe.records.reader import tensor_rows
 from conftest import train
 
@@ -353,3 +355,37 @@ def test_loss_module_backward_is_scoped_and_every_module_gets_its_backward_recor
     assert scope["aten.mm.default"] == "Train.fc"
     modules = [r["scope"] for r in recs if r["kind"] == "module" and r["stage"] == "backward"]
     assert modules == ["Train.loss", "Train.fc", "Train"]
+
+
+@pytest.mark.parametrize("around", ["forward", "loop"])
+def test_steps_follow_the_optimizer_without_step_calls(tmp_path, around):
+    """A loop that never calls probe.step() gets one part per optimizer step, whether the probe is
+    entered per step (the optimizer steps outside it) or around the whole loop (inside it: the
+    optimizer's own ops stay in the step they end); a second optimizer does not count again."""
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    other = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+    probe = DispatchProbe(dump_path=str(tmp_path / "r"))
+    outer = probe if around == "loop" else contextlib.nullcontext()
+    with outer:
+        for step in range(3):
+            with probe if around == "forward" else contextlib.nullcontext():
+                lm_loss(model, *lm_batch(seed=step)).backward()
+            opt.step()
+            other.step()
+            opt.zero_grad()
+    probe.close()
+    run = load(tmp_path / "r")
+    assert sorted(run.parts) == [(0, 0), (1, 0), (2, 0)]
+    for step in range(3):
+        ops = [r["op"] for r in run.part(step, 0).records]
+        assert ops.count("aten.embedding.default") == 1
+        assert ("aten.addcdiv_.default" in ops) == (around == "loop")      # AdamW's update
+
+
+def test_an_explicit_step_ends_following_the_optimizer(tmp_path):
+    """step() after the optimizer's counts once (conftest's train calls both), and from then on
+    only step() ends steps."""
+    train(DispatchProbe(dump_path=str(tmp_path / "r")), steps=3)
+    assert sorted(load(tmp_path / "r").parts) == [(0, 0), (1, 0), (2, 0)]

@@ -3,6 +3,7 @@ compiled graphs at eager granularity, through the same records, transparently.""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 
@@ -716,3 +717,33 @@ def test_probe_backend_alone_scopes_across_graph_breaks(tmp_path):
     assert {s for _, s, _ in got} <= {s for _, s, _ in eager}
     _, verdict = compare(str(tmp_path / "eager"), str(tmp_path / "compiled"))
     assert "the runs agree" in str(verdict)
+
+
+def test_steps_follow_the_optimizer_in_both_capture_paths(tmp_path):
+    """Three training steps, no step() call anywhere: the eager probe and probe_backend alone
+    each write step0..step2 (the optimizer's steps), and compare pairs every step."""
+    ids = [torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(s)) for s in range(3)]
+
+    def run(path, compiled: bool):
+        model = _llama()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        if compiled:
+            probe = probe_backend(task="statistics", dump_path=str(path), inner="aot_eager")
+            forward, around = torch.compile(model, backend=probe), contextlib.nullcontext()
+        else:
+            forward = model
+            probe = around = DispatchProbe(task="statistics", dump_path=str(path))
+        for batch in ids:
+            with around:
+                forward(input_ids=batch, labels=batch).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        probe.close()
+
+    run(tmp_path / "eager", False)
+    run(tmp_path / "compiled", True)
+    for name in ("eager", "compiled"):
+        assert sorted(load(tmp_path / name).parts) == [(0, 0), (1, 0), (2, 0)]
+    table, verdict = compare(str(tmp_path / "eager"), str(tmp_path / "compiled"))
+    assert verdict.parts == [(s, 0) for s in range(3)] and "the runs agree" in str(verdict)
+    assert set(table["step"]) == {0, 1, 2}

@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 import warnings
+import weakref
 from collections import defaultdict
 
 from .config import Config, ConfigError
@@ -109,9 +110,17 @@ class ProbeSession:
         self.record_ops = self.config.level in ("op", "mix")
         self.record_modules = self.config.level in ("module", "mix") and self.task.records_modules
         self._stage_on = {s: self.config.stage_enabled(s) for s in ("forward", "backward")}
+        # until step() is called, steps follow the training loop's optimizer (adapters report its
+        # steps to optimizer_stepped): a loop that never calls step() still gets one part per step
+        self.follows_optimizer = True
+        self.step_pending = False      # the optimizer stepped; the step ends at the next recording
+        self._stepping_optimizer = None
+        self._follow_optimizer()
 
     # ---- what users call ------------------------------------------------------------------
     def start(self) -> None:
+        if self.step_pending:
+            self._end_pending_step()
         if self._active or self.failed or not self._enabled_here():
             return
         with self._writing():
@@ -130,13 +139,54 @@ class ProbeSession:
             self.flush()
 
     def step(self) -> None:
-        """End of a training step: close this step's records and count on."""
+        """End of a training step: close this step's records and count on.  The first call
+        makes the user's calls the only step boundaries (no more following the optimizer)."""
+        if self.follows_optimizer:
+            self.follows_optimizer = False
+            self._unfollow_optimizer()
+        self.step_pending = False
         self.stop()
         with self._writing():
             self._close_part()
         self.step_no += 1
 
+    def optimizer_stepped(self, optimizer) -> None:
+        """An optimizer finished a step (adapters call this from the framework's global hook).
+        While no step() was called, the first optimizer that steps ends each step (a loop with
+        two optimizers counts one).  The step ends later, at the next :meth:`start` or module
+        forward (:meth:`recording`), so that a step() called after the optimizer's counts once."""
+        if not self.follows_optimizer:
+            return
+        first = self._stepping_optimizer() if self._stepping_optimizer is not None else None
+        if first is None:
+            self._stepping_optimizer = weakref.ref(optimizer)
+        elif first is not optimizer:
+            return
+        self.step_pending = True
+
+    def _end_pending_step(self) -> None:
+        """The step the optimizer ended: its part closes; a session recording now records on in
+        the next step's part (if the config's steps select it)."""
+        self.step_pending = False
+        with self._writing():
+            if self.part is not None:
+                self.flush()
+                self._close_part()
+        self.step_no += 1
+        if self._active and self._enabled_here():
+            with self._writing():
+                self._open_part()
+
+    def _follow_optimizer(self) -> None:
+        """Adapters: report the framework's optimizer steps to :meth:`optimizer_stepped`."""
+
+    def _unfollow_optimizer(self) -> None:
+        """Adapters: stop reporting optimizer steps."""
+
     def close(self) -> None:
+        if self.follows_optimizer:
+            self.follows_optimizer = False
+            self._unfollow_optimizer()
         self.stop()
         with self._writing():
             self._close_part()
@@ -153,7 +203,8 @@ class ProbeSession:
         if not self._manifest_written and cfg.step:
             steps = cfg.step if len(cfg.step) <= 8 else f"[{cfg.step[0]}, {cfg.step[1]}, ..., {cfg.step[-1]}]"
             warnings.warn(f"dispatchprobe: step={steps} selected none of the {self.step_no} step(s) this probe "
-                          "saw (steps count from 0 at each probe.step())", RuntimeWarning, stacklevel=3)
+                          "saw (steps count from 0 at each probe.step() or, while step() is never called, "
+                          "each optimizer step)", RuntimeWarning, stacklevel=3)
         elif self._manifest_written and self.selector.filters and not self.selector.hits and not self.failed:
             warnings.warn(f"dispatchprobe: the filters selected no op in {self.run_dir}: list={cfg.list} "
                           f"scope={cfg.scope}; list holds aten op names or regexes (e.g. 'addmm', "
@@ -180,7 +231,15 @@ class ProbeSession:
     def would_record(self, stage: str, scope: str) -> bool:
         """Whether :meth:`on_op` would record an op at ``stage`` and ``scope``: a capture path asks
         before the op runs, so that a filtered op costs nothing more (no copies of what it writes)."""
-        return not self.failed and self._stage_on[stage] and self.selector.in_scope(scope)
+        return self.recording(stage, scope) and self.selector.in_scope(scope)
+
+    def recording(self, stage: str, scope: str = "") -> bool:
+        """Whether records of ``stage`` are written now.  After the optimizer's step, the first
+        forward op inside a module begins the next step (the optimizer's, zero_grad's and other
+        optimizers' ops outside modules stay in the step they end)."""
+        if self.step_pending and scope and stage == "forward":
+            self._end_pending_step()
+        return self.part is not None and not self.failed and self._stage_on[stage]
 
     def on_op(self, op: str, stage: str, scope: str, args, kwargs, outputs, *, func=None, grad_fn=None,
               stack=None, undefined=None):
@@ -188,7 +247,7 @@ class ProbeSession:
         the call index, an :class:`OpEvent` for the handlers (run with the framework's tracing
         off, :meth:`_quiet`).  ``stack``: a callable giving the user's frames, called only when
         the config asks for stacks of forward ops.  Returns replacement outputs (``fix``) or None."""
-        if self.failed or not self._stage_on[stage] or not self.selector.scope_selected(scope):
+        if not self.recording(stage, scope) or not self.selector.scope_selected(scope):
             return None
         frames = stack() if stack is not None and self.config.stack and stage == "forward" else None
         event = OpEvent("op", op, stage, scope, self.next_call(op, stage), args, kwargs, outputs,
@@ -205,7 +264,7 @@ class ProbeSession:
 
     def on_module(self, type_name: str, scope: str, stage: str, inputs, outputs) -> None:
         """A module boundary (level ``module``/``mix``): one module record, in the module tree."""
-        if not self.record_modules or self.busy or self.failed or not self._stage_on[stage] \
+        if not self.record_modules or self.busy or not self.recording(stage, scope) \
                 or not self.selector.scope_selected(scope):
             return
         event = OpEvent("module", type_name, stage, scope, self.next_call(scope, stage),

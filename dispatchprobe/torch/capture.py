@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import os
 import sys
+import weakref
 from typing import NamedTuple
 
 import torch
 from torch.autograd.graph import register_multi_grad_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.module_tracker import ModuleTracker
@@ -309,6 +311,20 @@ class TorchSession(ProbeSession):
 
     def _quiet(self):
         return torch_backend.NoGrad()
+
+    def _follow_optimizer(self) -> None:
+        # torch's global optimizer step hook, holding the session weakly (a probe left unclosed
+        # is not kept alive by it)
+        ref = weakref.ref(self)
+
+        def stepped(optimizer, args, kwargs) -> None:
+            session = ref()
+            if session is not None:
+                session.optimizer_stepped(optimizer)
+        self._optimizer_hook = register_optimizer_step_post_hook(stepped)
+
+    def _unfollow_optimizer(self) -> None:
+        self._optimizer_hook.remove()
 
 
 class DispatchProbe(TorchSession):

@@ -885,7 +885,7 @@ class _GraphRecords:
         """One graph call: a record per template, in graph order;
         ``values``: the recorded tensors (task ``tensor``), saved with the records."""
         session = self.owner.target()
-        if session is None or session.failed or not session._stage_on[self.stage]:
+        if session is None or not session.recording(self.stage, self.templates[0].scope):
             return
         # a CPU block is read at once (no sync), each value's statistics made once for all its
         # records; an accelerator's rows wait in the recorder for one sync with its other rows
@@ -930,7 +930,7 @@ class _GraphRecords:
         (flag ``overflow``), then the graph is re-run eagerly, node by node, through the session's
         overflow check, which finds the node, saves its inputs and replays it in float64."""
         session = self.owner.target()
-        if session is None or session.failed or not session._stage_on[self.stage]:
+        if session is None or not session.recording(self.stage, self.templates[0].scope):
             return
         rows = block.tolist()            # one host read per graph call
 
