@@ -218,8 +218,10 @@ def cast_args(args, kwargs, dtype_map: dict, device=None, scratch=None):
 
 
 def protect_written(func, args, kwargs, original_args, original_kwargs):
-    if ops.writes_first(func.name) and args and original_args and args[0] is original_args[0]:
-        args = (clone(args[0]), *args[1:])
+    written = ops.written_positions(func.name)
+    if written:
+        args = tuple(clone(a) if i in written and i < len(original_args) and a is original_args[i] else a
+                     for i, a in enumerate(args))
     return args, kwargs
 
 

@@ -55,8 +55,10 @@ class _Mode(MsDispatchMode):
         if not probe.selector.op_selected(name) or not probe.would_record(stage, scope):
             return func(*args)                                     # filtered: no copies, no record
         seen = inputs
-        if ops.writes_first(name) and inputs and isinstance(inputs[0], ms.Tensor):
-            seen = (ms_backend.clone(inputs[0]), *inputs[1:])     # its value before the op wrote it
+        written = ops.written_positions(name)
+        if written:                                                # their values before the op writes them
+            seen = tuple(ms_backend.clone(v) if i in written and isinstance(v, ms.Tensor) else v
+                         for i, v in enumerate(inputs))
         out = func(*args)
         if not values.collect(out, ms_backend.is_tensor):       # typeof, shape queries: no numerics
             return out

@@ -21,7 +21,7 @@ from mindspore import _c_expression
 from mindspore._c_expression import typing
 from mindspore.ops import Primitive
 
-from dispatchprobe.core import values
+from dispatchprobe.core import op_traits, values
 
 # ops of the framework's own machinery, never the user's numerics
 NOT_RECORDED = {"typeof", "CellBackwardHook"}
@@ -101,6 +101,14 @@ def is_random(name: str) -> bool:
 def writes_first(name: str) -> bool:
     """In-place primitives write their first input (``InplaceAddExt``, ``Assign``, ``ScatterUpdate``)."""
     return name.startswith(("Inplace", "Assign", "Scatter")) or name.endswith("_")
+
+
+@functools.cache
+def written_positions(name: str) -> tuple[int, ...]:
+    """Positions of the inputs the primitive writes: the first of in-place ones, and those
+    :data:`~dispatchprobe.core.op_traits.UNMARKED_WRITES` names (``BatchNorm``'s moving statistics)."""
+    extra = [i for i in op_traits.UNMARKED_WRITES.get(name, ()) if isinstance(i, int)]
+    return tuple(sorted({0, *extra} if writes_first(name) else set(extra)))
 
 
 def user_stack() -> tuple:

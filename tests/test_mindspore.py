@@ -5,6 +5,7 @@ Runs where mindspore is installed (``pip install -e ".[mindspore]"``), in blocki
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
@@ -393,3 +394,47 @@ def test_scope_and_list_filters_select_primitives(tmp_path):
     train(DispatchProbe(task="statistics", dump_path=str(tmp_path / "l"), list=["^GeLU"]), steps=1)
     assert {r["scope"] for r in ops_of(tmp_path / "s")} == {"TinyNet.fc1"}
     assert {r["op"] for r in ops_of(tmp_path / "l")} == {"GeLU", "GeLUGrad"}
+
+
+def _bn_step(probe=None):
+    """A training-mode BatchNorm1d (moving statistics updated in place) and an ``AssignAdd``."""
+    ms.set_seed(0)
+    net = nn.SequentialCell([nn.Dense(4, 3), nn.BatchNorm1d(3)])
+    net.set_train(True)
+    acc = ms.Parameter(ms.Tensor(np.full(3, 2.0, np.float32)), name="acc")
+    x = ms.Tensor(np.random.default_rng(0).standard_normal((8, 4)).astype(np.float32))
+    if probe is not None:
+        probe.scopes.model = net
+    with probe if probe is not None else contextlib.nullcontext():
+        y = net(x)
+        ms.ops.AssignAdd()(acc, ms.Tensor(np.ones(3, np.float32)))
+    if probe is not None:
+        probe.close()
+    bn = net[1]
+    return y.asnumpy(), bn.moving_mean.asnumpy().copy(), bn.moving_variance.asnumpy().copy(), acc.asnumpy().copy()
+
+
+@pytest.mark.parametrize("task", ["tensor", "free_benchmark"])
+def test_written_inputs_are_recorded_as_the_primitive_received_them(tmp_path, task):
+    """BatchNorm's moving statistics and AssignAdd's variable: recorded before the write, training
+    unchanged (a free-benchmark re-run never writes them), replayed by run-ut from those values."""
+    from dispatchprobe.offline.run_ut import run_ut
+    got = _bn_step(DispatchProbe(task=task, dump_path=str(tmp_path / "r")))
+    for a, b in zip(got, _bn_step()):
+        assert np.array_equal(a, b)
+    if task != "tensor":
+        return
+    run = load(tmp_path / "r")
+    part = run.part(0, 0)
+    bn = next(r for r in part.records if r["op"] == "BatchNorm")
+    assert bn["scope"] == "SequentialCell.1"
+    np.testing.assert_array_equal(np.asarray(part.tensor(bn["inputs"][3]["data"])), np.zeros(3))
+    np.testing.assert_array_equal(np.asarray(part.tensor(bn["inputs"][4]["data"])), np.ones(3))
+    add = next(r for r in part.records if r["op"] == "AssignAdd")
+    np.testing.assert_array_equal(np.asarray(part.tensor(add["inputs"][0]["data"])), np.full(3, 2.0))
+    r = run_ut(str(tmp_path / "r"), tmp_path / "ut").results
+    st = status(r)
+    assert "AssignAdd" in set(r[st == "pass"]["Op"]), r[["Op", "Message"]]
+    # MindSpore 2.10's CPU has no float64 BatchNorm for the benchmark: said, not silently absent
+    why = r[r["Op"] == "BatchNorm"]["Message"].iloc[0]
+    assert st[r["Op"] == "BatchNorm"].iloc[0] == "SKIP" and "no float64 BatchNorm kernel" in why

@@ -43,6 +43,17 @@ ALIAS = frozenset({"detach", "alias", "lift_fresh", "lift", "_unsafe_view"})
 OVERWRITE = frozenset({"bernoulli", "uniform", "normal", "random", "exponential", "geometric", "cauchy",
                        "log_normal", "fill", "zero", "copy"})
 
+# Arguments ops write although their schemas do not say so (torch's ``Tensor(a!)``): base name ->
+# argument names (torch) or input positions (MindSpore's primitives take positional inputs).
+# Capture copies them before the op, as it does the marked ones, so that a record holds what the
+# op received and a re-run never writes the training's tensors.  The torch adapter reads torch's
+# own list too (``_SchemaInfo``: the batch-norm family's running statistics).
+UNMARKED_WRITES = {
+    "native_batch_norm": ("running_mean", "running_var"), "cudnn_batch_norm": ("running_mean", "running_var"),
+    "miopen_batch_norm": ("running_mean", "running_var"),
+    "BatchNorm": (3, 4),          # MindSpore: (x, scale, bias, mean, variance); the moving statistics
+}
+
 # Casts and copies, not compute: autocast adds them on one side only, autograd copies a
 # gradient in one run and steals it in another.  compare lists them apart when unmatched.
 CAST = frozenset({"_to_copy", "to", "copy", "convert_element_type"})

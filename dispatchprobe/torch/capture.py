@@ -106,21 +106,27 @@ class _Facts(NamedTuple):
 
 
 def _copy_written(written, args, kwargs, undefined: set | None):
-    """Copies of the tensors an op is about to overwrite, in place of the originals (a copy of
-    an undefined tensor is undefined too)."""
+    """Copies of the tensors an op is about to overwrite (a tensor, or each tensor of a list:
+    the optimizers' ``_foreach_*_``), in place of the originals: the record holds what the op
+    received.  A copy of an undefined tensor is undefined too."""
     args, kwargs = list(args), dict(kwargs)
+
+    def copy(old):
+        if isinstance(old, (list, tuple)):
+            return type(old)(copy(t) for t in old)
+        if not isinstance(old, torch.Tensor):
+            return old
+        new = old.clone()
+        if undefined and id(old) in undefined:
+            undefined.add(id(new))
+        return new
+
     with torch.no_grad():
         for i, name in written:
-            if i < len(args) and isinstance(args[i], torch.Tensor):
-                old = args[i]
-                args[i] = new = old.clone()
-            elif isinstance(kwargs.get(name), torch.Tensor):
-                old = kwargs[name]
-                kwargs[name] = new = old.clone()
-            else:
-                continue
-            if undefined and id(old) in undefined:
-                undefined.add(id(new))
+            if i < len(args):
+                args[i] = copy(args[i])
+            elif name in kwargs:
+                kwargs[name] = copy(kwargs[name])
     return tuple(args), kwargs
 
 
@@ -173,9 +179,10 @@ class _Uninitialised:
 
     def written(self, func, args, kwargs) -> None:
         for i, name in ops.written_args(func):
-            t = args[i] if i < len(args) else kwargs.get(name)
-            if isinstance(t, torch.Tensor):
-                self._live.pop(self._key(t), None)
+            v = args[i] if i < len(args) else kwargs.get(name)
+            for t in (v if isinstance(v, (tuple, list)) else (v,)):
+                if isinstance(t, torch.Tensor):
+                    self._live.pop(self._key(t), None)
 
 
 class _ModuleScopes(ModuleTracker):

@@ -30,9 +30,18 @@ def base(func) -> str:
 
 @functools.cache
 def written_args(func) -> tuple:
-    """(position, name) of the arguments the op writes (``self`` of ``add_``, ``out=``)."""
-    return tuple((i, a.name) for i, a in enumerate(func._schema.arguments)
-                 if a.alias_info is not None and a.alias_info.is_write)
+    """(position, name) of the arguments the op writes (``self`` of ``add_``, ``out=``).
+
+    The schema's ``Tensor(a!)`` marks are not all: ``native_batch_norm`` updates ``running_mean``
+    and ``running_var`` unmarked (and no version counter moves inside a dispatch mode, nor for
+    such a write at all).  torch's ``_SchemaInfo`` knows those ops; the table in
+    :mod:`dispatchprobe.core.op_traits` adds any it misses."""
+    schema = func._schema
+    info = torch._C._SchemaInfo(schema)
+    unmarked = op_traits.UNMARKED_WRITES.get(base(func), ())
+    return tuple((i, a.name) for i, a in enumerate(schema.arguments)
+                 if a.alias_info is not None and a.alias_info.is_write
+                 or a.name in unmarked or info.is_mutable(a.name))
 
 
 @functools.cache

@@ -307,7 +307,7 @@ def replay(record: dict, source: TensorSource | None, device: torch.device, rand
                           for i, spec in enumerate(record.get("outputs") or ()) if spec.get("type") == "tensor"]
         else:
             try:
-                dev_out = func(*args, **kwargs)
+                dev_out = _results(func, args, kwargs)
             except Skip:
                 raise
             except Exception as exc:  # noqa: BLE001 - the op's own failure is its error
@@ -339,6 +339,16 @@ def replay(record: dict, source: TensorSource | None, device: torch.device, rand
     return result
 
 
+def _results(func, args, kwargs):
+    """What the op computed: its outputs, or the arguments it wrote when it returns nothing
+    (the optimizers' ``_foreach_*_``)."""
+    out = func(*args, **kwargs)
+    if out is None and not func._schema.returns:
+        out = tuple(args[i] if i < len(args) else kwargs.get(name) for i, name in ops.written_args(func))
+        out = out[0] if len(out) == 1 else out
+    return out
+
+
 def _bench(func, builder: CallBuilder, written: set):
     """(benchmark output, whether written arguments were widened too).  Written arguments keep
     their dtype (the result must be stored in it) unless the kernel then rejects the mix; dtype
@@ -350,7 +360,7 @@ def _bench(func, builder: CallBuilder, written: set):
         if dtypes:
             bargs, bkwargs = _upcast_dtypes(bargs), {k: _upcast_dtypes(v) for k, v in bkwargs.items()}
         try:
-            return func(*bargs, **bkwargs), not keep
+            return _results(func, bargs, bkwargs), not keep
         except Exception as exc:  # noqa: BLE001
             if n == 0 and _is_no_cpu_kernel(exc):
                 raise Skip(f"no CPU float64 kernel for the benchmark: {_one_line(exc)}") from None
@@ -366,7 +376,7 @@ def _run_floats(func, call) -> dict:
     args, kwargs = call
     with torch.no_grad():
         try:
-            out = func(*args, **kwargs)
+            out = _results(func, args, kwargs)
         except Exception:  # noqa: BLE001
             return {}
     return {name: to_numpy(v) for name, v in _flat_outputs(out)

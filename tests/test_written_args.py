@@ -1,0 +1,100 @@
+"""Arguments an op writes are recorded as the op received them, and run-ut replays from them:
+batch norm's running statistics (unmarked in ``native_batch_norm``'s schema), ``out=``, in-place
+``self`` and the optimizers' ``_foreach_*_`` lists."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from dispatchprobe import DispatchProbe, load
+from dispatchprobe.offline.run_ut import run_ut
+
+
+def _train_step(probe=None):
+    """One SGD (foreach, momentum) step of Linear -> BatchNorm1d, with a ``torch.add(out=)``."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, foreach=True)
+    x = torch.randn(8, 4)
+    held = torch.full((3,), 7.0)
+    for _ in range(2):                      # step 2: the momentum buffers exist and are updated in place
+        ctx = probe if probe is not None else _Null()
+        with ctx:
+            y = model(x)
+            torch.add(y[0].detach(), 1.0, out=held)
+            y.square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+        if probe is not None:
+            probe.step()
+    return model, held
+
+
+class _Null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+    path = tmp_path_factory.mktemp("written") / "run"
+    probe = DispatchProbe(task="tensor", dump_path=str(path))
+    model, held = _train_step(probe)
+    probe.close()
+    return path, model, held
+
+
+def _first(records, op, stage="forward"):
+    return next(r for r in records if r["op"] == op and r["stage"] == stage)
+
+
+def test_training_is_unchanged(recorded):
+    _, model, held = recorded
+    ref, ref_held = _train_step()
+    for a, b in zip(model.state_dict().values(), ref.state_dict().values()):
+        assert torch.equal(a, b)
+    assert torch.equal(held, ref_held)
+
+
+def test_written_arguments_are_recorded_before_the_write(recorded):
+    path, _, _ = recorded
+    part = load(path).part(0, 0)
+    data = lambda spec: np.asarray(part.tensor(spec["data"]))  # noqa: E731
+    bn = _first(part.records, "aten.native_batch_norm.default")
+    np.testing.assert_array_equal(data(bn["inputs"][3]), np.zeros(3))      # running_mean as received
+    np.testing.assert_array_equal(data(bn["inputs"][4]), np.ones(3))       # running_var
+    assert bn["inputs"][3]["stats"]["max"] == 0.0 and bn["inputs"][4]["stats"]["min"] == 1.0
+    add_out = _first(part.records, "aten.add.out")
+    np.testing.assert_array_equal(data(add_out["kwargs"]["out"]), np.full(3, 7.0))
+    # num_batches_tracked.add_(1): in-place self before the write
+    inc = _first(part.records, "aten.add_.Tensor")
+    assert data(inc["inputs"][0]) == 0 and data(inc["outputs"][0]) == 1
+    # the second step's optimizer: momentum_buffer.mul_(0.9), then params.add_(buf, alpha=-lr), lists
+    part1 = load(path).part(1, 0)
+    tensors = lambda spec: [np.asarray(part1.tensor(s["data"])) for s in spec["value"]]  # noqa: E731
+    mul = _first(part1.records, "aten._foreach_mul_.Scalar")
+    buffers = [data(r["outputs"][0]) for r in part.records if r["op"] == "aten.clone.default"]  # step 0 made them
+    assert len(buffers) == 4
+    for received, made in zip(tensors(mul["inputs"][0]), buffers):
+        np.testing.assert_array_equal(received, made)                   # not 0.9 times them
+    upd = [r for r in part1.records if r["op"] == "aten._foreach_add_.List"][-1]
+    params_before = tensors(upd["inputs"][0])
+    step0_params = [data(s) for s in _first(part.records, "aten._foreach_add_.List")["inputs"][0]["value"]]
+    assert not any(np.array_equal(a, b) for a, b in zip(params_before, step0_params))   # step 0 moved them
+
+
+def test_run_ut_replays_the_writing_ops(recorded, tmp_path):
+    path, _, _ = recorded
+    res = run_ut(str(path), str(tmp_path / "ut"), api=r"native_batch_norm\.|add\.out|_foreach_\w+_|add_\.")
+    r = res.results
+    ops = set(r["Op"])
+    assert {"aten.native_batch_norm.default", "aten.add.out", "aten.add_.Tensor"} <= ops, ops
+    assert any(o.startswith("aten._foreach_") for o in ops), ops
+    status = r["Forward Test Success"].fillna("") + r["Backward Test Success"].fillna("")
+    assert set(status) <= {"pass"}, r[status != "pass"][["Op", "Message"]]
