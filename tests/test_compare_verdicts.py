@@ -30,6 +30,10 @@ def _hook(model):
     model.mlp[0].register_forward_hook(lambda m, args, out: out * 1.01)
 
 
+def _prehook(model):
+    model.head.register_forward_pre_hook(lambda m, args: (args[0] * 1.01,))
+
+
 def _bug(model):
     return scaled_gelu(0.02)
 
@@ -48,7 +52,7 @@ def runs(request, tmp_path_factory):
     task = request.param
     root = tmp_path_factory.mktemp(f"verdicts-{task}")
     made = {name: record_net(root / name, task=task, steps=steps, seed=seed, setup=setup)
-            for name, steps, seed, setup in (("clean", 2, 0, None), ("eps", 1, 0, _eps), ("hook", 1, 0, _hook),
+            for name, steps, seed, setup in (("clean", 2, 0, None), ("eps", 1, 0, _eps), ("hook", 1, 0, _hook), ("prehook", 1, 0, _prehook),
                                              ("bug", 1, 0, _bug), ("bug_bf16", 1, 0, _bug_bf16),
                                              ("bf16", 1, 0, _bf16), ("seed1", 1, 1, None))}
     made["task"], made["root"] = task, root
@@ -82,13 +86,17 @@ def test_case2_op_in_one_run_only_is_prime_suspect(runs):
     table, v = compare(part(runs["hook"]), part(runs["clean"]))
     f = v.forward
     assert (f.cause, f.side, f.op) == ("unmatched", "a", "aten.mul.Tensor"), v
-    assert f.scope.startswith("Net.mlp"), v
+    assert f.scope == "Net.mlp.0", v            # the hooked module, not its parent
     res = _cli(part(runs["hook"]), part(runs["clean"]))
     assert res.exit_code == 2
     assert "first forward divergence: aten.mul.Tensor" in res.output and "present only in run A" in res.output
     # the other way round: the op is in run B only
     _, v = compare(part(runs["clean"]), part(runs["hook"]))
     assert (v.forward.cause, v.forward.side, v.forward.op) == ("unmatched", "b", "aten.mul.Tensor"), v
+    # a pre-hook scaling head's input: the same, named head
+    _, v = compare(part(runs["prehook"]), part(runs["clean"]))
+    assert (v.forward.cause, v.forward.op, v.forward.scope) == ("unmatched", "aten.mul.Tensor", "Net.head"), v
+    assert "Net.head" in _cli(part(runs["prehook"]), part(runs["clean"])).output
 
 
 def test_case3_tolerance_is_per_pair(runs):

@@ -10,16 +10,19 @@ Transparency: the mode runs the op first, untouched, and only then looks at its 
 from __future__ import annotations
 
 import os
+import re
 import sys
+import warnings
 import weakref
 from typing import NamedTuple
 
 import torch
 from torch.autograd.graph import register_multi_grad_hook
+from torch.nn.modules import module as _module
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
-from torch.utils.module_tracker import ModuleTracker
 
 from . import backend as torch_backend
 from . import fused_stats
@@ -185,24 +188,139 @@ class _Uninitialised:
                     self._live.pop(self._key(t), None)
 
 
-class _ModuleScopes(ModuleTracker):
-    """torch's ``ModuleTracker``, keeping order and reporting module boundaries.
+class _ModuleHooks:
+    """One global forward pre-hook and one global forward hook for the whole process, present
+    while a probe is recording and handing module boundaries to the probes inside ``with probe:``.
 
-    It names modules (``Net.layers.1.mlp``) and follows them through forward (global module
-    hooks) and backward (multi-grad hooks, which observe gradients without changing them); its
-    ``parents`` is a set, so the active modules are also kept in entry order, for an op's
-    innermost scope."""
+    Each ``with probe:`` puts back the same two hooks under the same handle ids: dynamo guards on
+    the global hooks, and new handles at every entry would recompile a compiled model each step
+    until it gave up and ran eagerly; so a compiled model is compiled at most twice (without and
+    with the probe).  Inside a graph dynamo traces, the hooks return at once.
+
+    A module's own forward hooks (adapters, scaling, FSDP's) run after the global one: for a
+    module that has some, the exit is a hook of its own kept last in its ``_forward_hooks``, so
+    what those hooks run is recorded in the module's scope, and its backward too."""
+
+    # torch warns at every call of a compiled module while global hooks exist; ours are the
+    # probe's business, not the user's (the filter is there only while they are)
+    _WARNING = ("ignore", re.compile(r"Using `torch\.compile\(module\)` when there are global hooks"), UserWarning,
+                None, 0)
+
+    def __init__(self):
+        self.active: list["_ModuleScopes"] = []      # trackers of the probes recording now
+        self.users = 0
+        self._ids: tuple = ()                        # (pre-hook id, hook id), reused at every entry
+        self._exits: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # module -> its exit hook's handle
+
+    def acquire(self) -> None:
+        self.users += 1
+
+    def release(self) -> None:
+        self.users -= 1
+        if not self.users:
+            for h in list(self._exits.values()):
+                h.remove()
+            self._exits.clear()
+
+    def add(self, scopes: "_ModuleScopes") -> None:
+        if not self.active:
+            self._put_back()
+        self.active.append(scopes)
+
+    def remove(self, scopes: "_ModuleScopes") -> None:
+        if scopes in self.active:
+            self.active.remove(scopes)
+            if not self.active:
+                self._take_out()
+
+    def _put_back(self) -> None:
+        if not self._ids:
+            pre = register_module_forward_pre_hook(_module_entered)
+            post = register_module_forward_hook(_module_left_globally, always_call=True)
+            self._ids = (pre.id, post.id)
+        else:
+            _module._global_forward_pre_hooks[self._ids[0]] = _module_entered
+            _module._global_forward_hooks[self._ids[1]] = _module_left_globally
+            _module._global_forward_hooks_always_called[self._ids[1]] = True
+        warnings.filters.insert(0, self._WARNING)
+        _filters_changed()
+
+    def _take_out(self) -> None:
+        _module._global_forward_pre_hooks.pop(self._ids[0], None)
+        _module._global_forward_hooks.pop(self._ids[1], None)
+        _module._global_forward_hooks_always_called.pop(self._ids[1], None)
+        if self._WARNING in warnings.filters:
+            warnings.filters.remove(self._WARNING)
+            _filters_changed()
+
+    def keep_exit_last(self, mod) -> None:
+        """Registers (again) the module's own exit hook when another hook is now behind it."""
+        handle = self._exits.get(mod)
+        if handle is not None:
+            if next(reversed(mod._forward_hooks)) == handle.id:
+                return
+            handle.remove()
+        self._exits[mod] = mod.register_forward_hook(_module_left, always_call=True)
+
+    def has_own_exit(self, mod) -> bool:
+        handle = self._exits.get(mod)
+        return handle is not None and handle.id in mod._forward_hooks
+
+
+def _filters_changed() -> None:
+    """What ``warnings.filterwarnings`` does after changing the list (its caches are keyed on it)."""
+    (getattr(warnings, "_filters_mutated", None) or getattr(warnings, "_filters_mutated_lock_held"))()
+
+
+_HOOKS = _ModuleHooks()
+
+
+def _module_entered(mod, args) -> None:
+    # is_compiling first: dynamo folds it and traces nothing else here (no guard on our state)
+    if torch.compiler.is_compiling() or not _HOOKS.active or _in_compiled_code():
+        return
+    if mod._forward_hooks:
+        _HOOKS.keep_exit_last(mod)
+    for scopes in _HOOKS.active:
+        scopes.enter(mod, args)
+
+
+def _module_left_globally(mod, args, output) -> None:
+    if torch.compiler.is_compiling() or not _HOOKS.active or _HOOKS.has_own_exit(mod) or _in_compiled_code():
+        return
+    for scopes in _HOOKS.active:
+        scopes.leave(mod, args, output)
+
+
+def _module_left(mod, args, output) -> None:
+    if torch.compiler.is_compiling() or not _HOOKS.active or _in_compiled_code():
+        return
+    for scopes in _HOOKS.active:
+        scopes.leave(mod, args, output)
+
+
+class _ModuleScopes:
+    """The module scope of each op, forward and backward, for one probe.
+
+    Modules are named from the root down (``Net.layers.1.mlp``, as torch's ``ModuleTracker``
+    names them).  Forward: entered and left by :class:`_ModuleHooks`.  Backward: a module is
+    entered when the gradient of its output arrives and left when its inputs' gradients are done
+    (tensor and multi-grad hooks, which observe gradients without changing them)."""
 
     def __init__(self, probe: "DispatchProbe", root: torch.nn.Module | None):
-        super().__init__()
         self.probe = probe
         self.forward_stack: list[str] = []
         self.backward_active: list[str] = []
+        self._names: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._named: weakref.WeakSet = weakref.WeakSet()
         self._types: dict[str, str] = {}
         self._grad_out: dict = {}
         self._left_early: dict = {}      # backward exits seen before their module entered
+        self._hooks: list = []           # tensor hooks of this entry's backward
+        self._has_callback = False
+        self._holds: weakref.finalize | None = None    # the global hooks, held until close (or collection)
         if root is not None:
-            self._get_mod_name(root)
+            self._name(root)
 
     @property
     def current(self) -> str:
@@ -222,51 +340,69 @@ class _ModuleScopes(ModuleTracker):
                 current = name
         return current
 
+    def _name(self, mod) -> str:
+        name = self._names.get(mod)
+        if name is None:
+            name = self._names[mod] = type(mod).__name__
+        if mod not in self._named:
+            self._named.add(mod)
+            for child_name, child in mod.named_children():
+                self._names[child] = f"{name}.{child_name}"
+                self._name(child)
+        return name
+
     def install(self) -> None:
-        self.__enter__()
+        if self._holds is None or not self._holds.alive:
+            _HOOKS.acquire()
+            self._holds = weakref.finalize(self.probe, _HOOKS.release)
+        _HOOKS.add(self)
 
     def uninstall(self) -> None:
-        self.__exit__(None, None, None)
+        _HOOKS.remove(self)
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
         self.forward_stack.clear()
 
-    # Inside a graph dynamo traces, and in modules compiled code calls (an aot_eager graph is a
-    # GraphModule), module hooks do nothing: that code runs compiled, its ops are not recorded
-    # (and tracing the tracker's weak dictionaries fails).
-    def _fw_pre_hook(self, mod, input) -> None:
-        if torch.compiler.is_compiling() or _in_compiled_code():
-            return
-        self._types[self._get_mod_name(mod)] = type(mod).__name__
-        super()._fw_pre_hook(mod, input)
+    def release(self) -> None:
+        """The probe is closed: the global hooks go when no probe holds them."""
+        self.uninstall()
+        if self._holds is not None:
+            self._holds()           # once: a finalizer runs at most once
 
-    def _fw_post_hook(self, mod, input, output) -> None:
-        if torch.compiler.is_compiling() or _in_compiled_code():
-            return
-        name = self._get_mod_name(mod)
-        self._get_pop_fn(name, False)()
+    # ---- forward --------------------------------------------------------------------------------
+    def enter(self, mod, args) -> None:
+        name = self._name(mod)
+        self._types[name] = type(mod).__name__
+        self.forward_stack.append(name)
+        tensors = [t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        if tensors:
+            self._hooks.append(register_multi_grad_hook(tensors, self._backward_leave_fn(name)))
+
+    def leave(self, mod, args, output) -> None:
+        name = self._name(mod)
+        stack = self.forward_stack
+        if name in stack:
+            del stack[len(stack) - 1 - stack[::-1].index(name)]
         tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        enter = self._backward_enter_fn(name)
         if len(tensors) == 1:
             # one output: a plain tensor hook, which also fires on the root of backward (the loss
             # module's output), where torch's multi-grad hook never does
-            enter = self._get_append_fn(name, True)
             self._hooks.append(tensors[0].register_hook(lambda grad: enter(grad) and None))
         elif tensors:
-            self._hooks.append(register_multi_grad_hook(tensors, self._get_append_fn(name, True)))
-        self.probe.on_module(self._types[self._get_mod_name(mod)], self._get_mod_name(mod), "forward",
-                              input, output)
+            self._hooks.append(register_multi_grad_hook(tensors, enter))
+        self.probe.on_module(self._types.get(name, type(mod).__name__), name, "forward", args, output)
 
-    def _get_append_fn(self, name, is_bw):
-        base = super()._get_append_fn(name, is_bw)
-
+    # ---- backward -------------------------------------------------------------------------------
+    def _backward_enter_fn(self, name):
         def enter(*grads) -> None:
-            if is_bw and not self._has_callback:
+            if not self._has_callback:
                 torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
-            base(*grads)
-            if not is_bw:
-                self.forward_stack.append(name)
-            elif name in self._left_early:
+                self._has_callback = True
+            if name in self._left_early:
                 # output and input are one tensor (Identity, Dropout(p=0) returns its input): the
                 # module's exit hook fired first; it runs no backward op, so it never becomes a scope
-                self.parents.discard(name)
                 self.probe.on_module(self._types.get(name, ""), name, "backward", grads,
                                      self._left_early.pop(name))
             else:
@@ -274,27 +410,22 @@ class _ModuleScopes(ModuleTracker):
                 self._grad_out[name] = grads
         return enter
 
-    def _get_pop_fn(self, name, is_bw):
-        base = super()._get_pop_fn(name, is_bw)
-
+    def _backward_leave_fn(self, name):
         def leave(*grads) -> None:
-            base(*grads)
-            stack = self.backward_active if is_bw else self.forward_stack
-            if name in stack:
-                del stack[len(stack) - 1 - stack[::-1].index(name)]
-            elif is_bw:
+            stack = self.backward_active
+            if name not in stack:
                 self._left_early[name] = tuple(grads)
                 return
-            if is_bw:
-                self.probe.on_module(self._types.get(name, ""), name, "backward", self._grad_out.pop(name, ()),
-                                      tuple(grads))
+            del stack[len(stack) - 1 - stack[::-1].index(name)]
+            self.probe.on_module(self._types.get(name, ""), name, "backward", self._grad_out.pop(name, ()),
+                                 tuple(grads))
         return leave
 
     def _backward_done(self) -> None:
         # modules whose inputs need no gradient (the first layer, the root) never leave backward
         # by a hook: their module records are written when backward ends, innermost first
+        self._has_callback = False
         for name in reversed(self.backward_active):
-            self.parents.discard(name)
             self.probe.on_module(self._types.get(name, ""), name, "backward", self._grad_out.get(name, ()), ())
         self.backward_active.clear()
         self._grad_out.clear()
@@ -364,6 +495,10 @@ class DispatchProbe(TorchSession):
             self._mode.__exit__(None, None, None)
             self._mode = None
         self.scopes.uninstall()
+
+    def close(self) -> None:
+        super().close()
+        self.scopes.release()
 
     # ---- per op -----------------------------------------------------------------------------------
     def _wants(self, func) -> bool:
