@@ -81,6 +81,7 @@ def test_html_structure(report):
     for needle in ('id="chart-forward"', 'id="chart-backward"', 'id="tree"', 'id="report-data"', 'id="suspicious"',
                    "sortTable", 'id="metadata"', "aten._softmax.default", 'href="unmatched.csv"', "Plotly.react"):
         assert needle in page
+    assert f"Unmatched records: {len(pd.read_csv(out / 'unmatched.csv'))} (" in page      # as unmatched.csv has them
     import re
     # self-contained: no resource loaded from elsewhere (plotly.js's own strings may name URLs)
     assert not re.search(r'<(script|link|img|iframe)[^>]+(src|href)="(https?:)?//', page)
