@@ -167,7 +167,7 @@ def run_ut(records, out_dir, random_inputs, resume, jobs, device, filter_duplica
     Writes accuracy_checking_result_{ts}.csv and accuracy_checking_details_{ts}.csv.  Exit code 0
     when no op errs, 2 when some do.  Under torchrun, ranks share the work and rank 0 merges.
     """
-    from .offline.run_ut import run_ut as do_run_ut, summary_text
+    from .offline.run_ut import nothing_judged, run_ut as do_run_ut, summary_text
     try:
         res = do_run_ut(records, out_dir, random=random_inputs, device=device, jobs=jobs, resume=resume,
                         filter_duplicates=filter_duplicates, save_error_data=save_error_data, imports=imports,
@@ -176,7 +176,7 @@ def run_ut(records, out_dir, random_inputs, resume, jobs, device, filter_duplica
         saved = getattr(exc, "result_csv", None)
         if saved and getattr(exc, "rows_saved", 0):
             click.echo(f"interrupted: {exc.rows_saved} ops are saved in {saved}; continue with: dispatchprobe "
-                       f"run-ut {records} --resume {saved}", err=True)
+                       f"run-ut {records}{getattr(exc, 'resume_options', '')} --resume {saved}", err=True)
         else:
             click.echo("interrupted before any op was judged: nothing to resume", err=True)
         sys.exit(130)
@@ -187,6 +187,8 @@ def run_ut(records, out_dir, random_inputs, resume, jobs, device, filter_duplica
         sys.exit(2)
     if res.results["Message"].str.startswith("damaged record").any():
         sys.exit(1)
+    if not statuses - {"SKIP", ""}:     # nothing judged is not a pass
+        raise ValueError(f"no op was judged: {nothing_judged(res)}")
 
 
 @main.command("precision-compare")

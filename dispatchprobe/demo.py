@@ -9,7 +9,7 @@ import torch
 
 from .models import TinyTransformer, lm_batch, lm_loss
 from .records.reader import load
-from .offline.summary import summarize
+from .offline.summary import checks_line, summarize
 from .torch.capture import DispatchProbe
 
 
@@ -33,9 +33,10 @@ def run_demo(dump_path: str = "runs/demo", task: str = "tensor", steps: int = 2)
     probe.close()
     if task in ("overflow", "free_benchmark"):     # records only for what they flag
         counts = probe.summary()
-        print(f"{task}: {counts['checked']} op calls checked, {counts['flagged']} flagged")
+        print(checks_line([counts]))      # the same account as `dispatchprobe show`
         if not counts["flagged"]:
-            print(f"\nnothing to show: no op was flagged (records in {os.path.abspath(dump_path)})")
+            print(f"\nno op was flagged (records in {os.path.abspath(dump_path)}; "
+                  f"see them with: dispatchprobe show {dump_path})")
             return dump_path
     print(summarize(load(dump_path)))
     print(f"\nrecords written to {os.path.abspath(dump_path)}")

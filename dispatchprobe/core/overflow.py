@@ -49,7 +49,8 @@ class OverflowHandler(Handler):
         self.replay = cfg.replay
         self.found = 0                       # critical overflows so far (whole run)
         self.rows: list[dict] = []
-        self.counts = {"critical": 0, "propagated": 0, "suspicious growth": 0}
+        self.counts = {"critical": 0, "propagated": 0, "suspicious growth": 0}   # this step's (overflow.json)
+        self.totals = dict(self.counts)      # the whole run's, for summary()
         self._cache: dict = {}               # identity -> (memory ref, squared norm tensor)
         self._pending: list = []             # accelerator: (event, outs, ins, norms on device)
         self._stop: OverflowDetected | None = None
@@ -172,6 +173,7 @@ class OverflowHandler(Handler):
         ``record=False``: the only non-finite input is a Python scalar (``masked_fill(mask, -inf)``
         in every attention layer): its record's statistics would cost more than the check."""
         self.counts[klass] += 1
+        self.totals[klass] += 1
         self._dirty = True
         if klass != "critical" and self.counts[klass] > _MAX_LIGHT:
             return
@@ -255,7 +257,7 @@ class OverflowHandler(Handler):
         atomic_write_text(os.path.join(folder, "overflow.json"), json.dumps(summary, indent=1, default=str))
 
     def summary(self) -> dict:
-        return {"checked": self.checked, "flagged": self.found, **self.counts}
+        return {"checked": self.checked, "flagged": self.found, **self.totals}
 
     def close(self) -> None:
         self._pending = []

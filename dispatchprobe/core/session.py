@@ -330,8 +330,11 @@ class ProbeSession:
             return
         if not self.config.overwrite:
             raise ConfigError(f"{self.run_dir} already holds records of rank {self.rank} from an earlier run "
-                              f"({len(old)} step folder(s)); choose another dump_path, or set overwrite=True to "
-                              "delete them first")
+                              f"({len(old)} step folder(s)); a run directory holds one run: record this one into "
+                              f"a new dump_path (e.g. {self.run_dir.rstrip('/')}_2, or one per run such as "
+                              f"dump_path=f\"{self.run_dir.rstrip('/')}_{{time.strftime('%m%d-%H%M')}}\"), "
+                              "or pass overwrite=True to delete the earlier records first; build one probe per run "
+                              "and call probe.step() between steps (a new probe each step is a new run)")
         for folder in old:
             shutil.rmtree(folder)
 

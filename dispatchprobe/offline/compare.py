@@ -121,6 +121,7 @@ class Verdict:
     parts: list
     report: str | None = None
     aligned: float = 1.0         # share of the smaller run's compute records (ops, modules) paired
+    same_run: bool = False       # A and B are the same folder: agreement says nothing
 
     @property
     def passed(self) -> bool:
@@ -150,6 +151,8 @@ class Verdict:
         if self.passed and self.damaged:
             lines.append("the runs agree on what could be read; damaged records were not compared (see the "
                          "warnings)")
+        elif self.passed and self.same_run:
+            lines.append(f"the runs agree: A and B are the same records ({self.a}); compare it with another run")
         elif self.passed:
             lines.append("the runs agree")
         compute = self.unmatched[~self.unmatched["is_cast"]] if len(self.unmatched) else self.unmatched
@@ -158,7 +161,8 @@ class Verdict:
                          f"{len(self.unmatched) - len(compute)} casts)")
         lines += [f"warning: {p}" for p in self.problems[:5]]
         if len(self.problems) > 5:
-            lines.append(f"warning: ... {len(self.problems) - 5} more problems (see the report)")
+            lines.append(f"warning: ... {len(self.problems) - 5} more problems "
+                         + ("(listed in the report)" if self.report else "(add -o DIR to list them in DIR/compare.html)"))
         if self.report:
             lines.append(f"report: {self.report}")
         return "\n".join(lines)
@@ -910,7 +914,8 @@ def compare(a, b, *, match: str = "fuzzy", mapping: str | Mapping | None = None,
     share = float(aligned[0]) / max(smaller, 1)
     verdict = Verdict(a=str(run_a.path), b=str(run_b.path), forward=first.get("forward"),
                       backward=first.get("backward"), counts=counts, unmatched=um, problems=problems,
-                      parts=[k for k, _ in jobs_list], aligned=share)
+                      parts=[k for k, _ in jobs_list], aligned=share,
+                      same_run=_same_folder(run_a, run_b, jobs_list))
     table = table.drop(columns=["uid", "data_a", "data_b", "checksum_a", "checksum_b"], errors="ignore")
     table = table[[c for c in COLUMNS if c in table.columns]]
     if out:
@@ -928,6 +933,11 @@ def compare(a, b, *, match: str = "fuzzy", mapping: str | Mapping | None = None,
                              + (f" (partial report: {verdict.report})" if verdict.report else ""),
                              Result(table, verdict))
     return Result(table, verdict)
+
+
+def _same_folder(run_a, run_b, jobs_list) -> bool:
+    """Whether every compared pair is one folder read twice (``compare A A``)."""
+    return all(os.path.realpath(run_a.parts[ka].path) == os.path.realpath(run_b.parts[kb].path) for ka, kb in jobs_list)
 
 
 def _run_tasks(tasks, jobs: int, progress: bool):

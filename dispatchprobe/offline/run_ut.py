@@ -41,6 +41,7 @@ METRIC_COLUMNS = derived(columns)   # metric column -> metric key (the metric re
 DETAIL_COLUMNS = derived(lambda: ["Step", "Rank", "API Name", "Output", "Category", "Bench Dtype", "Device Dtype",
                                   "Shape"] + list(columns()) + ["MindSpore Rule", "Status", "Message"])
 TIMING_COLUMNS = ("Elapsed (s)",)
+_NOT_SAVED = "statistics-only records"     # in the replayers' skip reason for inputs that were not saved
 _RESULT_RE = re.compile(r"^accuracy_checking_result_(.+)\.csv$")
 
 
@@ -257,11 +258,13 @@ def _read_rows(path: str) -> list[list[str]]:
 class _Journal:
     """Appends result and detail rows, flushed per op, so a kill loses at most one op."""
 
-    def __init__(self, result_path: str, details_path: str):
+    def __init__(self, result_path: str, details_path: str, redo=None):
         self.result_path, self.details_path = result_path, details_path
         for path in (result_path, details_path):
             _repair_tail(path)
         done_rows = _read_rows(result_path)
+        if redo is not None:      # rows a resume judges again (skipped for want of an option it now has)
+            done_rows = [r for r in done_rows if not (len(r) == len(RESULT_COLUMNS) and redo(r))]
         self.done = {tuple(r[:3]) for r in done_rows if len(r) == len(RESULT_COLUMNS)}
         # keep only the details of ops whose result row made it (written last)
         kept, seen = [], set()
@@ -271,7 +274,7 @@ class _Journal:
                 seen.add(key)
                 kept.append(r)
         write_csv(details_path, DETAIL_COLUMNS, kept)
-        if len(done_rows) != len(self.done) or not os.path.exists(result_path):
+        if len(done_rows) != len(self.done) or redo is not None or not os.path.exists(result_path):
             write_csv(result_path, RESULT_COLUMNS, [r for r in done_rows if len(r) == len(RESULT_COLUMNS)])
         self._res = open(result_path, "a", newline="", encoding="utf-8")
         self._det = open(details_path, "a", newline="", encoding="utf-8")
@@ -335,6 +338,12 @@ def run_ut(records, out_dir: str | None = None, *, random: bool = False, device:
         ts = time.strftime("%Y%m%d%H%M%S")
     out_dir = out_dir or "."
     os.makedirs(out_dir, exist_ok=True)
+    # a resume replays what the interrupted run would have: its options, kept beside its CSVs
+    options_path = os.path.join(out_dir, f"accuracy_checking_options_{ts}.json")
+    saved = _read_options(options_path) if resume else {}
+    random = bool(random or saved.get("random"))
+    filter_duplicates = bool(filter_duplicates or saved.get("filter_duplicates"))
+    api = api if api is not None else saved.get("api")
     if jobs < 1:
         raise ValueError(f"--jobs must be >= 1, got {jobs}")
     engine = replayer.distributed() if distributed is not False else None
@@ -364,7 +373,12 @@ def run_ut(records, out_dir: str | None = None, *, random: bool = False, device:
     result_path = os.path.join(out_dir, f"accuracy_checking_result_{ts}.csv")
     details_path = os.path.join(out_dir, f"accuracy_checking_details_{ts}.csv")
     shard_suffix = f".rank{rank}-of-{world}.partial" if world > 1 else ""
-    journal = _Journal(result_path + shard_suffix, details_path + shard_suffix)
+    if rank == 0:
+        atomic_write_text(options_path, json.dumps({"random": random, "filter_duplicates": filter_duplicates,
+                                                    "api": api}))
+    # ops an earlier pass skipped for want of --random are judged when this one has it
+    redo = (lambda r: _NOT_SAVED in r[9]) if resume and random else None
+    journal = _Journal(result_path + shard_suffix, details_path + shard_suffix, redo)
     todo = [t for t in mine if (str(t[0]), str(t[1]), run.parts[t[:2]].records[t[2]]["name"]) not in journal.done]
     if limit is not None:
         todo = todo[:limit]
@@ -425,6 +439,7 @@ def run_ut(records, out_dir: str | None = None, *, random: bool = False, device:
                     raise
     except KeyboardInterrupt as exc:
         exc.result_csv, exc.rows_saved = journal.result_path, len(journal.done)   # for the CLI's one line
+        exc.resume_options = " --random" if random else ""
         raise
     finally:
         if bar is not None:
@@ -439,6 +454,14 @@ def run_ut(records, out_dir: str | None = None, *, random: bool = False, device:
     if rank == 0:
         res.report_html = _write_report(res, run, out_dir, ts, len(tasks))
     return res
+
+
+def _read_options(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):     # a run from before options were kept, or a torn file
+        return {}
 
 
 def _write_report(res: RunUTResult, run: Run, out_dir: str, ts: str, total: int) -> str:
@@ -479,6 +502,15 @@ def _merge_ranks(result_path: str, details_path: str, suffix: str, order: dict, 
             os.remove(p)
 
 
+def nothing_judged(res: RunUTResult) -> str:
+    """Why a run-ut judged no op: the commonest skip reason, in one line."""
+    if not len(res.results):
+        return "the records hold no op call (or --api selected none)"
+    reasons = res.results["Message"].str.split(r" \(", n=1, regex=True).str[0].value_counts()
+    why = res.results["Message"][res.results["Message"].str.startswith(reasons.index[0])].iloc[0]
+    return f"all {len(res.results)} ops were skipped; {reasons.iloc[0]} of them: {why}"
+
+
 def summary_text(res: RunUTResult) -> str:
     r = res.results
     status = r["Forward Test Success"].where(r["Forward Test Success"] != "", r["Backward Test Success"])
@@ -490,7 +522,7 @@ def summary_text(res: RunUTResult) -> str:
     damaged = skipped[skipped.str.startswith("damaged record")]
     if len(damaged):     # a record problem, not a precision verdict
         lines.append(f"  {len(damaged)} ops not replayed: damaged records ({damaged.iloc[0][16:][:160]})")
-    unsaved = skipped.str.contains("statistics-only records").sum()
+    unsaved = skipped.str.contains(_NOT_SAVED, regex=False).sum()
     if unsaved:
         lines.append(f"  {unsaved} ops not replayed: their inputs were not saved (statistics-only records); "
                      "replay them with --random, or record with task='tensor'")

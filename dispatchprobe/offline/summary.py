@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import pandas as pd
 
 from ..records.reader import Run
@@ -46,27 +47,101 @@ def summarize(run: Run, top: int = 10, stage: str | None = None) -> str:
     if stage:
         tensors = tensors[tensors["stage"] == stage]
     bad = tensors[(tensors["nan"].fillna(0) > 0) | (tensors["inf"].fillna(0) > 0)]
-    if len(bad):
-        lines.append(f"nan/inf    {len(bad)} tensors in {bad['name'].nunique()} records; first:")
-        for _, row in bad.head(5).iterrows():
-            lines.append(f"  step {row['step']} rank {row['rank']} {row['name']} {row['arg']} [{row['scope']}] "
-                         f"nan={int(row['nan'] or 0)} inf={int(row['inf'] or 0)}")
-    else:
-        lines.append("nan/inf    none")
+    lines += _nonfinite_lines(run, bad)
     unseen = {cell: why for p in run.parts.values() if p.checks
               for cell, why in (p.checks.get("backward_not_observable") or {}).items()}
     for cell, why in sorted(unseen.items()):
         lines.append(f"unseen     backward of {cell}: {why}")
     checks = [p.checks for p in run.parts.values() if p.checks and "checked" in p.checks]
     if checks:
-        total = {k: sum(c.get(k, 0) for c in checks) for k in ("checked", "flagged")}
-        lines.append(f"checks     {checks[0].get('task')}: {total['checked']} op calls checked, "
-                     f"{total['flagged'] or 'none'} flagged" + ("" if total["flagged"] else
-                                                                 " (nothing to list: no records)"))
+        lines.append("checks     " + checks_line(checks))
     for part in run.parts.values():
         if part.truncated:
             lines.append(f"truncated  step {part.step} rank {part.rank}: records end early (process killed?)")
+        elif part.closed is False:
+            lines.append(f"partial    step {part.step} rank {part.rank}: this step never closed (the process stopped "
+                         "during it, or probe.step()/probe.close() did not run): its records may stop mid-step")
     return "\n".join(lines)
+
+
+# what an inline check's counts mean, for the one line that the demo and `show` both print
+_CHECK_NOTES = {
+    "propagated": "propagated inf/nan (from an input or a constant such as a -inf mask; listed in overflow.csv)",
+    "suspicious growth": "suspicious growth",
+    "skipped": "skipped",
+    "not_widened": "not widened (no 16-bit input)",
+}
+
+
+def checks_line(checks: list[dict]) -> str:
+    """One account of an inline check over the given parts (``checks.json`` or ``probe.summary()``):
+    what was checked, what was flagged and every other count the CSV lists."""
+    task = checks[0].get("task")
+    total = {}
+    for c in checks:
+        for k, v in c.items():
+            if isinstance(v, int) and not isinstance(v, bool):
+                total[k] = total.get(k, 0) + v
+    line = f"{task}: {total.get('checked', 0)} op calls checked, {total.get('flagged', 0) or 'none'} flagged"
+    others = [f"{total[k]} {note}" for k, note in _CHECK_NOTES.items() if total.get(k)]
+    if others:
+        line += "; " + ", ".join(others)
+    elif not total.get("flagged"):
+        line += " (nothing to list: no records)"
+    return line
+
+
+def _nonfinite_lines(run: Run, bad: pd.DataFrame) -> list[str]:
+    """The tensors holding nan/inf, sorted by where their values came from: made by the op from
+    finite values (what to look at), written as a constant (a causal mask's -inf: intended), or
+    carried from an input."""
+    if not len(bad):
+        return ["nan/inf    none"]
+    records = {}
+    for key in {(s, r) for s, r in zip(bad["step"], bad["rank"])}:
+        records.update({(key[0], key[1], rec["id"]): rec for rec in run.parts[key].records})
+    kinds = []
+    for row in bad.itertuples():
+        rec = records.get((row.step, row.rank, row.id), {})
+        if row.io != "output":
+            kinds.append("carried")
+        elif any(_nonfinite_input(v) for v in list(rec.get("inputs") or []) + list((rec.get("kwargs") or {}).values())):
+            kinds.append("carried" if any(_nonfinite_tensor(v) for v in rec.get("inputs") or []) else "constant")
+        else:
+            kinds.append("made")
+    bad = bad.assign(origin=kinds)
+    made, constant = bad[bad["origin"] == "made"], bad[bad["origin"] == "constant"]
+    carried = len(bad) - len(made) - len(constant)
+    lines = [f"nan/inf    {len(bad)} tensors in {bad['name'].nunique()} records: {len(made) or 'none'} made from finite "
+             f"values, {len(constant)} written from an inf/nan constant (masks such as masked_fill(-inf): intended), "
+             f"{carried} carried from an input"]
+    first = made if len(made) else bad
+    lines.append("  first made from finite values:" if len(made) else "  first:")
+    for _, row in first.head(5).iterrows():
+        lines.append(f"  step {row['step']} rank {row['rank']} {row['name']} {row['arg']} [{row['scope']}] "
+                     f"nan={int(row['nan'] or 0)} inf={int(row['inf'] or 0)}"
+                     + ("" if len(made) else f" ({row['origin']})"))
+    return lines
+
+
+def _nonfinite_tensor(v) -> bool:
+    stats = v.get("stats") or {} if isinstance(v, dict) else {}
+    return bool(stats.get("nan") or stats.get("inf"))
+
+
+def _nonfinite_input(v) -> bool:
+    """A tensor input holding nan/inf, or a number argument that is one (``-inf``, ``nan``)."""
+    if isinstance(v, (list, tuple)):
+        return any(_nonfinite_input(x) for x in v)
+    if not isinstance(v, dict):
+        return False
+    if v.get("type") == "tensor":
+        return _nonfinite_tensor(v)
+    value = v.get("value")
+    try:
+        return isinstance(value, (int, float, str)) and not isinstance(value, bool) and not np.isfinite(float(value))
+    except (TypeError, ValueError):
+        return False
 
 
 def matching_records(run: Run, pattern: str, stage: str | None = None) -> pd.DataFrame:

@@ -8,6 +8,7 @@ import json
 
 FORMAT_NAME = "dispatchprobe-records"
 FORMAT_VERSION = 1
+CLOSED_MARKER = "closed"     # an empty file the writer leaves in a step/rank folder it closed
 
 _CONTAINERS = ("list", "tuple")
 _ARG_NAMES = {io: [f"{io}.{i}" for i in range(256)] for io in ("input", "output")}

@@ -19,7 +19,7 @@ from functools import cached_property
 import numpy as np
 import pandas as pd
 
-from .format import FORMAT_NAME, FORMAT_VERSION, walk
+from .format import CLOSED_MARKER, FORMAT_NAME, FORMAT_VERSION, walk
 
 
 class RecordError(Exception):
@@ -192,6 +192,13 @@ class Part:
     step: int
     rank: int
     problems: list[str] = field(default_factory=list)
+    marks_closed: bool = False     # the writer leaves CLOSED_MARKER in each part it closes
+
+    @property
+    def closed(self) -> bool | None:
+        """Whether the step was closed (``probe.step()``/``close()``); None for runs written before
+        parts were marked."""
+        return os.path.isfile(os.path.join(self.path, CLOSED_MARKER)) if self.marks_closed else None
 
     @cached_property
     def records(self) -> list[dict]:
@@ -369,22 +376,28 @@ def load(path: str | os.PathLike) -> Run:
         raise RecordError(f"{path}: no such records directory")
     root, manifest = _find_manifest(path)
     parts: dict[tuple[int, int], Part] = {}
+    marks = bool(manifest.get("marks_closed_parts"))
     if _is_part(path):
         rank_m = _RANK_DIR.match(os.path.basename(path))
         step_m = _PART_DIR.match(os.path.basename(os.path.dirname(path)))
         key = (int(step_m.group(1)) if step_m else 0, int(rank_m.group(1)) if rank_m else 0)
-        parts[key] = Part(path, *key)
+        parts[key] = Part(path, *key, marks_closed=marks)
     else:
-        for step_name in sorted(os.listdir(path)):
+        # a run directory, or one step{S} folder of it (every rank of that step)
+        steps = [os.path.basename(path)] if _PART_DIR.match(os.path.basename(path)) else sorted(os.listdir(path))
+        base = os.path.dirname(path) if _PART_DIR.match(os.path.basename(path)) else path
+        for step_name in steps:
             step_m = _PART_DIR.match(step_name)
             if not step_m:
                 continue
-            for rank_name in sorted(os.listdir(os.path.join(path, step_name))):
+            if not os.path.isdir(os.path.join(base, step_name)):
+                continue
+            for rank_name in sorted(os.listdir(os.path.join(base, step_name))):
                 rank_m = _RANK_DIR.match(rank_name)
-                folder = os.path.join(path, step_name, rank_name)
+                folder = os.path.join(base, step_name, rank_name)
                 if rank_m and _is_part(folder):
                     key = (int(step_m.group(1)), int(rank_m.group(1)))
-                    parts[key] = Part(folder, *key)
+                    parts[key] = Part(folder, *key, marks_closed=marks)
     if not parts:
         raise RecordError(f"{path}: no op records found (expected step*/rank*/ops.jsonl"
                           f"{'' if manifest else ' and a manifest.json'})")

@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .format import FORMAT_NAME, FORMAT_VERSION
+from .format import CLOSED_MARKER, FORMAT_NAME, FORMAT_VERSION
 
 try:  # serialises a record ~9x faster than the stdlib; every line still reads as the stdlib writes it
     import orjson as _orjson
@@ -61,6 +61,7 @@ def write_manifest(run_dir: str, *, framework: str, framework_version: str, devi
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "host": socket.gethostname(),
         "pid": os.getpid(),
+        "marks_closed_parts": True,     # each closed step/rank folder holds CLOSED_MARKER
         **(extra or {}),
     }
     atomic_write_text(os.path.join(run_dir, "manifest.json"), json.dumps(manifest, indent=1, default=str))
@@ -310,3 +311,7 @@ class PartWriter:
             self.tensors.close()
         for f in (self.ops, self.stacks, self.modules):
             f.close()
+        try:    # readers tell a finished step from one its process left mid-way
+            open(os.path.join(self.folder, CLOSED_MARKER), "wb").close()
+        except OSError:
+            pass

@@ -1,0 +1,152 @@
+"""What a new user meets in the first hour: every message true.  Each test is one message that
+once said something untrue (a mask counted as nan/inf trouble, two accounts of one overflow
+run, a report that did not exist, nothing judged reported as success, a resume that skipped
+everything, an agreement of a run with itself, a step folder refused, a partial run unmarked)."""
+
+from __future__ import annotations
+
+import csv
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import dispatchprobe
+from dispatchprobe import ConfigError, DispatchProbe
+from dispatchprobe.cli import main
+from dispatchprobe.offline.summary import summarize
+from tests.conftest import train
+
+
+@pytest.fixture
+def stats_run(tmp_path):
+    """One statistics step of the tiny transformer (its causal mask holds an intended -inf)."""
+    path = tmp_path / "stats"
+    train(DispatchProbe(task="statistics", dump_path=str(path)), steps=1)
+    return path
+
+
+def test_mask_inf_is_not_reported_as_trouble(stats_run, tmp_path):
+    text = summarize(dispatchprobe.load(stats_run))
+    assert "none made from finite values" in text and "intended" in text
+    # an inf made from finite values is named first
+    path = tmp_path / "made"
+    with DispatchProbe(task="statistics", dump_path=str(path)) as probe:
+        x = torch.full((4,), 1e30)
+        (x * x).sum()
+    probe.close()
+    text = summarize(dispatchprobe.load(path))
+    assert "1 made from finite values" in text and "first made from finite values" in text
+    assert re.search(r"aten\.mul\.Tensor\.0\.forward output\.0 .* inf=4", text), text
+
+
+def test_overflow_demo_one_account(tmp_path):
+    """The terminal, `show`, overflow.csv and the HTML page count the same run the same way."""
+    out = tmp_path / "ovf"
+    demo = CliRunner().invoke(main, ["demo", "--task", "overflow", "-o", str(out), "--steps", "2"])
+    assert demo.exit_code == 0, demo.output
+    rows = [r for f in sorted(out.glob("step*/rank*/overflow.csv")) for r in csv.DictReader(open(f))]
+    propagated = sum(r["class"] == "propagated" for r in rows)
+    assert propagated > 0      # the causal mask's -inf, in every attention layer and step
+    line = next(s for s in demo.output.splitlines() if "op calls checked" in s)
+    assert f"none flagged; {propagated} propagated" in line
+    show = CliRunner().invoke(main, ["show", str(out), "--html", str(tmp_path / "ovf.html")])
+    assert show.exit_code == 0 and line in show.output, show.output
+    assert f"{propagated} propagated" in (tmp_path / "ovf.html").read_text()
+
+
+def test_compare_without_out_says_how_to_list_problems(tmp_path):
+    def run(path, steps):
+        probe = DispatchProbe(task="statistics", dump_path=str(path))
+        for _ in range(steps):
+            with probe:
+                torch.ones(3) * 2
+            probe.step()
+        probe.close()
+    run(tmp_path / "a", 7)
+    run(tmp_path / "b", 1)
+    _, verdict = dispatchprobe.compare(str(tmp_path / "a"), str(tmp_path / "b"))
+    text = str(verdict)
+    assert "more problems (add -o DIR to list them in DIR/compare.html)" in text and "see the report" not in text
+    _, verdict = dispatchprobe.compare(str(tmp_path / "a"), str(tmp_path / "b"), out=str(tmp_path / "rep"))
+    assert "more problems (listed in the report)" in str(verdict)
+    assert "only in" in (tmp_path / "rep" / "compare.html").read_text()
+
+
+def test_compare_a_run_with_itself_says_so(stats_run):
+    result = CliRunner().invoke(main, ["compare", str(stats_run), str(stats_run / "step0")])
+    assert result.exit_code == 0 and "A and B are the same records" in result.output, result.output
+
+
+def test_run_ut_judging_nothing_fails(stats_run, tmp_path):
+    result = CliRunner().invoke(main, ["run-ut", str(stats_run), "-o", str(tmp_path / "ut"), "--api", "addmm"])
+    assert result.exit_code == 1, result.output
+    assert "error: no op was judged: all" in result.output and "--random" in result.output
+
+
+INTERRUPT_AT_MM = '''
+import torch
+lib = torch.library.Library("aten", "IMPL")
+def mm(a, b):
+    raise KeyboardInterrupt
+lib.impl("mm", mm, "CPU")
+'''
+
+
+def test_random_run_ut_resumes_as_it_ran(stats_run, tmp_path):
+    """Interrupted, a --random run-ut prints a resume command that replays the rest with
+    generated inputs (as would the printed command without --random, from the kept options)."""
+    (tmp_path / "interrupt_at_mm.py").write_text(INTERRUPT_AT_MM)
+    env_path = f"{tmp_path}:{':'.join(sys.path)}"
+    out = subprocess.run([sys.executable, "-m", "dispatchprobe.cli", "run-ut", str(stats_run), "--random",
+                          "-o", str(tmp_path / "ut"), "--import", "interrupt_at_mm"], capture_output=True,
+                         text=True, timeout=300, env={**__import__("os").environ, "PYTHONPATH": env_path})
+    assert out.returncode == 130, out.stderr
+    saved = re.search(r"--resume (\S+)", out.stderr).group(1)
+    assert f"run-ut {stats_run} --random --resume {saved}" in out.stderr
+    done = len(list(csv.reader(open(saved)))) - 1
+    assert done > 0
+    # the command as a user might retype it, without --random: the kept options still apply
+    res = dispatchprobe.run_ut(str(stats_run), resume=saved)
+    assert not res.results["Message"].str.contains("statistics-only").any()
+    assert res.replayed == len(res.results) - done
+    # a resume by an older, option-less pass skipped them: --random judges those again
+    (tmp_path / "ut" / re.sub(r"result_(.*)\.csv", r"options_\1.json", saved.split("/")[-1])).unlink()
+    rows = list(csv.reader(open(saved)))
+    for r in rows[done + 1:]:
+        r[7], r[9] = "SKIP", "inputs were not saved (statistics-only records: replay them with --random)"
+    with open(saved, "w", newline="") as f:
+        csv.writer(f).writerows(rows)
+    res = dispatchprobe.run_ut(str(stats_run), resume=saved, random=True)
+    assert not res.results["Message"].str.contains("statistics-only").any()
+    assert len(res.results) == len(rows) - 1
+
+
+def test_show_reads_a_step_folder_and_marks_a_partial_step(stats_run, tmp_path):
+    result = CliRunner().invoke(main, ["show", str(stats_run / "step0")])
+    assert result.exit_code == 0 and "steps      0   ranks 0" in result.output, result.output
+    assert "partial" not in result.output
+    path = tmp_path / "cut"
+    probe = DispatchProbe(task="statistics", dump_path=str(path))
+    for _ in range(2):
+        with probe:
+            torch.ones(3) * 2
+        probe.step()
+    with probe:                  # the process "stops" here: no probe.step(), no probe.close()
+        torch.ones(3) * 2
+    text = summarize(dispatchprobe.load(path))
+    assert "partial    step 2 rank 0: this step never closed" in text
+    assert "step 0" not in text.split("partial", 1)[1] and text.count("partial ") == 1
+    probe.close()
+    assert "partial" not in summarize(dispatchprobe.load(path))
+
+
+def test_rerun_into_the_same_dump_path_says_what_to_do(stats_run):
+    with pytest.raises(ConfigError) as err:
+        with DispatchProbe(task="statistics", dump_path=str(stats_run)):
+            torch.ones(2) + 1
+    msg = str(err.value)
+    assert "a new dump_path" in msg and "overwrite=True" in msg and "probe.step()" in msg
