@@ -150,3 +150,24 @@ def test_rerun_into_the_same_dump_path_says_what_to_do(stats_run):
             torch.ones(2) + 1
     msg = str(err.value)
     assert "a new dump_path" in msg and "overwrite=True" in msg and "probe.step()" in msg
+
+
+def test_an_unclosed_check_that_flagged_nothing_says_why_it_is_empty(tmp_path):
+    probe = DispatchProbe(task="overflow", dump_path=str(tmp_path / "ovf"))
+    with probe:
+        torch.ones(3) * 2
+    with pytest.raises(dispatchprobe.RecordError, match=r"hold no records yet.*probe\.close\(\)"):
+        dispatchprobe.load(tmp_path / "ovf")
+    probe.close()
+    assert "2 op calls checked, none flagged" in summarize(dispatchprobe.load(tmp_path / "ovf"))
+
+
+def test_two_run_ut_in_one_second_keep_their_own_files(tmp_path):
+    """A second run-ut into the same folder never reads the first one's rows as its own."""
+    path = tmp_path / "t"
+    with DispatchProbe(task="tensor", dump_path=str(path)) as probe:
+        torch.ones(3) * 2
+    probe.close()
+    first = dispatchprobe.run_ut(str(path), str(tmp_path / "ut"))
+    second = dispatchprobe.run_ut(str(path), str(tmp_path / "ut"))
+    assert first.result_csv != second.result_csv and second.replayed == first.replayed == 2

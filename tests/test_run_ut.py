@@ -214,14 +214,14 @@ def test_torchrun_two_ranks_merge(runs, tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     files = sorted(os.listdir(out))
     # merged and rank 0's page; the rank journals are gone
-    assert [f.split("_")[2] for f in files] == ["details", "report", "result"], files
+    assert [f.split("_")[2] for f in files] == ["details", "options", "report", "result"], files
     merged = pd.read_csv(out / [f for f in files if "result" in f][0], dtype=str, keep_default_na=False)
     details = pd.read_csv(out / [f for f in files if "details" in f][0], dtype=str, keep_default_na=False)
     assert list(merged["API Name"]) == list(single.results["API Name"])
     assert rows(merged) == rows(single.results)
     assert verdict_rows(details) == verdict_rows(single.details)
     from html_check import page_data
-    root = next(n for n in page_data((out / files[1]).read_text())["nodes"] if n["parent"] is None)
+    root = next(n for n in page_data((out / next(f for f in files if "report" in f)).read_text())["nodes"] if n["parent"] is None)
     assert sum(root["c"]) == len(merged)                       # the page holds both ranks' ops
 
 

@@ -336,6 +336,10 @@ def run_ut(records, out_dir: str | None = None, *, random: bool = False, device:
             raise ValueError(f"--resume {resume} is not in the output directory {out_dir}")
     else:
         ts = time.strftime("%Y%m%d%H%M%S")
+        n = 1    # a second run in the same second into the same folder must not resume the first
+        while os.path.exists(os.path.join(out_dir or ".", f"accuracy_checking_result_{ts}.csv")):
+            n += 1
+            ts = f"{time.strftime('%Y%m%d%H%M%S')}-{n}"
     out_dir = out_dir or "."
     os.makedirs(out_dir, exist_ok=True)
     # a resume replays what the interrupted run would have: its options, kept beside its CSVs
@@ -506,9 +510,13 @@ def nothing_judged(res: RunUTResult) -> str:
     """Why a run-ut judged no op: the commonest skip reason, in one line."""
     if not len(res.results):
         return "the records hold no op call (or --api selected none)"
-    reasons = res.results["Message"].str.split(r" \(", n=1, regex=True).str[0].value_counts()
-    why = res.results["Message"][res.results["Message"].str.startswith(reasons.index[0])].iloc[0]
-    return f"all {len(res.results)} ops were skipped; {reasons.iloc[0]} of them: {why}"
+    msg = res.results["Message"]
+    unsaved = msg[msg.str.contains(_NOT_SAVED, regex=False)]
+    if len(unsaved):     # the reason a user can act on first
+        return f"all {len(msg)} ops were skipped; {len(unsaved)} of them: {unsaved.iloc[0]}"
+    reasons = msg.str.split(r" \(", n=1, regex=True).str[0].value_counts()
+    why = msg[msg.str.startswith(reasons.index[0])].iloc[0]
+    return f"all {len(msg)} ops were skipped; {reasons.iloc[0]} of them: {why}"
 
 
 def summary_text(res: RunUTResult) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import glob
 import json
 import os
 import re
@@ -399,6 +400,9 @@ def load(path: str | os.PathLike) -> Run:
                     key = (int(step_m.group(1)), int(rank_m.group(1)))
                     parts[key] = Part(folder, *key, marks_closed=marks)
     if not parts:
+        if manifest and glob.glob(os.path.join(glob.escape(path), "step*", "rank*")):
+            raise RecordError(f"{path}: the run started but its steps hold no records yet: an inline check that "
+                              "flagged nothing writes its counts when the step closes (probe.step() or probe.close())")
         raise RecordError(f"{path}: no op records found (expected step*/rank*/ops.jsonl"
                           f"{'' if manifest else ' and a manifest.json'})")
     return Run(root if manifest else path, manifest, dict(sorted(parts.items())))
