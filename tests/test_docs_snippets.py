@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from dispatchprobe.models import TinyTransformer, lm_batch
 torch.manual_seed(0)
-model = TinyTransformer()                                   # your model
+model = TinyTransformer(layers=1)                          # your model
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 loader = [lm_batch(seed=s) for s in range(2)]               # your data: (tokens, targets) batches
 x, y = loader[0]
