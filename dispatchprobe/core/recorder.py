@@ -106,7 +106,7 @@ class Recorder(Handler):
             ident = backend.identity(t)
             if save:
                 idents.append(ident)
-            if "undefined" in spec:       # uninitialised memory: its statistics mean nothing
+            if "undefined" in spec or "no_values" in spec:   # uninitialised memory, or none to read
                 continue
             hit = cache.get(ident) if ident is not None else None
             if hit is not None and alive(hit[0]):
@@ -149,7 +149,8 @@ class Recorder(Handler):
                 self._measured(t, entry, ident, dense)
         if save:
             for (t, spec), ident in zip(found, idents):
-                spec["data"] = self.save(t, like=same.get(id(t)) if same else None, ident=ident)
+                if "no_values" not in spec:      # metadata only (the backend said why)
+                    spec["data"] = self.save(t, like=same.get(id(t)) if same else None, ident=ident)
 
     def _measured(self, t, entry: dict, ident, dense) -> None:
         """Cache freshly measured statistics under the tensor's identity and its dense key (one

@@ -15,7 +15,7 @@ import torch
 from safetensors import torch as safetensors_torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from . import fused_stats
+from . import collectives, fused_stats, tensor_kinds
 from ..records.writer import write_safetensors
 from ..standards import statistics
 from .ops import dtype_name
@@ -33,7 +33,9 @@ def is_tensor(value) -> bool:
 
 
 def tensor_meta(t: torch.Tensor) -> dict:
-    return {
+    """The tensor as its op saw it; what :mod:`.tensor_kinds` adds for tensors that are not plain
+    dense memory (a DTensor's placements, a functorch level, ``no_values`` and why)."""
+    meta = {
         "type": "tensor",
         "dtype": dtype_name(t.dtype),
         "shape": list(t.shape),
@@ -41,13 +43,16 @@ def tensor_meta(t: torch.Tensor) -> dict:
         "device": str(t.device),
         "requires_grad": bool(t.requires_grad),
     }
+    if not tensor_kinds.readable(t):
+        meta.update(tensor_kinds.fields(t))
+    return meta
 
 
 def identity(t: torch.Tensor):
     """A key equal for two tensors only while they show the same bytes (same memory, same
     view, same in-place version).  The recorder pairs it with a weakref, so a key whose tensor
     died (and whose memory may be reused) is never trusted."""
-    if t.layout != torch.strided or t.is_meta:
+    if not tensor_kinds.readable(t):
         return None
     try:     # the data pointer is the storage's plus the view's offset
         return t.data_ptr(), t.shape, t.stride(), t.dtype, t.device, t._version
@@ -57,12 +62,14 @@ def identity(t: torch.Tensor):
 
 def tensor_stats(tensors: list[torch.Tensor]) -> list[dict | None]:
     """The statistics records (:mod:`dispatchprobe.standards.statistics`) of each tensor: CPU
-    tensors read back one by one, accelerator ones (:func:`device_stats_row`) in one host sync."""
+    tensors read back one by one, accelerator ones (:func:`device_stats_row`) in one host sync.
+    Only the values :mod:`.tensor_kinds` allows (a DTensor's local shard; none for some kinds)."""
     out: list[dict | None] = [None] * len(tensors)
     pending: list[tuple[int, torch.Tensor]] = []
-    with NoGrad():
+    tensors = [tensor_kinds.values(t) for t in tensors]
+    with NoGrad(), torch._C._DisableFuncTorch():    # unwrapped values stay unwrapped
         for i, t in enumerate(tensors):
-            if t.numel() == 0 or t.is_meta or t.layout != torch.strided:
+            if t is None or t.numel() == 0:
                 continue
             if stats_on_device(t):
                 pending.append((i, device_stats_row(t)))
@@ -166,14 +173,14 @@ def _with_infinities(x: torch.Tensor, values: list) -> dict:
 
 def stats_on_device(t: torch.Tensor) -> bool:
     """Whether ``t``'s statistics are best reduced on its (accelerator) device and read later."""
-    return t.device.type != "cpu" and not t.is_meta and t.layout == torch.strided and t.numel() > 0
+    return t.device.type != "cpu" and t.numel() > 0 and tensor_kinds.values(t) is not None
 
 
 def device_stats_row(t: torch.Tensor) -> torch.Tensor:
     """max, min, sum, L2 norm, nan count, inf count of ``t``: a float64 vector on its device, no
     host sync (:func:`read_stats_rows` reads many at once)."""
     with torch.no_grad():
-        x = statistics.source(t.detach(), torch)     # floating point
+        x = statistics.source(tensor_kinds.values(t).detach(), torch)     # floating point
         lo, hi = torch.aminmax(x)
         acc = statistics.accumulator(x, torch)
         return torch.stack([hi.double(), lo.double(), x.sum(dtype=acc).double(),
@@ -201,20 +208,40 @@ _NUMPY_DTYPES = (torch.float32, torch.float64)
 
 
 _max, _min, _add = np.maximum.reduce, np.minimum.reduce, np.add.reduce
+_host = threading.local()     # per thread: {dtype: (numpy buffer, the torch tensor sharing it)}
+
+
+def _numpy_copy(x: torch.Tensor) -> np.ndarray:
+    """``x``'s values in a private numpy buffer: ``x.numpy()`` would make the user's storage
+    non-resizable for good (FSDP2 frees parameters by resizing their storage to 0)."""
+    buffers = getattr(_host, "buffers", None)
+    if buffers is None:
+        buffers = _host.buffers = {}
+    pair = buffers.get(x.dtype)
+    if pair is None:
+        arr = np.empty(_NUMPY_MAX, dtype=np.float64 if x.dtype == torch.float64 else np.float32)
+        pair = buffers[x.dtype] = (arr, torch.from_numpy(arr))
+    n = x.numel()
+    pair[1][:n].copy_(x.view(-1))
+    return pair[0][:n]
 
 
 def _numpy_reductions(x: torch.Tensor) -> list[float]:
-    flat = x.numpy().reshape(-1)
-    if flat.dtype == np.float64:     # float32 sums in float64 and BLAS dots cannot warn
-        with np.errstate(all="ignore"):       # overflow of the squares is redone by finish
+    flat = _numpy_copy(x)
+    # no numpy warning may reach the user's code (-W error would stop training): squares that
+    # overflow (a finfo.min attention mask) and +inf + -inf are redone by finish / counted there
+    with np.errstate(all="ignore"):
+        if flat.dtype == np.float64:
             return [float(_max(flat)), float(_min(flat)), float(_add(flat)), math.sqrt(float(np.dot(flat, flat)))]
-    return [float(_max(flat)), float(_min(flat)), float(_add(flat, dtype=np.float64)),
-            math.sqrt(float(np.dot(flat, flat)))]
+        return [float(_max(flat)), float(_min(flat)), float(_add(flat, dtype=np.float64)),
+                math.sqrt(float(np.dot(flat, flat)))]
 
 
 def checksum(t: torch.Tensor) -> str:
-    """CRC32 of the tensor's bytes in C order (fast; equal bytes give equal sums)."""
-    x = t.detach().contiguous().cpu()
+    """CRC32 of the tensor's bytes in C order (fast; equal bytes give equal sums), read from a
+    private copy (see :func:`_numpy_copy`)."""
+    with torch._C._DisableFuncTorch():
+        x = tensor_kinds.values(t).detach().to("cpu", copy=True, memory_format=torch.contiguous_format)
     if x.dtype in (torch.bfloat16,) or x.dtype.is_floating_point and x.element_size() == 1:
         x = x.view(torch.uint16 if x.element_size() == 2 else torch.uint8)
     return f"crc32:{zlib.crc32(x.reshape(-1).numpy().tobytes()):08x}"
@@ -248,7 +275,10 @@ def shape(t: torch.Tensor) -> list[int]:
 
 def memory_ref(t: torch.Tensor):
     """A weak reference to ``t``'s memory (None if it has none): while it is alive, no other
-    tensor can be given the same address, so an address-based cache key stays truthful."""
+    tensor can be given the same address, so an address-based cache key stays truthful.  A weak
+    reference neither keeps the memory nor stops its owner from resizing it (FSDP2)."""
+    if not tensor_kinds.readable(t):
+        return None
     try:
         return StorageWeakRef(t.untyped_storage())
     except (RuntimeError, NotImplementedError, TypeError):
@@ -262,7 +292,7 @@ def memory_alive(ref) -> bool:
 def dense_key(t: torch.Tensor):
     """A key shared by all views that show exactly the same set of elements of one memory
     (a reshape or transpose of it): they have the same statistics.  None if not dense."""
-    if t.layout != torch.strided or t.is_meta:
+    if not tensor_kinds.readable(t):
         return None
     n = t.numel()
     if n == 0:
@@ -282,7 +312,7 @@ def storage_span(t: torch.Tensor):
     (the whole storage when ``t`` covers most of it, so sibling views such as q/k/v share one
     copy) and ``t``'s offset and stride in it; ``plain``: ``t`` is exactly the span, contiguous.
     None when ``t`` touches a small part of a large storage (saved as its own compact copy)."""
-    if t.layout != torch.strided or t.is_meta or t.numel() == 0:
+    if t.numel() == 0 or not tensor_kinds.readable(t):
         return None
     try:
         storage = t.untyped_storage()
@@ -379,9 +409,10 @@ def span_snapshot(t: torch.Tensor, start: int, length: int) -> torch.Tensor:
 
 def snapshot(t: torch.Tensor) -> torch.Tensor:
     """A private contiguous copy to save, taken now on the op's thread: a later in-place op
-    must not change what is saved."""
-    with torch.no_grad():
-        return _copy_out(t.detach())
+    must not change what is saved.  Of the values :mod:`.tensor_kinds` allows (the recorder saves
+    nothing for a tensor whose record says ``no_values``)."""
+    with torch.no_grad(), torch._C._DisableFuncTorch():
+        return _copy_out(tensor_kinds.values(t).detach())
 
 
 def nbytes(t: torch.Tensor) -> int:
@@ -427,6 +458,10 @@ def encode_other(value) -> dict:
         return {"type": type(value).__name__[3:].lower(), "value": value.node.hint if hasattr(value, "node") else None}
     if isinstance(value, torch.Generator):
         return {"type": "generator", "device": str(value.device)}
+    if isinstance(value, torch.ScriptObject):     # c10d's process groups and reduce ops, ...
+        return collectives.encode_script_object(value)
+    if isinstance(value, collectives.GroupName):
+        return collectives.encode_group_name(value)
     return {"type": "other", "repr": repr(value)[:200]}
 
 

@@ -25,8 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from . import backend as torch_backend
-from . import fused_stats
-from . import ops
+from . import collectives, fused_stats, ops, tensor_kinds
 from ..core.config import ConfigError
 from ..core.session import ProbeSession
 
@@ -35,6 +34,7 @@ from ..core.session import ProbeSession
 _AOT_RUNTIME = os.path.join(torch.__path__[0], "_functorch", "_aot_autograd", "runtime_wrappers.py")
 _AOT_MODULE = "torch._functorch._aot_autograd.runtime_wrappers"
 active_probes: list = []      # DispatchProbes recording now, innermost last
+_COLLECTIVES = tuple(f"{ns}." for ns in collectives.NAMESPACES)
 
 
 def _in_compiled_code() -> bool:
@@ -75,6 +75,11 @@ class _ProbeMode(TorchDispatchMode):
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if types and any(tensor_kinds.desugars(t) for t in types):
+            # a wrapper subclass (DTensor, AsyncCollectiveTensor) runs first and turns the call into
+            # plain ops and collectives, which come back here: the probe records local values only
+            # (torch's CommDebugMode and DebugMode do the same)
+            return NotImplemented
         kwargs = kwargs or {}
         probe = self.probe
         facts = probe._facts.get(id(func)) or probe._learn(func)
@@ -90,11 +95,17 @@ class _ProbeMode(TorchDispatchMode):
         written = facts.reads_written
         if written and recorded:  # in-place/out= ops: record the inputs as they were *before* the op ran
             seen_args, seen_kwargs = _copy_written(written, args, kwargs, undefined)
+        collective = recorded and facts.name.startswith(_COLLECTIVES)
+        if collective:
+            seen_args, seen_kwargs = collectives.copy_overwritten(func, seen_args, seen_kwargs)
         out = func(*args, **kwargs)
         if undefined is not None:
             probe.uninitialised.written(func, args, kwargs)
         if not recorded:          # stage or scope filtered out: nothing more to do
             return out
+        if collective:            # outputs hold their values once the work is waited for
+            collectives.settle(func, out)
+            seen_args, seen_kwargs = collectives.named_groups(func, seen_args, seen_kwargs)
         return probe._on_op(func, seen_args, seen_kwargs, out, undefined, facts.name, where)
 
 

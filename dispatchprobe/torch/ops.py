@@ -9,6 +9,7 @@ import functools
 import torch
 
 from ..core import op_traits, values
+from . import collectives
 
 
 @functools.cache
@@ -59,8 +60,10 @@ def returns_alias(func) -> bool:
 
 @functools.cache
 def is_random(func) -> bool:
-    """Draws random numbers: by name, or any op with a ``generator`` argument."""
-    return base(func) in op_traits.RANDOM or any(a.name == "generator" for a in func._schema.arguments)
+    """Never run again by a check: draws random numbers (by name, or any op with a ``generator``
+    argument), or talks to other ranks (a collective re-run on one rank desynchronises its group)."""
+    return base(func) in op_traits.RANDOM or any(a.name == "generator" for a in func._schema.arguments) \
+        or collectives.is_collective(func)
 
 
 @functools.cache

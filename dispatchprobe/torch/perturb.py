@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..core import values
 from ..standards.loader import per_dtype
-from . import ops
+from . import ops, tensor_kinds
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _aten = torch.ops.aten
@@ -50,7 +50,9 @@ def float_tensors(obj) -> list[torch.Tensor]:
 
 def _collect(obj, out: list) -> None:
     if isinstance(obj, torch.Tensor):
-        if obj.dtype in FLOATS and obj.layout == torch.strided and not obj.is_meta and obj.numel() > 0:
+        # only memory the probe may read (tensor_kinds): a zero tensor, an FSDP parameter between
+        # all-gathers, a fake or wrapper tensor is neither checked nor perturbed
+        if obj.dtype in FLOATS and obj.numel() > 0 and tensor_kinds.readable(obj):
             out.append(obj)
     elif isinstance(obj, (tuple, list)):
         for v in obj:
@@ -97,7 +99,11 @@ def sq_norm(t: torch.Tensor) -> torch.Tensor:
 
 
 def all_finite(t: torch.Tensor) -> bool:
-    """Exact: one fused min/max pass (nan and inf reach one of them), no bool tensor."""
+    """Exact: one fused min/max pass (nan and inf reach one of them), no bool tensor.  False
+    when the memory is gone by now (FSDP freed it before a deferred check): the norm taken
+    when the op ran stands."""
+    if not tensor_kinds.readable(t):
+        return False
     try:
         lo, hi = torch.aminmax(t.detach())
     except (RuntimeError, NotImplementedError):     # no aminmax for this dtype/device
@@ -106,6 +112,8 @@ def all_finite(t: torch.Tensor) -> bool:
 
 
 def nonfinite_counts(t: torch.Tensor) -> tuple[int, int]:
+    if not tensor_kinds.readable(t):     # freed before a deferred check: not counted
+        return 0, 0
     return int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
 
 

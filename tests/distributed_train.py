@@ -1,0 +1,105 @@
+"""Training steps of a small MLP on 2 gloo ranks, unprobed and under each task; run by
+``test_distributed.py`` as ``torchrun --nproc-per-node 2 distributed_train.py {ddp,fsdp,tp} OUT``.
+
+For each task the same steps run from the same initial weights without and with the probe;
+every loss, gradient and parameter must be bit-identical.  Each rank writes what it saw to
+``OUT/result{rank}.json`` (the test reads the records themselves).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dispatchprobe import DispatchProbe
+
+TASKS = {
+    "statistics": {},
+    "tensor": {},
+    "overflow": {"overflow": {"overflow_nums": -1}},
+    "free_benchmark": {"free_benchmark": {"handler_type": "check", "pert_mode": "add_noise"}},
+}
+STEPS = 2
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(8, 16)
+        self.down = nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+def build(kind: str, mesh):
+    torch.manual_seed(0)
+    model = MLP()
+    if kind == "ddp":
+        return nn.parallel.DistributedDataParallel(model)
+    if kind == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+        fully_shard(model.up, mesh=mesh)
+        fully_shard(model.down, mesh=mesh)
+        return fully_shard(model, mesh=mesh)
+    if kind == "tp":
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+        return parallelize_module(model, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    raise SystemExit(f"unknown parallelism {kind}")
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def train(kind: str, mesh, probe: DispatchProbe | None) -> list[torch.Tensor]:
+    model = build(kind, mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(1 + dist.get_rank())
+    seen = []
+    for _ in range(STEPS):
+        x = torch.randn(4, 8, generator=gen)
+        if probe is not None:
+            probe.start()
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        seen += [loss.detach().clone()] + [local(p.grad).clone() for p in model.parameters()]
+        opt.step()
+        opt.zero_grad()
+        if probe is not None:
+            probe.step()
+    seen += [local(p.detach()).clone() for p in model.parameters()]
+    return seen
+
+
+def main() -> None:
+    kind, out = sys.argv[1], sys.argv[2]
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (dist.get_world_size(),))
+    result = {}
+    reference = train(kind, mesh, None)
+    for task, extra in TASKS.items():
+        probe = DispatchProbe(task=task, dump_path=os.path.join(out, task), **extra)
+        try:
+            probed = train(kind, mesh, probe)
+            probe.close()
+            same = len(probed) == len(reference) and all(
+                a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b) for a, b in zip(probed, reference))
+            result[task] = {"identical": same}
+        except Exception as exc:  # reported to the test, which prints it
+            import traceback
+            result[task] = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()[-3000:]}
+    with open(os.path.join(out, f"result{rank}.json"), "w") as f:
+        json.dump(result, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
