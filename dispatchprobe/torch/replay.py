@@ -18,7 +18,7 @@ from ..core import op_traits
 from ..offline.replayer import Output, Replayed, Replayer, ReplayError, Skip
 from ..records.format import walk
 from ..records.reader import Part
-from . import ops
+from . import ops, references
 from .ops import dtype_name
 
 _MEMORY_FORMATS = {"contiguous_format": torch.contiguous_format, "channels_last": torch.channels_last,
@@ -315,7 +315,8 @@ def replay(record: dict, source: TensorSource | None, device: torch.device, rand
             dev_leaves = [(n, v.detach().cpu() if isinstance(v, torch.Tensor) else v) for n, v in _flat_outputs(dev_out)]
             del dev_out
         del args, kwargs
-        bench_out, widened = _bench(func, builder, written)
+        bench = references.reference(record["op"], func)     # ops without a float64 kernel
+        bench_out, widened = _bench(bench, builder, written)
         bench_leaves = _flat_outputs(bench_out)
         if record.get("compiled") and not random:    # outputs the graph never read are not recorded
             names = {n for n, _ in dev_leaves}
@@ -334,8 +335,8 @@ def replay(record: dict, source: TensorSource | None, device: torch.device, rand
             result.data[f"{name}.device"], result.data[f"{name}.bench"] = d, b
     keep = set() if widened else written
     result.terms = lambda kind="magnitude": _run_floats(
-        func, builder.call(torch.device("cpu"), True, keep, abs if kind == "magnitude" else _one))
-    result.spread = lambda: _spread(func, builder, keep, bench_leaves)
+        bench, builder.call(torch.device("cpu"), True, keep, abs if kind == "magnitude" else _one))
+    result.spread = lambda: _spread(bench, builder, keep, bench_leaves)
     return result
 
 

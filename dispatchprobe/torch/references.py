@@ -1,0 +1,74 @@
+"""float64 references for ops that have no float64 kernel, for run-ut's benchmark.
+
+run-ut judges an op by running it again on the CPU in float64.  Some ops refuse float64
+(``aten._grouped_mm``, which runs the experts of mixture-of-experts models, takes only
+float32/bf16/fp16): without a reference they could never be judged.  A reference computes the
+same mathematical result from the same arguments, in the dtype it is given (float64 here).
+
+Users add their own for custom kernels in the module they pass to ``run-ut --import``::
+
+    from dispatchprobe.torch import register_reference
+
+    @register_reference("mylib.fused_mlp.default")
+    def fused_mlp(x, w1, w2):
+        return torch.relu(x @ w1) @ w2
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+REFERENCES: dict[str, Callable] = {}
+
+
+def register_reference(op: str) -> Callable:
+    """Decorator: ``fn(*args, **kwargs)`` is the float64 reference of ``op`` (its record name,
+    ``namespace.name.overload``).  A second reference for the same op is refused."""
+    if op.count(".") != 2:
+        raise ValueError(f"register_reference: {op!r} is not a 'namespace.name.overload' op name")
+
+    def register(fn: Callable) -> Callable:
+        if op in REFERENCES:
+            raise ValueError(f"register_reference: {op} already has a float64 reference "
+                             f"({REFERENCES[op].__module__}.{REFERENCES[op].__qualname__})")
+        REFERENCES[op] = fn
+        return fn
+    return register
+
+
+def reference(op: str, func) -> Callable:
+    """What run-ut's benchmark runs for ``op``: its registered reference, else the op itself."""
+    return REFERENCES.get(op, func)
+
+
+def _bounds(offs: torch.Tensor) -> list[tuple[int, int]]:
+    ends = [int(e) for e in offs.tolist()]
+    return list(zip([0] + ends[:-1], ends))
+
+
+@register_reference("aten._grouped_mm.default")
+def grouped_mm(mat_a, mat_b, offs=None, bias=None, out_dtype=None):  # noqa: ARG001 - float64 out
+    """One matrix product per group, as ``aten._grouped_mm`` defines them: 2-D x 3-D splits the
+    rows of ``mat_a`` at ``offs`` (the experts' tokens), 3-D x 2-D the columns of ``mat_b``,
+    2-D x 2-D the shared dimension (one output matrix per group), 3-D x 3-D is a batched mm."""
+    a2, b2 = mat_a.dim() == 2, mat_b.dim() == 2
+    if not a2 and not b2:
+        out = torch.bmm(mat_a, mat_b)
+    elif a2 and not b2:
+        out = mat_a.new_zeros(mat_a.shape[0], mat_b.shape[-1])
+        for g, (s, e) in enumerate(_bounds(offs)):
+            out[s:e] = mat_a[s:e] @ mat_b[g]
+    elif b2 and not a2:
+        out = mat_a.new_zeros(mat_a.shape[1], mat_b.shape[1])
+        for g, (s, e) in enumerate(_bounds(offs)):
+            out[:, s:e] = mat_a[g] @ mat_b[:, s:e]
+    else:
+        groups = _bounds(offs)
+        out = mat_a.new_zeros(len(groups), mat_a.shape[0], mat_b.shape[1])
+        for g, (s, e) in enumerate(groups):
+            out[g] = mat_a[:, s:e] @ mat_b[s:e]
+    if bias is not None:       # torch's kernels take no bias yet: its layout is not defined
+        raise NotImplementedError("a float64 reference of _grouped_mm with bias")
+    return out

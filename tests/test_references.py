@@ -1,0 +1,90 @@
+"""float64 references for ops without a float64 kernel: the experts of a real mixture-of-experts
+model (``aten._grouped_mm``, bf16 only) are judged by run-ut, and a wrong kernel is caught."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dispatchprobe import DispatchProbe
+from dispatchprobe.offline.run_ut import run_ut
+from dispatchprobe.torch.references import REFERENCES, grouped_mm, register_reference
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def moe_run(tmp_path_factory):
+    """One bf16 training step of a tiny Qwen2-MoE (its experts run through ``_grouped_mm``)."""
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2MoeConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=32, moe_intermediate_size=16,
+        shared_expert_intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, num_experts=4, num_experts_per_tok=2, max_position_embeddings=32,
+        initializer_range=0.5)     # values large enough that a 5 % error exceeds 0.001 absolute
+    model = transformers.Qwen2MoeForCausalLM(cfg).to(torch.bfloat16)
+    ids = torch.randint(0, 64, (2, 8))
+    path = str(tmp_path_factory.mktemp("moe") / "run")
+    probe = DispatchProbe(task="tensor", dump_path=path, list=["_grouped_mm", "^aten\\.mm\\."])
+    with probe:
+        model(input_ids=ids, labels=ids).loss.backward()
+    probe.step()
+    probe.close()
+    return path
+
+
+def grouped(results):
+    experts = results[results["Op"] == "aten._grouped_mm.default"]
+    fwd, bwd = experts["Forward Test Success"], experts["Backward Test Success"]
+    return experts.assign(Status=fwd.where(fwd != "", bwd))
+
+
+def test_grouped_mm_experts_are_judged(moe_run, tmp_path):
+    r = run_ut(moe_run, tmp_path / "ut").results
+    experts = grouped(r)
+    assert len(experts) >= 6                 # forward, and both gradients of each expert product
+    # judged, never skipped; the CPU's bf16 kernel is within the bf16 standard (pass or warning)
+    assert experts["Status"].isin({"pass", "warning"}).all(), experts[["Op", "Status", "Message"]]
+
+
+def test_wrong_grouped_mm_kernel_is_an_error(moe_run, tmp_path):
+    def wrong(mat_a, mat_b, offs=None, bias=None, out_dtype=None):      # 5 % off, the right shapes
+        out = grouped_mm(mat_a.float(), mat_b.float(), offs)
+        return (out * 1.05).to(out_dtype or mat_a.dtype)
+
+    lib = torch.library.Library("aten", "IMPL")
+    lib.impl("_grouped_mm", wrong, "CPU")
+    try:
+        r = run_ut(moe_run, tmp_path / "ut").results
+    finally:
+        lib._destroy()
+    experts = grouped(r)
+    forward = experts["Stage"] == "forward"
+    assert (experts[forward]["Status"] == "error").all(), experts[["Status", "Message"]]
+    # a gradient whose values are all below the absolute-error floor passes even 5 % off
+    assert (experts["Status"] == "error").sum() >= len(experts) - 2, experts[["Status", "Message"]]
+    assert not (r[r["Op"] == "aten.mm.default"][["Forward Test Success", "Backward Test Success"]] == "error").any().any()
+
+
+@pytest.mark.parametrize("a_shape, b_shape, offs", [
+    ((10, 8), (3, 8, 12), [2, 7, 10]),      # experts: rows of a split, one weight each
+    ((2, 12, 8), (8, 16), [4, 16]),         # columns of b split
+    ((8, 12), (12, 4), [4, 12]),            # the shared dimension split: a weight gradient
+    ((3, 4, 8), (3, 8, 4), None),           # batched (the kernel wants 16-byte strides)
+])
+def test_grouped_mm_reference_matches_the_kernel(a_shape, b_shape, offs):
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(a_shape, generator=g), torch.randn(b_shape, generator=g)
+    offs = torch.tensor(offs, dtype=torch.int32) if offs is not None else None
+    want = torch.ops.aten._grouped_mm(a, b, offs)
+    got = grouped_mm(a.double(), b.double(), offs)
+    assert got.dtype == torch.float64 and got.shape == want.shape
+    torch.testing.assert_close(got.float(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_registry_refuses_duplicates_and_bad_names():
+    assert "aten._grouped_mm.default" in REFERENCES
+    with pytest.raises(ValueError, match="already has a float64 reference"):
+        register_reference("aten._grouped_mm.default")(lambda *a: None)
+    with pytest.raises(ValueError, match="not a 'namespace.name.overload'"):
+        register_reference("grouped_mm")
