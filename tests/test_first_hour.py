@@ -32,6 +32,11 @@ def stats_run(tmp_path):
 def test_mask_inf_is_not_reported_as_trouble(stats_run, tmp_path):
     text = summarize(dispatchprobe.load(stats_run))
     assert "none made from finite values" in text and "intended" in text
+    two_steps = tmp_path / "two"
+    train(DispatchProbe(task="statistics", dump_path=str(two_steps)), steps=2)
+    # each layer's mask and softmax input, in each step: 8 tensors of 8 records
+    assert "nan/inf    8 tensors in 8 records: none made from finite values, 4 written from an inf/nan constant" \
+        in summarize(dispatchprobe.load(two_steps))
     # an inf made from finite values is named first
     path = tmp_path / "made"
     with DispatchProbe(task="statistics", dump_path=str(path)) as probe:

@@ -112,7 +112,8 @@ def _nonfinite_lines(run: Run, bad: pd.DataFrame) -> list[str]:
     bad = bad.assign(origin=kinds)
     made, constant = bad[bad["origin"] == "made"], bad[bad["origin"] == "constant"]
     carried = len(bad) - len(made) - len(constant)
-    lines = [f"nan/inf    {len(bad)} tensors in {bad['name'].nunique()} records: {len(made) or 'none'} made from finite "
+    n_records = len(set(zip(bad["step"], bad["rank"], bad["id"])))
+    lines = [f"nan/inf    {len(bad)} tensors in {n_records} records: {len(made) or 'none'} made from finite "
              f"values, {len(constant)} written from an inf/nan constant (masks such as masked_fill(-inf): intended), "
              f"{carried} carried from an input"]
     first = made if len(made) else bad
