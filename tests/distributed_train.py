@@ -1,9 +1,10 @@
 """Training steps of a small MLP on 2 gloo ranks, unprobed and under each task; run by
-``test_distributed.py`` as ``torchrun --nproc-per-node 2 distributed_train.py {ddp,fsdp,tp} OUT``.
+``test_distributed.py`` as ``torchrun --nproc-per-node 2 distributed_train.py {ddp,fsdp,tp} OUT [RUN ...]``.
 
 For each task the same steps run from the same initial weights without and with the probe;
 every loss, gradient and parameter must be bit-identical.  Each rank writes what it saw to
-``OUT/result{rank}.json`` (the test reads the records themselves).
+``OUT/result{rank}.json`` (the test reads the records themselves).  RUNs name the probed runs
+(default: one per task); ``tensor-a`` is a ``tensor`` run recorded in ``OUT/tensor-a``.
 """
 
 from __future__ import annotations
@@ -84,17 +85,18 @@ def main() -> None:
     mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (dist.get_world_size(),))
     result = {}
     reference = train(kind, mesh, None)
-    for task, extra in TASKS.items():
-        probe = DispatchProbe(task=task, dump_path=os.path.join(out, task), **extra)
+    for run in sys.argv[3:] or TASKS:
+        task = run.split("-")[0]
+        probe = DispatchProbe(task=task, dump_path=os.path.join(out, run), **TASKS[task])
         try:
             probed = train(kind, mesh, probe)
             probe.close()
             same = len(probed) == len(reference) and all(
                 a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b) for a, b in zip(probed, reference))
-            result[task] = {"identical": same}
+            result[run] = {"identical": same}
         except Exception as exc:  # reported to the test, which prints it
             import traceback
-            result[task] = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()[-3000:]}
+            result[run] = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()[-3000:]}
     with open(os.path.join(out, f"result{rank}.json"), "w") as f:
         json.dump(result, f)
     dist.barrier()

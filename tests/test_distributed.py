@@ -14,21 +14,24 @@ from pathlib import Path
 
 import pytest
 import torch
+from click.testing import CliRunner
+
+from dispatchprobe.cli import main
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not built")
 SCRIPT = Path(__file__).with_name("distributed_train.py")
 TASKS = ("statistics", "tensor", "overflow", "free_benchmark")
 
 
-def _launch(kind: str, out: Path) -> None:
+def _launch(kind: str, out: Path, runs: tuple = TASKS) -> None:
     env = {**os.environ, "DISPATCHPROBE_FUSED_STATS": "0", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(SCRIPT), kind, str(out)], capture_output=True, text=True, timeout=300, env=env)
+                           str(SCRIPT), kind, str(out), *runs], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     for rank in (0, 1):
         result = json.loads((out / f"result{rank}.json").read_text())
-        for task in TASKS:
-            assert result[task] == {"identical": True}, (kind, rank, task, result[task])
+        for run in runs:
+            assert result[run] == {"identical": True}, (kind, rank, run, result[run])
 
 
 def _records(out: Path, task: str, rank: int, step: int = 0) -> list[dict]:
@@ -48,7 +51,7 @@ def _every_rank_recorded(out: Path) -> None:
 
 
 def test_ddp(tmp_path):
-    _launch("ddp", tmp_path)
+    _launch("ddp", tmp_path, TASKS + ("tensor-again",))
     _every_rank_recorded(tmp_path)
     for rank in (0, 1):
         rec = next(r for r in _records(tmp_path, "statistics", rank) if r["op"] == "c10d.allreduce_.default")
@@ -60,6 +63,13 @@ def test_ddp(tmp_path):
     out0 = next(r for r in _records(tmp_path, "statistics", 0) if r["op"] == "c10d.allreduce_.default")
     out1 = next(r for r in _records(tmp_path, "statistics", 1) if r["op"] == "c10d.allreduce_.default")
     assert out0["outputs"][0]["value"][0]["stats"] == out1["outputs"][0]["value"][0]["stats"]
+    # DDP's reducer writes gradients into bucket views with aten.mul.out: the stale bucket memory
+    # under out= is recorded as undefined (not an input), so two identical runs compare clean
+    mul_out = next(r for r in _records(tmp_path, "tensor", 0) if r["op"] == "aten.mul.out")
+    assert mul_out["kwargs"]["out"].get("undefined") is True, mul_out["kwargs"]
+    res = CliRunner().invoke(main, ["compare", str(tmp_path / "tensor"), str(tmp_path / "tensor-again"),
+                                    "-o", str(tmp_path / "cmp")])
+    assert res.exit_code == 0, res.output[-3000:]
 
 
 def test_fsdp2(tmp_path):

@@ -93,8 +93,10 @@ class _ProbeMode(TorchDispatchMode):
         undefined = probe.uninitialised.among(func, args, kwargs) if probe.uninitialised else None
         recorded = probe.would_record(where[0], where[1])
         written = facts.reads_written
-        if written and recorded:  # in-place/out= ops: record the inputs as they were *before* the op ran
+        if written and recorded:  # in-place ops: record the inputs as they were *before* the op ran
             seen_args, seen_kwargs = _copy_written(written, args, kwargs, undefined)
+        if facts.out_args and recorded:   # out=: a destination, its prior contents are no input
+            seen_args, seen_kwargs, undefined = _destinations(facts.out_args, seen_args, seen_kwargs, undefined)
         collective = recorded and facts.name.startswith(_COLLECTIVES)
         if collective:
             seen_args, seen_kwargs = collectives.copy_overwritten(func, seen_args, seen_kwargs)
@@ -117,6 +119,30 @@ class _Facts(NamedTuple):
     name: str
     reads_written: tuple
     allocates_uninitialised: bool
+    out_args: tuple
+
+
+def _destinations(outs, args, kwargs, undefined: set | None):
+    """``out=`` arguments recorded as undefined (shape and dtype only, never judged, replayed as
+    zeros): aliases stand in for them, so the op's output, the same tensor, keeps its values."""
+    args, kwargs = list(args), dict(kwargs)
+    undefined = set() if undefined is None else undefined
+
+    def alias(t):
+        if isinstance(t, (list, tuple)):
+            return type(t)(alias(x) for x in t)
+        if not isinstance(t, torch.Tensor):
+            return t
+        new = t.detach()
+        undefined.add(id(new))
+        return new
+
+    for i, name in outs:
+        if i < len(args):
+            args[i] = alias(args[i])
+        elif name in kwargs:
+            kwargs[name] = alias(kwargs[name])
+    return tuple(args), kwargs, undefined
 
 
 def _copy_written(written, args, kwargs, undefined: set | None):
@@ -522,7 +548,7 @@ class DispatchProbe(TorchSession):
         if not self.config.include_views and ops.is_alias(func):
             wanted = False
         facts = self._facts[id(func)] = _Facts(func, wanted, ops.op_name(func), ops.reads_written(func),
-                                                ops.allocates_uninitialised(func))
+                                                ops.allocates_uninitialised(func), ops.out_args(func))
         return facts
 
     def _where(self) -> tuple[str, str, str | None]:

@@ -48,8 +48,19 @@ def written_args(func) -> tuple:
 @functools.cache
 def reads_written(func) -> tuple:
     """:func:`written_args` whose old content the op reads: not those of ops that overwrite
-    every element (``fill_``, ``copy_``, ``uniform_``), whose old content is often uninitialised."""
-    return () if base(func) in op_traits.OVERWRITE else written_args(func)
+    every element (``fill_``, ``copy_``, ``uniform_``), whose old content is often uninitialised,
+    nor ``out=`` arguments (a destination, never an input)."""
+    if base(func) in op_traits.OVERWRITE:
+        return ()
+    outs = out_args(func)
+    return tuple(w for w in written_args(func) if w not in outs)
+
+
+@functools.cache
+def out_args(func) -> tuple:
+    """(position, name) of the op's ``out=`` arguments: memory it writes without reading (DDP's
+    gradient bucket views hold stale values there), so their prior contents are never an input."""
+    return tuple((i, a.name) for i, a in enumerate(func._schema.arguments) if a.is_out)
 
 
 @functools.cache
