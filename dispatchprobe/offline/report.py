@@ -17,7 +17,7 @@ import pandas as pd
 
 from ..records.writer import atomic_write_text
 from ..standards import metrics as M
-from .compare import NOT_JUDGED
+from ..standards.verdicts import NOT_JUDGED
 
 # columns a chart can show, and whether larger is worse: compare's metric columns and two of its own
 CHART_METRICS = M.derived(lambda: {**{m: M.METRICS[m].larger_is_worse for m in M.compare_columns()},

@@ -15,6 +15,7 @@ from ..core.op_traits import base_name
 from .loader import is_float, per_dtype, short_dtype, standard
 
 PASS, WARNING, ERROR = "pass", "warning", "error"
+NOT_JUDGED = "not judged"   # status of a compared value that is undefined (uninitialised memory)
 SKIP = "SKIP"
 CATEGORIES = ("benchmark", "absolute_threshold", "ulp", "binary", "thousandth")
 _TIERS = {0.01: "one_hundredth", 0.001: "one_thousandth", 0.0001: "one_ten_thousandth"}

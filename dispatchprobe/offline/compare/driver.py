@@ -1,0 +1,262 @@
+"""The driver: each step/rank part paired, scored and traced (in parallel processes with ``-j``),
+then one table and one :class:`Verdict` for the whole runs."""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from typing import NamedTuple
+
+import numpy as np
+import pandas as pd
+
+from ...core import op_traits
+from ...records.reader import Part, RecordError, load, no_gc
+from ...standards.loader import standard
+from ..align import Mapping, align
+from ..translate import Translation
+from .columns import COLUMNS, STATS, UNMATCHED_COLUMNS, _FLOAT_FIELDS, _ROW_FIELDS
+from .origin import _divergences, _origins
+from .pairing import _decomposed_scopes, _explain_unobservable, _flow, _frames, _pair_tensors
+from .scoring import _score
+from .verdict import Result, RunsDoNotAlign, Verdict
+
+
+class PartResult(NamedTuple):
+    rows: pd.DataFrame
+    unmatched: pd.DataFrame
+    problems: list
+    divergences: list     # at most one :class:`Divergence` per stage
+    aligned: tuple        # (compute records paired, compute records of A, of B)
+
+
+def compare_parts(part_a: Part, part_b: Part, match: str = "fuzzy", mapping: Mapping | None = None,
+                  tensors: bool = True, translate: tuple = (None, None)) -> PartResult:
+    """Compare one step/rank part against another; ``translate``: each side's
+    :class:`~dispatchprobe.offline.translate.Translation` into aten's vocabulary, or None."""
+    with no_gc():
+        return _compare_parts(part_a, part_b, match, mapping or Mapping(), tensors, translate)
+
+
+def _compare_parts(part_a: Part, part_b: Part, match: str, mapping: Mapping, tensors: bool, translate: tuple):
+    recs_a, recs_b = (t.records(p.records) if t else p.records for t, p in zip(translate, (part_a, part_b)))
+    # an overflow re-run of a compiled record repeats that record's call (same name): compared once
+    recs_a, recs_b = ([r for r in recs if not (r.get("compiled") or {}).get("rerun")] for recs in (recs_a, recs_b))
+    decomposed = _decomposed_scopes(recs_a, recs_b, translate) if any(translate) else set()
+    if decomposed:       # compared at the module's boundary: its ops go to unmatched, explained
+        inside = lambda r: r["kind"] == "op" and (r["stage"], r["scope"]) in decomposed   # noqa: E731
+        set_aside = [[r for r in recs if inside(r)] for recs in (recs_a, recs_b)]
+        recs_a, recs_b = ([r for r in recs if not inside(r)] for recs in (recs_a, recs_b))
+    problems = list(part_a.problems) + list(part_b.problems)
+    cross = any(translate)     # two frameworks: argument order and op order may differ, not the values
+    al = align(recs_a, recs_b, match=match, mapping=mapping, by_stats=cross)
+    step, rank = part_a.step, part_a.rank
+
+    # sequence numbers per stage, in A's (and B's) execution order
+    def seqs(recs):
+        counters, out = {}, []
+        for r in recs:
+            c = counters.get(r["stage"], 0)
+            out.append(c)
+            counters[r["stage"]] = c + 1
+        return out
+    seq_a, seq_b = seqs(recs_a), seqs(recs_b)
+    flow_a, flow_b = _flow(recs_a), _flow(recs_b)
+    walks_a, walks_b = flow_a.walks, flow_b.walks
+    # most runs carry no lower precision and no undefined value: no per-row lookup then
+    lin_a, lin_b = flow_a.lineage.get if flow_a.lineage else None, flow_b.lineage.get if flow_b.lineage else None
+    und_a, und_b = flow_a.undefined, flow_b.undefined
+
+    rows = []
+    append = rows.append
+    empty: dict = {}
+    for i, j, how in al.pairs:
+        ra, rb = recs_a[i], recs_b[j]
+        same = mapping.op(ra["op"]) == rb["op"] or how == "module"
+        stack = None
+        head = (ra["stage"], ra["kind"], seq_a[i], ra["scope"], ra["op"], rb["op"], ra["name"], rb["name"],
+                ra["call"], rb["call"], how)
+        overwritten = op_traits.overwrites_first_input(ra["op"])
+        for io, arg, sa, sb in _pair_tensors(walks_a[i], walks_b[j], same, rb["op"] if cross else ""):
+            if overwritten and arg == "input.0":
+                continue  # the destination's old (often uninitialised) content is not an input
+            if stack is None:
+                frames = _frames(part_a, ra) if ra.get("stack") is not None else []
+                stack = " | ".join(frames[-3:]) if frames else ""
+            sta, stb = sa.get("stats") or empty, sb.get("stats") or empty
+            append(head + (io, arg, sa["dtype"], sb["dtype"], tuple(sa["shape"]), tuple(sb["shape"]),
+                           sta.get("nan"), stb.get("nan"), sta.get("inf"), stb.get("inf"),
+                           sa.get("checksum"), sb.get("checksum"), sa.get("data"), sb.get("data"), stack, i,
+                           bool(und_a) and id(sa) in und_a, bool(und_b) and id(sb) in und_b,
+                           lin_a(id(sa), -1) if lin_a else -1, lin_b(id(sb), -1) if lin_b else -1, id(sa), id(sb),
+                           sta.get("max"), stb.get("max"), sta.get("min"), stb.get("min"),
+                           sta.get("mean"), stb.get("mean"), sta.get("norm"), stb.get("norm")))
+    names = _ROW_FIELDS + tuple(f"{s}_{side}" for s in STATS for side in ("a", "b"))
+    columns = list(zip(*rows)) if rows else [()] * len(names)
+    del rows
+    data = {}
+    for name, col in zip(names, columns):
+        if name in _FLOAT_FIELDS:  # None -> nan; numbers and "inf"/"nan" strings -> float, as float() does
+            data[name] = np.array(col, dtype=np.float64)
+        else:
+            data[name] = list(col)
+    del columns
+    df = pd.DataFrame(data)
+    df.insert(0, "rank", rank)
+    df.insert(0, "step", step)
+
+    rows = []
+    for side, idx, recs, seq in (("a", al.only_a, recs_a, seq_a), ("b", al.only_b, recs_b, seq_b)):
+        for i in idx:
+            r = recs[i]
+            rows.append((step, rank, side, r["stage"], r["kind"], seq[i], r["scope"], r["op"], r["name"], r["call"],
+                         op_traits.is_cast(r["op"])))
+    explained = [""] * len(rows)
+    if decomposed:
+        for side, recs in zip("ab", set_aside):
+            for r in recs:
+                rows.append((step, rank, side, r["stage"], r["kind"], -1, r["scope"], r["op"], r["name"], r["call"],
+                             op_traits.is_cast(r["op"])))
+                explained.append(f"decomposed differently: compared at the boundary of {r['scope']}")
+    unmatched = pd.DataFrame(rows, columns=UNMATCHED_COLUMNS)
+    unmatched["explained"] = explained
+    unmatched = _explain_unobservable(unmatched, translate, problems, step, rank)
+    if decomposed:
+        problems.append(f"step {step} rank {rank}: compared at their boundary (the frameworks decompose them "
+                        f"differently): {', '.join(sorted({f'{sc} ({st})' for st, sc in decomposed}))}")
+    if recs_a and recs_b and not al.pairs:
+        problems.append(f"step {step} rank {rank}: no record of {part_a.path} could be aligned with "
+                        f"{part_b.path} (different models?)")
+    elif len(unmatched) and (~unmatched["is_cast"] & (unmatched["explained"] == "")).any():
+        hint = " (different models or options?)" if len(unmatched) > 0.2 * (len(recs_a) + len(recs_b)) else ""
+        problems.append(f"step {step} rank {rank}: {int((~unmatched['is_cast'] & (unmatched['explained'] == '')).sum())} of "
+                        f"{len(recs_a) + len(recs_b)} records could not be aligned{hint}; listed in unmatched.csv")
+    df = _score(df, part_a, part_b, tensors, problems)
+    df["origin"] = _origins(df)
+    compute = [sum(1 for r in recs if not op_traits.is_cast(r["op"])) for recs in (recs_a, recs_b)]
+    paired = sum(1 for i, _, _ in al.pairs if not op_traits.is_cast(recs_a[i]["op"]))
+    divs = _divergences(df, part_a, recs_a, recs_b, al, seq_a, seq_b, flow_a, flow_b) if len(df) else []
+    return PartResult(df, unmatched, problems, divs, (paired, *compute))
+
+
+
+def _worker(args):
+    path_a, key_a, path_b, key_b, match, mapping, tensors, translate = args
+    return compare_parts(Part(path_a, *key_a), Part(path_b, *key_b), match=match, mapping=mapping, tensors=tensors,
+                         translate=translate)
+
+
+def _translations(run_a, run_b, mapping: Mapping) -> tuple:
+    """Runs of two frameworks are compared in aten's vocabulary: the non-torch side(s) translated."""
+    fa, fb = (r.manifest.get("framework") or "torch" for r in (run_a, run_b))
+    if fa == fb:
+        return None, None
+    return tuple(None if f == "torch" else Translation.shipped(f, mapping.frameworks.get(f)) for f in (fa, fb))
+
+
+def compare(a, b, *, match: str = "fuzzy", mapping: str | Mapping | None = None, out: str | None = None,
+            jobs: int = 1, progress: bool = False, tensors: bool = True, metric: str = "cosine") -> Result:
+    """Compare run (or step/rank folder) ``a`` (under test) against ``b`` (benchmark).
+
+    Returns ``(table, verdict)``: one row per compared tensor (columns in docs/compare.md) and a
+    :class:`Verdict`.  With ``out``, writes ``compare.csv``, ``compare.xlsx``, ``unmatched.csv``
+    and ``compare.html`` there.  Raises :class:`RecordError` when nothing could be compared, and
+    :class:`RunsDoNotAlign` (a ``RecordError``) when less than ``min_aligned`` of the smaller run's compute
+    records pair.
+    """
+    if match not in ("fuzzy", "exact"):
+        raise ValueError(f"--match must be 'fuzzy' or 'exact', not {match!r}")
+    if not isinstance(mapping, Mapping):
+        mapping = Mapping.load(mapping)
+    run_a, run_b = load(a), load(b)
+    problems: list[str] = []
+    if len(run_a.parts) == 1 and len(run_b.parts) == 1:
+        jobs_list = [(next(iter(run_a.parts)), next(iter(run_b.parts)))]
+    else:
+        common = sorted(set(run_a.parts) & set(run_b.parts))
+        for key in sorted(set(run_a.parts) - set(run_b.parts)):
+            problems.append(f"step {key[0]} rank {key[1]}: only in {run_a.path}; not compared")
+        for key in sorted(set(run_b.parts) - set(run_a.parts)):
+            problems.append(f"step {key[0]} rank {key[1]}: only in {run_b.path}; not compared")
+        jobs_list = [(k, k) for k in common]
+    if not jobs_list:
+        raise RecordError(f"{run_a.path} and {run_b.path} have no step/rank in common "
+                          f"({sorted(run_a.parts)} vs {sorted(run_b.parts)})")
+    translate = _translations(run_a, run_b, mapping)
+    tasks = [(run_a.parts[ka].path, ka, run_b.parts[kb].path, kb, match, mapping, tensors, translate)
+             for ka, kb in jobs_list]
+    tables, unmatched, divs, aligned = [], [], [], np.zeros(3, np.int64)
+    for res in _run_tasks(tasks, jobs, progress):
+        tables.append(res.rows)
+        unmatched.append(res.unmatched)
+        problems.extend(res.problems)
+        divs.extend(res.divergences)
+        aligned += res.aligned
+    table = pd.concat(tables, ignore_index=True) if tables else pd.DataFrame(columns=COLUMNS)
+    um = pd.concat(unmatched, ignore_index=True) if unmatched else pd.DataFrame(columns=UNMATCHED_COLUMNS + ["explained"])
+    um["is_cast"] = um["is_cast"].astype(bool)
+    if jobs_list[0][0] != jobs_list[0][1] and len(jobs_list) == 1:
+        table["step"], table["rank"] = jobs_list[0][0]
+    # per stage, the divergence of the first step/rank part that has one
+    first = {}
+    for d in sorted(divs, key=lambda d: (d.step, d.rank)):
+        first.setdefault(d.stage, d)
+    for d in first.values():   # a divergence op whose own error is only a warning is an origin too
+        if d.cause == "op" and len(table):
+            at = ((table["step"] == d.step) & (table["rank"] == d.rank) & (table["stage"] == d.stage)
+                  & (table["seq"] == d.seq) & (table["kind"] == d.kind) & (table["io"] == "output"))
+            table.loc[at, "origin"] = True
+    counts = {k: int(v) for k, v in table["status"].value_counts().items()} if len(table) else {}
+    smaller = min(int(aligned[1]), int(aligned[2]))   # a truncated or shorter run is judged on what it has
+    share = float(aligned[0]) / max(smaller, 1)
+    verdict = Verdict(a=str(run_a.path), b=str(run_b.path), forward=first.get("forward"),
+                      backward=first.get("backward"), counts=counts, unmatched=um, problems=problems,
+                      parts=[k for k, _ in jobs_list], aligned=share,
+                      same_run=_same_folder(run_a, run_b, jobs_list))
+    table = table.drop(columns=["uid", "data_a", "data_b", "checksum_a", "checksum_b"], errors="ignore")
+    table = table[[c for c in COLUMNS if c in table.columns]]
+    if out:
+        from ..report import write_reports
+        verdict.report = write_reports(out, table, verdict, run_a.manifest, run_b.manifest, metric=metric,
+                                       progress=progress)
+    if not len(table):
+        why = problems[-1] if problems else "no tensor could be paired"
+        raise RecordError(f"nothing could be compared: {why}"
+                          + (f" (partial report: {verdict.report})" if verdict.report else ""))
+    need = float(standard("compare_standards").get("min_aligned", 0.5))
+    if share < need:
+        raise RunsDoNotAlign(f"the runs do not align: {smaller - int(aligned[0])} of the smaller run's {smaller} "
+                             f"compute records could not be aligned (different models or options?)"
+                             + (f" (partial report: {verdict.report})" if verdict.report else ""),
+                             Result(table, verdict))
+    return Result(table, verdict)
+
+
+def _same_folder(run_a, run_b, jobs_list) -> bool:
+    """Whether every compared pair is one folder read twice (``compare A A``)."""
+    return all(os.path.realpath(run_a.parts[ka].path) == os.path.realpath(run_b.parts[kb].path) for ka, kb in jobs_list)
+
+
+def _run_tasks(tasks, jobs: int, progress: bool):
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover
+        tqdm = None
+    bar = tqdm(total=len(tasks), desc="compare", unit="part", disable=not progress or tqdm is None,
+               leave=False) if tqdm else None
+    results = [None] * len(tasks)
+    if jobs > 1 and len(tasks) > 1:
+        with ProcessPoolExecutor(max_workers=min(jobs, len(tasks))) as pool:
+            futures = {pool.submit(_worker, t): k for k, t in enumerate(tasks)}
+            for fut in as_completed(futures):
+                results[futures[fut]] = fut.result()
+                if bar:
+                    bar.update()
+    else:
+        for k, t in enumerate(tasks):
+            results[k] = _worker(t)
+            if bar:
+                bar.update()
+    if bar:
+        bar.close()
+    return results

@@ -1,0 +1,166 @@
+"""Pairing two parts' records tensor by tensor, and the data flow of one part's records (which
+record produced each input, the precision each value carries)."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import pandas as pd
+
+from ...core import op_traits
+from ...records.reader import Part, tensor_list
+from ...standards import verdicts as V
+from ..align import stats_distance
+
+
+def _swap_commutative(ta: list, tb: list) -> list:
+    """``tb`` with its two inputs exchanged when they match ``ta``'s crosswise by their statistics
+    (``mul(a, b)`` recorded as ``mul(b, a)`` by another framework)."""
+    ins_a = [x for x in ta if x[1] in ("input.0", "input.1")]
+    ins_b = [x for x in tb if x[1] in ("input.0", "input.1")]
+    if len(ins_a) != 2 or len(ins_b) != 2:
+        return tb
+    straight = stats_distance(ins_a[0][2], ins_b[0][2]) + stats_distance(ins_a[1][2], ins_b[1][2])
+    crossed = stats_distance(ins_a[0][2], ins_b[1][2]) + stats_distance(ins_a[1][2], ins_b[0][2])
+    if crossed >= straight:
+        return tb
+    swap = {"input.0": ins_b[1][2], "input.1": ins_b[0][2]}
+    return [(io, arg, swap.get(arg, spec)) if io == "input" else (io, arg, spec) for io, arg, spec in tb]
+
+
+def _decomposed_scopes(recs_a: list, recs_b: list, translate: tuple) -> set:
+    """(stage, scope) of the modules both runs recorded a boundary of, whose own ops differ (after
+    translation): the two frameworks decompose that module differently (a loss), so it is
+    compared at its boundary (its module records), not op by op."""
+    def own_ops(recs, other):
+        unseen = other.unobservable if other is not None else {}   # not a decomposition: unobserved
+        ops, bounds = {}, set()
+        for r in recs:
+            key = (r["stage"], r["scope"])
+            if r["kind"] == "module":
+                bounds.add(key)
+            elif r["scope"] and not (r["stage"] == "backward" and r["op"] in unseen):
+                ops.setdefault(key, []).append(r["op"])
+        return ops, bounds
+    (ops_a, bounds_a), (ops_b, bounds_b) = own_ops(recs_a, translate[1]), own_ops(recs_b, translate[0])
+    return {k for k in bounds_a & bounds_b if sorted(ops_a.get(k, [])) != sorted(ops_b.get(k, []))}
+
+
+def _explain_unobservable(unmatched: pd.DataFrame, translate: tuple, problems: list, step: int, rank: int):
+    """Mark the PyTorch side's unmatched backward records whose counterpart the other framework
+    runs unobserved (``unobservable`` in its translation), and say so once."""
+    for side, other in (("a", translate[1]), ("b", translate[0])):
+        if other is None or not other.unobservable:
+            continue
+        hit = (unmatched["side"] == side) & (unmatched["stage"] == "backward") & unmatched["op"].isin(other.unobservable) \
+            & (unmatched["explained"] == "")
+        unmatched.loc[hit, "explained"] = [f"not observable in the other framework ({other.unobservable[op]})"
+                                           for op in unmatched.loc[hit, "op"]]
+        if hit.any():
+            kernels = sorted({other.unobservable[op] for op in unmatched.loc[hit, "op"]})
+            problems.append(f"step {step} rank {rank}: {int(hit.sum())} backward record(s) of run {side.upper()} have no "
+                            f"counterpart: the other framework runs {', '.join(kernels)} outside its dispatch mode "
+                            "on that device (not observable)")
+    return unmatched
+
+
+def _pair_tensors(ta: list, tb: list, same_op: bool, op: str = ""):
+    """(io, arg, spec_a, spec_b) of two paired records' tensors (``ta``, ``tb``: their walks);
+    ``op`` given (runs of two frameworks): a commutative op's inputs may come in the other order."""
+    if same_op and op_traits.base_name(op) in op_traits.COMMUTATIVE:
+        tb = _swap_commutative(ta, tb)
+    if same_op and len(ta) == len(tb) and all(x[1] == y[1] for x, y in zip(ta, tb)):
+        for (io, arg, sa), (_, _, sb) in zip(ta, tb):  # the usual case: the same arguments in order
+            yield io, arg, sa, sb
+    elif same_op:
+        by_arg = {arg: (io, spec) for io, arg, spec in tb}
+        for io, arg, spec in ta:
+            hit = by_arg.get(arg)
+            if hit is not None:
+                yield io, arg, spec, hit[1]
+    else:  # substituted kernel: pair outputs in order
+        oa = [(arg, s) for io, arg, s in ta if io == "output"]
+        ob = [s for io, arg, s in tb if io == "output"]
+        for (arg, sa), sb in zip(oa, ob):
+            yield "output", arg, sa, sb
+
+
+class _Flow(NamedTuple):
+    """The data flow of one part's records, keyed by ``id()`` of the tensor specs."""
+
+    src: dict       # input spec -> (index, output arg) of the record that produced the value
+    lineage: dict   # float spec -> the lowest precision rank (``verdicts.PRECISIONS``) it was computed
+                    # from, where that is below its own dtype's
+    walks: list     # per record: its tensors, ``(io, arg, spec)`` (records.format.walk)
+    undefined: set  # specs flagged ``undefined`` (uninitialised memory)
+
+
+def _signature(spec: dict):
+    """A value recognised by its dtype and statistics, where no saved-tensor key says more
+    (statistics records; reshapes autograd makes without a record keep all of them)."""
+    st = spec.get("stats")
+    if not st:
+        return None
+    if st.get("nan"):   # nan never equals itself: key it by its text
+        return (spec["dtype"], *map(str, st.values()))
+    return (spec["dtype"], *st.values())
+
+
+def _flow(recs: list) -> _Flow:
+    """Which earlier record produced each input (the latest with that value) and the precision each
+    value carries: a float value computed from bfloat16 values carries bfloat16 rounding, whatever its
+    own dtype.  Op records produce values; module records only where a part has no op records."""
+    producers = "op" if any(r["kind"] == "op" for r in recs) else "module"
+    by_data: dict = {}
+    by_sig: dict = {}
+    src: dict = {}
+    lineage: dict = {}
+    ranks: dict = {}
+    undefined: set = set()
+    walks = [tensor_list(r) for r in recs]
+    for i, r in enumerate(recs):
+        low = None
+        produces = r["kind"] == producers
+        for io, arg, spec in walks[i]:
+            dt = spec["dtype"]
+            own = ranks.get(dt)
+            if own is None:
+                own = ranks[dt] = V.precision_rank(dt)
+            data = spec.get("data")
+            if spec.get("undefined"):
+                undefined.add(id(spec))
+            if io == "input" or not produces:
+                hit = by_data.get(data) if data is not None else None
+                if hit is None:
+                    sig = _signature(spec)
+                    hit = by_sig.get(sig) if sig is not None else None
+                if hit is not None and io == "input":
+                    src[id(spec)] = hit[0], hit[1]
+                if own < 0:
+                    continue
+                rk = own if hit is None or hit[2] is None else min(own, hit[2])
+                if io == "output" and hit is None and low is not None:
+                    rk = min(rk, low)
+                if rk < own:
+                    lineage[id(spec)] = rk
+                if io == "input":
+                    low = rk if low is None else min(low, rk)
+            else:
+                rk = None if own < 0 else own if low is None else min(own, low)
+                if rk is not None and rk < own:
+                    lineage[id(spec)] = rk
+                entry = (i, arg, rk)
+                if data is not None:
+                    by_data[data] = entry
+                sig = _signature(spec)
+                if sig is not None:
+                    by_sig[sig] = entry
+    return _Flow(src, lineage, walks, undefined)
+
+
+def _frames(part: Part, record: dict) -> list:
+    try:
+        return list(part.stacks.get(record.get("stack"), []))
+    except Exception:  # a stacks file we cannot read must not stop a compare
+        return []
+

@@ -1,0 +1,184 @@
+"""Scoring paired tensors: the statistics and tensor metrics of each row and its verdict, judged by
+the tolerance of the precision its values carry."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pandas as pd
+
+from ...records.reader import Part, RecordError
+from ...standards import metrics as M, statistics as S, verdicts as V
+from ...standards.loader import is_float
+from ...standards.verdicts import NOT_JUDGED
+from .columns import STATS, TENSOR_METRICS, _COMPUTED, _PERFECT
+
+
+def _score(df: pd.DataFrame, part_a: Part, part_b: Part, tensors: bool, problems: list) -> pd.DataFrame:
+    """Add the metric and verdict columns to the paired rows (vectorised where the metric allows)."""
+    n = len(df)
+    sa = {s: df[f"{s}_a"].to_numpy(np.float64) for s in STATS}
+    sb = {s: df[f"{s}_b"].to_numpy(np.float64) for s in STATS}
+    for k, v in S.compare_stats_columns(sa, sb).items():
+        df[k] = v
+    stats_err = S.stats_error(sa, sb)
+    df["stats_err"] = stats_err
+    dtype_a = df["dtype_a"].to_numpy(object)
+    dtype_b = df["dtype_b"].to_numpy(object)
+    judge_dtype, cross = _tolerances(df, dtype_a, dtype_b)
+    nonfinite = ((df["nan_a"].fillna(0).to_numpy() != df["nan_b"].fillna(0).to_numpy())
+                 | (df["inf_a"].fillna(0).to_numpy() != df["inf_b"].fillna(0).to_numpy()))
+    status, reason = S.judge_stats_columns(stats_err, judge_dtype, nonfinite)
+    ca, cb = df["checksum_a"].to_numpy(object), df["checksum_b"].to_numpy(object)
+    has_ck = ~pd.isna(ca) & ~pd.isna(cb) if n else np.zeros(0, dtype=bool)
+    ck_equal = has_ck & (ca == cb) & (dtype_a == dtype_b)
+    df["checksum_match"] = np.where(has_ck, np.where(ck_equal, "equal", "unequal"), "")
+    status = np.where(ck_equal, V.PASS, status).astype(object)
+    reason = np.where(ck_equal, "", np.where(has_ck & (status != V.PASS), reason + "; checksum unequal", reason)
+                      ).astype(object)
+    # undefined values (uninitialised memory) are never judged and never count towards a divergence
+    undef_a, undef_b = df["undef_a"].to_numpy(bool), df["undef_b"].to_numpy(bool)
+    undef = undef_a | undef_b
+    if undef.any():
+        status[undef] = NOT_JUDGED
+        which = np.where(undef_a & undef_b, "both runs", np.where(undef_a, "run A", "run B"))
+        reason[undef] = [f"undefined contents (uninitialised memory) in {w}" for w in which[undef]]
+        stats_err[undef] = np.nan
+        df["stats_err"] = stats_err
+    error = stats_err.copy()
+    for m in TENSOR_METRICS:
+        df[m] = np.nan
+
+    if tensors and n:
+        da, db = df["data_a"].to_numpy(object), df["data_b"].to_numpy(object)
+        rows = np.flatnonzero(~pd.isna(da) & ~pd.isna(db) & ~undef)
+        shapes_ok = [int(np.prod(df["shape_a"].iat[r])) == int(np.prod(df["shape_b"].iat[r])) for r in rows]
+        rows = rows[np.array(shapes_ok, dtype=bool)] if len(rows) else rows
+        if len(rows):
+            results = _tensor_metrics(part_a, part_b, da[rows], db[rows], judge_dtype[rows],
+                                      df["dtype_a"].to_numpy(object)[rows], problems)
+            scale = np.fmax(np.abs(sb["max"][rows]), np.abs(sb["min"][rows]))
+            mvals = {m: np.full(len(rows), np.nan) for m in TENSOR_METRICS}
+            rel_l2 = mvals["rel_l2_err"]
+            for k, (r, res) in enumerate(zip(rows, results)):
+                if res is None:
+                    continue
+                met, kind = res
+                for m in TENSOR_METRICS:
+                    if m in met:
+                        mvals[m][k] = met[m]
+                if kind == "binary":
+                    mism = met["binary_mismatch"]
+                    status[r] = V.ERROR if mism > 0 else V.PASS
+                    reason[r] = f"{mism:.2%} of elements differ" if mism > 0 else ""
+                    rel_l2[k] = mism
+                    continue
+                if cross[r]:
+                    st, why = V.judge_cross_precision(met, judge_dtype[r])
+                else:
+                    st, why = V.judge_compare(met, judge_dtype[r], float(scale[k]) if np.isfinite(scale[k]) else 1.0)
+                status[r], reason[r] = st, why
+                rel_l2[k] = math.inf if met.get("inf_nan_mismatch") else met["rel_l2_err"]
+            for m in TENSOR_METRICS:
+                df.loc[df.index[rows], m] = mvals[m]
+            error[rows] = np.where(np.isnan(rel_l2), error[rows], rel_l2)
+    df["error"] = error
+    df["status"] = status
+    df["reason"] = reason
+    return df
+
+
+def _tolerances(df: pd.DataFrame, dtype_a, dtype_b) -> tuple[np.ndarray, np.ndarray]:
+    """Per row: the dtype whose tolerance applies and whether the pair is cross-precision.  A float
+    pair is judged by the lowest precision among its two dtypes and the precisions its values were
+    computed from (``_Flow.lineage``); it is cross-precision when those differ between the runs
+    (a bfloat16 layer in one run only: its outputs and everything computed from them)."""
+    n = len(df)
+    if not n:
+        return np.zeros(0, object), np.zeros(0, bool)
+    codes, uniques = S.factorize(list(zip(dtype_a, dtype_b)))
+    base = np.array([V.lower_precision(x, y) for x, y in uniques], dtype=object)[codes]
+    own_a = np.array([V.precision_rank(x) for x, _ in uniques], dtype=np.int64)[codes]
+    own_b = np.array([V.precision_rank(y) for _, y in uniques], dtype=np.int64)[codes]
+    lin_a, lin_b = df["lineage_a"].to_numpy(np.int64), df["lineage_b"].to_numpy(np.int64)
+    carried_a = np.where(lin_a >= 0, np.minimum(lin_a, own_a), own_a)
+    carried_b = np.where(lin_b >= 0, np.minimum(lin_b, own_b), own_b)
+    floats = (own_a >= 0) & (own_b >= 0)
+    cross = floats & ((own_a != own_b) | (carried_a != carried_b))
+    names = np.array(V.PRECISIONS, dtype=object)
+    judge = np.where(floats, names[np.clip(np.minimum(carried_a, carried_b), 0, None)], base)
+    return judge, cross
+
+
+def _tensor_metrics(part_a: Part, part_b: Part, keys_a, keys_b, judge_dtypes, dtypes_a, problems):
+    """Metrics for each (key_a, key_b); each distinct pair computed once; tensors loaded in chunks."""
+    out = [None] * len(keys_a)
+    todo: dict = {}
+    for k, pair in enumerate(zip(keys_a, keys_b, judge_dtypes)):
+        todo.setdefault(pair, []).append(k)
+    pairs = list(todo)
+    workers = min(_threads(), len(pairs))
+    with ThreadPoolExecutor(max_workers=workers) if workers > 1 else contextlib.nullcontext() as pool:
+        _metrics_chunks(part_a, part_b, pairs, todo, out, problems, pool)
+    return out
+
+
+def _threads() -> int:
+    """Threads for the tensor metrics: ``DISPATCHPROBE_THREADS``, else 1 (the metrics are many
+    short numpy calls on cache-sized blocks, holding the GIL between them: threads contend).
+    Parts (steps, ranks) still run in parallel processes (``-j``)."""
+    env = os.environ.get("DISPATCHPROBE_THREADS")
+    if env and env.isdigit() and int(env) > 0:
+        return int(env)
+    return 1
+
+
+def _metrics_chunks(part_a, part_b, pairs, todo, out, problems, pool):
+    start = 0
+    while start < len(pairs):
+        chunk = pairs[start:start + 512]
+        start += len(chunk)
+        try:
+            ta = part_a.tensors_of({p[0] for p in chunk})
+            tb = part_b.tensors_of({p[1] for p in chunk})
+        except RecordError as exc:
+            problems.append(str(exc))
+            ta, tb = {}, {}
+            for p in chunk:  # fall back to one at a time: keep what can be read
+                try:
+                    ta[p[0]] = part_a.tensor(p[0])
+                    tb[p[1]] = part_b.tensor(p[1])
+                except RecordError:
+                    pass
+        def one(p, ta=ta, tb=tb):
+            a, b = ta.get(p[0]), tb.get(p[1])
+            return None if a is None or b is None else _metrics_of(a, b, p[2])
+        # numpy releases the GIL in the element-wise passes: threads use every core
+        for p, res in zip(chunk, pool.map(one, chunk) if pool else map(one, chunk)):
+            if res is None:
+                continue
+            for k in todo[p]:
+                out[k] = res
+        del ta, tb, one
+
+
+def _metrics_of(a: np.ndarray, b: np.ndarray, dtype: str):
+    if not is_float(dtype) or a.dtype.kind not in "fc" or b.dtype.kind not in "fc":
+        return {"binary_mismatch": M.binary_mismatch(a, b), "elements": int(a.size)}, "binary"
+    if a.dtype == b.dtype and a.shape == b.shape and _same_bytes(a, b):
+        return {**_PERFECT, "elements": int(a.size)}, "float"
+    return M.compare_arrays(a, b, dtype, only=_COMPUTED), "float"
+
+
+def _same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
+    """Bit-identical tensors (the common case between two runs): a memcmp when both are plain
+    contiguous arrays, else an element-wise pass.  Values equal but not bitwise (-0.0, nan
+    payloads) simply go through the metrics, which find them perfect."""
+    if a.flags.c_contiguous and b.flags.c_contiguous:
+        return memoryview(a).cast("B") == memoryview(b).cast("B")
+    return bool(np.array_equal(a, b))
+

@@ -1,0 +1,144 @@
+"""What compare concludes: a :class:`Divergence` per stage, the :class:`Verdict` (its ``str()`` is
+the terminal summary) and the errors a caller catches."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import pandas as pd
+
+from ...records.reader import RecordError
+from ...standards.verdicts import NOT_JUDGED
+
+
+@dataclass
+class Divergence:
+    """Where one stage's error rows come from (``cause``):
+
+    - ``op``: the first op (or smallest module) whose own error crosses the line: its outputs differ
+      while its inputs agree, or its error exceeds its inputs' ``origin_amplification``-fold;
+    - ``unmatched``: an op present in one run only (``side``) between agreeing and failing records;
+    - ``inputs``: a value no recorded op produced (parameter, data) already differs (``arg``);
+    - ``unrecorded``: an input differs although the op that produced it agreed;
+    - ``inherited``: backward only: no backward op diverges by itself, its errors come from forward values.
+    """
+
+    stage: str
+    step: int
+    rank: int
+    seq: int
+    scope: str
+    op: str
+    name: str
+    call: int
+    kind: str
+    failed: str                  # why: the reasons of its failing tensors
+    metrics: dict = field(default_factory=dict)
+    stack: list = field(default_factory=list)
+    module: str | None = None    # smallest module whose output differs and whose inputs agree
+    cause: str = "op"
+    side: str = "a"              # the run holding the record (``unmatched`` ops of run B: "b")
+    arg: str = ""                # the tensor where ``inputs``/``inherited``/``unrecorded`` is seen
+    errors: int = 0              # error rows of this stage in this step/rank part
+
+    def where(self) -> str:
+        return (f"{self.op} [{self.scope or '<top>'}] call {self.call} "
+                f"(#{self.seq} in {self.stage}{'' if self.side == 'a' else ' of run B'}, "
+                f"step {self.step} rank {self.rank})")
+
+    def describe(self) -> str:
+        if self.cause == "inputs":
+            lines = [f"the runs differ already at their inputs/parameters: first seen at {self.op} "
+                     f"[{self.scope or '<top>'}] {self.arg} (#{self.seq} in {self.stage}, step {self.step} "
+                     f"rank {self.rank}): {self.failed}"]
+        elif self.cause == "inherited":
+            lines = [f"{self.stage}: no {self.stage} op diverges by itself; its {self.errors} error rows follow from "
+                     f"differing forward values (first at {self.op} [{self.scope or '<top>'}] {self.arg}, "
+                     f"#{self.seq} in {self.stage}, step {self.step} rank {self.rank})"]
+        elif self.cause == "unmatched":
+            lines = [f"first {self.stage} divergence: {self.where()}, present only in run {self.side.upper()} "
+                     f"(prime suspect): {self.failed}"]
+        else:
+            lines = [f"first {self.stage} divergence: {self.where()}: {self.failed}"]
+        if self.module and self.module != self.scope:
+            lines.append(f"  smallest module whose output differs: {self.module}")
+        lines += [f"  at {frame}" for frame in self.stack[-4:]]
+        return "\n".join(lines)
+
+
+@dataclass
+class Verdict:
+    """What compare concluded; ``str()`` gives the terminal summary."""
+
+    a: str
+    b: str
+    forward: Divergence | None
+    backward: Divergence | None
+    counts: dict
+    unmatched: pd.DataFrame
+    problems: list
+    parts: list
+    report: str | None = None
+    aligned: float = 1.0         # share of the smaller run's compute records (ops, modules) paired
+    same_run: bool = False       # A and B are the same folder: agreement says nothing
+
+    @property
+    def passed(self) -> bool:
+        return self.counts.get("error", 0) == 0
+
+    @property
+    def damaged(self) -> list:
+        """Problems reading saved tensors (cut short or corrupt shards): their rows fell back to
+        statistics, so an agreement is only an agreement on what could be read."""
+        return [p for p in self.problems if p.startswith("damaged record")]
+
+    @property
+    def inputs_differ(self) -> bool:
+        return any(d is not None and d.cause == "inputs" for d in (self.forward, self.backward))
+
+    @property
+    def compared(self) -> int:
+        return int(sum(self.counts.values()))
+
+    def __str__(self) -> str:
+        counts = ", ".join(f"{k} {self.counts.get(k, 0)}" for k in ("pass", "warning", "error"))
+        if self.counts.get(NOT_JUDGED):
+            counts += f", not judged {self.counts[NOT_JUDGED]} (undefined values)"
+        lines = [f"compared {self.compared} tensors in {len(self.parts)} step/rank part(s): {counts}"]
+        for div, stage in ((self.forward, "forward"), (self.backward, "backward")):
+            lines.append(div.describe() if div else f"no {stage} divergence")
+        if self.passed and self.damaged:
+            lines.append("the runs agree on what could be read; damaged records were not compared (see the "
+                         "warnings)")
+        elif self.passed and self.same_run:
+            lines.append(f"the runs agree: A and B are the same records ({self.a}); compare it with another run")
+        elif self.passed:
+            lines.append("the runs agree")
+        compute = self.unmatched[~self.unmatched["is_cast"]] if len(self.unmatched) else self.unmatched
+        if len(self.unmatched):
+            lines.append(f"unmatched records: {len(self.unmatched)} ({len(compute)} compute ops or modules, "
+                         f"{len(self.unmatched) - len(compute)} casts)")
+        lines += [f"warning: {p}" for p in self.problems[:5]]
+        if len(self.problems) > 5:
+            lines.append(f"warning: ... {len(self.problems) - 5} more problems "
+                         + ("(listed in the report)" if self.report else "(add -o DIR to list them in DIR/compare.html)"))
+        if self.report:
+            lines.append(f"report: {self.report}")
+        return "\n".join(lines)
+
+
+class RunsDoNotAlign(RecordError):
+    """The runs' records mostly do not pair (different models or options); ``result`` holds what did."""
+
+    def __init__(self, message: str, result=None):
+        super().__init__(message)
+        self.result = result
+
+
+class Result(NamedTuple):
+    """``(table, verdict)``; unpack it or use ``.table`` / ``.verdict``."""
+
+    table: pd.DataFrame
+    verdict: Verdict
+
