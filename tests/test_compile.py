@@ -747,3 +747,66 @@ def test_steps_follow_the_optimizer_in_both_capture_paths(tmp_path):
     table, verdict = compare(str(tmp_path / "eager"), str(tmp_path / "compiled"))
     assert verdict.parts == [(s, 0) for s in range(3)] and "the runs agree" in str(verdict)
     assert set(table["step"]) == {0, 1, 2}
+
+
+# ---- probe_backend keeps inductor's decisions: real eager-vs-inductor differences stay visible ----
+def _index_add_into_expand(src, idx):
+    """pytorch#183986: inductor's reinplacing writes into the expanded zeros' one row."""
+    return torch.zeros(1, 8).expand(4, -1).index_add(0, idx, src)
+
+
+def _bf16_division(Y, y):
+    """pytorch#141436: inductor keeps ``y.to(bf16)`` in float32 inside the fused division."""
+    return Y / y.to(Y.dtype).unsqueeze(-1)
+
+
+class _GatedChunks(torch.nn.Module):
+    """pytorch#168186: a bf16 product whose chunks are added; inductor fuses without rounding it."""
+
+    def __init__(self, dim=32):
+        super().__init__()
+        self.p_in = torch.nn.Linear(dim, 2 * dim, bias=False)
+        self.g_in = torch.nn.Linear(dim, 2 * dim, bias=False)
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            a, b = torch.chunk(self.p_in(x) * self.g_in(x), 2, dim=-1)
+            return a + b
+
+
+def _repro(name):
+    g = torch.Generator().manual_seed(0)
+    if name == "index_add":
+        return _index_add_into_expand, (torch.ones(3, 8), torch.tensor([0, 1, 0])), "aten.index_add.default"
+    if name == "division":
+        return _bf16_division, (torch.randn(1, 6, 32, 4, 32, generator=g).bfloat16(),
+                                torch.randn(1, 6, 32, 4, generator=g)), "aten.div.Tensor"
+    torch.manual_seed(0)
+    return _GatedChunks(), (torch.randn(4, 16, 32, generator=g),), "aten.add.Tensor"
+
+
+@pytest.mark.parametrize("name", ["index_add", "division", "chunks"])
+def test_probe_backend_outputs_are_plain_inductors(tmp_path, name):
+    """Real eager-vs-inductor differences from PyTorch's tracker: probe_backend's outputs equal
+    plain inductor's bitwise under the statistics and tensor tasks (its reads must not block the
+    reinplacing or change what inductor stores in bf16), both differ from eager, and compare
+    names the op whose output differs, and only it (its inputs recorded as inductor stored them)."""
+    fn, args, op = _repro(name)
+    eager = fn(*args)
+    torch._dynamo.reset()
+    plain = torch.compile(fn, backend="inductor")(*args)
+    assert not torch.equal(plain, eager)
+    with DispatchProbe(task="tensor", dump_path=str(tmp_path / "eager")) as probe:
+        fn(*args)
+    probe.close()
+    for task in ("statistics", "tensor"):
+        torch._dynamo.reset()
+        backend = probe_backend(task=task, dump_path=str(tmp_path / task))
+        probed = torch.compile(fn, backend=backend)(*args)
+        backend.close()
+        assert torch.equal(probed, plain), task
+    torch._dynamo.reset()
+    table, verdict = compare(str(tmp_path / "eager"), str(tmp_path / "tensor"))
+    differ = table[table["status"] != "pass"]
+    assert set(differ["op_a"]) == {op} and set(differ["arg"]) == {"output.0"}, differ
+    assert verdict.forward is None or verdict.forward.op == op

@@ -11,6 +11,7 @@ execution order with the eager records of the code around the graphs.  See docs/
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import itertools
 import math
@@ -172,7 +173,7 @@ class ProbeBackend:
                 instrument(graph_module.graph)
                 graph_module.recompile()
                 return _EagerOutput(graph_module)
-            with _kernel_provenance() as kernels, \
+            with _kernel_provenance() as kernels, _unseen_by_lowering(instrument), \
                     torch._inductor.config.patch({"post_grad_custom_post_pass": instrument,
                                                   "trace.provenance_tracking_level": _PROVENANCE_LEVEL}):
                 compiled = compile_fx_inner(graph_module, inputs, **kw)
@@ -184,6 +185,33 @@ class ProbeBackend:
         with functorch_config.patch(enable_autograd_cache=False):
             return compile_fx(gm, example_inputs, inner_compile=inner_compile,
                               config_patches={"fx_graph_cache": False}, decompositions=_traced_decompositions())
+
+
+@contextlib.contextmanager
+def _unseen_by_lowering(instrument):
+    """While inductor lowers a node of the user's graph, the nodes the pass added are hidden from
+    its users: inductor realizes a value (stores it in its dtype) or inlines it into its readers
+    by their number, which decides bf16 rounding (pytorch#168186): the statistics must not."""
+    from torch._inductor.graph import GraphLowering
+
+    run_node = GraphLowering.run_node
+
+    def lowering_run_node(self, n):
+        ours = instrument.added
+        users = n.users
+        if n in ours or not any(u in ours for u in users):
+            return run_node(self, n)
+        n.users = {u: v for u, v in users.items() if u not in ours}
+        try:
+            return run_node(self, n)
+        finally:
+            n.users = users
+
+    GraphLowering.run_node = lowering_run_node
+    try:
+        yield
+    finally:
+        GraphLowering.run_node = run_node
 
 
 # inductor's provenance tracking, level "basic": which post-grad nodes each generated kernel computes
@@ -479,6 +507,14 @@ def _stats_nodes(graph: torch.fx.Graph, node: torch.fx.Node, at: torch.fx.Node):
         new.append(n)
         return n
 
+    if val.dtype == torch.bfloat16:
+        # the value as stored: in a fused kernel inductor keeps a bf16 value in float32, unrounded
+        # (and folds casts back and forth): round to nearest even on the bits, as a store does
+        bits = call(aten.view.dtype, x, torch.int32)
+        odd = call(aten.bitwise_and.Scalar, call(aten.bitwise_right_shift.Tensor_Scalar, bits, 16), 1)
+        up = call(aten.add.Tensor, call(aten.add.Scalar, bits, 0x7FFF), odd)
+        rounded = call(aten.view.dtype, call(aten.bitwise_and.Scalar, up, -65536), torch.float32)
+        x = call(aten.where.self, call(aten.ne.Tensor, x, x), x, rounded)
     hi = call(aten.amax.default, x)
     lo = call(aten.amin.default, x)
     if val.device.type == "cpu":
@@ -530,8 +566,16 @@ class _Instrument:
         self.roots = roots
         self.backward = backward
         self.records: _GraphRecords | None = None
+        self.added: set = set()       # the nodes the pass added
 
     def __call__(self, graph: torch.fx.Graph) -> None:
+        before = set(graph.nodes)
+        try:
+            self._instrument(graph)
+        finally:
+            self.added = {n for n in graph.nodes if n not in before}
+
+    def _instrument(self, graph: torch.fx.Graph) -> None:
         task = self.owner.config.task
         # task overflow: the graph as it is now (before the statistics and the later passes), to
         # re-run eagerly when a call overflows
@@ -564,13 +608,25 @@ class _Instrument:
                 template.check_inputs(group, exact)
             for n in template.tensor_nodes:
                 if n not in stats:
-                    at = n if n.op != "placeholder" else _last_placeholder(graph)
-                    stats[n] = _stats_nodes(graph, n, at)
+                    stats[n] = None
                     order.append(n)
         if not records.templates:
             return
+        # where each value is read: after its last reader, before anything writes it; values that
+        # something writes later are copied there for the reads at the end of the graph
+        reads = _Reads(graph, users)
+        kept = {}
+        for n in order:
+            at = reads.at(n)
+            if reads.written_after(n) and (task == "tensor" or n.meta["val"].device.type == "cpu"):
+                with graph.inserting_after(at):
+                    at = kept[n] = graph.call_function(torch.ops.aten.clone.default, (n,))
+                kept[n].meta["val"] = n.meta["val"]
+            stats[n] = _stats_nodes(graph, kept.get(n, n), at)
+            if isinstance(stats[n], _Reductions):
+                stats[n].node = kept.get(n, n)
         flat, order = _row_windows(graph, stats, order)
-        values = order if task == "tensor" else []
+        values = [kept.get(n, n) for n in order] if task == "tensor" else []
         inputs = []
         if task == "overflow":
             records.rerun = plain
@@ -709,6 +765,56 @@ def _call_values(graph: torch.fx.Graph, group: _Group, call: _Call, owner_of: di
                 and any(owner_of.get(u) is not group for u in users.get(n, ())):
             at.setdefault(i, n)
     return args, kwargs, [at.get(i) for i in range(call.outputs)]
+
+
+class _Reads:
+    """Where the pass reads a value, so that inductor does what it does without the probe.
+
+    After the value's last reader (following views): inductor decides at the readers whether to
+    store the value (in its dtype: bf16 rounding) or to recompute it inline, and a statistic
+    read earlier would see it before that decision (pytorch#168186, #141436).  Before anything
+    writes its memory: the ``copy_`` of a mutated graph input, and the functional ops inductor's
+    reinplacing pass may turn in place (``index_put``, ``*_scatter``, foreach ops), which it
+    keeps functional when the value is read after them (pytorch#183986)."""
+
+    def __init__(self, graph: torch.fx.Graph, users: dict):
+        from torch._inductor.fx_passes import reinplace
+        from torch._inductor.fx_utils import get_node_storage
+        self.storage = get_node_storage
+        self.users = users
+        self.pos = {n: i for i, n in enumerate(graph.nodes)}
+        self.last_placeholder = _last_placeholder(graph)
+        candidates = (*reinplace.inplaceable_ops, *reinplace._SCATTER_OP_TO_VIEW, *reinplace.inplaceable_foreach_ops)
+        self.writes: dict = {}            # storage -> positions of the nodes that (may) write it
+        for n in graph.nodes:
+            written = [n.args[0]] if n.target in candidates and n.args else []
+            if isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable:
+                for i, a in enumerate(n.target._schema.arguments):
+                    if a.alias_info is not None and a.alias_info.is_write:
+                        written.append(n.args[i] if i < len(n.args) else n.kwargs.get(a.name))
+            for arg in written:
+                for t in arg if isinstance(arg, (list, tuple)) else (arg,):
+                    if isinstance(t, torch.fx.Node) and get_node_storage(t) is not None:
+                        self.writes.setdefault(get_node_storage(t), []).append(self.pos[n])
+
+    def written_after(self, n) -> int | None:
+        """Position of the first node after ``n`` that writes its memory, if any."""
+        after = [p for p in self.writes.get(self.storage(n), ()) if p > self.pos[n]]
+        return min(after) if after else None
+
+    def at(self, n: torch.fx.Node) -> torch.fx.Node:
+        limit = self.written_after(n)
+        readers, todo = [], list(self.users.get(n, ()))
+        while todo:
+            u = todo.pop()
+            if u.op == "output" or u not in self.pos or (limit is not None and self.pos[u] >= limit):
+                continue
+            readers.append(u)
+            if isinstance(u.target, torch._ops.OpOverload) and ops.is_alias(u.target):
+                todo.extend(self.users.get(u, ()))
+        if readers:
+            return max(readers, key=self.pos.__getitem__)
+        return n if n.op != "placeholder" else self.last_placeholder
 
 
 def _last_placeholder(graph: torch.fx.Graph) -> torch.fx.Node:
