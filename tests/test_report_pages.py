@@ -136,15 +136,15 @@ def test_overflow_page_marks_the_op_that_created_inf_nan(overflow_pages, stage, 
     data = page_data(page.read_text())
     assert list(data["marks"]) == [stage]
     marked = data["nodes"][data["marks"][stage]["node"]]
-    assert marked["path"] == scope and stage in marked["div"] and marked["c"][2] == 1     # one critical op
-    crit = [data["ops"][i] for i in marked["ops"] if data["ops"][i]["sev"] == 2]
+    assert marked["path"] == scope and stage in marked["div"] and marked["c"][3] == 1     # one critical op
+    crit = [data["ops"][i] for i in marked["ops"] if data["ops"][i]["sev"] == 3]
     assert len(crit) == 1 and crit[0]["op"].startswith(op) and crit[0]["k"][2] == stage
     # the recorded critical op lists its tensors: finite inputs, inf in the output
     ios = {(r[0], r[1]): r for r in crit[0]["rows"]}
     inf = data["row_cols"].index("inf")
     assert ios[("output", "output.0")][inf] > 0 and all(r[inf] == 0 for (io, _), r in ios.items() if io == "input")
     root = next(n for n in data["nodes"] if n["parent"] is None)
-    assert root["c"][2] == 1 and root["c"][1] > 0       # the overflow propagated beyond its op
+    assert root["c"][3] == 1 and root["c"][2] > 0       # the overflow propagated beyond its op
     text = open(page).read()
     assert f"first op to create inf/nan in {stage}: {op}" in text
 
@@ -156,7 +156,8 @@ def test_overflow_page_in_headless_chromium(overflow_pages, tmp_path, stage, nam
     seen = layout(overflow_pages[stage], tmp_path, width)
     # the heading, the root's counts and the tree's badges: overflow.csv's rows, each an op call
     csv = pd.read_csv(overflow_pages[stage].parent / stage / "step0" / "rank0" / "overflow.csv")
-    by_class = {k: int((csv["class"] == k).sum()) for k in ("critical", "propagated", "suspicious growth")}
+    by_class = {k: int((csv["class"] == k).sum()) for k in ("critical", "propagated",
+                                                                        "suspicious growth", "expected")}
     assert counts(seen["root_counts"]) == by_class and "ops beneath" in seen["root_counts"]
     assert ", ".join(f"{v} {k}" for k, v in by_class.items()) in seen["summary"]
     root_badges = seen["badges"][0][1]

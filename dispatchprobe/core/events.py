@@ -56,6 +56,13 @@ class Handler:
     def flush(self) -> None:
         """End of a capture region: finish deferred work (may write records, may raise)."""
 
+    def boundary(self) -> None:
+        """The user's code ran outside the probe: the next region starts or the part closes (a
+        decision that waited for the step's end is taken now; may write records, may raise)."""
+
+    def optimizer_stepping(self) -> None:
+        """An optimizer is about to step (adapters report it from the framework's global hook)."""
+
     def close(self) -> None:
         pass
 

@@ -74,3 +74,8 @@ def overwrites_first_input(op: str) -> bool:
 # two-input ops whose inputs may be given in either order (another framework may swap them)
 COMMUTATIVE = frozenset({"add", "mul", "maximum", "minimum", "eq", "ne", "logical_and", "logical_or", "bitwise_and",
                          "bitwise_or", "bitwise_xor"})
+
+# Dynamic loss scaling (torch.amp.GradScaler and any code built on the same ops): the check that
+# finds inf/nan in the unscaled gradients, and the scale update that backs off when it did.
+LOSS_SCALE_CHECK = "_amp_foreach_non_finite_check_and_unscale"
+LOSS_SCALE_UPDATE = "_amp_update_scale"

@@ -11,6 +11,14 @@ a non-finite Python scalar input gives a summary row, no record) and ``suspiciou
 (output norm > ``_GROWTH`` x the largest input norm).  The ``overflow_nums``-th critical op
 raises :class:`OverflowDetected` (-1: never).  ``overflow.csv`` / ``overflow.json`` of the part
 summarise the step.  See docs/inline-checks.md.
+
+Dynamic loss scaling (``GradScaler``) lets backward passes overflow on purpose and skips those
+optimizer steps.  While a loss scale is in use (a 0-dim scale multiplied into a 0-dim loss outside
+any module, or the scaler's own ops seen), a backward critical op is *held* until the step shows
+what became of it (:class:`LossScaleWatch`): ``expected`` when the step was skipped (the scaler's
+``found_inf`` was set, or its scale backed off), else critical (``not caught``: the optimizer
+stepped, or nothing skipped the step).  ``_SKIPS_IN_A_ROW`` skipped steps in a row are a
+``scale collapse`` row, counted like a critical op.
 """
 
 from __future__ import annotations
@@ -28,10 +36,11 @@ from ..records.writer import atomic_write_text
 _GROWTH = 100.0        # output/input norm ratio above which a finite op is "suspicious growth"
 _WINDOW = 256          # accelerator: ops between host reads of the finiteness flags
 _MAX_LIGHT = 100       # propagated / growth records kept per step (the rest are only counted)
+_SKIPS_IN_A_ROW = 20   # steps skipped by the loss scaler in a row: the scale keeps collapsing
 
 _TO_FLOAT64 = {"float16": "float64", "bfloat16": "float64", "float32": "float64"}
 CSV_COLUMNS = ("step", "rank", "id", "class", "stage", "op", "name", "scope", "grad_fn", "call", "dtype",
-               "nan", "inf", "growth", "replay", "float64_max_abs", "dtype_max", "exceeds_dtype_range",
+               "nan", "inf", "growth", "replay", "float64_max_abs", "dtype_max", "exceeds_dtype_range", "loss_scale",
                "stack")
 
 
@@ -49,7 +58,8 @@ class OverflowHandler(Handler):
         self.replay = cfg.replay
         self.found = 0                       # critical overflows so far (whole run)
         self.rows: list[dict] = []
-        self.counts = {"critical": 0, "propagated": 0, "suspicious growth": 0}   # this step's (overflow.json)
+        self.counts = {"critical": 0, "propagated": 0, "suspicious growth": 0, "expected": 0,
+                       "scale collapse": 0}   # this step's (overflow.json)
         self.totals = dict(self.counts)      # the whole run's, for summary()
         self._cache: dict = {}               # identity -> (memory ref, squared norm tensor)
         self._pending: list = []             # accelerator: (event, outs, ins, norms on device)
@@ -58,9 +68,18 @@ class OverflowHandler(Handler):
         self.backend = session.backend
         self.checked = 0                     # ops checked (whole run)
         self.defer = False                   # read back in windows (accelerators always; tests on CPU)
+        self.loss_scale = LossScaleWatch(self.backend)
+        self.skips_in_a_row = _SKIPS_IN_A_ROW
+        self._held: list = []                # backward critical ops waiting for the step's loss-scale verdict
 
     # ---- per op ---------------------------------------------------------------------------------
     def on_op(self, event: OpEvent):
+        if event.kind == "op" and self.loss_scale.sees(event):
+            verdict = self.loss_scale.verdict()
+            if verdict is not None:
+                self._decide(*verdict)
+            self._raise_if_stopped()
+            return None
         if event.stage not in self.stages or event.kind != "op":
             return None
         b = self.backend
@@ -87,6 +106,58 @@ class OverflowHandler(Handler):
             self.session.flush()
             raise exc
         return None
+
+    def _raise_if_stopped(self) -> None:
+        if self._stop is not None:
+            exc, self._stop = self._stop, None
+            raise exc
+
+    # ---- loss scaling: the step's verdict on held backward overflows -------------------------------
+    def optimizer_stepping(self) -> None:
+        """An optimizer is about to step (the framework's global pre-hook): a step the loss scaler
+        skipped never gets here, so what is still held was not caught."""
+        self.loss_scale.stepped = True
+        self.loss_scale.skips = 0
+        if self._held:
+            self._decide(False, "not caught: the optimizer stepped with it")
+            if self._dirty:
+                self._write_summary()
+            self._raise_if_stopped()
+
+    def boundary(self) -> None:
+        """The user's code ran outside the probe (the next region starts, or the part closes):
+        decide what is still held from the loss scale's state, then start the next step's watch."""
+        verdict = self.loss_scale.verdict(final=True)
+        if verdict is not None:
+            self._decide(*verdict)
+        self.loss_scale.next_step()
+        if self._dirty:
+            self._write_summary()
+        self._raise_if_stopped()
+
+    def _decide(self, skipped: bool, why: str) -> None:
+        """The held backward overflows become ``expected`` (the step was skipped) or critical."""
+        held, self._held = self._held, []
+        for rec, row, info in held:
+            info["loss_scale"] = row["loss_scale"] = why
+            if skipped:
+                info["class"] = row["class"] = "expected"
+            self._emit(rec, row, info["class"], info)
+        if skipped:
+            self.loss_scale.skips += 1
+            if self.loss_scale.skips == self.skips_in_a_row:
+                self._collapse()
+        else:
+            self.loss_scale.skips = 0
+
+    def _collapse(self) -> None:
+        n, scale = self.loss_scale.skips, self.loss_scale.value
+        row = {c: "" for c in CSV_COLUMNS}
+        row.update({"step": self.session.step_no, "rank": self.session.rank, "class": "scale collapse",
+                    "stage": "backward", "op": "loss scale",
+                    "loss_scale": f"{n} steps in a row skipped for inf/nan gradients"
+                                  + (f" (scale now {scale:g})" if scale is not None else "")})
+        self._emit(None, row, "scale collapse", None)
 
     def flush(self) -> None:
         """End of a region: resolve what is pending on the device (may raise), write the summary."""
@@ -172,12 +243,13 @@ class OverflowHandler(Handler):
         """One summary row and, unless ``record`` is False, one op record for a flagged op.
         ``record=False``: the only non-finite input is a Python scalar (``masked_fill(mask, -inf)``
         in every attention layer): its record's statistics would cost more than the check."""
-        self.counts[klass] += 1
-        self.totals[klass] += 1
-        self._dirty = True
-        if klass != "critical" and self.counts[klass] > _MAX_LIGHT:
-            return
         critical = klass == "critical"
+        if not critical:              # critical ops count when emitted (held ones may turn out expected)
+            self.counts[klass] += 1
+            self.totals[klass] += 1
+            self._dirty = True
+            if self.counts[klass] > _MAX_LIGHT:
+                return
         if critical and event.stack is None and event.stage == "forward":
             event.stack = self.backend.user_stack()
         nan = inf = 0
@@ -194,31 +266,48 @@ class OverflowHandler(Handler):
                 info["replay"] = "not replayed (inputs written in place before the check was read)"
             elif self.replay:
                 info.update(self._replay(event, outs))
+        rec = None
         if record:
             rec = self.recorder.encode(event, save=critical and not stale)
             if stale:
                 rec["inputs_overwritten"] = True
             rec["overflow"] = info
-            self.recorder.write(rec)
         out_dtype = self.backend.dtype_of(outs[0][1])
-        self.rows.append({
-            "step": self.session.step_no, "rank": self.session.rank, "id": rec["id"] if record else "",
+        row = {
+            "step": self.session.step_no, "rank": self.session.rank, "id": "",
             "class": klass, "stage": event.stage, "op": event.op, "name": event.name, "scope": event.scope,
             "grad_fn": event.grad_fn or "", "call": event.call, "dtype": out_dtype, "nan": nan, "inf": inf,
             "growth": info.get("growth", ""), "replay": info.get("replay", ""),
             "float64_max_abs": info.get("float64_max_abs", ""), "dtype_max": info.get("dtype_max", ""),
-            "exceeds_dtype_range": info.get("exceeds_dtype_range", ""),
-            "stack": " <- ".join(reversed(event.stack[-3:])) if event.stack else ""})
-        if critical:
+            "exceeds_dtype_range": info.get("exceeds_dtype_range", ""), "loss_scale": "",
+            "stack": " <- ".join(reversed(event.stack[-3:])) if event.stack else ""}
+        if critical and event.stage == "backward" and self.loss_scale.active():
+            self._held.append((rec, row, info))
+            return
+        self._emit(rec, row, klass, info)
+
+    def _emit(self, rec: dict | None, row: dict, klass: str, info: dict | None) -> None:
+        """Write a flagged op's record and summary row; critical ones count toward ``overflow_nums``."""
+        if klass in ("critical", "expected", "scale collapse"):
+            self.counts[klass] += 1
+            self.totals[klass] += 1
+        if rec is not None:
+            self.recorder.write(rec)
+            row["id"] = rec["id"]
+        self.rows.append(row)
+        self._dirty = True
+        if klass in ("critical", "scale collapse"):
             self._write_summary()
             self.found += 1
             if self.limit != -1 and self.found >= self.limit and self._stop is None:
-                where = f"scope {event.scope!r}, " if event.scope else ""
-                self._stop = OverflowDetected(
-                    f"dispatchprobe: overflow in {event.op} ({event.stage}, {where}call {event.call}"
-                    f"{', ' + event.grad_fn if event.grad_fn else ''}): {inf} inf, {nan} nan from finite inputs"
-                    f"{'; float64 replay: ' + info['replay'] if 'replay' in info else ''}"
-                    f"; see {os.path.join(self.session.part_dir, 'overflow.csv')}")
+                where = f"scope {row['scope']!r}, " if row["scope"] else ""
+                what = (f"loss scale collapsing: {row['loss_scale']}" if klass == "scale collapse" else
+                        f"overflow in {row['op']} ({row['stage']}, {where}call {row['call']}"
+                        f"{', ' + row['grad_fn'] if row['grad_fn'] else ''}): {row['inf']} inf, {row['nan']} nan "
+                        f"from finite inputs{'; float64 replay: ' + info['replay'] if info and 'replay' in info else ''}"
+                        f"{'; ' + row['loss_scale'] if row['loss_scale'] else ''}")
+                self._stop = OverflowDetected(f"dispatchprobe: {what}; see "
+                                              f"{os.path.join(self.session.part_dir, 'overflow.csv')}")
 
     def _replay(self, event: OpEvent, outs) -> dict:
         """Run the op again on CPU in float64: does the overflow belong to the maths or the dtype?"""
@@ -261,3 +350,77 @@ class OverflowHandler(Handler):
 
     def close(self) -> None:
         self._pending = []
+        self._held = []
+
+
+class LossScaleWatch:
+    """What a step's dynamic loss scaling did, from the ops it runs: the scale (a 0-dim tensor
+    multiplied into a 0-dim loss outside any module, as ``GradScaler.scale`` does), and, when the
+    scaler runs inside the probe, its check (``found_inf``) and update.  Outside the probe its
+    ops are not seen: then the scale's value at the step's end says whether it backed off."""
+
+    def __init__(self, backend):
+        self.backend = backend
+        self.scaler_ops = False      # the scaler's ops were seen (this run)
+        self.scale = None            # this step's scale tensor, and its value when multiplied in
+        self.value = None
+        self.found_inf = None        # the update's found_inf this step (True/False), if seen
+        self.stepped = False         # an optimizer stepped this step
+        self.decided = False         # this step's verdict was given
+        self.skips = 0               # steps skipped in a row
+
+    def active(self) -> bool:
+        return self.scale is not None or self.scaler_ops
+
+    def sees(self, event) -> bool:
+        """Note what ``event`` says about loss scaling; True for the scaler's own ops (not checked)."""
+        base = op_traits.base_name(event.op)
+        if base == op_traits.LOSS_SCALE_CHECK:
+            self.scaler_ops = True
+            return True
+        if base == op_traits.LOSS_SCALE_UPDATE:
+            self.scaler_ops = True
+            b = self.backend
+            found = event.args[2] if len(event.args) > 2 else event.kwargs.get("found_inf")
+            if b.is_tensor(found):
+                self.found_inf = b.max_abs_finite(found) > 0 or not b.all_finite(found)
+            out = event.outputs[0] if isinstance(event.outputs, (tuple, list)) else event.outputs
+            if b.is_tensor(out):
+                self.value = b.max_abs_finite(out)
+            return True
+        if base == "mul" and event.stage == "forward" and not event.scope and self.scale is None:
+            self._maybe_scale(event.args)
+        return False
+
+    def _maybe_scale(self, args) -> None:
+        b = self.backend
+        ts = [a for a in args if b.is_tensor(a)]
+        if len(ts) != 2 or any(b.numel(t) != 1 or b.shape(t) != [] for t in ts):
+            return
+        grads = [b.tensor_meta(t).get("requires_grad") for t in ts]
+        if grads.count(True) != 1 or b.dtype_of(ts[grads.index(False)]) != "float32":
+            return
+        scale = ts[grads.index(False)]
+        value = b.max_abs_finite(scale)
+        if value > 1:
+            self.scale, self.value = scale, value
+
+    def verdict(self, final: bool = False):
+        """(skipped, why) once the step's fate is known, else None.  ``final``: the step is over."""
+        if self.decided:
+            return None
+        if self.found_inf is not None:
+            found, self.found_inf, self.decided = self.found_inf, None, True
+            return (True, "step skipped by the loss scaler (found_inf set)") if found else \
+                (False, "not caught: the loss scaler found no inf/nan")
+        if not final or not self.active():
+            return None
+        self.decided = True
+        if self.scale is not None and not self.stepped:
+            now = self.backend.max_abs_finite(self.scale)
+            if now < self.value:
+                return True, f"step skipped by the loss scaler (scale {self.value:g} -> {now:g})"
+        return False, "not caught: no loss scaler skipped the step"
+
+    def next_step(self) -> None:
+        self.scale, self.found_inf, self.stepped, self.decided = None, None, False, False

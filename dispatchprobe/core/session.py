@@ -119,6 +119,8 @@ class ProbeSession:
 
     # ---- what users call ------------------------------------------------------------------
     def start(self) -> None:
+        if self.part is not None and not self._active:
+            self._boundary()
         if self.step_pending:
             self._end_pending_step()
         if self._active or self.failed or not self._enabled_here():
@@ -146,9 +148,11 @@ class ProbeSession:
             self._unfollow_optimizer()
         self.step_pending = False
         self.stop()
-        with self._writing():
-            self._close_part()
-        self.step_no += 1
+        try:
+            with self._writing():
+                self._close_part()
+        finally:
+            self.step_no += 1
 
     def optimizer_stepped(self, optimizer) -> None:
         """An optimizer finished a step (adapters call this from the framework's global hook).
@@ -188,10 +192,12 @@ class ProbeSession:
             self.follows_optimizer = False
             self._unfollow_optimizer()
         self.stop()
-        with self._writing():
-            self._close_part()
-        for h in self.handlers:
-            h.close()
+        try:
+            with self._writing():
+                self._close_part()
+        finally:
+            for h in self.handlers:
+                h.close()
         self._warn_if_nothing_selected()
 
     def _warn_if_nothing_selected(self) -> None:
@@ -363,7 +369,24 @@ class ProbeSession:
             out.update(h.summary())
         return out
 
+    def _boundary(self) -> None:
+        for h in self.handlers:
+            h.boundary()
+
+    def optimizer_stepping(self) -> None:
+        """An optimizer is about to step (adapters call this from the framework's global pre-hook)."""
+        if self.part is not None:
+            for h in self.handlers:
+                h.optimizer_stepping()
+
     def _close_part(self) -> None:
+        if self.part is not None:
+            try:
+                self._boundary()
+            finally:
+                self._finish_part()
+
+    def _finish_part(self) -> None:
         if self.part is not None:
             self.part.close()
             counts = self.summary()

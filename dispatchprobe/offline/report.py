@@ -574,11 +574,12 @@ def _text_number(text: str):
 _TENSOR_COLS = ["io", "arg", "dtype", "shape", "max", "min", "mean", "norm", "nan", "inf"]
 
 # overflow classes as levels (docs/inline-checks.md): critical created inf/nan from finite inputs
-OVERFLOW_LEVELS = [{"name": "suspicious growth", "short": "growth", "color": "#f0b429"},
+OVERFLOW_LEVELS = [{"name": "expected", "short": "expected", "color": "#8a9ba8"},     # a step the loss scaler skipped
+                   {"name": "suspicious growth", "short": "growth", "color": "#f0b429"},
                    {"name": "propagated", "short": "propagated", "color": "#7a3cbd"},
                    {"name": "critical", "short": "critical", "color": "#d9363e"}]
 _OVERFLOW_COLS = ["class", "call", "dtype", "nan", "inf", "growth", "replay", "float64_max_abs", "dtype_max",
-                  "exceeds_dtype_range", "grad_fn", "stack"]
+                  "exceeds_dtype_range", "loss_scale", "grad_fn", "stack"]
 # free-benchmark flags as levels, by how far the op's output moved past its dtype's limit (max_rel / threshold)
 FREE_BENCHMARK_LEVELS = [{"name": "over the limit", "short": "flagged", "color": "#f0b429"},
                          {"name": "over 10x the limit", "short": "10x", "color": "#e8702a"},
@@ -611,7 +612,9 @@ def overflow_rows(run) -> pd.DataFrame:
     """Every part's ``overflow.json`` rows, as the page's ops (class as the level, critical ones marked)."""
     rows = [r for part in _part_files(run, "overflow.json", _read_json) for r in part["rows"]]
     rows = pd.DataFrame(rows, columns=["step", "rank", "id", "stage", "op", "name", "scope"] + _OVERFLOW_COLS)
-    return rows.assign(sev=rows["class"].map({lv["name"]: i for i, lv in enumerate(OVERFLOW_LEVELS)}).fillna(0)
+    levels = {lv["name"]: i for i, lv in enumerate(OVERFLOW_LEVELS)}
+    levels["scale collapse"] = levels["critical"]      # the loss scaler skipping step after step: a row of its own
+    return rows.assign(sev=rows["class"].map(levels).fillna(0)
                        .astype(int), mark=rows["class"] == "critical", op=rows["name"].where(rows["name"] != "", rows["op"]))
 
 
@@ -659,8 +662,15 @@ def overflow_summary(run, rows: pd.DataFrame) -> list[str]:
             replay += f" (float64 max {float(r['float64_max_abs']):.6g} > {r['dtype']} max {float(r['dtype_max']):.6g})"
         lines.append(f"first op to create inf/nan in {stage}: {r['op']} [{r['scope'] or '<top>'}] call {r['call']} "
                      f"(step {r['step']} rank {r['rank']}): {r['inf']} inf, {r['nan']} nan from finite inputs{replay}")
+    for _, r in rows[rows["class"] == "scale collapse"].head(1).iterrows():
+        lines.append(f"loss scale collapsing (step {r['step']} rank {r['rank']}): {r['loss_scale']}")
+    expected = rows[rows["class"] == "expected"]
+    if len(expected):
+        r = expected.iloc[0]
+        lines.append(f"{len(expected)} expected backward overflow(s) in steps the loss scaler skipped (first: {r['op']} "
+                     f"[{r['scope'] or '<top>'}] step {r['step']} rank {r['rank']}: {r['loss_scale']})")
     if not len(critical):
-        lines.append("no op created inf/nan from finite inputs")
+        lines.append("no op created inf/nan from finite inputs" + (" outside the skipped steps" if len(expected) else ""))
     return lines
 
 
@@ -696,7 +706,9 @@ CHECK_PAGES = {
                  "levels": OVERFLOW_LEVELS, "mark": "first {stage} overflow", "op_cols": _OVERFLOW_COLS,
                  "full_table": "overflow.csv", "flags": [("nan", "nan only", "nan")],    # nan, not only inf
                  "legend": "critical: finite inputs, inf/nan output (the op that created it); propagated: inf/nan "
-                           "in and out; suspicious growth: output norm over 100x the largest input norm.  A "
+                           "in and out; suspicious growth: output norm over 100x the largest input norm; expected: "
+                           "a backward overflow in a step the loss scaler skipped; scale collapse: the loss scaler "
+                           "skipped many steps in a row.  A "
                            "recorded op lists its tensors' statistics; its inputs are saved for run-ut."},
     "free_benchmark": {"file": "free_benchmark.csv", "rows": free_benchmark_rows, "summary": free_benchmark_summary,
                        "title": "dispatchprobe free_benchmark", "tree_heading": "Ops flagged by the free benchmark: "

@@ -68,6 +68,8 @@ def summarize(run: Run, top: int = 10, stage: str | None = None) -> str:
 _CHECK_NOTES = {
     "propagated": "propagated inf/nan (from an input or a constant such as a -inf mask; listed in overflow.csv)",
     "suspicious growth": "suspicious growth",
+    "expected": "expected (backward overflows in steps the loss scaler skipped; not counted as flagged)",
+    "scale collapse": "loss scale collapsing (steps skipped in a row)",
     "skipped": "skipped",
     "not_widened": "not widened (no 16-bit input)",
 }
@@ -100,8 +102,9 @@ def _nonfinite_lines(run: Run, bad: pd.DataFrame) -> list[str]:
     records = {}
     for key in {(s, r) for s, r in zip(bad["step"], bad["rank"])}:
         records.update({(key[0], key[1], rec["id"]): rec for rec in run.parts[key].records})
-    kinds = []
+    kinds, expected = [], []
     for row in bad.itertuples():
+        expected.append((records.get((row.step, row.rank, row.id), {}).get("overflow") or {}).get("class") == "expected")
         rec = records.get((row.step, row.rank, row.id), {})
         if row.io != "output":
             kinds.append("carried")
@@ -109,7 +112,7 @@ def _nonfinite_lines(run: Run, bad: pd.DataFrame) -> list[str]:
             kinds.append("carried" if any(_nonfinite_tensor(v) for v in rec.get("inputs") or []) else "constant")
         else:
             kinds.append("made")
-    bad = bad.assign(origin=kinds)
+    bad = bad.assign(origin=kinds, expected=expected)
     made, constant = bad[bad["origin"] == "made"], bad[bad["origin"] == "constant"]
     carried = len(bad) - len(made) - len(constant)
     n_records = len(set(zip(bad["step"], bad["rank"], bad["id"])))
@@ -121,7 +124,8 @@ def _nonfinite_lines(run: Run, bad: pd.DataFrame) -> list[str]:
     for _, row in first.head(5).iterrows():
         lines.append(f"  step {row['step']} rank {row['rank']} {row['name']} {row['arg']} [{row['scope']}] "
                      f"nan={int(row['nan'] or 0)} inf={int(row['inf'] or 0)}"
-                     + ("" if len(made) else f" ({row['origin']})"))
+                     + ("" if len(made) else f" ({row['origin']})")
+                     + (" (expected: a step the loss scaler skipped)" if row["expected"] else ""))
     return lines
 
 

@@ -20,7 +20,7 @@ import torch
 from torch.autograd.graph import register_multi_grad_hook
 from torch.nn.modules import module as _module
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -474,6 +474,24 @@ class TorchSession(ProbeSession):
     torch.distributed once it is initialised, handlers run under ``no_grad``."""
 
     backend = torch_backend
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # optimizer steps about to run (a step skipped by a loss scaler never calls it): held
+        # weakly, as the step hook below, and removed at close
+        ref = weakref.ref(self)
+
+        def stepping(optimizer, args, kwargs) -> None:
+            session = ref()
+            if session is not None:
+                session.optimizer_stepping()
+        self._stepping_hook = register_optimizer_step_pre_hook(stepping)
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            self._stepping_hook.remove()
 
     def _detect_rank(self) -> int:
         if torch.distributed.is_available() and torch.distributed.is_initialized():
