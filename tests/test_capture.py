@@ -296,9 +296,27 @@ def test_uninitialised_memory_is_recorded_undefined(tmp_path):
     assert int(total) == 30
     recs = {r["op"]: r for r in load(tmp_path / "run").parts[(0, 0)].records}
     before = recs["aten.index_put_.default"]["inputs"][0]
-    assert before["undefined"] is True and "stats" not in before and before["data"]
+    assert before["undefined"] is True and "stats" not in before and "data" not in before   # replayed as zeros
     after = recs["aten.sum.default"]["inputs"][0]
     assert "undefined" not in after and after["stats"]["max"] == 10
+
+
+def test_partly_written_memory_stays_undefined(tmp_path):
+    """A write defines the bytes it wrote: the written half of a buffer has values, the whole
+    buffer stays undefined until the other half is written too."""
+    probe = DispatchProbe(task="statistics", dump_path=str(tmp_path))
+    with probe:
+        buf = torch.empty(4)
+        buf[:2].fill_(1.0)
+        buf.amax(), buf[:2].amin()
+        buf[2:].fill_(3.0)
+        buf.mean()
+    probe.close()
+    recs = load(tmp_path).parts[(0, 0)].records
+    first = {r["op"]: r["inputs"][0] for r in recs}
+    assert first["aten.amax.default"]["undefined"] is True
+    assert "undefined" not in first["aten.amin.default"] and first["aten.amin.default"]["stats"]["min"] == 1
+    assert "undefined" not in first["aten.mean.default"] and first["aten.mean.default"]["stats"]["mean"] == 2
 
 
 @pytest.mark.parametrize("task", ["statistics", "tensor"])

@@ -49,6 +49,32 @@ def test_ops_of_a_modules_own_hooks_are_in_its_scope(tmp_path):
     assert -1 <= head["outputs"][0]["stats"]["min"] and head["outputs"][0]["stats"]["max"] <= 1
 
 
+def test_backward_hooks_and_callbacks_of_a_modules_hooks_are_in_its_scope(tmp_path):
+    # as FSDP does: a module's forward hook hooks its output's gradient (pre-backward work) and
+    # that hook queues an end-of-backward callback (the root's post-backward reduce-scatter)
+    torch.manual_seed(0)
+    model = Net()
+
+    def callback():
+        torch.ones(3).cumsum(0)
+
+    def pre_backward(grad):
+        grad.cos()
+        torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+    model.head.register_forward_hook(lambda m, args, out: out.register_hook(pre_backward) and None)
+    probe = DispatchProbe(task="statistics", dump_path=str(tmp_path), level="mix")
+    with probe:
+        model(torch.randn(4, 8)).sum().backward()
+    probe.close()
+    recs = load(tmp_path).part(0, 0).records
+    ops = {r["op"]: r for r in recs if r["kind"] == "op" and r["stage"] == "backward"}
+    assert ops["aten.cos.default"]["scope"] == "Net.head"
+    # the callback runs after the graph (no autograd node): the outermost module still in backward
+    assert ops["aten.cumsum.default"]["scope"] == "Net" and ops["aten.cumsum.default"]["grad_fn"] is None
+    assert {r["scope"] for r in recs if r["kind"] == "module" and r["stage"] == "backward"} >= {"Net", "Net.head"}
+
+
 def test_scopes_survive_a_module_that_raises(tmp_path):
     model = _hooked()
     probe = DispatchProbe(task="statistics", dump_path=str(tmp_path))

@@ -54,6 +54,18 @@ UNMARKED_WRITES = {
     "BatchNorm": (3, 4),          # MindSpore: (x, scale, bias, mean, variance); the moving statistics
 }
 
+# Output buffers that ops fill without their schemas marking a write, and without reading what
+# they held (torch's collectives take them as plain ``Tensor`` arguments): base name -> argument
+# names.  The uninitialised-memory tracking counts them as written, and capture records them as
+# the op left them (an all-gather's output buffer is ``empty`` memory until the all-gather).
+UNMARKED_FILLS = {
+    "_allgather_base": ("output_tensor",), "allgather": ("output_tensors",), "allgather_coalesced": ("output_lists",),
+    "allgather_into_tensor_coalesced": ("outputs",), "_reduce_scatter_base": ("output_tensor",),
+    "reduce_scatter": ("output_tensors",), "reduce_scatter_tensor_coalesced": ("outputs",),
+    "alltoall": ("output_tensors",), "alltoall_base": ("output",), "gather": ("output_tensors",),
+    "scatter": ("output_tensors",), "recv": ("tensors",), "recv_any_source": ("tensors",),
+}
+
 # Casts and copies, not compute: autocast adds them on one side only, autograd copies a
 # gradient in one run and steals it in another.  compare lists them apart when unmatched.
 CAST = frozenset({"_to_copy", "to", "copy", "convert_element_type"})

@@ -149,7 +149,10 @@ class Recorder(Handler):
                 self._measured(t, entry, ident, dense)
         if save:
             for (t, spec), ident in zip(found, idents):
-                if "no_values" not in spec:      # metadata only (the backend said why)
+                # metadata only (the backend said why), or uninitialised memory: its bytes mean
+                # nothing (replay takes zeros), and a write the version counter does not see (a
+                # collective filling it) would leave a cached key pointing at them
+                if "no_values" not in spec and "undefined" not in spec:
                     spec["data"] = self.save(t, like=same.get(id(t)) if same else None, ident=ident)
 
     def _measured(self, t, entry: dict, ident, dense) -> None:
@@ -209,6 +212,12 @@ class Recorder(Handler):
         key = self._new_key()
         writer.put_view(key, base, offset, shape, stride)
         return key
+
+    def memory_written(self, address) -> None:
+        """The storage at ``address`` was written by an op its version counter did not see (a
+        collective filling a buffer): spans saved from it before no longer hold its values."""
+        for key in [k for k in self._spans if k[0] == address]:
+            del self._spans[key]
 
     # -- the per-tensor cache ----------------------------------------------------------------
     def _lookup(self, t, key=None):

@@ -22,7 +22,7 @@ from torch.nn.modules import module as _module
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_leaves
 
 from . import backend as torch_backend
 from . import collectives, fused_stats, ops, tensor_kinds
@@ -85,8 +85,11 @@ class _ProbeMode(TorchDispatchMode):
         facts = probe._facts.get(id(func)) or probe._learn(func)
         if probe.busy or not facts.wanted or _in_compiled_code():
             out = func(*args, **kwargs)
-            if facts.allocates_uninitialised and not probe.busy:
-                probe.uninitialised.add(out)
+            if not probe.busy:
+                if facts.allocates_uninitialised:
+                    probe.uninitialised.add(out)
+                elif probe.uninitialised:      # an op not recorded still writes memory
+                    probe.uninitialised.written(func, args, kwargs, out)
             return out
         where = probe._where()
         seen_args, seen_kwargs = args, kwargs
@@ -102,7 +105,7 @@ class _ProbeMode(TorchDispatchMode):
             seen_args, seen_kwargs = collectives.copy_overwritten(func, seen_args, seen_kwargs)
         out = func(*args, **kwargs)
         if undefined is not None:
-            probe.uninitialised.written(func, args, kwargs)
+            probe.uninitialised.written(func, args, kwargs, out)
         if not recorded:          # stage or scope filtered out: nothing more to do
             return out
         if collective:            # outputs hold their values once the work is waited for
@@ -173,10 +176,18 @@ def _copy_written(written, args, kwargs, undefined: set | None):
 class _Uninitialised:
     """Memory from the ``empty`` family holds no values until an op writes it: its bytes differ
     from run to run, so such tensors are recorded with ``undefined: true`` and never judged.
-    Any write (in-place or ``out=``, even a partial one) counts as defining the whole tensor."""
 
-    def __init__(self):
-        self._live: dict = {}            # storage address -> weak reference to the storage
+    Tracked by storage, byte range by byte range: a tensor is undefined while any byte of it is
+    unwritten (FSDP2 copies a rank's shard into one slice of the all-gather buffer, and the
+    all-gather fills the rest).  What counts as written is decided in :meth:`written` alone: the
+    arguments an op's schema marks, those torch's or our tables add (``ops.defined_args``: batch
+    norm's running statistics, collectives' output buffers), and the new outputs of a non-aten op
+    that alias tracked memory (a custom op filling a view of a buffer it was given, as FSDP's
+    ``all_gather_copy_in`` does: its Python kernel's writes run below the mode)."""
+
+    def __init__(self, on_write=None):
+        self._live: dict = {}            # storage address -> [weak reference, unwritten byte ranges]
+        self._on_write = on_write        # told the address of tracked memory an op wrote
 
     def __bool__(self) -> bool:
         return bool(self._live)
@@ -188,26 +199,37 @@ class _Uninitialised:
         except (RuntimeError, NotImplementedError):
             return None
 
+    @staticmethod
+    def _span(t) -> tuple[int, int]:
+        """The bytes of its storage the tensor covers (from its first to its last element)."""
+        size = t.element_size()
+        start = t.storage_offset() * size
+        if not t.numel():
+            return start, start
+        return start, start + (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * size
+
     def add(self, out) -> None:
         if isinstance(out, torch.Tensor) and out.numel() and out.layout == torch.strided:
             key = self._key(out)
             if key is not None:
-                self._live[key] = torch_backend.memory_ref(out)
+                self._live[key] = [torch_backend.memory_ref(out), [self._span(out)]]
 
     def _hit(self, t) -> bool:
         key = self._key(t)
-        ref = self._live.get(key)
-        if ref is None:
+        entry = self._live.get(key)
+        if entry is None:
             return False
-        if ref.expired():
+        if entry[0].expired():
             del self._live[key]
             return False
-        return True
+        a, b = self._span(t)
+        return any(x < b and a < y for x, y in entry[1])
 
     def among(self, func, args, kwargs) -> set:
-        """``id``s of the op's tensor arguments that are still undefined; the arguments an
-        overwrite-only op (``fill_``, ``copy_``) writes are recorded after the op, so not these."""
-        skip = {i for pair in ops.written_args(func) for i in pair} if ops.reads_written(func) == () else ()
+        """``id``s of the op's tensor arguments that are still undefined; the arguments an op
+        fills without reading (``fill_``, ``copy_``, a collective's output buffer) are recorded
+        after the op, so not these."""
+        skip = {i for pair in ops.filled_args(func) for i in pair}
         found = set()
         for k, v in [*enumerate(args), *kwargs.items()]:
             if k in skip:
@@ -217,12 +239,40 @@ class _Uninitialised:
                     found.add(id(t))
         return found
 
-    def written(self, func, args, kwargs) -> None:
-        for i, name in ops.written_args(func):
+    def written(self, func, args, kwargs, out) -> None:
+        """Forgets the bytes the op wrote."""
+        for i, name in ops.defined_args(func):
             v = args[i] if i < len(args) else kwargs.get(name)
-            for t in (v if isinstance(v, (tuple, list)) else (v,)):
+            for t in tree_leaves(v):
                 if isinstance(t, torch.Tensor):
-                    self._live.pop(self._key(t), None)
+                    self._write(t)
+        if func.namespace != "aten" and not ops.is_alias(func):
+            given = {id(t) for t in tree_leaves((args, kwargs))}
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor) and id(t) not in given:
+                    self._write(t)
+
+    def _write(self, t) -> None:
+        key = self._key(t)
+        entry = self._live.get(key)
+        if entry is None:
+            return
+        if self._on_write is not None:
+            self._on_write(key)
+        a, b = self._span(t)
+        left = []
+        for x, y in entry[1]:
+            if b <= x or y <= a:
+                left.append((x, y))
+                continue
+            if x < a:
+                left.append((x, a))
+            if b < y:
+                left.append((b, y))
+        if left:
+            entry[1] = left
+        else:
+            del self._live[key]
 
 
 class _ModuleHooks:
@@ -336,6 +386,21 @@ def _module_left(mod, args, output) -> None:
         scopes.leave(mod, args, output)
 
 
+def _run_first(handle):
+    """Moves a just registered tensor hook before the tensor's other hooks: a module entering
+    backward is then in scope when the hooks its own forward hooks put on its output run (FSDP's
+    pre-backward all-gather), and its backward-done callback is queued before theirs."""
+    for h in getattr(handle, "handles", (handle,)):
+        hooks = h.hooks_dict_ref()
+        if hooks is not None and h.id in hooks and next(iter(hooks)) != h.id:
+            # rebuilt, not ``move_to_end``: autograd walks the dictionary's own order (PyDict_Next)
+            entries = list(hooks.items())
+            hooks.clear()
+            hooks[h.id] = dict(entries)[h.id]
+            hooks.update((k, v) for k, v in entries if k != h.id)
+    return handle
+
+
 class _ModuleScopes:
     """The module scope of each op, forward and backward, for one probe.
 
@@ -367,10 +432,15 @@ class _ModuleScopes:
 
     def _innermost_backward(self) -> str:
         # Modules sharing an output tensor (a model whose last layer's output is its own) enter
-        # backward together, outer one last: prefer the deepest descendant of the latest entry.
+        # backward together: prefer the deepest descendant of the latest entry.
         active = self.backward_active
         if not active:
             return ""
+        if torch._C._current_autograd_node() is None:
+            # no node running: a callback queued for the end of backward (FSDP's root
+            # post-backward, which reduce-scatters the gradients of modules whose inputs need
+            # none): it belongs to the outermost module still in backward, whose hooks queued it
+            return min(active, key=lambda name: name.count("."))
         current = active[-1]
         for name in reversed(active):
             if name.startswith(current + "."):
@@ -426,9 +496,9 @@ class _ModuleScopes:
         if len(tensors) == 1:
             # one output: a plain tensor hook, which also fires on the root of backward (the loss
             # module's output), where torch's multi-grad hook never does
-            self._hooks.append(tensors[0].register_hook(lambda grad: enter(grad) and None))
+            self._hooks.append(_run_first(tensors[0].register_hook(lambda grad: enter(grad) and None)))
         elif tensors:
-            self._hooks.append(register_multi_grad_hook(tensors, enter))
+            self._hooks.append(_run_first(register_multi_grad_hook(tensors, enter)))
         self.probe.on_module(self._types.get(name, type(mod).__name__), name, "forward", args, output)
 
     # ---- backward -------------------------------------------------------------------------------
@@ -459,6 +529,11 @@ class _ModuleScopes:
         return leave
 
     def _backward_done(self) -> None:
+        # queued by the first module entering backward: runs again after the callbacks queued
+        # after it (by the modules' own hooks), so that those still see the modules in backward
+        torch.autograd.Variable._execution_engine.queue_callback(self._backward_closed)
+
+    def _backward_closed(self) -> None:
         # modules whose inputs need no gradient (the first layer, the root) never leave backward
         # by a hook: their module records are written when backward ends, innermost first
         self._has_callback = False
@@ -535,7 +610,9 @@ class DispatchProbe(TorchSession):
         fused_stats.build()             # the one-pass CPU statistics kernel, loaded in the background
         self._mode: _ProbeMode | None = None
         self.scopes = _ModuleScopes(self, model)
-        self.uninitialised = _Uninitialised()
+        # a write to tracked memory bumps no version counter when a collective or a custom op
+        # makes it: the recorder forgets what it saved of that memory
+        self.uninitialised = _Uninitialised(self._memory_written)
         self._facts: dict[int, _Facts] = {}
 
     # ---- installation -------------------------------------------------------------------------
@@ -554,6 +631,11 @@ class DispatchProbe(TorchSession):
     def close(self) -> None:
         super().close()
         self.scopes.release()
+
+    def _memory_written(self, address) -> None:
+        recorder = getattr(self, "recorder", None)
+        if recorder is not None:
+            recorder.memory_written(address)
 
     # ---- per op -----------------------------------------------------------------------------------
     def _wants(self, func) -> bool:

@@ -64,6 +64,22 @@ def out_args(func) -> tuple:
 
 
 @functools.cache
+def filled_args(func) -> tuple:
+    """(position, name) of the arguments the op writes without reading them: those of an
+    overwrite-only op (``fill_``, ``copy_``) and the output buffers of collectives
+    (:data:`~dispatchprobe.core.op_traits.UNMARKED_FILLS`, named as in the schema)."""
+    fills = op_traits.UNMARKED_FILLS.get(base(func), ())
+    own = tuple((i, a.name) for i, a in enumerate(func._schema.arguments) if a.name in fills)
+    return (written_args(func) if base(func) in op_traits.OVERWRITE else ()) + own
+
+
+@functools.cache
+def defined_args(func) -> tuple:
+    """(position, name) of every argument the op writes: :func:`written_args` and :func:`filled_args`."""
+    return tuple(dict.fromkeys(written_args(func) + filled_args(func)))
+
+
+@functools.cache
 def returns_alias(func) -> bool:
     """The output aliases an input (in-place, out=, views): not replaceable by a re-run's."""
     return any(r.alias_info is not None for r in func._schema.returns)
