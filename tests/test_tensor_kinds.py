@@ -204,3 +204,31 @@ def test_hf_training_under_warnings_as_errors(tmp_path):
         got = run(probe)
         probe.close()
         assert _same(expected, got), task
+
+
+def test_free_benchmark_fix_under_torch_func(tmp_path):
+    """fix replaces each op's output by its re-run's (here float64, cast back) under ``grad`` and
+    ``vmap(grad)`` too: nothing crashes, dtypes stay, and the results move toward float64's."""
+    torch.manual_seed(0)
+    x, w = torch.randn(64, 256), torch.randn(256)
+
+    def total(w, x):
+        return (x @ w).sin().sum()
+
+    cases = {
+        "grad": lambda w, x: grad(total)(w, x),
+        "vmap_grad": lambda w, x: vmap(grad(lambda w, xi: (xi @ w).sin()), in_dims=(None, 0))(w, x),
+    }
+    fix = {"handler_type": "fix", "pert_mode": "improve_precision", "widen_float32": True}
+    for name, fn in cases.items():
+        plain, exact = fn(w, x), fn(w.double(), x.double())
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)    # free_benchmark's end-of-run notes
+            with DispatchProbe(task="free_benchmark", dump_path=str(tmp_path / name), free_benchmark=fix) as probe:
+                fixed = fn(w, x)
+            summary = probe.summary()
+            probe.close()
+        assert fixed.dtype == plain.dtype and fixed.shape == plain.shape, name
+        assert not torch.equal(fixed, plain), name                      # outputs were replaced
+        assert (fixed.double() - exact).abs().sum() < (plain.double() - exact).abs().sum(), name
+        assert summary["checked"] >= 4 and not summary["skipped"], (name, summary)
