@@ -27,7 +27,7 @@ from ..standards.loader import is_float
 from ..standards.metrics import binary_mismatch, columns, compare_arrays, derived
 from ..records.format import call_signature
 from ..records.reader import Run, load
-from ..standards.verdicts import (ERROR, PASS, SKIP, cancelled_scale, category, component_dtype, is_reduction, is_staged,
+from ..standards.verdicts import (ERROR, PASS, SKIP, cancelled_scale, category, component_dtype, is_reduction_output, is_staged,
                                   judge, judge_benchmark, output_category, output_trait, unique_form, within_terms,
                                   worst)
 from ..records.writer import atomic_write_text, write_csv
@@ -175,7 +175,7 @@ def judge_outputs(op: str, cat: str, rep) -> list[tuple[dict, str, str, tuple]]:
         if verdict != PASS and not trait and output_category(cat, out.device_dtype) != "binary" \
                 and np.asarray(d).dtype.kind in "fc":
             notes = []
-            if is_reduction(op) and rep.terms is not None:
+            if is_reduction_output(op, out.name) and rep.terms is not None:
                 terms = rep.terms() if terms is None else terms
                 t = terms.get(out.name)
                 k = None

@@ -12,6 +12,7 @@ import math
 import numpy as np
 
 from ..core.op_traits import base_name
+from . import rounding
 from .loader import is_float, per_dtype, short_dtype, standard
 
 PASS, WARNING, ERROR = "pass", "warning", "error"
@@ -151,6 +152,13 @@ def is_reduction(op: str) -> bool:
     return _reduction_kind(op) is not None
 
 
+def is_reduction_output(op: str, output: str) -> bool:
+    """``output`` of ``op`` is a reduction: the op is one (:func:`is_reduction`), or the output is
+    listed in ``reduction_outputs`` (a normalisation's mean)."""
+    return is_reduction(op) or output in (_lookup(standard("api_precision_standard").get("reduction_outputs") or {},
+                                                  op) or ())
+
+
 def is_staged(op: str) -> bool:
     """Accumulates into its stored result term by term (``staged_reductions``)."""
     return _reduction_kind(op) == "staged"
@@ -226,32 +234,11 @@ def cancelled_scale(bench, spread):
     return np.where(spread > ratio * np.abs(np.asarray(bench)), spread, 0.0)
 
 
-_EPS = {"float16": 2.0 ** -11, "bfloat16": 2.0 ** -8, "float32": 2.0 ** -24, "float64": 2.0 ** -53}
-
-
 def within_terms(device, bench, terms, dtype: str, op: str = "", counts=None):
-    """``device`` with each element's error reduced by the rounding bound of its terms
-    (``terms``: the op on the inputs' absolute values, i.e. sum |x|): an error that accumulation
-    order explains is not one; what exceeds it is judged in full.  The bound is
-    ``reduction_slack * eps * terms`` with float32's eps for half types (correct kernels
-    accumulate them in float32); for a staged reduction ``staged_slack * eps(dtype) * terms *
-    (1 - 1/counts)`` (``counts``: terms per element; one term is never rounded in a sum)."""
-    thr = standard("api_precision_standard")["thresholds"]
-    dtype = short_dtype(component_dtype(dtype))
-    terms = np.abs(np.asarray(terms)).astype(np.float64)
-    if _reduction_kind(op) == "staged":
-        bound = thr["staged_slack"] * _EPS.get(dtype, _EPS["float32"]) * terms
-        if counts is not None:
-            bound = bound * (1 - 1 / np.maximum(np.abs(np.asarray(counts)).astype(np.float64), 1))
-    else:
-        bound = thr["reduction_slack"] * min(_EPS.get(dtype, _EPS["float32"]), _EPS["float32"]) * terms
-    d, b = np.asarray(device), np.asarray(bench)
-    err = d - b
-    mag = np.abs(err)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        keep = np.where(mag > bound, (mag - bound) / np.where(mag > 0, mag, 1), 0.0)
-    out = b + err * keep
-    return np.where(np.isfinite(d) & np.isfinite(b), out, d)
+    """``device`` with each element's error reduced by the rounding bound of its terms (``terms``:
+    the op on the inputs' absolute values, i.e. sum |x|; :mod:`.rounding`, the one bound)."""
+    bound = rounding.term_bound(terms, component_dtype(dtype), _reduction_kind(op) == "staged", counts)
+    return rounding.discount(device, bench, bound)
 
 
 def judge(cat: str, metrics: dict, dtype: str) -> tuple[str, str]:

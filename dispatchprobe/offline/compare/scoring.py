@@ -12,7 +12,7 @@ import numpy as np
 import pandas as pd
 
 from ...records.reader import Part, RecordError
-from ...standards import metrics as M, statistics as S, verdicts as V
+from ...standards import metrics as M, rounding as R, statistics as S, verdicts as V
 from ...standards.loader import is_float
 from ...standards.verdicts import NOT_JUDGED
 from .columns import STATS, TENSOR_METRICS, _COMPUTED, _PERFECT
@@ -86,10 +86,46 @@ def _score(df: pd.DataFrame, part_a: Part, part_b: Part, tensors: bool, problems
             for m in TENSOR_METRICS:
                 df.loc[df.index[rows], m] = mvals[m]
             error[rows] = np.where(np.isnan(rel_l2), error[rows], rel_l2)
+    _within_rounding(df, status, reason, sa, sb)
     df["error"] = error
     df["status"] = status
     df["reason"] = reason
     return df
+
+
+def _within_rounding(df: pd.DataFrame, status, reason, sa: dict, sb: dict) -> None:
+    """A sum's outputs that differ by no more than the rounding of its terms (the one bound,
+    :func:`~dispatchprobe.standards.rounding.norm_bound`, from each run's input norm) pass: their
+    values cancelled (a bias gradient that is mathematically zero), so cosine and relative errors
+    compare rounding noise.  The difference is the tensors' L2 distance, or without tensors the
+    largest statistics difference (each a lower bound of it)."""
+    ops = df["op_a"].to_numpy(object)
+    cand = np.flatnonzero((status != V.PASS) & (status != NOT_JUDGED) & (df["io"].to_numpy(object) == "output")
+                          & np.array([R.norm_bound(op, 1.0, 1, "float32") is not None for op in ops], dtype=bool))
+    if not len(cand):
+        return
+    uid, args = df["uid"].to_numpy(), df["arg"].to_numpy(object)
+    first_input = {}
+    for k in np.flatnonzero(args == "input.0"):
+        first_input.setdefault(uid[k], k)
+    rmse = df["rmse"].to_numpy(np.float64) if "rmse" in df else np.full(len(df), np.nan)
+    for r in cand:
+        i = first_input.get(uid[r])
+        if i is None:
+            continue
+        n_out = max(int(np.prod(df["shape_a"].iat[r])), 1)
+        n = int(np.prod(df["shape_a"].iat[i])) / n_out
+        bounds = [R.norm_bound(ops[r], st["norm"][i], n, df[f"dtype_{side}"].iat[i]) for st, side in ((sa, "a"), (sb, "b"))]
+        if any(b is None for b in bounds):
+            continue
+        if np.isfinite(rmse[r]):
+            diff = rmse[r] * math.sqrt(n_out)
+        else:
+            diff = max(abs(sa[s][r] - sb[s][r]) for s in ("norm", "max", "min"))
+        if diff <= sum(bounds):
+            status[r] = V.PASS
+            reason[r] = (f"outputs differ by {diff:.3g}, within the rounding bound of their terms "
+                         f"({sum(bounds):.3g}): the values cancel")
 
 
 def _tolerances(df: pd.DataFrame, dtype_a, dtype_b) -> tuple[np.ndarray, np.ndarray]:
