@@ -67,11 +67,14 @@ def _rows(path):
     return out
 
 
-@pytest.mark.parametrize("scaler_inside", [False, True])
-def test_loss_scale_overflows_are_expected_and_training_runs_on(tmp_path, scaler_inside):
+@pytest.mark.parametrize("scaler_inside, defer", [(False, False), (True, False), (True, True)])
+def test_loss_scale_overflows_are_expected_and_training_runs_on(tmp_path, scaler_inside, defer):
+    """``defer``: the accelerator path (checks read back later) on CPU: the scaler's verdict waits
+    for the ops still pending."""
     ref, ref_scales = _train()
     assert ref_scales[0] < 2.0 ** 22 and ref_scales[-1] == ref_scales[-2]    # skipped first, then stepped
     probe = DispatchProbe(task="overflow", dump_path=str(tmp_path))           # overflow_nums=1
+    probe.handlers[0].defer = defer
     model, scales = _train(probe, scaler_inside)
     assert scales == ref_scales
     for a, b in zip(model.state_dict().values(), ref.state_dict().values()):

@@ -75,9 +75,8 @@ class OverflowHandler(Handler):
     # ---- per op ---------------------------------------------------------------------------------
     def on_op(self, event: OpEvent):
         if event.kind == "op" and self.loss_scale.sees(event):
-            verdict = self.loss_scale.verdict()
-            if verdict is not None:
-                self._decide(*verdict)
+            self._resolve()          # ops still on the device are judged (and held) before the verdict
+            self._settle()
             self._raise_if_stopped()
             return None
         if event.stage not in self.stages or event.kind != "op":
@@ -116,39 +115,38 @@ class OverflowHandler(Handler):
     def optimizer_stepping(self) -> None:
         """An optimizer is about to step (the framework's global pre-hook): a step the loss scaler
         skipped never gets here, so what is still held was not caught."""
+        self._resolve()
         self.loss_scale.stepped = True
-        self.loss_scale.skips = 0
-        if self._held:
-            self._decide(False, "not caught: the optimizer stepped with it")
-            if self._dirty:
-                self._write_summary()
-            self._raise_if_stopped()
+        self._settle()
+        if self._dirty:
+            self._write_summary()
+        self._raise_if_stopped()
 
     def boundary(self) -> None:
         """The user's code ran outside the probe (the next region starts, or the part closes):
         decide what is still held from the loss scale's state, then start the next step's watch."""
-        verdict = self.loss_scale.verdict(final=True)
-        if verdict is not None:
-            self._decide(*verdict)
+        self._settle(final=True)
         self.loss_scale.next_step()
         if self._dirty:
             self._write_summary()
         self._raise_if_stopped()
 
-    def _decide(self, skipped: bool, why: str) -> None:
-        """The held backward overflows become ``expected`` (the step was skipped) or critical."""
+    def _settle(self, final: bool = False) -> None:
+        """Once the step's verdict is known, the held backward overflows become ``expected`` (the
+        step was skipped) or critical; the step that makes ``skips_in_a_row`` skips in a row adds
+        a ``scale collapse`` row."""
+        got = self.loss_scale.decide(final)
+        if got is None:
+            return
+        (skipped, why), new = got
         held, self._held = self._held, []
         for rec, row, info in held:
             info["loss_scale"] = row["loss_scale"] = why
             if skipped:
                 info["class"] = row["class"] = "expected"
             self._emit(rec, row, info["class"], info)
-        if skipped:
-            self.loss_scale.skips += 1
-            if self.loss_scale.skips == self.skips_in_a_row:
-                self._collapse()
-        else:
-            self.loss_scale.skips = 0
+        if new and skipped and self.loss_scale.skips == self.skips_in_a_row:
+            self._collapse()
 
     def _collapse(self) -> None:
         n, scale = self.loss_scale.skips, self.loss_scale.value
@@ -366,7 +364,7 @@ class LossScaleWatch:
         self.value = None
         self.found_inf = None        # the update's found_inf this step (True/False), if seen
         self.stepped = False         # an optimizer stepped this step
-        self.decided = False         # this step's verdict was given
+        self._verdict = None         # this step's (skipped, why), once known
         self.skips = 0               # steps skipped in a row
 
     def active(self) -> bool:
@@ -405,22 +403,29 @@ class LossScaleWatch:
         if value > 1:
             self.scale, self.value = scale, value
 
-    def verdict(self, final: bool = False):
-        """(skipped, why) once the step's fate is known, else None.  ``final``: the step is over."""
-        if self.decided:
+    def decide(self, final: bool = False):
+        """``((skipped, why), new)`` once the step's fate is known (``new``: decided by this call),
+        else None.  ``final``: the step is over."""
+        if self._verdict is not None:
+            return self._verdict, False
+        if not self.active():
             return None
-        if self.found_inf is not None:
-            found, self.found_inf, self.decided = self.found_inf, None, True
-            return (True, "step skipped by the loss scaler (found_inf set)") if found else \
+        if self.stepped:
+            verdict = False, "not caught: the optimizer stepped with it"
+        elif self.found_inf is not None:
+            verdict = (True, "step skipped by the loss scaler (found_inf set)") if self.found_inf else \
                 (False, "not caught: the loss scaler found no inf/nan")
-        if not final or not self.active():
+        elif not final:
             return None
-        self.decided = True
-        if self.scale is not None and not self.stepped:
-            now = self.backend.max_abs_finite(self.scale)
-            if now < self.value:
-                return True, f"step skipped by the loss scaler (scale {self.value:g} -> {now:g})"
-        return False, "not caught: no loss scaler skipped the step"
+        else:
+            verdict = False, "not caught: no loss scaler skipped the step"
+            if self.scale is not None:
+                now = self.backend.max_abs_finite(self.scale)
+                if now < self.value:
+                    verdict = True, f"step skipped by the loss scaler (scale {self.value:g} -> {now:g})"
+        self._verdict = verdict
+        self.skips = self.skips + 1 if verdict[0] else 0
+        return verdict, True
 
     def next_step(self) -> None:
-        self.scale, self.found_inf, self.stepped, self.decided = None, None, False, False
+        self.scale, self.found_inf, self.stepped, self._verdict = None, None, False, None
