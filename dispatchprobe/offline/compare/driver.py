@@ -16,7 +16,8 @@ from ...standards.loader import standard
 from ..align import Mapping, align
 from ..translate import Translation
 from .columns import COLUMNS, STATS, UNMATCHED_COLUMNS, _FLOAT_FIELDS, _ROW_FIELDS
-from .origin import _divergences, _origins
+from .origin import trace
+from .rerun import float64_rerun
 from .pairing import _decomposed_scopes, _explain_unobservable, _flow, _frames, _pair_tensors
 from .scoring import _score
 from .verdict import Result, RunsDoNotAlign, Verdict
@@ -26,19 +27,22 @@ class PartResult(NamedTuple):
     rows: pd.DataFrame
     unmatched: pd.DataFrame
     problems: list
-    divergences: list     # at most one :class:`Divergence` per stage
+    divergences: list     # per stage at most one :class:`Divergence` (a departure where it has no error rows)
     aligned: tuple        # (compute records paired, compute records of A, of B)
 
 
 def compare_parts(part_a: Part, part_b: Part, match: str = "fuzzy", mapping: Mapping | None = None,
-                  tensors: bool = True, translate: tuple = (None, None)) -> PartResult:
+                  tensors: bool = True, translate: tuple = (None, None), framework: str | None = "torch") -> PartResult:
     """Compare one step/rank part against another; ``translate``: each side's
-    :class:`~dispatchprobe.offline.translate.Translation` into aten's vocabulary, or None."""
+    :class:`~dispatchprobe.offline.translate.Translation` into aten's vocabulary, or None;
+    ``framework``: both parts' framework, whose replay re-runs ops in float64 to place an origin
+    (None: decided on the recorded errors)."""
     with no_gc():
-        return _compare_parts(part_a, part_b, match, mapping or Mapping(), tensors, translate)
+        return _compare_parts(part_a, part_b, match, mapping or Mapping(), tensors, translate, framework)
 
 
-def _compare_parts(part_a: Part, part_b: Part, match: str, mapping: Mapping, tensors: bool, translate: tuple):
+def _compare_parts(part_a: Part, part_b: Part, match: str, mapping: Mapping, tensors: bool, translate: tuple,
+                   framework: str | None):
     recs_a, recs_b = (t.records(p.records) if t else p.records for t, p in zip(translate, (part_a, part_b)))
     # an overflow re-run of a compiled record repeats that record's call (same name): compared once
     recs_a, recs_b = ([r for r in recs if not (r.get("compiled") or {}).get("rerun")] for recs in (recs_a, recs_b))
@@ -132,18 +136,18 @@ def _compare_parts(part_a: Part, part_b: Part, match: str, mapping: Mapping, ten
         problems.append(f"step {step} rank {rank}: {int((~unmatched['is_cast'] & (unmatched['explained'] == '')).sum())} of "
                         f"{len(recs_a) + len(recs_b)} records could not be aligned{hint}; listed in unmatched.csv")
     df = _score(df, part_a, part_b, tensors, problems)
-    df["origin"] = _origins(df)
     compute = [sum(1 for r in recs if not op_traits.is_cast(r["op"])) for recs in (recs_a, recs_b)]
     paired = sum(1 for i, _, _ in al.pairs if not op_traits.is_cast(recs_a[i]["op"]))
-    divs = _divergences(df, part_a, recs_a, recs_b, al, seq_a, seq_b, flow_a, flow_b) if len(df) else []
+    rerun = float64_rerun(framework, part_a, part_b) if tensors and framework and not any(translate) else None
+    df["origin"], divs = trace(df, part_a, recs_a, recs_b, al, seq_a, seq_b, flow_a, flow_b, rerun)
     return PartResult(df, unmatched, problems, divs, (paired, *compute))
 
 
 
 def _worker(args):
-    path_a, key_a, path_b, key_b, match, mapping, tensors, translate = args
+    path_a, key_a, path_b, key_b, match, mapping, tensors, translate, framework = args
     return compare_parts(Part(path_a, *key_a), Part(path_b, *key_b), match=match, mapping=mapping, tensors=tensors,
-                         translate=translate)
+                         translate=translate, framework=framework)
 
 
 def _translations(run_a, run_b, mapping: Mapping) -> tuple:
@@ -183,8 +187,9 @@ def compare(a, b, *, match: str = "fuzzy", mapping: str | Mapping | None = None,
         raise RecordError(f"{run_a.path} and {run_b.path} have no step/rank in common "
                           f"({sorted(run_a.parts)} vs {sorted(run_b.parts)})")
     translate = _translations(run_a, run_b, mapping)
-    tasks = [(run_a.parts[ka].path, ka, run_b.parts[kb].path, kb, match, mapping, tensors, translate)
-             for ka, kb in jobs_list]
+    fa, fb = (r.manifest.get("framework") or "torch" for r in (run_a, run_b))
+    tasks = [(run_a.parts[ka].path, ka, run_b.parts[kb].path, kb, match, mapping, tensors, translate,
+              fa if fa == fb else None) for ka, kb in jobs_list]
     tables, unmatched, divs, aligned = [], [], [], np.zeros(3, np.int64)
     for res in _run_tasks(tasks, jobs, progress):
         tables.append(res.rows)
@@ -197,22 +202,14 @@ def compare(a, b, *, match: str = "fuzzy", mapping: str | Mapping | None = None,
     um["is_cast"] = um["is_cast"].astype(bool)
     if jobs_list[0][0] != jobs_list[0][1] and len(jobs_list) == 1:
         table["step"], table["rank"] = jobs_list[0][0]
-    # per stage, the divergence of the first step/rank part that has one
-    first = {}
-    for d in sorted(divs, key=lambda d: (d.step, d.rank)):
-        first.setdefault(d.stage, d)
-    for d in first.values():   # a divergence op whose own error is only a warning is an origin too
-        if d.cause == "op" and len(table):
-            at = ((table["step"] == d.step) & (table["rank"] == d.rank) & (table["stage"] == d.stage)
-                  & (table["seq"] == d.seq) & (table["kind"] == d.kind) & (table["io"] == "output"))
-            table.loc[at, "origin"] = True
+    first, departures = _first(divs)
     counts = {k: int(v) for k, v in table["status"].value_counts().items()} if len(table) else {}
     smaller = min(int(aligned[1]), int(aligned[2]))   # a truncated or shorter run is judged on what it has
     share = float(aligned[0]) / max(smaller, 1)
     verdict = Verdict(a=str(run_a.path), b=str(run_b.path), forward=first.get("forward"),
                       backward=first.get("backward"), counts=counts, unmatched=um, problems=problems,
                       parts=[k for k, _ in jobs_list], aligned=share,
-                      same_run=_same_folder(run_a, run_b, jobs_list))
+                      same_run=_same_folder(run_a, run_b, jobs_list), departures=departures)
     table = table.drop(columns=["uid", "data_a", "data_b", "checksum_a", "checksum_b"], errors="ignore")
     table = table[[c for c in COLUMNS if c in table.columns]]
     if out:
@@ -230,6 +227,38 @@ def compare(a, b, *, match: str = "fuzzy", mapping: str | Mapping | None = None,
                              + (f" (partial report: {verdict.report})" if verdict.report else ""),
                              Result(table, verdict))
     return Result(table, verdict)
+
+
+def _first(divs: list) -> tuple[dict, list]:
+    """Per stage, the divergence of the first step/rank part that has one; for the stages with none,
+    their first departure.  Inputs that differ at a later step are traced to the earlier step's origin."""
+    by_part: dict = {}
+    for d in divs:
+        by_part.setdefault((d.rank, d.step), {})[(d.stage, d.departure)] = d
+    first: dict = {}
+    early: dict = {}
+    for d in sorted(divs, key=lambda d: (d.step, d.rank)):
+        (early if d.departure else first).setdefault(d.stage, d)
+        if d.cause == "inputs" and not d.came_from:
+            d.came_from = _came_from(by_part, d)
+    return first, [early[s] for s in ("forward", "backward") if s in early and s not in first]
+
+
+def _came_from(by_part: dict, d) -> str:
+    """Where the values differing at step ``d.step``'s start came from: the nearest earlier step
+    of the rank, its backward's own origin first (the gradients), else its forward's."""
+    earlier = [step for rank, step in by_part if rank == d.rank and step < d.step]
+    if not earlier:
+        return ""
+    step = max(earlier)
+    got = by_part[(d.rank, step)]
+    for stage in ("backward", "forward"):
+        for departure in (False, True):
+            src = got.get((stage, departure))
+            if src is not None and src.cause not in ("inherited",):
+                return f"they come from step {step}: {src.describe().splitlines()[0]}"
+    return (f"step {step}'s records agree: they come from the optimizer step or other code between the steps "
+            "(not recorded)")
 
 
 def _same_folder(run_a, run_b, jobs_list) -> bool:

@@ -1,9 +1,17 @@
 """Where the differences come from: each differing value followed back through the records' data
-flow to the op where it enters."""
+flow to the op where it enters.
+
+Thresholds decide *whether* two runs disagree; lineage decides *where*.  An op is where a difference
+enters when its outputs differ while its inputs agree, or when its outputs differ by more than its
+inputs' differences carried through it: measured by re-running it in float64 on both runs' recorded
+inputs where tensors are saved and the framework is importable (:mod:`.rerun`), else estimated on
+the recorded errors (outputs ``origin_amplification`` times further off than inputs; approximate).
+Differences below the threshold count: a stage with no error rows still has a first *departure*."""
 
 from __future__ import annotations
 
 import bisect
+from typing import NamedTuple
 
 import numpy as np
 import pandas as pd
@@ -11,65 +19,111 @@ import pandas as pd
 from ...core import op_traits
 from ...records.reader import Part
 from ...standards import verdicts as V
-from ...standards.loader import standard
+from ...standards.loader import is_float, standard
 from .columns import TENSOR_METRICS
 from .pairing import _Flow, _frames
+from .rerun import ROUNDOFF
 from .verdict import Divergence
 
 
-def _origins(df: pd.DataFrame) -> np.ndarray:
-    """Per row: does its op introduce the error?  Yes when one of its outputs is an error and the
-    worst output relative error exceeds ``origin_amplification`` times the worst input's (inputs that
-    agree exactly give 0, so any failing output qualifies).  Inherited errors (inputs already as far
-    off as the outputs) do not qualify, in forward or backward."""
-    n = len(df)
-    if not n:
-        return np.zeros(0, dtype=bool)
-    amp = float(standard("compare_standards").get("origin_amplification", 10.0))
-    uid = df["uid"].to_numpy()
-    is_out = (df["io"] == "output").to_numpy()
+class Root(NamedTuple):
+    """Where a difference enters, ordered by the stage position where it is seen; a difference of
+    rounding size (``weak``) only where no larger one enters."""
+
+    weak: bool      # an op's own difference no larger than a few roundings of its dtype
+    seq: int        # position in the stage (run A's order)
+    index: int      # the record (of ``side``'s run)
+    side: str       # "a" or "b"
+    arg: str        # the tensor, for the causes seen at a tensor (inputs, inherited, unrecorded)
+    cause: str      # Divergence.cause
+
+
+# statistics of equal values may differ by their own float32 accumulation: below this relative
+# error, statistics-only rows count as equal (saved tensors count every bit)
+STATS_NOISE = 1e-6
+
+
+def differs(df: pd.DataFrame) -> np.ndarray:
+    """Per row: do the runs' values differ at all (below the threshold too)?  Undefined values never do."""
     status = df["status"].to_numpy(object)
     err = df["error"].to_numpy(np.float64)
-    err = np.where(np.isnan(err), 0.0, err)
-    key = pd.Series(uid)
-    in_err = pd.Series(np.where(is_out, 0.0, err)).groupby(key).transform("max").to_numpy()
-    out_bad = is_out & (status == V.ERROR)
-    op_out_bad = pd.Series(out_bad).groupby(key).transform("any").to_numpy()
-    out_err = pd.Series(np.where(out_bad, err, 0.0)).groupby(key).transform("max").to_numpy()
-    return op_out_bad & (out_err > amp * in_err)
+    measured = df["rel_l2_err"].notna().to_numpy()
+    out = np.where(measured, err > 0, err > STATS_NOISE) | (status == V.ERROR) | (status == V.WARNING) | (df["checksum_match"] == "unequal").to_numpy()
+    return out & (status != V.NOT_JUDGED)
 
 
+NONE, WEAK, STRONG = 0, 1, 2    # an op's own difference: none, of rounding size, larger
+ROUNDINGS = 16                  # "rounding size": up to this many unit roundoffs of the dtype (relative)
 
-def _divergences(df: pd.DataFrame, part_a: Part, recs_a: list, recs_b: list, al, seq_a: list, seq_b: list,
-                 flow_a: _Flow, flow_b: _Flow) -> list:
-    """For each stage with error rows, the :class:`Divergence` they come from.
 
-    One pass over run A's records in execution order follows each differing value (a warning or an
-    error) back to where it started: the op that produced it, when that op's outputs differ while its
-    inputs agree (or its error exceeds its inputs' ``origin_amplification``-fold); an op present in one
-    run only, producing it or standing between the agreeing producer and the failing consumer; or no
-    recorded op at all (the runs differ at their inputs/parameters).  Each record keeps the earliest
-    such source, so the pass is linear in the records.  A stage's divergence is the earliest source of
-    its error rows; backward values that differ only because forward values do are ``inherited``."""
+class OwnShare:
+    """Decides, per paired record of run A, whether its op adds a difference of its own."""
+
+    def __init__(self, df, recs_a, recs_b, pair_b, rerun, diff):
+        self.amp = float(standard("compare_standards").get("origin_amplification", 10.0))
+        self.err = np.nan_to_num(df["error"].to_numpy(np.float64), nan=0.0, posinf=np.inf).tolist()
+        self.dtype_a, self.dtype_b = df["dtype_a"].tolist(), df["dtype_b"].tolist()
+        self.data_a, self.data_b = df["data_a"].tolist(), df["data_b"].tolist()
+        self.args = df["arg"].tolist()
+        self.recs_a, self.recs_b, self.pair_b, self.rerun, self.diff = recs_a, recs_b, pair_b, rerun, diff
+        self.estimated: set = set()    # stages where the statistics rule decided an op with differing inputs
+
+    def __call__(self, i: int, outs: list, ins: list) -> int:
+        """``outs``/``ins``: the record's differing output/input rows."""
+        if not outs:
+            return NONE
+        if not ins:                  # inputs agree, outputs do not
+            return STRONG if any(self.err[k] > ROUNDINGS * self.roundoff(k) for k in outs) else WEAK
+        floats = [k for k in outs if is_float(self.dtype_a[k]) and is_float(self.dtype_b[k])]
+        if not floats:
+            return NONE              # a discrete output (index, mask) follows any input difference
+        j = self.pair_b.get(i)
+        if self.rerun is not None and j is not None:
+            own = self.rerun.own(self.recs_a[i], self.recs_b[j],
+                                 [(self.args[k], self.data_a[k], self.data_b[k],
+                                   V.lower_precision(self.dtype_a[k], self.dtype_b[k])) for k in floats])
+            if own is not None:
+                return STRONG if own else NONE
+        self.estimated.add(self.recs_a[i]["stage"])
+        return STRONG if max(self.err[k] for k in floats) > self.amp * max(self.err[k] for k in ins) else NONE
+
+    def roundoff(self, k: int) -> float:
+        return ROUNDOFF.get(V.lower_precision(self.dtype_a[k], self.dtype_b[k]), ROUNDOFF["float32"])
+
+
+def trace(df: pd.DataFrame, part_a: Part, recs_a: list, recs_b: list, al, seq_a: list, seq_b: list,
+          flow_a: _Flow, flow_b: _Flow, rerun=None) -> tuple[np.ndarray, list]:
+    """(per row: is it an output where a difference enters; per stage at most one :class:`Divergence`).
+
+    One pass over run A's records in execution order follows each differing value (at any size)
+    back to where it started: the op that produced it, when that op adds a difference of its own
+    (:class:`OwnShare`); an op present in one run only, producing it or standing between the
+    agreeing producer and the differing consumer; or no recorded op at all (the runs differ at their
+    inputs/parameters).  Each record keeps the earliest such source, so the pass is linear in the
+    records.  A stage's divergence is the earliest source of its error rows; a stage without error
+    rows gets its first *departure* (the earliest own-stage source of any differing value).  Backward
+    values that differ only because forward values do are ``inherited``."""
+    n = len(df)
     status = df["status"].to_numpy(object)
     bad = status == V.ERROR
-    if not bad.any():
-        return []
-    bad_rows = bad.copy()
-    off = bad | (status == V.WARNING)
+    off = differs(df) if n else np.zeros(0, bool)
+    origin_rows = np.zeros(n, bool)
+    if not off.any():
+        return origin_rows, []
+    bad_rows, off_rows = bad.copy(), off.copy()
     uid = df["uid"].to_numpy(np.int64)
     is_in = (df["io"] == "input").to_numpy()
     args = df["arg"].to_numpy(object)
-    origin = df["origin"].to_numpy(bool)
     # the differing outputs: (record, arg) -> row
     out_row = {(int(uid[k]), args[k]): k for k in np.flatnonzero(off & ~is_in)}
     starts = np.flatnonzero(np.r_[True, uid[1:] != uid[:-1]])   # rows are in A's record order
     ends = np.r_[starts[1:], len(uid)]
-    differs = np.add.reduceat(off, starts) > 0
-    groups = {int(uid[s0]): (s0, e0) for s0, e0 in zip(starts[differs].tolist(), ends[differs].tolist())}
+    touched = np.add.reduceat(off, starts) > 0
+    groups = {int(uid[s0]): (s0, e0) for s0, e0 in zip(starts[touched].tolist(), ends[touched].tolist())}
     # plain lists: element access in the pass below is many times cheaper than numpy's
-    bad, off, is_in, origin = bad.tolist(), off.tolist(), is_in.tolist(), origin.tolist()
+    bad, off, is_in = bad.tolist(), off.tolist(), is_in.tolist()
     pair_b = {i: j for i, j, _ in al.pairs}
+    own_share = OwnShare(df, recs_a, recs_b, pair_b, rerun, off)
     only_a = set(al.only_a)
 
     def unmatched_ops(recs, idx):   # per stage: sorted indices of one-run-only op records, compute ops first
@@ -93,8 +147,8 @@ def _divergences(df: pd.DataFrame, part_a: Part, recs_a: list, recs_b: list, al,
     inh: dict = {}      # record -> earliest inherited source
     usrc: dict = {}     # one-run-only record of A -> (best, inherited) of what it passes on
 
-    def root(seq, i, side, arg, cause):   # ordered by the stage position where it is seen
-        return (seq, i, side, arg, cause)
+    def root(seq, i, side, arg, cause, weak=False):
+        return Root(weak, seq, i, side, arg, cause)
 
     def mn(x, y):
         return y if x is None else x if y is None else min(x, y)
@@ -134,7 +188,7 @@ def _divergences(df: pd.DataFrame, part_a: Part, recs_a: list, recs_b: list, al,
         return root(seq_a[r], r, "a", arg, "inputs"), None
 
     al_only_b = set(al.only_b)
-    stage_src: dict = {}   # (stage, kind) -> [earliest own-stage source, earliest inherited one]
+    stage_src: dict = {}   # (stage, kind, error) -> [earliest own-stage source, earliest inherited one]
     for i in sorted(groups.keys() | {i for i in al.only_a if recs_a[i]["kind"] == "op"}):
         rec = recs_a[i]
         stage = rec["stage"]
@@ -161,38 +215,47 @@ def _divergences(df: pd.DataFrame, part_a: Part, recs_a: list, recs_b: list, al,
         s0, e0 = groups[i]
         b = h = None
         ins = [k for k in range(s0, e0) if is_in[k] and off[k]]
-        if any(off[k] and not is_in[k] for k in range(s0, e0)):
-            if origin[s0] or not ins:
-                b = root(seq_a[i], i, "a", "", "op")
+        outs = [k for k in range(s0, e0) if off[k] and not is_in[k]]
+        if outs:
+            own = own_share(i, outs, ins)
+            if own:
+                b = root(seq_a[i], i, "a", "", "op", own == WEAK)
+                origin_rows[outs] = True
             else:
                 for k in ins:
                     kb, kh = source(i, k, stage)
                     b, h = mn(b, kb), mn(h, kh)
             best[i], inh[i] = b, h
-        errs = [k for k in range(s0, e0) if bad[k]]
-        if not errs:
-            continue
-        eb = eh = None
-        if any(not is_in[k] for k in errs):
-            eb, eh = b, h
-        for k in errs:
-            if is_in[k]:
-                kb, kh = source(i, k, stage)
-                eb, eh = mn(eb, kb), mn(eh, kh)
-        acc = stage_src.setdefault((stage, rec["kind"]), [None, None])
-        acc[0], acc[1] = mn(acc[0], eb), mn(acc[1], eh)
+        for error in (True, False):   # the sources of its error rows; of all its differing rows
+            rows = [k for k in range(s0, e0) if (bad[k] if error else off[k])]
+            if not rows:
+                continue
+            eb = eh = None
+            if any(not is_in[k] for k in rows):
+                eb, eh = b, h
+            for k in rows:
+                if is_in[k]:
+                    kb, kh = source(i, k, stage)
+                    eb, eh = mn(eb, kb), mn(eh, kh)
+            acc = stage_src.setdefault((stage, rec["kind"], error), [None, None])
+            acc[0], acc[1] = mn(acc[0], eb), mn(acc[1], eh)
     out = []
+    stages = df["stage"].to_numpy(object)
     for stage in ("forward", "backward"):
-        acc = stage_src.get((stage, "op")) or stage_src.get((stage, "module"))
+        errors = int((bad_rows & (stages == stage)).sum())
+        acc = stage_src.get((stage, "op", bool(errors))) or stage_src.get((stage, "module", bool(errors)))
         if acc is None:
             continue
-        errors = int((bad_rows & (df["stage"] == stage).to_numpy()).sum())
-        pick = acc[0] or acc[1]
-        if pick is None:   # not reached: every differing value has a source; keep the verdict honest anyway
-            k = int(np.flatnonzero(bad_rows & (df["stage"].to_numpy(object) == stage))[0])
+        pick = acc[0] or acc[1] if errors else acc[0]   # a departure is a stage's own
+        if pick is None and errors:   # not reached: every differing value has a source; keep the verdict honest
+            k = int(np.flatnonzero(bad_rows & (stages == stage))[0])
             pick = root(seq_a[int(uid[k])], int(uid[k]), "a", args[k], "op")
-        out.append(_describe(df, part_a, recs_a, recs_b, seq_a, seq_b, stage, pick, errors))
-    return out
+        if pick is None:
+            continue
+        div = _describe(df, part_a, recs_a, recs_b, seq_a, seq_b, stage, pick, errors, off_rows)
+        div.approximate = pick.cause == "op" and stage in own_share.estimated
+        out.append(div)
+    return origin_rows, out
 
 
 def _why(row) -> str:
@@ -203,32 +266,43 @@ def _why(row) -> str:
     return reason
 
 
-def _describe(df, part_a, recs_a, recs_b, seq_a, seq_b, stage, pick, errors) -> Divergence:
-    seq, i, side, arg, cause = pick
+def _size(row) -> str:
+    """How far a differing row is off, where its reason (a passing row's) says nothing."""
+    if pd.notna(getattr(row, "max_rel_err", np.nan)) or pd.notna(getattr(row, "rel_l2_err", np.nan)):
+        parts = [f"{m} {getattr(row, m):.3g}" for m in ("rel_l2_err", "max_rel_err", "max_abs_err")
+                 if pd.notna(getattr(row, m, np.nan))]
+        return "differs within tolerance: " + ", ".join(parts)
+    if pd.notna(row.stats_err):
+        return f"differs within tolerance: statistics error {row.stats_err:.3g}"
+    return "differs within tolerance"
+
+
+def _describe(df, part_a, recs_a, recs_b, seq_a, seq_b, stage, pick, errors, off) -> Divergence:
+    _, seq, i, side, arg, cause = pick
     rec = recs_a[i] if side == "a" else recs_b[i]
-    at = df[(df["uid"] == i) & (df["stage"] == stage)] if side == "a" else df.iloc[:0]
+    at = df[(df["uid"] == i) & (df["stage"] == stage) & off] if side == "a" else df.iloc[:0]
     step, rank = int(df["step"].iat[0]), int(df["rank"].iat[0])
     module = None
     if cause in ("op", "unrecorded"):
-        rows = at[(at["io"] == "output") & at["status"].isin((V.ERROR, V.WARNING))] if cause == "op" \
-            else at[at["arg"] == arg]
-        failed = "; ".join(f"{r.arg}: {_why(r)}" for r in rows.itertuples() if r.reason) or "outputs differ"
-        if cause == "op" and (rows["status"] != V.ERROR).all():
+        rows = at[at["io"] == "output"] if cause == "op" else at[at["arg"] == arg]
+        failed = "; ".join(f"{r.arg}: {_why(r) if r.reason else _size(r)}" for r in rows.itertuples()) \
+            or "outputs differ"
+        if cause == "op" and errors and (rows["status"] != V.ERROR).all():
             failed += f" (below the error line, but the {errors} error rows after it start here)"
         if cause == "unrecorded":
             failed = f"{arg} differs although the op that produced it agreed ({failed})"
-        scopes = df[(df["kind"] == "module") & (df["stage"] == stage) & (df["io"] == "output")
-                    & df["status"].isin((V.ERROR, V.WARNING))]["scope"].unique()
+        scopes = df[(df["kind"] == "module") & (df["stage"] == stage) & (df["io"] == "output") & off]["scope"].unique()
         scope = rec["scope"]
         inside = [m for m in scopes if scope == m or scope.startswith(m + ".")]
         module = max(inside, key=lambda m: m.count(".")) if inside else None
     elif cause in ("inputs", "inherited"):
         rows = at[at["arg"] == arg]
-        failed = "; ".join(_why(r) for r in rows.itertuples() if r.reason) or "values differ"
-    else:   # unmatched: name the first failing record after it
-        later = df[(df["stage"] == stage) & (df["status"] == V.ERROR) & (df["seq"] >= seq)]
+        failed = "; ".join(_why(r) if r.reason else _size(r) for r in rows.itertuples()) or "values differ"
+    else:   # unmatched: name the first failing (differing) record after it
+        later = df[(df["stage"] == stage) & (df["status"] == V.ERROR if errors else off) & (df["seq"] >= seq)]
         nxt = later.iloc[0] if len(later) else None
-        failed = (f"no counterpart in run {'B' if side == 'a' else 'A'}; the first failing record after it is "
+        what = "failing" if errors else "differing"
+        failed = (f"no counterpart in run {'B' if side == 'a' else 'A'}; the first {what} record after it is "
                   f"{nxt['op_a']} [{nxt['scope'] or '<top>'}] {nxt['arg']} (#{nxt['seq']})") if nxt is not None \
             else f"no counterpart in run {'B' if side == 'a' else 'A'}"
         rows = at.iloc[:0]
@@ -238,5 +312,4 @@ def _describe(df, part_a, recs_a, recs_b, seq_a, seq_b, stage, pick, errors) -> 
     return Divergence(stage=stage, step=step, rank=rank, seq=int(seq_a[i] if side == "a" else seq_b[i]),
                       scope=rec["scope"], op=rec["op"], name=rec["name"], call=int(rec["call"]), kind=rec["kind"],
                       failed=failed, metrics=met, stack=list(frames), module=module, cause=cause, side=side,
-                      arg=arg, errors=errors)
-
+                      arg=arg, errors=errors, departure=not errors)

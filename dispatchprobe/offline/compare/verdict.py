@@ -14,11 +14,13 @@ from ...standards.verdicts import NOT_JUDGED
 
 @dataclass
 class Divergence:
-    """Where one stage's error rows come from (``cause``):
+    """Where one stage's error rows come from (``cause``); with ``departure``, where the first
+    difference within tolerance of a stage without error rows enters:
 
-    - ``op``: the first op (or smallest module) whose own error crosses the line: its outputs differ
-      while its inputs agree, or its error exceeds its inputs' ``origin_amplification``-fold;
-    - ``unmatched``: an op present in one run only (``side``) between agreeing and failing records;
+    - ``op``: the first op (or smallest module) that adds a difference of its own: its outputs differ
+      while its inputs agree, or by more than its inputs' differences carried through it (measured
+      in float64 on both runs' inputs; ``approximate`` when estimated from the recorded errors);
+    - ``unmatched``: an op present in one run only (``side``) between agreeing and differing records;
     - ``inputs``: a value no recorded op produced (parameter, data) already differs (``arg``);
     - ``unrecorded``: an input differs although the op that produced it agreed;
     - ``inherited``: backward only: no backward op diverges by itself, its errors come from forward values.
@@ -41,13 +43,20 @@ class Divergence:
     side: str = "a"              # the run holding the record (``unmatched`` ops of run B: "b")
     arg: str = ""                # the tensor where ``inputs``/``inherited``/``unrecorded`` is seen
     errors: int = 0              # error rows of this stage in this step/rank part
+    departure: bool = False      # no error rows: the first difference within tolerance
+    approximate: bool = False    # decided on statistics/recorded errors, not on a float64 re-run
+    came_from: str = ""          # inputs differing at a later step: where the earlier step's difference entered
+
+    def headline(self) -> str:
+        return f"first {self.stage} departure (within tolerance)" if self.departure else f"first {self.stage} divergence"
 
     def where(self) -> str:
         return (f"{self.op} [{self.scope or '<top>'}] call {self.call} "
                 f"(#{self.seq} in {self.stage}{'' if self.side == 'a' else ' of run B'}, "
                 f"step {self.step} rank {self.rank})")
 
-    def describe(self) -> str:
+    def describe(self, lead: str | None = None) -> str:
+        """The terminal lines; ``lead`` replaces the opening words of an op's line."""
         if self.cause == "inputs":
             lines = [f"the runs differ already at their inputs/parameters: first seen at {self.op} "
                      f"[{self.scope or '<top>'}] {self.arg} (#{self.seq} in {self.stage}, step {self.step} "
@@ -57,10 +66,14 @@ class Divergence:
                      f"differing forward values (first at {self.op} [{self.scope or '<top>'}] {self.arg}, "
                      f"#{self.seq} in {self.stage}, step {self.step} rank {self.rank})"]
         elif self.cause == "unmatched":
-            lines = [f"first {self.stage} divergence: {self.where()}, present only in run {self.side.upper()} "
+            lines = [f"{lead or self.headline()}: {self.where()}, present only in run {self.side.upper()} "
                      f"(prime suspect): {self.failed}"]
         else:
-            lines = [f"first {self.stage} divergence: {self.where()}: {self.failed}"]
+            lines = [f"{lead or self.headline()}: {self.where()}: {self.failed}"
+                     + (" (origin approximate: estimated from the recorded errors, no float64 re-run)"
+                        if self.approximate else "")]
+        if self.came_from:
+            lines.append(f"  {self.came_from}")
         if self.module and self.module != self.scope:
             lines.append(f"  smallest module whose output differs: {self.module}")
         lines += [f"  at {frame}" for frame in self.stack[-4:]]
@@ -82,6 +95,12 @@ class Verdict:
     report: str | None = None
     aligned: float = 1.0         # share of the smaller run's compute records (ops, modules) paired
     same_run: bool = False       # A and B are the same folder: agreement says nothing
+    departures: list = field(default_factory=list)   # per stage without error rows: its first departure
+
+    @property
+    def departure(self) -> Divergence | None:
+        """The first difference within tolerance (forward first), if any."""
+        return self.departures[0] if self.departures else None
 
     @property
     def passed(self) -> bool:
@@ -106,13 +125,21 @@ class Verdict:
         if self.counts.get(NOT_JUDGED):
             counts += f", not judged {self.counts[NOT_JUDGED]} (undefined values)"
         lines = [f"compared {self.compared} tensors in {len(self.parts)} step/rank part(s): {counts}"]
+        early = {d.stage: d for d in self.departures}
         for div, stage in ((self.forward, "forward"), (self.backward, "backward")):
-            lines.append(div.describe() if div else f"no {stage} divergence")
+            if div is None and stage in early and not self.passed:
+                lines.append(f"no {stage} divergence; " + early[stage].describe())
+            else:
+                lines.append(div.describe() if div else f"no {stage} divergence")
         if self.passed and self.damaged:
             lines.append("the runs agree on what could be read; damaged records were not compared (see the "
                          "warnings)")
         elif self.passed and self.same_run:
             lines.append(f"the runs agree: A and B are the same records ({self.a}); compare it with another run")
+        elif self.passed and self.departure is not None:
+            d = self.departure
+            lines.append(d.describe("the runs agree within tolerance; first departure") if d.cause in ("op", "unmatched")
+                         else "the runs agree within tolerance; first departure: " + d.describe())
         elif self.passed:
             lines.append("the runs agree")
         compute = self.unmatched[~self.unmatched["is_cast"]] if len(self.unmatched) else self.unmatched

@@ -1,0 +1,88 @@
+"""How much of an op's output difference is its own: the op re-run in float64 on each run's recorded
+inputs (the framework's run-ut replay) gives the difference its inputs' differences carry through
+it; what the recorded outputs differ by beyond that, and beyond the op's rounding, is its own.
+
+Optional: compare runs without the framework importable (DESIGN invariant 1); then
+:func:`float64_rerun` gives None and the origin is decided on statistics (approximate).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import numpy as np
+
+from ...records.reader import Part
+
+# unit roundoff per dtype: the rounding one correct kernel may add
+ROUNDOFF = {"float64": 2.0 ** -53, "float32": 2.0 ** -24, "float16": 2.0 ** -11, "bfloat16": 2.0 ** -8}
+BUDGET = 256   # ops re-run per step/rank part; past it, the statistics rule decides (approximate)
+
+
+class Float64Rerun:
+    """Re-runs paired op records of two parts in float64 and measures each one's own contribution."""
+
+    def __init__(self, replayer, part_a: Part, part_b: Part):
+        self.replayer = replayer
+        self.sources = [replayer.tensor_source(part_a), replayer.tensor_source(part_b)]
+        self.parts = (part_a, part_b)
+        self.device = replayer.resolve_device("cpu")
+        self.left = BUDGET
+
+    def _bench(self, side: int, record: dict) -> dict | None:
+        try:
+            res = self.replayer.replay(record, self.sources[side], self.device, False)
+        except Exception:  # noqa: BLE001 - not replayable (random, custom, unsaved): the statistics decide
+            return None
+        return {o.name: o.bench for o in res.outputs}
+
+    def own(self, rec_a: dict, rec_b: dict, outputs: list) -> bool | None:
+        """Whether any of ``outputs`` (``(arg, key_a, key_b, dtype)`` of the differing float outputs)
+        differs by more than its inputs carry through the op plus twice its rounding; None when the
+        op cannot be re-run (the caller falls back to the statistics rule)."""
+        if self.left <= 0 or not outputs:
+            return None
+        self.left -= 1
+        ref_a, ref_b = self._bench(0, rec_a), self._bench(1, rec_b)
+        if ref_a is None or ref_b is None:
+            return None
+        decided = None
+        for arg, key_a, key_b, dtype in outputs:
+            ra, rb = ref_a.get(arg), ref_b.get(arg)
+            if ra is None or rb is None or key_a is None or key_b is None:
+                continue
+            try:
+                oa = np.asarray(self.parts[0].tensor(key_a), dtype=np.float64)
+                ob = np.asarray(self.parts[1].tensor(key_b), dtype=np.float64)
+                ra, rb = np.asarray(ra, dtype=np.float64), np.asarray(rb, dtype=np.float64)
+                if not (oa.size == ob.size == ra.size == rb.size):
+                    continue
+                oa, ob, ra, rb = (x.reshape(-1) for x in (oa, ob, ra, rb))
+            except Exception:  # noqa: BLE001 - complex, unreadable: not measured
+                continue
+            ok = np.isfinite(oa) & np.isfinite(ob) & np.isfinite(ra) & np.isfinite(rb)
+            if not ok.all():
+                if (np.isfinite(oa) != np.isfinite(ob)).any() and (np.isfinite(ra) == np.isfinite(rb)).all():
+                    return True   # inf/nan in one run only that its inputs do not explain
+                oa, ob, ra, rb = oa[ok], ob[ok], ra[ok], rb[ok]
+            scale = max(float(np.linalg.norm(rb)), float(np.linalg.norm(ob)), np.finfo(np.float64).tiny)
+            own = float(np.linalg.norm((oa - ob) - (ra - rb))) / scale
+            rounding = min(float(np.linalg.norm(oa - ra)), float(np.linalg.norm(ob - rb))) / scale
+            if own > 4 * rounding + ROUNDOFF.get(dtype, 2.0 ** -24):
+                return True
+            decided = False
+        return decided
+
+
+def float64_rerun(framework: str, part_a: Part, part_b: Part) -> Float64Rerun | None:
+    """The re-run for two parts of ``framework`` with saved tensors, or None where the framework
+    cannot be imported (or has no replayer)."""
+    from ..replayer import REPLAYERS
+    module = REPLAYERS.get(framework or "torch")
+    if module is None:
+        return None
+    try:
+        replayer = importlib.import_module(module).REPLAYER
+    except Exception:  # noqa: BLE001 - not importable here: statistics decide, the origin is approximate
+        return None
+    return Float64Rerun(replayer, part_a, part_b)
