@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from ...standards import metrics as M, statistics as S, verdicts as V
 
 STATS = S.KEYS
@@ -17,10 +19,56 @@ UNMATCHED_COLUMNS = ["step", "rank", "side", "stage", "kind", "seq", "scope", "o
 # the metrics compare computes: its columns and what its verdicts read; and their values on equal tensors
 _COMPUTED = M.derived(lambda: set(M.compare_columns()) | set(V.COMPARE_READS))
 _PERFECT = M.derived(lambda: {m: M.METRICS[m].perfect for m in _COMPUTED})
-# the per-tensor row built by compare_parts, before the statistics columns
-_ROW_FIELDS = ("stage", "kind", "seq", "scope", "op_a", "op_b", "name_a", "name_b", "call_a", "call_b", "match",
-               "io", "arg", "dtype_a", "dtype_b", "shape_a", "shape_b", "nan_a", "nan_b", "inf_a", "inf_b",
-               "checksum_a", "checksum_b", "data_a", "data_b", "stack", "uid",
-               # internal: undefined contents; the precision a value carries when below its dtype's
-               "undef_a", "undef_b", "lineage_a", "lineage_b", "spec_a", "spec_b")
+
+
+class TensorRow(NamedTuple):
+    """One paired tensor as ``compare_parts`` collects it: built as a plain tuple in this field order
+    (the hot loop of a 100k-op compare; a keyword-built record costs it seconds), read by name
+    once it is a table column."""
+
+    stage: object   # the paired records': forward/backward
+    kind: object
+    seq: object
+    scope: object
+    op_a: object
+    op_b: object
+    name_a: object
+    name_b: object
+    call_a: object
+    call_b: object
+    match: object   # how it paired (align)
+    io: object   # the tensor's: input/output
+    arg: object   # input.0, output.1.2
+    dtype_a: object
+    dtype_b: object
+    shape_a: object
+    shape_b: object
+    nan_a: object
+    nan_b: object
+    inf_a: object
+    inf_b: object
+    checksum_a: object
+    checksum_b: object
+    data_a: object   # saved-tensor keys (None: statistics only)
+    data_b: object
+    stack: object   # A's last frames
+    uid: object   # A's record index
+    undef_a: object   # undefined contents (uninitialised memory)
+    undef_b: object
+    lineage_a: object   # precision rank its value carries when below its dtype's, else -1
+    lineage_b: object
+    spec_a: object   # id() of the specs (data flow)
+    spec_b: object
+    max_a: object   # statistics (``STATS`` order)
+    max_b: object
+    min_a: object
+    min_b: object
+    mean_a: object
+    mean_b: object
+    norm_a: object
+    norm_b: object
+
+
+_ROW_FIELDS = TensorRow._fields
+assert _ROW_FIELDS[-8:] == tuple(f"{s}_{side}" for s in STATS for side in ("a", "b"))
 _FLOAT_FIELDS = frozenset(f"{s}_{side}" for s in STATS for side in ("a", "b"))

@@ -15,7 +15,7 @@ from ...records.reader import Part, RecordError, load, no_gc
 from ...standards.loader import standard
 from ..align import Mapping, align
 from ..translate import Translation
-from .columns import COLUMNS, STATS, UNMATCHED_COLUMNS, _FLOAT_FIELDS, _ROW_FIELDS
+from .columns import COLUMNS, UNMATCHED_COLUMNS, _FLOAT_FIELDS, _ROW_FIELDS
 from .origin import trace
 from .rerun import float64_rerun
 from .pairing import _decomposed_scopes, _explain_unobservable, _flow, _frames, _pair_tensors
@@ -88,6 +88,7 @@ def _compare_parts(part_a: Part, part_b: Part, match: str, mapping: Mapping, ten
                 frames = _frames(part_a, ra) if ra.get("stack") is not None else []
                 stack = " | ".join(frames[-3:]) if frames else ""
             sta, stb = sa.get("stats") or empty, sb.get("stats") or empty
+            # a TensorRow, in its field order (a plain tuple: the hot loop)
             append(head + (io, arg, sa["dtype"], sb["dtype"], tuple(sa["shape"]), tuple(sb["shape"]),
                            sta.get("nan"), stb.get("nan"), sta.get("inf"), stb.get("inf"),
                            sa.get("checksum"), sb.get("checksum"), sa.get("data"), sb.get("data"), stack, i,
@@ -95,7 +96,7 @@ def _compare_parts(part_a: Part, part_b: Part, match: str, mapping: Mapping, ten
                            lin_a(id(sa), -1) if lin_a else -1, lin_b(id(sb), -1) if lin_b else -1, id(sa), id(sb),
                            sta.get("max"), stb.get("max"), sta.get("min"), stb.get("min"),
                            sta.get("mean"), stb.get("mean"), sta.get("norm"), stb.get("norm")))
-    names = _ROW_FIELDS + tuple(f"{s}_{side}" for s in STATS for side in ("a", "b"))
+    names = _ROW_FIELDS
     columns = list(zip(*rows)) if rows else [()] * len(names)
     del rows
     data = {}
