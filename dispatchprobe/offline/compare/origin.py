@@ -18,7 +18,7 @@ import pandas as pd
 
 from ...core import op_traits
 from ...records.reader import Part
-from ...standards import verdicts as V
+from ...standards import statistics as S, verdicts as V
 from ...standards.loader import is_float, standard
 from .columns import TENSOR_METRICS
 from .pairing import _Flow, _frames
@@ -63,8 +63,12 @@ class OwnShare:
         self.amp = float(standard("compare_standards").get("origin_amplification", 10.0))
         self.err = np.nan_to_num(df["error"].to_numpy(np.float64), nan=0.0, posinf=np.inf).tolist()
         self.dtype_a, self.dtype_b = df["dtype_a"].tolist(), df["dtype_b"].tolist()
-        self.data_a, self.data_b = df["data_a"].tolist(), df["data_b"].tolist()
-        self.args = df["arg"].tolist()
+        # per row: both floats; the unit roundoff of the lower precision (one lookup per dtype pair)
+        codes, pairs = S.factorize(list(zip(self.dtype_a, self.dtype_b)))
+        self.floats = np.array([is_float(x) and is_float(y) for x, y in pairs], bool)[codes].tolist()
+        self.unit = np.array([ROUNDOFF.get(V.lower_precision(x, y), ROUNDOFF["float32"]) for x, y in pairs],
+                             np.float64)[codes].tolist()
+        self.df = df
         self.recs_a, self.recs_b, self.pair_b, self.rerun, self.diff = recs_a, recs_b, pair_b, rerun, diff
         self.estimated: set = set()    # stages where the statistics rule decided an op with differing inputs
 
@@ -73,12 +77,14 @@ class OwnShare:
         if not outs:
             return NONE
         if not ins:                  # inputs agree, outputs do not
-            return STRONG if any(self.err[k] > ROUNDINGS * self.roundoff(k) for k in outs) else WEAK
-        floats = [k for k in outs if is_float(self.dtype_a[k]) and is_float(self.dtype_b[k])]
+            return STRONG if any(self.err[k] > ROUNDINGS * self.unit[k] for k in outs) else WEAK
+        floats = [k for k in outs if self.floats[k]]
         if not floats:
             return NONE              # a discrete output (index, mask) follows any input difference
         j = self.pair_b.get(i)
         if self.rerun is not None and j is not None:
+            if not hasattr(self, "args"):
+                self.args, self.data_a, self.data_b = (self.df[c].tolist() for c in ("arg", "data_a", "data_b"))
             own = self.rerun.own(self.recs_a[i], self.recs_b[j],
                                  [(self.args[k], self.data_a[k], self.data_b[k],
                                    V.lower_precision(self.dtype_a[k], self.dtype_b[k])) for k in floats])
@@ -86,9 +92,6 @@ class OwnShare:
                 return STRONG if own else NONE
         self.estimated.add(self.recs_a[i]["stage"])
         return STRONG if max(self.err[k] for k in floats) > self.amp * max(self.err[k] for k in ins) else NONE
-
-    def roundoff(self, k: int) -> float:
-        return ROUNDOFF.get(V.lower_precision(self.dtype_a[k], self.dtype_b[k]), ROUNDOFF["float32"])
 
 
 def trace(df: pd.DataFrame, part_a: Part, recs_a: list, recs_b: list, al, seq_a: list, seq_b: list,
@@ -121,6 +124,7 @@ def trace(df: pd.DataFrame, part_a: Part, recs_a: list, recs_b: list, al, seq_a:
     touched = np.add.reduceat(off, starts) > 0
     groups = {int(uid[s0]): (s0, e0) for s0, e0 in zip(starts[touched].tolist(), ends[touched].tolist())}
     # plain lists: element access in the pass below is many times cheaper than numpy's
+    err_stages = set(df["stage"].to_numpy(object)[bad].tolist())
     bad, off, is_in = bad.tolist(), off.tolist(), is_in.tolist()
     pair_b = {i: j for i, j, _ in al.pairs}
     own_share = OwnShare(df, recs_a, recs_b, pair_b, rerun, off)
@@ -189,9 +193,15 @@ def trace(df: pd.DataFrame, part_a: Part, recs_a: list, recs_b: list, al, seq_a:
 
     al_only_b = set(al.only_b)
     stage_src: dict = {}   # (stage, kind, error) -> [earliest own-stage source, earliest inherited one]
+    # a departure stage with no one-run-only op is settled by its first larger-than-rounding source:
+    # every later source is seen later (the rest of the stage only fills the origin column)
+    loose = {st for st, _ in loose_a} | {st for st, _ in loose_b}
+    settled: set = set()
     for i in sorted(groups.keys() | {i for i in al.only_a if recs_a[i]["kind"] == "op"}):
         rec = recs_a[i]
         stage = rec["stage"]
+        if stage in settled:
+            continue
         if i in only_a:   # what a one-run-only op passes on: itself, unless a cast passes on its input's
             own = (root(seq_a[i], i, "a", "", "unmatched"), None)
             follow = op_traits.is_cast(rec["op"])
@@ -216,29 +226,31 @@ def trace(df: pd.DataFrame, part_a: Part, recs_a: list, recs_b: list, al, seq_a:
         b = h = None
         ins = [k for k in range(s0, e0) if is_in[k] and off[k]]
         outs = [k for k in range(s0, e0) if off[k] and not is_in[k]]
+        srcs = {k: source(i, k, stage) for k in ins}
         if outs:
             own = own_share(i, outs, ins)
             if own:
                 b = root(seq_a[i], i, "a", "", "op", own == WEAK)
                 origin_rows[outs] = True
             else:
-                for k in ins:
-                    kb, kh = source(i, k, stage)
+                for kb, kh in srcs.values():
                     b, h = mn(b, kb), mn(h, kh)
             best[i], inh[i] = b, h
-        for error in (True, False):   # the sources of its error rows; of all its differing rows
-            rows = [k for k in range(s0, e0) if (bad[k] if error else off[k])]
-            if not rows:
-                continue
+        # the sources of its error rows (a stage with some), else of all its differing rows (a departure)
+        error = stage in err_stages
+        rows = [k for k in range(s0, e0) if bad[k]] if error else ins + outs
+        if rows:
             eb = eh = None
             if any(not is_in[k] for k in rows):
                 eb, eh = b, h
             for k in rows:
                 if is_in[k]:
-                    kb, kh = source(i, k, stage)
+                    kb, kh = srcs[k]
                     eb, eh = mn(eb, kb), mn(eh, kh)
             acc = stage_src.setdefault((stage, rec["kind"], error), [None, None])
             acc[0], acc[1] = mn(acc[0], eb), mn(acc[1], eh)
+            if not error and rec["kind"] == "op" and stage not in loose and acc[0] is not None and not acc[0].weak:
+                settled.add(stage)
     out = []
     stages = df["stage"].to_numpy(object)
     for stage in ("forward", "backward"):
