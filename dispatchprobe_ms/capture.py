@@ -52,7 +52,7 @@ class _Mode(MsDispatchMode):
         stage = "backward" if in_backward() else "forward"
         probe.scopes.saw_op(name, stage)
         scope = probe.scopes.current(stage)
-        if not probe.selector.op_selected(name) or not probe.would_record(stage, scope):
+        if not probe.would_record(stage, scope, name):
             return func(*args)                                     # filtered: no copies, no record
         seen = inputs
         written = ops.written_positions(name)

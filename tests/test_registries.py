@@ -76,3 +76,14 @@ def test_torch_backend_fulfils_the_contract():
     from dispatchprobe.torch import backend
     assert missing_members(backend) == []
     assert isinstance(backend, TensorBackend)
+
+
+def test_registries_refuse_a_second_entry_of_a_name():
+    """As torch's flop_counter refuses a second formula: a name means one thing."""
+    from dispatchprobe.standards.metrics import register_metric
+    with pytest.raises(ValueError, match="already registered"):
+        register_task("statistics")
+    with pytest.raises(ValueError, match="already registered"):
+        register_perturbation("improve_precision")
+    with pytest.raises(ValueError, match="already registered"):
+        register_metric("cosine")

@@ -24,6 +24,7 @@ class OpEvent:
     stack: tuple | None = None    # Python frames ("file:line in func"), innermost last
     func: Callable | None = None  # the callable, so a handler can run it again
     undefined: set | None = None  # ids of argument tensors holding uninitialised memory
+    extra: dict | None = None     # fields added to its records (a compiled graph's re-run: which record)
 
     def with_outputs(self, outputs) -> "OpEvent":
         """A shallow copy holding ``outputs`` instead: what a handler keeps of an op until a
@@ -35,10 +36,14 @@ class OpEvent:
 
     @property
     def name(self) -> str:
-        """Stable across runs and devices: op (or scope for modules), call index, stage."""
-        if self.kind == "module":
-            return f"{self.scope}.{self.stage}.{self.call}"
-        return f"{self.op}.{self.call}.{self.stage}"
+        return record_name(self.kind, self.op, self.scope, self.stage, self.call)
+
+
+def record_name(kind: str, op: str, scope: str, stage: str, call: int) -> str:
+    """Stable across runs and devices: op (or scope for modules), call index, stage."""
+    if kind == "module":
+        return f"{scope}.{stage}.{call}"
+    return f"{op}.{call}.{stage}"
 
 
 class Handler:

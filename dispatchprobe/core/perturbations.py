@@ -28,7 +28,11 @@ PERTURBATIONS: dict[str, Perturbation] = {}
 
 
 def register_perturbation(name: str, **flags):
-    """Decorator: ``@register_perturbation("bit_noise", noise=True)`` over ``fn(check, event, inputs)``."""
+    """Decorator: ``@register_perturbation("bit_noise", noise=True)`` over ``fn(check, event, inputs)``.
+    A second perturbation of the same name is refused."""
+    if name in PERTURBATIONS:
+        raise ValueError(f"register_perturbation: a perturbation named {name!r} is already registered")
+
     def deco(fn):
         PERTURBATIONS[name] = Perturbation(name, fn, **flags)
         return fn

@@ -11,7 +11,7 @@ import functools
 import math
 from typing import Any
 
-from .events import Handler, OpEvent, flat_outputs
+from .events import Handler, OpEvent, flat_outputs, record_name
 
 def encode_plain(value, backend) -> dict:
     """A non-tensor, non-sequence argument as JSON: builtins here, framework objects (dtypes,
@@ -77,11 +77,8 @@ class Recorder(Handler):
         save = self.save_tensors if save is None else save
         found: list[tuple[Any, dict]] = []
         enc = functools.partial(self._encode_value, found)
-        record = {
-            "id": None, "kind": event.kind, "name": event.name, "op": event.op, "stage": event.stage,
-            "scope": event.scope, "call": event.call, "grad_fn": event.grad_fn,
-            "stack": self.part.stack_id(event.stack) if event.stack else None,
-        }
+        record = self.skeleton(event.kind, event.op, event.stage, event.scope, event.call, grad_fn=event.grad_fn,
+                               stack=self.part.stack_id(event.stack) if event.stack else None)
         if self.io_filter("input"):
             record["inputs"] = [enc(a) for a in event.args]
             record["kwargs"] = {k: enc(v) for k, v in event.kwargs.items()}
@@ -95,7 +92,15 @@ class Recorder(Handler):
                 if id(t) in event.undefined:
                     spec["undefined"] = True
         self._fill_tensors(found, save, same, defer and not self.checksum)
+        if event.extra:
+            record.update(event.extra)
         return record
+
+    @staticmethod
+    def skeleton(kind: str, op: str, stage: str, scope: str, call: int, *, grad_fn=None, stack=None) -> dict:
+        """The fields every record starts with, whichever capture path measured the call."""
+        return {"id": None, "kind": kind, "name": record_name(kind, op, scope, stage, call), "op": op,
+                "stage": stage, "scope": scope, "call": call, "grad_fn": grad_fn, "stack": stack}
 
     def _fill_tensors(self, found, save: bool, same: dict | None = None, defer: bool = False) -> None:
         backend = self.backend

@@ -125,7 +125,7 @@ class ProbeSession:
             self._end_pending_step()
         if self._active or self.failed or not self._enabled_here():
             return
-        with self._writing():
+        with self.writing():
             self._open_part()
         if self.failed:
             return
@@ -137,7 +137,7 @@ class ProbeSession:
             return
         self._uninstall()
         self._active = False
-        with self._writing():
+        with self.writing():
             self.flush()
 
     def step(self) -> None:
@@ -149,7 +149,7 @@ class ProbeSession:
         self.step_pending = False
         self.stop()
         try:
-            with self._writing():
+            with self.writing():
                 self._close_part()
         finally:
             self.step_no += 1
@@ -172,13 +172,13 @@ class ProbeSession:
         """The step the optimizer ended: its part closes; a session recording now records on in
         the next step's part (if the config's steps select it)."""
         self.step_pending = False
-        with self._writing():
+        with self.writing():
             if self.part is not None:
                 self.flush()
                 self._close_part()
         self.step_no += 1
         if self._active and self._enabled_here():
-            with self._writing():
+            with self.writing():
                 self._open_part()
 
     def _follow_optimizer(self) -> None:
@@ -193,7 +193,7 @@ class ProbeSession:
             self._unfollow_optimizer()
         self.stop()
         try:
-            with self._writing():
+            with self.writing():
                 self._close_part()
         finally:
             for h in self.handlers:
@@ -234,10 +234,45 @@ class ProbeSession:
         return os.path.join(self.config.dump_path, f"step{self.step_no}", f"rank{self.rank}")
 
     # ---- for adapters and handlers ----------------------------------------------------------
-    def would_record(self, stage: str, scope: str) -> bool:
+    @property
+    def active(self) -> bool:
+        """Started and not stopped (a capture path that starts the session itself asks)."""
+        return self._active
+
+    def would_record(self, stage: str, scope: str, op: str | None = None) -> bool:
         """Whether :meth:`on_op` would record an op at ``stage`` and ``scope``: a capture path asks
         before the op runs, so that a filtered op costs nothing more (no copies of what it writes)."""
-        return self.recording(stage, scope) and self.selector.in_scope(scope)
+        return self.recording(stage, scope) and self.selector.in_scope(scope) \
+            and (op is None or self.selector.op_selected(op))
+
+    def count_call(self, op: str, stage: str, scope: str) -> int | None:
+        """One op call's filters (op name, module scope, stage, step) and its call index, in one
+        place for every capture path: the index, or None when the call is not recorded."""
+        if not self.recording(stage, scope) or not self.selector.op_selected(op) \
+                or not self.selector.scope_selected(scope):
+            return None
+        return self.next_call(op, stage)
+
+    def measured(self, op: str, stage: str, scope: str, *, call: int | None = None) -> dict | None:
+        """A call measured elsewhere (a compiled graph's op, whose statistics the graph computed):
+        its record's skeleton (name, call index, stage, scope), or None when the config does not
+        record it.  ``call``: an index already counted.  The capture path adds the arguments and
+        hands the record to :meth:`write`."""
+        if call is None:
+            call = self.count_call(op, stage, scope)
+        if call is None:
+            return None
+        return self.recorder.skeleton("op", op, stage, scope, call)
+
+    def write(self, record: dict, *, now: bool = False) -> None:
+        """Write a record made from :meth:`measured`: in order with the records whose device
+        statistics are pending, or ``now`` (after them)."""
+        with self.writing():
+            if now:
+                self.recorder.flush()
+                self.recorder.write(record)
+            else:
+                self.recorder.emit(record)
 
     def recording(self, stage: str, scope: str = "") -> bool:
         """Whether records of ``stage`` are written now.  After the optimizer's step, the first
@@ -248,21 +283,26 @@ class ProbeSession:
         return self.part is not None and not self.failed and self._stage_on[stage]
 
     def on_op(self, op: str, stage: str, scope: str, args, kwargs, outputs, *, func=None, grad_fn=None,
-              stack=None, undefined=None):
-        """What every capture path does with one op call: the config's stage and scope filters,
-        the call index, an :class:`OpEvent` for the handlers (run with the framework's tracing
-        off, :meth:`_quiet`).  ``stack``: a callable giving the user's frames, called only when
-        the config asks for stacks of forward ops.  Returns replacement outputs (``fix``) or None."""
-        if not self.recording(stage, scope) or not self.selector.scope_selected(scope):
+              stack=None, undefined=None, call: int | None = None, extra: dict | None = None):
+        """What every capture path does with one op call: :meth:`count_call` (filters, call index),
+        an :class:`OpEvent` for the handlers (run with the framework's tracing off, :meth:`_quiet`).
+        ``stack``: a callable giving the user's frames, called only when the config asks for stacks
+        of forward ops; ``call``: an index already counted (a compiled graph's op run again);
+        ``extra``: fields added to its records.  Returns replacement outputs (``fix``) or None."""
+        if call is None:
+            call = self.count_call(op, stage, scope)
+        elif not self.recording(stage, scope):
+            call = None
+        if call is None:
             return None
         frames = stack() if stack is not None and self.config.stack and stage == "forward" else None
-        event = OpEvent("op", op, stage, scope, self.next_call(op, stage), args, kwargs, outputs,
-                        grad_fn=grad_fn, stack=frames, func=func, undefined=undefined or None)
+        event = OpEvent("op", op, stage, scope, call, args, kwargs, outputs,
+                        grad_fn=grad_fn, stack=frames, func=func, undefined=undefined or None, extra=extra)
         self.busy = True
         try:
             with self._quiet():
                 return self.dispatch(event)
-        except OSError as exc:          # per op: a plain except, not the _writing() context
+        except OSError as exc:          # per op: a plain except, not the writing() context
             self._write_failed(exc)
             return None
         finally:
@@ -277,14 +317,14 @@ class ProbeSession:
                         tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,), {}, outputs)
         self.busy = True
         try:
-            with self._quiet(), self._writing():
+            with self._quiet(), self.writing():
                 self.recorder.module(scope, type_name)
                 self.recorder.emit(self.recorder.encode(event, defer=True))
         finally:
             self.busy = False
 
     @contextlib.contextmanager
-    def _writing(self):
+    def writing(self):
         """Records that cannot be written (disk full, quota) end the recording, not the training:
         one warning, nothing more is recorded, what was written stays readable."""
         try:

@@ -23,7 +23,11 @@ TASKS: dict[str, Task] = {}
 
 
 def register_task(name: str, **flags):
-    """Decorator: ``@register_task("overflow", checks_ops=True)`` over ``handlers(session, recorder)``."""
+    """Decorator: ``@register_task("overflow", checks_ops=True)`` over ``handlers(session, recorder)``.
+    A second task of the same name is refused."""
+    if name in TASKS:
+        raise ValueError(f"register_task: a task named {name!r} is already registered")
+
     def deco(fn):
         TASKS[name] = Task(name, fn, **flags)
         return fn

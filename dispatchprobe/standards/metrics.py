@@ -128,8 +128,11 @@ _DERIVED: list = []
 
 
 def register_metric(name: str, column: str | None = None, block=None, finish=None, **fields) -> Metric:
-    """Add (or replace) metric ``name`` (fields: see :class:`Metric`); tables derived from the
-    registry follow.  A value metric's ``finish`` defaults to the total itself."""
+    """Add metric ``name`` (fields: see :class:`Metric`); tables derived from the registry follow.
+    A value metric's ``finish`` defaults to the total itself.  A second metric of the same name is
+    refused (:func:`unregister_metric` first to replace one)."""
+    if name in METRICS:
+        raise ValueError(f"register_metric: a metric named {name!r} is already registered")
     if block is not None and finish is None:
         finish = lambda total, screen: total   # noqa: E731
     METRICS[name] = metric = Metric(name, column, block, finish, **fields)

@@ -1,0 +1,196 @@
+"""The ``torch.compile`` backend: inductor's pipeline with the probe's pass in it."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+
+import torch
+import torch.fx
+
+from ..capture import TorchSession, active_probes
+from .decompositions import traced_decompositions
+from .graph_pass import Instrument
+from .scopes import ModuleNames
+
+COMPILED_TASKS = ("statistics", "tensor", "overflow")
+# "eager": a record per eager op call (post-grad nodes grouped by original_aten), which compare
+# aligns with an eager run; "node": a record per post-grad node, the ops inductor compiles
+GRANULARITIES = ("eager", "node")
+
+
+class CompiledProbe(TorchSession):
+    """The session of a probe backend: the eager probe's config, recorder and writer, started
+    by the first graph call (there is no ``with``) and ended by :meth:`ProbeBackend.step`."""
+
+    def _install(self) -> None:
+        pass
+
+    def _uninstall(self) -> None:
+        pass
+
+
+class ProbeBackend:
+    """A ``torch.compile`` backend recording every compiled graph.  ``step()`` ends a training
+    step (as ``DispatchProbe.step``), ``close()`` finishes the records (also run at exit)."""
+
+    def __init__(self, config=None, *, inner: str = "inductor", model: torch.nn.Module | None = None,
+                 granularity: str = "eager", **overrides):
+        if inner not in ("inductor", "aot_eager"):
+            raise ValueError(f"inner must be 'inductor' or 'aot_eager', not {inner!r}")
+        if granularity not in GRANULARITIES:
+            raise ValueError(f"granularity must be 'eager' or 'node', not {granularity!r}")
+        self.inner = inner
+        self.granularity = granularity
+        # the session is created when a graph first records outside a DispatchProbe on the same
+        # dump_path, so that such a probe alone may own the run directory
+        self._args = (config, overrides)
+        from ...core.config import Config
+        self.config = Config.load(config, **overrides)
+        if self.config.task not in COMPILED_TASKS:
+            raise ValueError(f"probe_backend records the tasks {', '.join(COMPILED_TASKS)}, not {self.config.task!r}"
+                             + (" (it checks each op eagerly: use DispatchProbe)" if self.config.task == "free_benchmark" else ""))
+        self._session: CompiledProbe | None = None
+        self.module_names = ModuleNames(model)
+        atexit.register(self.close)
+
+    @property
+    def session(self) -> CompiledProbe:
+        if self._session is None:
+            config, overrides = self._args
+            self._session = CompiledProbe(config, **overrides)
+        return self._session
+
+    def target(self):
+        """The session a graph call records into now: an active DispatchProbe writing to the same
+        run directory (so both capture paths share one record stream), else this backend's own."""
+        for probe in reversed(active_probes):
+            if probe.config.dump_path == self.config.dump_path:
+                return probe
+        session = self.session
+        session.start()
+        return session if session.active else None
+
+    def step(self) -> None:
+        if self._session is not None:
+            self._session.step()
+
+    def close(self) -> None:
+        if self._session is not None:
+            self._session.close()
+
+    # -- compiling ------------------------------------------------------------------------------
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+        from torch._functorch import config as functorch_config
+        from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+        roots = self.module_names.frame()
+
+        def inner_compile(graph_module, inputs, **kw):
+            instrument = Instrument(self, roots, backward=bool(kw.get("is_backward")))
+            if self.inner == "aot_eager":
+                instrument(graph_module.graph)
+                graph_module.recompile()
+                return _EagerOutput(graph_module)
+            with kernel_provenance() as kernels, unseen_by_lowering(instrument), \
+                    torch._inductor.config.patch({"post_grad_custom_post_pass": instrument,
+                                                  "trace.provenance_tracking_level": PROVENANCE_LEVEL}):
+                compiled = compile_fx_inner(graph_module, inputs, **kw)
+            if instrument.records is not None:
+                instrument.records.set_kernels(kernels)
+            return compiled
+
+        # both caches would skip the instrumenting pass: off for this backend's graphs only
+        with functorch_config.patch(enable_autograd_cache=False):
+            return compile_fx(gm, example_inputs, inner_compile=inner_compile,
+                              config_patches={"fx_graph_cache": False}, decompositions=traced_decompositions())
+
+
+@contextlib.contextmanager
+def unseen_by_lowering(instrument):
+    """While inductor lowers a node of the user's graph, the nodes the pass added are hidden from
+    its users: inductor realizes a value (stores it in its dtype) or inlines it into its readers
+    by their number, which decides bf16 rounding (pytorch#168186): the statistics must not."""
+    from torch._inductor.graph import GraphLowering
+
+    run_node = GraphLowering.run_node
+
+    def lowering_run_node(self, n):
+        ours = instrument.added
+        users = n.users
+        if n in ours or not any(u in ours for u in users):
+            return run_node(self, n)
+        n.users = {u: v for u, v in users.items() if u not in ours}
+        try:
+            return run_node(self, n)
+        finally:
+            n.users = users
+
+    GraphLowering.run_node = lowering_run_node
+    try:
+        yield
+    finally:
+        GraphLowering.run_node = run_node
+
+
+# inductor's provenance tracking, level "basic": which post-grad nodes each generated kernel computes
+# (level 1 also rewrites the metadata of pattern-matched nodes, which the grouping reads)
+PROVENANCE_LEVEL = 2
+
+
+class kernel_provenance:
+    """Inductor's kernel -> post-grad nodes map of one graph's compile (``"cpp_fused_add_0:3": [node
+    names]``), kept apart from other compiles' and merged back for torch's own tools afterwards."""
+
+    def __enter__(self) -> dict:
+        from torch._inductor import debug
+        self.saved = debug._inductor_triton_kernel_to_post_grad_node_info
+        self.ours = debug._inductor_triton_kernel_to_post_grad_node_info = {}
+        return self.ours
+
+    def __exit__(self, *exc) -> None:
+        from torch._inductor import debug
+        ours = debug._inductor_triton_kernel_to_post_grad_node_info
+        self.ours.update(ours)
+        self.saved.update(ours)
+        debug._inductor_triton_kernel_to_post_grad_node_info = self.saved
+
+
+def probe_backend(config=None, *, inner: str = "inductor", model: torch.nn.Module | None = None,
+                  granularity: str = "eager", **overrides) -> ProbeBackend:
+    """``torch.compile(model, backend=probe_backend(task="statistics", dump_path="runs/c"))``:
+    record the compiled graphs' ops at eager granularity.  ``inner``: ``"inductor"`` (compiled
+    code, the default) or ``"aot_eager"`` (the same instrumented aten graphs run eagerly).
+    ``model`` names the scopes of graphs that start inside a submodule (after a graph break).
+    ``granularity="node"`` records each post-grad node, the op inductor compiles, instead of the
+    eager op call it comes from."""
+    return ProbeBackend(config, inner=inner, model=model, granularity=granularity, **overrides)
+
+
+def _eager_output_type():
+    from torch._inductor.output_code import OutputCode
+
+    class EagerOutput(OutputCode):
+        """An instrumented aten graph run eagerly, in inductor's compiled-output interface."""
+
+        def __init__(self, gm):
+            self.gm = gm
+            self._boxed_call = True
+
+        def __call__(self, inputs):
+            return self.gm(*inputs)
+
+        def post_compile(self, example_inputs, constants, graph_kwargs) -> None:
+            pass
+
+        def set_triton_bundle(self, triton_bundle) -> None:
+            pass
+
+    return EagerOutput
+
+
+def _EagerOutput(gm):
+    global _EagerOutput
+    cls = _eager_output_type()
+    _EagerOutput = cls
+    return cls(gm)
