@@ -9,6 +9,7 @@ import itertools
 
 import torch
 import torch.fx
+from torch.utils._pytree import tree_map
 
 from .. import backend as torch_backend
 
@@ -79,12 +80,9 @@ def _traced(op, fn):
                 return Value(vid, spec)
             if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
                 return hint(x)
-            if isinstance(x, (list, tuple)):
-                return type(x)(value(v) for v in x) if isinstance(x, tuple) else [value(v) for v in x]
             return x
 
-        call_args = tuple(value(a) for a in args)
-        call_kwargs = {k: value(v) for k, v in kwargs.items()}
+        call_args, call_kwargs = tree_map(value, (tuple(args), dict(kwargs)))
         out = fn(*args, **kwargs)
         if out is NotImplemented:
             return out

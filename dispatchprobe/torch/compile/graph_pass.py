@@ -7,6 +7,7 @@ import operator
 
 import torch
 import torch.fx
+from torch.utils._pytree import tree_map
 
 from .. import backend as torch_backend
 from .. import ops
@@ -218,15 +219,7 @@ def call_values(graph: torch.fx.Graph, group: Group, call: Call, owner_of: dict,
         used.add(found[0])
         return found[0]
 
-    def resolve(x):
-        if isinstance(x, Value):
-            return node_of(x)
-        if isinstance(x, (list, tuple)):
-            return type(x)(resolve(v) for v in x) if isinstance(x, tuple) else [resolve(v) for v in x]
-        return x
-
-    args = [resolve(a) for a in call.args]
-    kwargs = {k: resolve(v) for k, v in call.kwargs.items()}
+    args, kwargs = tree_map(lambda x: node_of(x) if isinstance(x, Value) else x, (list(call.args), dict(call.kwargs)))
     at = {}
     for n in group.nodes:
         i = n.meta.get(OUTPUT_KEY)
