@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 from click.testing import CliRunner
@@ -76,6 +77,10 @@ def test_ddp(tmp_path):
     res = CliRunner().invoke(main, ["compare", str(tmp_path / "tensor"), str(tmp_path / "tensor-again"),
                                     "-o", str(tmp_path / "cmp")])
     assert res.exit_code == 0, res.output[-3000:]
+    table = pd.read_csv(tmp_path / "cmp" / "compare.csv")
+    dest = table[(table["op_a"] == "aten.mul.out") & (table["arg"] == "input.out")]
+    assert len(dest) and (dest["status"] == "not judged").all()
+    assert dest["reason"].str.startswith("prior contents of an out= argument").all()
 
 
 def test_fsdp2(tmp_path):

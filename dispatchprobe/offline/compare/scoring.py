@@ -46,7 +46,9 @@ def _score(df: pd.DataFrame, part_a: Part, part_b: Part, tensors: bool, problems
     if undef.any():
         status[undef] = NOT_JUDGED
         which = np.where(undef_a & undef_b, "both runs", np.where(undef_a, "run A", "run B"))
-        reason[undef] = [f"undefined contents (uninitialised memory) in {w}" for w in which[undef]]
+        dest = df["arg"].to_numpy(object)[undef] == "input.out"
+        reason[undef] = [f"prior contents of an out= argument (not an input) in {w}" if d else
+                         f"undefined contents (uninitialised memory) in {w}" for w, d in zip(which[undef], dest)]
         stats_err[undef] = np.nan
         df["stats_err"] = stats_err
     error = stats_err.copy()
