@@ -179,3 +179,46 @@ def test_later_inputs_traced_to_the_step0_backward_op(tmp_path, scale):
     # the step-0 forward agrees bit for bit
     table, _ = compare(a / "step0" / "rank0", b / "step0" / "rank0")
     assert (table[table.stage == "forward"].error == 0).all()
+
+
+# ---- the float64 re-run tells an amplified difference from one an op adds ------------------------
+class _Cancel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.act = nn.Tanh()
+
+    def forward(self, x):
+        return (self.act(x) + 1000.0) - 1000.0    # the sub cancels: relative differences grow ~1000-fold
+
+
+def _record_cancel(path, plant: bool):
+    """``plant``: aten::tanh on CPU computed by another formula (differs by a rounding or two)."""
+    x = torch.rand(64, 64, generator=torch.Generator().manual_seed(0)) + 0.5
+    lib = torch.library.Library("aten", "IMPL") if plant else None
+    if plant:
+        lib.impl("tanh", lambda t: 1 - 2 / (torch.exp(2 * t) + 1), "CPU")
+    try:
+        with DispatchProbe(task="tensor", dump_path=str(path)) as probe:
+            _Cancel()(x)
+        probe.close()
+    finally:
+        if lib is not None:
+            lib._destroy()
+    return path
+
+
+def test_float64_rerun_clears_an_op_that_only_amplifies(tmp_path, monkeypatch):
+    """The sub's output differs 1000-fold more than its input (an origin by the recorded errors
+    alone), but re-run in float64 on each run's inputs it adds nothing: the difference enters at tanh."""
+    a, b = _record_cancel(tmp_path / "a", True), _record_cancel(tmp_path / "b", False)
+    table, v = compare(a, b)
+    d = v.departure
+    assert (d.op, d.scope, d.cause, d.approximate) == ("aten.tanh.default", "_Cancel.act", "op", False), str(v)
+    assert list(table[table.origin].op_a) == ["aten.tanh.default"]
+    # without the re-run (the framework not importable) the recorded errors decide: approximate
+    from dispatchprobe.offline.compare import driver
+    monkeypatch.setattr(driver, "float64_rerun", lambda *args: None)
+    _, v = compare(a, b)
+    d = v.departure
+    assert (d.op, d.approximate) == ("aten.sub.Tensor", True), str(v)
+    assert "origin approximate" in str(v)
