@@ -100,3 +100,39 @@ def test_run_ut_replays_the_writing_ops(recorded, tmp_path):
     assert any(o.startswith("aten._foreach_") for o in ops), ops
     status = r["Forward Test Success"].fillna("") + r["Backward Test Success"].fillna("")
     assert set(status) <= {"pass"}, r[status != "pass"][["Op", "Message"]]
+
+
+_LIB = torch.library.Library("dispatchprobe_test_unseen", "DEF")
+_LIB.define("fill_unmarked(Tensor buf, float value) -> ()")      # writes buf; its schema does not say so
+
+
+def _fill_unmarked(buf, value):
+    buf.fill_(value)
+
+
+_LIB.impl("fill_unmarked", _fill_unmarked, "CPU")
+
+
+@pytest.mark.parametrize("task", ["statistics", "tensor"])
+def test_writes_no_version_counter_sees_are_not_taken_for_old_values(tmp_path, task):
+    """A custom op (as FSDP's, or a collective) writing an argument its schema does not mark,
+    and batch norm updating its running mean, move no version counter: what was measured or
+    saved of that memory before is not reused for what a later op reads."""
+    bn = nn.BatchNorm1d(3)
+    with DispatchProbe(task=task, dump_path=str(tmp_path)) as probe:
+        buf = torch.zeros(4)
+        buf.sum()
+        torch.ops.dispatchprobe_test_unseen.fill_unmarked(buf, 3.0)
+        buf.amax()
+        bn.running_mean.sum()
+        bn(torch.randn(8, 3) + 5)
+        bn.running_mean.amax()
+    probe.close()
+    part = load(tmp_path).part(step=0, rank=0)
+    seen = {r["op"]: r["inputs"][0] for r in part.records if r["op"] in ("aten.amax.default", "aten.sum.default")}
+    first = [r["inputs"][0] for r in part.records if r["op"] == "aten.amax.default"]
+    assert first[0]["stats"]["max"] == 3.0 and seen["aten.sum.default"]["stats"]["max"] == 0.0
+    assert first[1]["stats"]["max"] == pytest.approx(bn.running_mean.max().item())
+    if task == "tensor":
+        assert (part.tensor(first[0]["data"]) == 3.0).all()
+        assert np.allclose(part.tensor(first[1]["data"]), bn.running_mean.numpy())

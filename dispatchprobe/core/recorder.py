@@ -218,12 +218,6 @@ class Recorder(Handler):
         writer.put_view(key, base, offset, shape, stride)
         return key
 
-    def memory_written(self, address) -> None:
-        """The storage at ``address`` was written by an op its version counter did not see (a
-        collective filling a buffer): spans saved from it before no longer hold its values."""
-        for key in [k for k in self._spans if k[0] == address]:
-            del self._spans[key]
-
     # -- the per-tensor cache ----------------------------------------------------------------
     def _lookup(self, t, key=None):
         """The cache entry of this live tensor value, if any (``key``: its identity, if known)."""

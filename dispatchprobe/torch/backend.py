@@ -55,7 +55,7 @@ def identity(t: torch.Tensor):
     if not tensor_kinds.readable(t):
         return None
     try:     # the data pointer is the storage's plus the view's offset
-        return t.data_ptr(), t.shape, t.stride(), t.dtype, t.device, t._version
+        return t.data_ptr(), t.shape, t.stride(), t.dtype, t.device, tensor_kinds.version(t)
     except (RuntimeError, NotImplementedError):  # inference tensors, wrapper subclasses
         return None
 
@@ -300,7 +300,7 @@ def dense_key(t: torch.Tensor):
     if not t.is_contiguous() and not _fills_block(t):
         return None
     try:
-        return t.data_ptr(), n, t.dtype, t.device, t._version
+        return t.data_ptr(), n, t.dtype, t.device, tensor_kinds.version(t)
     except (RuntimeError, NotImplementedError):
         return None
 
@@ -329,7 +329,7 @@ def storage_span(t: torch.Tensor):
         start, length = own_start, own_len
     else:
         return None
-    key = (ptr, start, length, t.dtype, t.device, t._version)
+    key = (ptr, start, length, t.dtype, t.device, tensor_kinds.version(t))
     plain = own_start == start and length == t.numel() and t.is_contiguous()
     return key, start, length, own_start - start, list(t.stride()), plain
 

@@ -88,7 +88,7 @@ class _ProbeMode(TorchDispatchMode):
             if not probe.busy:
                 if facts.allocates_uninitialised:
                     probe.uninitialised.add(out)
-                elif probe.uninitialised:      # an op not recorded still writes memory
+                elif probe.uninitialised or facts.writes_unseen:      # an op not recorded still writes memory
                     probe.uninitialised.written(func, args, kwargs, out)
             return out
         where = probe._where()
@@ -104,7 +104,7 @@ class _ProbeMode(TorchDispatchMode):
         if collective:
             seen_args, seen_kwargs = collectives.copy_overwritten(func, seen_args, seen_kwargs)
         out = func(*args, **kwargs)
-        if undefined is not None:
+        if undefined is not None or facts.writes_unseen:
             probe.uninitialised.written(func, args, kwargs, out)
         if not recorded:          # stage or scope filtered out: nothing more to do
             return out
@@ -123,6 +123,7 @@ class _Facts(NamedTuple):
     reads_written: tuple
     allocates_uninitialised: bool
     out_args: tuple
+    writes_unseen: bool              # may write memory without moving version counters
 
 
 def _destinations(outs, args, kwargs, undefined: set | None):
@@ -185,9 +186,8 @@ class _Uninitialised:
     that alias tracked memory (a custom op filling a view of a buffer it was given, as FSDP's
     ``all_gather_copy_in`` does: its Python kernel's writes run below the mode)."""
 
-    def __init__(self, on_write=None):
+    def __init__(self):
         self._live: dict = {}            # storage address -> [weak reference, unwritten byte ranges]
-        self._on_write = on_write        # told the address of tracked memory an op wrote
 
     def __bool__(self) -> bool:
         return bool(self._live)
@@ -240,16 +240,29 @@ class _Uninitialised:
         return found
 
     def written(self, func, args, kwargs, out) -> None:
-        """Forgets the bytes the op wrote."""
+        """Learns what the op wrote: the uninitialised bytes it filled are defined now, and a
+        write no version counter sees is counted (:func:`tensor_kinds.unseen_write`), so that
+        no cache takes what it held before for its values after.  An op outside aten (a
+        collective, FSDP's custom ops) may have written any tensor it was given: counted all."""
+        foreign = ops.unseen_writes(func) is True
+        if foreign:
+            given = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            for t in given:
+                tensor_kinds.unseen_write(t)
+            if not self._live:
+                return
+        unmarked = () if foreign else ops.unseen_writes(func)
         for i, name in ops.defined_args(func):
             v = args[i] if i < len(args) else kwargs.get(name)
             for t in tree_leaves(v):
                 if isinstance(t, torch.Tensor):
+                    if (i, name) in unmarked:
+                        tensor_kinds.unseen_write(t)
                     self._write(t)
-        if func.namespace != "aten" and not ops.is_alias(func):
-            given = {id(t) for t in tree_leaves((args, kwargs))}
+        if foreign and not ops.is_alias(func):
+            given_ids = {id(t) for t in given}
             for t in tree_leaves(out):
-                if isinstance(t, torch.Tensor) and id(t) not in given:
+                if isinstance(t, torch.Tensor) and id(t) not in given_ids:
                     self._write(t)
 
     def _write(self, t) -> None:
@@ -257,8 +270,6 @@ class _Uninitialised:
         entry = self._live.get(key)
         if entry is None:
             return
-        if self._on_write is not None:
-            self._on_write(key)
         a, b = self._span(t)
         left = []
         for x, y in entry[1]:
@@ -610,9 +621,7 @@ class DispatchProbe(TorchSession):
         fused_stats.build()             # the one-pass CPU statistics kernel, loaded in the background
         self._mode: _ProbeMode | None = None
         self.scopes = _ModuleScopes(self, model)
-        # a write to tracked memory bumps no version counter when a collective or a custom op
-        # makes it: the recorder forgets what it saved of that memory
-        self.uninitialised = _Uninitialised(self._memory_written)
+        self.uninitialised = _Uninitialised()
         self._facts: dict[int, _Facts] = {}
 
     # ---- installation -------------------------------------------------------------------------
@@ -632,11 +641,6 @@ class DispatchProbe(TorchSession):
         super().close()
         self.scopes.release()
 
-    def _memory_written(self, address) -> None:
-        recorder = getattr(self, "recorder", None)
-        if recorder is not None:
-            recorder.memory_written(address)
-
     # ---- per op -----------------------------------------------------------------------------------
     def _wants(self, func) -> bool:
         return (self._facts.get(id(func)) or self._learn(func)).wanted
@@ -648,7 +652,8 @@ class DispatchProbe(TorchSession):
         if not self.config.include_views and ops.is_alias(func):
             wanted = False
         facts = self._facts[id(func)] = _Facts(func, wanted, ops.op_name(func), ops.reads_written(func),
-                                                ops.allocates_uninitialised(func), ops.out_args(func))
+                                                ops.allocates_uninitialised(func), ops.out_args(func),
+                                                bool(ops.unseen_writes(func)))
         return facts
 
     def _where(self) -> tuple[str, str, str | None]:

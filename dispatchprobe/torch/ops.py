@@ -80,6 +80,18 @@ def defined_args(func) -> tuple:
 
 
 @functools.cache
+def unseen_writes(func):
+    """The arguments the op may write without moving their version counters: every argument of
+    an op outside aten (``True``: collectives, custom ops such as FSDP's, whose schemas need not
+    say what they write), or those of an aten op written unmarked (batch norm's running
+    statistics, :func:`defined_args` not marked in the schema); ``()`` for none."""
+    if func.namespace != "aten":
+        return True
+    marked = {a.name for a in func._schema.arguments if a.alias_info is not None and a.alias_info.is_write}
+    return tuple(w for w in defined_args(func) if w[1] not in marked)
+
+
+@functools.cache
 def returns_alias(func) -> bool:
     """The output aliases an input (in-place, out=, views): not replaceable by a re-run's."""
     return any(r.alias_info is not None for r in func._schema.returns)

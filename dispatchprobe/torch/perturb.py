@@ -66,7 +66,7 @@ def _collect(obj, out: list) -> None:
 def versions(tensors) -> tuple:
     """The in-place version counters: a check read back later tells by them whether an op's
     inputs still hold what the op saw."""
-    return tuple(t._version for t in tensors)
+    return tuple(tensor_kinds.version(t) for t in tensors)
 
 
 def float_outputs(outputs) -> list[tuple[int, torch.Tensor]]:

@@ -110,3 +110,28 @@ def values(t: torch.Tensor) -> torch.Tensor | None:
 def fields(t: torch.Tensor) -> dict:
     """The record fields :func:`resolve` adds for ``t`` (none for a plain tensor)."""
     return {} if readable(t) else resolve(t)[1]
+
+
+_unseen_writes: dict = {}     # storage address -> writes its version counters never saw
+
+
+def unseen_write(t: torch.Tensor) -> None:
+    """Counts a write to ``t``'s memory that moved no version counter (a collective filling a
+    buffer, a custom op writing an argument its schema does not mark): :func:`version` changes,
+    so nothing measured or saved of that memory before is taken for its values after."""
+    try:
+        ptr = t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return
+    _unseen_writes[ptr] = _unseen_writes.get(ptr, 0) + 1
+
+
+def version(t: torch.Tensor):
+    """The version of ``t``'s values, for caches keyed by it: the in-place counter, and the
+    writes it did not see (:func:`unseen_write`)."""
+    if not _unseen_writes:
+        return t._version
+    try:
+        return t._version, _unseen_writes.get(t.untyped_storage().data_ptr(), 0)
+    except (RuntimeError, NotImplementedError):
+        return t._version
