@@ -187,6 +187,13 @@ def _place(doc: str, folder: Path, cache: Path) -> None:
         (shutil.copytree if src.is_dir() else shutil.copy)(src, folder / name)
 
 
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 # ---- running the blocks ---------------------------------------------------------------------------------
 def _run(doc: str, marks: tuple, folder: Path, cache: Path, monkeypatch) -> int:
     todo = [b for b in blocks(doc) if b.mark in marks]
@@ -200,7 +207,7 @@ def _run(doc: str, marks: tuple, folder: Path, cache: Path, monkeypatch) -> int:
     monkeypatch.syspath_prepend(str(folder))         # --import my_kernels, as from the user's folder
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(folder), str(ROOT), os.environ.get("PYTHONPATH", "")]),
                PATH=os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]),
-               OMP_NUM_THREADS="1")
+               OMP_NUM_THREADS="1", PET_MASTER_PORT=str(_free_port()))   # torchrun's --master_port
     ns: dict = {"__name__": "__doc__"}
     exec(PRELUDE, ns)
     for b in todo:

@@ -204,10 +204,18 @@ def test_resume_after_sigkill(runs, tmp_path):
     assert rows(resumed.details) == rows(full.details) and len(resumed.details) == len(full.details)
 
 
+def free_port() -> int:
+    """A port no other test session on this machine holds (a fixed one collided)."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def test_torchrun_two_ranks_merge(runs, tmp_path):
     single = run_ut(runs["f32"], tmp_path / "single")
     out = tmp_path / "dist"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            "-m", "dispatchprobe.cli", "run-ut", runs["f32"], "-o", str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
