@@ -438,16 +438,16 @@ class _ModuleScopes:
     @property
     def current(self) -> str:
         if torch._C._current_graph_task_id() != -1:
-            return self._innermost_backward()
+            return self._innermost_backward(torch._C._current_autograd_node() is None)
         return self.forward_stack[-1] if self.forward_stack else ""
 
-    def _innermost_backward(self) -> str:
+    def _innermost_backward(self, after_graph: bool = False) -> str:
         # Modules sharing an output tensor (a model whose last layer's output is its own) enter
         # backward together: prefer the deepest descendant of the latest entry.
         active = self.backward_active
         if not active:
             return ""
-        if torch._C._current_autograd_node() is None:
+        if after_graph:
             # no node running: a callback queued for the end of backward (FSDP's root
             # post-backward, which reduce-scatters the gradients of modules whose inputs need
             # none): it belongs to the outermost module still in backward, whose hooks queued it
@@ -660,7 +660,7 @@ class DispatchProbe(TorchSession):
         """(stage, module scope, autograd node) of the op being called."""
         if torch._C._current_graph_task_id() != -1:
             node = torch._C._current_autograd_node()
-            return "backward", self.scopes._innermost_backward(), node.name() if node is not None else None
+            return "backward", self.scopes._innermost_backward(node is None), node.name() if node is not None else None
         forward = self.scopes.forward_stack
         return "forward", forward[-1] if forward else "", None
 
