@@ -162,3 +162,15 @@ def test_collapsing_scale_is_reported(tmp_path):
     assert classes.count("expected") >= 3 and "scale collapse" in classes
     run = load(tmp_path)
     assert any(line.startswith("loss scale collapsing") for line in overflow_summary(run, overflow_rows(run)))
+
+
+def test_overflow_held_at_close_is_raised_there(tmp_path):
+    """The run ends before anything skipped the step: close() reports it."""
+    net = _net()
+    probe = DispatchProbe(task="overflow", dump_path=str(tmp_path), model=net)
+    with probe:
+        loss = _InfGrad.apply(net(torch.ones(2, 4))).float().sum()
+        (loss * torch.tensor(1024.0)).backward()
+    with pytest.raises(OverflowDetected, match="not caught: no loss scaler skipped the step"):
+        probe.close()
+    assert [r["class"] for r in _rows(tmp_path)].count("critical") == 1

@@ -638,8 +638,10 @@ class DispatchProbe(TorchSession):
         self.scopes.uninstall()
 
     def close(self) -> None:
-        super().close()
-        self.scopes.release()
+        try:
+            super().close()      # may raise OverflowDetected: a held overflow the last step did not catch
+        finally:
+            self.scopes.release()
 
     # ---- per op -----------------------------------------------------------------------------------
     def _wants(self, func) -> bool:
