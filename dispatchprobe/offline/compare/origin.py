@@ -54,6 +54,7 @@ def differs(df: pd.DataFrame) -> np.ndarray:
 
 NONE, WEAK, STRONG = 0, 1, 2    # an op's own difference: none, of rounding size, larger
 ROUNDINGS = 16                  # "rounding size": up to this many unit roundoffs of the dtype (relative)
+PASS_ON = 1.25                  # outputs relatively no further off than this x the inputs: passed on
 
 
 class OwnShare:
@@ -70,10 +71,11 @@ class OwnShare:
                              np.float64)[codes].tolist()
         self.df = df
         self.recs_a, self.recs_b, self.pair_b, self.rerun, self.diff = recs_a, recs_b, pair_b, rerun, diff
-        self.estimated: set = set()    # stages where the statistics rule decided an op with differing inputs
+        self.estimated: set = set()    # records with differing inputs decided by the recorded errors
 
-    def __call__(self, i: int, outs: list, ins: list) -> int:
-        """``outs``/``ins``: the record's differing output/input rows."""
+    def __call__(self, i: int, outs: list, ins: list, measure: bool = True) -> int:
+        """``outs``/``ins``: the record's differing output/input rows; ``measure``: whether a float64
+        re-run may decide (not where an earlier larger-than-rounding source is already found)."""
         if not outs:
             return NONE
         if not ins:                  # inputs agree, outputs do not
@@ -81,8 +83,13 @@ class OwnShare:
         floats = [k for k in outs if self.floats[k]]
         if not floats:
             return NONE              # a discrete output (index, mask) follows any input difference
+        out_err, in_err = max(self.err[k] for k in floats), max(self.err[k] for k in ins)
+        if out_err <= ROUNDINGS * max(self.unit[k] for k in floats):
+            return NONE              # a rounding-size output difference on differing inputs: nothing of its own
         j = self.pair_b.get(i)
-        if self.rerun is not None and j is not None:
+        # re-run an op whose output is relatively further off than its inputs (an amplifier, or an error
+        # of its own): one that passes its inputs' difference on no larger adds nothing measurable
+        if measure and self.rerun is not None and j is not None and out_err > PASS_ON * in_err:
             if not hasattr(self, "args"):
                 self.args, self.data_a, self.data_b = (self.df[c].tolist() for c in ("arg", "data_a", "data_b"))
             own = self.rerun.own(self.recs_a[i], self.recs_b[j],
@@ -90,8 +97,8 @@ class OwnShare:
                                    V.lower_precision(self.dtype_a[k], self.dtype_b[k])) for k in floats])
             if own is not None:
                 return STRONG if own else NONE
-        self.estimated.add(self.recs_a[i]["stage"])
-        return STRONG if max(self.err[k] for k in floats) > self.amp * max(self.err[k] for k in ins) else NONE
+        self.estimated.add(i)
+        return STRONG if out_err > self.amp * in_err else NONE
 
 
 def trace(df: pd.DataFrame, part_a: Part, recs_a: list, recs_b: list, al, seq_a: list, seq_b: list,
@@ -228,7 +235,9 @@ def trace(df: pd.DataFrame, part_a: Part, recs_a: list, recs_b: list, al, seq_a:
         outs = [k for k in range(s0, e0) if off[k] and not is_in[k]]
         srcs = {k: source(i, k, stage) for k in ins}
         if outs:
-            own = own_share(i, outs, ins)
+            # a float64 re-run costs an op's replay twice: only while no larger source is known
+            found = stage_src.get((stage, rec["kind"], stage in err_stages))
+            own = own_share(i, outs, ins, found is None or found[0] is None or found[0].weak)
             if own:
                 b = root(seq_a[i], i, "a", "", "op", own == WEAK)
                 origin_rows[outs] = True
@@ -265,7 +274,7 @@ def trace(df: pd.DataFrame, part_a: Part, recs_a: list, recs_b: list, al, seq_a:
         if pick is None:
             continue
         div = _describe(df, part_a, recs_a, recs_b, seq_a, seq_b, stage, pick, errors, off_rows)
-        div.approximate = pick.cause == "op" and stage in own_share.estimated
+        div.approximate = pick.cause == "op" and pick.index in own_share.estimated
         out.append(div)
     return origin_rows, out
 

@@ -12,11 +12,14 @@ import importlib
 
 import numpy as np
 
+from ...records.format import walk
 from ...records.reader import Part
 
 # unit roundoff per dtype: the rounding one correct kernel may add
 ROUNDOFF = {"float64": 2.0 ** -53, "float32": 2.0 ** -24, "float16": 2.0 ** -11, "bfloat16": 2.0 ** -8}
-BUDGET = 256   # ops re-run per step/rank part; past it, the statistics rule decides (approximate)
+BUDGET = 32             # ops re-run per step/rank part; past it, the recorded errors decide (approximate)
+ELEMENTS = 1 << 23      # and at most this many recorded elements (inputs and outputs of both runs;
+                        # the driver sets it to 1/64 of what the part's metrics read)
 
 
 class Float64Rerun:
@@ -28,6 +31,7 @@ class Float64Rerun:
         self.parts = (part_a, part_b)
         self.device = replayer.resolve_device("cpu")
         self.left = BUDGET
+        self.elements = ELEMENTS
 
     def _bench(self, side: int, record: dict) -> dict | None:
         try:
@@ -42,7 +46,11 @@ class Float64Rerun:
         op cannot be re-run (the caller falls back to the statistics rule)."""
         if self.left <= 0 or not outputs:
             return None
+        size = _elements(rec_a) + _elements(rec_b)
+        if size > self.elements:
+            return None
         self.left -= 1
+        self.elements -= size
         ref_a, ref_b = self._bench(0, rec_a), self._bench(1, rec_b)
         if ref_a is None or ref_b is None:
             return None
@@ -72,6 +80,16 @@ class Float64Rerun:
                 return True
             decided = False
         return decided
+
+
+def _elements(record: dict) -> int:
+    n = 0
+    for _, _, spec in walk(record):
+        k = 1
+        for d in spec.get("shape") or ():
+            k *= int(d)
+        n += k
+    return n
 
 
 def float64_rerun(framework: str, part_a: Part, part_b: Part) -> Float64Rerun | None:
