@@ -49,7 +49,7 @@ def _phi():
 ARCHS = {"llama": _llama, "gpt2": _gpt2, "bert": _bert, "phi": _phi}
 
 
-def _record(arch: str, path, plant: str | None, steps: int = 1):
+def _record(arch: str, path, plant: str | None, steps: int = 1, task: str = "tensor"):
     """One SGD step of a tiny ``arch`` (random init, fixed seed); ``plant``: "hook" scales the
     block's output by 1.001 in a forward hook (an op in this run only), "inside" multiplies it by
     1.001 in its forward where the other run ("inside0") multiplies by 1.0 (the same op)."""
@@ -61,7 +61,7 @@ def _record(arch: str, path, plant: str | None, steps: int = 1):
         factor, forward = (1.001 if plant == "inside" else 1.0), block.forward
         block.forward = lambda *a, **k: forward(*a, **k) * factor
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-    probe = DispatchProbe(task="tensor", dump_path=str(path))
+    probe = DispatchProbe(task=task, dump_path=str(path))
     for step in range(steps):
         ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(step))
         with probe:
@@ -73,11 +73,13 @@ def _record(arch: str, path, plant: str | None, steps: int = 1):
     return path / "step0" / "rank0"
 
 
-@pytest.mark.parametrize("arch", [a if a == "llama" else pytest.param(a, marks=pytest.mark.slow) for a in ARCHS])
-def test_planted_scale_named_at_its_block(arch, tmp_path):
+@pytest.mark.parametrize("arch, task", [("llama", "tensor")] + [pytest.param(a, t, marks=pytest.mark.slow) for a, t in
+                                                               (("gpt2", "tensor"), ("bert", "tensor"), ("phi", "tensor"),
+                                                                ("llama", "statistics"))])
+def test_planted_scale_named_at_its_block(arch, task, tmp_path):
     model, block = ARCHS[arch]()
     scope = f"{type(model).__name__}.{next(n for n, m in model.named_modules() if m is block)}"
-    runs = {p: _record(arch, tmp_path / str(p), p) for p in (None, "hook", "inside", "inside0")}
+    runs = {p: _record(arch, tmp_path / str(p), p, task=task) for p in (None, "hook", "inside", "inside0")}
     for planted, clean in (("hook", None), ("inside", "inside0")):
         for a, b in ((planted, clean), (clean, planted)):
             _, v = compare(runs[a], runs[b])
@@ -147,11 +149,11 @@ class _Mlp(nn.Module):
         return self.fc2(F.gelu(self.fc1(x)))
 
 
-def _two_steps(path, grad_scale: float | None):
+def _two_steps(path, grad_scale: float | None, lr: float = 0.5):
     """Two SGD steps; ``grad_scale``: fc1's weight gradient scaled in step 0's backward only."""
     torch.manual_seed(0)
     model = _Mlp()
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
     probe = DispatchProbe(task="tensor", dump_path=str(path))
     for step in range(2):
         hook = model.fc1.weight.register_hook(lambda g: g * grad_scale) if grad_scale and step == 0 else None
@@ -179,6 +181,17 @@ def test_later_inputs_traced_to_the_step0_backward_op(tmp_path, scale):
     # the step-0 forward agrees bit for bit
     table, _ = compare(a / "step0" / "rank0", b / "step0" / "rank0")
     assert (table[table.stage == "forward"].error == 0).all()
+
+
+
+def test_later_inputs_traced_to_the_optimizer_step(tmp_path):
+    """Step 0's records agree bit for bit (the optimizer runs outside the probe, here with another
+    learning rate): step 1's differing parameters come from the optimizer step."""
+    a, b = _two_steps(tmp_path / "lr", None, lr=0.25), _two_steps(tmp_path / "clean", None)
+    _, v = compare(a, b)
+    fwd = v.forward or next(d for d in v.departures if d.stage == "forward")
+    assert fwd.step == 1 and fwd.cause == "inputs", str(v)
+    assert fwd.came_from.startswith("step 0's records agree: they come from the optimizer step"), str(v)
 
 
 # ---- the float64 re-run tells an amplified difference from one an op adds ------------------------

@@ -206,7 +206,7 @@ def compare(a, b, *, match: str = "fuzzy", mapping: str | Mapping | None = None,
     um["is_cast"] = um["is_cast"].astype(bool)
     if jobs_list[0][0] != jobs_list[0][1] and len(jobs_list) == 1:
         table["step"], table["rank"] = jobs_list[0][0]
-    first, departures = _first(divs, um)
+    first, departures = _first(divs, um, [k for k, _ in jobs_list])
     counts = {k: int(v) for k, v in table["status"].value_counts().items()} if len(table) else {}
     smaller = min(int(aligned[1]), int(aligned[2]))   # a truncated or shorter run is judged on what it has
     share = float(aligned[0]) / max(smaller, 1)
@@ -233,7 +233,7 @@ def compare(a, b, *, match: str = "fuzzy", mapping: str | Mapping | None = None,
     return Result(table, verdict)
 
 
-def _first(divs: list, unmatched: pd.DataFrame) -> tuple[dict, list]:
+def _first(divs: list, unmatched: pd.DataFrame, parts: list) -> tuple[dict, list]:
     """Per stage, the divergence of the first step/rank part that has one; for the stages with none,
     their first departure.  Inputs that differ at a later step are traced to the earlier step's origin."""
     by_part: dict = {}
@@ -244,17 +244,15 @@ def _first(divs: list, unmatched: pd.DataFrame) -> tuple[dict, list]:
     for d in sorted(divs, key=lambda d: (d.step, d.rank)):
         (early if d.departure else first).setdefault(d.stage, d)
         if d.cause == "inputs" and not d.came_from:
-            d.came_from = _came_from(by_part, unmatched, d)
+            d.came_from = _came_from(by_part, unmatched, parts, d)
     return first, [early[s] for s in ("forward", "backward") if s in early and s not in first]
 
 
-def _came_from(by_part: dict, unmatched: pd.DataFrame, d) -> str:
+def _came_from(by_part: dict, unmatched: pd.DataFrame, parts: list, d) -> str:
     """Where the values differing at step ``d.step``'s start came from: the nearest earlier step
     of the rank, its backward's own origin first (the gradients), else its forward's, else an op
     of that step present in one run only (a gradient hook whose result no record reads)."""
-    steps = {step for rank, step in by_part if rank == d.rank}
-    if len(unmatched):
-        steps |= set(unmatched.loc[unmatched["rank"] == d.rank, "step"].astype(int))
+    steps = {step for step, rank in parts if rank == d.rank}
     earlier = [step for step in steps if step < d.step]
     if not earlier:
         return ""
