@@ -60,7 +60,7 @@ PASS_ON = 1.25                  # outputs relatively no further off than this x 
 class OwnShare:
     """Decides, per paired record of run A, whether its op adds a difference of its own."""
 
-    def __init__(self, df, recs_a, recs_b, pair_b, rerun, diff):
+    def __init__(self, df, recs_a, recs_b, pair_b, rerun):
         self.amp = float(standard("compare_standards").get("origin_amplification", 10.0))
         self.err = np.nan_to_num(df["error"].to_numpy(np.float64), nan=0.0, posinf=np.inf).tolist()
         self.dtype_a, self.dtype_b = df["dtype_a"].tolist(), df["dtype_b"].tolist()
@@ -70,7 +70,7 @@ class OwnShare:
         self.unit = np.array([ROUNDOFF.get(V.lower_precision(x, y), ROUNDOFF["float32"]) for x, y in pairs],
                              np.float64)[codes].tolist()
         self.df = df
-        self.recs_a, self.recs_b, self.pair_b, self.rerun, self.diff = recs_a, recs_b, pair_b, rerun, diff
+        self.recs_a, self.recs_b, self.pair_b, self.rerun = recs_a, recs_b, pair_b, rerun
         self.estimated: set = set()    # records with differing inputs decided by the recorded errors
 
     def __call__(self, i: int, outs: list, ins: list, measure: bool = True) -> int:
@@ -134,7 +134,7 @@ def trace(df: pd.DataFrame, part_a: Part, recs_a: list, recs_b: list, al, seq_a:
     err_stages = set(df["stage"].to_numpy(object)[bad].tolist())
     bad, off, is_in = bad.tolist(), off.tolist(), is_in.tolist()
     pair_b = {i: j for i, j, _ in al.pairs}
-    own_share = OwnShare(df, recs_a, recs_b, pair_b, rerun, off)
+    own_share = OwnShare(df, recs_a, recs_b, pair_b, rerun)
     only_a = set(al.only_a)
 
     def unmatched_ops(recs, idx):   # per stage: sorted indices of one-run-only op records, compute ops first

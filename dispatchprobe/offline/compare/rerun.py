@@ -25,13 +25,23 @@ ELEMENTS = 1 << 23      # and at most this many recorded elements (inputs and ou
 class Float64Rerun:
     """Re-runs paired op records of two parts in float64 and measures each one's own contribution."""
 
-    def __init__(self, replayer, part_a: Part, part_b: Part):
-        self.replayer = replayer
-        self.sources = [replayer.tensor_source(part_a), replayer.tensor_source(part_b)]
+    def __init__(self, module: str, part_a: Part, part_b: Part):
+        self.module = module          # the framework's replay module: imported at the first re-run
+        self.replayer = None
         self.parts = (part_a, part_b)
-        self.device = replayer.resolve_device("cpu")
         self.left = BUDGET
         self.elements = ELEMENTS
+
+    def _load(self) -> bool:
+        if self.replayer is None:
+            try:
+                self.replayer = importlib.import_module(self.module).REPLAYER
+                self.sources = [self.replayer.tensor_source(p) for p in self.parts]
+                self.device = self.replayer.resolve_device("cpu")
+            except Exception:  # noqa: BLE001 - not importable here: the recorded errors decide (approximate)
+                self.left = 0
+                return False
+        return True
 
     def _bench(self, side: int, record: dict) -> dict | None:
         try:
@@ -44,7 +54,7 @@ class Float64Rerun:
         """Whether any of ``outputs`` (``(arg, key_a, key_b, dtype)`` of the differing float outputs)
         differs by more than its inputs carry through the op plus twice its rounding; None when the
         op cannot be re-run (the caller falls back to the statistics rule)."""
-        if self.left <= 0 or not outputs:
+        if self.left <= 0 or not outputs or not self._load():
             return None
         size = _elements(rec_a) + _elements(rec_b)
         if size > self.elements:
@@ -93,14 +103,9 @@ def _elements(record: dict) -> int:
 
 
 def float64_rerun(framework: str, part_a: Part, part_b: Part) -> Float64Rerun | None:
-    """The re-run for two parts of ``framework`` with saved tensors, or None where the framework
-    cannot be imported (or has no replayer)."""
+    """The re-run for two parts of ``framework``, or None where it has no replayer.  The framework is
+    imported at the first op to re-run (a compare of statistics records never imports it); where it
+    cannot be, every op is decided on the recorded errors."""
     from ..replayer import REPLAYERS
     module = REPLAYERS.get(framework or "torch")
-    if module is None:
-        return None
-    try:
-        replayer = importlib.import_module(module).REPLAYER
-    except Exception:  # noqa: BLE001 - not importable here: statistics decide, the origin is approximate
-        return None
-    return Float64Rerun(replayer, part_a, part_b)
+    return None if module is None else Float64Rerun(module, part_a, part_b)
