@@ -257,7 +257,7 @@ def report_data(table: pd.DataFrame, verdict, metric: str) -> dict:
                                                                       "scope", "sev", "nf", "origin", "first", "n"])
     nodes, index = _tree(table, ops, verdict)
     divs = {}
-    for d in (verdict.forward, verdict.backward):
+    for d in (verdict.forward, verdict.backward, *verdict.departures):   # a departure: a stage without errors
         if d is None:
             continue
         n = index.get(d.scope or "<top>") or index["<top>"]
@@ -316,7 +316,7 @@ def report_data(table: pd.DataFrame, verdict, metric: str) -> dict:
     if metric not in metrics:
         metrics.insert(0, metric)
     series, parts = _chart_series(table, metrics)
-    first = next((d for d in (verdict.forward, verdict.backward) if d), None)
+    first = next((d for d in (verdict.forward, verdict.backward, *verdict.departures) if d), None)
     shown = f"{first.step}/{first.rank}" if first and f"{first.step}/{first.rank}" in series else \
         (next(iter(series)) if series else None)
     return {"nodes": nodes, "levels": COMPARE_LEVELS, "mark": "first {stage} divergence", "full_table": "compare.csv",
