@@ -1,5 +1,5 @@
 """The ``dispatchprobe`` command line (click).  Expected failures (bad paths, corrupt records, bad
-options) are one line on stderr and exit code 1 (DESIGN invariant 7); ``--debug`` shows the traceback.
+options) are one line on stderr and exit code 1 (docs/architecture.md); ``--debug`` shows the traceback.
 """
 
 from __future__ import annotations

@@ -177,7 +177,7 @@ def test_run_ut_replays_with_mindspore_against_float64(ms_records, tmp_path, dty
         assert set(st) == {"pass"}
     details = pd.read_csv(next((tmp_path / "ut").glob("accuracy_checking_details_*.csv")))
     assert set(details["Bench Dtype"].dropna()) >= {"float64"}
-    # the seeds' MindSpore rule beside the full verdict: cosine > 0.99 and max abs error < 1e-4
+    # msprobe's MindSpore rule beside the full verdict: cosine > 0.99 and max abs error < 1e-4
     rule = (details["Cosine"] > 0.99) & (details["Max Abs Err"] < 1e-4)
     judged = details["Status"] != "SKIP"
     assert (details.loc[judged, "MindSpore Rule"] == rule[judged].map({True: "pass", False: "error"})).all()

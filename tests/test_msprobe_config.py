@@ -17,9 +17,7 @@ from dispatchprobe.core.config import API_TO_ATEN, MSPROBE_KEYS
 from dispatchprobe.core.session import OpSelector
 from conftest import train
 
-SEEDS = Path(__file__).resolve().parents[2] / "shared" / "seeds"
-
-# ---- the seeds' example configs, verbatim -----------------------------------------------------
+# ---- msprobe's example configs, verbatim -----------------------------------------------------
 FREE_BENCHMARK_DEFAULT = {      # free_benchmark.zh.md, 3.2 (msprobe's default)
     "task": "free_benchmark", "dump_path": "./dump_path", "rank": [], "step": [], "level": "L1",
     "free_benchmark": {"scope": [], "list": [], "fuzz_device": "npu", "pert_mode": "improve_precision",
@@ -105,14 +103,6 @@ def test_run_ut_task_names_the_command(source):
     assert "dispatchprobe run-ut" in str(err.value) and "\n" not in str(err.value)
 
 
-def seed_json_configs():
-    """Every ```json block of the seeds (the diff's line numbers and '+' markers removed)."""
-    for path in sorted(SEEDS.glob("*.md")):
-        text = re.sub(r"^\+ ?", "", re.sub(r"\n\d+\n", "\n", path.read_text()), flags=re.M)
-        for block in re.findall(r"```json\n(.*?)```", text, re.S):
-            yield json.loads(block)
-
-
 def keys_of(config: dict) -> set[str]:
     return {k for k, v in config.items() for k in ([k] if not isinstance(v, dict) else [k, *keys_of(v)])}
 
@@ -121,19 +111,13 @@ SEED_DATA = Path(__file__).parent / "data" / "msprobe_seed_configs.json"
 
 
 def documented_configs() -> tuple[list, set]:
-    """The seeds' config examples and the online pre-check's key tables (msprobe_1.0.4_diff.zh.md,
-    3.1.1 and 3.1.2), as extracted into tests/data; re-extracted and checked when the seeds are
-    beside this checkout."""
+    """msprobe's documented config examples and the online pre-check's key tables (msprobe 1.0.4,
+    config.json sections 3.1.1 and 3.1.2), as extracted verbatim into tests/data."""
     data = json.loads(SEED_DATA.read_text(encoding="utf-8"))
-    if SEEDS.is_dir():
-        diff = (SEEDS / "msprobe_1.0.4_diff.zh.md").read_text()
-        tables = diff[diff.index("3.1 配置 config.json 文件"):diff.index("3.1.3 局域网场景配置示例")]
-        assert data["configs"] == list(seed_json_configs())
-        assert data["table_keys"] == sorted(set(re.findall(r"^\+ \| ([a-z_]+) \|", tables, re.M)))
     return data["configs"], set(data["table_keys"])
 
 
-def test_every_key_the_seeds_document_is_in_the_table():
+def test_every_key_msprobe_documents_is_in_the_table():
     configs, table_keys = documented_configs()
     assert len(configs) >= 5
     documented = set().union(*map(keys_of, configs)) | table_keys

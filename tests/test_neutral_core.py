@@ -1,4 +1,4 @@
-"""DESIGN invariants 1-3: the neutral packages (records, standards, core with its task logic,
+"""the neutral packages (records, standards, core with its task logic,
 offline) import and work with no framework importable."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Extension in one place (DESIGN invariant 8): a task and a perturbation each added by one
+"""Extension in one place (docs/architecture.md): a task and a perturbation each added by one
 registration, seen by the config and the session; the torch backend fulfils the core's contract."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""DESIGN invariant 4: the probe changes nothing about what training computes."""
+"""the probe changes nothing about what training computes."""
 
 from __future__ import annotations
 

@@ -226,7 +226,7 @@ _ONLINE = ("msprobe's online pre-check streams each op to a GPU host during trai
            "task tensor and replay with `dispatchprobe run-ut RUN` (on any machine)")
 _RUN_UT = "an option of msprobe's run_ut command; dispatchprobe's is `dispatchprobe run-ut RUN` (see docs/run-ut.md)"
 
-#: Every key of msprobe's config.json documented in the seeds (../shared/seeds) and in msprobe's
+#: Every key of msprobe's config.json documented in msprobe's documentation and in msprobe's
 #: config introduction (1.0.x to 8.x): how dispatchprobe reads it.  Keys of the run_ut/acc_check
 #: and grad_probe sections (and of the sections of tasks other than ``task``) are accepted without
 #: a word, as msprobe does: they configure another task.

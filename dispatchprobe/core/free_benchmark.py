@@ -5,7 +5,7 @@ nothing it does is recorded), re-runs ``event.func`` on what the perturbation of
 (:mod:`.perturbations`, msprobe's names) makes of the inputs, and measures the change with
 :func:`dispatchprobe.standards.metrics.perturbation_terms` on the tensors' device.
 
-An output is flagged when its change exceeds the seeds' threshold for its dtype
+An output is flagged when its change exceeds msprobe's threshold for its dtype
 (``data/standards.yaml``); for the noise modes also ``NOISE_GAIN`` eps of the input dtype (a
 well-conditioned op moves about as much as its inputs: only amplification is a finding); for
 modes whose two results are both rounded to the output dtype also 2 eps of that dtype.  With
@@ -132,7 +132,7 @@ class FreeBenchmarkHandler(Handler):
             limit = per_dtype("free_benchmark_threshold", dtype(out))
             if self.mode != "improve_precision":
                 # both sides rounded to the output dtype: one rounding step apart is not a finding
-                # (the seeds' bfloat16 threshold 0.004 is below bfloat16's own eps, 0.0078)
+                # (msprobe's bfloat16 threshold 0.004 is below bfloat16's own eps, 0.0078)
                 limit = max(limit, 2 * b.eps(dtype(out)))
             if self.perturbation.noise:
                 limit = max(limit, NOISE_GAIN * max(b.eps(dtype(t)) for t in ins))

@@ -39,7 +39,7 @@ def max_abs_finite(x: np.ndarray) -> float:
 
 
 def _noisy(x: np.ndarray, dtype: str) -> np.ndarray:
-    """Where an element gets noise: finite and at least the seeds' small-value threshold."""
+    """Where an element gets noise: finite and at least msprobe's small-value threshold."""
     return np.isfinite(x) & (np.abs(x) >= per_dtype("small_value", dtype))
 
 

@@ -99,7 +99,7 @@ class Replayer:
     save_error_data: Callable[[str, dict, dict], None] = save_numpy_error_data
     # the engine when launched by the framework's launcher (torchrun), else None
     distributed: Callable[[], Distributed | None] = no_distributed
-    # a second verdict the seeds define for this framework (a rule of standards.yaml, e.g.
+    # a second verdict msprobe defines for this framework (a rule of standards.yaml, e.g.
     # "mindspore_benchmark"), given beside the full one in the details' "MindSpore Rule" column
     seed_rule: str = ""
 

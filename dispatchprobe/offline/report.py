@@ -1,7 +1,7 @@
 """compare's reports: CSV, .xlsx (failing rows highlighted) and one self-contained HTML page.
 
 The HTML has no external resource: plotly.js and the page's own script are inline, the data is an
-inline JSON block.  No torch (DESIGN invariant 1).
+inline JSON block.  No torch (docs/architecture.md: the offline side reads only records).
 """
 
 from __future__ import annotations

@@ -118,7 +118,7 @@ def check_op(step: int, rank: int, index: int) -> tuple[list, list, dict | None]
                 verdicts.append(verdict)
                 if verdict != PASS:
                     messages.append(f"{out.name}: {reason}")
-            # the seeds' MindSpore rule (cosine and max abs error only), beside the full verdict
+            # msprobe's MindSpore rule (cosine and max abs error only), beside the full verdict
             ms_rule = judge_benchmark(m, out.device_dtype, st.replayer.seed_rule)[0] \
                 if st.replayer.seed_rule and verdict != SKIP else ""
             details.append(head + [out.name, output_category(cat, out.device_dtype), out.bench_dtype,

@@ -1,6 +1,6 @@
 """Reads records back: op records as pandas DataFrames, tensors as numpy arrays on demand.
 
-Imports neither torch nor MindSpore (DESIGN invariant 1), so ``compare`` and ``show`` run on a
+Imports neither torch nor MindSpore (docs/architecture.md: the offline side reads only records), so ``compare`` and ``show`` run on a
 laptop with only numpy and pandas.  safetensors files are parsed here directly (an 8-byte
 header length, a JSON header, raw little-endian bytes) because numpy has no bfloat16: bf16 is
 widened to float32 exactly, by shifting its bits.

@@ -1,4 +1,4 @@
-"""Every accuracy metric, once (DESIGN invariant 2), in one registry (invariant 8).
+"""Every accuracy metric, once, in one registry (docs/architecture.md).
 
 A metric is one :func:`register_metric` call: its name, run-ut CSV title (``column``), place
 among compare's columns (``compare``), chart direction, and how :func:`compare_arrays` computes

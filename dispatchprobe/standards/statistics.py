@@ -1,4 +1,4 @@
-"""Record statistics, once for every framework (DESIGN invariant 2), against an array namespace
+"""Record statistics, once for every framework, against an array namespace
 ``xp`` (numpy or torch): :func:`record`, or a backend's own reductions completed by :func:`finish`
 or :func:`from_row`; and how compare compares them."""
 

@@ -291,7 +291,7 @@ def _judge_ulp(dut: dict, dtype: str, ref: dict | None) -> tuple[str, str]:
 
 # ---- precision-compare: three-way -------------------------------------------------------------
 BENCHMARK_RATIOS = ("small_value_error_rate", "rmse", "max_rel_err", "mean_rel_err", "error_balance")
-# error balance is reported but does not count towards the verdict (as in the seeds)
+# error balance is reported but does not count towards the verdict (as in msprobe)
 _NOT_JUDGED = ("error_balance",)
 
 

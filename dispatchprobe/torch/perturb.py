@@ -392,7 +392,7 @@ def dtype_max(name: str) -> float:
 
 @functools.cache
 def small_value(dtype: torch.dtype) -> float:
-    """The seeds' small-value threshold (``standards.yaml``): below it, no noise."""
+    """msprobe's small-value threshold (``standards.yaml``): below it, no noise."""
     return per_dtype("small_value", ops.dtype_name(dtype))
 
 

@@ -1,6 +1,6 @@
 """Offline compare of two runs: align op by op, compute the metrics, name the first divergence.
 
-Runs on numpy + pandas only (DESIGN invariant 1): this module, ``align``, ``report``, ``reader``
+Runs on numpy + pandas only (docs/architecture.md: the offline side reads only records): this module, ``align``, ``report``, ``reader``
 and ``standards`` never import torch.  Every metric, statistic and verdict comes from
 ``dispatchprobe.standards`` (invariant 2); the metric columns derive from its registry
 (invariant 8).  Run A is the run under test ("actual"), run B the benchmark ("expected").

@@ -2,7 +2,7 @@
 inputs (the framework's run-ut replay) gives the difference its inputs' differences carry through
 it; what the recorded outputs differ by beyond that, and beyond the op's rounding, is its own.
 
-Optional: compare runs without the framework importable (DESIGN invariant 1); then
+Optional: compare runs without the framework importable (docs/architecture.md: the offline side reads only records); then
 :func:`float64_rerun` gives None and the origin is decided on statistics (approximate).
 """
 
