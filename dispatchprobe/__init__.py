@@ -17,7 +17,7 @@ def __getattr__(name):
         from .torch.capture import DispatchProbe
         return DispatchProbe
     if name == "seed_all":
-        from .torch.seeding import seed_all
+        from .core.seeding import seed_all
         return seed_all
     if name == "probe_backend":
         from .torch.compile import probe_backend

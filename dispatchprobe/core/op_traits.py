@@ -9,13 +9,9 @@ from __future__ import annotations
 
 import functools
 
+from ..records import format as _format
 
-@functools.lru_cache(maxsize=8192)
-def base_name(op: str) -> str:
-    """``aten.addmm.default`` -> ``addmm``; ``aten.add_.Tensor`` -> ``add``; ``Dense`` -> ``Dense``."""
-    parts = op.split(".")
-    name = parts[1] if len(parts) >= 2 else parts[0]
-    return name[:-1] if name.endswith("_") and not name.endswith("__") else name
+base_name = functools.lru_cache(maxsize=8192)(_format.base_name)   # memoised: asked per op call
 
 
 # Outputs depend on a random generator: never re-run by the inline checks, never replayed.

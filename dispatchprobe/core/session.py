@@ -90,7 +90,7 @@ class ProbeSession:
         self.selector = OpSelector(self.config.list, self.config.scope)
         self.seeded = None             # what seed_all changed, for configs with seed/is_deterministic
         if self.config.seed is not None or self.config.is_deterministic:
-            from .. import seed_all
+            from .seeding import seed_all
             seed = self.config.seed if self.config.seed is not None else 1234
             self.seeded = seed_all(seed, mode=self.config.is_deterministic)
         self.step_no = 0

@@ -525,7 +525,7 @@ def run_ut_html(results: pd.DataFrame, details: pd.DataFrame, *, summary: list, 
                         "sev": status.map(_RUN_UT_SEVERITY).fillna(0).astype(int), "mark": status == "error",
                         "status": status, "Category": results["Category"], "Message": results["Message"],
                         "Elapsed (s)": pd.to_numeric(results["Elapsed (s)"], errors="coerce")})
-    from .run_ut import METRIC_COLUMNS
+    METRIC_COLUMNS = M.columns()          # run-ut's details columns, from the metric registry
     head = ["Output", "Device Dtype", "Bench Dtype", "Shape"]
     metric_cols = [c for c in METRIC_COLUMNS if c in details.columns and (details[c] != "").any()]
     row_cols = head + metric_cols + ["Status", "Message"]

@@ -10,6 +10,14 @@ FORMAT_NAME = "dispatchprobe-records"
 FORMAT_VERSION = 1
 CLOSED_MARKER = "closed"     # an empty file the writer leaves in a step/rank folder it closed
 
+def base_name(op: str) -> str:
+    """An op's name without namespace, overload and in-place ``_``, the key of op tables:
+    ``aten.addmm.default`` -> ``addmm``; ``aten.add_.Tensor`` -> ``add``; ``Dense`` -> ``Dense``."""
+    parts = op.split(".")
+    name = parts[1] if len(parts) >= 2 else parts[0]
+    return name[:-1] if name.endswith("_") and not name.endswith("__") else name
+
+
 _CONTAINERS = ("list", "tuple")
 _ARG_NAMES = {io: [f"{io}.{i}" for i in range(256)] for io in ("input", "output")}
 

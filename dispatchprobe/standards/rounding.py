@@ -12,7 +12,7 @@ import math
 
 import numpy as np
 
-from ..core.op_traits import base_name
+from ..records.format import base_name
 from .loader import short_dtype, standard
 
 EPS = {"float16": 2.0 ** -11, "bfloat16": 2.0 ** -8, "float32": 2.0 ** -24, "float64": 2.0 ** -53}

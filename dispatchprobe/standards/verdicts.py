@@ -11,7 +11,7 @@ import math
 
 import numpy as np
 
-from ..core.op_traits import base_name
+from ..records.format import base_name
 from . import rounding
 from .loader import is_float, per_dtype, short_dtype, standard
 
