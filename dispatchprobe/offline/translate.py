@@ -26,6 +26,7 @@ class Translation:
     regions: list = field(default_factory=list)    # [{primitives, op, inputs, outputs}]
     layout: set = field(default_factory=set)
     unobservable: dict = field(default_factory=dict)   # aten backward op -> the framework's unseen kernel
+    no_counterpart: dict = field(default_factory=dict)  # aten op with integer outputs -> what it keeps (a counter)
 
     @classmethod
     def shipped(cls, framework: str, extra: dict | None = None) -> "Translation | None":
@@ -40,7 +41,8 @@ class Translation:
         return cls({**data.get("ops", {}), **extra.get("ops", {})},
                    list(extra.get("regions", [])) + list(data.get("regions", [])),
                    set(data.get("layout", [])) | set(extra.get("layout", [])),
-                   {**data.get("unobservable", {}), **extra.get("unobservable", {})})
+                   {**data.get("unobservable", {}), **extra.get("unobservable", {})},
+                   {**data.get("no_counterpart", {}), **extra.get("no_counterpart", {})})
 
     def records(self, recs: list) -> list:
         """``recs`` in aten's vocabulary (new dicts; tensor specs shared, saved data unchanged)."""
@@ -81,10 +83,21 @@ class Translation:
             new = _rewrite(r, spec["scalar"], [s for k, s in enumerate(ins) if k not in scalars],
                            _place(r.get("outputs", []), spec.get("outputs")))
         else:
-            new = _rewrite(r, spec["op"], _place(ins, spec.get("inputs")), _place(r.get("outputs", []), spec.get("outputs")))
+            full = spec.get("no_dim") and len(ins) > 1 and ins[1].get("type") == "none"   # a reduction over all dims
+            new = _rewrite(r, spec["no_dim"] if full else spec["op"], _place(ins, spec.get("inputs")),
+                           _place(r.get("outputs", []), spec.get("outputs")))
         if spec.get("stage"):
             new["stage"] = spec["stage"]
         return new
+
+    def without_counterpart(self, record: dict) -> str | None:
+        """What an aten ``record`` of the other run keeps, where this framework has no counterpart of
+        it (an integer counter such as BatchNorm's ``num_batches_tracked``); else None."""
+        what = self.no_counterpart.get(record["op"]) if record["kind"] == "op" else None
+        outs = [s for s in record.get("outputs") or () if s.get("type") == "tensor"]
+        if what and outs and all(s.get("dtype", "").startswith(("int", "uint")) for s in outs):
+            return what
+        return None
 
     def _region_at(self, recs: list, i: int):
         for region in self.regions:

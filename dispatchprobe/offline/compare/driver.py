@@ -126,7 +126,7 @@ def _compare_parts(part_a: Part, part_b: Part, match: str, mapping: Mapping, ten
                 explained.append(f"decomposed differently: compared at the boundary of {r['scope']}")
     unmatched = pd.DataFrame(rows, columns=UNMATCHED_COLUMNS)
     unmatched["explained"] = explained
-    unmatched = _explain_unobservable(unmatched, translate, problems, step, rank)
+    unmatched = _explain_unobservable(unmatched, translate, problems, step, rank, (recs_a, recs_b))
     if decomposed:
         problems.append(f"step {step} rank {rank}: compared at their boundary (the frameworks decompose them "
                         f"differently): {', '.join(sorted({f'{sc} ({st})' for st, sc in decomposed}))}")

@@ -3,6 +3,7 @@ record produced each input, the precision each value carries)."""
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import NamedTuple
 
 import pandas as pd
@@ -31,28 +32,48 @@ def _swap_commutative(ta: list, tb: list) -> list:
 def _decomposed_scopes(recs_a: list, recs_b: list, translate: tuple) -> set:
     """(stage, scope) of the modules both runs recorded a boundary of, whose own ops differ (after
     translation): the two frameworks decompose that module differently (a loss), so it is
-    compared at its boundary (its module records), not op by op."""
+    compared at its boundary (its module records), not op by op.  A PyTorch op the other framework
+    runs unobserved counts only where that side shows none of it (a visible ``SumExt`` pairs with
+    ``sum``); one it has no counterpart of (an integer counter) never counts."""
     def own_ops(recs, other):
-        unseen = other.unobservable if other is not None else {}   # not a decomposition: unobserved
         ops, bounds = {}, set()
         for r in recs:
             key = (r["stage"], r["scope"])
             if r["kind"] == "module":
                 bounds.add(key)
-            elif r["scope"] and not (r["stage"] == "backward" and r["op"] in unseen):
-                ops.setdefault(key, []).append(r["op"])
+            elif r["scope"] and not (other is not None and other.without_counterpart(r)):
+                ops.setdefault(key, Counter())[r["op"]] += 1
         return ops, bounds
     (ops_a, bounds_a), (ops_b, bounds_b) = own_ops(recs_a, translate[1]), own_ops(recs_b, translate[0])
-    return {k for k in bounds_a & bounds_b if sorted(ops_a.get(k, [])) != sorted(ops_b.get(k, []))}
+    out = set()
+    for key in bounds_a & bounds_b:
+        a, b = ops_a.get(key, Counter()), ops_b.get(key, Counter())
+        for mine, theirs, other in ((a, b, translate[1]), (b, a, translate[0])):
+            if other is not None and key[0] == "backward":     # unobserved there: not a decomposition
+                for op in set(mine) & set(other.unobservable):
+                    mine[op] = min(mine[op], theirs[op])
+        if +a != +b:
+            out.add(key)
+    return out
 
 
-def _explain_unobservable(unmatched: pd.DataFrame, translate: tuple, problems: list, step: int, rank: int):
+def _explain_unobservable(unmatched: pd.DataFrame, translate: tuple, problems: list, step: int, rank: int,
+                          recs: tuple = ((), ())):
     """Mark the PyTorch side's unmatched backward records whose counterpart the other framework
-    runs unobserved (``unobservable`` in its translation), and say so once."""
-    for side, other in (("a", translate[1]), ("b", translate[0])):
-        if other is None or not other.unobservable:
+    runs unobserved (``unobservable`` in its translation), and those it has no counterpart of (an
+    integer counter, any stage; ``recs``: both sides' records, by name), and say so once."""
+    for side, other, own in (("a", translate[1], recs[0]), ("b", translate[0], recs[1])):
+        if other is None:
             continue
-        hit = (unmatched["side"] == side) & (unmatched["stage"] == "backward") & unmatched["op"].isin(other.unobservable) \
+        mine = unmatched["side"] == side
+        if other.no_counterpart and own:
+            by_name = {r["name"]: r for r in own if r["kind"] == "op" and r["op"] in other.no_counterpart}
+            kept = [other.without_counterpart(by_name[n]) if n in by_name else None for n in unmatched["name"]]
+            hit = mine & pd.Series([k is not None for k in kept], index=unmatched.index) & (unmatched["explained"] == "")
+            unmatched.loc[hit, "explained"] = [f"no counterpart in the other framework ({k})" for k, h in zip(kept, hit) if h]
+        if not other.unobservable:
+            continue
+        hit = mine & (unmatched["stage"] == "backward") & unmatched["op"].isin(other.unobservable) \
             & (unmatched["explained"] == "")
         unmatched.loc[hit, "explained"] = [f"not observable in the other framework ({other.unobservable[op]})"
                                            for op in unmatched.loc[hit, "op"]]

@@ -1,0 +1,153 @@
+"""MindSpore against PyTorch on a conv net of the common layers (Conv2d, BatchNorm2d, MaxPool,
+GELU, Linear), same weights: compared op by op in aten's vocabulary, not only at module
+boundaries.  Runs where mindspore is installed, in blocking mode."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("MS_DEV_LAUNCH_BLOCKING", "1")
+ms = pytest.importorskip("mindspore")
+torch = pytest.importorskip("torch")
+
+from mindspore import nn  # noqa: E402
+
+from dispatchprobe import DispatchProbe as TorchProbe, compare, load  # noqa: E402
+from dispatchprobe.core import op_traits  # noqa: E402
+from dispatchprobe.offline.translate import Translation  # noqa: E402
+from dispatchprobe_ms import DispatchProbe  # noqa: E402
+
+ms.set_context(mode=ms.PYNATIVE_MODE)
+
+
+class ConvNet(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, pad_mode="pad", padding=1, has_bias=True)
+        self.bn = nn.BatchNorm2d(8, momentum=0.9)          # MindSpore's momentum is torch's 1 - momentum
+        self.pool = nn.MaxPool2d(2, 2)
+        self.act = nn.GELU()
+        self.fc = nn.Dense(8 * 4 * 4, 5)
+
+    def construct(self, x):
+        h = self.act(self.pool(self.bn(self.conv(x))))
+        return self.fc(h.reshape(h.shape[0], -1))
+
+
+class WrongGELU(nn.GELU):
+    def construct(self, x):
+        return super().construct(x) * 1.001
+
+
+def torch_twin(ms_net):
+    class ConvNet(torch.nn.Module):          # the same class and attribute names: the same scopes
+        def __init__(self):
+            super().__init__()
+            self.conv, self.bn = torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8)
+            self.pool, self.act, self.fc = torch.nn.MaxPool2d(2, 2), torch.nn.GELU(), torch.nn.Linear(8 * 4 * 4, 5)
+
+        def forward(self, x):
+            h = self.act(self.pool(self.bn(self.conv(x))))
+            return self.fc(h.reshape(h.shape[0], -1))
+    net = ConvNet()
+    names = {"bn.weight": "bn.gamma", "bn.bias": "bn.beta", "bn.running_mean": "bn.moving_mean",
+             "bn.running_var": "bn.moving_variance"}
+    weights = {n: p.asnumpy().copy() for n, p in ms_net.parameters_and_names()}
+    with torch.no_grad():
+        for n, p in list(net.named_parameters()) + list(net.named_buffers()):
+            if names.get(n, n) in weights:
+                p.copy_(torch.from_numpy(weights[names.get(n, n)]))
+    return net
+
+
+def _data():
+    rng = np.random.RandomState(0)
+    return rng.randn(4, 3, 8, 8).astype(np.float32), rng.randn(4, 5).astype(np.float32)
+
+
+def record_ms(net, path, level="op"):
+    x, y = _data()
+    net.set_train(True)
+    grad_fn = ms.value_and_grad(lambda x, y: ((net(x) - y) ** 2).mean(), None, net.trainable_params())
+    with DispatchProbe(task="tensor", dump_path=str(path), model=net, level=level) as probe:
+        grad_fn(ms.Tensor(x), ms.Tensor(y))
+    with pytest.warns(RuntimeWarning, match="not .fully. recorded"):
+        probe.close()
+
+
+def record_torch(net, path, level="op"):
+    x, y = (torch.from_numpy(t) for t in _data())
+    with TorchProbe(task="tensor", dump_path=str(path), model=net, level=level) as probe:
+        ((net(x) - y) ** 2).mean().backward()
+    probe.close()
+
+
+@pytest.fixture(scope="module")
+def conv_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("conv_twin")
+    ms.set_seed(0)
+    net = ConvNet()
+    twins = [torch_twin(net) for _ in range(2)]       # before the MindSpore step moves the statistics
+    record_ms(net, root / "ms")
+    record_torch(twins[0], root / "torch")
+    ms.set_seed(0)
+    net = ConvNet()
+    record_ms(net, root / "ms_mix", level="mix")
+    record_torch(twins[1], root / "torch_mix", level="mix")
+    ms.set_seed(0)
+    wrong = ConvNet()
+    wrong.act = WrongGELU()
+    record_ms(wrong, root / "ms_planted")
+    return root
+
+
+def share_paired_op_by_op(table, ms_run, side):
+    """The share of MindSpore's compute records (in aten's vocabulary) paired with a PyTorch op."""
+    recs = Translation.shipped("mindspore").records(load(ms_run).part(0, 0).records)
+    mine = {r["name"] for r in recs if r["kind"] == "op" and not op_traits.is_cast(r["op"])}
+    paired = set(table.loc[(table["kind"] == "op") & (table["match"] != "module"), f"name_{side}"])
+    return len(mine & paired) / len(mine)
+
+
+@pytest.mark.parametrize("order", ["ms-torch", "torch-ms"])
+def test_conv_twin_compares_clean_op_by_op(conv_runs, order):
+    a, b = ("ms", "torch") if order == "ms-torch" else ("torch", "ms")
+    table, verdict = compare(str(conv_runs / a), str(conv_runs / b))
+    assert verdict.passed and verdict.forward is None and verdict.backward is None, str(verdict)
+    assert (table["status"] == "pass").all()
+    ms_side = "a" if a == "ms" else "b"
+    share = share_paired_op_by_op(table, conv_runs / "ms", ms_side)
+    assert share >= 0.9, share                         # measured: 1.0 (16 of 16)
+    aten = table[f"op_{'b' if ms_side == 'a' else 'a'}"]
+    paired = set(zip(table["stage"], table["scope"], aten, table["arg"]))
+    assert {("forward", "ConvNet.conv", "aten.convolution.default", "input.2"),        # the bias, in the region
+            ("forward", "ConvNet.bn", "aten.native_batch_norm.default", "output.1"),   # the batch mean
+            ("forward", "ConvNet.bn", "aten.native_batch_norm.default", "input.3"),    # the running mean
+            ("forward", "ConvNet.pool", "aten.max_pool2d_with_indices.default", "output.0"),
+            ("forward", "ConvNet.fc", "aten.addmm.default", "output.0"),
+            ("backward", "ConvNet.act", "aten.gelu_backward.default", "output.0"),
+            ("backward", "ConvNet.fc", "aten.mm.default", "output.0")} <= paired
+    # the rest is said: kernels MindSpore runs unobserved, and BatchNorm's step counter
+    um = verdict.unmatched
+    assert (um["explained"] != "").all(), um[um["explained"] == ""]
+    counter = um[um["op"] == "aten.add_.Tensor"]
+    assert len(counter) == 1 and counter["explained"].str.contains("num_batches_tracked").all()
+
+
+def test_conv_twin_at_level_mix_keeps_every_layer_op_by_op(conv_runs):
+    """With module records, no layer of the twin counts as "decomposed differently" (torch's
+    ``num_batches_tracked`` counter and unobserved backward kernels are not decompositions)."""
+    table, verdict = compare(str(conv_runs / "ms_mix"), str(conv_runs / "torch_mix"))
+    assert verdict.passed, str(verdict)
+    assert not any("compared at their boundary" in p for p in verdict.problems), verdict.problems
+    assert share_paired_op_by_op(table, conv_runs / "ms_mix", "a") >= 0.9
+
+
+def test_planted_change_in_one_layer_is_named(conv_runs):
+    _, verdict = compare(str(conv_runs / "ms_planted"), str(conv_runs / "torch"))
+    first = verdict.forward
+    assert not verdict.passed and first is not None, str(verdict)
+    assert first.scope == "ConvNet.act" and first.cause != "inputs", str(verdict)
