@@ -66,8 +66,8 @@ class Divergence:
                      f"differing forward values (first at {self.op} [{self.scope or '<top>'}] {self.arg}, "
                      f"#{self.seq} in {self.stage}, step {self.step} rank {self.rank})"]
         elif self.cause == "unmatched":
-            lines = [f"{lead or self.headline()}: {self.where()}, present only in run {self.side.upper()} "
-                     f"(prime suspect): {self.failed}"]
+            lines = [f"{lead or self.headline()}: {self.where()}, present only in run {self.side.upper()}"
+                     f"{'' if self.departure else ' (prime suspect)'}: {self.failed}"]
         else:
             lines = [f"{lead or self.headline()}: {self.where()}: {self.failed}"
                      + (" (origin approximate: estimated from the recorded errors, no float64 re-run)"
