@@ -151,3 +151,73 @@ def test_planted_change_in_one_layer_is_named(conv_runs):
     first = verdict.forward
     assert not verdict.passed and first is not None, str(verdict)
     assert first.scope == "ConvNet.act" and first.cause != "inputs", str(verdict)
+
+
+# ---- a loss as a Cell (MindSpore) against a loss as a function at top level (PyTorch) -----------
+class LossNet(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Dense(16, 32), nn.GELU(), nn.Dense(32, 8)
+        self.loss = nn.CrossEntropyLoss()
+
+    def construct(self, x, y):
+        return self.loss(self.fc2(self.act(self.fc1(x))), y)
+
+
+def torch_loss_twin(ms_net):
+    class LossNet(torch.nn.Module):          # no loss module: F.cross_entropy at top level
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.act, self.fc2 = torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 8)
+
+        def forward(self, x):
+            return self.fc2(self.act(self.fc1(x)))
+    net, weights = LossNet(), {n: p.asnumpy().copy() for n, p in ms_net.parameters_and_names()}
+    with torch.no_grad():
+        for n, p in net.named_parameters():
+            p.copy_(torch.from_numpy(weights[n]))
+    return net
+
+
+@pytest.fixture(scope="module")
+def loss_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("loss_twin")
+    x = np.random.RandomState(1).randn(8, 16).astype(np.float32)
+    y = np.arange(8) % 8
+    for name, planted in (("ms", False), ("ms_planted", True)):
+        ms.set_seed(0)
+        net = LossNet()
+        if planted:
+            net.act = WrongGELU()
+        else:
+            twin = torch_loss_twin(net)
+        grad_fn = ms.value_and_grad(net, None, net.trainable_params())
+        with DispatchProbe(task="tensor", dump_path=str(root / name), model=net) as probe:
+            grad_fn(ms.Tensor(x), ms.Tensor(y.astype(np.int32)))
+        with pytest.warns(RuntimeWarning, match="not .fully. recorded"):
+            probe.close()
+    with TorchProbe(task="tensor", dump_path=str(root / "torch"), model=twin) as probe:
+        torch.nn.functional.cross_entropy(twin(torch.from_numpy(x)), torch.from_numpy(y).long()).backward()
+    probe.close()
+    return root
+
+
+@pytest.mark.parametrize("order", ["ms-torch", "torch-ms"])
+def test_loss_cell_against_loss_function_compares_at_the_region_boundary(loss_runs, order):
+    a, b = ("ms", "torch") if order == "ms-torch" else ("torch", "ms")
+    table, verdict = compare(str(loss_runs / a), str(loss_runs / b))
+    assert verdict.passed and verdict.forward is None and verdict.backward is None, str(verdict)
+    region = table[table["match"] == "region boundary"]
+    aten = set(region["op_b" if a == "ms" else "op_a"])
+    # the loss value and the logits' gradient: MindSpore's CrossEntropyLoss cell against aten's ops
+    assert {"aten.nll_loss_forward.default", "aten._log_softmax_backward_data.default"} <= aten
+    assert (region["status"] == "pass").all() and set(region["scope"]) == ({"LossNet.loss"} if a == "ms" else {""})
+    um = verdict.unmatched
+    assert (um["explained"] != "").all(), um[um["explained"] == ""]
+    assert um["explained"].str.contains(r"inside a region compared at its boundary \(LossNet.loss\)").sum() > 20
+
+
+def test_planted_change_is_named_beside_a_loss_compared_at_its_boundary(loss_runs):
+    _, verdict = compare(str(loss_runs / "ms_planted"), str(loss_runs / "torch"))
+    first = verdict.forward
+    assert not verdict.passed and first is not None and first.scope == "LossNet.act", str(verdict)

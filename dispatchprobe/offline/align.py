@@ -82,6 +82,7 @@ class Alignment:
     pairs: list          # (index in A, index in B, how) -- indices into the records lists
     only_a: list         # indices into A's records
     only_b: list
+    inside: dict = field(default_factory=dict)   # ("a"/"b", index) -> scope of the region compared at its boundary
 
 
 def _match_blocks(ka: list, kb: list, ia: list, ib: list, how: str, pairs: list):
@@ -122,8 +123,10 @@ def _nested(sa: str, sb: str) -> bool:
     return sa == sb or (bool(sa) and sb.startswith(sa + ".")) or (bool(sb) and sa.startswith(sb + "."))
 
 
-def align_ops(recs_a: list, recs_b: list, ia: list, ib: list, mapping: Mapping) -> Alignment:
-    """Fuzzy alignment of op records ia (of recs_a) against ib (of recs_b), one stage."""
+def align_ops(recs_a: list, recs_b: list, ia: list, ib: list, mapping: Mapping, regions: tuple | None = None) -> Alignment:
+    """Fuzzy alignment of op records ia (of recs_a) against ib (of recs_b), one stage; ``regions``
+    (each run's scopes; runs of two frameworks): regions one run computes in a cell of its own are
+    compared at their boundary (:func:`_pair_regions`)."""
     def scope(r, m):
         return m.scope(r["scope"]) if m else r["scope"]
 
@@ -158,9 +161,40 @@ def align_ops(recs_a: list, recs_b: list, ia: list, ib: list, mapping: Mapping) 
                 next_gaps.append(([a for a, _, _ in rejected], [b for _, b, _ in rejected]))
             pairs.extend(found)
         gaps = next_gaps
+    inside: dict = {}
+    if regions is not None:
+        gaps = _pair_regions(recs_a, recs_b, gaps, mapping, regions, pairs, inside)
     only_a = [i for ga, _ in gaps for i in ga]
     only_b = [i for _, gb in gaps for i in gb]
-    return Alignment(pairs, only_a, only_b)
+    return Alignment(pairs, only_a, only_b, inside)
+
+
+def _within(scope: str, outer: str) -> bool:
+    return not outer or scope == outer or scope.startswith(outer + ".")
+
+
+def _pair_regions(recs_a: list, recs_b: list, gaps: list, mapping: Mapping, regions: tuple, pairs: list,
+                  inside: dict) -> list:
+    """A module one run computes inside a cell of its own (MindSpore's ``nn.CrossEntropyLoss``)
+    and the other in its caller (``F.cross_entropy`` at top level): when a gap's records on one
+    side all lie in one scope the other run never records, and the other side's lie in an
+    enclosing scope, the two regions are compared at their boundary: their last records (the
+    region's result) pair, output by output; the records inside go to ``inside``.  ``regions``: the
+    scopes each run records."""
+    out = []
+    for ga, gb in gaps:
+        if ga and gb:
+            sa = {mapping.scope(recs_a[i]["scope"]) if mapping else recs_a[i]["scope"] for i in ga}
+            sb = {recs_b[i]["scope"] for i in gb}
+            for own, other, other_scopes in ((sa, sb, regions[1]), (sb, sa, regions[0])):
+                if len(own) == 1 and (inner := next(iter(own))) and inner not in other_scopes \
+                        and all(_within(inner, o) and o != inner for o in other):
+                    pairs.append((ga[-1], gb[-1], "region boundary"))
+                    ga, gb = ga[:-1], gb[:-1]
+                    inside.update({**{("a", i): inner for i in ga}, **{("b", i): inner for i in gb}})
+                    break
+        out.append((ga, gb))
+    return out
 
 
 def _pair_by_key(ia: list, ib: list, key_a, key_b, how: str) -> Alignment:
@@ -237,7 +271,8 @@ def align(recs_a: list, recs_b: list, match: str = "fuzzy", mapping: Mapping | N
     """Align two parts' records (ops per stage, modules by scope); pairs sorted by A's order.
     ``by_stats``: equal-key runs paired by closest statistics (:func:`pair_runs_by_stats`)."""
     mapping = mapping or Mapping()
-    pairs, only_a, only_b = [], [], []
+    regions = ({mapping.scope(r["scope"]) for r in recs_a}, {r["scope"] for r in recs_b}) if by_stats else None
+    pairs, only_a, only_b, inside = [], [], [], {}
     for stage in ("forward", "backward"):
         for kind in ("op", "module"):
             ia = [i for i, r in enumerate(recs_a) if r["stage"] == stage and r["kind"] == kind]
@@ -247,8 +282,9 @@ def align(recs_a: list, recs_b: list, match: str = "fuzzy", mapping: Mapping | N
             elif match == "exact":
                 al = align_exact(recs_a, recs_b, ia, ib, mapping)
             else:
-                al = align_ops(recs_a, recs_b, ia, ib, mapping)
+                al = align_ops(recs_a, recs_b, ia, ib, mapping, regions)
             pairs += al.pairs
+            inside.update(al.inside)
             only_a += al.only_a
             only_b += al.only_b
     # records of any other stage count as unmatched rather than vanish
@@ -256,4 +292,4 @@ def align(recs_a: list, recs_b: list, match: str = "fuzzy", mapping: Mapping | N
     only_a += [i for i, r in enumerate(recs_a) if r["stage"] not in known]
     only_b += [i for i, r in enumerate(recs_b) if r["stage"] not in known]
     pairs = pair_runs_by_stats(pairs, recs_a, recs_b) if by_stats else sorted(pairs)
-    return Alignment(pairs, sorted(only_a), sorted(only_b))
+    return Alignment(pairs, sorted(only_a), sorted(only_b), inside)

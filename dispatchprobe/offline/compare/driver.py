@@ -118,6 +118,9 @@ def _compare_parts(part_a: Part, part_b: Part, match: str, mapping: Mapping, ten
             rows.append((step, rank, side, r["stage"], r["kind"], seq[i], r["scope"], r["op"], r["name"], r["call"],
                          op_traits.is_cast(r["op"])))
     explained = [""] * len(rows)
+    for k, (side, i) in enumerate((side, i) for side, idx in (("a", al.only_a), ("b", al.only_b)) for i in idx):
+        if (side, i) in al.inside:   # a region one run computes in a cell of its own: compared at its boundary
+            explained[k] = f"inside a region compared at its boundary ({al.inside[side, i]})"
     if decomposed:
         for side, recs in zip("ab", set_aside):
             for r in recs:
