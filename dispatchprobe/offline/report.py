@@ -15,9 +15,11 @@ import re
 import numpy as np
 import pandas as pd
 
+from ..records.reader import RecordError, load
 from ..records.writer import atomic_write_text
 from ..standards import metrics as M
 from ..standards.verdicts import NOT_JUDGED
+from . import nonfinite
 
 # columns a chart can show, and whether larger is worse: compare's metric columns and two of its own
 CHART_METRICS = M.derived(lambda: {**{m: M.METRICS[m].larger_is_worse for m in M.compare_columns()},
@@ -186,16 +188,71 @@ def _col(s: pd.Series) -> list:
     return [_cell(v) for v in s.tolist()]
 
 
-def _op_groups(table: pd.DataFrame) -> pd.DataFrame:
-    """One row per compared op/module call: key columns, worst status, origin, nan/inf, first row index."""
+def _op_groups(table: pd.DataFrame, nf: pd.DataFrame) -> pd.DataFrame:
+    """One row per compared op/module call: key columns, worst status, origin, nan/inf worth a look
+    (``nf``: made from finite values or differing between the runs; ``nfm``: made, ``nfa``/``nfb``: in
+    run A/B; see nonfinite_rows), first row index."""
     t = table.assign(_sev=table["status"].map(_SEVERITY).fillna(0).astype(int),
-                     _nf=(table[["nan_a", "nan_b", "inf_a", "inf_b"]].fillna(0).to_numpy() > 0).any(axis=1),
+                     _nf=nf["differ"].to_numpy() | nf["made_a"].to_numpy() | nf["made_b"].to_numpy(),
+                     _nfm=nf["made_a"].to_numpy() | nf["made_b"].to_numpy(), _nfa=nf["made_a"].to_numpy(),
+                     _nfb=nf["made_b"].to_numpy(),
                      _org=table["origin"].fillna(False).astype(bool) & (table["status"] == "error"),
                      _i=np.arange(len(table)))
     keys = ["step", "rank", "stage", "kind", "seq"]
     g = t.groupby(keys, sort=False).agg(scope=("scope", "first"), sev=("_sev", "max"), nf=("_nf", "any"),
+                                         nfm=("_nfm", "any"), nfa=("_nfa", "any"), nfb=("_nfb", "any"),
                                          origin=("_org", "any"), first=("_i", "min"), n=("_i", "size"))
     return g.reset_index().sort_values("first", kind="stable")
+
+
+def nonfinite_rows(table: pd.DataFrame, run_a: str | None, run_b: str | None) -> pd.DataFrame:
+    """Per row of ``table``: ``differ`` (the runs' nan/inf counts differ) and ``made_a``/``made_b`` (an
+    output that run A's / B's op made inf/nan in from finite values, as ``dispatchprobe show`` classifies it:
+    offline/nonfinite.py).  The rest (a causal mask's -inf written from a constant, inf/nan carried from an
+    input, equal in both runs) is intended or a consequence, not badged.  The runs' records are read again
+    for the parts and records with nan/inf output only; a run that cannot be read is left unclassified."""
+    def count(c):
+        return pd.to_numeric(table[c], errors="coerce") if c in table.columns else pd.Series(np.nan, index=table.index)
+    nan_a, nan_b, inf_a, inf_b = (count(c) for c in ("nan_a", "nan_b", "inf_a", "inf_b"))
+    both = nan_a.notna() & nan_b.notna() & inf_a.notna() & inf_b.notna()
+    out = pd.DataFrame({"differ": (both & ((nan_a != nan_b) | (inf_a != inf_b))).to_numpy(bool)}, index=table.index)
+    is_out = (table["io"] == "output") if "io" in table.columns else pd.Series(False, index=table.index)
+    for side, path, held in (("a", run_a, (nan_a > 0) | (inf_a > 0)), ("b", run_b, (nan_b > 0) | (inf_b > 0))):
+        made = np.zeros(len(table), bool)
+        rows = table[is_out & held]
+        if len(rows) and path:
+            by_name, with_ops = _records_by_name(path, set(zip(rows["step"], rows["rank"])))
+            for i, key in enumerate(zip(rows["step"], rows["rank"], rows[f"name_{side}"])):
+                rec = by_name.get(key)
+                made[table.index.get_loc(rows.index[i])] = rec is not None and \
+                    nonfinite.origin(rec, key[:2] in with_ops) == nonfinite.MADE
+        out[f"made_{side}"] = made
+    return out
+
+
+def _records_by_name(path: str, parts: set) -> tuple[dict, set]:
+    """(step, rank, record name) -> record, of run ``path``'s ``parts`` (a run of one part stands for any:
+    compare pairs two single parts whatever their steps), and the parts whose ops are recorded (not only
+    modules); nothing when the run cannot be read."""
+    try:
+        run = load(path)
+    except (RecordError, OSError):
+        return {}, set()
+    out, with_ops = {}, set()
+    for step, rank in parts:
+        part = run.parts.get((int(step), int(rank)))
+        if part is None and len(run.parts) == 1:
+            part = next(iter(run.parts.values()))
+        if part is None:
+            continue
+        try:
+            records = part.records
+        except (RecordError, OSError, ValueError):
+            continue
+        out.update({(step, rank, r.get("name")): r for r in records})
+        if any(r.get("kind") == "op" for r in records):
+            with_ops.add((step, rank))
+    return out, with_ops
 
 
 def scope_tree(paths, levels: int, **fields) -> tuple[list, dict]:
@@ -235,14 +292,15 @@ def _tree(table: pd.DataFrame, ops: pd.DataFrame, verdict) -> tuple[list, dict]:
     """Module tree nodes (both runs' scopes) with subtree aggregates; returns (nodes, index by path)."""
     um = verdict.unmatched
     paths = set(ops["scope"].fillna("").astype(str)) | set(um["scope"].fillna("").astype(str) if len(um) else [])
-    nodes, index = scope_tree(paths, len(COMPARE_LEVELS), nf=0, ua=0, ub=0, um=[])
+    nodes, index = scope_tree(paths, len(COMPARE_LEVELS), nf=0, nfm=0, ua=0, ub=0, um=[])
     if len(ops):
         agg = ops.assign(scope=ops["scope"].fillna("").astype(str)).groupby(["scope", "sev"]).size()
         for (scope, sev), cnt in agg.items():
             up(nodes, index[scope or "<top>"], lambda n: n["c"].__setitem__(int(sev), n["c"][int(sev)] + int(cnt)))
-        for scope, cnt in ops.groupby(ops["scope"].fillna("").astype(str))["nf"].sum().items():
-            if cnt:
-                up(nodes, index[scope or "<top>"], lambda n: n.__setitem__("nf", n["nf"] + int(cnt)))
+        for field in ("nf", "nfm"):     # op calls with nan/inf worth a look, and those of them that made it
+            for scope, cnt in ops.groupby(ops["scope"].fillna("").astype(str))[field].sum().items():
+                if cnt:
+                    up(nodes, index[scope or "<top>"], lambda n: n.__setitem__(field, n[field] + int(cnt)))
     if len(um):
         comp = um[~um["is_cast"].astype(bool)]
         for (scope, side), cnt in comp.groupby([comp["scope"].fillna("").astype(str), "side"]).size().items():
@@ -253,8 +311,9 @@ def _tree(table: pd.DataFrame, ops: pd.DataFrame, verdict) -> tuple[list, dict]:
 
 def report_data(table: pd.DataFrame, verdict, metric: str) -> dict:
     """What compare.html embeds (JSON): the tree, each node's ops (bounded), chart series, heatmap."""
-    ops = _op_groups(table) if len(table) else pd.DataFrame(columns=["step", "rank", "stage", "kind", "seq",
-                                                                      "scope", "sev", "nf", "origin", "first", "n"])
+    ops = _op_groups(table, nonfinite_rows(table, getattr(verdict, "a", None), getattr(verdict, "b", None))) \
+        if len(table) else pd.DataFrame(columns=["step", "rank", "stage", "kind", "seq", "scope", "sev", "nf", "nfm",
+                                                 "nfa", "nfb", "origin", "first", "n"])
     nodes, index = _tree(table, ops, verdict)
     divs = {}
     for d in (verdict.forward, verdict.backward, *verdict.departures):   # a departure: a stage without errors
@@ -300,7 +359,7 @@ def report_data(table: pd.DataFrame, verdict, metric: str) -> dict:
             row0 = table.iloc[int(r.first)]
             op = {"k": [int(r.step), int(r.rank), r.stage, r.kind, int(r.seq)], "op_a": _cell(row0["op_a"]),
                   "op_b": _cell(row0["op_b"]), "call": _num(row0["call_a"]), "sev": int(r.sev),
-                  "origin": bool(r.origin), "stack": st,
+                  "origin": bool(r.origin), "stack": st, "nf": _nf_note(r),
                   "rows": [[cols[c][i] for c in row_cols] + [cols["status"][i], cols["reason"][i],
                                                               bool(cols["origin"][i])] for i in ix]}
             index[r.skey or "<top>"]["ops"].append(len(rows_out))
@@ -327,6 +386,14 @@ def report_data(table: pd.DataFrame, verdict, metric: str) -> dict:
             "axis": {m: f"log10({m})" if CHART_METRICS.get(m, True) else m for m in metrics},
             "parts": parts, "shown_part": shown, "n_parts": len(verdict.parts),
             "heat": _heatmap(table, ops, metric) if len(verdict.parts) > 1 else None}
+
+
+def _nf_note(op) -> str | None:
+    """What an op card says of its nan/inf (nonfinite_rows), or None when it has none worth a look."""
+    if op.nfm:
+        side = "runs A and B" if op.nfa and op.nfb else "run A" if op.nfa else "run B"
+        return f"inf/nan made here from finite values ({side})"
+    return "inf/nan differ between the runs" if op.nf else None
 
 
 def _chart_series(table: pd.DataFrame, metrics: list) -> tuple[dict, list]:

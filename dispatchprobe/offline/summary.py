@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import re
 
-import numpy as np
 import pandas as pd
 
 from ..records.reader import Run
+from . import nonfinite
 
 
 def summarize(run: Run, top: int = 10, stage: str | None = None) -> str:
@@ -94,26 +94,23 @@ def checks_line(checks: list[dict]) -> str:
 
 
 def _nonfinite_lines(run: Run, bad: pd.DataFrame) -> list[str]:
-    """The tensors holding nan/inf, sorted by where their values came from: made by the op from
-    finite values (what to look at), written as a constant (a causal mask's -inf: intended), or
-    carried from an input."""
+    """The tensors holding nan/inf, sorted by where their values came from (offline/nonfinite.py): made
+    by the op from finite values (what to look at), written as a constant (a causal mask's -inf:
+    intended), or carried from an input (or, a module call's, from the op within it that made them)."""
     if not len(bad):
         return ["nan/inf    none"]
-    records = {}
+    records, with_ops = {}, set()
     for key in {(s, r) for s, r in zip(bad["step"], bad["rank"])}:
         records.update({(key[0], key[1], rec["id"]): rec for rec in run.parts[key].records})
+        if any(rec.get("kind") == "op" for rec in run.parts[key].records):
+            with_ops.add(key)
     kinds, expected = [], []
     for row in bad.itertuples():
-        expected.append((records.get((row.step, row.rank, row.id), {}).get("overflow") or {}).get("class") == "expected")
         rec = records.get((row.step, row.rank, row.id), {})
-        if row.io != "output":
-            kinds.append("carried")
-        elif any(_nonfinite_input(v) for v in list(rec.get("inputs") or []) + list((rec.get("kwargs") or {}).values())):
-            kinds.append("carried" if any(_nonfinite_tensor(v) for v in rec.get("inputs") or []) else "constant")
-        else:
-            kinds.append("made")
+        expected.append((rec.get("overflow") or {}).get("class") == "expected")
+        kinds.append(nonfinite.origin(rec, (row.step, row.rank) in with_ops) if row.io == "output" else nonfinite.CARRIED)
     bad = bad.assign(origin=kinds, expected=expected)
-    made, constant = bad[bad["origin"] == "made"], bad[bad["origin"] == "constant"]
+    made, constant = bad[bad["origin"] == nonfinite.MADE], bad[bad["origin"] == nonfinite.CONSTANT]
     carried = len(bad) - len(made) - len(constant)
     n_records = len(set(zip(bad["step"], bad["rank"], bad["id"])))
     lines = [f"nan/inf    {len(bad)} tensors in {n_records} records: {len(made) or 'none'} made from finite "
@@ -127,26 +124,6 @@ def _nonfinite_lines(run: Run, bad: pd.DataFrame) -> list[str]:
                      + ("" if len(made) else f" ({row['origin']})")
                      + (" (expected: a step the loss scaler skipped)" if row["expected"] else ""))
     return lines
-
-
-def _nonfinite_tensor(v) -> bool:
-    stats = v.get("stats") or {} if isinstance(v, dict) else {}
-    return bool(stats.get("nan") or stats.get("inf"))
-
-
-def _nonfinite_input(v) -> bool:
-    """A tensor input holding nan/inf, or a number argument that is one (``-inf``, ``nan``)."""
-    if isinstance(v, (list, tuple)):
-        return any(_nonfinite_input(x) for x in v)
-    if not isinstance(v, dict):
-        return False
-    if v.get("type") == "tensor":
-        return _nonfinite_tensor(v)
-    value = v.get("value")
-    try:
-        return isinstance(value, (int, float, str)) and not isinstance(value, bool) and not np.isfinite(float(value))
-    except (TypeError, ValueError):
-        return False
 
 
 def matching_records(run: Run, pattern: str, stage: str | None = None) -> pd.DataFrame:
