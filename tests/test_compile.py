@@ -810,3 +810,65 @@ def test_probe_backend_outputs_are_plain_inductors(tmp_path, name):
     differ = table[table["status"] != "pass"]
     assert set(differ["op_a"]) == {op} and set(differ["arg"]) == {"output.0"}, differ
     assert verdict.forward is None or verdict.forward.op == op
+
+
+def test_a_second_compile_in_one_process_records_as_the_first(tmp_path, monkeypatch):
+    """A notebook: the README's compile cell (its DispatchProbe entered and never closed, its
+    backend never closed), then docs/compile.md's cells in another folder, the same relative
+    dump_path, a new model of the same class and a new backend, no ``torch._dynamo.reset()``.
+    The second run records what the first did and aligns with an eager run; nothing of the first
+    probe stays installed (module hooks, optimizer hooks, torch's global-hooks warning)."""
+    import gc
+    import warnings
+
+    from torch.nn.modules import module as torch_module
+    from torch.optim import optimizer as torch_optimizer
+
+    tokens, targets = _batch()
+    optimizer_hooks = (dict(torch_optimizer._global_optimizer_pre_hooks),
+                       dict(torch_optimizer._global_optimizer_post_hooks))
+
+    def readme_cell():
+        model = torch.compile(_tiny(), backend=probe_backend(task="statistics", dump_path="runs/compiled",
+                                                              inner="aot_eager"))
+        with DispatchProbe(task="statistics", dump_path="runs/compiled"):
+            lm_loss(model, tokens, targets).backward()
+
+    (tmp_path / "a").mkdir()
+    monkeypatch.chdir(tmp_path / "a")
+    readme_cell()
+    gc.collect()
+    assert not torch_module._global_forward_hooks and not torch_module._global_forward_pre_hooks
+    assert (dict(torch_optimizer._global_optimizer_pre_hooks),
+            dict(torch_optimizer._global_optimizer_post_hooks)) == optimizer_hooks
+
+    (tmp_path / "b").mkdir()
+    monkeypatch.chdir(tmp_path / "b")
+    with DispatchProbe(task="statistics", dump_path="runs/eager") as probe:
+        lm_loss(_tiny(), tokens, targets).backward()
+    probe.close()
+    backend = probe_backend(task="statistics", dump_path="runs/compiled", inner="aot_eager")
+    model = torch.compile(_tiny(), backend=backend)
+    probe = DispatchProbe(task="statistics", dump_path="runs/compiled")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            with probe:
+                lm_loss(model, tokens, targets).backward()
+            probe.step()
+    probe.close()
+    backend.close()
+    assert not [w for w in seen if "global hooks" in str(w.message)], [str(w.message) for w in seen]
+
+    def calls(path, step=0):
+        rows = [json.loads(line) for line in open(path / f"step{step}" / "rank0" / "ops.jsonl")]
+        return [(r["op"], r["scope"], r["stage"], "compiled" in r) for r in rows]
+    first = calls(tmp_path / "a" / "runs/compiled")
+    assert sum(c[3] for c in first) >= 40
+    assert calls(tmp_path / "b" / "runs/compiled") == first
+    # step 1 adds eager gradient accumulation (no zero_grad); its compiled records are step 0's
+    assert [c for c in calls(tmp_path / "b" / "runs/compiled", 1) if c[3]] == [c for c in first if c[3]]
+    table, verdict = compare(str(tmp_path / "b" / "runs/compiled/step0"), str(tmp_path / "b" / "runs/eager/step0"))
+    assert verdict.forward is None and "do not align" not in str(verdict), str(verdict)
+    forward = table[table["stage"] == "forward"]
+    assert len(forward) >= 30 and (forward["status"] != "error").all()

@@ -200,9 +200,6 @@ def _run(doc: str, marks: tuple, folder: Path, cache: Path, monkeypatch) -> int:
     if not todo:
         return 0
     _place(doc, folder, cache)
-    if any("torch.compile" in b.code for b in todo):
-        import torch._dynamo
-        torch._dynamo.reset()     # each document is a script of its own: no graphs compiled by another
     monkeypatch.chdir(folder)
     monkeypatch.syspath_prepend(str(folder))         # --import my_kernels, as from the user's folder
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(folder), str(ROOT), os.environ.get("PYTHONPATH", "")]),

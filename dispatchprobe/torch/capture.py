@@ -572,6 +572,8 @@ class TorchSession(ProbeSession):
             if session is not None:
                 session.optimizer_stepping()
         self._stepping_hook = register_optimizer_step_pre_hook(stepping)
+        # a probe never closed (a notebook cell, an exception) leaves no hook behind once collected
+        weakref.finalize(self, self._stepping_hook.remove)
 
     def close(self) -> None:
         try:
@@ -601,6 +603,7 @@ class TorchSession(ProbeSession):
             if session is not None:
                 session.optimizer_stepped(optimizer)
         self._optimizer_hook = register_optimizer_step_post_hook(stepped)
+        weakref.finalize(self, self._optimizer_hook.remove)
 
     def _unfollow_optimizer(self) -> None:
         self._optimizer_hook.remove()
