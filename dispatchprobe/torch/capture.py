@@ -126,52 +126,49 @@ class _Facts(NamedTuple):
     writes_unseen: bool              # may write memory without moving version counters
 
 
+def _replace_args(positions, args, kwargs, replace):
+    """``args``/``kwargs`` with each tensor at ``positions`` ((index, name) pairs), and each
+    tensor of a list there, replaced by ``replace(tensor)``."""
+    args, kwargs = list(args), dict(kwargs)
+
+    def swap(t):
+        if isinstance(t, (list, tuple)):
+            return type(t)(swap(x) for x in t)
+        return replace(t) if isinstance(t, torch.Tensor) else t
+
+    for i, name in positions:
+        if i < len(args):
+            args[i] = swap(args[i])
+        elif name in kwargs:
+            kwargs[name] = swap(kwargs[name])
+    return tuple(args), kwargs
+
+
 def _destinations(outs, args, kwargs, undefined: set | None):
     """``out=`` arguments recorded as undefined (shape and dtype only, never judged, replayed as
     zeros): aliases stand in for them, so the op's output, the same tensor, keeps its values."""
-    args, kwargs = list(args), dict(kwargs)
     undefined = set() if undefined is None else undefined
 
     def alias(t):
-        if isinstance(t, (list, tuple)):
-            return type(t)(alias(x) for x in t)
-        if not isinstance(t, torch.Tensor):
-            return t
         new = t.detach()
         undefined.add(id(new))
         return new
 
-    for i, name in outs:
-        if i < len(args):
-            args[i] = alias(args[i])
-        elif name in kwargs:
-            kwargs[name] = alias(kwargs[name])
-    return tuple(args), kwargs, undefined
+    return (*_replace_args(outs, args, kwargs, alias), undefined)
 
 
 def _copy_written(written, args, kwargs, undefined: set | None):
     """Copies of the tensors an op is about to overwrite (a tensor, or each tensor of a list:
     the optimizers' ``_foreach_*_``), in place of the originals: the record holds what the op
     received.  A copy of an undefined tensor is undefined too."""
-    args, kwargs = list(args), dict(kwargs)
-
     def copy(old):
-        if isinstance(old, (list, tuple)):
-            return type(old)(copy(t) for t in old)
-        if not isinstance(old, torch.Tensor):
-            return old
         new = old.clone()
         if undefined and id(old) in undefined:
             undefined.add(id(new))
         return new
 
     with torch.no_grad():
-        for i, name in written:
-            if i < len(args):
-                args[i] = copy(args[i])
-            elif name in kwargs:
-                kwargs[name] = copy(kwargs[name])
-    return tuple(args), kwargs
+        return _replace_args(written, args, kwargs, copy)
 
 
 class _Uninitialised:
