@@ -99,11 +99,11 @@ def replay(record: dict, source, device, random: bool = False, keep_data: bool =
             why = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
             if not bench:
                 raise ReplayError(f"device run failed: {why}") from None
-            outs[bench], result.note = _torch_benchmark(record, args), \
-                f"benchmark: the mapped torch op in float64 (MindSpore has no float64 {name} kernel here)"
+            outs[bench], unmapped = _torch_benchmark(record, args)
+            result.note = f"benchmark: the mapped torch op in float64 (MindSpore has no float64 {name} kernel here)"
             if outs[bench] is None:
-                raise Skip(f"no float64 {name} kernel on {ms.get_context('device_target')} ({why}) and no "
-                           "torch op mapped to it") from None
+                raise Skip(f"no float64 {name} kernel on {ms.get_context('device_target')} ({why}) and "
+                           f"{unmapped}") from None
     bench_of = dict(outs[True])
     for out_name, d in outs[False]:
         b = bench_of.get(out_name)
@@ -123,21 +123,28 @@ _translation = functools.cache(lambda: Translation.shipped("mindspore"))   # rea
 
 
 def _torch_benchmark(record: dict, args: list):
-    """[(output name, float64 numpy)] of the aten op the shipped translation maps the primitive to,
-    run by torch in float64 on the same inputs; None when torch or a complete mapping is missing."""
+    """``([(output name, float64 numpy)], None)`` of the aten op the shipped translation maps the
+    primitive to, run by torch in float64 on the same inputs; ``(None, why not)`` when torch is
+    missing, nothing is mapped, or the mapped op cannot be called from the inputs alone (the
+    translation pairs tensors for compare; an op needing more, such as batch norm's
+    training/momentum/eps, is not replayed from it)."""
     try:
         import torch
     except ImportError:
-        return None
+        return None, "torch, which replays mapped ops, is not importable"
     spec = _translation().ops.get(record["op"])
     positions = spec.get("inputs", list(range(len(args)))) if spec else [None]
     if spec is None or None in positions or any(not isinstance(args[p], ms.Tensor) for p in positions):
-        return None
+        return None, "no torch op mapped to it"
     _, name, overload = spec["op"].split(".")
-    out = getattr(getattr(torch.ops.aten, name), overload)(*(torch.from_numpy(np.array(host(args[p]))) for p in positions))
+    try:
+        out = getattr(getattr(torch.ops.aten, name), overload)(
+            *(torch.from_numpy(np.array(host(args[p]))) for p in positions))
+    except Exception as exc:  # noqa: BLE001 - the mapping's limit, not the op's error
+        return None, f"the mapped {spec['op']} cannot run from its inputs alone ({str(exc).splitlines()[0][:80]})"
     out = out if isinstance(out, (tuple, list)) else (out,)
     mapped = spec.get("outputs") or list(range(len(out)))
-    return [(f"output.{i}", out[k].numpy()) for k, i in enumerate(mapped) if i is not None and k < len(out)]
+    return [(f"output.{i}", out[k].numpy()) for k, i in enumerate(mapped) if i is not None and k < len(out)], None
 
 
 def resolve_device(name: str | None):
