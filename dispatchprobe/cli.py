@@ -68,7 +68,7 @@ def show(path, op_pattern, stage, top, limit, html_path):
     run = load(path)
     page = None
     if html_path:
-        from .offline.report import check_html
+        from .offline.check_pages import check_html
         page = check_html(run)
     if op_pattern:
         rows = matching_records(run, op_pattern, stage)

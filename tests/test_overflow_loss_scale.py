@@ -13,7 +13,7 @@ from torch import nn
 
 from dispatchprobe import DispatchProbe, load
 from dispatchprobe.core.overflow import OverflowDetected
-from dispatchprobe.offline.report import overflow_rows, overflow_summary
+from dispatchprobe.offline.check_pages import overflow_rows, overflow_summary
 from dispatchprobe.offline.summary import summarize
 
 STEPS = 6

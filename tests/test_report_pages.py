@@ -239,7 +239,7 @@ def test_free_benchmark_levels_by_excess(free_benchmark_page, tmp_path):
     far = extra.assign(max_rel=0.05, api_name="aten.mul.Tensor.8.forward")
     diff = extra.assign(max_rel=float("inf"))
     pd.concat([csv, far, diff]).to_csv(copy / "step0" / "rank0" / "free_benchmark.csv", index=False)
-    from dispatchprobe.offline.report import check_html
+    from dispatchprobe.offline.check_pages import check_html
     data = page_data(check_html(load(copy)))
     head = node(data, "TinyTransformer.head")
     assert head["c"] == [0, 1, 1] and {data["ops"][i]["op"]: data["ops"][i]["rows"] for i in head["ops"]} == {

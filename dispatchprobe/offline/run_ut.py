@@ -470,7 +470,7 @@ def _read_options(path: str) -> dict:
 
 def _write_report(res: RunUTResult, run: Run, out_dir: str, ts: str, total: int) -> str:
     """The results by module as one HTML page beside the CSVs (rewritten by each resume)."""
-    from .report import run_ut_html
+    from .run_ut_page import run_ut_html
     path = os.path.join(out_dir, f"accuracy_checking_report_{ts}.html")
     lines = summary_text(res).splitlines()[:-2]
     if len(res.results) < total:
