@@ -75,7 +75,7 @@ class _ProbeMode(TorchDispatchMode):
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if types and any(tensor_kinds.desugars(t) for t in types):
+        if types and tensor_kinds.desugars(types):
             # a wrapper subclass (DTensor, AsyncCollectiveTensor) runs first and turns the call into
             # plain ops and collectives, which come back here: the probe records local values only
             # (torch's CommDebugMode and DebugMode do the same)

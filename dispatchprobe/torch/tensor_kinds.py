@@ -46,11 +46,18 @@ def readable(t: torch.Tensor) -> bool:
     return (ptr != 0 and t.layout == torch.strided) or t.numel() == 0
 
 
-def desugars(cls: type) -> bool:
-    """A wrapper subclass that turns each of its ops into ops on plain tensors (``DTensor``,
-    ``AsyncCollectiveTensor``: anything flattenable): a dispatch mode should let it run first
-    (return ``NotImplemented``) and record the local ops and collectives it issues."""
-    return hasattr(cls, "__tensor_flatten__")
+_desugaring: dict[tuple, bool] = {}
+
+
+def desugars(types: tuple) -> bool:
+    """Whether a call's tensor types include a wrapper subclass that turns each of its ops into
+    ops on plain tensors (``DTensor``, ``AsyncCollectiveTensor``: anything flattenable): a dispatch
+    mode should let it run first (return ``NotImplemented``) and record the local ops and
+    collectives it issues.  Asked on every op: answered once per tuple of types."""
+    hit = _desugaring.get(types)
+    if hit is None:
+        hit = _desugaring[types] = any(hasattr(cls, "__tensor_flatten__") for cls in types)
+    return hit
 
 
 def resolve(t: torch.Tensor) -> tuple[torch.Tensor | None, dict]:
