@@ -115,6 +115,43 @@ def checks(dev, tmp) -> list[tuple[str, str]]:
         where = str(err)[:120]
     probe.close()
     rows.append(("overflow localised (fp16)", where))
+    rows.extend(device_syncs(dev, tmp))
+    return rows
+
+
+SYNC_CALLS = ("Synchronize", "cudaMemcpy", "aclrtSynchronize", "aclrtMemcpy")   # blocking host<->device waits
+
+
+def device_syncs(dev, tmp) -> list[tuple[str, str]]:
+    """The statistics task must never wait for the device per op: count the runtime calls that
+    block the host (stream/device synchronisations, memcpy to host) inside one probed forward and
+    backward, beside the same step unprobed. The step's flush (``probe.step()``) is outside."""
+    if dev != "cuda":
+        return [("host-blocking device calls per step", "n/a (profiler count needs cuda)")]
+    from torch.profiler import ProfilerActivity, profile
+    torch.manual_seed(0)
+    model = TinyTransformer().to(dev)
+    tokens, targets = (t.to(dev) for t in lm_batch(batch=8, seq=32, vocab=128))
+    rows = []
+    for task in (None, "statistics", "overflow"):
+        probe = DispatchProbe(task=task, dump_path=f"{tmp}/sync-{task}", model=model) if task else None
+        for warm in (True, False):
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                with probe if probe is not None else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+                    with torch.autocast(dev, dtype=torch.bfloat16):
+                        loss = lm_loss(model, tokens, targets)
+                    loss.backward()
+            if probe is not None:
+                probe.step()
+            model.zero_grad(set_to_none=True)
+        blocking = collections.Counter()
+        for ev in prof.events():
+            if any(k in ev.name for k in SYNC_CALLS) and "Async" not in ev.name:
+                blocking[ev.name] += 1
+        if probe is not None:
+            probe.close()
+        rows.append((f"host-blocking device calls in one step, {task or 'unprobed'}",
+                     f"{sum(blocking.values())} {dict(blocking) if blocking else ''}"))
     return rows
 
 

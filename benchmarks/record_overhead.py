@@ -4,7 +4,10 @@ Prints one table (median step time over several steps, ratio to uninstrumented, 
 files written per step) for a small transformer, an MLP and a transformers Llama (random init),
 all measured in the same run.
 
-    python benchmarks/record_overhead.py [--steps 8] [--quick]
+    python benchmarks/record_overhead.py [--steps 8] [--quick] [--device cuda]
+
+``--device``: run the three steps on an accelerator (each timed step ends with a device
+synchronisation, so queued kernels are inside the time).
 """
 
 from __future__ import annotations
@@ -22,11 +25,19 @@ from dispatchprobe import DispatchProbe
 from dispatchprobe.models import MLPNet, TinyTransformer, lm_batch, lm_loss
 
 
+DEVICE = "cpu"
+
+
+def sync() -> None:
+    if DEVICE != "cpu":
+        torch.accelerator.synchronize()
+
+
 def transformer_case(quick: bool):
     kw = dict(vocab=512, dim=128, heads=4, layers=2, seq=64) if quick else \
         dict(vocab=1024, dim=256, heads=8, layers=4, seq=128)
-    model = TinyTransformer(**kw)
-    tokens, targets = lm_batch(batch=8, seq=kw["seq"], vocab=kw["vocab"])
+    model = TinyTransformer(**kw).to(DEVICE)
+    tokens, targets = (t.to(DEVICE) for t in lm_batch(batch=8, seq=kw["seq"], vocab=kw["vocab"]))
 
     def step():
         lm_loss(model, tokens, targets).backward()
@@ -39,8 +50,8 @@ def llama_case(quick: bool):
     hidden, layers, seq, batch = (128, 2, 64, 2) if quick else (256, 4, 128, 4)
     cfg = LlamaConfig(vocab_size=1024, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=seq)
-    model = LlamaForCausalLM(cfg)
-    ids = torch.randint(0, 1024, (batch, seq))
+    model = LlamaForCausalLM(cfg).to(DEVICE)
+    ids = torch.randint(0, 1024, (batch, seq)).to(DEVICE)
 
     def step():
         model(input_ids=ids, labels=ids).loss.backward()
@@ -48,8 +59,8 @@ def llama_case(quick: bool):
 
 
 def mlp_case(quick: bool):
-    model = MLPNet(dim=512, depth=4)
-    x, y = torch.randn(256, 512), torch.randint(0, 10, (256,))
+    model = MLPNet(dim=512, depth=4).to(DEVICE)
+    x, y = torch.randn(256, 512).to(DEVICE), torch.randint(0, 10, (256,)).to(DEVICE)
 
     def step():
         torch.nn.functional.cross_entropy(model(x), y).backward()
@@ -76,10 +87,12 @@ def interleaved(model, step, steps: int, wraps: dict) -> dict[str, list[float]]:
     for i in range(steps + 2):          # two warm-up rounds
         for label, wrap in wraps.items():
             ctx, end = wrap(i)
+            sync()
             t0 = time.perf_counter()
             with ctx:
                 step()
             end()
+            sync()
             dt = time.perf_counter() - t0
             model.zero_grad(set_to_none=True)
             if i >= 2:
@@ -135,7 +148,7 @@ def msprobe_row(name, model, step, steps, tmp, task):
     except Exception:
         return (f"msprobe {task} L1", None, "not installed (pip install mindstudio-probe)")
     out = subprocess.run([sys.executable, __file__, "--msprobe-child", f"{name}:{task}", "--steps", str(steps),
-                          "--tmp", tmp]
+                          "--tmp", tmp, "--device", DEVICE]
                          + (["--quick"] if QUICK else []), capture_output=True, text=True)
     lines = [l for l in out.stdout.splitlines() if l.startswith("{")]
     if out.returncode or not lines:
@@ -180,17 +193,19 @@ def main():
     parser.add_argument("--dump-root", default=None,
                         help="where the runs are written (default: the system temp folder); the tensor modes "
                              "are bound by its write speed: /dev/shm measures the tools without the disk")
+    parser.add_argument("--device", default="cpu", help="cpu (default), cuda, npu, ...: where the steps run")
     parser.add_argument("--msprobe-child", help=argparse.SUPPRESS)
     parser.add_argument("--tmp", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    global QUICK
-    QUICK = args.quick
+    global QUICK, DEVICE
+    QUICK, DEVICE = args.quick, args.device
     if args.msprobe_child:
         msprobe_child(args.msprobe_child, args.steps, args.tmp)
         return
     torch.manual_seed(0)
     tmp = tempfile.mkdtemp(prefix="dp-bench-", dir=args.dump_root)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.steps} timed steps per mode, "
+    where = f"device {DEVICE}" + (f" ({torch.cuda.get_device_name()})" if DEVICE == "cuda" else "")
+    print(f"{where}, torch {torch.__version__}, {torch.get_num_threads()} threads, {args.steps} timed steps per mode, "
           f"runs written under {tmp}\n")
     summary = []
     try:
