@@ -1,0 +1,139 @@
+"""A model's parameters and the gradients an optimizer is about to apply, readable on any setup.
+
+The gradient a parameter's optimizer applies is read after every reduction the framework does
+(DDP's all-reduce, FSDP2's reduce-scatter): ``param.main_grad`` where a framework keeps one
+(Megatron-style mixed precision), else ``param.grad``.  A ``DTensor`` gradient (FSDP2, tensor
+parallel) is never read directly (docs/architecture.md: the probe never reads a subclass's data):
+its local shard is, with the placement that says which part of the whole gradient it holds.
+
+Used by the grad probe (:mod:`dispatchprobe.torch.grad_probe`) and by anything that must pair
+gradients across runs with different parallelism: a shard is placed in the whole gradient by
+``offset`` and ``local_shape``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+# wrapper modules that insert an attribute into every parameter name; stripped so that names agree
+# across a plain, DDP, compiled and activation-checkpointed model
+WRAPPER_PARTS = ("module", "_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")
+
+
+@dataclass
+class Placement:
+    """Where a DTensor gradient's local shard lies in the whole gradient."""
+
+    placements: list[str]           # e.g. ["Shard(dim=0)"], ["Replicate()"]
+    mesh: list                      # the mesh's global ranks, nested per mesh dimension
+    mesh_dim_names: list | None
+    local_shape: list[int]
+    offset: list[int]               # the shard's first element in the whole gradient, per dimension
+
+    def to_dict(self) -> dict:
+        return {"placements": self.placements, "mesh": self.mesh, "mesh_dim_names": self.mesh_dim_names,
+                "local_shape": self.local_shape, "offset": self.offset}
+
+
+@dataclass
+class ParamGrad:
+    """One parameter's gradient as the optimizer receives it.
+
+    ``local`` is a plain tensor (the whole gradient, or a DTensor's local shard, detached);
+    ``dtensor`` is the DTensor gradient itself (for its mesh and collectives) or None;
+    ``shape`` the whole gradient's shape; ``placement`` where ``local`` lies (DTensor only)."""
+
+    name: str
+    param: torch.nn.Parameter
+    local: torch.Tensor
+    shape: list[int]
+    source: str                      # "grad" or "main_grad"
+    dtensor: torch.Tensor | None = None
+    placement: Placement | None = None
+
+
+def clean_name(name: str) -> str:
+    """A parameter name without the wrapper attributes of :data:`WRAPPER_PARTS`
+    (``module.layers.0.weight`` under DDP -> ``layers.0.weight``)."""
+    parts = [p for p in name.split(".") if p not in WRAPPER_PARTS]
+    return ".".join(parts) if parts else name
+
+
+def parameter_names(model: torch.nn.Module) -> dict[int, str]:
+    """``id(param)`` -> its cleaned name in ``model`` (the first name of a shared parameter)."""
+    names: dict[int, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=True):
+        names.setdefault(id(p), clean_name(name))
+    return names
+
+
+def optimizer_parameters(optimizer: torch.optim.Optimizer) -> Iterator[torch.nn.Parameter]:
+    """The parameters an optimizer updates, in its param groups' order (each once)."""
+    seen: set[int] = set()
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) not in seen:
+                seen.add(id(p))
+                yield p
+
+
+def gradient_of(param: torch.Tensor) -> tuple[torch.Tensor | None, str]:
+    """(the gradient an optimizer would apply to ``param``, "main_grad" or "grad"); None if it has none."""
+    main = getattr(param, "main_grad", None)
+    if isinstance(main, torch.Tensor):
+        return main, "main_grad"
+    return param.grad, "grad"
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    return type(t).__name__ == "DTensor" and hasattr(t, "placements") and hasattr(t, "to_local")
+
+
+def placement_of(grad: torch.Tensor) -> Placement:
+    """Where a DTensor's local shard lies in the whole tensor (this rank's view)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    mesh = grad.device_mesh
+    local_shape, offset = compute_local_shape_and_global_offset(grad.shape, mesh, grad.placements)
+    return Placement(placements=[str(p) for p in grad.placements], mesh=mesh.mesh.tolist(),
+                     mesh_dim_names=list(mesh.mesh_dim_names) if mesh.mesh_dim_names else None,
+                     local_shape=list(local_shape), offset=list(offset) if offset else [0] * grad.dim())
+
+
+def read_gradient(name: str, param: torch.Tensor) -> ParamGrad | None:
+    """One parameter's gradient as :class:`ParamGrad`, or None when it has none this step."""
+    grad, source = gradient_of(param)
+    if grad is None:
+        return None
+    grad = grad.detach()
+    if _is_dtensor(grad):
+        return ParamGrad(name, param, grad.to_local().detach(), list(grad.shape), source, dtensor=grad,
+                         placement=placement_of(grad))
+    return ParamGrad(name, param, grad, list(grad.shape), source)
+
+
+def named_gradients(model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
+                    names: dict[int, str] | None = None) -> list[ParamGrad]:
+    """The gradients about to be applied, named as in ``model``: those of ``optimizer``'s parameters
+    (in its order) when given, else of all of ``model``'s.  ``names``: a :func:`parameter_names`
+    table computed once (parameters absent from it are named ``param_groups.{g}.{i}``)."""
+    if names is None:
+        names = parameter_names(model) if model is not None else {}
+    if optimizer is not None:
+        params = []
+        for g, group in enumerate(optimizer.param_groups):
+            for i, p in enumerate(group["params"]):
+                params.append((names.get(id(p), f"param_groups.{g}.{i}"), p))
+        params = list({id(p): (n, p) for n, p in params}.values())
+    elif model is not None:
+        params = [(names.get(id(p), clean_name(n)), p) for n, p in model.named_parameters()]
+    else:
+        raise ValueError("named_gradients needs a model or an optimizer")
+    out = []
+    for name, p in params:
+        pg = read_gradient(name, p)
+        if pg is not None:
+            out.append(pg)
+    return out
