@@ -355,5 +355,5 @@ def test_complex_outputs_judged_as_complex_and_saved(tmp_path):
     from safetensors import safe_open
     [saved] = os.listdir(tmp_path / "bad" / "error_data")
     with safe_open(str(tmp_path / "bad" / "error_data" / saved), framework="pt") as f:
-        assert set(f.metadata()["complex"].split(",")) == {"output.0.device", "output.0.bench"}
+        assert set(f.metadata()["complex"].split(",")) == {"output.0.device", "output.0.bench", "output.0.recorded"}
         assert f.get_tensor("output.0.bench").shape == (64, 2)

@@ -35,7 +35,10 @@ class Output:
 
 @dataclass
 class Replayed:
-    outputs: list[Output] = field(default_factory=list)
+    outputs: list[Output] = field(default_factory=list)      # the replay's outputs on the device
+    # the outputs the training process computed and saved, each against the same benchmark: an op
+    # wrong only where it trained (another machine, a library loaded there) is caught here
+    recorded: list[Output] = field(default_factory=list)
     data: dict[str, Any] = field(default_factory=dict)   # keep_data: input.0, output.0.device/.bench, own dtypes
     # (kind) -> {output name: array}: the benchmark run on the absolute values of the floating
     # inputs ("magnitude": for a reduction, each element's sum of |terms|) or on ones ("count": its

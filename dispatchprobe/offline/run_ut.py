@@ -11,6 +11,7 @@ Framework-neutral: the replay and its services come from a :class:`~.replayer.Re
 from __future__ import annotations
 
 import csv
+import dataclasses
 import importlib
 import json
 import multiprocessing as mp
@@ -35,14 +36,18 @@ from .replayer import Distributed, Replayer, ReplayError, Skip, replayer_for
 
 to_numpy = np.asarray   # replayers hand over numpy arrays
 
-RESULT_COLUMNS = ["Step", "Rank", "API Name", "Op", "Stage", "Scope", "Category", "Forward Test Success",
+RESULT_COLUMNS = ["Step", "Rank", "API Name", "Op", "Stage", "Scope", "Category", "Judged", "Forward Test Success",
                   "Backward Test Success", "Message", "Elapsed (s)"]
+_MESSAGE = RESULT_COLUMNS.index("Message")
 METRIC_COLUMNS = derived(columns)   # metric column -> metric key (the metric registry)
-DETAIL_COLUMNS = derived(lambda: ["Step", "Rank", "API Name", "Output", "Category", "Bench Dtype", "Device Dtype",
+DETAIL_COLUMNS = derived(lambda: ["Step", "Rank", "API Name", "Output", "Judged", "Category", "Bench Dtype", "Device Dtype",
                                   "Shape"] + list(columns()) + ["MindSpore Rule", "Status", "Message"])
 TIMING_COLUMNS = ("Elapsed (s)",)
 _NOT_SAVED = "statistics-only records"     # in the replayers' skip reason for inputs that were not saved
 _RESULT_RE = re.compile(r"^accuracy_checking_result_(.+)\.csv$")
+# what a detail row judged against the float64 benchmark: run-ut's own run of the op on its device,
+# or the output the training process computed and saved (an op wrong only where it trained)
+REPLAY, RECORDED = "replay", "recorded"
 
 
 @dataclass
@@ -101,33 +106,43 @@ def output_metrics(device_t, bench_t, dtype: str, cat: str, scale=None) -> dict:
     return {"binary_mismatch": binary_mismatch(d, b)}
 
 
-def check_op(step: int, rank: int, index: int) -> tuple[list, list, dict | None]:
-    """Replay and judge one op record; returns (result row, detail rows, error data or None)."""
+def check_op(step: int, rank: int, index: int, rec: dict | None = None,
+             source=None) -> tuple[list, list, dict | None]:
+    """Replay and judge one op record; returns (result row, detail rows, error data or None).
+    ``rec``/``source``: a record and its tensors that arrived otherwise (online run-ut)."""
     st = _STATE
-    rec = st.run.parts[(step, rank)].records[index]
+    if rec is None:
+        rec = st.run.parts[(step, rank)].records[index]
     opts = st.options
     t0 = time.perf_counter()
     cat = category(rec["op"])
     head = [step, rank, rec["name"]]
-    details, messages, verdicts, error_data = [], [], [], None
+    details, messages, verdicts, error_data, judged = [], [], [], None, []
     try:
-        rep = st.replayer.replay(rec, None if opts.get("random") else st.source((step, rank)), st.device,
+        if source is None and not opts.get("random"):
+            source = st.source((step, rank))
+        rep = st.replayer.replay(rec, None if opts.get("random") else source, st.device,
                                  random=opts.get("random", False), keep_data=opts.get("save_error_data", False))
-        for out, (m, verdict, reason, shape) in zip(rep.outputs, judge_outputs(rec["op"], cat, rep)):
-            if verdict != SKIP:
-                verdicts.append(verdict)
-                if verdict != PASS:
-                    messages.append(f"{out.name}: {reason}")
-            # msprobe's MindSpore rule (cosine and max abs error only), beside the full verdict
-            ms_rule = judge_benchmark(m, out.device_dtype, st.replayer.seed_rule)[0] \
-                if st.replayer.seed_rule and verdict != SKIP else ""
-            details.append(head + [out.name, output_category(cat, out.device_dtype), out.bench_dtype,
-                                   out.device_dtype, json.dumps(list(shape))]
-                           + [_fmt(m.get(k)) for k in METRIC_COLUMNS.values()] + [ms_rule, verdict, reason])
-        if not rep.outputs and not rep.written:
+        for label, outs in ((REPLAY, rep.outputs), (RECORDED, rep.recorded)):
+            if not outs:
+                continue
+            judged.append(label)
+            view = dataclasses.replace(rep, outputs=outs)
+            for out, (m, verdict, reason, shape) in zip(outs, judge_outputs(rec["op"], cat, view)):
+                if verdict != SKIP:
+                    verdicts.append(verdict)
+                    if verdict != PASS:
+                        messages.append(f"{'' if label == REPLAY else label + ' '}{out.name}: {reason}")
+                # msprobe's MindSpore rule (cosine and max abs error only), beside the full verdict
+                ms_rule = judge_benchmark(m, out.device_dtype, st.replayer.seed_rule)[0] \
+                    if st.replayer.seed_rule and verdict != SKIP else ""
+                details.append(head + [out.name, label, output_category(cat, out.device_dtype), out.bench_dtype,
+                                       out.device_dtype, json.dumps(list(shape))]
+                               + [_fmt(m.get(k)) for k in METRIC_COLUMNS.values()] + [ms_rule, verdict, reason])
+        if not rep.outputs and not rep.recorded and not rep.written:
             # a check such as _linalg_check_errors: running without raising is all it does
             verdicts, messages = [PASS], ["returns nothing and writes nothing: ran without error"]
-        elif not rep.outputs:
+        elif not rep.outputs and not rep.recorded:
             verdicts, messages = [SKIP], ["the op returned no tensor to compare"]
         elif not verdicts:
             verdicts, messages = [SKIP], ["no output with defined contents to compare"]
@@ -143,7 +158,7 @@ def check_op(step: int, rank: int, index: int) -> tuple[list, list, dict | None]
     except Exception as exc:  # noqa: BLE001 - one op's failure must not stop the run
         status, messages, details = ERROR, [f"replay failed: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}"], []
     return (*_op_rows(step, rank, rec, cat, status, "; ".join(messages), details,
-                      f"{time.perf_counter() - t0:.6f}"), error_data)
+                      f"{time.perf_counter() - t0:.6f}", "+".join(judged)), error_data)
 
 
 def judge_outputs(op: str, cat: str, rep) -> list[tuple[dict, str, str, tuple]]:
@@ -202,12 +217,14 @@ def judge_outputs(op: str, cat: str, rep) -> list[tuple[dict, str, str, tuple]]:
     return judged
 
 
-def _op_rows(step, rank, rec: dict, cat: str, status: str, message: str, details: list, elapsed: str):
-    """(result row, detail rows) as CSV strings; an op that compared nothing gets one detail row."""
+def _op_rows(step, rank, rec: dict, cat: str, status: str, message: str, details: list, elapsed: str,
+             judged: str = ""):
+    """(result row, detail rows) as CSV strings; an op that compared nothing gets one detail row.
+    ``judged``: what was judged against the benchmark (``replay``, ``recorded``, both joined by +)."""
     head = [step, rank, rec["name"]]
-    details = details or [head + ["", cat, "", "", ""] + [""] * len(METRIC_COLUMNS) + ["", status, message]]
+    details = details or [head + ["", "", cat, "", "", ""] + [""] * len(METRIC_COLUMNS) + ["", status, message]]
     fwd, bwd = (status, "") if rec.get("stage") != "backward" else ("", status)
-    row = head + [rec["op"], rec.get("stage", ""), rec.get("scope", ""), cat, fwd, bwd, message, elapsed]
+    row = head + [rec["op"], rec.get("stage", ""), rec.get("scope", ""), cat, judged, fwd, bwd, message, elapsed]
     return [_fmt(v) for v in row], [[_fmt(v) for v in d] for d in details]
 
 
@@ -269,7 +286,7 @@ class _Journal:
         # keep only the details of ops whose result row made it (written last)
         kept, seen = [], set()
         for r in _read_rows(details_path):
-            key = tuple(r[:4])
+            key = tuple(r[:5])       # step, rank, op, output, judged
             if len(r) == len(DETAIL_COLUMNS) and tuple(r[:3]) in self.done and key not in seen:
                 seen.add(key)
                 kept.append(r)
@@ -381,7 +398,7 @@ def run_ut(records, out_dir: str | None = None, *, random: bool = False, device:
         atomic_write_text(options_path, json.dumps({"random": random, "filter_duplicates": filter_duplicates,
                                                     "api": api}))
     # ops an earlier pass skipped for want of --random are judged when this one has it
-    redo = (lambda r: _NOT_SAVED in r[9]) if resume and random else None
+    redo = (lambda r: _NOT_SAVED in r[_MESSAGE]) if resume and random else None
     journal = _Journal(result_path + shard_suffix, details_path + shard_suffix, redo)
     todo = [t for t in mine if (str(t[0]), str(t[1]), run.parts[t[:2]].records[t[2]]["name"]) not in journal.done]
     if limit is not None:
@@ -485,7 +502,7 @@ def _emit(journal: _Journal, out_dir: str, row, det, err, replayer: Replayer) ->
         try:
             _save_error_data(out_dir, row, err, replayer)
         except Exception as exc:  # noqa: BLE001 - saving evidence must not lose the verdict
-            row[9] = f"{row[9]}; error data not saved: {exc}".strip("; ")
+            row[_MESSAGE] = f"{row[_MESSAGE]}; error data not saved: {exc}".strip("; ")
     journal.write(row, det)
 
 

@@ -28,7 +28,7 @@ def run_ut_html(results: pd.DataFrame, details: pd.DataFrame, *, summary: list, 
                         "status": status, "Category": results["Category"], "Message": results["Message"],
                         "Elapsed (s)": pd.to_numeric(results["Elapsed (s)"], errors="coerce")})
     METRIC_COLUMNS = M.columns()          # run-ut's details columns, from the metric registry
-    head = ["Output", "Device Dtype", "Bench Dtype", "Shape"]
+    head = ["Output"] + (["Judged"] if "Judged" in details.columns else []) + ["Device Dtype", "Bench Dtype", "Shape"]
     metric_cols = [c for c in METRIC_COLUMNS if c in details.columns and (details[c] != "").any()]
     row_cols = head + metric_cols + ["Status", "Message"]
     by_op = details.groupby(["Step", "Rank", "API Name"], sort=False).indices
@@ -60,7 +60,8 @@ def run_ut_html(results: pd.DataFrame, details: pd.DataFrame, *, summary: list, 
                     op_cols=["status", "Category", "Message", "Elapsed (s)"], row_cols=row_cols,
                     meta={"records": records, "results": result_csv}, manifest=manifest,
                     full_table=os.path.basename(result_csv),
-                    legend="Each op is judged on its own recorded inputs (device against a float64 benchmark): "
-                           "an error is the op's own, not inherited.")
+                    legend="Each op is judged on its own recorded inputs against a float64 benchmark, twice where "
+                           "its outputs were saved: run-ut's replay on its device and the outputs the training "
+                           "process recorded (column Judged): an error is the op's own, not inherited.")
 
 

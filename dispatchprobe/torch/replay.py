@@ -301,10 +301,12 @@ def replay(record: dict, source: TensorSource | None, device: torch.device, rand
         args, kwargs = builder.call(device, False, written)
         if keep_data:
             result.data.update(builder.cache)
-        if record.get("compiled") and not random:
-            # a compiled graph's record: judge what its kernel computed (saved), not the eager kernel
-            dev_leaves = [(f"output.{i}", builder.tensor(spec, f"output.{i}"))
-                          for i, spec in enumerate(record.get("outputs") or ()) if spec.get("type") == "tensor"]
+        # what the training process computed, where it saved it (judged against the same benchmark)
+        rec_leaves = [] if random else _recorded_outputs(record, builder)
+        compiled = bool(record.get("compiled")) and not random
+        if compiled:
+            # a compiled graph's record: its kernel's outputs are the recorded ones (no eager rerun)
+            dev_leaves = []
         else:
             try:
                 dev_out = _results(func, args, kwargs)
@@ -318,26 +320,51 @@ def replay(record: dict, source: TensorSource | None, device: torch.device, rand
         bench = references.reference(record["op"], func)     # ops without a float64 kernel
         bench_out, widened = _bench(bench, builder, written)
         bench_leaves = _flat_outputs(bench_out)
-        if record.get("compiled") and not random:    # outputs the graph never read are not recorded
-            names = {n for n, _ in dev_leaves}
-            bench_leaves = [(n, b) for n, b in bench_leaves if n in names]
-    if len(bench_leaves) != len(dev_leaves):
-        raise ReplayError(f"device gave {len(dev_leaves)} outputs, benchmark {len(bench_leaves)}")
-    for (name, d), (_, b) in zip(dev_leaves, bench_leaves):
-        d, b = _as_tensor(d), _as_tensor(b)
-        if d is None and b is None:
+    if not compiled:
+        if len(bench_leaves) != len(dev_leaves):
+            raise ReplayError(f"device gave {len(dev_leaves)} outputs, benchmark {len(bench_leaves)}")
+        for (name, d), (_, b) in zip(dev_leaves, bench_leaves):
+            d, b = _as_tensor(d), _as_tensor(b)
+            if d is None and b is None:
+                continue
+            if d is None or b is None:
+                raise ReplayError(f"{name}: device gave {type(d).__name__}, benchmark {type(b).__name__}")
+            result.outputs.append(Output(name, to_numpy(d), to_numpy(b), dtype_name(d.dtype), dtype_name(b.dtype),
+                                         tuple(d.shape)))
+            if keep_data:
+                result.data[f"{name}.device"], result.data[f"{name}.bench"] = d, b
+    bench_by_name = dict(bench_leaves)
+    for name, r in rec_leaves:       # outputs the graph never read are not recorded: not judged
+        b = _as_tensor(bench_by_name.get(name))
+        if b is None:
             continue
-        if d is None or b is None:
-            raise ReplayError(f"{name}: device gave {type(d).__name__}, benchmark {type(b).__name__}")
-        result.outputs.append(Output(name, to_numpy(d), to_numpy(b), dtype_name(d.dtype), dtype_name(b.dtype),
-                                     tuple(d.shape)))
+        if tuple(r.shape) != tuple(b.shape):     # an auxiliary output whose size the kernel chooses
+            result.note = "; ".join(x for x in (result.note, f"recorded {name} not judged: shape {list(r.shape)}, "
+                                                f"{list(b.shape)} in the benchmark") if x)
+            continue
+        result.recorded.append(Output(name, to_numpy(r), to_numpy(b), dtype_name(r.dtype), dtype_name(b.dtype),
+                                      tuple(r.shape)))
         if keep_data:
-            result.data[f"{name}.device"], result.data[f"{name}.bench"] = d, b
+            result.data[f"{name}.recorded"], result.data[f"{name}.bench"] = r, b
     keep = set() if widened else written
     result.terms = lambda kind="magnitude": _run_floats(
         bench, builder.call(torch.device("cpu"), True, keep, abs if kind == "magnitude" else _one))
     result.spread = lambda: _spread(bench, builder, keep, bench_leaves)
     return result
+
+
+def _recorded_outputs(record: dict, builder: CallBuilder) -> list:
+    """[(name, tensor)] of the outputs the training process saved; one whose tensor cannot be read
+    (its shard never written) is left out: the replay is still judged."""
+    out = []
+    for _, arg, spec in walk(record, inputs=False):
+        if spec.get("data") is None or spec.get("undefined"):
+            continue
+        try:
+            out.append((arg, builder.tensor(spec, arg)))
+        except Skip:
+            continue
+    return out
 
 
 def _results(func, args, kwargs):
