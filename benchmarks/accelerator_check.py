@@ -116,7 +116,60 @@ def checks(dev, tmp) -> list[tuple[str, str]]:
     probe.close()
     rows.append(("overflow localised (fp16)", where))
     rows.extend(device_syncs(dev, tmp))
+    rows.extend(fused_stats_rows(dev))
     return rows
+
+
+def fused_stats_rows(dev) -> list[tuple[str, str]]:
+    """The one-launch statistics kernel against the statistics of the same values in float64 on
+    the host (nan/inf, sizes across its one-program limit, non-contiguous), and its cost per tensor
+    beside torch's reductions."""
+    import math
+    import numpy as np
+    from dispatchprobe.standards import statistics as st
+    from dispatchprobe.torch import backend, device_stats
+    if not device_stats.available(torch.empty(1, device=dev)):
+        return [("one-launch statistics kernel", "not available here (torch's reductions are used)")]
+    torch.manual_seed(0)
+    cases = [torch.randn(n, device=dev).to(dt) * 3 for dt in (torch.float32, torch.bfloat16, torch.float16,
+                                                                 torch.float64)
+             for n in (1, 7, 1024, 65536, 65537, 1_000_003)]
+    x = torch.randn(3000, device=dev)
+    x[5], x[7] = float("nan"), float("inf")
+    y = torch.randn(200_000, device=dev)
+    y[-1] = float("-inf")
+    cases += [x, y, torch.tensor([float("inf"), float("-inf")], device=dev),
+              torch.full((3,), float("nan"), device=dev), torch.full((80_000,), -3.4e38, device=dev),
+              torch.randn(64, 48, device=dev).t()]
+    bad, wrong_cases = [], 0
+    for x in cases:
+        before = len(bad)
+        got = st.from_row(device_stats.row(x).tolist(), x.numel())
+        ref = st.record(x.double().cpu().numpy(), np)
+        for k, want in ref.items():
+            have = got.get(k)
+            if not (have == want or (math.isnan(have) and math.isnan(want))
+                    or math.isclose(have, want, rel_tol=1e-9, abs_tol=1e-300)):
+                bad.append(f"{x.dtype}/{x.numel()}/{k}: {have} vs {want}")
+        if set(got) != set(ref):
+            bad.append(f"{x.dtype}/{x.numel()}: keys {sorted(got)} vs {sorted(ref)}")
+        wrong_cases += len(bad) > before
+    t = torch.randn(4096, device=dev, dtype=torch.bfloat16)
+    cost = {}
+    for label, fn in (("one launch", device_stats.row), ("torch's reductions", backend.torch_stats_row)):
+        for _ in range(50):
+            fn(t)
+        sync(dev)
+        t0 = time.perf_counter()
+        for _ in range(2000):
+            fn(t)
+        sync(dev)
+        cost[label] = (time.perf_counter() - t0) / 2000 * 1e6
+    return [("one-launch statistics kernel vs float64 host statistics",
+             f"{len(cases) - wrong_cases}/{len(cases)} agree"
+             + (f"; {bad[:3]}" if bad else "")),
+            ("statistics row per tensor (4096 bf16), host time",
+             ", ".join(f"{k} {v:.1f} us" for k, v in cost.items()))]
 
 
 SYNC_CALLS = ("Synchronize", "cudaMemcpy", "aclrtSynchronize", "aclrtMemcpy")   # blocking host<->device waits

@@ -15,7 +15,7 @@ import torch
 from safetensors import torch as safetensors_torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from . import collectives, fused_stats, tensor_kinds
+from . import collectives, device_stats, fused_stats, tensor_kinds
 from ..records.writer import write_safetensors
 from ..standards import statistics
 from .ops import dtype_name
@@ -178,9 +178,18 @@ def stats_on_device(t: torch.Tensor) -> bool:
 
 def device_stats_row(t: torch.Tensor) -> torch.Tensor:
     """max, min, sum, L2 norm, nan count, inf count of ``t``: a float64 vector on its device, no
-    host sync (:func:`read_stats_rows` reads many at once)."""
+    host sync (:func:`read_stats_rows` reads many at once). One kernel launch where
+    :mod:`.device_stats` can take the tensor, torch's reductions otherwise."""
     with torch.no_grad():
-        x = statistics.source(tensor_kinds.values(t).detach(), torch)     # floating point
+        values = tensor_kinds.values(t).detach()
+        fused = device_stats.row(values)
+        return fused if fused is not None else torch_stats_row(values)
+
+
+def torch_stats_row(values: torch.Tensor) -> torch.Tensor:
+    """:func:`device_stats_row` with torch's reductions (any device)."""
+    with torch.no_grad():
+        x = statistics.source(values, torch)     # floating point
         lo, hi = torch.aminmax(x)
         acc = statistics.accumulator(x, torch)
         return torch.stack([hi.double(), lo.double(), x.sum(dtype=acc).double(),
