@@ -4,6 +4,7 @@ options) are one line on stderr and exit code 1 (docs/architecture.md); ``--debu
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
@@ -146,7 +147,7 @@ def compare(a, b, out, match, mapping, jobs, metric, stats_only):
 
 
 @main.command("run-ut")
-@click.argument("records", type=click.Path())
+@click.argument("records", type=click.Path(), required=False)
 @click.option("-o", "--out", "out_dir", default=None, type=OUT_DIR,
               help="Output directory for the result CSVs (default: . or the --resume file's).")
 @click.option("--random", "random_inputs", is_flag=True,
@@ -160,14 +161,29 @@ def compare(a, b, out, match, mapping, jobs, metric, stats_only):
 @click.option("--import", "imports", multiple=True, help="Import this module first (custom kernels, a device plugin). Repeatable.")
 @click.option("--api", default=None, help="Only ops whose record name matches this regex.")
 @click.option("--progress/--no-progress", default=None, help="Progress bar (default: when stderr is a terminal).")
+@click.option("--follow", is_flag=True,
+              help="RECORDS is being written (shared storage): judge each op once saved, stop when every rank ended.")
+@click.option("--listen", default=None, metavar="HOST:PORT",
+              help="Online run-ut: judge the ops training processes stream here (DispatchProbe(online_run_ut=True)).")
+@click.option("--tls-path", default=None, type=click.Path(),
+              help="With --listen: a directory with server.crt, server.key and optionally ca.crt (mutual TLS).")
+@click.option("--keep-records", is_flag=True, help="With --listen: keep the streamed records in OUT/records.")
 def run_ut(records, out_dir, random_inputs, resume, jobs, device, filter_duplicates, save_error_data, imports, api,
-           progress):
+           progress, follow, listen, tls_path, keep_records):
     """Replay each recorded op on the device and as a float64 CPU benchmark; judge it.
 
     Writes accuracy_checking_result_{ts}.csv and accuracy_checking_details_{ts}.csv.  Exit code 0
     when no op errs, 2 when some do.  Under torchrun, ranks share the work and rank 0 merges.
+    Online (docs/online.md): --follow a run being written, or --listen for streaming training.
     """
     from .offline.run_ut import nothing_judged, run_ut as do_run_ut, summary_text
+    if follow or listen:
+        _run_ut_online(records, out_dir, follow, listen, tls_path, keep_records, jobs=jobs, device=device,
+                       save_error_data=save_error_data, imports=imports, progress=progress, api=api,
+                       random_inputs=random_inputs, resume=resume, filter_duplicates=filter_duplicates)
+        return
+    if records is None:
+        raise ValueError("run-ut needs RECORDS (a run directory), or --listen HOST:PORT")
     try:
         res = do_run_ut(records, out_dir, random=random_inputs, device=device, jobs=jobs, resume=resume,
                         filter_duplicates=filter_duplicates, save_error_data=save_error_data, imports=imports,
@@ -189,6 +205,45 @@ def run_ut(records, out_dir, random_inputs, resume, jobs, device, filter_duplica
         sys.exit(1)
     if not statuses - {"SKIP", ""}:     # nothing judged is not a pass
         raise ValueError(f"no op was judged: {nothing_judged(res)}")
+
+
+def _run_ut_online(records, out_dir, follow, listen, tls_path, keep_records, *, random_inputs, resume,
+                   filter_duplicates, api, **options):
+    """run-ut --follow / --listen: one summary at the end (or at Ctrl-C), exit codes as offline."""
+    from .offline.run_ut import summary_text
+    for flag, given in (("--random", random_inputs), ("--resume", resume), ("--filter-duplicates", filter_duplicates)):
+        if given:
+            raise ValueError(f"{flag} does not go with --follow/--listen (online run-ut judges every op as it comes)")
+    if follow and listen:
+        raise ValueError("--follow judges a run directory, --listen a stream: choose one")
+    if tls_path and not listen:
+        raise ValueError("--tls-path goes with --listen")
+    if keep_records and not listen:
+        raise ValueError("--keep-records goes with --listen (--follow never deletes the run it follows)")
+    say = functools.partial(click.echo, err=True)
+    try:
+        if follow:
+            if records is None:
+                raise ValueError("run-ut --follow needs RECORDS: the run directory training writes")
+            from .offline.run_ut_live import Follower, run_ut_live
+            res = run_ut_live(Follower(records, api=api), out_dir, say=say, **options)
+        else:
+            if records is not None:
+                raise ValueError("run-ut --listen takes no RECORDS: the training processes stream them")
+            from .online.checker import listen as do_listen
+            res = do_listen(listen, out_dir, tls_path=tls_path, keep_records=keep_records, api=api, say=say, **options)
+    except KeyboardInterrupt as exc:
+        res = getattr(exc, "result", None)
+        if res is None:
+            click.echo("interrupted before any op was judged", err=True)
+            sys.exit(130)
+        click.echo(summary_text(res))
+        click.echo(f"interrupted: the {len(res.results)} ops judged so far are written", err=True)
+        sys.exit(130)
+    click.echo(summary_text(res))
+    statuses = set(res.results["Forward Test Success"]) | set(res.results["Backward Test Success"])
+    if "error" in statuses:
+        sys.exit(2)
 
 
 @main.command("precision-compare")

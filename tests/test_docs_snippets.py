@@ -75,6 +75,7 @@ FIXTURES = {
     "docs/compile.md": {"runs/eager": "statistics"},
     "docs/inline-checks.md": {"runs/fb": "free_benchmark"},
     "docs/mindspore.md": {"runs/torch": "ms-torch", "runs/ms_fp16": "ms-fp16"},
+    "docs/online.md": {"runs/t": "tensor"},
     "docs/record-format.md": {"runs/a": "tensor"},
     "docs/run-ut.md": {"runs/a": "tensor", "ut_npu": "run-ut", "ut_gpu": "run-ut", "my_kernels.py": "kernels"},
 }

@@ -74,8 +74,8 @@ def warned_keys(notes):
 
 @pytest.mark.parametrize("source,warned", [
     (FREE_BENCHMARK_DEFAULT, set()),
-    (ONLINE_NPU_LAN, {"online_run_ut", "host", "port"}),
-    (ONLINE_NPU_NFS, {"online_run_ut", "nfs_path"}),
+    (ONLINE_NPU_LAN, set()),
+    (ONLINE_NPU_NFS, set()),
     (MSPROBE_DEFAULT, set()),
     (STATISTICS_EXAMPLE, {"extra_info"}),
     (TENSOR_EXAMPLE, {"bench_path", "diff_nums"}),
@@ -89,6 +89,11 @@ def test_example_configs_load_with_one_line_per_ignored_key(source, warned):
     if source in (ONLINE_NPU_LAN, ONLINE_NPU_NFS):
         assert (cfg.seed, cfg.is_deterministic, cfg.step, cfg.rank) == (1234, True, [0], [0])
         assert cfg.free_benchmark.seed == 1234      # the top-level seed also seeds the free benchmark
+        assert cfg.online_run_ut
+    if source is ONLINE_NPU_LAN:                    # streams to the checker at host:port
+        assert cfg.streams and (cfg.host, cfg.port) == ("xx.xx.xx.x", 59208)
+    if source is ONLINE_NPU_NFS:                    # records into the shared directory a checker follows
+        assert not cfg.streams and cfg.dump_path == "/nfs/xxx/data"
     if source is MSPROBE_DEFAULT:                   # only the task's own section counts, as in msprobe
         assert (cfg.scope, cfg.list, cfg.checksum, cfg.overflow.check_mode) == ([], [], False, "both")
     for note in notes:
@@ -321,8 +326,7 @@ def test_seed_all_deterministic_mode(restore_determinism):
 
 def test_config_seed_and_is_deterministic_are_honoured(tmp_path, restore_determinism):
     from dispatchprobe import DispatchProbe
-    with pytest.warns(ConfigWarning):                           # online_run_ut, host, port
-        probe = DispatchProbe(ONLINE_NPU_LAN, dump_path=str(tmp_path / "a"))
+    probe = DispatchProbe(ONLINE_NPU_LAN, dump_path=str(tmp_path / "a"), online_run_ut=False)   # no checker here
     assert probe.seeded["seed"] == 1234 and torch.are_deterministic_algorithms_enabled()
     first = torch.rand(3)
     DispatchProbe(dump_path=str(tmp_path / "b"), seed=1234)

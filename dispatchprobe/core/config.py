@@ -78,6 +78,15 @@ class Config:
     overwrite: bool = False         # delete this rank's records of an earlier run in dump_path first
     seed: int | None = None         # set: the probe calls dispatchprobe.seed_all(seed) when it is built
     is_deterministic: bool = False  # the probe calls seed_all(seed or 1234, mode=True) when it is built
+    # online run-ut (task tensor, docs/online.md): stream each op to `dispatchprobe run-ut --listen`
+    # at host:port (TLS with the certificates in tls_path), or record into nfs_path for `--follow`
+    online_run_ut: bool = False
+    nfs_path: str = ""              # shared storage: the run directory a checker follows (replaces dump_path)
+    host: str = ""
+    port: int = -1
+    tls_path: str = ""              # ca.crt (+ client.crt, client.key for mutual TLS); empty: plain TCP, loopback only
+    online_queue_mb: float = 256.0  # the send queue's bound (serialised ops waiting for the network)
+    online_wait_s: float = 60.0     # a full queue blocks training this long, then the op is dropped (counted)
     overflow: OverflowConfig = field(default_factory=OverflowConfig)
     free_benchmark: FreeBenchmarkConfig = field(default_factory=FreeBenchmarkConfig)
 
@@ -156,6 +165,7 @@ class Config:
             _type(key, getattr(self, key), bool)
         if self.seed is not None:
             _type("seed", self.seed, int)
+        self._validate_online()
         o, fb = self.overflow, self.free_benchmark
         _type("overflow_nums", o.overflow_nums, int)
         o.check_mode = {"all": "both"}.get(o.check_mode, o.check_mode)  # msprobe's spelling
@@ -179,6 +189,34 @@ class Config:
             raise ConfigError(f"config: task={self.task!r} checks ops; level must be 'op' or 'mix', not 'module'")
         for note in self._read_msprobe_values():
             warnings.warn(note, ConfigWarning, stacklevel=4)
+
+    def _validate_online(self) -> None:
+        _type("online_run_ut", self.online_run_ut, bool)
+        for key in ("nfs_path", "host", "tls_path"):
+            _type(key, getattr(self, key), str)
+        _type("port", self.port, int)
+        for key in ("online_queue_mb", "online_wait_s"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ConfigError(f"config: {key} must be a non-negative number, got {value!r}")
+        if not self.online_run_ut:
+            return
+        if self.task != "tensor":
+            raise ConfigError(f"config: online_run_ut streams saved tensors: it needs task='tensor', not {self.task!r}")
+        if self.nfs_path:             # msprobe: nfs_path set, host/port/tls_path are not used
+            self.dump_path = self.nfs_path
+            return
+        if not self.host or not 0 < self.port < 65536:
+            raise ConfigError(f"config: online_run_ut needs host and port of a `dispatchprobe run-ut --listen` "
+                              f"checker (or nfs_path, a directory it follows), got host={self.host!r} port={self.port}")
+        if self.tls_path and not os.path.isdir(self.tls_path):
+            raise ConfigError(f"config: tls_path {self.tls_path!r} is not a directory (it holds ca.crt, and "
+                              "client.crt + client.key for mutual TLS)")
+
+    @property
+    def streams(self) -> bool:
+        """Records go over the network to a checker, not to dump_path."""
+        return self.online_run_ut and not self.nfs_path
 
     def _read_msprobe_values(self) -> list[str]:
         """msprobe module and API names in ``scope``/``list`` become module scopes and aten op
@@ -222,8 +260,6 @@ class MsprobeKey(NamedTuple):
 
 
 ANY = ("*any*",)
-_ONLINE = ("msprobe's online pre-check streams each op to a GPU host during training; record with "
-           "task tensor and replay with `dispatchprobe run-ut RUN` (on any machine)")
 _RUN_UT = "an option of msprobe's run_ut command; dispatchprobe's is `dispatchprobe run-ut RUN` (see docs/run-ut.md)"
 
 #: Every key of msprobe's config.json documented in msprobe's documentation and in msprobe's
@@ -273,11 +309,14 @@ MSPROBE_KEYS: dict[str, MsprobeKey] = {
                              "(checksum: true) and `dispatchprobe compare A B`", ("",)),
     "diff_nums": MsprobeKey("tensor", False, "goes with bench_path (no live comparison)", (1,)),
     "device": MsprobeKey("statistics", False, "statistics are computed on the tensor's own device", ANY),
-    "online_run_ut": MsprobeKey("tensor", False, _ONLINE, (False,)),
-    "nfs_path": MsprobeKey("tensor, run_ut", False, _ONLINE, ("",)),
-    "host": MsprobeKey("tensor, run_ut", False, _ONLINE, ("",)),
-    "port": MsprobeKey("tensor, run_ut", False, _ONLINE, (-1,)),
-    "tls_path": MsprobeKey("tensor, run_ut", False, _ONLINE, ("",)),
+    "online_run_ut": MsprobeKey("tensor", True, "online_run_ut: stream each op to `dispatchprobe run-ut --listen` "
+                                "(or record into nfs_path for `run-ut --follow`); docs/online.md"),
+    "nfs_path": MsprobeKey("tensor, run_ut", True, "nfs_path: the run directory (replaces dump_path) that "
+                           "`dispatchprobe run-ut NFS_PATH --follow` judges as it is written"),
+    "host": MsprobeKey("tensor, run_ut", True, "host: the checker's address (`run-ut --listen HOST:PORT`)"),
+    "port": MsprobeKey("tensor, run_ut", True, "port: the checker's port"),
+    "tls_path": MsprobeKey("tensor, run_ut", True, "tls_path: a directory with ca.crt (and client.crt + client.key "
+                           "for mutual TLS); the checker's --tls-path holds server.crt, server.key (+ ca.crt)"),
     # overflow_check
     "overflow_nums": MsprobeKey("overflow_check", True, "overflow_nums"),
     "check_mode": MsprobeKey("overflow_check", True, "check_mode: all = both; aicore/atomic (Ascend units) "

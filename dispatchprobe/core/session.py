@@ -21,6 +21,7 @@ from .config import Config, ConfigError
 from .events import OpEvent
 from .recorder import Recorder
 from .tasks import TASKS
+from ..records.format import ended_marker
 from ..records.writer import PartWriter, atomic_write_text, write_manifest
 
 
@@ -198,7 +199,14 @@ class ProbeSession:
         finally:
             for h in self.handlers:
                 h.close()
+            self._mark_ended()
         self._warn_if_nothing_selected()
+
+    def _mark_ended(self) -> None:
+        """This rank is done: ``run-ut --follow`` stops once every rank has said so."""
+        if self._manifest_written:
+            with contextlib.suppress(OSError):
+                open(os.path.join(self.run_dir, ended_marker(self.rank)), "wb").close()
 
     def _warn_if_nothing_selected(self) -> None:
         """A run whose filters selected nothing says so once, naming them."""

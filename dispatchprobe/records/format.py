@@ -10,6 +10,12 @@ FORMAT_NAME = "dispatchprobe-records"
 FORMAT_VERSION = 1
 CLOSED_MARKER = "closed"     # an empty file the writer leaves in a step/rank folder it closed
 
+
+def ended_marker(rank: int) -> str:
+    """The empty file a probe leaves in the run directory when it closes (``rank0.ended``):
+    ``run-ut --follow`` stops once every rank of the manifest has one."""
+    return f"rank{rank}.ended"
+
 def base_name(op: str) -> str:
     """An op's name without namespace, overload and in-place ``_``, the key of op tables:
     ``aten.addmm.default`` -> ``addmm``; ``aten.add_.Tensor`` -> ``add``; ``Dense`` -> ``Dense``."""

@@ -62,9 +62,19 @@ def write_manifest(run_dir: str, *, framework: str, framework_version: str, devi
         "host": socket.gethostname(),
         "pid": os.getpid(),
         "marks_closed_parts": True,     # each closed step/rank folder holds CLOSED_MARKER
+        "marks_ended_ranks": True,      # a closed probe leaves ended_marker(rank) in the run directory
+        "world_size": _world_size(),
         **(extra or {}),
     }
     atomic_write_text(os.path.join(run_dir, "manifest.json"), json.dumps(manifest, indent=1, default=str))
+
+
+def _world_size() -> int:
+    """The launcher's world size (torchrun's WORLD_SIZE, MindSpore's RANK_SIZE), else 1."""
+    for var in ("WORLD_SIZE", "RANK_SIZE"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return 1
 
 
 def write_csv(path: str, header, rows) -> None:
