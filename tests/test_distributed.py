@@ -57,7 +57,7 @@ def test_ddp(tmp_path):
     _every_rank_recorded(tmp_path)
     for rank in (0, 1):
         rec = next(r for r in _records(tmp_path, "statistics", rank) if r["op"] == "c10d.allreduce_.default")
-        assert _group(rec["inputs"]) == {"type": "process_group", "name": "0", "ranks": [0, 1]}
+        assert _group(rec["inputs"]) == {"type": "process_group", "name": "0", "ranks": [0, 1], "group_rank": rank}
         assert {"type": "reduce_op", "value": "SUM"} in rec["inputs"]
         # the input as given (copied before the in-place reduction), the output once waited for
         given, reduced = rec["inputs"][0]["value"][0]["stats"], rec["outputs"][0]["value"][0]["stats"]
@@ -135,7 +135,7 @@ def test_tensor_parallel(tmp_path):
     for rank in (0, 1):
         records = _records(tmp_path, "statistics", rank)
         reduce = next(r for r in records if r["op"] == "_c10d_functional.all_reduce.default")
-        assert _group(reduce["inputs"]) == {"type": "process_group", "name": "0", "ranks": [0, 1]}
+        assert _group(reduce["inputs"]) == {"type": "process_group", "name": "0", "ranks": [0, 1], "group_rank": rank}
         assert any(r["op"] == "_c10d_functional.wait_tensor.default" for r in records)
         # the DTensor calls were desugared: the probe saw the local shards' ops, with values
         local = [r for r in records if r["op"] == "aten.addmm.default" and r["stage"] == "forward"]

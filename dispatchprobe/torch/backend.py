@@ -32,6 +32,9 @@ def is_tensor(value) -> bool:
     return isinstance(value, torch.Tensor)
 
 
+_PARAMETER = torch.nn.Parameter
+
+
 def tensor_meta(t: torch.Tensor) -> dict:
     """The tensor as its op saw it; what :mod:`.tensor_kinds` adds for tensors that are not plain
     dense memory (a DTensor's placements, a functorch level, ``no_values`` and why)."""
@@ -43,6 +46,8 @@ def tensor_meta(t: torch.Tensor) -> dict:
         "device": str(t.device),
         "requires_grad": bool(t.requires_grad),
     }
+    if type(t) is _PARAMETER or type(t._base) is _PARAMETER:      # a model parameter, or a view of one
+        meta["param"] = True
     if not tensor_kinds.readable(t):
         meta.update(tensor_kinds.fields(t))
     return meta

@@ -76,13 +76,18 @@ class _ProbeMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if types and tensor_kinds.desugars(types):
+            if tensor_kinds.desugars(types) == tensor_kinds.FAKE:
+                return func(*args, **(kwargs or {}))
             # a wrapper subclass (DTensor, AsyncCollectiveTensor) runs first and turns the call into
             # plain ops and collectives, which come back here: the probe records local values only
             # (torch's CommDebugMode and DebugMode do the same)
+            collectives.note_meshes(args)
             return NotImplemented
         kwargs = kwargs or {}
         probe = self.probe
         facts = probe._facts.get(id(func)) or probe._learn(func)
+        # every collective is numbered on its group, recorded or not, so ranks' numbers agree
+        called = probe.collective_seq.describe(func, args, kwargs) if facts.collective and not probe.busy else None
         if probe.busy or not facts.wanted or _in_compiled_code():
             out = func(*args, **kwargs)
             if not probe.busy:
@@ -100,7 +105,7 @@ class _ProbeMode(TorchDispatchMode):
             seen_args, seen_kwargs = _copy_written(written, args, kwargs, undefined)
         if facts.out_args and recorded:   # out=: a destination, its prior contents are no input
             seen_args, seen_kwargs, undefined = _destinations(facts.out_args, seen_args, seen_kwargs, undefined)
-        collective = recorded and facts.name.startswith(_COLLECTIVES)
+        collective = recorded and facts.collective
         if collective:
             seen_args, seen_kwargs = collectives.copy_overwritten(func, seen_args, seen_kwargs)
         out = func(*args, **kwargs)
@@ -111,7 +116,8 @@ class _ProbeMode(TorchDispatchMode):
         if collective:            # outputs hold their values once the work is waited for
             collectives.settle(func, out)
             seen_args, seen_kwargs = collectives.named_groups(func, seen_args, seen_kwargs)
-        return probe._on_op(func, seen_args, seen_kwargs, out, undefined, facts.name, where)
+        return probe._on_op(func, seen_args, seen_kwargs, out, undefined, facts.name, where,
+                            {"collective": called} if called else None)
 
 
 class _Facts(NamedTuple):
@@ -124,6 +130,7 @@ class _Facts(NamedTuple):
     allocates_uninitialised: bool
     out_args: tuple
     writes_unseen: bool              # may write memory without moving version counters
+    collective: bool                 # c10d / functional collectives (and wait_tensor)
 
 
 def _replace_args(positions, args, kwargs, replace):
@@ -206,7 +213,8 @@ class _Uninitialised:
         return start, start + (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * size
 
     def add(self, out) -> None:
-        if isinstance(out, torch.Tensor) and out.numel() and out.layout == torch.strided:
+        # plain memory only: a fake tensor (DTensor's sharding propagation allocates some) has none
+        if isinstance(out, torch.Tensor) and tensor_kinds.readable(out) and out.numel():
             key = self._key(out)
             if key is not None:
                 self._live[key] = [torch_backend.memory_ref(out), [self._span(out)]]
@@ -461,6 +469,7 @@ class _ModuleScopes:
             name = self._names[mod] = type(mod).__name__
         if mod not in self._named:
             self._named.add(mod)
+            collectives.note_meshes(mod._parameters.values())     # FSDP2's sharded parameters: their mesh
             for child_name, child in mod.named_children():
                 self._names[child] = f"{name}.{child_name}"
                 self._name(child)
@@ -623,6 +632,7 @@ class DispatchProbe(TorchSession):
         self.scopes = _ModuleScopes(self, model)
         self.uninitialised = _Uninitialised()
         self._facts: dict[int, _Facts] = {}
+        self.collective_seq = collectives.Sequence()     # per process group, from the probe's start
 
     # ---- installation -------------------------------------------------------------------------
     def _install(self) -> None:
@@ -655,7 +665,7 @@ class DispatchProbe(TorchSession):
             wanted = False
         facts = self._facts[id(func)] = _Facts(func, wanted, ops.op_name(func), ops.reads_written(func),
                                                 ops.allocates_uninitialised(func), ops.out_args(func),
-                                                bool(ops.unseen_writes(func)))
+                                                bool(ops.unseen_writes(func)), ops.op_name(func).startswith(_COLLECTIVES))
         return facts
 
     def _where(self) -> tuple[str, str, str | None]:
@@ -666,9 +676,9 @@ class DispatchProbe(TorchSession):
         forward = self.scopes.forward_stack
         return "forward", forward[-1] if forward else "", None
 
-    def _on_op(self, func, args, kwargs, out, undefined=None, name=None, where=None):
+    def _on_op(self, func, args, kwargs, out, undefined=None, name=None, where=None, extra=None):
         stage, scope, grad_fn = where or self._where()
         replaced = self.on_op(name or ops.op_name(func), stage, scope, args, kwargs, out, func=func,
-                              grad_fn=grad_fn, stack=ops.user_stack, undefined=undefined)
+                              grad_fn=grad_fn, stack=ops.user_stack, undefined=undefined, extra=extra)
         return out if replaced is None else replaced
 

@@ -19,6 +19,7 @@ numpy view of memory it does not own; caches hold storages by weak reference onl
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 _DISABLED = torch._C._disabled_torch_dispatch_impl
 _functorch = torch._C._functorch
@@ -46,18 +47,24 @@ def readable(t: torch.Tensor) -> bool:
     return (ptr != 0 and t.layout == torch.strided) or t.numel() == 0
 
 
-_desugaring: dict[tuple, bool] = {}
+_desugaring: dict[tuple, int] = {}
 
 
-def desugars(types: tuple) -> bool:
+def desugars(types: tuple) -> int:
     """Whether a call's tensor types include a wrapper subclass that turns each of its ops into
     ops on plain tensors (``DTensor``, ``AsyncCollectiveTensor``: anything flattenable): a dispatch
     mode should let it run first (return ``NotImplemented``) and record the local ops and
-    collectives it issues.  Asked on every op: answered once per tuple of types."""
+    collectives it issues.  :data:`FAKE` for a ``FakeTensor`` call (DTensor's sharding propagation
+    runs each new op on fake tensors once): no computation of the user's, to run unrecorded.
+    Asked on every op: answered once per tuple of types (0: plain)."""
     hit = _desugaring.get(types)
     if hit is None:
-        hit = _desugaring[types] = any(hasattr(cls, "__tensor_flatten__") for cls in types)
+        hit = _desugaring[types] = (FAKE if any(issubclass(cls, FakeTensor) for cls in types)
+                                    else int(any(hasattr(cls, "__tensor_flatten__") for cls in types)))
     return hit
+
+
+FAKE = 2
 
 
 def resolve(t: torch.Tensor) -> tuple[torch.Tensor | None, dict]:

@@ -1,0 +1,77 @@
+"""Collectives in neutral terms: what each c10d / functional collective op does, which of its
+recorded arguments hold what it was given and what it gave back.  Capture numbers collectives
+per process group from this table; ``dispatchprobe ranks`` checks them against their semantics."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class Role(NamedTuple):
+    kind: str               # all_reduce, all_gather, reduce_scatter, broadcast, reduce, all_to_all, gather, scatter, barrier, p2p
+    given: str | None       # the argument (walk's name prefix: "input.1") holding the tensors the rank gave
+    result: str | None      # the argument holding what the collective gave back ("output.0")
+    root: str | None = None  # the schema argument naming the source/destination rank (an index into the group)
+
+
+_R = Role
+# op (namespace.name, without overload) -> role; ops not listed that take a group are "other"
+ROLES = {
+    "c10d.allreduce_": _R("all_reduce", "input.0", "output.0"),
+    "c10d.allreduce_coalesced_": _R("all_reduce", "input.0", "output.0"),
+    "_c10d_functional.all_reduce": _R("all_reduce", "input.0", "output.0"),
+    "_c10d_functional.all_reduce_": _R("all_reduce", "input.0", "output.0"),
+    "_c10d_functional.all_reduce_coalesced": _R("all_reduce", "input.0", "output.0"),
+    "_c10d_functional.all_reduce_coalesced_": _R("all_reduce", "input.0", "output.0"),
+    "c10d._allgather_base_": _R("all_gather", "input.1", "output.0"),
+    "c10d.allgather_": _R("all_gather", "input.1", "output.0"),
+    "c10d.allgather_into_tensor_coalesced_": _R("all_gather", "input.1", "output.0"),
+    "c10d.allgather_coalesced_": _R("all_gather", "input.1", "output.0"),
+    "_c10d_functional.all_gather_into_tensor": _R("all_gather", "input.0", "output.0"),
+    "_c10d_functional.all_gather_into_tensor_out": _R("all_gather", "input.0", "output.0"),
+    "_c10d_functional.all_gather_into_tensor_coalesced": _R("all_gather", "input.0", "output.0"),
+    "c10d._reduce_scatter_base_": _R("reduce_scatter", "input.1", "output.0"),
+    "c10d.reduce_scatter_": _R("reduce_scatter", "input.1", "output.0"),
+    "c10d.reduce_scatter_tensor_coalesced_": _R("reduce_scatter", "input.1", "output.0"),
+    "_c10d_functional.reduce_scatter_tensor": _R("reduce_scatter", "input.0", "output.0"),
+    "_c10d_functional.reduce_scatter_tensor_out": _R("reduce_scatter", "input.0", "output.0"),
+    "_c10d_functional.reduce_scatter_tensor_coalesced": _R("reduce_scatter", "input.0", "output.0"),
+    "c10d.broadcast_": _R("broadcast", "input.0", "output.0", "root_rank"),
+    "_c10d_functional.broadcast": _R("broadcast", "input.0", "output.0", "src"),
+    "_c10d_functional.broadcast_": _R("broadcast", "input.0", "output.0", "src"),
+    "c10d.reduce_": _R("reduce", "input.0", None, "root_rank"),
+    "c10d.alltoall_": _R("all_to_all", "input.1", "output.0"),
+    "c10d.alltoall_base_": _R("all_to_all", "input.1", "output.0"),
+    "_c10d_functional.all_to_all_single": _R("all_to_all", "input.0", "output.0"),
+    "c10d.gather_": _R("gather", "input.1", None, "root_rank"),
+    "c10d.scatter_": _R("scatter", None, "output.0", "root_rank"),
+    "c10d.barrier": _R("barrier", None, None),
+    "c10d.monitored_barrier_": _R("barrier", None, None),
+    # point to point: only two ranks of the group take part, so they get no group sequence number
+    "c10d.send": _R("p2p", "input.0", None), "c10d.recv_": _R("p2p", None, "output.0"),
+    "c10d.recv_any_source_": _R("p2p", None, "output.0"),
+    "_c10d_functional.isend": _R("p2p", "input.0", None), "_c10d_functional.irecv": _R("p2p", None, "output.0"),
+    "_c10d_functional.batch_p2p_ops": _R("p2p", None, None),
+}
+NOT_COLLECTIVES = frozenset({"_c10d_functional.wait_tensor", "_c10d_functional._wrap_tensor_autograd",
+                             "c10d.check_for_nan"})
+REDUCE_OPS = ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "PREMUL_SUM")
+
+
+def op_key(op: str) -> str:
+    """``c10d.allreduce_.default`` -> ``c10d.allreduce_`` (the table's key)."""
+    parts = op.split(".")
+    return ".".join(parts[:2])
+
+
+def role(op: str) -> Role | None:
+    """The collective's role, ``None`` for an op that is no collective (wait_tensor included)."""
+    key = op_key(op)
+    if key.startswith("_c10d_functional_autograd."):
+        key = "_c10d_functional." + key.partition(".")[2]
+    if key in NOT_COLLECTIVES:
+        return None
+    return ROLES.get(key) or (Role("other", None, None) if key.split(".")[0] in NAMESPACES else None)
+
+
+NAMESPACES = frozenset({"c10d", "_c10d_functional", "_c10d_functional_autograd", "c10d_functional"})

@@ -1,0 +1,94 @@
+"""Two training steps of a small MLP on 2 gloo ranks under the statistics and tensor tasks, with a
+fault planted on rank 1 if asked; run by ``test_ranks.py`` as
+``torchrun --nproc-per-node 2 ranks_train.py {ddp,fsdp,tp} OUT [PLANT]``.
+
+PLANT: ``nudge`` (one weight moved on rank 1 after DDP's initial broadcast), ``hook`` (a DDP comm
+hook that scales rank 1's reduced bucket by 1.001), ``inf`` (rank 1's batch scaled so that the
+loss overflows to inf there, from finite values).  Records go to ``OUT/{statistics,tensor}``."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dispatchprobe import DispatchProbe
+
+STEPS = 2
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(8, 16)
+        self.down = nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+def _scaled_hook(state, bucket):
+    """Averages the bucket like DDP's default hook, then scales rank 1's result by 1.001."""
+    scale = (1.0 + 1e-3 * dist.get_rank()) / dist.get_world_size()
+    fut = dist.all_reduce(bucket.buffer(), async_op=True).get_future()
+    return fut.then(lambda f: f.value()[0].mul_(scale))
+
+
+def build(kind: str, mesh, plant: str):
+    torch.manual_seed(0)
+    model = MLP()
+    if kind == "ddp":
+        model = nn.parallel.DistributedDataParallel(model)
+        if plant == "nudge" and dist.get_rank() == 1:
+            with torch.no_grad():
+                model.module.up.weight[0, 0] += 1e-3
+        if plant == "hook":
+            model.register_comm_hook(None, _scaled_hook)
+        return model
+    if kind == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+        fully_shard(model.up, mesh=mesh)
+        fully_shard(model.down, mesh=mesh)
+        return fully_shard(model, mesh=mesh)
+    if kind == "tp":
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+        return parallelize_module(model, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    raise SystemExit(f"unknown parallelism {kind}")
+
+
+def train(kind: str, mesh, probe: DispatchProbe, plant: str) -> None:
+    model = build(kind, mesh, plant)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    # TP ranks see one batch (the model's input is replicated); DDP and FSDP2 ranks each their own
+    gen = torch.Generator().manual_seed(1 + (0 if kind == "tp" else dist.get_rank()))
+    for step in range(STEPS):
+        x = torch.randn(4, 8, generator=gen)
+        if plant == "inf" and step == 0 and dist.get_rank() == 1:
+            x = x * 1e30          # the loss's square overflows float32 on rank 1 only
+        probe.start()
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        probe.step()
+
+
+def main() -> None:
+    kind, out = sys.argv[1], sys.argv[2]
+    plant = sys.argv[3] if len(sys.argv) > 3 else ""
+    dist.init_process_group("gloo")
+    mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (dist.get_world_size(),),
+                                                          mesh_dim_names=("tp",) if kind == "tp" else ("dp",))
+    for task in ("statistics", "tensor"):
+        probe = DispatchProbe(task=task, dump_path=os.path.join(out, task))
+        train(kind, mesh, probe, plant)
+        probe.close()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
