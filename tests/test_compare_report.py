@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import sys
 
+import html
+
 import pandas as pd
 import pytest
 
@@ -47,6 +49,22 @@ def test_csv_and_xlsx(report):
     assert fills["pass"][0] in (None, "00000000")
     widths = {header[i]: ws.column_dimensions[ws.cell(1, i + 1).column_letter].width for i in (0, header.index("scope"))}
     assert widths["scope"] > widths["step"] >= 8
+
+
+def test_pairing_share_is_said_everywhere(report):
+    """How each run's op records were paired (op by op, at a boundary, unpaired), per stage: counted
+    once (``verdict.pairing``), in the terminal lines, pairing.csv, the xlsx summary and the page."""
+    out, table, verdict = report
+    lines = verdict.pairing.lines()
+    assert [x.split(":")[0] for x in lines] == ["forward records paired op by op", "backward records paired op by op"]
+    assert all(x in str(verdict).splitlines() for x in lines)
+    csv = pd.read_csv(out / "pairing.csv")
+    assert csv.equals(verdict.pairing.frame()) and set(csv["run"]) == {"A", "B"}
+    assert (csv["records"] == csv["op_by_op"] + csv["at_boundary"] + csv["unpaired"]).all()
+    assert (csv["op_by_op"] == csv["records"]).all()       # two runs of one model: every op pairs op by op
+    assert verdict.pairing.share("a") == 1.0
+    page = (out / "compare.html").read_text()
+    assert all(html.escape(x) in page for x in lines)
 
 
 def test_xlsx_of_a_big_run_holds_the_failing_rows(report, tmp_path):

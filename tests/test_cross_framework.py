@@ -16,8 +16,6 @@ torch = pytest.importorskip("torch")
 from mindspore import nn  # noqa: E402
 
 from dispatchprobe import DispatchProbe as TorchProbe, compare, load  # noqa: E402
-from dispatchprobe.core import op_traits  # noqa: E402
-from dispatchprobe.offline.translate import Translation  # noqa: E402
 from dispatchprobe_ms import DispatchProbe  # noqa: E402
 
 ms.set_context(mode=ms.PYNATIVE_MODE)
@@ -104,14 +102,6 @@ def conv_runs(tmp_path_factory):
     return root
 
 
-def share_paired_op_by_op(table, ms_run, side):
-    """The share of MindSpore's compute records (in aten's vocabulary) paired with a PyTorch op."""
-    recs = Translation.shipped("mindspore").records(load(ms_run).part(0, 0).records)
-    mine = {r["name"] for r in recs if r["kind"] == "op" and not op_traits.is_cast(r["op"])}
-    paired = set(table.loc[(table["kind"] == "op") & (table["match"] != "module"), f"name_{side}"])
-    return len(mine & paired) / len(mine)
-
-
 @pytest.mark.parametrize("order", ["ms-torch", "torch-ms"])
 def test_conv_twin_compares_clean_op_by_op(conv_runs, order):
     a, b = ("ms", "torch") if order == "ms-torch" else ("torch", "ms")
@@ -119,8 +109,10 @@ def test_conv_twin_compares_clean_op_by_op(conv_runs, order):
     assert verdict.passed and verdict.forward is None and verdict.backward is None, str(verdict)
     assert (table["status"] == "pass").all()
     ms_side = "a" if a == "ms" else "b"
-    share = share_paired_op_by_op(table, conv_runs / "ms", ms_side)
-    assert share >= 0.9, share                         # measured: 1.0 (16 of 16)
+    share = verdict.pairing.share(ms_side)             # what compare prints: measured 1.0 (16 of 16)
+    assert share >= 0.9, str(verdict)
+    line = next(x for x in str(verdict).splitlines() if x.startswith("forward records paired op by op"))
+    assert f"{ms_side.upper()} (mindspore) 9/9" in line, line
     aten = table[f"op_{'b' if ms_side == 'a' else 'a'}"]
     paired = set(zip(table["stage"], table["scope"], aten, table["arg"]))
     assert {("forward", "ConvNet.conv", "aten.convolution.default", "input.2"),        # the bias, in the region
@@ -143,7 +135,7 @@ def test_conv_twin_at_level_mix_keeps_every_layer_op_by_op(conv_runs):
     table, verdict = compare(str(conv_runs / "ms_mix"), str(conv_runs / "torch_mix"))
     assert verdict.passed, str(verdict)
     assert not any("compared at their boundary" in p for p in verdict.problems), verdict.problems
-    assert share_paired_op_by_op(table, conv_runs / "ms_mix", "a") >= 0.9
+    assert verdict.pairing.share("a") >= 0.9, str(verdict)
 
 
 def test_planted_change_in_one_layer_is_named(conv_runs):
@@ -215,9 +207,125 @@ def test_loss_cell_against_loss_function_compares_at_the_region_boundary(loss_ru
     um = verdict.unmatched
     assert (um["explained"] != "").all(), um[um["explained"] == ""]
     assert um["explained"].str.contains(r"inside a region compared at its boundary \(LossNet.loss\)").sum() > 20
+    share = verdict.pairing.frame().set_index(["framework", "stage"])     # what compare prints
+    assert share.loc[("mindspore", "forward"), "at_boundary"] > 20, str(verdict)
+    assert share.loc[("torch", "forward"), "at_boundary"] >= 1 and share["unpaired"].sum() == share["unpaired_explained"].sum()
 
 
 def test_planted_change_is_named_beside_a_loss_compared_at_its_boundary(loss_runs):
     _, verdict = compare(str(loss_runs / "ms_planted"), str(loss_runs / "torch"))
     first = verdict.forward
     assert not verdict.passed and first is not None and first.scope == "LossNet.act", str(verdict)
+
+
+# ---- an attention block: MindSpore's matmuls and softmax against torch's, and against SDPA --------
+D, HEADS = 16, 2
+
+
+class Attention(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v, self.o = nn.Dense(D, D), nn.Dense(D, D), nn.Dense(D, D), nn.Dense(D, D)
+        self.act = nn.GELU(approximate=False)          # Sqrt/Div/Erf/... primitives: aten.gelu as a region
+
+    def construct(self, x):
+        b, s, d = x.shape
+        q, k, v = (m(x).reshape(b, s, HEADS, D // HEADS).transpose(0, 2, 1, 3) for m in (self.q, self.k, self.v))
+        p = ms.ops.softmax(ms.ops.matmul(q, k.transpose(0, 1, 3, 2)) * (D // HEADS) ** -0.5, axis=-1)
+        return self.act(self.o(ms.ops.matmul(p, v).transpose(0, 2, 1, 3).reshape(b, s, d)))
+
+
+class WrongDense(nn.Dense):
+    def construct(self, x):
+        return super().construct(x) * 1.001
+
+
+def torch_attention(ms_net, sdpa):
+    class Attention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.k, self.v, self.o = (torch.nn.Linear(D, D) for _ in range(4))
+            self.act = torch.nn.GELU()
+
+        def forward(self, x):
+            b, n, d = x.shape
+            q, k, v = (m(x).view(b, n, HEADS, D // HEADS).transpose(1, 2) for m in (self.q, self.k, self.v))
+            if sdpa:
+                o = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+            else:
+                o = torch.softmax(q @ k.transpose(-2, -1) * (D // HEADS) ** -0.5, dim=-1) @ v
+            return self.act(self.o(o.transpose(1, 2).reshape(b, n, d)))
+    net, weights = Attention(), {n: p.asnumpy().copy() for n, p in ms_net.parameters_and_names()}
+    with torch.no_grad():
+        for n, p in net.named_parameters():
+            p.copy_(torch.from_numpy(weights[n]))
+    return net
+
+
+@pytest.fixture(scope="module")
+def attention_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("attention_twin")
+    x = np.random.RandomState(2).randn(2, 4, D).astype(np.float32)
+    for name, planted in (("ms", False), ("ms_planted", True)):
+        ms.set_seed(0)
+        net = Attention()
+        if planted:     # the same weights, the v projection's output x 1.001
+            wrong = WrongDense(D, D)
+            wrong.weight.set_data(ms.Tensor(net.v.weight.asnumpy().copy()))
+            wrong.bias.set_data(ms.Tensor(net.v.bias.asnumpy().copy()))
+            net.v = wrong
+        else:
+            twins = [torch_attention(net, sdpa) for sdpa in (False, True, False)]
+        grad_fn = ms.value_and_grad(lambda x, net=net: (net(x) ** 2).mean(), None, net.trainable_params())
+        with DispatchProbe(task="tensor", dump_path=str(root / name), model=net) as probe:
+            grad_fn(ms.Tensor(x))
+        with pytest.warns(RuntimeWarning, match="not .fully. recorded"):     # SoftmaxBackward, BiasAddGrad
+            probe.close()
+    twins[2].k.register_forward_hook(lambda m, i, out: out * 1.001)     # planted in the PyTorch run
+    for name, twin in zip(("torch", "torch_sdpa", "torch_planted"), twins):
+        with TorchProbe(task="tensor", dump_path=str(root / name), model=twin) as probe:
+            (twin(torch.from_numpy(x)) ** 2).mean().backward()
+        probe.close()
+    return root
+
+
+@pytest.mark.parametrize("order", ["ms-torch", "torch-ms"])
+def test_attention_twin_compares_clean_op_by_op(attention_runs, order):
+    a, b = ("ms", "torch") if order == "ms-torch" else ("torch", "ms")
+    table, verdict = compare(str(attention_runs / a), str(attention_runs / b))
+    assert verdict.passed and verdict.forward is None and verdict.backward is None, str(verdict)
+    ms_side = "a" if a == "ms" else "b"
+    assert verdict.pairing.share(ms_side) == 1.0, str(verdict)     # every MindSpore record, op by op
+    aten = table[f"op_{'b' if ms_side == 'a' else 'a'}"]
+    paired = set(zip(table["stage"], table["scope"], aten, table["arg"]))
+    assert {("forward", "Attention", "aten.bmm.default", "input.1"),           # k transposed, both runs
+            ("forward", "Attention", "aten._softmax.default", "output.0"),
+            ("forward", "Attention.act", "aten.gelu.default", "output.0"),     # the exact GELU's region
+            ("backward", "Attention.act", "aten.gelu_backward.default", "input.0"),
+            ("backward", "Attention.act", "aten.gelu_backward.default", "output.0")} <= paired
+    assert (table.loc[aten == "aten.bmm.default", "stage"] == "backward").sum() == 4 * 3   # 4 matmuls' grads
+    um = verdict.unmatched
+    assert (um["explained"] != "").all(), um[um["explained"] == ""]
+
+
+def test_attention_against_sdpa_compares_at_the_kernel_boundary(attention_runs):
+    table, verdict = compare(str(attention_runs / "ms"), str(attention_runs / "torch_sdpa"))
+    assert verdict.passed and verdict.forward is None and verdict.backward is None, str(verdict)
+    sdpa = table[table["op_b"].str.startswith("aten._scaled_dot_product_flash_attention_for_cpu")]
+    assert set(zip(sdpa["stage"], sdpa["arg"])) == {
+        ("forward", "input.0"), ("forward", "input.2"), ("forward", "output.0"),          # q, v, the output
+        ("backward", "input.0"), ("backward", "input.2"), ("backward", "output.0"), ("backward", "output.2")}
+    assert (sdpa["status"] == "pass").all()
+    share = verdict.pairing.frame().set_index(["framework", "stage"])
+    assert share.loc[("mindspore", "forward"), "at_boundary"] == 4                 # bmm, mul, softmax, bmm
+    assert share.loc[("torch", "forward"), "at_boundary"] == 1
+    assert share.loc[("mindspore", "forward"), "op_by_op"] == 8                   # the projections, GELU, loss
+    assert "only at a region/module boundary: A 4, B 1" in str(verdict)
+
+
+@pytest.mark.parametrize("planted", ["ms_planted", "torch_planted"])
+def test_planted_change_in_a_projection_is_named_there(attention_runs, planted):
+    other = "torch" if planted == "ms_planted" else "ms"
+    _, verdict = compare(str(attention_runs / planted), str(attention_runs / other))
+    first = verdict.forward or verdict.departure
+    assert first is not None and first.scope == f"Attention.{'v' if planted == 'ms_planted' else 'k'}", str(verdict)

@@ -15,6 +15,7 @@ scope prefixes into B's vocabulary.
 from __future__ import annotations
 
 import difflib
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -123,10 +124,19 @@ def _nested(sa: str, sb: str) -> bool:
     return sa == sb or (bool(sa) and sb.startswith(sa + ".")) or (bool(sb) and sa.startswith(sb + "."))
 
 
+def batched_shapes(record: dict) -> tuple:
+    """Output shapes with the batch dimensions in front of the last two merged: two frameworks run
+    one batched matmul over ``(2, 2, 4, 8)`` and over ``(4, 4, 8)``."""
+    return tuple((math.prod(s[:-2]), *s[-2:]) if len(s) > 3 else s for s in output_shapes(record))
+
+
 def align_ops(recs_a: list, recs_b: list, ia: list, ib: list, mapping: Mapping, regions: tuple | None = None) -> Alignment:
     """Fuzzy alignment of op records ia (of recs_a) against ib (of recs_b), one stage; ``regions``
-    (each run's scopes; runs of two frameworks): regions one run computes in a cell of its own are
-    compared at their boundary (:func:`_pair_regions`)."""
+    (each run's scopes; runs of two frameworks): shapes keyed with their batch dimensions merged,
+    regions one run computes in a cell of its own compared at their boundary (:func:`_pair_regions`),
+    and what is left paired by key regardless of order (:func:`_pair_leftovers`)."""
+    shapes = output_shapes if regions is None else batched_shapes
+
     def scope(r, m):
         return m.scope(r["scope"]) if m else r["scope"]
 
@@ -134,12 +144,12 @@ def align_ops(recs_a: list, recs_b: list, ia: list, ib: list, mapping: Mapping, 
         return m.op(r["op"]) if m else r["op"]
 
     keyers = (
-        ("op+shapes", lambda r, m: (scope(r, m), op(r, m), output_shapes(r)), None),
+        ("op+shapes", lambda r, m: (scope(r, m), op(r, m), shapes(r)), None),
         ("op", lambda r, m: (scope(r, m), op(r, m)), None),
         # a substituted kernel (addmm for mm): same shapes, but a cast only ever pairs with a cast
-        ("shapes", lambda r, m: (scope(r, m), op_traits.is_cast(op(r, m)), output_shapes(r)), None),
+        ("shapes", lambda r, m: (scope(r, m), op_traits.is_cast(op(r, m)), shapes(r)), None),
         # a module wrapped in one run (a bf16 wrapper around fc2): its ops sit one scope deeper
-        ("op+shapes, nested scope", lambda r, m: (op(r, m), output_shapes(r)), _nested),
+        ("op+shapes, nested scope", lambda r, m: (op(r, m), shapes(r)), _nested),
     )
     none = Mapping()
     pairs: list = []
@@ -164,6 +174,7 @@ def align_ops(recs_a: list, recs_b: list, ia: list, ib: list, mapping: Mapping, 
     inside: dict = {}
     if regions is not None:
         gaps = _pair_regions(recs_a, recs_b, gaps, mapping, regions, pairs, inside)
+        gaps = _pair_leftovers(recs_a, recs_b, gaps, lambda r, m: keyers[0][1](r, m), mapping, pairs)
     only_a = [i for ga, _ in gaps for i in ga]
     only_b = [i for _, gb in gaps for i in gb]
     return Alignment(pairs, only_a, only_b, inside)
@@ -195,6 +206,28 @@ def _pair_regions(recs_a: list, recs_b: list, gaps: list, mapping: Mapping, regi
                     break
         out.append((ga, gb))
     return out
+
+
+def _pair_leftovers(recs_a: list, recs_b: list, gaps: list, key, mapping: Mapping, pairs: list) -> list:
+    """Records no ordered pass could pair, paired by equal ``(scope, op, shapes)`` wherever they sit
+    in the stage, the closest statistics first: two frameworks' autodiff may run a stage's
+    independent ops in other orders (attention's four backward matmuls)."""
+    left_a = [i for ga, _ in gaps for i in ga]
+    left_b = [j for _, gb in gaps for j in gb]
+    by_key: dict = {}
+    for j in left_b:
+        by_key.setdefault(key(recs_b[j], Mapping()), []).append(j)
+    cands = []
+    for i in left_a:
+        for j in by_key.get(key(recs_a[i], mapping), ()):
+            cands.append((_output_distance(recs_a[i], recs_b[j]), i, j))
+    used_a, used_b = set(), set()
+    for _, i, j in sorted(cands):
+        if i not in used_a and j not in used_b:
+            used_a.add(i)
+            used_b.add(j)
+            pairs.append((i, j, "op+shapes, by statistics"))
+    return [([i for i in left_a if i not in used_a], [j for j in left_b if j not in used_b])]
 
 
 def _pair_by_key(ia: list, ib: list, key_a, key_b, how: str) -> Alignment:
@@ -240,29 +273,52 @@ def _output_distance(ra: dict, rb: dict) -> float:
     return sum(stats_distance(sa, sb) for sa, sb in zip(ra.get("outputs") or (), rb.get("outputs") or ()))
 
 
+# Above this many pairs of one key (a loop inside one module), re-paired within consecutive runs only.
+_MAX_GROUP = 64
+
+
 def pair_runs_by_stats(pairs: list, recs_a: list, recs_b: list) -> list:
-    """Within each run of consecutive pairs whose records share op, scope and output shapes, pair
-    by closest output statistics instead of by order: two frameworks may run equal ops (the two
-    backward ``mul`` of a product) in the other order."""
+    """Pairs whose records share kind, stage, scope, op and output shapes (batch dimensions merged)
+    are re-paired among themselves by closest output statistics, the order breaking ties: two
+    frameworks may run equal ops in other orders (the two backward ``mul`` of a product, attention's
+    backward matmuls).  A key with more than ``_MAX_GROUP`` pairs is re-paired within runs of
+    consecutive pairs only."""
     def key(r):
-        return r["kind"], r["stage"], r["scope"], r["op"], output_shapes(r)
-    pairs = sorted(pairs)
-    out, i = [], 0
-    while i < len(pairs):
-        j = i + 1
-        while j < len(pairs) and pairs[j][0] == pairs[j - 1][0] + 1 and pairs[j][1] == pairs[j - 1][1] + 1 \
-                and key(recs_a[pairs[j][0]]) == key(recs_a[pairs[i][0]]) == key(recs_b[pairs[j][1]]):
-            j += 1
-        run = pairs[i:j]
-        if len(run) > 1:
-            free = [b for _, b, _ in run]
-            for a, _, how in run:
-                best = min(free, key=lambda b: _output_distance(recs_a[a], recs_b[b]))
-                free.remove(best)
-                out.append((a, best, how))
+        return r["kind"], r["stage"], r["scope"], r["op"], batched_shapes(r)
+    out, groups = [], {}
+    for p in sorted(pairs):
+        ka = key(recs_a[p[0]])
+        if ka == key(recs_b[p[1]]):
+            groups.setdefault(ka, []).append(p)
         else:
-            out.extend(run)
-        i = j
+            out.append(p)
+    for group in groups.values():
+        runs = [group]
+        if len(group) > _MAX_GROUP:
+            runs = [[group[0]]]
+            for p in group[1:]:
+                prev = runs[-1][-1]
+                if p[0] == prev[0] + 1 and p[1] == prev[1] + 1 and len(runs[-1]) < _MAX_GROUP:
+                    runs[-1].append(p)
+                else:
+                    runs.append([p])
+        for run in runs:
+            out.extend(_closest(run, recs_a, recs_b))
+    return sorted(out)
+
+
+def _closest(run: list, recs_a: list, recs_b: list) -> list:
+    """``run``'s records re-paired, the closest output statistics first (then the nearest in order)."""
+    if len(run) < 2:
+        return run
+    cands = sorted((_output_distance(recs_a[a], recs_b[b]), abs(x - y), x, y)
+                   for x, (a, _, _) in enumerate(run) for y, (_, b, _) in enumerate(run))
+    used_a, used_b, out = set(), set(), []
+    for _, _, x, y in cands:
+        if x not in used_a and y not in used_b:
+            used_a.add(x)
+            used_b.add(y)
+            out.append((run[x][0], run[y][1], run[x][2]))
     return out
 
 

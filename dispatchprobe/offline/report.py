@@ -28,7 +28,7 @@ CHART_METRICS = M.derived(lambda: {**{m: M.METRICS[m].larger_is_worse for m in M
 
 def write_reports(out: str, table: pd.DataFrame, verdict, manifest_a: dict, manifest_b: dict,
                   metric: str = "cosine", progress: bool = False) -> str:
-    """Write compare.csv, unmatched.csv, compare.xlsx, compare.html into ``out``; returns the folder.
+    """Write compare.csv, unmatched.csv, pairing.csv, compare.xlsx, compare.html into ``out``; returns the folder.
     ``progress``: a tqdm bar over the four files (big runs spend seconds here)."""
     if metric not in CHART_METRICS:
         raise ValueError(f"--metric must be one of {', '.join(CHART_METRICS)}, not {metric!r}")
@@ -36,6 +36,7 @@ def write_reports(out: str, table: pd.DataFrame, verdict, manifest_a: dict, mani
     from tqdm import tqdm
     steps = [("compare.csv", lambda p: _write_csv(p, table)),
              ("unmatched.csv", lambda p: _write_csv(p, verdict.unmatched)),
+             ("pairing.csv", lambda p: _write_csv(p, verdict.pairing.frame())),
              ("compare.xlsx", lambda p: write_xlsx(p, table, verdict)),
              ("compare.html", lambda p: atomic_write_text(p, render_html(table, verdict, manifest_a, manifest_b,
                                                                           metric)))]

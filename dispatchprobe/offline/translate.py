@@ -12,6 +12,7 @@ boundary), layout-only primitives left out.  The aligner and every metric then r
 from __future__ import annotations
 
 import os
+from collections import Counter
 from dataclasses import dataclass, field
 
 import yaml
@@ -27,6 +28,8 @@ class Translation:
     layout: set = field(default_factory=set)
     unobservable: dict = field(default_factory=dict)   # aten backward op -> the framework's unseen kernel
     no_counterpart: dict = field(default_factory=dict)  # aten op with integer outputs -> what it keeps (a counter)
+    aten_layout: set = field(default_factory=set)    # aten copies standing for left-out layout primitives
+    fused: list = field(default_factory=list)        # [{op, ops, inputs, outputs}]: an aten kernel vs its pieces
 
     @classmethod
     def shipped(cls, framework: str, extra: dict | None = None) -> "Translation | None":
@@ -42,11 +45,13 @@ class Translation:
                    list(extra.get("regions", [])) + list(data.get("regions", [])),
                    set(data.get("layout", [])) | set(extra.get("layout", [])),
                    {**data.get("unobservable", {}), **extra.get("unobservable", {})},
-                   {**data.get("no_counterpart", {}), **extra.get("no_counterpart", {})})
+                   {**data.get("no_counterpart", {}), **extra.get("no_counterpart", {})},
+                   set(data.get("aten_layout", [])) | set(extra.get("aten_layout", [])),
+                   list(extra.get("fused", [])) + list(data.get("fused", [])))
 
     def records(self, recs: list) -> list:
         """``recs`` in aten's vocabulary (new dicts; tensor specs shared, saved data unchanged)."""
-        out, calls, i = [], {}, 0
+        out, calls, i, passed = [], {}, 0, []
         while i < len(recs):
             r = recs[i]
             if r["kind"] != "op":
@@ -60,6 +65,7 @@ class Translation:
                                [_pick(group, "outputs", p) for p in region["outputs"]])
                 i += len(group)
             elif r["op"] in self.layout:
+                passed.append(r)
                 i += 1
                 continue
             else:
@@ -70,7 +76,59 @@ class Translation:
                 new["call"] = calls.get(key, 0)
                 calls[key] = new["call"] + 1
                 new["name"] = f"{new['op']}.{new['call']}.{new['stage']}"
+            if passed:
+                new, passed = _through(new, r, passed), []
             out.append(new)
+        return out
+
+    def fuse(self, recs: list, other: list) -> list:
+        """``recs`` (already translated) with each run of a ``fused`` entry's ops merged into one
+        record of its aten op, compared at the region's boundary, where the ``other`` run records
+        that op in the same cell and stage (as often as it does there): a fused kernel
+        (``scaled_dot_product_attention``) against the matmuls and softmax it is made of.  Where the
+        other run records the pieces too, they stay op by op."""
+        if not self.fused:
+            return recs
+        want = Counter((r["op"], r["stage"], r["scope"]) for r in other if r["kind"] == "op")
+        if not {f["op"] for f in self.fused} & {op for op, _, _ in want}:
+            return recs
+        ops = [k for k, r in enumerate(recs) if r["kind"] == "op"]
+        drop, new_at, calls = set(), {}, Counter(r["op"] + r["stage"] for r in recs if r["kind"] == "op")
+        k = 0
+        while k < len(ops):
+            r = recs[ops[k]]
+            for f in self.fused:
+                group = [recs[i] for i in ops[k:k + len(f["ops"])]]
+                key = (f["op"], r["stage"], r["scope"])
+                if want[key] and len(group) == len(f["ops"]) and all(
+                        g["op"] == n and g["stage"] == r["stage"] and g["scope"] == r["scope"]
+                        for g, n in zip(group, f["ops"])):
+                    want[key] -= 1
+                    new = _rewrite(group[-1], f["op"], [_pick(group, "inputs", p) for p in f["inputs"]],
+                                   [_pick(group, "outputs", p) for p in f["outputs"]])
+                    new["fused"] = len(group)
+                    new["call"] = calls[f["op"] + r["stage"]]
+                    calls[f["op"] + r["stage"]] += 1
+                    new["name"] = f"{new['op']}.{new['call']}.{new['stage']}"
+                    drop.update(ops[k:k + len(group) - 1])
+                    new_at[ops[k + len(group) - 1]] = new
+                    k += len(group) - 1
+                    break
+            k += 1
+        return [new_at.get(i, r) for i, r in enumerate(recs) if i not in drop]
+
+    def aten_side(self, recs: list) -> list:
+        """The PyTorch run's ``recs`` without the copies that stand for this framework's layout
+        primitives, which are left out (``clone`` of a transposed view: MindSpore's ``Transpose``)."""
+        if not self.aten_layout:
+            return recs
+        out, passed = [], []
+        for r in recs:
+            if r["kind"] == "op" and r["op"] in self.aten_layout:
+                passed.append(r)
+                continue
+            out.append(_through(r, r, passed) if passed else r)
+            passed = []
         return out
 
     def _op(self, r: dict) -> dict:
@@ -109,6 +167,14 @@ class Translation:
         return None
 
 
+def _through(new: dict, old: dict, passed: list) -> dict:
+    """``new`` (a copy where it is ``old``) carrying the left-out layout records run just before
+    it (``through``), so the data flow still passes from their inputs to their outputs."""
+    new = dict(new) if new is old else new
+    new["through"] = list(old.get("through", ())) + passed
+    return new
+
+
 def _place(specs: list, positions) -> list:
     if positions is None:
         return list(specs)
@@ -116,6 +182,8 @@ def _place(specs: list, positions) -> list:
 
 
 def _pick(group: list, key: str, where) -> dict:
+    if where is None:
+        return _NONE
     k, p = where
     specs = group[k].get(key, [])
     return specs[p] if p < len(specs) else _NONE

@@ -19,9 +19,13 @@ from ..translate import Translation
 from .columns import COLUMNS, UNMATCHED_COLUMNS, _FLOAT_FIELDS, _ROW_FIELDS
 from .origin import trace
 from .rerun import float64_rerun
-from .pairing import _decomposed_scopes, _explain_unobservable, _flow, _frames, _pair_tensors
+from .pairing import PairingShare, _decomposed_scopes, _explain_unobservable, _flow, _frames, _pair_tensors, pairing_share
 from .scoring import _score
 from .verdict import Result, RunsDoNotAlign, Verdict
+
+
+# unmatched records run by the other framework where no probe sees them (pairing._explain_unobservable)
+_UNOBSERVED = ("not observable in the other framework", "no counterpart in the other framework")
 
 
 class PartResult(NamedTuple):
@@ -30,6 +34,7 @@ class PartResult(NamedTuple):
     problems: list
     divergences: list     # per stage at most one :class:`Divergence` (a departure where it has no error rows)
     aligned: tuple        # (compute records paired, compute records of A, of B)
+    pairing: PairingShare = PairingShare()   # how each run's op records were paired, per stage
 
 
 def compare_parts(part_a: Part, part_b: Part, match: str = "fuzzy", mapping: Mapping | None = None,
@@ -45,6 +50,10 @@ def compare_parts(part_a: Part, part_b: Part, match: str = "fuzzy", mapping: Map
 def _compare_parts(part_a: Part, part_b: Part, match: str, mapping: Mapping, tensors: bool, translate: tuple,
                    framework: str | None):
     recs_a, recs_b = (t.records(p.records) if t else p.records for t, p in zip(translate, (part_a, part_b)))
+    if any(translate):   # two frameworks: aten copies of left-out layout primitives out, fused kernels vs pieces
+        ta, tb = translate
+        recs_a, recs_b = tb.aten_side(recs_a) if tb and not ta else recs_a, ta.aten_side(recs_b) if ta and not tb else recs_b
+        recs_a, recs_b = ta.fuse(recs_a, recs_b) if ta else recs_a, tb.fuse(recs_b, recs_a) if tb else recs_b
     # an overflow re-run of a compiled record repeats that record's call (same name): compared once
     recs_a, recs_b = ([r for r in recs if not (r.get("compiled") or {}).get("rerun")] for recs in (recs_a, recs_b))
     decomposed = _decomposed_scopes(recs_a, recs_b, translate) if any(translate) else set()
@@ -146,8 +155,12 @@ def _compare_parts(part_a: Part, part_b: Part, match: str, mapping: Mapping, ten
     rerun = float64_rerun(framework, part_a, part_b) if tensors and framework and not any(translate) else None
     if rerun is not None:   # re-runs read at most 1/64 of what the metrics read (compare's speed)
         rerun.elements = max(1 << 18, sum(math.prod(s) for s in df["shape_a"]) // 64)
-    df["origin"], divs = trace(df, part_a, recs_a, recs_b, al, seq_a, seq_b, flow_a, flow_b, rerun)
-    return PartResult(df, unmatched, problems, divs, (paired, *compute))
+    sides = [("a", i) for i in al.only_a] + [("b", i) for i in al.only_b]   # the unmatched rows' first records
+    unobserved = ({i for (s, i), why in zip(sides, unmatched["explained"]) if s == "a" and why.startswith(_UNOBSERVED)},
+                  {i for (s, i), why in zip(sides, unmatched["explained"]) if s == "b" and why.startswith(_UNOBSERVED)})
+    df["origin"], divs = trace(df, part_a, recs_a, recs_b, al, seq_a, seq_b, flow_a, flow_b, rerun, unobserved)
+    return PartResult(df, unmatched, problems, divs, (paired, *compute),
+                      pairing_share(al.pairs, recs_a, recs_b, unmatched))
 
 
 
@@ -198,12 +211,14 @@ def compare(a, b, *, match: str = "fuzzy", mapping: str | Mapping | None = None,
     tasks = [(run_a.parts[ka].path, ka, run_b.parts[kb].path, kb, match, mapping, tensors, translate,
               fa if fa == fb else None) for ka, kb in jobs_list]
     tables, unmatched, divs, aligned = [], [], [], np.zeros(3, np.int64)
+    pairing = PairingShare((fa, fb))
     for res in _run_tasks(tasks, jobs, progress):
         tables.append(res.rows)
         unmatched.append(res.unmatched)
         problems.extend(res.problems)
         divs.extend(res.divergences)
         aligned += res.aligned
+        pairing.add(res.pairing)
     table = pd.concat(tables, ignore_index=True) if tables else pd.DataFrame(columns=COLUMNS)
     um = pd.concat(unmatched, ignore_index=True) if unmatched else pd.DataFrame(columns=UNMATCHED_COLUMNS + ["explained"])
     um["is_cast"] = um["is_cast"].astype(bool)
@@ -216,7 +231,7 @@ def compare(a, b, *, match: str = "fuzzy", mapping: str | Mapping | None = None,
     verdict = Verdict(a=str(run_a.path), b=str(run_b.path), forward=first.get("forward"),
                       backward=first.get("backward"), counts=counts, unmatched=um, problems=problems,
                       parts=[k for k, _ in jobs_list], aligned=share,
-                      same_run=_same_folder(run_a, run_b, jobs_list), departures=departures)
+                      same_run=_same_folder(run_a, run_b, jobs_list), departures=departures, pairing=pairing)
     table = table.drop(columns=["uid", "data_a", "data_b", "checksum_a", "checksum_b"], errors="ignore")
     table = table[[c for c in COLUMNS if c in table.columns]]
     if out:

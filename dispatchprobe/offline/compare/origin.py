@@ -102,7 +102,7 @@ class OwnShare:
 
 
 def trace(df: pd.DataFrame, part_a: Part, recs_a: list, recs_b: list, al, seq_a: list, seq_b: list,
-          flow_a: _Flow, flow_b: _Flow, rerun=None) -> tuple[np.ndarray, list]:
+          flow_a: _Flow, flow_b: _Flow, rerun=None, unobserved: tuple = (set(), set())) -> tuple[np.ndarray, list]:
     """(per row: is it an output where a difference enters; per stage at most one :class:`Divergence`).
 
     One pass over run A's records in execution order follows each differing value (at any size)
@@ -112,7 +112,9 @@ def trace(df: pd.DataFrame, part_a: Part, recs_a: list, recs_b: list, al, seq_a:
     inputs/parameters).  Each record keeps the earliest such source, so the pass is linear in the
     records.  A stage's divergence is the earliest source of its error rows; a stage without error
     rows gets its first *departure* (the earliest own-stage source of any differing value).  Backward
-    values that differ only because forward values do are ``inherited``."""
+    values that differ only because forward values do are ``inherited``.  ``unobserved``: each run's
+    one-run-only records that the other framework runs where no probe sees them (an unobservable
+    backward kernel): never a suspect, a difference passes through them as through a cast."""
     n = len(df)
     status = df["status"].to_numpy(object)
     bad = status == V.ERROR
@@ -144,7 +146,8 @@ def trace(df: pd.DataFrame, part_a: Part, recs_a: list, recs_b: list, al, seq_a:
             if r["kind"] == "op":
                 out.setdefault((r["stage"], op_traits.is_cast(r["op"])), []).append(i)
         return out
-    loose_a, loose_b = unmatched_ops(recs_a, al.only_a), unmatched_ops(recs_b, al.only_b)
+    loose_a = unmatched_ops(recs_a, [i for i in al.only_a if i not in unobserved[0]])
+    loose_b = unmatched_ops(recs_b, [i for i in al.only_b if i not in unobserved[1]])
 
     def between(recs_loose, stage, lo, hi):
         for cast in (False, True):
@@ -198,7 +201,7 @@ def trace(df: pd.DataFrame, part_a: Part, recs_a: list, recs_b: list, al, seq_a:
             return None, root(seq_a[r], r, "a", arg, "inherited")
         return root(seq_a[r], r, "a", arg, "inputs"), None
 
-    al_only_b = set(al.only_b)
+    al_only_b = set(al.only_b) - unobserved[1]
     stage_src: dict = {}   # (stage, kind, error) -> [earliest own-stage source, earliest inherited one]
     # a departure stage with no one-run-only op is settled by its first larger-than-rounding source:
     # every later source is seen later (the rest of the stage only fills the origin column)
@@ -211,7 +214,7 @@ def trace(df: pd.DataFrame, part_a: Part, recs_a: list, recs_b: list, al, seq_a:
             continue
         if i in only_a:   # what a one-run-only op passes on: itself, unless a cast passes on its input's
             own = (root(seq_a[i], i, "a", "", "unmatched"), None)
-            follow = op_traits.is_cast(rec["op"])
+            follow = op_traits.is_cast(rec["op"]) or i in unobserved[0]
             res = None
             for io, arg, spec in flow_a.walks[i]:
                 if io != "input":

@@ -4,6 +4,7 @@ record produced each input, the precision each value carries)."""
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import pandas as pd
@@ -140,6 +141,16 @@ def _flow(recs: list) -> _Flow:
     undefined: set = set()
     walks = [tensor_list(r) for r in recs]
     for i, r in enumerate(recs):
+        for t in r.get("through", ()):   # a left-out layout op (translate.py): its output is its input
+            ins, outs = tensor_list(t, outputs=False), tensor_list(t, inputs=False)
+            if ins and outs:
+                hit = _find(ins[0][2], by_data, by_sig)
+                if hit is not None:
+                    for _, _, spec in outs:
+                        if spec.get("data") is not None:
+                            by_data[spec["data"]] = hit
+                        if (sig := _signature(spec)) is not None:
+                            by_sig[sig] = hit
         low = None
         produces = r["kind"] == producers
         for io, arg, spec in walks[i]:
@@ -179,9 +190,103 @@ def _flow(recs: list) -> _Flow:
     return _Flow(src, lineage, walks, undefined)
 
 
+def _find(spec: dict, by_data: dict, by_sig: dict):
+    """The producer entry of a value, by its saved-tensor key, else by its signature."""
+    data = spec.get("data")
+    hit = by_data.get(data) if data is not None else None
+    if hit is None and (sig := _signature(spec)) is not None:
+        hit = by_sig.get(sig)
+    return hit
+
+
 def _frames(part: Part, record: dict) -> list:
     try:
         return list(part.stacks.get(record.get("stack"), []))
     except Exception:  # a stacks file we cannot read must not stop a compare
         return []
 
+
+
+# why an unmatched record was compared at a boundary instead (``explained``, set by the driver)
+_AT_BOUNDARY = ("inside a region compared at its boundary", "decomposed differently")
+_STAGES = ("forward", "backward")
+
+
+@dataclass
+class PairingShare:
+    """How each run's compute op records (casts aside; a translated run's in aten's vocabulary)
+    were paired, per stage: op by op, only at a region or module boundary (a loss cell against a
+    function, a fused kernel against its pieces), or not at all (``explained``: of those, the ones
+    whose reason compare knows: a kernel the other framework runs unobserved, a counter it does not
+    keep).  Counted once here; the terminal, the reports and the tests read it from here."""
+
+    frameworks: tuple = ("torch", "torch")
+    counts: dict = field(default_factory=dict)   # (side, stage) -> Counter: records, op, boundary, unpaired, explained
+
+    def add(self, other: "PairingShare") -> None:
+        for key, c in other.counts.items():
+            self.counts.setdefault(key, Counter()).update(c)
+
+    def _count(self, side: str, stage: str | None, what: str) -> int:
+        return sum(c[what] for (s, st), c in self.counts.items() if s == side and stage in (None, st))
+
+    def share(self, side: str, stage: str | None = None) -> float:
+        """The share of run ``side``'s ("a"/"b") records (of ``stage``, or all) paired op by op."""
+        return self._count(side, stage, "op") / max(self._count(side, stage, "records"), 1)
+
+    def lines(self) -> list:
+        """One terminal line per stage with records."""
+        out = []
+        cross = self.frameworks[0] != self.frameworks[1]
+        name = {s: f"{s.upper()} ({f})" if cross else s.upper() for s, f in zip("ab", self.frameworks)}
+        for stage in _STAGES:
+            if not any(self._count(s, stage, "records") for s in "ab"):
+                continue
+            n = {s: {w: self._count(s, stage, w) for w in ("records", "op", "boundary", "unpaired", "explained")}
+                 for s in "ab"}
+            unpaired = ", ".join(f"{s.upper()} {n[s]['unpaired']}" + (f" ({n[s]['explained']} explained)"
+                                                                    if n[s]["explained"] else "") for s in "ab")
+            out.append(f"{stage} records paired op by op: "
+                       + ", ".join(f"{name[s]} {n[s]['op']}/{n[s]['records']}" for s in "ab")
+                       + "; only at a region/module boundary: "
+                       + ", ".join(f"{s.upper()} {n[s]['boundary']}" for s in "ab") + f"; unpaired: {unpaired}")
+        return out
+
+    def frame(self) -> pd.DataFrame:
+        """``pairing.csv``: one row per run and stage."""
+        rows = [(s.upper(), f, st, *(self._count(s, st, w) for w in ("records", "op", "boundary", "unpaired",
+                                                                     "explained")))
+                for s, f in zip("ab", self.frameworks) for st in _STAGES if self._count(s, st, "records")]
+        return pd.DataFrame(rows, columns=["run", "framework", "stage", "records", "op_by_op", "at_boundary",
+                                           "unpaired", "unpaired_explained"])
+
+
+def pairing_share(pairs: list, recs_a: list, recs_b: list, unmatched: pd.DataFrame) -> PairingShare:
+    """Count one part's compute op records by how they were paired (``pairs``: the alignment's;
+    ``unmatched``: the driver's table with its ``explained`` column).  A record standing for a
+    fused region of the other run's kernel (``fused``: how many records it merged) counts as that
+    many records at a boundary."""
+    out = PairingShare()
+    counts = out.counts
+    for i, j, how in pairs:
+        ra, rb = recs_a[i], recs_b[j]
+        if ra["kind"] != "op":
+            continue
+        boundary = how == "region boundary" or "fused" in ra or "fused" in rb
+        for side, r in (("a", ra), ("b", rb)):
+            if not op_traits.is_cast(r["op"]):
+                c = counts.setdefault((side, r["stage"]), Counter())
+                n = r.get("fused", 1)
+                c["records"] += n
+                c["boundary" if boundary else "op"] += n
+    if len(unmatched):
+        ops = unmatched[(unmatched["kind"] == "op") & ~unmatched["is_cast"].astype(bool)]
+        for side, stage, why in zip(ops["side"], ops["stage"], ops["explained"]):
+            c = counts.setdefault((side, stage), Counter())
+            c["records"] += 1
+            if why.startswith(_AT_BOUNDARY):
+                c["boundary"] += 1
+            else:
+                c["unpaired"] += 1
+                c["explained"] += bool(why)
+    return out

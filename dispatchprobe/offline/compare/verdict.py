@@ -10,6 +10,7 @@ import pandas as pd
 
 from ...records.reader import RecordError
 from ...standards.verdicts import NOT_JUDGED
+from .pairing import PairingShare
 
 
 @dataclass
@@ -96,6 +97,7 @@ class Verdict:
     aligned: float = 1.0         # share of the smaller run's compute records (ops, modules) paired
     same_run: bool = False       # A and B are the same folder: agreement says nothing
     departures: list = field(default_factory=list)   # per stage without error rows: its first departure
+    pairing: PairingShare = field(default_factory=PairingShare)   # how each run's op records were paired
 
     @property
     def departure(self) -> Divergence | None:
@@ -146,6 +148,7 @@ class Verdict:
         if len(self.unmatched):
             lines.append(f"unmatched records: {len(self.unmatched)} ({len(compute)} compute ops or modules, "
                          f"{len(self.unmatched) - len(compute)} casts)")
+        lines += self.pairing.lines()
         lines += [f"warning: {p}" for p in self.problems[:5]]
         if len(self.problems) > 5:
             lines.append(f"warning: ... {len(self.problems) - 5} more problems "
