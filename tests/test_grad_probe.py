@@ -1,8 +1,28 @@
-"""The grad probe: each parameter's gradient at every optimizer step, and compare of two runs' gradients."""
+"""The grad probe (task grad_probe): each parameter's gradient at every optimizer step, as msprobe
+defines its levels, and compare of two runs' gradient directions (docs/grad-probe.md)."""
 
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
 import torch
+from click.testing import CliRunner
 
+import dispatchprobe
+from dispatchprobe import ConfigError, DispatchProbe
+from dispatchprobe.cli import main
+from dispatchprobe.core.grad_probe import read_signs
 from dispatchprobe.torch.parameters import clean_name, named_gradients, parameter_names
+
+SCRIPT = Path(__file__).with_name("grad_probe_train.py")
 
 
 def test_named_gradients_reads_the_optimizers_parameters_by_model_name():
@@ -17,3 +37,240 @@ def test_named_gradients_reads_the_optimizers_parameters_by_model_name():
     assert named_gradients(model, opt)[0].source == "main_grad"
     assert clean_name("module._orig_mod.layers.0.weight") == "layers.0.weight"
     assert set(parameter_names(model).values()) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+
+
+# ---- levels against numpy ----------------------------------------------------------------------
+
+def _mlp_run(path, level, bounds=(-1, 0, 1), steps=2, **kw):
+    """A ReLU MLP (dead units give exact zeros) with inputs large enough for gradients past +-1;
+    returns the gradients each optimizer step applied, as numpy."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 32), torch.nn.ReLU(), torch.nn.Linear(32, 3))
+    with torch.no_grad():
+        model[0].bias[:4] = -100.0         # dead units: exact zeros in the gradients
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    probe = DispatchProbe(task="grad_probe", dump_path=str(path), grad_level=level, bounds=list(bounds), model=model,
+                          **kw)
+    gen = torch.Generator().manual_seed(1)
+    seen = []
+    for _ in range(steps):
+        (model(torch.randn(16, 6, generator=gen) * 4) ** 2).sum().backward()
+        seen.append({n: p.grad.numpy().copy() for n, p in model.named_parameters()})
+        opt.step()
+        opt.zero_grad()
+    probe.close()
+    return seen
+
+
+@pytest.mark.parametrize("level", ["L0", "L1", "L2"])
+def test_levels_match_numpy(tmp_path, level):
+    bounds = [-1, -0.25, 0, 0.5, 1]
+    seen = _mlp_run(tmp_path / level, level, bounds)
+    run = dispatchprobe.load(tmp_path / level)
+    assert run.manifest["config"]["grad_probe"]["grad_level"] == level
+    assert sorted(run.parts) == [(0, 0), (1, 0)]
+    saw_zero = saw_big = False
+    for step, grads in enumerate(seen):
+        part = run.part(step, 0)
+        recs = {r["param"]: r for r in part.grads}
+        assert list(recs) == ["0.weight", "0.bias", "2.weight", "2.bias"]
+        for name, g in grads.items():
+            r = recs[name]
+            assert r["shape"] == list(g.shape) and r["numel"] == g.size and r["dtype"] == "float32"
+            assert r["stats"]["max"] == float(g.max()) and r["stats"]["min"] == float(g.min())
+            assert r["stats"]["norm"] == pytest.approx(np.linalg.norm(g.astype(np.float64)), rel=1e-6)
+            assert ("md5" in r) == (level == "L0") and ("sign" in r) == (level != "L0")
+            assert ("distribution" in r) == (level == "L2")
+            if level == "L0":
+                assert r["md5"] == hashlib.md5(g.astype(np.float32).tobytes()).hexdigest()
+            else:
+                assert np.array_equal(read_signs(part, r), g > 0)
+                assert part.tensor(r["sign"]).dtype == np.uint8 and part.tensor(r["sign"]).size == -(-g.size // 8)
+            if level == "L2":
+                d = r["distribution"]
+                edges = [-np.inf] + bounds + [np.inf]
+                want = [float(((g > lo) & (g <= hi)).mean()) for lo, hi in zip(edges, edges[1:])]
+                assert d["shares"] == pytest.approx(want, abs=1e-12) and d["bounds"] == bounds
+                assert d["intervals"] == ["(-inf, -1]", "(-1, -0.25]", "(-0.25, 0]", "(0, 0.5]", "(0.5, 1]",
+                                          "(1, inf)"]
+                assert d["zero"] == pytest.approx(float((g == 0).mean()), abs=1e-12)
+                saw_zero |= d["zero"] > 0
+                saw_big |= d["shares"][0] + d["shares"][-1] > 0
+    if level == "L2":
+        assert saw_zero and saw_big        # the data exercises the zero share and the outer intervals
+
+
+# ---- the tiny transformer: identical runs, a planted sign flip ------------------------------------
+
+def _transformer_run(path, flip_from=None, probe=True, steps=5):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    target = model.model.layers[0].mlp.up_proj.weight
+    step = [0]
+    if flip_from is not None:       # from step `flip_from`, 10% of this layer's gradient elements change sign
+        flip = torch.rand(target.shape, generator=torch.Generator().manual_seed(7)) < 0.1
+        target.register_hook(lambda g: torch.where(flip, -g, g) if step[0] >= flip_from else g)
+    p = DispatchProbe(task="grad_probe", dump_path=str(path), grad_level="L2", model=model) if probe else None
+    gen = torch.Generator().manual_seed(3)
+    for i in range(steps):
+        step[0] = i
+        ids = torch.randint(0, 64, (2, 12), generator=gen)
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    if p is not None:
+        p.close()
+    return [t.detach().clone() for t in model.parameters()]
+
+
+def test_transformer_runs_compare_and_a_flipped_layer_is_named(tmp_path):
+    probed = _transformer_run(tmp_path / "a")
+    _transformer_run(tmp_path / "b")
+    plain = _transformer_run(None, probe=False)
+    assert all(torch.equal(x, y) for x, y in zip(probed, plain))      # transparent: bit-identical training
+
+    res = CliRunner().invoke(main, ["compare", str(tmp_path / "a"), str(tmp_path / "b"), "-o", str(tmp_path / "ab")])
+    assert res.exit_code == 0, res.output
+    assert "agree" in res.output
+    table, verdict = dispatchprobe.compare(tmp_path / "a", tmp_path / "b")
+    assert verdict.passed and verdict.steps == [0, 1, 2, 3, 4]
+    assert (table["similarity"] == 1.0).all() and table["param"].nunique() == len(probed) + 1   # and "summary"
+    assert {"grad_compare.csv", "similarities.csv", "grad_compare.html"} <= set(os.listdir(tmp_path / "ab"))
+
+    _transformer_run(tmp_path / "c", flip_from=2)
+    res = CliRunner().invoke(main, ["compare", str(tmp_path / "c"), str(tmp_path / "a"), "-o", str(tmp_path / "ca")])
+    assert res.exit_code == 2, res.output
+    name = "model.layers.0.mlp.up_proj.weight"
+    assert f"first divergence: step 2, parameter {name}" in res.output
+    table, verdict = dispatchprobe.compare(tmp_path / "c", tmp_path / "a")
+    assert (verdict.first["step"], verdict.first["param"]) == (2, name)
+    row = table[(table["step"] == 2) & (table["param"] == name)].iloc[0]
+    assert 0.85 < row["similarity"] < 0.95
+    early = table[(table["step"] < 2)]
+    assert (early["similarity"] == 1.0).all()
+    page = (tmp_path / "ca" / "grad_compare.html").read_text()
+    assert name in page and 'class="s flag"' in page
+
+    shown = CliRunner().invoke(main, ["show", str(tmp_path / "a")])
+    assert shown.exit_code == 0, shown.output
+    assert "grad_level L2" in shown.output and "global norm" in shown.output and "zero share" in shown.output
+
+
+# ---- config, steps and selection -------------------------------------------------------------------
+
+@pytest.mark.parametrize("bad, says", [
+    ({"grad_level": "L3"}, "grad_level='L3' is not allowed"),
+    ({"bounds": [1, 0]}, "strictly ascending"),
+    ({"bounds": ["a"]}, "numbers"),
+    ({"bounds": []}, "non-empty"),
+    ({"bounds": [2 ** 64]}, "int64"),
+    ({"param_list": ["layers.("]}, "not a valid regex"),
+    ({"param_list": "x", "grad_level": 1}, "grad_level=1"),
+])
+def test_bad_values_fail_at_construction_in_one_line(tmp_path, bad, says):
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ConfigError) as exc:
+        DispatchProbe(task="grad_probe", dump_path=str(tmp_path / "g"), model=model, **bad)
+    assert says in str(exc.value) and "\n" not in str(exc.value)
+    assert not (tmp_path / "g").exists()
+
+
+def test_needs_a_model_and_reads_msprobes_config_json(tmp_path):
+    with pytest.raises(ConfigError, match="needs model="):
+        DispatchProbe(task="grad_probe", dump_path=str(tmp_path / "g"))
+    cfg = {"task": "grad_probe", "dump_path": str(tmp_path / "g"), "rank": [], "step": ["0-2"],
+           "grad_probe": {"grad_level": "L2", "param_list": ["weight"], "bounds": [-10, 0, 10]},
+           "statistics": {"scope": [], "list": [], "data_mode": ["all"], "summary_mode": "statistics"}}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        probe = DispatchProbe(str(tmp_path / "config.json"), model=torch.nn.Linear(2, 2))
+    g = probe.config.grad_probe
+    assert (g.grad_level, g.param_list, g.bounds, probe.config.step) == ("L2", ["weight"], [-10, 0, 10], [0, 1, 2])
+    with pytest.warns(RuntimeWarning, match="selected none of the 0 step"):
+        probe.close()
+
+
+def test_steps_follow_the_optimizer_and_params_are_selected(tmp_path):
+    # steps 1 and 3 of 4; param_list: a dotted prefix and a regex over whole names
+    _mlp_run(tmp_path / "sel", "L1", steps=4, step=[1, 3], param_list=["0", r".*\.bias"])
+    run = dispatchprobe.load(tmp_path / "sel")
+    assert sorted(run.parts) == [(1, 0), (3, 0)]
+    assert [r["param"] for r in run.part(1, 0).grads] == ["0.weight", "0.bias", "2.bias"]
+    with pytest.warns(RuntimeWarning, match="selected no parameter"):
+        _mlp_run(tmp_path / "none", "L0", param_list=["layers"])
+
+
+def test_probe_step_and_two_optimizers(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    opts = [torch.optim.SGD(model[0].parameters(), lr=0.1), torch.optim.Adam(model[1].parameters(), lr=0.1)]
+    probe = DispatchProbe(task="grad_probe", dump_path=str(tmp_path / "two"), model=model)
+    for _ in range(3):               # two optimizers, one step each: one step
+        model(torch.randn(2, 3)).sum().backward()
+        for o in opts:
+            o.step()
+            o.zero_grad()
+    probe.close()
+    run = dispatchprobe.load(tmp_path / "two")
+    assert sorted(run.parts) == [(0, 0), (1, 0), (2, 0)]
+    assert [r["param"] for r in run.part(2, 0).grads] == ["0.weight", "0.bias", "1.weight", "1.bias"]
+
+    probe = DispatchProbe(task="grad_probe", dump_path=str(tmp_path / "manual"), model=model)
+    for _ in range(3):               # probe.step() after the optimizer's step: one step, not two
+        model(torch.randn(2, 3)).sum().backward()
+        opts[0].step()
+        opts[0].zero_grad()
+        probe.step()
+    probe.close()
+    run = dispatchprobe.load(tmp_path / "manual")
+    assert sorted(run.parts) == [(0, 0), (1, 0), (2, 0)]
+    assert [r["param"] for r in run.part(1, 0).grads] == ["0.weight", "0.bias"]
+    with pytest.raises(ConfigError, match="already holds records"):
+        DispatchProbe(task="grad_probe", dump_path=str(tmp_path / "manual"), model=model).step()
+
+
+# ---- DDP, FSDP2, tensor parallel on 2 gloo ranks --------------------------------------------------
+
+def _norms(path) -> dict:
+    run = dispatchprobe.load(path)
+    return {(s, r["param"]): r["stats"] for (s, _), part in run.parts.items() for r in part.grads}
+
+
+@pytest.fixture(scope="module")
+def single_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gsingle")
+    subprocess.run([sys.executable, str(SCRIPT), "single", str(out)], check=True, timeout=300)
+    return out / "single"
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not built")
+@pytest.mark.parametrize("kind", ["ddp", "fsdp", "tp"])
+def test_distributed_runs_record_the_whole_gradient(tmp_path, single_run, kind):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(SCRIPT), kind, str(tmp_path)], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for rank in (0, 1):
+        assert json.loads((tmp_path / f"result-{kind}{rank}.json").read_text()) == {"identical": True}
+    want, got = _norms(single_run), _norms(tmp_path / kind)
+    assert set(got) == set(want)
+    for key, st in want.items():          # every rank's record: the whole gradient's statistics
+        for name in ("norm", "max", "min"):
+            assert got[key][name] == pytest.approx(st[name], rel=1e-5, abs=1e-7), (kind, key, name)
+    run = dispatchprobe.load(tmp_path / kind)
+    up = next(r for r in run.part(0, 1).grads if r["param"] == "up.weight")
+    if kind == "ddp":
+        assert "dtensor" not in up
+    else:                                 # sharded on dim 0: rank 1 holds rows 8..15
+        assert up["dtensor"]["placements"] == ["Shard(dim=0)"] and up["dtensor"]["offset"] == [8, 0]
+        assert up["dtensor"]["local_shape"] == [8, 8] and up["shape"] == [16, 8]
+    assert sorted(dispatchprobe.load(tmp_path / f"{kind}-rank1").parts) == [(0, 1), (1, 1), (2, 1)]
+    for other in (kind, f"{kind}-rank1"):     # shards placed whole: the same directions as one process
+        table, verdict = dispatchprobe.compare(tmp_path / other, single_run)
+        assert verdict.passed and not verdict.problems, str(verdict)
+        assert (table["similarity"] == 1.0).all()

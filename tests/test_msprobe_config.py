@@ -151,11 +151,27 @@ def test_warned_once_when_built():
     assert again == []
 
 
-@pytest.mark.parametrize("task", ["grad_probe", "structure", "acc_check", "exception_dump"])
+@pytest.mark.parametrize("task", ["structure", "acc_check", "exception_dump"])
 def test_msprobe_only_tasks_say_what_to_use(task):
     with pytest.raises(ConfigError, match=f"task='{task}'") as err:
         Config.load({"task": task})
     assert "\n" not in str(err.value)
+
+
+def test_grad_probe_section_is_read():
+    """msprobe's grad_probe example (docs/17.grad_probe.md) as it is; its section applies to task
+    grad_probe only, and its values are checked as msprobe checks them."""
+    example = {"task": "grad_probe", "dump_path": "./dump_path", "rank": [], "step": [],
+               "grad_probe": {"grad_level": "L1", "param_list": [], "bounds": [-1, 0, 1]}}
+    cfg, notes = load_quietly(example)
+    assert notes == [] and cfg.task == "grad_probe"
+    assert (cfg.grad_probe.grad_level, cfg.grad_probe.param_list, cfg.grad_probe.bounds) == ("L1", [], [-1, 0, 1])
+    cfg, _ = load_quietly({**example, "task": "statistics", "grad_probe": {"grad_level": "L2"}})
+    assert cfg.grad_probe.grad_level == "L1"      # another task's section: accepted, not applied
+    for bad in ({"grad_level": "L9"}, {"bounds": [0, 0]}, {"bounds": [1, "2"]}, {"unknown": 1}):
+        with pytest.raises(ConfigError) as err:
+            Config.load({**example, "grad_probe": {**example["grad_probe"], **bad}})
+        assert "\n" not in str(err.value)
 
 
 # ---- msprobe values ------------------------------------------------------------------------------

@@ -61,6 +61,15 @@ class FreeBenchmarkConfig:
 
 
 @dataclass
+class GradProbeConfig:
+    """Options of ``task="grad_probe"`` (msprobe section ``grad_probe``; docs/grad-probe.md)."""
+
+    grad_level: str = "L1"          # L0: max/min/norm/shape/MD5; L1: + signs; L2: + interval shares
+    param_list: list[str] = field(default_factory=list)   # parameter names, dotted prefixes or regexes; empty: all
+    bounds: list = field(default_factory=lambda: [-1, 0, 1])   # ascending; L2 counts the intervals they cut
+
+
+@dataclass
 class Config:
     """Everything a probe needs.  See the README's "Config" section for each key."""
 
@@ -89,6 +98,7 @@ class Config:
     online_wait_s: float = 60.0     # a full queue blocks training this long, then the op is dropped (counted)
     overflow: OverflowConfig = field(default_factory=OverflowConfig)
     free_benchmark: FreeBenchmarkConfig = field(default_factory=FreeBenchmarkConfig)
+    grad_probe: GradProbeConfig = field(default_factory=GradProbeConfig)
 
     @classmethod
     def load(cls, source: "Config | str | os.PathLike | dict | None" = None, **overrides) -> "Config":
@@ -118,7 +128,7 @@ class Config:
 
     @classmethod
     def _from_dict(cls, data: dict) -> "Config":
-        sections = {"overflow": OverflowConfig, "free_benchmark": FreeBenchmarkConfig}
+        sections = {"overflow": OverflowConfig, "free_benchmark": FreeBenchmarkConfig, "grad_probe": GradProbeConfig}
         kwargs: dict[str, Any] = {}
         top = {f.name: f for f in dataclasses.fields(cls)}
         for key, value in data.items():
@@ -130,7 +140,7 @@ class Config:
                 kwargs.setdefault(section, {})[key] = value
                 continue
             if key not in top:
-                allowed = sorted(set(top) | _field_names(OverflowConfig) | _field_names(FreeBenchmarkConfig))
+                allowed = sorted(set(top).union(*(_field_names(c) for c in sections.values())))
                 raise ConfigError(f"config: unknown key {key!r}; allowed keys: {', '.join(allowed)}")
             kwargs[key] = value
         if kwargs.get("seed") is not None:      # msprobe's top-level seed also seeds the free benchmark
@@ -185,6 +195,7 @@ class Config:
         if (fb.fuzz_device == "cpu") != (fb.pert_mode in on_cpu):
             raise ConfigError(f"config: fuzz_device='cpu' goes with pert_mode={' or '.join(map(repr, on_cpu))} "
                               "and only with it")
+        _validate_grad_probe(self.grad_probe)
         if TASKS[self.task].checks_ops and self.level == "module":
             raise ConfigError(f"config: task={self.task!r} checks ops; level must be 'op' or 'mix', not 'module'")
         for note in self._read_msprobe_values():
@@ -264,12 +275,12 @@ _RUN_UT = "an option of msprobe's run_ut command; dispatchprobe's is `dispatchpr
 
 #: Every key of msprobe's config.json documented in msprobe's documentation and in msprobe's
 #: config introduction (1.0.x to 8.x): how dispatchprobe reads it.  Keys of the run_ut/acc_check
-#: and grad_probe sections (and of the sections of tasks other than ``task``) are accepted without
-#: a word, as msprobe does: they configure another task.
+#: section (and of the sections of tasks other than ``task``) are accepted without a word, as
+#: msprobe does: they configure another task.
 MSPROBE_KEYS: dict[str, MsprobeKey] = {
     # top level
-    "task": MsprobeKey("top", True, "task: statistics, tensor, overflow_check (= overflow), free_benchmark; "
-                       "run_ut/acc_check, grad_probe, structure, exception_dump: one line naming the equivalent"),
+    "task": MsprobeKey("top", True, "task: statistics, tensor, overflow_check (= overflow), free_benchmark, "
+                       "grad_probe; run_ut/acc_check, structure, exception_dump: one line naming the equivalent"),
     "dump_path": MsprobeKey("top", True, "dump_path: the run directory"),
     "rank": MsprobeKey("top", True, "rank: ints and 'a-b' ranges"),
     "step": MsprobeKey("top", True, "step: ints, 'a-b' ranges, 'a-b:stride' and schedule {begin, end, stride}"),
@@ -326,23 +337,23 @@ MSPROBE_KEYS: dict[str, MsprobeKey] = {
                                                              "preheat_step", "max_sample")},
     "fuzz_device": MsprobeKey("free_benchmark", True, "fuzz_device: npu/gpu/cuda = same device, cpu"),
     "fuzz_level": MsprobeKey("free_benchmark", False, "free_benchmark.csv has msprobe's L1 columns", ("L1",)),
-    # run_ut / acc_check (msprobe's pre-check command) and grad_probe: another task
+    # run_ut / acc_check (msprobe's pre-check command): another task
     **{k: MsprobeKey("run_ut", False, _RUN_UT, ANY) for k in ("white_list", "black_list", "error_data_path",
                                                                "is_online", "rank_list")},
-    **{k: MsprobeKey("grad_probe", False, "gradient monitoring is not a dispatchprobe task", ANY)
-       for k in ("grad_level", "param_list", "bounds")},
+    # grad_probe
+    "grad_level": MsprobeKey("grad_probe", True, "grad_level: L0, L1, L2 (docs/grad-probe.md)"),
+    "param_list": MsprobeKey("grad_probe", True, "param_list: parameter names; also dotted prefixes and regexes"),
+    "bounds": MsprobeKey("grad_probe", True, "bounds: ascending numbers within int64's range"),
 }
 
 _MSPROBE_ONLY_TASKS = {
     "run_ut": "is msprobe's pre-check command; record with task='tensor' and run `dispatchprobe run-ut RUN`",
     "acc_check": "is msprobe's pre-check command; record with task='tensor' and run `dispatchprobe run-ut RUN`",
-    "grad_probe": "(gradient monitoring) is not a dispatchprobe task; gradients are recorded as backward ops "
-                  "by task='statistics'",
     "structure": "is not a dispatchprobe task; level='module' with task='statistics' records the module tree",
     "exception_dump": "is Ascend's kernel exception dump; task='overflow' finds the first op making inf/nan",
 }
 _TASK_SECTION = {"statistics": "statistics", "tensor": "tensor", "overflow": "overflow_check",
-                 "free_benchmark": "free_benchmark"}
+                 "free_benchmark": "free_benchmark", "grad_probe": "grad_probe"}
 _SECTION_KEYS = {      # what each msprobe section may hold (dispatchprobe's own keys included)
     "statistics": {"scope", "list", "data_mode", "summary_mode", "tensor_list", "device", "file_format"},
     "tensor": {"scope", "list", "data_mode", "summary_mode", "tensor_list", "file_format", "backward_input",
@@ -373,7 +384,9 @@ def _flatten_msprobe(data: dict, task: str, notes: list[str]) -> dict:
         for key in section:
             if key not in allowed:
                 raise ConfigError(f"config: unknown key {key!r} in {name!r}; allowed: {', '.join(sorted(allowed))}")
-        if name == chosen:
+        if name == chosen == "grad_probe":
+            data["grad_probe"] = section
+        elif name == chosen:
             data.update(section)
     if isinstance(data.get("overflow_check"), dict):
         data["overflow"] = {**data.get("overflow", {}), **data.pop("overflow_check")}
@@ -400,6 +413,30 @@ def _flatten_msprobe(data: dict, task: str, notes: list[str]) -> dict:
     if isinstance(data.get("data_mode"), str):
         data["data_mode"] = [data["data_mode"]]
     return data
+
+
+def _validate_grad_probe(g: GradProbeConfig) -> None:
+    """msprobe's checks on the grad_probe section, each failing in one line."""
+    from .grad_probe import LEVELS
+    _choice("grad_level", g.grad_level, LEVELS)
+    g.param_list = _str_list("param_list", g.param_list)
+    for entry in g.param_list:
+        try:
+            re.compile(entry)
+        except re.error as exc:
+            raise ConfigError(f"config: param_list entry {entry!r} is not a valid regex ({exc}); escape it "
+                              f"(e.g. {re.escape(entry)!r}) or write a parameter name") from None
+    if isinstance(g.bounds, (int, float)) and not isinstance(g.bounds, bool):
+        g.bounds = [g.bounds]
+    if not isinstance(g.bounds, (list, tuple)) or not g.bounds:
+        raise ConfigError(f"config: bounds must be a non-empty list of ascending numbers, e.g. [-1, 0, 1]; "
+                          f"got {g.bounds!r}")
+    for b in g.bounds:
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not -2**63 <= b <= 2**63 - 1:
+            raise ConfigError(f"config: bounds must hold numbers within int64's range, got {b!r}")
+    if any(a >= b for a, b in zip(g.bounds, g.bounds[1:])):
+        raise ConfigError(f"config: bounds must be strictly ascending, got {list(g.bounds)}")
+    g.bounds = list(g.bounds)
 
 
 def _drop_ignored(data: dict, notes: list[str]) -> None:

@@ -120,6 +120,8 @@ class ProbeSession:
 
     # ---- what users call ------------------------------------------------------------------
     def start(self) -> None:
+        if not self.task.intercepts_ops:      # the grad probe needs no `with`: nothing to start
+            return
         if self.part is not None and not self._active:
             self._boundary()
         if self.step_pending:
@@ -377,9 +379,9 @@ class ProbeSession:
     def _claim_run_dir(self) -> None:
         """A run directory never holds two runs: this rank's records of an earlier run (or an
         earlier probe) are refused, or deleted first with ``overwrite=True``."""
-        old = [os.path.dirname(f) for f in
-               glob.glob(os.path.join(glob.escape(self.run_dir), "step*", f"rank{self.rank}", "ops.jsonl"))]
-        old = sorted(d for d in old if d not in self._parts_written)
+        old = [os.path.dirname(f) for name in ("ops.jsonl", "grads.jsonl") for f in
+               glob.glob(os.path.join(glob.escape(self.run_dir), "step*", f"rank{self.rank}", name))]
+        old = sorted({d for d in old if d not in self._parts_written})
         if not old:
             return
         if not self.config.overwrite:

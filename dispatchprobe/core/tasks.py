@@ -17,6 +17,8 @@ class Task:
     records_modules: bool = False # module boundaries are recorded at level "module"/"mix"
     checks_ops: bool = False      # works on ops: level must be "op" or "mix"
     aliases: tuple = ()           # other spellings accepted by the config (msprobe's)
+    intercepts_ops: bool = True   # False: the task reads what the adapter gives it (the grad probe reads
+                                  # gradients at optimizer steps); start()/stop() intercept nothing
 
 
 TASKS: dict[str, Task] = {}
@@ -55,3 +57,9 @@ def _overflow(session, recorder):
 def _free_benchmark(session, recorder):
     from .free_benchmark import FreeBenchmarkHandler
     return [FreeBenchmarkHandler(session, recorder)]
+
+
+@register_task("grad_probe", intercepts_ops=False)
+def _grad_probe(session, recorder):
+    from .grad_probe import GradHandler
+    return [GradHandler(session, recorder)]

@@ -11,7 +11,11 @@ from . import nonfinite
 
 
 def summarize(run: Run, top: int = 10, stage: str | None = None) -> str:
-    """Steps, ranks, op counts per stage, most frequent ops, and every tensor with nan/inf."""
+    """Steps, ranks, op counts per stage, most frequent ops, and every tensor with nan/inf
+    (a grad-probe run: :func:`grad_summary`)."""
+    from .grad_compare import is_grad_run
+    if is_grad_run(run):
+        return grad_summary(run)
     m = run.manifest
     ops = run.ops
     # an overflow hit in a compiled graph and its eager re-run are one op call: count the hit once
@@ -179,3 +183,45 @@ def _ranges(values: list[int]) -> str:
         if v is not None:
             start = prev = v
     return ",".join(out)
+
+
+def grad_summary(run: Run) -> str:
+    """A grad-probe run per step: parameters, the global gradient norm (over the parameters), the
+    largest parameter norm, max and min, and the share of elements exactly zero (level L2)."""
+    import math
+    cfg = (run.manifest.get("config") or {})
+    gp = cfg.get("grad_probe") or {}
+    lines = [f"run        {run.path}",
+             f"framework  {run.manifest.get('framework')} {run.manifest.get('framework_version')}  device "
+             f"{run.manifest.get('device')}  task grad_probe  grad_level {gp.get('grad_level')}  bounds {gp.get('bounds')}"]
+    per_step: dict = {}
+    for (step, _), part in sorted(run.parts.items()):
+        for rec in part.grads:      # statistics are the whole gradient's: the lowest rank's record
+            per_step.setdefault(step, {}).setdefault(rec["param"], rec)
+    names = {n for recs in per_step.values() for n in recs}
+    lines.append(f"steps      {_ranges(sorted(per_step))}   ranks {_ranges(sorted({r for _, r in run.parts}))}   "
+                 f"parameters {len(names)}")
+    rows, bad = [], []
+    for step, recs in per_step.items():
+        norms = {n: r["stats"]["norm"] for n, r in recs.items()}
+        top = max(norms, key=lambda n: norms[n] if norms[n] == norms[n] else math.inf)
+        zero = [(r["distribution"]["zero"], r["numel"]) for r in recs.values() if r.get("distribution")]
+        total = sum(n for _, n in zero)
+        rows.append({"step": step, "params": len(recs),
+                     "global norm": math.sqrt(sum(v * v for v in norms.values())),
+                     "largest norm": norms[top], "parameter": top,
+                     "max": max(r["stats"]["max"] for r in recs.values()),
+                     "min": min(r["stats"]["min"] for r in recs.values()),
+                     "zero share": sum(z * n for z, n in zero) / total if total else None})
+        bad += [f"step {step}: {n} (norm {v})" for n, v in norms.items() if not math.isfinite(v)]
+    table = pd.DataFrame(rows)
+    if "zero share" in table and table["zero share"].isna().all():
+        table = table.drop(columns=["zero share"])
+    with pd.option_context("display.max_rows", 200, "display.width", 200, "display.max_colwidth", 60):
+        lines.append(table.to_string(index=False) if len(table) else "no gradient records")
+    if bad:
+        lines.append(f"non-finite {len(bad)} gradient(s); first: {bad[0]}")
+    for part in run.parts.values():
+        if part.truncated:
+            lines.append(f"truncated  step {part.step} rank {part.rank}: records end early (process killed?)")
+    return "\n".join(lines)

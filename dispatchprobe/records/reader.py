@@ -208,6 +208,13 @@ class Part:
         return records
 
     @cached_property
+    def grads(self) -> list[dict]:
+        """The grad probe's records: one per parameter (docs/grad-probe.md)."""
+        records, problems = _read_jsonl(os.path.join(self.path, "grads.jsonl"))
+        self.problems.extend(problems)
+        return records
+
+    @cached_property
     def checks(self) -> dict | None:
         """An inline check's counts for this part (``checked``, ``flagged``, ...), if it ran one."""
         try:
@@ -366,8 +373,8 @@ def _find_manifest(path: str) -> tuple[str, dict]:
 
 
 def _is_part(folder: str) -> bool:
-    """A step/rank folder: op records, or the counts of an inline check that flagged nothing."""
-    return os.path.isfile(os.path.join(folder, "ops.jsonl")) or os.path.isfile(os.path.join(folder, "checks.json"))
+    """A step/rank folder: op records, gradient records, or the counts of an inline check that flagged nothing."""
+    return any(os.path.isfile(os.path.join(folder, name)) for name in ("ops.jsonl", "checks.json", "grads.jsonl"))
 
 
 def load(path: str | os.PathLike) -> Run:

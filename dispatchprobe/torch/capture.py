@@ -627,7 +627,15 @@ class DispatchProbe(TorchSession):
         if model is not None and not isinstance(model, torch.nn.Module):
             raise ConfigError(f"model must be a torch.nn.Module, not {type(model).__name__}")
         super().__init__(config, **overrides)
-        fused_stats.build()             # the one-pass CPU statistics kernel, loaded in the background
+        self.grad_reader = None
+        if not self.task.intercepts_ops:    # the grad probe: gradients read at every optimizer step
+            if model is None:
+                raise ConfigError(f"task={self.task.name!r} needs model=<the torch.nn.Module being trained>: "
+                                  "its parameter names name the gradients")
+            from .grad_probe import GradReader
+            self.grad_reader = GradReader(self, model)
+        else:
+            fused_stats.build()         # the one-pass CPU statistics kernel, loaded in the background
         self._mode: _ProbeMode | None = None
         self.scopes = _ModuleScopes(self, model)
         self.uninitialised = _Uninitialised()
@@ -652,6 +660,8 @@ class DispatchProbe(TorchSession):
             super().close()      # may raise OverflowDetected: a held overflow the last step did not catch
         finally:
             self.scopes.release()
+            if self.grad_reader is not None:
+                self.grad_reader.remove()
 
     # ---- per op -----------------------------------------------------------------------------------
     def _wants(self, func) -> bool:

@@ -97,7 +97,7 @@ def placement_of(grad: torch.Tensor) -> Placement:
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
     mesh = grad.device_mesh
     local_shape, offset = compute_local_shape_and_global_offset(grad.shape, mesh, grad.placements)
-    return Placement(placements=[str(p) for p in grad.placements], mesh=mesh.mesh.tolist(),
+    return Placement(placements=[repr(p) for p in grad.placements], mesh=mesh.mesh.tolist(),
                      mesh_dim_names=list(mesh.mesh_dim_names) if mesh.mesh_dim_names else None,
                      local_shape=list(local_shape), offset=list(offset) if offset else [0] * grad.dim())
 

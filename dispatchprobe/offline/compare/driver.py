@@ -193,6 +193,9 @@ def compare(a, b, *, match: str = "fuzzy", mapping: str | Mapping | None = None,
     if not isinstance(mapping, Mapping):
         mapping = Mapping.load(mapping)
     run_a, run_b = load(a), load(b)
+    from ..grad_compare import grad_compare, is_grad_run
+    if is_grad_run(run_a) or is_grad_run(run_b):      # gradient directions per step and parameter
+        return grad_compare(run_a, run_b, out=out)
     problems: list[str] = []
     if len(run_a.parts) == 1 and len(run_b.parts) == 1:
         jobs_list = [(next(iter(run_a.parts)), next(iter(run_b.parts)))]

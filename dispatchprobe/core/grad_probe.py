@@ -1,0 +1,184 @@
+"""The grad probe (task ``grad_probe``): each parameter's gradient, read when its optimizer steps.
+
+Framework-neutral: which parameters ``param_list`` selects, the statistics of a gradient (written
+once against an array namespace ``xp``: numpy or torch, invariant 2), the step bookkeeping and the
+records (``grads.jsonl`` and the packed sign bits, docs/grad-probe.md).  An adapter reads the
+gradients (:mod:`dispatchprobe.torch.grad_probe`, ``dispatchprobe_ms.grad_probe``), reduces the
+statistics of sharded ones over their ranks, and hands :class:`GradHandler` one entry per parameter.
+
+Levels as msprobe's: L0 max, min, norm, shape and an MD5 of the gradient; L1 the same (no MD5)
+and the sign of each element (``grad > 0``); L2 also the share of elements in each interval of
+``bounds`` (lower end open, upper closed: ``(-inf, b0], (b0, b1], ..., (bn, inf)``) and the share
+exactly zero.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import re
+import warnings
+
+import numpy as np
+
+from .config import ConfigError
+from .events import Handler
+
+LEVELS = ("L0", "L1", "L2")
+
+
+def has_signs(level: str) -> bool:
+    return level in ("L1", "L2")
+
+
+def interval_labels(bounds) -> list[str]:
+    """msprobe's column names of the intervals ``bounds`` cut: ``(-inf, -1]``, ..., ``(1, inf)``."""
+    ends = ["-inf", *bounds]
+    return ["(%s, %s]" % (a, b) for a, b in zip(ends, bounds)] + ["(%s, inf)" % bounds[-1]]
+
+
+class ParamSelector:
+    """Which parameters ``param_list`` selects: an entry selects a name it equals, a name it is a
+    dotted prefix of (``layers.1`` selects ``layers.1.mlp.weight``, not ``layers.10.bias``), or
+    a name it matches whole as a regex (``.*\\.bias``).  Empty: every parameter."""
+
+    def __init__(self, entries: list[str]):
+        self.entries = list(entries)
+        try:
+            self._patterns = [re.compile(e) for e in entries]
+        except re.error as exc:
+            raise ConfigError(f"config: param_list entry {exc.pattern!r} is not a valid regex ({exc})") from None
+        self._memo: dict[str, bool] = {}
+        self.hits = 0
+
+    def __call__(self, name: str) -> bool:
+        hit = self._memo.get(name)
+        if hit is None:
+            hit = self._memo[name] = not self.entries or any(
+                name == e or name.startswith(e + ".") or p.fullmatch(name) for e, p in zip(self.entries, self._patterns))
+        self.hits += hit
+        return hit
+
+
+def measures(x, xp, level: str, bounds) -> list:
+    """The reducible measures of a gradient (or a shard of one) ``x``, as 0-d ``xp`` arrays in the
+    dtype they are accumulated in: ``[max, min, sum of squares]``, and at L2 ``[elements in each
+    interval..., elements == 0]``.  max/min reduce by max/min over shards, the rest by sum."""
+    flat = x.reshape(-1)
+    if flat.shape[0] == 0:                              # an empty shard (uneven FSDP2 sharding)
+        return [-math.inf, math.inf, 0.0] + ([0.0] * (len(bounds) + 2) if level == "L2" else [])
+    if str(flat.dtype).removeprefix("torch.") not in ("float32", "float64"):
+        flat = xp.asarray(flat, dtype=xp.float32)       # half floats (msprobe widens bf16 too), ints
+    out = [flat.max(), flat.min(), xp.dot(flat, flat)]
+    if level == "L2":
+        edges = xp.asarray(bounds, dtype=xp.float64)
+        if hasattr(flat, "device") and hasattr(edges, "to"):
+            edges = edges.to(flat.device)
+        counts = xp.bincount(xp.searchsorted(edges, flat, side="left"), minlength=len(bounds) + 1)
+        out += [counts[i] for i in range(len(bounds) + 1)] + [(flat == 0).sum()]
+    return out
+
+
+def md5_of(x: np.ndarray) -> str:
+    """msprobe's MD5 column: the digest of the gradient's float32 bytes (C order)."""
+    return hashlib.md5(np.ascontiguousarray(x, dtype=np.float32).tobytes()).hexdigest()
+
+
+def pack_signs(x: np.ndarray) -> np.ndarray:
+    """``x > 0`` packed 8 elements to a byte, first element in the highest bit (``np.packbits``)."""
+    return np.packbits(np.asarray(x).reshape(-1) > 0)
+
+
+def grad_record(name: str, *, dtype: str, shape, values, level: str, bounds, source: str = "grad") -> dict:
+    """One ``grads.jsonl`` line from the whole gradient's measures (host floats, as :func:`measures`
+    orders them, reduced over shards); the adapter adds ``md5``, ``sign`` and ``dtensor``."""
+    numel = math.prod(shape)
+    hi, lo, sumsq = (float(v) for v in values[:3])
+    rec = {"param": name, "dtype": dtype, "shape": list(shape), "numel": numel, "source": source,
+           "stats": {"max": hi, "min": lo, "norm": math.sqrt(sumsq) if sumsq >= 0 else float("nan")}}
+    if level == "L2":
+        counts = [float(v) for v in values[3:]]
+        rec["distribution"] = {"bounds": list(bounds), "intervals": interval_labels(bounds),
+                               "shares": [c / numel if numel else 0.0 for c in counts[:-1]],
+                               "zero": counts[-1] / numel if numel else 0.0}
+    return rec
+
+
+class GradHandler(Handler):
+    """The task's handler: no op reaches it; the adapter calls :meth:`begin` when an optimizer is
+    about to step and :meth:`write` with the records of that optimizer's parameters."""
+
+    def __init__(self, session, recorder):
+        self.session = session
+        cfg = session.config.grad_probe
+        self.level, self.bounds = cfg.grad_level, list(cfg.bounds)
+        self.select = ParamSelector(cfg.param_list)
+        self._lines = None
+        self._signs = None
+        self._keys = 0
+        self.recorded_steps = 0
+
+    def begin(self, optimizer) -> tuple[bool, bool]:
+        """An optimizer is about to step: the step the last optimizer step left pending ends here
+        (while steps follow the optimizer).  Returns (this step is selected, this rank writes)."""
+        s = self.session
+        if s.follows_optimizer and s.step_pending:
+            first = s._stepping_optimizer() if s._stepping_optimizer is not None else None
+            if first is None or first is optimizer:
+                s._end_pending_step()
+        cfg = s.config
+        step_on = not cfg.step or s.step_no in cfg.step
+        here = step_on and (not cfg.rank or s.rank in cfg.rank) and not s.failed
+        if here and s.part is None:
+            with s.writing():
+                s._open_part()
+        return step_on, here and s.part is not None
+
+    def write(self, record: dict, signs: np.ndarray | None = None) -> None:
+        """Append one parameter's record; ``signs``: its packed sign bits (levels L1, L2)."""
+        with self.session.writing():
+            if self._lines is None:
+                self._open()
+            if signs is not None:
+                key = f"g{self._keys}"
+                self._keys += 1
+                self._signs.put(key, signs)
+                record["sign"] = key
+            self._lines.append(record)
+
+    def _open(self) -> None:
+        from ..records.writer import TensorShardWriter, _JsonLines, save_numpy_shard
+        folder = self.session.part.folder
+        self._lines = _JsonLines(os.path.join(folder, "grads.jsonl"))
+        self._signs = TensorShardWriter(os.path.join(folder, "tensors"), save_numpy_shard, lambda a: a.nbytes)
+        self.recorded_steps += 1
+
+    # -- handler ------------------------------------------------------------------------------
+    def start_part(self) -> None:
+        self._keys = 0
+
+    def boundary(self) -> None:
+        """The part closes: its sign bits are written and the files closed."""
+        if self._lines is not None:
+            try:
+                self._signs.close()
+            finally:
+                self._lines.close()
+                self._lines = self._signs = None
+
+    def close(self) -> None:
+        cfg = self.session.config
+        seen = bool(self.select._memo)       # some parameter was asked about
+        if seen and self.select.entries and not self.select.hits and (not cfg.rank or self.session.rank in cfg.rank):
+            warnings.warn(f"dispatchprobe: param_list={self.select.entries} selected no parameter; entries are "
+                          "parameter names as model.named_parameters() gives them (without 'module.'), dotted "
+                          "prefixes of them ('layers.1') or regexes matching whole names", RuntimeWarning,
+                          stacklevel=4)
+
+
+def read_signs(part, record: dict) -> np.ndarray:
+    """A record's sign bits as a bool array of the local gradient's shape (offline readers)."""
+    local = (record.get("dtensor") or {}).get("local_shape", record["shape"])
+    n = math.prod(local)
+    return np.unpackbits(part.tensor(record["sign"]), count=n).astype(bool).reshape(local)

@@ -1,0 +1,129 @@
+"""The grad probe's torch side: at every optimizer's step pre-hook (torch's global hook), the
+gradients of that optimizer's parameters are measured and handed to the task's handler
+(:class:`dispatchprobe.core.grad_probe.GradHandler`).
+
+A DTensor gradient (FSDP2, tensor parallel) is measured on its local shard and the measures are
+reduced over the mesh dimensions it is sharded on (max, min, sums: one all-reduce of each kind per
+group of parameters, the same on every rank), so every rank records the whole gradient's
+statistics; its sign bits stay the local shard's, with the placement.  Every rank takes part in
+those reductions, also a rank that ``rank`` leaves out.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import numpy as np
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from ..core.grad_probe import grad_record, has_signs, md5_of, measures
+from .parameters import ParamGrad, named_gradients, parameter_names, placement_of
+
+_BIT_WEIGHTS: dict = {}
+
+
+def packed_signs(t: torch.Tensor) -> np.ndarray:
+    """``t > 0`` packed as ``np.packbits`` packs (first element in the highest bit), computed on
+    ``t``'s device so that an accelerator sends an eighth of a byte per element."""
+    bits = t.reshape(-1) > 0
+    if bits.device.type == "cpu":
+        return np.packbits(bits.numpy())
+    n = bits.numel()
+    w = _BIT_WEIGHTS.get(bits.device)
+    if w is None:
+        w = _BIT_WEIGHTS[bits.device] = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8,
+                                                     device=bits.device)
+    b = torch.nn.functional.pad(bits.to(torch.uint8), (0, -n % 8)).view(-1, 8)
+    return (b * w).sum(1, dtype=torch.uint8).cpu().numpy()
+
+
+def _replicate_partial(g: ParamGrad) -> ParamGrad:
+    """A gradient still pending a sum (``Partial``) is summed first: its max cannot be reduced."""
+    from torch.distributed.tensor import Replicate
+    if not any(p.is_partial() for p in g.dtensor.placements):
+        return g
+    full = g.dtensor.redistribute(placements=[Replicate() if p.is_partial() else p for p in g.dtensor.placements])
+    return ParamGrad(g.name, g.param, full.to_local(), g.shape, g.source, dtensor=full, placement=placement_of(full))
+
+
+def _reduce_sharded(grads: list[ParamGrad], rows: list[torch.Tensor]) -> None:
+    """Reduce the measures of sharded gradients over the mesh dimensions they are sharded on, in
+    place: per group of equal (mesh, sharded dimensions), one MAX, one MIN and one SUM all-reduce."""
+    import torch.distributed as dist
+    groups: dict = {}
+    for i, g in enumerate(grads):
+        if g.dtensor is None:
+            continue
+        mesh = g.dtensor.device_mesh
+        dims = tuple(d for d, p in enumerate(g.dtensor.placements) if p.is_shard())
+        if dims:
+            groups.setdefault((id(mesh), dims), (mesh, dims, []))[2].append(i)
+    for mesh, dims, idx in groups.values():
+        block = torch.stack([rows[i] for i in idx])
+        hi, lo, sums = block[:, 0].contiguous(), block[:, 1].contiguous(), block[:, 2:].contiguous()
+        for d in dims:
+            group = mesh.get_group(d)
+            dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
+            dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
+            dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+        for k, i in enumerate(idx):
+            rows[i] = torch.cat([hi[k:k + 1], lo[k:k + 1], sums[k]])
+
+
+class GradReader:
+    """Reads the gradients of every optimizer that steps, for one probe (its ``model`` names them)."""
+
+    def __init__(self, session, model: torch.nn.Module):
+        self.handler = session.handlers[0]
+        self.names = parameter_names(model)
+        ref = weakref.ref(self)
+
+        def pre_step(optimizer, args, kwargs) -> None:
+            reader = ref()
+            if reader is not None:
+                reader.on_step(optimizer)
+        self._hook = register_optimizer_step_pre_hook(pre_step)
+        weakref.finalize(self, self._hook.remove)     # a probe never closed leaves no hook behind
+
+    def remove(self) -> None:
+        self._hook.remove()
+
+    def on_step(self, optimizer) -> None:
+        h = self.handler
+        step_on, here = h.begin(optimizer)
+        if not step_on:
+            return
+        grads = [g for g in named_gradients(optimizer=optimizer, names=self.names)
+                 if id(g.param) in self.names and h.select(g.name)]
+        if not here and not any(g.dtensor is not None for g in grads):
+            return          # a rank left out computes only what the other ranks' reductions need
+        with torch.no_grad():
+            grads = [_replicate_partial(g) if g.dtensor is not None else g for g in grads]
+            rows = [torch.stack([torch.as_tensor(v, dtype=torch.float64, device=g.local.device)
+                                 for v in measures(g.local, torch, h.level, h.bounds)]) for g in grads]
+            _reduce_sharded(grads, rows)
+            if not here:
+                return
+            values = _to_host(rows)
+            for g, row in zip(grads, values):
+                rec = grad_record(g.name, dtype=str(g.local.dtype).removeprefix("torch."), shape=g.shape,
+                                  values=row, level=h.level, bounds=h.bounds, source=g.source)
+                if g.placement is not None:
+                    rec["dtensor"] = g.placement.to_dict()
+                if h.level == "L0":
+                    rec["md5"] = md5_of(g.local.float().cpu().numpy())
+                h.write(rec, packed_signs(g.local) if has_signs(h.level) else None)
+
+
+def _to_host(rows: list[torch.Tensor]) -> list[list[float]]:
+    """The rows as floats, one transfer per device."""
+    out: list = [None] * len(rows)
+    by_device: dict = {}
+    for i, r in enumerate(rows):
+        by_device.setdefault(r.device, []).append(i)
+    for idx in by_device.values():
+        host = torch.stack([rows[i] for i in idx]).cpu().tolist()
+        for i, v in zip(idx, host):
+            out[i] = v
+    return out
