@@ -153,10 +153,19 @@ class DispatchProbe(ProbeSession):
 
     backend = ms_backend
 
-    def __init__(self, config=None, *, model=None, **overrides):
+    def __init__(self, config=None, *, model=None, optimizer=None, **overrides):
         if model is not None and not isinstance(model, nn.Cell):
             raise ConfigError(f"model must be a mindspore.nn.Cell, not {type(model).__name__}")
+        if optimizer is not None and not isinstance(optimizer, nn.Optimizer):
+            raise ConfigError(f"optimizer must be a mindspore.nn.Optimizer, not {type(optimizer).__name__}")
         super().__init__(config, **overrides)
+        self.grad_reader = None
+        if not self.task.intercepts_ops:      # the grad probe: the gradients the optimizer receives
+            if optimizer is None:
+                raise ConfigError(f"task={self.task.name!r} needs optimizer=<the mindspore.nn.Optimizer>: the "
+                                  "gradients are read as it receives them (its parameters name them)")
+            from .grad_probe import GradReader
+            self.grad_reader = GradReader(self, optimizer)
         if self.config.task == "free_benchmark" and self.config.free_benchmark.fuzz_stage == "backward":
             raise ConfigError("free_benchmark fuzz_stage 'backward' is not available for MindSpore: a gradient "
                               "taken inside the dispatch handler breaks the training's own value_and_grad")
@@ -193,7 +202,11 @@ class DispatchProbe(ProbeSession):
         return out
 
     def close(self) -> None:
-        super().close()
+        try:
+            super().close()
+        finally:
+            if self.grad_reader is not None:
+                self.grad_reader.remove()
         if self.scopes.unobserved:
             cells = ", ".join(f"{c} ({why})" for c, why in sorted(self.scopes.unobserved.items()))
             warnings.warn(f"dispatchprobe_ms: backward not (fully) recorded for: {cells}", RuntimeWarning, stacklevel=2)

@@ -66,15 +66,15 @@ def _local(part, rec) -> np.ndarray:
 
 def _pair_names(names_a: list[str], recs_a: dict, recs_b: dict) -> list[tuple[str, str]]:
     """(name in A, name in B): equal names, then the rest in order by equal shape."""
-    pairs = [(n, n) for n in names_a if n in recs_b]
+    other = {n: n for n in names_a if n in recs_b}
     rest_b = [n for n in recs_b if n not in recs_a]
     for n in (n for n in names_a if n not in recs_b):
         shape = recs_a[n][0][1]["shape"]
         match = next((m for m in rest_b if recs_b[m][0][1]["shape"] == shape), None)
         if match is not None:
             rest_b.remove(match)
-            pairs.append((n, match))
-    return pairs
+            other[n] = match
+    return [(n, other[n]) for n in names_a if n in other]       # in A's order
 
 
 @dataclass
@@ -132,9 +132,14 @@ def grad_compare(run_a: Run, run_b: Run, out: str | None = None):
                 for s in sorted(set(mine) - set(other))]
     if not steps:
         raise RecordError(f"{run_a.path} and {run_b.path} have no step in common ({sorted(a)} vs {sorted(b)})")
-    rows, no_signs = [], False
+    rows, no_signs, unpaired = [], False, {}
     for step in steps:
-        for name_a, name_b in _pair_names(list(a[step]), a[step], b[step]):
+        pairs = _pair_names(list(a[step]), a[step], b[step])
+        for side, names, used in (("A", a[step], {x for x, _ in pairs}), ("B", b[step], {y for _, y in pairs})):
+            for n in names:
+                if n not in used:
+                    unpaired.setdefault((side, n), step)
+        for name_a, name_b in pairs:
             ra, rb = a[step][name_a][0][1], b[step][name_b][0][1]
             row = {"step": step, "param": name_a, "param_b": name_b if name_b != name_a else "",
                    "numel": ra["numel"], "similarity": math.nan, "same": 0, "total": 0}
@@ -164,6 +169,8 @@ def grad_compare(run_a: Run, run_b: Run, out: str | None = None):
                     (int(same[known].sum()), int(known.sum()))
                 row["similarity"] = row["same"] / row["total"] if row["total"] else 0.0
             rows.append(row)
+    problems += [f"{n}: only in run {side} (from step {step}), or no parameter of its shape to pair with; not compared"
+                 for (side, n), step in unpaired.items()]
     if no_signs and not any(r["total"] for r in rows):
         raise RecordError("the runs hold no gradient signs (grad_level L0): record both at L1 or L2 to compare "
                           "gradient directions")
