@@ -84,6 +84,7 @@ class Config:
     include_views: bool = False     # record view/metadata-only ops (view, t, expand, ...)
     stack: bool = False             # record the Python stack of each forward op (deduplicated)
     checksum: bool = False          # a fast hash of each tensor's bytes (msprobe summary_mode=md5)
+    parameters: bool = True         # statistics/tensor: each parameter's gradient and value at optimizer steps
     overwrite: bool = False         # delete this rank's records of an earlier run in dump_path first
     seed: int | None = None         # set: the probe calls dispatchprobe.seed_all(seed) when it is built
     is_deterministic: bool = False  # the probe calls seed_all(seed or 1234, mode=True) when it is built
@@ -171,7 +172,7 @@ class Config:
         self.data_mode = _str_list("data_mode", self.data_mode) or ["all"]
         for mode in self.data_mode:
             _choice("data_mode", mode, DATA_MODES)
-        for key in ("include_views", "stack", "checksum", "overwrite", "is_deterministic"):
+        for key in ("include_views", "stack", "checksum", "parameters", "overwrite", "is_deterministic"):
             _type(key, getattr(self, key), bool)
         if self.seed is not None:
             _type("seed", self.seed, int)

@@ -215,6 +215,14 @@ class Part:
         return records
 
     @cached_property
+    def params(self) -> list[dict]:
+        """The parameter records (``params.jsonl``: each parameter's gradient and value at the
+        optimizer's steps); empty when none were recorded."""
+        records, problems = _read_jsonl(os.path.join(self.path, "params.jsonl"))
+        self.problems.extend(problems)
+        return records
+
+    @cached_property
     def checks(self) -> dict | None:
         """An inline check's counts for this part (``checked``, ``flagged``, ...), if it ran one."""
         try:

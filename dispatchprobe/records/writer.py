@@ -298,6 +298,7 @@ class PartWriter:
         self.ops = _JsonLines(os.path.join(folder, "ops.jsonl"))
         self.stacks = _JsonLines(os.path.join(folder, "stacks.jsonl"))
         self.modules = _JsonLines(os.path.join(folder, "modules.jsonl"))
+        self.params = _JsonLines(os.path.join(folder, "params.jsonl"))   # opened at the first parameter record
         self.tensors = TensorShardWriter(os.path.join(folder, "tensors"), save_fn, nbytes_fn) if save_fn else None
         self._stack_ids: dict[tuple, int] = {}
         self._modules_seen: set[str] = set()
@@ -319,7 +320,7 @@ class PartWriter:
     def close(self) -> None:
         if self.tensors is not None:
             self.tensors.close()
-        for f in (self.ops, self.stacks, self.modules):
+        for f in (self.ops, self.stacks, self.modules, self.params):
             f.close()
         try:    # readers tell a finished step from one its process left mid-way
             open(os.path.join(self.folder, CLOSED_MARKER), "wb").close()

@@ -577,15 +577,40 @@ class TorchSession(ProbeSession):
             session = ref()
             if session is not None:
                 session.optimizer_stepping()
+                session._parameters(optimizer, "grad")
+
+        def stepped(optimizer, args, kwargs) -> None:
+            session = ref()
+            if session is not None:
+                session._parameters(optimizer, "value")
         self._stepping_hook = register_optimizer_step_pre_hook(stepping)
+        self._stepped_hook = register_optimizer_step_post_hook(stepped)
         # a probe never closed (a notebook cell, an exception) leaves no hook behind once collected
         weakref.finalize(self, self._stepping_hook.remove)
+        weakref.finalize(self, self._stepped_hook.remove)
 
     def close(self) -> None:
         try:
             super().close()
         finally:
             self._stepping_hook.remove()
+            self._stepped_hook.remove()
+
+    def _parameters(self, optimizer, what: str) -> None:
+        """Recording tasks: each parameter's gradient (``what="grad"``, before the step) or value
+        (after it) as parameter records (:mod:`.parameters`), when the config asks (``parameters``)."""
+        if self.part is None or self.failed or self.busy or not self.config.parameters \
+                or self.recorder not in self.handlers:
+            return
+        from .param_records import record_parameters, roots_of
+        scopes = getattr(self, "scopes", None)
+        roots = roots_of(scopes._names) if scopes is not None else []
+        self.busy = True
+        try:
+            with self._quiet(), self.writing():
+                record_parameters(self, optimizer, what, roots)
+        finally:
+            self.busy = False
 
     def _detect_rank(self) -> int:
         if torch.distributed.is_available() and torch.distributed.is_initialized():

@@ -199,12 +199,15 @@ def compare(a, b, *, match: str = "fuzzy", mapping: str | Mapping | None = None,
     problems: list[str] = []
     if len(run_a.parts) == 1 and len(run_b.parts) == 1:
         jobs_list = [(next(iter(run_a.parts)), next(iter(run_b.parts)))]
+    elif len({k[1] for k in run_a.parts}) != len({k[1] for k in run_b.parts}):
+        return _across_parallelism(run_a, run_b, out, tensors)
     else:
         common = sorted(set(run_a.parts) & set(run_b.parts))
-        for key in sorted(set(run_a.parts) - set(run_b.parts)):
-            problems.append(f"step {key[0]} rank {key[1]}: only in {run_a.path}; not compared")
-        for key in sorted(set(run_b.parts) - set(run_a.parts)):
-            problems.append(f"step {key[0]} rank {key[1]}: only in {run_b.path}; not compared")
+        for run, other in ((run_a, run_b), (run_b, run_a)):
+            alone = sorted(set(run.parts) - set(other.parts))
+            if alone:        # one line, whatever the number of steps and ranks
+                problems.append(f"{_span('step', {k[0] for k in alone})} x {_span('rank', {k[1] for k in alone})}: "
+                                f"{len(alone)} step/rank part(s) only in {run.path}; not compared")
         jobs_list = [(k, k) for k in common]
     if not jobs_list:
         raise RecordError(f"{run_a.path} and {run_b.path} have no step/rank in common "
@@ -251,6 +254,29 @@ def compare(a, b, *, match: str = "fuzzy", mapping: str | Mapping | None = None,
                              f"compute records could not be aligned (different models or options?)"
                              + (f" (partial report: {verdict.report})" if verdict.report else ""),
                              Result(table, verdict))
+    return Result(table, verdict)
+
+
+def _span(what: str, values: set) -> str:
+    v = sorted(values)
+    return f"{what} {v[0]}" if len(v) == 1 else f"{what}s {', '.join(map(str, v))}" if len(v) <= 4 else \
+        f"{what}s {v[0]}..{v[-1]} ({len(v)})"
+
+
+def _across_parallelism(run_a, run_b, out: str | None, tensors: bool) -> Result:
+    """Runs of different rank counts (1 process vs DDP/FSDP2): compared on what both hold
+    (:mod:`.parallel`); ``out`` gets ``compare.csv``."""
+    from .parallel import compare_parallelism
+    table, verdict = compare_parallelism(run_a, run_b, tensors)
+    if out:
+        from ...records.writer import atomic_write_text
+        os.makedirs(out, exist_ok=True)
+        path = os.path.join(out, "compare.csv")
+        atomic_write_text(path, table.to_csv(index=False))
+        verdict.report = path
+    if not len(table):
+        raise RecordError(f"nothing could be compared across the parallelism of {run_a.path} and {run_b.path}: "
+                          + "; ".join(verdict.unpaired[:3] or ["no loss, forward op or parameter record pairs"]))
     return Result(table, verdict)
 
 

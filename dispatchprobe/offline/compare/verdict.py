@@ -126,7 +126,9 @@ class Verdict:
         counts = ", ".join(f"{k} {self.counts.get(k, 0)}" for k in ("pass", "warning", "error"))
         if self.counts.get(NOT_JUDGED):
             counts += f", not judged {self.counts[NOT_JUDGED]} (undefined values)"
-        lines = [f"compared {self.compared} tensors in {len(self.parts)} step/rank part(s): {counts}"]
+        steps, ranks = sorted({p[0] for p in self.parts}), sorted({p[1] for p in self.parts})
+        where = f" (steps {_span(steps)} x ranks {_span(ranks)})" if len(self.parts) > 1 else ""
+        lines = [f"compared {self.compared} tensors in {len(self.parts)} step/rank part(s){where}: {counts}"]
         early = {d.stage: d for d in self.departures}
         for div, stage in ((self.forward, "forward"), (self.backward, "backward")):
             if div is None and stage in early and not self.passed:
@@ -156,6 +158,11 @@ class Verdict:
         if self.report:
             lines.append(f"report: {self.report}")
         return "\n".join(lines)
+
+
+def _span(values: list) -> str:
+    return str(values[0]) if len(values) == 1 else f"{values[0]}-{values[-1]}" \
+        if values == list(range(values[0], values[-1] + 1)) else ",".join(map(str, values))
 
 
 class RunsDoNotAlign(RecordError):

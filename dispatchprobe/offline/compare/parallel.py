@@ -1,0 +1,439 @@
+"""Compare two runs of different parallelism (1 process vs 2-rank DDP or FSDP2 of one model and
+global batch): what both hold, assembled from the ranks, step by step.
+
+- the loss: the last forward op with a 0-dim float output before backward, averaged over the
+  data-parallel ranks (each rank's mean over its share of the batch);
+- the forward ops, paired by record name (op and call index): an activation split over ranks
+  along the batch is concatenated back, a replicated value taken from the lowest rank, an
+  FSDP2/DTensor shard gathered by its placements, a full reduction averaged (``mean``) or summed
+  (``sum``) over the ranks;
+- each parameter's gradient as the optimizer read it (after DDP's all-reduce, FSDP's
+  reduce-scatter: shards gathered) and its value after the step (the parameter records,
+  ``params.jsonl``), paired by name (``module.`` of DDP and ``_orig_mod.`` of torch.compile left out).
+
+Backward ops are not paired: a rank's backward values are its share of the batch's gradient
+before reduction; the parameter gradients after it are.  Collectives and FSDP's own ops exist in
+one run only by nature and are listed as communication.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+
+from ...records.format import walk
+from ...standards import metrics as M, statistics as S, verdicts as V
+from ...standards.loader import is_float
+
+COMMUNICATION = ("c10d.", "_c10d_functional.", "fsdp.", "profiler.")   # one run's own by nature
+TABLE_COLUMNS = ["step", "what", "name", "scope", "arg", "ranks_a", "ranks_b", "shape_a", "shape_b", "dtype_a",
+                 "dtype_b", "how_a", "how_b", "cosine", "max_abs_err", "rel_l2_err", "stats_err", "status", "reason",
+                 "after_one_run_only"]
+_WRAPPERS = ("module.", "_orig_mod.")
+_SHARD = re.compile(r"^(?:S\((\d+)\)|Shard\(dim=(\d+)\))$")
+
+
+def parameter_name(name: str) -> str:
+    """A parameter's name without the wrappers' prefixes (DDP's ``module.``, compile's ``_orig_mod.``)."""
+    changed = True
+    while changed:
+        changed = False
+        for w in _WRAPPERS:
+            if name.startswith(w):
+                name, changed = name[len(w):], True
+    return name
+
+
+def module_path(scope: str) -> str:
+    """A module scope relative to the root module, wrappers left out (``DistributedDataParallel.module.up``
+    and ``FSDPMLP.up`` are both ``up``)."""
+    return parameter_name(scope.partition(".")[2]) if scope else ""
+
+
+@dataclass
+class Value:
+    """A value assembled from the ranks: its array (tensors saved) and/or its statistics."""
+
+    shape: tuple
+    dtype: str
+    stats: dict | None
+    array: np.ndarray | None = None
+    how: str = ""               # "rank 0", "concatenated over ranks 0-1 (dim 0)", "gathered (S(0))", ...
+
+
+@dataclass
+class ParallelVerdict:
+    """What the compare of two runs of different parallelism concluded (``str()``: the terminal lines)."""
+
+    a: str
+    b: str
+    ranks_a: list
+    ranks_b: list
+    steps: list
+    counts: dict
+    first: dict | None          # the first row that errs: step, what, name, scope, reason, ...
+    parted: dict | None         # the first row that is not a pass (error or warning): where the runs part
+    departure: dict | None      # the first pass that is not bit-identical
+    unpaired: list = field(default_factory=list)    # lines: what could not be paired
+    problems: list = field(default_factory=list)
+    report: str | None = None
+
+    @property
+    def passed(self) -> bool:
+        return self.counts.get(V.ERROR, 0) == 0
+
+    @property
+    def damaged(self) -> list:
+        return [p for p in self.problems if p.startswith("damaged record")]
+
+    def __str__(self) -> str:
+        counts = ", ".join(f"{k} {self.counts.get(k, 0)}" for k in (V.PASS, V.WARNING, V.ERROR))
+        lines = [f"different parallelism: run A has {_ranks(self.ranks_a)}, run B {_ranks(self.ranks_b)}; compared "
+                 f"what both hold (loss, forward ops assembled over ranks, parameter gradients after reduction, "
+                 f"parameters after each step) over {len(self.steps)} step(s): {counts}"]
+        p = self.parted
+        if p:
+            lines.append(f"the runs part at step {p['step']} {_describe(p)} ({p['status']}: {p['reason']})")
+            if p.get("after_one_run_only"):
+                lines.append(f"  right after an op present in one run only (prime suspect): {p['after_one_run_only']}")
+        if self.first and self.first is not p and (self.first["step"], self.first["name"], self.first["arg"]) != \
+                (p["step"], p["name"], p["arg"]):
+            f = self.first
+            lines.append(f"first error: step {f['step']} {_describe(f)}: {f['reason']}")
+        if not p:
+            d = self.departure
+            lines.append("the runs agree" if d is None else
+                         f"the runs agree within tolerance; first departure: step {d['step']} {_describe(d)} "
+                         f"(relative error {d['rel_l2_err']:.3g})")
+        lines += [f"not paired: {u}" for u in self.unpaired[:8]]
+        if len(self.unpaired) > 8:
+            lines.append(f"not paired: ... {len(self.unpaired) - 8} more")
+        lines += [f"warning: {p}" for p in self.problems[:5]]
+        if self.report:
+            lines.append(f"report: {self.report}")
+        return "\n".join(lines)
+
+
+def _ranks(ranks: list) -> str:
+    return f"{len(ranks)} rank{'s' if len(ranks) != 1 else ''} ({', '.join(map(str, ranks))})"
+
+
+def _describe(row: dict) -> str:
+    if row["what"] == "loss":
+        return f"the loss ({row['name']})"
+    if row["what"] == "forward":
+        return f"forward op {row['name']} [{row['scope'] or '<root>'}] {row['arg']}"
+    return f"{'gradient' if row['what'] == 'grad' else 'value after the step'} of parameter {row['name']}"
+
+
+# ---- assembling a value from the ranks --------------------------------------------------------------
+def _read(part, spec, tensors: bool, problems: list):
+    if not tensors or spec.get("data") is None:
+        return None
+    try:
+        return part.tensor(spec["data"])
+    except Exception as exc:  # noqa: BLE001 - a damaged shard: statistics only
+        problems.append(f"damaged record: {part.path}: {exc}")
+        return None
+
+
+def _combine_stats(stats: list, sizes: list) -> dict | None:
+    """Statistics of the concatenation of tensors, from theirs (exact for max/min/nan/inf/norm)."""
+    if any(s is None for s in stats):
+        return None
+    n = sum(sizes)
+    return {"max": max(s["max"] for s in stats), "min": min(s["min"] for s in stats),
+            "mean": sum(s["mean"] * k for s, k in zip(stats, sizes)) / max(n, 1),
+            "norm": float(np.sqrt(sum(s["norm"] ** 2 for s in stats))),
+            "nan": sum(s.get("nan", 0) for s in stats), "inf": sum(s.get("inf", 0) for s in stats)}
+
+
+def _concat(items: list, dim: int, how: str) -> Value:
+    """``items``: (shape, dtype, stats, array) per rank, in order."""
+    shapes = [it[0] for it in items]
+    shape = list(shapes[0])
+    shape[dim] = sum(s[dim] for s in shapes)
+    arrays = [it[3] for it in items]
+    array = np.concatenate(arrays, axis=dim) if all(a is not None for a in arrays) else None
+    return Value(tuple(shape), items[0][1], _combine_stats([it[2] for it in items], [int(np.prod(s)) for s in shapes]),
+                 array, how)
+
+
+def _gather_dtensor(items: dict, meta: dict) -> Value | None:
+    """The global tensor from each mesh rank's local shard (``items``: global rank -> (shape,
+    dtype, stats, array)), mesh dimension by mesh dimension, innermost first."""
+    placements = meta.get("placements") or []
+
+    def build(mesh, level):
+        if not isinstance(mesh, list):
+            return items.get(mesh)
+        subs = [build(m, level + 1) for m in mesh]
+        if any(s is None for s in subs):
+            return None
+        p = placements[level] if level < len(placements) else "R"
+        m = _SHARD.match(str(p))
+        if m:
+            v = _concat(subs, int(m.group(1) or m.group(2)), "")
+            return (v.shape, v.dtype, v.stats, v.array)
+        if str(p).startswith(("R", "Replicate")):
+            return subs[0]
+        return None     # Partial: a sum not yet taken
+    got = build(meta.get("mesh"), 0)
+    if got is None:
+        return None
+    return Value(tuple(got[0]), got[1], got[2], got[3], f"gathered ({', '.join(map(str, placements))})")
+
+
+def _place(items: dict, offsets: dict, shape: tuple, meta: dict) -> Value | None:
+    """The whole tensor from the ranks' local shards placed at their offsets (replicas of a shard,
+    same offset, counted once); None when the shards do not cover it."""
+    pieces = {}
+    for r in sorted(items):
+        pieces.setdefault((tuple(offsets[r]), items[r][0]), items[r])
+    sizes = [int(np.prod(local)) for (_, local) in pieces]
+    if sum(sizes) != int(np.prod(shape)):
+        return None
+    arrays = [it[3] for it in pieces.values()]
+    array = None
+    if all(a is not None for a in arrays):
+        array = np.zeros(shape, dtype=arrays[0].dtype)
+        for ((offset, local), _), a in zip(pieces.items(), arrays):
+            array[tuple(slice(o, o + n) for o, n in zip(offset, local))] = np.asarray(a).reshape(local)
+    stats = _combine_stats([it[2] for it in pieces.values()], sizes)
+    return Value(shape, next(iter(pieces.values()))[1], stats, array,
+                 f"gathered ({', '.join(map(str, meta.get('placements') or []))})")
+
+
+def assemble(specs: dict, parts: dict, tensors: bool, problems: list, target: tuple | None = None,
+             reduction: str | None = None) -> tuple[Value | None, str]:
+    """One value from each rank's spec of it (``specs``: rank -> spec), shaped like ``target``
+    where the ranks split it; returns (value, why not)."""
+    ranks = sorted(specs)
+    first = specs[ranks[0]]
+    items = {r: (tuple(specs[r]["shape"]), specs[r]["dtype"], specs[r].get("stats"),
+                 _read(parts[r], specs[r], tensors, problems)) for r in ranks}
+    meta = first.get("dtensor")
+    if meta:
+        if any(str(p).startswith(("P", "_Partial")) for p in meta.get("placements") or ()):
+            return None, "a DTensor with a Partial placement (a sum not yet taken)"
+        local = {r: (tuple(specs[r]["dtensor"].get("local_shape") or specs[r]["shape"]), *items[r][1:]) for r in ranks}
+        if all("offset" in specs[r]["dtensor"] for r in ranks):
+            v = _place(local, {r: specs[r]["dtensor"]["offset"] for r in ranks}, tuple(first["shape"]), meta)
+        else:
+            v = _gather_dtensor(local, meta)
+        return (v, "") if v is not None else (None, "a DTensor whose shards are not all recorded")
+    shape = items[ranks[0]][0]
+    if len(ranks) == 1 or target is None or tuple(target) == shape and not (reduction and shape == ()):
+        return Value(shape, *items[ranks[0]][1:], how=f"rank {ranks[0]}"), ""
+    if shape == () and reduction in ("mean", "sum"):
+        vals = [it[3] for it in items.values()]
+        means = [it[2]["mean"] if it[2] else None for it in items.values()]
+        if all(v is not None for v in vals):
+            arr = np.asarray(sum(np.asarray(v, np.float64) for v in vals) / (len(vals) if reduction == "mean" else 1))
+        else:
+            arr = None
+        if any(m is None for m in means):
+            return None, "a reduction whose statistics are missing on a rank"
+        x = sum(means) / (len(means) if reduction == "mean" else 1)
+        st = {"max": x, "min": x, "mean": x, "norm": abs(x), "nan": int(np.isnan(x)), "inf": int(np.isinf(x))}
+        return Value((), items[ranks[0]][1], st, arr, f"{reduction} over ranks {ranks[0]}-{ranks[-1]}"), ""
+    if len(target) == len(shape) and len(shape) and all(items[r][0][1:] == shape[1:] for r in ranks) \
+            and sum(items[r][0][0] for r in ranks) == target[0]:
+        return _concat([items[r] for r in ranks], 0, f"concatenated over ranks {ranks[0]}-{ranks[-1]} (dim 0)"), ""
+    return None, f"shapes {[list(items[r][0]) for r in ranks]} on the ranks do not make {list(target)}"
+
+
+# ---- scoring one pair -----------------------------------------------------------------------------------
+def score(a: Value, b: Value) -> dict:
+    """The metrics and verdict of one assembled pair."""
+    row = {"cosine": np.nan, "max_abs_err": np.nan, "rel_l2_err": np.nan, "stats_err": np.nan}
+    dtype = V.lower_precision(a.dtype, b.dtype)
+    if a.array is not None and b.array is not None and a.array.size == b.array.size:
+        if not is_float(dtype) or a.array.dtype.kind not in "fc":
+            mism = M.binary_mismatch(a.array, b.array)
+            return {**row, "rel_l2_err": mism, "status": V.ERROR if mism else V.PASS,
+                    "reason": f"{mism:.2%} of elements differ" if mism else ""}
+        if np.array_equal(a.array, b.array):
+            return {**row, "cosine": 1.0, "max_abs_err": 0.0, "rel_l2_err": 0.0, "status": V.PASS, "reason": ""}
+        met = M.compare_arrays(a.array, b.array, dtype)
+        scale = float(np.max(np.abs(b.array))) if b.array.size else 1.0
+        status, reason = V.judge_compare(met, dtype, scale if np.isfinite(scale) else 1.0)
+        return {**row, **{k: met.get(k, np.nan) for k in ("cosine", "max_abs_err", "rel_l2_err")},
+                "status": status, "reason": reason}
+    if a.stats is None or b.stats is None:
+        return {**row, "status": V.NOT_JUDGED,
+                "reason": "no values recorded"}
+    sa = {k: np.array([a.stats.get(k, np.nan)], np.float64) for k in S.KEYS}
+    sb = {k: np.array([b.stats.get(k, np.nan)], np.float64) for k in S.KEYS}
+    err = S.stats_error(sa, sb)
+    nonfinite = np.array([a.stats.get("nan", 0) != b.stats.get("nan", 0) or a.stats.get("inf", 0) != b.stats.get("inf", 0)])
+    status, reason = S.judge_stats_columns(err, [dtype], nonfinite)
+    return {**row, "stats_err": float(err[0]), "rel_l2_err": float(err[0]), "status": status[0], "reason": reason[0]}
+
+
+# ---- the runs ------------------------------------------------------------------------------------------
+def _loss_name(records: list) -> str | None:
+    """The record name of the loss: the last forward op with a 0-dim float output before backward."""
+    name = None
+    for r in records:
+        if r.get("stage") == "backward":
+            break
+        if r.get("kind") != "op" or r["op"].split(".")[1:2] == ["ones_like"]:
+            continue
+        outs = [s for _, _, s in walk(r, inputs=False)]
+        if outs and outs[0].get("shape") == [] and is_float(outs[0].get("dtype", "")):
+            name = r["name"]
+    return name
+
+
+def _model_forward(records: list) -> list:
+    """The forward op records of the model and its loss: those before backward begins (the
+    optimizer's ops come after it; its result is in the parameter records), the seed of the
+    gradient (``ones_like``) left out."""
+    out = []
+    for r in records:
+        if r.get("stage") == "backward":
+            break
+        if r.get("kind") == "op" and r.get("stage") == "forward" and r["op"].split(".")[1:2] != ["ones_like"]:
+            out.append(r)
+    return out
+
+
+def _forward(parts: dict) -> tuple[dict, list, dict]:
+    """name -> {rank: record} of the forward op records every rank holds, the lowest rank's names
+    in order, and its scopes by name."""
+    by_rank = {r: {rec["name"]: rec for rec in _model_forward(p.records)} for r, p in parts.items()}
+    first = by_rank[min(parts)]
+    common = {n: {r: by_rank[r][n] for r in parts} for n in first if all(n in by_rank[r] for r in parts)}
+    return common, list(first), {n: rec["scope"] for n, rec in first.items()}
+
+
+def _params(parts: dict) -> dict:
+    """(what, name, call) -> {rank: spec} of the parameter records."""
+    out: dict = {}
+    for r, p in parts.items():
+        for rec in p.params:
+            outs = rec.get("outputs") or []
+            if outs:
+                out.setdefault((rec["op"].partition(".")[2], parameter_name(rec["scope"]), rec["call"]), {})[r] = outs[0]
+    return out
+
+
+def compare_parallelism(run_a, run_b, tensors: bool = True) -> tuple[pd.DataFrame, ParallelVerdict]:
+    """Compare ``run_a`` with ``run_b`` (loaded runs whose ranks differ) on what both hold."""
+    ranks_a = sorted({k[1] for k in run_a.parts})
+    ranks_b = sorted({k[1] for k in run_b.parts})
+    steps_a, steps_b = {k[0] for k in run_a.parts}, {k[0] for k in run_b.parts}
+    steps = sorted(steps_a & steps_b)
+    problems: list = []
+    unpaired: list = []
+    if steps_a != steps_b:
+        unpaired.append(f"steps {sorted(steps_a ^ steps_b)} are in one run only")
+    rows = []
+    for step in steps:
+        pa = {k[1]: p for k, p in run_a.parts.items() if k[0] == step}
+        pb = {k[1]: p for k, p in run_b.parts.items() if k[0] == step}
+        rows += _step_rows(step, pa, pb, tensors, problems, unpaired)
+        for p in (*pa.values(), *pb.values()):
+            problems.extend(x for x in p.problems if x not in problems)
+    table = pd.DataFrame(rows, columns=TABLE_COLUMNS)
+    table["after_one_run_only"] = ["; ".join(x) if isinstance(x, list) else "" for x in table["after_one_run_only"]]
+    counts = {k: int(v) for k, v in table["status"].value_counts().items()} if len(table) else {}
+    first = parted = departure = None
+    if len(table):
+        bad = table[table["status"] == V.ERROR]
+        first = bad.iloc[0].to_dict() if len(bad) else None
+        off = table[table["status"].isin([V.ERROR, V.WARNING])]
+        parted = off.iloc[0].to_dict() if len(off) else None
+        moved = table[(table["status"] == V.PASS) & (table["rel_l2_err"].fillna(1.0) != 0.0)]
+        departure = moved.iloc[0].to_dict() if len(moved) else None
+    verdict = ParallelVerdict(str(run_a.path), str(run_b.path), ranks_a, ranks_b, steps, counts, first, parted,
+                              departure, unpaired, problems)
+    return table, verdict
+
+
+def _step_rows(step: int, pa: dict, pb: dict, tensors: bool, problems: list, unpaired: list) -> list:
+    rows = []
+    ra, rb = ",".join(map(str, sorted(pa))), ",".join(map(str, sorted(pb)))
+
+    def add(what, name, scope, arg, va, vb):
+        rows.append({"step": step, "what": what, "name": name, "scope": scope, "arg": arg, "ranks_a": ra,
+                     "ranks_b": rb, "shape_a": list(va.shape), "shape_b": list(vb.shape), "dtype_a": va.dtype,
+                     "dtype_b": vb.dtype, "how_a": va.how, "how_b": vb.how, **score(va, vb)})
+
+    # the loss and the forward ops
+    fa, order_a, scopes_a = _forward(pa)
+    fb, order_b, scopes_b = _forward(pb)
+    loss = {_loss_name(pa[min(pa)].records), _loss_name(pb[min(pb)].records)} - {None}
+    for name in order_a:
+        if name not in fa or name not in fb:
+            continue
+        rec_a, rec_b = fa[name], fb[name]
+        scope = module_path(rec_b[min(rec_b)]["scope"])
+        parts_of_op = rec_a[min(rec_a)]["op"].split(".")
+        reduction = parts_of_op[1] if len(parts_of_op) > 1 else None
+        walks_a = {r: {arg: s for io, arg, s in walk(rec, inputs=False)} for r, rec in rec_a.items()}
+        walks_b = {r: {arg: s for io, arg, s in walk(rec, inputs=False)} for r, rec in rec_b.items()}
+        for arg in walks_a[min(walks_a)]:
+            sa = {r: w[arg] for r, w in walks_a.items() if arg in w}
+            sb = {r: w[arg] for r, w in walks_b.items() if arg in w}
+            if len(sa) != len(walks_a) or len(sb) != len(walks_b) or any(
+                    "stats" not in s and "data" not in s for s in (*sa.values(), *sb.values())):
+                continue
+            tb = tuple(sb[min(sb)]["shape"]) if len(sb) == 1 else None
+            ta = tuple(sa[min(sa)]["shape"]) if len(sa) == 1 else None
+            va, why_a = assemble(sa, pa, tensors, problems, tb, reduction)
+            vb, why_b = assemble(sb, pb, tensors, problems, ta, reduction)
+            if va is None or vb is None or int(np.prod(va.shape)) != int(np.prod(vb.shape)):
+                if arg == "output.0" and (why_a or why_b):
+                    unpaired.append(f"step {step} forward op {name} [{scope or '<root>'}]: {why_a or why_b}")
+                continue
+            add("loss" if name in loss else "forward", name, scope, arg, va, vb)
+    only = {}
+    for side, order, other, scopes in (("a", order_a, fb, scopes_a), ("b", order_b, fa, scopes_b)):
+        names = [n for n in order if n not in other and not n.startswith(COMMUNICATION)]
+        only[side] = names
+        if names:
+            unpaired.append(f"step {step}: {len(names)} forward op(s) in run {side.upper()} only (first: {names[0]} "
+                            f"[{module_path(scopes[names[0]]) or '<root>'}])")
+    for r in rows:     # per paired row: the ops of one run only just before it (since the previous pair)
+        r["after_one_run_only"] = []
+        for side, order, other, scopes in (("a", order_a, fb, scopes_a), ("b", order_b, fa, scopes_b)):
+            if r["name"] not in order:
+                continue
+            k = order.index(r["name"]) - 1
+            while k >= 0 and order[k] not in other:
+                if order[k] in only[side]:
+                    r["after_one_run_only"].append(f"{order[k]} [{module_path(scopes[order[k]]) or '<root>'}] in run {side.upper()} only")
+                k -= 1
+
+    # parameters: gradients as the optimizer read them, values after its step
+    qa, qb = _params(pa), _params(pb)
+    if not qa or not qb:
+        unpaired.append(f"step {step}: no parameter records in run {'A' if not qa else 'B'} (record with the "
+                        "statistics or tensor task and parameters: true; the optimizer must step while the probe records)")
+    for what in ("grad", "value"):
+        for key in [k for k in qb if k[0] == what]:
+            if key not in qa:
+                unpaired.append(f"step {step}: parameter {key[1]} ({what}) only in run B")
+                continue
+            va, why_a = assemble(qa[key], pa, tensors, problems)
+            vb, why_b = assemble(qb[key], pb, tensors, problems)
+            if va is None or vb is None:
+                unpaired.append(f"step {step}: parameter {key[1]} ({what}): {why_a or why_b}")
+                continue
+            if va.shape != vb.shape:
+                unpaired.append(f"step {step}: parameter {key[1]} ({what}): shapes {list(va.shape)} and {list(vb.shape)}")
+                continue
+            add(what, key[1], key[1].rpartition(".")[0], "value" if what == "value" else "grad", va, vb)
+        for key in [k for k in qa if k[0] == what and k not in qb]:
+            unpaired.append(f"step {step}: parameter {key[1]} ({what}) only in run A")
+    return rows
+
+
+def _index(parts: dict, name: str) -> int:
+    recs = parts[min(parts)].records
+    return next(i for i, r in enumerate(recs) if r["name"] == name)

@@ -1,0 +1,84 @@
+"""One model trained on one global batch, as 1 process or as 2-rank DDP / FSDP2, recorded for
+``test_distributed_compare.py``:
+
+    python distributed_compare_train.py single OUT [RUN ...]
+    torchrun --nproc-per-node 2 distributed_compare_train.py {ddp,fsdp} OUT [RUN ...]
+
+Every run starts from the same weights and sees the same 8 samples per step; a rank of W takes
+its 8/W of them.  RUN ``clean`` records as is; ``planted`` scales the output of ``up`` by 1.001
+(a forward hook), the planted change compare must name.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+from torch import nn
+
+from dispatchprobe import DispatchProbe
+
+STEPS = 2
+BATCH = 8
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(8, 16)
+        self.down = nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+def build(kind: str):
+    torch.manual_seed(0)
+    model = MLP()
+    if kind == "ddp":
+        return nn.parallel.DistributedDataParallel(model)
+    if kind == "fsdp":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+        fully_shard(model.up, mesh=mesh)
+        fully_shard(model.down, mesh=mesh)
+        return fully_shard(model, mesh=mesh)
+    return model
+
+
+def train(kind: str, out: str, run: str, task: str = "tensor") -> None:
+    model = build(kind)
+    if run == "planted":
+        inner = model.module if kind == "ddp" else model
+        inner.up.register_forward_hook(lambda mod, args, output: output * 1.001)
+    rank, world = (torch.distributed.get_rank(), torch.distributed.get_world_size()) if kind != "single" else (0, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(1)
+    probe = DispatchProbe(task=task, dump_path=os.path.join(out, run))
+    share = BATCH // world
+    for _ in range(STEPS):
+        x = torch.randn(BATCH, 8, generator=gen)[rank * share:(rank + 1) * share]
+        probe.start()
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        probe.step()
+    probe.close()
+
+
+def main() -> None:
+    kind, out = sys.argv[1], sys.argv[2]
+    if kind != "single":
+        torch.distributed.init_process_group("gloo")
+    for run in sys.argv[3:] or ("clean",):
+        train(kind, out, run)
+    if kind != "single":
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
