@@ -64,21 +64,26 @@ def test_overflow_demo_one_account(tmp_path):
 
 
 def test_compare_without_out_says_how_to_list_problems(tmp_path):
-    def run(path, steps):
+    def run(path, steps, extra):
         probe = DispatchProbe(task="statistics", dump_path=str(path))
         for _ in range(steps):
             with probe:
-                torch.ones(3) * 2
+                y = torch.ones(3) * 2
+                if extra:
+                    y + 1
             probe.step()
         probe.close()
-    run(tmp_path / "a", 7)
-    run(tmp_path / "b", 1)
+    run(tmp_path / "a", 7, True)     # each step: one record B does not have (a problem per step)
+    run(tmp_path / "b", 7, False)
     _, verdict = dispatchprobe.compare(str(tmp_path / "a"), str(tmp_path / "b"))
     text = str(verdict)
     assert "more problems (add -o DIR to list them in DIR/compare.html)" in text and "see the report" not in text
     _, verdict = dispatchprobe.compare(str(tmp_path / "a"), str(tmp_path / "b"), out=str(tmp_path / "rep"))
     assert "more problems (listed in the report)" in str(verdict)
-    assert "only in" in (tmp_path / "rep" / "compare.html").read_text()
+    assert "could not be aligned" in (tmp_path / "rep" / "compare.html").read_text()
+    run(tmp_path / "c", 1, False)    # steps of one run only: one line, however many
+    text = str(dispatchprobe.compare(str(tmp_path / "b"), str(tmp_path / "c")).verdict)
+    assert f"steps 1..6 (6) x rank 0: 6 step/rank part(s) only in {tmp_path / 'b'}; not compared" in text, text
 
 
 def test_compare_a_run_with_itself_says_so(stats_run):
