@@ -176,11 +176,13 @@ def loss_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("loss_twin")
     x = np.random.RandomState(1).randn(8, 16).astype(np.float32)
     y = np.arange(8) % 8
-    for name, planted in (("ms", False), ("ms_planted", True)):
+    for name, planted in (("ms", None), ("ms_planted", "act"), ("ms_smoothed", "loss")):
         ms.set_seed(0)
         net = LossNet()
-        if planted:
+        if planted == "act":
             net.act = WrongGELU()
+        elif planted == "loss":     # inside the loss region: label smoothing the other run lacks
+            net.loss = nn.CrossEntropyLoss(label_smoothing=0.2)
         else:
             twin = torch_loss_twin(net)
         grad_fn = ms.value_and_grad(net, None, net.trainable_params())
@@ -204,6 +206,8 @@ def test_loss_cell_against_loss_function_compares_at_the_region_boundary(loss_ru
     # the loss value and the logits' gradient: MindSpore's CrossEntropyLoss cell against aten's ops
     assert {"aten.nll_loss_forward.default", "aten._log_softmax_backward_data.default"} <= aten
     assert (region["status"] == "pass").all() and set(region["scope"]) == ({"LossNet.loss"} if a == "ms" else {""})
+    fwd = region[region["stage"] == "forward"].set_index("arg")          # the loss's inputs too: logits, labels
+    assert fwd.loc["input.0", "shape_a"] == (8, 8) and fwd.loc["input.1", "dtype_a"].startswith("int"), fwd
     um = verdict.unmatched
     assert (um["explained"] != "").all(), um[um["explained"] == ""]
     assert um["explained"].str.contains(r"inside a region compared at its boundary \(LossNet.loss\)").sum() > 20
@@ -329,3 +333,12 @@ def test_planted_change_in_a_projection_is_named_there(attention_runs, planted):
     _, verdict = compare(str(attention_runs / planted), str(attention_runs / other))
     first = verdict.forward or verdict.departure
     assert first is not None and first.scope == f"Attention.{'v' if planted == 'ms_planted' else 'k'}", str(verdict)
+
+
+def test_change_inside_a_loss_region_is_named_at_the_region(loss_runs):
+    """The region's inputs (logits, labels) agree and its result does not: the loss region itself."""
+    table, verdict = compare(str(loss_runs / "ms_smoothed"), str(loss_runs / "torch"))
+    first = verdict.forward
+    assert first is not None and first.scope == "LossNet.loss" and first.cause == "op", str(verdict)
+    entering = table[(table["match"] == "region boundary") & (table["stage"] == "forward") & (table["io"] == "input")]
+    assert len(entering) == 2 and (entering["status"] == "pass").all()

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import yaml
 
 from ..core import op_traits
-from ..records.format import output_shapes
+from ..records.format import output_shapes, walk
 
 # Above this many elements in a gap, the quadratic SequenceMatcher is replaced by in-order pairing.
 _MAX_GAP = 20000
@@ -84,6 +84,7 @@ class Alignment:
     only_a: list         # indices into A's records
     only_b: list
     inside: dict = field(default_factory=dict)   # ("a"/"b", index) -> scope of the region compared at its boundary
+    boundary: dict = field(default_factory=dict)  # (i, j) of a region-boundary pair -> [(spec_a, spec_b)]: its inputs
 
 
 def _match_blocks(ka: list, kb: list, ia: list, ib: list, how: str, pairs: list):
@@ -172,12 +173,13 @@ def align_ops(recs_a: list, recs_b: list, ia: list, ib: list, mapping: Mapping, 
             pairs.extend(found)
         gaps = next_gaps
     inside: dict = {}
+    boundary: dict = {}
     if regions is not None:
-        gaps = _pair_regions(recs_a, recs_b, gaps, mapping, regions, pairs, inside)
+        gaps = _pair_regions(recs_a, recs_b, gaps, mapping, regions, pairs, inside, boundary)
         gaps = _pair_leftovers(recs_a, recs_b, gaps, lambda r, m: keyers[0][1](r, m), mapping, pairs)
     only_a = [i for ga, _ in gaps for i in ga]
     only_b = [i for _, gb in gaps for i in gb]
-    return Alignment(pairs, only_a, only_b, inside)
+    return Alignment(pairs, only_a, only_b, inside, boundary)
 
 
 def _within(scope: str, outer: str) -> bool:
@@ -185,12 +187,13 @@ def _within(scope: str, outer: str) -> bool:
 
 
 def _pair_regions(recs_a: list, recs_b: list, gaps: list, mapping: Mapping, regions: tuple, pairs: list,
-                  inside: dict) -> list:
+                  inside: dict, boundary: dict) -> list:
     """A module one run computes inside a cell of its own (MindSpore's ``nn.CrossEntropyLoss``)
     and the other in its caller (``F.cross_entropy`` at top level): when a gap's records on one
     side all lie in one scope the other run never records, and the other side's lie in an
     enclosing scope, the two regions are compared at their boundary: their last records (the
-    region's result) pair, output by output; the records inside go to ``inside``.  ``regions``: the
+    region's result) pair, output by output, and the values entering the regions pair as its inputs
+    (``boundary``: :func:`_region_inputs`); the records inside go to ``inside``.  ``regions``: the
     scopes each run records."""
     out = []
     for ga, gb in gaps:
@@ -201,11 +204,58 @@ def _pair_regions(recs_a: list, recs_b: list, gaps: list, mapping: Mapping, regi
                 if len(own) == 1 and (inner := next(iter(own))) and inner not in other_scopes \
                         and all(_within(inner, o) and o != inner for o in other):
                     pairs.append((ga[-1], gb[-1], "region boundary"))
+                    boundary[ga[-1], gb[-1]] = _region_inputs(_entering(recs_a, ga), _entering(recs_b, gb))
                     ga, gb = ga[:-1], gb[:-1]
                     inside.update({**{("a", i): inner for i in ga}, **{("b", i): inner for i in gb}})
                     break
         out.append((ga, gb))
     return out
+
+
+def _value_keys(spec: dict) -> list:
+    """What recognises a value across records: its saved-tensor key and its dtype + statistics."""
+    st = spec.get("stats")
+    return [k for k in (spec.get("data"), (spec.get("dtype"), *map(str, st.values())) if st else None) if k is not None]
+
+
+def _entering(recs: list, idx: list) -> list:
+    """The tensor values records ``idx`` read that none of them made (in order, each once): a
+    region's inputs.  Left-out layout ops a record carries (``through``) pass a made value on."""
+    made, seen, out = set(), set(), []
+    for i in idx:
+        r = recs[i]
+        for t in r.get("through", ()):
+            ins = [s for s in t.get("inputs") or () if s.get("type") == "tensor"]
+            if ins and made.intersection(_value_keys(ins[0])):
+                made.update(k for s in t.get("outputs") or () if s.get("type") == "tensor" for k in _value_keys(s))
+        for io, _, spec in walk(r):
+            keys = _value_keys(spec)
+            if io == "output":
+                made.update(keys)
+            elif keys and not made.intersection(keys) and not seen.intersection(keys):
+                seen.update(keys)
+                out.append(spec)
+    return out
+
+
+def _region_inputs(xa: list, xb: list, most: float = 0.05) -> list:
+    """Two regions' entering values paired by size and closest statistics (at most ``most`` apart:
+    a value one framework's region reads and the other's does not, such as a softmax where the other
+    reads a log-softmax, stays out); in A's order."""
+    def numel(s):
+        return math.prod(s.get("shape") or ())
+
+    def whole(s):
+        return str(s.get("dtype", "")).startswith(("int", "uint", "bool"))
+    cands = sorted((stats_distance(sa, sb), x, y) for x, sa in enumerate(xa) for y, sb in enumerate(xb)
+                   if numel(sa) == numel(sb) and whole(sa) == whole(sb))
+    used_a, used_b, out = set(), set(), []
+    for d, x, y in cands:
+        if d <= most and x not in used_a and y not in used_b:
+            used_a.add(x)
+            used_b.add(y)
+            out.append((x, xa[x], xb[y]))
+    return [(sa, sb) for _, sa, sb in sorted(out, key=lambda t: t[0])]
 
 
 def _pair_leftovers(recs_a: list, recs_b: list, gaps: list, key, mapping: Mapping, pairs: list) -> list:
@@ -328,7 +378,7 @@ def align(recs_a: list, recs_b: list, match: str = "fuzzy", mapping: Mapping | N
     ``by_stats``: equal-key runs paired by closest statistics (:func:`pair_runs_by_stats`)."""
     mapping = mapping or Mapping()
     regions = ({mapping.scope(r["scope"]) for r in recs_a}, {r["scope"] for r in recs_b}) if by_stats else None
-    pairs, only_a, only_b, inside = [], [], [], {}
+    pairs, only_a, only_b, inside, boundary = [], [], [], {}, {}
     for stage in ("forward", "backward"):
         for kind in ("op", "module"):
             ia = [i for i, r in enumerate(recs_a) if r["stage"] == stage and r["kind"] == kind]
@@ -341,6 +391,7 @@ def align(recs_a: list, recs_b: list, match: str = "fuzzy", mapping: Mapping | N
                 al = align_ops(recs_a, recs_b, ia, ib, mapping, regions)
             pairs += al.pairs
             inside.update(al.inside)
+            boundary.update(al.boundary)
             only_a += al.only_a
             only_b += al.only_b
     # records of any other stage count as unmatched rather than vanish
@@ -348,4 +399,4 @@ def align(recs_a: list, recs_b: list, match: str = "fuzzy", mapping: Mapping | N
     only_a += [i for i, r in enumerate(recs_a) if r["stage"] not in known]
     only_b += [i for i, r in enumerate(recs_b) if r["stage"] not in known]
     pairs = pair_runs_by_stats(pairs, recs_a, recs_b) if by_stats else sorted(pairs)
-    return Alignment(pairs, sorted(only_a), sorted(only_b), inside)
+    return Alignment(pairs, sorted(only_a), sorted(only_b), inside, boundary)

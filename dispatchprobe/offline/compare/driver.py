@@ -91,7 +91,11 @@ def _compare_parts(part_a: Part, part_b: Part, match: str, mapping: Mapping, ten
         head = (ra["stage"], ra["kind"], seq_a[i], ra["scope"], ra["op"], rb["op"], ra["name"], rb["name"],
                 ra["call"], rb["call"], how)
         overwritten = op_traits.overwrites_first_input(ra["op"])
-        for io, arg, sa, sb in _pair_tensors(walks_a[i], walks_b[j], same, rb["op"] if cross else ""):
+        tensors = _pair_tensors(walks_a[i], walks_b[j], same, rb["op"] if cross else "")
+        if how == "region boundary":   # and the values entering the two regions (align._region_inputs)
+            entering = [("input", f"input.{k}", sa, sb) for k, (sa, sb) in enumerate(al.boundary.get((i, j), ()))]
+            tensors = [*entering, *tensors]
+        for io, arg, sa, sb in tensors:
             if overwritten and arg == "input.0":
                 continue  # the destination's old (often uninitialised) content is not an input
             if stack is None:
