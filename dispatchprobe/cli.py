@@ -146,6 +146,27 @@ def compare(a, b, out, match, mapping, jobs, metric, stats_only):
         sys.exit(1)
 
 
+@main.command()
+@click.argument("run", type=click.Path())
+@click.option("-o", "--out", default=None, type=OUT_DIR, help="Write ranks.csv and ranks.html here.")
+@click.option("--stats-only", is_flag=True, help="Ignore saved tensors; judge from recorded statistics only.")
+@click.option("--progress/--no-progress", default=None, help="Progress bar (default: when stderr is a terminal).")
+def ranks(run, out, stats_only, progress):
+    """Check the ranks of one distributed run against each other.
+
+    Collectives against their semantics across each group, replicas of data-parallel groups for
+    drift, inf/nan to the rank and op where they started.  Exit code 0 when the ranks agree, 2
+    when they do not, 1 when it cannot judge (a rank's records missing, one rank only).
+    """
+    from .offline.ranks import check_run
+    _, verdict = check_run(run, out, tensors=not stats_only,
+                           progress=sys.stderr.isatty() if progress is None else progress)
+    click.echo(str(verdict))
+    if out:
+        click.echo(f"table: {os.path.join(out, 'ranks.csv')}\nreport: {os.path.join(out, 'ranks.html')}")
+    sys.exit(verdict.code)
+
+
 @main.command("run-ut")
 @click.argument("records", type=click.Path(), required=False)
 @click.option("-o", "--out", "out_dir", default=None, type=OUT_DIR,

@@ -113,6 +113,10 @@ class _ProbeMode(TorchDispatchMode):
             probe.uninitialised.written(func, args, kwargs, out)
         if not recorded:          # stage or scope filtered out: nothing more to do
             return out
+        if written or facts.out_args:
+            # autograd moves a written tensor's version counter only once this call returns: count
+            # the write now, so that the record measures the new values, not a cached earlier reading
+            _replace_args(written + facts.out_args, args, kwargs, _count_write)
         if collective:            # outputs hold their values once the work is waited for
             collectives.settle(func, out)
             seen_args, seen_kwargs = collectives.named_groups(func, seen_args, seen_kwargs)
@@ -149,6 +153,11 @@ def _replace_args(positions, args, kwargs, replace):
         elif name in kwargs:
             kwargs[name] = swap(kwargs[name])
     return tuple(args), kwargs
+
+
+def _count_write(t):
+    tensor_kinds.unseen_write(t)
+    return t
 
 
 def _destinations(outs, args, kwargs, undefined: set | None):

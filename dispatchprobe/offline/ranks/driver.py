@@ -1,0 +1,197 @@
+"""``dispatchprobe ranks RUN``: one run's ranks checked against each other, step by step.
+
+:func:`check_parts` does the work for any list of (step, rank) parts (each step is checked with
+the ranks listed for it), so that the steps can be shared out; :func:`merge` turns the results
+into one table and verdict; :func:`check_run` does both for a whole run and writes the outputs."""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+import pandas as pd
+
+from ...records.reader import Run, load
+from ...standards import verdicts as V
+from .collectives import calls_of, check_call
+from .inf_nan import describe, first_nonfinite
+from .replicas import data_parallel_members, find_drifts
+from .values import Values
+
+COLUMNS = ["step", "check", "status", "rank", "ranks", "group", "seq", "kind", "op", "name", "scope", "stage", "id",
+           "arg", "size", "detail"]
+AGREE, NOT_JUDGED, DIFFERS = "agree", "not judged", "differs"
+ORIGIN, RECEIVED, CAME_IN = "inf/nan origin", "inf/nan received", "inf/nan came in"
+
+
+class StepResult(NamedTuple):
+    step: int
+    ranks: list
+    rows: list              # dicts with COLUMNS
+    compared: int           # replicated values compared
+    missing: list           # "why it cannot judge" lines
+
+
+def check_parts(run: Run | str, parts, *, tensors: bool = True, progress: bool = False) -> list[StepResult]:
+    """Check the given (step, rank) parts of ``run``: each step with the ranks listed for it."""
+    run = load(run) if isinstance(run, (str, os.PathLike)) else run
+    by_step: dict[int, list] = {}
+    for step, rank in sorted(parts):
+        by_step.setdefault(step, []).append(rank)
+    from tqdm import tqdm
+    out = []
+    with tqdm(total=sum(map(len, by_step.values())), desc="ranks", unit="part", disable=not progress,
+              leave=False) as bar:
+        for step, ranks in by_step.items():
+            out.append(check_step(run, step, ranks, tensors=tensors))
+            bar.update(len(ranks))
+    return out
+
+
+def check_step(run: Run, step: int, ranks: list, *, tensors: bool = True) -> StepResult:
+    parts = {r: run.part(step, r) for r in ranks}
+    records = {r: p.records for r, p in parts.items()}
+    values = Values(parts, tensors)
+    rows: list[dict] = []
+    missing: list[str] = []
+    # 1. collectives, joined by (group, seq)
+    joined: dict = {}
+    for r in ranks:
+        for key, call in calls_of(r, records[r]).items():
+            joined.setdefault(key, []).append(call)
+    absent = set()
+    for (group, seq), calls in sorted(joined.items(), key=lambda kv: (str(kv[0][0]), kv[0][1])):
+        members = calls[0].members
+        gone = sorted(set(members) - set(ranks))
+        if gone:
+            absent.update(gone)
+            continue
+        finding = check_call(calls, values)
+        rec = calls[0].record
+        status = {V.PASS: AGREE, V.ERROR: DIFFERS}.get(finding.status, NOT_JUDGED)
+        named = finding.ranks[0] if finding.ranks else calls[0].rank
+        first = next((c for c in calls if c.rank == named), calls[0])
+        rows.append(_row(step, "collective", status, first.rank, finding.ranks, first.record, first.index,
+                         arg="", size=finding.size, detail=finding.detail, group=group, seq=seq,
+                         kind=rec["collective"].get("kind")))
+    for r in sorted(absent):
+        missing.append(f"step {step}: rank {r}'s records are missing (its groups' collectives cannot be joined)")
+    # 2. replicas, per data-parallel group
+    groups: dict = {}
+    for r in ranks:
+        dp = data_parallel_members(records[r])
+        if len(dp) > 1:
+            groups.setdefault(dp, []).append(r)
+    compared = 0
+    for dp, members in groups.items():
+        if set(dp) - set(members):
+            missing.append(f"step {step}: rank {', '.join(map(str, sorted(set(dp) - set(members))))}'s records "
+                           f"are missing (data-parallel group {sorted(dp)})")
+        if len(members) < 2:
+            continue
+        drifts, n = find_drifts({r: records[r] for r in members}, values)
+        compared += n
+        for d in drifts:
+            rows.append(_row(step, "replica", DIFFERS, d.ranks[0], d.ranks, d.record, d.index, arg=d.arg, size=d.size,
+                             detail=f"{d.what} {d.arg} differs on rank {', '.join(map(str, d.ranks))} from rank "
+                                    f"{d.reference}: {d.detail}; {d.context}"))
+    # 3. inf/nan: where they started
+    firsts = [f for f in (first_nonfinite(r, records[r]) for r in ranks) if f is not None]
+    for f in firsts:
+        status = {"made": ORIGIN, "received": RECEIVED}.get(f.how, CAME_IN)
+        info = f.record.get("collective") or {}
+        rows.append(_row(step, "inf/nan", status, f.rank, [f.rank], f.record, f.index, arg="", detail=describe(f),
+                         group=info.get("group", ""), seq=info.get("seq"), kind=info.get("kind", "")))
+    return StepResult(step, list(ranks), rows, compared, missing)
+
+
+def _row(step, check, status, rank, ranks, record, index, *, arg, detail, size=float("nan"), group="", seq=None,
+         kind="") -> dict:
+    return {"step": step, "check": check, "status": status, "rank": rank, "ranks": " ".join(map(str, ranks)),
+            "group": group if group is not None else "", "seq": seq, "kind": kind, "op": record["op"],
+            "name": record["name"], "scope": record.get("scope") or "", "stage": record.get("stage"),
+            "id": record.get("id", index), "arg": arg, "size": size, "detail": detail}
+
+
+class RanksVerdict:
+    """What ``dispatchprobe ranks`` says: the finding first, then the counts.  ``code``: 0 the ranks
+    agree, 2 they do not (or inf/nan started on some rank), 1 it cannot judge."""
+
+    def __init__(self, lines: list[str], code: int):
+        self.lines = lines
+        self.code = code
+
+    def __str__(self) -> str:
+        return "\n".join(self.lines)
+
+
+def merge(results: list[StepResult], run_ranks=None) -> tuple[pd.DataFrame, RanksVerdict]:
+    """One table (step, then check order) and the verdict of a list of step results."""
+    rows = [r for res in sorted(results, key=lambda x: x.step) for r in res.rows]
+    table = pd.DataFrame(rows, columns=COLUMNS)
+    table["seq"] = table["seq"].astype("Int64")
+    missing = [m for res in results for m in res.missing]
+    coll = table[table["check"] == "collective"]
+    counts = coll["status"].value_counts()
+    steps = sorted({res.step for res in results})
+    ranks = sorted({r for res in results for r in res.ranks})
+    compared = sum(res.compared for res in results)
+    drifts = table[table["check"] == "replica"]
+    origins = table[table["status"] == ORIGIN]
+    summary = (f"{len(coll)} collective calls on {coll['group'].nunique()} group(s) over {len(steps)} step(s) and "
+               f"{len(ranks)} rank(s): {int(counts.get(AGREE, 0))} agree, {int(counts.get(DIFFERS, 0))} differ, "
+               f"{int(counts.get(NOT_JUDGED, 0))} not judged; {compared} replicated values compared, "
+               f"{len(drifts)} drift(s)")
+    finding = _first_finding(table)
+    if finding:
+        lines = [finding, summary]
+        first_step = table.loc[table["check"] == "inf/nan", "step"].min()
+        lines += [f"  {r.detail} (step {r.step})" for r in table[table["check"] == "inf/nan"].itertuples()
+                  if r.step == first_step and not finding.startswith("inf/nan")][:6]
+        return table, RanksVerdict(lines + [f"cannot judge: {m}" for m in missing], 2)
+    if missing:
+        return table, RanksVerdict([f"cannot judge: {missing[0]}", summary] + [f"cannot judge: {m}" for m in missing[1:]], 1)
+    if len(ranks) < 2:
+        return table, RanksVerdict([f"cannot judge: the run holds rank {ranks[0] if ranks else '-'} only; "
+                                    "`ranks` compares the ranks of one distributed run", summary], 1)
+    if not len(coll):
+        return table, RanksVerdict(["cannot judge: no collective is recorded (record the steps with torchrun; "
+                                    "collectives left out by `list` or `scope` still number, but are not recorded)",
+                                    summary], 1)
+    return table, RanksVerdict([f"the ranks agree: {summary}"], 0)
+
+
+def _first_finding(table: pd.DataFrame) -> str | None:
+    """The one line that leads the verdict: a rank calling another collective, a collective that
+    broke its semantics, a replica drift, where inf/nan started -- the earliest step first."""
+    for check, status in (("collective", DIFFERS), ("replica", DIFFERS), ("inf/nan", ORIGIN), ("inf/nan", CAME_IN)):
+        hit = table[(table["check"] == check) & (table["status"] == status)]
+        if not len(hit):
+            continue
+        r = hit.sort_values("step", kind="stable").iloc[0]
+        where = f"{r['op']} [{r['scope'] or '<top>'}] (step {r['step']}, {r['stage']})"
+        if check == "collective":
+            return f"collective #{r['seq']} on group {r['group']} differs: {where}: {r['detail']}"
+        if check == "replica":
+            return f"replica drift on rank {r['ranks']}: {where}: {r['detail']}"
+        recv = table[(table["step"] == r["step"]) & (table["status"] == RECEIVED)]
+        via = "; ".join(f"rank {x.rank} received them through {x.op} #{x.seq} on group {x.group} "
+                        f"[{x.scope or '<top>'}]" for x in recv.itertuples())
+        return f"inf/nan started on rank {r['rank']}: {where}: {r['detail']}" + (f"; {via}" if via else "")
+    return None
+
+
+def check_run(path, out: str | None = None, *, tensors: bool = True, progress: bool = False):
+    """Check every part of a run; write ``ranks.csv`` and ``ranks.html`` to ``out`` when given."""
+    run = load(path)
+    if not run.parts:
+        raise ValueError(f"{path}: no step*/rank* folders with records")
+    results = check_parts(run, list(run.parts), tensors=tensors, progress=progress)
+    table, verdict = merge(results)
+    if out:
+        from ...records.writer import atomic_write_text
+        from .page import ranks_html
+        os.makedirs(out, exist_ok=True)
+        atomic_write_text(os.path.join(out, "ranks.csv"), table.to_csv(index=False))
+        atomic_write_text(os.path.join(out, "ranks.html"), ranks_html(run, table, verdict))
+    return table, verdict
