@@ -76,3 +76,118 @@ def test_parameters_are_marked(runs):
     addmm = [r for r in records(out, "statistics", 0, 1) if r["op"] == "aten.addmm.default" and r["stage"] == "forward"]
     # bias, input, transposed weight: the parameters (and the view of one) are marked, the batch is not
     assert [[t.get("param", False) for t in r["inputs"]] for r in addmm] == [[True, False, True]] * 2
+
+
+# ---- dispatchprobe ranks --------------------------------------------------------------------------
+def ranks(run: Path, *args) -> tuple[int, str]:
+    from click.testing import CliRunner
+    from dispatchprobe.cli import main
+    res = CliRunner().invoke(main, ["ranks", str(run), *args])
+    return res.exit_code, res.output
+
+
+@pytest.mark.parametrize("kind", ["ddp", "fsdp", "tp"])
+def test_clean_runs_agree(runs, kind, tmp_path):
+    import pandas as pd
+    for task in ("statistics", "tensor"):
+        code, out = ranks(runs(kind) / task, "-o", str(tmp_path / task))
+        assert code == 0, out
+        assert out.startswith("the ranks agree: ") and " 0 differ, 0 not judged;" in out, out
+        table = pd.read_csv(tmp_path / task / "ranks.csv")
+        calls = table[table["check"] == "collective"]
+        assert len(calls) and (calls["status"] == "agree").all()
+        if task == "tensor":      # values checked against the semantics, from the saved tensors
+            assert not calls["detail"].str.contains("not checked").any(), calls["detail"].tolist()
+
+
+def test_replica_nudged_after_ddp_broadcast_is_named(runs):
+    for task, how in (("statistics", "statistics differ"), ("tensor", "1 of 128 elements differ, by up to 0.001")):
+        code, out = ranks(runs("ddp", "nudge") / task)
+        assert code == 2, out
+        first = out.splitlines()[0]
+        assert first.startswith("replica drift on rank 1: aten.addmm.default [DistributedDataParallel.module.up] "
+                                "(step 0, forward): parameter input.2 differs on rank 1 from rank 0: "), first
+        assert how in first
+
+
+def test_comm_hook_that_alters_one_ranks_bucket_is_named(runs):
+    for task in ("statistics", "tensor"):
+        code, out = ranks(runs("ddp", "hook") / task)
+        assert code == 2, out
+        first = out.splitlines()[0]
+        assert first.startswith("replica drift on rank 1: aten.add_.Tensor [<top>] (step 0, forward): parameter "
+                                "output.0 differs on rank 1 from rank 0"), first
+        # the collective the replicas came out of equal, and the op on rank 1's bucket that ran after it
+        assert "the last collective before it: c10d.allreduce_.default #0 on group 0 " \
+               "[DistributedDataParallel.module.up]" in first
+        assert "then aten.mul_.Tensor [DistributedDataParallel.module.up] (backward) ran on replicated values with " \
+               "number arguments that differ by rank (rank 0: input.1=0.5; rank 1: input.1=0.5005)" in first
+        assert " 0 differ," in out.splitlines()[1]        # the all-reduce itself is right
+
+
+def test_inf_planted_on_one_rank_is_traced_to_its_origin(runs, tmp_path):
+    import pandas as pd
+    for task in ("statistics", "tensor"):
+        code, out = ranks(runs("ddp", "inf") / task, "-o", str(tmp_path / task))
+        assert code == 2, out
+        assert out.splitlines()[0] == (
+            "inf/nan started on rank 1: aten.pow.Tensor_Scalar [<top>] (step 0, forward): rank 1 made inf/nan from "
+            "finite inputs in aten.pow.Tensor_Scalar [<top>] (forward); rank 0 received them through "
+            "c10d.allreduce_.default #0 on group 0 [DistributedDataParallel.module.up]"), out
+        table = pd.read_csv(tmp_path / task / "ranks.csv")
+        rows = table[(table["check"] == "inf/nan") & (table["step"] == 0)].set_index("rank")
+        assert rows.loc[1, "status"] == "inf/nan origin" and rows.loc[0, "status"] == "inf/nan received"
+        assert rows.loc[0, "op"] == "c10d.allreduce_.default" and rows.loc[0, "seq"] == 0
+
+
+def _copy(run: Path, tmp_path: Path) -> Path:
+    import shutil
+    dest = tmp_path / run.name
+    shutil.copytree(run, dest)
+    return dest
+
+
+def _edit(part: Path, op: str, change) -> None:
+    lines = [json.loads(line) for line in (part / "ops.jsonl").read_text().splitlines()]
+    for r in lines:
+        if r["op"] == op:
+            change(r)
+            break
+    (part / "ops.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+
+
+def test_collective_semantics_and_mismatched_calls_are_named(runs, tmp_path):
+    run = _copy(runs("fsdp") / "statistics", tmp_path / "a")
+
+    def shifted(r):       # rank 1's all-gather result moved: it no longer holds what rank 0's does
+        r["outputs"][0]["stats"]["mean"] += 0.01
+    _edit(run / "step1" / "rank1", "c10d._allgather_base_.default", shifted)
+    code, out = ranks(run)
+    assert code == 2 and out.startswith("collective #6 on group 0 differs: c10d._allgather_base_.default "
+                                        "[FSDPMLP.up] (step 1, forward): results differ across ranks: rank 1"), out
+
+    run = _copy(runs("ddp") / "statistics", tmp_path / "b")
+
+    def reshaped(r):      # rank 1 reduces a bucket of another size at the same sequence number
+        r["inputs"][0]["value"][0]["shape"] = [140]
+    _edit(run / "step0" / "rank1", "c10d.allreduce_.default", reshaped)
+    code, out = ranks(run)
+    assert code == 2 and "rank 1 calls c10d.allreduce_.default SUM (float32[140]) where rank 0 calls " \
+                         "c10d.allreduce_.default SUM (float32[280])" in out.splitlines()[0], out
+
+
+def test_missing_rank_cannot_be_judged(runs, tmp_path):
+    import shutil
+    run = _copy(runs("ddp") / "statistics", tmp_path)
+    shutil.rmtree(run / "step1" / "rank1")
+    code, out = ranks(run)
+    assert code == 1 and out.startswith("cannot judge: step 1: rank 1's records are missing"), out
+
+
+def test_ranks_page_marks_the_first_finding(runs, tmp_path):
+    from html_check import page_data
+    ranks(runs("ddp", "nudge") / "tensor", "-o", str(tmp_path))
+    data = page_data((tmp_path / "ranks.html").read_text())
+    mark = data["marks"]["forward"]
+    assert data["nodes"][mark["node"]]["path"] == "DistributedDataParallel.module.up"
+    assert mark["text"] == "first forward finding: aten.addmm.default (step 0 rank 1)"
