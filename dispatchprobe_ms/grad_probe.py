@@ -44,6 +44,7 @@ class GradReader:
         step_on, here = h.begin(optimizer)
         if not here:
             return
+        items = []
         for name, grad in zip(self.names, gradients):
             if grad is None or not h.select(name):
                 continue
@@ -52,4 +53,5 @@ class GradReader:
                               values=[float(v) for v in measures(x, np, h.level, h.bounds)])
             if h.level == "L0":
                 rec["md5"] = md5_of(x)
-            h.write(rec, pack_signs(x) if has_signs(h.level) else None)
+            items.append((rec, pack_signs(x) if has_signs(h.level) else None))
+        h.write(items)

@@ -22,6 +22,7 @@ import warnings
 
 import numpy as np
 
+from ..records.writer import WriteFailed, _JsonLines, save_numpy_shard
 from .config import ConfigError
 from .events import Handler
 
@@ -61,22 +62,25 @@ class ParamSelector:
         return hit
 
 
-def measures(x, xp, level: str, bounds) -> list:
-    """The reducible measures of a gradient (or a shard of one) ``x``, as 0-d ``xp`` arrays in the
-    dtype they are accumulated in: ``[max, min, sum of squares]``, and at L2 ``[elements in each
-    interval..., elements == 0]``.  max/min reduce by max/min over shards, the rest by sum."""
+def measures(x, xp, level: str, bounds, base=None) -> list:
+    """The reducible measures of a gradient (or a shard of one) ``x``, as 0-d ``xp`` arrays or floats:
+    ``[max, min, sum of squares]``, and at L2 ``[elements in each interval..., elements == 0]``.
+    max/min reduce by max/min over shards, the rest by sum.  ``base``: [max, min, sum of squares]
+    already computed (a backend's one-pass kernel).
+
+    An interval's count is a difference of ``count(x <= b)`` (one comparison per bound, no sort):
+    ``(b_i-1, b_i]`` as msprobe's ``torch.bucketize``; nan falls in the last interval, as there."""
     flat = x.reshape(-1)
-    if flat.shape[0] == 0:                              # an empty shard (uneven FSDP2 sharding)
+    n = flat.shape[0]
+    if n == 0:                                          # an empty shard (uneven FSDP2 sharding)
         return [-math.inf, math.inf, 0.0] + ([0.0] * (len(bounds) + 2) if level == "L2" else [])
     if str(flat.dtype).removeprefix("torch.") not in ("float32", "float64"):
         flat = xp.asarray(flat, dtype=xp.float32)       # half floats (msprobe widens bf16 too), ints
-    out = [flat.max(), flat.min(), xp.dot(flat, flat)]
+    out = list(base) if base is not None else [flat.max(), flat.min(), xp.dot(flat, flat)]
     if level == "L2":
-        edges = xp.asarray(bounds, dtype=xp.float64)
-        if hasattr(flat, "device") and hasattr(edges, "to"):
-            edges = edges.to(flat.device)
-        counts = xp.bincount(xp.searchsorted(edges, flat, side="left"), minlength=len(bounds) + 1)
-        out += [counts[i] for i in range(len(bounds) + 1)] + [(flat == 0).sum()]
+        below = [xp.count_nonzero(flat <= b) for b in bounds]      # elements <= each bound
+        out += [below[0]] + [hi - lo for lo, hi in zip(below, below[1:])] + [n - below[-1]]
+        out.append(xp.count_nonzero(flat == 0))
     return out
 
 
@@ -87,7 +91,7 @@ def md5_of(x: np.ndarray) -> str:
 
 def pack_signs(x: np.ndarray) -> np.ndarray:
     """``x > 0`` packed 8 elements to a byte, first element in the highest bit (``np.packbits``)."""
-    return np.packbits(np.asarray(x).reshape(-1) > 0)
+    return np.packbits(np.greater(np.asarray(x).reshape(-1), 0))
 
 
 def grad_record(name: str, *, dtype: str, shape, values, level: str, bounds, source: str = "grad") -> dict:
@@ -114,9 +118,8 @@ class GradHandler(Handler):
         cfg = session.config.grad_probe
         self.level, self.bounds = cfg.grad_level, list(cfg.bounds)
         self.select = ParamSelector(cfg.param_list)
-        self._lines = None
-        self._signs = None
-        self._keys = 0
+        self._lines = self._index = None
+        self._keys = self._shards = 0
         self.recorded_steps = 0
 
     def begin(self, optimizer) -> tuple[bool, bool]:
@@ -135,37 +138,50 @@ class GradHandler(Handler):
                 s._open_part()
         return step_on, here and s.part is not None
 
-    def write(self, record: dict, signs: np.ndarray | None = None) -> None:
-        """Append one parameter's record; ``signs``: its packed sign bits (levels L1, L2)."""
+    def write(self, items: list) -> None:
+        """Append the records of one optimizer step's parameters: ``items`` of (record, packed sign
+        bits or None).  The sign bits go first into one safetensors shard of their own (temp file +
+        rename, then listed in ``tensors/index.jsonl``), then the records that name them: a killed
+        process leaves no record whose bits are missing.  Small (1/32 of the gradients): written
+        here, without a writer thread."""
+        if not items:
+            return
         with self.session.writing():
+            folder = self.session.part.folder
             if self._lines is None:
-                self._open()
-            if signs is not None:
-                key = f"g{self._keys}"
-                self._keys += 1
-                self._signs.put(key, signs)
-                record["sign"] = key
-            self._lines.append(record)
-
-    def _open(self) -> None:
-        from ..records.writer import TensorShardWriter, _JsonLines, save_numpy_shard
-        folder = self.session.part.folder
-        self._lines = _JsonLines(os.path.join(folder, "grads.jsonl"))
-        self._signs = TensorShardWriter(os.path.join(folder, "tensors"), save_numpy_shard, lambda a: a.nbytes)
-        self.recorded_steps += 1
+                self._lines = _JsonLines(os.path.join(folder, "grads.jsonl"))
+                self._index = _JsonLines(os.path.join(folder, "tensors", "index.jsonl"))
+                self.recorded_steps += 1
+            arrays = {}
+            for record, signs in items:
+                if signs is not None:
+                    record["sign"] = key = f"g{self._keys}"
+                    self._keys += 1
+                    arrays[key] = signs
+            if arrays:
+                os.makedirs(os.path.join(folder, "tensors"), exist_ok=True)
+                name = f"shard_{self._shards:05d}.safetensors"
+                self._shards += 1
+                path = os.path.join(folder, "tensors", name)
+                try:
+                    save_numpy_shard(arrays, path + ".tmp")
+                    os.replace(path + ".tmp", path)
+                except OSError as exc:
+                    raise WriteFailed(f"{exc.strerror or exc} writing {path}") from None
+                self._index.append({"shard": name, "keys": list(arrays)})
+            for record, _ in items:
+                self._lines.append(record)
 
     # -- handler ------------------------------------------------------------------------------
     def start_part(self) -> None:
-        self._keys = 0
+        self._keys = self._shards = 0
 
     def boundary(self) -> None:
-        """The part closes: its sign bits are written and the files closed."""
+        """The part closes: its files are closed."""
         if self._lines is not None:
-            try:
-                self._signs.close()
-            finally:
-                self._lines.close()
-                self._lines = self._signs = None
+            self._lines.close()
+            self._index.close()
+            self._lines = self._index = None
 
     def close(self) -> None:
         cfg = self.session.config

@@ -1,0 +1,106 @@
+"""Cost of the grad probe on a training step (forward, backward, optimizer step), by level.
+
+unprobed vs ``task="grad_probe"`` at L0, L1 and L2 on the transformer and on a larger MLP, timed in
+the same run, interleaved round by round (a fresh probe per round: a probe reads every optimizer
+step from its construction to its close).  Prints the median seconds per step, the ratio to
+the unprobed step, and the probe's own time per step (its optimizer pre-hook, timed inside:
+the part of the difference that is the probe's, less sensitive to a busy machine).  The probe's cost is per parameter and per element of the gradients, once per
+optimizer step: it does not depend on how many ops the step runs.
+
+    python benchmarks/grad_probe_overhead.py [--rounds 5] [--steps 3] [--quick] [--threads N] [--device cpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+
+from dispatchprobe import DispatchProbe
+from dispatchprobe.models import MLPNet, TinyTransformer, lm_batch, lm_loss
+
+MODES = ("unprobed", "L0", "L1", "L2")
+
+
+def workloads(quick: bool, device: str):
+    """(name, model, one training step) per model."""
+    torch.manual_seed(0)
+    kw = dict(vocab=256, dim=64, heads=4, layers=2, seq=32) if quick else \
+        dict(vocab=1024, dim=256, heads=8, layers=4, seq=128)
+    tf = TinyTransformer(**kw).to(device)
+    tokens, targets = (t.to(device) for t in lm_batch(batch=8, seq=kw["seq"], vocab=kw["vocab"]))
+    mlp_kw = dict(dim=256, depth=2) if quick else dict(dim=2048, depth=8)
+    mlp = MLPNet(**mlp_kw).to(device)
+    x = torch.randn(64, mlp_kw["dim"], device=device)
+    y = torch.randint(0, 10, (64,), device=device)
+    out = []
+    for name, model, loss in ((f"transformer {kw}", tf, lambda m: lm_loss(m, tokens, targets)),
+                              (f"MLP {mlp_kw}", mlp, lambda m: torch.nn.functional.cross_entropy(m(x), y))):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+        def step(model=model, loss=loss, opt=opt):
+            loss(model).backward()
+            opt.step()
+            opt.zero_grad()
+        n = sum(p.numel() for p in model.parameters())
+        out.append((f"{name}: {n / 1e6:.2f}M params", model, step))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per round and mode")
+    ap.add_argument("--quick", action="store_true", help="tiny models (checks the script runs)")
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--device", default="cpu")
+    opts = ap.parse_args()
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
+    sync = torch.cuda.synchronize if opts.device.startswith("cuda") else (lambda: None)
+    tmp = tempfile.mkdtemp(prefix="grad-probe-bench-")
+    print(f"torch {torch.__version__}  device {opts.device}  threads {torch.get_num_threads()}  "
+          f"rounds {opts.rounds} x {opts.steps} steps")
+    for name, model, step in workloads(opts.quick, opts.device):
+        step()                                          # warm-up: optimizer state, allocator
+        times = {m: [] for m in MODES}
+        own = {m: [] for m in MODES}
+        for _ in range(opts.rounds):
+            for mode in MODES:
+                probe = None if mode == "unprobed" else DispatchProbe(
+                    task="grad_probe", grad_level=mode, dump_path=os.path.join(tmp, mode), model=model, overwrite=True)
+                spent = [0.0]
+                if probe is not None:
+                    read = probe.grad_reader.on_step
+
+                    def timed(optimizer, read=read, spent=spent):
+                        t = time.perf_counter()
+                        read(optimizer)
+                        sync()
+                        spent[0] += time.perf_counter() - t
+                    probe.grad_reader.on_step = timed
+                step()                                  # the probe's first step (opens its run)
+                sync()
+                spent[0] = 0.0
+                t0 = time.perf_counter()
+                for _ in range(opts.steps):
+                    step()
+                sync()
+                times[mode].append((time.perf_counter() - t0) / opts.steps)
+                own[mode].append(spent[0] / opts.steps)
+                if probe is not None:
+                    probe.close()
+        base = statistics.median(times["unprobed"])
+        print(f"\n{name}")
+        print(f"{'mode':10} {'s/step':>10} {'ratio':>7} {'probe s/step':>13} {'probe/unprobed':>15}")
+        for mode in MODES:
+            med, mine = statistics.median(times[mode]), statistics.median(own[mode])
+            print(f"{mode:10} {med:10.5f} {med / base:7.3f}x {mine:13.5f} {mine / base:14.3f}x")
+
+
+if __name__ == "__main__":
+    main()
