@@ -1,4 +1,4 @@
-"""the neutral packages (records, standards, core with its task logic,
+"""the neutral packages (records, standards, core with its task logic, online run-ut's wire,
 offline) import and work with no framework importable."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import subprocess
 import sys
 import textwrap
 
-NEUTRAL = ("records", "standards", "core", "offline")
+NEUTRAL = ("records", "standards", "core", "offline", "online")
 
 
 def run_without_frameworks(code: str) -> subprocess.CompletedProcess:

@@ -6,11 +6,16 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
+import socket
 import subprocess
 import sys
+import threading
+import time
 
 import pandas as pd
 import pytest
+import torch
 
 from dispatchprobe import DispatchProbe
 from dispatchprobe.offline.run_ut import run_ut
@@ -76,3 +81,148 @@ def test_follow_judges_a_run_while_it_is_written(tmp_path):
     assert (tmp_path / "nfs" / "rank0.ended").exists() and not (tmp_path / "unused").exists()
     offline = run_ut(str(run), str(tmp_path / "ut_offline"), progress=False).results
     assert verdicts(online) == verdicts(offline) and len(online) == len(offline)
+
+
+# ---- network: run-ut --listen ------------------------------------------------------------------
+class Checker:
+    """``dispatchprobe run-ut --listen 127.0.0.1:0`` in a process of its own; its log collected."""
+
+    def __init__(self, out, *args):
+        self.out = str(out)
+        self.proc = subprocess.Popen(CLI + ["run-ut", "--listen", "127.0.0.1:0", "-o", self.out, *map(str, args)],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        self.port = int(self.wait_for(r"listening on 127\.0\.0\.1:(\d+)").group(1))
+
+    def _read(self):
+        for line in self.proc.stderr:
+            self.lines.append(line.rstrip("\n"))
+
+    def wait_for(self, pattern: str, timeout: float = 60):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in list(self.lines):
+                m = re.search(pattern, line)
+                if m:
+                    return m
+            if self.proc.poll() is not None and not self._reader.is_alive():
+                break
+            time.sleep(0.05)
+        raise AssertionError(f"checker never said {pattern!r}; its log:\n" + "\n".join(self.lines))
+
+    def finish(self, timeout: float = 300) -> int:
+        self.proc.wait(timeout=timeout)
+        self._reader.join(timeout=10)
+        return self.proc.returncode
+
+
+def raw_stream(port: int, tls_dir: str, frames: list[bytes]) -> str:
+    """Send ``frames`` on a stream as any gRPC client could; the checker's answer in one line."""
+    import grpc
+    from dispatchprobe.online import wire
+    read = lambda name: open(os.path.join(tls_dir, name), "rb").read()   # noqa: E731
+    creds = grpc.ssl_channel_credentials(read("ca.crt"), read("client.key"), read("client.crt"))
+    with grpc.secure_channel(f"127.0.0.1:{port}", creds) as channel:
+        call = channel.stream_unary(wire.STREAM, request_serializer=wire.identity, response_deserializer=wire.identity)
+        try:
+            return call(iter(frames), timeout=30).decode()
+        except grpc.RpcError as exc:
+            return f"{exc.code().name}: {exc.details()}"
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory):
+    from certs import make_certs
+    return make_certs(str(tmp_path_factory.mktemp("certs")))
+
+
+def online_probe(port: int, tls: str | None, tmp_path, **kw) -> DispatchProbe:
+    return DispatchProbe(task="tensor", online_run_ut=True, host="127.0.0.1", port=port, tls_path=tls or "",
+                         dump_path=str(tmp_path / "unused"), **kw)
+
+
+def test_tls_stream_refuses_strangers_survives_garbage_and_equals_offline(certs, planted_run, tmp_path):
+    from dispatchprobe.online.sender import OnlineError
+    checker = Checker(tmp_path / "ut_tls", "--tls-path", certs["server"])
+    # a client whose certificate another CA signed, and a plain-TCP client: refused, one line each
+    for tls, cause in ((certs["stranger"], "not signed by the CA"), (None, "did not start TLS")):
+        with pytest.raises(OnlineError) as err:
+            online_probe(checker.port, tls, tmp_path)
+        assert f"127.0.0.1:{checker.port}" in str(err.value) and "\n" not in str(err.value)
+        checker.wait_for(f"refused a connection: TLS handshake failed: .*{cause}")
+    # frames that are not frames close that connection, with the reason in the log
+    assert raw_stream(checker.port, certs["client"], [b"garbage"]).startswith("INVALID_ARGUMENT: ")
+    truncated = (1000).to_bytes(8, "little") + b'{"rank": 0'
+    assert "truncated" in raw_stream(checker.port, certs["client"], [truncated])
+    checker.wait_for("closed the connection from .*: truncated frame")
+    # a real training process, with a kernel wrong only here
+    probe = online_probe(checker.port, certs["client"], tmp_path)
+    train(probe, plant=True)
+    assert checker.finish() == 2, "\n".join(checker.lines)
+    assert re.match(r"dispatchprobe online run-ut: (\d+) op records sent to .*, \1 judged, 0 dropped$",
+                    probe.online_account), probe.online_account
+    assert not (tmp_path / "unused").exists() and not (tmp_path / "ut_tls" / "records").exists()
+    online = read_results(tmp_path / "ut_tls")
+    assert errors(online) == {"aten.silu.default"}, online[status(online) == "error"].to_string()
+    offline = run_ut(planted_run, str(tmp_path / "ut_offline"), progress=False).results   # the same training, on disk
+    assert verdicts(online) == verdicts(offline) and len(online) == len(offline)
+    assert sum("refused a connection" in line for line in checker.lines) == 2, "\n".join(checker.lines)
+    assert not any("Traceback" in line for line in checker.lines), "\n".join(checker.lines)
+
+
+def test_plain_tcp_only_on_loopback(tmp_path):
+    done = subprocess.run(CLI + ["run-ut", "--listen", "0.0.0.0:0", "-o", str(tmp_path / "ut")],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and "only a loopback address" in done.stderr and len(done.stderr.splitlines()) == 1
+    from dispatchprobe.online.sender import OnlineError
+    with pytest.raises(OnlineError, match="plain TCP is allowed on loopback only"):
+        DispatchProbe(task="tensor", online_run_ut=True, host="10.1.2.3", port=7777, dump_path=str(tmp_path / "x"))
+    with pytest.raises(OnlineError, match=r"cannot reach the checker at 127\.0\.0\.1:\d+"):
+        DispatchProbe(task="tensor", online_run_ut=True, host="127.0.0.1", port=free_port(),
+                      dump_path=str(tmp_path / "x"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_checker_killed_mid_run_training_finishes_and_counts(tmp_path):
+    from online_train import model_and_batches
+    checker = Checker(tmp_path / "ut")
+    probe = online_probe(checker.port, None, tmp_path)
+    model, batches = model_and_batches(3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for step, ids in enumerate(batches):
+        if step == 1:
+            checker.proc.kill()
+            checker.finish(60)
+        with probe:
+            model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        probe.step()
+    probe.close()
+    m = re.match(r"dispatchprobe online run-ut: (\d+) op records sent to .*, judged: no reply from the checker, "
+                 r"0 dropped, (\d+) not delivered \(the stream ended early: .+\)$", probe.online_account)
+    assert m and int(m.group(1)) > 0 and int(m.group(2)) > 0, probe.online_account
+
+
+def test_two_ranks_stream_to_one_checker(tmp_path):
+    checker = Checker(tmp_path / "ut", "-j", "2")
+    config = json.dumps({"task": "tensor", "online_run_ut": True, "host": "127.0.0.1", "port": checker.port,
+                         "dump_path": str(tmp_path / "unused")})
+    ranks = [subprocess.Popen([sys.executable, TRAIN, config, "--steps", "1"],
+                              env=dict(os.environ, RANK=str(r), WORLD_SIZE="2"), stderr=subprocess.PIPE, text=True)
+             for r in (0, 1)]
+    accounts = [p.communicate(timeout=300)[1] for p in ranks]
+    assert all(p.returncode == 0 for p in ranks), accounts
+    assert checker.finish() == 0, "\n".join(checker.lines)
+    r = read_results(tmp_path / "ut")
+    per_rank = r.groupby("Rank")["API Name"].apply(list)
+    assert set(per_rank.index) == {"0", "1"} and per_rank["0"] == per_rank["1"]   # each rank its own rows
+    for text in accounts:
+        assert re.search(r"(\d+) op records sent to .*, \1 judged, 0 dropped", text), text

@@ -13,6 +13,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import warnings
 import weakref
 from collections import defaultdict
@@ -22,7 +23,7 @@ from .events import OpEvent
 from .recorder import Recorder
 from .tasks import TASKS
 from ..records.format import ended_marker
-from ..records.writer import PartWriter, atomic_write_text, write_manifest
+from ..records.writer import PartWriter, atomic_write_text, make_manifest, write_manifest
 
 
 class OpSelector:
@@ -98,7 +99,16 @@ class ProbeSession:
         self.rank = self._detect_rank()
         self._parts_written: set[str] = set()
         self.failed: str | None = None     # why recording stopped (records could not be written)
-        self._claim_run_dir()
+        self.online = None                 # online run-ut over the network: the sender (nothing on disk)
+        self.online_account = ""           # its one-line account at close
+        if self.config.streams and self._enabled_rank():
+            from ..online.sender import OnlineSender
+            from ..records.writer import _world_size
+            self.online = OnlineSender(self.config.host, self.config.port, self.config.tls_path,
+                                       queue_mb=self.config.online_queue_mb, wait_s=self.config.online_wait_s,
+                                       rank=self.rank, world_size=_world_size())
+        else:
+            self._claim_run_dir()
         self.part: PartWriter | None = None
         self._calls: dict = defaultdict(int)
         self._manifest_written = False
@@ -205,7 +215,13 @@ class ProbeSession:
         self._warn_if_nothing_selected()
 
     def _mark_ended(self) -> None:
-        """This rank is done: ``run-ut --follow`` stops once every rank has said so."""
+        """This rank is done: ``run-ut --follow`` stops once every rank has said so (online over
+        the network: the stream ends, and the probe says what was sent, judged and dropped)."""
+        if self.online is not None:
+            if not self.online_account:
+                self.online_account = self.online.close()
+                print(self.online_account, file=sys.stderr, flush=True)
+            return
         if self._manifest_written:
             with contextlib.suppress(OSError):
                 open(os.path.join(self.run_dir, ended_marker(self.rank)), "wb").close()
@@ -374,7 +390,10 @@ class ProbeSession:
     # ---- internals --------------------------------------------------------------------------
     def _enabled_here(self) -> bool:
         cfg = self.config
-        return (not cfg.step or self.step_no in cfg.step) and (not cfg.rank or self.rank in cfg.rank)
+        return (not cfg.step or self.step_no in cfg.step) and self._enabled_rank()
+
+    def _enabled_rank(self) -> bool:
+        return not self.config.rank or self.rank in self.config.rank
 
     def _claim_run_dir(self) -> None:
         """A run directory never holds two runs: this rank's records of an earlier run (or an
@@ -395,14 +414,23 @@ class ProbeSession:
             shutil.rmtree(folder)
 
     def _open_part(self) -> None:
-        self._claim_run_dir()
+        if self.online is None:
+            self._claim_run_dir()
         if not self._manifest_written:
-            write_manifest(self.run_dir, framework=self.backend.name, framework_version=self.backend.version,
-                           device=self.backend.accelerator(), config=self.config.to_dict(),
-                           extra={"rank": self.rank})
+            info = dict(framework=self.backend.name, framework_version=self.backend.version,
+                        device=self.backend.accelerator(), config=self.config.to_dict(), extra={"rank": self.rank})
+            if self.online is not None:
+                self.online.start(make_manifest(**info))
+            else:
+                write_manifest(self.run_dir, **info)
             self._manifest_written = True
         if self.part is None:
-            self.part = PartWriter(self.part_dir, self.backend.save_shard, self.backend.nbytes)
+            if self.online is not None:
+                from ..online.sender import StreamPart
+                self.part = StreamPart(self.online, self.step_no, self.rank, self.backend.save_shard,
+                                       self.backend.nbytes)
+            else:
+                self.part = PartWriter(self.part_dir, self.backend.save_shard, self.backend.nbytes)
             self._parts_written.add(self.part_dir)
             self._calls.clear()
             self.recorder.start_part(self.part)

@@ -97,6 +97,9 @@ class Follower:
         self.run = Run(self.path, {}, {})
         self._waiting: dict[tuple, list] = {}
         self._ended = ended
+        self.dispatched: dict[tuple, int] = {}     # ops handed out per part
+        self._closed: set[tuple] = set()           # parts closed with nothing waiting
+        self._reaped: set[tuple] = set()
 
     def manifest(self) -> dict:
         if not self.run.manifest:
@@ -125,6 +128,8 @@ class Follower:
             if not m:
                 continue
             key = (int(m.group(1)), int(m.group(2)))
+            if key in self._reaped:
+                continue
             part = self.run.parts.get(key)
             if part is None:
                 part = self.run.parts[key] = LivePart(folder, *key)
@@ -144,7 +149,17 @@ class Follower:
                 else:
                     still.append((i, rec))
             self._waiting[key] = still
+            self.dispatched[key] = self.dispatched.get(key, 0) + len(waiting) - len(still)
+            if closed and not still:
+                self._closed.add(key)
         return ready
+
+    def finished(self, judged: dict) -> list[tuple]:
+        """[(part key, folder)] of closed parts whose every op is judged (``judged``: counts per
+        part), each returned once: the network checker deletes them."""
+        done = [k for k in self._closed - self._reaped if judged.get(k, 0) >= self.dispatched.get(k, 0)]
+        self._reaped.update(done)
+        return [(k, self.run.parts[k].path) for k in done]
 
     def tasks(self, poll_s: float = 0.2):
         """Every ready task until :meth:`ended` and nothing waits; sleeps ``poll_s`` when idle."""

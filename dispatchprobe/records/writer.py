@@ -51,7 +51,15 @@ def atomic_write_text(path: str, text: str) -> None:
 def write_manifest(run_dir: str, *, framework: str, framework_version: str, device: str,
                    config: dict, extra: dict | None = None) -> None:
     os.makedirs(run_dir, exist_ok=True)
-    manifest = {
+    manifest = make_manifest(framework=framework, framework_version=framework_version, device=device, config=config,
+                             extra=extra)
+    atomic_write_text(os.path.join(run_dir, "manifest.json"), json.dumps(manifest, indent=1, default=str))
+
+
+def make_manifest(*, framework: str, framework_version: str, device: str, config: dict,
+                  extra: dict | None = None) -> dict:
+    """A run's manifest (docs/record-format.md); online run-ut sends it as a stream's first frame."""
+    return {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
         "framework": framework,
@@ -66,7 +74,6 @@ def write_manifest(run_dir: str, *, framework: str, framework_version: str, devi
         "world_size": _world_size(),
         **(extra or {}),
     }
-    atomic_write_text(os.path.join(run_dir, "manifest.json"), json.dumps(manifest, indent=1, default=str))
 
 
 def _world_size() -> int:
@@ -103,7 +110,8 @@ def write_safetensors(entries: dict, path: str, metadata: dict | None = None) ->
         offset += size
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)
-    with open(path, "wb") as f:
+    # a path, or a binary file object (online run-ut encodes a frame's tensors into memory)
+    with open(path, "wb") if isinstance(path, (str, os.PathLike)) else contextlib.nullcontext(path) as f:
         f.write(len(head).to_bytes(8, "little"))
         f.write(head)
         for _, _, buf in entries.values():
