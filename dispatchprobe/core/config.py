@@ -348,7 +348,8 @@ MSPROBE_KEYS: dict[str, MsprobeKey] = {
 }
 
 _MSPROBE_ONLY_TASKS = {
-    "run_ut": "is msprobe's pre-check command; record with task='tensor' and run `dispatchprobe run-ut RUN`",
+    "run_ut": "is msprobe's pre-check command; record with task='tensor' and run `dispatchprobe run-ut RUN` "
+              "(online: `dispatchprobe run-ut --listen HOST:PORT` or `dispatchprobe run-ut NFS_PATH --follow`)",
     "acc_check": "is msprobe's pre-check command; record with task='tensor' and run `dispatchprobe run-ut RUN`",
     "structure": "is not a dispatchprobe task; level='module' with task='statistics' records the module tree",
     "exception_dump": "is Ascend's kernel exception dump; task='overflow' finds the first op making inf/nan",

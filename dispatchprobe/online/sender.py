@@ -58,7 +58,8 @@ class OnlineSender:
             raise OnlineError(f"online run-ut: cannot reach the checker at {self.address} "
                               f"({'TLS' if tls_path else 'plain TCP'}): {details}") from None
         self.rank, self.world_size = rank, world_size
-        self.limit = int(queue_mb * (1 << 20))
+        self.queue_mb, self.limit = queue_mb, int(queue_mb * (1 << 20))
+        self.largest = 0                # the largest frame queued: one that alone exceeds the bound still goes
         self.wait_s = wait_s
         self._queue: deque = deque()
         self._queued_bytes = 0
@@ -69,6 +70,7 @@ class OnlineSender:
         self.sent = self.dropped = self.undelivered = 0
         self.drop_reasons: dict[str, int] = {}
         self.reply: dict = {}
+        self._gave_up: float | None = None     # close() stopped waiting for the reply after this many s
         self._hello: bytes | None = None
         self._call = None
         self._stream = self._channel.stream_unary(wire.STREAM, request_serializer=wire.identity,
@@ -94,7 +96,7 @@ class OnlineSender:
                 now = time.monotonic()
                 deadline = deadline or now + self.wait_s
                 if now >= deadline:
-                    self._drop(n_ops, f"the send queue stayed full ({self.limit >> 20} MB) for "
+                    self._drop(n_ops, f"the send queue stayed full ({self.queue_mb:g} MB) for "
                                       f"{self.wait_s:g} s: the checker is slower than training")
                     return
                 self._cond.wait(deadline - now)
@@ -102,6 +104,7 @@ class OnlineSender:
                 self.undelivered += n_ops
                 return
             self._queue.append((header, tensors, size, save_fn, n_ops))
+            self.largest = max(self.largest, size)
             self._queued_bytes += size
             self.peak_bytes = max(self.peak_bytes, self._queued_bytes)
             self._cond.notify_all()
@@ -149,7 +152,9 @@ class OnlineSender:
                 import json
                 self.reply = json.loads(call.result())
             except Exception as exc:  # noqa: BLE001 - the checker went away, or refused a frame
-                if not self._closing or self._queue:
+                if self._gave_up is not None:
+                    pass                  # we stopped waiting for the reply: not a failure of the checker
+                elif not self._closing or self._queue:
                     details = getattr(exc, "details", None)
                     self.failed = " ".join(str(details() if callable(details) else exc).split())[:200] or \
                         type(exc).__name__
@@ -164,7 +169,7 @@ class OnlineSender:
     def close(self, timeout: float | None = None) -> str:
         """Send what is queued, wait for the checker's reply (its judged count) up to ``timeout``
         (default ``wait_s``); returns the one-line account."""
-        timeout = self.wait_s if timeout is None else timeout
+        timeout = max(self.wait_s, 5.0) if timeout is None else timeout
         with self._cond:
             self._closing = True
             self._cond.notify_all()
@@ -172,14 +177,18 @@ class OnlineSender:
             try:
                 self._call.result(timeout=timeout)
             except Exception:  # noqa: BLE001 - reported by _ended, or still judging
-                pass
+                if not self._call.done():
+                    with self._cond:
+                        self._gave_up = timeout
         self._channel.close()
         return self.account()
 
     def account(self) -> str:
         judged = self.reply.get("judged")
         parts = [f"{self.sent} op records sent to {self.address}",
-                 f"{judged} judged" if judged is not None else "judged: no reply from the checker",
+                 f"{judged} judged" if judged is not None else
+                 f"judged: no reply within {self._gave_up:g} s (the checker was still judging)"
+                 if self._gave_up is not None else "judged: no reply from the checker",
                  f"{self.dropped} dropped"]
         if self.undelivered:
             parts.append(f"{self.undelivered} not delivered")
