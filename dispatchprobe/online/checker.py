@@ -71,7 +71,7 @@ class Spool:
             if shard.get("views"):
                 line["views"] = shard["views"]
             self._lines(part, "tensors/index.jsonl").append(line)
-        for kind in ("stacks", "modules", "ops"):          # ops last: their tensors are listed first
+        for kind in ("stacks", "modules", "params", "ops"):          # ops last: their tensors are listed first
             for obj in header.get(kind, ()):
                 self._lines(part, f"{kind}.jsonl").append(obj)
         if header.get("close"):

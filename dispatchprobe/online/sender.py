@@ -238,14 +238,14 @@ class _Tensors:
 
 class StreamPart:
     """The records of one step and rank, sent as frames instead of written (the session's
-    ``PartWriter`` interface: ``ops``, ``stacks``, ``modules``, ``tensors``, ``stack_id``,
+    ``PartWriter`` interface: ``ops``, ``stacks``, ``modules``, ``params``, ``tensors``, ``stack_id``,
     ``module``, ``close``)."""
 
     def __init__(self, sender: OnlineSender, step: int, rank: int, save_fn, nbytes_fn):
         self.sender, self.name = sender, f"step{step}/rank{rank}"
         self.folder = self.name
         self._save, self._nbytes = save_fn, nbytes_fn
-        self.stacks, self.modules = _Lines(), _Lines()
+        self.stacks, self.modules, self.params = _Lines(), _Lines(), _Lines()
         self.tensors = _Tensors(self)
         self.ops = _OpLines(self)
         self._stack_ids: dict[tuple, int] = {}
@@ -267,17 +267,18 @@ class StreamPart:
     def send(self, ops: list | None = None, close: bool = False) -> None:
         """One frame: these op records, the tensors saved since the last frame, pending lines."""
         t = self.tensors
-        if not (ops or t.pending or t.views or self.stacks.pending or self.modules.pending or close):
+        lines = (self.stacks, self.modules, self.params)
+        if not (ops or t.pending or t.views or any(x.pending for x in lines) or close):
             return
         header: dict = {"part": self.name, "ops": ops or [], "stacks": self.stacks.pending,
-                        "modules": self.modules.pending}
+                        "modules": self.modules.pending, "params": self.params.pending}
         if t.pending or t.views:
             header["shard"] = {"keys": list(t.pending), "views": t.views}
         if close:
             header["close"] = True
         size = sum(self._nbytes(v) for v in t.pending.values()) + 512 * (len(ops or ()) + 1)
         tensors = t.pending
-        self.stacks.pending, self.modules.pending, t.pending, t.views = [], [], {}, {}
+        self.stacks.pending, self.modules.pending, self.params.pending, t.pending, t.views = [], [], [], {}, {}
         self.sender.put(header, tensors, size, self._save, len(ops or ()))
 
     def close(self) -> None:

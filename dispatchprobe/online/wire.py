@@ -6,7 +6,7 @@ per-message size limit, all maintained upstream; docs/online.md says why not han
 
 A frame is one gRPC message: an 8-byte little-endian header length, a JSON header, and optionally
 the bytes of one safetensors file (the writer's own shard encoding).  The header carries records
-exactly as the writer writes them to ``ops.jsonl``/``stacks.jsonl``/``modules.jsonl``, the shard's
+exactly as the writer writes them to ``ops.jsonl``/``stacks.jsonl``/``modules.jsonl``/``params.jsonl``, the shard's
 keys and views as ``tensors/index.jsonl`` lists them, and which step/rank folder they belong to.
 Nothing is pickled: a malformed frame is a :class:`FrameError`, never code run on the checker.
 """
@@ -25,7 +25,7 @@ MAX_FRAME = 1 << 30                # bytes of one frame (one op's new tensors): 
 MAX_HEADER = 64 << 20              # bytes of a frame's JSON header
 _PART = re.compile(r"^step(\d{1,9})/rank(\d{1,6})$")
 _KEY = re.compile(r"^[A-Za-z0-9_.:-]{1,200}$")
-_LINES = ("ops", "stacks", "modules")
+_LINES = ("ops", "stacks", "modules", "params")
 
 
 class FrameError(ValueError):
