@@ -115,8 +115,9 @@ def test_comm_hook_that_alters_one_ranks_bucket_is_named(runs):
         code, out = ranks(runs("ddp", "hook") / task)
         assert code == 2, out
         first = out.splitlines()[0]
-        assert first.startswith("replica drift on rank 1: aten.add_.Tensor [<top>] (step 0, forward): parameter "
-                                "output.0 differs on rank 1 from rank 0"), first
+        # the gradient the optimizer applies (the parameter records), after DDP's all-reduce
+        assert first.startswith("replica drift on rank 1: param.grad [up.weight] (step 0, optimizer): gradient (as "
+                                "the optimizer applies it) up.weight differs on rank 1 from rank 0: "), first
         # the collective the replicas came out of equal, and the op on rank 1's bucket that ran after it
         assert "the last collective before it: c10d.allreduce_.default #0 on group 0 " \
                "[DistributedDataParallel.module.up]" in first

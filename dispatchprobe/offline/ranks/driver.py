@@ -89,7 +89,7 @@ def check_step(run: Run, step: int, ranks: list, *, tensors: bool = True) -> Ste
                            f"are missing (data-parallel group {sorted(dp)})")
         if len(members) < 2:
             continue
-        drifts, n = find_drifts({r: records[r] for r in members}, values)
+        drifts, n = find_drifts({r: records[r] for r in members}, values, {r: parts[r].params for r in members})
         compared += n
         for d in drifts:
             rows.append(_row(step, "replica", DIFFERS, d.ranks[0], d.ranks, d.record, d.index, arg=d.arg, size=d.size,

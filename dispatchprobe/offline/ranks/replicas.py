@@ -6,6 +6,9 @@ gradients were reduced over (backward all-reduces and reduce-scatters with SUM o
 buckets, FSDP2's reduce-scatters).  Across that group these are replicated:
 - parameters as ops receive them (``param: true``: DDP's replicas, FSDP2's all-gathered
   parameters; never a DTensor's local shard), parameters after the optimizer step included;
+- the parameter records (``params.jsonl``): each gradient as the optimizer applies it (after its
+  reduction) and each parameter after the step, where they are whole tensors (not DTensor
+  shards), placed after the step's last backward op;
 - the results of all-reduce, all-gather and broadcast (checked against their semantics by
   :mod:`.collectives`);
 - what an op computes from replicated values only: every tensor input replicated (the same
@@ -65,10 +68,15 @@ class _Rank:
         self.by_name = {r["name"]: i for i, r in enumerate(records) if r.get("kind") == "op"}
 
 
-def find_drifts(ranks: dict[int, list], values: Values, limit: int = 20) -> tuple[list[Drift], int]:
-    """The replica drifts among ``ranks`` (rank -> its records of one step, one data-parallel group),
-    in the reference rank's record order, and how many replicated values were compared."""
+def find_drifts(ranks: dict[int, list], values: Values, params: dict[int, list] | None = None,
+                limit: int = 20) -> tuple[list[Drift], int]:
+    """The replica drifts among ``ranks`` (rank -> its records of one step, one data-parallel group;
+    ``params``: rank -> its parameter records), in the reference rank's record order, and how
+    many replicated values were compared."""
     members = sorted(ranks)
+    backward = [i for i, r in enumerate(ranks[members[0]]) if r.get("stage") == "backward"]
+    optimizer_at = backward[-1] + 1 if backward else len(ranks[members[0]])   # the parameter records' place
+    at_optimizer = None
     state = {r: _Rank(r, ranks[r]) for r in members}
     ref = state[members[0]]
     replicated: set = set()          # (record name, output arg) replicated on every rank
@@ -78,6 +86,8 @@ def find_drifts(ranks: dict[int, list], values: Values, limit: int = 20) -> tupl
     last_collective = ""
     compared = 0
     for i, rec in enumerate(ref.records):
+        if at_optimizer is None and i >= optimizer_at:
+            at_optimizer = (last_collective, list(suspects))
         if rec.get("kind") != "op":
             continue
         idx = {r: state[r].by_name.get(rec["name"]) for r in members}
@@ -137,8 +147,30 @@ def find_drifts(ranks: dict[int, list], values: Values, limit: int = 20) -> tupl
                 replicated.add((rec["name"], arg))
         if len(drifts) >= limit:
             break
+    if params and all(params.get(r) for r in members):
+        context = at_optimizer or (last_collective, suspects)
+        n, found = _param_drifts(members, params, values, checked, optimizer_at, len(ref.records), context)
+        compared += n
+        drifts = sorted(drifts + found, key=lambda d: d.index)[:limit]
     return drifts, compared
 
+
+def _param_drifts(members, params, values, checked, at, end, context) -> tuple[int, list[Drift]]:
+    """Parameter records (gradients as applied, values after the step) compared across ``members``
+    by name; DTensor shards (FSDP2, tensor parallel) hold different parts by design and are left out."""
+    by_name = {r: {p["name"]: p for p in params[r]} for r in members}
+    found, compared = [], 0
+    for k, rec in enumerate(params[members[0]]):
+        recs = [by_name[r].get(rec["name"]) for r in members]
+        if any(x is None or not x.get("outputs") for x in recs) or any("dtensor" in x["outputs"][0] for x in recs):
+            continue
+        compared += 1
+        drift = _compare({r: x["outputs"][0] for r, x in zip(members, recs)}, values, checked, members)
+        if drift:
+            what = "gradient (as the optimizer applies it)" if rec["op"] == "param.grad" else "parameter after the step"
+            index = at if rec["op"] == "param.grad" else end     # gradients before the step's ops, values after
+            found.append(_drift(index, rec, rec["scope"], drift, what, *context))
+    return compared, found
 
 def _drift(i, rec, arg, found, what, last_collective, suspects) -> Drift:
     ranks, reference, detail, size = found
