@@ -66,7 +66,7 @@ def measures(x, xp, level: str, bounds, base=None) -> list:
     """The reducible measures of a gradient (or a shard of one) ``x``, as 0-d ``xp`` arrays or floats:
     ``[max, min, sum of squares]``, and at L2 ``[elements in each interval..., elements == 0]``.
     max/min reduce by max/min over shards, the rest by sum.  ``base``: [max, min, sum of squares]
-    already computed (a backend's one-pass kernel).
+    already computed (a backend's one-pass kernel; ``[]``: only the L2 counts are wanted).
 
     An interval's count is a difference of ``count(x <= b)`` (one comparison per bound, no sort):
     ``(b_i-1, b_i]`` as msprobe's ``torch.bucketize``; nan falls in the last interval, as there."""

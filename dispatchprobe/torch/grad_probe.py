@@ -27,9 +27,10 @@ _NUMPY_FLOATS = (torch.float32, torch.float64, torch.float16)
 _BIT_WEIGHTS: dict = {}
 
 
-def packed_signs(t: torch.Tensor) -> np.ndarray:
-    """``t > 0`` packed as ``np.packbits`` packs (first element in the highest bit), computed on
-    ``t``'s device so that an accelerator sends an eighth of a byte per element."""
+def packed_signs(t: torch.Tensor):
+    """``t > 0`` packed as ``np.packbits`` packs (first element in the highest bit): a numpy array on a
+    CPU; on an accelerator a uint8 tensor on the device (an eighth of a byte per element comes back,
+    with the other parameters' in one transfer, :func:`_signs_to_host`)."""
     if t.device.type == "cpu":
         if t.dtype in _NUMPY_FLOATS:            # numpy's comparison is some 3x faster than torch's on CPU
             return np.packbits(np.greater(t.numpy().reshape(-1), 0))
@@ -40,17 +41,51 @@ def packed_signs(t: torch.Tensor) -> np.ndarray:
     if w is None:
         w = _BIT_WEIGHTS[bits.device] = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8,
                                                      device=bits.device)
-    b = torch.nn.functional.pad(bits.to(torch.uint8), (0, -n % 8)).view(-1, 8)
-    return (b * w).sum(1, dtype=torch.uint8).cpu().numpy()
+    if n % 8:
+        bits = torch.nn.functional.pad(bits, (0, -n % 8))
+    return (bits.view(torch.uint8).view(-1, 8) * w).sum(1, dtype=torch.uint8)
 
 
-def measure(t: torch.Tensor, level: str, bounds) -> torch.Tensor | list[float]:
-    """A gradient's (or shard's) measures: one float64 row on its device, or floats on a CPU, in numpy (its
-    comparisons and reductions are faster than torch's there), with max, min and sum of squares in
-    one pass by the fused statistics kernel where it is built (float32, bfloat16)."""
-    if t.device.type != "cpu":
-        return torch.stack([torch.as_tensor(v, dtype=torch.float64, device=t.device)
-                            for v in measures(t, torch, level, bounds)])
+def _signs_to_host(packed: list) -> list:
+    """Device tensors among ``packed`` as numpy arrays, one transfer per device."""
+    out = list(packed)
+    by_device: dict = {}
+    for i, p in enumerate(packed):
+        if isinstance(p, torch.Tensor):
+            by_device.setdefault(p.device, []).append(i)
+    for idx in by_device.values():
+        host = torch.cat([packed[i] for i in idx]).cpu().numpy()
+        for i, part in zip(idx, np.split(host, np.cumsum([packed[i].numel() for i in idx])[:-1])):
+            out[i] = part
+    return out
+
+
+def measure_all(ts: list[torch.Tensor], level: str, bounds) -> list:
+    """Each gradient's (or shard's) measures (:func:`~dispatchprobe.core.grad_probe.measures`): a
+    float64 row on its device, or floats on a CPU.  On an accelerator: max and min in one reduction,
+    the sums of squares of all gradients in one multi-tensor launch, nothing read back.  On a CPU:
+    in numpy (its comparisons and reductions are faster than torch's there), with max, min and sum
+    of squares in one pass by the fused statistics kernel where it is built (float32, bfloat16)."""
+    rows: list = [None] * len(ts)
+    on_device = [i for i, t in enumerate(ts) if t.device.type != "cpu" and t.numel()]
+    if on_device:
+        flats = [ts[i].reshape(-1) for i in on_device]
+        flats = [f if f.dtype in (torch.float32, torch.float64) else f.float() for f in flats]
+        norms = torch._foreach_norm(flats, 2)
+        for i, f, norm in zip(on_device, flats, norms):
+            lo, hi = torch.aminmax(f)
+            head = torch.stack([hi, lo, norm * norm]).to(torch.float64)
+            tail = measures(f, torch, level, bounds, base=[])
+            rows[i] = torch.cat([head, torch.stack(tail).to(torch.float64)]) if tail else head
+    for i, t in enumerate(ts):
+        if rows[i] is None:
+            rows[i] = _measure_on_host(t, level, bounds)
+    return rows
+
+
+def _measure_on_host(t: torch.Tensor, level: str, bounds) -> list[float]:
+    if t.device.type != "cpu":                      # an empty shard on a device
+        return [float(v) for v in measures(t, torch, level, bounds)]
     base = None
     kernel = fused_stats.stats4
     if kernel is not None and t.numel() and t.dtype in (torch.float32, torch.bfloat16) and t.is_contiguous():
@@ -124,20 +159,21 @@ class GradReader:
             return          # a rank left out computes only what the other ranks' reductions need
         with torch.no_grad():
             grads = [_replicate_partial(g) if g.dtensor is not None else g for g in grads]
-            rows = [measure(g.local, h.level, h.bounds) for g in grads]
+            rows = measure_all([g.local for g in grads], h.level, h.bounds)
             _reduce_sharded(grads, rows)
             if not here:
                 return
-            values = _to_host(rows)
+            signs = [packed_signs(g.local) for g in grads] if has_signs(h.level) else [None] * len(grads)
+            values, signs = _to_host(rows), _signs_to_host(signs)
             items = []
-            for g, row in zip(grads, values):
+            for g, row, bits in zip(grads, values, signs):
                 rec = grad_record(g.name, dtype=str(g.local.dtype).removeprefix("torch."), shape=g.shape,
                                   values=row, level=h.level, bounds=h.bounds, source=g.source)
                 if g.placement is not None:
                     rec["dtensor"] = g.placement.to_dict()
                 if h.level == "L0":
                     rec["md5"] = md5_of(g.local.float().cpu().numpy())
-                items.append((rec, packed_signs(g.local) if has_signs(h.level) else None))
+                items.append((rec, bits))
             h.write(items)
 
 
