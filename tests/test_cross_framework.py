@@ -331,8 +331,11 @@ def test_attention_against_sdpa_compares_at_the_kernel_boundary(attention_runs):
 def test_planted_change_in_a_projection_is_named_there(attention_runs, planted):
     other = "torch" if planted == "ms_planted" else "ms"
     _, verdict = compare(str(attention_runs / planted), str(attention_runs / other))
-    first = verdict.forward or verdict.departure
-    assert first is not None and first.scope == f"Attention.{'v' if planted == 'ms_planted' else 'k'}", str(verdict)
+    where = f"Attention.{'v' if planted == 'ms_planted' else 'k'}"
+    assert verdict.forward is not None and verdict.forward.scope == where, str(verdict)
+    # backward: the projection's weight gradient (through the planted scaling's gradient), not the
+    # first matmul whose transposed operands the translation does not compare
+    assert verdict.backward is not None and verdict.backward.scope == where, str(verdict)
 
 
 def test_change_inside_a_loss_region_is_named_at_the_region(loss_runs):

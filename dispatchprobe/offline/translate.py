@@ -146,6 +146,10 @@ class Translation:
                            _place(r.get("outputs", []), spec.get("outputs")))
         if spec.get("stage"):
             new["stage"] = spec["stage"]
+        placed = {id(x) for x in new["inputs"]}
+        left = [x for x in ins if x.get("type") == "tensor" and id(x) not in placed]
+        if left:   # not compared (a transposed operand), but the data flow still reads them (compare's origin)
+            new["kwargs"] = {"unpaired": {"type": "list", "value": left}}
         return new
 
     def without_counterpart(self, record: dict) -> str | None:

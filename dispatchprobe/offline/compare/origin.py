@@ -201,6 +201,24 @@ def trace(df: pd.DataFrame, part_a: Part, recs_a: list, recs_b: list, al, seq_a:
             return None, root(seq_a[r], r, "a", arg, "inherited")
         return root(seq_a[r], r, "a", arg, "inputs"), None
 
+    def uncompared(i, s0, e0):
+        """Record ``i``'s inputs that have no row (a translation compares no transposed operand) but
+        whose producer's output row differs: (that row, standing for the input; the input's source)."""
+        compared = {spec_a[k] for k in range(s0, e0) if is_in[k]}
+        overwritten = op_traits.overwrites_first_input(recs_a[i]["op"])
+        out = []
+        for io, arg, spec in flow_a.walks[i]:
+            if io != "input" or id(spec) in compared or (overwritten and arg == "input.0"):
+                continue
+            src = src_of_a(id(spec))
+            k = out_row.get(src) if src is not None else None
+            if k is None:
+                continue
+            p = src[0]
+            out.append((k, (None, root(seq_a[i], i, "a", arg, "inherited")) if recs_a[p]["stage"] != recs_a[i]["stage"]
+                        else (best.get(p), inh.get(p))))
+        return out
+
     al_only_b = set(al.only_b) - unobserved[1]
     stage_src: dict = {}   # (stage, kind, error) -> [earliest own-stage source, earliest inherited one]
     # a departure stage with no one-run-only op is settled by its first larger-than-rounding source:
@@ -240,7 +258,9 @@ def trace(df: pd.DataFrame, part_a: Part, recs_a: list, recs_b: list, al, seq_a:
         if outs:
             # a float64 re-run costs an op's replay twice: only while no larger source is known
             found = stage_src.get((stage, rec["kind"], stage in err_stages))
-            own = own_share(i, outs, ins, found is None or found[0] is None or found[0].weak)
+            hidden = uncompared(i, s0, e0)
+            own = own_share(i, outs, ins + [k for k, _ in hidden], found is None or found[0] is None or found[0].weak)
+            srcs.update((-1 - n, src) for n, (_, src) in enumerate(hidden))     # not rows: keys of their own
             if own:
                 b = root(seq_a[i], i, "a", "", "op", own == WEAK)
                 origin_rows[outs] = True
