@@ -7,6 +7,8 @@ import glob
 import json
 import os
 import re
+import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -226,3 +228,25 @@ def test_two_ranks_stream_to_one_checker(tmp_path):
     assert set(per_rank.index) == {"0", "1"} and per_rank["0"] == per_rank["1"]   # each rank its own rows
     for text in accounts:
         assert re.search(r"(\d+) op records sent to .*, \1 judged, 0 dropped", text), text
+
+
+def test_follow_ctrl_c_writes_what_was_judged(planted_run, tmp_path):
+    """A rank that never ends (no ended marker): Ctrl-C stops --follow with every op judged so far written."""
+    run = tmp_path / "run"
+    shutil.copytree(planted_run, run)
+    os.remove(run / "rank0.ended")
+    out = tmp_path / "ut"
+    checker = subprocess.Popen(CLI + ["run-ut", str(run), "--follow", "-o", str(out)], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    expected = len(run_ut(planted_run, str(tmp_path / "ut_offline"), progress=False).results)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:       # every op of the run is judged, then it waits for the rank
+        files = glob.glob(str(out / "accuracy_checking_result_*.csv"))
+        if files and len(pd.read_csv(files[0], dtype=str)) >= expected:
+            break
+        time.sleep(0.2)
+    checker.send_signal(signal.SIGINT)
+    stdout, stderr = checker.communicate(timeout=120)
+    assert checker.returncode == 130, stderr[-2000:]
+    assert f"the {expected} ops judged so far are written" in stderr and "run-ut: " in stdout
+    assert errors(read_results(out)) == {"aten.silu.default"}

@@ -302,7 +302,10 @@ def replay(record: dict, source: TensorSource | None, device: torch.device, rand
         if keep_data:
             result.data.update(builder.cache)
         # what the training process computed, where it saved it (judged against the same benchmark)
-        rec_leaves = [] if random else _recorded_outputs(record, builder)
+        rec_leaves, shared = ([], []) if random else _recorded_outputs(record, builder, written)
+        if shared:
+            result.note = (f"recorded {', '.join(shared)} not judged: saved as the same tensor as the argument the op "
+                           "writes, whose value before the op the record also needs")
         compiled = bool(record.get("compiled")) and not random
         if compiled:
             # a compiled graph's record: its kernel's outputs are the recorded ones (no eager rerun)
@@ -353,18 +356,35 @@ def replay(record: dict, source: TensorSource | None, device: torch.device, rand
     return result
 
 
-def _recorded_outputs(record: dict, builder: CallBuilder) -> list:
-    """[(name, tensor)] of the outputs the training process saved; one whose tensor cannot be read
-    (its shard never written) is left out: the replay is still judged."""
-    out = []
+def _recorded_outputs(record: dict, builder: CallBuilder, written: set) -> tuple[list, list]:
+    """([(name, tensor)] of the outputs the training process saved, [names not judged]).  One
+    whose tensor cannot be read (its shard never written) is left out: the replay is still judged.
+    One saved as the same tensor as an argument the op writes is not judged: one saved value
+    cannot be both that argument before the op and the output after it."""
+    views = builder.source.part.views if builder.source is not None else {}
+
+    def stored(key):
+        return views[key]["base"] if key in views else key
+    before = {stored(s["data"]) for io, arg, s in walk(record, outputs=False)
+              if s.get("data") is not None and _arg_key(arg) in written}
+    out, shared = [], []
     for _, arg, spec in walk(record, inputs=False):
         if spec.get("data") is None or spec.get("undefined"):
+            continue
+        if stored(spec["data"]) in before:
+            shared.append(arg)
             continue
         try:
             out.append((arg, builder.tensor(spec, arg)))
         except Skip:
             continue
-    return out
+    return out, shared
+
+
+def _arg_key(arg: str):
+    """``input.0.1`` -> 0, ``input.out`` -> "out": the argument as ``ops.written_args`` names it."""
+    head = arg.split(".")[1]
+    return int(head) if head.isdigit() else head
 
 
 def _results(func, args, kwargs):
