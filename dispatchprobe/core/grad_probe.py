@@ -22,7 +22,7 @@ import warnings
 
 import numpy as np
 
-from ..records.writer import WriteFailed, _JsonLines, save_numpy_shard
+from ..records.writer import WriteFailed, _JsonLines, write_safetensors
 from .config import ConfigError
 from .events import Handler
 
@@ -74,7 +74,7 @@ def measures(x, xp, level: str, bounds, base=None) -> list:
     n = flat.shape[0]
     if n == 0:                                          # an empty shard (uneven FSDP2 sharding)
         return [-math.inf, math.inf, 0.0] + ([0.0] * (len(bounds) + 2) if level == "L2" else [])
-    if str(flat.dtype).removeprefix("torch.") not in ("float32", "float64"):
+    if flat.dtype != xp.float32 and flat.dtype != xp.float64:
         flat = xp.asarray(flat, dtype=xp.float32)       # half floats (msprobe widens bf16 too), ints
     out = list(base) if base is not None else [flat.max(), flat.min(), xp.dot(flat, flat)]
     if level == "L2":
@@ -159,18 +159,18 @@ class GradHandler(Handler):
                     self._keys += 1
                     arrays[key] = signs
             if arrays:
-                os.makedirs(os.path.join(folder, "tensors"), exist_ok=True)
+                if not self._shards:
+                    os.makedirs(os.path.join(folder, "tensors"), exist_ok=True)
                 name = f"shard_{self._shards:05d}.safetensors"
                 self._shards += 1
                 path = os.path.join(folder, "tensors", name)
                 try:
-                    save_numpy_shard(arrays, path + ".tmp")
+                    write_safetensors({k: ("U8", [a.size], memoryview(a)) for k, a in arrays.items()}, path + ".tmp")
                     os.replace(path + ".tmp", path)
                 except OSError as exc:
                     raise WriteFailed(f"{exc.strerror or exc} writing {path}") from None
                 self._index.append({"shard": name, "keys": list(arrays)})
-            for record, _ in items:
-                self._lines.append(record)
+            self._lines.extend(record for record, _ in items)
 
     # -- handler ------------------------------------------------------------------------------
     def start_part(self) -> None:

@@ -174,10 +174,16 @@ class _JsonLines:
         self._file = None
 
     def append(self, obj: dict) -> None:
+        self._write(json_line(obj))
+
+    def extend(self, objs) -> None:
+        """Several lines in one ``write`` call (a killed process may leave the last one torn)."""
+        self._write(b"".join(json_line(o) for o in objs))
+
+    def _write(self, line: bytes) -> None:
         try:
             if self._file is None:
                 self._file = open(self.path, "ab", buffering=0)
-            line = json_line(obj)
             written = self._file.write(line)
             while written is not None and written < len(line):   # a raw write may be partial
                 line = line[written:]

@@ -82,14 +82,15 @@ def optimizer_parameters(optimizer: torch.optim.Optimizer) -> Iterator[torch.nn.
 
 def gradient_of(param: torch.Tensor) -> tuple[torch.Tensor | None, str]:
     """(the gradient an optimizer would apply to ``param``, "main_grad" or "grad"); None if it has none."""
-    main = getattr(param, "main_grad", None)
+    main = getattr(param, "__dict__", {}).get("main_grad")    # a missed attribute of a tensor is slow
     if isinstance(main, torch.Tensor):
         return main, "main_grad"
     return param.grad, "grad"
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
-    return type(t).__name__ == "DTensor" and hasattr(t, "placements") and hasattr(t, "to_local")
+    kind = type(t)
+    return kind is not torch.Tensor and kind.__name__ == "DTensor" and hasattr(t, "to_local")
 
 
 def placement_of(grad: torch.Tensor) -> Placement:
