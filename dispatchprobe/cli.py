@@ -139,7 +139,8 @@ def compare(a, b, out, match, mapping, jobs, metric, stats_only):
         click.echo("interrupted: no verdict" + (f"; the report in {out} is incomplete (each file in it is whole "
                                                  "or absent)" if out and os.path.isdir(out) else ""), err=True)
         sys.exit(130)
-    click.echo(str(verdict))
+    if int(os.environ.get("RANK", "0")) == 0:     # under torchrun: rank 0 merged and says it
+        click.echo(str(verdict))
     if not verdict.passed:
         sys.exit(2)
     if verdict.damaged:

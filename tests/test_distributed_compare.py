@@ -86,3 +86,39 @@ def test_fsdp2_agrees_with_one_process(runs):
     grads = table[table["what"] == "grad"]
     assert len(grads) == 8 and grads["how_a"].eq("gathered (Shard(dim=0))").all()
     assert (table[table["what"] == "value"]["shape_a"].map(tuple) == table[table["what"] == "value"]["shape_b"].map(tuple)).all()
+
+
+def _torchrun(*args: str) -> subprocess.CompletedProcess:
+    """``torchrun --nproc-per-node 2 -m dispatchprobe ARGS`` (gloo on loopback)."""
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "dispatchprobe", *args], capture_output=True, text=True, timeout=300, env=ENV)
+
+
+@pytest.mark.parametrize("a, b", [("ddp/planted", "ddp/clean"), ("ddp/clean", "single/planted")])
+def test_compare_under_torchrun_writes_the_one_process_report(runs, tmp_path, a, b):
+    """Each rank compares every second step/rank part (or step), rank 0 merges: the same verdict
+    and the same CSVs as one process; the verdict is printed once."""
+    one = CliRunner().invoke(main, ["compare", str(runs / a), str(runs / b), "-o", str(tmp_path / "one")])
+    done = _torchrun("compare", str(runs / a), str(runs / b), "-o", str(tmp_path / "two"))
+    assert one.exit_code == 2 and done.returncode != 0, (one.output, done.stderr[-3000:])   # torchrun: a rank exited 2
+    assert done.stdout.replace(str(tmp_path / "two"), "OUT") == one.output.replace(str(tmp_path / "one"), "OUT")
+    for name in ("compare.csv", "unmatched.csv", "pairing.csv"):
+        if (tmp_path / "one" / name).exists():
+            assert (tmp_path / "two" / name).read_bytes() == (tmp_path / "one" / name).read_bytes(), name
+
+
+def test_run_ut_under_torchrun_equals_one_process(runs, tmp_path):
+    import pandas as pd
+    from dispatchprobe.offline.run_ut import TIMING_COLUMNS, run_ut
+    one = run_ut(runs / "ddp" / "clean", tmp_path / "one", progress=False)
+    done = _torchrun("run-ut", str(runs / "ddp" / "clean"), "-o", str(tmp_path / "two"))
+    errs = (one.results[["Forward Test Success", "Backward Test Success"]] == "error").any(axis=None)
+    assert done.returncode == (1 if errs else 0), done.stderr[-3000:]    # torchrun: 1 when a rank exited 2
+    assert done.stdout.count("run-ut:") == 1          # rank 0 says it
+    read = lambda kind: pd.read_csv(next((tmp_path / "two").glob(f"accuracy_checking_{kind}_*.csv")), dtype=str,  # noqa: E731
+                                    keep_default_na=False)
+    results, details = read("result"), read("details")
+    assert set(results["Rank"]) == {"0", "1"} and len(results) == len(one.results)
+    drop = [c for c in TIMING_COLUMNS if c in results.columns]
+    assert results.drop(columns=drop).values.tolist() == one.results.drop(columns=drop).values.tolist()
+    assert details.values.tolist() == one.details.values.tolist()

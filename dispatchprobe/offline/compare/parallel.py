@@ -322,23 +322,37 @@ def _params(parts: dict) -> dict:
     return out
 
 
-def compare_parallelism(run_a, run_b, tensors: bool = True) -> tuple[pd.DataFrame, ParallelVerdict]:
-    """Compare ``run_a`` with ``run_b`` (loaded runs whose ranks differ) on what both hold."""
+def compare_parallelism(run_a, run_b, tensors: bool = True, share: tuple = (0, 1)) -> list:
+    """Compare ``run_a`` with ``run_b`` (loaded runs whose ranks differ) on what both hold, step by
+    step: ``(step, rows, unpaired, problems)`` for each step both hold; ``share`` (rank, world):
+    only every world-th step (a launcher's rank), for :func:`merge_steps` on rank 0."""
+    steps = sorted({k[0] for k in run_a.parts} & {k[0] for k in run_b.parts})
+    out = []
+    for step in steps[share[0]::share[1]]:
+        pa = {k[1]: p for k, p in run_a.parts.items() if k[0] == step}
+        pb = {k[1]: p for k, p in run_b.parts.items() if k[0] == step}
+        problems: list = []
+        unpaired: list = []
+        rows = _step_rows(step, pa, pb, tensors, problems, unpaired)
+        for p in (*pa.values(), *pb.values()):
+            problems.extend(x for x in p.problems if x not in problems)
+        out.append((step, rows, unpaired, problems))
+    return out
+
+
+def merge_steps(run_a, run_b, steps: list) -> tuple[pd.DataFrame, ParallelVerdict]:
+    """The table and verdict of :func:`compare_parallelism`'s steps (from one or several ranks)."""
+    steps = sorted(steps, key=lambda s: s[0])
     ranks_a = sorted({k[1] for k in run_a.parts})
     ranks_b = sorted({k[1] for k in run_b.parts})
     steps_a, steps_b = {k[0] for k in run_a.parts}, {k[0] for k in run_b.parts}
-    steps = sorted(steps_a & steps_b)
+    unpaired = [f"steps {sorted(steps_a ^ steps_b)} are in one run only"] if steps_a != steps_b else []
     problems: list = []
-    unpaired: list = []
-    if steps_a != steps_b:
-        unpaired.append(f"steps {sorted(steps_a ^ steps_b)} are in one run only")
-    rows = []
-    for step in steps:
-        pa = {k[1]: p for k, p in run_a.parts.items() if k[0] == step}
-        pb = {k[1]: p for k, p in run_b.parts.items() if k[0] == step}
-        rows += _step_rows(step, pa, pb, tensors, problems, unpaired)
-        for p in (*pa.values(), *pb.values()):
-            problems.extend(x for x in p.problems if x not in problems)
+    rows: list = []
+    for _, r, u, p in steps:
+        rows += r
+        unpaired += u
+        problems += [x for x in p if x not in problems]
     table = pd.DataFrame(rows, columns=TABLE_COLUMNS)
     table["after_one_run_only"] = ["; ".join(x) if isinstance(x, list) else "" for x in table["after_one_run_only"]]
     counts = {k: int(v) for k, v in table["status"].value_counts().items()} if len(table) else {}
@@ -350,8 +364,8 @@ def compare_parallelism(run_a, run_b, tensors: bool = True) -> tuple[pd.DataFram
         parted = off.iloc[0].to_dict() if len(off) else None
         moved = table[(table["status"] == V.PASS) & (table["rel_l2_err"].fillna(1.0) != 0.0)]
         departure = moved.iloc[0].to_dict() if len(moved) else None
-    verdict = ParallelVerdict(str(run_a.path), str(run_b.path), ranks_a, ranks_b, steps, counts, first, parted,
-                              departure, unpaired, problems)
+    verdict = ParallelVerdict(str(run_a.path), str(run_b.path), ranks_a, ranks_b, [s[0] for s in steps], counts,
+                              first, parted, departure, unpaired, problems)
     return table, verdict
 
 
