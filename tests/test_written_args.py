@@ -136,3 +136,21 @@ def test_writes_no_version_counter_sees_are_not_taken_for_old_values(tmp_path, t
     if task == "tensor":
         assert (part.tensor(first[0]["data"]) == 3.0).all()
         assert np.allclose(part.tensor(first[1]["data"]), bn.running_mean.numpy())
+
+
+@pytest.mark.parametrize("task", ["statistics", "tensor"])
+def test_outputs_of_writing_ops_hold_the_written_values(tmp_path, task):
+    """Autograd moves an in-place op's version counter only after the op returned (the mode runs
+    below it): the output of ``add_`` and of an ``out=`` op is measured after the write, not taken
+    from what was measured of that memory before (here: ``clone``'s output, 1.0)."""
+    x = torch.ones(3)
+    with DispatchProbe(task=task, dump_path=str(tmp_path / "r")) as probe:
+        y = x.clone()
+        y.add_(x)
+        torch.mul(x, 3, out=y)
+    probe.close()
+    part = load(tmp_path / "r").part(0, 0)
+    means = {r["op"]: r["outputs"][0]["stats"]["mean"] for r in part.records}
+    assert means == {"aten.clone.default": 1.0, "aten.add_.Tensor": 2.0, "aten.mul.out": 3.0}
+    if task == "tensor":
+        assert [float(part.tensor(r["outputs"][0]["data"]).mean()) for r in part.records] == [1.0, 2.0, 3.0]
