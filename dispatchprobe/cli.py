@@ -162,9 +162,10 @@ def ranks(run, out, stats_only, progress):
     from .offline.ranks import check_run
     _, verdict = check_run(run, out, tensors=not stats_only,
                            progress=sys.stderr.isatty() if progress is None else progress)
-    click.echo(str(verdict))
-    if out:
-        click.echo(f"table: {os.path.join(out, 'ranks.csv')}\nreport: {os.path.join(out, 'ranks.html')}")
+    if int(os.environ.get("RANK", "0")) == 0:     # under torchrun: rank 0 merged and says it
+        click.echo(str(verdict))
+        if out:
+            click.echo(f"table: {os.path.join(out, 'ranks.csv')}\nreport: {os.path.join(out, 'ranks.html')}")
     sys.exit(verdict.code)
 
 

@@ -122,3 +122,14 @@ def test_run_ut_under_torchrun_equals_one_process(runs, tmp_path):
     drop = [c for c in TIMING_COLUMNS if c in results.columns]
     assert results.drop(columns=drop).values.tolist() == one.results.drop(columns=drop).values.tolist()
     assert details.values.tolist() == one.details.values.tolist()
+
+
+def test_ranks_under_torchrun_writes_the_one_process_report(runs, tmp_path):
+    """``ranks``: each rank checks every second step (with all of its ranks), rank 0 merges."""
+    one = CliRunner().invoke(main, ["ranks", str(runs / "ddp" / "clean"), "-o", str(tmp_path / "one")])
+    done = _torchrun("ranks", str(runs / "ddp" / "clean"), "-o", str(tmp_path / "two"))
+    assert one.exit_code == 0 and done.returncode == 0, (one.output, done.stderr[-3000:])
+    assert "the ranks agree" in one.output
+    assert done.stdout.replace(str(tmp_path / "two"), "OUT") == one.output.replace(str(tmp_path / "one"), "OUT")
+    for name in ("ranks.csv", "ranks.html"):
+        assert (tmp_path / "two" / name).read_bytes() == (tmp_path / "one" / name).read_bytes(), name

@@ -15,6 +15,7 @@ from ...core import op_traits
 from ...records.reader import Part, RecordError, load, no_gc
 from ...standards.loader import standard
 from ..align import Mapping, align
+from ..launcher import engine_for, gathered, said_by_rank0
 from ..translate import Translation
 from .columns import COLUMNS, UNMATCHED_COLUMNS, _FLOAT_FIELDS, _ROW_FIELDS
 from .origin import trace
@@ -197,10 +198,10 @@ def compare(a, b, *, match: str = "fuzzy", mapping: str | Mapping | None = None,
     if not isinstance(mapping, Mapping):
         mapping = Mapping.load(mapping)
     run_a, run_b = load(a), load(b)
-    engine = _launcher(run_a)
+    engine = engine_for(run_a)
     from ..grad_compare import grad_compare, is_grad_run
     if is_grad_run(run_a) or is_grad_run(run_b):      # gradient directions per step and parameter
-        return _said_by_rank0(engine, lambda: grad_compare(run_a, run_b, out=out))
+        return said_by_rank0(engine, lambda: grad_compare(run_a, run_b, out=out), _elsewhere)
     problems: list[str] = []
     if len(run_a.parts) == 1 and len(run_b.parts) == 1:
         jobs_list = [(next(iter(run_a.parts)), next(iter(run_b.parts)))]
@@ -221,9 +222,15 @@ def compare(a, b, *, match: str = "fuzzy", mapping: str | Mapping | None = None,
     fa, fb = (r.manifest.get("framework") or "torch" for r in (run_a, run_b))
     tasks = [(run_a.parts[ka].path, ka, run_b.parts[kb].path, kb, match, mapping, tensors, translate,
               fa if fa == fb else None) for ka, kb in jobs_list]
-    results = _run_shared(tasks, jobs, progress, engine)
-    return _said_by_rank0(engine, lambda: _merge(results, run_a, run_b, jobs_list, problems, (fa, fb), out, metric,
-                                                 progress))
+    # under a launcher each rank compares every world-th part with its -j workers; rank 0 merges
+    results = gathered(engine, tasks, lambda share: _run_tasks(share, jobs, progress))
+    return said_by_rank0(engine, lambda: _merge(results, run_a, run_b, jobs_list, problems, (fa, fb), out, metric,
+                                                progress), _elsewhere)
+
+
+def _elsewhere(verdict) -> Result:
+    """What compare returns on a launcher's other ranks: rank 0's verdict (the table is rank 0's)."""
+    return Result(pd.DataFrame(), verdict)
 
 
 def _merge(results: list, run_a, run_b, jobs_list: list, problems: list, frameworks: tuple, out, metric: str,
@@ -270,52 +277,6 @@ def _merge(results: list, run_a, run_b, jobs_list: list, problems: list, framewo
     return Result(table, verdict)
 
 
-def _launcher(run):
-    """The launcher's engine when compare runs under one (``torchrun ... -m dispatchprobe compare``):
-    the framework's own (run-ut's, :meth:`Replayer.distributed`), else None."""
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return None
-    from ..replayer import replayer_for
-    return replayer_for(run).distributed()
-
-
-def _run_shared(tasks: list, jobs: int, progress: bool, engine):
-    """The tasks' results in order; under a launcher each rank runs every world-th task (with its
-    ``jobs`` workers) and rank 0 gathers them (other ranks get None)."""
-    if engine is None or engine.world <= 1:
-        return _run_tasks(tasks, jobs, progress)
-    mine = _run_tasks(tasks[engine.rank::engine.world], jobs, progress)
-    got = engine.gather(mine, dst=0)
-    if engine.rank != 0:
-        return None
-    out: list = [None] * len(tasks)
-    for r, res in enumerate(got):
-        out[r::engine.world] = res
-    return out
-
-
-def _said_by_rank0(engine, conclude):
-    """``conclude()`` on rank 0 (the only one that writes the report); under a launcher the other
-    ranks get its verdict (with an empty table) or raise its error, so every rank exits alike."""
-    if engine is None or engine.world <= 1:
-        return conclude()
-    if engine.rank != 0:
-        said = engine.broadcast(None)
-        if isinstance(said, BaseException):
-            raise said
-        return Result(pd.DataFrame(), said)
-    try:
-        result = conclude()
-    except RecordError as exc:
-        engine.broadcast(exc)
-        raise
-    except BaseException:
-        engine.broadcast(RecordError("rank 0 failed while merging the ranks' results (see its error)"))
-        raise
-    engine.broadcast(result.verdict)
-    return result
-
-
 def _span(what: str, values: set) -> str:
     v = sorted(values)
     return f"{what} {v[0]}" if len(v) == 1 else f"{what}s {', '.join(map(str, v))}" if len(v) <= 4 else \
@@ -326,11 +287,10 @@ def _across_parallelism(run_a, run_b, out: str | None, tensors: bool, engine=Non
     """Runs of different rank counts (1 process vs DDP/FSDP2): compared on what both hold
     (:mod:`.parallel`, steps shared among a launcher's ranks); ``out`` gets ``compare.csv``."""
     from .parallel import compare_parallelism, merge_steps
-    steps = compare_parallelism(run_a, run_b, tensors, share=(engine.rank, engine.world) if engine else (0, 1))
-    if engine is not None and engine.world > 1:
-        got = engine.gather(steps, dst=0)
-        steps = [s for g in got for s in g] if engine.rank == 0 else None
-    return _said_by_rank0(engine, lambda: _parallel_result(run_a, run_b, merge_steps(run_a, run_b, steps), out))
+    steps = sorted({k[0] for k in run_a.parts} & {k[0] for k in run_b.parts})
+    results = gathered(engine, steps, lambda share: compare_parallelism(run_a, run_b, tensors, share))
+    return said_by_rank0(engine, lambda: _parallel_result(run_a, run_b, merge_steps(run_a, run_b, results), out),
+                         _elsewhere)
 
 
 def _parallel_result(run_a, run_b, merged, out) -> Result:

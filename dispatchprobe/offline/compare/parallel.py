@@ -322,13 +322,14 @@ def _params(parts: dict) -> dict:
     return out
 
 
-def compare_parallelism(run_a, run_b, tensors: bool = True, share: tuple = (0, 1)) -> list:
+def compare_parallelism(run_a, run_b, tensors: bool = True, steps: list | None = None) -> list:
     """Compare ``run_a`` with ``run_b`` (loaded runs whose ranks differ) on what both hold, step by
-    step: ``(step, rows, unpaired, problems)`` for each step both hold; ``share`` (rank, world):
-    only every world-th step (a launcher's rank), for :func:`merge_steps` on rank 0."""
-    steps = sorted({k[0] for k in run_a.parts} & {k[0] for k in run_b.parts})
+    step: ``(step, rows, unpaired, problems)`` for each of ``steps`` (default: every step both
+    hold), for :func:`merge_steps`."""
+    if steps is None:
+        steps = sorted({k[0] for k in run_a.parts} & {k[0] for k in run_b.parts})
     out = []
-    for step in steps[share[0]::share[1]]:
+    for step in steps:
         pa = {k[1]: p for k, p in run_a.parts.items() if k[0] == step}
         pb = {k[1]: p for k, p in run_b.parts.items() if k[0] == step}
         problems: list = []

@@ -12,6 +12,7 @@ from typing import NamedTuple
 import pandas as pd
 
 from ...records.reader import Run, load
+from ..launcher import engine_for, gathered, said_by_rank0
 from ...standards import verdicts as V
 from .collectives import calls_of, check_call
 from .inf_nan import describe, first_nonfinite
@@ -186,7 +187,16 @@ def check_run(path, out: str | None = None, *, tensors: bool = True, progress: b
     run = load(path)
     if not run.parts:
         raise ValueError(f"{path}: no step*/rank* folders with records")
-    results = check_parts(run, list(run.parts), tensors=tensors, progress=progress)
+    # under a launcher (torchrun ... -m dispatchprobe ranks) each rank checks every world-th step
+    # (with all of its ranks); rank 0 merges and writes the report
+    engine = engine_for(run)
+    steps = sorted({step for step, _ in run.parts})
+    results = gathered(engine, steps, lambda share: check_parts(
+        run, [k for k in run.parts if k[0] in share], tensors=tensors, progress=progress))
+    return said_by_rank0(engine, lambda: _report(run, results, out), lambda verdict: (pd.DataFrame(), verdict))
+
+
+def _report(run, results: list, out: str | None):
     table, verdict = merge(results)
     if out:
         from ...records.writer import atomic_write_text
