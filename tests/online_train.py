@@ -21,15 +21,15 @@ def wrong_silu(x):
 
 
 @contextlib.contextmanager
-def planted_silu(on: bool = True):
-    """The wrong silu for aten.silu on CPU while inside (this process only)."""
+def planted_silu(on: bool = True, key: str = "CPU"):
+    """The wrong silu for aten.silu on ``key`` (CPU, CUDA) while inside (this process only)."""
     if not on:
         yield
         return
     lib = torch.library.Library("aten", "IMPL")
     with warnings.catch_warnings():        # torch warns that a CPU kernel is overridden: that is the point
         warnings.simplefilter("ignore")
-        lib.impl("silu", wrong_silu, "CPU")
+        lib.impl("silu", wrong_silu, key)
     try:
         yield
     finally:
@@ -46,13 +46,15 @@ def model_and_batches(steps: int = 2):
     return model, [torch.randint(0, 64, (2, 8), generator=g) for _ in range(steps)]
 
 
-def train(probe, steps: int = 2, plant: bool = False) -> list[float]:
+def train(probe, steps: int = 2, plant: bool = False, device: str = "cpu") -> list[float]:
     """``steps`` AdamW steps of the tiny model under ``probe`` (closed at the end); the losses."""
     model, batches = model_and_batches(steps)
+    model.to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     losses = []
-    with planted_silu(plant):
+    with planted_silu(plant, "CUDA" if device.startswith("cuda") else "CPU"):
         for ids in batches:
+            ids = ids.to(device)
             with probe:
                 loss = model(input_ids=ids, labels=ids).loss
                 loss.backward()
@@ -69,6 +71,7 @@ def main(argv=None) -> int:
     ap.add_argument("config", help="the probe's keyword arguments as JSON")
     ap.add_argument("--plant", action="store_true")
     ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--device", default="cpu")
     ap.add_argument("--sleep", type=float, default=0.0, help="seconds to wait after each step (a slow loop)")
     args = ap.parse_args(argv)
     from dispatchprobe import DispatchProbe
@@ -81,7 +84,7 @@ def main(argv=None) -> int:
             import time
             time.sleep(args.sleep)
         probe.step = slow_step
-    losses = train(probe, args.steps, args.plant)
+    losses = train(probe, args.steps, args.plant, args.device)
     print("losses", losses, flush=True)
     return 0
 

@@ -130,7 +130,7 @@ class Follower:
             if not m:
                 continue
             key = (int(m.group(1)), int(m.group(2)))
-            if key in self._reaped:
+            if key in self._reaped or key in self._closed:     # nothing more comes from it
                 continue
             part = self.run.parts.get(key)
             if part is None:

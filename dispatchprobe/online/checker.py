@@ -27,6 +27,9 @@ from ..records.writer import _JsonLines, atomic_write_text
 from . import wire
 
 
+MAX_STREAMS = 512      # ranks streaming to one checker at once (a gRPC server thread each)
+
+
 class Spool:
     """A run directory written from frames (one writer per rank: streams never share a folder)."""
 
@@ -262,7 +265,8 @@ def listen(address: str, out_dir: str | None = None, *, tls_path: str | None = N
         "Ping": grpc.unary_unary_rpc_method_handler(checker.ping, wire.identity, wire.identity),
         "Stream": grpc.stream_unary_rpc_method_handler(checker.stream, wire.identity, wire.identity)})
     with refusals_logged(say):
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="dispatchprobe-listen"),
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=MAX_STREAMS + 8,
+                                                               thread_name_prefix="dispatchprobe-listen"),
                              handlers=[handler], options=wire.channel_options())
         bind = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         try:
