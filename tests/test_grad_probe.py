@@ -98,6 +98,9 @@ def test_levels_match_numpy(tmp_path, level):
                 saw_big |= d["shares"][0] + d["shares"][-1] > 0
     if level == "L2":
         assert saw_zero and saw_big        # the data exercises the zero share and the outer intervals
+    table = run.grads
+    assert len(table) == 8 and list(table["param"][:4]) == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    assert table["norm"].iloc[0] == run.part(0, 0).grads[0]["stats"]["norm"]
 
 
 # ---- the tiny transformer: identical runs, a planted sign flip ------------------------------------
@@ -209,10 +212,12 @@ def test_probe_step_and_two_optimizers(tmp_path):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
     opts = [torch.optim.SGD(model[0].parameters(), lr=0.1), torch.optim.Adam(model[1].parameters(), lr=0.1)]
+    other = torch.nn.Linear(2, 2)       # another model's optimizer, stepping first: not this probe's
     probe = DispatchProbe(task="grad_probe", dump_path=str(tmp_path / "two"), model=model)
     for _ in range(3):               # two optimizers, one step each: one step
         model(torch.randn(2, 3)).sum().backward()
-        for o in opts:
+        other(torch.randn(1, 2)).sum().backward()
+        for o in [torch.optim.SGD(other.parameters(), lr=0.1)] + opts:
             o.step()
             o.zero_grad()
     probe.close()

@@ -63,6 +63,7 @@ _FLOAT8 = {"F8_E4M3": _float8_table(4, 3, 7), "F8_E5M2": _float8_table(5, 2, 15,
 
 TENSOR_COLUMNS = ["step", "rank", "id", "kind", "name", "op", "stage", "scope", "call", "grad_fn", "io", "arg",
                   "dtype", "shape", "device", "max", "min", "mean", "norm", "nan", "inf", "checksum", "data"]
+GRAD_COLUMNS = ["step", "rank", "param", "dtype", "shape", "numel", "max", "min", "norm", "zero", "sign"]
 OP_COLUMNS = ["step", "rank", "id", "kind", "name", "op", "stage", "scope", "call", "grad_fn", "stack",
               "n_inputs", "n_outputs"]
 
@@ -359,6 +360,14 @@ class Run:
     def tensors(self) -> pd.DataFrame:
         return pd.concat([p.tensors for p in self.parts.values()], ignore_index=True) if self.parts else \
             pd.DataFrame(columns=TENSOR_COLUMNS)
+
+    @property
+    def grads(self) -> pd.DataFrame:
+        """A grad-probe run's records, one row per step, rank and parameter (docs/grad-probe.md)."""
+        rows = [(p.step, p.rank, r["param"], r["dtype"], tuple(r["shape"]), r["numel"], r["stats"]["max"],
+                 r["stats"]["min"], r["stats"]["norm"], (r.get("distribution") or {}).get("zero"), r.get("sign"))
+                for p in self.parts.values() for r in p.grads]
+        return pd.DataFrame(rows, columns=GRAD_COLUMNS)
 
 
 def _find_manifest(path: str) -> tuple[str, dict]:

@@ -689,6 +689,11 @@ class DispatchProbe(TorchSession):
             self._mode = None
         self.scopes.uninstall()
 
+    def optimizer_stepped(self, optimizer) -> None:
+        if self.grad_reader is not None and not self.grad_reader.holds(optimizer):
+            return                  # the grad probe's steps are its model's optimizers' steps
+        super().optimizer_stepped(optimizer)
+
     def close(self) -> None:
         try:
             super().close()      # may raise OverflowDetected: a held overflow the last step did not catch

@@ -148,7 +148,13 @@ class GradReader:
     def remove(self) -> None:
         self._hook.remove()
 
+    def holds(self, optimizer) -> bool:
+        """Whether ``optimizer`` updates parameters of the probe's model (not another model's)."""
+        return any(id(p) in self.names for group in optimizer.param_groups for p in group["params"])
+
     def on_step(self, optimizer) -> None:
+        if not self.holds(optimizer):
+            return
         h = self.handler
         step_on, here = h.begin(optimizer)
         if not step_on:
