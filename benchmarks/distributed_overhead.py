@@ -1,0 +1,128 @@
+"""Per-rank cost of statistics recording under DDP and FSDP2 (2 gloo ranks), beside one process.
+
+One model (the tiny transformer of ``dispatchprobe.models``) and one global batch: one process
+trains on all of it; under ``torchrun`` each of the ranks trains on its share, wrapped in DDP or
+FSDP2 (``fully_shard`` per layer and the root).  Each process times its steps (forward,
+backward, optimizer step) unprobed and under ``DispatchProbe(task="statistics")``, alternating,
+and reports the median of each; the table gives each rank's ratio beside the 1-process one.
+
+    python benchmarks/distributed_overhead.py [--steps 8] [--quick] [--nproc 2]
+
+The ranks are launched with ``python -m torch.distributed.run --standalone`` (gloo on loopback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+from dispatchprobe import DispatchProbe
+from dispatchprobe.models import TinyTransformer, lm_batch, lm_loss
+
+
+def _model(quick: bool):
+    kw = dict(vocab=256, dim=64, heads=4, layers=2, seq=32) if quick else \
+        dict(vocab=1024, dim=256, heads=8, layers=4, seq=128)
+    torch.manual_seed(0)
+    return TinyTransformer(**kw), kw
+
+
+def _wrap(kind: str, model):
+    if kind == "ddp":
+        return torch.nn.parallel.DistributedDataParallel(model)
+    if kind == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh)
+        return fully_shard(model, mesh=mesh)
+    return model
+
+
+def measure(kind: str, steps: int, quick: bool, dump: str) -> dict:
+    """Median seconds per step, unprobed and probed (alternating), in this process."""
+    rank, world = (torch.distributed.get_rank(), torch.distributed.get_world_size()) if kind != "single" else (0, 1)
+    model, kw = _model(quick)
+    model = _wrap(kind, model)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    batch = 8
+    tokens, targets = lm_batch(batch=batch, seq=kw["seq"], vocab=kw["vocab"])
+    share = batch // world
+    tokens, targets = tokens[rank * share:(rank + 1) * share], targets[rank * share:(rank + 1) * share]
+    probe = DispatchProbe(task="statistics", dump_path=os.path.join(dump, kind), overwrite=True)
+
+    def step(probed: bool) -> float:
+        t0 = time.perf_counter()
+        if probed:
+            probe.start()
+        lm_loss(model, tokens, targets).backward()
+        opt.step()
+        opt.zero_grad()
+        if probed:
+            probe.step()
+        return time.perf_counter() - t0
+
+    step(False)                   # warm-up: allocations, FSDP's first all-gathers
+    step(True)
+    plain, probed = [], []
+    for _ in range(steps):
+        plain.append(step(False))
+        probed.append(step(True))
+    probe.close()
+    return {"kind": kind, "rank": rank, "world": world, "plain": statistics.median(plain),
+            "probed": statistics.median(probed)}
+
+
+def _worker(kind: str, steps: int, quick: bool, dump: str, out: str) -> None:
+    torch.distributed.init_process_group("gloo")
+    res = measure(kind, steps, quick, dump)
+    with open(os.path.join(out, f"{kind}-rank{res['rank']}.json"), "w") as f:
+        json.dump(res, f)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--quick", action="store_true", help="a smaller transformer (smoke runs)")
+    parser.add_argument("--nproc", type=int, default=2, help="ranks of the DDP and FSDP2 runs")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--tmp", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        _worker(args.worker, args.steps, args.quick, os.path.join(args.tmp, "runs"), args.tmp)
+        return
+    tmp = tempfile.mkdtemp(prefix="dist_overhead_")
+    try:
+        rows = [measure("single", args.steps, args.quick, os.path.join(tmp, "runs"))]
+        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        for kind in ("ddp", "fsdp2"):
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc),
+                   os.path.abspath(__file__), "--worker", kind, "--tmp", tmp, "--steps", str(args.steps)]
+            done = subprocess.run(cmd + (["--quick"] if args.quick else []), capture_output=True, text=True, env=env)
+            if done.returncode:
+                raise SystemExit(f"{kind} ranks failed:\n{done.stderr[-3000:]}")
+            for r in range(args.nproc):
+                with open(os.path.join(tmp, f"{kind}-rank{r}.json")) as f:
+                    rows.append(json.load(f))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"{'setup':<8} {'rank':>4} {'unprobed ms/step':>17} {'statistics ms/step':>19} {'ratio':>6}")
+    for r in rows:
+        print(f"{r['kind']:<8} {r['rank']:>2}/{r['world']:<1} {1e3 * r['plain']:>17.1f} {1e3 * r['probed']:>19.1f} "
+              f"{r['probed'] / r['plain']:>6.2f}")
+
+
+if __name__ == "__main__":
+    main()
