@@ -166,6 +166,8 @@ def ranks(run, out, stats_only, progress):
         click.echo(str(verdict))
         if out:
             click.echo(f"table: {os.path.join(out, 'ranks.csv')}\nreport: {os.path.join(out, 'ranks.html')}")
+        for problem in getattr(verdict, "problems", ()):
+            click.echo(f"warning: {problem}", err=True)
     sys.exit(verdict.code)
 
 

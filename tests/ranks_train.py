@@ -1,10 +1,11 @@
 """Two training steps of a small MLP on 2 gloo ranks under the statistics and tensor tasks, with a
 fault planted on rank 1 if asked; run by ``test_ranks.py`` as
-``torchrun --nproc-per-node 2 ranks_train.py {ddp,fsdp,tp} OUT [PLANT]``.
+``torchrun --nproc-per-node 2 ranks_train.py {ddp,fsdp,tp} OUT [PLANT ...]``.
 
-PLANT: ``nudge`` (one weight moved on rank 1 after DDP's initial broadcast), ``hook`` (a DDP comm
-hook that scales rank 1's reduced bucket by 1.001), ``inf`` (rank 1's batch scaled so that the
-loss overflows to inf there, from finite values).  Records go to ``OUT/{statistics,tensor}``."""
+PLANT: ``clean`` (none), ``nudge`` (one weight moved on rank 1 after DDP's initial broadcast),
+``hook`` (a DDP comm hook that scales rank 1's reduced bucket by 1.001), ``inf`` (rank 1's batch
+scaled so that the loss overflows to inf there, from finite values).  Each plant's records go to
+``OUT/{plant}/{statistics,tensor}`` (one launch, several runs)."""
 
 from __future__ import annotations
 
@@ -78,14 +79,14 @@ def train(kind: str, mesh, probe: DispatchProbe, plant: str) -> None:
 
 def main() -> None:
     kind, out = sys.argv[1], sys.argv[2]
-    plant = sys.argv[3] if len(sys.argv) > 3 else ""
     dist.init_process_group("gloo")
     mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (dist.get_world_size(),),
                                                           mesh_dim_names=("tp",) if kind == "tp" else ("dp",))
-    for task in ("statistics", "tensor"):
-        probe = DispatchProbe(task=task, dump_path=os.path.join(out, task))
-        train(kind, mesh, probe, plant)
-        probe.close()
+    for plant in sys.argv[3:] or ["clean"]:
+        for task in ("statistics", "tensor"):
+            probe = DispatchProbe(task=task, dump_path=os.path.join(out, plant, task))
+            train(kind, mesh, probe, plant)
+            probe.close()
     dist.barrier()
     dist.destroy_process_group()
 

@@ -18,23 +18,25 @@ SCRIPT = Path(__file__).with_name("ranks_train.py")
 _RUNS: dict = {}
 
 
-def launch(kind: str, out: Path, plant: str = "") -> Path:
+PLANTS = {"ddp": ("clean", "nudge", "hook", "inf"), "fsdp": ("clean",), "tp": ("clean",)}
+
+
+def launch(kind: str, out: Path) -> Path:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "error::UserWarning"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(SCRIPT), kind, str(out), *([plant] if plant else [])],
-                          capture_output=True, text=True, timeout=300, env=env)
+                           str(SCRIPT), kind, str(out), *PLANTS[kind]], capture_output=True, text=True, timeout=300,
+                          env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return out
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """One launch per parallelism and plant, shared by the tests of this module."""
-    def get(kind: str, plant: str = "") -> Path:
-        key = (kind, plant)
-        if key not in _RUNS:
-            _RUNS[key] = launch(kind, tmp_path_factory.mktemp(f"{kind}{plant}"), plant)
-        return _RUNS[key]
+    """One launch per parallelism (every plant of it), shared by the tests of this module."""
+    def get(kind: str, plant: str = "clean") -> Path:
+        if kind not in _RUNS:
+            _RUNS[kind] = launch(kind, tmp_path_factory.mktemp(kind))
+        return _RUNS[kind] / plant
     return get
 
 
@@ -148,12 +150,13 @@ def _copy(run: Path, tmp_path: Path) -> Path:
     return dest
 
 
-def _edit(part: Path, op: str, change) -> None:
+def _edit(part: Path, op: str, change, every: bool = False) -> None:
     lines = [json.loads(line) for line in (part / "ops.jsonl").read_text().splitlines()]
     for r in lines:
-        if r["op"] == op:
+        if r["op"].startswith(op):
             change(r)
-            break
+            if not every:
+                break
     (part / "ops.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
 
 
@@ -192,3 +195,33 @@ def test_ranks_page_marks_the_first_finding(runs, tmp_path):
     mark = data["marks"]["forward"]
     assert data["nodes"][mark["node"]]["path"] == "DistributedDataParallel.module.up"
     assert mark["text"] == "first forward finding: aten.addmm.default (step 0 rank 1)"
+
+
+def test_a_result_that_is_not_the_reduction_is_named_from_statistics(runs, tmp_path):
+    run = _copy(runs("ddp") / "statistics", tmp_path)
+
+    def off(r):           # both ranks' results equal, but no longer the sum of what they gave
+        r["outputs"][0]["value"][0]["stats"]["mean"] *= 1.5
+    for rank in (0, 1):
+        _edit(run / "step0" / f"rank{rank}", "c10d.allreduce_.default", off)
+    code, out = ranks(run)
+    assert code == 2 and out.startswith("collective #0 on group 0 differs: c10d.allreduce_.default "
+                                        "[DistributedDataParallel.module.up] (step 0, backward): rank 0's result is "
+                                        "not the SUM of the inputs: its mean"), out
+
+
+def test_records_without_sequence_numbers_cannot_be_judged(runs, tmp_path):
+    run = _copy(runs("ddp") / "statistics", tmp_path)
+    for part in run.glob("step*/rank*"):
+        _edit(part, "c10d.", lambda r: r.pop("collective"), every=True)
+    code, out = ranks(run)
+    assert code == 1 and "carry no sequence number" in out.splitlines()[0], out
+
+
+@pytest.mark.skipif(not __import__("html_check").chromium(), reason="no chromium")
+def test_ranks_page_in_headless_chromium(runs, tmp_path):
+    from html_check import assert_fits, layout
+    ranks(runs("ddp", "hook") / "tensor", "-o", str(tmp_path))
+    seen = layout(tmp_path / "ranks.html", tmp_path, 1000)
+    assert seen["marks"]["forward"]["marked"] and seen["marks"]["forward"]["selected"]
+    assert_fits(seen)

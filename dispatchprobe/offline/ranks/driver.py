@@ -11,6 +11,7 @@ from typing import NamedTuple
 
 import pandas as pd
 
+from ...core.collective_roles import role
 from ...records.reader import Run, load
 from ..launcher import engine_for, gathered, said_by_rank0
 from ...standards import verdicts as V
@@ -31,6 +32,7 @@ class StepResult(NamedTuple):
     rows: list              # dicts with COLUMNS
     compared: int           # replicated values compared
     missing: list           # "why it cannot judge" lines
+    unnumbered: int = 0     # collective records without a sequence number (an earlier record format)
 
 
 def check_parts(run: Run | str, parts, *, tensors: bool = True, progress: bool = False) -> list[StepResult]:
@@ -103,7 +105,9 @@ def check_step(run: Run, step: int, ranks: list, *, tensors: bool = True) -> Ste
         info = f.record.get("collective") or {}
         rows.append(_row(step, "inf/nan", status, f.rank, [f.rank], f.record, f.index, arg="", detail=describe(f),
                          group=info.get("group", ""), seq=info.get("seq"), kind=info.get("kind", "")))
-    return StepResult(step, list(ranks), rows, compared, missing)
+    unnumbered = sum(1 for r in ranks for rec in records[r]
+                     if "collective" not in rec and rec.get("kind") == "op" and role(rec["op"]) is not None)
+    return StepResult(step, list(ranks), rows, compared, missing, unnumbered)
 
 
 def _row(step, check, status, rank, ranks, record, index, *, arg, detail, size=float("nan"), group="", seq=None,
@@ -121,6 +125,7 @@ class RanksVerdict:
     def __init__(self, lines: list[str], code: int):
         self.lines = lines
         self.code = code
+        self.problems: list[str] = []      # record problems met on the way (a truncated tail, ...)
 
     def __str__(self) -> str:
         return "\n".join(self.lines)
@@ -156,9 +161,12 @@ def merge(results: list[StepResult], run_ranks=None) -> tuple[pd.DataFrame, Rank
         return table, RanksVerdict([f"cannot judge: the run holds rank {ranks[0] if ranks else '-'} only; "
                                     "`ranks` compares the ranks of one distributed run", summary], 1)
     if not len(coll):
-        return table, RanksVerdict(["cannot judge: no collective is recorded (record the steps with torchrun; "
-                                    "collectives left out by `list` or `scope` still number, but are not recorded)",
-                                    summary], 1)
+        unnumbered = sum(res.unnumbered for res in results)
+        why = (f"{unnumbered} collective record(s) carry no sequence number (recorded by an earlier version: "
+               "record the run again)" if unnumbered else
+               "no collective is recorded (record the steps under torchrun; collectives left out by `list` or "
+               "`scope` still count, but are not recorded)")
+        return table, RanksVerdict([f"cannot judge: {why}", summary], 1)
     return table, RanksVerdict([f"the ranks agree: {summary}"], 0)
 
 
@@ -198,6 +206,7 @@ def check_run(path, out: str | None = None, *, tensors: bool = True, progress: b
 
 def _report(run, results: list, out: str | None):
     table, verdict = merge(results)
+    verdict.problems = run.problems + [line for part in run.parts.values() for line in part.damaged_shards()]
     if out:
         from ...records.writer import atomic_write_text
         from .page import ranks_html
