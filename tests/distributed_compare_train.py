@@ -6,7 +6,8 @@
 
 Every run starts from the same weights and sees the same 8 samples per step; a rank of W takes
 its 8/W of them.  RUN ``clean`` records as is; ``planted`` scales the output of ``up`` by 1.001
-(a forward hook), the planted change compare must name.
+(a forward hook), the planted change compare must name; ``stats`` records as ``clean`` with the
+statistics task (no tensors saved).
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ def main() -> None:
     if kind != "single":
         torch.distributed.init_process_group("gloo")
     for run in sys.argv[3:] or ("clean",):
-        train(kind, out, run)
+        train(kind, out, run, task="statistics" if run == "stats" else "tensor")
     if kind != "single":
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()

@@ -34,8 +34,8 @@ def _record(kind: str, out: Path, *runs: str) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("parallel")
-    _record("single", out / "single", "clean", "planted")
-    _record("ddp", out / "ddp", "clean", "planted")
+    _record("single", out / "single", "clean", "planted", "stats")
+    _record("ddp", out / "ddp", "clean", "planted", "stats")
     _record("fsdp", out / "fsdp", "clean")
     return out
 
@@ -68,6 +68,29 @@ def test_ddp_agrees_with_one_process(runs, tmp_path):
         up = rows[(rows["what"] == "forward") & (rows["scope"] == "up")]
         assert up["how_a"].iloc[0] == "concatenated over ranks 0-1 (dim 0)" and up["shape_a"].iloc[0] == [8, 16]
     assert (tmp_path / "cmp" / "compare.csv").is_file()
+
+
+def test_statistics_runs_agree_across_parallelism(runs):
+    """No tensors saved: the ranks' statistics combined (max, min, mean by size, norm) and judged."""
+    table, verdict = compare(runs / "ddp" / "stats", runs / "single" / "stats")
+    assert verdict.passed, str(verdict)
+    assert {"loss", "forward", "grad", "value"} <= set(table["what"]) and table["cosine"].isna().all()
+
+
+def test_a_rank_filtered_run_is_compared_rank_by_rank(runs, tmp_path):
+    """A run that recorded rank 0 of a 2-rank job (config rank=[0]) is not another parallelism."""
+    import shutil
+    import json
+    sub = tmp_path / "rank0"
+    shutil.copytree(runs / "ddp" / "clean", sub)
+    for step in (0, 1):
+        shutil.rmtree(sub / f"step{step}" / "rank1")
+    manifest = json.loads((sub / "manifest.json").read_text())
+    manifest["config"]["rank"] = [0]
+    (sub / "manifest.json").write_text(json.dumps(manifest))
+    table, verdict = compare(sub, runs / "ddp" / "clean")
+    assert verdict.passed and sorted(verdict.parts) == [(0, 0), (1, 0)]
+    assert "steps 0, 1 x rank 1: 2 step/rank part(s) only in" in str(verdict)
 
 
 def test_planted_change_is_named_across_parallelism(runs):

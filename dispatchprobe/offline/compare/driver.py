@@ -205,7 +205,7 @@ def compare(a, b, *, match: str = "fuzzy", mapping: str | Mapping | None = None,
     problems: list[str] = []
     if len(run_a.parts) == 1 and len(run_b.parts) == 1:
         jobs_list = [(next(iter(run_a.parts)), next(iter(run_b.parts)))]
-    elif len({k[1] for k in run_a.parts}) != len({k[1] for k in run_b.parts}):
+    elif _other_parallelism(run_a, run_b):
         return _across_parallelism(run_a, run_b, out, tensors, engine)
     else:
         common = sorted(set(run_a.parts) & set(run_b.parts))
@@ -275,6 +275,17 @@ def _merge(results: list, run_a, run_b, jobs_list: list, problems: list, framewo
                              + (f" (partial report: {verdict.report})" if verdict.report else ""),
                              Result(table, verdict))
     return Result(table, verdict)
+
+
+def _other_parallelism(run_a, run_b) -> bool:
+    """Whether the runs' rank counts differ for their parallelism, not for a ``rank`` filter (a run
+    that recorded some ranks of a run like the other is compared rank by rank)."""
+    ranks = [{k[1] for k in r.parts} for r in (run_a, run_b)]
+    if len(ranks[0]) == len(ranks[1]):
+        return False
+    small = 0 if len(ranks[0]) < len(ranks[1]) else 1
+    filtered = ((run_a, run_b)[small].manifest.get("config") or {}).get("rank")
+    return not (filtered and ranks[small] <= ranks[1 - small])
 
 
 def _span(what: str, values: set) -> str:
