@@ -279,3 +279,18 @@ def test_distributed_runs_record_the_whole_gradient(tmp_path, single_run, kind):
         table, verdict = dispatchprobe.compare(tmp_path / other, single_run)
         assert verdict.passed and not verdict.problems, str(verdict)
         assert (table["similarity"] == 1.0).all()
+
+
+def test_a_model_sharded_after_the_probe_is_built_is_still_named_and_no_step_is_said(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    probe = DispatchProbe(task="grad_probe", dump_path=str(tmp_path / "late"), model=model)
+    model.weight = torch.nn.Parameter(model.weight.detach().clone())     # as fully_shard replaces parameters
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(2, 3)).sum().backward()
+    opt.step()
+    probe.close()
+    assert [r["param"] for r in dispatchprobe.load(tmp_path / "late").part(0, 0).grads] == ["weight", "bias"]
+    idle = DispatchProbe(task="grad_probe", dump_path=str(tmp_path / "idle"), model=model)
+    with pytest.warns(RuntimeWarning, match="saw no optimizer step"):
+        idle.close()

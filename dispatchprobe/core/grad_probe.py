@@ -121,11 +121,13 @@ class GradHandler(Handler):
         self._lines = self._index = None
         self._keys = self._shards = 0
         self.recorded_steps = 0
+        self.steps_seen = 0             # optimizer steps of the model's parameters
 
     def begin(self, optimizer) -> tuple[bool, bool]:
         """An optimizer is about to step: the step the last optimizer step left pending ends here
         (while steps follow the optimizer).  Returns (this step is selected, this rank writes)."""
         s = self.session
+        self.steps_seen += 1
         if s.follows_optimizer and s.step_pending:
             first = s._stepping_optimizer() if s._stepping_optimizer is not None else None
             if first is None or first is optimizer:
@@ -185,6 +187,11 @@ class GradHandler(Handler):
 
     def close(self) -> None:
         cfg = self.session.config
+        if not self.steps_seen and not cfg.step and not self.session.failed \
+                and (not cfg.rank or self.session.rank in cfg.rank):
+            warnings.warn("dispatchprobe: the grad probe saw no optimizer step of the model's parameters: build it "
+                          "with the model (torch) or optimizer (MindSpore) that training steps, before training",
+                          RuntimeWarning, stacklevel=4)
         seen = bool(self.select._memo)       # some parameter was asked about
         if seen and self.select.entries and not self.select.hits and (not cfg.rank or self.session.rank in cfg.rank):
             warnings.warn(f"dispatchprobe: param_list={self.select.entries} selected no parameter; entries are "

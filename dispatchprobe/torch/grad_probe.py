@@ -136,6 +136,7 @@ class GradReader:
         fused_stats.build()             # the one-pass CPU statistics kernel, loaded in the background
         self.handler = session.handlers[0]
         self.names = parameter_names(model)
+        self._model = weakref.ref(model)
         ref = weakref.ref(self)
 
         def pre_step(optimizer, args, kwargs) -> None:
@@ -149,8 +150,15 @@ class GradReader:
         self._hook.remove()
 
     def holds(self, optimizer) -> bool:
-        """Whether ``optimizer`` updates parameters of the probe's model (not another model's)."""
-        return any(id(p) in self.names for group in optimizer.param_groups for p in group["params"])
+        """Whether ``optimizer`` updates parameters of the probe's model (not another model's).  The
+        names are read again when the optimizer holds a parameter they lack: a model wrapped after
+        the probe was built (``fully_shard`` replaces its parameters) is still named."""
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if not all(id(p) in self.names for p in params):
+            model = self._model()
+            if model is not None:
+                self.names = parameter_names(model)
+        return any(id(p) in self.names for p in params)
 
     def on_step(self, optimizer) -> None:
         if not self.holds(optimizer):
