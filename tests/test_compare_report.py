@@ -67,6 +67,14 @@ def test_pairing_share_is_said_everywhere(report):
     assert all(html.escape(x) in page for x in lines)
 
 
+def test_pairing_share_at_level_module_counts_module_records(tmp_path):
+    a = record(tmp_path / "a", task="statistics", level="module")
+    _, verdict = compare(a, a)
+    csv = verdict.pairing.frame()
+    assert len(csv) == 4 and (csv["records"] > 0).all() and (csv["at_boundary"] == csv["records"]).all(), csv
+    assert "forward records paired op by op: A 0/" in str(verdict)
+
+
 def test_xlsx_of_a_big_run_holds_the_failing_rows(report, tmp_path):
     """Past XLSX_MAX_ROWS rows the compare sheet holds origin rows, errors, then warnings (in execution
     order); the summary says so and compare.csv keeps every row."""

@@ -265,23 +265,24 @@ def pairing_share(pairs: list, recs_a: list, recs_b: list, unmatched: pd.DataFra
     """Count one part's compute op records by how they were paired (``pairs``: the alignment's;
     ``unmatched``: the driver's table with its ``explained`` column).  A record standing for a
     fused region of the other run's kernel (``fused``: how many records it merged) counts as that
-    many records at a boundary."""
+    many records at a boundary.  A run without op records (level ``module``) counts its module
+    records, each paired at its boundary."""
     out = PairingShare()
     counts = out.counts
+    kind = {s: "op" if any(r["kind"] == "op" for r in recs) else "module" for s, recs in (("a", recs_a), ("b", recs_b))}
     for i, j, how in pairs:
         ra, rb = recs_a[i], recs_b[j]
-        if ra["kind"] != "op":
-            continue
-        boundary = how == "region boundary" or "fused" in ra or "fused" in rb
+        boundary = how in ("region boundary", "module") or "fused" in ra or "fused" in rb
         for side, r in (("a", ra), ("b", rb)):
-            if not op_traits.is_cast(r["op"]):
+            if r["kind"] == kind[side] and not op_traits.is_cast(r["op"]):
                 c = counts.setdefault((side, r["stage"]), Counter())
                 n = r.get("fused", 1)
                 c["records"] += n
                 c["boundary" if boundary else "op"] += n
     if len(unmatched):
-        ops = unmatched[(unmatched["kind"] == "op") & ~unmatched["is_cast"].astype(bool)]
-        for side, stage, why in zip(ops["side"], ops["stage"], ops["explained"]):
+        mine = unmatched["kind"] == unmatched["side"].map(kind)
+        rows = unmatched[mine & ~unmatched["is_cast"].astype(bool)]
+        for side, stage, why in zip(rows["side"], rows["stage"], rows["explained"]):
             c = counts.setdefault((side, stage), Counter())
             c["records"] += 1
             if why.startswith(_AT_BOUNDARY):
