@@ -226,16 +226,21 @@ def test_planted_change_is_named_beside_a_loss_compared_at_its_boundary(loss_run
 D, HEADS = 16, 2
 
 
+CAUSAL = np.triu(np.full((4, 4), -1e9, np.float32), 1)      # an additive mask (sequence length 4)
+
+
 class Attention(nn.Cell):
-    def __init__(self):
+    def __init__(self, masked=False):
         super().__init__()
         self.q, self.k, self.v, self.o = nn.Dense(D, D), nn.Dense(D, D), nn.Dense(D, D), nn.Dense(D, D)
         self.act = nn.GELU(approximate=False)          # Sqrt/Div/Erf/... primitives: aten.gelu as a region
+        self.mask = ms.Tensor(CAUSAL) if masked else None
 
     def construct(self, x):
         b, s, d = x.shape
         q, k, v = (m(x).reshape(b, s, HEADS, D // HEADS).transpose(0, 2, 1, 3) for m in (self.q, self.k, self.v))
-        p = ms.ops.softmax(ms.ops.matmul(q, k.transpose(0, 1, 3, 2)) * (D // HEADS) ** -0.5, axis=-1)
+        scores = ms.ops.matmul(q, k.transpose(0, 1, 3, 2)) * (D // HEADS) ** -0.5
+        p = ms.ops.softmax(scores if self.mask is None else scores + self.mask, axis=-1)
         return self.act(self.o(ms.ops.matmul(p, v).transpose(0, 2, 1, 3).reshape(b, s, d)))
 
 
@@ -244,7 +249,7 @@ class WrongDense(nn.Dense):
         return super().construct(x) * 1.001
 
 
-def torch_attention(ms_net, sdpa):
+def torch_attention(ms_net, sdpa, masked=False):
     class Attention(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -255,7 +260,8 @@ def torch_attention(ms_net, sdpa):
             b, n, d = x.shape
             q, k, v = (m(x).view(b, n, HEADS, D // HEADS).transpose(1, 2) for m in (self.q, self.k, self.v))
             if sdpa:
-                o = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+                mask = torch.from_numpy(CAUSAL) if masked else None
+                o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
             else:
                 o = torch.softmax(q @ k.transpose(-2, -1) * (D // HEADS) ** -0.5, dim=-1) @ v
             return self.act(self.o(o.transpose(1, 2).reshape(b, n, d)))
@@ -270,10 +276,12 @@ def torch_attention(ms_net, sdpa):
 def attention_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("attention_twin")
     x = np.random.RandomState(2).randn(2, 4, D).astype(np.float32)
-    for name, planted in (("ms", False), ("ms_planted", True)):
+    for name, planted in (("ms", False), ("ms_planted", True), ("ms_masked", False)):
         ms.set_seed(0)
-        net = Attention()
-        if planted:     # the same weights, the v projection's output x 1.001
+        net = Attention(masked=name == "ms_masked")
+        if name == "ms_masked":
+            twins.append(torch_attention(net, sdpa=True, masked=True))
+        elif planted:     # the same weights, the v projection's output x 1.001
             wrong = WrongDense(D, D)
             wrong.weight.set_data(ms.Tensor(net.v.weight.asnumpy().copy()))
             wrong.bias.set_data(ms.Tensor(net.v.bias.asnumpy().copy()))
@@ -286,7 +294,7 @@ def attention_runs(tmp_path_factory):
         with pytest.warns(RuntimeWarning, match="not .fully. recorded"):     # SoftmaxBackward, BiasAddGrad
             probe.close()
     twins[2].k.register_forward_hook(lambda m, i, out: out * 1.001)     # planted in the PyTorch run
-    for name, twin in zip(("torch", "torch_sdpa", "torch_planted"), twins):
+    for name, twin in zip(("torch", "torch_sdpa", "torch_planted", "torch_sdpa_masked"), twins):
         with TorchProbe(task="tensor", dump_path=str(root / name), model=twin) as probe:
             (twin(torch.from_numpy(x)) ** 2).mean().backward()
         probe.close()
@@ -325,6 +333,15 @@ def test_attention_against_sdpa_compares_at_the_kernel_boundary(attention_runs):
     assert share.loc[("torch", "forward"), "at_boundary"] == 1
     assert share.loc[("mindspore", "forward"), "op_by_op"] == 8                   # the projections, GELU, loss
     assert "only at a region/module boundary: A 4, B 1" in str(verdict)
+
+
+def test_masked_attention_against_sdpa_with_a_mask(attention_runs):
+    """An additive mask (``scores + mask`` against SDPA's ``attn_mask``): the region has one op more."""
+    _, verdict = compare(str(attention_runs / "ms_masked"), str(attention_runs / "torch_sdpa_masked"))
+    assert verdict.passed and verdict.forward is None and verdict.backward is None, str(verdict)
+    share = verdict.pairing.frame().set_index(["framework", "stage"])
+    assert share.loc[("mindspore", "forward"), "at_boundary"] == 5 and share["unpaired"].sum() == \
+        share["unpaired_explained"].sum(), str(verdict)
 
 
 @pytest.mark.parametrize("planted", ["ms_planted", "torch_planted"])
