@@ -49,7 +49,6 @@ def make_certs(root: str) -> dict[str, str]:
     does not trust, which trusts the server)."""
     ca_key, other_key = _key(), _key()
     ca = _cert("test CA", ca_key, "test CA", ca_key, ca=True)
-    other = _cert("other CA", other_key, "other CA", other_key, ca=True)
     s_key, c_key, x_key = _key(), _key(), _key()
     dirs = {name: os.path.join(root, name) for name in ("server", "client", "stranger")}
     _write(dirs["server"], "server.key", s_key)

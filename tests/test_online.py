@@ -250,3 +250,31 @@ def test_follow_ctrl_c_writes_what_was_judged(planted_run, tmp_path):
     assert checker.returncode == 130, stderr[-2000:]
     assert f"the {expected} ops judged so far are written" in stderr and "run-ut: " in stdout
     assert errors(read_results(out)) == {"aten.silu.default"}
+
+
+def test_frames_are_checked_before_anything_is_written():
+    """What a peer could send instead of a frame: each is a FrameError naming what is wrong."""
+    import io
+    from dispatchprobe.online import wire
+    from dispatchprobe.torch.backend import save_shard
+    buf = io.BytesIO()
+    save_shard({"t0": torch.ones(3)}, buf)
+    shard = buf.getvalue()
+    ok = {"part": "step0/rank0", "ops": [{"name": "aten.mm.default.0.forward", "op": "aten.mm.default"}],
+          "shard": {"keys": ["t0"]}}
+    header, payload = wire.decode(wire.encode(ok, shard))
+    assert wire.check_frame(header, payload, rank=0) == "step0/rank0"
+    bad = [(b"", "truncated frame"), (b"\xff" * 8 + b"{}", "truncated or not a frame"),
+           ((4).to_bytes(8, "little") + b"{{{{", "not JSON"), ((2).to_bytes(8, "little") + b"[]", "not a JSON object")]
+    for frame, why in bad:
+        with pytest.raises(wire.FrameError, match=why):
+            wire.decode(frame)
+    cases = [({**ok, "part": "../../etc"}, shard, "'part' must be"), ({**ok, "part": "step0/rank1"}, shard, "rank 0's"),
+             ({**ok, "ops": [{"op": 1}]}, shard, "without a name"), (ok, shard[:-4], "truncated"),
+             ({**ok, "shard": {"keys": ["t1"]}}, shard, "keys differ"), ({**ok, "shard": {"keys": ["../x"]}}, shard, "keys"),
+             ({k: v for k, v in ok.items() if k != "shard"}, shard, "no shard"), ({**ok, "stacks": "x"}, shard, "stacks")]
+    for head, body, why in cases:
+        with pytest.raises(wire.FrameError, match=why):
+            wire.check_frame(*wire.decode(wire.encode(head, body)), rank=0)
+    with pytest.raises(wire.FrameError, match="rank"):
+        wire.check_hello({"rank": -1, "manifest": {}})

@@ -13,6 +13,7 @@ marker (the probe's close), or on Ctrl-C with everything judged so far written.
 from __future__ import annotations
 
 import glob
+import importlib
 import json
 import multiprocessing as mp
 import os
@@ -214,8 +215,10 @@ def run_ut_live(follower: Follower, out_dir: str | None = None, *, jobs: int = 1
     rows so far are written and the KeyboardInterrupt carries the result (``exc.result``)."""
     t_start = time.perf_counter()
     for name in imports or ():
-        import importlib
-        importlib.import_module(name)
+        try:
+            importlib.import_module(name)
+        except ImportError as exc:
+            raise ValueError(f"--import {name}: {exc}") from None
     if jobs < 1:
         raise ValueError(f"--jobs must be >= 1, got {jobs}")
     wait_for_manifest(follower, poll_s, say)

@@ -242,13 +242,15 @@ def listen(address: str, out_dir: str | None = None, *, tls_path: str | None = N
         raise ValueError(f"--listen {address}: without --tls-path only a loopback address is allowed (the records "
                          "would cross the network unencrypted and unauthenticated); give --tls-path DIR "
                          "(server.crt, server.key, and ca.crt for mutual TLS)")
+    try:
+        grpc = wire.grpc_module("INFO")   # its handshake failures are logged at INFO (refusals_logged)
+    except ImportError as exc:
+        raise ValueError(str(exc)) from None
     creds = wire.server_credentials(tls_path) if tls_path else None
     out_dir = out_dir or "."
     spool_dir = os.path.join(out_dir, "records")
     if os.path.exists(os.path.join(spool_dir, "manifest.json")):
         raise ValueError(f"{spool_dir} holds the records of an earlier online run; use another -o")
-    os.environ.setdefault("GRPC_VERBOSITY", "INFO")     # its handshake failures are logged at INFO
-    import grpc
     from ..offline.run_ut_live import Follower, run_ut_live
     checker = Checker(Spool(spool_dir), say, api)
     follower = Follower(spool_dir, api=api)

@@ -12,7 +12,6 @@ ops not delivered are counted.  ``close`` says in one line what was sent, judged
 from __future__ import annotations
 
 import io
-import os
 import threading
 import time
 from collections import deque
@@ -26,9 +25,10 @@ class OnlineError(ConnectionError):
 
 def _grpc():
     # gRPC's core logs each failed TLS handshake on stderr at its default verbosity: not in user code
-    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
-    import grpc
-    return grpc
+    try:
+        return wire.grpc_module("ERROR")
+    except ImportError as exc:
+        raise OnlineError(str(exc)) from None
 
 
 class OnlineSender:

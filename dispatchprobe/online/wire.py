@@ -32,6 +32,17 @@ class FrameError(ValueError):
     """A frame that is not one: the connection that sent it is closed with this reason."""
 
 
+def grpc_module(verbosity: str):
+    """grpcio, its core's log level set first (only if the user has not): one line if missing."""
+    os.environ.setdefault("GRPC_VERBOSITY", verbosity)
+    try:
+        import grpc
+    except ImportError:
+        raise ImportError("online run-ut over the network needs grpcio: pip install 'dispatchprobe[online]' "
+                          "(or pip install grpcio)") from None
+    return grpc
+
+
 def identity(b: bytes) -> bytes:
     return b
 
@@ -164,7 +175,7 @@ def _read(folder: str, name: str, required: bool) -> bytes | None:
 
 def server_credentials(folder: str):
     """server.crt + server.key; with ca.crt, clients must present a certificate it signed."""
-    import grpc
+    grpc = grpc_module("INFO")
     if not os.path.isdir(folder):
         raise ValueError(f"--tls-path {folder}: not a directory (it holds server.crt, server.key, optionally ca.crt)")
     crt, key = _read(folder, "server.crt", True), _read(folder, "server.key", True)
@@ -175,7 +186,7 @@ def server_credentials(folder: str):
 def client_credentials(folder: str):
     """ca.crt (else the system's roots) to verify the checker; client.crt + client.key when the
     checker asks for mutual TLS."""
-    import grpc
+    grpc = grpc_module("ERROR")
     if not os.path.isdir(folder):
         raise ValueError(f"tls_path {folder}: not a directory (it holds ca.crt, and client.crt + client.key "
                          "for mutual TLS)")
