@@ -2,7 +2,7 @@
 fault planted on rank 1 if asked; run by ``test_ranks.py`` as
 ``torchrun --nproc-per-node 2 ranks_train.py {ddp,fsdp,tp} OUT [PLANT ...]``.
 
-PLANT: ``clean`` (none), ``nudge`` (one weight moved on rank 1 after DDP's initial broadcast),
+PLANT: ``clean`` (none), ``calls`` (no model: each kind of collective called directly), ``nudge`` (one weight moved on rank 1 after DDP's initial broadcast),
 ``hook`` (a DDP comm hook that scales rank 1's reduced bucket by 1.001), ``inf`` (rank 1's batch
 scaled so that the loss overflows to inf there, from finite values).  Each plant's records go to
 ``OUT/{plant}/{statistics,tensor}`` (one launch, several runs)."""
@@ -60,7 +60,26 @@ def build(kind: str, mesh, plant: str):
     raise SystemExit(f"unknown parallelism {kind}")
 
 
+def collectives(probe: DispatchProbe) -> None:
+    """Each kind of collective on data that differs by rank, eager and functional, sync and async."""
+    import torch.distributed._functional_collectives as fc
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    for _ in range(STEPS):
+        x = torch.randn(6, generator=gen)
+        probe.start()
+        dist.all_reduce(x.clone(), op=dist.ReduceOp.MAX)
+        dist.all_reduce(x.clone(), async_op=True).wait()
+        dist.all_gather_into_tensor(torch.empty(12), x)
+        dist.reduce_scatter_tensor(torch.empty(3), x.clone())
+        dist.broadcast(x.clone(), src=1)
+        (fc.all_reduce(x, "avg", dist.group.WORLD) * 1).sum()
+        (fc.all_gather_tensor(x, 0, dist.group.WORLD) * 1).sum()
+        probe.step()
+
+
 def train(kind: str, mesh, probe: DispatchProbe, plant: str) -> None:
+    if plant == "calls":
+        return collectives(probe)
     model = build(kind, mesh, plant)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     # TP ranks see one batch (the model's input is replicated); DDP and FSDP2 ranks each their own

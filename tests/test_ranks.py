@@ -18,7 +18,7 @@ SCRIPT = Path(__file__).with_name("ranks_train.py")
 _RUNS: dict = {}
 
 
-PLANTS = {"ddp": ("clean", "nudge", "hook", "inf"), "fsdp": ("clean",), "tp": ("clean",)}
+PLANTS = {"ddp": ("clean", "calls", "nudge", "hook", "inf"), "fsdp": ("clean",), "tp": ("clean",)}
 
 
 def launch(kind: str, out: Path) -> Path:
@@ -100,6 +100,27 @@ def test_clean_runs_agree(runs, kind, tmp_path):
         assert len(calls) and (calls["status"] == "agree").all()
         if task == "tensor":      # values checked against the semantics, from the saved tensors
             assert not calls["detail"].str.contains("not checked").any(), calls["detail"].tolist()
+
+
+def test_each_kind_of_collective_is_checked(runs, tmp_path):
+    import pandas as pd
+    for task in ("statistics", "tensor"):
+        code, out = ranks(runs("ddp", "calls") / task, "-o", str(tmp_path / task))
+        assert code == 0, out
+        calls = pd.read_csv(tmp_path / task / "ranks.csv")
+        assert set(calls["op"]) == {"c10d.allreduce_.default", "c10d._allgather_base_.default",
+                                    "c10d._reduce_scatter_base_.default", "c10d.broadcast_.default",
+                                    "_c10d_functional.all_reduce.default",
+                                    "_c10d_functional.all_gather_into_tensor.default"}
+        assert (calls["status"] == "agree").all() and len(calls) == 14, calls
+    run = _copy(runs("ddp", "calls") / "statistics", tmp_path / "edited")
+
+    def moved(r):         # rank 0's broadcast result is no longer root rank 1's input
+        r["outputs"][0]["value"][0]["stats"]["max"] += 1.0
+    _edit(run / "step1" / "rank0", "c10d.broadcast_.default", moved)
+    code, out = ranks(run)
+    assert code == 2 and out.startswith("collective #11 on group 0 differs: c10d.broadcast_.default [<top>] "
+                                        "(step 1, forward): rank 0's result is not root rank 1's input"), out
 
 
 def test_replica_nudged_after_ddp_broadcast_is_named(runs):

@@ -8,7 +8,8 @@ from typing import NamedTuple
 
 
 class Role(NamedTuple):
-    kind: str               # all_reduce, all_gather, reduce_scatter, broadcast, reduce, all_to_all, gather, scatter, barrier, p2p
+    kind: str               # all_reduce, all_gather, reduce_scatter, broadcast, reduce, all_to_all, gather,
+                            # scatter, barrier, p2p, other
     given: str | None       # the argument (walk's name prefix: "input.1") holding the tensors the rank gave
     result: str | None      # the argument holding what the collective gave back ("output.0")
     root: str | None = None  # the schema argument naming the source/destination rank (an index into the group)

@@ -16,7 +16,8 @@ import numpy as np
 from ...core.collective_roles import role
 from ...records.format import walk
 from ...standards import verdicts as V
-from .values import Values, difference, judge_reduction, judge_relation, judged, same_arrays, same_stats, stats_of
+from .values import (Values, classes, difference, judge_reduction, judge_relation, judged, same_arrays, same_stats,
+                     stats_of)
 
 SEMANTIC = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 
@@ -91,6 +92,10 @@ def check_call(calls: list[Call], values: Values) -> Finding:
         return Finding(V.PASS, [], f"{kind}: the same call on every rank (values not checked)")
     if not all(judged(s) for c in calls for s in (c.result if kind == "broadcast" else c.given + c.result)):
         return Finding(V.SKIP, [], "values not recorded (uninitialised or unreadable memory)")
+    if (kind == "all_gather" and any(len(c.given) != 1 for c in calls)) or \
+            (kind == "reduce_scatter" and any(len(c.result) != 1 for c in calls)):
+        return Finding(V.PASS, [], f"{kind} of several tensors at once: the same call on every rank (values not "
+                                   "checked)")
     if len({len(c.members) for c in calls}) != 1 or len(calls) < len(calls[0].members):
         missing = sorted(set(calls[0].members) - {c.rank for c in calls})
         return Finding(V.SKIP, missing, f"rank {', '.join(map(str, missing))} did not record this call: not judged")
@@ -116,23 +121,21 @@ def _stats(calls, attr) -> list | None:
 
 
 def _equal_results(calls, values) -> Finding | None:
-    """Every rank's result equal to the first rank's; a Finding naming those that differ."""
+    """Every rank's result equal; a Finding naming the ranks outside the largest group of equal
+    results (on a tie, the group of the group's first rank)."""
     arrays = _arrays(calls, values, "result")
-    if arrays is not None:
-        off = [c.rank for c, a in zip(calls[1:], arrays[1:]) if not same_arrays(a, arrays[0])]
-        if off:
-            i = [c.rank for c in calls].index(off[0])
-            return Finding(V.ERROR, off, f"results differ across ranks: rank {off[0]} vs rank {calls[0].rank}: "
-                                         + difference(arrays[i], arrays[0]))
+    stats = _stats(calls, "result") if arrays is None else None
+    if arrays is None and stats is None:
         return None
-    stats = _stats(calls, "result")
-    if stats is None:
+    same = (lambda i, j: same_arrays(arrays[i], arrays[j])) if arrays is not None else \
+        (lambda i, j: same_stats(stats[i], stats[j]))
+    groups = classes(range(len(calls)), same)
+    if len(groups) == 1:
         return None
-    off = [c.rank for c, s in zip(calls[1:], stats[1:]) if not same_stats(s, stats[0])]
-    if off:
-        return Finding(V.ERROR, off, f"results differ across ranks: rank {off[0]}'s statistics differ from rank "
-                                     f"{calls[0].rank}'s")
-    return None
+    ref, off = groups[0][0], [k for g in groups[1:] for k in g]
+    how = difference(arrays[off[0]], arrays[ref]) if arrays is not None else "their statistics differ"
+    return Finding(V.ERROR, [calls[k].rank for k in off],
+                   f"results differ across ranks: rank {calls[off[0]].rank} vs rank {calls[ref].rank}: {how}")
 
 
 _REDUCE = {"SUM": np.sum, "AVG": np.mean, "MAX": np.max, "MIN": np.min, "PRODUCT": np.prod}
@@ -179,7 +182,8 @@ def _all_reduce(calls, values) -> Finding:
     reduced = _reduced(calls, values)
     results = _arrays(calls, values, "result")
     if reduced is None or results is None:
-        return _reduction_by_stats(calls, dtype) or Finding(V.PASS, [], "equal on every rank, the reduction of the inputs")
+        return _reduction_by_stats(calls, dtype) or Finding(V.PASS, [], "equal on every rank, the reduction of the "
+                                                                         "inputs")
     expected, terms = reduced
     for c, res in zip(calls, results):
         verdict, reason = judge_reduction(res, expected, terms, dtype)

@@ -143,7 +143,6 @@ def merge(results: list[StepResult], run_ranks=None) -> tuple[pd.DataFrame, Rank
     ranks = sorted({r for res in results for r in res.ranks})
     compared = sum(res.compared for res in results)
     drifts = table[table["check"] == "replica"]
-    origins = table[table["status"] == ORIGIN]
     summary = (f"{len(coll)} collective calls on {coll['group'].nunique()} group(s) over {len(steps)} step(s) and "
                f"{len(ranks)} rank(s): {int(counts.get(AGREE, 0))} agree, {int(counts.get(DIFFERS, 0))} differ, "
                f"{int(counts.get(NOT_JUDGED, 0))} not judged; {compared} replicated values compared, "
@@ -156,7 +155,8 @@ def merge(results: list[StepResult], run_ranks=None) -> tuple[pd.DataFrame, Rank
                   if r.step == first_step and not finding.startswith("inf/nan")][:6]
         return table, RanksVerdict(lines + [f"cannot judge: {m}" for m in missing], 2)
     if missing:
-        return table, RanksVerdict([f"cannot judge: {missing[0]}", summary] + [f"cannot judge: {m}" for m in missing[1:]], 1)
+        return table, RanksVerdict([f"cannot judge: {missing[0]}", summary]
+                                   + [f"cannot judge: {m}" for m in missing[1:]], 1)
     if len(ranks) < 2:
         return table, RanksVerdict([f"cannot judge: the run holds rank {ranks[0] if ranks else '-'} only; "
                                     "`ranks` compares the ranks of one distributed run", summary], 1)

@@ -23,9 +23,8 @@ from typing import NamedTuple
 
 from ...core.op_traits import is_random
 from ...records.format import walk
-from ...standards import verdicts as V
 from ..compare.pairing import _flow
-from .values import Values, difference, judged, same_arrays, same_stats, stats_difference, stats_of
+from .values import Values, classes, difference, judged, same_arrays, same_stats, stats_difference, stats_of
 
 REPLICATING = ("all_reduce", "all_gather", "broadcast")
 _NUMBERS = ("int", "float", "bool", "complex", "str")
@@ -122,7 +121,8 @@ def find_drifts(ranks: dict[int, list], values: Values, params: dict[int, list] 
         if info:
             if info.get("kind") in REPLICATING:
                 replicated.update((rec["name"], arg) for io, arg, _ in walks[ref.rank] if io == "output")
-            last_collective = f"{rec['op']} #{info.get('seq')} on group {info.get('group')} [{rec.get('scope') or '<top>'}]"
+            last_collective = (f"{rec['op']} #{info.get('seq')} on group {info.get('group')} "
+                               f"[{rec.get('scope') or '<top>'}]")
             suspects = []
             continue
         computed = inputs_ok and any_tensor and not bad_input and not is_random(rec["op"])
@@ -192,16 +192,17 @@ def _compare(specs: dict, values: Values, checked: dict, members: list):
         return checked[key]
     out = None
     if all(a is not None for a in arrays.values()):
-        groups = _classes(members, lambda x, y: same_arrays(arrays[x], arrays[y]))
+        groups = classes(members, lambda x, y: same_arrays(arrays[x], arrays[y]))
         if len(groups) > 1:
             ref = groups[0][0]
             off = [r for g in groups[1:] for r in g]
             a, b = arrays[off[0]], arrays[ref]
+            same_shape = a.shape == b.shape and a.size
             out = (off, ref, difference(a, b) if a.shape == b.shape else f"shape {a.shape} vs {b.shape}",
-                   float(abs(a.astype(float) - b.astype(float)).max()) if a.shape == b.shape and a.size else float("nan"))
+                   float(abs(a.astype(float) - b.astype(float)).max()) if same_shape else float("nan"))
     else:
         st = {r: stats_of(s) for r, s in specs.items()}
-        groups = _classes(members, lambda x, y: same_stats(st[x], st[y]))
+        groups = classes(members, lambda x, y: same_stats(st[x], st[y]))
         if len(groups) > 1:
             ref = groups[0][0]
             off = [r for g in groups[1:] for r in g]
@@ -210,18 +211,3 @@ def _compare(specs: dict, values: Values, checked: dict, members: list):
                              f"{st[ref]['mean']:.6g}, norm {st[off[0]]['norm']:.6g} vs {st[ref]['norm']:.6g})", size)
     checked[key] = out
     return out
-
-
-def _classes(members: list, same) -> list[list]:
-    """The ranks grouped by equal values, the largest group first (a tie: the lowest rank's)."""
-    groups: list[list] = []
-    for r in members:
-        for g in groups:
-            if same(g[0], r):
-                g.append(r)
-                break
-        else:
-            groups.append([r])
-    return sorted(groups, key=lambda g: (-len(g), g[0]))
-
-

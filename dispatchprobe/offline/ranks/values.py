@@ -103,3 +103,17 @@ def judge_reduction(result: np.ndarray, expected: np.ndarray, terms: np.ndarray,
     scale = float(np.nanmax(np.abs(expected[np.isfinite(expected)]))) if np.isfinite(expected).any() else 0.0
     verdict, reason = V.judge_compare(metrics, dtype, scale)
     return verdict, reason or f"max abs error {metrics.get('max_abs_err', 0.0):.3g}"
+
+
+def classes(members, same) -> list[list]:
+    """``members`` grouped by equal values (``same(a, b)``), the largest group first (a tie: the
+    group of the first member)."""
+    groups: list[list] = []
+    for r in members:
+        for g in groups:
+            if same(g[0], r):
+                g.append(r)
+                break
+        else:
+            groups.append([r])
+    return sorted(groups, key=lambda g: (-len(g), g[0]))
