@@ -7,7 +7,9 @@
 Every run starts from the same weights and sees the same 8 samples per step; a rank of W takes
 its 8/W of them.  RUN ``clean`` records as is; ``planted`` scales the output of ``up`` by 1.001
 (a forward hook), the planted change compare must name; ``stats`` records as ``clean`` with the
-statistics task (no tensors saved).
+statistics task (no tensors saved); ``outside`` runs the optimizer outside the probe (its ops
+unrecorded) and ``optimizer`` does too, giving ``up``'s parameters a learning rate 1.1 times as
+large (a change no op record shows).
 """
 
 from __future__ import annotations
@@ -51,11 +53,16 @@ def build(kind: str):
 
 def train(kind: str, out: str, run: str, task: str = "tensor") -> None:
     model = build(kind)
+    inner = model.module if kind == "ddp" else model
     if run == "planted":
-        inner = model.module if kind == "ddp" else model
         inner.up.register_forward_hook(lambda mod, args, output: output * 1.001)
     rank, world = (torch.distributed.get_rank(), torch.distributed.get_world_size()) if kind != "single" else (0, 1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if run == "optimizer":     # up's parameters take a step 1.1 times as long
+        up = {id(p) for p in inner.up.parameters()}
+        opt = torch.optim.SGD([{"params": [p for p in model.parameters() if id(p) in up], "lr": 0.11},
+                               {"params": [p for p in model.parameters() if id(p) not in up]}], lr=0.1)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
     gen = torch.Generator().manual_seed(1)
     probe = DispatchProbe(task=task, dump_path=os.path.join(out, run))
     share = BATCH // world
@@ -64,6 +71,8 @@ def train(kind: str, out: str, run: str, task: str = "tensor") -> None:
         probe.start()
         loss = model(x).pow(2).mean()
         loss.backward()
+        if run in ("outside", "optimizer"):
+            probe.stop()       # the optimizer's ops unrecorded; its parameter records still written
         opt.step()
         opt.zero_grad()
         probe.step()

@@ -191,7 +191,10 @@ def test_later_inputs_traced_to_the_optimizer_step(tmp_path):
     _, v = compare(a, b)
     fwd = v.forward or next(d for d in v.departures if d.stage == "forward")
     assert fwd.step == 1 and fwd.cause == "inputs", str(v)
-    assert fwd.came_from.startswith("step 0's records agree: they come from the optimizer step"), str(v)
+    # the parameter records name the parameter the optimizer step moved apart
+    assert fwd.came_from.startswith("step 0's op records agree; they come from its optimizer step: parameter "
+                                    "fc1.weight differs after it"), str(v)
+    assert fwd.came_from.endswith("while its gradient as the optimizer applied it agrees"), str(v)
 
 
 # ---- the float64 re-run tells an amplified difference from one an op adds ------------------------

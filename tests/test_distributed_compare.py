@@ -35,7 +35,7 @@ def _record(kind: str, out: Path, *runs: str) -> None:
 def runs(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("parallel")
     _record("single", out / "single", "clean", "planted", "stats")
-    _record("ddp", out / "ddp", "clean", "planted", "stats")
+    _record("ddp", out / "ddp", "clean", "planted", "stats", "outside", "optimizer")
     _record("fsdp", out / "fsdp", "clean")
     return out
 
@@ -91,6 +91,15 @@ def test_a_rank_filtered_run_is_compared_rank_by_rank(runs, tmp_path):
     table, verdict = compare(sub, runs / "ddp" / "clean")
     assert verdict.passed and sorted(verdict.parts) == [(0, 0), (1, 0)]
     assert "steps 0, 1 x rank 1: 2 step/rank part(s) only in" in str(verdict)
+
+
+def test_an_optimizer_step_that_moves_a_parameter_apart_is_named(runs):
+    """The optimizer runs outside the probe (no op record of it): step 1's inputs differ, step 0's
+    op records agree, and the parameter records name the parameter its step moved apart."""
+    res = CliRunner().invoke(main, ["compare", str(runs / "ddp" / "optimizer"), str(runs / "ddp" / "outside")])
+    assert res.exit_code == 2, res.output
+    assert ("step 0's op records agree; they come from its optimizer step: parameter up.weight differs after it"
+            in res.output and "while its gradient as the optimizer applied it agrees" in res.output), res.output
 
 
 def test_planted_change_is_named_across_parallelism(runs):

@@ -23,6 +23,7 @@ from .rerun import float64_rerun
 from .pairing import PairingShare, _decomposed_scopes, _explain_unobservable, _flow, _frames, _pair_tensors, pairing_share
 from .scoring import _score
 from .verdict import Result, RunsDoNotAlign, Verdict
+from .parallel import optimizer_step
 
 
 # unmatched records run by the other framework where no probe sees them (pairing._explain_unobservable)
@@ -250,7 +251,8 @@ def _merge(results: list, run_a, run_b, jobs_list: list, problems: list, framewo
     um["is_cast"] = um["is_cast"].astype(bool)
     if jobs_list[0][0] != jobs_list[0][1] and len(jobs_list) == 1:
         table["step"], table["rank"] = jobs_list[0][0]
-    first, departures = _first(divs, um, [k for k, _ in jobs_list])
+    first, departures = _first(divs, um, [k for k, _ in jobs_list],
+                               lambda step, rank: optimizer_step(run_a, run_b, step, rank))
     counts = {k: int(v) for k, v in table["status"].value_counts().items()} if len(table) else {}
     smaller = min(int(aligned[1]), int(aligned[2]))   # a truncated or shorter run is judged on what it has
     share = float(aligned[0]) / max(smaller, 1)
@@ -318,7 +320,7 @@ def _parallel_result(run_a, run_b, merged, out) -> Result:
     return Result(table, verdict)
 
 
-def _first(divs: list, unmatched: pd.DataFrame, parts: list) -> tuple[dict, list]:
+def _first(divs: list, unmatched: pd.DataFrame, parts: list, stepped=None) -> tuple[dict, list]:
     """Per stage, the divergence of the first step/rank part that has one; for the stages with none,
     their first departure.  Inputs that differ at a later step are traced to the earlier step's origin."""
     by_part: dict = {}
@@ -329,11 +331,11 @@ def _first(divs: list, unmatched: pd.DataFrame, parts: list) -> tuple[dict, list
     for d in sorted(divs, key=lambda d: (d.step, d.rank)):
         (early if d.departure else first).setdefault(d.stage, d)
         if d.cause == "inputs" and not d.came_from:
-            d.came_from = _came_from(by_part, unmatched, parts, d)
+            d.came_from = _came_from(by_part, unmatched, parts, d, stepped)
     return first, [early[s] for s in ("forward", "backward") if s in early and s not in first]
 
 
-def _came_from(by_part: dict, unmatched: pd.DataFrame, parts: list, d) -> str:
+def _came_from(by_part: dict, unmatched: pd.DataFrame, parts: list, d, stepped=None) -> str:
     """Where the values differing at step ``d.step``'s start came from: the nearest earlier step
     of the rank, its backward's own origin first (the gradients), else its forward's, else an op
     of that step present in one run only (a gradient hook whose result no record reads)."""
@@ -355,6 +357,9 @@ def _came_from(by_part: dict, unmatched: pd.DataFrame, parts: list, d) -> str:
             u = um.assign(_bwd=um["stage"] != "backward").sort_values(["_bwd", "seq"]).iloc[0]
             return (f"they come from step {step}: {u['op']} [{u['scope'] or '<top>'}] call {u['call']} "
                     f"(#{u['seq']} in {u['stage']}), present only in run {u['side'].upper()}")
+    said = stepped(step, d.rank) if stepped is not None else ""
+    if said:     # the parameter records say which parameter the optimizer step moved apart
+        return f"step {step}'s op records agree; they come from its optimizer step: {said}"
     return (f"step {step}'s records agree: they come from the optimizer step or other code between the steps "
             "(not recorded)")
 

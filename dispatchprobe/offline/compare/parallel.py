@@ -452,3 +452,34 @@ def _step_rows(step: int, pa: dict, pb: dict, tensors: bool, problems: list, unp
 def _index(parts: dict, name: str) -> int:
     recs = parts[min(parts)].records
     return next(i for i, r in enumerate(recs) if r["name"] == name)
+
+
+def optimizer_step(run_a, run_b, step: int, rank: int, tensors: bool = True) -> str:
+    """Two runs of the same parallelism whose op records of ``step`` agree but whose next step's
+    inputs differ: the first parameter whose value after that step's optimizer step differs, and
+    whether its gradient as the optimizer applied it agreed ("" without parameter records or
+    difference)."""
+    pa, pb = run_a.parts.get((step, rank)), run_b.parts.get((step, rank))
+    if pa is None or pb is None:
+        return ""
+    qa, qb = _params({rank: pa}), _params({rank: pb})
+    problems: list = []
+    for key in [k for k in qa if k[0] == "value" and k in qb]:
+        va, _ = assemble(qa[key], {rank: pa}, tensors, problems)
+        vb, _ = assemble(qb[key], {rank: pb}, tensors, problems)
+        if va is None or vb is None or va.shape != vb.shape:
+            continue
+        got = score(va, vb)
+        if got["status"] == V.PASS:
+            continue
+        grad = ("grad", key[1], key[2])
+        how = ""
+        if grad in qa and grad in qb:
+            ga, _ = assemble(qa[grad], {rank: pa}, tensors, problems)
+            gb, _ = assemble(qb[grad], {rank: pb}, tensors, problems)
+            if ga is not None and gb is not None and ga.shape == gb.shape:
+                g = score(ga, gb)
+                how = " while its gradient as the optimizer applied it agrees" if g["status"] == V.PASS else \
+                    f"; its gradient as the optimizer applied it differs too ({g['reason']})"
+        return f"parameter {key[1]} differs after it ({got['reason']}){how}"
+    return ""
