@@ -120,7 +120,6 @@ class GradHandler(Handler):
         self.select = ParamSelector(cfg.param_list)
         self._lines = self._index = None
         self._keys = self._shards = 0
-        self.recorded_steps = 0
         self.steps_seen = 0             # optimizer steps of the model's parameters
 
     def begin(self, optimizer) -> tuple[bool, bool]:
@@ -153,7 +152,6 @@ class GradHandler(Handler):
             if self._lines is None:
                 self._lines = _JsonLines(os.path.join(folder, "grads.jsonl"))
                 self._index = _JsonLines(os.path.join(folder, "tensors", "index.jsonl"))
-                self.recorded_steps += 1
             arrays = {}
             for record, signs in items:
                 if signs is not None:
