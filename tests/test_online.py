@@ -278,3 +278,28 @@ def test_frames_are_checked_before_anything_is_written():
             wire.check_frame(*wire.decode(wire.encode(head, body)), rank=0)
     with pytest.raises(wire.FrameError, match="rank"):
         wire.check_hello({"rank": -1, "manifest": {}})
+
+
+def test_full_queue_waits_then_drops_with_a_count(tmp_path):
+    """A checker that reads nothing (stopped): once the send queue is full, each op waits
+    online_wait_s for room, then is dropped and counted; the queue never holds more than its bound
+    (or one op larger than it)."""
+    checker = Checker(tmp_path / "ut")
+    probe = online_probe(checker.port, None, tmp_path, online_queue_mb=1, online_wait_s=0.05)
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(256, 256, generator=g), torch.randn(256, 256, generator=g) / 16
+    os.kill(checker.proc.pid, signal.SIGSTOP)
+    try:
+        with probe:
+            for _ in range(60):              # 0.5 MB of new tensors per op: more than the connection buffers
+                x = torch.tanh(x @ w)
+        probe.step()
+    finally:
+        os.kill(checker.proc.pid, signal.SIGCONT)
+    probe.close()
+    sender = probe.online
+    assert sender.dropped > 0 and sender.peak_bytes <= max(sender.limit, sender.largest), probe.online_account
+    assert re.search(rf", {sender.dropped} dropped \({sender.dropped} the send queue stayed full \(1 MB\) for 0\.05 s: "
+                     r"the checker is slower than training\)$", probe.online_account), probe.online_account
+    assert checker.finish() == 0, "\n".join(checker.lines)
+    assert 0 < len(read_results(tmp_path / "ut")) <= sender.sent == 120 - sender.dropped
