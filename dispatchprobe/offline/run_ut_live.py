@@ -19,6 +19,7 @@ import multiprocessing as mp
 import os
 import re
 import sys
+import threading
 import time
 from typing import Callable
 
@@ -101,6 +102,7 @@ class Follower:
         self.dispatched: dict[tuple, int] = {}     # ops handed out per part
         self._closed: set[tuple] = set()           # parts closed with nothing waiting
         self._reaped: set[tuple] = set()
+        self._lock = threading.Lock()              # poll (the pool's feeder thread) and finished (the judge)
 
     def manifest(self) -> dict:
         if not self.run.manifest:
@@ -125,6 +127,10 @@ class Follower:
         return sum(map(len, self._waiting.values()))
 
     def poll(self) -> list[tuple]:
+        with self._lock:
+            return self._poll()
+
+    def _poll(self) -> list[tuple]:
         ready = []
         for folder in sorted(glob.glob(os.path.join(glob.escape(self.path), "step*", "rank*"))):
             m = _STEP_RANK.search(folder)
@@ -160,9 +166,10 @@ class Follower:
     def finished(self, judged: dict) -> list[tuple]:
         """[(part key, folder)] of closed parts whose every op is judged (``judged``: counts per
         part), each returned once: the network checker deletes them."""
-        done = [k for k in self._closed - self._reaped if judged.get(k, 0) >= self.dispatched.get(k, 0)]
-        self._reaped.update(done)
-        return [(k, self.run.parts[k].path) for k in done]
+        with self._lock:
+            done = [k for k in self._closed - self._reaped if judged.get(k, 0) >= self.dispatched.get(k, 0)]
+            self._reaped.update(done)
+            return [(k, self.run.parts[k].path) for k in done]
 
     def tasks(self, poll_s: float = 0.2):
         """Every ready task until :meth:`ended` and nothing waits; sleeps ``poll_s`` when idle."""
