@@ -2,10 +2,10 @@
 ``test_distributed_compare.py``:
 
     python distributed_compare_train.py single OUT [RUN ...]
-    torchrun --nproc-per-node 2 distributed_compare_train.py {ddp,fsdp} OUT [RUN ...]
+    torchrun --nproc-per-node 2 distributed_compare_train.py {ddp,fsdp,tp} OUT [RUN ...]
 
 Every run starts from the same weights and sees the same 8 samples per step; a rank of W takes
-its 8/W of them.  RUN ``clean`` records as is; ``planted`` scales the output of ``up`` by 1.001
+its 8/W of them (tensor parallel: all of them).  RUN ``clean`` records as is; ``planted`` scales the output of ``up`` by 1.001
 (a forward hook), the planted change compare must name; ``stats`` records as ``clean`` with the
 statistics task (no tensors saved); ``outside`` runs the optimizer outside the probe (its ops
 unrecorded) and ``optimizer`` does too, giving ``up``'s parameters a learning rate 1.1 times as
@@ -48,6 +48,11 @@ def build(kind: str):
         fully_shard(model.up, mesh=mesh)
         fully_shard(model.down, mesh=mesh)
         return fully_shard(model, mesh=mesh)
+    if kind == "tp":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+        mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+        return parallelize_module(model, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
     return model
 
 
@@ -65,9 +70,10 @@ def train(kind: str, out: str, run: str, task: str = "tensor") -> None:
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
     gen = torch.Generator().manual_seed(1)
     probe = DispatchProbe(task=task, dump_path=os.path.join(out, run))
-    share = BATCH // world
+    share = BATCH // world if kind != "tp" else BATCH      # tensor parallel: every rank the whole batch
     for _ in range(STEPS):
-        x = torch.randn(BATCH, 8, generator=gen)[rank * share:(rank + 1) * share]
+        x = torch.randn(BATCH, 8, generator=gen)
+        x = x if kind == "tp" else x[rank * share:(rank + 1) * share]
         probe.start()
         loss = model(x).pow(2).mean()
         loss.backward()

@@ -37,6 +37,7 @@ def runs(tmp_path_factory) -> Path:
     _record("single", out / "single", "clean", "planted", "stats")
     _record("ddp", out / "ddp", "clean", "planted", "stats", "outside", "optimizer")
     _record("fsdp", out / "fsdp", "clean")
+    _record("tp", out / "tp", "clean")
     return out
 
 
@@ -165,3 +166,15 @@ def test_ranks_under_torchrun_writes_the_one_process_report(runs, tmp_path):
     assert done.stdout.replace(str(tmp_path / "two"), "OUT") == one.output.replace(str(tmp_path / "one"), "OUT")
     for name in ("ranks.csv", "ranks.html"):
         assert (tmp_path / "two" / name).read_bytes() == (tmp_path / "one" / name).read_bytes(), name
+
+
+def test_tensor_parallel_agrees_with_one_process(runs):
+    """ColwiseParallel up, RowwiseParallel down: parameters and gradients gathered from their
+    shards; the local ops' column shards and partial sums are said not to pair."""
+    table, verdict = compare(runs / "tp" / "clean", runs / "single" / "clean")
+    assert verdict.passed, str(verdict)
+    grads = table[table["what"] == "grad"]
+    assert set(grads["name"]) == {"up.weight", "up.bias", "down.weight", "down.bias"}
+    assert set(grads[grads["name"] != "down.bias"]["how_a"]) == {"gathered (Shard(dim=0))", "gathered (Shard(dim=1))"}
+    assert any("not equal on them (a partial result of tensor parallelism" in u for u in verdict.unpaired)
+    assert len(table[table["what"] == "loss"]) == 2

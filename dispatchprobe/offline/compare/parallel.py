@@ -207,6 +207,14 @@ def _place(items: dict, offsets: dict, shape: tuple, meta: dict) -> Value | None
                  f"gathered ({', '.join(map(str, meta.get('placements') or []))})")
 
 
+def _replicas(items: list) -> bool:
+    """Whether the ranks' values are one value (equal arrays, else equal statistics)."""
+    arrays = [it[3] for it in items]
+    if all(a is not None for a in arrays):
+        return all(np.array_equal(arrays[0], a, equal_nan=arrays[0].dtype.kind in "fc") for a in arrays[1:])
+    return all(it[2] == items[0][2] for it in items[1:])
+
+
 def assemble(specs: dict, parts: dict, tensors: bool, problems: list, target: tuple | None = None,
              reduction: str | None = None) -> tuple[Value | None, str]:
     """One value from each rank's spec of it (``specs``: rank -> spec), shaped like ``target``
@@ -227,6 +235,9 @@ def assemble(specs: dict, parts: dict, tensors: bool, problems: list, target: tu
         return (v, "") if v is not None else (None, "a DTensor whose shards are not all recorded")
     shape = items[ranks[0]][0]
     if len(ranks) == 1 or target is None or tuple(target) == shape and not (reduction and shape == ()):
+        if len(ranks) > 1 and not _replicas([items[r] for r in ranks]):
+            return None, (f"of the same shape on every rank but not equal on them (a partial result of tensor "
+                          f"parallelism, or each rank's own data)")
         return Value(shape, *items[ranks[0]][1:], how=f"rank {ranks[0]}"), ""
     if shape == () and reduction in ("mean", "sum"):
         vals = [it[3] for it in items.values()]
@@ -414,13 +425,14 @@ def _step_rows(step: int, pa: dict, pb: dict, tensors: bool, problems: list, unp
         if names:
             unpaired.append(f"step {step}: {len(names)} forward op(s) in run {side.upper()} only (first: {names[0]} "
                             f"[{module_path(scopes[names[0]]) or '<root>'}])")
+    paired = {r["name"] for r in rows}
     for r in rows:     # per paired row: the ops of one run only just before it (since the previous pair)
         r["after_one_run_only"] = []
         for side, order, other, scopes in (("a", order_a, fb, scopes_a), ("b", order_b, fa, scopes_b)):
             if r["name"] not in order:
                 continue
             k = order.index(r["name"]) - 1
-            while k >= 0 and order[k] not in other:
+            while k >= 0 and order[k] not in paired:
                 if order[k] in only[side]:
                     r["after_one_run_only"].append(f"{order[k]} [{module_path(scopes[order[k]]) or '<root>'}] in run {side.upper()} only")
                 k -= 1
