@@ -219,11 +219,16 @@ class ProbeSession:
         the network: the stream ends, and the probe says what was sent, judged and dropped)."""
         if self.online is not None:
             if not self.online_account:
+                self.online.start(make_manifest(**self._manifest_info()))   # a rank that recorded nothing ends too
                 self.online_account = self.online.close()
                 print(self.online_account, file=sys.stderr, flush=True)
             return
-        if self._manifest_written:
-            with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError):
+            follow = self.config.online_run_ut and self._enabled_rank()
+            if follow and not self._manifest_written and not os.path.isfile(os.path.join(self.run_dir, "manifest.json")):
+                # nfs_path: a rank that recorded nothing still ends, so that --follow can stop
+                write_manifest(self.run_dir, **self._manifest_info())
+            if self._manifest_written or follow:
                 open(os.path.join(self.run_dir, ended_marker(self.rank)), "wb").close()
 
     def _warn_if_nothing_selected(self) -> None:
@@ -417,8 +422,7 @@ class ProbeSession:
         if self.online is None:
             self._claim_run_dir()
         if not self._manifest_written:
-            info = dict(framework=self.backend.name, framework_version=self.backend.version,
-                        device=self.backend.accelerator(), config=self.config.to_dict(), extra={"rank": self.rank})
+            info = self._manifest_info()
             if self.online is not None:
                 self.online.start(make_manifest(**info))
             else:
@@ -438,6 +442,10 @@ class ProbeSession:
                 if h is not self.recorder:
                     h.start_part()
             self._summary_at_open = self.summary()
+
+    def _manifest_info(self) -> dict:
+        return dict(framework=self.backend.name, framework_version=self.backend.version,
+                    device=self.backend.accelerator(), config=self.config.to_dict(), extra={"rank": self.rank})
 
     def summary(self) -> dict:
         """What the task's checks counted over the whole run so far, e.g. ``{"task": "overflow",
