@@ -400,6 +400,8 @@ def test_attention_against_sdpa_compares_at_the_kernel_boundary(attention_runs):
     assert share.loc[("torch", "forward"), "at_boundary"] == 1
     assert share.loc[("mindspore", "forward"), "op_by_op"] == 8                   # the projections, GELU, loss
     assert "only at a region/module boundary: A 4, B 1" in str(verdict)
+    # the values SDPA reads are transposed views of the projections' outputs: still traced to them
+    assert verdict.departure is None or verdict.departure.cause != "inputs", str(verdict)
 
 
 def test_masked_attention_against_sdpa_with_a_mask(attention_runs):

@@ -3,6 +3,7 @@ record produced each input, the precision each value carries)."""
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -128,13 +129,17 @@ def _signature(spec: dict):
     return (spec["dtype"], *st.values())
 
 
-def _flow(recs: list) -> _Flow:
+def _flow(recs: list, permuted: bool = False) -> _Flow:
     """Which earlier record produced each input (the latest with that value) and the precision each
     value carries: a float value computed from bfloat16 values carries bfloat16 rounding, whatever its
-    own dtype.  Op records produce values; module records only where a part has no op records."""
+    own dtype.  Op records produce values; module records only where a part has no op records.
+    ``permuted`` (runs of two frameworks, whose layout ops are left out): a value not found otherwise
+    is recognised by its size, maximum and minimum, which a transposed copy keeps exactly (its mean
+    and norm, summed in another order, need not)."""
     producers = "op" if any(r["kind"] == "op" for r in recs) else "module"
     by_data: dict = {}
     by_sig: dict = {}
+    by_range: dict | None = {} if permuted else None
     src: dict = {}
     lineage: dict = {}
     ranks: dict = {}
@@ -144,13 +149,15 @@ def _flow(recs: list) -> _Flow:
         for t in r.get("through", ()):   # a left-out layout op (translate.py): its output is its input
             ins, outs = tensor_list(t, outputs=False), tensor_list(t, inputs=False)
             if ins and outs:
-                hit = _find(ins[0][2], by_data, by_sig)
+                hit = _find(ins[0][2], by_data, by_sig, by_range)
                 if hit is not None:
                     for _, _, spec in outs:
                         if spec.get("data") is not None:
                             by_data[spec["data"]] = hit
                         if (sig := _signature(spec)) is not None:
                             by_sig[sig] = hit
+                        if by_range is not None and (key := _range(spec)) is not None:
+                            by_range[key] = hit
         low = None
         produces = r["kind"] == producers
         for io, arg, spec in walks[i]:
@@ -166,6 +173,8 @@ def _flow(recs: list) -> _Flow:
                 if hit is None:
                     sig = _signature(spec)
                     hit = by_sig.get(sig) if sig is not None else None
+                    if hit is None and by_range is not None and (key := _range(spec)) is not None:
+                        hit = by_range.get(key)
                 if hit is not None and io == "input":
                     src[id(spec)] = hit[0], hit[1]
                 if own < 0:
@@ -187,15 +196,27 @@ def _flow(recs: list) -> _Flow:
                 sig = _signature(spec)
                 if sig is not None:
                     by_sig[sig] = entry
+                if by_range is not None and (key := _range(spec)) is not None:
+                    by_range[key] = entry
     return _Flow(src, lineage, walks, undefined)
 
 
-def _find(spec: dict, by_data: dict, by_sig: dict):
-    """The producer entry of a value, by its saved-tensor key, else by its signature."""
+def _range(spec: dict):
+    """A value's size, maximum and minimum (None for a constant or nan-holding one: too common)."""
+    st = spec.get("stats")
+    if not st or st.get("nan") or st.get("max") == st.get("min") or st.get("max") is None:
+        return None
+    return spec["dtype"], math.prod(spec["shape"]), st["max"], st["min"]
+
+
+def _find(spec: dict, by_data: dict, by_sig: dict, by_range: dict | None):
+    """The producer entry of a value, by its saved-tensor key, else by its signature (else by its range)."""
     data = spec.get("data")
     hit = by_data.get(data) if data is not None else None
     if hit is None and (sig := _signature(spec)) is not None:
         hit = by_sig.get(sig)
+    if hit is None and by_range is not None and (key := _range(spec)) is not None:
+        hit = by_range.get(key)
     return hit
 
 
