@@ -107,6 +107,7 @@ class Translation:
                     new = _rewrite(group[-1], f["op"], [_pick(group, "inputs", p) for p in f["inputs"]],
                                    [_pick(group, "outputs", p) for p in f["outputs"]])
                     new["fused"] = len(group)
+                    new["through"] = [t for g in group for t in g.get("through", ())]   # layout ops among them
                     new["call"] = calls[f["op"] + r["stage"]]
                     calls[f["op"] + r["stage"]] += 1
                     new["name"] = f"{new['op']}.{new['call']}.{new['stage']}"
