@@ -214,7 +214,7 @@ def test_checker_killed_mid_run_training_finishes_and_counts(tmp_path):
 
 
 def test_two_ranks_stream_to_one_checker(tmp_path):
-    checker = Checker(tmp_path / "ut", "-j", "2")
+    checker = Checker(tmp_path / "ut", "-j", "2", "--keep-records")
     config = json.dumps({"task": "tensor", "online_run_ut": True, "host": "127.0.0.1", "port": checker.port,
                          "dump_path": str(tmp_path / "unused")})
     ranks = [subprocess.Popen([sys.executable, TRAIN, config, "--steps", "1"],
@@ -228,6 +228,8 @@ def test_two_ranks_stream_to_one_checker(tmp_path):
     assert set(per_rank.index) == {"0", "1"} and per_rank["0"] == per_rank["1"]   # each rank its own rows
     for text in accounts:
         assert re.search(r"(\d+) op records sent to .*, \1 judged, 0 dropped", text), text
+    kept = run_ut(str(tmp_path / "ut" / "records"), str(tmp_path / "ut_kept"), progress=False).results
+    assert verdicts(kept) == verdicts(r)          # what the checker kept is the run, as on disk
 
 
 def test_follow_ctrl_c_writes_what_was_judged(planted_run, tmp_path):
