@@ -103,10 +103,10 @@ class ProbeSession:
         self.online_account = ""           # its one-line account at close
         if self.config.streams and self._enabled_rank():
             from ..online.sender import OnlineSender
-            from ..records.writer import _world_size
+            from ..records.writer import launcher_world_size
             self.online = OnlineSender(self.config.host, self.config.port, self.config.tls_path,
                                        queue_mb=self.config.online_queue_mb, wait_s=self.config.online_wait_s,
-                                       rank=self.rank, world_size=_world_size())
+                                       rank=self.rank, world_size=launcher_world_size())
         else:
             self._claim_run_dir()
         self.part: PartWriter | None = None

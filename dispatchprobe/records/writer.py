@@ -71,12 +71,12 @@ def make_manifest(*, framework: str, framework_version: str, device: str, config
         "pid": os.getpid(),
         "marks_closed_parts": True,     # each closed step/rank folder holds CLOSED_MARKER
         "marks_ended_ranks": True,      # a closed probe leaves ended_marker(rank) in the run directory
-        "world_size": _world_size(),
+        "world_size": launcher_world_size(),
         **(extra or {}),
     }
 
 
-def _world_size() -> int:
+def launcher_world_size() -> int:
     """The launcher's world size (torchrun's WORLD_SIZE, MindSpore's RANK_SIZE), else 1."""
     for var in ("WORLD_SIZE", "RANK_SIZE"):
         if os.environ.get(var, "").isdigit():
