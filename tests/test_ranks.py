@@ -246,3 +246,24 @@ def test_ranks_page_in_headless_chromium(runs, tmp_path):
     seen = layout(tmp_path / "ranks.html", tmp_path, 1000)
     assert seen["marks"]["forward"]["marked"] and seen["marks"]["forward"]["selected"]
     assert_fits(seen)
+
+
+def test_collectives_left_out_of_the_records_still_count(tmp_path):
+    """One gloo rank in this process: a ``list`` filter records the all-reduces only, and their
+    sequence numbers still count the broadcasts between them (so ranks with other filters join)."""
+    import torch.distributed as dist
+    from dispatchprobe import DispatchProbe
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        probe = DispatchProbe(task="statistics", dump_path=str(tmp_path / "run"), list=["allreduce"])
+        with probe:
+            t = torch.ones(4)
+            for _ in range(2):
+                dist.broadcast(t, src=0)
+                dist.all_reduce(t)
+        probe.close()
+    finally:
+        dist.destroy_process_group()
+    recs = [json.loads(line) for line in (tmp_path / "run" / "step0" / "rank0" / "ops.jsonl").read_text().splitlines()]
+    assert [(r["op"], r["collective"]["seq"]) for r in recs] == [("c10d.allreduce_.default", 1),
+                                                                 ("c10d.allreduce_.default", 3)]
