@@ -145,8 +145,9 @@ def merge(results: list[StepResult], run_ranks=None) -> tuple[pd.DataFrame, Rank
     drifts = table[table["check"] == "replica"]
     summary = (f"{len(coll)} collective calls on {coll['group'].nunique()} group(s) over {len(steps)} step(s) and "
                f"{len(ranks)} rank(s): {int(counts.get(AGREE, 0))} agree, {int(counts.get(DIFFERS, 0))} differ, "
-               f"{int(counts.get(NOT_JUDGED, 0))} not judged; {compared} replicated values compared, "
-               f"{len(drifts)} drift(s)")
+               f"{int(counts.get(NOT_JUDGED, 0))} not judged; "
+               + (f"{compared} replicated values compared, {len(drifts)} drift(s)" if compared else
+                  "no replicas to compare (no data-parallel group: no gradient was all-reduced or reduce-scattered)"))
     finding = _first_finding(table)
     if finding:
         lines = [finding, summary]
