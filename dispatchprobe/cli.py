@@ -129,7 +129,9 @@ def compare(a, b, out, match, mapping, jobs, metric, stats_only):
 
     A and B are run directories or single step*/rank* folders.  Exit code 0 when the runs
     agree (no error row), 2 when some rows diverge (the verdict says where), 1 when the runs
-    do not align or nothing could be compared.
+    do not align or nothing could be compared.  Runs of different rank counts (1 process vs
+    DDP/FSDP2) are compared on loss, forward ops and parameters; under torchrun the ranks share
+    the parts and rank 0 writes the report (docs/distributed.md).
     """
     from .offline.compare import compare as run_compare
     try:
