@@ -257,7 +257,7 @@ def _run_ut_online(records, out_dir, follow, listen, tls_path, keep_records, *, 
         else:
             if records is not None:
                 raise ValueError("run-ut --listen takes no RECORDS: the training processes stream them")
-            from .online.checker import listen as do_listen
+            from .offline.online_checker import listen as do_listen
             res = do_listen(listen, out_dir, tls_path=tls_path, keep_records=keep_records, api=api, say=say, **options)
     except KeyboardInterrupt as exc:
         res = getattr(exc, "result", None)

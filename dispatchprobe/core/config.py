@@ -20,6 +20,7 @@ from .perturbations import PERTURBATIONS
 from .tasks import TASKS, canonical
 
 LEVELS = ("op", "module", "mix")
+GRAD_LEVELS = ("L0", "L1", "L2")     # the grad probe's, as msprobe defines them (docs/grad-probe.md)
 _LEVEL_ALIASES = {"L0": "module", "L1": "op", "L2": "op", "mix": "mix"}
 DATA_MODES = ("all", "forward", "backward", "input", "output")
 HANDLER_TYPES = ("check", "fix")
@@ -419,8 +420,7 @@ def _flatten_msprobe(data: dict, task: str, notes: list[str]) -> dict:
 
 def _validate_grad_probe(g: GradProbeConfig) -> None:
     """msprobe's checks on the grad_probe section, each failing in one line."""
-    from .grad_probe import LEVELS
-    _choice("grad_level", g.grad_level, LEVELS)
+    _choice("grad_level", g.grad_level, GRAD_LEVELS)
     g.param_list = _str_list("param_list", g.param_list)
     for entry in g.param_list:
         try:

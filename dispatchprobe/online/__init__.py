@@ -1,3 +1,4 @@
-"""Online run-ut over the network: the training side's sender (:mod:`.sender`), the checker
-(:mod:`.checker`, ``dispatchprobe run-ut --listen``) and what crosses the wire (:mod:`.wire`).
+"""Online run-ut over the network: the training side's sender (:mod:`.sender`), what crosses
+the wire (:mod:`.wire`); the checker that receives it (``dispatchprobe run-ut --listen``) is
+:mod:`dispatchprobe.offline.online_checker`.
 Framework-neutral; needs ``grpcio`` (``pip install dispatchprobe[online]``)."""

@@ -24,7 +24,7 @@ from typing import Callable
 
 from ..records.format import CLOSED_MARKER, ended_marker
 from ..records.writer import _JsonLines, atomic_write_text
-from . import wire
+from ..online import wire
 
 
 MAX_STREAMS = 512      # ranks streaming to one checker at once (a gRPC server thread each)
@@ -251,7 +251,7 @@ def listen(address: str, out_dir: str | None = None, *, tls_path: str | None = N
     spool_dir = os.path.join(out_dir, "records")
     if os.path.exists(os.path.join(spool_dir, "manifest.json")):
         raise ValueError(f"{spool_dir} holds the records of an earlier online run; use another -o")
-    from ..offline.run_ut_live import Follower, run_ut_live
+    from .run_ut_live import Follower, run_ut_live
     checker = Checker(Spool(spool_dir), say, api)
     follower = Follower(spool_dir, api=api)
     judged_in: dict[tuple, int] = defaultdict(int)
