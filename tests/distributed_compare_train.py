@@ -18,42 +18,17 @@ import os
 import sys
 
 import torch
-from torch import nn
 
 from dispatchprobe import DispatchProbe
+from parallel_models import MLP, parallelize
 
 STEPS = 2
 BATCH = 8
 
 
-class MLP(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.up = nn.Linear(8, 16)
-        self.down = nn.Linear(16, 8)
-
-    def forward(self, x):
-        return self.down(torch.relu(self.up(x)))
-
-
 def build(kind: str):
     torch.manual_seed(0)
-    model = MLP()
-    if kind == "ddp":
-        return nn.parallel.DistributedDataParallel(model)
-    if kind == "fsdp":
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-        mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
-        fully_shard(model.up, mesh=mesh)
-        fully_shard(model.down, mesh=mesh)
-        return fully_shard(model, mesh=mesh)
-    if kind == "tp":
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-        mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
-        return parallelize_module(model, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
-    return model
+    return parallelize(MLP(), kind)
 
 
 def train(kind: str, out: str, run: str, task: str = "tensor") -> None:

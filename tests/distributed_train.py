@@ -17,9 +17,9 @@ import sys
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from dispatchprobe import DispatchProbe
+from parallel_models import MLP, RootMLP, parallelize
 
 TASKS = {
     "statistics": {},
@@ -32,42 +32,11 @@ FIX = {"free_benchmark": {"handler_type": "fix", "pert_mode": "improve_precision
 STEPS = 2
 
 
-class MLP(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.up = nn.Linear(8, 16)
-        self.down = nn.Linear(16, 8)
-
-    def forward(self, x):
-        return self.down(torch.relu(self.up(x)))
-
-
-class RootMLP(MLP):
-    """FSDP2: the root holds a parameter of its own, whose gradient the root's post-backward
-    reduce-scatters (its input needs no gradient, so that runs in FSDP's end-of-backward callback)."""
-
-    def __init__(self):
-        super().__init__()
-        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 8))
-
-    def forward(self, x):
-        return super().forward(x) * self.scale
-
-
 def build(kind: str, mesh):
+    if kind not in ("ddp", "fsdp", "tp"):
+        raise SystemExit(f"unknown parallelism {kind}")
     torch.manual_seed(0)
-    model = RootMLP() if kind == "fsdp" else MLP()
-    if kind == "ddp":
-        return nn.parallel.DistributedDataParallel(model)
-    if kind == "fsdp":
-        from torch.distributed.fsdp import fully_shard
-        fully_shard(model.up, mesh=mesh)
-        fully_shard(model.down, mesh=mesh)
-        return fully_shard(model, mesh=mesh)
-    if kind == "tp":
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-        return parallelize_module(model, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
-    raise SystemExit(f"unknown parallelism {kind}")
+    return parallelize(RootMLP() if kind == "fsdp" else MLP(), kind, mesh)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

@@ -17,38 +17,16 @@ import sys
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from dispatchprobe import DispatchProbe
+from parallel_models import RootMLP, parallelize
 
 STEPS = 3
 
 
-class RootMLP(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.up = nn.Linear(8, 16)
-        self.down = nn.Linear(16, 8)
-        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 8))
-
-    def forward(self, x):
-        return self.down(torch.relu(self.up(x))) * self.scale
-
-
 def build(kind: str, mesh):
     torch.manual_seed(0)
-    model = RootMLP()
-    if kind == "ddp":
-        return nn.parallel.DistributedDataParallel(model)
-    if kind == "fsdp":
-        from torch.distributed.fsdp import fully_shard
-        fully_shard(model.up, mesh=mesh)
-        fully_shard(model.down, mesh=mesh)
-        return fully_shard(model, mesh=mesh)
-    if kind == "tp":
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-        return parallelize_module(model, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
-    return model
+    return parallelize(RootMLP(), kind, mesh)
 
 
 def train(kind: str, mesh, out: str | None) -> list[torch.Tensor]:

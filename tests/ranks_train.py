@@ -14,21 +14,11 @@ import sys
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from dispatchprobe import DispatchProbe
+from parallel_models import MLP, parallelize
 
 STEPS = 2
-
-
-class MLP(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.up = nn.Linear(8, 16)
-        self.down = nn.Linear(16, 8)
-
-    def forward(self, x):
-        return self.down(torch.relu(self.up(x)))
 
 
 def _scaled_hook(state, bucket):
@@ -39,25 +29,17 @@ def _scaled_hook(state, bucket):
 
 
 def build(kind: str, mesh, plant: str):
+    if kind not in ("ddp", "fsdp", "tp"):
+        raise SystemExit(f"unknown parallelism {kind}")
     torch.manual_seed(0)
-    model = MLP()
+    model = parallelize(MLP(), kind, mesh)
     if kind == "ddp":
-        model = nn.parallel.DistributedDataParallel(model)
         if plant == "nudge" and dist.get_rank() == 1:
             with torch.no_grad():
                 model.module.up.weight[0, 0] += 1e-3
         if plant == "hook":
             model.register_comm_hook(None, _scaled_hook)
-        return model
-    if kind == "fsdp":
-        from torch.distributed.fsdp import fully_shard
-        fully_shard(model.up, mesh=mesh)
-        fully_shard(model.down, mesh=mesh)
-        return fully_shard(model, mesh=mesh)
-    if kind == "tp":
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-        return parallelize_module(model, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
-    raise SystemExit(f"unknown parallelism {kind}")
+    return model
 
 
 def collectives(probe: DispatchProbe) -> None:

@@ -104,7 +104,7 @@ def _all_gathers_hold_the_full_parameters(out: Path, rank: int) -> None:
     """FSDP fills its all-gather buffers inside custom ops whose schemas mark no write: they are
     recorded with values (not as uninitialised memory), and those are the unsharded parameters."""
     from dispatchprobe import load
-    from distributed_train import RootMLP
+    from parallel_models import RootMLP
     torch.manual_seed(0)
     model = RootMLP()           # step 0's parameters, as every rank built them
     layers = {144: model.up, 136: model.down}

@@ -16,6 +16,7 @@ import threading
 import time
 from collections import deque
 
+from ..records.writer import PartIndex
 from . import wire
 
 
@@ -236,7 +237,7 @@ class _Tensors:
         self.part.send()
 
 
-class StreamPart:
+class StreamPart(PartIndex):
     """The records of one step and rank, sent as frames instead of written (the session's
     ``PartWriter`` interface: ``ops``, ``stacks``, ``modules``, ``params``, ``tensors``, ``stack_id``,
     ``module``, ``close``)."""
@@ -248,21 +249,7 @@ class StreamPart:
         self.stacks, self.modules, self.params = _Lines(), _Lines(), _Lines()
         self.tensors = _Tensors(self)
         self.ops = _OpLines(self)
-        self._stack_ids: dict[tuple, int] = {}
-        self._modules_seen: set[str] = set()
-
-    def stack_id(self, frames: tuple) -> int:
-        sid = self._stack_ids.get(frames)
-        if sid is None:
-            sid = self._stack_ids[frames] = len(self._stack_ids)
-            self.stacks.append({"id": sid, "frames": list(frames)})
-        return sid
-
-    def module(self, scope: str, type_name: str) -> None:
-        if scope not in self._modules_seen:
-            self._modules_seen.add(scope)
-            parent = scope.rpartition(".")[0] if "." in scope else None
-            self.modules.append({"scope": scope, "type": type_name, "parent": parent})
+        super().__init__()
 
     def send(self, ops: list | None = None, close: bool = False) -> None:
         """One frame: these op records, the tensors saved since the last frame, pending lines."""

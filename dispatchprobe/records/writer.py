@@ -303,17 +303,12 @@ class _View:
     stride: list
 
 
-class PartWriter:
-    """The records of one step and rank: ``{run}/step{S}/rank{R}/``."""
+class PartIndex:
+    """What a part keeps once however it is delivered (written here, or streamed by online
+    run-ut): each distinct stack and each module scope listed once, in its ``stacks`` and
+    ``modules`` lines."""
 
-    def __init__(self, folder: str, save_fn=None, nbytes_fn=None):
-        self.folder = folder
-        os.makedirs(folder, exist_ok=True)
-        self.ops = _JsonLines(os.path.join(folder, "ops.jsonl"))
-        self.stacks = _JsonLines(os.path.join(folder, "stacks.jsonl"))
-        self.modules = _JsonLines(os.path.join(folder, "modules.jsonl"))
-        self.params = _JsonLines(os.path.join(folder, "params.jsonl"))   # opened at the first parameter record
-        self.tensors = TensorShardWriter(os.path.join(folder, "tensors"), save_fn, nbytes_fn) if save_fn else None
+    def __init__(self):
         self._stack_ids: dict[tuple, int] = {}
         self._modules_seen: set[str] = set()
 
@@ -330,6 +325,20 @@ class PartWriter:
             self._modules_seen.add(scope)
             parent = scope.rpartition(".")[0] if "." in scope else None
             self.modules.append({"scope": scope, "type": type_name, "parent": parent})
+
+
+class PartWriter(PartIndex):
+    """The records of one step and rank: ``{run}/step{S}/rank{R}/``."""
+
+    def __init__(self, folder: str, save_fn=None, nbytes_fn=None):
+        self.folder = folder
+        os.makedirs(folder, exist_ok=True)
+        self.ops = _JsonLines(os.path.join(folder, "ops.jsonl"))
+        self.stacks = _JsonLines(os.path.join(folder, "stacks.jsonl"))
+        self.modules = _JsonLines(os.path.join(folder, "modules.jsonl"))
+        self.params = _JsonLines(os.path.join(folder, "params.jsonl"))   # opened at the first parameter record
+        self.tensors = TensorShardWriter(os.path.join(folder, "tensors"), save_fn, nbytes_fn) if save_fn else None
+        super().__init__()
 
     def close(self) -> None:
         if self.tensors is not None:
