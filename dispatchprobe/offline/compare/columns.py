@@ -72,3 +72,8 @@ class TensorRow(NamedTuple):
 _ROW_FIELDS = TensorRow._fields
 assert _ROW_FIELDS[-8:] == tuple(f"{s}_{side}" for s in STATS for side in ("a", "b"))
 _FLOAT_FIELDS = frozenset(f"{s}_{side}" for s in STATS for side in ("a", "b"))
+# typed columns made straight from the row tuples (pandas infers the type of a list element by element)
+_INT_FIELDS = frozenset(("uid", "lineage_a", "lineage_b", "spec_a", "spec_b"))
+_BOOL_FIELDS = frozenset(("undef_a", "undef_b"))
+_TEXT_FIELDS = frozenset(("stage", "kind", "scope", "op_a", "op_b", "name_a", "name_b", "match", "io", "arg",
+                          "dtype_a", "dtype_b", "checksum_a", "checksum_b", "data_a", "data_b", "stack"))  # str or None

@@ -17,7 +17,7 @@ from ...standards.loader import standard
 from ..align import Mapping, align
 from ..launcher import engine_for, gathered, said_by_rank0
 from ..translate import Translation
-from .columns import COLUMNS, UNMATCHED_COLUMNS, _FLOAT_FIELDS, _ROW_FIELDS
+from .columns import _BOOL_FIELDS, _FLOAT_FIELDS, _INT_FIELDS, _ROW_FIELDS, _TEXT_FIELDS, COLUMNS, UNMATCHED_COLUMNS
 from .origin import trace
 from .rerun import float64_rerun
 from .pairing import PairingShare, _decomposed_scopes, _explain_unobservable, _flow, _frames, _pair_tensors, pairing_share
@@ -119,6 +119,16 @@ def _compare_parts(part_a: Part, part_b: Part, match: str, mapping: Mapping, ten
     for name, col in zip(names, columns):
         if name in _FLOAT_FIELDS:  # None -> nan; numbers and "inf"/"nan" strings -> float, as float() does
             data[name] = np.array(col, dtype=np.float64)
+        elif name in _INT_FIELDS:
+            data[name] = np.array(col, dtype=np.int64)
+        elif name in _BOOL_FIELDS:
+            data[name] = np.array(col, dtype=bool)
+        elif name in _TEXT_FIELDS:
+            data[name] = np.empty(len(col), dtype=object)
+            try:
+                data[name][:] = col    # str or None
+            except ValueError:         # a sequence numpy would unpack: as a list
+                data[name] = list(col)
         else:
             data[name] = list(col)
     del columns

@@ -4,7 +4,7 @@ record produced each input, the precision each value carries)."""
 from __future__ import annotations
 
 import math
-from collections import Counter
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -282,6 +282,9 @@ class PairingShare:
                                            "unpaired", "unpaired_explained"])
 
 
+_BOUNDARY_HOWS = frozenset(("region boundary", "module"))
+
+
 def pairing_share(pairs: list, recs_a: list, recs_b: list, unmatched: pd.DataFrame) -> PairingShare:
     """Count one part's compute op records by how they were paired (``pairs``: the alignment's;
     ``unmatched``: the driver's table with its ``explained`` column).  A record standing for a
@@ -291,15 +294,26 @@ def pairing_share(pairs: list, recs_a: list, recs_b: list, unmatched: pd.DataFra
     out = PairingShare()
     counts = out.counts
     kind = {s: "op" if any(r["kind"] == "op" for r in recs) else "module" for s, recs in (("a", recs_a), ("b", recs_b))}
-    for i, j, how in pairs:
-        ra, rb = recs_a[i], recs_b[j]
-        boundary = how in ("region boundary", "module") or "fused" in ra or "fused" in rb
-        for side, r in (("a", ra), ("b", rb)):
-            if r["kind"] == kind[side] and not op_traits.is_cast(r["op"]):
-                c = counts.setdefault((side, r["stage"]), Counter())
-                n = r.get("fused", 1)
-                c["records"] += n
-                c["boundary" if boundary else "op"] += n
+    tally: dict = defaultdict(int)     # (side, stage, "records"/"op"/"boundary") -> records
+    casts: dict = {}                   # op -> op_traits.is_cast(op), asked once per distinct op
+    sides = (("a", kind["a"], recs_a, 0), ("b", kind["b"], recs_b, 1))
+    for pair in pairs:
+        fused = "fused" in recs_a[pair[0]] or "fused" in recs_b[pair[1]]
+        how = "boundary" if fused or pair[2] in _BOUNDARY_HOWS else "op"
+        for side, want, recs, at in sides:
+            r = recs[pair[at]]
+            if r["kind"] != want:
+                continue
+            op = r["op"]
+            cast = casts.get(op)
+            if cast is None:
+                cast = casts[op] = op_traits.is_cast(op)
+            if not cast:
+                n = r.get("fused", 1) if fused else 1
+                tally[side, r["stage"], "records"] += n
+                tally[side, r["stage"], how] += n
+    for (side, stage, what), n in tally.items():
+        counts.setdefault((side, stage), Counter())[what] += n
     if len(unmatched):
         mine = unmatched["kind"] == unmatched["side"].map(kind)
         rows = unmatched[mine & ~unmatched["is_cast"].astype(bool)]
