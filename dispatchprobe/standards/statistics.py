@@ -164,6 +164,6 @@ def judge_stats_columns(error: np.ndarray, dtypes, nonfinite_differs: np.ndarray
 
 def factorize(values) -> tuple[np.ndarray, list]:
     """(codes, distinct values) of a 1-D sequence, in order of first appearance."""
-    index: dict = {}
-    codes = np.fromiter((index.setdefault(v, len(index)) for v in values), dtype=np.int64, count=len(values))
-    return codes, list(index)
+    uniques = list(dict.fromkeys(values))
+    index = {v: i for i, v in enumerate(uniques)}
+    return np.fromiter(map(index.__getitem__, values), dtype=np.int64, count=len(values)), uniques
