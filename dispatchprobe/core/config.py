@@ -239,12 +239,7 @@ class Config:
         scope, to_list = msprobe_scope(self.scope, notes, may_move=not self.list)
         names, to_scope = msprobe_list(self.list + to_list, notes, may_move=not self.scope)
         self.scope, self.list = scope + to_scope, names
-        for entry in self.list:
-            try:
-                re.compile(entry)
-            except re.error as exc:
-                raise ConfigError(f"config: list entry {entry!r} is not a valid regex ({exc}); "
-                                  f"escape it (e.g. {re.escape(entry)!r}) or write an aten op name") from None
+        _check_regexes("list", self.list, "an aten op name")
         return notes
 
     def stage_enabled(self, stage: str) -> bool:
@@ -418,16 +413,21 @@ def _flatten_msprobe(data: dict, task: str, notes: list[str]) -> dict:
     return data
 
 
+def _check_regexes(key: str, entries: list, plain: str) -> None:
+    """Each entry of ``key`` compiles as a regex, else one line saying how to write it."""
+    for entry in entries:
+        try:
+            re.compile(entry)
+        except re.error as exc:
+            raise ConfigError(f"config: {key} entry {entry!r} is not a valid regex ({exc}); escape it "
+                              f"(e.g. {re.escape(entry)!r}) or write {plain}") from None
+
+
 def _validate_grad_probe(g: GradProbeConfig) -> None:
     """msprobe's checks on the grad_probe section, each failing in one line."""
     _choice("grad_level", g.grad_level, GRAD_LEVELS)
     g.param_list = _str_list("param_list", g.param_list)
-    for entry in g.param_list:
-        try:
-            re.compile(entry)
-        except re.error as exc:
-            raise ConfigError(f"config: param_list entry {entry!r} is not a valid regex ({exc}); escape it "
-                              f"(e.g. {re.escape(entry)!r}) or write a parameter name") from None
+    _check_regexes("param_list", g.param_list, "a parameter name")
     if isinstance(g.bounds, (int, float)) and not isinstance(g.bounds, bool):
         g.bounds = [g.bounds]
     if not isinstance(g.bounds, (list, tuple)) or not g.bounds:

@@ -319,6 +319,16 @@ def _save_error_data(out_dir: str, row, data: dict, replayer: Replayer) -> None:
 
 
 # ---- the driver ----------------------------------------------------------------------------------
+def import_modules(names) -> None:
+    """``--import``: the user's modules that register kernels, references or overrides, imported
+    before any op is replayed; a missing one is one line."""
+    for name in names or ():
+        try:
+            importlib.import_module(name)
+        except ImportError as exc:
+            raise ValueError(f"--import {name}: {exc}") from None
+
+
 def run_ut(records, out_dir: str | None = None, *, random: bool = False, device: str | None = None, jobs: int = 1,
            resume: str | None = None, filter_duplicates: bool = False, save_error_data: bool = False,
            imports=(), progress: bool | None = None, api: str | None = None, distributed="auto",
@@ -335,11 +345,7 @@ def run_ut(records, out_dir: str | None = None, *, random: bool = False, device:
     """
     global _STATE
     t_start = time.perf_counter()
-    for name in imports or ():
-        try:
-            importlib.import_module(name)
-        except ImportError as exc:
-            raise ValueError(f"--import {name}: {exc}") from None
+    import_modules(imports)
     run = records if isinstance(records, Run) else load(records)
     replayer = replayer or replayer_for(run)
     if resume:

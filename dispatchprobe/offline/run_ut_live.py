@@ -13,7 +13,6 @@ marker (the probe's close), or on Ctrl-C with everything judged so far written.
 from __future__ import annotations
 
 import glob
-import importlib
 import json
 import multiprocessing as mp
 import os
@@ -221,11 +220,7 @@ def run_ut_live(follower: Follower, out_dir: str | None = None, *, jobs: int = 1
     one (same rows, same files).  Returns when the follower says the run ended; on Ctrl-C the
     rows so far are written and the KeyboardInterrupt carries the result (``exc.result``)."""
     t_start = time.perf_counter()
-    for name in imports or ():
-        try:
-            importlib.import_module(name)
-        except ImportError as exc:
-            raise ValueError(f"--import {name}: {exc}") from None
+    driver.import_modules(imports)
     if jobs < 1:
         raise ValueError(f"--jobs must be >= 1, got {jobs}")
     wait_for_manifest(follower, poll_s, say)
