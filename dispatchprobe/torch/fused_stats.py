@@ -51,10 +51,22 @@ def _target():
     # built for the vector instructions torch found on this CPU, named by them and by the source,
     # so a cache shared by other CPUs or versions keeps one build each
     isa = torch.backends.cpu.get_cpu_capability()
-    digest = hashlib.sha1(_SOURCE.read_bytes() + isa.encode() + torch.__version__.encode()).hexdigest()[:12]
+    flags = ["-O3", *_ISA_FLAGS.get(isa, []), *_parallel_flags()]
+    digest = hashlib.sha1(_SOURCE.read_bytes() + isa.encode() + torch.__version__.encode()
+                          + " ".join(flags).encode()).hexdigest()[:12]
     name = f"dispatchprobe_stats4_{isa.lower()}_{digest}"
     path = pathlib.Path(_get_build_directory(name, verbose=False)) / f"{name}.so"
-    return path, name, ["-O3", *_ISA_FLAGS.get(isa, [])]
+    return path, name, flags
+
+
+def _parallel_flags() -> list[str]:
+    """``at::parallel_for`` is inlined into the kernel: with torch's OpenMP backend it runs in
+    parallel only when the kernel is compiled with OpenMP too (otherwise serially, on one core).
+    The library it links is the one torch already loaded (same soname)."""
+    import torch
+    if sys.platform.startswith("linux") and "OpenMP" in torch.__config__.parallel_info():
+        return ["-fopenmp"]
+    return []
 
 
 def _load() -> None:
@@ -82,7 +94,8 @@ def _build_into_cache() -> None:
     from torch.utils.cpp_extension import load
     path, name, flags = _target()
     with tempfile.TemporaryDirectory(prefix="dispatchprobe-stats4-") as tmp:
-        load(name, [str(_SOURCE)], extra_cflags=flags, build_directory=tmp, verbose=False)
+        load(name, [str(_SOURCE)], extra_cflags=flags, extra_ldflags=[f for f in flags if f == "-fopenmp"],
+             build_directory=tmp, verbose=False)
         part = path.with_suffix(f".{os.getpid()}.part")
         shutil.copyfile(pathlib.Path(tmp) / f"{name}.so", part)
         os.replace(part, path)
