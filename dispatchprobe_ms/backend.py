@@ -128,6 +128,10 @@ def dense_key(t):
     return None
 
 
+def describe(t) -> tuple:
+    return tensor_meta(t), identity(t), None
+
+
 def storage_span(t):
     return None
 

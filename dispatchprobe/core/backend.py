@@ -46,6 +46,8 @@ class TensorBackend(Protocol):
         """A key equal for two tensors only while they show the same bytes (None: unknown)."""
     def dense_key(self, t: Tensor):
         """A key shared by the views showing the same elements of one memory (None: not dense)."""
+    def describe(self, t: Tensor) -> tuple:
+        """``(tensor_meta(t), identity(t), dense_key(t))``: the per-op path asks all at once."""
     def memory_ref(self, t: Tensor):
         """A weak reference to the memory: keys are trusted only while it lives."""
     def memory_alive(self, ref) -> bool: ...

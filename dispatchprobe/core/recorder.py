@@ -7,11 +7,10 @@ and :meth:`Recorder.write` for the ops they flag.
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any
 
-from .events import Handler, OpEvent, flat_outputs, record_name
+from .events import Handler, OpEvent, record_name
 
 def encode_plain(value, backend) -> dict:
     """A non-tensor, non-sequence argument as JSON: builtins here, framework objects (dtypes,
@@ -48,6 +47,8 @@ class Recorder(Handler):
         self.save_tensors = save_tensors
         self.checksum = checksum
         self.io_filter = io_filter or (lambda io: True)
+        self._inputs, self._outputs = self.io_filter("input"), self.io_filter("output")
+        self._is_tensor, self._describe = backend.is_tensor, backend.describe
         self._cache: dict = {}
         self._spans: dict = {}
         self._dense: dict = {}
@@ -60,13 +61,14 @@ class Recorder(Handler):
 
     # -- encoding --------------------------------------------------------------------------
     def _encode_value(self, found: list, value):
-        """One argument as JSON; tensors get their metadata now and are collected in ``found``.
-        A method, not a closure: a recursive closure's reference cycle would keep the op's tensors
-        alive and make autograd copy gradients it would steal (the probe would change the ops)."""
-        if self.backend.is_tensor(value):
-            spec = self.backend.tensor_meta(value)
-            found.append((value, spec))
-            return spec
+        """One argument as JSON; tensors get their metadata now and are collected in ``found``
+        with their cache keys.  A method, not a closure: a recursive closure's reference cycle
+        would keep the op's tensors alive and make autograd copy gradients it would steal (the
+        probe would change the ops)."""
+        if self._is_tensor(value):
+            described = self._describe(value)
+            found.append((value, *described))
+            return described[0]
         if isinstance(value, (list, tuple)):
             return {"type": type(value).__name__, "value": [self._encode_value(found, v) for v in value]}
         return encode_plain(value, self.backend)
@@ -75,23 +77,28 @@ class Recorder(Handler):
         """The record of ``event``.  ``defer``: statistics of accelerator tensors are reduced on
         the device and filled in later (:meth:`emit` then holds the record until they are)."""
         save = self.save_tensors if save is None else save
-        found: list[tuple[Any, dict]] = []
-        enc = functools.partial(self._encode_value, found)
+        found: list[tuple] = []
+        enc = self._encode_value
         record = self.skeleton(event.kind, event.op, event.stage, event.scope, event.call, grad_fn=event.grad_fn,
                                stack=self.part.stack_id(event.stack) if event.stack else None)
-        if self.io_filter("input"):
-            record["inputs"] = [enc(a) for a in event.args]
-            record["kwargs"] = {k: enc(v) for k, v in event.kwargs.items()}
-        if self.io_filter("output"):
+        if self._inputs:
+            record["inputs"] = [enc(found, a) for a in event.args]
+            record["kwargs"] = {k: enc(found, v) for k, v in event.kwargs.items()} if event.kwargs else {}
+        if self._outputs:
             out = event.outputs
-            record["output_type"] = "tuple" if isinstance(out, tuple) else "list" if isinstance(out, list) else "single"
-            record["outputs"] = [enc(o) for o in flat_outputs(out)]
+            if isinstance(out, (tuple, list)):
+                record["output_type"] = "tuple" if isinstance(out, tuple) else "list"
+                record["outputs"] = [enc(found, o) for o in out]
+            else:
+                record["output_type"] = "single"
+                record["outputs"] = [enc(found, out)]
         same = self.backend.same_values(event) if save and event.func is not None else None
         if event.undefined:
-            for t, spec in found:
+            for t, spec, *_ in found:
                 if id(t) in event.undefined:
                     spec["undefined"] = True
-        self._fill_tensors(found, save, same, defer and not self.checksum)
+        if found:
+            self._fill_tensors(found, save, same, defer and not self.checksum)
         if event.extra:
             record.update(event.extra)
         return record
@@ -103,14 +110,13 @@ class Recorder(Handler):
                 "stage": stage, "scope": scope, "call": call, "grad_fn": grad_fn, "stack": stack}
 
     def _fill_tensors(self, found, save: bool, same: dict | None = None, defer: bool = False) -> None:
+        """Statistics (and, when ``save``, saved data) of the ``(tensor, spec, identity, dense
+        key)`` entries :meth:`_encode_value` collected: from the cache where the value was
+        measured before, else measured now (or queued on the device, ``defer``)."""
         backend = self.backend
         cache, alive = self._cache, backend.memory_alive
         missing = []
-        idents = [] if save else None
-        for t, spec in found:
-            ident = backend.identity(t)
-            if save:
-                idents.append(ident)
+        for t, spec, ident, dense in found:
             if "undefined" in spec or "no_values" in spec:   # uninitialised memory, or none to read
                 continue
             hit = cache.get(ident) if ident is not None else None
@@ -122,7 +128,6 @@ class Recorder(Handler):
                         spec["checksum"] = entry["checksum"]
                     continue
             # a reshape/transpose of measured memory has the same max/min/mean/norm
-            dense = backend.dense_key(t)
             hit = self._dense.get(dense) if dense is not None else None
             if hit is not None and alive(hit[0]):
                 spec["stats"] = hit[1]
@@ -153,7 +158,7 @@ class Recorder(Handler):
                     entry["checksum"] = spec["checksum"] = backend.checksum(t)
                 self._measured(t, entry, ident, dense)
         if save:
-            for (t, spec), ident in zip(found, idents):
+            for t, spec, ident, _ in found:
                 # metadata only (the backend said why), or uninitialised memory: its bytes mean
                 # nothing (replay takes zeros), and a write the version counter does not see (a
                 # collective filling it) would leave a cached key pointing at them

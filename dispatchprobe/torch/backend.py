@@ -38,31 +38,69 @@ _PARAMETER = torch.nn.Parameter
 def tensor_meta(t: torch.Tensor) -> dict:
     """The tensor as its op saw it; what :mod:`.tensor_kinds` adds for tensors that are not plain
     dense memory (a DTensor's placements, a functorch level, ``no_values`` and why)."""
+    return describe(t)[0]
+
+
+def describe(t: torch.Tensor) -> tuple:
+    """``(tensor_meta(t), identity(t), dense_key(t))`` in one pass over the tensor's attributes
+    (the per-op path asks all three of every tensor)."""
+    dtype, device, shape = t.dtype, t.device, t.shape
+    readable = tensor_kinds.readable(t)
+    stride = t.stride() if readable or t.layout is _STRIDED else None
     meta = {
         "type": "tensor",
-        "dtype": dtype_name(t.dtype),
-        "shape": list(t.shape),
-        "stride": list(t.stride()) if t.layout == torch.strided else None,
-        "device": str(t.device),
-        "requires_grad": bool(t.requires_grad),
+        "dtype": _DTYPE_NAMES.get(dtype) or dtype_name(dtype),
+        "shape": list(shape),
+        "stride": list(stride) if stride is not None else None,
+        "device": _DEVICE_NAMES.get(device) or _device_name(device),
+        "requires_grad": t.requires_grad,
     }
     if type(t) is _PARAMETER or type(t._base) is _PARAMETER:      # a model parameter, or a view of one
         meta["param"] = True
-    if not tensor_kinds.readable(t):
+    if not readable:
         meta.update(tensor_kinds.fields(t))
-    return meta
+        return meta, None, None
+    try:     # the data pointer is the storage's plus the view's offset
+        ptr, version = t.data_ptr(), tensor_kinds.version(t)
+    except (RuntimeError, NotImplementedError):  # inference tensors, wrapper subclasses
+        return meta, None, None
+    ident = ptr, shape, stride, dtype, device, version
+    n = t.numel()
+    if n and (t.is_contiguous() or _fills_block(t)):
+        return meta, ident, (ptr, n, dtype, device, version)
+    return meta, ident, None
+
+
+_STRIDED = torch.strided
+_DTYPE_NAMES = {d: dtype_name(d) for d in vars(torch).values() if isinstance(d, torch.dtype)}
+_DEVICE_NAMES: dict = {}
+
+
+def _device_name(device) -> str:
+    name = _DEVICE_NAMES[device] = str(device)
+    return name
 
 
 def identity(t: torch.Tensor):
     """A key equal for two tensors only while they show the same bytes (same memory, same
     view, same in-place version).  The recorder pairs it with a weakref, so a key whose tensor
     died (and whose memory may be reused) is never trusted."""
+    return _keys(t)[0]
+
+
+def _keys(t: torch.Tensor) -> tuple:
+    """(:func:`identity`, :func:`dense_key`) of ``t``."""
     if not tensor_kinds.readable(t):
-        return None
-    try:     # the data pointer is the storage's plus the view's offset
-        return t.data_ptr(), t.shape, t.stride(), t.dtype, t.device, tensor_kinds.version(t)
-    except (RuntimeError, NotImplementedError):  # inference tensors, wrapper subclasses
-        return None
+        return None, None
+    try:
+        ptr, version, dtype, device = t.data_ptr(), tensor_kinds.version(t), t.dtype, t.device
+        ident = ptr, t.shape, t.stride(), dtype, device, version
+    except (RuntimeError, NotImplementedError):
+        return None, None
+    n = t.numel()
+    if n and (t.is_contiguous() or _fills_block(t)):
+        return ident, (ptr, n, dtype, device, version)
+    return ident, None
 
 
 def tensor_stats(tensors: list[torch.Tensor]) -> list[dict | None]:
@@ -71,18 +109,31 @@ def tensor_stats(tensors: list[torch.Tensor]) -> list[dict | None]:
     Only the values :mod:`.tensor_kinds` allows (a DTensor's local shard; none for some kinds)."""
     out: list[dict | None] = [None] * len(tensors)
     pending: list[tuple[int, torch.Tensor]] = []
-    tensors = [tensor_kinds.values(t) for t in tensors]
+    slow = []
+    stats4 = fused_stats.stats4
+    for i, t in enumerate(tensors):
+        # the common case first: a plain contiguous float32/bfloat16 CPU tensor, one C++ pass
+        if stats4 is not None and t.dtype in _ONE_PASS_DTYPES and t.is_cpu and t.is_contiguous() \
+                and t.numel() and tensor_kinds.readable(t):
+            hi, lo, total, squares = stats4(t)
+            if math.isfinite(total) and math.isfinite(squares):    # else inf/nan: torch's reductions
+                out[i] = statistics.finish(t, [hi, lo, total, math.sqrt(squares)], torch)
+                continue
+        slow.append(i)
+    if not slow:
+        return out
     with NoGrad(), torch._C._DisableFuncTorch():    # unwrapped values stay unwrapped
-        for i, t in enumerate(tensors):
+        for i in slow:
+            t = tensor_kinds.values(tensors[i])
             if t is None or t.numel() == 0:
                 continue
             if stats_on_device(t):
-                pending.append((i, device_stats_row(t)))
+                pending.append((i, t, device_stats_row(t)))
                 continue
             out[i] = _cpu_stats(t)
     if pending:
-        rows = read_stats_rows([r for _, r in pending], [tensors[i].numel() for i, _ in pending])
-        for (i, _), st in zip(pending, rows):
+        rows = read_stats_rows([r for _, _, r in pending], [t.numel() for _, t, _ in pending])
+        for (i, _, _), st in zip(pending, rows):
             out[i] = st
     return out
 
@@ -306,17 +357,7 @@ def memory_alive(ref) -> bool:
 def dense_key(t: torch.Tensor):
     """A key shared by all views that show exactly the same set of elements of one memory
     (a reshape or transpose of it): they have the same statistics.  None if not dense."""
-    if not tensor_kinds.readable(t):
-        return None
-    n = t.numel()
-    if n == 0:
-        return None
-    if not t.is_contiguous() and not _fills_block(t):
-        return None
-    try:
-        return t.data_ptr(), n, t.dtype, t.device, tensor_kinds.version(t)
-    except (RuntimeError, NotImplementedError):
-        return None
+    return _keys(t)[1]
 
 
 def storage_span(t: torch.Tensor):

@@ -41,15 +41,26 @@ def _in_compiled_code() -> bool:
     """Whether the op is called by a compiled graph (inductor's ``.out`` calls, an ``aot_eager``
     graph's ops, a probe backend's recording op): every AOTAutograd-compiled region, forward
     and backward, runs inside a function of ``runtime_wrappers.py`` (not even imported until
-    something is compiled: eager-only training pays one dictionary lookup per op)."""
+    something is compiled: eager-only training pays one dictionary lookup per op).
+
+    The walk up the stack stops at the first eager module call: a compiled graph never calls
+    one (dynamo inlines modules; a graph break runs in the user's frames, outside the graph), so
+    the graph's frames, when there are any, lie below it (``transformers`` imports the wrappers,
+    and a 40-frame model stack walked to its root per op cost more than the op's record)."""
     if _AOT_MODULE not in sys.modules:
         return False
     f = sys._getframe(2)
     while f is not None:
-        if f.f_code.co_filename == _AOT_RUNTIME:
+        code = f.f_code
+        if code.co_filename == _AOT_RUNTIME:
             return True
+        if code in _MODULE_CALLS:
+            return False
         f = f.f_back
     return False
+
+
+_MODULE_CALLS = frozenset(fn.__code__ for fn in (_module.Module._call_impl, _module.Module._wrapped_call_impl))
 
 
 class _ProbeMode(TorchDispatchMode):
