@@ -408,3 +408,24 @@ def test_an_explicit_step_ends_following_the_optimizer(tmp_path):
     only step() ends steps."""
     train(DispatchProbe(dump_path=str(tmp_path / "r")), steps=3)
     assert sorted(load(tmp_path / "r").parts) == [(0, 0), (1, 0), (2, 0)]
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_a_compiled_submodule_inside_an_eager_model_is_left_to_its_graph(tmp_path, backend):
+    """The eager probe records the eager modules' ops and none of a compiled submodule's: the
+    compiled-code test finds AOTAutograd's frames below the compiled module's call, and stops
+    its walk up the stack at the eager module call above them."""
+    torch.manual_seed(0)
+    inner = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh())
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.compile(inner, backend=backend), torch.nn.Linear(8, 2))
+    x = torch.randn(4, 8)
+    model(x).sum().backward()            # compiled before the probe
+    model.zero_grad(set_to_none=True)
+    with DispatchProbe(task="statistics", dump_path=str(tmp_path / "r"), model=model) as probe:
+        model(x).sum().backward()
+    probe.close()
+    records = [r for r in load(tmp_path / "r").part().records if r["kind"] == "op"]
+    forward = [(r["op"], r["scope"]) for r in records if r["stage"] == "forward"]
+    assert ("aten.addmm.default", "Sequential.0") in forward and ("aten.addmm.default", "Sequential.2") in forward
+    assert not [op for op, _ in forward if op.startswith("aten.tanh")]
+    assert sum(op == "aten.addmm.default" for op, _ in forward) == 2

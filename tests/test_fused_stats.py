@@ -90,3 +90,25 @@ def test_a_failed_build_leaves_torchs_reductions_and_says_why(tmp_path, monkeypa
     assert not list((tmp_path / "ext").rglob("*.so"))
     x = torch.randn(1000, generator=torch.Generator().manual_seed(0))
     assert backend._cpu_stats(x)["max"] == x.max().item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_strided_rows_are_read_in_place_and_agree_with_float64(kernel, monkeypatch, dtype):
+    """Slices and transposes of leading dimensions (q/k/v heads, rotary halves) are read where
+    they lie, row by row: the same record as torch's reductions over a contiguous copy."""
+    g = torch.Generator().manual_seed(0)
+    big = torch.randn(4, 128, 4, 64, generator=g).to(dtype)
+    views = [big.transpose(1, 2), big[..., :32], big[:, 1:, :, 3:50], big[0, :, 1], torch.randn(1, 70).to(dtype).expand(9, 70),
+             torch.randn(5, 3, generator=g).to(dtype)[:, :1]]
+    for x in views:
+        assert not x.is_contiguous() and x.stride(-1) == 1
+        fused, reference = backend._cpu_stats(x), _torch_stats(x, monkeypatch)
+        exact = x.double()
+        assert fused["max"] == reference["max"] and fused["min"] == reference["min"]
+        assert fused["mean"] == pytest.approx(exact.mean().item(), rel=1e-6, abs=1e-7)
+        assert fused["norm"] == pytest.approx(torch.linalg.vector_norm(exact).item(), rel=1e-6)
+        assert backend.tensor_stats([x])[0] == fused
+    with_inf = big.transpose(1, 2).clone().transpose(1, 2)
+    with_inf[0, 0, 0, 0] = -math.inf
+    view = with_inf[..., :16]
+    assert backend._cpu_stats(view) == _torch_stats(view, monkeypatch)

@@ -110,14 +110,11 @@ def tensor_stats(tensors: list[torch.Tensor]) -> list[dict | None]:
     out: list[dict | None] = [None] * len(tensors)
     pending: list[tuple[int, torch.Tensor]] = []
     slow = []
-    stats4 = fused_stats.stats4
     for i, t in enumerate(tensors):
-        # the common case first: a plain contiguous float32/bfloat16 CPU tensor, one C++ pass
-        if stats4 is not None and t.dtype in _ONE_PASS_DTYPES and t.is_cpu and t.is_contiguous() \
-                and t.numel() and tensor_kinds.readable(t):
-            hi, lo, total, squares = stats4(t)
-            if math.isfinite(total) and math.isfinite(squares):    # else inf/nan: torch's reductions
-                out[i] = statistics.finish(t, [hi, lo, total, math.sqrt(squares)], torch)
+        # the common case first: a plain float32/bfloat16 CPU tensor, one C++ pass in place
+        if t.is_cpu and t.numel() and _one_pass_fits(t) and tensor_kinds.readable(t):
+            out[i] = _one_pass(t)
+            if out[i] is not None:
                 continue
         slow.append(i)
     if not slow:
@@ -171,15 +168,35 @@ def _fills_block(t: torch.Tensor) -> bool:
     return True
 
 
+def _one_pass_fits(x: torch.Tensor) -> bool:
+    """Whether the C++ kernel (:mod:`.fused_stats`) reads ``x`` in place: float32 or bfloat16
+    with contiguous rows (a slice or a transpose of leading dimensions too)."""
+    return fused_stats.stats4 is not None and x.dtype in _ONE_PASS_DTYPES and (x.is_contiguous() or x.stride(-1) == 1)
+
+
+def _one_pass(x: torch.Tensor) -> dict | None:
+    """The record from one pass of the kernel over ``x`` (:func:`_one_pass_fits`); None where
+    the values hold inf/nan (left to torch's reductions, which order nan as the records say)."""
+    hi, lo, total, squares = fused_stats.stats4(x)      # sums in double
+    if math.isfinite(total) and math.isfinite(squares):
+        return statistics.finish(x, [hi, lo, total, math.sqrt(squares)], torch)
+    return None
+
+
 def _cpu_stats(t: torch.Tensor) -> dict:
+    tried = _one_pass_fits(t)
+    if tried:
+        found = _one_pass(t)
+        if found is not None:
+            return found
     x = _dense_flat(t.detach())
     if not x.is_contiguous() and x.is_floating_point():
         x = x.contiguous()   # strided reductions cost several times a copy (the norm above all)
     x = statistics.source(x, torch)
-    if x.dtype in _ONE_PASS_DTYPES and fused_stats.stats4 is not None and x.is_contiguous():
-        hi, lo, total, squares = fused_stats.stats4(x)      # one pass; sums in double
-        if math.isfinite(total) and math.isfinite(squares):  # else inf/nan: torch's reductions below
-            return statistics.finish(x, [hi, lo, total, math.sqrt(squares)], torch)
+    if not tried and _one_pass_fits(x):
+        found = _one_pass(x)
+        if found is not None:
+            return found
     if x.numel() <= _NUMPY_MAX and x.dtype in _NUMPY_DTYPES and x.is_contiguous():
         values = _numpy_reductions(x)
     else:

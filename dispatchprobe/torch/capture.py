@@ -37,30 +37,38 @@ active_probes: list = []      # DispatchProbes recording now, innermost last
 _COLLECTIVES = tuple(f"{ns}." for ns in collectives.NAMESPACES)
 
 
-def _in_compiled_code() -> bool:
+def _in_compiled_code(fx: bool = False) -> bool:
     """Whether the op is called by a compiled graph (inductor's ``.out`` calls, an ``aot_eager``
     graph's ops, a probe backend's recording op): every AOTAutograd-compiled region, forward
     and backward, runs inside a function of ``runtime_wrappers.py`` (not even imported until
     something is compiled: eager-only training pays one dictionary lookup per op).
 
-    The walk up the stack stops at the first eager module call: a compiled graph never calls
-    one (dynamo inlines modules; a graph break runs in the user's frames, outside the graph), so
-    the graph's frames, when there are any, lie below it (``transformers`` imports the wrappers,
-    and a 40-frame model stack walked to its root per op cost more than the op's record)."""
+    The walk up the stack stops at the first module call with no FX code below it: a compiled
+    graph never calls a module of the user's (dynamo inlines modules; a graph break runs in the
+    user's frames, outside the graph), so the graph's frames, when there are any, lie below it
+    (``transformers`` imports the wrappers, and a 40-frame model stack walked to its root per op
+    cost more than the op's record).  An ``aot_eager`` graph is itself a module (an FX
+    ``GraphModule``): from FX code the walk goes on to the root.  ``fx``: the caller is a module
+    hook of an FX graph."""
     if _AOT_MODULE not in sys.modules:
         return False
     f = sys._getframe(2)
     while f is not None:
         code = f.f_code
-        if code.co_filename == _AOT_RUNTIME:
+        name = code.co_filename
+        if name == _AOT_RUNTIME:
             return True
         if code in _MODULE_CALLS:
-            return False
+            if not fx:
+                return False
+        elif name.startswith(_FX_CODE):
+            fx = True
         f = f.f_back
     return False
 
 
 _MODULE_CALLS = frozenset(fn.__code__ for fn in (_module.Module._call_impl, _module.Module._wrapped_call_impl))
+_FX_CODE = ("<eval_with_key>", os.path.join(torch.__path__[0], "fx", ""))
 
 
 class _ProbeMode(TorchDispatchMode):
@@ -396,11 +404,12 @@ def _filters_changed() -> None:
 
 
 _HOOKS = _ModuleHooks()
+_GraphModule = torch.fx.GraphModule
 
 
 def _module_entered(mod, args) -> None:
     # is_compiling first: dynamo folds it and traces nothing else here (no guard on our state)
-    if torch.compiler.is_compiling() or not _HOOKS.active or _in_compiled_code():
+    if torch.compiler.is_compiling() or not _HOOKS.active or _in_compiled_code(isinstance(mod, _GraphModule)):
         return
     if mod._forward_hooks:
         _HOOKS.keep_exit_last(mod)
@@ -409,14 +418,15 @@ def _module_entered(mod, args) -> None:
 
 
 def _module_left_globally(mod, args, output) -> None:
-    if torch.compiler.is_compiling() or not _HOOKS.active or _HOOKS.has_own_exit(mod) or _in_compiled_code():
+    if torch.compiler.is_compiling() or not _HOOKS.active or _HOOKS.has_own_exit(mod) \
+            or _in_compiled_code(isinstance(mod, _GraphModule)):
         return
     for scopes in _HOOKS.active:
         scopes.leave(mod, args, output)
 
 
 def _module_left(mod, args, output) -> None:
-    if torch.compiler.is_compiling() or not _HOOKS.active or _in_compiled_code():
+    if torch.compiler.is_compiling() or not _HOOKS.active or _in_compiled_code(isinstance(mod, _GraphModule)):
         return
     for scopes in _HOOKS.active:
         scopes.leave(mod, args, output)

@@ -1,5 +1,6 @@
-// max, min, sum and sum of squares of a contiguous float32 or bfloat16 CPU tensor in one pass over
-// memory (torch needs three: aminmax, sum, dot or norm).  Blocks of 1024 values are summed in 16
+// max, min, sum and sum of squares of a float32 or bfloat16 CPU tensor in one pass over memory (torch
+// needs three: aminmax, sum, dot or norm): contiguous, or strided with contiguous rows (a slice or a
+// transpose of leading dimensions), read in place without a copy.  Blocks of 1024 values are summed in 16
 // float32 lanes, blocks in double; values that are not all finite are left to the caller (NaN
 // ordering).
 #include <torch/extension.h>
@@ -29,45 +30,95 @@ inline float value(const uint16_t* p, int64_t i) {     // bfloat16: the high hal
   return v;
 }
 
+// Running max/min per lane and float32 sums per lane, moved into double every kBlock values: the
+// same arithmetic whether the values come in one run or in many short rows.
+struct Lanes {
+  float hi[kLanes], lo[kLanes], s[kLanes], q[kLanes];
+  int64_t pending = 0;             // values in s/q since they were last moved into the doubles
+  double sum = 0, squares = 0;
+
+  Lanes() {
+    for (int k = 0; k < kLanes; ++k) { hi[k] = -INFINITY; lo[k] = INFINITY; s[k] = q[k] = 0; }
+  }
+
+  Partial done() {
+    Partial out;
+    out.sum = sum;
+    out.squares = squares;
+    for (int k = 0; k < kLanes; ++k) {
+      out.sum += s[k];
+      out.squares += q[k];
+      out.hi = std::max(out.hi, hi[k]);
+      out.lo = std::min(out.lo, lo[k]);
+    }
+    return out;
+  }
+};
+
 template <typename T>
-Partial reduce(const T* p, int64_t begin, int64_t end) {
-  Partial out;
-  float hi[kLanes], lo[kLanes];
-  for (int k = 0; k < kLanes; ++k) { hi[k] = -INFINITY; lo[k] = INFINITY; }
-  int64_t i = begin;
-  for (; i + kBlock <= end; i += kBlock) {
-    float s[kLanes] = {0}, q[kLanes] = {0};
-    for (int64_t j = i; j < i + kBlock; j += kLanes) {
+inline void add(Lanes& acc, const T* __restrict p, int64_t n, float* __restrict h, float* __restrict l,
+                float* __restrict a, float* __restrict b) {
+  int64_t i = 0;
+  while (i + kLanes <= n) {
+    const int64_t take = std::min(kBlock - acc.pending, (n - i) / kLanes * kLanes);
+    for (int64_t j = i; j < i + take; j += kLanes) {
 #pragma omp simd
       for (int k = 0; k < kLanes; ++k) {
         const float v = value(p, j + k);
-        hi[k] = v > hi[k] ? v : hi[k];
-        lo[k] = v < lo[k] ? v : lo[k];
-        s[k] += v;
-        q[k] += v * v;
+        h[k] = v > h[k] ? v : h[k];
+        l[k] = v < l[k] ? v : l[k];
+        a[k] += v;
+        b[k] += v * v;
       }
     }
-    for (int k = 0; k < kLanes; ++k) { out.sum += s[k]; out.squares += q[k]; }
+    i += take;
+    acc.pending += take;
+    if (acc.pending >= kBlock) {
+      for (int k = 0; k < kLanes; ++k) { acc.sum += a[k]; acc.squares += b[k]; a[k] = b[k] = 0; }
+      acc.pending = 0;
+    }
   }
-  for (; i < end; ++i) {
+  for (; i < n; ++i) {
     const float v = value(p, i);
-    hi[0] = v > hi[0] ? v : hi[0];
-    lo[0] = v < lo[0] ? v : lo[0];
-    out.sum += v;
-    out.squares += static_cast<double>(v) * v;
+    h[0] = v > h[0] ? v : h[0];
+    l[0] = v < l[0] ? v : l[0];
+    acc.sum += v;
+    acc.squares += static_cast<double>(v) * v;
   }
-  for (int k = 0; k < kLanes; ++k) { out.hi = std::max(out.hi, hi[k]); out.lo = std::min(out.lo, lo[k]); }
-  return out;
+}
+
+// Rows r0..r1 of the last dimension (stride 1), wherever the other strides put them; a contiguous
+// run is one row.
+template <typename T>
+Partial rows(const T* p, int64_t r0, int64_t r1, at::IntArrayRef sizes, at::IntArrayRef strides, int64_t width) {
+  Lanes acc;
+  float h[kLanes], l[kLanes], a[kLanes], b[kLanes];
+  std::memcpy(h, acc.hi, sizeof h); std::memcpy(l, acc.lo, sizeof l);
+  std::memcpy(a, acc.s, sizeof a); std::memcpy(b, acc.q, sizeof b);
+  const int64_t outer = static_cast<int64_t>(sizes.size()) - 1;
+  std::vector<int64_t> index(std::max<int64_t>(outer, 0));
+  int64_t offset = 0, rest = r0;
+  for (int64_t d = outer - 1; d >= 0; --d) {
+    index[d] = rest % sizes[d];
+    offset += index[d] * strides[d];
+    rest /= sizes[d];
+  }
+  for (int64_t r = r0; r < r1; ++r) {
+    add(acc, p + offset, width, h, l, a, b);
+    for (int64_t d = outer - 1; d >= 0; --d) {        // the next row: an odometer over the outer dims
+      offset += strides[d];
+      if (++index[d] < sizes[d]) break;
+      offset -= index[d] * strides[d];
+      index[d] = 0;
+    }
+  }
+  std::memcpy(acc.hi, h, sizeof h); std::memcpy(acc.lo, l, sizeof l);
+  std::memcpy(acc.s, a, sizeof a); std::memcpy(acc.q, b, sizeof b);
+  return acc.done();
 }
 }  // namespace
 
-template <typename T>
-std::vector<double> run(const T* p, int64_t n) {
-  const int64_t chunks = (n + kGrain - 1) / kGrain;
-  std::vector<Partial> parts(chunks);
-  at::parallel_for(0, chunks, 1, [&](int64_t b, int64_t e) {
-    for (int64_t c = b; c < e; ++c) parts[c] = reduce(p, c * kGrain, std::min(n, (c + 1) * kGrain));
-  });
+Partial combine(const std::vector<Partial>& parts) {
   Partial all;
   for (const auto& part : parts) {
     all.hi = std::max(all.hi, part.hi);
@@ -75,14 +126,49 @@ std::vector<double> run(const T* p, int64_t n) {
     all.sum += part.sum;
     all.squares += part.squares;
   }
+  return all;
+}
+
+template <typename T>
+Partial run(const T* p, int64_t n) {
+  const int64_t chunks = (n + kGrain - 1) / kGrain;
+  std::vector<Partial> parts(chunks);
+  at::parallel_for(0, chunks, 1, [&](int64_t b, int64_t e) {
+    for (int64_t c = b; c < e; ++c) {
+      const int64_t begin = c * kGrain;
+      parts[c] = rows(p + begin, 0, 1, at::IntArrayRef{}, at::IntArrayRef{}, std::min(n, begin + kGrain) - begin);
+    }
+  });
+  return combine(parts);
+}
+
+template <typename T>
+Partial run_rows(const T* p, at::IntArrayRef sizes, at::IntArrayRef strides) {
+  const int64_t dims = sizes.size(), width = sizes[dims - 1];
+  int64_t count = 1;
+  for (int64_t d = 0; d + 1 < dims; ++d) count *= sizes[d];
+  const int64_t per_chunk = std::max<int64_t>(1, kGrain / std::max<int64_t>(width, 1));
+  const int64_t chunks = (count + per_chunk - 1) / per_chunk;
+  std::vector<Partial> parts(chunks);
+  at::parallel_for(0, chunks, 1, [&](int64_t b, int64_t e) {
+    for (int64_t c = b; c < e; ++c)
+      parts[c] = rows(p, c * per_chunk, std::min(count, (c + 1) * per_chunk), sizes, strides, width);
+  });
+  return combine(parts);
+}
+
+template <typename T>
+std::vector<double> stats_of(const torch::Tensor& t, const T* p) {
+  const Partial all = t.is_contiguous() ? run(p, t.numel()) : run_rows(p, t.sizes(), t.strides());
   return {all.hi, all.lo, all.sum, all.squares};
 }
 
 std::vector<double> stats4(const torch::Tensor& t) {
-  TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), "stats4: a contiguous CPU tensor");
-  if (t.scalar_type() == at::kFloat) return run(t.data_ptr<float>(), t.numel());
+  TORCH_CHECK(t.device().is_cpu() && (t.is_contiguous() || (t.dim() > 0 && t.stride(-1) == 1)),
+              "stats4: a CPU tensor, contiguous or with contiguous rows");
+  if (t.scalar_type() == at::kFloat) return stats_of(t, t.data_ptr<float>());
   TORCH_CHECK(t.scalar_type() == at::kBFloat16, "stats4: float32 or bfloat16");
-  return run(reinterpret_cast<const uint16_t*>(t.data_ptr()), t.numel());
+  return stats_of(t, reinterpret_cast<const uint16_t*>(t.data_ptr()));
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
