@@ -13,11 +13,11 @@ Why this shape (see docs/record-format.md):
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import json
 import os
-import queue
 import socket
 import threading
 import time
@@ -110,12 +110,34 @@ def write_safetensors(entries: dict, path: str, metadata: dict | None = None) ->
         offset += size
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)
-    # a path, or a binary file object (online run-ut encodes a frame's tensors into memory)
-    with open(path, "wb") if isinstance(path, (str, os.PathLike)) else contextlib.nullcontext(path) as f:
-        f.write(len(head).to_bytes(8, "little"))
-        f.write(head)
-        for _, _, buf in entries.values():
-            f.write(buf)
+    parts = [len(head).to_bytes(8, "little") + head, *(buf for _, _, buf in entries.values())]
+    if not isinstance(path, (str, os.PathLike)):  # a binary file object (online run-ut encodes into memory)
+        for part in parts:
+            path.write(part)
+        return
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+    try:
+        _write_all(fd, parts)
+    finally:
+        os.close(fd)
+
+
+def _write_all(fd: int, parts: list) -> None:
+    """Write every buffer of ``parts`` with as few ``writev`` calls as the OS allows: the shard
+    writer thread then takes the GIL back once per call, not once per tensor."""
+    parts = [p if isinstance(p, memoryview) else memoryview(p) for p in parts]
+    parts = [p.cast("B") if p.format != "B" or p.ndim != 1 else p for p in parts if p.nbytes]
+    i = 0
+    while i < len(parts):
+        done = os.writev(fd, parts[i:i + _IOV_MAX])
+        while i < len(parts) and done >= parts[i].nbytes:   # a write may end mid-buffer
+            done -= parts[i].nbytes
+            i += 1
+        if done:
+            parts[i] = parts[i][done:]
+
+
+_IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
 
 
 _NUMPY_CODES = {"float16": "F16", "bfloat16": "BF16", "float32": "F32", "float64": "F64", "int8": "I8",
@@ -202,13 +224,22 @@ class _JsonLines:
 
 class TensorShardWriter:
     """Background writer of safetensors shards.  ``save_fn(dict_of_tensors, path)`` serialises
-    (the backend's ``save_shard``); ``nbytes_fn`` sizes a queued tensor."""
+    (the backend's ``save_shard``); ``nbytes_fn`` sizes a queued tensor.
+
+    Queued tensors are handed to the writer thread in batches (every ``HANDOFF_BYTES``, at a
+    flush, or at the writer's own ``SHARD_SECONDS`` tick), not one by one: each wake-up of the
+    thread takes the GIL from the op thread, and a step of a small-op model queues hundreds of
+    tensors."""
+
+    HANDOFF_BYTES = 8 << 20
 
     def __init__(self, folder: str, save_fn: Callable[[dict, str], None], nbytes_fn: Callable[[Any], int]):
         self.folder = folder
         self._save = save_fn
         self._nbytes = nbytes_fn
-        self._queue: queue.Queue = queue.Queue()
+        self._items: collections.deque = collections.deque()   # appended here, taken by the thread
+        self._unsent = 0
+        self._wake = threading.Event()
         self._index = _JsonLines(os.path.join(folder, "index.jsonl"))
         self._shard_no = 0
         self._error: BaseException | None = None
@@ -222,7 +253,12 @@ class TensorShardWriter:
             os.makedirs(self.folder, exist_ok=True)
             self._thread.start()
             self._started = True
-        self._queue.put((key, tensor))
+        self._items.append((key, tensor))
+        if not isinstance(tensor, _View):
+            self._unsent += self._nbytes(tensor)
+            if self._unsent >= self.HANDOFF_BYTES:
+                self._unsent = 0
+                self._wake.set()
 
     def put_view(self, key: str, base: str, offset: int, shape, stride) -> None:
         """Record ``key`` as a strided view of the saved 1-D tensor ``base`` (stored once)."""
@@ -232,7 +268,7 @@ class TensorShardWriter:
         """Write everything queued so far as a shard and wait for it."""
         if self._started:
             done = threading.Event()
-            self._queue.put(("__flush__", done))
+            self._send(("__flush__", done))
             done.wait()
         if self._error is not None:
             raise WriteFailed(self._error)
@@ -240,36 +276,46 @@ class TensorShardWriter:
     def close(self) -> None:
         if self._started:
             self.flush()
-            self._queue.put(None)
+            self._send(None)
             self._thread.join()
             self._started = False
         self._index.close()
+
+    def _send(self, item) -> None:
+        self._items.append(item)
+        self._unsent = 0
+        self._wake.set()
 
     def _run(self) -> None:
         pending: dict = {}
         size = 0
         since = time.monotonic()
         while True:
-            try:
-                item = self._queue.get(timeout=SHARD_SECONDS)
-            except queue.Empty:
-                item = ("__tick__", None)
-            if item is None:
-                break
-            key, value = item
-            if key not in ("__flush__", "__tick__"):
-                pending[key] = value
-                size += 0 if isinstance(value, _View) else self._nbytes(value)
-            full = size >= SHARD_BYTES or (pending and time.monotonic() - since >= SHARD_SECONDS)
-            if pending and (full or key == "__flush__"):
-                if self._error is None:        # after a failure nothing more is written
-                    try:
-                        self._write_shard(pending)
-                    except BaseException as exc:  # reported on the next put/flush, on the op thread
-                        self._error = str(exc) if isinstance(exc, WriteFailed) else f"{type(exc).__name__}: {exc}"
-                pending, size, since = {}, 0, time.monotonic()
-            if key == "__flush__":
-                value.set()
+            self._wake.wait(timeout=SHARD_SECONDS)
+            self._wake.clear()              # before taking: a later put's wake-up is not lost
+            while True:
+                try:
+                    item = self._items.popleft()
+                except IndexError:
+                    item = ("__tick__", None)
+                if item is None:
+                    return
+                key, value = item
+                if key not in ("__flush__", "__tick__"):
+                    pending[key] = value
+                    size += 0 if isinstance(value, _View) else self._nbytes(value)
+                full = size >= SHARD_BYTES or (key == "__tick__" and time.monotonic() - since >= SHARD_SECONDS)
+                if pending and (full or key == "__flush__"):
+                    if self._error is None:        # after a failure nothing more is written
+                        try:
+                            self._write_shard(pending)
+                        except BaseException as exc:  # reported on the next put/flush, on the op thread
+                            self._error = str(exc) if isinstance(exc, WriteFailed) else f"{type(exc).__name__}: {exc}"
+                    pending, size, since = {}, 0, time.monotonic()
+                if key == "__flush__":
+                    value.set()
+                if key == "__tick__":
+                    break
 
     def _write_shard(self, pending: dict) -> None:
         views = {k: dataclasses.asdict(v) for k, v in pending.items() if isinstance(v, _View)}

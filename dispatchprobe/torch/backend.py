@@ -5,6 +5,7 @@ asks of torch tensors (describe, statistics, snapshots, JSON encoding of non-ten
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 import threading
@@ -457,10 +458,16 @@ class _Arenas:
 
 
 _ARENAS = _Arenas()
+_memmove = ctypes.memmove   # a foreign call: releases the GIL while it copies
 
 
 def _copy_out(src: torch.Tensor) -> torch.Tensor:
-    """A contiguous CPU copy of ``src`` in arena memory (or a plain copy when it is large)."""
+    """A contiguous CPU copy of ``src`` in arena memory (or a plain copy when it is large).
+
+    A contiguous CPU source is copied by one ``memmove`` on this thread (the GIL released), not
+    by ``copy_``: torch splits a copy over its intra-op threads, and each such copy then waits
+    for every one of them; with the shard writer busy on another core, that wait cost the
+    Llama tensor step most of its snapshot time (0.4 GB/s instead of 5 GB/s)."""
     nbytes = src.numel() * src.element_size()
     taken = _ARENAS.take(nbytes) if src.device.type == "cpu" else None
     if taken is None:
@@ -468,7 +475,11 @@ def _copy_out(src: torch.Tensor) -> torch.Tensor:
             else src.clone(memory_format=torch.contiguous_format)
     block, arena = taken
     out = block[:nbytes].view(src.dtype).view(src.shape)
-    out.copy_(src)
+    if type(src) is torch.Tensor and src.layout == torch.strided and src.is_contiguous() \
+            and not src.is_conj() and not src.is_neg():
+        _memmove(out.data_ptr(), src.data_ptr(), nbytes)
+    else:
+        out.copy_(src)
     out._dp_arena = arena
     return out
 
