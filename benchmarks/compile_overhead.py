@@ -1,5 +1,7 @@
 """Training step time of the tiny transformer: eager, eager + DispatchProbe(statistics), inductor,
-inductor + probe_backend(statistics), in one run; and the compile time of the two compiled ones.
+inductor + probe_backend(statistics), in one run; and the first step (the compile) of the two
+compiled ones, cold (a new process, an empty torch cache dir) and warm (another new process on
+the same cache dir: what a rerun of a training script pays).
 
     python benchmarks/compile_overhead.py            # 4 layers, dim 256, seq 128, batch 8
     python benchmarks/compile_overhead.py --quick    # 2 layers, dim 64, seq 32, batch 4
@@ -8,7 +10,11 @@ inductor + probe_backend(statistics), in one run; and the compile time of the tw
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -16,6 +22,11 @@ import torch
 
 from dispatchprobe import DispatchProbe, probe_backend
 from dispatchprobe.models import TinyTransformer, lm_batch, lm_loss
+
+NAMES = ["eager", "eager + DispatchProbe", "inductor", "inductor + probe_backend"]
+COMPILED = ["inductor", "inductor + probe_backend"]
+QUICK = dict(layers=2, dim=64, seq=32, batch=4, vocab=128)
+FULL = dict(layers=4, dim=256, seq=128, batch=8, vocab=128)
 
 
 def _model(cfg):
@@ -61,37 +72,78 @@ def _setup(name, cfg, tmp):
 
 
 def _run_all(names, cfg, steps, tmp) -> dict:
-    """(first step s, median step s) per variant: the first steps (compiles) one variant after the
-    other, then the timed steps one of each in turn, so drift in machine speed hits all alike."""
+    """Median step s per variant: the first steps (compiles) one variant after the other, then the
+    timed steps one of each in turn, so drift in machine speed hits all alike."""
     setups = {name: _setup(name, cfg, tmp) for name in names}
-    first = {name: setups[name][0]() for name in names}
+    for name in names:
+        setups[name][0]()
     times: dict = {name: [] for name in names}
     for _ in range(steps):
         for name in names:
             times[name].append(setups[name][0]())
     for _, close in setups.values():
         close()
-    return {name: (first[name], statistics.median(times[name])) for name in names}
+    return {name: statistics.median(times[name]) for name in names}
+
+
+def _first_step(name: str, cfg: dict) -> None:
+    """Child process: one variant's first step, with torch's cache counters, as a JSON line."""
+    from torch._dynamo.utils import counters
+    with tempfile.TemporaryDirectory() as tmp:
+        step, close = _setup(name, cfg, tmp)
+        seconds = step()
+        close()
+    hits = {k: dict(counters[k]) for k in ("inductor", "aot_autograd")}
+    print(json.dumps({"seconds": seconds, "counters": hits}))
+
+
+def _first_steps(names, cfg) -> dict:
+    """{variant: (cold s, warm s, warm counters)}: each in a new process on its own cache dir."""
+    out = {}
+    for name in names:
+        with tempfile.TemporaryDirectory() as cache:
+            env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache)
+            runs = []
+            for _ in ("cold", "warm"):
+                done = subprocess.run([sys.executable, __file__, "--first-step", name, "--config", json.dumps(cfg)],
+                                      env=env, capture_output=True, text=True, check=True)
+                runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        out[name] = (runs[0]["seconds"], runs[1]["seconds"], runs[1]["counters"])
+    return out
+
+
+def _hits(counters: dict) -> str:
+    ind, aot = counters.get("inductor", {}), counters.get("aot_autograd", {})
+    return (f"fx graph cache {ind.get('fxgraph_cache_hit', 0)} hit / {ind.get('fxgraph_cache_miss', 0)} miss / "
+            f"{ind.get('fxgraph_cache_bypass', 0)} bypass; AOTAutograd cache {aot.get('autograd_cache_hit', 0)} hit / "
+            f"{aot.get('autograd_cache_miss', 0)} miss / {aot.get('autograd_cache_bypass', 0)} bypass")
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a small model and few steps")
     ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--first-step", help=argparse.SUPPRESS)      # child process: one variant's first step
+    ap.add_argument("--config", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    cfg = dict(layers=2, dim=64, seq=32, batch=4, vocab=128) if args.quick else \
-        dict(layers=4, dim=256, seq=128, batch=8, vocab=128)
+    if args.first_step:
+        return _first_step(args.first_step, json.loads(args.config))
+    cfg = QUICK if args.quick else FULL
     steps = args.steps or (5 if args.quick else 10)
-    names = ["eager", "eager + DispatchProbe", "inductor", "inductor + probe_backend"]
+    first = _first_steps(COMPILED, cfg)
     with tempfile.TemporaryDirectory() as tmp:
-        results = _run_all(names, cfg, steps, tmp)
-    eager, inductor = results["eager"][1], results["inductor"][1]
+        results = _run_all(NAMES, cfg, steps, tmp)
+    eager, inductor = results["eager"], results["inductor"]
     print(f"tiny transformer {cfg}, median of {steps} steps after the first (variants in turn), "
-          f"{torch.get_num_threads()} threads")
-    print(f"{'variant':26} {'step ms':>9} {'x eager':>8} {'x inductor':>11} {'first step s':>13}")
-    for name in names:
-        first, med = results[name]
-        print(f"{name:26} {med * 1e3:9.2f} {med / eager:8.2f} {med / inductor:11.2f} {first:13.1f}")
+          f"{torch.get_num_threads()} threads; first step in a new process, cold (empty torch cache dir) "
+          f"and warm (a second process on that cache dir)")
+    print(f"{'variant':26} {'step ms':>9} {'x eager':>8} {'x inductor':>11} {'first cold s':>13} {'first warm s':>13}")
+    for name in NAMES:
+        med = results[name]
+        cold, warm = (f"{first[name][0]:13.1f}", f"{first[name][1]:13.1f}") if name in first else (f"{'-':>13}",) * 2
+        print(f"{name:26} {med * 1e3:9.2f} {med / eager:8.2f} {med / inductor:11.2f} {cold} {warm}")
+    for name in COMPILED:
+        print(f"warm {name}: {_hits(first[name][2])}")
 
 
 if __name__ == "__main__":

@@ -872,3 +872,46 @@ def test_a_second_compile_in_one_process_records_as_the_first(tmp_path, monkeypa
     assert verdict.forward is None and "do not align" not in str(verdict), str(verdict)
     forward = table[table["stage"] == "forward"]
     assert len(forward) >= 30 and (forward["status"] != "error").all()
+
+
+_CACHED_RUN = """
+import json, sys, torch
+from torch._dynamo.utils import counters
+from dispatchprobe import probe_backend
+from dispatchprobe.models import TinyTransformer, lm_batch, lm_loss
+torch.manual_seed(0)
+model = TinyTransformer(vocab=64, dim=32, heads=2, layers=1, seq=16)
+tokens, targets = lm_batch(batch=2, seq=16, vocab=64)
+backend = probe_backend(task="statistics", dump_path=sys.argv[1])
+compiled = torch.compile(model, backend=backend)
+for _ in range(2):
+    lm_loss(compiled, tokens, targets).backward()
+    backend.step()
+backend.close()
+print(json.dumps(dict(counters["inductor"])))
+"""
+
+
+def test_probe_graphs_come_from_the_fx_graph_cache_and_record_the_same(tmp_path):
+    """A rerun of a script (a new process, the same torch cache dir) gets the probe's forward and
+    backward graphs from the FX graph cache, with their record templates, and writes the same
+    records, compiled facts (graph ids, nodes, kernels) included."""
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"))
+
+    def run(name):
+        done = subprocess.run([sys.executable, "-c", _CACHED_RUN, str(tmp_path / name)], env=env,
+                              capture_output=True, text=True, check=True)
+        lines = [open(tmp_path / name / f"step{s}" / "rank0" / "ops.jsonl").read() for s in (0, 1)]
+        return json.loads(done.stdout.strip().splitlines()[-1]), lines
+    cold, first = run("cold")
+    warm, second = run("warm")
+    assert cold.get("fxgraph_cache_miss") == 2 and not cold.get("fxgraph_cache_hit"), cold
+    assert warm.get("fxgraph_cache_hit") == 2 and not warm.get("fxgraph_cache_miss"), warm
+    assert second == first
+    records = [json.loads(line) for line in first[0].splitlines()]
+    compiled = [r for r in records if "compiled" in r]
+    assert len(compiled) >= 40 and {r["stage"] for r in compiled} == {"forward", "backward"}
+    assert all(r["compiled"]["kernels"] for r in compiled if not r["compiled"]["decomposed"])

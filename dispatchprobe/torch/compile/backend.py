@@ -4,19 +4,24 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import hashlib
+import itertools
 
 import torch
 import torch.fx
 
 from ..capture import TorchSession, active_probes
 from .decompositions import traced_decompositions
+from . import cache
 from .graph_pass import Instrument
+from .runtime import GraphRecords
 from .scopes import ModuleNames
 
 COMPILED_TASKS = ("statistics", "tensor", "overflow")
 # "eager": a record per eager op call (post-grad nodes grouped by original_aten), which compare
 # aligns with an eager run; "node": a record per post-grad node, the ops inductor compiles
 GRANULARITIES = ("eager", "node")
+_backends = itertools.count()          # numbers backends in order of creation (their graphs' slots)
 
 
 class CompiledProbe(TorchSession):
@@ -52,6 +57,7 @@ class ProbeBackend:
                              + (" (it checks each op eagerly: use DispatchProbe)" if self.config.task == "free_benchmark" else ""))
         self._session: CompiledProbe | None = None
         self.module_names = ModuleNames(model)
+        self._slots = itertools.count(next(_backends) << cache.SLOT_BITS)
         atexit.register(self.close)
 
     @property
@@ -82,28 +88,61 @@ class ProbeBackend:
     # -- compiling ------------------------------------------------------------------------------
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
         from torch._functorch import config as functorch_config
-        from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+        from torch._inductor.compile_fx import compile_fx
 
         roots = self.module_names.frame()
 
         def inner_compile(graph_module, inputs, **kw):
-            instrument = Instrument(self, roots, backward=bool(kw.get("is_backward")))
+            backward = bool(kw.get("is_backward"))
+            slot = next(self._slots)
             if self.inner == "aot_eager":
+                instrument = Instrument(self, roots, backward, slot)
                 instrument(graph_module.graph)
                 graph_module.recompile()
                 return _EagerOutput(graph_module)
-            with kernel_provenance() as kernels, unseen_by_lowering(instrument), \
-                    torch._inductor.config.patch({"post_grad_custom_post_pass": instrument,
-                                                  "trace.provenance_tracking_level": PROVENANCE_LEVEL}):
-                compiled = compile_fx_inner(graph_module, inputs, **kw)
-            if instrument.records is not None:
-                instrument.records.set_kernels(kernels)
+            if "get_decomp_fn" in kw:
+                # lowering's table: inductor's own (ours only notes calls while AOTAutograd traces),
+                # which the FX graph cache can hash (our wrappers are not picklable)
+                from torch._inductor.decomposition import select_decomp_table
+                kw["get_decomp_fn"] = select_decomp_table
+            use_cache = cache.cacheable(self, inputs)
+            key = ""
+            if use_cache:
+                key = hashlib.sha256(repr((cache.source_digest(), self.config.task, self.granularity,
+                                           self.config.include_views, backward, slot,
+                                           cache.graph_digest(graph_module, roots))).encode()).hexdigest()
+            compiled = self._compile(graph_module, inputs, Instrument(self, roots, backward, slot, key), use_cache, kw)
+            if compiled is None:        # a cache hit without its templates: compiled again, uncached
+                compiled = self._compile(graph_module, inputs, Instrument(self, roots, backward, slot), False, kw)
             return compiled
 
-        # both caches would skip the instrumenting pass: off for this backend's graphs only
+        # the AOTAutograd cache would return both graphs without calling inner_compile (and its key
+        # cannot tell this backend's graphs from plain inductor's): off for this backend's graphs
         with functorch_config.patch(enable_autograd_cache=False):
-            return compile_fx(gm, example_inputs, inner_compile=inner_compile,
-                              config_patches={"fx_graph_cache": False}, decompositions=traced_decompositions())
+            return compile_fx(gm, example_inputs, inner_compile=inner_compile, decompositions=traced_decompositions())
+
+    def _compile(self, graph_module, inputs, instrument: Instrument, use_cache: bool, kw):
+        """Inductor's compile of one graph with the pass in it; through the FX graph cache where
+        ``use_cache``, the templates kept beside the cached code (None: a hit without them)."""
+        from torch._inductor.compile_fx import compile_fx_inner
+        with kernel_provenance() as kernels, unseen_by_lowering(instrument), \
+                torch._inductor.config.patch({"post_grad_custom_post_pass": instrument, "fx_graph_cache": use_cache,
+                                              "trace.provenance_tracking_level": PROVENANCE_LEVEL}):
+            compiled = compile_fx_inner(graph_module, inputs, **kw)
+        key = getattr(compiled, "_fx_graph_cache_key", None) if use_cache else None
+        records = instrument.records
+        if records is not None:          # the pass ran
+            records.set_kernels(kernels)
+            if key is not None:
+                cache.save(key, records.templates)
+        elif key is not None:            # a cache hit: the pass's templates, kept beside the code
+            templates = cache.load(key)
+            if templates is None:
+                return None
+            records = GraphRecords(self, "backward" if instrument.backward else "forward", instrument.roots,
+                                   instrument.slot)
+            records.templates = templates
+        return compiled
 
 
 @contextlib.contextmanager

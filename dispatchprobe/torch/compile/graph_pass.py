@@ -7,6 +7,7 @@ import operator
 
 import torch
 import torch.fx
+from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.utils._pytree import tree_map
 
 from .. import backend as torch_backend
@@ -27,16 +28,22 @@ class Group:
         self.nodes = nodes
 
 
-class Instrument:
+class Instrument(CustomGraphPass):
     """The post-grad pass of one graph: group nodes into eager op calls, add the statistics of
-    each group's values and one recording op, and keep the records' templates."""
+    each group's values and one recording op, and keep the records' templates.  ``key``: what
+    its output depends on beyond the graph inductor hashes (:mod:`.cache`)."""
 
-    def __init__(self, owner: "ProbeBackend", roots: "FrameScopes", backward: bool):
+    def __init__(self, owner: "ProbeBackend", roots: "FrameScopes", backward: bool, slot: int, key: str = ""):
         self.owner = owner
         self.roots = roots
         self.backward = backward
+        self.slot = slot
+        self.key = key
         self.records: GraphRecords | None = None
         self.added: set = set()       # the nodes the pass added
+
+    def uuid(self) -> str:
+        return self.key
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         before = set(graph.nodes)
@@ -52,7 +59,7 @@ class Instrument:
         plain = rerun_module(graph) if self.owner.config.task == "overflow" else None
         groups = self._groups(graph)
         users = {n: tuple(n.users) for n in graph.nodes}      # before the statistics add users
-        records = self.records = GraphRecords(self.owner, "backward" if self.backward else "forward", self.roots)
+        records = self.records = GraphRecords(self.owner, "backward" if self.backward else "forward", self.roots, self.slot)
         stats: dict[torch.fx.Node, list] = {}
         order: list[torch.fx.Node] = []
         for group in groups:
@@ -107,7 +114,7 @@ class Instrument:
         with graph.inserting_before(out):
             symbols = [n for n in graph.nodes if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.SymInt)]
             records.symbols = [n.meta["val"].node.expr for n in symbols]
-            graph.call_function(torch.ops.dispatchprobe.record.default, (flat, values, inputs, records.id, symbols))
+            graph.call_function(torch.ops.dispatchprobe.record.default, (flat, values, inputs, records.slot, symbols))
         records.finish(order)
 
     def _groups(self, graph: torch.fx.Graph) -> list[Group]:

@@ -22,7 +22,7 @@ STAT_FIELDS = 6          # max, min, sum, L2 norm, nan count, inf count: a devic
 
 
 @torch.library.custom_op("dispatchprobe::record", mutates_args=())
-def _record(stats: list[torch.Tensor], values: list[torch.Tensor], inputs: list[torch.Tensor], graph: int,
+def _record(stats: list[torch.Tensor], values: list[torch.Tensor], inputs: list[torch.Tensor], slot: int,
             sizes: list[int]) -> None:
     """One graph call: a row of ``STAT_FIELDS`` statistics per recorded tensor; with task ``tensor``
     the tensors themselves (copied here: inductor reuses its buffers after the call, and writes
@@ -31,7 +31,7 @@ def _record(stats: list[torch.Tensor], values: list[torch.Tensor], inputs: list[
     graph's symbolic sizes (dynamic shapes), which give each record its shapes."""
     # six 0-d statistics per value (accelerators) or blocks of rows (CPU); cat promotes to float64
     block = torch.cat([s.reshape(-1) for s in stats]).to(torch.float64).view(-1, STAT_FIELDS)
-    records = GRAPHS[graph]
+    records = GRAPHS[slot]
     if records.overflow:
         records.check(block, inputs, sizes)
     else:
@@ -39,7 +39,7 @@ def _record(stats: list[torch.Tensor], values: list[torch.Tensor], inputs: list[
 
 
 @_record.register_fake
-def _(stats, values, inputs, graph, sizes):
+def _(stats, values, inputs, slot, sizes):
     return None
 
 
@@ -76,15 +76,16 @@ _LIB.impl("stats_rows", _stats_rows, "CPU")
 _LIB.impl("stats_rows", lambda values, reductions: torch.empty(len(values), STAT_FIELDS, dtype=torch.float64,
                                                                 device=values[0].device), "Meta")
 
-GRAPHS: dict[int, "GraphRecords"] = {}
+GRAPHS: dict[int, "GraphRecords"] = {}        # by slot (cache.py)
 graph_ids = itertools.count()
 
 
 class GraphRecords:
     """The records one compiled graph writes per call, and how its statistics map onto them."""
 
-    def __init__(self, owner: "ProbeBackend", stage: str, roots: "FrameScopes"):
+    def __init__(self, owner: "ProbeBackend", stage: str, roots: "FrameScopes", slot: int):
         self.owner = owner
+        self.slot = slot                   # what the compiled code passes to the recording op
         self.stage = stage
         self.roots = roots
         self.id = next(graph_ids)
@@ -93,7 +94,7 @@ class GraphRecords:
         self.rerun: torch.fx.GraphModule | None = None
         self.symbols: list = []            # the sympy symbols of the graph's SymInt inputs
         self._resolved: dict[tuple, dict] = {}
-        GRAPHS[self.id] = self
+        GRAPHS[slot] = self
 
     def resolve(self, sizes) -> dict:
         """Dynamic shapes: {id(template spec): the spec with this call's shapes, strides and
@@ -133,7 +134,6 @@ class GraphRecords:
             t.in_rows = [r for (spec, _), r in zip(t.slots, t.rows) if id(spec) not in outs] \
                 + [row_of[n] for n in t.producers]
             t.producers = []
-            t.node_slots = t.slots
             t.slots = [spec for spec, _ in t.slots]
             t.tensor_nodes = []
 

@@ -92,10 +92,9 @@ def stats_nodes(graph: torch.fx.Graph, node: torch.fx.Node, at: torch.fx.Node):
         # finite are completed from the tensor itself by _stats_rows, as the eager probe does
         total = call(aten.sum.default, x)
         sumsq = call(aten.sum.default, call(aten.mul.Tensor, x, x))
-        reductions = [hi, lo, total, sumsq]
-        if acc != torch.float64:       # one dtype: the window's stack is then a plain copy
-            reductions = [call(torch.ops.prims.convert_element_type.default, r, torch.float64) for r in reductions]
-        return Reductions(node, reductions)
+        # in the accumulator dtype: the window's stack promotes them to float64 exactly (converts
+        # in the graph would be four more nodes per value for inductor to compile)
+        return Reductions(node, [hi, lo, total, sumsq])
     # sums in float64: float32 ones overflow on common values (attention masks at finfo.min), and
     # the eager probe redoes those from the tensor, which is gone once the graph call returns
     wide = x if acc == torch.float64 else call(torch.ops.prims.convert_element_type.default, x, torch.float64)

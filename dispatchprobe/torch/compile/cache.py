@@ -1,0 +1,105 @@
+"""The probe's graphs in torch's FX graph cache.
+
+A cached graph is inductor's output code, instrumented, without the pass that made it: the pass's
+record templates are kept beside it, in ``<torch cache dir>/dispatchprobe/<fx graph cache key>``,
+written once the graph is compiled and read back when the cache returns it.  The key covers what
+the templates depend on and inductor's key does not see: the probe's own code, the config the
+pass reads, the node metadata it groups by (``original_aten``, ``seq_nr``, scopes, traced calls)
+and the graph's slot, the number the compiled code passes to the recording op.  A slot is the
+backend's and the graph's order of creation in the process, so a rerun of the same script finds
+its graphs again while two backends compiling the same graph in one process get two entries.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import pathlib
+import pickle
+
+import torch
+from torch.utils._pytree import tree_map
+
+from .decompositions import CALL_KEY, OUTPUT_KEY, VALUE_KEY, Call, Value
+
+SLOT_BITS = 24          # a slot: backend number << SLOT_BITS | graph number in that backend
+
+
+@functools.cache
+def source_digest() -> str:
+    """The code a cached graph's templates come from (the pass, how it encodes values)."""
+    from torch._inductor.custom_graph_pass import get_hash_for_files
+    here = pathlib.Path(__file__).resolve().parent
+    files = sorted(str(p) for p in here.glob("*.py"))
+    files += [str(here.parent / "ops.py"), str(here.parent / "backend.py"), str(here.parent.parent / "core" / "recorder.py")]
+    return get_hash_for_files(tuple(files)).hex()
+
+
+def graph_digest(gm: torch.fx.GraphModule, roots) -> str:
+    """The node metadata the pass reads, which inductor's key strips: autograd sequence numbers
+    and traced value ids as their order of appearance (their absolute values depend on what the
+    process ran before), scopes as the pass names them."""
+    seq: dict = {}
+    vids: dict = {}
+    calls: dict = {}
+
+    def rank(table, v):
+        return None if v is None else table.setdefault(v, len(table))
+
+    def plain(x):
+        if isinstance(x, Value):
+            return ("value", rank(vids, x.id), sorted((k, repr(v)) for k, v in x.spec.items()))
+        return repr(x)
+
+    h = hashlib.sha256()
+    for n in gm.graph.nodes:
+        m = n.meta
+        call = m.get(CALL_KEY)
+        call_fact = None
+        if isinstance(call, Call):
+            call_fact = calls.get(id(call))
+            if call_fact is None:
+                call_fact = calls[id(call)] = (len(calls), str(call.op), call.outputs,
+                                               tree_map(plain, (list(call.args), dict(call.kwargs))))
+        h.update(repr((n.name, str(m.get("original_aten")), rank(seq, m.get("seq_nr")), m.get("partitioner_tag"),
+                       roots.scope(m.get("nn_module_stack")), roots.scope(m.get("fwd_nn_module_stack")),
+                       call_fact, m.get(OUTPUT_KEY), rank(vids, m.get(VALUE_KEY)))).encode())
+    return h.hexdigest()
+
+
+def cacheable(owner, example_inputs) -> bool:
+    """Whether a graph may go through the FX graph cache: inductor only, the user's cache setting
+    on, and what the templates hold all plain data (task ``overflow`` keeps an eager copy of the
+    graph to re-run; symbolic sizes are resolved per call from sympy expressions)."""
+    from torch.fx.experimental.symbolic_shapes import free_symbols
+    if owner.inner != "inductor" or owner.config.task == "overflow" or not torch._inductor.config.fx_graph_cache:
+        return False
+    return not any(isinstance(x, (torch.Tensor, torch.SymInt, torch.SymFloat)) and free_symbols(x)
+                   for x in example_inputs)
+
+
+def _path(key: str) -> pathlib.Path:
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+    return pathlib.Path(cache_dir()) / "dispatchprobe" / f"{key}.pkl"
+
+
+def save(key: str, templates: list) -> None:
+    """The templates of the graph inductor cached under ``key`` (best effort: without them a later
+    hit is compiled again)."""
+    path = _path(key)
+    try:
+        data = pickle.dumps(templates, protocol=pickle.HIGHEST_PROTOCOL)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    except (OSError, pickle.PicklingError, TypeError, AttributeError):
+        pass
+
+
+def load(key: str) -> list | None:
+    try:
+        return pickle.loads(_path(key).read_bytes())
+    except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ImportError):
+        return None
