@@ -58,7 +58,7 @@ def _in_compiled_code(fx: bool = False) -> bool:
         name = code.co_filename
         if name == _AOT_RUNTIME:
             return True
-        if code in _MODULE_CALLS:
+        if code is _CALL_IMPL or code is _WRAPPED_CALL_IMPL:     # (hashing a code object costs more)
             if not fx:
                 return False
         elif name.startswith(_FX_CODE):
@@ -67,7 +67,7 @@ def _in_compiled_code(fx: bool = False) -> bool:
     return False
 
 
-_MODULE_CALLS = frozenset(fn.__code__ for fn in (_module.Module._call_impl, _module.Module._wrapped_call_impl))
+_CALL_IMPL, _WRAPPED_CALL_IMPL = _module.Module._call_impl.__code__, _module.Module._wrapped_call_impl.__code__
 _FX_CODE = ("<eval_with_key>", os.path.join(torch.__path__[0], "fx", ""))
 
 
