@@ -1,7 +1,10 @@
 """Where a recorded step's time goes: the statistics task's cost split into its parts, beside the
 floor torch puts under every dispatch-mode tool (an empty ``TorchDispatchMode``) and DebugMode.
 
-    python benchmarks/record_breakdown.py [--steps 8] [--quick] [--device cuda]
+    python benchmarks/record_breakdown.py [--steps 8] [--quick] [--device cuda] [--cpu-time]
+
+``--cpu-time``: one intra-op thread, and every time is the CPU time of the thread running the
+steps (``time.thread_time``): much less sensitive to other work on a shared machine.
 
 Two measurements per model (a small transformer, an MLP, a transformers Llama; random init):
 
@@ -52,6 +55,8 @@ def parts(probe) -> list:
     ]
 
 
+clock = time.perf_counter
+
 ORDER = ["torch's dispatch floor", "module scopes", "describing tensors", "value cache", "statistics kernel",
          "statistics (Python)", "building the record", "writing", "per-op bookkeeping"]
 
@@ -81,11 +86,11 @@ class Timers:
         def timed(*args, **kwargs):
             frame = [label, 0.0]             # label, time of the wrapped parts it called
             stack.append(frame)
-            start = time.perf_counter()
+            start = clock()
             try:
                 return original(*args, **kwargs)
             finally:
-                took = time.perf_counter() - start
+                took = clock() - start
                 stack.pop()
                 spent[label] = spent.get(label, 0.0) + took - frame[1]
                 if stack:
@@ -116,12 +121,12 @@ def breakdown(case, steps: int, tmp: str) -> dict:
         total = 0.0
         for _ in range(steps):
             overhead.sync()
-            start = time.perf_counter()
+            start = clock()
             with probe:
                 step()
             probe.step()
             overhead.sync()
-            total += time.perf_counter() - start
+            total += clock() - start
             model.zero_grad(set_to_none=True)
     finally:
         timers.unwrap()
@@ -155,8 +160,13 @@ def main():
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--quick", action="store_true", help="smaller models (for smoke runs)")
     parser.add_argument("--device", default="cpu", help="cpu (default), cuda, ...: where the steps run")
+    parser.add_argument("--cpu-time", action="store_true", help="one thread, CPU time of the stepping thread")
     args = parser.parse_args()
     overhead.DEVICE = args.device
+    global clock
+    if args.cpu_time:
+        torch.set_num_threads(1)
+        clock = overhead.clock = time.thread_time
     fused_stats.build(wait=True)
     torch.manual_seed(0)
     print(f"device {args.device}, torch {torch.__version__}, {torch.get_num_threads()} threads, "

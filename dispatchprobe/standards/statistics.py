@@ -95,6 +95,17 @@ def from_row(row, n: int) -> dict:
     return stats
 
 
+def nonfinite_row(total: float, squares: float, nan: int, inf: int, hi: float, lo: float, fhi: float,
+                  flo: float) -> list:
+    """The :func:`from_row` row of values holding inf or nan, from their sums, counts, max and min
+    without nan (``hi``, ``lo``) and finite max and min (what a one-pass kernel gathers): max and
+    min are nan where any value is, and the finite max and min, where there are finite values,
+    take the sum and norm slots."""
+    carry = fhi >= flo
+    return [math.nan if nan else hi, math.nan if nan else lo, fhi if carry else total,
+            flo if carry else math.sqrt(squares), nan, inf]
+
+
 def to_row(stats: dict, n: int) -> list:
     """The device row of a record, in :func:`from_row`'s layout (``from_row(to_row(s, n), n) == s``)."""
     nan, inf = stats["nan"], stats["inf"]

@@ -115,8 +115,7 @@ def tensor_stats(tensors: list[torch.Tensor]) -> list[dict | None]:
         # the common case first: a plain float32/bfloat16 CPU tensor, one C++ pass in place
         if t.is_cpu and t.numel() and _one_pass_fits(t) and tensor_kinds.readable(t):
             out[i] = _one_pass(t)
-            if out[i] is not None:
-                continue
+            continue
         slow.append(i)
     if not slow:
         return out
@@ -175,29 +174,28 @@ def _one_pass_fits(x: torch.Tensor) -> bool:
     return fused_stats.stats4 is not None and x.dtype in _ONE_PASS_DTYPES and (x.is_contiguous() or x.stride(-1) == 1)
 
 
-def _one_pass(x: torch.Tensor) -> dict | None:
-    """The record from one pass of the kernel over ``x`` (:func:`_one_pass_fits`); None where
-    the values hold inf/nan (left to torch's reductions, which order nan as the records say)."""
-    hi, lo, total, squares = fused_stats.stats4(x)      # sums in double
-    if math.isfinite(total) and math.isfinite(squares):
-        return statistics.finish(x, [hi, lo, total, math.sqrt(squares)], torch)
-    return None
+def _one_pass(x: torch.Tensor) -> dict:
+    """The record from one pass of the kernel over ``x`` (:func:`_one_pass_fits`), sums in double;
+    values holding inf or nan take a second pass for their counts and finite max and min."""
+    hi, lo, total, squares = fused_stats.stats4(x)
+    if not (math.isfinite(total) and math.isfinite(squares)):
+        nan, inf, hi_, lo_, fhi, flo = fused_stats.extremes(x)
+        if nan or inf:
+            row = statistics.nonfinite_row(total, squares, int(nan), int(inf), hi_, lo_, fhi, flo)
+            return statistics.from_row(row, x.numel())
+    # finite values (whose float32 lane sums may have overflowed: finish redoes those in float64)
+    return statistics.finish(x, [hi, lo, total, math.sqrt(squares)], torch)
 
 
 def _cpu_stats(t: torch.Tensor) -> dict:
-    tried = _one_pass_fits(t)
-    if tried:
-        found = _one_pass(t)
-        if found is not None:
-            return found
+    if _one_pass_fits(t):
+        return _one_pass(t)
     x = _dense_flat(t.detach())
     if not x.is_contiguous() and x.is_floating_point():
         x = x.contiguous()   # strided reductions cost several times a copy (the norm above all)
     x = statistics.source(x, torch)
-    if not tried and _one_pass_fits(x):
-        found = _one_pass(x)
-        if found is not None:
-            return found
+    if _one_pass_fits(x):
+        return _one_pass(x)
     if x.numel() <= _NUMPY_MAX and x.dtype in _NUMPY_DTYPES and x.is_contiguous():
         values = _numpy_reductions(x)
     else:

@@ -23,7 +23,8 @@ _SOURCE = pathlib.Path(__file__).with_name("csrc") / "stats4.cpp"
 _ISA_FLAGS = {"AVX2": ["-mavx2", "-mfma"], "AVX512": ["-mavx512f", "-mavx2", "-mfma"]}
 _lock = threading.Lock()
 _builder: threading.Thread | None = None
-stats4 = None             # the kernel: contiguous float32/bfloat16 CPU tensor -> [max, min, sum, sum of squares]
+stats4 = None             # the kernel: float32/bfloat16 CPU tensor (contiguous rows) -> [max, min, sum, sum of squares]
+extremes = None           # its second pass where those sums are not finite -> [nan, inf, max, min, finite max, finite min]
 error: str | None = None  # why it could not be built
 
 
@@ -70,7 +71,7 @@ def _parallel_flags() -> list[str]:
 
 
 def _load() -> None:
-    global stats4, error
+    global stats4, extremes, error
     try:
         path, name, _ = _target()
         if not path.exists():
@@ -83,7 +84,7 @@ def _load() -> None:
         spec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-        stats4 = module.stats4
+        stats4, extremes = module.stats4, module.extremes
     except Exception as exc:          # no compiler, no ninja, a read-only cache: torch's reductions
         error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
 

@@ -1,8 +1,8 @@
 // max, min, sum and sum of squares of a float32 or bfloat16 CPU tensor in one pass over memory (torch
 // needs three: aminmax, sum, dot or norm): contiguous, or strided with contiguous rows (a slice or a
 // transpose of leading dimensions), read in place without a copy.  Blocks of 1024 values are summed in 16
-// float32 lanes, blocks in double; values that are not all finite are left to the caller (NaN
-// ordering).
+// float32 lanes, blocks in double.  Where the sums are not finite (inf or nan among the values),
+// `extremes` gives the counts and the finite max and min in a second pass.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -87,14 +87,10 @@ inline void add(Lanes& acc, const T* __restrict p, int64_t n, float* __restrict 
   }
 }
 
-// Rows r0..r1 of the last dimension (stride 1), wherever the other strides put them; a contiguous
-// run is one row.
-template <typename T>
-Partial rows(const T* p, int64_t r0, int64_t r1, at::IntArrayRef sizes, at::IntArrayRef strides, int64_t width) {
-  Lanes acc;
-  float h[kLanes], l[kLanes], a[kLanes], b[kLanes];
-  std::memcpy(h, acc.hi, sizeof h); std::memcpy(l, acc.lo, sizeof l);
-  std::memcpy(a, acc.s, sizeof a); std::memcpy(b, acc.q, sizeof b);
+// Calls fn(row pointer, width) for rows r0..r1 of the last dimension (stride 1), wherever the other
+// strides put them; a contiguous run is one row.
+template <typename T, typename Fn>
+void each_row(const T* p, int64_t r0, int64_t r1, at::IntArrayRef sizes, at::IntArrayRef strides, int64_t width, Fn&& fn) {
   const int64_t outer = static_cast<int64_t>(sizes.size()) - 1;
   std::vector<int64_t> index(std::max<int64_t>(outer, 0));
   int64_t offset = 0, rest = r0;
@@ -104,7 +100,7 @@ Partial rows(const T* p, int64_t r0, int64_t r1, at::IntArrayRef sizes, at::IntA
     rest /= sizes[d];
   }
   for (int64_t r = r0; r < r1; ++r) {
-    add(acc, p + offset, width, h, l, a, b);
+    fn(p + offset, width);
     for (int64_t d = outer - 1; d >= 0; --d) {        // the next row: an odometer over the outer dims
       offset += strides[d];
       if (++index[d] < sizes[d]) break;
@@ -112,10 +108,39 @@ Partial rows(const T* p, int64_t r0, int64_t r1, at::IntArrayRef sizes, at::IntA
       index[d] = 0;
     }
   }
+}
+
+template <typename T>
+Partial rows(const T* p, int64_t r0, int64_t r1, at::IntArrayRef sizes, at::IntArrayRef strides, int64_t width) {
+  Lanes acc;
+  float h[kLanes], l[kLanes], a[kLanes], b[kLanes];
+  std::memcpy(h, acc.hi, sizeof h); std::memcpy(l, acc.lo, sizeof l);
+  std::memcpy(a, acc.s, sizeof a); std::memcpy(b, acc.q, sizeof b);
+  each_row(p, r0, r1, sizes, strides, width, [&](const T* row, int64_t n) { add(acc, row, n, h, l, a, b); });
   std::memcpy(acc.hi, h, sizeof h); std::memcpy(acc.lo, l, sizeof l);
   std::memcpy(acc.s, a, sizeof a); std::memcpy(acc.q, b, sizeof b);
   return acc.done();
 }
+
+// Values holding inf or nan: their counts, max and min without nan (inf kept), finite max and min.
+struct Extremes {
+  double nan = 0, inf = 0;
+  float hi = -INFINITY, lo = INFINITY, fhi = -INFINITY, flo = INFINITY;
+
+  template <typename T>
+  void add(const T* p, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) {
+      const float v = value(p, i);
+      if (v != v) { nan += 1; continue; }
+      hi = v > hi ? v : hi;
+      lo = v < lo ? v : lo;
+      if (std::isinf(v)) { inf += 1; continue; }
+      fhi = v > fhi ? v : fhi;
+      flo = v < flo ? v : flo;
+    }
+  }
+};
+
 }  // namespace
 
 Partial combine(const std::vector<Partial>& parts) {
@@ -171,6 +196,28 @@ std::vector<double> stats4(const torch::Tensor& t) {
   return stats_of(t, reinterpret_cast<const uint16_t*>(t.data_ptr()));
 }
 
+template <typename T>
+std::vector<double> extremes_of(const torch::Tensor& t, const T* p) {
+  const bool flat = t.is_contiguous();
+  const int64_t width = flat ? t.numel() : t.size(-1);
+  const int64_t count = flat ? 1 : t.numel() / std::max<int64_t>(width, 1);
+  Extremes all;
+  each_row(p, 0, count, flat ? at::IntArrayRef{} : t.sizes(), flat ? at::IntArrayRef{} : t.strides(), width,
+           [&](const T* row, int64_t n) { all.add(row, n); });
+  return {all.nan, all.inf, all.hi, all.lo, all.fhi, all.flo};
+}
+
+// For values where stats4's sums are not finite: nan count, inf count, max and min without nan,
+// finite max and min (rare tensors: one plain pass).
+std::vector<double> extremes(const torch::Tensor& t) {
+  TORCH_CHECK(t.device().is_cpu() && (t.is_contiguous() || (t.dim() > 0 && t.stride(-1) == 1)),
+              "extremes: a CPU tensor, contiguous or with contiguous rows");
+  if (t.scalar_type() == at::kFloat) return extremes_of(t, t.data_ptr<float>());
+  TORCH_CHECK(t.scalar_type() == at::kBFloat16, "extremes: float32 or bfloat16");
+  return extremes_of(t, reinterpret_cast<const uint16_t*>(t.data_ptr()));
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("stats4", &stats4, py::call_guard<py::gil_scoped_release>());
+  m.def("extremes", &extremes, py::call_guard<py::gil_scoped_release>());
 }
