@@ -504,6 +504,16 @@ _ST_CODES = {dtype: code for code, dtype in safetensors_torch._TYPES.items()}
 _PAIRS = {torch.complex128: ("F64", torch.float64), torch.complex32: ("F16", torch.float16)}
 
 
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU snapshot, read in place.  No torch call: the shard writer
+    thread runs this per tensor, and each torch call would give the GIL away to the op thread and
+    wait up to a switch interval (5 ms) to get it back."""
+    if t.device.type != "cpu" or not t.is_contiguous():     # not a snapshot: never the case today
+        return memoryview(t.to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy())
+    n = t.numel() * t.element_size()
+    return memoryview((ctypes.c_ubyte * n).from_address(t.data_ptr()) if n else b"")
+
+
 def save_shard(tensors: dict, path: str) -> None:
     """Write a safetensors file straight from the snapshots' memory, then free their arenas.
 
@@ -519,8 +529,7 @@ def save_shard(tensors: dict, path: str) -> None:
                 code, shape = _PAIRS[t.dtype][0], shape + [2]
             else:
                 code, shape = "U8", [nbytes(t)]
-        raw = t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
-        entries[key] = (code, shape, memoryview(raw.numpy()))
+        entries[key] = (code, shape, _bytes_of(t))
     write_safetensors(entries, path, metadata=renamed)
     _ARENAS.release(tensors.values())
 
