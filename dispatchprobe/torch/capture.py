@@ -447,6 +447,28 @@ def _run_first(handle):
     return handle
 
 
+_LEAVES = (int, float, bool, str, type(None))
+
+
+def _needing_grad(obj) -> list:
+    """The tensors requiring grad in a module's inputs or output, in pytree order: a tensor, or a
+    flat tuple or list of tensors and plain values, directly (most module calls); anything
+    nested through the pytree registry."""
+    if isinstance(obj, torch.Tensor):
+        return [obj] if obj.requires_grad else []
+    if type(obj) is tuple or type(obj) is list:
+        found = []
+        for x in obj:
+            if isinstance(x, torch.Tensor):
+                if x.requires_grad:
+                    found.append(x)
+            elif not isinstance(x, _LEAVES):
+                break
+        else:
+            return found
+    return [t for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
 class _ModuleScopes:
     """The module scope of each op, forward and backward, for one probe.
 
@@ -529,7 +551,7 @@ class _ModuleScopes:
         name = self._name(mod)
         self._types[name] = type(mod).__name__
         self.forward_stack.append(name)
-        tensors = [t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        tensors = _needing_grad(args)
         if tensors:
             self._hooks.append(register_multi_grad_hook(tensors, self._backward_leave_fn(name)))
 
@@ -538,7 +560,7 @@ class _ModuleScopes:
         stack = self.forward_stack
         if name in stack:
             del stack[len(stack) - 1 - stack[::-1].index(name)]
-        tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        tensors = _needing_grad(output)
         enter = self._backward_enter_fn(name)
         if len(tensors) == 1:
             # one output: a plain tensor hook, which also fires on the root of backward (the loss
