@@ -227,10 +227,11 @@ class TensorShardWriter:
     """Background writer of safetensors shards.  ``save_fn(dict_of_tensors, path)`` serialises
     (the backend's ``save_shard``); ``nbytes_fn`` sizes a queued tensor.
 
-    Queued tensors are handed to the writer thread in batches (every ``HANDOFF_BYTES``, at a
-    flush, or at the writer's own ``SHARD_SECONDS`` tick), not one by one: each wake-up of the
-    thread takes the GIL from the op thread, and a step of a small-op model queues hundreds of
-    tensors."""
+    Queued tensors are handed to the writer thread in batches (every ``HANDOFF_BYTES``, or at the
+    thread's own ``SHARD_SECONDS`` tick), not one by one: each wake-up of the thread takes the GIL
+    from the op thread, and a step of a small-op model queues hundreds of tensors.  A flush
+    writes what is left on the calling thread (after the shard the writer may be finishing): the
+    step end does not wait for the lower-priority writer thread to be scheduled."""
 
     HANDOFF_BYTES = 8 << 20
 
@@ -238,9 +239,14 @@ class TensorShardWriter:
         self.folder = folder
         self._save = save_fn
         self._nbytes = nbytes_fn
-        self._items: collections.deque = collections.deque()   # appended here, taken by the thread
+        self._items: collections.deque = collections.deque()   # appended by put, taken under _lock
         self._unsent = 0
         self._wake = threading.Event()
+        self._lock = threading.Lock()       # held by the thread moving items into shards
+        self._pending: dict = {}            # the shard being filled
+        self._size = 0
+        self._since = time.monotonic()
+        self._closing = False
         self._index = _JsonLines(os.path.join(folder, "index.jsonl"))
         self._shard_no = 0
         self._error: BaseException | None = None
@@ -266,58 +272,55 @@ class TensorShardWriter:
         self.put(key, _View(base, offset, list(shape), list(stride)))
 
     def flush(self) -> None:
-        """Write everything queued so far as a shard and wait for it."""
+        """Write everything queued so far (the rest as one shard), on this thread."""
         if self._started:
-            done = threading.Event()
-            self._send(("__flush__", done))
-            done.wait()
+            self._unsent = 0
+            with self._lock:
+                self._take(final=True)
         if self._error is not None:
             raise WriteFailed(self._error)
 
     def close(self) -> None:
         if self._started:
             self.flush()
-            self._send(None)
+            self._closing = True
+            self._wake.set()
             self._thread.join()
             self._started = False
         self._index.close()
 
-    def _send(self, item) -> None:
-        self._items.append(item)
-        self._unsent = 0
-        self._wake.set()
-
     def _run(self) -> None:
         _yield_to_compute()
-        pending: dict = {}
-        size = 0
-        since = time.monotonic()
-        while True:
+        while not self._closing:
             self._wake.wait(timeout=SHARD_SECONDS)
             self._wake.clear()              # before taking: a later put's wake-up is not lost
-            while True:
-                try:
-                    item = self._items.popleft()
-                except IndexError:
-                    item = ("__tick__", None)
-                if item is None:
-                    return
-                key, value = item
-                if key not in ("__flush__", "__tick__"):
-                    pending[key] = value
-                    size += 0 if isinstance(value, _View) else self._nbytes(value)
-                full = size >= SHARD_BYTES or (key == "__tick__" and time.monotonic() - since >= SHARD_SECONDS)
-                if pending and (full or key == "__flush__"):
-                    if self._error is None:        # after a failure nothing more is written
-                        try:
-                            self._write_shard(pending)
-                        except BaseException as exc:  # reported on the next put/flush, on the op thread
-                            self._error = str(exc) if isinstance(exc, WriteFailed) else f"{type(exc).__name__}: {exc}"
-                    pending, size, since = {}, 0, time.monotonic()
-                if key == "__flush__":
-                    value.set()
-                if key == "__tick__":
-                    break
+            with self._lock:
+                self._take(final=False)
+
+    def _take(self, final: bool) -> None:
+        """Move the queued items into the open shard, writing it each time it is full, and at the
+        end if ``final`` or it is ``SHARD_SECONDS`` old (so a hung or killed process leaves its
+        tensors up to then).  Called with ``_lock`` held."""
+        while True:
+            try:
+                key, value = self._items.popleft()
+            except IndexError:
+                break
+            self._pending[key] = value
+            if not isinstance(value, _View):
+                self._size += self._nbytes(value)
+                if self._size >= SHARD_BYTES:
+                    self._write_pending()
+        if self._pending and (final or time.monotonic() - self._since >= SHARD_SECONDS):
+            self._write_pending()
+
+    def _write_pending(self) -> None:
+        if self._error is None:        # after a failure nothing more is written
+            try:
+                self._write_shard(self._pending)
+            except BaseException as exc:  # reported on the next put/flush, on the op thread
+                self._error = str(exc) if isinstance(exc, WriteFailed) else f"{type(exc).__name__}: {exc}"
+        self._pending, self._size, self._since = {}, 0, time.monotonic()
 
     def _write_shard(self, pending: dict) -> None:
         views = {k: dataclasses.asdict(v) for k, v in pending.items() if isinstance(v, _View)}
@@ -350,8 +353,8 @@ def _yield_to_compute() -> None:
     Where torch's intra-op threads use every core, a writer thread at their priority takes a core
     from one of them for a time slice, and every parallel kernel the op thread starts meanwhile
     waits for it (a 2-core loop of parallel kernels ran ~9x slower beside a normal-priority
-    writer, ~1.2x beside a nice-10 one).  Lowered, the writer runs on cores torch leaves idle, and
-    on all of them while the step end waits for it."""
+    writer, ~1.2x beside a nice-10 one).  Lowered, the writer runs on cores torch leaves idle; the
+    step end writes what is left on the op's thread (:meth:`TensorShardWriter.flush`)."""
     if not sys.platform.startswith("linux"):   # elsewhere a thread id is not a setpriority target
         return
     try:
