@@ -334,3 +334,30 @@ def test_random_sigkills_leave_records_whose_tensors_match_them(tmp_path):
                         assert np.isclose(arr.mean(), stats["mean"], rtol=1e-4, atol=1e-6), rec["name"]
                     checked += 1
     assert checked > 300
+
+
+def test_queued_tensors_reach_disk_without_a_flush(tmp_path, monkeypatch):
+    """Tensors reach the writer thread in batches, yet a process that hangs mid-step (a collective
+    that never returns) and is then killed leaves those queued up to ``SHARD_SECONDS`` before:
+    the writer's own tick takes them, though they filled neither a batch nor a shard."""
+    import torch
+    from dispatchprobe.records import writer
+    from dispatchprobe.records.reader import read_safetensors
+    from dispatchprobe.torch import backend
+    monkeypatch.setattr(writer, "SHARD_SECONDS", 0.2)
+    w = writer.TensorShardWriter(str(tmp_path), backend.save_shard, backend.nbytes)
+    values = {f"t{i}": torch.randn(5, 3) for i in range(3)}
+    for key, value in values.items():
+        w.put(key, backend.snapshot(value))
+    w.put_view("v", "t0", 3, [3], [1])
+    index = tmp_path / "index.jsonl"
+    deadline = time.monotonic() + 30
+    while not (index.exists() and index.read_text().endswith("\n")):
+        assert time.monotonic() < deadline, "nothing written without a flush"
+        time.sleep(0.05)
+    line = json.loads(index.read_text().splitlines()[0])
+    assert line["keys"] == list(values) and line["views"]["v"]["base"] == "t0"
+    arrays = read_safetensors(str(tmp_path / line["shard"]))
+    for key, value in values.items():
+        assert np.array_equal(arrays[key], value.numpy())
+    w.close()
