@@ -15,6 +15,7 @@ from .decompositions import traced_decompositions
 from . import cache
 from .graph_pass import Instrument
 from .runtime import GraphRecords
+from .statistics_nodes import cpu_stats
 from .scopes import ModuleNames
 
 COMPILED_TASKS = ("statistics", "tensor", "overflow")
@@ -108,7 +109,7 @@ class ProbeBackend:
             use_cache = cache.cacheable(self, inputs)
             key = ""
             if use_cache:
-                key = hashlib.sha256(repr((cache.source_digest(), self.config.task, self.granularity,
+                key = hashlib.sha256(repr((cache.source_digest(), cpu_stats(), self.config.task, self.granularity,
                                            self.config.include_views, backward, slot,
                                            cache.graph_digest(graph_module, roots))).encode()).hexdigest()
             compiled = self._compile(graph_module, inputs, Instrument(self, roots, backward, slot, key), use_cache, kw)

@@ -57,7 +57,11 @@ _LIB.define("stats_rows(Tensor[] values, Tensor[] reductions) -> Tensor")
 
 
 def _stats_rows(values, reductions):
-    """``reductions``: (max, min, sum, sum of squares) of each of ``values``; a (len, 6) row block."""
+    """``reductions``: (max, min, sum, sum of squares) of each of ``values``, or none (the values'
+    statistics computed here, as the eager probe computes them); a (len, 6) row block."""
+    if not reductions:
+        return torch.tensor([statistics.to_row(st, x.numel()) for st, x in zip(torch_backend.tensor_stats(values), values)],
+                            dtype=torch.float64)
     flat = torch.stack(reductions).tolist()
     rows = []
     for i, x in enumerate(values):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import torch.fx
@@ -15,11 +16,19 @@ WINDOW_VALUES = 32              # values one stats_rows call completes at most .
 WINDOW_BYTES = 64 << 20         # ... and their bytes (kept alive until the call: a bounded delay)
 
 
-class Reductions:
-    """A CPU value's in-graph reductions, completed into its row by a :func:`_stats_rows` window."""
+# where a CPU value's statistics are computed: "graph" (four reductions inductor fuses into the
+# kernels, completed by a window) or "host" (the window computes them, with the eager probe's
+# one-pass kernel, from the values it is given: a graph as small as inductor's, one read per value)
+def cpu_stats() -> str:
+    return os.environ.get("DISPATCHPROBE_COMPILED_CPU_STATS", "graph")
 
-    def __init__(self, node: torch.fx.Node, nodes: list):
-        self.node, self.nodes = node, nodes
+
+class Reductions:
+    """A CPU value's in-graph reductions (none with :func:`cpu_stats` ``"host"``), completed into its
+    row by a :func:`_stats_rows` window placed after ``at``."""
+
+    def __init__(self, node: torch.fx.Node, nodes: list, at: torch.fx.Node):
+        self.node, self.nodes, self.at = node, nodes, at
 
 
 def row_windows(graph: torch.fx.Graph, stats: dict, order: list) -> tuple[list, list]:
@@ -32,12 +41,12 @@ def row_windows(graph: torch.fx.Graph, stats: dict, order: list) -> tuple[list, 
         if not isinstance(stats[n], Reductions):
             flat.extend(stats[n])
             rows.append(n)
-    cpu = sorted((n for n in order if isinstance(stats[n], Reductions)), key=lambda n: pos[stats[n].nodes[-1]])
+    cpu = sorted((n for n in order if isinstance(stats[n], Reductions)), key=lambda n: pos[stats[n].at])
     window: list = []
     size = 0
 
     def close():
-        last = max((stats[n].nodes[-1] for n in window), key=pos.__getitem__)
+        last = max((stats[n].at for n in window), key=pos.__getitem__)
         with graph.inserting_after(last):
             flat.append(graph.call_function(torch.ops.dispatchprobe.stats_rows.default,
                                             ([stats[n].node for n in window], [r for n in window for r in stats[n].nodes])))
@@ -65,6 +74,8 @@ def stats_nodes(graph: torch.fx.Graph, node: torch.fx.Node, at: torch.fx.Node):
     with inductor lowerings (``isfinite``/``stack`` have none)."""
     aten = torch.ops.aten
     val = node.meta["val"]
+    if val.device.type == "cpu" and cpu_stats() == "host":
+        return Reductions(node, [], at)
     acc = torch.float64 if val.dtype in (torch.float64,) or not (val.dtype.is_floating_point or val.dtype == torch.bool) \
         else torch.float32
     with graph.inserting_after(at):
@@ -94,7 +105,7 @@ def stats_nodes(graph: torch.fx.Graph, node: torch.fx.Node, at: torch.fx.Node):
         sumsq = call(aten.sum.default, call(aten.mul.Tensor, x, x))
         # in the accumulator dtype: the window's stack promotes them to float64 exactly (converts
         # in the graph would be four more nodes per value for inductor to compile)
-        return Reductions(node, [hi, lo, total, sumsq])
+        return Reductions(node, [hi, lo, total, sumsq], sumsq)
     # sums in float64: float32 ones overflow on common values (attention masks at finfo.min), and
     # the eager probe redoes those from the tensor, which is gone once the graph call returns
     wide = x if acc == torch.float64 else call(torch.ops.prims.convert_element_type.default, x, torch.float64)
