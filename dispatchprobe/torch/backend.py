@@ -367,7 +367,10 @@ def memory_ref(t: torch.Tensor):
 
 
 def memory_alive(ref) -> bool:
-    return ref is not None and not ref.expired()
+    return ref is not None and not _expired(ref.cdata)     # StorageWeakRef.expired, two calls fewer
+
+
+_expired = torch.UntypedStorage._expired
 
 
 def dense_key(t: torch.Tensor):

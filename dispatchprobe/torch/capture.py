@@ -139,8 +139,11 @@ class _ProbeMode(TorchDispatchMode):
         if collective:            # outputs hold their values once the work is waited for
             collectives.settle(func, out)
             seen_args, seen_kwargs = collectives.named_groups(func, seen_args, seen_kwargs)
-        return probe._on_op(func, seen_args, seen_kwargs, out, undefined, facts.name, where,
-                            {"collective": called} if called else None)
+        stage, scope, grad_fn = where
+        replaced = probe.on_op(facts.name, stage, scope, seen_args, seen_kwargs, out, func=func, grad_fn=grad_fn,
+                               stack=ops.user_stack, undefined=undefined,
+                               extra={"collective": called} if called else None)
+        return out if replaced is None else replaced
 
 
 class _Facts(NamedTuple):
@@ -767,10 +770,3 @@ class DispatchProbe(TorchSession):
             return "backward", self.scopes._innermost_backward(node is None), node.name() if node is not None else None
         forward = self.scopes.forward_stack
         return "forward", forward[-1] if forward else "", None
-
-    def _on_op(self, func, args, kwargs, out, undefined=None, name=None, where=None, extra=None):
-        stage, scope, grad_fn = where or self._where()
-        replaced = self.on_op(name or ops.op_name(func), stage, scope, args, kwargs, out, func=func,
-                              grad_fn=grad_fn, stack=ops.user_stack, undefined=undefined, extra=extra)
-        return out if replaced is None else replaced
-
