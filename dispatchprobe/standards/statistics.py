@@ -106,6 +106,24 @@ def nonfinite_row(total: float, squares: float, nan: int, inf: int, hi: float, l
             flo if carry else math.sqrt(squares), nan, inf]
 
 
+def row_from_partials(parts: list) -> list:
+    """The :func:`from_row` row of values reduced in pieces, from each piece's partial row (max
+    and min without nan, finite max and min, sum, sum of squares, nan count, inf count), combined
+    in the order given (so the same pieces give the same row)."""
+    hi, lo, fhi, flo = -math.inf, math.inf, -math.inf, math.inf
+    total = squares = 0.0
+    nan = inf = 0
+    for p in parts:
+        hi, lo, fhi, flo = max(hi, p[0]), min(lo, p[1]), max(fhi, p[2]), min(flo, p[3])
+        total += p[4]
+        squares += p[5]
+        nan += int(p[6])
+        inf += int(p[7])
+    if nan or inf:
+        return nonfinite_row(total, squares, nan, inf, hi, lo, fhi, flo)
+    return [hi, lo, total, math.sqrt(squares), 0, 0]
+
+
 def to_row(stats: dict, n: int) -> list:
     """The device row of a record, in :func:`from_row`'s layout (``from_row(to_row(s, n), n) == s``)."""
     nan, inf = stats["nan"], stats["inf"]

@@ -249,9 +249,10 @@ def stats_on_device(t: torch.Tensor) -> bool:
 
 
 def device_stats_row(t: torch.Tensor) -> torch.Tensor:
-    """max, min, sum, L2 norm, nan count, inf count of ``t``: a float64 vector on its device, no
-    host sync (:func:`read_stats_rows` reads many at once). One kernel launch where
-    :mod:`.device_stats` can take the tensor, torch's reductions otherwise."""
+    """The statistics of ``t`` on its device, no host sync (:func:`read_stats_rows` reads many at
+    once): one kernel launch where :mod:`.device_stats` can take the tensor (partial rows, combined
+    when read), else torch's reductions (max, min, sum, L2 norm, nan count, inf count: a float64
+    vector)."""
     with torch.no_grad():
         values = tensor_kinds.values(t).detach()
         fused = device_stats.row(values)
@@ -270,14 +271,21 @@ def torch_stats_row(values: torch.Tensor) -> torch.Tensor:
 
 
 def read_stats_rows(rows: list[torch.Tensor], numels: list[int]) -> list[dict]:
-    """Read many :func:`device_stats_row` results with one host sync per device."""
+    """Read many :func:`device_stats_row` results with one host sync per device: rows of 6
+    (torch's reductions, a compiled graph's), or the kernel's partial rows of 8, combined here."""
     by_device: dict = {}
     for i, row in enumerate(rows):
         by_device.setdefault(row.device, []).append(i)
     values: list = [None] * len(rows)
     for idx in by_device.values():
-        for i, v in zip(idx, torch.stack([rows[i] for i in idx]).tolist()):
-            values[i] = v
+        flat = torch.cat([rows[i].reshape(-1) for i in idx]).tolist()
+        at = 0
+        for i in idx:
+            r = rows[i]
+            size = r.numel()
+            values[i] = flat[at:at + size] if r.dim() == 1 else \
+                statistics.row_from_partials([flat[j:j + 8] for j in range(at, at + size, 8)])
+            at += size
     return [statistics.from_row(v, n) for v, n in zip(values, numels)]
 
 
