@@ -130,7 +130,7 @@ def _write_all(fd: int, parts: list) -> None:
     parts = [p.cast("B") if p.format != "B" or p.ndim != 1 else p for p in parts if p.nbytes]
     i = 0
     while i < len(parts):
-        done = os.writev(fd, parts[i:i + _IOV_MAX])
+        done = os.writev(fd, parts[i:i + _IOV_MAX]) if _HAS_WRITEV else os.write(fd, parts[i])
         while i < len(parts) and done >= parts[i].nbytes:   # a write may end mid-buffer
             done -= parts[i].nbytes
             i += 1
@@ -138,7 +138,16 @@ def _write_all(fd: int, parts: list) -> None:
             parts[i] = parts[i][done:]
 
 
-_IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
+def _iov_max() -> int:
+    try:
+        n = os.sysconf("SC_IOV_MAX")       # -1: no stated limit
+    except (AttributeError, ValueError, OSError):
+        n = -1
+    return min(n, 1024) if n > 0 else 16
+
+
+_HAS_WRITEV = hasattr(os, "writev")      # not on Windows: one write per buffer there
+_IOV_MAX = _iov_max()
 
 
 _NUMPY_CODES = {"float16": "F16", "bfloat16": "BF16", "float32": "F32", "float64": "F64", "int8": "I8",
