@@ -19,7 +19,6 @@ import dataclasses
 import json
 import os
 import socket
-import sys
 import threading
 import time
 from typing import Any, Callable
@@ -240,7 +239,7 @@ class TensorShardWriter:
     thread's own ``SHARD_SECONDS`` tick), not one by one: each wake-up of the thread takes the GIL
     from the op thread, and a step of a small-op model queues hundreds of tensors.  A flush
     writes what is left on the calling thread (after the shard the writer may be finishing): the
-    step end does not wait for the lower-priority writer thread to be scheduled."""
+    step end does not wait for the writer thread to be woken and scheduled."""
 
     HANDOFF_BYTES = 8 << 20
 
@@ -299,7 +298,6 @@ class TensorShardWriter:
         self._index.close()
 
     def _run(self) -> None:
-        _yield_to_compute()
         while not self._closing:
             self._wake.wait(timeout=SHARD_SECONDS)
             self._wake.clear()              # before taking: a later put's wake-up is not lost
@@ -351,26 +349,6 @@ class TensorShardWriter:
         if views:
             line["views"] = views
         self._index.append(line)
-
-
-WRITER_NICE = 10
-
-
-def _yield_to_compute() -> None:
-    """Lower the calling thread's scheduling priority by ``WRITER_NICE`` (Linux; this thread only).
-
-    Where torch's intra-op threads use every core, a writer thread at their priority takes a core
-    from one of them for a time slice, and every parallel kernel the op thread starts meanwhile
-    waits for it (a 2-core loop of parallel kernels ran ~9x slower beside a normal-priority
-    writer, ~1.2x beside a nice-10 one).  Lowered, the writer runs on cores torch leaves idle; the
-    step end writes what is left on the op's thread (:meth:`TensorShardWriter.flush`)."""
-    if not sys.platform.startswith("linux"):   # elsewhere a thread id is not a setpriority target
-        return
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + WRITER_NICE))
-    except (AttributeError, OSError):
-        pass
 
 
 @dataclasses.dataclass
