@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import os
 import hashlib
 import itertools
 
@@ -109,7 +110,7 @@ class ProbeBackend:
             use_cache = cache.cacheable(self, inputs)
             key = ""
             if use_cache:
-                key = hashlib.sha256(repr((cache.source_digest(), cpu_stats(), self.config.task, self.granularity,
+                key = hashlib.sha256(repr((cache.source_digest(), cpu_stats(), REALIZE_READS, self.config.task, self.granularity,
                                            self.config.include_views, backward, slot,
                                            cache.graph_digest(graph_module, roots))).encode()).hexdigest()
             compiled = self._compile(graph_module, inputs, Instrument(self, roots, backward, slot, key), use_cache, kw)
@@ -158,7 +159,11 @@ def unseen_by_lowering(instrument):
     def lowering_run_node(self, n):
         ours = instrument.added
         users = n.users
-        if n in ours or not any(u in ours for u in users):
+        if n in ours:
+            if REALIZE_READS:
+                stored(self, n, ours)
+            return run_node(self, n)
+        if not any(u in ours for u in users):
             return run_node(self, n)
         n.users = {u: v for u, v in users.items() if u not in ours}
         try:
@@ -171,6 +176,29 @@ def unseen_by_lowering(instrument):
         yield
     finally:
         GraphLowering.run_node = run_node
+
+
+REALIZE_READS = os.environ.get("DISPATCHPROBE_REALIZE_READS", "1") == "1"
+_LOW = (torch.bfloat16, torch.float16)
+
+
+def stored(lowering, n, ours) -> None:
+    """A float32/float64/integer CPU value of the user's graph that a node of the pass reads, realized (stored) before that
+    node is lowered: the CPU windows hand every recorded value to an extern op, which stores it
+    anyway, and without this each of its reductions computes it again, in a loop of its own.
+    Its own readers were lowered before (the pass reads after the last of them), so their kernels
+    do not change."""
+    from torch._inductor import ir
+    for a in n.all_input_nodes:
+        if a in ours or a.op != "call_function":
+            continue
+        val = a.meta.get("val")
+        box = lowering.env.get(a)
+        # not bf16/fp16: a stored value is rounded to its dtype where an inlined one is not, and
+        # a reader lowered later (of a view, or after a write) would read the rounded one
+        if isinstance(val, torch.Tensor) and val.device.type == "cpu" and val.dtype not in _LOW \
+                and isinstance(box, ir.TensorBox):
+            box.realize()
 
 
 # inductor's provenance tracking, level "basic": which post-grad nodes each generated kernel computes
