@@ -14,7 +14,10 @@
 namespace {
 constexpr int kLanes = 16;
 constexpr int64_t kBlock = 1024;
-constexpr int64_t kGrain = 1 << 15;
+constexpr int64_t kGrain = 1 << 15;       // values per chunk
+// chunks per thread: a tensor under 512K values is read on the calling thread alone (a parallel
+// region per mid-size tensor waits for the other threads, which stalls when they are busy)
+constexpr int64_t kChunksPerThread = 16;
 
 struct Partial {
   float hi = -INFINITY, lo = INFINITY;
@@ -158,7 +161,7 @@ template <typename T>
 Partial run(const T* p, int64_t n) {
   const int64_t chunks = (n + kGrain - 1) / kGrain;
   std::vector<Partial> parts(chunks);
-  at::parallel_for(0, chunks, 1, [&](int64_t b, int64_t e) {
+  at::parallel_for(0, chunks, kChunksPerThread, [&](int64_t b, int64_t e) {
     for (int64_t c = b; c < e; ++c) {
       const int64_t begin = c * kGrain;
       parts[c] = rows(p + begin, 0, 1, at::IntArrayRef{}, at::IntArrayRef{}, std::min(n, begin + kGrain) - begin);
@@ -175,7 +178,7 @@ Partial run_rows(const T* p, at::IntArrayRef sizes, at::IntArrayRef strides) {
   const int64_t per_chunk = std::max<int64_t>(1, kGrain / std::max<int64_t>(width, 1));
   const int64_t chunks = (count + per_chunk - 1) / per_chunk;
   std::vector<Partial> parts(chunks);
-  at::parallel_for(0, chunks, 1, [&](int64_t b, int64_t e) {
+  at::parallel_for(0, chunks, kChunksPerThread, [&](int64_t b, int64_t e) {
     for (int64_t c = b; c < e; ++c)
       parts[c] = rows(p, c * per_chunk, std::min(count, (c + 1) * per_chunk), sizes, strides, width);
   });
