@@ -49,6 +49,7 @@ def parts(probe) -> list:
         ("value cache", recorder.Recorder, "_measured"),
         ("statistics (Python)", backend, "tensor_stats"),
         ("statistics kernel", fused_stats, "stats4"),
+        ("statistics kernel", fused_stats, "extremes"),
         ("statistics kernel", backend, "device_stats_row"),
         ("building the record", recorder.Recorder, "encode"),
         ("writing", recorder.Recorder, "emit"),

@@ -141,7 +141,9 @@ def run_modes(case, steps: int, tmp: str, rss: bool = True):
         if label.startswith("dispatchprobe "):
             probe = wraps[label](0)[0]
             probe.close()
-            size, files = folder_size(os.path.join(tmp, name, label.removeprefix("dispatchprobe ")))
+            folder = os.path.join(tmp, name, label.removeprefix("dispatchprobe "))
+            size, files = folder_size(folder)
+            shutil.rmtree(folder, ignore_errors=True)    # a full /dev/shm slows every later copy
             written = (size / (steps + 2), files / (steps + 2))
         rows.append((label, ts, written, None, rss_of(name, label, steps, tmp) if rss else None))
     rows.append(msprobe_row(name, model, step, steps, tmp, "statistics"))
@@ -192,6 +194,7 @@ def msprobe_child(spec: str, steps: int, tmp: str) -> None:
         return _Null(), end
     times = time_steps(model, step, steps, wrap)
     size, files = folder_size(dump)
+    shutil.rmtree(dump, ignore_errors=True)
     print(json.dumps({"times": times, "base": base, "bytes": size / (steps + 2), "files": files / (steps + 2),
                       "rss": peak_rss()}))
 
@@ -218,7 +221,8 @@ def rss_child(spec: str, steps: int, tmp: str) -> None:
     name, label = spec.split(":", 1)
     torch.manual_seed(0)
     _, model, step = CASE_FNS[name](QUICK)
-    wrap = mode_wraps(model, os.path.join(tmp, f"rss-{name}-{os.getpid()}"), only=label)[label]
+    folder = os.path.join(tmp, f"rss-{name}-{os.getpid()}")
+    wrap = mode_wraps(model, folder, only=label)[label]
     probe = None
     for i in range(steps + 2):
         ctx, end = wrap(i)
@@ -231,6 +235,7 @@ def rss_child(spec: str, steps: int, tmp: str) -> None:
     rss = peak_rss()
     if probe is not None:
         probe.close()
+    shutil.rmtree(folder, ignore_errors=True)
     print(json.dumps({"rss": rss}))
 
 

@@ -98,6 +98,7 @@ class ProbeSession:
         self.step_no = 0
         self.rank = self._detect_rank()
         self._parts_written: set[str] = set()
+        self._claimed_rank: int | None = None     # the rank whose earlier records were looked for
         self.failed: str | None = None     # why recording stopped (records could not be written)
         self.online = None                 # online run-ut over the network: the sender (nothing on disk)
         self.online_account = ""           # its one-line account at close
@@ -402,7 +403,12 @@ class ProbeSession:
 
     def _claim_run_dir(self) -> None:
         """A run directory never holds two runs: this rank's records of an earlier run (or an
-        earlier probe) are refused, or deleted first with ``overwrite=True``."""
+        earlier probe) are refused, or deleted first with ``overwrite=True``.  Asked again only
+        when the rank changed (``torch.distributed`` initialised after the probe was made): a
+        look through every step folder at each step would grow with the run."""
+        if self._claimed_rank == self.rank:
+            return
+        self._claimed_rank = self.rank
         old = [os.path.dirname(f) for name in ("ops.jsonl", "grads.jsonl") for f in
                glob.glob(os.path.join(glob.escape(self.run_dir), "step*", f"rank{self.rank}", name))]
         old = sorted({d for d in old if d not in self._parts_written})
