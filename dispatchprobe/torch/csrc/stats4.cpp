@@ -191,14 +191,6 @@ std::vector<double> stats_of(const torch::Tensor& t, const T* p) {
   return {all.hi, all.lo, all.sum, all.squares};
 }
 
-std::vector<double> stats4(const torch::Tensor& t) {
-  TORCH_CHECK(t.device().is_cpu() && (t.is_contiguous() || (t.dim() > 0 && t.stride(-1) == 1)),
-              "stats4: a CPU tensor, contiguous or with contiguous rows");
-  if (t.scalar_type() == at::kFloat) return stats_of(t, t.data_ptr<float>());
-  TORCH_CHECK(t.scalar_type() == at::kBFloat16, "stats4: float32 or bfloat16");
-  return stats_of(t, reinterpret_cast<const uint16_t*>(t.data_ptr()));
-}
-
 template <typename T>
 std::vector<double> extremes_of(const torch::Tensor& t, const T* p) {
   const bool flat = t.is_contiguous();
@@ -210,14 +202,24 @@ std::vector<double> extremes_of(const torch::Tensor& t, const T* p) {
   return {all.nan, all.inf, all.hi, all.lo, all.fhi, all.flo};
 }
 
+// Calls fn with the tensor's values (float32, or bfloat16 bits), after the checks both passes share.
+template <typename Fn>
+std::vector<double> on_values(const torch::Tensor& t, const char* name, Fn&& fn) {
+  TORCH_CHECK(t.device().is_cpu() && (t.is_contiguous() || (t.dim() > 0 && t.stride(-1) == 1)),
+              name, ": a CPU tensor, contiguous or with contiguous rows");
+  if (t.scalar_type() == at::kFloat) return fn(t.data_ptr<float>());
+  TORCH_CHECK(t.scalar_type() == at::kBFloat16, name, ": float32 or bfloat16");
+  return fn(reinterpret_cast<const uint16_t*>(t.data_ptr()));
+}
+
+std::vector<double> stats4(const torch::Tensor& t) {
+  return on_values(t, "stats4", [&](auto p) { return stats_of(t, p); });
+}
+
 // For values where stats4's sums are not finite: nan count, inf count, max and min without nan,
 // finite max and min (rare tensors: one plain pass).
 std::vector<double> extremes(const torch::Tensor& t) {
-  TORCH_CHECK(t.device().is_cpu() && (t.is_contiguous() || (t.dim() > 0 && t.stride(-1) == 1)),
-              "extremes: a CPU tensor, contiguous or with contiguous rows");
-  if (t.scalar_type() == at::kFloat) return extremes_of(t, t.data_ptr<float>());
-  TORCH_CHECK(t.scalar_type() == at::kBFloat16, "extremes: float32 or bfloat16");
-  return extremes_of(t, reinterpret_cast<const uint16_t*>(t.data_ptr()));
+  return on_values(t, "extremes", [&](auto p) { return extremes_of(t, p); });
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
