@@ -77,7 +77,7 @@ SLOW_RUN_UT = """
 import sys, time
 import dispatchprobe.offline.run_ut as m
 _check = m.check_op
-m.check_op = lambda *a: (time.sleep(0.4), _check(*a))[1]
+m.check_op = lambda *a: (time.sleep(1.5), _check(*a))[1]
 from dispatchprobe.cli import main
 sys.argv[0] = "dispatchprobe"
 main()
@@ -89,10 +89,12 @@ def test_ctrl_c_in_run_ut_names_the_file_to_resume(records, tmp_path):
     import time
     proc = subprocess.Popen([sys.executable, "-c", SLOW_RUN_UT, "run-ut", str(records / "tensor"), "-o",
                              str(tmp_path / "ut")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # the interrupt lands while the last op (exp) is replayed: wait for the row of the one before
+    # it (rows of duplicate ops are written at once, before any replay)
     deadline = time.time() + 120
-    while time.time() < deadline and not any(len(p.read_text().splitlines()) > 1
+    while time.time() < deadline and not any("aten.mm" in p.read_text()
                                               for p in (tmp_path / "ut").glob("accuracy_checking_result_*.csv")):
-        time.sleep(0.1)
+        time.sleep(0.05)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
