@@ -74,7 +74,8 @@ def test_run_ut_says_why_ops_were_not_replayed(records, args, code, words):
 
 
 SLOW_RUN_UT = """
-import sys, time
+import signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)   # a job started in the background inherits it ignored
 import dispatchprobe.offline.run_ut as m
 _check = m.check_op
 m.check_op = lambda *a: (time.sleep(1.5), _check(*a))[1]
