@@ -5,6 +5,7 @@ encoding, ``backend.encode_other``) and run it on the target device in the recor
 
 from __future__ import annotations
 
+import atexit
 import json
 import math
 import os
@@ -558,7 +559,9 @@ class TorchDistributed:
 
 
 def distributed() -> TorchDistributed | None:
-    """The engine when launched by torchrun (a gloo group is initialised), else None."""
+    """The engine when launched by torchrun (a gloo group is initialised), else None.  A group
+    this function made is destroyed when the process exits: left to the interpreter's teardown,
+    gloo's threads could abort the process (SIGABRT) after its work was done."""
     import torch.distributed as dist
     if not dist.is_available():
         return None
@@ -566,7 +569,13 @@ def distributed() -> TorchDistributed | None:
         if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or "MASTER_ADDR" not in os.environ:
             return None
         dist.init_process_group("gloo")
+        atexit.register(_destroy_group, dist)
     return TorchDistributed(dist)
+
+
+def _destroy_group(dist) -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 REPLAYER = Replayer("torch", replay=replay, resolve_device=resolve_device, tensor_source=TensorSource,
