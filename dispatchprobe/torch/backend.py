@@ -65,11 +65,7 @@ def describe(t: torch.Tensor) -> tuple:
         ptr, version = t.data_ptr(), tensor_kinds.version(t)
     except (RuntimeError, NotImplementedError):  # inference tensors, wrapper subclasses
         return meta, None, None
-    ident = ptr, shape, stride, dtype, device, version
-    n = t.numel()
-    if n and (t.is_contiguous() or _fills_block(t)):
-        return meta, ident, (ptr, n, dtype, device, version)
-    return meta, ident, None
+    return (meta, *_key_pair(t, ptr, shape, stride, dtype, device, version))
 
 
 _STRIDED = torch.strided
@@ -94,10 +90,16 @@ def _keys(t: torch.Tensor) -> tuple:
     if not tensor_kinds.readable(t):
         return None, None
     try:
-        ptr, version, dtype, device = t.data_ptr(), tensor_kinds.version(t), t.dtype, t.device
-        ident = ptr, t.shape, t.stride(), dtype, device, version
+        ptr, version, stride = t.data_ptr(), tensor_kinds.version(t), t.stride()
     except (RuntimeError, NotImplementedError):
         return None, None
+    return _key_pair(t, ptr, t.shape, stride, t.dtype, t.device, version)
+
+
+def _key_pair(t: torch.Tensor, ptr, shape, stride, dtype, device, version) -> tuple:
+    """(identity, dense key) from the attributes already read: the dense key only where the
+    view's elements fill one block of memory."""
+    ident = ptr, shape, stride, dtype, device, version
     n = t.numel()
     if n and (t.is_contiguous() or _fills_block(t)):
         return ident, (ptr, n, dtype, device, version)

@@ -45,9 +45,8 @@ def _in_compiled_code(fx: bool = False) -> bool:
 
     The walk up the stack stops at the first module call with no FX code below it: a compiled
     graph never calls a module of the user's (dynamo inlines modules; a graph break runs in the
-    user's frames, outside the graph), so the graph's frames, when there are any, lie below it
-    (``transformers`` imports the wrappers, and a 40-frame model stack walked to its root per op
-    cost more than the op's record).  An ``aot_eager`` graph is itself a module (an FX
+    user's frames, outside the graph), so the graph's frames, when there are any, lie below it,
+    and a deep model's stack is not walked to its root per op.  An ``aot_eager`` graph is itself a module (an FX
     ``GraphModule``): from FX code the walk goes on to the root.  ``fx``: the caller is a module
     hook of an FX graph."""
     if _AOT_MODULE not in sys.modules:
