@@ -477,8 +477,7 @@ def _copy_out(src: torch.Tensor) -> torch.Tensor:
 
     A contiguous CPU source is copied by one ``memmove`` on this thread (the GIL released), not
     by ``copy_``: torch splits a copy over its intra-op threads, and each such copy then waits
-    for every one of them; with the shard writer busy on another core, that wait cost the
-    Llama tensor step most of its snapshot time (0.4 GB/s instead of 5 GB/s)."""
+    for every one of them, which stalls whenever another core is busy (the shard writer)."""
     nbytes = src.numel() * src.element_size()
     taken = _ARENAS.take(nbytes) if src.device.type == "cpu" else None
     if taken is None:
