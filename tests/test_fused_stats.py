@@ -39,7 +39,7 @@ def _values(n, kind, seed):
     return x
 
 
-@pytest.mark.parametrize("n", [1, 15, 16, 17, 1023, 1024, 1025, 40000, 100003, (1 << 20) + 7])
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 63, 64, 65, 1023, 1024, 1025, 40000, 100003, (1 << 20) + 7])
 @pytest.mark.parametrize("kind", ["randn", "offset", "huge", "nan", "inf", "mask"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_statistics_equal_torchs(kernel, monkeypatch, n, kind, dtype):
@@ -100,8 +100,8 @@ def test_strided_rows_are_read_in_place_and_agree_with_float64(kernel, monkeypat
     they lie, row by row: the same record as torch's reductions over a contiguous copy."""
     g = torch.Generator().manual_seed(0)
     big = torch.randn(4, 128, 4, 64, generator=g).to(dtype)
-    views = [big.transpose(1, 2), big[..., :32], big[:, 1:, :, 3:50], big[0, :, 1], torch.randn(1, 70).to(dtype).expand(9, 70),
-             torch.randn(5, 3, generator=g).to(dtype)[:, :1]]
+    views = [big.transpose(1, 2), big[..., :32], big[..., :16], big[..., 3:23], big[:, 1:, :, 3:50], big[0, :, 1],
+             torch.randn(1, 70).to(dtype).expand(9, 70), torch.randn(5, 3, generator=g).to(dtype)[:, :1]]
     for x in views:
         assert not x.is_contiguous() and x.stride(-1) == 1
         fused, reference = backend._cpu_stats(x), _torch_stats(x, monkeypatch)

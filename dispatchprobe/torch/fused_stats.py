@@ -20,7 +20,7 @@ import tempfile
 import threading
 
 _SOURCE = pathlib.Path(__file__).with_name("csrc") / "stats4.cpp"
-_ISA_FLAGS = {"AVX2": ["-mavx2", "-mfma"], "AVX512": ["-mavx512f", "-mavx2", "-mfma"]}
+_ISA_FLAGS = {"AVX2": ["-mavx2", "-mfma"], "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma"]}
 _lock = threading.Lock()
 _builder: threading.Thread | None = None
 stats4 = None             # the kernel: float32/bfloat16 CPU tensor (contiguous rows) -> [max, min, sum, sum of squares]

@@ -1,8 +1,9 @@
 // max, min, sum and sum of squares of a float32 or bfloat16 CPU tensor in one pass over memory (torch
 // needs three: aminmax, sum, dot or norm): contiguous, or strided with contiguous rows (a slice or a
-// transpose of leading dimensions), read in place without a copy.  Blocks of 1024 values are summed in 16
-// float32 lanes, blocks in double.  Where the sums are not finite (inf or nan among the values),
-// `extremes` gives the counts and the finite max and min in a second pass.
+// transpose of leading dimensions), read in place without a copy.  Blocks of 1024 values are summed in 64
+// float32 lanes (four vectors, so that no add waits on the last), blocks in double lanes.  Where the sums
+// are not finite (inf or nan among the values), `extremes` gives the counts and the finite max and min in
+// a second pass.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -12,12 +13,13 @@
 #include <vector>
 
 namespace {
-constexpr int kLanes = 16;
+constexpr int kLanes = 64;          // float32 lanes: four vectors of kVector
+constexpr int kVector = 16;         // float32 values per vector (one AVX-512 register, two AVX2 ones)
 constexpr int64_t kBlock = 1024;
 constexpr int64_t kGrain = 1 << 15;       // values per chunk
-// chunks per thread: a tensor under 512K values is read on the calling thread alone (a parallel
-// region per mid-size tensor waits for the other threads, which stalls when they are busy)
-constexpr int64_t kChunksPerThread = 16;
+// chunks per thread: a tensor over 64K values is read by torch's intra-op threads, each from the part
+// the op that wrote it most likely left in its own core's cache; a smaller one on the calling thread
+constexpr int64_t kChunksPerThread = 2;
 
 struct Partial {
   float hi = -INFINITY, lo = INFINITY;
@@ -33,61 +35,21 @@ inline float value(const uint16_t* p, int64_t i) {     // bfloat16: the high hal
   return v;
 }
 
-// Running max/min per lane and float32 sums per lane, moved into double every kBlock values: the
-// same arithmetic whether the values come in one run or in many short rows.
-struct Lanes {
-  float hi[kLanes], lo[kLanes], s[kLanes], q[kLanes];
-  int64_t pending = 0;             // values in s/q since they were last moved into the doubles
-  double sum = 0, squares = 0;
+typedef float Vec __attribute__((vector_size(kVector * sizeof(float))));
+typedef double Wide __attribute__((vector_size(kVector * sizeof(double))));
+typedef uint16_t Half __attribute__((vector_size(kVector * sizeof(uint16_t))));
+typedef uint32_t Bits __attribute__((vector_size(kVector * sizeof(uint32_t))));
 
-  Lanes() {
-    for (int k = 0; k < kLanes; ++k) { hi[k] = -INFINITY; lo[k] = INFINITY; s[k] = q[k] = 0; }
-  }
+inline Vec load(const float* p) {
+  Vec v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
 
-  Partial done() {
-    Partial out;
-    out.sum = sum;
-    out.squares = squares;
-    for (int k = 0; k < kLanes; ++k) {
-      out.sum += s[k];
-      out.squares += q[k];
-      out.hi = std::max(out.hi, hi[k]);
-      out.lo = std::min(out.lo, lo[k]);
-    }
-    return out;
-  }
-};
-
-template <typename T>
-inline void add(Lanes& acc, const T* __restrict p, int64_t n, float* __restrict h, float* __restrict l,
-                float* __restrict a, float* __restrict b) {
-  int64_t i = 0;
-  while (i + kLanes <= n) {
-    const int64_t take = std::min(kBlock - acc.pending, (n - i) / kLanes * kLanes);
-    for (int64_t j = i; j < i + take; j += kLanes) {
-#pragma omp simd
-      for (int k = 0; k < kLanes; ++k) {
-        const float v = value(p, j + k);
-        h[k] = v > h[k] ? v : h[k];
-        l[k] = v < l[k] ? v : l[k];
-        a[k] += v;
-        b[k] += v * v;
-      }
-    }
-    i += take;
-    acc.pending += take;
-    if (acc.pending >= kBlock) {
-      for (int k = 0; k < kLanes; ++k) { acc.sum += a[k]; acc.squares += b[k]; a[k] = b[k] = 0; }
-      acc.pending = 0;
-    }
-  }
-  for (; i < n; ++i) {
-    const float v = value(p, i);
-    h[0] = v > h[0] ? v : h[0];
-    l[0] = v < l[0] ? v : l[0];
-    acc.sum += v;
-    acc.squares += static_cast<double>(v) * v;
-  }
+inline Vec load(const uint16_t* p) {               // bfloat16: the high half of a float32
+  Half h;
+  std::memcpy(&h, p, sizeof h);
+  return reinterpret_cast<Vec>(__builtin_convertvector(h, Bits) << 16);
 }
 
 // Calls fn(row pointer, width) for rows r0..r1 of the last dimension (stride 1), wherever the other
@@ -113,16 +75,70 @@ void each_row(const T* p, int64_t r0, int64_t r1, at::IntArrayRef sizes, at::Int
   }
 }
 
+// The statistics of rows r0..r1 (each_row).  Running max/min and float32 sums in kVectors independent
+// vectors (one vector would make each add wait for the last), the sums moved into double lanes every
+// kBlock values: the same arithmetic whether the values come in one run or in many short rows, whose
+// accumulators stay in registers from row to row.
 template <typename T>
 Partial rows(const T* p, int64_t r0, int64_t r1, at::IntArrayRef sizes, at::IntArrayRef strides, int64_t width) {
-  Lanes acc;
-  float h[kLanes], l[kLanes], a[kLanes], b[kLanes];
-  std::memcpy(h, acc.hi, sizeof h); std::memcpy(l, acc.lo, sizeof l);
-  std::memcpy(a, acc.s, sizeof a); std::memcpy(b, acc.q, sizeof b);
-  each_row(p, r0, r1, sizes, strides, width, [&](const T* row, int64_t n) { add(acc, row, n, h, l, a, b); });
-  std::memcpy(acc.hi, h, sizeof h); std::memcpy(acc.lo, l, sizeof l);
-  std::memcpy(acc.s, a, sizeof a); std::memcpy(acc.q, b, sizeof b);
-  return acc.done();
+  constexpr int kVectors = kLanes / kVector;
+  Vec hi[kVectors], lo[kVectors], s[kVectors], q[kVectors];
+  for (int k = 0; k < kVectors; ++k) {
+    hi[k] = Vec{} - INFINITY;
+    lo[k] = Vec{} + INFINITY;
+    s[k] = q[k] = Vec{};
+  }
+  Wide ws{}, wq{};
+  double sum = 0, squares = 0;                 // the values after the last whole vector of a row
+  float th = -INFINITY, tl = INFINITY;
+  int64_t pending = 0;                          // values in s/q since they were moved into ws/wq
+  auto fold = [&] {
+    Vec a = s[0], b = q[0];
+    for (int k = 1; k < kVectors; ++k) { a += s[k]; b += q[k]; s[k] = q[k] = Vec{}; }
+    s[0] = q[0] = Vec{};
+    ws += __builtin_convertvector(a, Wide);
+    wq += __builtin_convertvector(b, Wide);
+    pending = 0;
+  };
+  auto step = [&](const Vec v, int k) {
+    hi[k] = v > hi[k] ? v : hi[k];
+    lo[k] = v < lo[k] ? v : lo[k];
+    s[k] += v;
+    q[k] += v * v;
+  };
+  each_row(p, r0, r1, sizes, strides, width, [&](const T* row, int64_t n) {
+    int64_t i = 0;
+    while (i + kVector <= n) {
+      const int64_t end = i + std::min(kBlock - pending, (n - i) / kVector * kVector);
+      pending += end - i;
+      for (; i + kLanes <= end; i += kLanes)
+        for (int k = 0; k < kVectors; ++k) step(load(row + i + k * kVector), k);
+      for (int k = 0; i < end; i += kVector, ++k) step(load(row + i), k);
+      if (pending >= kBlock) fold();
+    }
+    for (; i < n; ++i) {
+      const float v = value(row, i);
+      th = v > th ? v : th;
+      tl = v < tl ? v : tl;
+      sum += v;
+      squares += static_cast<double>(v) * v;
+    }
+  });
+  fold();
+  Partial out;
+  out.sum = sum;
+  out.squares = squares;
+  out.hi = th;
+  out.lo = tl;
+  for (int m = 0; m < kVector; ++m) {
+    out.sum += ws[m];
+    out.squares += wq[m];
+    for (int k = 0; k < kVectors; ++k) {
+      out.hi = std::max(out.hi, hi[k][m]);
+      out.lo = std::min(out.lo, lo[k][m]);
+    }
+  }
+  return out;
 }
 
 // Values holding inf or nan: their counts, max and min without nan (inf kept), finite max and min.
