@@ -23,9 +23,9 @@ import torch
 from dispatchprobe import DispatchProbe, probe_backend
 from dispatchprobe.models import TinyTransformer, lm_batch, lm_loss
 
-HOST = "inductor + probe, host stats"      # DISPATCHPROBE_COMPILED_CPU_STATS=host (docs/compile.md)
-NAMES = ["eager", "eager + DispatchProbe", "inductor", "inductor + probe_backend", HOST]
-COMPILED = ["inductor", "inductor + probe_backend", HOST]
+GRAPH = "inductor + probe, graph stats"    # DISPATCHPROBE_COMPILED_CPU_STATS=graph (docs/compile.md)
+NAMES = ["eager", "eager + DispatchProbe", "inductor", "inductor + probe_backend", GRAPH]
+COMPILED = ["inductor", "inductor + probe_backend", GRAPH]
 QUICK = dict(layers=2, dim=64, seq=32, batch=4, vocab=128)
 FULL = dict(layers=4, dim=256, seq=128, batch=8, vocab=128)
 
@@ -41,7 +41,7 @@ def _setup(name, cfg, tmp):
     probe = backend = None
     if name == "inductor":
         step_model = torch.compile(model)
-    elif name in ("inductor + probe_backend", HOST):
+    elif name in ("inductor + probe_backend", GRAPH):
         backend = probe_backend(task="statistics", dump_path=f"{tmp}/{len(name)}", overwrite=True)
         step_model = torch.compile(model, backend=backend)
     else:
@@ -52,8 +52,8 @@ def _setup(name, cfg, tmp):
     tokens, targets = lm_batch(batch=cfg["batch"], seq=cfg["seq"], vocab=cfg["vocab"])
 
     def step():
-        if name == HOST:        # read while the graphs compile (the first step)
-            os.environ["DISPATCHPROBE_COMPILED_CPU_STATS"] = "host"
+        if name == GRAPH:       # read while the graphs compile (the first step)
+            os.environ["DISPATCHPROBE_COMPILED_CPU_STATS"] = "graph"
         t0 = time.perf_counter()
         if probe is not None:
             probe.start()
@@ -66,7 +66,7 @@ def _setup(name, cfg, tmp):
         opt.step()
         opt.zero_grad()
         seconds = time.perf_counter() - t0
-        if name == HOST:
+        if name == GRAPH:
             os.environ.pop("DISPATCHPROBE_COMPILED_CPU_STATS", None)
         return seconds
 

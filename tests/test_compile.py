@@ -166,8 +166,12 @@ def test_probe_backend_is_transparent_aot_eager(tmp_path, task):
     assert all(torch.equal(a, b) for a, b in zip(pa, pb))
 
 
-def test_probe_backend_inductor_transparent_and_recorded(tmp_path):
-    """Inductor with the statistics fused in: bit-identical outputs and gradients, two steps, no recompile."""
+@pytest.mark.parametrize("cpu_stats", ["host", "graph"])
+def test_probe_backend_inductor_transparent_and_recorded(tmp_path, monkeypatch, cpu_stats):
+    """Inductor with the statistics read on the host, or computed in the graph: bit-identical
+    outputs and gradients, two steps, no recompile."""
+    monkeypatch.setenv("DISPATCHPROBE_COMPILED_CPU_STATS", cpu_stats)
+    torch._dynamo.reset()          # plain inductor's graph compiled afresh for each parameter too
     x = torch.randn(16, 32, generator=torch.Generator().manual_seed(1))
     results = []
     backend = probe_backend(task="statistics", dump_path=str(tmp_path / "c"))
@@ -495,10 +499,17 @@ def _eager_and_compiled(tmp_path, model, x, inner, backward=False):
     return tmp_path / "e", tmp_path / "c"
 
 
-@pytest.mark.parametrize("inner", ["inductor", "aot_eager"])
-def test_compiled_statistics_of_nonfinite_values_match_eager(tmp_path, inner):
+# where a CPU value's statistics are computed in compiled code: on the host (the default), or by
+# reductions inside the graph (DISPATCHPROBE_COMPILED_CPU_STATS=graph); both must equal eager's
+_INNER_AND_CPU_STATS = pytest.mark.parametrize("inner,cpu_stats", [("inductor", "host"), ("aot_eager", "host"),
+                                                                   ("inductor", "graph")])
+
+
+@_INNER_AND_CPU_STATS
+def test_compiled_statistics_of_nonfinite_values_match_eager(tmp_path, monkeypatch, inner, cpu_stats):
     """Values holding -inf get finite_max/finite_min in compiled records too (computed in the
     graph), so the compiled record of a causal mask's output equals the eager one."""
+    monkeypatch.setenv("DISPATCHPROBE_COMPILED_CPU_STATS", cpu_stats)
     x = torch.randn(2, 6, 8, generator=torch.Generator().manual_seed(3))
     torch.manual_seed(0)
     _eager_and_compiled(tmp_path, _Masked(), x, inner, backward=True)
@@ -545,10 +556,11 @@ class _NonFinite(torch.nn.Module):
         return torch.log(x) + torch.reciprocal(x) + torch.exp(x.abs() * 1e4 + 1e4).sum()
 
 
-@pytest.mark.parametrize("inner", ["inductor", "aot_eager"])
-def test_compiled_statistics_of_nan_and_inf_mixes_match_eager(tmp_path, inner):
+@_INNER_AND_CPU_STATS
+def test_compiled_statistics_of_nan_and_inf_mixes_match_eager(tmp_path, monkeypatch, inner, cpu_stats):
     """inductor on a CPU counts nan/inf outside the graph, only for values whose sum of squares
     is not finite: the records equal eager's all the same."""
+    monkeypatch.setenv("DISPATCHPROBE_COMPILED_CPU_STATS", cpu_stats)
     x = torch.tensor([[-1.0, 0.0, 2.0], [0.5, 3.0, 0.0]])
     _eager_and_compiled(tmp_path, _NonFinite(), x, inner)
 
@@ -574,11 +586,12 @@ class _BigMask(torch.nn.Module):
         return torch.zeros_like(x).masked_fill(causal, torch.finfo(torch.float32).min) + x
 
 
-@pytest.mark.parametrize("inner", ["inductor", "aot_eager"])
-def test_overflowed_sums_of_finite_values_are_redone_in_float64(tmp_path, inner):
+@_INNER_AND_CPU_STATS
+def test_overflowed_sums_of_finite_values_are_redone_in_float64(tmp_path, monkeypatch, inner, cpu_stats):
     """Finite values whose float32 sum or sum of squares overflows (a large mask at finfo.min) get
     a finite mean and norm, eager and compiled alike (the compiled CPU path redoes them from the
     tensor with the eager probe's code)."""
+    monkeypatch.setenv("DISPATCHPROBE_COMPILED_CPU_STATS", cpu_stats)
     x = torch.randn(2, 128, 128, generator=torch.Generator().manual_seed(0))
     _eager_and_compiled(tmp_path, _BigMask(), x, inner)
 

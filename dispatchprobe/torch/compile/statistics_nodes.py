@@ -16,11 +16,12 @@ WINDOW_VALUES = 32              # values one stats_rows call completes at most .
 WINDOW_BYTES = 64 << 20         # ... and their bytes (kept alive until the call: a bounded delay)
 
 
-# where a CPU value's statistics are computed: "graph" (four reductions inductor fuses into the
-# kernels, completed by a window) or "host" (the window computes them, with the eager probe's
-# one-pass kernel, from the values it is given: a graph as small as inductor's, one read per value)
+# where a CPU value's statistics are computed: "host", the default (the window computes them, with the
+# eager probe's one-pass kernel, from the values it is given: a graph as small as inductor's, one
+# read per value, as fast a step) or "graph" (four reductions inductor fuses into the kernels,
+# completed by a window: a graph of five more nodes per value, which takes three times as long to compile)
 def cpu_stats() -> str:
-    return os.environ.get("DISPATCHPROBE_COMPILED_CPU_STATS", "graph")
+    return os.environ.get("DISPATCHPROBE_COMPILED_CPU_STATS", "host")
 
 
 class Reductions:
