@@ -928,3 +928,29 @@ def test_probe_graphs_come_from_the_fx_graph_cache_and_record_the_same(tmp_path)
     compiled = [r for r in records if "compiled" in r]
     assert len(compiled) >= 40 and {r["stage"] for r in compiled} == {"forward", "backward"}
     assert all(r["compiled"]["kernels"] for r in compiled if not r["compiled"]["decomposed"])
+
+
+def test_probe_backend_alone_reads_cpu_values_with_the_one_pass_kernel(tmp_path, monkeypatch):
+    """A probe_backend without any DispatchProbe starts loading the one-pass kernel when it is made,
+    and its windows use it once loaded: compiled records equal the kernel's statistics."""
+    from dispatchprobe.torch import backend as torch_backend, fused_stats
+    monkeypatch.setattr(fused_stats, "_builder", None)      # as in a fresh process
+    monkeypatch.setattr(fused_stats, "stats4", None)
+    backend = probe_backend(task="statistics", dump_path=str(tmp_path / "c"))
+    assert fused_stats._builder is not None
+    assert fused_stats.build(wait=True) is not None, f"the kernel did not build: {fused_stats.error}"
+    calls = []
+    kernel = fused_stats.stats4
+    monkeypatch.setattr(fused_stats, "stats4", lambda x: calls.append(x.numel()) or kernel(x))
+    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    model = MLPNet(dim=32, depth=2, classes=4)
+    torch.compile(model, backend=backend)(x).sum().backward()
+    backend.close()
+    assert calls
+    recorded = next(r for r in _ops(tmp_path / "c") if r["op"] == "aten.addmm.default")["outputs"][0]["stats"]
+    with torch.no_grad():
+        expected = torch_backend.tensor_stats([model.body[0](x)])[0]
+    assert set(recorded) == set(expected)
+    for key, value in expected.items():
+        assert recorded[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key

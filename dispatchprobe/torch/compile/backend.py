@@ -11,6 +11,7 @@ import itertools
 import torch
 import torch.fx
 
+from .. import fused_stats
 from ..capture import TorchSession, active_probes
 from .decompositions import traced_decompositions
 from . import cache
@@ -58,6 +59,9 @@ class ProbeBackend:
             raise ValueError(f"probe_backend records the tasks {', '.join(COMPILED_TASKS)}, not {self.config.task!r}"
                              + (" (it checks each op eagerly: use DispatchProbe)" if self.config.task == "free_benchmark" else ""))
         self._session: CompiledProbe | None = None
+        # the one-pass CPU statistics kernel the windows use, loaded in the background while
+        # the first graphs compile
+        fused_stats.build()
         self.module_names = ModuleNames(model)
         self._slots = itertools.count(next(_backends) << cache.SLOT_BITS)
         atexit.register(self.close)
