@@ -114,3 +114,56 @@ def test_strided_rows_are_read_in_place_and_agree_with_float64(kernel, monkeypat
     with_inf[0, 0, 0, 0] = -math.inf
     view = with_inf[..., :16]
     assert backend._cpu_stats(view) == _torch_stats(view, monkeypatch)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_expanded_permuted_and_column_layouts_are_read_in_place(kernel, monkeypatch, dtype):
+    """Layouts whose last dimension is not contiguous are read where they lie too: an expand reads
+    each distinct value once and counts it as often as it repeats (RMSNorm's backward expands a
+    (4, 128, 1) tensor to (4, 128, 256)), a transposed weight or a permute of dense memory is read
+    as its block, and a k-transpose of a q/k/v slice reads rows along its stride-1 dimension.  No
+    contiguous copy is made (the kernel is handed the tensor itself), and the records equal torch's
+    reductions over a copy; inf and nan are counted once per element of the view."""
+    g = torch.Generator().manual_seed(1)
+    qkv = torch.randn(2, 16, 3 * 64, generator=g).to(dtype)
+    views = [torch.randn(4, 128, 1, generator=g).to(dtype).expand(4, 128, 256),     # stride 0 last
+             torch.randn(1, 300, generator=g).to(dtype).expand(7, 300).t(),          # both at once
+             torch.randn(256, 128, generator=g).to(dtype).t(),                        # a weight's t()
+             torch.randn(4, 128, 4, generator=g).to(dtype).transpose(1, 2),           # permuted block
+             qkv[..., 64:128].reshape(2, 16, 4, 16).permute(0, 2, 3, 1),             # k^T of a slice
+             torch.randn(5, 1, generator=g).to(dtype).expand(5, 9)[:, 2:7],
+             torch.tensor(3.0).to(dtype).expand(6, 4)]                                # one value
+    handed = []
+    monkeypatch.setattr(fused_stats, "stats4", lambda t, k=fused_stats.stats4: handed.append(t) or k(t))
+    for x in views:
+        assert x.stride(-1) != 1 or 0 in x.stride()
+        handed.clear()
+        fused = backend._cpu_stats(x)
+        assert len(handed) == 1 and handed[0].data_ptr() == x.data_ptr() and handed[0].stride() == x.stride()
+        reference = _torch_stats(x, monkeypatch)
+        exact = x.double()
+        assert set(fused) == set(reference)
+        assert fused["max"] == reference["max"] and fused["min"] == reference["min"]
+        assert fused["mean"] == pytest.approx(exact.mean().item(), rel=1e-6, abs=1e-7)
+        assert fused["norm"] == pytest.approx(torch.linalg.vector_norm(exact).item(), rel=1e-6)
+    base = torch.randn(3, 1, generator=g).to(dtype)
+    base[0, 0], base[1, 0] = math.nan, -math.inf
+    wide = base.expand(3, 50)
+    fused = backend._cpu_stats(wide)
+    assert fused == pytest.approx(_torch_stats(wide, monkeypatch), nan_ok=True)
+    assert fused["nan"] == 50 and fused["inf"] == 50
+
+
+def test_layouts_without_a_contiguous_dimension_are_reduced_from_a_copy(kernel, monkeypatch):
+    """Every other element of every other row: no dimension of stride 1, so the kernel declines
+    (an empty result) and the record comes from a contiguous copy, the same as torch's."""
+    x = torch.randn(40, 60, generator=torch.Generator().manual_seed(2))[::2, ::2]
+    assert fused_stats.stats4(x) == []
+    handed = []
+    monkeypatch.setattr(fused_stats, "stats4", lambda t, k=fused_stats.stats4: handed.append(t) or k(t))
+    fused, reference, exact = backend._cpu_stats(x), _torch_stats(x, monkeypatch), x.double()
+    assert [t.is_contiguous() for t in handed] == [False, True]      # declined, then the copy
+    assert set(fused) == set(reference) and fused["max"] == reference["max"] and fused["min"] == reference["min"]
+    assert fused["mean"] == pytest.approx(exact.mean().item(), rel=1e-6, abs=1e-7)
+    assert fused["norm"] == pytest.approx(torch.linalg.vector_norm(exact).item(), rel=1e-6)
+    assert backend.tensor_stats([x])[0] == fused

@@ -117,7 +117,8 @@ def tensor_stats(tensors: list[torch.Tensor]) -> list[dict | None]:
         # the common case first: a plain float32/bfloat16 CPU tensor, one C++ pass in place
         if t.is_cpu and t.numel() and _one_pass_fits(t) and tensor_kinds.readable(t):
             out[i] = _one_pass(t)
-            continue
+            if out[i] is not None:
+                continue
         slow.append(i)
     if not slow:
         return out
@@ -171,15 +172,19 @@ def _fills_block(t: torch.Tensor) -> bool:
 
 
 def _one_pass_fits(x: torch.Tensor) -> bool:
-    """Whether the C++ kernel (:mod:`.fused_stats`) reads ``x`` in place: float32 or bfloat16
-    with contiguous rows (a slice or a transpose of leading dimensions too)."""
-    return fused_stats.stats4 is not None and x.dtype in _ONE_PASS_DTYPES and (x.is_contiguous() or x.stride(-1) == 1)
+    """Whether the C++ kernel (:mod:`.fused_stats`) takes ``x``: float32 or bfloat16 (it reads in
+    place any layout with a dimension of stride 1, expanded or permuted too)."""
+    return fused_stats.stats4 is not None and x.dtype in _ONE_PASS_DTYPES
 
 
-def _one_pass(x: torch.Tensor) -> dict:
+def _one_pass(x: torch.Tensor) -> dict | None:
     """The record from one pass of the kernel over ``x`` (:func:`_one_pass_fits`), sums in double;
-    values holding inf or nan take a second pass for their counts and finite max and min."""
-    hi, lo, total, squares = fused_stats.stats4(x)
+    values holding inf or nan take a second pass for their counts and finite max and min.  None
+    where the kernel does not read ``x``'s layout in place (no dimension of stride 1)."""
+    values = fused_stats.stats4(x)
+    if not values:
+        return None
+    hi, lo, total, squares = values
     if not (math.isfinite(total) and math.isfinite(squares)):
         nan, inf, hi_, lo_, fhi, flo = fused_stats.extremes(x)
         if nan or inf:
@@ -190,14 +195,16 @@ def _one_pass(x: torch.Tensor) -> dict:
 
 
 def _cpu_stats(t: torch.Tensor) -> dict:
-    if _one_pass_fits(t):
-        return _one_pass(t)
+    st = _one_pass(t) if _one_pass_fits(t) else None
+    if st is not None:
+        return st
     x = _dense_flat(t.detach())
     if not x.is_contiguous() and x.is_floating_point():
         x = x.contiguous()   # strided reductions cost several times a copy (the norm above all)
     x = statistics.source(x, torch)
-    if _one_pass_fits(x):
-        return _one_pass(x)
+    st = _one_pass(x) if _one_pass_fits(x) else None
+    if st is not None:
+        return st
     if x.numel() <= _NUMPY_MAX and x.dtype in _NUMPY_DTYPES and x.is_contiguous():
         values = _numpy_reductions(x)
     else:

@@ -1,6 +1,6 @@
 // max, min, sum and sum of squares of a float32 or bfloat16 CPU tensor in one pass over memory (torch
-// needs three: aminmax, sum, dot or norm): contiguous, or strided with contiguous rows (a slice or a
-// transpose of leading dimensions), read in place without a copy.  Blocks of 1024 values are summed in 64
+// needs three: aminmax, sum, dot or norm), read in place without a copy: contiguous, a permutation of
+// dense memory, expanded, or strided with a dimension of stride 1 (see Walk).  Blocks of 1024 values are summed in 64
 // float32 lanes (four vectors, so that no add waits on the last), blocks in double lanes.  Where the sums
 // are not finite (inf or nan among the values), `extremes` gives the counts and the finite max and min in
 // a second pass.
@@ -201,41 +201,94 @@ Partial run_rows(const T* p, at::IntArrayRef sizes, at::IntArrayRef strides) {
   return combine(parts);
 }
 
-template <typename T>
-std::vector<double> stats_of(const torch::Tensor& t, const T* p) {
-  const Partial all = t.is_contiguous() ? run(p, t.numel()) : run_rows(p, t.sizes(), t.strides());
-  return {all.hi, all.lo, all.sum, all.squares};
+// How the kernel walks a tensor's memory: each distinct element once.  Dimensions of size 1 are
+// dropped; a dimension of stride 0 (an expand) repeats the same values, read once and counted
+// `repeat` times; elements filling one block of memory in any order (a transpose or permute of
+// dense memory) are read as that block; otherwise a dimension of stride 1 is moved last and read
+// as rows (the statistics do not depend on the order of the values).  `readable` is false when
+// no dimension has stride 1 (every other element, say): the caller reduces a copy instead.
+struct Walk {
+  std::vector<int64_t> sizes, strides;
+  int64_t repeat = 1, count = 1;
+  bool flat = false, readable = true;
+};
+
+Walk walk_of(const torch::Tensor& t) {
+  Walk w;
+  if (t.is_contiguous()) {
+    w.flat = true;
+    w.count = t.numel();
+    return w;
+  }
+  std::vector<std::pair<int64_t, int64_t>> dims;        // (stride, size) of the dimensions read
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    if (t.size(d) == 1) continue;
+    if (t.stride(d) == 0) { w.repeat *= t.size(d); continue; }
+    dims.emplace_back(t.stride(d), t.size(d));
+    w.count *= t.size(d);
+  }
+  std::sort(dims.begin(), dims.end());
+  int64_t expected = 1;
+  bool block = true;
+  for (const auto& [stride, size] : dims) {
+    if (stride != expected) { block = false; break; }
+    expected *= size;
+  }
+  if (block) {            // also a single value, or none left: one run of `count` values
+    w.flat = true;
+    return w;
+  }
+  if (dims.front().first != 1) {
+    w.readable = false;
+    return w;
+  }
+  // rows along the stride-1 dimension, the others outermost first (descending strides)
+  for (size_t d = dims.size() - 1; d > 0; --d) {
+    w.sizes.push_back(dims[d].second);
+    w.strides.push_back(dims[d].first);
+  }
+  w.sizes.push_back(dims.front().second);
+  w.strides.push_back(1);
+  return w;
 }
 
 template <typename T>
-std::vector<double> extremes_of(const torch::Tensor& t, const T* p) {
-  const bool flat = t.is_contiguous();
-  const int64_t width = flat ? t.numel() : t.size(-1);
-  const int64_t count = flat ? 1 : t.numel() / std::max<int64_t>(width, 1);
+std::vector<double> stats_of(const Walk& w, const T* p) {
+  const Partial all = w.flat ? run(p, w.count) : run_rows(p, w.sizes, w.strides);
+  return {all.hi, all.lo, all.sum * w.repeat, all.squares * w.repeat};
+}
+
+template <typename T>
+std::vector<double> extremes_of(const Walk& w, const T* p) {
+  const int64_t width = w.flat ? w.count : w.sizes.back();
+  const int64_t rows = w.flat ? 1 : w.count / std::max<int64_t>(width, 1);
   Extremes all;
-  each_row(p, 0, count, flat ? at::IntArrayRef{} : t.sizes(), flat ? at::IntArrayRef{} : t.strides(), width,
-           [&](const T* row, int64_t n) { all.add(row, n); });
-  return {all.nan, all.inf, all.hi, all.lo, all.fhi, all.flo};
+  each_row(p, 0, rows, w.flat ? at::IntArrayRef{} : at::IntArrayRef(w.sizes),
+           w.flat ? at::IntArrayRef{} : at::IntArrayRef(w.strides), width, [&](const T* row, int64_t n) { all.add(row, n); });
+  return {all.nan * w.repeat, all.inf * w.repeat, all.hi, all.lo, all.fhi, all.flo};
 }
 
-// Calls fn with the tensor's values (float32, or bfloat16 bits), after the checks both passes share.
+// Calls fn with the walk and the tensor's values (float32, or bfloat16 bits), after the checks
+// both passes share; an empty result where the walk cannot read the tensor in place.
 template <typename Fn>
 std::vector<double> on_values(const torch::Tensor& t, const char* name, Fn&& fn) {
-  TORCH_CHECK(t.device().is_cpu() && (t.is_contiguous() || (t.dim() > 0 && t.stride(-1) == 1)),
-              name, ": a CPU tensor, contiguous or with contiguous rows");
-  if (t.scalar_type() == at::kFloat) return fn(t.data_ptr<float>());
-  TORCH_CHECK(t.scalar_type() == at::kBFloat16, name, ": float32 or bfloat16");
-  return fn(reinterpret_cast<const uint16_t*>(t.data_ptr()));
+  TORCH_CHECK(t.device().is_cpu() && t.layout() == at::kStrided, name, ": a strided CPU tensor");
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, name, ": float32 or bfloat16");
+  const Walk w = walk_of(t);
+  if (!w.readable || t.numel() == 0) return {};
+  if (t.scalar_type() == at::kFloat) return fn(w, t.data_ptr<float>());
+  return fn(w, reinterpret_cast<const uint16_t*>(t.data_ptr()));
 }
 
+// [max, min, sum, sum of squares], or [] where the tensor is not read in place (see Walk).
 std::vector<double> stats4(const torch::Tensor& t) {
-  return on_values(t, "stats4", [&](auto p) { return stats_of(t, p); });
+  return on_values(t, "stats4", [&](const Walk& w, auto p) { return stats_of(w, p); });
 }
 
 // For values where stats4's sums are not finite: nan count, inf count, max and min without nan,
 // finite max and min (rare tensors: one plain pass).
 std::vector<double> extremes(const torch::Tensor& t) {
-  return on_values(t, "extremes", [&](auto p) { return extremes_of(t, p); });
+  return on_values(t, "extremes", [&](const Walk& w, auto p) { return extremes_of(w, p); });
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
