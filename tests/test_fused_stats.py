@@ -167,3 +167,51 @@ def test_layouts_without_a_contiguous_dimension_are_reduced_from_a_copy(kernel, 
     assert fused["mean"] == pytest.approx(exact.mean().item(), rel=1e-6, abs=1e-7)
     assert fused["norm"] == pytest.approx(torch.linalg.vector_norm(exact).item(), rel=1e-6)
     assert backend.tensor_stats([x])[0] == fused
+
+
+def _tensors_of_every_kind():
+    """Plain tensors the per-op path describes: OpInfo's CPU sample inputs of a range of ops
+    (every dtype they take), and the layouts and kinds a training step makes."""
+    from torch.testing._internal.common_methods_invocations import op_db
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(6, 8, generator=g)
+    param = torch.nn.Parameter(torch.randn(4, 4, generator=g))
+    special = [base, base.t(), base[:, 1:5], base[::2], base.unsqueeze(1).expand(6, 3, 8), torch.empty(0, 3),
+               torch.empty(3, 0).t(), torch.tensor(2.5), base.to(torch.bfloat16), base.to(torch.float16),
+               base.to(torch.complex64).conj(), torch.randint(0, 9, (5,)), base > 0, param, param.t(), param[1],
+               base.requires_grad_(False).clone().requires_grad_(), torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last),
+               torch.randn(4, 4).as_strided((3, 3), (1, 1)), torch.zeros(0)]
+    samples = []
+    for info in op_db[:60]:
+        for dtype in (torch.float32, torch.int64):
+            if dtype not in info.supported_dtypes("cpu"):
+                continue
+            try:
+                for sample in info.sample_inputs("cpu", dtype):
+                    samples += [v for v in (sample.input, *sample.args) if isinstance(v, torch.Tensor)]
+            except Exception:        # an OpInfo whose samples need something this build lacks
+                continue
+    return special + samples
+
+
+def test_the_cpp_describe_gives_the_python_describe(kernel, monkeypatch):
+    """The per-op facts from one C++ call (dtype, shape, stride, device, requires_grad, param,
+    the cache keys) equal the Python path's for every tensor; tensors the C++ call declines
+    (meta, wrappers) fall back to the Python path whole."""
+    assert fused_stats.describe is not None
+    tensors = _tensors_of_every_kind()
+    assert len(tensors) > 500
+    fast = [backend.describe(t) for t in tensors]
+    monkeypatch.setattr(fused_stats, "describe", None)
+    slow = [backend.describe(t) for t in tensors]
+    for t, a, b in zip(tensors, fast, slow):
+        assert a == b, (t.dtype, t.shape, t.stride())
+        assert a[1] is None or hash(a[1]) == hash(b[1])
+    declined = [torch.empty(3, device="meta"), torch.inference_mode()(lambda: torch.ones(2))(),
+                torch.sparse_coo_tensor([[0]], [1.0], (2,)).coalesce()]
+    monkeypatch.undo()
+    for t in declined:
+        assert fused_stats.describe(t) is None
+    fast = [backend.describe(t) for t in declined]
+    monkeypatch.setattr(fused_stats, "describe", None)
+    assert fast == [backend.describe(t) for t in declined]

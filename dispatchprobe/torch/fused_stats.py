@@ -1,10 +1,12 @@
 """One pass over memory for the CPU statistics of a float32 or bfloat16 tensor (max, min, sum,
 sum of squares), where torch needs three reductions: a small C++ kernel (``csrc/stats4.cpp``), built
 with torch's extension builder the first time a probe starts on a machine, by a process of its
-own (so a short run still completes the cache for the next), and kept in torch's extension cache (``TORCH_EXTENSIONS_DIR``, by default
-``~/.cache/torch_extensions``).  Until it is ready, where no C++ compiler is found, or with
-``DISPATCHPROBE_FUSED_STATS=0``, the statistics use torch's reductions; both give the same values
-to float32 rounding.
+own (so a short run still completes the cache for the next), and kept in torch's extension cache
+(``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``).  The same module reads the
+facts the per-op path records of every tensor in one call (``describe``).  Until it is ready, where
+no C++ compiler is found, or with ``DISPATCHPROBE_FUSED_STATS=0``, the statistics use torch's
+reductions and the facts are read in Python; both give the same values (the statistics to float32
+rounding).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ _lock = threading.Lock()
 _builder: threading.Thread | None = None
 stats4 = None             # the kernel: float32/bfloat16 CPU tensor (contiguous rows) -> [max, min, sum, sum of squares]
 extremes = None           # its second pass where those sums are not finite -> [nan, inf, max, min, finite max, finite min]
+describe = None           # a plain tensor's per-op facts in one call (backend.describe), or None for the Python path
 error: str | None = None  # why it could not be built
 
 
@@ -71,7 +74,7 @@ def _parallel_flags() -> list[str]:
 
 
 def _load() -> None:
-    global stats4, extremes, error
+    global stats4, extremes, describe, error
     try:
         path, name, _ = _target()
         if not path.exists():
@@ -84,7 +87,7 @@ def _load() -> None:
         spec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-        stats4, extremes = module.stats4, module.extremes
+        stats4, extremes, describe = module.stats4, module.extremes, module.describe
     except Exception as exc:          # no compiler, no ninja, a read-only cache: torch's reductions
         error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
 

@@ -140,6 +140,11 @@ def unseen_write(t: torch.Tensor) -> None:
     _unseen_writes[ptr] = _unseen_writes.get(ptr, 0) + 1
 
 
+def counts_unseen_writes() -> bool:
+    """Whether any write was counted by :func:`unseen_write` (then :func:`version` is a pair)."""
+    return bool(_unseen_writes)
+
+
 def version(t: torch.Tensor):
     """The version of ``t``'s values, for caches keyed by it: the in-place counter, and the
     writes it did not see (:func:`unseen_write`)."""

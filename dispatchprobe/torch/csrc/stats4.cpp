@@ -291,7 +291,51 @@ std::vector<double> extremes(const torch::Tensor& t) {
   return on_values(t, "extremes", [&](const Walk& w, auto p) { return extremes_of(w, p); });
 }
 
+// Whether the elements of a strided tensor fill one block of memory, without gap or overlap (a
+// permutation of dense memory): backend._fills_block's rule.
+bool fills_block(at::IntArrayRef sizes, at::IntArrayRef strides) {
+  std::vector<std::pair<int64_t, int64_t>> dims;
+  for (size_t d = 0; d < sizes.size(); ++d)
+    if (sizes[d] != 1) dims.emplace_back(strides[d], sizes[d]);
+  std::sort(dims.begin(), dims.end());
+  int64_t expected = 1;
+  for (const auto& [stride, size] : dims) {
+    if (stride != expected) return false;
+    expected *= size;
+  }
+  return true;
+}
+
+// What the per-op path reads of every tensor it records, in one call: (scalar type, shape, stride,
+// requires_grad, data pointer, version, number of elements, whether its elements fill one block).
+// None where the tensor is not plain strided memory the probe may read (no storage, a wrapper,
+// nested, an inference tensor, memory not allocated): the Python path decides those.
+py::object describe(const torch::Tensor& t) {
+  if (t.layout() != at::kStrided || !t.has_storage() || t.is_nested() || t.is_inference() ||
+      t.key_set().has(c10::DispatchKey::Functionalize))
+    return py::none();
+  const void* ptr = nullptr;
+  try {
+    ptr = t.data_ptr();
+  } catch (const c10::Error&) {
+    return py::none();
+  }
+  const int64_t n = t.numel();
+  if (ptr == nullptr && n != 0) return py::none();
+  const auto sizes = t.sizes();
+  const auto strides = t.strides();
+  py::tuple shape(sizes.size()), stride(strides.size());
+  for (size_t d = 0; d < sizes.size(); ++d) {
+    shape[d] = py::int_(sizes[d]);
+    stride[d] = py::int_(strides[d]);
+  }
+  const bool dense = n != 0 && (t.is_contiguous() || fills_block(sizes, strides));
+  return py::make_tuple(static_cast<int>(t.scalar_type()), shape, stride, t.requires_grad(),
+                        reinterpret_cast<uintptr_t>(ptr), t._version(), n, dense);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("stats4", &stats4, py::call_guard<py::gil_scoped_release>());
   m.def("extremes", &extremes, py::call_guard<py::gil_scoped_release>());
+  m.def("describe", &describe);
 }
