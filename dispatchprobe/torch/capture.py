@@ -47,7 +47,8 @@ def _in_compiled_code(fx: bool = False) -> bool:
     graph never calls a module of the user's (dynamo inlines modules; a graph break runs in the
     user's frames, outside the graph), so the graph's frames, when there are any, lie below it,
     and a deep model's stack is not walked to its root per op.  An ``aot_eager`` graph is itself a module (an FX
-    ``GraphModule``): from FX code the walk goes on to the root.  ``fx``: the caller is a module
+    ``GraphModule``): from FX code the walk goes on to the root.  A backward op stops the walk at
+    the autograd engine's entry: a compiled backward runs below it.  ``fx``: the caller is a module
     hook of an FX graph."""
     if _AOT_MODULE not in sys.modules:
         return False
@@ -60,6 +61,8 @@ def _in_compiled_code(fx: bool = False) -> bool:
         if code is _CALL_IMPL or code is _WRAPPED_CALL_IMPL:     # (hashing a code object costs more)
             if not fx:
                 return False
+        elif code is _ENGINE_RUN:
+            return False
         elif name.startswith(_FX_CODE):
             fx = True
         f = f.f_back
@@ -67,6 +70,7 @@ def _in_compiled_code(fx: bool = False) -> bool:
 
 
 _CALL_IMPL, _WRAPPED_CALL_IMPL = _module.Module._call_impl.__code__, _module.Module._wrapped_call_impl.__code__
+_ENGINE_RUN = getattr(getattr(torch.autograd.graph, "_engine_run_backward", None), "__code__", None)
 _FX_CODE = ("<eval_with_key>", os.path.join(torch.__path__[0], "fx", ""))
 
 
