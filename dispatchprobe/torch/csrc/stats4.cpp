@@ -15,6 +15,7 @@
 namespace {
 constexpr int kLanes = 64;          // float32 lanes: four vectors of kVector
 constexpr int kVector = 16;         // float32 values per vector (one AVX-512 register, two AVX2 ones)
+constexpr int kVectors = kLanes / kVector;
 constexpr int64_t kBlock = 1024;
 constexpr int64_t kGrain = 1 << 15;       // values per chunk
 // chunks per thread: a tensor over 64K values is read by torch's intra-op threads, each from the part
@@ -75,130 +76,194 @@ void each_row(const T* p, int64_t r0, int64_t r1, at::IntArrayRef sizes, at::Int
   }
 }
 
-// The statistics of rows r0..r1 (each_row).  Running max/min and float32 sums in kVectors independent
-// vectors (one vector would make each add wait for the last), the sums moved into double lanes every
-// kBlock values: the same arithmetic whether the values come in one run or in many short rows, whose
-// accumulators stay in registers from row to row.
-template <typename T>
-Partial rows(const T* p, int64_t r0, int64_t r1, at::IntArrayRef sizes, at::IntArrayRef strides, int64_t width) {
-  constexpr int kVectors = kLanes / kVector;
-  Vec hi[kVectors], lo[kVectors], s[kVectors], q[kVectors];
-  for (int k = 0; k < kVectors; ++k) {
-    hi[k] = Vec{} - INFINITY;
-    lo[k] = Vec{} + INFINITY;
-    s[k] = q[k] = Vec{};
-  }
-  Wide ws{}, wq{};
-  double sum = 0, squares = 0;                 // the values after the last whole vector of a row
-  float th = -INFINITY, tl = INFINITY;
-  int64_t pending = 0;                          // values in s/q since they were moved into ws/wq
-  auto fold = [&] {
-    Vec a = s[0], b = q[0];
-    for (int k = 1; k < kVectors; ++k) { a += s[k]; b += q[k]; s[k] = q[k] = Vec{}; }
-    s[0] = q[0] = Vec{};
-    ws += __builtin_convertvector(a, Wide);
-    wq += __builtin_convertvector(b, Wide);
-    pending = 0;
-  };
-  auto step = [&](const Vec v, int k) {
-    hi[k] = v > hi[k] ? v : hi[k];
-    lo[k] = v < lo[k] ? v : lo[k];
-    s[k] += v;
-    q[k] += v * v;
-  };
+// Reads rows r0..r1 (each_row) into an accumulator in kVectors independent vectors (one vector would
+// make each step wait for the last), folded every kBlock values: the same arithmetic whether the
+// values come in one run or in many short rows, the accumulator's vectors held in registers from
+// row to row.  The values after a row's last whole vector go to acc.scalar.
+template <typename Acc, typename T>
+typename Acc::Result rows(const T* p, int64_t r0, int64_t r1, at::IntArrayRef sizes, at::IntArrayRef strides,
+                          int64_t width) {
+  Acc acc;
+  int64_t pending = 0;                          // values stepped since the last fold
   each_row(p, r0, r1, sizes, strides, width, [&](const T* row, int64_t n) {
     int64_t i = 0;
     while (i + kVector <= n) {
       const int64_t end = i + std::min(kBlock - pending, (n - i) / kVector * kVector);
       pending += end - i;
       for (; i + kLanes <= end; i += kLanes)
-        for (int k = 0; k < kVectors; ++k) step(load(row + i + k * kVector), k);
-      for (int k = 0; i < end; i += kVector, ++k) step(load(row + i), k);
-      if (pending >= kBlock) fold();
+        for (int k = 0; k < kVectors; ++k) acc.step(load(row + i + k * kVector), k);
+      for (int k = 0; i < end; i += kVector, ++k) acc.step(load(row + i), k);
+      if (pending >= kBlock) {
+        acc.fold();
+        pending = 0;
+      }
     }
-    for (; i < n; ++i) {
-      const float v = value(row, i);
-      th = v > th ? v : th;
-      tl = v < tl ? v : tl;
-      sum += v;
-      squares += static_cast<double>(v) * v;
-    }
+    for (; i < n; ++i) acc.scalar(value(row, i));
   });
-  fold();
-  Partial out;
-  out.sum = sum;
-  out.squares = squares;
-  out.hi = th;
-  out.lo = tl;
-  for (int m = 0; m < kVector; ++m) {
-    out.sum += ws[m];
-    out.squares += wq[m];
-    for (int k = 0; k < kVectors; ++k) {
-      out.hi = std::max(out.hi, hi[k][m]);
-      out.lo = std::min(out.lo, lo[k][m]);
-    }
-  }
-  return out;
+  acc.fold();
+  return acc.done();
 }
 
+inline Vec fill(float v) { return Vec{} + v; }
+
+// max, min, sum and sum of squares: float32 sums per block, moved into double lanes.
+struct Sums {
+  using Result = Partial;
+  Vec hi[kVectors], lo[kVectors], s[kVectors], q[kVectors];
+  Wide ws{}, wq{};
+  double sum = 0, squares = 0;
+  float th = -INFINITY, tl = INFINITY;
+
+  Sums() {
+    for (int k = 0; k < kVectors; ++k) { hi[k] = fill(-INFINITY); lo[k] = fill(INFINITY); s[k] = q[k] = Vec{}; }
+  }
+  void step(const Vec v, int k) {
+    hi[k] = v > hi[k] ? v : hi[k];               // nan compares false: never kept
+    lo[k] = v < lo[k] ? v : lo[k];
+    s[k] += v;
+    q[k] += v * v;
+  }
+  void scalar(float v) {
+    th = v > th ? v : th;
+    tl = v < tl ? v : tl;
+    sum += v;
+    squares += static_cast<double>(v) * v;
+  }
+  void fold() {
+    Vec a = s[0], b = q[0];
+    for (int k = 1; k < kVectors; ++k) { a += s[k]; b += q[k]; }
+    for (int k = 0; k < kVectors; ++k) s[k] = q[k] = Vec{};
+    ws += __builtin_convertvector(a, Wide);
+    wq += __builtin_convertvector(b, Wide);
+  }
+  Partial done() const {
+    Partial out;
+    out.sum = sum;
+    out.squares = squares;
+    out.hi = th;
+    out.lo = tl;
+    for (int m = 0; m < kVector; ++m) {
+      out.sum += ws[m];
+      out.squares += wq[m];
+      for (int k = 0; k < kVectors; ++k) {
+        out.hi = std::max(out.hi, hi[k][m]);
+        out.lo = std::min(out.lo, lo[k][m]);
+      }
+    }
+    return out;
+  }
+  static Partial merge(const std::vector<Partial>& parts) {
+    Partial all;
+    for (const auto& part : parts) {
+      all.hi = std::max(all.hi, part.hi);
+      all.lo = std::min(all.lo, part.lo);
+      all.sum += part.sum;
+      all.squares += part.squares;
+    }
+    return all;
+  }
+};
+
 // Values holding inf or nan: their counts, max and min without nan (inf kept), finite max and min.
-struct Extremes {
+struct ExtremesPartial {
   double nan = 0, inf = 0;
   float hi = -INFINITY, lo = INFINITY, fhi = -INFINITY, flo = INFINITY;
+};
 
-  template <typename T>
-  void add(const T* p, int64_t n) {
-    for (int64_t i = 0; i < n; ++i) {
-      const float v = value(p, i);
-      if (v != v) { nan += 1; continue; }
-      hi = v > hi ? v : hi;
-      lo = v < lo ? v : lo;
-      if (std::isinf(v)) { inf += 1; continue; }
-      fhi = v > fhi ? v : fhi;
-      flo = v < flo ? v : flo;
+struct Extremes {
+  using Result = ExtremesPartial;
+  Vec hi[kVectors], lo[kVectors], fhi[kVectors], flo[kVectors], nan[kVectors], inf[kVectors];
+  Wide wn{}, wi{};
+  ExtremesPartial tail;
+
+  Extremes() {
+    for (int k = 0; k < kVectors; ++k) {
+      hi[k] = fhi[k] = fill(-INFINITY);
+      lo[k] = flo[k] = fill(INFINITY);
+      nan[k] = inf[k] = Vec{};
     }
+  }
+  void step(const Vec v, int k) {
+    const Vec a = v < 0 ? -v : v;
+    const auto finite = a < INFINITY;                    // false for inf and nan
+    hi[k] = v > hi[k] ? v : hi[k];
+    lo[k] = v < lo[k] ? v : lo[k];
+    fhi[k] = (finite & (v > fhi[k])) ? v : fhi[k];
+    flo[k] = (finite & (v < flo[k])) ? v : flo[k];
+    nan[k] -= __builtin_convertvector(v != v, Vec);      // a true comparison is -1
+    inf[k] -= __builtin_convertvector(a == INFINITY, Vec);
+  }
+  void scalar(float v) {
+    if (v != v) { tail.nan += 1; return; }
+    tail.hi = v > tail.hi ? v : tail.hi;
+    tail.lo = v < tail.lo ? v : tail.lo;
+    if (std::isinf(v)) { tail.inf += 1; return; }
+    tail.fhi = v > tail.fhi ? v : tail.fhi;
+    tail.flo = v < tail.flo ? v : tail.flo;
+  }
+  void fold() {                                          // counts of at most kBlock: exact in float32
+    Vec n = nan[0], i = inf[0];
+    for (int k = 1; k < kVectors; ++k) { n += nan[k]; i += inf[k]; }
+    for (int k = 0; k < kVectors; ++k) nan[k] = inf[k] = Vec{};
+    wn += __builtin_convertvector(n, Wide);
+    wi += __builtin_convertvector(i, Wide);
+  }
+  ExtremesPartial done() const {
+    ExtremesPartial out = tail;
+    for (int m = 0; m < kVector; ++m) {
+      out.nan += wn[m];
+      out.inf += wi[m];
+      for (int k = 0; k < kVectors; ++k) {
+        out.hi = std::max(out.hi, hi[k][m]);
+        out.lo = std::min(out.lo, lo[k][m]);
+        out.fhi = std::max(out.fhi, fhi[k][m]);
+        out.flo = std::min(out.flo, flo[k][m]);
+      }
+    }
+    return out;
+  }
+  static ExtremesPartial merge(const std::vector<ExtremesPartial>& parts) {
+    ExtremesPartial all;
+    for (const auto& part : parts) {
+      all.nan += part.nan;
+      all.inf += part.inf;
+      all.hi = std::max(all.hi, part.hi);
+      all.lo = std::min(all.lo, part.lo);
+      all.fhi = std::max(all.fhi, part.fhi);
+      all.flo = std::min(all.flo, part.flo);
+    }
+    return all;
   }
 };
 
 }  // namespace
 
-Partial combine(const std::vector<Partial>& parts) {
-  Partial all;
-  for (const auto& part : parts) {
-    all.hi = std::max(all.hi, part.hi);
-    all.lo = std::min(all.lo, part.lo);
-    all.sum += part.sum;
-    all.squares += part.squares;
-  }
-  return all;
-}
-
-template <typename T>
-Partial run(const T* p, int64_t n) {
+template <typename Acc, typename T>
+typename Acc::Result run(const T* p, int64_t n) {
   const int64_t chunks = (n + kGrain - 1) / kGrain;
-  std::vector<Partial> parts(chunks);
+  std::vector<typename Acc::Result> parts(chunks);
   at::parallel_for(0, chunks, kChunksPerThread, [&](int64_t b, int64_t e) {
     for (int64_t c = b; c < e; ++c) {
       const int64_t begin = c * kGrain;
-      parts[c] = rows(p + begin, 0, 1, at::IntArrayRef{}, at::IntArrayRef{}, std::min(n, begin + kGrain) - begin);
+      parts[c] = rows<Acc>(p + begin, 0, 1, at::IntArrayRef{}, at::IntArrayRef{}, std::min(n, begin + kGrain) - begin);
     }
   });
-  return combine(parts);
+  return Acc::merge(parts);
 }
 
-template <typename T>
-Partial run_rows(const T* p, at::IntArrayRef sizes, at::IntArrayRef strides) {
+template <typename Acc, typename T>
+typename Acc::Result run_rows(const T* p, at::IntArrayRef sizes, at::IntArrayRef strides) {
   const int64_t dims = sizes.size(), width = sizes[dims - 1];
   int64_t count = 1;
   for (int64_t d = 0; d + 1 < dims; ++d) count *= sizes[d];
   const int64_t per_chunk = std::max<int64_t>(1, kGrain / std::max<int64_t>(width, 1));
   const int64_t chunks = (count + per_chunk - 1) / per_chunk;
-  std::vector<Partial> parts(chunks);
+  std::vector<typename Acc::Result> parts(chunks);
   at::parallel_for(0, chunks, kChunksPerThread, [&](int64_t b, int64_t e) {
     for (int64_t c = b; c < e; ++c)
-      parts[c] = rows(p, c * per_chunk, std::min(count, (c + 1) * per_chunk), sizes, strides, width);
+      parts[c] = rows<Acc>(p, c * per_chunk, std::min(count, (c + 1) * per_chunk), sizes, strides, width);
   });
-  return combine(parts);
+  return Acc::merge(parts);
 }
 
 // How the kernel walks a tensor's memory: each distinct element once.  Dimensions of size 1 are
@@ -252,19 +317,20 @@ Walk walk_of(const torch::Tensor& t) {
   return w;
 }
 
+template <typename Acc, typename T>
+typename Acc::Result walk(const Walk& w, const T* p) {
+  return w.flat ? run<Acc>(p, w.count) : run_rows<Acc>(p, w.sizes, w.strides);
+}
+
 template <typename T>
 std::vector<double> stats_of(const Walk& w, const T* p) {
-  const Partial all = w.flat ? run(p, w.count) : run_rows(p, w.sizes, w.strides);
+  const Partial all = walk<Sums>(w, p);
   return {all.hi, all.lo, all.sum * w.repeat, all.squares * w.repeat};
 }
 
 template <typename T>
 std::vector<double> extremes_of(const Walk& w, const T* p) {
-  const int64_t width = w.flat ? w.count : w.sizes.back();
-  const int64_t rows = w.flat ? 1 : w.count / std::max<int64_t>(width, 1);
-  Extremes all;
-  each_row(p, 0, rows, w.flat ? at::IntArrayRef{} : at::IntArrayRef(w.sizes),
-           w.flat ? at::IntArrayRef{} : at::IntArrayRef(w.strides), width, [&](const T* row, int64_t n) { all.add(row, n); });
+  const ExtremesPartial all = walk<Extremes>(w, p);
   return {all.nan * w.repeat, all.inf * w.repeat, all.hi, all.lo, all.fhi, all.flo};
 }
 
