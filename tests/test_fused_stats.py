@@ -170,28 +170,26 @@ def test_layouts_without_a_contiguous_dimension_are_reduced_from_a_copy(kernel, 
 
 
 def _tensors_of_every_kind():
-    """Plain tensors the per-op path describes: OpInfo's CPU sample inputs of a range of ops
-    (every dtype they take), and the layouts and kinds a training step makes."""
-    from torch.testing._internal.common_methods_invocations import op_db
+    """Plain tensors the per-op path describes: every dtype in every layout a training step
+    makes (contiguous, transposed, sliced, expanded, channels-last, overlapping, conjugate and
+    negative views, 0-d, empty), leaves requiring grad, parameters and their views."""
     g = torch.Generator().manual_seed(0)
-    base = torch.randn(6, 8, generator=g)
+    dtypes = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.int64,
+              torch.int32, torch.int8, torch.uint8, torch.bool]
+    layouts = [lambda x: x, lambda x: x.t(), lambda x: x[:, 1:5], lambda x: x[::2], lambda x: x[1],
+               lambda x: x.unsqueeze(1).expand(6, 3, 8), lambda x: x[:0], lambda x: x[2, 3],
+               lambda x: x.reshape(2, 3, 2, 4).permute(0, 2, 3, 1),
+               lambda x: x.reshape(1, 6, 2, 4).contiguous(memory_format=torch.channels_last),
+               lambda x: x.flatten().as_strided((3, 3), (1, 1))]
+    tensors = []
+    for dtype in dtypes:
+        base = (torch.randn(6, 8, generator=g) * 10).to(dtype)
+        tensors += [layout(base) for layout in layouts]
+    complex_base = torch.randn(6, 8, dtype=torch.complex64, generator=g)
     param = torch.nn.Parameter(torch.randn(4, 4, generator=g))
-    special = [base, base.t(), base[:, 1:5], base[::2], base.unsqueeze(1).expand(6, 3, 8), torch.empty(0, 3),
-               torch.empty(3, 0).t(), torch.tensor(2.5), base.to(torch.bfloat16), base.to(torch.float16),
-               base.to(torch.complex64).conj(), torch.randint(0, 9, (5,)), base > 0, param, param.t(), param[1],
-               base.requires_grad_(False).clone().requires_grad_(), torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last),
-               torch.randn(4, 4).as_strided((3, 3), (1, 1)), torch.zeros(0)]
-    samples = []
-    for info in op_db[:60]:
-        for dtype in (torch.float32, torch.int64):
-            if dtype not in info.supported_dtypes("cpu"):
-                continue
-            try:
-                for sample in info.sample_inputs("cpu", dtype):
-                    samples += [v for v in (sample.input, *sample.args) if isinstance(v, torch.Tensor)]
-            except Exception:        # an OpInfo whose samples need something this build lacks
-                continue
-    return special + samples
+    tensors += [complex_base.conj(), torch.randn(6, 8, generator=g).neg().t(), torch.tensor(2.5),
+                torch.randn(3, 4, generator=g).requires_grad_(), param, param.t(), param[1], torch.zeros(0)]
+    return tensors
 
 
 def test_the_cpp_describe_gives_the_python_describe(kernel, monkeypatch):
@@ -200,7 +198,7 @@ def test_the_cpp_describe_gives_the_python_describe(kernel, monkeypatch):
     (meta, wrappers) fall back to the Python path whole."""
     assert fused_stats.describe is not None
     tensors = _tensors_of_every_kind()
-    assert len(tensors) > 500
+    assert sum(fused_stats.describe(t) is not None for t in tensors) > 100      # taken by the C++ call
     fast = [backend.describe(t) for t in tensors]
     monkeypatch.setattr(fused_stats, "describe", None)
     slow = [backend.describe(t) for t in tensors]
