@@ -25,6 +25,13 @@ constexpr int64_t kChunksPerThread = 2;
 struct Partial {
   float hi = -INFINITY, lo = INFINITY;
   double sum = 0, squares = 0;
+
+  void add(const Partial& o) {
+    hi = std::max(hi, o.hi);
+    lo = std::min(lo, o.lo);
+    sum += o.sum;
+    squares += o.squares;
+  }
 };
 
 inline float value(const float* p, int64_t i) { return p[i]; }
@@ -188,22 +195,21 @@ struct Sums {
     }
     return out;
   }
-  static Partial merge(const std::vector<Partial>& parts) {
-    Partial all;
-    for (const auto& part : parts) {
-      all.hi = std::max(all.hi, part.hi);
-      all.lo = std::min(all.lo, part.lo);
-      all.sum += part.sum;
-      all.squares += part.squares;
-    }
-    return all;
-  }
 };
 
 // Values holding inf or nan: their counts, max and min without nan (inf kept), finite max and min.
 struct ExtremesPartial {
   double nan = 0, inf = 0;
   float hi = -INFINITY, lo = INFINITY, fhi = -INFINITY, flo = INFINITY;
+
+  void add(const ExtremesPartial& o) {
+    nan += o.nan;
+    inf += o.inf;
+    hi = std::max(hi, o.hi);
+    lo = std::min(lo, o.lo);
+    fhi = std::max(fhi, o.fhi);
+    flo = std::min(flo, o.flo);
+  }
 };
 
 struct Extremes {
@@ -258,19 +264,14 @@ struct Extremes {
     }
     return out;
   }
-  static ExtremesPartial merge(const std::vector<ExtremesPartial>& parts) {
-    ExtremesPartial all;
-    for (const auto& part : parts) {
-      all.nan += part.nan;
-      all.inf += part.inf;
-      all.hi = std::max(all.hi, part.hi);
-      all.lo = std::min(all.lo, part.lo);
-      all.fhi = std::max(all.fhi, part.fhi);
-      all.flo = std::min(all.flo, part.flo);
-    }
-    return all;
-  }
 };
+
+template <typename R>
+R merged(const std::vector<R>& parts) {
+  R all;
+  for (const auto& part : parts) all.add(part);
+  return all;
+}
 
 }  // namespace
 
@@ -284,7 +285,7 @@ typename Acc::Result run(const T* p, int64_t n) {
       parts[c] = rows<Acc>(p + begin, 0, 1, at::IntArrayRef{}, at::IntArrayRef{}, std::min(n, begin + kGrain) - begin);
     }
   });
-  return Acc::merge(parts);
+  return merged(parts);
 }
 
 template <typename Acc, typename T>
@@ -299,7 +300,7 @@ typename Acc::Result run_rows(const T* p, at::IntArrayRef sizes, at::IntArrayRef
     for (int64_t c = b; c < e; ++c)
       parts[c] = rows<Acc>(p, c * per_chunk, std::min(count, (c + 1) * per_chunk), sizes, strides, width);
   });
-  return Acc::merge(parts);
+  return merged(parts);
 }
 
 // How the kernel walks a tensor's memory: each distinct element once.  Dimensions of size 1 are
