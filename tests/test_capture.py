@@ -429,3 +429,45 @@ def test_a_compiled_submodule_inside_an_eager_model_is_left_to_its_graph(tmp_pat
     assert ("aten.addmm.default", "Sequential.0") in forward and ("aten.addmm.default", "Sequential.2") in forward
     assert not [op for op, _ in forward if op.startswith("aten.tanh")]
     assert sum(op == "aten.addmm.default" for op, _ in forward) == 2
+
+
+@pytest.mark.parametrize("where", ["optimizer step", "module call"])
+def test_a_probe_collected_inside_torchs_hook_loops_leaves_training_running(tmp_path, where):
+    """A probe dropped unclosed (a notebook cell) and collected by a garbage collection that runs
+    inside an optimizer step's global hooks (removing its hooks there stopped training with
+    "OrderedDict mutated during iteration"), or inside a module's forward hooks (where the probe
+    keeps its own exit hook last): the step completes, and nothing of the dropped probe stays
+    installed once another probe starts."""
+    import gc
+
+    from torch.optim import optimizer as torch_optimizer
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    before = (dict(torch_optimizer._global_optimizer_pre_hooks), dict(torch_optimizer._global_optimizer_post_hooks))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    collect = lambda *args: gc.collect() and None     # noqa: E731
+    gc.disable()                     # the one collection: inside the loop
+    try:
+        handle = register_optimizer_step_post_hook(collect) if where == "optimizer step" \
+            else model[0].register_forward_hook(collect)
+        dropped = DispatchProbe(task="statistics", dump_path=str(tmp_path / "dropped"))
+        with dropped:
+            model(torch.randn(3, 4)).sum().backward()
+        assert where == "optimizer step" or len(model[0]._forward_hooks) == 2    # the user's, the probe's exit
+        cycle = [dropped]
+        cycle.append(cycle)          # reachable only through a cycle: freed by a collection
+        del dropped, cycle
+        model(torch.randn(3, 4)).sum().backward()
+        opt.step()
+        handle.remove()
+    finally:
+        gc.enable()
+    live = DispatchProbe(task="statistics", dump_path=str(tmp_path / "live"))
+    with live:
+        model(torch.randn(3, 4)).sum().backward()
+    live.close()
+    assert (dict(torch_optimizer._global_optimizer_pre_hooks),
+            dict(torch_optimizer._global_optimizer_post_hooks)) == before
+    assert not model[0]._forward_hooks and not model[1]._forward_hooks

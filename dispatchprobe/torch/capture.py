@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves
 
 from . import backend as torch_backend
-from . import collectives, fused_stats, ops, tensor_kinds
+from . import collectives, fused_stats, hooks, ops, tensor_kinds
 from ..core.config import ConfigError
 from ..core.session import ProbeSession
 
@@ -534,9 +534,10 @@ class _ModuleScopes:
         return name
 
     def install(self) -> None:
+        hooks.remove_collected()
         if self._holds is None or not self._holds.alive:
             _HOOKS.acquire()
-            self._holds = weakref.finalize(self.probe, _HOOKS.release)
+            self._holds = hooks.remove_when_collected(self.probe, _HOOKS.release)
         _HOOKS.add(self)
 
     def uninstall(self) -> None:
@@ -551,6 +552,7 @@ class _ModuleScopes:
         self.uninstall()
         if self._holds is not None:
             self._holds()           # once: a finalizer runs at most once
+            hooks.remove_collected()
 
     # ---- forward --------------------------------------------------------------------------------
     def enter(self, mod, args) -> None:
@@ -641,11 +643,11 @@ class TorchSession(ProbeSession):
             session = ref()
             if session is not None:
                 session._parameters(optimizer, "value")
+        hooks.remove_collected()
         self._stepping_hook = register_optimizer_step_pre_hook(stepping)
         self._stepped_hook = register_optimizer_step_post_hook(stepped)
         # a probe never closed (a notebook cell, an exception) leaves no hook behind once collected
-        weakref.finalize(self, self._stepping_hook.remove)
-        weakref.finalize(self, self._stepped_hook.remove)
+        hooks.remove_when_collected(self, self._stepping_hook.remove, self._stepped_hook.remove)
 
     def close(self) -> None:
         try:
@@ -653,6 +655,7 @@ class TorchSession(ProbeSession):
         finally:
             self._stepping_hook.remove()
             self._stepped_hook.remove()
+            hooks.remove_collected()
 
     def _parameters(self, optimizer, what: str) -> None:
         """Recording tasks: each parameter's gradient (``what="grad"``, before the step) or value
@@ -692,7 +695,7 @@ class TorchSession(ProbeSession):
             if session is not None:
                 session.optimizer_stepped(optimizer)
         self._optimizer_hook = register_optimizer_step_post_hook(stepped)
-        weakref.finalize(self, self._optimizer_hook.remove)
+        hooks.remove_when_collected(self, self._optimizer_hook.remove)
 
     def _unfollow_optimizer(self) -> None:
         self._optimizer_hook.remove()

@@ -19,7 +19,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..core.grad_probe import grad_record, has_signs, md5_of, measures
-from . import fused_stats
+from . import fused_stats, hooks
 from .parameters import ParamGrad, named_gradients, parameter_names, placement_of
 
 _NUMPY_FLOATS = (torch.float32, torch.float64, torch.float16)
@@ -143,8 +143,9 @@ class GradReader:
             reader = ref()
             if reader is not None:
                 reader.on_step(optimizer)
+        hooks.remove_collected()
         self._hook = register_optimizer_step_pre_hook(pre_step)
-        weakref.finalize(self, self._hook.remove)     # a probe never closed leaves no hook behind
+        hooks.remove_when_collected(self, self._hook.remove)     # a probe never closed leaves no hook behind
 
     def remove(self) -> None:
         self._hook.remove()
