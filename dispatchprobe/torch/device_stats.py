@@ -4,14 +4,11 @@ the devices Triton compiles for (CUDA, ROCm, XPU) when the ``triton`` package to
 importable. Elsewhere, or with ``DISPATCHPROBE_FUSED_STATS=0``, :func:`row` returns None and the
 caller uses torch's reductions.
 
-Each program of the launch reduces a chunk of the values into a partial row of 8 (max and min
-without nan, finite max and min, sum, sum of squares, nan and inf counts), in float64; the partials
-stay on the device until the recorder reads a batch of them with one host sync, and are combined
-there, in order (:func:`dispatchprobe.standards.statistics.row_from_partials`), so a tensor's row
-is the same on every run and no second launch finishes it.  A tensor is split into up to 64
-chunks of at least 4096 values: enough programs to keep the device's multiprocessors busy (one
-program loops over its chunk, so a few programs over a large tensor would keep the stream waiting
-on them and the host waiting to launch), few enough partial rows to combine on the host.
+Each program of the launch reduces 65536 values into a partial row of 8 (max and min without nan,
+finite max and min, sum, sum of squares, nan and inf counts), in float64; the partials stay on the
+device until the recorder reads a batch of them with one host sync, and are combined there, in
+order (:func:`dispatchprobe.standards.statistics.row_from_partials`), so a tensor's row is the same
+on every run and no second launch finishes it.
 """
 
 from __future__ import annotations
@@ -23,9 +20,8 @@ import os
 import torch
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-_BLOCK = 1024                 # values one step of a program reads
-_MIN_CHUNK = 4 * _BLOCK       # values one program reduces into a partial row, at least ...
-_MAX_PROGRAMS = 64            # ... and the most partial rows of a tensor
+_ONE_PROGRAM = 1 << 16        # elements one program reduces into a partial row
+_BLOCK = 1024
 
 
 @functools.lru_cache(maxsize=None)
@@ -47,7 +43,7 @@ def available(t: torch.Tensor) -> bool:
 
 def row(x: torch.Tensor) -> torch.Tensor | None:
     """The float64 partial rows of ``x`` (a non-empty tensor on an accelerator) on its device, one
-    row of 8 per chunk (:func:`chunk_of`), or None when the kernel cannot take it (the caller then uses
+    row of 8 per 65536 values, or None when the kernel cannot take it (the caller then uses
     torch's reductions)."""
     if not available(x):
         return None
@@ -59,16 +55,9 @@ def launch(x: torch.Tensor) -> torch.Tensor:
     if not x.is_contiguous():
         x = x.contiguous()            # one copy; the reduction itself stays one pass
     n = x.numel()
-    chunk = chunk_of(n)
-    parts = -(-n // chunk)
+    parts = -(-n // _ONE_PROGRAM)
     out = torch.empty((parts, 8), dtype=torch.float64, device=x.device)
     switch = x.device.type == "cuda" and x.device.index != torch.cuda.current_device()
     with torch.cuda.device(x.device) if switch else contextlib.nullcontext():
-        _kernels()[(parts,)](x, out, n, chunk, BLOCK=_BLOCK)
+        _kernels()[(parts,)](x, out, n, _ONE_PROGRAM, BLOCK=_BLOCK)
     return out
-
-
-def chunk_of(n: int) -> int:
-    """The values one program reduces, for a tensor of ``n``: a whole number of steps."""
-    chunk = max(_MIN_CHUNK, -(-n // _MAX_PROGRAMS))
-    return -(-chunk // _BLOCK) * _BLOCK
