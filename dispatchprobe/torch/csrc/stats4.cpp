@@ -149,6 +149,14 @@ typename Acc::Result rows(const T* p, int64_t r0, int64_t r1, at::IntArrayRef si
 
 inline Vec fill(float v) { return Vec{} + v; }
 
+// Adds the kVectors float32 vectors of a block into double lanes and clears them.
+inline void fold_into(Vec* v, Wide& into) {
+  Vec all = v[0];
+  for (int k = 1; k < kVectors; ++k) all += v[k];
+  for (int k = 0; k < kVectors; ++k) v[k] = Vec{};
+  into += __builtin_convertvector(all, Wide);
+}
+
 // max, min, sum and sum of squares: float32 sums per block, moved into double lanes.
 struct Sums {
   using Result = Partial;
@@ -173,26 +181,13 @@ struct Sums {
     squares += static_cast<double>(v) * v;
   }
   void fold() {
-    Vec a = s[0], b = q[0];
-    for (int k = 1; k < kVectors; ++k) { a += s[k]; b += q[k]; }
-    for (int k = 0; k < kVectors; ++k) s[k] = q[k] = Vec{};
-    ws += __builtin_convertvector(a, Wide);
-    wq += __builtin_convertvector(b, Wide);
+    fold_into(s, ws);
+    fold_into(q, wq);
   }
   Partial done() const {
-    Partial out;
-    out.sum = sum;
-    out.squares = squares;
-    out.hi = th;
-    out.lo = tl;
-    for (int m = 0; m < kVector; ++m) {
-      out.sum += ws[m];
-      out.squares += wq[m];
-      for (int k = 0; k < kVectors; ++k) {
-        out.hi = std::max(out.hi, hi[k][m]);
-        out.lo = std::min(out.lo, lo[k][m]);
-      }
-    }
+    Partial out{th, tl, sum, squares};
+    for (int m = 0; m < kVector; ++m)
+      for (int k = 0; k < kVectors; ++k) out.add({hi[k][m], lo[k][m], k ? 0 : ws[m], k ? 0 : wq[m]});
     return out;
   }
 };
@@ -244,24 +239,14 @@ struct Extremes {
     tail.flo = v < tail.flo ? v : tail.flo;
   }
   void fold() {                                          // counts of at most kBlock: exact in float32
-    Vec n = nan[0], i = inf[0];
-    for (int k = 1; k < kVectors; ++k) { n += nan[k]; i += inf[k]; }
-    for (int k = 0; k < kVectors; ++k) nan[k] = inf[k] = Vec{};
-    wn += __builtin_convertvector(n, Wide);
-    wi += __builtin_convertvector(i, Wide);
+    fold_into(nan, wn);
+    fold_into(inf, wi);
   }
   ExtremesPartial done() const {
     ExtremesPartial out = tail;
-    for (int m = 0; m < kVector; ++m) {
-      out.nan += wn[m];
-      out.inf += wi[m];
-      for (int k = 0; k < kVectors; ++k) {
-        out.hi = std::max(out.hi, hi[k][m]);
-        out.lo = std::min(out.lo, lo[k][m]);
-        out.fhi = std::max(out.fhi, fhi[k][m]);
-        out.flo = std::min(out.flo, flo[k][m]);
-      }
-    }
+    for (int m = 0; m < kVector; ++m)
+      for (int k = 0; k < kVectors; ++k)
+        out.add({k ? 0 : wn[m], k ? 0 : wi[m], hi[k][m], lo[k][m], fhi[k][m], flo[k][m]});
     return out;
   }
 };
