@@ -291,8 +291,8 @@ def device_stats_row(t: torch.Tensor) -> torch.Tensor:
     once): one kernel launch where :mod:`.device_stats` can take the tensor (partial rows, combined
     when read), else torch's reductions (max, min, sum, L2 norm, nan count, inf count: a float64
     vector)."""
-    with torch.no_grad():
-        values = tensor_kinds.values(t).detach()
+    with NoGrad():        # nothing here is differentiated: no detach, no decorator machinery
+        values = tensor_kinds.values(t)
         fused = device_stats.row(values)
         return fused if fused is not None else torch_stats_row(values)
 

@@ -13,7 +13,6 @@ on every run and no second launch finishes it.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 
@@ -38,7 +37,7 @@ def _kernels():
 
 def available(t: torch.Tensor) -> bool:
     """Whether :func:`row` can reduce ``t`` (device, dtype, layout)."""
-    return t.device.type in ("cuda", "xpu") and t.dtype in _DTYPES and _kernels() is not None
+    return t.dtype in _DTYPES and t.device.type in ("cuda", "xpu") and _kernels() is not None
 
 
 def row(x: torch.Tensor) -> torch.Tensor | None:
@@ -56,8 +55,17 @@ def launch(x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()            # one copy; the reduction itself stays one pass
     n = x.numel()
     parts = -(-n // _ONE_PROGRAM)
-    out = torch.empty((parts, 8), dtype=torch.float64, device=x.device)
-    switch = x.device.type == "cuda" and x.device.index != torch.cuda.current_device()
-    with torch.cuda.device(x.device) if switch else contextlib.nullcontext():
-        _kernels()[(parts,)](x, out, n, _ONE_PROGRAM, BLOCK=_BLOCK)
+    device = x.device
+    out = torch.empty((parts, 8), dtype=torch.float64, device=device)
+    kernel = _kernels()[(parts,)]
+    if device.type == "cuda" and _cuda_devices() > 1 and device.index != torch.cuda.current_device():
+        with torch.cuda.device(device):          # Triton launches on the current device
+            kernel(x, out, n, _ONE_PROGRAM, BLOCK=_BLOCK)
+    else:
+        kernel(x, out, n, _ONE_PROGRAM, BLOCK=_BLOCK)
     return out
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_devices() -> int:
+    return torch.cuda.device_count()
