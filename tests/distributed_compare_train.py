@@ -20,7 +20,7 @@ import sys
 import torch
 
 from dispatchprobe import DispatchProbe
-from parallel_models import MLP, parallelize
+from parallel_models import MLP, parallelize, run_and_end
 
 STEPS = 2
 BATCH = 8
@@ -72,4 +72,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_and_end(main)

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from dispatchprobe import DispatchProbe
-from parallel_models import MLP, RootMLP, parallelize
+from parallel_models import MLP, RootMLP, parallelize, run_and_end
 
 TASKS = {
     "statistics": {},
@@ -93,4 +93,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_and_end(main)

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from dispatchprobe import DispatchProbe
-from parallel_models import RootMLP, parallelize
+from parallel_models import RootMLP, parallelize, run_and_end
 
 STEPS = 3
 
@@ -70,4 +70,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_and_end(main)

@@ -1,6 +1,10 @@
-"""The small models the torchrun training scripts share, and how each parallelism wraps them."""
+"""The small models the torchrun training scripts share, how each parallelism wraps them, and how
+a script ends."""
 
 from __future__ import annotations
+
+import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -47,3 +51,16 @@ def parallelize(model: nn.Module, kind: str, mesh=None) -> nn.Module:
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
         return parallelize_module(model, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
     return model
+
+
+def run_and_end(main) -> None:
+    """Run a torchrun script's ``main`` (which closes its probes, writes its results and destroys
+    the process group), then end the process without torch's C++ teardown: after gloo and DTensor
+    were used, that teardown sometimes aborts a rank whose work is done ("terminate called without
+    an active exception", no Python frame left), measured without any probe too (1 run in 30 of
+    plain tensor-parallel training on a loaded 2-core machine).  The tests judge the scripts'
+    records and results, which are on disk by then; an exception still fails the run."""
+    main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
