@@ -55,16 +55,7 @@ def describe(t: torch.Tensor) -> tuple:
     dtype, device, shape = t.dtype, t.device, t.shape
     readable = tensor_kinds.readable(t)
     stride = t.stride() if readable or t.layout is _STRIDED else None
-    meta = {
-        "type": "tensor",
-        "dtype": _DTYPE_NAMES.get(dtype) or dtype_name(dtype),
-        "shape": list(shape),
-        "stride": list(stride) if stride is not None else None,
-        "device": _DEVICE_NAMES.get(device) or _device_name(device),
-        "requires_grad": t.requires_grad,
-    }
-    if type(t) is _PARAMETER or type(t._base) is _PARAMETER:      # a model parameter, or a view of one
-        meta["param"] = True
+    meta = _meta(t, cls, dtype, shape, stride, device, t.requires_grad)
     if not readable:
         meta.update(tensor_kinds.fields(t))
         return meta, None, None
@@ -82,17 +73,23 @@ def _described(t, cls, scalar_type: int, shape: tuple, stride: tuple, requires_g
     if dtype is None:
         dtype = _SCALAR_DTYPES[scalar_type] = t.dtype
     device = t.device
+    meta = _meta(t, cls, dtype, shape, stride, device, requires_grad)
+    return meta, (ptr, shape, stride, dtype, device, version), (ptr, n, dtype, device, version) if dense else None
+
+
+def _meta(t, cls, dtype, shape, stride, device, requires_grad: bool) -> dict:
+    """The record's description of a tensor (``stride`` None: a layout without strides)."""
     meta = {
         "type": "tensor",
         "dtype": _DTYPE_NAMES.get(dtype) or dtype_name(dtype),
         "shape": list(shape),
-        "stride": list(stride),
+        "stride": list(stride) if stride is not None else None,
         "device": _DEVICE_NAMES.get(device) or _device_name(device),
         "requires_grad": requires_grad,
     }
-    if cls is _PARAMETER or type(t._base) is _PARAMETER:
+    if cls is _PARAMETER or type(t._base) is _PARAMETER:      # a model parameter, or a view of one
         meta["param"] = True
-    return meta, (ptr, shape, stride, dtype, device, version), (ptr, n, dtype, device, version) if dense else None
+    return meta
 
 
 _TENSOR = torch.Tensor
