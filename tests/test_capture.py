@@ -431,14 +431,21 @@ def test_a_compiled_submodule_inside_an_eager_model_is_left_to_its_graph(tmp_pat
     assert sum(op == "aten.addmm.default" for op, _ in forward) == 2
 
 
-@pytest.mark.parametrize("where", ["optimizer step", "module call"])
+@pytest.mark.parametrize("where", ["optimizer step", "optimizer step, another thread", "module call"])
 def test_a_probe_collected_inside_torchs_hook_loops_leaves_training_running(tmp_path, where):
     """A probe dropped unclosed (a notebook cell) and collected by a garbage collection that runs
     inside an optimizer step's global hooks (removing its hooks there stopped training with
-    "OrderedDict mutated during iteration"), or inside a module's forward hooks (where the probe
+    "OrderedDict mutated during iteration"), in another thread while the training thread is in
+    those hooks (a writer thread's allocation), or inside a module's forward hooks (where the probe
     keeps its own exit hook last): the step completes, and nothing of the dropped probe stays
     installed once another probe starts."""
     import gc
+    import threading
+
+    def collect_in_a_thread(*args):
+        thread = threading.Thread(target=gc.collect)
+        thread.start()
+        thread.join()
 
     from torch.optim import optimizer as torch_optimizer
     from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -451,11 +458,12 @@ def test_a_probe_collected_inside_torchs_hook_loops_leaves_training_running(tmp_
     gc.disable()                     # the one collection: inside the loop
     try:
         handle = register_optimizer_step_post_hook(collect) if where == "optimizer step" \
+            else register_optimizer_step_post_hook(collect_in_a_thread) if where.endswith("thread") \
             else model[0].register_forward_hook(collect)
         dropped = DispatchProbe(task="statistics", dump_path=str(tmp_path / "dropped"))
         with dropped:
             model(torch.randn(3, 4)).sum().backward()
-        assert where == "optimizer step" or len(model[0]._forward_hooks) == 2    # the user's, the probe's exit
+        assert where != "module call" or len(model[0]._forward_hooks) == 2    # the user's, the probe's exit
         cycle = [dropped]
         cycle.append(cycle)          # reachable only through a cycle: freed by a collection
         del dropped, cycle

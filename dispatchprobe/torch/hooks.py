@@ -3,9 +3,11 @@
 A probe left unclosed (a notebook cell, an exception) is collected whenever the garbage collector
 runs, and that may be inside one of torch's loops over its hook dictionaries (an optimizer step's
 global hooks; a module call copies its hooks before looping in recent versions of torch): removing
-a hook there stops the user's training with "OrderedDict mutated during iteration".  So a finalizer removes the hooks at once only when no
-such loop is on the stack; otherwise it queues them, and the queue is emptied when a probe is
-made, enters ``with``, or closes."""
+a hook there stops the user's training with "OrderedDict mutated during iteration".  The collection
+may also run in another thread (a writer thread's allocation), while the training thread is in
+such a loop.  So a finalizer removes the hooks at once only when no thread has such a loop on its
+stack; otherwise it queues them, and the queue is emptied when a probe is made, enters ``with``,
+or closes."""
 
 from __future__ import annotations
 
@@ -35,14 +37,14 @@ def remove_collected() -> None:
 
 def _remove_or_queue(removers) -> None:
     _pending.extend(removers)
-    if not _inside_a_hook_loop():
+    if not _a_thread_in_a_hook_loop():
         remove_collected()
 
 
-def _inside_a_hook_loop() -> bool:
-    f = sys._getframe(2)
-    while f is not None:
-        if f.f_code.co_filename in _LOOPING:
-            return True
-        f = f.f_back
+def _a_thread_in_a_hook_loop() -> bool:
+    for frame in sys._current_frames().values():      # this thread's, and every other's
+        while frame is not None:
+            if frame.f_code.co_filename in _LOOPING:
+                return True
+            frame = frame.f_back
     return False
