@@ -479,3 +479,52 @@ def test_a_probe_collected_inside_torchs_hook_loops_leaves_training_running(tmp_
     assert (dict(torch_optimizer._global_optimizer_pre_hooks),
             dict(torch_optimizer._global_optimizer_post_hooks)) == before
     assert not model[0]._forward_hooks and not model[1]._forward_hooks
+
+
+def test_dynamo_never_traces_the_probes_frames(tmp_path):
+    """An op a compiled function runs outside its graphs (``.item()`` breaks the graph) reaches
+    the probe while dynamo's frame callback is set: dynamo converts the same frames as without
+    the probe (none of the probe's own), the result is the same, and the graphs' ops are recorded."""
+    from torch._dynamo import convert_frame
+
+    from dispatchprobe.torch import capture
+
+    def f(x):
+        y = x.sin()
+        return y.cos() + y.sum().item()
+
+    def converted(probe):
+        torch._dynamo.reset()
+        seen = []
+        original = convert_frame.ConvertFrame.__call__
+
+        def spy(self, frame, *args, **kwargs):
+            seen.append(frame.f_code.co_filename)
+            return original(self, frame, *args, **kwargs)
+        convert_frame.ConvertFrame.__call__ = spy
+        try:
+            with probe or contextlib.nullcontext():
+                out = torch.compile(f, backend="eager")(torch.ones(3))
+        finally:
+            convert_frame.ConvertFrame.__call__ = original
+        return out, seen
+
+    outside = capture._call_outside_dynamo
+    handed = []
+
+    def counted(fn, *args):
+        handed.append(args[0])
+        return outside(fn, *args)
+    capture.never_compiled(counted.__code__)
+    plain, frames = converted(None)
+    probe = DispatchProbe(task="statistics", dump_path=str(tmp_path))
+    capture._call_outside_dynamo = counted
+    try:
+        probed, probed_frames = converted(probe)
+    finally:
+        capture._call_outside_dynamo = outside
+    probe.close()
+    assert torch.ops.aten._local_scalar_dense.default in handed     # reached the probe with dynamo's callback set
+    assert torch.equal(plain, probed)
+    assert probed_frames == frames and all(name == __file__ for name in frames)
+    assert {"aten.sin.default", "aten.sum.default"} <= {r["op"] for r in records(tmp_path) if r["kind"] == "op"}

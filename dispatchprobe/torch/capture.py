@@ -74,6 +74,30 @@ _ENGINE_RUN = getattr(getattr(torch.autograd.graph, "_engine_run_backward", None
 _FX_CODE = ("<eval_with_key>", os.path.join(torch.__path__[0], "fx", ""))
 
 
+def _dynamo_callback():
+    """dynamo's frame callback getter, or None where this torch lacks what the mode needs to
+    keep dynamo out of its own frames (then torch's wrapper does it)."""
+    try:
+        from torch._C._dynamo.eval_frame import get_eval_frame_callback, set_code_exec_strategy  # noqa: F401
+        from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_eval_frame  # noqa: F401
+    except ImportError:
+        return None
+    return get_eval_frame_callback
+
+
+_CALLBACK = _dynamo_callback()
+
+
+def _call_outside_dynamo(fn, *args):
+    """Run ``fn`` with dynamo's frame callback off, as torch's recursive disable does."""
+    from torch._C._dynamo.eval_frame import set_eval_frame
+    prior = set_eval_frame(None)
+    try:
+        return fn(*args)
+    finally:
+        set_eval_frame(prior)
+
+
 class _ProbeMode(TorchDispatchMode):
     """Records the ops the user's eager code runs.  Compiled code keeps running compiled (a mode
     without ``ignore_compile_internals`` makes dynamo skip every frame, silently running the
@@ -88,6 +112,13 @@ class _ProbeMode(TorchDispatchMode):
     def ignore_compile_internals(cls) -> bool:
         return True
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch wraps a mode's __torch_dispatch__ in dynamo's recursive disable (a few µs per
+        # op); the mode keeps dynamo out of its frames itself, paying that only inside a call of
+        # compiled code, where dynamo's frame callback is set (see _call_outside_dynamo)
+        return _CALLBACK is None
+
     def __enter__(self):
         active_probes.append(self.probe)     # probe_backend's graphs record into it (same dump_path)
         return super().__enter__()
@@ -97,6 +128,11 @@ class _ProbeMode(TorchDispatchMode):
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if _CALLBACK is not None and _CALLBACK() is not None:
+            return _call_outside_dynamo(self._dispatch, func, types, args, kwargs)
+        return self._dispatch(func, types, args, kwargs)
+
+    def _dispatch(self, func, types, args=(), kwargs=None):
         if types and tensor_kinds.desugars(types):
             if tensor_kinds.desugars(types) == tensor_kinds.FAKE:
                 return func(*args, **(kwargs or {}))
@@ -147,6 +183,17 @@ class _ProbeMode(TorchDispatchMode):
                                stack=ops.user_stack, undefined=undefined,
                                extra={"collective": called} if called else None)
         return out if replaced is None else replaced
+
+
+def never_compiled(code) -> None:
+    """Dynamo runs frames of ``code`` as they are (the frames they call are its usual business)."""
+    from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
+    set_code_exec_strategy(code, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.DEFAULT))
+
+
+if _CALLBACK is not None:       # the frames that hand an op on with dynamo off
+    never_compiled(_ProbeMode.__torch_dispatch__.__code__)
+    never_compiled(_call_outside_dynamo.__code__)
 
 
 class _Facts(NamedTuple):
@@ -560,7 +607,12 @@ class _ModuleScopes:
         self._types[name] = type(mod).__name__
         self.forward_stack.append(name)
         tensors = _needing_grad(args)
-        if tensors:
+        if len(tensors) == 1:
+            # one input (most modules): a plain tensor hook, called as torch's multi-grad hook
+            # calls its function (with the list of gradients), without its per-call bookkeeping
+            leave = self._backward_leave_fn(name)
+            self._hooks.append(tensors[0].register_hook(lambda grad: leave([grad]) and None))
+        elif tensors:
             self._hooks.append(register_multi_grad_hook(tensors, self._backward_leave_fn(name)))
 
     def leave(self, mod, args, output) -> None:
