@@ -10,8 +10,9 @@ Two measurements per model (a small transformer, an MLP, a transformers Llama; r
 
 1. Timed steps, nothing wrapped, the modes one step at a time in rounds: median step time
    uninstrumented, under an empty ``TorchDispatchMode`` (its ``__torch_dispatch__`` only calls the
-   op: what torch itself costs a mode per op), under ``DebugMode`` and under
-   ``DispatchProbe(task="statistics")``.
+   op: what torch itself costs a mode per op), under that mode reading each new value once with
+   the probe's kernel (the floor of any statistics recorder: no records), under ``DebugMode`` and
+   under ``DispatchProbe(task="statistics")``.
 2. Separate steps with the probe's parts wrapped in timers (exclusive time: a part's time leaves
    out the parts it calls), per step: module scopes (the forward hooks), describing tensors,
    looking values up in the cache, the statistics kernel (one pass over each new value), the
@@ -35,7 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import record_overhead as overhead
 from dispatchprobe import DispatchProbe
 from dispatchprobe.core import recorder
-from dispatchprobe.torch import backend, capture, fused_stats
+from dispatchprobe.torch import backend, capture, fused_stats, ops
 
 def parts(probe) -> list:
     """(label, owner, attribute) of the probe's parts; "statistics kernel" wraps the C++ kernel
@@ -67,6 +68,22 @@ class EmptyMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         return func(*args, **(kwargs or {}))
+
+
+class ReadingFloor(TorchDispatchMode):
+    """An empty mode that also reads each value an op writes (the outputs of every op but views)
+    once, with the probe's one-pass kernel: the least a statistics recorder does (no record, no
+    cache, no scopes), so what it costs over the empty mode is the reading itself."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not ops.is_alias(func):
+            for t in torch.utils._pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel():
+                    one_pass = fused_stats.stats4 is not None and t.is_cpu \
+                        and t.dtype in (torch.float32, torch.bfloat16)
+                    fused_stats.stats4(t) if one_pass else torch.aminmax(t)
+        return out
 
 
 class Timers:
@@ -112,6 +129,7 @@ def breakdown(case, steps: int, tmp: str) -> dict:
     from torch.utils._debug_mode import DebugMode
     wraps = {"uninstrumented": lambda i: (overhead._Null(), lambda: None),
              "empty dispatch mode": lambda i: (EmptyMode(), lambda: None),
+             "empty mode + one read of each new value": lambda i: (ReadingFloor(), lambda: None),
              "torch DebugMode": lambda i: (DebugMode(), lambda: None),
              "dispatchprobe statistics": lambda i: (probe, probe.step)}
     times = {k: statistics.median(v) for k, v in overhead.interleaved(model, step, steps, wraps).items()}
@@ -119,6 +137,11 @@ def breakdown(case, steps: int, tmp: str) -> dict:
     for label, owner, attr in parts(probe):
         timers.wrap(label, owner, attr)
     try:
+        with probe:                 # one untimed step first: a one-off cost lands in no part
+            step()
+        probe.step()
+        model.zero_grad(set_to_none=True)
+        timers.spent.clear()
         total = 0.0
         for _ in range(steps):
             overhead.sync()
