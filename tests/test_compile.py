@@ -954,3 +954,47 @@ def test_probe_backend_alone_reads_cpu_values_with_the_one_pass_kernel(tmp_path,
     assert set(recorded) == set(expected)
     for key, value in expected.items():
         assert recorded[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+
+
+def _stats_of(path) -> list:
+    return [(r["op"], r["stage"], [s.get("stats") for s in r["inputs"] + r["outputs"] if isinstance(s, dict)])
+            for r in _ops(path)]
+
+
+def test_a_backward_graph_reads_no_saved_activation_again(tmp_path, monkeypatch):
+    """The activations a forward graph returns for its backward are read once: the backward's
+    windows take their rows from the forward's, and the records equal those of a run that reads
+    every value in every graph."""
+    from dispatchprobe.torch.compile import runtime
+    read = []
+    stats = runtime.torch_backend.tensor_stats
+    monkeypatch.setattr(runtime.torch_backend, "tensor_stats", lambda values: read.extend(values) or stats(values))
+    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(0))
+    counts = []
+    for name, shared in (("shared", True), ("each", False)):
+        torch._dynamo.reset()
+        monkeypatch.setattr(runtime, "GRAPH_INPUT", runtime.GRAPH_INPUT if shared else 0)   # 0: no lookups
+        torch.manual_seed(0)
+        model = MLPNet(dim=32, depth=2, classes=4)
+        backend = probe_backend(task="statistics", dump_path=str(tmp_path / name))
+        read.clear()
+        torch.compile(model, backend=backend)(x).sum().backward()
+        backend.close()
+        counts.append(len(read))
+    assert counts[0] < counts[1]
+    assert _stats_of(tmp_path / "shared") == _stats_of(tmp_path / "each")
+
+
+def test_a_value_written_between_two_graphs_is_read_again(tmp_path):
+    """A value one graph returned and eager code then wrote in place (its version moves) is read
+    again by the next graph that takes it."""
+    backend = probe_backend(task="statistics", dump_path=str(tmp_path / "c"))
+    double = torch.compile(lambda x: x * 2, backend=backend)
+    sine = torch.compile(lambda y: y.sin(), backend=backend)
+    y = double(torch.ones(8, 8))
+    y.add_(1)
+    sine(y)
+    backend.close()
+    records = {r["op"]: r for r in _ops(tmp_path / "c")}
+    assert records["aten.mul.Tensor"]["outputs"][0]["stats"]["max"] == 2.0
+    assert records["aten.sin.default"]["inputs"][0]["stats"]["max"] == 3.0

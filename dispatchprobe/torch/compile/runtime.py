@@ -53,15 +53,17 @@ torch.fx.node.has_side_effect(torch.ops.dispatchprobe.record.default)
 # counting nan/inf and the finite max/min in the graph would cost three more reductions per value
 # on every call, for values that almost never hold them (a host read here costs no sync on a CPU).
 _LIB = torch.library.Library("dispatchprobe", "FRAGMENT")
-_LIB.define("stats_rows(Tensor[] values, Tensor[] reductions) -> Tensor")
+_LIB.define("stats_rows(Tensor[] values, Tensor[] reductions, int[] roles=[]) -> Tensor")
+
+GRAPH_INPUT, GRAPH_OUTPUT = 1, 2     # a window value's roles: the graph's input, its output
 
 
-def _stats_rows(values, reductions):
+def _stats_rows(values, reductions, roles=()):
     """``reductions``: (max, min, sum, sum of squares) of each of ``values``, or none (the values'
-    statistics computed here, as the eager probe computes them); a (len, 6) row block."""
+    statistics computed here, as the eager probe computes them); a (len, 6) row block.
+    ``roles``: which values are the graph's inputs and outputs (:func:`_host_rows`)."""
     if not reductions:
-        return torch.tensor([statistics.to_row(st, x.numel()) for st, x in zip(torch_backend.tensor_stats(values), values)],
-                            dtype=torch.float64)
+        return torch.tensor(_host_rows(values, roles), dtype=torch.float64)
     flat = torch.stack(reductions).tolist()
     rows = []
     for i, x in enumerate(values):
@@ -77,8 +79,47 @@ def _stats_rows(values, reductions):
 
 
 _LIB.impl("stats_rows", _stats_rows, "CPU")
-_LIB.impl("stats_rows", lambda values, reductions: torch.empty(len(values), STAT_FIELDS, dtype=torch.float64,
-                                                                device=values[0].device), "Meta")
+_LIB.impl("stats_rows", lambda values, reductions, roles=(): torch.empty(len(values), STAT_FIELDS, dtype=torch.float64,
+                                                                          device=values[0].device), "Meta")
+
+# the rows of values a graph returned, for the graphs that take them as inputs (a forward's saved
+# activations, read again by its backward): {identity: (weak reference to the memory, row)}.  A
+# returned value is final (no later kernel of its graph writes it), and an eager write moves its
+# version, part of the identity; an entry is trusted only while its memory lives.
+_RETURNED: dict = {}
+_PRUNE_AT = 4096
+
+
+def _host_rows(values, roles) -> list:
+    """The rows of ``values``: a graph input another graph returned is not read again."""
+    rows: list = [None] * len(values)
+    todo = []
+    for i, x in enumerate(values):
+        if roles and roles[i] & GRAPH_INPUT:
+            key = torch_backend.identity(x)
+            hit = _RETURNED.get(key) if key is not None else None
+            if hit is not None and torch_backend.memory_alive(hit[0]):
+                rows[i] = hit[1]
+                continue
+        todo.append(i)
+    for i, st in zip(todo, torch_backend.tensor_stats([values[i] for i in todo])):
+        x = values[i]
+        rows[i] = statistics.to_row(st, x.numel())
+        if roles and roles[i] & GRAPH_OUTPUT:
+            _remember_returned(x, rows[i])
+    return rows
+
+
+def _remember_returned(x: torch.Tensor, row) -> None:
+    global _PRUNE_AT
+    key, ref = torch_backend.identity(x), torch_backend.memory_ref(x)
+    if key is None or ref is None:
+        return
+    _RETURNED[key] = (ref, row)
+    if len(_RETURNED) >= _PRUNE_AT:          # entries of freed memory go, a few times a run
+        for k in [k for k, (r, _) in _RETURNED.items() if not torch_backend.memory_alive(r)]:
+            del _RETURNED[k]
+        _PRUNE_AT = max(4096, 2 * len(_RETURNED))
 
 GRAPHS: dict[int, "GraphRecords"] = {}        # by slot (cache.py)
 graph_ids = itertools.count()

@@ -10,7 +10,7 @@ import torch.fx
 
 from .. import ops
 from .decompositions import hint
-from .runtime import STAT_FIELDS  # noqa: F401  (registers dispatchprobe::stats_rows)
+from .runtime import GRAPH_INPUT, GRAPH_OUTPUT, STAT_FIELDS  # noqa: F401  (registers dispatchprobe::stats_rows)
 
 WINDOW_VALUES = 32              # values one stats_rows call completes at most ...
 WINDOW_BYTES = 64 << 20         # ... and their bytes (kept alive until the call: a bounded delay)
@@ -45,12 +45,17 @@ def row_windows(graph: torch.fx.Graph, stats: dict, order: list) -> tuple[list, 
     cpu = sorted((n for n in order if isinstance(stats[n], Reductions)), key=lambda n: pos[stats[n].at])
     window: list = []
     size = 0
+    returned = set(next(n for n in reversed(graph.nodes) if n.op == "output").all_input_nodes)
+
+    def role(node) -> int:
+        return (GRAPH_INPUT if node.op == "placeholder" else 0) | (GRAPH_OUTPUT if node in returned else 0)
 
     def close():
         last = max((stats[n].at for n in window), key=pos.__getitem__)
         with graph.inserting_after(last):
             flat.append(graph.call_function(torch.ops.dispatchprobe.stats_rows.default,
-                                            ([stats[n].node for n in window], [r for n in window for r in stats[n].nodes])))
+                                            ([stats[n].node for n in window], [r for n in window for r in stats[n].nodes],
+                                             [role(stats[n].node) for n in window])))
         rows.extend(window)
 
     for n in cpu:
