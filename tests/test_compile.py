@@ -986,8 +986,8 @@ def test_a_backward_graph_reads_no_saved_activation_again(tmp_path, monkeypatch)
 
 
 def test_a_value_written_between_two_graphs_is_read_again(tmp_path):
-    """A value one graph returned and eager code then wrote in place (its version moves) is read
-    again by the next graph that takes it."""
+    """A value one graph returned and eager code then wrote in place is read again by the next
+    graph that takes it."""
     backend = probe_backend(task="statistics", dump_path=str(tmp_path / "c"))
     double = torch.compile(lambda x: x * 2, backend=backend)
     sine = torch.compile(lambda y: y.sin(), backend=backend)

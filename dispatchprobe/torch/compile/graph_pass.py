@@ -102,7 +102,7 @@ class Instrument(CustomGraphPass):
             stats[n] = stats_nodes(graph, kept.get(n, n), at)
             if isinstance(stats[n], Reductions):
                 stats[n].node = kept.get(n, n)
-        flat, order = row_windows(graph, stats, order)
+        flat, order = row_windows(graph, stats, order, self.backward)
         values = [kept.get(n, n) for n in order] if task == "tensor" else []
         inputs = []
         if task == "overflow":

@@ -82,16 +82,17 @@ _LIB.impl("stats_rows", _stats_rows, "CPU")
 _LIB.impl("stats_rows", lambda values, reductions, roles=(): torch.empty(len(values), STAT_FIELDS, dtype=torch.float64,
                                                                           device=values[0].device), "Meta")
 
-# the rows of values a graph returned, for the graphs that take them as inputs (a forward's saved
-# activations, read again by its backward): {identity: (weak reference to the memory, row)}.  A
-# returned value is final (no later kernel of its graph writes it), and an eager write moves its
-# version, part of the identity; an entry is trusted only while its memory lives.
+# the rows of values a graph returned, for the backward graphs that take them as inputs (a
+# forward's saved activations): {identity: (weak reference to the memory, row)}.  A returned value
+# is final (no later kernel of its graph writes it); autograd refuses to differentiate through a
+# saved activation written since, and an eager write moves its version, part of the identity; an
+# entry is trusted only while its memory lives.
 _RETURNED: dict = {}
 _PRUNE_AT = 4096
 
 
 def _host_rows(values, roles) -> list:
-    """The rows of ``values``: a graph input another graph returned is not read again."""
+    """The rows of ``values``: a backward graph's input its forward returned is not read again."""
     rows: list = [None] * len(values)
     todo = []
     for i, x in enumerate(values):

@@ -32,10 +32,12 @@ class Reductions:
         self.node, self.nodes, self.at = node, nodes, at
 
 
-def row_windows(graph: torch.fx.Graph, stats: dict, order: list) -> tuple[list, list]:
+def row_windows(graph: torch.fx.Graph, stats: dict, order: list, backward: bool) -> tuple[list, list]:
     """One :func:`_stats_rows` call per window of CPU values (in graph order, bounded by
     ``WINDOW_VALUES`` and ``WINDOW_BYTES``), inserted after the window's last reductions.  Returns
-    the stats nodes for the recording op and the values in the order of their rows."""
+    the stats nodes for the recording op and the values in the order of their rows.  The values a
+    graph returns are marked, and a backward graph's inputs (the activations its forward saved,
+    which autograd keeps unwritten) are marked for their rows to be looked up."""
     pos = {n: i for i, n in enumerate(graph.nodes)}
     flat, rows = [], []
     for n in order:
@@ -48,7 +50,7 @@ def row_windows(graph: torch.fx.Graph, stats: dict, order: list) -> tuple[list, 
     returned = set(next(n for n in reversed(graph.nodes) if n.op == "output").all_input_nodes)
 
     def role(node) -> int:
-        return (GRAPH_INPUT if node.op == "placeholder" else 0) | (GRAPH_OUTPUT if node in returned else 0)
+        return (GRAPH_INPUT if backward and node.op == "placeholder" else 0) | (GRAPH_OUTPUT if node in returned else 0)
 
     def close():
         last = max((stats[n].at for n in window), key=pos.__getitem__)
