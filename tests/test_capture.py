@@ -528,3 +528,19 @@ def test_dynamo_never_traces_the_probes_frames(tmp_path):
     assert torch.equal(plain, probed)
     assert probed_frames == frames and all(name == __file__ for name in frames)
     assert {"aten.sin.default", "aten.sum.default"} <= {r["op"] for r in records(tmp_path) if r["kind"] == "op"}
+
+
+def test_without_dynamos_frame_controls_the_mode_keeps_torchs_wrapper(monkeypatch):
+    """A torch whose dynamo lacks the frame controls the mode uses (or has them in another shape)
+    leaves the mode to torch's own wrapper: the check says so before the mode class is made."""
+    import torch._C._dynamo.eval_frame as frames
+
+    from dispatchprobe.torch import capture
+    assert capture._dynamo_callback() is frames.get_eval_frame_callback
+
+    def other_shape(*args):
+        raise TypeError("takes no arguments")
+    monkeypatch.setattr(frames, "_FrameExecStrategy", other_shape)
+    assert capture._dynamo_callback() is None
+    monkeypatch.delattr(frames, "set_code_exec_strategy")
+    assert capture._dynamo_callback() is None

@@ -80,7 +80,8 @@ def _dynamo_callback():
     try:
         from torch._C._dynamo.eval_frame import get_eval_frame_callback, set_code_exec_strategy  # noqa: F401
         from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_eval_frame  # noqa: F401
-    except ImportError:
+        _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.DEFAULT)
+    except (ImportError, AttributeError, TypeError):
         return None
     return get_eval_frame_callback
 
