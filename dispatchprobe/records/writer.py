@@ -196,13 +196,30 @@ def json_line(obj: dict) -> bytes:
     return (json.dumps(obj, separators=(",", ":"), default=str) + "\n").encode()
 
 
+_APPEND = os.O_WRONLY | os.O_CREAT | os.O_APPEND | getattr(os, "O_CLOEXEC", 0)
+
+
+def _make_folder(folder: str) -> None:
+    """``os.makedirs(folder, exist_ok=True)`` for a step's rank folder, in a system call per
+    level (each call a step makes slows the op after it)."""
+    parent = os.path.dirname(folder)
+    for path in (parent, folder):
+        try:
+            os.mkdir(path)
+        except FileExistsError:
+            pass
+        except FileNotFoundError:
+            os.makedirs(folder, exist_ok=True)
+            return
+
+
 class _JsonLines:
     """An append-only JSON-lines file: each line is one ``write`` call as it is appended (no
     buffer to flush), so a killed process leaves every line appended before."""
 
     def __init__(self, path: str):
         self.path = path
-        self._file = None
+        self._fd: int | None = None
 
     def append(self, obj: dict) -> None:
         self._write(json_line(obj))
@@ -213,12 +230,12 @@ class _JsonLines:
 
     def _write(self, line: bytes) -> None:
         try:
-            if self._file is None:
-                self._file = open(self.path, "ab", buffering=0)
-            written = self._file.write(line)
-            while written is not None and written < len(line):   # a raw write may be partial
+            if self._fd is None:
+                self._fd = os.open(self.path, _APPEND, 0o644)
+            written = os.write(self._fd, line)
+            while written < len(line):      # a write may be partial
                 line = line[written:]
-                written = self._file.write(line)
+                written = os.write(self._fd, line)
         except OSError as exc:
             raise WriteFailed(f"{exc.strerror or exc} writing {self.path}") from None
 
@@ -226,9 +243,9 @@ class _JsonLines:
         """Lines are flushed as they are appended."""
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 class TensorShardWriter:
@@ -390,7 +407,7 @@ class PartWriter(PartIndex):
 
     def __init__(self, folder: str, save_fn=None, nbytes_fn=None):
         self.folder = folder
-        os.makedirs(folder, exist_ok=True)
+        _make_folder(folder)
         self.ops = _JsonLines(os.path.join(folder, "ops.jsonl"))
         self.stacks = _JsonLines(os.path.join(folder, "stacks.jsonl"))
         self.modules = _JsonLines(os.path.join(folder, "modules.jsonl"))
@@ -404,6 +421,6 @@ class PartWriter(PartIndex):
         for f in (self.ops, self.stacks, self.modules, self.params):
             f.close()
         try:    # readers tell a finished step from one its process left mid-way
-            open(os.path.join(self.folder, CLOSED_MARKER), "wb").close()
+            os.close(os.open(os.path.join(self.folder, CLOSED_MARKER), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644))
         except OSError:
             pass
