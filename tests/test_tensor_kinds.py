@@ -232,3 +232,29 @@ def test_free_benchmark_fix_under_torch_func(tmp_path):
         assert not torch.equal(fixed, plain), name                      # outputs were replaced
         assert (fixed.double() - exact).abs().sum() < (plain.double() - exact).abs().sum(), name
         assert summary["checked"] >= 4 and not summary["skipped"], (name, summary)
+
+
+def test_a_memory_reference_lives_exactly_as_long_as_the_memory():
+    """The value cache trusts an address only while its memory lives: the reference stays alive
+    through any tensor on the memory (a saved activation unpacked in backward as a new tensor, a
+    view) and dies with the last one; it holds nothing of the storage (on this torch a weak
+    reference to the storage's Python object, which torch keeps exactly as long as the storage)."""
+    import gc
+
+    from dispatchprobe.torch import backend
+    assert backend._STORAGE_OBJECTS_KEPT
+    x = torch.randn(4, 6, requires_grad=True)
+    y = x.exp()
+    ref = backend.memory_ref(y)
+    backward = y.grad_fn                     # exp saves its output for backward
+    del y
+    gc.collect()
+    assert backend.memory_alive(ref)         # held by the saved output only
+    unpacked = backward._saved_result        # a new tensor on the same memory
+    view = unpacked.t()
+    del backward, unpacked
+    gc.collect()
+    assert backend.memory_alive(ref)         # held by the view only
+    del view
+    gc.collect()
+    assert not backend.memory_alive(ref)

@@ -9,6 +9,7 @@ import ctypes
 import json
 import math
 import threading
+import weakref
 import zlib
 
 import numpy as np
@@ -400,20 +401,40 @@ def shape(t: torch.Tensor) -> list[int]:
 def memory_ref(t: torch.Tensor):
     """A weak reference to ``t``'s memory (None if it has none): while it is alive, no other
     tensor can be given the same address, so an address-based cache key stays truthful.  A weak
-    reference neither keeps the memory nor stops its owner from resizing it (FSDP2)."""
+    reference neither keeps the memory nor stops its owner from resizing it (FSDP2).
+
+    torch keeps a storage's Python object for as long as the storage lives, so a Python weak
+    reference to that object lives exactly as long as the memory, and the storage is freed as
+    it would be unprobed.  (``StorageWeakRef``, used where torch does not, keeps each storage's
+    C++ object until the reference goes: thousands a step, left among the freed activations, made
+    the C heap grow and shrink, with page faults, several times a step.)"""
     if not tensor_kinds.readable(t):
         return None
     try:
-        return StorageWeakRef(t.untyped_storage())
+        storage = t.untyped_storage()
     except (RuntimeError, NotImplementedError, TypeError):
         return None
+    return _weak(storage) if _STORAGE_OBJECTS_KEPT else StorageWeakRef(storage)
 
 
 def memory_alive(ref) -> bool:
-    return ref is not None and not _expired(ref.cdata)     # StorageWeakRef.expired, two calls fewer
+    if ref is None:
+        return False
+    return ref() is not None if _STORAGE_OBJECTS_KEPT else not _expired(ref.cdata)
 
 
-_expired = torch.UntypedStorage._expired
+def _storage_objects_kept() -> bool:
+    """Whether this torch keeps a storage's Python object alive exactly as long as the storage."""
+    t = torch.empty(1)
+    ref = _weak(t.untyped_storage())
+    kept = ref() is not None and _weak(t.view(1).untyped_storage())() is ref()
+    del t
+    return kept and ref() is None
+
+
+_weak = weakref.ref
+_expired = torch.UntypedStorage._expired     # StorageWeakRef.expired, two calls fewer
+_STORAGE_OBJECTS_KEPT = _storage_objects_kept()
 
 
 def dense_key(t: torch.Tensor):

@@ -306,7 +306,7 @@ class _Uninitialised:
         entry = self._live.get(key)
         if entry is None:
             return False
-        if entry[0].expired():
+        if not torch_backend.memory_alive(entry[0]):
             del self._live[key]
             return False
         a, b = self._span(t)
