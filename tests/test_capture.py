@@ -536,11 +536,13 @@ def test_without_dynamos_frame_controls_the_mode_keeps_torchs_wrapper(monkeypatc
     import torch._C._dynamo.eval_frame as frames
 
     from dispatchprobe.torch import capture
-    assert capture._dynamo_callback() is frames.get_eval_frame_callback
+    assert capture._dynamo_frames() is frames and capture._CALLBACK is frames.get_eval_frame_callback
+    assert not capture._ProbeMode._should_skip_dynamo()
 
     def other_shape(*args):
         raise TypeError("takes no arguments")
     monkeypatch.setattr(frames, "_FrameExecStrategy", other_shape)
-    assert capture._dynamo_callback() is None
+    assert capture._dynamo_frames() is None
+    monkeypatch.undo()
     monkeypatch.delattr(frames, "set_code_exec_strategy")
-    assert capture._dynamo_callback() is None
+    assert capture._dynamo_frames() is None

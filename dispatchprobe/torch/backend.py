@@ -406,8 +406,8 @@ def memory_ref(t: torch.Tensor):
     torch keeps a storage's Python object for as long as the storage lives, so a Python weak
     reference to that object lives exactly as long as the memory, and the storage is freed as
     it would be unprobed.  (``StorageWeakRef``, used where torch does not, keeps each storage's
-    C++ object until the reference goes: thousands a step, left among the freed activations, made
-    the C heap grow and shrink, with page faults, several times a step.)"""
+    C++ object until the reference goes: thousands a step, left among the freed activations, they
+    make the C heap grow and shrink, with page faults, several times a step.)"""
     if not tensor_kinds.readable(t):
         return None
     try:

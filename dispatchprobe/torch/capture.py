@@ -74,29 +74,29 @@ _ENGINE_RUN = getattr(getattr(torch.autograd.graph, "_engine_run_backward", None
 _FX_CODE = ("<eval_with_key>", os.path.join(torch.__path__[0], "fx", ""))
 
 
-def _dynamo_callback():
-    """dynamo's frame callback getter, or None where this torch lacks what the mode needs to
-    keep dynamo out of its own frames (then torch's wrapper does it)."""
+def _dynamo_frames():
+    """torch's C-level controls of dynamo's frame evaluation, or None where this torch lacks them
+    in the shape the mode uses (then torch's own wrapper keeps dynamo out of the mode's frames)."""
     try:
-        from torch._C._dynamo.eval_frame import get_eval_frame_callback, set_code_exec_strategy  # noqa: F401
-        from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_eval_frame  # noqa: F401
-        _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.DEFAULT)
+        from torch._C._dynamo import eval_frame as frames
+        frames._FrameExecStrategy(frames._FrameAction.SKIP, frames._FrameAction.DEFAULT)
+        frames.get_eval_frame_callback, frames.set_eval_frame, frames.set_code_exec_strategy  # noqa: B018
     except (ImportError, AttributeError, TypeError):
         return None
-    return get_eval_frame_callback
+    return frames
 
 
-_CALLBACK = _dynamo_callback()
+_FRAMES = _dynamo_frames()
+_CALLBACK = _FRAMES.get_eval_frame_callback if _FRAMES is not None else None
 
 
 def _call_outside_dynamo(fn, *args):
     """Run ``fn`` with dynamo's frame callback off, as torch's recursive disable does."""
-    from torch._C._dynamo.eval_frame import set_eval_frame
-    prior = set_eval_frame(None)
+    prior = _FRAMES.set_eval_frame(None)
     try:
         return fn(*args)
     finally:
-        set_eval_frame(prior)
+        _FRAMES.set_eval_frame(prior)
 
 
 class _ProbeMode(TorchDispatchMode):
@@ -188,11 +188,11 @@ class _ProbeMode(TorchDispatchMode):
 
 def never_compiled(code) -> None:
     """Dynamo runs frames of ``code`` as they are (the frames they call are its usual business)."""
-    from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
-    set_code_exec_strategy(code, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.DEFAULT))
+    _FRAMES.set_code_exec_strategy(code, _FRAMES._FrameExecStrategy(_FRAMES._FrameAction.SKIP,
+                                                                    _FRAMES._FrameAction.DEFAULT))
 
 
-if _CALLBACK is not None:       # the frames that hand an op on with dynamo off
+if _FRAMES is not None:       # the frames that hand an op on with dynamo off
     never_compiled(_ProbeMode.__torch_dispatch__.__code__)
     never_compiled(_call_outside_dynamo.__code__)
 
