@@ -49,15 +49,16 @@ def _wrap(kind: str, model):
     return model
 
 
-def measure(kind: str, steps: int, quick: bool, dump: str) -> dict:
-    """Median seconds per step, unprobed and probed (alternating), in this process."""
+def measure(kind: str, steps: int, quick: bool, dump: str, shares: int = 1) -> dict:
+    """Median seconds per step, unprobed and probed (alternating), in this process; ``shares``
+    (one process only): train on the first of that many shares of the batch, as a rank does."""
     rank, world = (torch.distributed.get_rank(), torch.distributed.get_world_size()) if kind != "single" else (0, 1)
     model, kw = _model(quick)
     model = _wrap(kind, model)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     batch = 8
     tokens, targets = lm_batch(batch=batch, seq=kw["seq"], vocab=kw["vocab"])
-    share = batch // world
+    share = batch // max(world, shares)
     tokens, targets = tokens[rank * share:(rank + 1) * share], targets[rank * share:(rank + 1) * share]
     probe = DispatchProbe(task="statistics", dump_path=os.path.join(dump, kind), overwrite=True)
 
@@ -79,7 +80,8 @@ def measure(kind: str, steps: int, quick: bool, dump: str) -> dict:
         plain.append(step(False))
         probed.append(step(True))
     probe.close()
-    return {"kind": kind, "rank": rank, "world": world, "plain": statistics.median(plain),
+    return {"kind": kind if shares == 1 else f"{kind} 1/{shares}", "rank": rank, "world": world,
+            "threads": torch.get_num_threads(), "plain": statistics.median(plain),
             "probed": statistics.median(probed)}
 
 
@@ -106,7 +108,12 @@ def main() -> None:
     tmp = tempfile.mkdtemp(prefix="dist_overhead_")
     try:
         rows = [measure("single", args.steps, args.quick, os.path.join(tmp, "runs"))]
-        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        # the same work as one rank, alone: its share of the batch, its thread count
+        threads, rank_threads = torch.get_num_threads(), int(os.environ.get("OMP_NUM_THREADS", "1"))
+        torch.set_num_threads(rank_threads)
+        rows.append(measure("single", args.steps, args.quick, os.path.join(tmp, "runs"), shares=args.nproc))
+        torch.set_num_threads(threads)
+        env = {**os.environ, "OMP_NUM_THREADS": str(rank_threads)}
         for kind in ("ddp", "fsdp2"):
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc),
                    os.path.abspath(__file__), "--worker", kind, "--tmp", tmp, "--steps", str(args.steps)]
@@ -118,10 +125,10 @@ def main() -> None:
                     rows.append(json.load(f))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    print(f"{'setup':<8} {'rank':>4} {'unprobed ms/step':>17} {'statistics ms/step':>19} {'ratio':>6}")
+    print(f"{'setup':<10} {'rank':>4} {'threads':>7} {'unprobed ms/step':>17} {'statistics ms/step':>19} {'ratio':>6}")
     for r in rows:
-        print(f"{r['kind']:<8} {r['rank']:>2}/{r['world']:<1} {1e3 * r['plain']:>17.1f} {1e3 * r['probed']:>19.1f} "
-              f"{r['probed'] / r['plain']:>6.2f}")
+        print(f"{r['kind']:<10} {r['rank']:>2}/{r['world']:<1} {r['threads']:>7} {1e3 * r['plain']:>17.1f} "
+              f"{1e3 * r['probed']:>19.1f} {r['probed'] / r['plain']:>6.2f}")
 
 
 if __name__ == "__main__":

@@ -154,3 +154,45 @@ def test_outputs_of_writing_ops_hold_the_written_values(tmp_path, task):
     assert means == {"aten.clone.default": 1.0, "aten.add_.Tensor": 2.0, "aten.mul.out": 3.0}
     if task == "tensor":
         assert [float(part.tensor(r["outputs"][0]["data"]).mean()) for r in part.records] == [1.0, 2.0, 3.0]
+
+
+def test_statistics_need_no_copy_of_what_an_op_overwrites(tmp_path, monkeypatch):
+    """Where records need only statistics, an argument an op is about to overwrite is measured
+    before the write instead of copied: the records equal those made from copies (momentum
+    buffers, parameters, batch norm's running statistics, an ``out=`` destination)."""
+    from dispatchprobe.core.session import ProbeSession
+    copies = []
+    stand_in = ProbeSession.stand_in_for_written
+
+    def counted(self, t, undefined, copy):
+        return stand_in(self, t, undefined, lambda x: copies.append(x.shape) or copy(x))
+    monkeypatch.setattr(ProbeSession, "stand_in_for_written", counted)
+
+    records = {}
+    for how in ("measured", "copied"):
+        probe = DispatchProbe(task="statistics", dump_path=str(tmp_path / how))
+        probe._measure_written = how == "measured"
+        model, _ = _train_step(probe)
+        probe.close()
+        records[how] = [r for s in (0, 1) for r in load(tmp_path / how).part(s, 0).records]
+        if how == "measured":
+            assert copies == []
+            ref, _ = _train_step()
+            assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), ref.state_dict().values()))
+    assert len(copies) >= 8, copies              # the copying run copied each written argument
+    # the same values; the measured argument is described as the op received it (a parameter that
+    # requires grad), a copy as what it is (a plain tensor made under no_grad)
+    assert _values(records["measured"]) == _values(records["copied"])
+    updates = [r for r in records["measured"] if r["op"] == "aten._foreach_add_.List"]
+    written = [[a.get("param") and a["requires_grad"] and "stats" in a for a in r["inputs"][0]["value"]]
+               for r in updates]
+    assert [True] * 4 in written, written        # params.add_(momentum, alpha=-lr): Linear's and BatchNorm's
+
+
+def _values(obj):
+    """``obj`` without the fields that say what kind of tensor an argument was."""
+    if isinstance(obj, dict):
+        return {k: _values(v) for k, v in obj.items() if k not in ("param", "requires_grad")}
+    if isinstance(obj, list):
+        return [_values(v) for v in obj]
+    return obj

@@ -33,6 +33,16 @@ def encode_plain(value, backend) -> dict:
 DEFER_BATCH = 512   # accelerator tensors measured per host sync
 
 
+class Measured:
+    """A tensor's record entry taken just before an op overwrote it (:meth:`Recorder.measured_now`):
+    encoded as it is, where the op's argument was."""
+
+    __slots__ = ("spec",)
+
+    def __init__(self, spec: dict):
+        self.spec = spec
+
+
 class Recorder(Handler):
     """Writes every event it is given as one JSON line; saves tensors when asked.
 
@@ -71,6 +81,8 @@ class Recorder(Handler):
             return described[0]
         if isinstance(value, (list, tuple)):
             return {"type": type(value).__name__, "value": [self._encode_value(found, v) for v in value]}
+        if type(value) is Measured:
+            return value.spec
         return encode_plain(value, self.backend)
 
     def encode(self, event: OpEvent, save: bool | None = None, defer: bool = False) -> dict:
@@ -102,6 +114,21 @@ class Recorder(Handler):
         if event.extra:
             record.update(event.extra)
         return record
+
+    @property
+    def measures_only(self) -> bool:
+        """Whether a record needs nothing of a tensor but its description and statistics."""
+        return not self.save_tensors and not self.checksum
+
+    def measured_now(self, t, undefined: bool = False) -> Measured:
+        """``t``'s record entry as its values are now, for an op about to overwrite them, in place
+        of a copy (:attr:`measures_only`): from the cache, keyed by the version before the write,
+        or read now (accelerator tensors: queued on the device before the op, read later)."""
+        meta, ident, dense = self._describe(t)
+        if undefined:
+            meta["undefined"] = True
+        self._fill_tensors([(t, meta, ident, dense)], False, defer=True)
+        return Measured(meta)
 
     @staticmethod
     def skeleton(kind: str, op: str, stage: str, scope: str, call: int, *, grad_fn=None, stack=None) -> dict:

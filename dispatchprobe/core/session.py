@@ -118,6 +118,9 @@ class ProbeSession:
         self.recorder = Recorder(self.backend, save_tensors=self.task.saves_tensors,
                                  checksum=self.config.checksum, io_filter=self.config.io_enabled)
         self.handlers = self.task.handlers(self, self.recorder)
+        # what an op is about to overwrite is kept for its record as a copy, or, where records
+        # need only statistics, as its entry measured before the write (stand_in_for_written)
+        self._measure_written = self.handlers == [self.recorder] and self.recorder.measures_only
         self.busy = False              # handlers are running: their own calls are not the user's
         self.record_ops = self.config.level in ("op", "mix")
         self.record_modules = self.config.level in ("module", "mix") and self.task.records_modules
@@ -276,6 +279,19 @@ class ProbeSession:
         before the op runs, so that a filtered op costs nothing more (no copies of what it writes)."""
         return self.recording(stage, scope) and self.selector.in_scope(scope) \
             and (op is None or self.selector.op_selected(op))
+
+    def stand_in_for_written(self, t, undefined: bool, copy):
+        """What an op's record shows for tensor ``t`` the op is about to overwrite: ``copy(t)``,
+        or, where the records need only statistics, ``t``'s entry measured now (no copy made).
+        ``undefined``: ``t``'s memory was never written (no values to measure)."""
+        if not self._measure_written:
+            return copy(t)
+        self.busy = True
+        try:
+            with self._quiet():
+                return self.recorder.measured_now(t, undefined)
+        finally:
+            self.busy = False
 
     def count_call(self, op: str, stage: str, scope: str) -> int | None:
         """One op call's filters (op name, module scope, stage, step) and its call index, in one

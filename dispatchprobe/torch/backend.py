@@ -48,8 +48,7 @@ def describe(t: torch.Tensor) -> tuple:
     (the per-op path asks all three of every tensor): for a plain tensor in one C++ call
     (:data:`fused_stats.describe`) once the kernels are loaded, the same values as below."""
     cls = type(t)
-    if (cls is _TENSOR or cls is _PARAMETER) and fused_stats.describe is not None \
-            and not tensor_kinds.counts_unseen_writes():
+    if (cls is _TENSOR or cls is _PARAMETER) and fused_stats.describe is not None:
         facts = fused_stats.describe(t)
         if facts is not None:
             return _described(t, cls, *facts)
@@ -73,6 +72,8 @@ def _described(t, cls, scalar_type: int, shape: tuple, stride: tuple, requires_g
     dtype = _SCALAR_DTYPES.get(scalar_type)
     if dtype is None:
         dtype = _SCALAR_DTYPES[scalar_type] = t.dtype
+    if tensor_kinds.counts_unseen_writes():
+        version = tensor_kinds.version(t)
     device = t.device
     meta = _meta(t, cls, dtype, shape, stride, device, requires_grad)
     return meta, (ptr, shape, stride, dtype, device, version), (ptr, n, dtype, device, version) if dense else None

@@ -161,12 +161,12 @@ class _ProbeMode(TorchDispatchMode):
         recorded = probe.would_record(where[0], where[1])
         written = facts.reads_written
         if written and recorded:  # in-place ops: record the inputs as they were *before* the op ran
-            seen_args, seen_kwargs = _copy_written(written, args, kwargs, undefined)
+            seen_args, seen_kwargs = _copy_written(probe, written, args, kwargs, undefined)
         if facts.out_args and recorded:   # out=: a destination, its prior contents are no input
             seen_args, seen_kwargs, undefined = _destinations(facts.out_args, seen_args, seen_kwargs, undefined)
         collective = recorded and facts.collective
         if collective:
-            seen_args, seen_kwargs = collectives.copy_overwritten(func, seen_args, seen_kwargs)
+            seen_args, seen_kwargs = collectives.copy_overwritten(func, seen_args, seen_kwargs, probe)
         out = func(*args, **kwargs)
         if undefined is not None or facts.writes_unseen:
             probe.uninitialised.written(func, args, kwargs, out)
@@ -246,18 +246,22 @@ def _destinations(outs, args, kwargs, undefined: set | None):
     return (*_replace_args(outs, args, kwargs, alias), undefined)
 
 
-def _copy_written(written, args, kwargs, undefined: set | None):
-    """Copies of the tensors an op is about to overwrite (a tensor, or each tensor of a list:
+def _copy_written(probe, written, args, kwargs, undefined: set | None):
+    """Stand-ins for the tensors an op is about to overwrite (a tensor, or each tensor of a list:
     the optimizers' ``_foreach_*_``), in place of the originals: the record holds what the op
-    received.  A copy of an undefined tensor is undefined too."""
+    received (:meth:`~dispatchprobe.core.session.ProbeSession.stand_in_for_written`: a copy, or
+    the tensor's entry measured now).  A copy of an undefined tensor is undefined too."""
     def copy(old):
         new = old.clone()
         if undefined and id(old) in undefined:
             undefined.add(id(new))
         return new
 
+    def stand_in(old):
+        return probe.stand_in_for_written(old, bool(undefined) and id(old) in undefined, copy)
+
     with torch.no_grad():
-        return _replace_args(written, args, kwargs, copy)
+        return _replace_args(written, args, kwargs, stand_in)
 
 
 class _Uninitialised:
