@@ -13,6 +13,8 @@ gradients across runs with different parallelism: a shard is placed in the whole
 
 from __future__ import annotations
 
+import copy
+import functools
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -34,8 +36,9 @@ class Placement:
     offset: list[int]               # the shard's first element in the whole gradient, per dimension
 
     def to_dict(self) -> dict:
-        return {"placements": self.placements, "mesh": self.mesh, "mesh_dim_names": self.mesh_dim_names,
-                "local_shape": self.local_shape, "offset": self.offset}
+        """A copy (one Placement serves every step's records)."""
+        return copy.deepcopy({"placements": self.placements, "mesh": self.mesh, "mesh_dim_names": self.mesh_dim_names,
+                              "local_shape": self.local_shape, "offset": self.offset})
 
 
 @dataclass
@@ -95,12 +98,19 @@ def _is_dtensor(t: torch.Tensor) -> bool:
 
 def placement_of(grad: torch.Tensor) -> Placement:
     """Where a DTensor's local shard lies in the whole tensor (this rank's view)."""
+    return _placement(tuple(grad.shape), grad.device_mesh, tuple(grad.placements))
+
+
+@functools.lru_cache(maxsize=4096)
+def _placement(shape: tuple, mesh, placements: tuple) -> Placement:
+    """:func:`placement_of`, once per shape, mesh and placements: torch works it out in Python
+    through the mesh's layout (about a millisecond a parameter), and the records ask at every
+    optimizer step, of every parameter."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-    mesh = grad.device_mesh
-    local_shape, offset = compute_local_shape_and_global_offset(grad.shape, mesh, grad.placements)
-    return Placement(placements=[repr(p) for p in grad.placements], mesh=mesh.mesh.tolist(),
+    local_shape, offset = compute_local_shape_and_global_offset(shape, mesh, placements)
+    return Placement(placements=[repr(p) for p in placements], mesh=mesh.mesh.tolist(),
                      mesh_dim_names=list(mesh.mesh_dim_names) if mesh.mesh_dim_names else None,
-                     local_shape=list(local_shape), offset=list(offset) if offset else [0] * grad.dim())
+                     local_shape=list(local_shape), offset=list(offset) if offset else [0] * len(shape))
 
 
 def read_gradient(name: str, param: torch.Tensor) -> ParamGrad | None:
