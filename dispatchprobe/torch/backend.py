@@ -45,13 +45,26 @@ def tensor_meta(t: torch.Tensor) -> dict:
 
 def describe(t: torch.Tensor) -> tuple:
     """``(tensor_meta(t), identity(t), dense_key(t))`` in one pass over the tensor's attributes
-    (the per-op path asks all three of every tensor): for a plain tensor in one C++ call
+    (the per-op path asks all three of every tensor): for a plain tensor from one C++ call
     (:data:`fused_stats.describe`) once the kernels are loaded, the same values as below."""
     cls = type(t)
     if (cls is _TENSOR or cls is _PARAMETER) and fused_stats.describe is not None:
         facts = fused_stats.describe(t)
-        if facts is not None:
-            return _described(t, cls, *facts)
+        if facts is not None:       # (inlined: this runs for every tensor of every recorded op)
+            scalar_type, shape, stride, requires_grad, ptr, version, n, dense = facts
+            dtype = _SCALAR_DTYPES.get(scalar_type)
+            if dtype is None:
+                dtype = _SCALAR_DTYPES[scalar_type] = t.dtype
+            if tensor_kinds._unseen_writes:  # noqa: SLF001 (tensor_kinds.counts_unseen_writes())
+                version = tensor_kinds.version(t)
+            device = t.device
+            meta = {"type": "tensor", "dtype": _DTYPE_NAMES.get(dtype) or dtype_name(dtype), "shape": list(shape),
+                    "stride": list(stride), "device": _DEVICE_NAMES.get(device) or _device_name(device),
+                    "requires_grad": requires_grad}
+            if cls is _PARAMETER or type(t._base) is _PARAMETER:
+                meta["param"] = True
+            return meta, (ptr, shape, stride, dtype, device, version), \
+                (ptr, n, dtype, device, version) if dense else None
     dtype, device, shape = t.dtype, t.device, t.shape
     readable = tensor_kinds.readable(t)
     stride = t.stride() if readable or t.layout is _STRIDED else None
@@ -64,19 +77,6 @@ def describe(t: torch.Tensor) -> tuple:
     except (RuntimeError, NotImplementedError):  # inference tensors, wrapper subclasses
         return meta, None, None
     return (meta, *_key_pair(t, ptr, shape, stride, dtype, device, version))
-
-
-def _described(t, cls, scalar_type: int, shape: tuple, stride: tuple, requires_grad: bool, ptr: int, version: int,
-               n: int, dense: bool) -> tuple:
-    """:func:`describe` from the C++ facts of a plain readable tensor."""
-    dtype = _SCALAR_DTYPES.get(scalar_type)
-    if dtype is None:
-        dtype = _SCALAR_DTYPES[scalar_type] = t.dtype
-    if tensor_kinds.counts_unseen_writes():
-        version = tensor_kinds.version(t)
-    device = t.device
-    meta = _meta(t, cls, dtype, shape, stride, device, requires_grad)
-    return meta, (ptr, shape, stride, dtype, device, version), (ptr, n, dtype, device, version) if dense else None
 
 
 def _meta(t, cls, dtype, shape, stride, device, requires_grad: bool) -> dict:
