@@ -282,7 +282,7 @@ def _with_infinities(x: torch.Tensor, values: list) -> dict:
 
 def stats_on_device(t: torch.Tensor) -> bool:
     """Whether ``t``'s statistics are best reduced on its (accelerator) device and read later."""
-    return t.device.type != "cpu" and t.numel() > 0 and tensor_kinds.values(t) is not None
+    return not t.is_cpu and t.numel() > 0 and tensor_kinds.values(t) is not None
 
 
 def device_stats_row(t: torch.Tensor) -> torch.Tensor:
