@@ -196,3 +196,53 @@ def _values(obj):
     if isinstance(obj, list):
         return [_values(v) for v in obj]
     return obj
+
+
+def _reads(monkeypatch) -> list:
+    """The shapes of the tensors the probe reads for statistics, as it reads them."""
+    from dispatchprobe.torch import backend
+    reads = []
+    measure = backend.tensor_stats
+
+    def counted(tensors):
+        reads.extend(tuple(t.shape) for t in tensors)
+        return measure(tensors)
+    monkeypatch.setattr(backend, "tensor_stats", counted)
+    return reads
+
+
+def test_a_chain_of_in_place_writes_reads_each_value_once(tmp_path, monkeypatch):
+    """Autograd moves a written tensor's version counter after the op returns: the statistics
+    measured of the op's output are carried over to that version, so the next in-place op (an
+    optimizer's chain) takes its input from them instead of reading the memory again."""
+    reads = _reads(monkeypatch)
+    x = torch.arange(6, dtype=torch.float32)
+    with DispatchProbe(task="statistics", dump_path=str(tmp_path / "r")) as probe:
+        x.mul_(2)           # reads x before and after the write
+        x.add_(1)           # its input is mul_'s output: no read; its output: one
+        y = x * 3           # x: no read; y: one
+    probe.close()
+    assert len(reads) == 4, reads
+    recs = {r["op"]: r for r in load(tmp_path / "r").part(0, 0).records}
+    mean = lambda spec: spec["stats"]["mean"]   # noqa: E731
+    assert mean(recs["aten.mul_.Tensor"]["inputs"][0]) == 2.5 and mean(recs["aten.mul_.Tensor"]["outputs"][0]) == 5.0
+    assert mean(recs["aten.add_.Tensor"]["inputs"][0]) == 5.0 and mean(recs["aten.add_.Tensor"]["outputs"][0]) == 6.0
+    assert mean(recs["aten.mul.Tensor"]["inputs"][0]) == 6.0 and mean(recs["aten.mul.Tensor"]["outputs"][0]) == 18.0
+    assert torch.equal(y, (torch.arange(6.0) * 2 + 1) * 3)
+
+
+def test_a_write_between_two_recorded_ops_is_read_again(tmp_path, monkeypatch):
+    """An op the config does not record (here ``sub_``) that writes the tensor moves its counter
+    once more: nothing measured before is carried over, the next op reads the new values."""
+    reads = _reads(monkeypatch)
+    x = torch.arange(6, dtype=torch.float32)
+    with DispatchProbe(task="statistics", dump_path=str(tmp_path / "r"), list=["mul", "add"]) as probe:
+        x.mul_(2)
+        x.sub_(4)           # not recorded: x now holds 2 * arange - 4
+        x.add_(1)
+    probe.close()
+    recs = {r["op"]: r for r in load(tmp_path / "r").part(0, 0).records}
+    assert set(recs) == {"aten.mul_.Tensor", "aten.add_.Tensor"}
+    assert recs["aten.add_.Tensor"]["inputs"][0]["stats"]["mean"] == 1.0
+    assert recs["aten.add_.Tensor"]["outputs"][0]["stats"]["mean"] == 2.0
+    assert len(reads) == 4, reads

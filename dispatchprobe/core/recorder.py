@@ -203,6 +203,18 @@ class Recorder(Handler):
         if dense is not None:
             self._dense[dense] = (ref, entry["stats"])
 
+    def carry_over(self, ident, new_ident, dense, new_dense) -> None:
+        """What was measured of a value under its keys ``ident``/``dense`` also stands under
+        ``new_ident``/``new_dense``: the adapter knows the value is unchanged (a version counter
+        moved by the framework after the write that was measured)."""
+        hit = self._cache.get(ident)
+        if hit is not None and self.backend.memory_alive(hit[0]):
+            self._cache[new_ident] = hit
+        if dense is not None and new_dense is not None:
+            hit = self._dense.get(dense)
+            if hit is not None and self.backend.memory_alive(hit[0]):
+                self._dense[new_dense] = hit
+
     def save(self, t, like=None, ident=None) -> str:
         """Queue a tensor for the shard writer (once per live tensor value); returns its key.
         ``like``: an already saved tensor with the same values and shape (a ``clone``'s input),

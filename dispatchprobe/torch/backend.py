@@ -438,6 +438,22 @@ _expired = torch.UntypedStorage._expired     # StorageWeakRef.expired, two calls
 _STORAGE_OBJECTS_KEPT = _storage_objects_kept()
 
 
+def moved_keys(t: torch.Tensor, before) -> tuple | None:
+    """(identity, dense key) of ``t`` at version ``before`` and now, where its in-place counter
+    has moved exactly one on since (autograd's count of the write an op just made, nothing
+    else); None otherwise."""
+    now = tensor_kinds.version(t)
+    if type(before) is tuple:
+        if type(now) is not tuple or now[0] != before[0] + 1 or now[1] != before[1]:
+            return None
+    elif now != before + 1:
+        return None
+    _, ident, dense = describe(t)
+    if ident is None:
+        return None
+    return (ident[:-1] + (before,), ident, dense[:-1] + (before,) if dense is not None else None, dense)
+
+
 def dense_key(t: torch.Tensor):
     """A key shared by all views that show exactly the same set of elements of one memory
     (a reshape or transpose of it): they have the same statistics.  None if not dense."""

@@ -134,6 +134,8 @@ class _ProbeMode(TorchDispatchMode):
         return self._dispatch(func, types, args, kwargs)
 
     def _dispatch(self, func, types, args=(), kwargs=None):
+        if self.probe.written_last:         # the previous op returned: autograd has moved their counters
+            self.probe.carry_over_written()
         if types and tensor_kinds.desugars(types):
             if tensor_kinds.desugars(types) == tensor_kinds.FAKE:
                 return func(*args, **(kwargs or {}))
@@ -175,7 +177,7 @@ class _ProbeMode(TorchDispatchMode):
         if written or facts.out_args:
             # autograd moves a written tensor's version counter only once this call returns: count
             # the write now, so that the record measures the new values, not a cached earlier reading
-            _replace_args(written + facts.out_args, args, kwargs, _count_write)
+            _replace_args(written + facts.out_args, args, kwargs, probe.count_write)
         if collective:            # outputs hold their values once the work is waited for
             collectives.settle(func, out)
             seen_args, seen_kwargs = collectives.named_groups(func, seen_args, seen_kwargs)
@@ -226,11 +228,6 @@ def _replace_args(positions, args, kwargs, replace):
         elif name in kwargs:
             kwargs[name] = swap(kwargs[name])
     return tuple(args), kwargs
-
-
-def _count_write(t):
-    tensor_kinds.unseen_write(t)
-    return t
 
 
 def _destinations(outs, args, kwargs, undefined: set | None):
@@ -784,6 +781,7 @@ class DispatchProbe(TorchSession):
         self.uninitialised = _Uninitialised()
         self._facts: dict[int, _Facts] = {}
         self.collective_seq = collectives.Sequence()     # per process group, from the probe's start
+        self.written_last: list = []     # (tensor, version) written by the last recorded op (count_write)
 
     # ---- installation -------------------------------------------------------------------------
     def _install(self) -> None:
@@ -796,7 +794,30 @@ class DispatchProbe(TorchSession):
         if self._mode is not None:
             self._mode.__exit__(None, None, None)
             self._mode = None
+        self.carry_over_written()
         self.scopes.uninstall()
+
+    # ---- in-place writes --------------------------------------------------------------------------
+    def count_write(self, t):
+        """A recorded op wrote ``t``: its write is counted now (autograd moves the version counter
+        only once the op returns), so its record measures the new values; and its measurement
+        is noted, to be carried over to the version autograd gives it (:meth:`carry_over_written`)."""
+        tensor_kinds.unseen_write(t)
+        if isinstance(t, torch.Tensor) and tensor_kinds.readable(t):
+            self.written_last.append((t, tensor_kinds.version(t)))
+        return t
+
+    def carry_over_written(self) -> None:
+        """Once the op that wrote them has returned (at the next op, or when the mode exits): the
+        statistics measured of its written tensors also stand for the version autograd moved
+        their counters to, exactly one on, so the next op reading them (an optimizer's chain of
+        in-place updates) takes them from the cache instead of reading the memory again.  A
+        counter that moved otherwise (no autograd bump, or a write since) carries nothing."""
+        written, self.written_last = self.written_last, []
+        for t, before in written:
+            moved = torch_backend.moved_keys(t, before)
+            if moved is not None:
+                self.recorder.carry_over(*moved)
 
     def optimizer_stepped(self, optimizer) -> None:
         if self.grad_reader is not None and not self.grad_reader.holds(optimizer):
