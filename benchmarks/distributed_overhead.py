@@ -4,7 +4,10 @@ One model (the tiny transformer of ``dispatchprobe.models``) and one global batc
 trains on all of it; under ``torchrun`` each of the ranks trains on its share, wrapped in DDP or
 FSDP2 (``fully_shard`` per layer and the root).  Each process times its steps (forward,
 backward, optimizer step) unprobed and under ``DispatchProbe(task="statistics")``, alternating,
-and reports the median of each; the table gives each rank's ratio beside the 1-process one.
+and reports the median of each; the table gives each rank's ratio beside two 1-process ones: the
+whole batch on the machine's threads, and one rank's work alone (its share of the batch and its
+thread count), which separates what recording a distributed step costs from what recording a
+smaller step does.
 
     python benchmarks/distributed_overhead.py [--steps 8] [--quick] [--nproc 2]
 
