@@ -249,7 +249,8 @@ def _copy_written(probe, written, args, kwargs, undefined: set | None):
     received (:meth:`~dispatchprobe.core.session.ProbeSession.stand_in_for_written`: a copy, or
     the tensor's entry measured now).  A copy of an undefined tensor is undefined too."""
     def copy(old):
-        new = old.clone()
+        with torch_backend.NoGrad():
+            new = old.clone()
         if undefined and id(old) in undefined:
             undefined.add(id(new))
         return new
@@ -257,8 +258,7 @@ def _copy_written(probe, written, args, kwargs, undefined: set | None):
     def stand_in(old):
         return probe.stand_in_for_written(old, bool(undefined) and id(old) in undefined, copy)
 
-    with torch.no_grad():
-        return _replace_args(written, args, kwargs, stand_in)
+    return _replace_args(written, args, kwargs, stand_in)
 
 
 class _Uninitialised:

@@ -78,16 +78,16 @@ def copy_overwritten(func, args: tuple, kwargs: dict, probe):
     def stand_in(t):
         return probe.stand_in_for_written(t, False, _clone) if isinstance(t, torch.Tensor) else t
 
-    with torch.no_grad():
-        if args and isinstance(args[0], (list, tuple)):
-            return ([stand_in(t) for t in args[0]], *args[1:]), kwargs
-        if isinstance(kwargs.get(name), (list, tuple)):
-            return args, {**kwargs, name: [stand_in(t) for t in kwargs[name]]}
+    if args and isinstance(args[0], (list, tuple)):
+        return ([stand_in(t) for t in args[0]], *args[1:]), kwargs
+    if isinstance(kwargs.get(name), (list, tuple)):
+        return args, {**kwargs, name: [stand_in(t) for t in kwargs[name]]}
     return args, kwargs
 
 
 def _clone(t: torch.Tensor) -> torch.Tensor:
-    return t.clone()
+    with torch.no_grad():
+        return t.clone()
 
 
 def settle(func, out) -> None:
