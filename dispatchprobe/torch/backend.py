@@ -50,19 +50,15 @@ def describe(t: torch.Tensor) -> tuple:
     cls = type(t)
     if (cls is _TENSOR or cls is _PARAMETER) and fused_stats.describe is not None:
         facts = fused_stats.describe(t)
-        if facts is not None:       # (inlined: this runs for every tensor of every recorded op)
+        if facts is not None:
             scalar_type, shape, stride, requires_grad, ptr, version, n, dense = facts
             dtype = _SCALAR_DTYPES.get(scalar_type)
             if dtype is None:
                 dtype = _SCALAR_DTYPES[scalar_type] = t.dtype
-            if tensor_kinds._unseen_writes:  # noqa: SLF001 (tensor_kinds.counts_unseen_writes())
+            if tensor_kinds.counts_unseen_writes():
                 version = tensor_kinds.version(t)
             device = t.device
-            meta = {"type": "tensor", "dtype": _DTYPE_NAMES.get(dtype) or dtype_name(dtype), "shape": list(shape),
-                    "stride": list(stride), "device": _DEVICE_NAMES.get(device) or _device_name(device),
-                    "requires_grad": requires_grad}
-            if cls is _PARAMETER or type(t._base) is _PARAMETER:
-                meta["param"] = True
+            meta = _meta(t, cls, dtype, shape, stride, device, requires_grad)
             return meta, (ptr, shape, stride, dtype, device, version), \
                 (ptr, n, dtype, device, version) if dense else None
     dtype, device, shape = t.dtype, t.device, t.shape
@@ -280,6 +276,12 @@ def _with_infinities(x: torch.Tensor, values: list) -> dict:
     return stats
 
 
+def clone(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t``'s values now, outside autograd (for a record of what an op overwrites)."""
+    with NoGrad():
+        return t.clone()
+
+
 def stats_on_device(t: torch.Tensor) -> bool:
     """Whether ``t``'s statistics are best reduced on its (accelerator) device and read later."""
     return not t.is_cpu and t.numel() > 0 and tensor_kinds.values(t) is not None
@@ -448,7 +450,7 @@ def moved_keys(t: torch.Tensor, before) -> tuple | None:
             return None
     elif now != before + 1:
         return None
-    _, ident, dense = describe(t)
+    ident, dense = _keys(t)
     if ident is None:
         return None
     return (ident[:-1] + (before,), ident, dense[:-1] + (before,) if dense is not None else None, dense)

@@ -168,7 +168,8 @@ class _ProbeMode(TorchDispatchMode):
             seen_args, seen_kwargs, undefined = _destinations(facts.out_args, seen_args, seen_kwargs, undefined)
         collective = recorded and facts.collective
         if collective:
-            seen_args, seen_kwargs = collectives.copy_overwritten(func, seen_args, seen_kwargs, probe)
+            seen_args, seen_kwargs = collectives.copy_overwritten(
+                func, seen_args, seen_kwargs, lambda t: probe.stand_in_for_written(t, False, torch_backend.clone))
         out = func(*args, **kwargs)
         if undefined is not None or facts.writes_unseen:
             probe.uninitialised.written(func, args, kwargs, out)
@@ -249,8 +250,7 @@ def _copy_written(probe, written, args, kwargs, undefined: set | None):
     received (:meth:`~dispatchprobe.core.session.ProbeSession.stand_in_for_written`: a copy, or
     the tensor's entry measured now).  A copy of an undefined tensor is undefined too."""
     def copy(old):
-        with torch_backend.NoGrad():
-            new = old.clone()
+        new = torch_backend.clone(old)
         if undefined and id(old) in undefined:
             undefined.add(id(new))
         return new
@@ -803,7 +803,7 @@ class DispatchProbe(TorchSession):
         only once the op returns), so its record measures the new values; and its measurement
         is noted, to be carried over to the version autograd gives it (:meth:`carry_over_written`)."""
         tensor_kinds.unseen_write(t)
-        if isinstance(t, torch.Tensor) and tensor_kinds.readable(t):
+        if tensor_kinds.readable(t):
             self.written_last.append((t, tensor_kinds.version(t)))
         return t
 

@@ -68,26 +68,17 @@ def named_groups(func, args: tuple, kwargs: dict):
     return args, kwargs
 
 
-def copy_overwritten(func, args: tuple, kwargs: dict, probe):
-    """Stand-ins for the tensors an in-place collective is about to overwrite, for its record (a
-    copy, or their entries measured now: ``ProbeSession.stand_in_for_written``)."""
+def copy_overwritten(func, args: tuple, kwargs: dict, stand_in):
+    """``args``/``kwargs`` with each tensor an in-place collective is about to overwrite replaced
+    by ``stand_in(tensor)`` (for its record: a copy, or its entry measured now)."""
     name = _OVERWRITES.get(func._schema.name.partition("::")[2]) if func.namespace == "c10d" else None
     if name is None:
         return args, kwargs
-
-    def stand_in(t):
-        return probe.stand_in_for_written(t, False, _clone) if isinstance(t, torch.Tensor) else t
-
     if args and isinstance(args[0], (list, tuple)):
-        return ([stand_in(t) for t in args[0]], *args[1:]), kwargs
+        return ([stand_in(t) if isinstance(t, torch.Tensor) else t for t in args[0]], *args[1:]), kwargs
     if isinstance(kwargs.get(name), (list, tuple)):
-        return args, {**kwargs, name: [stand_in(t) for t in kwargs[name]]}
+        return args, {**kwargs, name: [stand_in(t) if isinstance(t, torch.Tensor) else t for t in kwargs[name]]}
     return args, kwargs
-
-
-def _clone(t: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        return t.clone()
 
 
 def settle(func, out) -> None:

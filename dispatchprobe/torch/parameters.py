@@ -104,8 +104,8 @@ def placement_of(grad: torch.Tensor) -> Placement:
 @functools.lru_cache(maxsize=4096)
 def _placement(shape: tuple, mesh, placements: tuple) -> Placement:
     """:func:`placement_of`, once per shape, mesh and placements: torch works it out in Python
-    through the mesh's layout (about a millisecond a parameter), and the records ask at every
-    optimizer step, of every parameter."""
+    through the mesh's layout, slowly, and the records ask at every optimizer step, of every
+    parameter."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
     local_shape, offset = compute_local_shape_and_global_offset(shape, mesh, placements)
     return Placement(placements=[repr(p) for p in placements], mesh=mesh.mesh.tolist(),
