@@ -50,6 +50,10 @@ class TensorBackend(Protocol):
         """``(tensor_meta(t), identity(t), dense_key(t))``: the per-op path asks all at once."""
     def memory_ref(self, t: Tensor):
         """A weak reference to the memory: keys are trusted only while it lives."""
+    def value_encoder(self, cache: dict, dense: dict, measured: type):
+        """A compiled ``encoder(values, found, undefined, fallback)`` doing the statistics task's
+        per-value work of :meth:`Recorder.encode` with the same cache, or None (none, or not
+        loaded yet); ``fallback(found, value)`` takes what it does not."""
     def memory_alive(self, ref) -> bool: ...
     def storage_span(self, t: Tensor):
         """``(span_key, start, length, offset, stride, plain)`` to save shared memory once, or None."""

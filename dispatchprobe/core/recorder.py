@@ -62,6 +62,7 @@ class Recorder(Handler):
         self._cache: dict = {}
         self._spans: dict = {}
         self._dense: dict = {}
+        self._encoder = None        # the backend's compiled value encoder, once it has one
         self._next_key = 0
         # accelerator statistics still on the device, and the records waiting for them: read
         # back with one host sync every DEFER_BATCH tensors or at flush, not one per op
@@ -90,30 +91,52 @@ class Recorder(Handler):
         the device and filled in later (:meth:`emit` then holds the record until they are)."""
         save = self.save_tensors if save is None else save
         found: list[tuple] = []
-        enc = self._encode_value
         record = self.skeleton(event.kind, event.op, event.stage, event.scope, event.call, grad_fn=event.grad_fn,
                                stack=self.part.stack_id(event.stack) if event.stack else None)
+        values = self._values_encoder(found, event.undefined, save)
         if self._inputs:
-            record["inputs"] = [enc(found, a) for a in event.args]
-            record["kwargs"] = {k: enc(found, v) for k, v in event.kwargs.items()} if event.kwargs else {}
+            record["inputs"] = values(event.args)
+            record["kwargs"] = values(event.kwargs) if event.kwargs else {}
         if self._outputs:
             out = event.outputs
             if isinstance(out, (tuple, list)):
                 record["output_type"] = "tuple" if isinstance(out, tuple) else "list"
-                record["outputs"] = [enc(found, o) for o in out]
+                record["outputs"] = values(out)
             else:
                 record["output_type"] = "single"
-                record["outputs"] = [enc(found, out)]
+                record["outputs"] = values((out,))
         same = self.backend.same_values(event) if save and event.func is not None else None
-        if event.undefined:
-            for t, spec, *_ in found:
-                if id(t) in event.undefined:
-                    spec["undefined"] = True
-        if found:
-            self._fill_tensors(found, save, same, defer and not self.checksum)
+        self._fill_found(found, event.undefined, save, same, defer and not self.checksum)
         if event.extra:
             record.update(event.extra)
         return record
+
+    def _fill_found(self, found: list, undefined: set | None, save: bool, same: dict | None, defer: bool) -> None:
+        """Statistics (and saved data) of the tensors :meth:`_encode_value` collected; those in
+        ``undefined`` (ids of uninitialised memory) are marked instead."""
+        if undefined:
+            for t, spec, *_ in found:
+                if id(t) in undefined:
+                    spec["undefined"] = True
+        if found:
+            self._fill_tensors(found, save, same, defer)
+
+    def _values_encoder(self, found: list, undefined: set | None, save: bool):
+        """``values(args)``: a list (or dict) of arguments as JSON, their tensors described and
+        collected in ``found`` for :meth:`_fill_tensors`.  For records of statistics, the backend's
+        compiled encoder, where it has one, also fills the statistics of the tensors it can
+        (plain CPU float tensors), from the same cache; ``found`` gets the others."""
+        enc = self._encode_value
+        fast = None if save or self.checksum else self._encoder or self._load_encoder()
+        if fast is not None:
+            return lambda values: fast(values, found, undefined, enc)
+        return lambda values: {k: enc(found, v) for k, v in values.items()} if isinstance(values, dict) \
+            else [enc(found, v) for v in values]
+
+    def _load_encoder(self):
+        """The backend's compiled value encoder for records of statistics (None until it has one)."""
+        self._encoder = self.backend.value_encoder(self._cache, self._dense, Measured)
+        return self._encoder
 
     @property
     def measures_only(self) -> bool:
@@ -124,11 +147,11 @@ class Recorder(Handler):
         """``t``'s record entry as its values are now, for an op about to overwrite them, in place
         of a copy (:attr:`measures_only`): from the cache, keyed by the version before the write,
         or read now (accelerator tensors: queued on the device before the op, read later)."""
-        meta, ident, dense = self._describe(t)
-        if undefined:
-            meta["undefined"] = True
-        self._fill_tensors([(t, meta, ident, dense)], False, defer=True)
-        return Measured(meta)
+        found: list[tuple] = []
+        unwritten = {id(t)} if undefined else None
+        spec = self._values_encoder(found, unwritten, False)((t,))[0]
+        self._fill_found(found, unwritten, False, None, True)
+        return Measured(spec)
 
     @staticmethod
     def skeleton(kind: str, op: str, stage: str, scope: str, call: int, *, grad_fn=None, stack=None) -> dict:

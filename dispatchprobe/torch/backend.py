@@ -45,22 +45,13 @@ def tensor_meta(t: torch.Tensor) -> dict:
 
 def describe(t: torch.Tensor) -> tuple:
     """``(tensor_meta(t), identity(t), dense_key(t))`` in one pass over the tensor's attributes
-    (the per-op path asks all three of every tensor): for a plain tensor from one C++ call
-    (:data:`fused_stats.describe`) once the kernels are loaded, the same values as below."""
+    (the per-op path asks all three of every tensor): for a plain tensor or parameter from one C++
+    call (:data:`fused_stats.describe`) once the kernels are loaded, the same values as below."""
+    if fused_stats.describe is not None:
+        described = fused_stats.describe(t)
+        if described is not None:
+            return described
     cls = type(t)
-    if (cls is _TENSOR or cls is _PARAMETER) and fused_stats.describe is not None:
-        facts = fused_stats.describe(t)
-        if facts is not None:
-            scalar_type, shape, stride, requires_grad, ptr, version, n, dense = facts
-            dtype = _SCALAR_DTYPES.get(scalar_type)
-            if dtype is None:
-                dtype = _SCALAR_DTYPES[scalar_type] = t.dtype
-            if tensor_kinds.counts_unseen_writes():
-                version = tensor_kinds.version(t)
-            device = t.device
-            meta = _meta(t, cls, dtype, shape, stride, device, requires_grad)
-            return meta, (ptr, shape, stride, dtype, device, version), \
-                (ptr, n, dtype, device, version) if dense else None
     dtype, device, shape = t.dtype, t.device, t.shape
     readable = tensor_kinds.readable(t)
     stride = t.stride() if readable or t.layout is _STRIDED else None
@@ -90,8 +81,6 @@ def _meta(t, cls, dtype, shape, stride, device, requires_grad: bool) -> dict:
     return meta
 
 
-_TENSOR = torch.Tensor
-_SCALAR_DTYPES: dict = {}     # the C++ scalar type numbers seen so far -> their torch.dtype
 _STRIDED = torch.strided
 _DTYPE_NAMES = {d: dtype_name(d) for d in vars(torch).values() if isinstance(d, torch.dtype)}
 _DEVICE_NAMES: dict = {}
@@ -418,6 +407,16 @@ def memory_ref(t: torch.Tensor):
     except (RuntimeError, NotImplementedError, TypeError):
         return None
     return _weak(storage) if _STORAGE_OBJECTS_KEPT else StorageWeakRef(storage)
+
+
+def value_encoder(cache: dict, dense: dict, measured: type):
+    """The C++ encoder of an op's values for records that need only statistics
+    (:data:`fused_stats.Encoder`), on the recorder's cache dictionaries, once the kernels are
+    loaded; None before, or where storages' Python objects do not live as long as their memory
+    (the encoder keeps weak references to them, as :func:`memory_ref` does)."""
+    if fused_stats.Encoder is None or not _STORAGE_OBJECTS_KEPT:
+        return None
+    return fused_stats.Encoder(cache, dense, measured)
 
 
 def memory_alive(ref) -> bool:

@@ -27,7 +27,8 @@ _lock = threading.Lock()
 _builder: threading.Thread | None = None
 stats4 = None             # the kernel: float32/bfloat16 CPU tensor (contiguous rows) -> [max, min, sum, sum of squares]
 extremes = None           # its second pass where those sums are not finite -> [nan, inf, max, min, finite max, finite min]
-describe = None           # a plain tensor's per-op facts in one call (backend.describe), or None for the Python path
+describe = None           # a plain tensor's description and cache keys in one call (backend.describe), or None
+Encoder = None            # the statistics task's per-value encoding (backend.value_encoder), or None
 error: str | None = None  # why it could not be built
 
 
@@ -74,7 +75,7 @@ def _parallel_flags() -> list[str]:
 
 
 def _load() -> None:
-    global stats4, extremes, describe, error
+    global stats4, extremes, describe, Encoder, error
     try:
         path, name, _ = _target()
         if not path.exists():
@@ -87,7 +88,10 @@ def _load() -> None:
         spec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-        stats4, extremes, describe = module.stats4, module.extremes, module.describe
+        import torch
+        from . import tensor_kinds
+        module.configure(torch.nn.Parameter, tensor_kinds._unseen_writes)
+        stats4, extremes, describe, Encoder = module.stats4, module.extremes, module.describe, module.Encoder
     except Exception as exc:          # no compiler, no ninja, a read-only cache: torch's reductions
         error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
 

@@ -6,6 +6,9 @@
 // a second pass.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <torch/csrc/Device.h>
+#include <torch/csrc/DynamicTypes.h>
+#include <torch/csrc/autograd/python_variable.h>
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -394,11 +397,67 @@ bool fills_block(at::IntArrayRef sizes, at::IntArrayRef strides) {
   return true;
 }
 
-// What the per-op path reads of every tensor it records, in one call: (scalar type, shape, stride,
-// requires_grad, data pointer, version, number of elements, whether its elements fill one block).
-// None where the tensor is not plain strided memory the probe may read (no storage, a wrapper,
+// The per-op path's description of a tensor in one call: (meta, identity, dense key), the values
+// backend.describe's Python path gives (the record's fields, the value cache's keys), built here
+// because every recorded op asks for them of each of its tensors.  None where the tensor is not a
+// plain torch.Tensor or Parameter in strided memory the probe may read (a subclass, no storage,
 // nested, an inference tensor, memory not allocated): the Python path decides those.
-py::object describe(const torch::Tensor& t) {
+namespace {
+struct Names {
+  PyObject* param_type = nullptr;        // torch.nn.Parameter
+  PyObject* unseen = nullptr;            // tensor_kinds._unseen_writes: storage address -> writes
+  PyObject* keys[7] = {};                // "type", "dtype", "shape", "stride", "device", "requires_grad", "param"
+  PyObject* tensor = nullptr;            // "tensor"
+  std::vector<std::pair<PyObject*, PyObject*>> dtypes;          // scalar type -> (torch.dtype, its name)
+  std::vector<std::pair<int64_t, std::pair<PyObject*, PyObject*>>> devices;   // -> (torch.device, its name)
+};
+Names names;
+
+void configure(py::handle param_type, py::handle unseen) {
+  names.param_type = param_type.inc_ref().ptr();
+  names.unseen = unseen.inc_ref().ptr();
+  const char* keys[] = {"type", "dtype", "shape", "stride", "device", "requires_grad", "param"};
+  for (int i = 0; i < 7; ++i) names.keys[i] = PyUnicode_InternFromString(keys[i]);
+  names.tensor = PyUnicode_InternFromString("tensor");
+}
+
+std::pair<PyObject*, PyObject*> dtype_of(at::ScalarType type) {
+  const size_t i = static_cast<size_t>(type);
+  if (i >= names.dtypes.size()) names.dtypes.resize(i + 1, {nullptr, nullptr});
+  auto& entry = names.dtypes[i];
+  if (entry.first == nullptr) {
+    PyObject* dtype = reinterpret_cast<PyObject*>(torch::getTHPDtype(type));
+    Py_INCREF(dtype);
+    std::string name = py::str(dtype);
+    if (name.rfind("torch.", 0) == 0) name = name.substr(6);
+    entry = {dtype, PyUnicode_InternFromString(name.c_str())};
+  }
+  return entry;
+}
+
+std::pair<PyObject*, PyObject*> device_of(const c10::Device& device) {
+  const int64_t key = static_cast<int64_t>(device.type()) * 65536 + device.index() + 1;
+  for (const auto& [k, v] : names.devices)
+    if (k == key) return v;
+  PyObject* obj = THPDevice_New(device);
+  PyObject* name = PyObject_Str(obj);
+  names.devices.emplace_back(key, std::make_pair(obj, name));
+  return {obj, name};
+}
+
+PyObject* int_list(at::IntArrayRef values, bool tuple) {
+  PyObject* out = tuple ? PyTuple_New(values.size()) : PyList_New(values.size());
+  for (size_t d = 0; d < values.size(); ++d) {
+    PyObject* v = PyLong_FromLongLong(values[d]);
+    if (tuple) PyTuple_SET_ITEM(out, d, v); else PyList_SET_ITEM(out, d, v);
+  }
+  return out;
+}
+
+py::object describe(py::handle obj) {
+  PyObject* cls = reinterpret_cast<PyObject*>(Py_TYPE(obj.ptr()));
+  if (names.param_type == nullptr || (cls != THPVariableClass && cls != names.param_type)) return py::none();
+  const at::Tensor& t = THPVariable_Unpack(obj.ptr());
   if (t.layout() != at::kStrided || !t.has_storage() || t.is_nested() || t.is_inference() ||
       t.key_set().has(c10::DispatchKey::Functionalize))
     return py::none();
@@ -410,20 +469,230 @@ py::object describe(const torch::Tensor& t) {
   }
   const int64_t n = t.numel();
   if (ptr == nullptr && n != 0) return py::none();
+  bool param = cls == names.param_type;
+  if (!param && t.is_view()) {
+    PyObject* base = THPVariable_Wrap(t._base());
+    param = base != nullptr && reinterpret_cast<PyObject*>(Py_TYPE(base)) == names.param_type;
+    Py_XDECREF(base);
+  }
   const auto sizes = t.sizes();
   const auto strides = t.strides();
-  py::tuple shape(sizes.size()), stride(strides.size());
-  for (size_t d = 0; d < sizes.size(); ++d) {
-    shape[d] = py::int_(sizes[d]);
-    stride[d] = py::int_(strides[d]);
+  const auto [dtype, dtype_name] = dtype_of(t.scalar_type());
+  const auto [device, device_name] = device_of(t.device());
+  // the version: the in-place counter, paired with the writes it did not see once any were counted
+  py::object version = py::int_(t._version());
+  if (PyDict_GET_SIZE(names.unseen)) {
+    py::int_ storage(reinterpret_cast<uintptr_t>(t.storage().data_ptr().get()));
+    PyObject* writes = PyDict_GetItem(names.unseen, storage.ptr());
+    version = py::make_tuple(version, writes ? py::reinterpret_borrow<py::object>(writes) : py::int_(0));
   }
+  py::dict meta;
+  PyObject* m = meta.ptr();
+  PyDict_SetItem(m, names.keys[0], names.tensor);
+  PyDict_SetItem(m, names.keys[1], dtype_name);
+  py::object shape_list = py::reinterpret_steal<py::object>(int_list(sizes, false));
+  py::object stride_list = py::reinterpret_steal<py::object>(int_list(strides, false));
+  PyDict_SetItem(m, names.keys[2], shape_list.ptr());
+  PyDict_SetItem(m, names.keys[3], stride_list.ptr());
+  PyDict_SetItem(m, names.keys[4], device_name);
+  PyDict_SetItem(m, names.keys[5], t.requires_grad() ? Py_True : Py_False);
+  if (param) PyDict_SetItem(m, names.keys[6], Py_True);
+  py::object shape = py::reinterpret_steal<py::object>(int_list(sizes, true));
+  py::object stride = py::reinterpret_steal<py::object>(int_list(strides, true));
+  py::int_ address(reinterpret_cast<uintptr_t>(ptr));
+  py::handle dt(dtype), dev(device);
+  py::tuple ident = py::make_tuple(address, shape, stride, dt, dev, version);
   const bool dense = n != 0 && (t.is_contiguous() || fills_block(sizes, strides));
-  return py::make_tuple(static_cast<int>(t.scalar_type()), shape, stride, t.requires_grad(),
-                        reinterpret_cast<uintptr_t>(ptr), t._version(), n, dense);
+  if (!dense) return py::make_tuple(meta, ident, py::none());
+  return py::make_tuple(meta, ident, py::make_tuple(address, py::int_(n), dt, dev, version));
 }
+
+
+// Recorder.encode's per-value work for the statistics task, on CPU tensors, in one call per
+// argument list: each value as the record's JSON, and each plain float32/bfloat16 CPU tensor
+// given its statistics the way Recorder._fill_tensors gives them, through the recorder's own
+// cache dictionaries (keys from describe; a weak reference to the storage's Python object for
+// its memory): a hit, a reshape of measured memory, or one pass of stats4 whose sums are finite.
+// Anything else (subclasses, accelerator tensors, other dtypes, values holding inf or nan,
+// objects other than None/bool/int/float/str/list/tuple) goes to `fallback(found, value)`, the
+// Python path, which collects its tensors in `found` for Recorder._fill_tensors.
+PyObject* intern(const char* s) { return PyUnicode_InternFromString(s); }
+
+struct Keys {
+  PyObject *type = intern("type"), *value = intern("value"), *none = intern("none"), *boolean = intern("bool"),
+           *integer = intern("int"), *floating = intern("float"), *str = intern("str"), *list = intern("list"),
+           *tuple = intern("tuple"), *stats = intern("stats"), *max = intern("max"), *min = intern("min"),
+           *mean = intern("mean"), *norm = intern("norm"), *nan = intern("nan"), *inf = intern("inf"),
+           *undefined = intern("undefined"), *spec = intern("spec");
+};
+
+bool alive(PyObject* ref) {      // backend.memory_alive: the storage's Python object still lives
+#if PY_VERSION_HEX >= 0x030D0000
+  PyObject* obj = nullptr;
+  if (PyWeakref_GetRef(ref, &obj) <= 0) return false;
+  Py_DECREF(obj);
+  return true;
+#else
+  return PyWeakref_Check(ref) && PyWeakref_GetObject(ref) != Py_None;
+#endif
+}
+
+class Encoder {
+ public:
+  Encoder(py::dict cache, py::dict dense, py::handle measured)
+      : cache_(std::move(cache)), dense_(std::move(dense)), measured_(py::reinterpret_borrow<py::object>(measured)) {}
+
+  // `values`: a tuple or list (-> a list) or a dict (-> a dict) of an op's arguments or outputs
+  int64_t measured = 0;     // values read by stats4 here (the others are the Python path's)
+
+  py::object operator()(py::handle values, py::list found, py::handle undefined, py::handle fallback) {
+    Call c{found, undefined, fallback};
+    if (PyDict_Check(values.ptr())) {
+      py::dict out;
+      PyObject *k, *v;
+      Py_ssize_t pos = 0;
+      while (PyDict_Next(values.ptr(), &pos, &k, &v)) PyDict_SetItem(out.ptr(), k, value(v, c).ptr());
+      return std::move(out);
+    }
+    return items(values.ptr(), c);
+  }
+
+ private:
+  struct Call {
+    py::list& found;
+    py::handle undefined, fallback;
+  };
+
+  py::list items(PyObject* seq, const Call& c) {
+    PyObject* fast = PySequence_Fast(seq, "a sequence");
+    if (fast == nullptr) throw py::error_already_set();
+    py::object owner = py::reinterpret_steal<py::object>(fast);
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    py::list out(n);
+    for (Py_ssize_t i = 0; i < n; ++i) PyList_SET_ITEM(out.ptr(), i, value(PySequence_Fast_GET_ITEM(fast, i), c).release().ptr());
+    return out;
+  }
+
+  py::dict tagged(PyObject* type, PyObject* v) {
+    py::dict d;
+    PyDict_SetItem(d.ptr(), k_.type, type);
+    if (v != nullptr) PyDict_SetItem(d.ptr(), k_.value, v);
+    return d;
+  }
+
+  py::object value(PyObject* v, const Call& c) {
+    PyTypeObject* tp = Py_TYPE(v);
+    if (v == Py_None) return tagged(k_.none, nullptr);
+    if (tp == &PyBool_Type) return tagged(k_.boolean, v);
+    if (tp == &PyLong_Type) return tagged(k_.integer, v);
+    if (tp == &PyFloat_Type) {
+      if (std::isfinite(PyFloat_AS_DOUBLE(v))) return tagged(k_.floating, v);
+      return tagged(k_.floating, py::str(v).ptr());
+    }
+    if (tp == &PyUnicode_Type) return tagged(k_.str, v);
+    if (tp == &PyList_Type || tp == &PyTuple_Type)
+      return tagged(tp == &PyList_Type ? k_.list : k_.tuple, items(v, c).ptr());
+    if (reinterpret_cast<PyObject*>(tp) == measured_.ptr()) {
+      PyObject* spec = PyObject_GetAttr(v, k_.spec);
+      if (spec == nullptr) throw py::error_already_set();
+      return py::reinterpret_steal<py::object>(spec);
+    }
+    if (reinterpret_cast<PyObject*>(tp) == THPVariableClass || reinterpret_cast<PyObject*>(tp) == names.param_type) {
+      py::object described = describe(v);
+      if (!described.is_none()) return tensor(v, described, c);
+    }
+    return c.fallback(c.found, py::handle(v));
+  }
+
+  py::object tensor(PyObject* v, py::object described, const Call& c) {
+    PyObject* meta = PyTuple_GET_ITEM(described.ptr(), 0);
+    PyObject* ident = PyTuple_GET_ITEM(described.ptr(), 1);
+    PyObject* dense = PyTuple_GET_ITEM(described.ptr(), 2);
+    py::object result = py::reinterpret_borrow<py::object>(meta);
+    if (!c.undefined.is_none()) {
+      py::int_ id(reinterpret_cast<uintptr_t>(v));
+      if (PySet_Contains(c.undefined.ptr(), id.ptr()) == 1) {    // uninitialised memory: no values
+        PyDict_SetItem(meta, k_.undefined, Py_True);
+        return result;
+      }
+    }
+    PyObject* hit = PyDict_GetItem(cache_.ptr(), ident);
+    if (hit != nullptr && alive(PyTuple_GET_ITEM(hit, 0))) {
+      PyObject* st = PyDict_GetItem(PyTuple_GET_ITEM(hit, 1), k_.stats);
+      if (st != nullptr) {
+        PyDict_SetItem(meta, k_.stats, st);
+        return result;
+      }
+    }
+    const at::Tensor& t = THPVariable_Unpack(v);
+    if (dense != Py_None) {           // a reshape or transpose of measured memory
+      PyObject* same = PyDict_GetItem(dense_.ptr(), dense);
+      if (same != nullptr && alive(PyTuple_GET_ITEM(same, 0))) {
+        PyObject* st = PyTuple_GET_ITEM(same, 1);
+        PyDict_SetItem(meta, k_.stats, st);
+        py::dict entry;
+        PyDict_SetItem(entry.ptr(), k_.stats, st);
+        remember(t, ident, nullptr, entry, st);
+        return result;
+      }
+    }
+    const int64_t n = t.numel();
+    if (t.device().is_cpu() && n > 0 && (t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16)) {
+      std::vector<double> r;
+      if (n >= kGrain) {
+        py::gil_scoped_release no_gil;
+        r = stats4(t);
+      } else {
+        r = stats4(t);
+      }
+      if (!r.empty() && std::isfinite(r[2]) && std::isfinite(r[3])) {
+        py::dict st;              // statistics.finish of finite values
+        PyObject* d = st.ptr();
+        PyDict_SetItem(d, k_.max, py::float_(r[0]).ptr());
+        PyDict_SetItem(d, k_.min, py::float_(r[1]).ptr());
+        PyDict_SetItem(d, k_.mean, py::float_(r[2] / static_cast<double>(n)).ptr());
+        PyDict_SetItem(d, k_.norm, py::float_(std::sqrt(r[3])).ptr());
+        py::int_ zero(0);
+        PyDict_SetItem(d, k_.nan, zero.ptr());
+        PyDict_SetItem(d, k_.inf, zero.ptr());
+        PyDict_SetItem(meta, k_.stats, d);
+        py::dict entry;
+        PyDict_SetItem(entry.ptr(), k_.stats, d);
+        remember(t, ident, dense, entry, d);
+        ++measured;
+        return result;
+      }
+    }
+    c.found.append(py::make_tuple(py::handle(v), py::handle(meta), py::handle(ident), py::handle(dense)));
+    return result;
+  }
+
+  // Recorder._measured / _remember: the entry under the identity (and the statistics under the
+  // dense key), with a weak reference to the memory
+  void remember(const at::Tensor& t, PyObject* ident, PyObject* dense, py::dict& entry, PyObject* st) {
+    PyObject* storage = torch::createPyObject(t.storage());
+    if (storage == nullptr) throw py::error_already_set();
+    PyObject* ref = PyWeakref_NewRef(storage, nullptr);
+    Py_DECREF(storage);
+    if (ref == nullptr) throw py::error_already_set();
+    py::object owned = py::reinterpret_steal<py::object>(ref);
+    PyDict_SetItem(cache_.ptr(), ident, py::make_tuple(owned, entry).ptr());
+    if (dense != nullptr && dense != Py_None) PyDict_SetItem(dense_.ptr(), dense, py::make_tuple(owned, py::handle(st)).ptr());
+  }
+
+  py::dict cache_, dense_;
+  py::object measured_;
+  Keys k_;
+};
+}  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("stats4", &stats4, py::call_guard<py::gil_scoped_release>());
   m.def("extremes", &extremes, py::call_guard<py::gil_scoped_release>());
   m.def("describe", &describe);
+  m.def("configure", &configure);
+  py::class_<Encoder>(m, "Encoder")
+      .def(py::init<py::dict, py::dict, py::handle>())
+      .def("__call__", &Encoder::operator())
+      .def_readonly("measured", &Encoder::measured);
 }
