@@ -14,9 +14,10 @@ Two measurements per model (a small transformer, an MLP, a transformers Llama; r
    the probe's kernel (the floor of any statistics recorder: no records), under ``DebugMode`` and
    under ``DispatchProbe(task="statistics")``.
 2. Separate steps with the probe's parts wrapped in timers (exclusive time: a part's time leaves
-   out the parts it calls), per step: module scopes (the forward hooks), describing tensors,
-   looking values up in the cache, the statistics kernel (one pass over each new value), the
-   Python around it, building the record, writing it (one JSON line, one ``write`` call), and the
+   out the parts it calls), per step: module scopes (the forward hooks), the compiled value
+   encoder's calls (describing, cache and kernel for the tensors it takes), then, for the tensors
+   it hands back and the in-place stand-ins, describing tensors, looking values up in the cache,
+   the statistics kernel (one pass over each new value) and the Python around it, building the record, writing it (one JSON line, one ``write`` call), and the
    per-op bookkeeping (filters, scope, call index, the event), which is the probe's added time
    (1.) less the floor and the other parts.  Each timer costs about half a microsecond, left out
    by scaling the parts to the added time measured in 1.
@@ -29,6 +30,7 @@ import functools
 import statistics
 import tempfile
 import time
+import types
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -59,7 +61,8 @@ def parts(probe) -> list:
 
 clock = time.perf_counter
 
-ORDER = ["torch's dispatch floor", "module scopes", "describing tensors", "value cache", "statistics kernel",
+ENCODER = "value encoder (C++)"
+ORDER = ["torch's dispatch floor", "module scopes", ENCODER, "describing tensors", "value cache", "statistics kernel",
          "statistics (Python)", "building the record", "writing", "per-op bookkeeping"]
 
 
@@ -136,6 +139,11 @@ def breakdown(case, steps: int, tmp: str) -> dict:
     timers = Timers()
     for label, owner, attr in parts(probe):
         timers.wrap(label, owner, attr)
+    encoder = probe.recorder._encoder       # loaded by the timed steps above
+    if encoder is not None:                 # its calls timed as a whole (describing, cache, kernel)
+        held = types.SimpleNamespace(encode=encoder)
+        timers.wrap(ENCODER, held, "encode")
+        probe.recorder._encoder = lambda *args: held.encode(*args)
     try:
         with probe:                 # one untimed step first: a one-off cost lands in no part
             step()
@@ -154,6 +162,7 @@ def breakdown(case, steps: int, tmp: str) -> dict:
             model.zero_grad(set_to_none=True)
     finally:
         timers.unwrap()
+        probe.recorder._encoder = encoder
         probe.close()
     spent = {label: v / steps for label, v in timers.spent.items()}
     floor = times["empty dispatch mode"] - times["uninstrumented"]

@@ -99,7 +99,12 @@ def identity(t: torch.Tensor):
 
 
 def _keys(t: torch.Tensor) -> tuple:
-    """(:func:`identity`, :func:`dense_key`) of ``t``."""
+    """(:func:`identity`, :func:`dense_key`) of ``t`` (from :func:`describe`'s C++ call where it
+    takes ``t``: the same keys, in a fraction of the time)."""
+    if fused_stats.describe is not None:
+        described = fused_stats.describe(t)
+        if described is not None:
+            return described[1], described[2]
     if not tensor_kinds.readable(t):
         return None, None
     try:
