@@ -527,13 +527,14 @@ struct Keys {
 };
 
 bool alive(PyObject* ref) {      // backend.memory_alive: the storage's Python object still lives
+  if (!PyWeakref_Check(ref)) return false;
 #if PY_VERSION_HEX >= 0x030D0000
   PyObject* obj = nullptr;
   if (PyWeakref_GetRef(ref, &obj) <= 0) return false;
   Py_DECREF(obj);
   return true;
 #else
-  return PyWeakref_Check(ref) && PyWeakref_GetObject(ref) != Py_None;
+  return PyWeakref_GetObject(ref) != Py_None;
 #endif
 }
 
