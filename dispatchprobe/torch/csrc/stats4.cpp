@@ -512,7 +512,8 @@ py::object describe(py::handle obj) {
 // argument list: each value as the record's JSON, and each plain float32/bfloat16 CPU tensor
 // given its statistics the way Recorder._fill_tensors gives them, through the recorder's own
 // cache dictionaries (keys from describe; a weak reference to the storage's Python object for
-// its memory): a hit, a reshape of measured memory, or one pass of stats4 whose sums are finite.
+// its memory): a hit, a reshape of measured memory, or one pass of stats4 whose sums are finite
+// (the record made from them by `finish`, statistics.finish).
 // Anything else (subclasses, accelerator tensors, other dtypes, values holding inf or nan,
 // objects other than None/bool/int/float/str/list/tuple) goes to `fallback(found, value)`, the
 // Python path, which collects its tensors in `found` for Recorder._fill_tensors.
@@ -521,9 +522,8 @@ PyObject* intern(const char* s) { return PyUnicode_InternFromString(s); }
 struct Keys {
   PyObject *type = intern("type"), *value = intern("value"), *none = intern("none"), *boolean = intern("bool"),
            *integer = intern("int"), *floating = intern("float"), *str = intern("str"), *list = intern("list"),
-           *tuple = intern("tuple"), *stats = intern("stats"), *max = intern("max"), *min = intern("min"),
-           *mean = intern("mean"), *norm = intern("norm"), *nan = intern("nan"), *inf = intern("inf"),
-           *undefined = intern("undefined"), *spec = intern("spec");
+           *tuple = intern("tuple"), *stats = intern("stats"), *undefined = intern("undefined"),
+           *spec = intern("spec");
 };
 
 bool alive(PyObject* ref) {      // backend.memory_alive: the storage's Python object still lives
@@ -540,8 +540,9 @@ bool alive(PyObject* ref) {      // backend.memory_alive: the storage's Python o
 
 class Encoder {
  public:
-  Encoder(py::dict cache, py::dict dense, py::handle measured)
-      : cache_(std::move(cache)), dense_(std::move(dense)), measured_(py::reinterpret_borrow<py::object>(measured)) {}
+  Encoder(py::dict cache, py::dict dense, py::handle measured, py::handle finish, py::handle xp)
+      : cache_(std::move(cache)), dense_(std::move(dense)), measured_(py::reinterpret_borrow<py::object>(measured)),
+        finish_(py::reinterpret_borrow<py::object>(finish)), xp_(py::reinterpret_borrow<py::object>(xp)) {}
 
   // `values`: a tuple or list (-> a list) or a dict (-> a dict) of an op's arguments or outputs
   int64_t measured = 0;     // values read by stats4 here (the others are the Python path's)
@@ -647,15 +648,14 @@ class Encoder {
         r = stats4(t);
       }
       if (!r.empty() && std::isfinite(r[2]) && std::isfinite(r[3])) {
-        py::dict st;              // statistics.finish of finite values
+        // the record from the sums: the one definition, statistics.finish(x, values, xp)
+        py::list sums(4);
+        PyList_SET_ITEM(sums.ptr(), 0, PyFloat_FromDouble(r[0]));
+        PyList_SET_ITEM(sums.ptr(), 1, PyFloat_FromDouble(r[1]));
+        PyList_SET_ITEM(sums.ptr(), 2, PyFloat_FromDouble(r[2]));
+        PyList_SET_ITEM(sums.ptr(), 3, PyFloat_FromDouble(std::sqrt(r[3])));
+        py::object st = finish_(py::handle(v), sums, xp_);
         PyObject* d = st.ptr();
-        PyDict_SetItem(d, k_.max, py::float_(r[0]).ptr());
-        PyDict_SetItem(d, k_.min, py::float_(r[1]).ptr());
-        PyDict_SetItem(d, k_.mean, py::float_(r[2] / static_cast<double>(n)).ptr());
-        PyDict_SetItem(d, k_.norm, py::float_(std::sqrt(r[3])).ptr());
-        py::int_ zero(0);
-        PyDict_SetItem(d, k_.nan, zero.ptr());
-        PyDict_SetItem(d, k_.inf, zero.ptr());
         PyDict_SetItem(meta, k_.stats, d);
         py::dict entry;
         PyDict_SetItem(entry.ptr(), k_.stats, d);
@@ -682,7 +682,7 @@ class Encoder {
   }
 
   py::dict cache_, dense_;
-  py::object measured_;
+  py::object measured_, finish_, xp_;
   Keys k_;
 };
 }  // namespace
@@ -693,7 +693,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("describe", &describe);
   m.def("configure", &configure);
   py::class_<Encoder>(m, "Encoder")
-      .def(py::init<py::dict, py::dict, py::handle>())
+      .def(py::init<py::dict, py::dict, py::handle, py::handle, py::handle>())
       .def("__call__", &Encoder::operator())
       .def_readonly("measured", &Encoder::measured);
 }
