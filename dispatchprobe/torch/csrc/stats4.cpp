@@ -544,9 +544,9 @@ class Encoder {
       : cache_(std::move(cache)), dense_(std::move(dense)), measured_(py::reinterpret_borrow<py::object>(measured)),
         finish_(py::reinterpret_borrow<py::object>(finish)), xp_(py::reinterpret_borrow<py::object>(xp)) {}
 
-  // `values`: a tuple or list (-> a list) or a dict (-> a dict) of an op's arguments or outputs
   int64_t measured = 0;     // values read by stats4 here (the others are the Python path's)
 
+  // `values`: a tuple or list (-> a list) or a dict (-> a dict) of an op's arguments or outputs
   py::object operator()(py::handle values, py::list found, py::handle undefined, py::handle fallback) {
     Call c{found, undefined, fallback};
     if (PyDict_Check(values.ptr())) {
