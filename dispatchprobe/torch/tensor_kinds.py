@@ -126,7 +126,7 @@ def fields(t: torch.Tensor) -> dict:
     return {} if readable(t) else resolve(t)[1]
 
 
-_unseen_writes: dict = {}     # storage address -> writes its version counters never saw
+_unseen_writes: dict = {}     # storage address -> writes its version counters never saw (read by fused_stats too)
 
 
 def unseen_write(t: torch.Tensor) -> None:
@@ -138,11 +138,6 @@ def unseen_write(t: torch.Tensor) -> None:
     except (RuntimeError, NotImplementedError):
         return
     _unseen_writes[ptr] = _unseen_writes.get(ptr, 0) + 1
-
-
-def counts_unseen_writes() -> bool:
-    """Whether any write was counted by :func:`unseen_write` (then :func:`version` is a pair)."""
-    return bool(_unseen_writes)
 
 
 def version(t: torch.Tensor):
