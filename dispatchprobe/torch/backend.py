@@ -47,10 +47,9 @@ def describe(t: torch.Tensor) -> tuple:
     """``(tensor_meta(t), identity(t), dense_key(t))`` in one pass over the tensor's attributes
     (the per-op path asks all three of every tensor): for a plain tensor or parameter from one C++
     call (:data:`fused_stats.describe`) once the kernels are loaded, the same values as below."""
-    if fused_stats.describe is not None:
-        described = fused_stats.describe(t)
-        if described is not None:
-            return described
+    described = _described_in_cpp(t)
+    if described is not None:
+        return described
     cls = type(t)
     dtype, device, shape = t.dtype, t.device, t.shape
     readable = tensor_kinds.readable(t)
@@ -64,6 +63,12 @@ def describe(t: torch.Tensor) -> tuple:
     except (RuntimeError, NotImplementedError):  # inference tensors, wrapper subclasses
         return meta, None, None
     return (meta, *_key_pair(t, ptr, shape, stride, dtype, device, version))
+
+
+def _described_in_cpp(t: torch.Tensor) -> tuple | None:
+    """:func:`describe`'s triple from one C++ call, or None (kernels not loaded, or not a plain
+    readable tensor or parameter: the Python path decides)."""
+    return fused_stats.describe(t) if fused_stats.describe is not None else None
 
 
 def _meta(t, cls, dtype, shape, stride, device, requires_grad: bool) -> dict:
@@ -100,11 +105,10 @@ def identity(t: torch.Tensor):
 
 def _keys(t: torch.Tensor) -> tuple:
     """(:func:`identity`, :func:`dense_key`) of ``t`` (from :func:`describe`'s C++ call where it
-    takes ``t``: the same keys, in a fraction of the time)."""
-    if fused_stats.describe is not None:
-        described = fused_stats.describe(t)
-        if described is not None:
-            return described[1], described[2]
+    takes ``t``)."""
+    described = _described_in_cpp(t)
+    if described is not None:
+        return described[1], described[2]
     if not tensor_kinds.readable(t):
         return None, None
     try:
