@@ -1,16 +1,19 @@
 """The statistics task's compiled value encoder (``backend.value_encoder``) writes the records the
-Python path writes, byte for byte: on PyTorch's OpInfo samples (every dtype, layout and argument
+Python path writes (the same JSON values; the encoder's own lines spell numbers as Python's
+``repr`` does, orjson's lines as orjson does): on PyTorch's OpInfo samples (every dtype, layout and argument
 kind they hold), on a transformers Llama trained with AdamW (in-place updates, parameter records),
 and on the values it hands back to Python (non-finite values, subclasses, uninitialised memory)."""
 
 from __future__ import annotations
 
 import glob
+import json
 import os
 
 import pytest
 import torch
 from dispatchprobe import DispatchProbe
+from dispatchprobe.records import writer
 from dispatchprobe.torch import backend, fused_stats
 
 
@@ -19,20 +22,26 @@ def kernels():
     assert fused_stats.build(wait=True) is not None, f"the kernels did not build: {fused_stats.error}"
 
 
-def _records(path) -> list[str]:
-    return [line for f in sorted(glob.glob(os.path.join(path, "step*", "rank*", "ops.jsonl")))
+def _records(path) -> list:
+    """Each record as parsed JSON (NaN and Infinity kept as their spelling, so that they compare)."""
+    return [json.loads(line, parse_constant=str)
+            for f in sorted(glob.glob(os.path.join(path, "step*", "rank*", "ops.jsonl")))
             for line in open(f).read().splitlines()]
 
 
 def _both(tmp_path, monkeypatch, run) -> tuple[list[str], list[str], int]:
-    """The lines ``run(probe)`` records with the encoder and without it, and how many values the
-    encoder measured itself."""
+    """The records ``run(probe)`` writes with the encoder and without it, and the share of them
+    whose whole line the encoder made (the others went to the Python path)."""
     measured = []
     stats4 = fused_stats.stats4
     out = []
+    lines = []
     for fast in (True, False):
         with monkeypatch.context() as m:
-            if not fast:
+            if fast:
+                append_line = writer._JsonLines.append_line
+                m.setattr(writer._JsonLines, "append_line", lambda self, line: (lines.append(line), append_line(self, line)))
+            else:
                 m.setattr(backend, "value_encoder", lambda *a: None)
             probe = DispatchProbe(task="statistics", dump_path=str(tmp_path / f"fast{fast}"))
             run(probe)
@@ -42,7 +51,7 @@ def _both(tmp_path, monkeypatch, run) -> tuple[list[str], list[str], int]:
         out.append(_records(tmp_path / f"fast{fast}"))
     assert fused_stats.stats4 is stats4
     assert measured == [True], "the encoder was not used"
-    return out[0], out[1], len(out[0])
+    return out[0], out[1], len(lines) / max(len(out[0]), 1)
 
 
 # ops leaving part of an output unwritten (its bytes differ from run to run)
@@ -89,8 +98,9 @@ def test_opinfo_records_are_the_python_paths(tmp_path, monkeypatch):
                     pass
         probe.step()
 
-    fast, slow, n = _both(tmp_path, monkeypatch, run)
-    assert counted[0] == counted[1] > 500 and n > 1000
+    fast, slow, lined = _both(tmp_path, monkeypatch, run)
+    assert counted[0] == counted[1] > 500 and len(fast) > 1000
+    assert lined > 0.3        # float32 and bfloat16 samples (the others have values it leaves to Python)
     assert fast == slow
 
 
@@ -111,16 +121,20 @@ def test_training_records_are_the_python_paths(tmp_path, monkeypatch):
                 opt.zero_grad()
             probe.step()
 
-    fast, slow, n = _both(tmp_path, monkeypatch, run)
-    assert n > 500
+    fast, slow, lined = _both(tmp_path, monkeypatch, run)
+    assert len(fast) > 500 and lined > 0.9
     assert fast == slow
 
 
 def test_values_it_hands_back(tmp_path, monkeypatch):
     """Non-finite values, empty and expanded tensors, parameters and their views, uninitialised
-    memory, a subclass, non-finite floats and framework objects among the arguments."""
+    memory, a subclass, non-finite floats and framework objects among the arguments; numbers in
+    every form a float's shortest digits take, large integers and a module name JSON must escape."""
     class Sub(torch.Tensor):
         pass
+
+    odd = torch.nn.ModuleDict({'na\u00efve "quoted" \\ \t': torch.nn.Linear(3, 2)})
+    odd.forward = lambda x: [m(x) for m in odd.values()]
 
     def run(probe):
         torch.manual_seed(0)
@@ -137,10 +151,14 @@ def test_values_it_hands_back(tmp_path, monkeypatch):
             torch.randn(3).as_subclass(Sub).mul(2.0)
             torch.cat([torch.randn(2), torch.arange(3.0)], dim=0)
             torch.zeros(2, 2, dtype=torch.float64).add_(torch.full((2, 2), 1e300, dtype=torch.float64))
+            for number in (1e16, 1e-7, 5e-324, 123456.0, -0.0, 0.1, 2.0 ** 70, 1e22, 2 ** 62):
+                torch.full((2,), 3.0).mul(number)
+            torch.tensor([1e-30, 3e38, 1.5]).mul(1.0)
+            odd(torch.randn(2, 3))
         probe.step()
 
-    fast, slow, n = _both(tmp_path, monkeypatch, run)
-    assert n >= 10
+    fast, slow, lined = _both(tmp_path, monkeypatch, run)
+    assert len(fast) >= 10 and 0 < lined < 1
     assert fast == slow
-    assert any('"undefined":true' in line for line in fast)
-    assert any('"nan":1' in line for line in fast)
+    flat = json.dumps(fast)
+    assert '"undefined": true' in flat and '"nan": 1' in flat and 'na\\u00efve \\"quoted\\"' in flat

@@ -63,6 +63,7 @@ class Recorder(Handler):
         self._spans: dict = {}
         self._dense: dict = {}
         self._encoder = None        # the backend's compiled value encoder, once it has one
+        self._lines = None          # the part's append_line, where records need only statistics
         self._next_key = 0
         # accelerator statistics still on the device, and the records waiting for them: read
         # back with one host sync every DEFER_BATCH tensors or at flush, not one per op
@@ -311,6 +312,7 @@ class Recorder(Handler):
         """A new step/rank part (its ``PartWriter``): ids, tensor keys and cache start over."""
         if part is not None:
             self.part = part
+        self._lines = getattr(self.part.ops, "append_line", None) if self.measures_only and self.part else None
         self._next_id = 0
         self._cache.clear()
         self._spans.clear()
@@ -319,8 +321,30 @@ class Recorder(Handler):
 
     # -- handler ------------------------------------------------------------------------------
     def on_op(self, event: OpEvent):
-        self.emit(self.encode(event, defer=True))
+        if not self._write_line(event):
+            self.emit(self.encode(event, defer=True))
         return None
+
+    def _write_line(self, event: OpEvent) -> bool:
+        """Records of statistics, where the backend's compiled encoder makes the whole JSON line
+        (the record :meth:`encode` makes, as the writer writes it): written, or False where a
+        value needs the Python path (an accelerator tensor, a dtype it does not measure, ...) or
+        records wait for device statistics."""
+        if self._lines is None or self._waiting or self._row_stats or event.extra:
+            return False
+        enc = self._encoder or self._load_encoder()
+        if enc is None:
+            return False
+        head = self.skeleton(event.kind, event.op, event.stage, event.scope, event.call, grad_fn=event.grad_fn,
+                             stack=self.part.stack_id(event.stack) if event.stack else None)
+        head["id"] = self._next_id
+        line = enc.line(head, event.args, event.kwargs, event.outputs, self._inputs, self._outputs,
+                        event.undefined, self._encode_value)
+        if line is None:
+            return False
+        self._next_id += 1
+        self._lines(line)
+        return True
 
     def write(self, record: dict) -> None:
         """Append one record to the part's ``ops.jsonl`` (flushed at once), giving it its id."""

@@ -224,6 +224,10 @@ class _JsonLines:
     def append(self, obj: dict) -> None:
         self._write(json_line(obj))
 
+    def append_line(self, line: bytes) -> None:
+        """A record already made into its JSON line (as :func:`json_line` makes it)."""
+        self._write(line)
+
     def extend(self, objs) -> None:
         """Several lines in one ``write`` call (a killed process may leave the last one torn)."""
         self._write(b"".join(json_line(o) for o in objs))

@@ -10,6 +10,7 @@
 #include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <algorithm>
+#include <charconv>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -454,21 +455,30 @@ PyObject* int_list(at::IntArrayRef values, bool tuple) {
   return out;
 }
 
-py::object describe(py::handle obj) {
-  PyObject* cls = reinterpret_cast<PyObject*>(Py_TYPE(obj.ptr()));
-  if (names.param_type == nullptr || (cls != THPVariableClass && cls != names.param_type)) return py::none();
-  const at::Tensor& t = THPVariable_Unpack(obj.ptr());
+// What describe() finds of a plain tensor: the record's fields and the cache keys.
+struct Described {
+  const at::Tensor* t = nullptr;
+  bool param = false;
+  PyObject* dtype_name = nullptr;         // borrowed: interned, kept in names
+  PyObject* device_name = nullptr;
+  py::object ident, dense;               // dense: None where the values do not fill a block
+};
+
+bool describe_into(PyObject* obj, Described& d) {
+  PyObject* cls = reinterpret_cast<PyObject*>(Py_TYPE(obj));
+  if (names.param_type == nullptr || (cls != THPVariableClass && cls != names.param_type)) return false;
+  const at::Tensor& t = THPVariable_Unpack(obj);
   if (t.layout() != at::kStrided || !t.has_storage() || t.is_nested() || t.is_inference() ||
       t.key_set().has(c10::DispatchKey::Functionalize))
-    return py::none();
+    return false;
   const void* ptr = nullptr;
   try {
     ptr = t.data_ptr();
   } catch (const c10::Error&) {
-    return py::none();
+    return false;
   }
   const int64_t n = t.numel();
-  if (ptr == nullptr && n != 0) return py::none();
+  if (ptr == nullptr && n != 0) return false;
   bool param = cls == names.param_type;
   if (!param && t.is_view()) {
     PyObject* base = THPVariable_Wrap(t._base());
@@ -486,26 +496,133 @@ py::object describe(py::handle obj) {
     PyObject* writes = PyDict_GetItem(names.unseen, storage.ptr());
     version = py::make_tuple(version, writes ? py::reinterpret_borrow<py::object>(writes) : py::int_(0));
   }
-  py::dict meta;
-  PyObject* m = meta.ptr();
-  PyDict_SetItem(m, names.keys[0], names.tensor);
-  PyDict_SetItem(m, names.keys[1], dtype_name);
-  py::object shape_list = py::reinterpret_steal<py::object>(int_list(sizes, false));
-  py::object stride_list = py::reinterpret_steal<py::object>(int_list(strides, false));
-  PyDict_SetItem(m, names.keys[2], shape_list.ptr());
-  PyDict_SetItem(m, names.keys[3], stride_list.ptr());
-  PyDict_SetItem(m, names.keys[4], device_name);
-  PyDict_SetItem(m, names.keys[5], t.requires_grad() ? Py_True : Py_False);
-  if (param) PyDict_SetItem(m, names.keys[6], Py_True);
   py::object shape = py::reinterpret_steal<py::object>(int_list(sizes, true));
   py::object stride = py::reinterpret_steal<py::object>(int_list(strides, true));
   py::int_ address(reinterpret_cast<uintptr_t>(ptr));
   py::handle dt(dtype), dev(device);
-  py::tuple ident = py::make_tuple(address, shape, stride, dt, dev, version);
+  d.t = &t;
+  d.param = param;
+  d.dtype_name = dtype_name;
+  d.device_name = device_name;
+  d.ident = py::make_tuple(address, shape, stride, dt, dev, version);
   const bool dense = n != 0 && (t.is_contiguous() || fills_block(sizes, strides));
-  if (!dense) return py::make_tuple(meta, ident, py::none());
-  return py::make_tuple(meta, ident, py::make_tuple(address, py::int_(n), dt, dev, version));
+  d.dense = dense ? py::object(py::make_tuple(address, py::int_(n), dt, dev, version)) : py::none();
+  return true;
 }
+
+py::object describe(py::handle obj) {
+  Described d;
+  if (!describe_into(obj.ptr(), d)) return py::none();
+  py::dict meta;
+  PyObject* m = meta.ptr();
+  PyDict_SetItem(m, names.keys[0], names.tensor);
+  PyDict_SetItem(m, names.keys[1], d.dtype_name);
+  py::object shape_list = py::reinterpret_steal<py::object>(int_list(d.t->sizes(), false));
+  py::object stride_list = py::reinterpret_steal<py::object>(int_list(d.t->strides(), false));
+  PyDict_SetItem(m, names.keys[2], shape_list.ptr());
+  PyDict_SetItem(m, names.keys[3], stride_list.ptr());
+  PyDict_SetItem(m, names.keys[4], d.device_name);
+  PyDict_SetItem(m, names.keys[5], d.t->requires_grad() ? Py_True : Py_False);
+  if (d.param) PyDict_SetItem(m, names.keys[6], Py_True);
+  return py::make_tuple(meta, d.ident, d.dense);
+}
+
+
+// A JSON line written as json.dumps(obj, separators=(",", ":")) reads back (the record writer's
+// json_line): floats in their shortest round-trip digits, NaN/Infinity for non-finite floats, strings in UTF-8 with
+// quotes, backslashes and control characters escaped.  A value it cannot write (a big integer, a
+// string with lone surrogates, a type outside JSON) makes `put` return false.
+struct Json {
+  std::string s;
+
+  void raw(const char* p) { s += p; }
+  void number(long long v) { s += std::to_string(v); }
+  void number(double v) {
+    if (!std::isfinite(v)) {
+      s += std::isnan(v) ? "NaN" : v > 0 ? "Infinity" : "-Infinity";
+      return;
+    }
+    // the shortest digits that read back as v, as repr finds them; ".0" keeps an integral value a float
+    char buf[32];
+    const auto [end, ec] = std::to_chars(buf, buf + sizeof buf, v);
+    s.append(buf, end);
+    if (std::find_if(buf, end, [](char ch) { return ch == '.' || ch == 'e'; }) == end) s += ".0";
+  }
+  bool text(PyObject* u) {
+    Py_ssize_t n = 0;
+    const char* p = PyUnicode_AsUTF8AndSize(u, &n);
+    if (p == nullptr) {
+      PyErr_Clear();
+      return false;
+    }
+    s += '"';
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      const unsigned char ch = static_cast<unsigned char>(p[i]);
+      if (ch == '"' || ch == '\\') {
+        s += '\\';
+        s += static_cast<char>(ch);
+      } else if (ch < 0x20) {
+        char esc[8];
+        std::snprintf(esc, sizeof esc, "\\u%04x", ch);
+        s += esc;
+      } else {
+        s += static_cast<char>(ch);
+      }
+    }
+    s += '"';
+    return true;
+  }
+  bool put(PyObject* v) {
+    PyTypeObject* tp = Py_TYPE(v);
+    if (v == Py_None) {
+      s += "null";
+    } else if (v == Py_True || v == Py_False) {
+      s += v == Py_True ? "true" : "false";
+    } else if (tp == &PyLong_Type) {
+      int overflow = 0;
+      const long long x = PyLong_AsLongLongAndOverflow(v, &overflow);
+      if (overflow) return false;
+      number(x);
+    } else if (tp == &PyFloat_Type) {
+      number(PyFloat_AS_DOUBLE(v));
+    } else if (tp == &PyUnicode_Type) {
+      return text(v);
+    } else if (tp == &PyList_Type || tp == &PyTuple_Type) {
+      s += '[';
+      const Py_ssize_t n = PySequence_Fast_GET_SIZE(v);
+      for (Py_ssize_t i = 0; i < n; ++i) {
+        if (i) s += ',';
+        if (!put(PySequence_Fast_GET_ITEM(v, i))) return false;
+      }
+      s += ']';
+    } else if (tp == &PyDict_Type) {
+      s += '{';
+      PyObject *k, *x;
+      Py_ssize_t pos = 0;
+      bool first = true;
+      while (PyDict_Next(v, &pos, &k, &x)) {
+        if (Py_TYPE(k) != &PyUnicode_Type) return false;
+        if (!first) s += ',';
+        first = false;
+        if (!text(k)) return false;
+        s += ':';
+        if (!put(x)) return false;
+      }
+      s += '}';
+    } else {
+      return false;
+    }
+    return true;
+  }
+  void ints(at::IntArrayRef values) {
+    s += '[';
+    for (size_t d = 0; d < values.size(); ++d) {
+      if (d) s += ',';
+      number(static_cast<long long>(values[d]));
+    }
+    s += ']';
+  }
+};
 
 
 // Recorder.encode's per-value work for the statistics task, on CPU tensors, in one call per
@@ -559,6 +676,52 @@ class Encoder {
     return items(values.ptr(), c);
   }
 
+  // The whole record of an op call as one JSON line (Recorder.encode's record, as json_line writes
+  // it), or None where a value needs the Python path (it then encodes the call again; what was
+  // measured here is in the cache).  `head`: the skeleton's fields in order; `inputs`/`outputs`:
+  // whether the config records them.
+  py::object line(py::dict head, py::handle args, py::handle kwargs, py::handle outputs, bool inputs,
+                  bool with_outputs, py::handle undefined, py::handle fallback) {
+    py::list found;
+    Call c{found, undefined, fallback};
+    Json j;
+    j.s.reserve(1024);
+    if (!j.put(head.ptr())) return py::none();
+    j.s.pop_back();                 // the head's closing brace: the values follow
+    if (inputs) {
+      j.raw(",\"inputs\":");
+      if (!items_json(args.ptr(), c, j)) return py::none();
+      j.raw(",\"kwargs\":{");
+      if (kwargs.ptr() != Py_None) {
+        PyObject *k, *v;
+        Py_ssize_t pos = 0;
+        bool first = true;
+        while (PyDict_Next(kwargs.ptr(), &pos, &k, &v)) {
+          if (Py_TYPE(k) != &PyUnicode_Type) return py::none();
+          if (!first) j.s += ',';
+          first = false;
+          if (!j.text(k)) return py::none();
+          j.s += ':';
+          if (!value_json(v, c, j)) return py::none();
+        }
+      }
+      j.s += '}';
+    }
+    if (with_outputs) {
+      PyObject* out = outputs.ptr();
+      if (PyTuple_Check(out) || PyList_Check(out)) {
+        j.raw(PyTuple_Check(out) ? ",\"output_type\":\"tuple\",\"outputs\":" : ",\"output_type\":\"list\",\"outputs\":");
+        if (!items_json(out, c, j)) return py::none();
+      } else {
+        j.raw(",\"output_type\":\"single\",\"outputs\":[");
+        if (!value_json(out, c, j)) return py::none();
+        j.s += ']';
+      }
+    }
+    j.raw("}\n");
+    return py::bytes(j.s);
+  }
+
  private:
   struct Call {
     py::list& found;
@@ -599,73 +762,180 @@ class Encoder {
       if (spec == nullptr) throw py::error_already_set();
       return py::reinterpret_steal<py::object>(spec);
     }
-    if (reinterpret_cast<PyObject*>(tp) == THPVariableClass || reinterpret_cast<PyObject*>(tp) == names.param_type) {
-      py::object described = describe(v);
-      if (!described.is_none()) return tensor(v, described, c);
-    }
+    Described d;
+    if (describe_into(v, d)) return tensor(v, d, c);
     return c.fallback(c.found, py::handle(v));
   }
 
-  py::object tensor(PyObject* v, py::object described, const Call& c) {
-    PyObject* meta = PyTuple_GET_ITEM(described.ptr(), 0);
-    PyObject* ident = PyTuple_GET_ITEM(described.ptr(), 1);
-    PyObject* dense = PyTuple_GET_ITEM(described.ptr(), 2);
-    py::object result = py::reinterpret_borrow<py::object>(meta);
-    if (!c.undefined.is_none()) {
-      py::int_ id(reinterpret_cast<uintptr_t>(v));
-      if (PySet_Contains(c.undefined.ptr(), id.ptr()) == 1) {    // uninitialised memory: no values
-        PyDict_SetItem(meta, k_.undefined, Py_True);
-        return result;
-      }
+  py::object tensor(PyObject* v, Described& d, const Call& c) {
+    py::dict meta;
+    PyObject* m = meta.ptr();
+    PyDict_SetItem(m, names.keys[0], names.tensor);
+    PyDict_SetItem(m, names.keys[1], d.dtype_name);
+    py::object shape_list = py::reinterpret_steal<py::object>(int_list(d.t->sizes(), false));
+    py::object stride_list = py::reinterpret_steal<py::object>(int_list(d.t->strides(), false));
+    PyDict_SetItem(m, names.keys[2], shape_list.ptr());
+    PyDict_SetItem(m, names.keys[3], stride_list.ptr());
+    PyDict_SetItem(m, names.keys[4], d.device_name);
+    PyDict_SetItem(m, names.keys[5], d.t->requires_grad() ? Py_True : Py_False);
+    if (d.param) PyDict_SetItem(m, names.keys[6], Py_True);
+    if (unwritten(v, c)) {      // uninitialised memory: no values
+      PyDict_SetItem(m, k_.undefined, Py_True);
+      return std::move(meta);
     }
-    PyObject* hit = PyDict_GetItem(cache_.ptr(), ident);
+    py::object st = stats_of(v, d);
+    if (st) {
+      PyDict_SetItem(m, k_.stats, st.ptr());
+      return std::move(meta);
+    }
+    c.found.append(py::make_tuple(py::handle(v), meta, d.ident, d.dense));
+    return std::move(meta);
+  }
+
+  bool unwritten(PyObject* v, const Call& c) {
+    if (c.undefined.is_none()) return false;
+    py::int_ id(reinterpret_cast<uintptr_t>(v));
+    return PySet_Contains(c.undefined.ptr(), id.ptr()) == 1;
+  }
+
+  // The statistics of a described tensor as Recorder._fill_tensors gives them: from the cache (its
+  // identity, then a reshape or transpose of measured memory), else one pass of stats4 over a
+  // float32/bfloat16 CPU tensor whose sums are finite, remembered.  A null object: the Python path's.
+  py::object stats_of(PyObject* v, Described& d) {
+    PyObject* hit = PyDict_GetItem(cache_.ptr(), d.ident.ptr());
     if (hit != nullptr && alive(PyTuple_GET_ITEM(hit, 0))) {
       PyObject* st = PyDict_GetItem(PyTuple_GET_ITEM(hit, 1), k_.stats);
-      if (st != nullptr) {
-        PyDict_SetItem(meta, k_.stats, st);
-        return result;
-      }
+      if (st != nullptr) return py::reinterpret_borrow<py::object>(st);
     }
-    const at::Tensor& t = THPVariable_Unpack(v);
-    if (dense != Py_None) {           // a reshape or transpose of measured memory
-      PyObject* same = PyDict_GetItem(dense_.ptr(), dense);
+    const at::Tensor& t = *d.t;
+    if (!d.dense.is_none()) {
+      PyObject* same = PyDict_GetItem(dense_.ptr(), d.dense.ptr());
       if (same != nullptr && alive(PyTuple_GET_ITEM(same, 0))) {
         PyObject* st = PyTuple_GET_ITEM(same, 1);
-        PyDict_SetItem(meta, k_.stats, st);
         py::dict entry;
         PyDict_SetItem(entry.ptr(), k_.stats, st);
-        remember(t, ident, nullptr, entry, st);
-        return result;
+        remember(t, d.ident.ptr(), nullptr, entry, st);
+        return py::reinterpret_borrow<py::object>(st);
       }
     }
     const int64_t n = t.numel();
-    if (t.device().is_cpu() && n > 0 && (t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16)) {
-      std::vector<double> r;
-      if (n >= kGrain) {
-        py::gil_scoped_release no_gil;
-        r = stats4(t);
-      } else {
-        r = stats4(t);
-      }
-      if (!r.empty() && std::isfinite(r[2]) && std::isfinite(r[3])) {
-        // the record from the sums: the one definition, statistics.finish(x, values, xp)
-        py::list sums(4);
-        PyList_SET_ITEM(sums.ptr(), 0, PyFloat_FromDouble(r[0]));
-        PyList_SET_ITEM(sums.ptr(), 1, PyFloat_FromDouble(r[1]));
-        PyList_SET_ITEM(sums.ptr(), 2, PyFloat_FromDouble(r[2]));
-        PyList_SET_ITEM(sums.ptr(), 3, PyFloat_FromDouble(std::sqrt(r[3])));
-        py::object st = finish_(py::handle(v), sums, xp_);
-        PyObject* d = st.ptr();
-        PyDict_SetItem(meta, k_.stats, d);
-        py::dict entry;
-        PyDict_SetItem(entry.ptr(), k_.stats, d);
-        remember(t, ident, dense, entry, d);
-        ++measured;
-        return result;
-      }
+    if (!t.device().is_cpu()) return py::object();
+    if (n == 0) {                     // no values: no statistics (statistics.record's None)
+      py::dict entry;
+      PyDict_SetItem(entry.ptr(), k_.stats, Py_None);
+      remember(t, d.ident.ptr(), nullptr, entry, Py_None);
+      return py::none();
     }
-    c.found.append(py::make_tuple(py::handle(v), py::handle(meta), py::handle(ident), py::handle(dense)));
-    return result;
+    if (t.scalar_type() != at::kFloat && t.scalar_type() != at::kBFloat16) return py::object();
+    std::vector<double> r;
+    if (n >= kGrain) {
+      py::gil_scoped_release no_gil;
+      r = stats4(t);
+    } else {
+      r = stats4(t);
+    }
+    if (r.empty() || !std::isfinite(r[2]) || !std::isfinite(r[3])) return py::object();
+    // the record from the sums: the one definition, statistics.finish(x, values, xp)
+    py::list sums(4);
+    PyList_SET_ITEM(sums.ptr(), 0, PyFloat_FromDouble(r[0]));
+    PyList_SET_ITEM(sums.ptr(), 1, PyFloat_FromDouble(r[1]));
+    PyList_SET_ITEM(sums.ptr(), 2, PyFloat_FromDouble(r[2]));
+    PyList_SET_ITEM(sums.ptr(), 3, PyFloat_FromDouble(std::sqrt(r[3])));
+    py::object st = finish_(py::handle(v), sums, xp_);
+    py::dict entry;
+    PyDict_SetItem(entry.ptr(), k_.stats, st.ptr());
+    remember(t, d.ident.ptr(), d.dense.ptr(), entry, st.ptr());
+    ++measured;
+    return st;
+  }
+
+  // value() and tensor() writing JSON instead of building dicts; false: the Python path's
+  bool items_json(PyObject* seq, const Call& c, Json& j) {
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);      // a list or tuple (or a subclass)
+    j.s += '[';
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      if (i) j.s += ',';
+      if (!value_json(PySequence_Fast_GET_ITEM(seq, i), c, j)) return false;
+    }
+    j.s += ']';
+    return true;
+  }
+
+  bool value_json(PyObject* v, const Call& c, Json& j) {
+    PyTypeObject* tp = Py_TYPE(v);
+    if (v == Py_None) {
+      j.raw("{\"type\":\"none\"}");
+      return true;
+    }
+    if (tp == &PyBool_Type) {
+      j.raw(v == Py_True ? "{\"type\":\"bool\",\"value\":true}" : "{\"type\":\"bool\",\"value\":false}");
+      return true;
+    }
+    if (tp == &PyLong_Type) {
+      j.raw("{\"type\":\"int\",\"value\":");
+      if (!j.put(v)) return false;
+      j.s += '}';
+      return true;
+    }
+    if (tp == &PyFloat_Type) {
+      j.raw("{\"type\":\"float\",\"value\":");
+      if (std::isfinite(PyFloat_AS_DOUBLE(v))) {
+        j.number(PyFloat_AS_DOUBLE(v));
+      } else {
+        py::str name(v);
+        j.text(name.ptr());
+      }
+      j.s += '}';
+      return true;
+    }
+    if (tp == &PyUnicode_Type) {
+      j.raw("{\"type\":\"str\",\"value\":");
+      if (!j.text(v)) return false;
+      j.s += '}';
+      return true;
+    }
+    if (tp == &PyList_Type || tp == &PyTuple_Type) {
+      j.raw(tp == &PyList_Type ? "{\"type\":\"list\",\"value\":" : "{\"type\":\"tuple\",\"value\":");
+      if (!items_json(v, c, j)) return false;
+      j.s += '}';
+      return true;
+    }
+    if (reinterpret_cast<PyObject*>(tp) == measured_.ptr()) {
+      py::object spec = py::reinterpret_steal<py::object>(PyObject_GetAttr(v, k_.spec));
+      if (!spec) throw py::error_already_set();
+      return j.put(spec.ptr());
+    }
+    Described d;
+    if (describe_into(v, d)) return tensor_json(v, d, c, j);
+    // other objects (dtypes, devices, ...) as the Python path encodes them; a tensor it collects
+    // for its statistics leaves the record to it
+    const size_t before = static_cast<size_t>(PyList_GET_SIZE(c.found.ptr()));
+    py::object encoded = c.fallback(c.found, py::handle(v));
+    if (static_cast<size_t>(PyList_GET_SIZE(c.found.ptr())) != before) return false;
+    return j.put(encoded.ptr());
+  }
+
+  bool tensor_json(PyObject* v, Described& d, const Call& c, Json& j) {
+    j.raw("{\"type\":\"tensor\",\"dtype\":");
+    j.text(d.dtype_name);
+    j.raw(",\"shape\":");
+    j.ints(d.t->sizes());
+    j.raw(",\"stride\":");
+    j.ints(d.t->strides());
+    j.raw(",\"device\":");
+    j.text(d.device_name);
+    j.raw(d.t->requires_grad() ? ",\"requires_grad\":true" : ",\"requires_grad\":false");
+    if (d.param) j.raw(",\"param\":true");
+    if (unwritten(v, c)) {
+      j.raw(",\"undefined\":true}");
+      return true;
+    }
+    py::object st = stats_of(v, d);
+    if (!st) return false;
+    j.raw(",\"stats\":");
+    if (!j.put(st.ptr())) return false;
+    j.s += '}';
+    return true;
   }
 
   // Recorder._measured / _remember: the entry under the identity (and the statistics under the
@@ -695,5 +965,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Encoder>(m, "Encoder")
       .def(py::init<py::dict, py::dict, py::handle, py::handle, py::handle>())
       .def("__call__", &Encoder::operator())
+      .def("line", &Encoder::line)
       .def_readonly("measured", &Encoder::measured);
 }
