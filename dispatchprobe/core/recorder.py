@@ -321,25 +321,27 @@ class Recorder(Handler):
 
     # -- handler ------------------------------------------------------------------------------
     def on_op(self, event: OpEvent):
-        if not self._write_line(event):
+        if event.kind != "op" or event.extra or not self.write_line(
+                event.op, event.stage, event.scope, event.call, event.grad_fn, event.stack, event.args,
+                event.kwargs, event.outputs, event.undefined):
             self.emit(self.encode(event, defer=True))
         return None
 
-    def _write_line(self, event: OpEvent) -> bool:
-        """Records of statistics, where the backend's compiled encoder makes the whole JSON line
-        (the record :meth:`encode` makes, as the writer writes it): written, or False where a
-        value needs the Python path (an accelerator tensor, a dtype it does not measure, ...) or
-        records wait for device statistics."""
-        if self._lines is None or self._waiting or self._row_stats or event.extra:
+    def write_line(self, op: str, stage: str, scope: str, call: int, grad_fn, stack, args, kwargs, outputs,
+                   undefined) -> bool:
+        """The record of an op call (the fields of an :class:`OpEvent`) made whole by the backend's
+        compiled encoder, as its JSON line, and written: records of statistics only.  False where
+        a value needs the Python path (an accelerator tensor, a dtype it does not measure, ...)
+        or records wait for device statistics: then nothing was written."""
+        if self._lines is None or self._waiting or self._row_stats:
             return False
         enc = self._encoder or self._load_encoder()
         if enc is None:
             return False
-        head = self.skeleton(event.kind, event.op, event.stage, event.scope, event.call, grad_fn=event.grad_fn,
-                             stack=self.part.stack_id(event.stack) if event.stack else None)
+        head = self.skeleton("op", op, stage, scope, call, grad_fn=grad_fn,
+                             stack=self.part.stack_id(stack) if stack else None)
         head["id"] = self._next_id
-        line = enc.line(head, event.args, event.kwargs, event.outputs, self._inputs, self._outputs,
-                        event.undefined, self._encode_value)
+        line = enc.line(head, args, kwargs, outputs, self._inputs, self._outputs, undefined, self._encode_value)
         if line is None:
             return False
         self._next_id += 1

@@ -119,7 +119,8 @@ class ProbeSession:
                                  checksum=self.config.checksum, io_filter=self.config.io_enabled)
         self.handlers = self.task.handlers(self, self.recorder)
         # what an op is about to overwrite is kept for its record as a copy, or, where records
-        # need only statistics, as its entry measured before the write (stand_in_for_written)
+        # need only statistics, as its entry measured before the write (stand_in_for_written);
+        # then an op's record also goes to the recorder without an event (on_op)
         self._measure_written = self.handlers == [self.recorder] and self.recorder.measures_only
         self.busy = False              # handlers are running: their own calls are not the user's
         self.record_ops = self.config.level in ("op", "mix")
@@ -344,11 +345,14 @@ class ProbeSession:
         if call is None:
             return None
         frames = stack() if stack is not None and self.config.stack and stage == "forward" else None
-        event = OpEvent("op", op, stage, scope, call, args, kwargs, outputs,
-                        grad_fn=grad_fn, stack=frames, func=func, undefined=undefined or None, extra=extra)
         self.busy = True
         try:
             with self._quiet():
+                if self._measure_written and extra is None and self.recorder.write_line(
+                        op, stage, scope, call, grad_fn, frames, args, kwargs, outputs, undefined or None):
+                    return None
+                event = OpEvent("op", op, stage, scope, call, args, kwargs, outputs, grad_fn=grad_fn,
+                                stack=frames, func=func, undefined=undefined or None, extra=extra)
                 return self.dispatch(event)
         except OSError as exc:          # per op: a plain except, not the writing() context
             self._write_failed(exc)
