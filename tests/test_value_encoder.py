@@ -29,7 +29,7 @@ def _records(path) -> list:
             for line in open(f).read().splitlines()]
 
 
-def _both(tmp_path, monkeypatch, run) -> tuple[list[str], list[str], int]:
+def _both(tmp_path, monkeypatch, run, **config) -> tuple[list, list, float]:
     """The records ``run(probe)`` writes with the encoder and without it, and the share of them
     whose whole line the encoder made (the others went to the Python path)."""
     measured = []
@@ -43,7 +43,7 @@ def _both(tmp_path, monkeypatch, run) -> tuple[list[str], list[str], int]:
                 m.setattr(writer._JsonLines, "append_line", lambda self, line: (lines.append(line), append_line(self, line)))
             else:
                 m.setattr(backend, "value_encoder", lambda *a: None)
-            probe = DispatchProbe(task="statistics", dump_path=str(tmp_path / f"fast{fast}"))
+            probe = DispatchProbe(task="statistics", dump_path=str(tmp_path / f"fast{fast}"), **config)
             run(probe)
             probe.close()
             if fast:
@@ -162,3 +162,22 @@ def test_values_it_hands_back(tmp_path, monkeypatch):
     assert fast == slow
     flat = json.dumps(fast)
     assert '"undefined": true' in flat and '"nan": 1' in flat and 'na\\u00efve \\"quoted\\"' in flat
+
+
+@pytest.mark.parametrize("config", [{"data_mode": ["input"]}, {"data_mode": ["output"]}, {"stack": True}])
+def test_configs_it_writes_lines_for(tmp_path, monkeypatch, config):
+    """Records of inputs only, of outputs only, and with stacks: the same from both paths."""
+    def run(probe):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.Linear(8, 2))
+        with probe:
+            model(torch.randn(3, 4)).sum().backward()
+        probe.step()
+
+    fast, slow, lined = _both(tmp_path, monkeypatch, run, **config)
+    assert len(fast) > 5 and lined > 0.9
+    assert fast == slow
+    wanted = {"inputs", "outputs"} if "stack" in config else {"inputs" if config["data_mode"] == ["input"] else "outputs"}
+    assert all(wanted <= set(r) and ({"inputs", "outputs"} - wanted).isdisjoint(r) for r in fast)
+    if "stack" in config:
+        assert any(r["stack"] is not None for r in fast)
