@@ -510,9 +510,8 @@ bool describe_into(PyObject* obj, Described& d) {
   return true;
 }
 
-py::object describe(py::handle obj) {
-  Described d;
-  if (!describe_into(obj.ptr(), d)) return py::none();
+// the record's fields of a described tensor (backend.describe's meta)
+py::dict meta_of(const Described& d) {
   py::dict meta;
   PyObject* m = meta.ptr();
   PyDict_SetItem(m, names.keys[0], names.tensor);
@@ -524,7 +523,13 @@ py::object describe(py::handle obj) {
   PyDict_SetItem(m, names.keys[4], d.device_name);
   PyDict_SetItem(m, names.keys[5], d.t->requires_grad() ? Py_True : Py_False);
   if (d.param) PyDict_SetItem(m, names.keys[6], Py_True);
-  return py::make_tuple(meta, d.ident, d.dense);
+  return meta;
+}
+
+py::object describe(py::handle obj) {
+  Described d;
+  if (!describe_into(obj.ptr(), d)) return py::none();
+  return py::make_tuple(meta_of(d), d.ident, d.dense);
 }
 
 
@@ -768,17 +773,8 @@ class Encoder {
   }
 
   py::object tensor(PyObject* v, Described& d, const Call& c) {
-    py::dict meta;
+    py::dict meta = meta_of(d);
     PyObject* m = meta.ptr();
-    PyDict_SetItem(m, names.keys[0], names.tensor);
-    PyDict_SetItem(m, names.keys[1], d.dtype_name);
-    py::object shape_list = py::reinterpret_steal<py::object>(int_list(d.t->sizes(), false));
-    py::object stride_list = py::reinterpret_steal<py::object>(int_list(d.t->strides(), false));
-    PyDict_SetItem(m, names.keys[2], shape_list.ptr());
-    PyDict_SetItem(m, names.keys[3], stride_list.ptr());
-    PyDict_SetItem(m, names.keys[4], d.device_name);
-    PyDict_SetItem(m, names.keys[5], d.t->requires_grad() ? Py_True : Py_False);
-    if (d.param) PyDict_SetItem(m, names.keys[6], Py_True);
     if (unwritten(v, c)) {      // uninitialised memory: no values
       PyDict_SetItem(m, k_.undefined, Py_True);
       return std::move(meta);
@@ -871,8 +867,8 @@ class Encoder {
       j.raw(v == Py_True ? "{\"type\":\"bool\",\"value\":true}" : "{\"type\":\"bool\",\"value\":false}");
       return true;
     }
-    if (tp == &PyLong_Type) {
-      j.raw("{\"type\":\"int\",\"value\":");
+    if (tp == &PyLong_Type || tp == &PyUnicode_Type) {
+      j.raw(tp == &PyLong_Type ? "{\"type\":\"int\",\"value\":" : "{\"type\":\"str\",\"value\":");
       if (!j.put(v)) return false;
       j.s += '}';
       return true;
@@ -885,12 +881,6 @@ class Encoder {
         py::str name(v);
         j.text(name.ptr());
       }
-      j.s += '}';
-      return true;
-    }
-    if (tp == &PyUnicode_Type) {
-      j.raw("{\"type\":\"str\",\"value\":");
-      if (!j.text(v)) return false;
       j.s += '}';
       return true;
     }
