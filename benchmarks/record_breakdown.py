@@ -16,7 +16,7 @@ Two measurements per model (a small transformer, an MLP, a transformers Llama; r
 2. Separate steps with the probe's parts wrapped in timers (exclusive time: a part's time leaves
    out the parts it calls), per step: module scopes (the forward hooks), the compiled value
    encoder's calls (describing, cache and kernel for the tensors it takes, and the record's JSON
-   line where it makes the whole line), then, for the tensors it hands back and the in-place
+   line and its write where it makes the whole record), then, for the tensors it hands back and the in-place
    stand-ins, describing tensors, looking values up in the cache,
    the statistics kernel (one pass over each new value) and the Python around it, building the record, writing it (one JSON line, one ``write`` call), and the
    per-op bookkeeping (filters, scope, call index, the event), which is the probe's added time
@@ -39,7 +39,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import record_overhead as overhead
 from dispatchprobe import DispatchProbe
 from dispatchprobe.core import recorder
-from dispatchprobe.records import writer
 from dispatchprobe.torch import backend, capture, fused_stats, ops
 
 def parts(probe) -> list:
@@ -59,7 +58,6 @@ def parts(probe) -> list:
         ("building the record", recorder.Recorder, "encode"),
         ("building the record", recorder.Recorder, "write_line"),
         ("writing", recorder.Recorder, "emit"),
-        ("writing", writer._JsonLines, "append_line"),
     ]
 
 

@@ -63,7 +63,7 @@ class Recorder(Handler):
         self._spans: dict = {}
         self._dense: dict = {}
         self._encoder = None        # the backend's compiled value encoder, once it has one
-        self._lines = None          # the part's append_line, where records need only statistics
+        self._lines = None          # the part's ops.jsonl, where records need only statistics
         self._next_key = 0
         # accelerator statistics still on the device, and the records waiting for them: read
         # back with one host sync every DEFER_BATCH tensors or at flush, not one per op
@@ -312,7 +312,8 @@ class Recorder(Handler):
         """A new step/rank part (its ``PartWriter``): ids, tensor keys and cache start over."""
         if part is not None:
             self.part = part
-        self._lines = getattr(self.part.ops, "append_line", None) if self.measures_only and self.part else None
+        # the compiled encoder appends its lines to the file itself (a writer with a descriptor)
+        self._lines = self.part.ops if self.measures_only and self.part and hasattr(self.part.ops, "fd") else None
         self._next_id = 0
         self._cache.clear()
         self._spans.clear()
@@ -341,11 +342,14 @@ class Recorder(Handler):
         head = self.skeleton("op", op, stage, scope, call, grad_fn=grad_fn,
                              stack=self.part.stack_id(stack) if stack else None)
         head["id"] = self._next_id
-        line = enc.line(head, args, kwargs, outputs, self._inputs, self._outputs, undefined, self._encode_value)
-        if line is None:
-            return False
+        lines = self._lines
+        try:
+            if enc.line(lines.fd(), head, args, kwargs, outputs, self._inputs, self._outputs, undefined,
+                        self._encode_value) is None:
+                return False
+        except OSError as exc:
+            raise lines.failed(exc) from None
         self._next_id += 1
-        self._lines(line)
         return True
 
     def write(self, record: dict) -> None:

@@ -224,24 +224,32 @@ class _JsonLines:
     def append(self, obj: dict) -> None:
         self._write(json_line(obj))
 
-    def append_line(self, line: bytes) -> None:
-        """A record already made into its JSON line (as :func:`json_line` makes it)."""
-        self._write(line)
-
     def extend(self, objs) -> None:
         """Several lines in one ``write`` call (a killed process may leave the last one torn)."""
         self._write(b"".join(json_line(o) for o in objs))
 
-    def _write(self, line: bytes) -> None:
-        try:
-            if self._fd is None:
+    def fd(self) -> int:
+        """The file's descriptor, opened on first use: a caller writing its own lines (one
+        ``write`` each, as :meth:`append` does) reports a failure with :meth:`failed`."""
+        if self._fd is None:
+            try:
                 self._fd = os.open(self.path, _APPEND, 0o644)
-            written = os.write(self._fd, line)
+            except OSError as exc:
+                raise self.failed(exc) from None
+        return self._fd
+
+    def failed(self, exc: OSError) -> WriteFailed:
+        return WriteFailed(f"{exc.strerror or exc} writing {self.path}")
+
+    def _write(self, line: bytes) -> None:
+        fd = self.fd()
+        try:
+            written = os.write(fd, line)
             while written < len(line):      # a write may be partial
                 line = line[written:]
-                written = os.write(self._fd, line)
+                written = os.write(fd, line)
         except OSError as exc:
-            raise WriteFailed(f"{exc.strerror or exc} writing {self.path}") from None
+            raise self.failed(exc) from None
 
     def flush(self) -> None:
         """Lines are flushed as they are appended."""

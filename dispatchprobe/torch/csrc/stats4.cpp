@@ -13,7 +13,9 @@
 #include <charconv>
 #include <cmath>
 #include <cstdint>
+#include <cerrno>
 #include <cstring>
+#include <unistd.h>
 #include <vector>
 
 namespace {
@@ -422,6 +424,16 @@ void configure(py::handle param_type, py::handle unseen) {
   names.tensor = PyUnicode_InternFromString("tensor");
 }
 
+// The cache's keys and entries hold numbers, strings, dtypes, devices, statistics and a weak
+// reference without a callback: they can be part of no reference cycle, so Python's cyclic
+// collector is told not to follow them (CPython does the same for such tuples and dicts, but
+// only once a collection has looked at them).  A step caches hundreds of values; tracked, each
+// collection would walk them all.
+PyObject* untracked(PyObject* o) {
+  if (PyObject_IS_GC(o)) PyObject_GC_UnTrack(o);
+  return o;
+}
+
 std::pair<PyObject*, PyObject*> dtype_of(at::ScalarType type) {
   const size_t i = static_cast<size_t>(type);
   if (i >= names.dtypes.size()) names.dtypes.resize(i + 1, {nullptr, nullptr});
@@ -507,6 +519,7 @@ bool describe_into(PyObject* obj, Described& d) {
   d.ident = py::make_tuple(address, shape, stride, dt, dev, version);
   const bool dense = n != 0 && (t.is_contiguous() || fills_block(sizes, strides));
   d.dense = dense ? py::object(py::make_tuple(address, py::int_(n), dt, dev, version)) : py::none();
+  for (PyObject* o : {shape.ptr(), stride.ptr(), version.ptr(), d.ident.ptr(), d.dense.ptr()}) untracked(o);
   return true;
 }
 
@@ -682,10 +695,10 @@ class Encoder {
   }
 
   // The whole record of an op call as one JSON line (Recorder.encode's record, as json_line writes
-  // it), or None where a value needs the Python path (it then encodes the call again; what was
-  // measured here is in the cache).  `head`: the skeleton's fields in order; `inputs`/`outputs`:
-  // whether the config records them.
-  py::object line(py::dict head, py::handle args, py::handle kwargs, py::handle outputs, bool inputs,
+  // it), appended to the file `fd` in one write (True), or None where a value needs the Python
+  // path (it then encodes the call again; what was measured here is in the cache).  `head`: the
+  // skeleton's fields in order; `inputs`/`outputs`: whether the config records them.
+  py::object line(int fd, py::dict head, py::handle args, py::handle kwargs, py::handle outputs, bool inputs,
                   bool with_outputs, py::handle undefined, py::handle fallback) {
     py::list found;
     Call c{found, undefined, fallback};
@@ -724,7 +737,19 @@ class Encoder {
       }
     }
     j.raw("}\n");
-    return py::bytes(j.s);
+    const char* p = j.s.data();
+    size_t left = j.s.size();
+    while (left) {                     // os.write's loop: a write may be partial or interrupted
+      const ssize_t n = ::write(fd, p, left);
+      if (n < 0) {
+        if (errno == EINTR && PyErr_CheckSignals() == 0) continue;
+        if (!PyErr_Occurred()) PyErr_SetFromErrno(PyExc_OSError);
+        throw py::error_already_set();
+      }
+      p += n;
+      left -= static_cast<size_t>(n);
+    }
+    return py::bool_(true);
   }
 
  private:
@@ -937,8 +962,11 @@ class Encoder {
     Py_DECREF(storage);
     if (ref == nullptr) throw py::error_already_set();
     py::object owned = py::reinterpret_steal<py::object>(ref);
-    PyDict_SetItem(cache_.ptr(), ident, py::make_tuple(owned, entry).ptr());
-    if (dense != nullptr && dense != Py_None) PyDict_SetItem(dense_.ptr(), dense, py::make_tuple(owned, py::handle(st)).ptr());
+    PyDict_SetItem(cache_.ptr(), ident, untracked(py::make_tuple(owned, entry).ptr()));
+    if (dense != nullptr && dense != Py_None)
+      PyDict_SetItem(dense_.ptr(), dense, untracked(py::make_tuple(owned, py::handle(st)).ptr()));
+    untracked(ref);
+    untracked(entry.ptr());
   }
 
   py::dict cache_, dense_;
