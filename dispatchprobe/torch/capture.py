@@ -129,11 +129,8 @@ class _ProbeMode(TorchDispatchMode):
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if _CALLBACK is not None and _CALLBACK() is not None:
-            return _call_outside_dynamo(self._dispatch, func, types, args, kwargs)
-        return self._dispatch(func, types, args, kwargs)
-
-    def _dispatch(self, func, types, args=(), kwargs=None):
+        if _CALLBACK is not None and _CALLBACK() is not None:    # inside compiled code: dynamo off
+            return _call_outside_dynamo(self.__torch_dispatch__, func, types, args, kwargs)
         if self.probe.written_last:         # the previous op returned: autograd has moved their counters
             self.probe.carry_over_written()
         if types and tensor_kinds.desugars(types):
