@@ -54,8 +54,10 @@ class TensorBackend(Protocol):
         """A compiled ``encoder(values, found, undefined, fallback)`` doing the statistics task's
         per-value work of :meth:`Recorder.encode` with the same cache, or None (none, or not
         loaded yet); ``fallback(found, value)`` takes what it does not.  Its
-        ``line(head, args, kwargs, outputs, inputs, outputs_on, undefined, fallback)`` makes an op's
-        whole record as its JSON line (bytes), or returns None to leave the op to the Python path."""
+        ``line(fd, head, args, kwargs, outputs, inputs, outputs_on, undefined, fallback)`` makes an op's
+        whole record, appends it to the file ``fd`` as its JSON line and returns True, or returns
+        None to leave the op to the Python path; it runs with the framework's autograd off (what
+        the session's ``_quiet`` does for the Python path)."""
     def memory_alive(self, ref) -> bool: ...
     def storage_span(self, t: Tensor):
         """``(span_key, start, length, offset, stride, plain)`` to save shared memory once, or None."""

@@ -697,9 +697,11 @@ class Encoder {
   // The whole record of an op call as one JSON line (Recorder.encode's record, as json_line writes
   // it), appended to the file `fd` in one write (True), or None where a value needs the Python
   // path (it then encodes the call again; what was measured here is in the cache).  `head`: the
-  // skeleton's fields in order; `inputs`/`outputs`: whether the config records them.
+  // skeleton's fields in order; `inputs`/`outputs`: whether the config records them.  Runs, the
+  // Python path's `fallback` included, with autograd off (the session's _quiet).
   py::object line(int fd, py::dict head, py::handle args, py::handle kwargs, py::handle outputs, bool inputs,
                   bool with_outputs, py::handle undefined, py::handle fallback) {
+    c10::AutoGradMode no_grad(false);
     py::list found;
     Call c{found, undefined, fallback};
     Json j;
