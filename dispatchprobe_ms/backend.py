@@ -144,6 +144,10 @@ def memory_alive(ref) -> bool:
     return ref is not None and ref() is not None
 
 
+def cache_entry(ref, value) -> tuple:
+    return (ref, value)
+
+
 def value_encoder(cache: dict, dense: dict, measured: type):
     """None: the recorder encodes MindSpore values in Python."""
     return None

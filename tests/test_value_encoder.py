@@ -182,3 +182,27 @@ def test_configs_it_writes_lines_for(tmp_path, monkeypatch, config):
     assert all(wanted <= set(r) and ({"inputs", "outputs"} - wanted).isdisjoint(r) for r in fast)
     if "stack" in config:
         assert any(r["stack"] is not None for r in fast)
+
+
+@pytest.mark.parametrize("encoder", [True, False])
+def test_cache_is_kept_out_of_the_garbage_collector(tmp_path, monkeypatch, encoder):
+    """The recorder's cache (keys, entries, weak references) can hold no reference cycle, so
+    Python's cyclic collector is told not to walk it, whichever path filled it (without the
+    encoder: the path accelerator tensors take); a collection would otherwise walk every value a
+    step measured."""
+    import gc
+    if not encoder:
+        monkeypatch.setattr(backend, "value_encoder", lambda *a: None)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    probe = DispatchProbe(task="statistics", dump_path=str(tmp_path / "run"))
+    with probe:
+        model(torch.randn(5, 8)).sum().backward()
+    try:
+        cached = list(probe.recorder._cache.items()) + list(probe.recorder._dense.items())
+        assert len(cached) > 10
+        for key, pair in cached:
+            assert not any(gc.is_tracked(o) for o in (key, pair, *pair)), (key, pair)
+        assert (probe.recorder._encoder is not None) == encoder
+    finally:
+        probe.close()

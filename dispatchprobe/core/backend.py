@@ -50,6 +50,9 @@ class TensorBackend(Protocol):
         """``(tensor_meta(t), identity(t), dense_key(t))``: the per-op path asks all at once."""
     def memory_ref(self, t: Tensor):
         """A weak reference to the memory: keys are trusted only while it lives."""
+    def cache_entry(self, ref, value) -> tuple:
+        """``(ref, value)`` as the recorder caches it; where the framework can, kept out of
+        Python's cyclic garbage collector (its parts hold no cycles)."""
     def value_encoder(self, cache: dict, dense: dict, measured: type):
         """A compiled ``encoder(values, found, undefined, fallback)`` doing the statistics task's
         per-value work of :meth:`Recorder.encode` with the same cache, or None (none, or not

@@ -223,9 +223,9 @@ class Recorder(Handler):
         if ref is None:
             return
         if ident is not None:
-            self._cache[ident] = (ref, entry)
+            self._cache[ident] = self.backend.cache_entry(ref, entry)
         if dense is not None:
-            self._dense[dense] = (ref, entry["stats"])
+            self._dense[dense] = self.backend.cache_entry(ref, entry["stats"])
 
     def carry_over(self, ident, new_ident, dense, new_dense) -> None:
         """What was measured of a value under its keys ``ident``/``dense`` also stands under
@@ -306,7 +306,7 @@ class Recorder(Handler):
             return
         ref = self.backend.memory_ref(t)
         if ref is not None:
-            self._cache[key] = (ref, entry)
+            self._cache[key] = self.backend.cache_entry(ref, entry)
 
     def start_part(self, part=None) -> None:
         """A new step/rank part (its ``PartWriter``): ids, tensor keys and cache start over."""

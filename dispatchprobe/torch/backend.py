@@ -418,6 +418,13 @@ def memory_ref(t: torch.Tensor):
     return _weak(storage) if _STORAGE_OBJECTS_KEPT else StorageWeakRef(storage)
 
 
+def cache_entry(ref, value) -> tuple:
+    """``(ref, value)`` for the recorder's cache, with Python's cyclic garbage collector told not to
+    follow it where it cannot hold a cycle (:data:`fused_stats.cache_entry`): a step caches
+    hundreds of values, which every collection would otherwise walk."""
+    return (ref, value) if fused_stats.cache_entry is None else fused_stats.cache_entry(ref, value)
+
+
 def value_encoder(cache: dict, dense: dict, measured: type):
     """The C++ encoder of an op's values for records that need only statistics
     (:data:`fused_stats.Encoder`), on the recorder's cache dictionaries, once the kernels are

@@ -29,6 +29,7 @@ stats4 = None             # the kernel: float32/bfloat16 CPU tensor (contiguous 
 extremes = None           # its second pass where those sums are not finite -> [nan, inf, max, min, finite max, finite min]
 describe = None           # a plain tensor's description and cache keys in one call (backend.describe), or None
 Encoder = None            # the statistics task's per-value encoding (backend.value_encoder), or None
+cache_entry = None        # the recorder's cache pairs kept out of the cyclic GC (backend.cache_entry), or None
 error: str | None = None  # why it could not be built
 
 
@@ -75,7 +76,7 @@ def _parallel_flags() -> list[str]:
 
 
 def _load() -> None:
-    global stats4, extremes, describe, Encoder, error
+    global stats4, extremes, describe, Encoder, cache_entry, error
     try:
         path, name, _ = _target()
         if not path.exists():
@@ -92,6 +93,7 @@ def _load() -> None:
         from . import tensor_kinds
         module.configure(torch.nn.Parameter, tensor_kinds._unseen_writes)
         stats4, extremes, describe, Encoder = module.stats4, module.extremes, module.describe, module.Encoder
+        cache_entry = module.cache_entry
     except Exception as exc:          # no compiler, no ninja, a read-only cache: torch's reductions
         error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
 

@@ -434,6 +434,44 @@ PyObject* untracked(PyObject* o) {
   return o;
 }
 
+// Whether `o` can be part of no reference cycle: not a GC object, or a weak reference without a
+// callback, or a dict or tuple of such values (a cache entry, a statistics record).
+bool acyclic(PyObject* o, int depth = 0) {
+  if (!PyObject_IS_GC(o)) return true;
+  if (depth > 2) return false;
+  if (PyWeakref_CheckRefExact(o)) return reinterpret_cast<PyWeakReference*>(o)->wr_callback == nullptr;
+  if (PyDict_CheckExact(o)) {
+    PyObject *k, *v;
+    Py_ssize_t pos = 0;
+    while (PyDict_Next(o, &pos, &k, &v))
+      if (!acyclic(k, depth + 1) || !acyclic(v, depth + 1)) return false;
+    return true;
+  }
+  if (PyTuple_CheckExact(o)) {
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(o); ++i)
+      if (!acyclic(PyTuple_GET_ITEM(o, i), depth + 1)) return false;
+    return true;
+  }
+  return false;
+}
+
+// backend.cache_entry: the recorder's (weak reference, value) pair, untracked with its parts
+// where none of them can hold a cycle (the Python path's cache entries, as the encoder's are)
+py::object cache_entry(py::handle ref, py::handle value) {
+  py::tuple pair = py::make_tuple(ref, value);
+  if (acyclic(pair.ptr())) {
+    untracked(ref.ptr());
+    if (PyDict_CheckExact(value.ptr())) {
+      PyObject *k, *v;
+      Py_ssize_t pos = 0;
+      while (PyDict_Next(value.ptr(), &pos, &k, &v)) untracked(v);
+    }
+    untracked(value.ptr());
+    untracked(pair.ptr());
+  }
+  return std::move(pair);
+}
+
 std::pair<PyObject*, PyObject*> dtype_of(at::ScalarType type) {
   const size_t i = static_cast<size_t>(type);
   if (i >= names.dtypes.size()) names.dtypes.resize(i + 1, {nullptr, nullptr});
@@ -982,6 +1020,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("extremes", &extremes, py::call_guard<py::gil_scoped_release>());
   m.def("describe", &describe);
   m.def("configure", &configure);
+  m.def("cache_entry", &cache_entry);
   py::class_<Encoder>(m, "Encoder")
       .def(py::init<py::dict, py::dict, py::handle, py::handle, py::handle>())
       .def("__call__", &Encoder::operator())
