@@ -1,6 +1,6 @@
 """The statistics task's compiled value encoder (``backend.value_encoder``) writes the records the
-Python path writes (the same JSON values; the encoder's own lines spell numbers as Python's
-``repr`` does, orjson's lines as orjson does): on PyTorch's OpInfo samples (every dtype, layout and argument
+Python path writes (the same JSON values; the encoder spells a float in its shortest round-trip
+digits, ``1e-05``, where orjson writes ``0.00001``): on PyTorch's OpInfo samples (every dtype, layout and argument
 kind they hold), on a transformers Llama trained with AdamW (in-place updates, parameter records),
 and on the values it hands back to Python (non-finite values, subclasses, uninitialised memory)."""
 

@@ -1002,11 +1002,8 @@ class Encoder {
     Py_DECREF(storage);
     if (ref == nullptr) throw py::error_already_set();
     py::object owned = py::reinterpret_steal<py::object>(ref);
-    PyDict_SetItem(cache_.ptr(), ident, untracked(py::make_tuple(owned, entry).ptr()));
-    if (dense != nullptr && dense != Py_None)
-      PyDict_SetItem(dense_.ptr(), dense, untracked(py::make_tuple(owned, py::handle(st)).ptr()));
-    untracked(ref);
-    untracked(entry.ptr());
+    PyDict_SetItem(cache_.ptr(), ident, cache_entry(owned, entry).ptr());
+    if (dense != nullptr && dense != Py_None) PyDict_SetItem(dense_.ptr(), dense, cache_entry(owned, st).ptr());
   }
 
   py::dict cache_, dense_;
