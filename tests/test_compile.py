@@ -998,3 +998,39 @@ def test_a_value_written_between_two_graphs_is_read_again(tmp_path):
     records = {r["op"]: r for r in _ops(tmp_path / "c")}
     assert records["aten.mul.Tensor"]["outputs"][0]["stats"]["max"] == 2.0
     assert records["aten.sin.default"]["inputs"][0]["stats"]["max"] == 3.0
+
+
+def test_views_of_a_value_share_its_read(tmp_path, monkeypatch):
+    """A view showing all of a value's elements (a reshape, a transpose) takes the value's row:
+    each value is read once per graph, and the records equal those of a run that reads every
+    view on its own (up to the order of the sums)."""
+    from dispatchprobe.torch.compile import graph_pass, runtime
+    read = []
+    stats = runtime.torch_backend.tensor_stats
+    monkeypatch.setattr(runtime.torch_backend, "tensor_stats", lambda values: read.extend(values) or stats(values))
+
+    def f(x, w):
+        h = (x.reshape(16, 64) @ w.t()).relu()
+        return (h.t() @ h).view(-1).sum()
+    x = torch.randn(4, 4, 64, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    w = torch.randn(32, 64, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    counts, records = [], []
+    for name, shared in (("shared", True), ("each", False)):
+        torch._dynamo.reset()
+        if not shared:
+            monkeypatch.setattr(graph_pass, "values_source", lambda n: n)
+        backend = probe_backend(task="statistics", dump_path=str(tmp_path / name), inner="aot_eager")
+        read.clear()
+        torch.compile(f, backend=backend)(x, w).backward()
+        backend.close()
+        counts.append(len(read))
+        records.append(_stats_of(tmp_path / name))
+    assert counts[0] < counts[1]
+    assert [(op, stage) for op, stage, _ in records[0]] == [(op, stage) for op, stage, _ in records[1]]
+    for (_, _, shared), (_, _, each) in zip(*records):
+        assert len(shared) == len(each)
+        for a, b in zip(shared, each):
+            assert (a is None) == (b is None)
+            for key in a or ():
+                assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), key
+    assert sum(s is not None for _, _, row in records[0] for s in row) > 8

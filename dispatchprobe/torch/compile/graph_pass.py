@@ -17,7 +17,7 @@ from ...core.recorder import encode_plain
 from .decompositions import CALL_KEY, OUTPUT_KEY, VALUE_KEY, Call, Value, hint
 from .rerun import rerun_module
 from .runtime import GraphRecords
-from .statistics_nodes import Reads, Reductions, row_windows, stats_nodes
+from .statistics_nodes import Reads, Reductions, row_windows, stats_nodes, values_source
 
 class Group:
     """The post-grad nodes of one eager op call: same ``original_aten``, ``seq_nr`` and
@@ -89,6 +89,10 @@ class Instrument(CustomGraphPass):
                     order.append(n)
         if not records.templates:
             return
+        # one read per set of values: a view keeping all of a value's elements takes its row (not
+        # with task tensor, which saves each value as its record shows it)
+        source = {n: values_source(n) for n in order} if task != "tensor" else {}
+        order = list(dict.fromkeys(source.get(n, n) for n in order))
         # where each value is read: after its last reader, before anything writes it; values that
         # something writes later are copied there for the reads at the end of the graph
         reads = Reads(graph, users)
@@ -115,7 +119,7 @@ class Instrument(CustomGraphPass):
             symbols = [n for n in graph.nodes if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.SymInt)]
             records.symbols = [n.meta["val"].node.expr for n in symbols]
             graph.call_function(torch.ops.dispatchprobe.record.default, (flat, values, inputs, records.slot, symbols))
-        records.finish(order)
+        records.finish(order, source)
 
     def _groups(self, graph: torch.fx.Graph) -> list[Group]:
         by_key: dict = {}

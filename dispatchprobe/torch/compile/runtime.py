@@ -83,7 +83,7 @@ _LIB.impl("stats_rows", lambda values, reductions, roles=(): torch.empty(len(val
                                                                           device=values[0].device), "Meta")
 
 # the rows of values a graph returned, for the backward graphs that take them as inputs (a
-# forward's saved activations): {identity: (weak reference to the memory, row)}.  A returned value
+# forward's saved activations): {key (_returned_key): (weak reference to the memory, row)}.  A returned value
 # is final (no later kernel of its graph writes it); autograd refuses to differentiate through a
 # saved activation written since, and an eager write moves its version, part of the identity; an
 # entry is trusted only while its memory lives.
@@ -97,7 +97,7 @@ def _host_rows(values, roles) -> list:
     todo = []
     for i, x in enumerate(values):
         if roles and roles[i] & GRAPH_INPUT:
-            key = torch_backend.identity(x)
+            key = _returned_key(x)
             hit = _RETURNED.get(key) if key is not None else None
             if hit is not None and torch_backend.memory_alive(hit[0]):
                 rows[i] = hit[1]
@@ -111,9 +111,15 @@ def _host_rows(values, roles) -> list:
     return rows
 
 
+def _returned_key(x: torch.Tensor):
+    """The key of a returned value's row: shared by its views that show all of it (a forward may
+    read a value its backward is given as a view, or the other way round)."""
+    return torch_backend.dense_key(x) or torch_backend.identity(x)
+
+
 def _remember_returned(x: torch.Tensor, row) -> None:
     global _PRUNE_AT
-    key, ref = torch_backend.identity(x), torch_backend.memory_ref(x)
+    key, ref = _returned_key(x), torch_backend.memory_ref(x)
     if key is None or ref is None:
         return
     _RETURNED[key] = (ref, row)
@@ -171,8 +177,11 @@ class GraphRecords:
                     hit[id(spec)] = {**spec, "value": value(sym)}
         return hit
 
-    def finish(self, order: list) -> None:
+    def finish(self, order: list, source: dict | None = None) -> None:
+        """Each template's rows: ``order``, the nodes read, in the order of their rows;
+        ``source``: the node read for each other node of the same values."""
         row_of = {n: i for i, n in enumerate(order)}
+        row_of.update({n: row_of[s] for n, s in (source or {}).items() if s in row_of})
         for t in self.templates:
             t.rows = [row_of[n] for _, n in t.slots]
             outs = {id(o) for o in t.outputs}

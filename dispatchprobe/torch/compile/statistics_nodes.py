@@ -32,6 +32,27 @@ class Reductions:
         self.node, self.nodes, self.at = node, nodes, at
 
 
+# views that show all of their base's elements, in another shape or order: the same statistics
+# (as the eager probe's cache gives a transpose of a value the row of the value)
+_SAME_VALUES = {"view", "_unsafe_view", "reshape", "permute", "t", "transpose", "squeeze", "unsqueeze", "alias",
+                "expand", "slice"}
+
+
+def values_source(node: torch.fx.Node) -> torch.fx.Node:
+    """The node whose values ``node``'s are, following views that keep every element (a
+    reshape, a permute, an ``expand`` or ``slice`` that changes nothing): reading it gives
+    ``node``'s statistics, and one read serves every view of it."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+    while node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) \
+            and ops.base(node.target) in _SAME_VALUES and node.args and isinstance(node.args[0], torch.fx.Node):
+        base, val = node.args[0].meta.get("val"), node.meta.get("val")
+        if not (isinstance(base, torch.Tensor) and isinstance(val, torch.Tensor) and base.dtype == val.dtype
+                and base.device == val.device and statically_known_true(base.numel() == val.numel())):
+            break
+        node = node.args[0]
+    return node
+
+
 def row_windows(graph: torch.fx.Graph, stats: dict, order: list, backward: bool) -> tuple[list, list]:
     """One :func:`_stats_rows` call per window of CPU values (in graph order, bounded by
     ``WINDOW_VALUES`` and ``WINDOW_BYTES``), inserted after the window's last reductions.  Returns
@@ -47,7 +68,8 @@ def row_windows(graph: torch.fx.Graph, stats: dict, order: list, backward: bool)
     cpu = sorted((n for n in order if isinstance(stats[n], Reductions)), key=lambda n: pos[stats[n].at])
     window: list = []
     size = 0
-    returned = set(next(n for n in reversed(graph.nodes) if n.op == "output").all_input_nodes)
+    out = next(n for n in reversed(graph.nodes) if n.op == "output").all_input_nodes
+    returned = {*out, *map(values_source, out)}      # a returned view's values are its base's
 
     def role(node) -> int:
         return (GRAPH_INPUT if backward and node.op == "placeholder" else 0) | (GRAPH_OUTPUT if node in returned else 0)
