@@ -936,12 +936,13 @@ def test_probe_backend_alone_reads_cpu_values_with_the_one_pass_kernel(tmp_path,
     from dispatchprobe.torch import backend as torch_backend, fused_stats
     monkeypatch.setattr(fused_stats, "_builder", None)      # as in a fresh process
     monkeypatch.setattr(fused_stats, "stats4", None)
+    monkeypatch.setattr(fused_stats, "rows_into", None)
     backend = probe_backend(task="statistics", dump_path=str(tmp_path / "c"))
     assert fused_stats._builder is not None
     assert fused_stats.build(wait=True) is not None, f"the kernel did not build: {fused_stats.error}"
     calls = []
-    kernel = fused_stats.stats4
-    monkeypatch.setattr(fused_stats, "stats4", lambda x: calls.append(x.numel()) or kernel(x))
+    kernel = fused_stats.rows_into
+    monkeypatch.setattr(fused_stats, "rows_into", lambda values, out: calls.append(len(values)) or kernel(values, out))
     x = torch.randn(64, 32, generator=torch.Generator().manual_seed(0))
     torch.manual_seed(0)
     model = MLPNet(dim=32, depth=2, classes=4)
@@ -967,8 +968,8 @@ def test_a_backward_graph_reads_no_saved_activation_again(tmp_path, monkeypatch)
     every value in every graph."""
     from dispatchprobe.torch.compile import runtime
     read = []
-    stats = runtime.torch_backend.tensor_stats
-    monkeypatch.setattr(runtime.torch_backend, "tensor_stats", lambda values: read.extend(values) or stats(values))
+    rows = runtime.read_rows
+    monkeypatch.setattr(runtime, "read_rows", lambda values: read.extend(values) or rows(values))
     x = torch.randn(64, 32, generator=torch.Generator().manual_seed(0))
     counts = []
     for name, shared in (("shared", True), ("each", False)):
@@ -1006,8 +1007,8 @@ def test_views_of_a_value_share_its_read(tmp_path, monkeypatch):
     view on its own (up to the order of the sums)."""
     from dispatchprobe.torch.compile import graph_pass, runtime
     read = []
-    stats = runtime.torch_backend.tensor_stats
-    monkeypatch.setattr(runtime.torch_backend, "tensor_stats", lambda values: read.extend(values) or stats(values))
+    rows = runtime.read_rows
+    monkeypatch.setattr(runtime, "read_rows", lambda values: read.extend(values) or rows(values))
 
     def f(x, w):
         h = (x.reshape(16, 64) @ w.t()).relu()

@@ -30,6 +30,7 @@ extremes = None           # its second pass where those sums are not finite -> [
 describe = None           # a plain tensor's description and cache keys in one call (backend.describe), or None
 Encoder = None            # the statistics task's per-value encoding (backend.value_encoder), or None
 cache_entry = None        # the recorder's cache pairs kept out of the cyclic GC (backend.cache_entry), or None
+rows_into = None          # a compiled graph's window of CPU values -> their stats rows (compile/runtime.py), or None
 error: str | None = None  # why it could not be built
 
 
@@ -76,7 +77,7 @@ def _parallel_flags() -> list[str]:
 
 
 def _load() -> None:
-    global stats4, extremes, describe, Encoder, cache_entry, error
+    global stats4, extremes, describe, Encoder, cache_entry, rows_into, error
     try:
         path, name, _ = _target()
         if not path.exists():
@@ -93,7 +94,7 @@ def _load() -> None:
         from . import tensor_kinds
         module.configure(torch.nn.Parameter, tensor_kinds._unseen_writes)
         stats4, extremes, describe, Encoder = module.stats4, module.extremes, module.describe, module.Encoder
-        cache_entry = module.cache_entry
+        cache_entry, rows_into = module.cache_entry, module.rows_into
     except Exception as exc:          # no compiler, no ninja, a read-only cache: torch's reductions
         error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
 

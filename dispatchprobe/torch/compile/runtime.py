@@ -13,7 +13,7 @@ import math
 import torch
 import torch.fx
 
-from .. import backend as torch_backend
+from .. import backend as torch_backend, fused_stats
 from ...standards import statistics
 from .decompositions import hint
 from .rerun import Rerun
@@ -103,11 +103,28 @@ def _host_rows(values, roles) -> list:
                 rows[i] = hit[1]
                 continue
         todo.append(i)
-    for i, st in zip(todo, torch_backend.tensor_stats([values[i] for i in todo])):
-        x = values[i]
-        rows[i] = statistics.to_row(st, x.numel())
+    for i, row in zip(todo, read_rows([values[i] for i in todo])):
+        rows[i] = row
         if roles and roles[i] & GRAPH_OUTPUT:
-            _remember_returned(x, rows[i])
+            _remember_returned(values[i], row)
+    return rows
+
+
+def read_rows(values: list) -> list:
+    """One read of each of ``values``: their rows, by the compiled kernel in one call where it
+    reads them (plain float32/bfloat16 values with finite sums), else by the eager probe's code."""
+    if not values:
+        return []
+    fast = fused_stats.rows_into
+    if fast is None:
+        left = range(len(values))
+        rows: list = [None] * len(values)
+    else:
+        block = torch.empty(len(values), STAT_FIELDS, dtype=torch.float64)
+        left = fast(values, block)
+        rows = block.tolist()
+    for i, st in zip(left, torch_backend.tensor_stats([values[i] for i in left])):
+        rows[i] = statistics.to_row(st, values[i].numel())
     return rows
 
 
@@ -219,12 +236,13 @@ class GraphRecords:
         made: dict[int, dict] = {}
         resolved = self.resolve(sizes)
         recorder = session.recorder
-        for t in self.templates:
-            record = session.measured(t.op, self.stage, t.scope)
-            if record is None:
-                continue
-            fresh = dict(resolved)
-            with session.writing():
+        saving = values is not None and recorder.part.tensors is not None
+        with session.writing():          # a failed save ends the recording, as a failed write does
+            for t in self.templates:
+                record = session.measured(t.op, self.stage, t.scope)
+                if record is None:
+                    continue
+                fresh = dict(resolved)
                 for spec, r in zip(t.slots, t.rows):
                     copy = fresh[id(spec)] = dict(resolved.get(id(spec), spec))
                     if not host:
@@ -233,10 +251,10 @@ class GraphRecords:
                         copy["stats"] = made[r]
                     else:
                         copy["stats"] = made[r] = statistics.from_row(rows[r], math.prod(copy["shape"]))
-                    if values is not None and recorder.part.tensors is not None:
+                    if saving:
                         copy["data"] = recorder.save(values[r])
-            self._fill(record, t, fresh, recorder.io_filter)
-            session.write(record)
+                self._fill(record, t, fresh, recorder.io_filter)
+                session.write(record)
 
     def _fill(self, record: dict, t, fresh: dict, io_filter=lambda io: True) -> None:
         """A template's arguments with this call's tensor specs, and the compiled graph's facts."""

@@ -12,8 +12,11 @@ from .. import ops
 from .decompositions import hint
 from .runtime import GRAPH_INPUT, GRAPH_OUTPUT  # (importing runtime registers dispatchprobe::stats_rows)
 
-WINDOW_VALUES = 32              # values one stats_rows call completes at most ...
-WINDOW_BYTES = 64 << 20         # ... and their bytes (kept alive until the call: a bounded delay)
+# values one stats_rows call completes at most, and their bytes: a window keeps its values alive
+# until its call, and reads them after the later values' kernels ran; small windows read values
+# still in the cache and let inductor reuse their memory sooner, for a call of a few µs each
+WINDOW_VALUES = 4
+WINDOW_BYTES = 16 << 20
 
 
 # where a CPU value's statistics are computed: "host", the default (the window computes them, with the

@@ -584,6 +584,44 @@ py::object describe(py::handle obj) {
 }
 
 
+// One window of a compiled graph's CPU values (compile/runtime.py): the device stats row of each,
+// [max, min, sum, L2 norm, nan count, inf count], into row i of `out` (float64, (len, 6)), where
+// the kernel reads a plain float32/bfloat16 tensor in place and its sums are finite; returns the
+// indexes of the others, which the Python path completes (non-finite values, other dtypes, ...).
+std::vector<int64_t> rows_into(const py::list& values, torch::Tensor out) {
+  TORCH_CHECK(out.scalar_type() == at::kDouble && out.is_contiguous() && out.dim() == 2 && out.size(1) == 6 &&
+                  out.size(0) == static_cast<int64_t>(values.size()), "rows_into: a contiguous float64 (len, 6) tensor");
+  double* o = out.data_ptr<double>();
+  std::vector<int64_t> left;
+  for (size_t i = 0; i < values.size(); ++i) {
+    PyObject* obj = values[i].ptr();
+    PyObject* cls = reinterpret_cast<PyObject*>(Py_TYPE(obj));
+    if (names.param_type == nullptr || (cls != THPVariableClass && cls != names.param_type)) {
+      left.push_back(i);
+      continue;
+    }
+    const at::Tensor& t = THPVariable_Unpack(obj);
+    const auto type = t.scalar_type();
+    if (!t.device().is_cpu() || t.layout() != at::kStrided || !t.has_storage() || t.numel() == 0 ||
+        (type != at::kFloat && type != at::kBFloat16)) {
+      left.push_back(i);
+      continue;
+    }
+    std::vector<double> s;
+    {
+      py::gil_scoped_release released;
+      s = stats4(t);
+    }
+    if (s.empty() || !std::isfinite(s[2]) || !std::isfinite(s[3])) {
+      left.push_back(i);
+      continue;
+    }
+    double* row = o + 6 * i;
+    row[0] = s[0], row[1] = s[1], row[2] = s[2], row[3] = std::sqrt(s[3]), row[4] = 0, row[5] = 0;
+  }
+  return left;
+}
+
 // A JSON line written as json.dumps(obj, separators=(",", ":")) reads back (the record writer's
 // json_line): floats in their shortest round-trip digits, NaN/Infinity for non-finite floats, strings in UTF-8 with
 // quotes, backslashes and control characters escaped.  A value it cannot write (a big integer, a
@@ -1015,6 +1053,7 @@ class Encoder {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("stats4", &stats4, py::call_guard<py::gil_scoped_release>());
   m.def("extremes", &extremes, py::call_guard<py::gil_scoped_release>());
+  m.def("rows_into", &rows_into);
   m.def("describe", &describe);
   m.def("configure", &configure);
   m.def("cache_entry", &cache_entry);
