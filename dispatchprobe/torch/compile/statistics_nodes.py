@@ -13,10 +13,11 @@ from .decompositions import hint
 from .runtime import GRAPH_INPUT, GRAPH_OUTPUT  # (importing runtime registers dispatchprobe::stats_rows)
 
 # values one stats_rows call completes at most, and their bytes: a window keeps its values alive
-# until its call, and reads them after the later values' kernels ran; small windows read values
-# still in the cache and let inductor reuse their memory sooner, for a call of a few µs each
-WINDOW_VALUES = 4
-WINDOW_BYTES = 16 << 20
+# until its call.  Smaller windows read values still in the cache, but each call between the
+# graph's nodes splits some of inductor's fusions: windows of 4 values made 11 more kernels of the
+# transformer step's 38 and compiled 5 s longer, for a step no faster beyond the machine's spread
+WINDOW_VALUES = 32
+WINDOW_BYTES = 64 << 20
 
 
 # where a CPU value's statistics are computed: "host", the default (the window computes them, with the
