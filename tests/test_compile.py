@@ -1035,3 +1035,42 @@ def test_views_of_a_value_share_its_read(tmp_path, monkeypatch):
             for key in a or ():
                 assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), key
     assert sum(s is not None for _, _, row in records[0] for s in row) > 8
+
+
+@pytest.mark.parametrize("io", ["all", "input", "output"])
+def test_records_joined_from_kept_json_equal_the_records_made_whole(tmp_path, monkeypatch, io):
+    """A graph call's records joined from JSON kept per template (its statistics cut in) read
+    back as the records the dict path makes: a -inf argument, statistics of values holding inf
+    and nan, a module name JSON escapes, each io filter."""
+    from dispatchprobe.core.recorder import Recorder
+
+    class Odd(torch.nn.Module):
+        def forward(self, x):
+            y = x.masked_fill(x > 1.5, -math.inf)
+            return (y.exp() * x.sqrt()).sum() + x.relu().sum()
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16))
+    model.add_module('na\u00efve "q" \\', Odd())
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    joined = []
+    write_joined = Recorder.write_joined
+    lines = {}
+    for name, allowed in (("joined", True), ("whole", False)):
+        torch._dynamo.reset()
+        monkeypatch.setattr(Recorder, "write_joined", lambda self, head, rest: allowed and (
+            joined.append(1) or write_joined(self, head, rest)))
+        backend = probe_backend(task="statistics", dump_path=str(tmp_path / name), inner="aot_eager",
+                                data_mode=[io])
+        torch.compile(model, backend=backend)(x).backward()
+        backend.close()
+        lines[name] = [json.loads(line, parse_constant=str)
+                       for f in sorted((tmp_path / name).rglob("ops.jsonl")) for line in f.read_text().splitlines()]
+    assert joined and len(lines["joined"]) > 10
+    for records in lines.values():       # graph ids count the graphs made in the process
+        graphs = sorted({r["compiled"]["graph"] for r in records})
+        for r in records:
+            r["compiled"]["graph"] = graphs.index(r["compiled"]["graph"])
+    assert lines["joined"] == lines["whole"]
+    text = json.dumps(lines["joined"])
+    assert "NaN" in text and "na\\u00efve" in text
+    assert io != "all" or "-Infinity" in text
+    assert "no_values" not in text          # a graph's values are read, not the fake tensors tracing it

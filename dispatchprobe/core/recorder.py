@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from ..records.writer import json_line
 from .events import Handler, OpEvent, record_name
 
 def encode_plain(value, backend) -> dict:
@@ -349,6 +350,19 @@ class Recorder(Handler):
                 return False
         except OSError as exc:
             raise lines.failed(exc) from None
+        self._next_id += 1
+        return True
+
+    def write_joined(self, head: dict, rest: bytes) -> bool:
+        """Append the record whose first fields are ``head`` (:meth:`skeleton`, given its id here)
+        and whose other fields are ``rest``, their JSON (:func:`json_line` pieces, without the
+        braces): a compiled graph's records, made from JSON kept per graph.  False, with nothing
+        written, where records go through :meth:`emit` (they wait for device statistics, or the
+        part's writer takes records, not lines)."""
+        if self._lines is None or self._waiting or self._row_stats:
+            return False
+        head["id"] = self._next_id
+        self._lines.append_line(b"".join((json_line(head)[:-2], b",", rest, b"}\n")))
         self._next_id += 1
         return True
 

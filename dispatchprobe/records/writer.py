@@ -224,6 +224,10 @@ class _JsonLines:
     def append(self, obj: dict) -> None:
         self._write(json_line(obj))
 
+    def append_line(self, line: bytes) -> None:
+        """One line its caller made (a record joined from pieces of :func:`json_line`)."""
+        self._write(line)
+
     def extend(self, objs) -> None:
         """Several lines in one ``write`` call (a killed process may leave the last one torn)."""
         self._write(b"".join(json_line(o) for o in objs))

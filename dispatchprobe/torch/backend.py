@@ -43,6 +43,12 @@ def tensor_meta(t: torch.Tensor) -> dict:
     return describe(t)[0]
 
 
+def traced_meta(t: torch.Tensor) -> dict:
+    """The record's fields of a value a graph computes, from the fake tensor standing for it at
+    trace time: those of the plain tensor it stands for (sizes may be symbolic)."""
+    return _meta(t, type(t), t.dtype, t.shape, t.stride() if t.layout is _STRIDED else None, t.device, False)
+
+
 def describe(t: torch.Tensor) -> tuple:
     """``(tensor_meta(t), identity(t), dense_key(t))`` in one pass over the tensor's attributes
     (the per-op path asks all three of every tensor): for a plain tensor or parameter from one C++

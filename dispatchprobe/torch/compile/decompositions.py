@@ -66,7 +66,7 @@ def _traced(op, fn):
         def value(x):
             if isinstance(x, torch.Tensor):
                 slot = proxy_tensor.get_proxy_slot(x, tracer, None)
-                spec = torch_backend.tensor_meta(x)
+                spec = torch_backend.traced_meta(x)
                 spec["shape"] = [hint(d) for d in spec["shape"]]
                 spec["stride"] = [hint(d) for d in spec["stride"]] if spec["stride"] is not None else None
                 spec["requires_grad"] = False

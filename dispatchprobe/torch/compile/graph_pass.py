@@ -279,7 +279,7 @@ class Template:
         if isinstance(value, torch.fx.Node):
             val = value.meta.get("val")
             if isinstance(val, torch.Tensor):
-                spec = torch_backend.tensor_meta(val)
+                spec = torch_backend.traced_meta(val)
                 if not all(isinstance(d, int) for d in (*spec["shape"], *(spec["stride"] or ()))):
                     self.symbolic.append((spec, (spec["shape"], spec["stride"])))
                 spec["shape"] = [hint(d) for d in spec["shape"]]       # symbolic sizes: their hints

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
+import secrets
 
 import torch
 import torch.fx
 
 from .. import backend as torch_backend, fused_stats
+from ...records.writer import json_line
 from ...standards import statistics
 from .decompositions import hint
 from .rerun import Rerun
@@ -146,6 +149,7 @@ def _remember_returned(x: torch.Tensor, row) -> None:
         _PRUNE_AT = max(4096, 2 * len(_RETURNED))
 
 GRAPHS: dict[int, "GraphRecords"] = {}        # by slot (cache.py)
+_MARK = f"dispatchprobe-stats-{secrets.token_hex(8)}-"    # where a joined record's statistics go
 graph_ids = itertools.count()
 
 
@@ -163,6 +167,7 @@ class GraphRecords:
         self.rerun: torch.fx.GraphModule | None = None
         self.symbols: list = []            # the sympy symbols of the graph's SymInt inputs
         self._resolved: dict[tuple, dict] = {}
+        self._texts: dict[tuple, tuple] = {}     # (id(template), io filter) -> its JSON (_joined)
         GRAPHS[slot] = self
 
     def resolve(self, sizes) -> dict:
@@ -222,6 +227,7 @@ class GraphRecords:
             for name in t.compiled["nodes"]:
                 found.extend(k for k in by_node.get(name, ()) if k not in found)
             t.compiled["kernels"] = sorted(found, key=kernel_handle)
+        self._texts.clear()
 
     def emit(self, block: torch.Tensor, values: list | None = None, sizes=()) -> None:
         """One graph call: a record per template, in graph order;
@@ -237,10 +243,17 @@ class GraphRecords:
         resolved = self.resolve(sizes)
         recorder = session.recorder
         saving = values is not None and recorder.part.tensors is not None
+        # the fields after the head as JSON kept per template, where they differ from call to
+        # call only by their statistics (CPU rows, static shapes, nothing saved)
+        joined = host and not resolved and not saving
+        io = (recorder.io_filter("input"), recorder.io_filter("output"))
+        texts: dict[tuple, bytes] = {}
         with session.writing():          # a failed save ends the recording, as a failed write does
             for t in self.templates:
                 record = session.measured(t.op, self.stage, t.scope)
                 if record is None:
+                    continue
+                if joined and recorder.write_joined(record, self._joined(t, io, rows, texts)):
                     continue
                 fresh = dict(resolved)
                 for spec, r in zip(t.slots, t.rows):
@@ -255,6 +268,29 @@ class GraphRecords:
                         copy["data"] = recorder.save(values[r])
                 self._fill(record, t, fresh, recorder.io_filter)
                 session.write(record)
+
+    def _joined(self, t, io: tuple, rows: list, texts: dict) -> bytes:
+        """A template's fields after the head, as JSON, with this call's statistics: the JSON of
+        :meth:`_fill` with a marker for each tensor's statistics is made once per template and
+        filter, and cut at the markers; ``texts``: each (row, size)'s statistics JSON this call."""
+        pieces = self._texts.get((id(t), io))
+        if pieces is None:
+            marks = {id(spec): {**spec, "stats": f"{_MARK}{i}"} for i, spec in enumerate(t.slots)}
+            rest: dict = {}
+            self._fill(rest, t, marks, lambda which: io[which == "output"])
+            cut = re.split(rb'"' + _MARK.encode() + rb'(\d+)"', json_line(rest)[1:-2])
+            pieces = self._texts[(id(t), io)] = (cut[0::2], [int(i) for i in cut[1::2]])
+        text, slots = pieces
+        out = [text[0]]
+        for slot, after in zip(slots, text[1:]):
+            spec, r = t.slots[slot], t.rows[slot]
+            key = (r, math.prod(spec["shape"]))
+            stats = texts.get(key)
+            if stats is None:
+                stats = texts[key] = json_line(statistics.from_row(rows[r], key[1]))[:-1]
+            out.append(stats)
+            out.append(after)
+        return b"".join(out)
 
     def _fill(self, record: dict, t, fresh: dict, io_filter=lambda io: True) -> None:
         """A template's arguments with this call's tensor specs, and the compiled graph's facts."""
