@@ -218,17 +218,19 @@ def test_the_cpp_describe_gives_the_python_describe(kernel, monkeypatch):
 def test_a_windows_rows_in_one_call_are_the_python_paths(kernel):
     """``rows_into`` (a compiled graph's window of CPU values) gives each value the row the eager
     probe's statistics give it, and leaves to the Python path the values it does not read in
-    place: sums that are not finite, other dtypes, empty and subclass tensors."""
+    place: sums that are not finite, other dtypes, empty and subclass tensors, freed memory."""
     from dispatchprobe.standards import statistics
     g = torch.Generator().manual_seed(0)
     x = torch.randn(64, 48, generator=g)
     inf = x.clone()
     inf[3, 4] = math.inf
+    freed = torch.randn(8, 8)
+    freed.untyped_storage().resize_(0)          # FSDP2's parameters between all-gathers
     values = [x, x.t(), x[:, ::2], x.to(torch.bfloat16), x[:1].expand(5, 48), torch.nn.Parameter(x.clone()),
-              inf, torch.zeros(0), torch.arange(6), x.double(), x.as_subclass(_Sub)]
+              inf, torch.zeros(0), torch.arange(6), x.double(), x.as_subclass(_Sub), freed]
     out = torch.full((len(values), 6), -1.0, dtype=torch.float64)
     left = fused_stats.rows_into(values, out)
-    assert left == [2, 6, 7, 8, 9, 10]          # [:, ::2]: no dimension of stride 1, read from a copy
+    assert left == [2, 6, 7, 8, 9, 10, 11]      # [:, ::2]: no dimension of stride 1, read from a copy
     for i, v in enumerate(values):
         if i in left:
             assert out[i].tolist() == [-1.0] * 6      # untouched

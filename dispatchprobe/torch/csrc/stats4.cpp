@@ -584,6 +584,18 @@ py::object describe(py::handle obj) {
 }
 
 
+// Whether every element of strided `t` lies in its storage's allocated bytes (not a storage
+// freed to size 0 between uses, as FSDP2 does with its parameters)
+bool within_storage(const at::Tensor& t) {
+  if (t.storage().data() == nullptr) return false;
+  int64_t last = t.storage_offset();
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    if (t.stride(d) < 0) return false;
+    last += (t.size(d) - 1) * t.stride(d);
+  }
+  return (last + 1) * static_cast<int64_t>(t.element_size()) <= static_cast<int64_t>(t.storage().nbytes());
+}
+
 // One window of a compiled graph's CPU values (compile/runtime.py): the device stats row of each,
 // [max, min, sum, L2 norm, nan count, inf count], into row i of `out` (float64, (len, 6)), where
 // the kernel reads a plain float32/bfloat16 tensor in place and its sums are finite; returns the
@@ -603,7 +615,7 @@ std::vector<int64_t> rows_into(const py::list& values, torch::Tensor out) {
     const at::Tensor& t = THPVariable_Unpack(obj);
     const auto type = t.scalar_type();
     if (!t.device().is_cpu() || t.layout() != at::kStrided || !t.has_storage() || t.numel() == 0 ||
-        (type != at::kFloat && type != at::kBFloat16)) {
+        (type != at::kFloat && type != at::kBFloat16) || !within_storage(t)) {
       left.push_back(i);
       continue;
     }
