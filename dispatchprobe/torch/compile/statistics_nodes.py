@@ -7,6 +7,7 @@ import os
 
 import torch
 import torch.fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .. import ops
 from .decompositions import hint
@@ -14,8 +15,8 @@ from .runtime import GRAPH_INPUT, GRAPH_OUTPUT  # (importing runtime registers d
 
 # values one stats_rows call completes at most, and their bytes: a window keeps its values alive
 # until its call.  Smaller windows read values still in the cache, but each call between the
-# graph's nodes splits some of inductor's fusions: windows of 4 values made 11 more kernels of the
-# transformer step's 38 and a cold compile 1.55x inductor's, for a step a few hundredths faster
+# graph's nodes splits some of inductor's fusions, which lengthens the compile more than it
+# shortens the step (docs/compile.md, Cost)
 WINDOW_VALUES = 32
 WINDOW_BYTES = 64 << 20
 
@@ -46,7 +47,6 @@ def values_source(node: torch.fx.Node) -> torch.fx.Node:
     """The node whose values ``node``'s are, following views that keep every element (a
     reshape, a permute, an ``expand`` or ``slice`` that changes nothing): reading it gives
     ``node``'s statistics, and one read serves every view of it."""
-    from torch.fx.experimental.symbolic_shapes import statically_known_true
     while node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) \
             and ops.base(node.target) in _SAME_VALUES and node.args and isinstance(node.args[0], torch.fx.Node):
         base, val = node.args[0].meta.get("val"), node.meta.get("val")

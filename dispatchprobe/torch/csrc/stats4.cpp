@@ -514,9 +514,31 @@ struct Described {
   py::object ident, dense;               // dense: None where the values do not fill a block
 };
 
-bool describe_into(PyObject* obj, Described& d) {
+// A torch.Tensor or Parameter itself, not a subclass (whose values the Python path decides)
+bool plain_tensor(PyObject* obj) {
   PyObject* cls = reinterpret_cast<PyObject*>(Py_TYPE(obj));
-  if (names.param_type == nullptr || (cls != THPVariableClass && cls != names.param_type)) return false;
+  return names.param_type != nullptr && (cls == THPVariableClass || cls == names.param_type);
+}
+
+// [max, min, sum, sum of squares] of a float32/bfloat16 CPU tensor read in place, the GIL released
+// for large ones; empty where the Python path decides: another dtype or device, a layout the
+// walk cannot read in place, sums that are not finite (inf/nan, or overflow)
+std::vector<double> finite_sums(const at::Tensor& t) {
+  const auto type = t.scalar_type();
+  if (!t.device().is_cpu() || t.numel() == 0 || (type != at::kFloat && type != at::kBFloat16)) return {};
+  std::vector<double> r;
+  if (t.numel() >= kGrain) {
+    py::gil_scoped_release no_gil;
+    r = stats4(t);
+  } else {
+    r = stats4(t);
+  }
+  if (r.empty() || !std::isfinite(r[2]) || !std::isfinite(r[3])) return {};
+  return r;
+}
+
+bool describe_into(PyObject* obj, Described& d) {
+  if (!plain_tensor(obj)) return false;
   const at::Tensor& t = THPVariable_Unpack(obj);
   if (t.layout() != at::kStrided || !t.has_storage() || t.is_nested() || t.is_inference() ||
       t.key_set().has(c10::DispatchKey::Functionalize))
@@ -529,7 +551,7 @@ bool describe_into(PyObject* obj, Described& d) {
   }
   const int64_t n = t.numel();
   if (ptr == nullptr && n != 0) return false;
-  bool param = cls == names.param_type;
+  bool param = reinterpret_cast<PyObject*>(Py_TYPE(obj)) == names.param_type;
   if (!param && t.is_view()) {
     PyObject* base = THPVariable_Wrap(t._base());
     param = base != nullptr && reinterpret_cast<PyObject*>(Py_TYPE(base)) == names.param_type;
@@ -607,24 +629,10 @@ std::vector<int64_t> rows_into(const py::list& values, torch::Tensor out) {
   std::vector<int64_t> left;
   for (size_t i = 0; i < values.size(); ++i) {
     PyObject* obj = values[i].ptr();
-    PyObject* cls = reinterpret_cast<PyObject*>(Py_TYPE(obj));
-    if (names.param_type == nullptr || (cls != THPVariableClass && cls != names.param_type)) {
-      left.push_back(i);
-      continue;
-    }
-    const at::Tensor& t = THPVariable_Unpack(obj);
-    const auto type = t.scalar_type();
-    if (!t.device().is_cpu() || t.layout() != at::kStrided || !t.has_storage() || t.numel() == 0 ||
-        (type != at::kFloat && type != at::kBFloat16) || !within_storage(t)) {
-      left.push_back(i);
-      continue;
-    }
+    const at::Tensor* t = plain_tensor(obj) ? &THPVariable_Unpack(obj) : nullptr;
     std::vector<double> s;
-    {
-      py::gil_scoped_release released;
-      s = stats4(t);
-    }
-    if (s.empty() || !std::isfinite(s[2]) || !std::isfinite(s[3])) {
+    if (t != nullptr && t->layout() == at::kStrided && t->has_storage() && within_storage(*t)) s = finite_sums(*t);
+    if (s.empty()) {
       left.push_back(i);
       continue;
     }
@@ -937,15 +945,8 @@ class Encoder {
       remember(t, d.ident.ptr(), nullptr, entry, Py_None);
       return py::none();
     }
-    if (t.scalar_type() != at::kFloat && t.scalar_type() != at::kBFloat16) return py::object();
-    std::vector<double> r;
-    if (n >= kGrain) {
-      py::gil_scoped_release no_gil;
-      r = stats4(t);
-    } else {
-      r = stats4(t);
-    }
-    if (r.empty() || !std::isfinite(r[2]) || !std::isfinite(r[3])) return py::object();
+    const std::vector<double> r = finite_sums(t);
+    if (r.empty()) return py::object();
     // the record from the sums: the one definition, statistics.finish(x, values, xp)
     py::list sums(4);
     PyList_SET_ITEM(sums.ptr(), 0, PyFloat_FromDouble(r[0]));
