@@ -57,6 +57,12 @@ def record(x, xp) -> dict | None:
         return finish(x, [float(x.max()), float(x.min()), float(wide.sum()), _norm(wide, xp)], xp)
 
 
+def finite_record(hi: float, lo: float, total: float, norm: float, n: int) -> dict:
+    """The record of ``n`` values whose max, min, sum and L2 norm are finite: what :func:`finish`
+    gives them, callable without the values (a compiled encoder calls it per value it reads)."""
+    return {"max": hi, "min": lo, "mean": total / n, "norm": norm, "nan": 0, "inf": 0}
+
+
 def finish(x, values, xp) -> dict:
     """The record from (max, min, sum, L2 norm) of :func:`source` values ``x``, completing the rare
     non-finite cases."""
@@ -66,7 +72,7 @@ def finish(x, values, xp) -> dict:
             norm = _norm(xp.asarray(x.reshape(-1), dtype=xp.float64), xp)
         if not math.isfinite(total):                    # (attention masks at finfo.min)
             total = float(xp.asarray(x.reshape(-1), dtype=xp.float64).sum())
-    stats = {"max": hi, "min": lo, "mean": total / math.prod(x.shape), "norm": norm, "nan": 0, "inf": 0}
+    stats = finite_record(hi, lo, total, norm, math.prod(x.shape))
     if not (math.isfinite(hi) and math.isfinite(lo) and math.isfinite(total)):
         # count exactly, and give max/min over the finite values so they still mean something
         stats.update(nan=int(xp.isnan(x).sum()), inf=int(xp.isinf(x).sum()))

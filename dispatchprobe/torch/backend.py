@@ -438,7 +438,7 @@ def value_encoder(cache: dict, dense: dict, measured: type):
     (the encoder keeps weak references to them, as :func:`memory_ref` does)."""
     if fused_stats.Encoder is None or not _STORAGE_OBJECTS_KEPT:
         return None
-    return fused_stats.Encoder(cache, dense, measured, statistics.finish, torch)
+    return fused_stats.Encoder(cache, dense, measured, statistics.finite_record)
 
 
 def memory_alive(ref) -> bool:

@@ -744,7 +744,7 @@ struct Json {
 // given its statistics the way Recorder._fill_tensors gives them, through the recorder's own
 // cache dictionaries (keys from describe; a weak reference to the storage's Python object for
 // its memory): a hit, a reshape of measured memory, or one pass of stats4 whose sums are finite
-// (the record made from them by `finish`, statistics.finish).
+// (the record made from them by statistics.finite_record, what statistics.finish gives them).
 // Anything else (subclasses, accelerator tensors, other dtypes, values holding inf or nan,
 // objects other than None/bool/int/float/str/list/tuple) goes to `fallback(found, value)`, the
 // Python path, which collects its tensors in `found` for Recorder._fill_tensors.
@@ -771,9 +771,9 @@ bool alive(PyObject* ref) {      // backend.memory_alive: the storage's Python o
 
 class Encoder {
  public:
-  Encoder(py::dict cache, py::dict dense, py::handle measured, py::handle finish, py::handle xp)
+  Encoder(py::dict cache, py::dict dense, py::handle measured, py::handle finite)
       : cache_(std::move(cache)), dense_(std::move(dense)), measured_(py::reinterpret_borrow<py::object>(measured)),
-        finish_(py::reinterpret_borrow<py::object>(finish)), xp_(py::reinterpret_borrow<py::object>(xp)) {}
+        finite_(py::reinterpret_borrow<py::object>(finite)) {}
 
   int64_t measured = 0;     // values read by stats4 here (the others are the Python path's)
 
@@ -947,13 +947,8 @@ class Encoder {
     }
     const std::vector<double> r = finite_sums(t);
     if (r.empty()) return py::object();
-    // the record from the sums: the one definition, statistics.finish(x, values, xp)
-    py::list sums(4);
-    PyList_SET_ITEM(sums.ptr(), 0, PyFloat_FromDouble(r[0]));
-    PyList_SET_ITEM(sums.ptr(), 1, PyFloat_FromDouble(r[1]));
-    PyList_SET_ITEM(sums.ptr(), 2, PyFloat_FromDouble(r[2]));
-    PyList_SET_ITEM(sums.ptr(), 3, PyFloat_FromDouble(std::sqrt(r[3])));
-    py::object st = finish_(py::handle(v), sums, xp_);
+    // the record from the sums, all finite here: the one definition, statistics.finite_record (finish uses it)
+    py::object st = finite_(r[0], r[1], r[2], std::sqrt(r[3]), n);
     py::dict entry;
     PyDict_SetItem(entry.ptr(), k_.stats, st.ptr());
     remember(t, d.ident.ptr(), d.dense.ptr(), entry, st.ptr());
@@ -1058,7 +1053,7 @@ class Encoder {
   }
 
   py::dict cache_, dense_;
-  py::object measured_, finish_, xp_;
+  py::object measured_, finite_;
   Keys k_;
 };
 }  // namespace
@@ -1071,7 +1066,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("configure", &configure);
   m.def("cache_entry", &cache_entry);
   py::class_<Encoder>(m, "Encoder")
-      .def(py::init<py::dict, py::dict, py::handle, py::handle, py::handle>())
+      .def(py::init<py::dict, py::dict, py::handle, py::handle>())
       .def("__call__", &Encoder::operator())
       .def("line", &Encoder::line)
       .def_readonly("measured", &Encoder::measured);
