@@ -165,6 +165,34 @@ def test_values_it_hands_back(tmp_path, monkeypatch):
     assert '"undefined": true' in flat and '"nan": 1' in flat and 'na\\u00efve \\"quoted\\"' in flat
 
 
+def test_integer_and_bool_values(tmp_path, monkeypatch):
+    """Integer and bool tensors (token ids, labels, masks) are measured by the encoder, in any
+    layout (a transpose, a strided slice, an expand), where its double sums are exact (sum of
+    squares below 2**53), and left to the Python path otherwise: the same records."""
+    def run(probe):
+        torch.manual_seed(0)
+        with probe:
+            ids = torch.randint(0, 64, (2, 16))
+            torch.add(ids, 1)
+            ids.t().clone()
+            torch.arange(10, dtype=torch.int32).mul(3)
+            (torch.randn(4, 4) > 0).logical_not()
+            torch.ones(3, dtype=torch.int8).mul(-5)
+            torch.ones(3, dtype=torch.uint8).add(200)
+            torch.full((2,), 2 ** 26 - 1).add(0)         # squares just below 2**53: exact
+            torch.full((2,), 2 ** 40).add(0)             # beyond: the Python path
+            torch.arange(10)[::2].add(1)
+            torch.arange(3).expand(4, 3).add(1)
+            torch.tensor(5).add(1)                       # no dimension
+        probe.step()
+
+    fast, slow, lined = _both(tmp_path, monkeypatch, run)
+    assert len(fast) >= 10 and 0.8 < lined < 1
+    assert fast == slow
+    means = [t["stats"]["mean"] for r in fast for t in r["outputs"] if t.get("dtype") in ("int64", "int32", "bool")]
+    assert 2 ** 40 in means and 2 ** 26 - 1 in means
+
+
 @pytest.mark.parametrize("config", [{"data_mode": ["input"]}, {"data_mode": ["output"]}, {"stack": True}])
 def test_configs_it_writes_lines_for(tmp_path, monkeypatch, config):
     """Records of inputs only, of outputs only, and with stacks: the same from both paths."""

@@ -13,6 +13,7 @@
 #include <charconv>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <cerrno>
 #include <cstring>
 #include <unistd.h>
@@ -520,18 +521,67 @@ bool plain_tensor(PyObject* obj) {
   return names.param_type != nullptr && (cls == THPVariableClass || cls == names.param_type);
 }
 
-// [max, min, sum, sum of squares] of a float32/bfloat16 CPU tensor read in place, the GIL released
-// for large ones; empty where the Python path decides: another dtype or device, a layout the
-// walk cannot read in place, sums that are not finite (inf/nan, or overflow)
+// [max, min, sum, sum of squares] of integers (or bools) at strided positions, in double; empty
+// where a sum could round: below 2**53 for the sum of squares, every square and every partial sum
+// is an exact integer (and |sum| <= sum of squares), so the result is exact whatever the order of
+// the elements: the one torch's or numpy's float64 reductions give these values (statistics.source)
+template <typename T>
+std::vector<double> exact_sums(const T* p, at::IntArrayRef sizes, at::IntArrayRef strides) {
+  double hi = -std::numeric_limits<double>::infinity(), lo = std::numeric_limits<double>::infinity();
+  double total = 0, squares = 0;
+  const int64_t dims = static_cast<int64_t>(sizes.size());
+  const int64_t inner = dims ? sizes[dims - 1] : 1, step = dims ? strides[dims - 1] : 1;
+  std::vector<int64_t> index(dims > 1 ? dims - 1 : 0, 0);
+  for (;;) {
+    int64_t offset = 0;
+    for (int64_t d = 0; d + 1 < dims; ++d) offset += index[d] * strides[d];
+    for (int64_t i = 0; i < inner; ++i) {
+      const double v = static_cast<double>(p[offset + i * step]);
+      hi = std::max(hi, v);
+      lo = std::min(lo, v);
+      total += v;
+      squares += v * v;
+    }
+    int64_t d = dims - 2;          // the next row: the outer index counted like an odometer
+    for (; d >= 0; --d) {
+      if (++index[d] < sizes[d]) break;
+      index[d] = 0;
+    }
+    if (d < 0) break;
+  }
+  if (!(squares < 9007199254740992.0)) return {};
+  return {hi, lo, total, squares};
+}
+
+// exact_sums of a non-empty integer or bool CPU tensor, in any layout; empty for other dtypes
+std::vector<double> integer_sums(const at::Tensor& t) {
+  const void* p = t.data_ptr();
+  switch (t.scalar_type()) {
+    case at::kLong: return exact_sums(static_cast<const int64_t*>(p), t.sizes(), t.strides());
+    case at::kInt: return exact_sums(static_cast<const int32_t*>(p), t.sizes(), t.strides());
+    case at::kShort: return exact_sums(static_cast<const int16_t*>(p), t.sizes(), t.strides());
+    case at::kChar: return exact_sums(static_cast<const int8_t*>(p), t.sizes(), t.strides());
+    case at::kByte: return exact_sums(static_cast<const uint8_t*>(p), t.sizes(), t.strides());
+    case at::kBool: return exact_sums(static_cast<const bool*>(p), t.sizes(), t.strides());
+    default: return {};
+  }
+}
+
+// [max, min, sum, sum of squares] of a float32/bfloat16 CPU tensor read in place (integers and
+// bools: integer_sums), the GIL released for large ones; empty where the Python path decides:
+// another dtype or device, a layout not read in place, sums that are not finite (inf/nan, or
+// overflow) or not exact (integers)
 std::vector<double> finite_sums(const at::Tensor& t) {
   const auto type = t.scalar_type();
-  if (!t.device().is_cpu() || t.numel() == 0 || (type != at::kFloat && type != at::kBFloat16)) return {};
+  if (!t.device().is_cpu() || t.numel() == 0) return {};
+  const bool integral = at::isIntegralType(type, /*includeBool=*/true);
+  if (!integral && type != at::kFloat && type != at::kBFloat16) return {};
   std::vector<double> r;
   if (t.numel() >= kGrain) {
     py::gil_scoped_release no_gil;
-    r = stats4(t);
+    r = integral ? integer_sums(t) : stats4(t);
   } else {
-    r = stats4(t);
+    r = integral ? integer_sums(t) : stats4(t);
   }
   if (r.empty() || !std::isfinite(r[2]) || !std::isfinite(r[3])) return {};
   return r;
