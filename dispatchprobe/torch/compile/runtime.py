@@ -115,7 +115,8 @@ def _host_rows(values, roles) -> list:
 
 def read_rows(values: list) -> list:
     """One read of each of ``values``: their rows, by the compiled kernel in one call where it
-    reads them (plain float32/bfloat16 values with finite sums), else by the eager probe's code."""
+    reads them (plain float32/bfloat16 values with finite sums, integers and bools whose sums
+    are exact in double), else by the eager probe's code."""
     if not values:
         return []
     fast = fused_stats.rows_into
