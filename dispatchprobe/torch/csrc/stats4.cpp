@@ -793,8 +793,9 @@ struct Json {
 // argument list: each value as the record's JSON, and each plain float32/bfloat16 CPU tensor
 // given its statistics the way Recorder._fill_tensors gives them, through the recorder's own
 // cache dictionaries (keys from describe; a weak reference to the storage's Python object for
-// its memory): a hit, a reshape of measured memory, or one pass of stats4 whose sums are finite
-// (the record made from them by statistics.finite_record, what statistics.finish gives them).
+// its memory): a hit, a reshape of measured memory, or one pass of finite_sums (stats4, or
+// integer_sums for integers and bools) whose sums are finite and exact (the record made from them
+// by statistics.finite_record, what statistics.finish gives them).
 // Anything else (subclasses, accelerator tensors, other dtypes, values holding inf or nan,
 // objects other than None/bool/int/float/str/list/tuple) goes to `fallback(found, value)`, the
 // Python path, which collects its tensors in `found` for Recorder._fill_tensors.
@@ -825,7 +826,7 @@ class Encoder {
       : cache_(std::move(cache)), dense_(std::move(dense)), measured_(py::reinterpret_borrow<py::object>(measured)),
         finite_(py::reinterpret_borrow<py::object>(finite)) {}
 
-  int64_t measured = 0;     // values read by stats4 here (the others are the Python path's)
+  int64_t measured = 0;     // values read by finite_sums here (the others are the Python path's)
 
   // `values`: a tuple or list (-> a list) or a dict (-> a dict) of an op's arguments or outputs
   py::object operator()(py::handle values, py::list found, py::handle undefined, py::handle fallback) {
