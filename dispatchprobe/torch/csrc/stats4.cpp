@@ -670,8 +670,9 @@ bool within_storage(const at::Tensor& t) {
 
 // One window of a compiled graph's CPU values (compile/runtime.py): the device stats row of each,
 // [max, min, sum, L2 norm, nan count, inf count], into row i of `out` (float64, (len, 6)), where
-// the kernel reads a plain float32/bfloat16 tensor in place and its sums are finite; returns the
-// indexes of the others, which the Python path completes (non-finite values, other dtypes, ...).
+// finite_sums reads a plain tensor (float32/bfloat16 with finite sums, integers and bools with
+// exact ones); returns the indexes of the others, which the Python path completes (non-finite
+// values, other dtypes, ...).
 std::vector<int64_t> rows_into(const py::list& values, torch::Tensor out) {
   TORCH_CHECK(out.scalar_type() == at::kDouble && out.is_contiguous() && out.dim() == 2 && out.size(1) == 6 &&
                   out.size(0) == static_cast<int64_t>(values.size()), "rows_into: a contiguous float64 (len, 6) tensor");
