@@ -73,6 +73,16 @@ def mlp_case(quick: bool):
     return "mlp", model, step
 
 
+def prefault(gb: float) -> None:
+    """Writes ``gb`` GB of memory and frees it: pages the machine has backed once come back fast."""
+    left = int(gb * 2**30)
+    while left > 0:
+        block = torch.empty(min(left, 2**30), dtype=torch.uint8)
+        block.fill_(1)
+        left -= block.numel()
+        del block
+
+
 def folder_size(path: str) -> tuple[int, int]:
     total = files = 0
     for root, _, names in os.walk(path):
@@ -265,6 +275,10 @@ def main():
                              "are bound by its write speed: /dev/shm measures the tools without the disk")
     parser.add_argument("--device", default="cpu", help="cpu (default), cuda, npu, ...: where the steps run")
     parser.add_argument("--cases", default=",".join(CASE_FNS), help="which steps, comma-separated (default: all)")
+    parser.add_argument("--prefault", type=float, default=0, metavar="GB",
+                        help="write GB of memory once before timing: on a virtual machine whose memory the host backs "
+                             "on first touch (about 0.4 GB/s), the run's first new pages (the tensor modes' files, "
+                             "msprobe's) would otherwise pay that, not the tools")
     parser.add_argument("--no-rss", action="store_true",
                         help="skip the peak-RSS column (each mode run again alone in a child process)")
     parser.add_argument("--msprobe-child", help=argparse.SUPPRESS)
@@ -279,6 +293,7 @@ def main():
     if args.rss_child:
         rss_child(args.rss_child, args.steps, args.tmp)
         return
+    prefault(args.prefault)
     torch.manual_seed(0)
     tmp = tempfile.mkdtemp(prefix="dp-bench-", dir=args.dump_root)
     where = f"device {DEVICE}" + (f" ({torch.cuda.get_device_name()})" if DEVICE == "cuda" else "")

@@ -193,6 +193,36 @@ def test_integer_and_bool_values(tmp_path, monkeypatch):
     assert 2 ** 40 in means and 2 ** 26 - 1 in means
 
 
+def test_values_holding_inf_or_nan(tmp_path, monkeypatch):
+    """float32 and bfloat16 values holding inf or nan (a causal mask's -inf, a log of zeros, nan
+    only, inf only, both infinities, in strided and expanded layouts, over a chunk of the kernel's
+    parallel split) are measured by the encoder, counts and finite max/min included: the Python
+    path's records.  Finite values whose float32 block sums overflow are the Python path's."""
+    def run(probe):
+        torch.manual_seed(0)
+        with probe:
+            for dtype in (torch.float32, torch.bfloat16):
+                scores = torch.randn(2, 4, 64, 64, dtype=dtype)
+                mask = torch.ones(64, 64, dtype=torch.bool).triu(1)
+                scores.masked_fill(mask, float("-inf")).softmax(-1)
+                torch.zeros(300, 400, dtype=dtype).log()                       # every value -inf
+                torch.tensor([1.0, float("nan"), -3.0], dtype=dtype).mul(2)
+                torch.tensor([float("inf"), -float("inf"), 2.0], dtype=dtype).add(1)
+                torch.full((3,), float("nan"), dtype=dtype).add(0)
+                big = torch.randn(70000, dtype=dtype)
+                big[12345] = float("inf")
+                big.mul(1.5).view(700, 100)[:, 10:60].add(0)
+                torch.tensor([float("inf"), 1.0], dtype=dtype).expand(3, 2).add(0)
+            torch.full((2048,), 3e38).add(0)                                   # finite, block sums overflow
+        probe.step()
+
+    fast, slow, lined = _both(tmp_path, monkeypatch, run)
+    assert len(fast) >= 20 and 0.9 < lined < 1
+    assert fast == slow
+    flat = json.dumps(fast)
+    assert '"finite_max"' in flat and '"inf": 120000' in flat and '"nan": 3' in flat
+
+
 @pytest.mark.parametrize("config", [{"data_mode": ["input"]}, {"data_mode": ["output"]}, {"stack": True}])
 def test_configs_it_writes_lines_for(tmp_path, monkeypatch, config):
     """Records of inputs only, of outputs only, and with stacks: the same from both paths."""

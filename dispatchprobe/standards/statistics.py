@@ -112,6 +112,13 @@ def nonfinite_row(total: float, squares: float, nan: int, inf: int, hi: float, l
             flo if carry else math.sqrt(squares), nan, inf]
 
 
+def nonfinite_record(total: float, squares: float, nan: int, inf: int, hi: float, lo: float, fhi: float,
+                     flo: float, n: int) -> dict:
+    """The record of ``n`` values holding inf or nan from what a one-pass kernel gathers of them
+    (:func:`nonfinite_row`'s arguments): what :func:`finish` gives them, without their values."""
+    return from_row(nonfinite_row(total, squares, nan, inf, hi, lo, fhi, flo), n)
+
+
 def row_from_partials(parts: list) -> list:
     """The :func:`from_row` row of values reduced in pieces, from each piece's partial row (max
     and min without nan, finite max and min, sum, sum of squares, nan count, inf count), combined

@@ -216,8 +216,7 @@ def _one_pass(x: torch.Tensor) -> dict | None:
     if not (math.isfinite(total) and math.isfinite(squares)):
         nan, inf, hi_, lo_, fhi, flo = fused_stats.extremes(x)
         if nan or inf:
-            row = statistics.nonfinite_row(total, squares, int(nan), int(inf), hi_, lo_, fhi, flo)
-            return statistics.from_row(row, x.numel())
+            return statistics.nonfinite_record(total, squares, int(nan), int(inf), hi_, lo_, fhi, flo, x.numel())
     # finite values (whose float32 lane sums may have overflowed: finish redoes those in float64)
     return statistics.finish(x, [hi, lo, total, math.sqrt(squares)], torch)
 
@@ -438,7 +437,7 @@ def value_encoder(cache: dict, dense: dict, measured: type):
     (the encoder keeps weak references to them, as :func:`memory_ref` does)."""
     if fused_stats.Encoder is None or not _STORAGE_OBJECTS_KEPT:
         return None
-    return fused_stats.Encoder(cache, dense, measured, statistics.finite_record)
+    return fused_stats.Encoder(cache, dense, measured, statistics.finite_record, statistics.nonfinite_record)
 
 
 def memory_alive(ref) -> bool:

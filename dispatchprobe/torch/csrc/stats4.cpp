@@ -568,23 +568,35 @@ std::vector<double> integer_sums(const at::Tensor& t) {
 }
 
 // [max, min, sum, sum of squares] of a float32/bfloat16 CPU tensor read in place (integers and
-// bools: integer_sums), the GIL released for large ones; empty where the Python path decides:
-// another dtype or device, a layout not read in place, sums that are not finite (inf/nan, or
-// overflow) or not exact (integers)
-std::vector<double> finite_sums(const at::Tensor& t) {
+// bools: integer_sums, exact or empty), the GIL released for large ones; empty where the Python path
+// decides: another dtype or device, a layout not read in place, integers whose sums are not exact.
+// Float sums may be inf or nan (values holding inf or nan, or float32 block sums that overflowed).
+std::vector<double> sums(const at::Tensor& t) {
   const auto type = t.scalar_type();
   if (!t.device().is_cpu() || t.numel() == 0) return {};
   const bool integral = at::isIntegralType(type, /*includeBool=*/true);
   if (!integral && type != at::kFloat && type != at::kBFloat16) return {};
-  std::vector<double> r;
   if (t.numel() >= kGrain) {
     py::gil_scoped_release no_gil;
-    r = integral ? integer_sums(t) : stats4(t);
-  } else {
-    r = integral ? integer_sums(t) : stats4(t);
+    return integral ? integer_sums(t) : stats4(t);
   }
+  return integral ? integer_sums(t) : stats4(t);
+}
+
+// sums() where they are all finite (the values' record is statistics.finite_record's), else empty
+std::vector<double> finite_sums(const at::Tensor& t) {
+  std::vector<double> r = sums(t);
   if (r.empty() || !std::isfinite(r[2]) || !std::isfinite(r[3])) return {};
   return r;
+}
+
+// extremes() of a float32/bfloat16 CPU tensor that sums() read, the GIL released for large ones
+std::vector<double> extremes_released(const at::Tensor& t) {
+  if (t.numel() >= kGrain) {
+    py::gil_scoped_release no_gil;
+    return extremes(t);
+  }
+  return extremes(t);
 }
 
 bool describe_into(PyObject* obj, Described& d) {
@@ -794,11 +806,12 @@ struct Json {
 // argument list: each value as the record's JSON, and each plain float32/bfloat16 CPU tensor
 // given its statistics the way Recorder._fill_tensors gives them, through the recorder's own
 // cache dictionaries (keys from describe; a weak reference to the storage's Python object for
-// its memory): a hit, a reshape of measured memory, or one pass of finite_sums (stats4, or
-// integer_sums for integers and bools) whose sums are finite and exact (the record made from them
-// by statistics.finite_record, what statistics.finish gives them).
-// Anything else (subclasses, accelerator tensors, other dtypes, values holding inf or nan,
-// objects other than None/bool/int/float/str/list/tuple) goes to `fallback(found, value)`, the
+// its memory): a hit, a reshape of measured memory, or one pass of sums (stats4, or integer_sums
+// for integers and bools, exact) whose sums are finite (the record made from them by
+// statistics.finite_record, what statistics.finish gives them), a second pass, extremes, for
+// float values holding inf or nan (statistics.nonfinite_record, as backend._one_pass makes it).
+// Anything else (subclasses, accelerator tensors, other dtypes, finite float values whose float32
+// block sums overflowed, objects other than None/bool/int/float/str/list/tuple) goes to `fallback(found, value)`, the
 // Python path, which collects its tensors in `found` for Recorder._fill_tensors.
 PyObject* intern(const char* s) { return PyUnicode_InternFromString(s); }
 
@@ -823,11 +836,11 @@ bool alive(PyObject* ref) {      // backend.memory_alive: the storage's Python o
 
 class Encoder {
  public:
-  Encoder(py::dict cache, py::dict dense, py::handle measured, py::handle finite)
+  Encoder(py::dict cache, py::dict dense, py::handle measured, py::handle finite, py::handle nonfinite)
       : cache_(std::move(cache)), dense_(std::move(dense)), measured_(py::reinterpret_borrow<py::object>(measured)),
-        finite_(py::reinterpret_borrow<py::object>(finite)) {}
+        finite_(py::reinterpret_borrow<py::object>(finite)), nonfinite_(py::reinterpret_borrow<py::object>(nonfinite)) {}
 
-  int64_t measured = 0;     // values read by finite_sums here (the others are the Python path's)
+  int64_t measured = 0;     // values read by sums here (the others are the Python path's)
 
   // `values`: a tuple or list (-> a list) or a dict (-> a dict) of an op's arguments or outputs
   py::object operator()(py::handle values, py::list found, py::handle undefined, py::handle fallback) {
@@ -970,8 +983,9 @@ class Encoder {
   }
 
   // The statistics of a described tensor as Recorder._fill_tensors gives them: from the cache (its
-  // identity, then a reshape or transpose of measured memory), else one pass of stats4 over a
-  // float32/bfloat16 CPU tensor whose sums are finite, remembered.  A null object: the Python path's.
+  // identity, then a reshape or transpose of measured memory), else sums() of a float32, bfloat16,
+  // integer or bool CPU tensor (and extremes() where float values hold inf or nan), remembered.  A
+  // null object: the Python path's.
   py::object stats_of(PyObject* v, Described& d) {
     PyObject* hit = PyDict_GetItem(cache_.ptr(), d.ident.ptr());
     if (hit != nullptr && alive(PyTuple_GET_ITEM(hit, 0))) {
@@ -997,10 +1011,19 @@ class Encoder {
       remember(t, d.ident.ptr(), nullptr, entry, Py_None);
       return py::none();
     }
-    const std::vector<double> r = finite_sums(t);
+    const std::vector<double> r = sums(t);
     if (r.empty()) return py::object();
-    // the record from the sums, all finite here: the one definition, statistics.finite_record (finish uses it)
-    py::object st = finite_(r[0], r[1], r[2], std::sqrt(r[3]), n);
+    // the record from the sums by the one definition in statistics: finite_record (finish uses
+    // it), or for values holding inf or nan nonfinite_record, from a second pass for their counts
+    // and finite max and min (as backend._one_pass makes it)
+    py::object st;
+    if (std::isfinite(r[2]) && std::isfinite(r[3])) {
+      st = finite_(r[0], r[1], r[2], std::sqrt(r[3]), n);
+    } else {
+      const std::vector<double> e = extremes_released(t);
+      if (e.empty() || (e[0] == 0 && e[1] == 0)) return py::object();   // finite values, sums overflowed
+      st = nonfinite_(r[2], r[3], static_cast<int64_t>(e[0]), static_cast<int64_t>(e[1]), e[2], e[3], e[4], e[5], n);
+    }
     py::dict entry;
     PyDict_SetItem(entry.ptr(), k_.stats, st.ptr());
     remember(t, d.ident.ptr(), d.dense.ptr(), entry, st.ptr());
@@ -1105,7 +1128,7 @@ class Encoder {
   }
 
   py::dict cache_, dense_;
-  py::object measured_, finite_;
+  py::object measured_, finite_, nonfinite_;
   Keys k_;
 };
 }  // namespace
@@ -1118,7 +1141,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("configure", &configure);
   m.def("cache_entry", &cache_entry);
   py::class_<Encoder>(m, "Encoder")
-      .def(py::init<py::dict, py::dict, py::handle, py::handle>())
+      .def(py::init<py::dict, py::dict, py::handle, py::handle, py::handle>())
       .def("__call__", &Encoder::operator())
       .def("line", &Encoder::line)
       .def_readonly("measured", &Encoder::measured);
