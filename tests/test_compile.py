@@ -942,7 +942,7 @@ def test_probe_backend_alone_reads_cpu_values_with_the_one_pass_kernel(tmp_path,
     assert fused_stats.build(wait=True) is not None, f"the kernel did not build: {fused_stats.error}"
     calls = []
     kernel = fused_stats.rows_into
-    monkeypatch.setattr(fused_stats, "rows_into", lambda values, out: calls.append(len(values)) or kernel(values, out))
+    monkeypatch.setattr(fused_stats, "rows_into", lambda values, out, row: calls.append(len(values)) or kernel(values, out, row))
     x = torch.randn(64, 32, generator=torch.Generator().manual_seed(0))
     torch.manual_seed(0)
     model = MLPNet(dim=32, depth=2, classes=4)

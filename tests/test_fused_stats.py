@@ -217,9 +217,10 @@ def test_the_cpp_describe_gives_the_python_describe(kernel, monkeypatch):
 
 def test_a_windows_rows_in_one_call_are_the_python_paths(kernel):
     """``rows_into`` (a compiled graph's window of CPU values) gives each value the row the eager
-    probe's statistics give it (integers too, exactly), and leaves to the Python path the values
-    it does not read in place: sums that are not finite, other dtypes, empty and subclass
-    tensors, freed memory."""
+    probe's statistics give it (integers too, exactly; values holding inf or nan, their counts
+    and finite max and min), and leaves to the Python path the values it does not read in
+    place: finite values whose float32 sums overflow, other dtypes, empty and subclass tensors,
+    freed memory."""
     from dispatchprobe.standards import statistics
     g = torch.Generator().manual_seed(0)
     x = torch.randn(64, 48, generator=g)
@@ -227,19 +228,23 @@ def test_a_windows_rows_in_one_call_are_the_python_paths(kernel):
     inf[3, 4] = math.inf
     freed = torch.randn(8, 8)
     freed.untyped_storage().resize_(0)          # FSDP2's parameters between all-gathers
+    nan = inf.clone()
+    nan[5] = math.nan
     values = [x, x.t(), x[:, ::2], x.to(torch.bfloat16), x[:1].expand(5, 48), torch.nn.Parameter(x.clone()),
-              inf, torch.zeros(0), torch.arange(6), x.double(), x.as_subclass(_Sub), freed]
+              inf, torch.zeros(0), torch.arange(6), x.double(), x.as_subclass(_Sub), freed,
+              nan.to(torch.bfloat16), torch.full((3, 3), -math.inf), torch.full((2048,), 3e38)]
     out = torch.full((len(values), 6), -1.0, dtype=torch.float64)
-    left = fused_stats.rows_into(values, out)
-    assert left == [2, 6, 7, 9, 10, 11]      # [:, ::2]: no dimension of stride 1, read from a copy
+    left = fused_stats.rows_into(values, out, statistics.nonfinite_row)
+    assert left == [2, 7, 9, 10, 11, 14]      # [:, ::2]: no dimension of stride 1, read from a copy
     for i, v in enumerate(values):
         if i in left:
             assert out[i].tolist() == [-1.0] * 6      # untouched
             continue
         expected = statistics.to_row(backend.tensor_stats([v])[0], v.numel())
-        assert out[i].tolist() == pytest.approx(expected, rel=1e-12), i
+        assert out[i].tolist() == pytest.approx(expected, rel=1e-12, nan_ok=True), i
+    assert out[12, 4:].tolist() == [48, 1] and out[13, 5] == 9
     with pytest.raises(RuntimeError, match="float64"):
-        fused_stats.rows_into(values, torch.empty(len(values), 6))
+        fused_stats.rows_into(values, torch.empty(len(values), 6), statistics.nonfinite_row)
 
 
 class _Sub(torch.Tensor):

@@ -115,8 +115,8 @@ def _host_rows(values, roles) -> list:
 
 def read_rows(values: list) -> list:
     """One read of each of ``values``: their rows, by the compiled kernel in one call where it
-    reads them (plain float32/bfloat16 values with finite sums, integers and bools whose sums
-    are exact in double), else by the eager probe's code."""
+    reads them (plain float32/bfloat16 values, a second pass for those holding inf or nan,
+    integers and bools whose sums are exact in double), else by the eager probe's code."""
     if not values:
         return []
     fast = fused_stats.rows_into
@@ -125,7 +125,7 @@ def read_rows(values: list) -> list:
         rows: list = [None] * len(values)
     else:
         block = torch.empty(len(values), STAT_FIELDS, dtype=torch.float64)
-        left = fast(values, block)
+        left = fast(values, block, statistics.nonfinite_row)
         rows = block.tolist()
     for i, st in zip(left, torch_backend.tensor_stats([values[i] for i in left])):
         rows[i] = statistics.to_row(st, values[i].numel())

@@ -583,13 +583,6 @@ std::vector<double> sums(const at::Tensor& t) {
   return integral ? integer_sums(t) : stats4(t);
 }
 
-// sums() where they are all finite (the values' record is statistics.finite_record's), else empty
-std::vector<double> finite_sums(const at::Tensor& t) {
-  std::vector<double> r = sums(t);
-  if (r.empty() || !std::isfinite(r[2]) || !std::isfinite(r[3])) return {};
-  return r;
-}
-
 // extremes() of a float32/bfloat16 CPU tensor that sums() read, the GIL released for large ones
 std::vector<double> extremes_released(const at::Tensor& t) {
   if (t.numel() >= kGrain) {
@@ -682,10 +675,11 @@ bool within_storage(const at::Tensor& t) {
 
 // One window of a compiled graph's CPU values (compile/runtime.py): the device stats row of each,
 // [max, min, sum, L2 norm, nan count, inf count], into row i of `out` (float64, (len, 6)), where
-// finite_sums reads a plain tensor (float32/bfloat16 with finite sums, integers and bools with
-// exact ones); returns the indexes of the others, which the Python path completes (non-finite
-// values, other dtypes, ...).
-std::vector<int64_t> rows_into(const py::list& values, torch::Tensor out) {
+// sums() reads a plain tensor (float32/bfloat16, integers and bools with exact sums); float values
+// holding inf or nan take extremes() too, their row made by `nonfinite_row`
+// (statistics.nonfinite_row).  Returns the indexes of the others, which the Python path completes
+// (other dtypes, layouts not read in place, finite values whose float32 sums overflowed, ...).
+std::vector<int64_t> rows_into(const py::list& values, torch::Tensor out, py::handle nonfinite_row) {
   TORCH_CHECK(out.scalar_type() == at::kDouble && out.is_contiguous() && out.dim() == 2 && out.size(1) == 6 &&
                   out.size(0) == static_cast<int64_t>(values.size()), "rows_into: a contiguous float64 (len, 6) tensor");
   double* o = out.data_ptr<double>();
@@ -694,13 +688,23 @@ std::vector<int64_t> rows_into(const py::list& values, torch::Tensor out) {
     PyObject* obj = values[i].ptr();
     const at::Tensor* t = plain_tensor(obj) ? &THPVariable_Unpack(obj) : nullptr;
     std::vector<double> s;
-    if (t != nullptr && t->layout() == at::kStrided && t->has_storage() && within_storage(*t)) s = finite_sums(*t);
-    if (s.empty()) {
-      left.push_back(i);
+    if (t != nullptr && t->layout() == at::kStrided && t->has_storage() && within_storage(*t)) s = sums(*t);
+    double* row = o + 6 * i;
+    if (!s.empty() && std::isfinite(s[2]) && std::isfinite(s[3])) {
+      row[0] = s[0], row[1] = s[1], row[2] = s[2], row[3] = std::sqrt(s[3]), row[4] = 0, row[5] = 0;
       continue;
     }
-    double* row = o + 6 * i;
-    row[0] = s[0], row[1] = s[1], row[2] = s[2], row[3] = std::sqrt(s[3]), row[4] = 0, row[5] = 0;
+    if (!s.empty()) {
+      const std::vector<double> e = extremes_released(*t);
+      if (!e.empty() && (e[0] != 0 || e[1] != 0)) {
+        py::list r = nonfinite_row(s[2], s[3], static_cast<int64_t>(e[0]), static_cast<int64_t>(e[1]), e[2], e[3],
+                                   e[4], e[5]);
+        TORCH_CHECK(r.size() == 6, "rows_into: nonfinite_row gives six numbers");
+        for (int k = 0; k < 6; ++k) row[k] = r[k].cast<double>();
+        continue;
+      }
+    }
+    left.push_back(i);
   }
   return left;
 }
