@@ -14,11 +14,11 @@ from .decompositions import hint
 from .runtime import GRAPH_INPUT, GRAPH_OUTPUT  # (importing runtime registers dispatchprobe::stats_rows)
 
 # values one stats_rows call completes at most, and their bytes: a window keeps its values alive
-# until its call.  Smaller windows read values still in the cache, but each call between the
-# graph's nodes splits some of inductor's fusions, which lengthens the compile more than it
-# shortens the step (docs/compile.md, Cost)
+# until its call.  Windows of a few MB read values still in the last-level cache (at 64 MB they
+# come from memory); fewer values per window split more of inductor's fusions, which lengthens
+# the compile more than it shortens the step (docs/compile.md, Cost)
 WINDOW_VALUES = 32
-WINDOW_BYTES = 64 << 20
+WINDOW_BYTES = 8 << 20
 
 
 # where a CPU value's statistics are computed: "host", the default (the window computes them, with the
