@@ -11,6 +11,10 @@ there; each mode is run again alone in a child process (same model, same number 
 its ``VmHWM`` (peak resident set of the whole process: torch, the model, the probe) is reported.
 msprobe's child runs its own uninstrumented steps first, then msprobe's: its peak is msprobe's.
 
+The statistics modes and DebugMode are timed one step each in turn with uninstrumented steps; the
+tensor task, whose steps allocate and free hundreds of MB (slowing whatever step follows), in
+rounds of its own with uninstrumented steps of its own, to which its ratio is taken.
+
 ``--device``: run the three steps on an accelerator (each timed step ends with a device
 synchronisation, so queued kernels are inside the time).
 """
@@ -144,7 +148,15 @@ def mode_wraps(model, tmp: str, only: str | None = None) -> dict:
 def run_modes(case, steps: int, tmp: str, rss: bool = True):
     name, model, step = case
     wraps = mode_wraps(model, os.path.join(tmp, name))
-    times = interleaved(model, step, steps, wraps)
+    # the tensor task's steps allocate and free hundreds of MB: taken in turn with the others, the
+    # step after each ran on memory given back and faulted in again; so it has rounds of its own,
+    # against uninstrumented steps of its own (as msprobe's child has)
+    tensor = "dispatchprobe tensor"
+    times = interleaved(model, step, steps, {k: w for k, w in wraps.items() if k != tensor})
+    own = {}
+    if tensor in wraps:
+        apart = interleaved(model, step, steps, {"uninstrumented": wraps["uninstrumented"], tensor: wraps[tensor]})
+        times[tensor], own[tensor] = apart[tensor], apart["uninstrumented"]
     rows = []
     for label, ts in times.items():
         written = None
@@ -155,7 +167,7 @@ def run_modes(case, steps: int, tmp: str, rss: bool = True):
             size, files = folder_size(folder)
             shutil.rmtree(folder, ignore_errors=True)    # a full /dev/shm slows every later copy
             written = (size / (steps + 2), files / (steps + 2))
-        rows.append((label, ts, written, None, rss_of(name, label, steps, tmp) if rss else None))
+        rows.append((label, ts, written, own.get(label), rss_of(name, label, steps, tmp) if rss else None))
     rows.append(msprobe_row(name, model, step, steps, tmp, "statistics"))
     rows.append(msprobe_row(name, model, step, steps, tmp, "tensor"))
     return name, rows
