@@ -567,29 +567,35 @@ std::vector<double> integer_sums(const at::Tensor& t) {
   }
 }
 
+// fn() for tensor t, with the GIL released where t is large enough for that to pay
+template <typename Fn>
+std::vector<double> released_for_large(const at::Tensor& t, Fn&& fn) {
+  if (t.numel() >= kGrain) {
+    py::gil_scoped_release no_gil;
+    return fn();
+  }
+  return fn();
+}
+
 // [max, min, sum, sum of squares] of a float32/bfloat16 CPU tensor read in place (integers and
-// bools: integer_sums, exact or empty), the GIL released for large ones; empty where the Python path
-// decides: another dtype or device, a layout not read in place, integers whose sums are not exact.
-// Float sums may be inf or nan (values holding inf or nan, or float32 block sums that overflowed).
+// bools: integer_sums, exact or empty); empty where the Python path decides: another dtype or
+// device, a layout not read in place, integers whose sums are not exact.  Float sums may be inf
+// or nan (values holding inf or nan: see nonfinite_extremes; or float32 block sums that overflowed).
 std::vector<double> sums(const at::Tensor& t) {
   const auto type = t.scalar_type();
   if (!t.device().is_cpu() || t.numel() == 0) return {};
   const bool integral = at::isIntegralType(type, /*includeBool=*/true);
   if (!integral && type != at::kFloat && type != at::kBFloat16) return {};
-  if (t.numel() >= kGrain) {
-    py::gil_scoped_release no_gil;
-    return integral ? integer_sums(t) : stats4(t);
-  }
-  return integral ? integer_sums(t) : stats4(t);
+  return released_for_large(t, [&] { return integral ? integer_sums(t) : stats4(t); });
 }
 
-// extremes() of a float32/bfloat16 CPU tensor that sums() read, the GIL released for large ones
-std::vector<double> extremes_released(const at::Tensor& t) {
-  if (t.numel() >= kGrain) {
-    py::gil_scoped_release no_gil;
-    return extremes(t);
-  }
-  return extremes(t);
+// extremes() of a float32/bfloat16 tensor whose sums() were not finite, where its values hold inf
+// or nan; empty where they do not (finite values whose float32 block sums overflowed: the Python
+// path's float64 sums)
+std::vector<double> nonfinite_extremes(const at::Tensor& t) {
+  std::vector<double> e = released_for_large(t, [&] { return extremes(t); });
+  if (!e.empty() && e[0] == 0 && e[1] == 0) e.clear();
+  return e;
 }
 
 bool describe_into(PyObject* obj, Described& d) {
@@ -676,7 +682,7 @@ bool within_storage(const at::Tensor& t) {
 // One window of a compiled graph's CPU values (compile/runtime.py): the device stats row of each,
 // [max, min, sum, L2 norm, nan count, inf count], into row i of `out` (float64, (len, 6)), where
 // sums() reads a plain tensor (float32/bfloat16, integers and bools with exact sums); float values
-// holding inf or nan take extremes() too, their row made by `nonfinite_row`
+// holding inf or nan take nonfinite_extremes() too, their row made by `nonfinite_row`
 // (statistics.nonfinite_row).  Returns the indexes of the others, which the Python path completes
 // (other dtypes, layouts not read in place, finite values whose float32 sums overflowed, ...).
 std::vector<int64_t> rows_into(const py::list& values, torch::Tensor out, py::handle nonfinite_row) {
@@ -694,15 +700,13 @@ std::vector<int64_t> rows_into(const py::list& values, torch::Tensor out, py::ha
       row[0] = s[0], row[1] = s[1], row[2] = s[2], row[3] = std::sqrt(s[3]), row[4] = 0, row[5] = 0;
       continue;
     }
-    if (!s.empty()) {
-      const std::vector<double> e = extremes_released(*t);
-      if (!e.empty() && (e[0] != 0 || e[1] != 0)) {
-        py::list r = nonfinite_row(s[2], s[3], static_cast<int64_t>(e[0]), static_cast<int64_t>(e[1]), e[2], e[3],
-                                   e[4], e[5]);
-        TORCH_CHECK(r.size() == 6, "rows_into: nonfinite_row gives six numbers");
-        for (int k = 0; k < 6; ++k) row[k] = r[k].cast<double>();
-        continue;
-      }
+    const std::vector<double> e = s.empty() ? s : nonfinite_extremes(*t);
+    if (!e.empty()) {
+      py::list r = nonfinite_row(s[2], s[3], static_cast<int64_t>(e[0]), static_cast<int64_t>(e[1]), e[2], e[3], e[4],
+                                 e[5]);
+      TORCH_CHECK(r.size() == 6, "rows_into: nonfinite_row gives six numbers");
+      for (int k = 0; k < 6; ++k) row[k] = r[k].cast<double>();
+      continue;
     }
     left.push_back(i);
   }
@@ -988,7 +992,7 @@ class Encoder {
 
   // The statistics of a described tensor as Recorder._fill_tensors gives them: from the cache (its
   // identity, then a reshape or transpose of measured memory), else sums() of a float32, bfloat16,
-  // integer or bool CPU tensor (and extremes() where float values hold inf or nan), remembered.  A
+  // integer or bool CPU tensor (and nonfinite_extremes() where float values hold inf or nan), remembered.  A
   // null object: the Python path's.
   py::object stats_of(PyObject* v, Described& d) {
     PyObject* hit = PyDict_GetItem(cache_.ptr(), d.ident.ptr());
@@ -1024,8 +1028,8 @@ class Encoder {
     if (std::isfinite(r[2]) && std::isfinite(r[3])) {
       st = finite_(r[0], r[1], r[2], std::sqrt(r[3]), n);
     } else {
-      const std::vector<double> e = extremes_released(t);
-      if (e.empty() || (e[0] == 0 && e[1] == 0)) return py::object();   // finite values, sums overflowed
+      const std::vector<double> e = nonfinite_extremes(t);
+      if (e.empty()) return py::object();
       st = nonfinite_(r[2], r[3], static_cast<int64_t>(e[0]), static_cast<int64_t>(e[1]), e[2], e[3], e[4], e[5], n);
     }
     py::dict entry;
