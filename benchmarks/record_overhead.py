@@ -78,7 +78,8 @@ def mlp_case(quick: bool):
 
 
 def prefault(gb: float) -> None:
-    """Writes ``gb`` GB of memory and frees it: pages the machine has backed once come back fast."""
+    """Writes ``gb`` GB of memory and frees it, so that pages a virtual machine's host backs on
+    first touch are backed before the timing (until the host takes freed memory back)."""
     left = int(gb * 2**30)
     while left > 0:
         block = torch.empty(min(left, 2**30), dtype=torch.uint8)
