@@ -907,8 +907,9 @@ print(json.dumps(dict(counters["inductor"])))
 
 def test_probe_graphs_come_from_the_fx_graph_cache_and_record_the_same(tmp_path):
     """A rerun of a script (a new process, the same torch cache dir) gets the probe's forward and
-    backward graphs from the FX graph cache, with their record templates, and writes the same
-    records, compiled facts (graph ids, nodes, kernels) included."""
+    backward graphs from the FX graph cache, with their record templates (kept as JSON), and writes
+    the same records, compiled facts (graph ids, nodes, kernels) included; damaged templates make
+    the graphs compile again."""
     import os
     import subprocess
     import sys
@@ -924,6 +925,12 @@ def test_probe_graphs_come_from_the_fx_graph_cache_and_record_the_same(tmp_path)
     assert cold.get("fxgraph_cache_miss") == 2 and not cold.get("fxgraph_cache_hit"), cold
     assert warm.get("fxgraph_cache_hit") == 2 and not warm.get("fxgraph_cache_miss"), warm
     assert second == first
+    kept = sorted((tmp_path / "cache" / "dispatchprobe").glob("*"))
+    assert len(kept) == 2 and all(json.loads(p.read_text())["templates"] for p in kept)   # JSON, not pickle
+    for p in kept:                  # damaged templates: the graphs are compiled again, same records
+        p.write_text(p.read_text()[:100])
+    _, third = run("damaged")
+    assert third == first
     records = [json.loads(line) for line in first[0].splitlines()]
     compiled = [r for r in records if "compiled" in r]
     assert len(compiled) >= 40 and {r["stage"] for r in compiled} == {"forward", "backward"}

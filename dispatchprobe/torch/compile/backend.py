@@ -119,6 +119,9 @@ class ProbeBackend:
                                            cache.graph_digest(graph_module, roots))).encode()).hexdigest()
             compiled = self._compile(graph_module, inputs, Instrument(self, roots, backward, slot, key), use_cache, kw)
             if compiled is None:        # a cache hit without its templates: compiled again, uncached
+                context = torch._guards.TracingContext.try_get()
+                if context is not None and context.output_strides:
+                    context.output_strides.clear()      # the hit's, which the compile sets anew
                 compiled = self._compile(graph_module, inputs, Instrument(self, roots, backward, slot), False, kw)
             return compiled
 

@@ -1,8 +1,9 @@
 """The probe's graphs in torch's FX graph cache.
 
 A cached graph is inductor's output code, instrumented, without the pass that made it: the pass's
-record templates are kept beside it, in ``<torch cache dir>/dispatchprobe/<fx graph cache key>``,
-written once the graph is compiled and read back when the cache returns it.  The key covers what
+record templates are kept beside it as JSON, in ``<torch cache dir>/dispatchprobe/<fx graph cache
+key>.json``, written once the graph is compiled and read back when the cache returns it (nothing is
+pickled: a damaged or foreign file is a miss, and the graph is compiled again).  The key covers what
 the templates depend on and inductor's key does not see: the probe's own code, the config the
 pass reads, the node metadata it groups by (``original_aten``, ``seq_nr``, scopes, traced calls)
 and the graph's slot, the number the compiled code passes to the recording op.  A slot is the
@@ -16,12 +17,13 @@ import functools
 import hashlib
 import os
 import pathlib
-import pickle
+import json
 
 import torch
 from torch.utils._pytree import tree_map
 
 from .decompositions import CALL_KEY, OUTPUT_KEY, VALUE_KEY, Call, Value
+from .graph_pass import Template
 
 SLOT_BITS = 24          # a slot: backend number << SLOT_BITS | graph number in that backend
 
@@ -81,25 +83,72 @@ def cacheable(owner, example_inputs) -> bool:
 
 def _path(key: str) -> pathlib.Path:
     from torch._inductor.runtime.cache_dir_utils import cache_dir
-    return pathlib.Path(cache_dir()) / "dispatchprobe" / f"{key}.pkl"
+    return pathlib.Path(cache_dir()) / "dispatchprobe" / f"{key}.json"
+
+
+_FIELDS = ("op", "scope", "inputs", "kwargs", "outputs", "output_type", "compiled", "rows", "in_rows",
+           "out_rows", "nonfinite_scalar")
+_SLOT = "dispatchprobe-slot"     # marks a tensor spec of the arguments as the template's slot i
+
+
+def _marked(value, slot_of: dict):
+    """A template's argument tree as JSON data, each slot's spec marked with its slot number (the
+    runtime finds a slot's place in the arguments by the spec's identity)."""
+    if isinstance(value, (list, tuple)):
+        return [_marked(v, slot_of) for v in value]
+    if isinstance(value, dict):
+        out = {k: _marked(v, slot_of) for k, v in value.items()}
+        if id(value) in slot_of:
+            out[_SLOT] = slot_of[id(value)]
+        return out
+    return value
+
+
+def _unmarked(value, slots: dict):
+    if isinstance(value, list):
+        return [_unmarked(v, slots) for v in value]
+    if isinstance(value, dict):
+        out = {k: _unmarked(v, slots) for k, v in value.items() if k != _SLOT}
+        if _SLOT in value:
+            slots[value[_SLOT]] = out
+        return out
+    return value
 
 
 def save(key: str, templates: list) -> None:
     """The templates of the graph inductor cached under ``key`` (best effort: without them a later
-    hit is compiled again)."""
+    hit is compiled again).  Templates with symbolic sizes are not kept."""
+    if any(t.symbolic for t in templates):
+        return
     path = _path(key)
     try:
-        data = pickle.dumps(templates, protocol=pickle.HIGHEST_PROTOCOL)
+        kept = []
+        for t in templates:
+            slot_of = {id(spec): i for i, spec in enumerate(t.slots)}
+            kept.append({f: _marked(getattr(t, f), slot_of) for f in _FIELDS})
+        data = json.dumps({"templates": kept})
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_bytes(data)
+        tmp.write_text(data)
         os.replace(tmp, path)
-    except (OSError, pickle.PicklingError, TypeError, AttributeError):
+    except (OSError, TypeError, ValueError):
         pass
 
 
 def load(key: str) -> list | None:
+    """The templates kept under ``key``; None where there are none or the file is not theirs."""
     try:
-        return pickle.loads(_path(key).read_bytes())
-    except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ImportError):
+        kept = json.loads(_path(key).read_text())["templates"]
+        templates = []
+        for fields in kept:
+            t = Template(fields["op"], fields["scope"], [], True)
+            slots: dict = {}
+            for f in _FIELDS:
+                setattr(t, f, _unmarked(fields[f], slots))
+            t.slots = [slots[i] for i in range(len(slots))]
+            if len(t.slots) != len(t.rows):
+                return None
+            templates.append(t)
+        return templates
+    except (OSError, ValueError, KeyError, TypeError):
         return None
