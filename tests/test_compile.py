@@ -1081,3 +1081,37 @@ def test_records_joined_from_kept_json_equal_the_records_made_whole(tmp_path, mo
     assert "NaN" in text and "na\\u00efve" in text
     assert io != "all" or "-Infinity" in text
     assert "no_values" not in text          # a graph's values are read, not the fake tensors tracing it
+
+
+def test_gradients_a_backward_graph_returned_are_not_read_again_for_parameter_records(tmp_path, monkeypatch):
+    """The parameter records of gradients a compiled backward returned (and its window read) take
+    the window's rows: no gradient is read a second time, and the records equal those of reading
+    each gradient again."""
+    from dispatchprobe.torch import param_records
+    lookup = param_records.returned_row
+    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(0))
+    found = []
+    grads = []
+    planted = [12345.0, -1.0, 0.0, 1.0, 0, 0]        # a row no gradient has: the record shows it
+    lookups = {"reuse": lambda t: found.append(lookup(t)) or found[-1], "read": lambda t: None,
+               "planted": lambda t: planted if lookup(t) is not None else None}
+    for name, lookup_of in lookups.items():
+        torch._dynamo.reset()
+        monkeypatch.setattr(param_records, "returned_row", lookup_of)
+        torch.manual_seed(0)
+        model = MLPNet(dim=32, depth=2, classes=4)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        backend = probe_backend(task="statistics", dump_path=str(tmp_path / name))
+        compiled = torch.compile(model, backend=backend)
+        for _ in range(2):
+            compiled(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            backend.step()
+        backend.close()
+        run = load(str(tmp_path / name))
+        grads.append([(r["name"], r["outputs"][0]["stats"]) for s in (0, 1)
+                      for r in run.part(s, 0).params if r["op"] == "param.grad"])
+    assert len(grads[0]) == 2 * len(list(model.parameters())) and found and all(r is not None for r in found)
+    assert grads[0] == grads[1]
+    assert all(stats["max"] == 12345.0 for _, stats in grads[2]) and len(grads[2]) == len(grads[0])

@@ -228,6 +228,12 @@ class Recorder(Handler):
         if dense is not None:
             self._dense[dense] = self.backend.cache_entry(ref, entry["stats"])
 
+    def measured_elsewhere(self, t, stats: dict) -> None:
+        """``t``'s statistics as another reader took them of its current values (a compiled graph's
+        window), cached as if measured here: a record of ``t`` takes them without a second read."""
+        _, ident, dense = self._describe(t)
+        self._measured(t, {"stats": stats}, ident, dense)
+
     def carry_over(self, ident, new_ident, dense, new_dense) -> None:
         """What was measured of a value under its keys ``ident``/``dense`` also stands under
         ``new_ident``/``new_dense``: the adapter knows the value is unchanged (a version counter

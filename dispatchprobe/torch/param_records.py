@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 
 from ..core.events import OpEvent
+from ..standards import statistics
+from .returned import returned_row
 from .parameters import clean_name, named_gradients, parameter_names, placement_of
 
 
@@ -38,6 +40,9 @@ def record_parameters(session, optimizer, what: str, roots) -> None:
     for pg in named_gradients(optimizer=optimizer, names=_names(optimizer, roots)):
         if what == "grad":
             local, placement, shape = pg.local, pg.placement, pg.shape
+            row = returned_row(local) if session.recorder.measures_only else None
+            if row is not None:         # a compiled backward returned it and read it
+                session.recorder.measured_elsewhere(local, statistics.from_row(row, local.numel()))
         else:
             value = pg.param.detach()
             placement = placement_of(value) if pg.dtensor is not None else None

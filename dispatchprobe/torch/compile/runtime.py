@@ -16,6 +16,7 @@ import torch
 import torch.fx
 
 from .. import backend as torch_backend, fused_stats
+from ..returned import remember_returned, returned_row
 from ...records.writer import json_line
 from ...standards import statistics
 from .decompositions import hint
@@ -85,31 +86,21 @@ _LIB.impl("stats_rows", _stats_rows, "CPU")
 _LIB.impl("stats_rows", lambda values, reductions, roles=(): torch.empty(len(values), STAT_FIELDS, dtype=torch.float64,
                                                                           device=values[0].device), "Meta")
 
-# the rows of values a graph returned, for the backward graphs that take them as inputs (a
-# forward's saved activations): {key (_returned_key): (weak reference to the memory, row)}.  A returned value
-# is final (no later kernel of its graph writes it); autograd refuses to differentiate through a
-# saved activation written since, and an eager write moves its version, part of the identity; an
-# entry is trusted only while its memory lives.
-_RETURNED: dict = {}
-_PRUNE_AT = 4096
-
-
 def _host_rows(values, roles) -> list:
     """The rows of ``values``: a backward graph's input its forward returned is not read again."""
     rows: list = [None] * len(values)
     todo = []
     for i, x in enumerate(values):
         if roles and roles[i] & GRAPH_INPUT:
-            key = _returned_key(x)
-            hit = _RETURNED.get(key) if key is not None else None
-            if hit is not None and torch_backend.memory_alive(hit[0]):
-                rows[i] = hit[1]
+            row = returned_row(x)
+            if row is not None:
+                rows[i] = row
                 continue
         todo.append(i)
     for i, row in zip(todo, read_rows([values[i] for i in todo])):
         rows[i] = row
         if roles and roles[i] & GRAPH_OUTPUT:
-            _remember_returned(values[i], row)
+            remember_returned(values[i], row)
     return rows
 
 
@@ -131,23 +122,6 @@ def read_rows(values: list) -> list:
         rows[i] = statistics.to_row(st, values[i].numel())
     return rows
 
-
-def _returned_key(x: torch.Tensor):
-    """The key of a returned value's row: shared by its views that show all of it (a forward may
-    read a value its backward is given as a view, or the other way round)."""
-    return torch_backend.dense_key(x) or torch_backend.identity(x)
-
-
-def _remember_returned(x: torch.Tensor, row) -> None:
-    global _PRUNE_AT
-    key, ref = _returned_key(x), torch_backend.memory_ref(x)
-    if key is None or ref is None:
-        return
-    _RETURNED[key] = (ref, row)
-    if len(_RETURNED) >= _PRUNE_AT:          # entries of freed memory go, a few times a run
-        for k in [k for k, (r, _) in _RETURNED.items() if not torch_backend.memory_alive(r)]:
-            del _RETURNED[k]
-        _PRUNE_AT = max(4096, 2 * len(_RETURNED))
 
 GRAPHS: dict[int, "GraphRecords"] = {}        # by slot (cache.py)
 _MARK = f"dispatchprobe-stats-{secrets.token_hex(8)}-"    # where a joined record's statistics go
