@@ -410,6 +410,41 @@ def test_an_explicit_step_ends_following_the_optimizer(tmp_path):
     assert sorted(load(tmp_path / "r").parts) == [(0, 0), (1, 0), (2, 0)]
 
 
+@pytest.mark.parametrize("path", ["eager", "compiled, never closed"])
+def test_an_optimizer_of_a_model_the_probe_never_saw_is_not_its_own(tmp_path, path):
+    """A session records parameters of, and follows the steps of, only optimizers that update a
+    model it has seen run: another model's optimizer stepping inside the probe, or after a
+    probe_backend left unclosed (dynamo's cache keeps it), writes nothing into the run."""
+    from dispatchprobe.models import MLPNet
+    from dispatchprobe.torch.compile import probe_backend
+    torch.manual_seed(0)
+    probed, other = MLPNet(dim=8, depth=1, classes=2), MLPNet(dim=8, depth=1, classes=2)
+    opt, other_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (probed, other))
+    x = torch.randn(4, 8)
+    names = {n for n, _ in probed.named_parameters()}
+    torch._dynamo.reset()
+    if path == "eager":
+        probe = DispatchProbe(task="statistics", dump_path=str(tmp_path / "r"), model=probed)
+        for _ in range(2):
+            other(x).sum().backward()
+            with probe:
+                probed(x).sum().backward()
+                other_opt.step()              # not the probe's: neither recorded nor a step
+                opt.step()
+    else:
+        backend = probe_backend(task="statistics", dump_path=str(tmp_path / "r"))
+        torch.compile(probed, backend=backend)(x).sum().backward()
+        opt.step()
+        for _ in range(2):                    # the backend's session stays open, following optimizers
+            other(x).sum().backward()
+            other_opt.step()
+        backend.close()
+    recorded = {r["scope"] for part in load(tmp_path / "r").parts.values() for r in part.params}
+    assert recorded == names
+    assert sorted(load(tmp_path / "r").parts) == ([(0, 0), (1, 0)] if path == "eager" else [(0, 0)])
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_a_compiled_submodule_inside_an_eager_model_is_left_to_its_graph(tmp_path, backend):
     """The eager probe records the eager modules' ops and none of a compiled submodule's: the

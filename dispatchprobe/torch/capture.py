@@ -686,14 +686,15 @@ class TorchSession(ProbeSession):
 
         def stepping(optimizer, args, kwargs) -> None:
             session = ref()
-            if session is not None:
+            if session is not None and session.owns(optimizer):
                 session.optimizer_stepping()
                 session._parameters(optimizer, "grad")
 
         def stepped(optimizer, args, kwargs) -> None:
             session = ref()
-            if session is not None:
+            if session is not None and session.owns(optimizer):
                 session._parameters(optimizer, "value")
+        self._owned: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         hooks.remove_collected()
         self._stepping_hook = register_optimizer_step_pre_hook(stepping)
         self._stepped_hook = register_optimizer_step_post_hook(stepped)
@@ -708,15 +709,43 @@ class TorchSession(ProbeSession):
             self._stepped_hook.remove()
             hooks.remove_collected()
 
+    def module_names(self):
+        """{module: its scope name} of the modules this session has seen run, or None."""
+        scopes = getattr(self, "scopes", None)
+        return scopes._names if scopes is not None else None
+
+    def roots(self) -> list:
+        """The outermost modules among those this session has seen run."""
+        from .param_records import roots_of
+        names = self.module_names()
+        return roots_of(names) if names is not None else []
+
+    def owns(self, optimizer) -> bool:
+        """Whether ``optimizer`` updates a parameter of a model this session has seen run (any
+        optimizer while it has seen none): a session left open (a backend never closed, held by
+        dynamo's cache) neither records nor counts the steps of another model's optimizer, whose
+        records would mix two trainings in one run."""
+        roots = self.roots()
+        if not roots:
+            return True
+        key = tuple(map(id, roots))
+        hit = self._owned.get(optimizer)
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        from .parameters import optimizer_parameters
+        params = {id(p) for root in roots for p in root.parameters()}
+        owned = any(id(p) in params for p in optimizer_parameters(optimizer))
+        self._owned[optimizer] = (key, owned)
+        return owned
+
     def _parameters(self, optimizer, what: str) -> None:
         """Recording tasks: each parameter's gradient (``what="grad"``, before the step) or value
         (after it) as parameter records (:mod:`.parameters`), when the config asks (``parameters``)."""
         if self.part is None or self.failed or self.busy or not self.config.parameters \
                 or self.recorder not in self.handlers:
             return
-        from .param_records import record_parameters, roots_of
-        scopes = getattr(self, "scopes", None)
-        roots = roots_of(scopes._names) if scopes is not None else []
+        from .param_records import record_parameters
+        roots = self.roots()
         self.busy = True
         try:
             with self._quiet(), self.writing():
@@ -743,7 +772,7 @@ class TorchSession(ProbeSession):
 
         def stepped(optimizer, args, kwargs) -> None:
             session = ref()
-            if session is not None:
+            if session is not None and session.owns(optimizer):
                 session.optimizer_stepped(optimizer)
         self._optimizer_hook = register_optimizer_step_post_hook(stepped)
         hooks.remove_when_collected(self, self._optimizer_hook.remove)

@@ -31,6 +31,11 @@ class CompiledProbe(TorchSession):
     """The session of a probe backend: the eager probe's config, recorder and writer, started
     by the first graph call (there is no ``with``) and ended by :meth:`ProbeBackend.step`."""
 
+    modules = None                  # the backend's ModuleNames: the modules its graphs run
+
+    def module_names(self):
+        return self.modules._names if self.modules is not None else None
+
     def _install(self) -> None:
         pass
 
@@ -71,6 +76,7 @@ class ProbeBackend:
         if self._session is None:
             config, overrides = self._args
             self._session = CompiledProbe(config, **overrides)
+            self._session.modules = self.module_names
         return self._session
 
     def target(self):
