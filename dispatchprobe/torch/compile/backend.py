@@ -16,7 +16,7 @@ from ..capture import TorchSession, active_probes
 from .decompositions import traced_decompositions
 from . import cache
 from .graph_pass import Instrument
-from .runtime import GraphRecords
+from .runtime import GRAPHS, GraphRecords
 from .statistics_nodes import cpu_stats
 from .scopes import ModuleNames
 
@@ -103,10 +103,26 @@ class ProbeBackend:
         from torch._inductor.compile_fx import compile_fx
 
         roots = self.module_names.frame()
+        # the slots the forward and backward graph record under, chosen now: the AOTAutograd
+        # cache returns both graphs of a hit without calling inner_compile, so its key gets the
+        # probe's (cache.Keyed: the slots, what else the templates depend on), and the graphs are
+        # noted under that key, for a hit to be given their templates here
+        slots = {"forward": self._next_slot(), "backward": self._next_slot()}
+        aot_key = None
+        if functorch_config.enable_autograd_cache and cache.cacheable(self, example_inputs):
+            # (training or inference: which graphs an entry holds)
+            grads = (torch.is_grad_enabled(), [getattr(x, "requires_grad", None) for x in example_inputs])
+            aot_key = hashlib.sha256(repr((cache.source_digest(), self._config_key(), slots, grads,
+                                           cache.frame_digest(gm, roots))).encode()).hexdigest()
+        graphs: list = []          # the graphs compiled for the AOTAutograd cache's entry
+        aot = {"on": False}        # whether the compile that made them used that cache
 
         def inner_compile(graph_module, inputs, **kw):
             backward = bool(kw.get("is_backward"))
-            slot = next(self._slots)
+            stage = "backward" if backward else "forward"
+            slot = slots[stage]
+            if slot in GRAPHS:        # a second graph of this stage (not cached by AOTAutograd)
+                slot = self._next_slot()
             if self.inner == "aot_eager":
                 instrument = Instrument(self, roots, backward, slot)
                 instrument(graph_module.graph)
@@ -120,21 +136,54 @@ class ProbeBackend:
             use_cache = cache.cacheable(self, inputs)
             key = ""
             if use_cache:
-                key = hashlib.sha256(repr((cache.source_digest(), cpu_stats(), REALIZE_READS, self.config.task, self.granularity,
-                                           self.config.include_views, backward, slot,
+                key = hashlib.sha256(repr((cache.source_digest(), self._config_key(), backward, slot,
                                            cache.graph_digest(graph_module, roots))).encode()).hexdigest()
             compiled = self._compile(graph_module, inputs, Instrument(self, roots, backward, slot, key), use_cache, kw)
             if compiled is None:        # a cache hit without its templates: compiled again, uncached
-                context = torch._guards.TracingContext.try_get()
-                if context is not None and context.output_strides:
-                    context.output_strides.clear()      # the hit's, which the compile sets anew
+                _clear_output_strides()
                 compiled = self._compile(graph_module, inputs, Instrument(self, roots, backward, slot), False, kw)
+            if aot["on"]:
+                graphs.append({"slot": slot, "stage": stage, "key": getattr(compiled, "_fx_graph_cache_key", None)})
+                if (backward or kw.get("is_inference")) and all(g["key"] for g in graphs):
+                    cache.save_graphs(aot_key, graphs)      # the graphs AOTAutograd caches now
             return compiled
 
-        # the AOTAutograd cache would return both graphs without calling inner_compile (and its key
-        # cannot tell this backend's graphs from plain inductor's): off for this backend's graphs
-        with functorch_config.patch(enable_autograd_cache=False):
-            return compile_fx(gm, example_inputs, inner_compile=inner_compile, decompositions=traced_decompositions())
+        def compile_all(use_aot: bool):
+            aot["on"] = use_aot
+            passes = {"post_grad_custom_post_pass": cache.Keyed(aot_key)} if use_aot else {}
+            with functorch_config.patch(enable_autograd_cache=use_aot), torch._inductor.config.patch(passes):
+                return compile_fx(gm, example_inputs, inner_compile=inner_compile, decompositions=traced_decompositions())
+
+        compiled = compile_all(aot_key is not None)
+        if aot_key is not None and not graphs and not self._loaded(aot_key, slots, roots):
+            _clear_output_strides()        # an AOTAutograd hit whose graphs are not all known here
+            compiled = compile_all(False)
+        return compiled
+
+    def _next_slot(self) -> int:
+        slot = next(self._slots)
+        while slot in GRAPHS:
+            slot = next(self._slots)
+        return slot
+
+    def _config_key(self) -> tuple:
+        """What of the backend's config the pass's output depends on."""
+        return (cpu_stats(), REALIZE_READS, self.config.task, self.granularity, self.config.include_views)
+
+    def _loaded(self, aot_key: str, slots: dict, roots) -> bool:
+        """An AOTAutograd cache hit: the records of its graphs, from the templates kept beside
+        their code, under the slots their code records to (part of the key).  False where any is
+        missing (the graphs are then compiled again)."""
+        graphs = cache.load_graphs(aot_key)
+        if graphs is None or not any(g["stage"] == "forward" for g in graphs) \
+                or any(g["slot"] != slots[g["stage"]] or g["slot"] in GRAPHS for g in graphs):
+            return False
+        templates = [cache.load(g["key"]) for g in graphs]
+        if any(t is None for t in templates):
+            return False
+        for g, t in zip(graphs, templates):
+            GraphRecords(self, g["stage"], roots, g["slot"]).templates = t
+        return True
 
     def _compile(self, graph_module, inputs, instrument: Instrument, use_cache: bool, kw):
         """Inductor's compile of one graph with the pass in it; through the FX graph cache where
@@ -158,6 +207,14 @@ class ProbeBackend:
                                    instrument.slot)
             records.templates = templates
         return compiled
+
+
+def _clear_output_strides() -> None:
+    """Forget the output strides a cache hit gave the tracing context: the compile that follows
+    sets them anew (and refuses to find some there)."""
+    context = torch._guards.TracingContext.try_get()
+    if context is not None and context.output_strides:
+        context.output_strides.clear()
 
 
 @contextlib.contextmanager

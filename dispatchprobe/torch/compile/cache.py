@@ -20,6 +20,7 @@ import pathlib
 import json
 
 import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.utils._pytree import tree_map
 
 from .decompositions import CALL_KEY, OUTPUT_KEY, VALUE_KEY, Call, Value
@@ -68,6 +69,57 @@ def graph_digest(gm: torch.fx.GraphModule, roots) -> str:
                        roots.scope(m.get("nn_module_stack")), roots.scope(m.get("fwd_nn_module_stack")),
                        call_fact, m.get(OUTPUT_KEY), rank(vids, m.get(VALUE_KEY)))).encode())
     return h.hexdigest()
+
+
+def frame_digest(gm: torch.fx.GraphModule, roots) -> str:
+    """What the templates of a dynamo graph's forward and backward depend on beyond the graph
+    AOTAutograd hashes: its nodes' scopes as the pass names them (``nn_module_stack`` is keyed by
+    module ids, which the AOTAutograd key does not see)."""
+    h = hashlib.sha256(repr((roots.current, sorted(roots.local.items()))).encode())
+    for n in gm.graph.nodes:
+        h.update(repr((n.name, roots.scope(n.meta.get("nn_module_stack")))).encode())
+    return h.hexdigest()
+
+
+class Keyed(CustomGraphPass):
+    """A post-grad pass that does nothing, set while AOTAutograd computes its cache key, whose
+    :meth:`uuid` puts the probe's key into it: the probe's graphs get entries of their own, apart
+    from plain inductor's and from other configurations'.  (The pass that runs is the backend's
+    own, set per graph.)"""
+
+    def __init__(self, key: str):
+        self.key = key
+
+    def uuid(self) -> str:
+        return self.key
+
+    def __call__(self, graph) -> None:
+        pass
+
+
+def save_graphs(key: str, graphs: list) -> None:
+    """The graphs AOTAutograd caches under the probe's ``key`` (its forward and, for training, its
+    backward): ``{"slot", "stage", "key"}`` each, the slot its code records under and the FX graph
+    cache key its templates are kept under (best effort: without it a hit is compiled again)."""
+    path = _path(f"aot-{key}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"graphs": graphs}))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def load_graphs(key: str) -> list | None:
+    try:
+        graphs = json.loads(_path(f"aot-{key}").read_text())["graphs"]
+        if not graphs or not all(isinstance(g["slot"], int) and g["stage"] in ("forward", "backward")
+                                 and isinstance(g["key"], str) for g in graphs):
+            return None
+        return graphs
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def cacheable(owner, example_inputs) -> bool:
