@@ -1124,3 +1124,62 @@ def test_gradients_a_backward_graph_returned_are_not_read_again_for_parameter_re
     assert len(grads[0]) == 2 * len(list(model.parameters())) and found and all(r is not None for r in found)
     assert grads[0] == grads[1]
     assert all(stats["max"] == 12345.0 for _, stats in grads[2]) and len(grads[2]) == len(grads[0])
+
+
+_CACHED_BREAKS = """
+import json, sys, torch
+from torch._dynamo.utils import counters
+from dispatchprobe import probe_backend
+from dispatchprobe.models import MLPNet
+
+class Broken(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = MLPNet(dim=16, depth=1, classes=16), MLPNet(dim=16, depth=1, classes=4)
+
+    def forward(self, x):
+        y = self.a(x)
+        torch._dynamo.graph_break()
+        return self.b(torch.relu(y))
+
+torch.manual_seed(0)
+model = Broken()
+x = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
+one = probe_backend(task="statistics", dump_path=sys.argv[1] + "/one")
+two = probe_backend(task="statistics", dump_path=sys.argv[1] + "/two")
+compiled = torch.compile(model, backend=one)
+for _ in range(2):
+    compiled(x).sum().backward()
+    one.step()
+with torch.no_grad():
+    compiled(x)
+one.step()
+torch._dynamo.reset()
+compiled = torch.compile(model, backend=two)
+compiled(x).sum().backward()
+one.close()
+two.close()
+print(json.dumps({**counters["inductor"], **counters["aot_autograd"]}))
+"""
+
+
+def test_cached_graphs_across_graph_breaks_inference_and_two_backends_record_the_same(tmp_path):
+    """A rerun whose graphs all come from the AOTAutograd cache (two frames split by a graph break,
+    trained, then run under no_grad: inference graphs; a second backend compiling the same model
+    after a reset: graphs of its own) writes the same records as the run that compiled them,
+    graph ids (numbered at first call) included."""
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"))
+    counts, runs = [], []
+    for name in ("cold", "warm"):
+        done = subprocess.run([sys.executable, "-c", _CACHED_BREAKS, str(tmp_path / name)], env=env,
+                              capture_output=True, text=True, check=True)
+        counts.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        runs.append({p.relative_to(tmp_path / name): p.read_text() for p in (tmp_path / name).rglob("ops.jsonl")})
+    assert counts[0].get("autograd_cache_saved") == 6 and not counts[0].get("autograd_cache_hit"), counts[0]
+    assert counts[1].get("autograd_cache_hit") == 6 and not counts[1].get("fxgraph_cache_miss"), counts[1]
+    assert len(runs[0]) == 4 and runs[1] == runs[0]
+    graphs = {r["compiled"]["graph"] for text in runs[0].values() for r in map(json.loads, text.splitlines())}
+    assert len(graphs) == 10            # 2 frames x (forward, backward, inference), twice trained

@@ -36,6 +36,8 @@ def _record(stats: list[torch.Tensor], values: list[torch.Tensor], inputs: list[
     # six 0-d statistics per value (accelerators) or blocks of rows (CPU); cat promotes to float64
     block = torch.cat([s.reshape(-1) for s in stats]).to(torch.float64).view(-1, STAT_FIELDS)
     records = GRAPHS[slot]
+    if records.id is None:
+        records.id = next(graph_ids)
     if records.overflow:
         records.check(block, inputs, sizes)
     else:
@@ -136,7 +138,7 @@ class GraphRecords:
         self.slot = slot                   # what the compiled code passes to the recording op
         self.stage = stage
         self.roots = roots
-        self.id = next(graph_ids)
+        self.id: int | None = None         # numbered at its first call (the same order cold and cached)
         self.templates: list = []           # graph_pass.Template, in graph order
         self.overflow = owner.config.task == "overflow"
         self.rerun: torch.fx.GraphModule | None = None
