@@ -105,8 +105,8 @@ class ProbeBackend:
         roots = self.module_names.frame()
         # the slots the forward and backward graph record under, chosen now: the AOTAutograd
         # cache returns both graphs of a hit without calling inner_compile, so its key gets the
-        # probe's (cache.Keyed: the slots, what else the templates depend on), and the graphs are
-        # noted under that key, for a hit to be given their templates here
+        # probe's (cache.Keyed: the slots, what else the templates depend on), and a hit is given
+        # the templates kept beside the graphs it loaded
         slots = {"forward": self._next_slot(), "backward": self._next_slot()}
         aot_key = None
         if functorch_config.enable_autograd_cache and cache.cacheable(self, example_inputs):
@@ -114,8 +114,7 @@ class ProbeBackend:
             grads = (torch.is_grad_enabled(), [getattr(x, "requires_grad", None) for x in example_inputs])
             aot_key = hashlib.sha256(repr((cache.source_digest(), self._config_key(), slots, grads,
                                            cache.frame_digest(gm, roots))).encode()).hexdigest()
-        graphs: list = []          # the graphs compiled for the AOTAutograd cache's entry
-        aot = {"on": False}        # whether the compile that made them used that cache
+        compiled_here: list = []   # the graphs inner_compile compiled or loaded (none: an AOTAutograd hit)
 
         def inner_compile(graph_module, inputs, **kw):
             backward = bool(kw.get("is_backward"))
@@ -142,21 +141,20 @@ class ProbeBackend:
             if compiled is None:        # a cache hit without its templates: compiled again, uncached
                 _clear_output_strides()
                 compiled = self._compile(graph_module, inputs, Instrument(self, roots, backward, slot), False, kw)
-            if aot["on"]:
-                graphs.append({"slot": slot, "stage": stage, "key": getattr(compiled, "_fx_graph_cache_key", None)})
-                if (backward or kw.get("is_inference")) and all(g["key"] for g in graphs):
-                    cache.save_graphs(aot_key, graphs)      # the graphs AOTAutograd caches now
+            compiled_here.append(stage)
             return compiled
 
         def compile_all(use_aot: bool):
-            aot["on"] = use_aot
             passes = {"post_grad_custom_post_pass": cache.Keyed(aot_key)} if use_aot else {}
             with functorch_config.patch(enable_autograd_cache=use_aot), torch._inductor.config.patch(passes):
                 return compile_fx(gm, example_inputs, inner_compile=inner_compile, decompositions=traced_decompositions())
 
-        compiled = compile_all(aot_key is not None)
-        if aot_key is not None and not graphs and not self._loaded(aot_key, slots, roots):
-            _clear_output_strides()        # an AOTAutograd hit whose graphs are not all known here
+        if aot_key is None:
+            return compile_all(False)
+        with cache.loaded_graphs() as loaded:
+            compiled = compile_all(True)
+        if not compiled_here and not self._loaded(loaded, roots):
+            _clear_output_strides()        # an AOTAutograd hit whose graphs' templates are not all here
             compiled = compile_all(False)
         return compiled
 
@@ -170,19 +168,16 @@ class ProbeBackend:
         """What of the backend's config the pass's output depends on."""
         return (cpu_stats(), REALIZE_READS, self.config.task, self.granularity, self.config.include_views)
 
-    def _loaded(self, aot_key: str, slots: dict, roots) -> bool:
-        """An AOTAutograd cache hit: the records of its graphs, from the templates kept beside
-        their code, under the slots their code records to (part of the key).  False where any is
-        missing (the graphs are then compiled again)."""
-        graphs = cache.load_graphs(aot_key)
-        if graphs is None or not any(g["stage"] == "forward" for g in graphs) \
-                or any(g["slot"] != slots[g["stage"]] or g["slot"] in GRAPHS for g in graphs):
+    def _loaded(self, keys: list, roots) -> bool:
+        """An AOTAutograd cache hit, which loaded its graphs by the FX graph cache ``keys``: their
+        records, from the templates kept beside them, under the slots their code records to.
+        False where any is missing or its slot is taken in this process (the graphs are then
+        compiled again)."""
+        graphs = [cache.load(key) for key in keys]
+        if not graphs or any(g is None or g[0] in GRAPHS for g in graphs):
             return False
-        templates = [cache.load(g["key"]) for g in graphs]
-        if any(t is None for t in templates):
-            return False
-        for g, t in zip(graphs, templates):
-            GraphRecords(self, g["stage"], roots, g["slot"]).templates = t
+        for slot, stage, templates in graphs:
+            GraphRecords(self, stage, roots, slot).templates = templates
         return True
 
     def _compile(self, graph_module, inputs, instrument: Instrument, use_cache: bool, kw):
@@ -198,14 +193,13 @@ class ProbeBackend:
         if records is not None:          # the pass ran
             records.set_kernels(kernels)
             if key is not None:
-                cache.save(key, records.templates)
+                cache.save(key, records.templates, instrument.slot, records.stage)
         elif key is not None:            # a cache hit: the pass's templates, kept beside the code
-            templates = cache.load(key)
-            if templates is None:
+            kept = cache.load(key)
+            stage = "backward" if instrument.backward else "forward"
+            if kept is None or kept[:2] != (instrument.slot, stage):
                 return None
-            records = GraphRecords(self, "backward" if instrument.backward else "forward", instrument.roots,
-                                   instrument.slot)
-            records.templates = templates
+            GraphRecords(self, stage, instrument.roots, instrument.slot).templates = kept[2]
         return compiled
 
 

@@ -13,6 +13,7 @@ its graphs again while two backends compiling the same graph in one process get 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
@@ -85,7 +86,8 @@ class Keyed(CustomGraphPass):
     """A post-grad pass that does nothing, set while AOTAutograd computes its cache key, whose
     :meth:`uuid` puts the probe's key into it: the probe's graphs get entries of their own, apart
     from plain inductor's and from other configurations'.  (The pass that runs is the backend's
-    own, set per graph.)"""
+    own, set per graph.)  A hit's graphs are found by the FX graph cache keys it loads them by
+    (:func:`loaded_graphs`), each with its templates, slot and stage."""
 
     def __init__(self, key: str):
         self.key = key
@@ -95,31 +97,6 @@ class Keyed(CustomGraphPass):
 
     def __call__(self, graph) -> None:
         pass
-
-
-def save_graphs(key: str, graphs: list) -> None:
-    """The graphs AOTAutograd caches under the probe's ``key`` (its forward and, for training, its
-    backward): ``{"slot", "stage", "key"}`` each, the slot its code records under and the FX graph
-    cache key its templates are kept under (best effort: without it a hit is compiled again)."""
-    path = _path(f"aot-{key}")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"graphs": graphs}))
-        os.replace(tmp, path)
-    except OSError:
-        pass
-
-
-def load_graphs(key: str) -> list | None:
-    try:
-        graphs = json.loads(_path(f"aot-{key}").read_text())["graphs"]
-        if not graphs or not all(isinstance(g["slot"], int) and g["stage"] in ("forward", "backward")
-                                 and isinstance(g["key"], str) for g in graphs):
-            return None
-        return graphs
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
 
 
 def cacheable(owner, example_inputs) -> bool:
@@ -167,9 +144,10 @@ def _unmarked(value, slots: dict):
     return value
 
 
-def save(key: str, templates: list) -> None:
-    """The templates of the graph inductor cached under ``key`` (best effort: without them a later
-    hit is compiled again).  Templates with symbolic sizes are not kept."""
+def save(key: str, templates: list, slot: int, stage: str) -> None:
+    """The templates of the graph inductor cached under ``key``, with the slot its code records
+    under and its stage (best effort: without them a later hit is compiled again).  Templates with
+    symbolic sizes are not kept."""
     if any(t.symbolic for t in templates):
         return
     path = _path(key)
@@ -178,7 +156,7 @@ def save(key: str, templates: list) -> None:
         for t in templates:
             slot_of = {id(spec): i for i, spec in enumerate(t.slots)}
             kept.append({f: _marked(getattr(t, f), slot_of) for f in _FIELDS})
-        data = json.dumps({"templates": kept})
+        data = json.dumps({"slot": slot, "stage": stage, "templates": kept})
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(data)
@@ -187,12 +165,16 @@ def save(key: str, templates: list) -> None:
         pass
 
 
-def load(key: str) -> list | None:
-    """The templates kept under ``key``; None where there are none or the file is not theirs."""
+def load(key: str) -> tuple[int, str, list] | None:
+    """(slot, stage, templates) of the graph kept under ``key``; None where there are none or the
+    file is not theirs."""
     try:
-        kept = json.loads(_path(key).read_text())["templates"]
+        graph = json.loads(_path(key).read_text())
+        slot, stage = graph["slot"], graph["stage"]
+        if not isinstance(slot, int) or stage not in ("forward", "backward"):
+            return None
         templates = []
-        for fields in kept:
+        for fields in graph["templates"]:
             t = Template(fields["op"], fields["scope"], [], True)
             slots: dict = {}
             for f in _FIELDS:
@@ -201,6 +183,26 @@ def load(key: str) -> list | None:
             if len(t.slots) != len(t.rows):
                 return None
             templates.append(t)
-        return templates
+        return slot, stage, templates
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+@contextlib.contextmanager
+def loaded_graphs():
+    """The FX graph cache keys of the graphs loaded meanwhile (an AOTAutograd hit loads its
+    graphs by these keys without compiling them)."""
+    from torch._inductor.codecache import FxGraphCache
+    keys: list = []
+    load_with_key = FxGraphCache.__dict__["load_with_key"]
+
+    def noting(key, *args, **kwargs):
+        found = load_with_key.__func__(key, *args, **kwargs)
+        if found[0] is not None:
+            keys.append(key)
+        return found
+    FxGraphCache.load_with_key = staticmethod(noting)
+    try:
+        yield keys
+    finally:
+        FxGraphCache.load_with_key = load_with_key
