@@ -445,6 +445,30 @@ def test_an_optimizer_of_a_model_the_probe_never_saw_is_not_its_own(tmp_path, pa
     torch._dynamo.reset()
 
 
+def test_parameter_records_name_a_parameter_group_added_later(tmp_path):
+    """The names of an optimizer's parameters, kept between its steps, follow a parameter group
+    added to it: every record names its parameter by its place in the model."""
+    from dispatchprobe.models import MLPNet
+    torch.manual_seed(0)
+    model = MLPNet(dim=8, depth=1, classes=2)
+    params = list(model.named_parameters())
+    opt = torch.optim.SGD([p for _, p in params[:2]], lr=0.1)
+    x = torch.randn(4, 8)
+    probe = DispatchProbe(task="statistics", dump_path=str(tmp_path / "r"), model=model)
+    for step in range(2):
+        with probe:
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        probe.step()
+        if step == 0:
+            opt.add_param_group({"params": [p for _, p in params[2:]]})
+    probe.close()
+    run = load(tmp_path / "r")
+    named = [{r["scope"] for r in run.part(s, 0).params} for s in (0, 1)]
+    assert named == [{n for n, _ in params[:2]}, {n for n, _ in params}]
+
+
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_a_compiled_submodule_inside_an_eager_model_is_left_to_its_graph(tmp_path, backend):
     """The eager probe records the eager modules' ops and none of a compiled submodule's: the

@@ -12,6 +12,8 @@ its local shard with its placement and offset in the whole tensor, which compare
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from ..core.events import OpEvent
@@ -20,9 +22,24 @@ from .returned import returned_row
 from .parameters import clean_name, named_gradients, parameter_names, placement_of
 
 
+_NAMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()    # optimizer -> (what they hold for, names)
+
+
 def _names(optimizer, roots) -> dict[int, str]:
     """``id(param)`` -> its name: the optimizer's own names (built from ``named_parameters()``),
-    else the names in the outermost modules the probe has seen (``roots``)."""
+    else the names in the outermost modules the probe has seen (``roots``).  Kept per optimizer
+    while its roots and parameter groups stay the same (asked twice per step)."""
+    groups = tuple(len(g["params"]) for g in optimizer.param_groups)
+    kept = _NAMES.get(optimizer)
+    if kept is not None and kept[1] == groups and len(kept[0]) == len(roots) \
+            and all(ref() is root for ref, root in zip(kept[0], roots)):
+        return kept[2]
+    names = _names_of(optimizer, roots)
+    _NAMES[optimizer] = ([weakref.ref(r) for r in roots], groups, names)
+    return names
+
+
+def _names_of(optimizer, roots) -> dict[int, str]:
     names: dict[int, str] = {}
     for root in roots:
         for k, v in parameter_names(root).items():

@@ -118,7 +118,8 @@ def read_gradient(name: str, param: torch.Tensor) -> ParamGrad | None:
     grad, source = gradient_of(param)
     if grad is None:
         return None
-    grad = grad.detach()
+    if grad.requires_grad:        # (a detach per gradient is a dispatch per gradient, in a probe's mode)
+        grad = grad.detach()
     if _is_dtensor(grad):
         return ParamGrad(name, param, grad.to_local().detach(), list(grad.shape), source, dtensor=grad,
                          placement=placement_of(grad))
