@@ -672,6 +672,13 @@ class _ModuleScopes:
         self._left_early.clear()
 
 
+def _updates_roots(optimizer, roots) -> bool:
+    """Whether ``optimizer`` updates a parameter of one of ``roots``."""
+    from .parameters import optimizer_parameters
+    params = {id(p) for root in roots for p in root.parameters()}
+    return any(id(p) in params for p in optimizer_parameters(optimizer))
+
+
 class TorchSession(ProbeSession):
     """What every torch capture path's session shares: the torch backend, the rank from
     torch.distributed once it is initialised, handlers run under ``no_grad``."""
@@ -728,15 +735,8 @@ class TorchSession(ProbeSession):
         roots = self.roots()
         if not roots:
             return True
-        key = tuple(map(id, roots))
-        hit = self._owned.get(optimizer)
-        if hit is not None and hit[0] == key:
-            return hit[1]
-        from .parameters import optimizer_parameters
-        params = {id(p) for root in roots for p in root.parameters()}
-        owned = any(id(p) in params for p in optimizer_parameters(optimizer))
-        self._owned[optimizer] = (key, owned)
-        return owned
+        from .param_records import kept_per_optimizer
+        return kept_per_optimizer(self._owned, optimizer, roots, _updates_roots)
 
     def _parameters(self, optimizer, what: str) -> None:
         """Recording tasks: each parameter's gradient (``what="grad"``, before the step) or value

@@ -22,21 +22,26 @@ from .returned import returned_row
 from .parameters import clean_name, named_gradients, parameter_names, placement_of
 
 
-_NAMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()    # optimizer -> (what they hold for, names)
+def kept_per_optimizer(kept: weakref.WeakKeyDictionary, optimizer, roots: list, make):
+    """``make(optimizer, roots)``, kept in ``kept`` per optimizer while the roots (the same module
+    objects) and the sizes of its parameter groups stay the same: asked at every step."""
+    groups = tuple(len(g["params"]) for g in optimizer.param_groups)
+    hit = kept.get(optimizer)
+    if hit is not None and hit[1] == groups and len(hit[0]) == len(roots) \
+            and all(ref() is root for ref, root in zip(hit[0], roots)):
+        return hit[2]
+    value = make(optimizer, roots)
+    kept[optimizer] = ([weakref.ref(r) for r in roots], groups, value)
+    return value
+
+
+_NAMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _names(optimizer, roots) -> dict[int, str]:
     """``id(param)`` -> its name: the optimizer's own names (built from ``named_parameters()``),
-    else the names in the outermost modules the probe has seen (``roots``).  Kept per optimizer
-    while its roots and parameter groups stay the same (asked twice per step)."""
-    groups = tuple(len(g["params"]) for g in optimizer.param_groups)
-    kept = _NAMES.get(optimizer)
-    if kept is not None and kept[1] == groups and len(kept[0]) == len(roots) \
-            and all(ref() is root for ref, root in zip(kept[0], roots)):
-        return kept[2]
-    names = _names_of(optimizer, roots)
-    _NAMES[optimizer] = ([weakref.ref(r) for r in roots], groups, names)
-    return names
+    else the names in the outermost modules the probe has seen (``roots``)."""
+    return kept_per_optimizer(_NAMES, optimizer, roots, _names_of)
 
 
 def _names_of(optimizer, roots) -> dict[int, str]:

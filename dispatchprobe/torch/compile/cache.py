@@ -1,4 +1,4 @@
-"""The probe's graphs in torch's FX graph cache.
+"""The probe's graphs in torch's FX graph and AOTAutograd caches.
 
 A cached graph is inductor's output code, instrumented, without the pass that made it: the pass's
 record templates are kept beside it as JSON, in ``<torch cache dir>/dispatchprobe/<fx graph cache
@@ -9,6 +9,10 @@ pass reads, the node metadata it groups by (``original_aten``, ``seq_nr``, scope
 and the graph's slot, the number the compiled code passes to the recording op.  A slot is the
 backend's and the graph's order of creation in the process, so a rerun of the same script finds
 its graphs again while two backends compiling the same graph in one process get two entries.
+
+An AOTAutograd hit returns a forward and backward graph without compiling either: its key gets
+the probe's through :class:`Keyed`, and its graphs find their templates by the FX graph cache keys
+it loads them by (:func:`loaded_graphs`).
 """
 
 from __future__ import annotations
