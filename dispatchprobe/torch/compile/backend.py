@@ -153,7 +153,7 @@ class ProbeBackend:
             return compile_all(False)
         with cache.loaded_graphs() as loaded:
             compiled = compile_all(True)
-        if not compiled_here and not self._loaded(loaded, roots):
+        if not compiled_here and not self._loaded(loaded, roots, training=grads[0] and any(grads[1])):
             _clear_output_strides()        # an AOTAutograd hit whose graphs' templates are not all here
             compiled = compile_all(False)
         return compiled
@@ -168,13 +168,14 @@ class ProbeBackend:
         """What of the backend's config the pass's output depends on."""
         return (cpu_stats(), REALIZE_READS, self.config.task, self.granularity, self.config.include_views)
 
-    def _loaded(self, keys: list, roots) -> bool:
+    def _loaded(self, keys: list, roots, training: bool) -> bool:
         """An AOTAutograd cache hit, which loaded its graphs by the FX graph cache ``keys``: their
         records, from the templates kept beside them, under the slots their code records to.
-        False where any is missing or its slot is taken in this process (the graphs are then
-        compiled again)."""
+        False where any is missing, its slot is taken in this process, or the hit did not load
+        both graphs of a training step (the graphs are then compiled again)."""
         graphs = [cache.load(key) for key in keys]
-        if not graphs or any(g is None or g[0] in GRAPHS for g in graphs):
+        if not graphs or any(g is None or g[0] in GRAPHS for g in graphs) \
+                or sorted(g[1] for g in graphs) != (["backward", "forward"] if training else ["forward"]):
             return False
         for slot, stage, templates in graphs:
             GraphRecords(self, stage, roots, slot).templates = templates
