@@ -445,6 +445,28 @@ def test_an_optimizer_of_a_model_the_probe_never_saw_is_not_its_own(tmp_path, pa
     torch._dynamo.reset()
 
 
+def test_an_optimizer_of_functional_parameters_is_followed(tmp_path):
+    """torch.func training: the optimizer updates copies of the parameters that functional_call
+    runs the model with, tensors no module holds; the probe that saw the model run follows it."""
+    from torch.func import functional_call
+    from dispatchprobe.models import MLPNet
+    torch.manual_seed(0)
+    model = MLPNet(dim=8, depth=1, classes=2)
+    params = {k: v.detach().clone().requires_grad_() for k, v in model.named_parameters()}
+    opt = torch.optim.SGD(params.values(), lr=0.1)
+    x = torch.randn(4, 8)
+    probe = DispatchProbe(task="statistics", dump_path=str(tmp_path / "r"), model=model)
+    with probe:
+        for _ in range(2):
+            functional_call(model, params, (x,)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    probe.close()
+    run = load(tmp_path / "r")
+    assert sorted(run.parts) == [(0, 0), (1, 0)]
+    assert all(len(run.part(s, 0).params) == 2 * len(params) for s in (0, 1))
+
+
 def test_parameter_records_name_a_parameter_group_added_later(tmp_path):
     """The names of an optimizer's parameters, kept between its steps, follow a parameter group
     added to it: every record names its parameter by its place in the model."""

@@ -673,10 +673,11 @@ class _ModuleScopes:
 
 
 def _updates_roots(optimizer, roots) -> bool:
-    """Whether ``optimizer`` updates a parameter of one of ``roots``."""
+    """Whether ``optimizer`` updates a parameter of one of ``roots``, or tensors no module holds
+    (``torch.func.functional_call``'s own copies of the parameters, which no model names)."""
     from .parameters import optimizer_parameters
     params = {id(p) for root in roots for p in root.parameters()}
-    return any(id(p) in params for p in optimizer_parameters(optimizer))
+    return any(id(p) in params or not isinstance(p, torch.nn.Parameter) for p in optimizer_parameters(optimizer))
 
 
 class TorchSession(ProbeSession):
@@ -729,9 +730,10 @@ class TorchSession(ProbeSession):
 
     def owns(self, optimizer) -> bool:
         """Whether ``optimizer`` updates a parameter of a model this session has seen run (any
-        optimizer while it has seen none): a session left open (a backend never closed, held by
-        dynamo's cache) neither records nor counts the steps of another model's optimizer, whose
-        records would mix two trainings in one run."""
+        optimizer while it has seen none, and one of tensors that are no module's parameters): a
+        session left open (a backend never closed, held by dynamo's cache) neither records nor
+        counts the steps of another model's optimizer, whose records would mix two trainings in
+        one run."""
         roots = self.roots()
         if not roots:
             return True
