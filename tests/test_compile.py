@@ -1176,3 +1176,11 @@ def test_cached_graphs_across_graph_breaks_inference_and_two_backends_record_the
     assert len(runs[0]) == 4 and runs[1] == runs[0]
     graphs = {r["compiled"]["graph"] for text in runs[0].values() for r in map(json.loads, text.splitlines())}
     assert len(graphs) == 10            # 2 frames x (forward, backward, inference), twice trained
+
+
+def test_a_graph_recording_under_an_unknown_slot_says_what_to_do():
+    """The recording op of a graph no backend in the process compiled fails with a message naming
+    the cause and the way out, not a bare KeyError."""
+    from dispatchprobe.torch.compile import runtime
+    with pytest.raises(RuntimeError, match="TORCHINDUCTOR_CACHE_DIR"):
+        runtime._record([torch.zeros(1, runtime.STAT_FIELDS)], [], [], (1 << 30) + 12345, [])

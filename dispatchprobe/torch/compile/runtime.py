@@ -35,7 +35,12 @@ def _record(stats: list[torch.Tensor], values: list[torch.Tensor], inputs: list[
     graph's symbolic sizes (dynamic shapes), which give each record its shapes."""
     # six 0-d statistics per value (accelerators) or blocks of rows (CPU); cat promotes to float64
     block = torch.cat([s.reshape(-1) for s in stats]).to(torch.float64).view(-1, STAT_FIELDS)
-    records = GRAPHS[slot]
+    records = GRAPHS.get(slot)
+    if records is None:
+        raise RuntimeError(f"dispatchprobe: a compiled graph records under slot {slot}, which no probe_backend in this "
+                           "process compiled (a graph from torch's caches without its record templates): remove "
+                           "the torch cache dir (TORCHINDUCTOR_CACHE_DIR) or set "
+                           "torch._functorch.config.enable_autograd_cache = False")
     if records.id is None:
         records.id = next(graph_ids)
     if records.overflow:
