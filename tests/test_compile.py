@@ -887,6 +887,20 @@ def test_a_second_compile_in_one_process_records_as_the_first(tmp_path, monkeypa
     assert len(forward) >= 30 and (forward["status"] != "error").all()
 
 
+def _run_cached(script: str, tmp_path, name: str) -> tuple[dict, dict]:
+    """``script`` in a new process writing to ``tmp_path/name``, on the torch cache dir
+    ``tmp_path/cache``: (its inductor and AOTAutograd counters, {ops.jsonl path: text})."""
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"))
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path / name)], env=env,
+                          capture_output=True, text=True, check=True)
+    out = tmp_path / name
+    return (json.loads(done.stdout.strip().splitlines()[-1]),
+            {str(p.relative_to(out)): p.read_text() for p in sorted(out.rglob("ops.jsonl"))})
+
+
 _CACHED_RUN = """
 import json, sys, torch
 from torch._dynamo.utils import counters
@@ -910,16 +924,8 @@ def test_probe_graphs_come_from_the_caches_and_record_the_same(tmp_path):
     backward graphs from the AOTAutograd and FX graph caches, with their record templates (kept as
     JSON), and writes the same records, compiled facts (graph ids, nodes, kernels) included;
     damaged templates make them compile again."""
-    import os
-    import subprocess
-    import sys
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"))
-
     def run(name):
-        done = subprocess.run([sys.executable, "-c", _CACHED_RUN, str(tmp_path / name)], env=env,
-                              capture_output=True, text=True, check=True)
-        lines = [open(tmp_path / name / f"step{s}" / "rank0" / "ops.jsonl").read() for s in (0, 1)]
-        return json.loads(done.stdout.strip().splitlines()[-1]), lines
+        return _run_cached(_CACHED_RUN, tmp_path, name)
     cold, first = run("cold")
     warm, second = run("warm")
     assert cold.get("fxgraph_cache_miss") == 2 and not cold.get("fxgraph_cache_hit"), cold
@@ -933,7 +939,7 @@ def test_probe_graphs_come_from_the_caches_and_record_the_same(tmp_path):
         p.write_text(p.read_text()[:100])
     damaged, third = run("damaged")
     assert damaged.get("autograd_cache_hit") == 1 and third == first, damaged
-    records = [json.loads(line) for line in first[0].splitlines()]
+    records = [json.loads(line) for line in first["step0/rank0/ops.jsonl"].splitlines()]
     compiled = [r for r in records if "compiled" in r]
     assert len(compiled) >= 40 and {r["stage"] for r in compiled} == {"forward", "backward"}
     assert all(r["compiled"]["kernels"] for r in compiled if not r["compiled"]["decomposed"])
@@ -1161,16 +1167,7 @@ def test_cached_graphs_across_graph_breaks_inference_and_two_backends_record_the
     trained, then run under no_grad: inference graphs; a second backend compiling the same model
     after a reset: graphs of its own) writes the same records as the run that compiled them,
     graph ids (numbered at first call) included."""
-    import os
-    import subprocess
-    import sys
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"))
-    counts, runs = [], []
-    for name in ("cold", "warm"):
-        done = subprocess.run([sys.executable, "-c", _CACHED_BREAKS, str(tmp_path / name)], env=env,
-                              capture_output=True, text=True, check=True)
-        counts.append(json.loads(done.stdout.strip().splitlines()[-1]))
-        runs.append({p.relative_to(tmp_path / name): p.read_text() for p in (tmp_path / name).rglob("ops.jsonl")})
+    counts, runs = zip(*(_run_cached(_CACHED_BREAKS, tmp_path, name) for name in ("cold", "warm")))
     assert counts[0].get("autograd_cache_saved") == 6 and not counts[0].get("autograd_cache_hit"), counts[0]
     assert counts[1].get("autograd_cache_hit") == 6 and not counts[1].get("fxgraph_cache_miss"), counts[1]
     assert len(runs[0]) == 4 and runs[1] == runs[0]

@@ -672,14 +672,6 @@ class _ModuleScopes:
         self._left_early.clear()
 
 
-def _updates_roots(optimizer, roots) -> bool:
-    """Whether ``optimizer`` updates a parameter of one of ``roots``, or tensors no module holds
-    (``torch.func.functional_call``'s own copies of the parameters, which no model names)."""
-    from .parameters import optimizer_parameters
-    params = {id(p) for root in roots for p in root.parameters()}
-    return any(id(p) in params or not isinstance(p, torch.nn.Parameter) for p in optimizer_parameters(optimizer))
-
-
 class TorchSession(ProbeSession):
     """What every torch capture path's session shares: the torch backend, the rank from
     torch.distributed once it is initialised, handlers run under ``no_grad``."""
@@ -737,8 +729,8 @@ class TorchSession(ProbeSession):
         roots = self.roots()
         if not roots:
             return True
-        from .param_records import kept_per_optimizer
-        return kept_per_optimizer(self._owned, optimizer, roots, _updates_roots)
+        from .parameters import kept_per_optimizer, updates_any
+        return kept_per_optimizer(self._owned, optimizer, roots, updates_any)
 
     def _parameters(self, optimizer, what: str) -> None:
         """Recording tasks: each parameter's gradient (``what="grad"``, before the step) or value

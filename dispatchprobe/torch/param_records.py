@@ -19,20 +19,7 @@ import torch
 from ..core.events import OpEvent
 from ..standards import statistics
 from .returned import returned_row
-from .parameters import clean_name, named_gradients, parameter_names, placement_of
-
-
-def kept_per_optimizer(kept: weakref.WeakKeyDictionary, optimizer, roots: list, make):
-    """``make(optimizer, roots)``, kept in ``kept`` per optimizer while the roots (the same module
-    objects) and the sizes of its parameter groups stay the same: asked at every step."""
-    groups = tuple(len(g["params"]) for g in optimizer.param_groups)
-    hit = kept.get(optimizer)
-    if hit is not None and hit[1] == groups and len(hit[0]) == len(roots) \
-            and all(ref() is root for ref, root in zip(hit[0], roots)):
-        return hit[2]
-    value = make(optimizer, roots)
-    kept[optimizer] = ([weakref.ref(r) for r in roots], groups, value)
-    return value
+from .parameters import clean_name, kept_per_optimizer, named_gradients, parameter_names, placement_of
 
 
 _NAMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

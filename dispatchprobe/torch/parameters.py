@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import weakref
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -81,6 +82,26 @@ def optimizer_parameters(optimizer: torch.optim.Optimizer) -> Iterator[torch.nn.
             if id(p) not in seen:
                 seen.add(id(p))
                 yield p
+
+
+def kept_per_optimizer(kept: weakref.WeakKeyDictionary, optimizer, roots: list, make):
+    """``make(optimizer, roots)``, kept in ``kept`` per optimizer while the roots (the same module
+    objects) and the sizes of its parameter groups stay the same: asked at every step."""
+    groups = tuple(len(g["params"]) for g in optimizer.param_groups)
+    hit = kept.get(optimizer)
+    if hit is not None and hit[1] == groups and len(hit[0]) == len(roots) \
+            and all(ref() is root for ref, root in zip(hit[0], roots)):
+        return hit[2]
+    value = make(optimizer, roots)
+    kept[optimizer] = ([weakref.ref(r) for r in roots], groups, value)
+    return value
+
+
+def updates_any(optimizer, roots: list) -> bool:
+    """Whether ``optimizer`` updates a parameter of one of ``roots``, or tensors no module holds
+    (``torch.func.functional_call``'s own copies of the parameters, which no model names)."""
+    params = {id(p) for root in roots for p in root.parameters()}
+    return any(id(p) in params or not isinstance(p, torch.nn.Parameter) for p in optimizer_parameters(optimizer))
 
 
 def gradient_of(param: torch.Tensor) -> tuple[torch.Tensor | None, str]:

@@ -114,9 +114,11 @@ class ProbeBackend:
             grads = (torch.is_grad_enabled(), [getattr(x, "requires_grad", None) for x in example_inputs])
             aot_key = hashlib.sha256(repr((cache.source_digest(), self._config_key(), slots, grads,
                                            cache.frame_digest(gm, roots))).encode()).hexdigest()
-        compiled_here: list = []   # the graphs inner_compile compiled or loaded (none: an AOTAutograd hit)
+        compiled_here = False      # whether inner_compile ran (not for an AOTAutograd hit)
 
         def inner_compile(graph_module, inputs, **kw):
+            nonlocal compiled_here
+            compiled_here = True
             backward = bool(kw.get("is_backward"))
             stage = "backward" if backward else "forward"
             slot = slots[stage]
@@ -141,7 +143,6 @@ class ProbeBackend:
             if compiled is None:        # a cache hit without its templates: compiled again, uncached
                 _clear_output_strides()
                 compiled = self._compile(graph_module, inputs, Instrument(self, roots, backward, slot), False, kw)
-            compiled_here.append(stage)
             return compiled
 
         def compile_all(use_aot: bool):
