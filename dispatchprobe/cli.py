@@ -200,10 +200,11 @@ def run_ut(records, out_dir, random_inputs, resume, jobs, device, filter_duplica
     """Replay each recorded op on the device and as a float64 CPU benchmark; judge it.
 
     Writes accuracy_checking_result_{ts}.csv and accuracy_checking_details_{ts}.csv.  Exit code 0
-    when no op errs, 2 when some do.  Under torchrun, ranks share the work and rank 0 merges.
+    when no op errs, 2 when some do, 1 when no op was judged or a record is damaged (an op that
+    could not run is not judged, never an error).  Under torchrun, ranks share the work and rank 0 merges.
     Online (docs/online.md): --follow a run being written, or --listen for streaming training.
     """
-    from .offline.run_ut import nothing_judged, run_ut as do_run_ut, summary_text
+    from .offline.run_ut import run_ut as do_run_ut, summary_text
     if follow or listen:
         _run_ut_online(records, out_dir, follow, listen, tls_path, keep_records, jobs=jobs, device=device,
                        save_error_data=save_error_data, imports=imports, progress=progress, api=api,
@@ -225,13 +226,17 @@ def run_ut(records, out_dir, random_inputs, resume, jobs, device, filter_duplica
         sys.exit(130)
     if int(os.environ.get("RANK", "0")) == 0:
         click.echo(summary_text(res))
-    statuses = set(res.results["Forward Test Success"]) | set(res.results["Backward Test Success"])
-    if "error" in statuses:
-        sys.exit(2)
-    if res.results["Message"].str.startswith("damaged record").any():
-        sys.exit(1)
-    if not statuses - {"SKIP", ""}:     # nothing judged is not a pass
-        raise ValueError(f"no op was judged: {nothing_judged(res)}")
+    _run_ut_exit(res)
+
+
+def _run_ut_exit(res) -> None:
+    """Exit 2 for a precision error, 1 for a damaged record or when nothing was judged (one line)."""
+    from .offline.run_ut import exit_code
+    code, why = exit_code(res)
+    if why:
+        raise ValueError(why)
+    if code:
+        sys.exit(code)
 
 
 def _run_ut_online(records, out_dir, follow, listen, tls_path, keep_records, *, random_inputs, resume,
@@ -268,9 +273,7 @@ def _run_ut_online(records, out_dir, follow, listen, tls_path, keep_records, *, 
         click.echo(f"interrupted: the {len(res.results)} ops judged so far are written", err=True)
         sys.exit(130)
     click.echo(summary_text(res))
-    statuses = set(res.results["Forward Test Success"]) | set(res.results["Backward Test Success"])
-    if "error" in statuses:
-        sys.exit(2)
+    _run_ut_exit(res)
 
 
 @main.command("precision-compare")
@@ -281,15 +284,17 @@ def precision_compare(dut, ref, out_dir):
     """Three-way verdict: DUT's run-ut errors against a reference device's, both vs float64.
 
     DUT and REF are accuracy_checking_details_{ts}.csv files (or run-ut output directories).
-    Exit code 0 when no op errs, 2 when some do.
+    Exit code 0 when no op errs, 2 when some do, 1 when no op was judged.
     """
-    from .offline.precision_compare import precision_compare as do_compare, summary_text
+    from .offline.precision_compare import exit_code, precision_compare as do_compare, summary_text
     results, _, res_path, det_path = do_compare(dut, ref, out_dir)
     click.echo(summary_text(results))
     click.echo(f"results: {res_path}\ndetails: {det_path}")
-    statuses = set(results["Forward Test Success"]) | set(results["Backward Test Success"])
-    if "error" in statuses:
-        sys.exit(2)
+    code, why = exit_code(results)
+    if why:
+        raise ValueError(why)
+    if code:
+        sys.exit(code)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -17,7 +17,7 @@ import pandas as pd
 
 from ..records.reader import RecordError
 from ..standards import metrics
-from ..standards.verdicts import BENCHMARK_RATIOS, ERROR, PASS, SKIP, WARNING, judge_three_way, worst
+from ..standards.verdicts import BENCHMARK_RATIOS, ERROR, NOT_JUDGED, PASS, SKIP, WARNING, judge_three_way, worst
 from ..records.writer import write_csv
 
 _KEY = ["Step", "Rank", "API Name", "Output"]
@@ -82,8 +82,8 @@ def precision_compare(dut: str, ref: str, out_dir: str = ".") -> tuple[pd.DataFr
             order.append((op_key, row["API Name"].endswith(".backward")))
         other = ref_rows.get(key)
         cols: dict = {}
-        if row["Status"] == SKIP or row["Output"] == "":
-            status, message = (SKIP if row["Status"] == SKIP else ERROR), row.get("Message", "") or "not replayed"
+        if row["Status"] == SKIP or row["Output"] == "":   # not judged there (its replay may have raised): nor here
+            status, message = SKIP, row.get("Message", "") or "not replayed"
         elif other is None:
             status, message = SKIP, f"no reference row for {key[2]} {key[3]} in {ref_path}"
         elif other["Status"] == SKIP or other["Output"] == "":
@@ -128,12 +128,27 @@ def precision_compare(dut: str, ref: str, out_dir: str = ".") -> tuple[pd.DataFr
             res_path, det_path)
 
 
+def exit_code(results: pd.DataFrame) -> tuple[int, str]:
+    """(exit code, the line that says why, or ""): 2 when some op is an error, 1 when no op was
+    judged (every op SKIP on either side), else 0."""
+    status = _status(results)
+    if (status == ERROR).any():
+        return 2, ""
+    if not status.isin([PASS, WARNING]).any():
+        return 1, f"no op was judged: none of the {len(results)} ops has outputs both run-ut runs judged"
+    return 0, ""
+
+
+def _status(results: pd.DataFrame) -> pd.Series:
+    return results["Forward Test Success"].where(results["Forward Test Success"] != "", results["Backward Test Success"])
+
+
 def summary_text(results: pd.DataFrame) -> str:
-    status = results["Forward Test Success"].where(results["Forward Test Success"] != "",
-                                                   results["Backward Test Success"])
+    status = _status(results)
     counts = status.value_counts().to_dict()
     lines = [f"precision-compare: {len(results)} ops: " +
-             ", ".join(f"{counts.get(k, 0)} {k}" for k in (PASS, WARNING, ERROR, SKIP))]
+             ", ".join(f"{counts.get(k, 0)} {label}" for k, label in
+                       ((PASS, PASS), (WARNING, WARNING), (ERROR, ERROR), (SKIP, NOT_JUDGED)))]
     for _, row in results[status == ERROR].head(20).iterrows():
         lines.append(f"  error  {row['API Name']}  {row['Message'][:160]}")
     return "\n".join(lines)

@@ -28,9 +28,9 @@ from ..standards.loader import is_float
 from ..standards.metrics import binary_mismatch, columns, compare_arrays, derived
 from ..records.format import call_signature
 from ..records.reader import Run, load
-from ..standards.verdicts import (ERROR, PASS, SKIP, cancelled_scale, category, component_dtype, is_reduction_output, is_staged,
-                                  judge, judge_benchmark, output_category, output_trait, unique_form, within_terms,
-                                  worst)
+from ..standards.verdicts import (ERROR, NOT_JUDGED, PASS, SKIP, WARNING, cancelled_scale, category, component_dtype,
+                                  is_reduction_output, is_staged, judge, judge_benchmark, output_category,
+                                  output_trait, unique_form, within_terms, worst)
 from ..records.writer import atomic_write_text, write_csv
 from .replayer import Distributed, Replayer, ReplayError, Skip, replayer_for
 
@@ -44,6 +44,9 @@ DETAIL_COLUMNS = derived(lambda: ["Step", "Rank", "API Name", "Output", "Judged"
                                   "Shape"] + list(columns()) + ["MindSpore Rule", "Status", "Message"])
 TIMING_COLUMNS = ("Elapsed (s)",)
 _NOT_SAVED = "statistics-only records"     # in the replayers' skip reason for inputs that were not saved
+# the message of an op whose replay raised (on the device, or comparing its outputs): not judged
+NOT_REPLAYED = "could not replay"
+_DAMAGED = "damaged record"                # the replayers' skip reason for a saved tensor that cannot be read
 _RESULT_RE = re.compile(r"^accuracy_checking_result_(.+)\.csv$")
 # what a detail row judged against the float64 benchmark: run-ut's own run of the op on its device,
 # or the output the training process computed and saved (an op wrong only where it trained)
@@ -153,10 +156,11 @@ def check_op(step: int, rank: int, index: int, rec: dict | None = None,
             error_data = rep.data
     except Skip as exc:
         status, messages, details = SKIP, [str(exc)], []
-    except ReplayError as exc:
-        status, messages, details = ERROR, [str(exc)], []
+    except ReplayError as exc:     # what could not run is not judged, never a precision error
+        status, messages, details = SKIP, [f"{NOT_REPLAYED}: {exc}"], []
     except Exception as exc:  # noqa: BLE001 - one op's failure must not stop the run
-        status, messages, details = ERROR, [f"replay failed: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}"], []
+        status, messages, details = SKIP, [f"{NOT_REPLAYED}: {type(exc).__name__}: "
+                                           f"{' '.join(str(exc).split())[:300]}"], []
     return (*_op_rows(step, rank, rec, cat, status, "; ".join(messages), details,
                       f"{time.perf_counter() - t0:.6f}", "+".join(judged)), error_data)
 
@@ -348,6 +352,7 @@ def run_ut(records, out_dir: str | None = None, *, random: bool = False, device:
     import_modules(imports)
     run = records if isinstance(records, Run) else load(records)
     replayer = replayer or replayer_for(run)
+    replayer.resolve_device(device)   # a device this machine lacks is a one-line error before any work
     if resume:
         m = _RESULT_RE.match(os.path.basename(resume))
         if not m:
@@ -378,7 +383,6 @@ def run_ut(records, out_dir: str | None = None, *, random: bool = False, device:
     if world > 1:
         ts = engine.broadcast(ts)
     options = {"random": random, "device": device, "save_error_data": save_error_data, "imports": list(imports or ())}
-    replayer.resolve_device(device)   # a bad device is a one-line error before any work
 
     # every op record in a fixed order; the same list on every rank
     api_re = re.compile(api) if api else None
@@ -529,6 +533,12 @@ def _merge_ranks(result_path: str, details_path: str, suffix: str, order: dict, 
             os.remove(p)
 
 
+def op_status(results: pd.DataFrame) -> pd.Series:
+    """Each op's status: its forward or backward verdict (SKIP: not judged)."""
+    fwd = results["Forward Test Success"]
+    return fwd.where(fwd != "", results["Backward Test Success"])
+
+
 def nothing_judged(res: RunUTResult) -> str:
     """Why a run-ut judged no op: the commonest skip reason, in one line."""
     if not len(res.results):
@@ -542,15 +552,33 @@ def nothing_judged(res: RunUTResult) -> str:
     return f"all {len(msg)} ops were skipped; {reasons.iloc[0]} of them: {why}"
 
 
+def exit_code(res: RunUTResult) -> tuple[int, str]:
+    """(exit code, the line that says why, or ""): 2 when some op is an error (a precision verdict);
+    1 when no op was judged (every op SKIP: an op that could not run is not judged, never an
+    error) or when a saved tensor could not be read (a record problem, which the summary names);
+    else 0."""
+    status = op_status(res.results)
+    if (status == ERROR).any():
+        return 2, ""
+    if not status.isin([PASS, WARNING]).any():
+        return 1, f"no op was judged: {nothing_judged(res)}"
+    return (1 if res.results["Message"].str.startswith(_DAMAGED).any() else 0), ""
+
+
 def summary_text(res: RunUTResult) -> str:
     r = res.results
-    status = r["Forward Test Success"].where(r["Forward Test Success"] != "", r["Backward Test Success"])
+    status = op_status(r)
     counts = status.value_counts().to_dict()
-    parts = ", ".join(f"{counts.get(k, 0)} {k}" for k in (PASS, "warning", ERROR, SKIP))
+    parts = ", ".join(f"{counts.get(k, 0)} {label}" for k, label in
+                      ((PASS, PASS), (WARNING, WARNING), (ERROR, ERROR), (SKIP, NOT_JUDGED)))
     lines = [f"run-ut: {len(r)} ops: {parts}"]
     lines += [f"  error  {row['API Name']}  {row['Message'][:160]}" for _, row in r[status == ERROR].head(20).iterrows()]
     skipped = r["Message"].where(status == SKIP, "")
-    damaged = skipped[skipped.str.startswith("damaged record")]
+    failed = skipped[skipped.str.startswith(NOT_REPLAYED)]
+    if len(failed):      # the op raised where it was replayed: not judged, and why
+        lines.append(f"  {len(failed)} ops not judged: their replay raised "
+                     f"({failed.iloc[0][len(NOT_REPLAYED) + 2:][:160]})")
+    damaged = skipped[skipped.str.startswith(_DAMAGED)]
     if len(damaged):     # a record problem, not a precision verdict
         lines.append(f"  {len(damaged)} ops not replayed: damaged records ({damaged.iloc[0][16:][:160]})")
     unsaved = skipped.str.contains(_NOT_SAVED, regex=False).sum()

@@ -8,11 +8,14 @@ import numpy as np
 import pandas as pd
 
 from ..standards import metrics as M
+from ..standards.verdicts import NOT_JUDGED, SKIP
 from .page_kit import ops_page, text_number
 
-# run-ut statuses as levels (SKIP: not replayed or nothing judged)
-RUN_UT_LEVELS = [{"name": "SKIP", "short": "", "color": "#bbb"}, {"name": "pass", "short": "", "color": "#3fa34d"},
+# run-ut statuses as levels; the CSVs' SKIP (not replayed, its replay raised, or nothing compared)
+# reads "not judged" on the page, as in compare's
+RUN_UT_LEVELS = [{"name": NOT_JUDGED, "short": "", "color": "#bbb"}, {"name": "pass", "short": "", "color": "#3fa34d"},
                  {"name": "warning", "short": "warn", "color": "#f0b429"}, {"name": "error", "short": "err", "color": "#d9363e"}]
+_SHOWN = {SKIP: NOT_JUDGED}      # CSV status -> the level's name
 _RUN_UT_SEVERITY = {lv["name"]: i for i, lv in enumerate(RUN_UT_LEVELS)}
 
 
@@ -21,7 +24,7 @@ def run_ut_html(results: pd.DataFrame, details: pd.DataFrame, *, summary: list, 
     """run-ut's results by module: each op's status (forward or backward) as its level, the first forward
     and backward error marked, every module holding an error opened; per op its outputs' metrics."""
     fwd, bwd = results["Forward Test Success"], results["Backward Test Success"]
-    status = fwd.where(fwd != "", bwd)
+    status = fwd.where(fwd != "", bwd).replace(_SHOWN)
     ops = pd.DataFrame({"step": results["Step"].astype(int), "rank": results["Rank"].astype(int),
                         "stage": results["Stage"], "scope": results["Scope"], "op": results["API Name"],
                         "sev": status.map(_RUN_UT_SEVERITY).fillna(0).astype(int), "mark": status == "error",
@@ -46,6 +49,7 @@ def run_ut_html(results: pd.DataFrame, details: pd.DataFrame, *, summary: list, 
         keys = zip(results["Step"][labels], results["Rank"][labels], results["API Name"][labels])
         spans = [(i, by_op.get(k, [])) for i, k in zip(labels, keys)]
         take = details.iloc[np.concatenate([ix for _, ix in spans] + [np.zeros(0, int)])][row_cols]
+        take = take.assign(Status=take["Status"].replace(_SHOWN))
         values = take.to_numpy(object).tolist()
         number = [c in metric_cols for c in row_cols]
         out, at = {}, 0
@@ -62,6 +66,7 @@ def run_ut_html(results: pd.DataFrame, details: pd.DataFrame, *, summary: list, 
                     full_table=os.path.basename(result_csv),
                     legend="Each op is judged on its own recorded inputs against a float64 benchmark, twice where "
                            "its outputs were saved: run-ut's replay on its device and the outputs the training "
-                           "process recorded (column Judged): an error is the op's own, not inherited.")
+                           "process recorded (column Judged): an error is the op's own, not inherited. An op "
+                           "that could not be replayed (its replay raised, a tensor unreadable) is not judged.")
 
 

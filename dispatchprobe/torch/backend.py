@@ -180,13 +180,16 @@ class NoGrad:
         torch._C._set_grad_enabled(self.prev)
 
 
-def _dense_flat(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as a 1-D contiguous view of its memory when its elements fill a block exactly (a
-    transpose or permute of dense memory): the same values in another order, so the same
-    statistics, reduced by the contiguous kernels.  Otherwise ``x`` itself."""
+def _sequence(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``x``'s distinct elements as a 1-D tensor in the order they lie in memory (the order
+    :func:`statistics.tree_sums` and the C++ kernel sum them; a copy only where they are not one
+    run), and how many elements each stands for (the product of expanded dimensions)."""
     if x.is_contiguous():
-        return x.view(-1)
-    return x.as_strided((x.numel(),), (1,)) if _fills_block(x) else x
+        return x.reshape(-1), 1
+    dims = [(s, k) for s, k in zip(x.stride(), x.shape) if k != 1]
+    repeat = math.prod(k for s, k in dims if s == 0)
+    kept = sorted((s, k) for s, k in dims if s != 0)[::-1]
+    return x.as_strided([k for _, k in kept], [s for s, _ in kept]).reshape(-1), repeat
 
 
 def _fills_block(t: torch.Tensor) -> bool:
@@ -205,73 +208,73 @@ def _one_pass_fits(x: torch.Tensor) -> bool:
     return fused_stats.stats4 is not None and x.dtype in _ONE_PASS_DTYPES
 
 
-def _one_pass(x: torch.Tensor) -> dict | None:
-    """The record from one pass of the kernel over ``x`` (:func:`_one_pass_fits`), sums in double;
-    values holding inf or nan take a second pass for their counts and finite max and min.  None
-    where the kernel does not read ``x``'s layout in place (no dimension of stride 1)."""
+def _one_pass(x: torch.Tensor, repeat: int = 1) -> dict | None:
+    """The record from one pass of the kernel over ``x`` (:func:`_one_pass_fits`), each element
+    standing for ``repeat``; values holding inf or nan take a second pass for their counts and
+    finite max and min.  None where the kernel does not read ``x``'s layout in place (no
+    dimension of stride 1)."""
     values = fused_stats.stats4(x)
     if not values:
         return None
     hi, lo, total, squares = values
+    total, squares = total * repeat, squares * repeat
     if not (math.isfinite(total) and math.isfinite(squares)):
         nan, inf, hi_, lo_, fhi, flo = fused_stats.extremes(x)
         if nan or inf:
-            return statistics.nonfinite_record(total, squares, int(nan), int(inf), hi_, lo_, fhi, flo, x.numel())
-    # finite values (whose float32 lane sums may have overflowed: finish redoes those in float64)
-    return statistics.finish(x, [hi, lo, total, math.sqrt(squares)], torch)
+            return statistics.nonfinite_record(total, squares, int(nan) * repeat, int(inf) * repeat, hi_, lo_, fhi, flo,
+                                               x.numel() * repeat)
+        # finite values whose float32 lanes overflowed: finish sums them again in float64 lanes
+        seq, inner = _sequence(x)
+        return statistics.finish(seq, [hi, lo, total, math.sqrt(squares)], torch, repeat * inner)
+    return statistics.finite_record(hi, lo, total, math.sqrt(squares), x.numel() * repeat)
 
 
 def _cpu_stats(t: torch.Tensor) -> dict:
     st = _one_pass(t) if _one_pass_fits(t) else None
     if st is not None:
         return st
-    x = _dense_flat(t.detach())
-    if not x.is_contiguous() and x.is_floating_point():
-        x = x.contiguous()   # strided reductions cost several times a copy (the norm above all)
-    x = statistics.source(x, torch)
-    st = _one_pass(x) if _one_pass_fits(x) else None
+    seq, repeat = _sequence(t.detach())
+    x = statistics.source(seq, torch)
+    st = _one_pass(x, repeat) if _one_pass_fits(x) else None
     if st is not None:
         return st
-    if x.numel() <= _NUMPY_MAX and x.dtype in _NUMPY_DTYPES and x.is_contiguous():
-        values = _numpy_reductions(x)
+    if x.numel() <= _NUMPY_MAX and x.dtype in _NUMPY_DTYPES:
+        flat = _numpy_copy(x)
+        with np.errstate(all="ignore"):   # no numpy warning may reach the user's code (-W error)
+            hi, lo = float(_max(flat)), float(_min(flat))
+        total, squares = statistics.sums(flat, np)
     else:
-        lo, hi = torch.aminmax(x)
-        acc = statistics.accumulator(x, torch)   # torch sums pairwise: float32 keeps ~1e-6 relative
-        total = x.sum(dtype=acc)
-        if x.dtype == torch.float32 and x.is_contiguous():
-            flat = x.view(-1)
-            squares = torch.dot(flat, flat)     # one BLAS pass
-            values = [hi.item(), lo.item(), total.item(), math.sqrt(squares.item())]   # CPU: no sync
-        else:
-            norm = torch.linalg.vector_norm(x, dtype=acc)
-            values = [hi.item(), lo.item(), total.item(), norm.item()]
-    return complete_stats(x, values)
+        lo_, hi_ = torch.aminmax(x)
+        hi, lo = hi_.item(), lo_.item()
+        total, squares = statistics.sums(x, torch)
+    return complete_stats(x, [hi, lo, total * repeat, math.sqrt(squares * repeat)], repeat)
 
 
-def complete_stats(x: torch.Tensor, values: list) -> dict:
-    """The record of :func:`statistics.source` values ``x`` from their (max, min, sum, L2 norm),
-    counting nan/inf and their finite max/min where those show any."""
+def complete_stats(x: torch.Tensor, values: list, repeat: int = 1) -> dict:
+    """The record of :func:`statistics.source` values ``x`` (1-D, in memory order, each standing
+    for ``repeat`` elements) from their (max, min, sum, L2 norm), counting nan/inf and their
+    finite max/min where those show any."""
     hi, lo = values[0], values[1]
     if math.isnan(hi) or math.isnan(lo) or math.isfinite(hi) and math.isfinite(lo):
-        return statistics.finish(x, values, torch)
-    return _with_infinities(x, values)
+        return statistics.finish(x, values, torch, repeat)
+    return _with_infinities(x, values, repeat)
 
 
-def _with_infinities(x: torch.Tensor, values: list) -> dict:
+def _with_infinities(x: torch.Tensor, values: list, repeat: int = 1) -> dict:
     """:func:`statistics.finish` for values holding infinities but no nan (a causal mask's
     ``-inf``), the same record in far fewer passes: a count and a masked max/min per sign."""
     hi, lo, total, norm = values
-    n = x.numel()
+    n = x.numel() * repeat
     stats = {"max": hi, "min": lo, "mean": total / n, "norm": norm, "nan": 0, "inf": 0}
     inf = 0
     finite_max, finite_min = hi, lo
     if hi == math.inf:
         pos = x == math.inf
-        inf += int(pos.sum())
+        inf += int(pos.sum()) * repeat
         finite_max = float(x.masked_fill(pos, -math.inf).max())
     if lo == -math.inf:
         neg = x == -math.inf
-        inf += int(neg.sum())
+        inf += int(neg.sum()) * repeat
         finite_min = float(x.masked_fill(neg, math.inf).min())
     stats["inf"] = inf
     if inf < n:
@@ -302,14 +305,18 @@ def device_stats_row(t: torch.Tensor) -> torch.Tensor:
 
 
 def torch_stats_row(values: torch.Tensor) -> torch.Tensor:
-    """:func:`device_stats_row` with torch's reductions (any device)."""
+    """:func:`device_stats_row` with torch's operations (any device), the sums in
+    :func:`statistics.tree_sums`' order, over the values in memory order: the row the CPU gives."""
     with torch.no_grad():
-        x = statistics.source(values, torch)     # floating point
+        seq, repeat = _sequence(values)
+        x = statistics.source(seq, torch)     # floating point
         lo, hi = torch.aminmax(x)
-        acc = statistics.accumulator(x, torch)
-        return torch.stack([hi.double(), lo.double(), x.sum(dtype=acc).double(),
-                            torch.linalg.vector_norm(x, dtype=acc).double(),
-                            torch.isnan(x).sum().double(), torch.isinf(x).sum().double()])
+        sums = statistics.tree_sums(x, torch)
+        wide = statistics.tree_sums(x, torch, wide=True)
+        # float32 lanes of finite values that overflowed: float64 lanes, as statistics.finish does
+        sums = torch.where(torch.isfinite(sums) | ~torch.isfinite(hi) | ~torch.isfinite(lo), sums, wide) * repeat
+        return torch.stack([hi.double(), lo.double(), sums[0], sums[1].sqrt(),
+                            torch.isnan(x).sum().double() * repeat, torch.isinf(x).sum().double() * repeat])
 
 
 def read_stats_rows(rows: list[torch.Tensor], numels: list[int]) -> list[dict]:
@@ -355,17 +362,6 @@ def _numpy_copy(x: torch.Tensor) -> np.ndarray:
     n = x.numel()
     pair[1][:n].copy_(x.view(-1))
     return pair[0][:n]
-
-
-def _numpy_reductions(x: torch.Tensor) -> list[float]:
-    flat = _numpy_copy(x)
-    # no numpy warning may reach the user's code (-W error would stop training): squares that
-    # overflow (a finfo.min attention mask) and +inf + -inf are redone by finish / counted there
-    with np.errstate(all="ignore"):
-        if flat.dtype == np.float64:
-            return [float(_max(flat)), float(_min(flat)), float(_add(flat)), math.sqrt(float(np.dot(flat, flat)))]
-        return [float(_max(flat)), float(_min(flat)), float(_add(flat, dtype=np.float64)),
-                math.sqrt(float(np.dot(flat, flat)))]
 
 
 def checksum(t: torch.Tensor) -> str:
@@ -661,14 +657,10 @@ def encode_other(value) -> dict:
 
 
 def accelerator() -> str:
-    """The device a run is on, for the manifest: cuda, npu, any torch.accelerator, else cpu."""
-    try:
-        acc = torch.accelerator.current_accelerator()
-        if acc is not None:
-            return str(acc)
-    except (AttributeError, RuntimeError):
-        pass
-    return "cpu"
+    """The device a run is on, for the manifest: an accelerator this machine has (cuda, npu, any
+    torch.accelerator), else cpu; a CUDA build on a machine without a GPU is cpu."""
+    from .devices import default_device
+    return default_device()
 
 
 def dtype_of(t: torch.Tensor) -> str:

@@ -20,6 +20,7 @@ from ..offline.replayer import Output, Replayed, Replayer, ReplayError, Skip
 from ..records.format import walk
 from ..records.reader import Part
 from . import ops, references
+from .devices import usable_device
 from .ops import dtype_name
 
 _MEMORY_FORMATS = {"contiguous_format": torch.contiguous_format, "channels_last": torch.channels_last,
@@ -490,30 +491,10 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
 
 # ---- devices -------------------------------------------------------------------------------------
 def resolve_device(name: str | None) -> torch.device:
-    """``cpu``, ``cuda[:i]``, ``npu[:i]`` (imports torch_npu), any ``torch.accelerator`` type;
-    None: the current accelerator, else cpu."""
-    if name in (None, "", "auto"):
-        try:
-            acc = torch.accelerator.current_accelerator()
-            return torch.device(acc) if acc is not None else torch.device("cpu")
-        except (AttributeError, RuntimeError):
-            return torch.device("cpu")
-    kind = name.split(":")[0]
-    if kind == "npu":
-        try:
-            import torch_npu  # noqa: F401
-        except ImportError:
-            raise ValueError("--device npu needs torch_npu installed") from None
-    try:
-        dev = torch.device(name)
-    except RuntimeError:
-        raise ValueError(f"unknown device {name!r} (expected cpu, cuda, npu, or a torch.accelerator type)") from None
-    if dev.type != "cpu":
-        mod = getattr(torch, dev.type, None)
-        avail = getattr(mod, "is_available", None)
-        if avail is not None and not avail():
-            raise ValueError(f"device {name!r} is not available on this machine")
-    return dev
+    """``--device``: ``cpu``, ``cuda[:i]``, ``npu[:i]`` (imports torch_npu), any ``torch.accelerator``
+    type that has a device on this machine; None: such an accelerator, else cpu
+    (:func:`.devices.usable_device`: a ValueError naming the device and why it is unusable)."""
+    return usable_device(name)
 
 
 # ---- the services run-ut asks of a framework ---------------------------------------------------
