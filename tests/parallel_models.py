@@ -53,6 +53,39 @@ def parallelize(model: nn.Module, kind: str, mesh=None) -> nn.Module:
     return model
 
 
+class InputMLP(nn.Module):
+    """An :class:`MLP` after a layer of its own (``pre``): the tensor-parallel block's input then
+    needs a gradient, so tensor parallelism all-reduces that gradient in the backward too (over its
+    group, next to data parallelism's gradient reductions over another)."""
+
+    def __init__(self):
+        super().__init__()
+        self.pre = nn.Linear(8, 8)
+        self.block = MLP()
+
+    def forward(self, x):
+        return self.block(torch.tanh(self.pre(x)))
+
+
+# N-D device meshes: layout -> (mesh shape, dimension names); 4 ranks each
+MESHES = {"fsdp_tp": ((2, 2), ("dp", "tp")), "hsdp": ((2, 2), ("replicate", "shard")),
+          "hsdp_tp": ((2, 1, 2), ("replicate", "shard", "tp"))}
+
+
+def parallelize_nd(model: InputMLP, layout: str, mesh) -> nn.Module:
+    """``model`` on an N-D mesh (:data:`MESHES`): ``fsdp_tp`` FSDP2 over ``dp`` and tensor parallelism
+    (``block.up`` column-wise, ``block.down`` row-wise) over ``tp``; ``hsdp`` FSDP2 replicated over
+    ``replicate`` and sharded over ``shard``; ``hsdp_tp`` both, on a 3-D mesh."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    if "tp" in mesh.mesh_dim_names:
+        parallelize_module(model.block, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    dp = mesh[tuple(d for d in mesh.mesh_dim_names if d != "tp")] if mesh.ndim > 1 else mesh
+    for layer in (model.pre, model.block.up, model.block.down):
+        fully_shard(layer, mesh=dp)
+    return fully_shard(model, mesh=dp)
+
+
 def run_and_end(main) -> None:
     """Run a torchrun script's ``main`` (which closes its probes, writes its results and destroys
     the process group), then end the process without torch's C++ teardown: after gloo and DTensor

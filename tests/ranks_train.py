@@ -1,11 +1,15 @@
 """Two training steps of a small MLP on 2 gloo ranks under the statistics and tensor tasks, with a
 fault planted on rank 1 if asked; run by ``test_ranks.py`` as
-``torchrun --nproc-per-node 2 ranks_train.py {ddp,fsdp,tp} OUT [PLANT ...]``.
+``torchrun --nproc-per-node 2 ranks_train.py {ddp,fsdp,tp} OUT [PLANT ...]``, and on N-D device meshes
+(4 ranks, ``parallel_models.MESHES``) as ``torchrun --nproc-per-node 4 ranks_train.py nd OUT
+LAYOUT-PLANT ...`` (``fsdp_tp-clean``, ``hsdp-nudge``, ...).
 
 PLANT: ``clean`` (none), ``calls`` (no model: each kind of collective called directly), ``nudge`` (one weight moved on rank 1 after DDP's initial broadcast),
 ``hook`` (a DDP comm hook that scales rank 1's reduced bucket by 1.001), ``inf`` (rank 1's batch
-scaled so that the loss overflows to inf there, from finite values).  Each plant's records go to
-``OUT/{plant}/{statistics,tensor}`` (one launch, several runs)."""
+scaled so that the loss overflows to inf there, from finite values); on N-D meshes ``nudge`` moves one
+element of rank 3's local shard of ``block.up.weight`` before the first step (a shard its replicas
+hold equal).  Each plant's records go to ``OUT/{plant}/{statistics,tensor}`` (one launch, several
+runs)."""
 
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from dispatchprobe import DispatchProbe
-from parallel_models import MLP, parallelize, run_and_end
+from parallel_models import MESHES, MLP, InputMLP, parallelize, parallelize_nd, run_and_end
 
 STEPS = 2
 
@@ -78,9 +82,43 @@ def train(kind: str, mesh, probe: DispatchProbe, plant: str) -> None:
         probe.step()
 
 
+def train_nd(layout: str, probe: DispatchProbe, plant: str) -> None:
+    """Two steps of :class:`InputMLP` on the N-D mesh of ``layout``; the ranks that differ only in
+    their tensor-parallel coordinate see one batch, the data-parallel ones each their own."""
+    from torch.distributed.device_mesh import init_device_mesh
+    shape, names = MESHES[layout]
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    torch.manual_seed(0)
+    model = parallelize_nd(InputMLP(), layout, mesh)
+    if plant == "nudge" and dist.get_rank() == 3:
+        with torch.no_grad():
+            model.block.up.weight.to_local()[0, 0] += 1e-3
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    coordinate = [c for c, name in zip(mesh.get_coordinate(), names) if name != "tp"]
+    gen = torch.Generator().manual_seed(1 + sum(c * 10 ** i for i, c in enumerate(coordinate)))
+    for _ in range(STEPS):
+        x = torch.randn(4, 8, generator=gen)
+        probe.start()
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        probe.step()
+
+
 def main() -> None:
     kind, out = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo")
+    if kind == "nd":
+        for plant in sys.argv[3:]:
+            layout, _, how = plant.partition("-")
+            for task in ("statistics", "tensor"):
+                probe = DispatchProbe(task=task, dump_path=os.path.join(out, plant, task))
+                train_nd(layout, probe, how)
+                probe.close()
+        dist.barrier()
+        dist.destroy_process_group()
+        return
     mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (dist.get_world_size(),),
                                                           mesh_dim_names=("tp",) if kind == "tp" else ("dp",))
     for plant in sys.argv[3:] or ["clean"]:

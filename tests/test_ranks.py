@@ -1,6 +1,8 @@
 """Distributed runs checked across ranks: DDP, FSDP2 and DTensor tensor-parallel steps on 2 gloo
 ranks (``torchrun``, loopback; ``ranks_train.py``) record every rank's collectives with their
-process group and per-group sequence numbers."""
+process group and per-group sequence numbers; on N-D device meshes (4 gloo ranks: FSDP2 with
+tensor parallelism, HSDP, and both on a 3-D mesh) ``ranks`` takes its groups from the process
+groups each collective reduces over."""
 
 from __future__ import annotations
 
@@ -21,11 +23,16 @@ _RUNS: dict = {}
 PLANTS = {"ddp": ("clean", "calls", "nudge", "hook", "inf"), "fsdp": ("clean",), "tp": ("clean",)}
 
 
+PLANTS["nd"] = ("fsdp_tp-clean", "hsdp-clean", "hsdp-nudge", "hsdp_tp-clean")
+
+
 def launch(kind: str, out: Path) -> Path:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "error::UserWarning"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(SCRIPT), kind, str(out), *PLANTS[kind]], capture_output=True, text=True, timeout=300,
-                          env=env)
+    # FSDP2 warns that a row-wise parallel layer returns a view (its output is the local tensor)
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONWARNINGS": "error::UserWarning,ignore:FSDP2-wrapped module"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                           "4" if kind == "nd" else "2", str(SCRIPT), kind, str(out), *PLANTS[kind]],
+                          capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return out
 
@@ -267,3 +274,80 @@ def test_collectives_left_out_of_the_records_still_count(tmp_path):
     recs = [json.loads(line) for line in (tmp_path / "run" / "step0" / "rank0" / "ops.jsonl").read_text().splitlines()]
     assert [(r["op"], r["collective"]["seq"]) for r in recs] == [("c10d.allreduce_.default", 1),
                                                                  ("c10d.allreduce_.default", 3)]
+
+
+# ---- N-D device meshes (4 ranks) ----------------------------------------------------------------------
+def _tp_backward_all_reduce(out: Path) -> set:
+    """The groups tensor parallelism all-reduced an input's gradient over in the backward."""
+    return {tuple(next(a for a in r["inputs"] if a.get("type") == "process_group")["ranks"])
+            for rank in range(4) for r in records(out, "statistics", 0, rank)
+            if r["op"] == "_c10d_functional.all_reduce.default" and r["stage"] == "backward"}
+
+
+@pytest.mark.parametrize("layout,held", [
+    ("fsdp_tp", {0: (0, 2), 1: (1, 3), 2: (0, 2), 3: (1, 3)}),     # the ranks sharing a tp coordinate
+    ("hsdp", {r: (0, 1, 2, 3) for r in range(4)}),                 # replicate x shard: every rank
+    ("hsdp_tp", {0: (0, 2), 1: (1, 3), 2: (0, 2), 3: (1, 3)}),     # replicate x shard (of 1), per tp coordinate
+])
+def test_clean_runs_on_nd_meshes_agree(runs, layout, held, tmp_path):
+    """The replicas come from the groups the gradients were reduced over, not from every rank nor
+    from tensor parallelism's backward all-reduces (over its own group: present in both layouts
+    with tp, and no data-parallel group)."""
+    import pandas as pd
+    from dispatchprobe.offline.ranks.groups import replicas
+    out = runs("nd", f"{layout}-clean")
+    recs = {rank: records(out, "statistics", 0, rank) for rank in range(4)}
+    assert {r: tuple(sorted(g)) for r, g in replicas(recs).items()} == held
+    if "tp" in layout:
+        assert _tp_backward_all_reduce(out) == {(0, 1), (2, 3)}
+    for task in ("statistics", "tensor"):
+        code, text = ranks(out / task, "-o", str(tmp_path / task))
+        assert code == 0, text
+        assert text.startswith("the ranks agree: ") and " 0 differ, 0 not judged;" in text, text
+        assert "over 2 step(s) and 4 rank(s)" in text and " 0 drift(s)" in text, text
+        table = pd.read_csv(tmp_path / task / "ranks.csv")
+        assert (table["status"] == "agree").all() and len(table) >= 20, table
+
+
+def test_drifting_hsdp_replica_is_named_with_its_group(runs, tmp_path):
+    """HSDP on a 2x2 mesh (replicate x shard): one element of rank 3's shard nudged before the first
+    step.  Ranks 2 and 3 gather the moved parameter, ranks 0 and 1 the others: named at the first
+    op that receives it, on the four ranks that must see it equal; after the step the shard
+    differs between rank 3 and its replica over the replicate dimension, rank 1."""
+    import pandas as pd
+    for task, how in (("statistics", "statistics differ"), ("tensor", "1 of 128 elements differ, by up to 0.001")):
+        code, out = ranks(runs("nd", "hsdp-nudge") / task, "-o", str(tmp_path / task))
+        assert code == 2, out
+        first = out.splitlines()[0]
+        assert first.startswith("replica drift on rank 2 3: aten.addmm.default [FSDPInputMLP.block.up] (step 0, "
+                                "forward): parameter input.2 differs on rank 2, 3 from rank 0: "), first
+        assert how in first and first.endswith("; held equal by ranks 0, 1, 2, 3"), first
+        table = pd.read_csv(tmp_path / task / "ranks.csv")
+        shard = table[(table["check"] == "replica") & (table["op"] == "param.value")]
+        assert list(shard["step"]) == [0, 1] and list(shard["scope"]) == ["block.up.weight"] * 2, shard
+        assert shard["detail"].str.startswith("parameter after the step block.up.weight differs on rank 3 from "
+                                              "rank 1: ").all(), shard["detail"].tolist()
+        assert shard["detail"].str.endswith("held equal by ranks 1, 3").all(), shard["detail"].tolist()
+        # only the block's up weight moved: no other parameter, gradient or collective is named
+        drifts = table[table["check"] == "replica"]
+        assert set(drifts["scope"]) <= {"FSDPInputMLP.block.up", "block.up.weight"}, drifts
+        assert (table[table["check"] == "collective"]["status"] == "agree").all()
+
+
+def test_missing_is_said_only_of_missing_records(runs, tmp_path):
+    """On the 2x2 FSDP2 + tensor-parallel run, rank 3's step 1 removed: rank 3, and only rank 3, is
+    missing; a check given some of the parts says the others were not given, not that they are
+    missing."""
+    import shutil
+    from dispatchprobe.offline.ranks import check_parts, merge
+    run = _copy(runs("nd", "fsdp_tp-clean") / "statistics", tmp_path)
+    shutil.rmtree(run / "step1" / "rank3")
+    code, out = ranks(run)
+    lines = out.splitlines()
+    assert code == 1 and lines[0] == ("cannot judge: step 1: rank 3's records are missing (its groups' collectives "
+                                      "cannot be joined)"), out
+    assert not [line for line in lines[1:] if "rank 0" in line or "rank 1" in line or "rank 2" in line], out
+    _, verdict = merge(check_parts(str(run), [(0, 0), (0, 1), (0, 2)]))
+    assert verdict.code == 1 and str(verdict).startswith(
+        "cannot judge: step 0: rank 3's records were not among the parts checked"), str(verdict)
+    assert "missing" not in str(verdict), str(verdict)

@@ -17,7 +17,8 @@ from ..launcher import engine_for, gathered, said_by_rank0
 from ...standards import verdicts as V
 from .collectives import calls_of, check_call
 from .inf_nan import describe, first_nonfinite
-from .replicas import data_parallel_members, find_drifts
+from .groups import replicas
+from .replicas import find_drifts
 from .values import Values
 
 COLUMNS = ["step", "check", "status", "rank", "ranks", "group", "seq", "kind", "op", "name", "scope", "stage", "id",
@@ -77,27 +78,18 @@ def check_step(run: Run, step: int, ranks: list, *, tensors: bool = True) -> Ste
         rows.append(_row(step, "collective", status, first.rank, finding.ranks, first.record, first.index,
                          arg="", size=finding.size, detail=finding.detail, group=group, seq=seq,
                          kind=rec["collective"].get("kind")))
-    for r in sorted(absent):
-        missing.append(f"step {step}: rank {r}'s records are missing (its groups' collectives cannot be joined)")
-    # 2. replicas, per data-parallel group
-    groups: dict = {}
-    for r in ranks:
-        dp = data_parallel_members(records[r])
-        if len(dp) > 1:
-            groups.setdefault(dp, []).append(r)
-    compared = 0
-    for dp, members in groups.items():
-        if set(dp) - set(members):
-            missing.append(f"step {step}: rank {', '.join(map(str, sorted(set(dp) - set(members))))}'s records "
-                           f"are missing (data-parallel group {sorted(dp)})")
-        if len(members) < 2:
-            continue
-        drifts, n = find_drifts({r: records[r] for r in members}, values, {r: parts[r].params for r in members})
-        compared += n
-        for d in drifts:
-            rows.append(_row(step, "replica", DIFFERS, d.ranks[0], d.ranks, d.record, d.index, arg=d.arg, size=d.size,
-                             detail=f"{d.what} {d.arg} differs on rank {', '.join(map(str, d.ranks))} from rank "
-                                    f"{d.reference}: {d.detail}; {d.context}"))
+    missing += [_absent(run, step, r, "its groups' collectives cannot be joined") for r in sorted(absent)]
+    # 2. replicas: each value on the ranks that must hold it equal
+    held = replicas(records)
+    for r in sorted({r for g in held.values() for r in g} - set(ranks) - absent):
+        missing.append(_absent(run, step, r, f"its replicas {sorted(next(g for g in held.values() if r in g))} "
+                                             "are compared without it"))
+    drifts, compared = find_drifts(records, values, {r: parts[r].params for r in ranks}, held)
+    for d in drifts:
+        rows.append(_row(step, "replica", DIFFERS, d.ranks[0], d.ranks, d.record, d.index, arg=d.arg, size=d.size,
+                         detail=f"{d.what} {d.arg} differs on rank {', '.join(map(str, d.ranks))} from rank "
+                                f"{d.reference}: {d.detail}; {d.context}; held equal by ranks "
+                                + ", ".join(map(str, d.group))))
     # 3. inf/nan: where they started
     firsts = [f for f in (first_nonfinite(r, records[r]) for r in ranks) if f is not None]
     for f in firsts:
@@ -108,6 +100,14 @@ def check_step(run: Run, step: int, ranks: list, *, tensors: bool = True) -> Ste
     unnumbered = sum(1 for r in ranks for rec in records[r]
                      if "collective" not in rec and rec.get("kind") == "op" and role(rec["op"]) is not None)
     return StepResult(step, list(ranks), rows, compared, missing, unnumbered)
+
+
+def _absent(run: Run, step: int, rank: int, consequence: str) -> str:
+    """Why a rank the checks need is not there: its part is missing from the run, or (a caller's
+    share of the parts) not among those given."""
+    if (step, rank) in run.parts:
+        return f"step {step}: rank {rank}'s records were not among the parts checked ({consequence})"
+    return f"step {step}: rank {rank}'s records are missing ({consequence})"
 
 
 def _row(step, check, status, rank, ranks, record, index, *, arg, detail, size=float("nan"), group="", seq=None,
@@ -147,7 +147,8 @@ def merge(results: list[StepResult], run_ranks=None) -> tuple[pd.DataFrame, Rank
                f"{len(ranks)} rank(s): {int(counts.get(AGREE, 0))} agree, {int(counts.get(DIFFERS, 0))} differ, "
                f"{int(counts.get(NOT_JUDGED, 0))} not judged; "
                + (f"{compared} replicated values compared, {len(drifts)} drift(s)" if compared else
-                  "no replicas to compare (no data-parallel group: no gradient was all-reduced or reduce-scattered)"))
+                  "no replicas to compare (no gradient was reduced over a data-parallel group, and no other value "
+                  "is held equal across ranks)"))
     finding = _first_finding(table)
     if finding:
         lines = [finding, summary]

@@ -15,8 +15,9 @@ _SEV = {"agree": 0, "not judged": 1, "inf/nan received": 2, "inf/nan came in": 3
 OP_COLS = ["check", "status", "ranks", "group", "seq", "kind", "arg", "size", "detail"]
 ROW_COLS = ["rank", "io", "arg", "dtype", "shape", "max", "min", "mean", "norm", "nan", "inf"]
 LEGEND = ("Collective calls are joined across the ranks of their group by sequence number and checked against "
-          "their semantics; replicas are values every rank of a data-parallel group must hold equal (parameters, "
-          "results of all-reduce/all-gather/broadcast, what ops compute from them only); inf/nan rows say where "
+          "their semantics; replicas are values a set of ranks must hold equal (parameters on the ranks joined by "
+          "data-parallel groups, a DTensor's shard on the ranks holding that shard, results of "
+          "all-reduce/all-gather/broadcast on their group, what ops compute from them only); inf/nan rows say where "
           "each rank's first inf/nan came from.  An op lists its tensors on every rank.")
 
 

@@ -1,21 +1,23 @@
-"""Replicas: values that must be equal on every rank of a data-parallel group, and the first op
-where one drifts.
+"""Replicas: values that must be equal on a set of ranks, and the first op where one drifts.
 
-The rule (docs/distributed.md): the data-parallel group of a rank is the union of the groups its
-gradients were reduced over (backward all-reduces and reduce-scatters with SUM or AVG: DDP's
-buckets, FSDP2's reduce-scatters).  Across that group these are replicated:
+The rule (docs/distributed.md): every value has the set of ranks that must hold it equal, from
+the process groups the records name (:mod:`.groups`), never assumed to be every rank:
 - parameters as ops receive them (``param: true``: DDP's replicas, FSDP2's all-gathered
-  parameters; never a DTensor's local shard), parameters after the optimizer step included;
+  parameters; never a DTensor's local shard): the rank's replicas (the ranks joined by its
+  data-parallel groups), parameters after the optimizer step included;
 - the parameter records (``params.jsonl``): each gradient as the optimizer applies it (after its
-  reduction) and each parameter after the step, where they are whole tensors (not DTensor
-  shards), placed after the step's last backward op;
-- the results of all-reduce, all-gather and broadcast (checked against their semantics by
-  :mod:`.collectives`);
-- what an op computes from replicated values only: every tensor input replicated (the same
-  producing record and argument on every rank), the same number arguments, not a random op.
+  reduction) and each parameter after the step: a whole tensor on the rank's replicas, a
+  DTensor's local shard on the ranks that hold the same shard (by its placements and mesh),
+  placed after the step's last backward op;
+- the results of all-reduce, all-gather and broadcast: the ranks of the collective's group
+  (checked against their semantics by :mod:`.collectives`);
+- what an op computes from such values only, with the same number arguments and not a random
+  op: the ranks that hold every one of its tensor inputs (made by the same record and argument
+  on each of them).
 Ops join across ranks by record name (op, call index, stage).  An op whose replicated inputs
 meet number arguments that differ by rank (a scale that depends on the rank) computes no replica;
-it is named as a suspect when a replica drifts after it."""
+it is named as a suspect when a replica drifts after it.  Once a value drifts, what is computed
+from it is not compared again."""
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from typing import NamedTuple
 from ...core.op_traits import is_random
 from ...records.format import walk
 from ..compare.pairing import _flow
+from .groups import group_of, shard_holders
 from .values import Values, classes, difference, judged, same_arrays, same_stats, stats_difference, stats_of
 
 REPLICATING = ("all_reduce", "all_gather", "broadcast")
@@ -40,18 +43,21 @@ class Drift(NamedTuple):
     detail: str
     size: float
     context: str            # the collective before it, suspects
+    group: list = []        # the ranks that must hold the value equal
 
 
-def data_parallel_members(records: list) -> frozenset:
-    """The global ranks this rank's gradients were reduced over (empty: none)."""
-    out = set()
-    for r in records:
-        info = r.get("collective") or {}
-        if r.get("stage") == "backward" and info.get("kind") in ("all_reduce", "reduce_scatter") \
-                and info.get("reduce_op") in ("SUM", "AVG"):
-            group = next((v for v in r.get("inputs", ()) if v.get("type") == "process_group"), {})
-            out.update(group.get("ranks") or ())
-    return frozenset(out)
+class _Claim(NamedTuple):
+    """One rank's claim that a value must be equal on ``members`` (compared once every member
+    claims the same)."""
+
+    key: tuple              # (record name, "input"/"output"/"param", arg, members)
+    index: int
+    record: dict
+    arg: str
+    spec: dict
+    what: str
+    deps: tuple             # keys of the claims this value was computed from
+    context: tuple          # (the last collective before it, suspects)
 
 
 def _numbers(record: dict) -> list:
@@ -65,120 +71,147 @@ class _Rank:
         self.records = records
         self.flow = _flow(records)
         self.by_name = {r["name"]: i for i, r in enumerate(records) if r.get("kind") == "op"}
+        self._sources: dict = {}
+
+    def sources(self, i: int) -> tuple:
+        """Per tensor input of record ``i``: "param", (name, arg) of the record that made it,
+        "0-d" (a number given as a tensor) or None (data of this rank)."""
+        hit = self._sources.get(i)
+        if hit is None:
+            out = []
+            for io, _, spec in self.flow.walks[i]:
+                if io != "input":
+                    continue
+                src = self.flow.src.get(id(spec))
+                out.append("param" if spec.get("param") else
+                           (self.records[src[0]]["name"], src[1]) if src is not None else
+                           "0-d" if spec.get("shape") == [] else None)
+            hit = self._sources[i] = tuple(out)
+        return hit
+
+    def same_call(self, i: int, other: "_Rank") -> bool:
+        """Whether ``other`` ran record ``i``'s op on the same sources."""
+        j = other.by_name.get(self.records[i]["name"])
+        return j is not None and len(other.flow.walks[j]) == len(self.flow.walks[i]) and \
+            other.sources(j) == self.sources(i)
 
 
 def find_drifts(ranks: dict[int, list], values: Values, params: dict[int, list] | None = None,
-                limit: int = 20) -> tuple[list[Drift], int]:
-    """The replica drifts among ``ranks`` (rank -> its records of one step, one data-parallel group;
-    ``params``: rank -> its parameter records), in the reference rank's record order, and how
-    many replicated values were compared."""
-    members = sorted(ranks)
-    backward = [i for i, r in enumerate(ranks[members[0]]) if r.get("stage") == "backward"]
-    optimizer_at = backward[-1] + 1 if backward else len(ranks[members[0]])   # the parameter records' place
-    at_optimizer = None
-    state = {r: _Rank(r, ranks[r]) for r in members}
-    ref = state[members[0]]
-    replicated: set = set()          # (record name, output arg) replicated on every rank
+                replicas: dict[int, frozenset] | None = None, limit: int = 20) -> tuple[list[Drift], int]:
+    """The replica drifts among ``ranks`` (rank -> its records of one step; ``params``: rank -> its
+    parameter records; ``replicas``: rank -> the ranks holding its parameters, :func:`.groups.replicas`),
+    in record order, and how many replicated values were compared."""
+    present = frozenset(ranks)
+    state = {r: _Rank(r, ranks[r]) for r in sorted(ranks)}
+    replicas = {r: s & present for r, s in (replicas or {}).items()}
+    claims = {r: _claims(state[r], state, replicas.get(r, frozenset()), (params or {}).get(r) or [], present)
+              for r in state}
+    holders: dict = {}
+    for r, mine in claims.items():
+        for c in mine:
+            holders.setdefault(c.key, {})[r] = c
     checked: dict = {}
+    tainted: set = set()
     drifts: list[Drift] = []
+    compared = 0
+    for r in sorted(claims):         # the lowest member first: what a value was computed from comes first
+        for c in claims[r]:
+            members = c.key[3]
+            if r != min(members) or set(holders[c.key]) != members:
+                continue
+            if any(d in tainted for d in c.deps):
+                tainted.add(c.key)
+                continue
+            compared += 1
+            found = _compare({m: holders[c.key][m].spec for m in members}, values, checked, sorted(members))
+            if found:
+                tainted.add(c.key)
+                drifts.append(_drift(c, found, sorted(members)))
+    return sorted(drifts, key=lambda d: d.index)[:limit], compared
+
+
+def _claims(me: _Rank, state: dict, mine: frozenset, params: list, present: frozenset) -> list[_Claim]:
+    """One rank's claims, in its record order: which of its values must be equal on which ranks."""
+    rank = me.rank
+    alone = frozenset((rank,))
+    backward = [i for i, r in enumerate(me.records) if r.get("stage") == "backward"]
+    optimizer_at = backward[-1] + 1 if backward else len(me.records)   # the parameter records' place
+    at_optimizer = None
+    held: dict = {}                  # (record name, output arg) -> the ranks holding it equal
+    out: list[_Claim] = []
     suspects: list[str] = []
     last_collective = ""
-    compared = 0
-    for i, rec in enumerate(ref.records):
+    for i, rec in enumerate(me.records):
         if at_optimizer is None and i >= optimizer_at:
             at_optimizer = (last_collective, list(suspects))
         if rec.get("kind") != "op":
             continue
-        idx = {r: state[r].by_name.get(rec["name"]) for r in members}
-        if any(v is None for v in idx.values()):
-            continue
-        recs = {r: state[r].records[idx[r]] for r in members}
-        walks = {r: state[r].flow.walks[idx[r]] for r in members}
-        if len({len(w) for w in walks.values()}) != 1:
-            continue
+        walks = me.flow.walks[i]
+        context = (last_collective, list(suspects))
+        sets, deps = [], []
+        for (io, arg, spec), src in zip([w for w in walks if w[0] == "input"], me.sources(i)):
+            if src == "param" and len(mine) > 1:
+                key = (rec["name"], "input", arg, mine)
+                out.append(_Claim(key, i, rec, arg, spec, "parameter", (), context))
+                sets.append(mine)
+                deps.append(key)
+            elif isinstance(src, tuple) and src in held:
+                sets.append(held[src])
+                deps.append((src[0], "output", src[1], held[src]))
+            elif src != "0-d":       # a 0-d constant is a number argument
+                sets.append(alone)
         info = rec.get("collective") or {}
-        inputs_ok, any_tensor, bad_input = True, False, False
-        for k, (io, arg, spec) in enumerate(walks[ref.rank]):
-            if io != "input":
-                continue
-            specs = {r: walks[r][k][2] for r in members}
-            any_tensor = True
-            if all(s.get("param") for s in specs.values()):
-                compared += 1
-                drift = _compare(specs, values, checked, members)
-                if drift:
-                    bad_input = True
-                    drifts.append(_drift(i, rec, arg, drift, "parameter", last_collective, suspects))
-                continue
-            sources = {r: state[r].flow.src.get(id(specs[r])) for r in members}
-            if any(v is None for v in sources.values()):
-                if not all(s.get("shape") == [] for s in specs.values()):     # a 0-d constant: a number argument
-                    inputs_ok = False
-                continue
-            names = {(state[r].records[sources[r][0]]["name"], sources[r][1]) for r in members}
-            if len(names) != 1 or next(iter(names)) not in replicated:
-                inputs_ok = False
         if info:
-            if info.get("kind") in REPLICATING:
-                replicated.update((rec["name"], arg) for io, arg, _ in walks[ref.rank] if io == "output")
+            group = group_of(rec) & present
+            if info.get("kind") in REPLICATING and rank in group and len(group) > 1:
+                held.update(((rec["name"], arg), group) for io, arg, _ in walks if io == "output")
             last_collective = (f"{rec['op']} #{info.get('seq')} on group {info.get('group')} "
                                f"[{rec.get('scope') or '<top>'}]")
             suspects = []
             continue
-        computed = inputs_ok and any_tensor and not bad_input and not is_random(rec["op"])
-        if computed and len({repr(_numbers(r)) for r in recs.values()}) > 1:
-            shown = "; ".join(f"rank {r}: " + ", ".join(f"{a}={v}" for a, v in _numbers(recs[r])) for r in members)
-            suspects.append(f"{rec['op']} [{rec.get('scope') or '<top>'}] ({rec.get('stage')}) ran on replicated "
-                            f"values with number arguments that differ by rank ({shown})")
-            computed = False
-        for k, (io, arg, spec) in enumerate(walks[ref.rank]):
+        on = frozenset.intersection(*sets) if sets and not is_random(rec["op"]) else alone
+        if len(on) > 1:
+            same = {r for r in on if r == rank or me.same_call(i, state[r])}
+            numbers = {r: _numbers(state[r].records[state[r].by_name[rec["name"]]]) for r in same}
+            agree = frozenset(r for r in same if repr(numbers[r]) == repr(numbers[rank]))
+            if agree != same:
+                shown = "; ".join(f"rank {r}: " + ", ".join(f"{a}={v}" for a, v in numbers[r]) for r in sorted(same))
+                suspects.append(f"{rec['op']} [{rec.get('scope') or '<top>'}] ({rec.get('stage')}) ran on "
+                                f"replicated values with number arguments that differ by rank ({shown})")
+            on = agree
+        for io, arg, spec in walks:
             if io != "output":
                 continue
-            specs = {r: walks[r][k][2] for r in members}
-            param = all(s.get("param") for s in specs.values())
-            if not (computed or param):
-                continue
-            compared += 1
-            drift = _compare(specs, values, checked, members)
-            if drift:
-                drifts.append(_drift(i, rec, arg, drift, "parameter" if param else "computed from replicas only",
-                                     last_collective, suspects))
-            elif computed:
-                replicated.add((rec["name"], arg))
-        if len(drifts) >= limit:
-            break
-    if params and all(params.get(r) for r in members):
-        context = at_optimizer or (last_collective, suspects)
-        n, found = _param_drifts(members, params, values, checked, optimizer_at, len(ref.records), context)
-        compared += n
-        drifts = sorted(drifts + found, key=lambda d: d.index)[:limit]
-    return drifts, compared
-
-
-def _param_drifts(members, params, values, checked, at, end, context) -> tuple[int, list[Drift]]:
-    """Parameter records (gradients as applied, values after the step) compared across ``members``
-    by name; DTensor shards (FSDP2, tensor parallel) hold different parts by design and are left out."""
-    by_name = {r: {p["name"]: p for p in params[r]} for r in members}
-    found, compared = [], 0
-    for k, rec in enumerate(params[members[0]]):
-        recs = [by_name[r].get(rec["name"]) for r in members]
-        if any(x is None or not x.get("outputs") for x in recs) or any("dtensor" in x["outputs"][0] for x in recs):
+            if spec.get("param") and len(mine) > 1:
+                out.append(_Claim((rec["name"], "output", arg, mine), i, rec, arg, spec, "parameter", tuple(deps),
+                                  context))
+            elif len(on) > 1:
+                held[rec["name"], arg] = on
+                out.append(_Claim((rec["name"], "output", arg, on), i, rec, arg, spec, "computed from replicas only",
+                                  tuple(deps), context))
+    context = at_optimizer or (last_collective, suspects)
+    for rec in params:
+        spec = (rec.get("outputs") or [None])[0]
+        if not spec:
             continue
-        compared += 1
-        drift = _compare({r: x["outputs"][0] for r, x in zip(members, recs)}, values, checked, members)
-        if drift:
-            what = "gradient (as the optimizer applies it)" if rec["op"] == "param.grad" else "parameter after the step"
-            index = at if rec["op"] == "param.grad" else end     # gradients before the step's ops, values after
-            found.append(_drift(index, rec, rec["scope"], drift, what, *context))
-    return compared, found
+        on = shard_holders(spec["dtensor"], rank) & present if "dtensor" in spec else mine
+        if len(on) < 2:
+            continue
+        grad = rec["op"] == "param.grad"
+        out.append(_Claim((rec["name"], "param", "", on), optimizer_at if grad else len(me.records), rec,
+                          rec["scope"], spec, "gradient (as the optimizer applies it)" if grad else
+                          "parameter after the step", (), context))
+    return out
 
-def _drift(i, rec, arg, found, what, last_collective, suspects) -> Drift:
+
+def _drift(claim: _Claim, found, group: list) -> Drift:
     ranks, reference, detail, size = found
+    last_collective, suspects = claim.context
     context = (f"the last collective before it: {last_collective}" if last_collective
                else "before any collective of this step")
     if suspects:
         context += "; then " + "; ".join(suspects[-3:])
-    return Drift(i, rec, arg, ranks, reference, what, detail, size, context)
+    return Drift(claim.index, claim.record, claim.arg, ranks, reference, claim.what, detail, size, context, group)
 
 
 def _compare(specs: dict, values: Values, checked: dict, members: list):
@@ -187,7 +220,7 @@ def _compare(specs: dict, values: Values, checked: dict, members: list):
     if not all(judged(s) for s in specs.values()):
         return None
     arrays = {r: values.array(r, s) for r, s in specs.items()}
-    key = tuple((s.get("data"), repr(s.get("stats"))) for s in specs.values())
+    key = (tuple(members), tuple((s.get("data"), repr(s.get("stats"))) for s in specs.values()))
     if key in checked:
         return checked[key]
     out = None

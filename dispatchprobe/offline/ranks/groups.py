@@ -1,0 +1,78 @@
+"""Which ranks must hold equal parameters, from the process groups the records name -- on any
+device mesh, never assumed to be every rank or a contiguous range.
+
+- A rank's **data-parallel groups** are the groups its gradients were reduced over: backward
+  all-reduces and reduce-scatters with SUM or AVG (DDP's buckets, FSDP2's reduce-scatters, HSDP's
+  all-reduces over the replicate dimension), except over a group that also reduces in the
+  forward: there the ranks sum the partial results of one split computation (tensor
+  parallelism, whose backward all-reduces an input's gradient, not a parameter's).
+- **Replicas** are the ranks joined by data-parallel groups, transitively: on a mesh the ranks
+  that differ only in data-parallel coordinates (FSDP2 over ``dp`` with tensor parallelism over
+  ``tp``: the ranks sharing a ``tp`` coordinate; HSDP: every rank of the replicate x shard mesh,
+  which all see the same gathered parameters; DDP: its group).
+- A DTensor's **shard holders** are the ranks whose coordinates agree on every mesh dimension
+  the DTensor is sharded over (HSDP: the replicate dimension's groups hold equal shards); a
+  ``Partial`` placement holds no equal values."""
+
+from __future__ import annotations
+
+import numpy as np
+
+REDUCING = ("all_reduce", "reduce_scatter")
+
+
+def group_of(record: dict) -> frozenset:
+    """The global ranks of the process group a collective's record names (empty: none)."""
+    group = next((v for v in record.get("inputs", ()) if v.get("type") == "process_group"), {})
+    return frozenset(group.get("ranks") or ())
+
+
+def data_parallel_groups(records: list) -> set[frozenset]:
+    """The groups one rank's gradients were reduced over (see the module's rule)."""
+    backward, forward = set(), set()
+    for r in records:
+        info = r.get("collective") or {}
+        if info.get("kind") not in REDUCING:
+            continue
+        group = group_of(r)
+        if r.get("stage") != "backward":
+            forward.add(group)
+        elif info.get("reduce_op") in ("SUM", "AVG"):
+            backward.add(group)
+    return {g for g in backward - forward if len(g) > 1}
+
+
+def replicas(records: dict[int, list]) -> dict[int, frozenset]:
+    """rank -> the ranks that hold the same parameters as it (itself included; ranks named by
+    the groups whose records are not in ``records`` too), for ranks that have replicas."""
+    parent: dict[int, int] = {}
+
+    def find(r):
+        while parent.setdefault(r, r) != r:
+            parent[r] = parent[parent[r]]
+            r = parent[r]
+        return r
+    for recs in records.values():
+        for group in data_parallel_groups(recs):
+            first, *rest = sorted(group)
+            for r in rest:
+                parent[find(r)] = find(first)
+    members: dict[int, set] = {}
+    for r in list(parent):
+        members.setdefault(find(r), set()).add(r)
+    return {r: frozenset(m) for m in members.values() if len(m) > 1 for r in m}
+
+
+def shard_holders(dtensor: dict, rank: int) -> frozenset:
+    """The ranks whose local shard of this DTensor equals ``rank``'s (empty: unknown or none)."""
+    placements = dtensor.get("placements") or []
+    mesh = np.asarray(dtensor.get("mesh") if dtensor.get("mesh") is not None else [])
+    if any(str(p).startswith("Partial") for p in placements) or mesh.ndim != len(placements) or not mesh.size:
+        return frozenset()
+    where = np.argwhere(mesh == rank)
+    if not len(where):
+        return frozenset()
+    sharded = [d for d, p in enumerate(placements) if not str(p).startswith("Replicate")]
+    coords = np.indices(mesh.shape).reshape(mesh.ndim, -1)
+    same = np.all(coords[sharded] == where[0][sharded, None], axis=0) if sharded else np.ones(mesh.size, bool)
+    return frozenset(int(r) for r in mesh.reshape(-1)[same])
