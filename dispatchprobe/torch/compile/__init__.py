@@ -9,7 +9,33 @@ through the session's public entry for calls measured elsewhere, in execution or
 eager records of the code around the graphs.  See docs/compile.md.
 """
 
-from .backend import COMPILED_TASKS, GRANULARITIES, CompiledProbe, ProbeBackend, _EagerOutput, probe_backend
-from .runtime import STAT_FIELDS
+from __future__ import annotations
 
-__all__ = ["COMPILED_TASKS", "GRANULARITIES", "STAT_FIELDS", "CompiledProbe", "ProbeBackend", "probe_backend"]
+from .requires import MIN_TORCH, require_torch
+
+__all__ = ["COMPILED_TASKS", "GRANULARITIES", "MIN_TORCH", "STAT_FIELDS", "CompiledProbe", "ProbeBackend",
+           "probe_backend"]
+# imported on first use: the modules below need torch >= MIN_TORCH, importing this package does not
+_LAZY = {"COMPILED_TASKS": "backend", "GRANULARITIES": "backend", "CompiledProbe": "backend",
+         "ProbeBackend": "backend", "_EagerOutput": "backend", "STAT_FIELDS": "runtime"}
+
+
+def probe_backend(config=None, *, inner: str = "inductor", model=None, granularity: str = "eager", **overrides):
+    """``torch.compile(model, backend=probe_backend(task="statistics", dump_path="runs/c"))``:
+    record the compiled graphs' ops at eager granularity.  ``inner``: ``"inductor"`` (compiled
+    code, the default) or ``"aot_eager"`` (the same instrumented aten graphs run eagerly).
+    ``model`` names the scopes of graphs that start inside a submodule (after a graph break).
+    ``granularity="node"`` records each post-grad node, the op inductor compiles, instead of the
+    eager op call it comes from.  Needs torch >= 2.6 (:data:`MIN_TORCH`): on an older torch this
+    call raises a RuntimeError naming both versions."""
+    require_torch("probe_backend")
+    from . import backend
+    return backend.probe_backend(config, inner=inner, model=model, granularity=granularity, **overrides)
+
+
+def __getattr__(name):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
