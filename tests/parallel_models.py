@@ -67,9 +67,9 @@ class InputMLP(nn.Module):
         return self.block(torch.tanh(self.pre(x)))
 
 
-# N-D device meshes: layout -> (mesh shape, dimension names); 4 ranks each
+# N-D device meshes: layout -> (mesh shape, dimension names); as many ranks as the mesh holds
 MESHES = {"fsdp_tp": ((2, 2), ("dp", "tp")), "hsdp": ((2, 2), ("replicate", "shard")),
-          "hsdp_tp": ((2, 1, 2), ("replicate", "shard", "tp"))}
+          "hsdp_tp": ((2, 2, 2), ("replicate", "shard", "tp"))}
 
 
 def parallelize_nd(model: InputMLP, layout: str, mesh) -> nn.Module:

@@ -1,8 +1,8 @@
 """Two training steps of a small MLP on 2 gloo ranks under the statistics and tensor tasks, with a
 fault planted on rank 1 if asked; run by ``test_ranks.py`` as
 ``torchrun --nproc-per-node 2 ranks_train.py {ddp,fsdp,tp} OUT [PLANT ...]``, and on N-D device meshes
-(4 ranks, ``parallel_models.MESHES``) as ``torchrun --nproc-per-node 4 ranks_train.py nd OUT
-LAYOUT-PLANT ...`` (``fsdp_tp-clean``, ``hsdp-nudge``, ...).
+(``parallel_models.MESHES``: 4 ranks on 2-D meshes, 8 on the 3-D one) as ``torchrun --nproc-per-node N
+ranks_train.py nd OUT LAYOUT-PLANT ...`` (``fsdp_tp-clean``, ``hsdp-nudge``, ...).
 
 PLANT: ``clean`` (none), ``calls`` (no model: each kind of collective called directly), ``nudge`` (one weight moved on rank 1 after DDP's initial broadcast),
 ``hook`` (a DDP comm hook that scales rank 1's reduced bucket by 1.001), ``inf`` (rank 1's batch

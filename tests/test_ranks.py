@@ -1,8 +1,8 @@
 """Distributed runs checked across ranks: DDP, FSDP2 and DTensor tensor-parallel steps on 2 gloo
 ranks (``torchrun``, loopback; ``ranks_train.py``) record every rank's collectives with their
 process group and per-group sequence numbers; on N-D device meshes (4 gloo ranks: FSDP2 with
-tensor parallelism, HSDP, and both on a 3-D mesh) ``ranks`` takes its groups from the process
-groups each collective reduces over."""
+tensor parallelism and HSDP on 2x2 meshes; 8: both on a 2x2x2 mesh) ``ranks`` takes its groups
+from the process groups each collective reduces over."""
 
 from __future__ import annotations
 
@@ -23,7 +23,9 @@ _RUNS: dict = {}
 PLANTS = {"ddp": ("clean", "calls", "nudge", "hook", "inf"), "fsdp": ("clean",), "tp": ("clean",)}
 
 
-PLANTS["nd"] = ("fsdp_tp-clean", "hsdp-clean", "hsdp-nudge", "hsdp_tp-clean")
+ND = {"nd": (4, ("fsdp_tp-clean", "hsdp-clean", "hsdp-nudge")),      # launch -> ranks, plants
+      "nd3": (8, ("hsdp_tp-clean", "hsdp_tp-nudge"))}
+PLANTS.update({k: plants for k, (_, plants) in ND.items()})
 
 
 def launch(kind: str, out: Path) -> Path:
@@ -31,7 +33,8 @@ def launch(kind: str, out: Path) -> Path:
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONWARNINGS": "error::UserWarning,ignore:FSDP2-wrapped module"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                           "4" if kind == "nd" else "2", str(SCRIPT), kind, str(out), *PLANTS[kind]],
+                           str(ND[kind][0] if kind in ND else 2), str(SCRIPT), "nd" if kind in ND else kind, str(out),
+                           *PLANTS[kind]],
                           capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return out
@@ -276,35 +279,34 @@ def test_collectives_left_out_of_the_records_still_count(tmp_path):
                                                                  ("c10d.allreduce_.default", 3)]
 
 
-# ---- N-D device meshes (4 ranks) ----------------------------------------------------------------------
-def _tp_backward_all_reduce(out: Path) -> set:
+# ---- N-D device meshes (4 ranks on 2-D meshes, 8 on the 3-D one) ------------------------------------
+def _tp_backward_all_reduce(out: Path, n: int) -> set:
     """The groups tensor parallelism all-reduced an input's gradient over in the backward."""
     return {tuple(next(a for a in r["inputs"] if a.get("type") == "process_group")["ranks"])
-            for rank in range(4) for r in records(out, "statistics", 0, rank)
+            for rank in range(n) for r in records(out, "statistics", 0, rank)
             if r["op"] == "_c10d_functional.all_reduce.default" and r["stage"] == "backward"}
 
 
-@pytest.mark.parametrize("layout,held", [
-    ("fsdp_tp", {0: (0, 2), 1: (1, 3), 2: (0, 2), 3: (1, 3)}),     # the ranks sharing a tp coordinate
-    ("hsdp", {r: (0, 1, 2, 3) for r in range(4)}),                 # replicate x shard: every rank
-    ("hsdp_tp", {0: (0, 2), 1: (1, 3), 2: (0, 2), 3: (1, 3)}),     # replicate x shard (of 1), per tp coordinate
+@pytest.mark.parametrize("launch_kind,layout,held", [
+    ("nd", "fsdp_tp", {0: (0, 2), 1: (1, 3), 2: (0, 2), 3: (1, 3)}),     # 2x2 dp x tp: the same tp coordinate
+    ("nd", "hsdp", {r: (0, 1, 2, 3) for r in range(4)}),                 # 2x2 replicate x shard: every rank
+    ("nd3", "hsdp_tp", {r: tuple(range(r % 2, 8, 2)) for r in range(8)}),  # 2x2x2: the same tp coordinate
 ])
-def test_clean_runs_on_nd_meshes_agree(runs, layout, held, tmp_path):
+def test_clean_runs_on_nd_meshes_agree(runs, launch_kind, layout, held, tmp_path):
     """The replicas come from the groups the gradients were reduced over, not from every rank nor
-    from tensor parallelism's backward all-reduces (over its own group: present in both layouts
-    with tp, and no data-parallel group)."""
+    from tensor parallelism's backward all-reduces (over its own groups, in both layouts with tp)."""
     import pandas as pd
     from dispatchprobe.offline.ranks.groups import replicas
-    out = runs("nd", f"{layout}-clean")
-    recs = {rank: records(out, "statistics", 0, rank) for rank in range(4)}
+    out, n = runs(launch_kind, f"{layout}-clean"), len(held)
+    recs = {rank: records(out, "statistics", 0, rank) for rank in range(n)}
     assert {r: tuple(sorted(g)) for r, g in replicas(recs).items()} == held
     if "tp" in layout:
-        assert _tp_backward_all_reduce(out) == {(0, 1), (2, 3)}
+        assert _tp_backward_all_reduce(out, n) == {(r, r + 1) for r in range(0, n, 2)}
     for task in ("statistics", "tensor"):
         code, text = ranks(out / task, "-o", str(tmp_path / task))
         assert code == 0, text
         assert text.startswith("the ranks agree: ") and " 0 differ, 0 not judged;" in text, text
-        assert "over 2 step(s) and 4 rank(s)" in text and " 0 drift(s)" in text, text
+        assert f"over 2 step(s) and {n} rank(s)" in text and " 0 drift(s)" in text, text
         table = pd.read_csv(tmp_path / task / "ranks.csv")
         assert (table["status"] == "agree").all() and len(table) >= 20, table
 
@@ -331,6 +333,23 @@ def test_drifting_hsdp_replica_is_named_with_its_group(runs, tmp_path):
         # only the block's up weight moved: no other parameter, gradient or collective is named
         drifts = table[table["check"] == "replica"]
         assert set(drifts["scope"]) <= {"FSDPInputMLP.block.up", "block.up.weight"}, drifts
+        assert (table[table["check"] == "collective"]["status"] == "agree").all()
+
+
+def test_drifting_shard_on_a_3d_mesh_is_named_with_its_group(runs, tmp_path):
+    """HSDP with tensor parallelism on a 2x2x2 mesh (replicate x shard x tp), rank 3's shard nudged:
+    its parameters as ops receive them are tensor-parallel shards (no replicas), so the drift is
+    the shard after the step, on rank 3 and its replica over the replicate dimension, rank 7."""
+    import pandas as pd
+    for task in ("statistics", "tensor"):
+        code, out = ranks(runs("nd3", "hsdp_tp-nudge") / task, "-o", str(tmp_path / task))
+        assert code == 2, out
+        first = out.splitlines()[0]
+        assert first.startswith("replica drift on rank 7: param.value [block.up.weight] (step 0, optimizer): "
+                                "parameter after the step block.up.weight differs on rank 7 from rank 3: "), first
+        assert first.endswith("; held equal by ranks 3, 7"), first
+        table = pd.read_csv(tmp_path / task / "ranks.csv")
+        assert list(table.loc[table["check"] == "replica", "step"]) == [0, 1]
         assert (table[table["check"] == "collective"]["status"] == "agree").all()
 
 
