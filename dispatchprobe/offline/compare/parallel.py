@@ -4,7 +4,8 @@ global batch): what both hold, assembled from the ranks, step by step.
 - the loss: the last forward op with a 0-dim float output before backward, averaged over the
   data-parallel ranks (each rank's mean over its share of the batch);
 - the forward ops, paired by record name (op and call index): an activation split over ranks
-  along the batch is concatenated back, a replicated value taken from the lowest rank, an
+  along one dimension is concatenated back (the batch of data parallelism, the column shards of a
+  column-wise tensor-parallel layer), a replicated value taken from the lowest rank, an
   FSDP2/DTensor shard gathered by its placements, a full reduction averaged (``mean``) or summed
   (``sum``) over the ranks;
 - each parameter's gradient as the optimizer read it (after DDP's all-reduce, FSDP's
@@ -251,10 +252,21 @@ def assemble(specs: dict, parts: dict, tensors: bool, problems: list, target: tu
         x = sum(means) / (len(means) if reduction == "mean" else 1)
         st = {"max": x, "min": x, "mean": x, "norm": abs(x), "nan": int(np.isnan(x)), "inf": int(np.isinf(x))}
         return Value((), items[ranks[0]][1], st, arr, f"{reduction} over ranks {ranks[0]}-{ranks[-1]}"), ""
-    if len(target) == len(shape) and len(shape) and all(items[r][0][1:] == shape[1:] for r in ranks) \
-            and sum(items[r][0][0] for r in ranks) == target[0]:
-        return _concat([items[r] for r in ranks], 0, f"concatenated over ranks {ranks[0]}-{ranks[-1]} (dim 0)"), ""
+    dim = _split_dim([items[r][0] for r in ranks], tuple(target))
+    if dim is not None:
+        how = f"concatenated over ranks {ranks[0]}-{ranks[-1]} (dim {dim})"
+        return _concat([items[r] for r in ranks], dim, how), ""
     return None, f"shapes {[list(items[r][0]) for r in ranks]} on the ranks do not make {list(target)}"
+
+
+def _split_dim(shapes: list, target: tuple) -> int | None:
+    """The one dimension along which the ranks' pieces, side by side in rank order, make ``target``:
+    dim 0 for a batch split over data-parallel ranks, the last for a column-wise tensor-parallel
+    layer's output (its column shards); None where no dimension, or more than one, does."""
+    fits = [d for d in range(len(target))
+            if all(len(s) == len(target) and s[:d] + s[d + 1:] == target[:d] + target[d + 1:] for s in shapes)
+            and sum(s[d] for s in shapes) == target[d]]
+    return fits[0] if len(fits) == 1 else None
 
 
 # ---- scoring one pair -----------------------------------------------------------------------------------
