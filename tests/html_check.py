@@ -42,7 +42,8 @@ function wrappedTokens(box, where) {
   }
   return out;
 }
-// the heat map's cells as drawn: the luminance of the worst and of the best cell (each part x module)
+// the heat map's cells as drawn: each cell's level (D.heat.sev), metric value and colour, and the worst and
+// best cell (by level, then by the metric)
 function heatCells(done) {
   var el = document.getElementById("heatmap"), img = el && el.querySelector("image"), H = D.heat;
   if (!img || !H) return done(null);
@@ -52,14 +53,32 @@ function heatCells(done) {
     var g = c.getContext("2d"); g.drawImage(pic, 0, 0);
     var hi = D.worse_high[H.metric], cells = [];
     H.z.forEach(function (row, i) { row.forEach(function (v, j) {
-      if (typeof v !== "number") return;
+      var sev = H.sev ? H.sev[i][j] : null;
+      if (typeof v !== "number" && sev === null) return;
       var px = g.getImageData(Math.floor((j + 0.5) * pic.width / H.modules.length), Math.floor((i + 0.5) * pic.height / H.parts.length), 1, 1).data;
-      cells.push({v: v, module: H.modules[j], lum: 0.299 * px[0] + 0.587 * px[1] + 0.114 * px[2]});
+      cells.push({v: v, sev: sev, module: H.modules[j], rgb: [px[0], px[1], px[2]], lum: 0.299 * px[0] + 0.587 * px[1] + 0.114 * px[2]});
     }); });
-    cells.sort(function (a, b) { return hi ? b.v - a.v : a.v - b.v; });     // worst first
-    done({worst: cells[0], best: cells[cells.length - 1], modules: H.modules});
+    var key = function (x) { return typeof x.v === "number" ? (hi ? x.v : -x.v) : -Infinity; };
+    cells.sort(function (a, b) { return ((b.sev || 0) - (a.sev || 0)) || (key(b) - key(a)); });     // worst first
+    done({worst: cells[0], best: cells[cells.length - 1], modules: H.modules, cells: cells});
   };
   pic.src = img.getAttribute("href") || img.getAttribute("xlink:href");
+}
+// every plot's tick labels and axis titles as drawn: text, and whether it lies inside the plot's own box
+// (a label past the box's edge is cut off: "9999999995" for 0.9999999995)
+function axisTexts() {
+  var out = [];
+  document.querySelectorAll(".js-plotly-plot").forEach(function (plot) {
+    var svg = plot.querySelector(".main-svg"); if (!svg) return;
+    var box = svg.getBoundingClientRect();
+    plot.querySelectorAll(".xtick text, .ytick text, .g-xtitle text, .g-ytitle text, .cbaxis text, .cbtitle text").forEach(function (t) {
+      var r = t.getBoundingClientRect(); if (!r.width) return;
+      var axis = t.closest(".xtick, .g-xtitle") ? "x" : t.closest(".ytick, .g-ytitle") ? "y" : "colorbar";
+      out.push({plot: plot.id, axis: axis, title: !!t.closest(".g-xtitle, .g-ytitle, .cbtitle"), text: t.textContent,
+                inside: r.left >= box.left - 0.5 && r.right <= box.right + 0.5 && r.top >= box.top - 0.5 && r.bottom <= box.bottom + 0.5});
+    });
+  });
+  return out;
 }
 setTimeout(function () {
   var w = document.documentElement.clientWidth, wide = [], marks = {};
@@ -73,6 +92,7 @@ setTimeout(function () {
     var d = document.getElementById("mark-" + stage), r = d && d.getBoundingClientRect();
     if (d) marks[stage] = {marked: d.classList.contains("marked") && !!d.querySelector(".badge.mark"),
                            badge: d.querySelector(".badge.mark").textContent, name: d.querySelector(".name").textContent,
+                           quiet: d.classList.contains("quiet"), badge_bg: getComputedStyle(d.querySelector(".badge.mark")).backgroundColor,
                            visible: r.height > 0 && r.top >= tree.top && r.bottom <= tree.bottom,
                            selected: d.classList.contains("sel")};
   });
@@ -96,7 +116,13 @@ setTimeout(function () {
              summary: document.getElementById("summary").textContent,
              units: (document.getElementById("units") || {}).textContent || "",
              badges: Array.prototype.map.call(document.querySelectorAll("#tree .nrow"), function (r) {
-               return [r.querySelector(".name").textContent, Array.prototype.map.call(r.querySelectorAll(".badge"), function (b) { return b.textContent; })]; })};
+               return [r.querySelector(".name").textContent, Array.prototype.map.call(r.querySelectorAll(".badge"), function (b) { return b.textContent; })]; }),
+             // every badge shown in the tree and the detail pane as opened: its text and background colour
+             badge_colors: Array.prototype.map.call(document.querySelectorAll("#tree .badge, #detail .badge"), function (b) {
+               return [b.textContent, getComputedStyle(b).backgroundColor]; }),
+             annotations: Array.prototype.map.call(document.querySelectorAll(".js-plotly-plot .annotation-text"), function (a) {
+               return a.textContent; }),
+             axes: axisTexts()};
   // what a person gets from the tree's search (the first mark's module name) and from keeping only the
   // worst level's filter checked
   var names = function () { return Array.prototype.map.call(document.querySelectorAll("#tree .nrow .name"), function (e) { return e.textContent; }); };
@@ -162,6 +188,32 @@ def layout(page, tmp_path, width: int = 1400) -> dict:
     return json.loads(m.group(1).replace("&quot;", '"').replace("&lt;", "<").replace("&gt;", ">").replace("&amp;", "&"))
 
 
+_CELLS_CHECK = """<script>
+var out = Array.prototype.map.call(document.querySelectorAll("table.heat td.s"), function (td) {
+  return {flag: td.classList.contains("flag"), text: td.textContent, bg: getComputedStyle(td).backgroundColor,
+          color: getComputedStyle(td).color, param: td.parentNode.querySelector("th").textContent}; });
+var pre = document.createElement("pre"); pre.id = "cells-check"; pre.textContent = JSON.stringify(out);
+document.body.appendChild(pre);
+</script></body>"""
+
+
+def heat_cells(page, tmp_path) -> list:
+    """The grad compare page's heat-map cells as drawn: per cell whether it is flagged, its text, parameter
+    and computed background and text colours."""
+    checked = tmp_path / ("cells-" + page.name)
+    checked.write_text(page.read_text().replace("</body>", _CELLS_CHECK))
+    dom = subprocess.run(_browser(tmp_path) + ["--dump-dom", checked.as_uri()], capture_output=True, text=True,
+                         timeout=120).stdout
+    m = re.search(r'<pre id="cells-check">(.*?)</pre>', dom, re.S)
+    assert m, dom[-2000:]
+    return json.loads(m.group(1).replace("&quot;", '"').replace("&lt;", "<").replace("&gt;", ">").replace("&amp;", "&"))
+
+
+def luminance(colour) -> float:
+    r, g, b = rgb(colour) if isinstance(colour, str) else colour
+    return 0.299 * r + 0.587 * g + 0.114 * b
+
+
 def page_data(page: str) -> dict:
     """The JSON a report page embeds (what its scripts draw)."""
     m = re.search(r'<script type="application/json" id="report-data">(.*?)</script>', page, re.S)
@@ -175,6 +227,26 @@ def assert_fits(res: dict) -> None:
     assert res["page"] <= res["client"] and not res["wide"], res
     assert res["detail_overflow"] <= 0 and not res["detail_wide"] and not res["cards_wide"], res
     assert not res["wrapped"], res["wrapped"][:20]
+
+
+def rgb(css: str) -> tuple:
+    """'rgb(217, 54, 62)' (a computed colour), '#d9363e' or '#eee' -> (r, g, b)."""
+    if css.startswith("#"):
+        hexa = css[1:] if len(css) == 7 else "".join(c * 2 for c in css[1:4])
+        return tuple(int(hexa[i:i + 2], 16) for i in (0, 2, 4))
+    return tuple(int(float(x)) for x in re.findall(r"[\d.]+", css)[:3])
+
+
+def is_red(colour) -> bool:
+    """A colour a person reads as red (an error's badge, #d9363e), from a css string or (r, g, b)."""
+    import colorsys
+    h, lightness, s = colorsys.rgb_to_hls(*(c / 255 for c in (rgb(colour) if isinstance(colour, str) else colour)))
+    return (h < 15 / 360 or h > 345 / 360) and s > 0.4 and 0.2 < lightness < 0.75
+
+
+def cut_labels(res: dict) -> list:
+    """Tick labels and axis titles drawn past their plot's box (cut off where the page shows them)."""
+    return [f"{t['plot']} {t['axis']}: {t['text']}" for t in res["axes"] if not t["inside"]]
 
 
 def counts(text: str) -> dict:

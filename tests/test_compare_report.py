@@ -14,8 +14,9 @@ from dispatchprobe.offline.compare import COLUMNS
 from dispatchprobe import compare
 
 sys.path.insert(0, os.path.dirname(__file__))
-from compare_helpers import record  # noqa: E402
-from html_check import WIDTHS, assert_fits, counts, layout, needs_chromium, screenshot  # noqa: E402
+from compare_helpers import record, record_net, scaled_gelu  # noqa: E402
+from html_check import (WIDTHS, assert_fits, counts, cut_labels, is_red, layout, needs_chromium, rgb,  # noqa: E402
+                        screenshot)
 
 
 @pytest.fixture(scope="module")
@@ -201,8 +202,8 @@ def two_steps(tmp_path_factory):
 @needs_chromium
 @pytest.mark.parametrize("metric", ["cosine", "rel_l2_err"])
 def test_heatmap_darker_is_worse(two_steps, tmp_path, metric):
-    """The heat map's cell of the planted module is drawn darker than the best-agreeing one, for a
-    larger-is-better metric (cosine) and a larger-is-worse one (rel_l2_err, log10); none is blank."""
+    """The heat map's cell of the planted module (an error) is drawn darker than the best-agreeing one
+    (a pass, pale), whichever metric is charted; no axis label is cut."""
     from dispatchprobe.offline.report import write_reports
     table, verdict = two_steps
     out = tmp_path / "out"
@@ -211,19 +212,84 @@ def test_heatmap_darker_is_worse(two_steps, tmp_path, metric):
     heat = res["heat"]
     assert heat["worst"]["module"] == "TinyTransformer.layers.1.attn", heat
     assert heat["worst"]["lum"] < heat["best"]["lum"] - 100, heat      # darker is worse
+    assert heat["worst"]["sev"] == 3 and heat["best"]["sev"] == 1 and heat["best"]["lum"] > 200, heat
     assert "<top>" in heat["modules"]
+    assert not cut_labels(res), cut_labels(res)
     assert_fits(res)
 
 
-def test_heatmap_fills_exact_agreement_and_names_what_it_leaves_out(two_steps):
-    """A module whose worst value is 0 (exact agreement) gets a cell; one without the metric at all is not a
-    blank column but named under the map."""
-    from dispatchprobe.offline.report import report_data
+def test_heatmap_cells_are_the_verdicts(two_steps):
+    """Each cell's level is the worst status of the module's outputs in that part (its colour), whatever
+    the metric's values: a module agreeing exactly (0) is a pass with the value 0, one without the metric
+    at all (scalars have no cosine) still drawn at its verdict."""
+    from dispatchprobe.offline.report import COMPARE_LEVELS, report_data
     table, verdict = two_steps
     t = table.copy()
     t.loc[t["scope"] == "TinyTransformer.head", "rel_l2_err"] = 0.0
     t.loc[t["scope"].fillna("") == "", "rel_l2_err"] = float("nan")
     heat = report_data(t, verdict, "rel_l2_err")["heat"]
-    assert heat["left_out"] == ["<top>"] and "<top>" not in heat["modules"]
-    head = heat["modules"].index("TinyTransformer.head")
-    assert all(row[head] == 0 for row in heat["z"])
+    names = [lv["name"] for lv in COMPARE_LEVELS]
+    depth = max(len(m.split(".")) for m in heat["modules"])     # scopes cut at the map's depth
+    out = t[t["io"] == "output"]
+    out = out.assign(part=out["step"].astype(str) + "/" + out["rank"].astype(str),
+                     module=out["scope"].fillna("").str.split(".").str[:depth].str.join(".").replace("", "<top>"))
+    for i, part in enumerate(heat["parts"]):
+        for j, module in enumerate(heat["modules"]):
+            rows = out[(out["part"] == part) & (out["module"] == module)]
+            assert heat["sev"][i][j] == max(names.index(s) for s in rows["status"]), (part, module)
+            assert heat["errors"][i][j] == (rows["status"] == "error").sum()
+    head, top = heat["modules"].index("TinyTransformer.head"), heat["modules"].index("<top>")
+    assert all(row[head] == 0 for row in heat["z"]) and all(row[top] is None for row in heat["z"])
+    assert all(row[top] is not None for row in heat["sev"])
+
+
+@pytest.fixture(scope="module")
+def within_tolerance(tmp_path_factory):
+    """Two steps of the MLP + encoder net, run B's gelu 1e-6 too large: every tensor passes (cosines of
+    1 - 1e-12), the first departure within tolerance is that gelu."""
+    root = tmp_path_factory.mktemp("tol")
+    a = record_net(root / "a", steps=2)
+    b = record_net(root / "b", steps=2, setup=lambda m: scaled_gelu(1e-6))
+    table, verdict = compare(a, b, out=str(root / "out"))
+    return root / "out", table, verdict
+
+
+@needs_chromium
+@pytest.mark.parametrize("width", WIDTHS)
+def test_agreement_within_tolerance_is_not_shouted(within_tolerance, tmp_path, width):
+    """The terminal says the runs agree within tolerance (first departure: the gelu): the page says the
+    same and no more.  The gelu's module carries the quiet departure badge (not red, never "divergence"),
+    the forward chart marks the departure as such, no backward mark (the terminal names one departure),
+    every heat-map cell is drawn in the pass colour (pale), and no tick label or axis title is cut."""
+    out, table, verdict = within_tolerance
+    assert verdict.passed and verdict.forward is None and verdict.backward is None, str(verdict)
+    d = verdict.departure
+    assert (d.op, d.scope, d.stage) == ("aten.gelu.default", "Net.mlp.1", "forward"), str(verdict)
+    assert table["cosine"].min() > 0.99999 and (table["status"] == "pass").all()
+    res = layout(out / "compare.html", tmp_path, width)
+    words = [b for _, bs in res["badges"] for b in bs] + [t for t, _ in res["badge_colors"]] + res["annotations"]
+    assert not [w for w in words if "divergence" in w], words
+    assert not [b for b in res["badge_colors"] if is_red(b[1])], res["badge_colors"]
+    mark = res["marks"]["forward"]
+    assert mark["badge"] == "first forward departure (within tolerance)" and mark["quiet"], mark
+    assert mark["name"] == "1" and mark["visible"] and mark["selected"] and not is_red(mark["badge_bg"]), mark
+    assert list(res["marks"]) == ["forward"], res["marks"]
+    terminal = str(verdict).splitlines()
+    said = [t for t, _ in res["badge_colors"] if t.startswith("the runs agree")]
+    assert said and all(t in terminal for t in said), (said, terminal)
+    marked = [a for a in res["annotations"] if not a.startswith("error at cosine <= ")]     # the threshold's line
+    assert marked == ["first forward departure (within tolerance): aten.gelu.default"], res["annotations"]
+    heat = res["heat"]
+    assert heat and len(heat["cells"]) == 2 * len(heat["modules"]), heat
+    assert all(c["sev"] == 1 for c in heat["cells"]), heat["cells"][:3]
+    pale = rgb(next(lv["fill"] for lv in _levels(out) if lv["name"] == "pass"))
+    assert all(max(abs(x - y) for x, y in zip(c["rgb"], pale)) <= 8 and c["lum"] > 200 for c in heat["cells"]), \
+        heat["worst"]
+    ticks = [t for t in res["axes"] if not t["title"] and t["plot"] == "chart-forward" and t["axis"] == "y"]
+    assert len(ticks) >= 2 and not cut_labels(res), (cut_labels(res), ticks)
+    assert_fits(res)
+
+
+def _levels(out) -> list:
+    from html_check import page_data
+    return page_data((out / "compare.html").read_text())["levels"]

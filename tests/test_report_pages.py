@@ -1,6 +1,6 @@
 """run-ut's results page and the inline-check pages (overflow, free_benchmark): the module tree of the tiny
 transformer with the planted wrong kernel / fp16 overflow / bf16-only gelu marked, checked in the page's data
-and as a person sees it (headless Chromium)."""
+and as a person sees it (headless Chromium); the grad compare's heat map coloured as its verdict flags."""
 
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ from dispatchprobe.models import TinyTransformer, lm_batch, lm_loss
 from dispatchprobe.offline.run_ut import run_ut, summary_text
 
 sys.path.insert(0, os.path.dirname(__file__))
-from html_check import WIDTHS, assert_fits, counts, layout, needs_chromium, page_data  # noqa: E402
+from html_check import (WIDTHS, assert_fits, counts, heat_cells, is_red, layout, luminance,  # noqa: E402
+                        needs_chromium, page_data)
 from test_run_ut import record, wrong_gelu  # noqa: E402
 
 GELU_SCOPES = ["TinyTransformer.layers.0.mlp", "TinyTransformer.layers.1.mlp"]
@@ -272,3 +273,45 @@ def test_show_html_needs_an_inline_check_run(tmp_path):
     assert result.exit_code == 1 and "not an overflow or free_benchmark run" in result.output
     assert not (tmp_path / "x.html").exists() and len(result.output.strip().splitlines()) == 1
     assert load(run).parts      # the records are untouched and readable
+
+
+# ---- the grad compare's heat map ------------------------------------------------------------------------
+def _grad_run(path, flip_from=None, steps=5):
+    """SGD steps of a small tanh MLP under the grad probe (L2); with ``flip_from``, from that step on 10 % of
+    the first layer's gradient elements change sign: a drop at that step (flagged), the same low similarity
+    after it (not flagged: no further drop)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    step = [0]
+    if flip_from is not None:
+        flip = torch.rand(model[0].weight.shape, generator=torch.Generator().manual_seed(7)) < 0.1
+        model[0].weight.register_hook(lambda g: torch.where(flip, -g, g) if step[0] >= flip_from else g)
+    probe = DispatchProbe(task="grad_probe", dump_path=str(path), grad_level="L2", model=model)
+    gen = torch.Generator().manual_seed(3)
+    for i in range(steps):
+        step[0] = i
+        (model(torch.randn(32, 8, generator=gen)) ** 2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    probe.close()
+    return path
+
+
+@needs_chromium
+def test_grad_page_colours_what_the_verdict_flags(tmp_path):
+    """Only the flagged cell (the drop at step 2) is drawn as a fault (the error's dark fill, white text);
+    the steps after it, as low in similarity but not flagged by the rule, are drawn pale, like every
+    other cell."""
+    from dispatchprobe import compare
+    a, c = _grad_run(tmp_path / "a"), _grad_run(tmp_path / "c", flip_from=2)
+    table, verdict = compare(c, a, out=str(tmp_path / "out"))
+    rows = table[table["param"] == "0.weight"].set_index("step")
+    assert rows.loc[2, "flag"] and not rows.loc[3, "flag"] and not rows.loc[4, "flag"], rows
+    assert rows.loc[3, "similarity"] < 0.95 and rows.loc[4, "similarity"] < 0.95, rows      # low, not flagged
+    cells = heat_cells(tmp_path / "out" / "grad_compare.html", tmp_path)
+    flagged = [x for x in cells if x["flag"]]
+    assert len(flagged) == int((table["flag"] != "").sum()) >= 1, cells
+    assert all(luminance(x["bg"]) > 215 and not is_red(x["bg"]) for x in cells if not x["flag"]), \
+        [x for x in cells if not x["flag"]]
+    assert all(luminance(x["bg"]) < 90 and luminance(x["color"]) > 200 for x in flagged), flagged

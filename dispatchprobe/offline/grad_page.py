@@ -8,15 +8,22 @@ import html
 import pandas as pd
 
 from ..standards.loader import standard
-from .page_kit import fill, lines, meta_rows, num
+from ..standards.verdicts import ERROR
+from .page_kit import fill, lines, meta_rows, num, verdict_levels
+
+_FLAGGED = verdict_levels([ERROR])[0]["fill"]      # the error's heat fill, as on compare's page
 
 
-def _colour(sim) -> str:
-    """White at 1, through yellow to red at 0.9 and below."""
+def _colour(sim, flagged: bool) -> str:
+    """A flagged cell in the error's fill; any other pale, white at 1 to light yellow at the first
+    step's limit and below: a lower similarity the rule does not flag is a hint, never drawn as a fault."""
     if sim != sim:
         return "#eee"
-    bad = min(max((1.0 - sim) / 0.1, 0.0), 1.0)
-    return f"hsl({int(50 * (1 - bad))}, 90%, {int(97 - 37 * bad)}%)"
+    if flagged:
+        return _FLAGGED
+    lim = standard("compare_standards")["grad_probe"]["first_step_min"]
+    low = min(max((1.0 - sim) / (1.0 - lim), 0.0), 1.0)
+    return f"hsl(50, 90%, {100 - 12 * low:.0f}%)"
 
 
 def _cell(row) -> str:
@@ -29,7 +36,8 @@ def _cell(row) -> str:
             tip += f"\nflagged: {row['flag']}"
     text = "" if sim != sim else f"{sim:.4f}"
     cls = "s flag" if row["flag"] else "s"
-    return f'<td class="{cls}" style="background:{_colour(sim)}" title="{html.escape(tip)}">{text}</td>'
+    bg = _colour(sim, bool(row["flag"]))
+    return f'<td class="{cls}" style="background:{bg}" title="{html.escape(tip)}">{text}</td>'
 
 
 def heat_map_page(table: pd.DataFrame, verdict, manifest_a: dict, manifest_b: dict) -> str:

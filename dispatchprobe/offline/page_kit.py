@@ -1,5 +1,6 @@
 """The page kit every HTML report is built with: the module tree (``scope_tree``, ``up``), the
-op pages (``ops_page``: run-ut, overflow, free benchmark), template filling and cell formatting.
+op pages (``ops_page``: run-ut, overflow, free benchmark), the colours of the verdict codes
+(``verdict_levels``), template filling and cell formatting.
 No torch (docs/architecture.md: the offline side reads only records)."""
 
 from __future__ import annotations
@@ -12,6 +13,21 @@ import re
 import numpy as np
 import pandas as pd
 
+from ..standards.verdicts import ERROR, NOT_JUDGED, PASS, SKIP, WARNING
+
+# ---- colours: a page colours what the verdict says, never the data's own range ---------------------------
+# per verdict code: the dot/marker colour, the fill of a heat-map cell (pale for a pass, so a pass is never
+# drawn dark or red; darker is worse) and the short label of a tree count badge
+_VERDICT_STYLE = {NOT_JUDGED: ("#bbb", "#e4e4e4", ""), SKIP: ("#bbb", "#e4e4e4", ""),
+                  PASS: ("#3fa34d", "#d5eed8", ""), WARNING: ("#f0b429", "#f3b63a", "warn"),
+                  ERROR: ("#d9363e", "#a3161f", "err")}
+
+
+def verdict_levels(codes) -> list:
+    """The explorer's levels (templates/explorer.js) of verdict ``codes`` from the best to the worst:
+    name (the code as the terminal and the CSVs say it), short count label, colour and heat-map fill."""
+    return [{"name": c, "short": _VERDICT_STYLE[c][2], "color": _VERDICT_STYLE[c][0], "fill": _VERDICT_STYLE[c][1]}
+            for c in codes]
 
 
 def num(v):

@@ -17,9 +17,11 @@ import pandas as pd
 from ..records.reader import RecordError, load
 from ..records.writer import atomic_write_text
 from ..standards import metrics as M
-from ..standards.verdicts import NOT_JUDGED
+from ..standards.loader import standard
+from ..standards.verdicts import ERROR, NOT_JUDGED, PASS, WARNING
 from . import nonfinite
-from .page_kit import OPS_PER_NODE, cell, cells, col, fill, lines, meta_rows, num, scope_tree, up
+from .page_kit import (OPS_PER_NODE, cell, cells, col, fill, lines, meta_rows, num, scope_tree, up,
+                       verdict_levels)
 
 # columns a chart can show, and whether larger is worse: compare's metric columns and two of its own
 CHART_METRICS = M.derived(lambda: {**{m: M.METRICS[m].larger_is_worse for m in M.compare_columns()},
@@ -132,10 +134,9 @@ def _sheet(ws, df: pd.DataFrame, bold, row_formats: list) -> None:
 MAX_CHART_PARTS = 64   # step/rank parts charted (the selector lists them)
 UNMATCHED_PER_NODE = 40
 HEATMAP_MODULES = 60
-_SEVERITY = {"error": 3, "warning": 2, "pass": 1, NOT_JUDGED: 0}
-# the explorer's levels by severity (templates/explorer.js): name, short count label, colour
-COMPARE_LEVELS = [{"name": "not judged", "short": "", "color": "#bbb"}, {"name": "pass", "short": "", "color": "#3fa34d"},
-                  {"name": "warning", "short": "warn", "color": "#f0b429"}, {"name": "error", "short": "err", "color": "#d9363e"}]
+# the explorer's levels by severity (templates/explorer.js): the verdict codes compare's rows carry
+COMPARE_LEVELS = verdict_levels([NOT_JUDGED, PASS, WARNING, ERROR])
+_SEVERITY = {lv["name"]: i for i, lv in enumerate(COMPARE_LEVELS)}
 _ROW_COLS = ["io", "arg", "dtype_a", "dtype_b", "shape_a", "shape_b"] + \
     [f"{s}_{side}" for s in ("max", "min", "mean", "norm") for side in ("a", "b")] + \
     ["nan_a", "nan_b", "inf_a", "inf_b", "checksum_match"]
@@ -245,13 +246,12 @@ def report_data(table: pd.DataFrame, verdict, metric: str) -> dict:
                                                  "nfa", "nfb", "origin", "first", "n"])
     nodes, index = _tree(table, ops, verdict)
     divs = {}
-    for d in (verdict.forward, verdict.backward, *verdict.departures):   # a departure: a stage without errors
-        if d is None:
-            continue
+    for d, text in verdict_marks(verdict):
         n = index.get(d.scope or "<top>") or index["<top>"]
         n["div"].append(d.stage)
         divs[d.stage] = {"node": n["id"], "op": d.op, "key": [d.step, d.rank, d.stage, d.kind, d.seq],
-                         "side": d.side, "cause": d.cause, "text": d.describe().splitlines()[0]}
+                         "side": d.side, "cause": d.cause, "text": text, "label": mark_label(d),
+                         "departure": bool(d.departure)}
     # ops embedded per node: failing, origin and divergence ops first, then in execution order
     div_keys = {tuple(v["key"]) for v in divs.values()}
     stacks, stack_ix = [], {}
@@ -304,17 +304,60 @@ def report_data(table: pd.DataFrame, verdict, metric: str) -> dict:
     if metric not in metrics:
         metrics.insert(0, metric)
     series, parts = _chart_series(table, metrics)
-    first = next((d for d in (verdict.forward, verdict.backward, *verdict.departures) if d), None)
+    first = next((d for d, _ in verdict_marks(verdict)), None)
     shown = f"{first.step}/{first.rank}" if first and f"{first.step}/{first.rank}" in series else \
         (next(iter(series)) if series else None)
     return {"nodes": nodes, "levels": COMPARE_LEVELS, "mark": "first {stage} divergence", "full_table": "compare.csv",
             "ops": rows_out, "row_cols": row_cols + ["status", "reason", "origin"],
             "stacks": stacks, "divs": divs, "metric": metric, "metrics": metrics,
             "worse_high": {m: bool(CHART_METRICS.get(m, True)) for m in metrics}, "series": series,
-            # larger-is-worse metrics span decades: charted as log10 (hover shows the value itself)
-            "axis": {m: f"log10({m})" if CHART_METRICS.get(m, True) else m for m in metrics},
+            "axis": {m: chart_axis(m) for m in metrics},
             "parts": parts, "shown_part": shown, "n_parts": len(verdict.parts),
             "heat": _heatmap(table, ops, metric) if len(verdict.parts) > 1 else None}
+
+
+def verdict_marks(verdict) -> list:
+    """What the page marks: exactly what the terminal names (``Verdict.__str__``), as (divergence, its
+    terminal line).  Each stage's divergence; a stage's departure within tolerance where the terminal
+    names it (the other stage has errors), or, when the runs agree within tolerance, the first departure
+    only.  Nothing when the runs agree, are the same records or could be read only in part."""
+    early = {d.stage: d for d in verdict.departures}
+    marks = []
+    for stage, div in (("forward", verdict.forward), ("backward", verdict.backward)):
+        if div is not None:
+            marks.append((div, div.describe().splitlines()[0]))
+        elif stage in early and not verdict.passed:
+            marks.append((early[stage], f"no {stage} divergence; " + early[stage].describe().splitlines()[0]))
+    d = verdict.departure
+    if verdict.passed and d is not None and not verdict.damaged and not verdict.same_run:
+        line = d.describe("the runs agree within tolerance; first departure") if d.cause in ("op", "unmatched") \
+            else "the runs agree within tolerance; first departure: " + d.describe()
+        marks.append((d, line.splitlines()[0]))
+    return marks
+
+
+def mark_label(d) -> str:
+    """A mark's badge and chart label, in the verdict's words: a divergence, a departure within tolerance
+    (a quieter badge: the runs pass), inputs that already differ, or backward errors inherited."""
+    if d.cause == "inputs":
+        return f"{d.stage} inputs/parameters differ (first seen)" + (" within tolerance" if d.departure else "")
+    if d.cause == "inherited":
+        return f"{d.stage} errors follow from forward values"
+    return d.headline()
+
+
+def chart_axis(metric: str) -> dict:
+    """How a chart draws ``metric``: ``scale`` ``log`` (a larger-is-worse metric: it spans decades),
+    ``one_minus`` (a larger-is-better one, a similarity or share at most 1: 1 - value on a log scale, so
+    0.9999999998 reads 2e-10 instead of a cut-off run of nines), the axis title and the verdict's
+    threshold on that axis where one value decides it (cosine: ``benchmark.cosine_min``)."""
+    if CHART_METRICS.get(metric, True):
+        return {"scale": "log", "title": f"{metric} (log scale)", "threshold": None}
+    threshold = None
+    if metric == "cosine":
+        cos_min = standard()["benchmark"]["cosine_min"]
+        threshold = {"y": 1 - cos_min, "text": f"error at cosine <= {cos_min}"}
+    return {"scale": "one_minus", "title": f"1 - {metric} (log scale)", "threshold": threshold}
 
 
 def _nf_note(op) -> str | None:
@@ -350,9 +393,10 @@ def _chart_series(table: pd.DataFrame, metrics: list) -> tuple[dict, list]:
 
 
 def _heatmap(table: pd.DataFrame, ops: pd.DataFrame, metric: str) -> dict | None:
-    """Steps/ranks x modules: each cell the worst ``metric`` of the module's ops (scopes cut at the
-    deepest level with at most HEATMAP_MODULES modules; ``<top>``: ops outside every module); modules
-    without a value of ``metric`` in any part are ``left_out`` (named under the map)."""
+    """Steps/ranks x modules: each cell the worst verdict of the module's op outputs (``sev``, an index
+    into COMPARE_LEVELS: the colour), their worst ``metric`` and error/warning counts (the hover).  Scopes
+    are cut at the deepest level with at most HEATMAP_MODULES modules; ``<top>``: ops outside every module.
+    Colour follows the verdict, not the data's range: runs that pass are drawn pale however close."""
     t = table[table["io"] == "output"]
     if not len(t):
         return None
@@ -365,20 +409,22 @@ def _heatmap(table: pd.DataFrame, ops: pd.DataFrame, metric: str) -> dict | None
         depth = d
     mod = split.str[:depth].str.join(".").replace("", "<top>")
     worse_high = bool(CHART_METRICS.get(metric, True))
-    v = pd.to_numeric(t[metric], errors="coerce")
+    v = pd.to_numeric(t[metric], errors="coerce") if metric in t.columns else pd.Series(np.nan, index=t.index)
     g = pd.DataFrame({"part": t["step"].astype(str) + "/" + t["rank"].astype(str), "mod": mod, "v": v,
-                      "err": (t["status"] == "error").astype(int)})
-    agg = g.groupby(["part", "mod"], sort=False).agg(v=("v", "max" if worse_high else "min"), err=("err", "sum"))
+                      "sev": t["status"].map(_SEVERITY).fillna(0).astype(int),
+                      "err": (t["status"] == ERROR).astype(int), "warn": (t["status"] == WARNING).astype(int)})
+    agg = g.groupby(["part", "mod"], sort=False).agg(v=("v", "max" if worse_high else "min"), sev=("sev", "max"),
+                                                      err=("err", "sum"), warn=("warn", "sum"))
     mods = list(dict.fromkeys(mod.tolist()))
     parts = sorted(agg.index.get_level_values(0).unique(), key=lambda p: tuple(int(x) for x in p.split("/")))
-    z = agg["v"].unstack().reindex(index=parts, columns=mods)
-    # a module none of whose outputs has the metric (scalars have no cosine) would be an empty column
-    left_out = [m for m in mods if z[m].isna().all()]
-    mods = [m for m in mods if m not in left_out]
-    z = z[mods]
-    e = agg["err"].unstack().reindex(index=parts, columns=mods).fillna(0).astype(int)
-    return {"modules": mods, "parts": parts, "z": [col(z.loc[p].astype(float)) for p in parts],
-            "errors": e.to_numpy().tolist(), "metric": metric, "left_out": left_out}
+
+    def grid(field, fill=None):
+        frame = agg[field].unstack().reindex(index=parts, columns=mods)
+        return [col(frame.loc[p].astype(float)) for p in parts] if fill is None else \
+            frame.fillna(fill).astype(int).to_numpy().tolist()
+    sev = [[None if x is None else int(x) for x in row] for row in grid("sev")]
+    return {"modules": mods, "parts": parts, "z": grid("v"), "sev": sev, "errors": grid("err", 0),
+            "warnings": grid("warn", 0), "metric": metric}
 
 
 def _suspicious(table: pd.DataFrame) -> tuple[str, str, int]:

@@ -3,7 +3,9 @@
 // and optionally PAGE.badges(n) -> [badge html], PAGE.flags [{id, label, test(n)}] (extra filters; else D.flags),
 // PAGE.empty(n) (whether a node with no levelled op is shown when filtering).
 // D (the page's JSON): nodes [{id, name, path, parent, children, c: counts by level, div: marked stages}],
-// levels [{name, color}] by severity (highest is worst), mark "first {stage} divergence"-like label.
+// levels [{name, color}] by severity (highest is worst), mark "first {stage} error"-like label; a page whose
+// marks have words of their own gives them as D.divs[stage].label, a quiet one (a departure within tolerance:
+// the runs pass) with D.divs[stage].departure.
 var D = JSON.parse(document.getElementById("report-data").textContent);
 var N = D.nodes, LV = D.levels, expanded = {}, selected = null;
 // D.flags [{field, label, badge}] (pages without their own): a filter "label" and a badge on nodes with n[field] > 0
@@ -20,7 +22,14 @@ function fmt(v) {
 }
 function esc(s) { return fmt(s).replace(/[&<>"]/g, function (c) { return {"&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;"}[c]; }); }
 function opKey(k) { return k.join("-"); }
-function markLabel(stage) { return D.mark.replace("{stage}", stage); }
+function markLabel(stage) { var d = (D.divs || {})[stage]; return d && d.label ? d.label : D.mark.replace("{stage}", stage); }
+function markQuiet(stage) { var d = (D.divs || {})[stage]; return !!(d && d.departure); }
+// text as html in which no number breaks over two lines (at the minus of 9.55e-07)
+var NUMBER = /[-+]?\d[\d.]*(?:e[-+]?\d+)?/g;
+function keepNumbers(text) { return esc(text).replace(NUMBER, '<span class="nw">$&</span>'); }
+function markBadge(stage, text) { return '<span class="badge mark' + (markQuiet(stage) ? " quiet" : "") + '">' + keepNumbers(text) + "</span>"; }
+// the page's summary lines (the terminal's words) likewise
+document.querySelectorAll("#summary li").forEach(function (li) { li.innerHTML = keepNumbers(li.textContent); });
 function levelDot(s) { return '<span class="dot" style="background:' + (s >= 0 ? LV[s].color : "#fff") + '" title="' + (s >= 0 ? LV[s].name : "nothing judged") + '"></span>'; }
 function levelCounts(n) { return LV.map(function (l, i) { return n.c[i] + " " + l.name; }).reverse().join(", "); }
 
@@ -54,9 +63,10 @@ function nodeRow(n) {
   var w = worst(n), b = [], cnt = "";
   // the count of the worst level beneath that has a short label (levels such as pass or SKIP have none)
   for (var s = LV.length - 1; s >= 0; s--) if (n.c[s] && LV[s].short) { cnt = n.c[s] + " " + LV[s].short + (n.c[s] === 1 ? " op" : " ops"); break; }
-  n.div.forEach(function (s) { b.push('<span class="badge mark">' + esc(markLabel(s)) + "</span>"); });
+  n.div.forEach(function (s) { b.push(markBadge(s, markLabel(s))); });
+  var quiet = n.div.length && n.div.every(markQuiet);
   b = b.concat(PAGE.badges ? PAGE.badges(n) : []);
-  return '<div class="nrow' + (n.div.length ? " marked" : "") + (selected === n.id ? " sel" : "") + '" data-id="' + n.id + '"' +
+  return '<div class="nrow' + (n.div.length ? " marked" : "") + (quiet ? " quiet" : "") + (selected === n.id ? " sel" : "") + '" data-id="' + n.id + '"' +
     (n.div.length ? ' id="mark-' + n.div[0] + '"' : "") + ' title="' + esc(n.path) + '">' +
     '<span class="tw">' + (n.children.length ? (expanded[n.id] ? "&#9662;" : "&#9656;") : "") + "</span>" +
     levelDot(w) + '<span class="name">' + esc(n.name) + "</span>" + (cnt ? '<span class="badge">' + cnt + "</span>" : "") + b.join("") + "</div>";
