@@ -116,6 +116,10 @@ def test_html_structure(report):
     data = report_data(table, verdict, "rel_l2_err")
     fwd = data["nodes"][data["divs"]["forward"]["node"]]
     assert fwd["path"] == verdict.forward.scope and "forward" in fwd["div"] and fwd["c"][3] > 0
+    # the marks say the terminal's words: its lines, the divergences' headlines, none of them quiet
+    assert all(d["text"] in str(verdict).splitlines() for d in data["divs"].values()), data["divs"]
+    assert [(d["label"], d["departure"]) for d in data["divs"].values()] == \
+        [("first forward divergence", False), ("first backward divergence", False)]
     assert data["metric"] == "rel_l2_err" and set(data["series"]) == {"0/0"}
     root = next(n for n in data["nodes"] if n["parent"] is None)
     assert root["c"][3] == table.groupby(["step", "rank", "stage", "kind", "seq"])["status"].apply(
