@@ -8,13 +8,12 @@ import numpy as np
 import pandas as pd
 
 from ..standards import metrics as M
-from ..standards.verdicts import NOT_JUDGED, SKIP
-from .page_kit import ops_page, text_number
+from ..standards.verdicts import ERROR, NOT_JUDGED, PASS, SKIP, WARNING
+from .page_kit import ops_page, text_number, verdict_levels
 
-# run-ut statuses as levels; the CSVs' SKIP (not replayed, its replay raised, or nothing compared)
-# reads "not judged" on the page, as in compare's
-RUN_UT_LEVELS = [{"name": NOT_JUDGED, "short": "", "color": "#bbb"}, {"name": "pass", "short": "", "color": "#3fa34d"},
-                 {"name": "warning", "short": "warn", "color": "#f0b429"}, {"name": "error", "short": "err", "color": "#d9363e"}]
+# run-ut statuses as levels, coloured as every page colours a verdict; the CSVs' SKIP (not replayed, its
+# replay raised, or nothing compared) reads "not judged" on the page, as in compare's
+RUN_UT_LEVELS = verdict_levels([NOT_JUDGED, PASS, WARNING, ERROR])
 _SHOWN = {SKIP: NOT_JUDGED}      # CSV status -> the level's name
 _RUN_UT_SEVERITY = {lv["name"]: i for i, lv in enumerate(RUN_UT_LEVELS)}
 
