@@ -1,8 +1,10 @@
-"""Recording helpers for the compare tests and benchmark: clean runs and runs with a planted bad softmax."""
+"""Recording helpers for the compare tests and benchmark: clean runs and runs with a planted bad softmax,
+a small MLP-and-encoder net, and tiny ``transformers`` models of each kind the compare tests build."""
 
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import torch
 from torch import nn
@@ -129,5 +131,106 @@ def record_net(path, *, task: str = "tensor", steps: int = 1, seed: int = 0, set
             opt.step()
             opt.zero_grad()
             probe.step()
+    probe.close()
+    return path
+
+
+# ---- tiny transformers models, one of each kind the compare tests build -------------------------------
+def _tokens(step: int) -> dict:
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(step))
+    return {"input_ids": ids, "labels": ids}
+
+
+def _images(step: int) -> dict:
+    g = torch.Generator().manual_seed(step)
+    return {"pixel_values": torch.randn(2, 3, 8, 8, generator=g), "labels": torch.randint(0, 4, (2,), generator=g)}
+
+
+def _speech(step: int) -> dict:
+    g = torch.Generator().manual_seed(step)
+    return {"input_features": torch.randn(2, 8, 8, generator=g), "labels": torch.randint(3, 64, (2, 6), generator=g)}
+
+
+def _build(name: str):
+    import transformers as T
+    small = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_attention_heads=2)
+    if name == "llama":
+        m = T.LlamaForCausalLM(T.LlamaConfig(**small, num_hidden_layers=2, num_key_value_heads=2))
+        return m, m.model.layers[0].mlp, _tokens
+    if name == "gpt2":
+        m = T.GPT2LMHeadModel(T.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=2, n_positions=16, resid_pdrop=0.0,
+                                           embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))
+        return m, m.transformer.h[0].mlp, _tokens
+    if name == "bert":
+        m = T.BertForMaskedLM(T.BertConfig(**small, num_hidden_layers=2, hidden_dropout_prob=0.0,
+                                           attention_probs_dropout_prob=0.0))
+        return m, m.bert.encoder.layer[0].intermediate, _tokens
+    if name == "phi":
+        m = T.PhiForCausalLM(T.PhiConfig(**small, num_hidden_layers=2, resid_pdrop=0.0, embd_pdrop=0.0,
+                                         attention_dropout=0.0))
+        return m, m.model.layers[0].mlp, _tokens
+    if name == "mixtral":      # mixture of experts
+        m = T.MixtralForCausalLM(T.MixtralConfig(**small, num_hidden_layers=1, num_key_value_heads=1,
+                                                 num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=16))
+        return m, m.model.layers[0].mlp, _tokens
+    if name == "qwen2_moe":    # mixture of experts with a shared expert
+        m = T.Qwen2MoeForCausalLM(T.Qwen2MoeConfig(**small, moe_intermediate_size=16, shared_expert_intermediate_size=16,
+                                                   num_hidden_layers=1, num_key_value_heads=1, num_experts=4,
+                                                   num_experts_per_tok=2, max_position_embeddings=16))
+        return m, m.model.layers[0].mlp, _tokens
+    if name == "deepseek_v3":  # multi-head latent attention, experts
+        m = T.DeepseekV3ForCausalLM(T.DeepseekV3Config(
+            **small, moe_intermediate_size=16, num_hidden_layers=1, num_key_value_heads=2, n_routed_experts=4,
+            num_experts_per_tok=2, n_group=1, topk_group=1, n_shared_experts=1, first_k_dense_replace=0,
+            kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+            max_position_embeddings=16))
+        return m, m.model.layers[0].mlp, _tokens
+    if name == "vit":
+        m = T.ViTForImageClassification(T.ViTConfig(hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                                                    num_hidden_layers=1, image_size=8, patch_size=4, num_labels=4,
+                                                    hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+        return m, m.vit.layers[0].mlp, _images
+    if name == "whisper":      # encoder-decoder speech
+        m = T.WhisperForConditionalGeneration(T.WhisperConfig(
+            vocab_size=64, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+            decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=8, max_source_positions=4,
+            max_target_positions=8, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, pad_token_id=0,
+            bos_token_id=1, eos_token_id=2, decoder_start_token_id=1))
+        return m, m.model.encoder.layers[0].fc1, _speech
+    raise KeyError(name)
+
+
+ARCHS = ("llama", "gpt2", "bert", "phi", "mixtral", "qwen2_moe", "deepseek_v3", "vit", "whisper")
+
+
+def tiny_model(name: str, seed: int = 0):
+    """(model, the name of one block of it, inputs(step) -> the model's keyword arguments) of a tiny
+    ``transformers`` model of kind ``name`` (random init from ``seed``, no dropout, no download)."""
+    torch.manual_seed(seed)
+    model, block, inputs = _build(name)
+    return model, next(n for n, m in model.named_modules() if m is block), inputs
+
+
+def record_tiny(model, block: str, inputs, path, *, plant: str | None = None, task: str = "tensor", steps: int = 2,
+                optimizer: str = "adamw"):
+    """Record ``steps`` training steps of a copy of a :func:`tiny_model` to ``path``.  ``plant``: "hook"
+    scales block ``block``'s output by 1.001 in a forward hook (an op in this run only), "inside"
+    multiplies it by 1.001 in its forward where the other run ("inside0") multiplies by 1.0 (the same op)."""
+    model = copy.deepcopy(model)
+    mod = model.get_submodule(block)
+    if plant == "hook":
+        mod.register_forward_hook(lambda m, args, out: out * 1.001)
+    elif plant in ("inside", "inside0"):
+        factor, forward = (1.001 if plant == "inside" else 1.0), mod.forward
+        mod.forward = lambda *a, **k: forward(*a, **k) * factor
+    opt = (torch.optim.AdamW(model.parameters(), lr=1e-3) if optimizer == "adamw"
+           else torch.optim.SGD(model.parameters(), lr=1e-2))
+    probe = DispatchProbe(task=task, dump_path=str(path))
+    for step in range(steps):
+        with probe:
+            model(**inputs(step)).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        probe.step()
     probe.close()
     return path

@@ -5,6 +5,9 @@ within tolerance; inputs that differ at step 1 are traced to the step-0 backward
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 import torch
 from click.testing import CliRunner
@@ -14,72 +17,23 @@ from torch.nn import functional as F
 from dispatchprobe import DispatchProbe, compare
 from dispatchprobe.cli import main
 
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
+sys.path.insert(0, os.path.dirname(__file__))
+from compare_helpers import record_tiny, tiny_model  # noqa: E402
 
 
 # ---- a x1.001 planted in one block -------------------------------------------------------------------
-def _llama():
-    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=2, num_key_value_heads=2)
-    m = transformers.LlamaForCausalLM(cfg)
-    return m, m.model.layers[0].mlp
-
-
-def _gpt2():
-    cfg = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=2, n_positions=16, resid_pdrop=0.0,
-                                  embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
-    m = transformers.GPT2LMHeadModel(cfg)
-    return m, m.transformer.h[0].mlp
-
-
-def _bert():
-    cfg = transformers.BertConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                  num_attention_heads=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    m = transformers.BertForMaskedLM(cfg)
-    return m, m.bert.encoder.layer[0].intermediate
-
-
-def _phi():
-    cfg = transformers.PhiConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                 num_attention_heads=2, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0)
-    m = transformers.PhiForCausalLM(cfg)
-    return m, m.model.layers[0].mlp
-
-
-ARCHS = {"llama": _llama, "gpt2": _gpt2, "bert": _bert, "phi": _phi}
-
-
-def _record(arch: str, path, plant: str | None, steps: int = 1, task: str = "tensor"):
-    """One SGD step of a tiny ``arch`` (random init, fixed seed); ``plant``: "hook" scales the
-    block's output by 1.001 in a forward hook (an op in this run only), "inside" multiplies it by
-    1.001 in its forward where the other run ("inside0") multiplies by 1.0 (the same op)."""
-    torch.manual_seed(0)
-    model, block = ARCHS[arch]()
-    if plant == "hook":
-        block.register_forward_hook(lambda mod, args, out: out * 1.001)
-    elif plant in ("inside", "inside0"):
-        factor, forward = (1.001 if plant == "inside" else 1.0), block.forward
-        block.forward = lambda *a, **k: forward(*a, **k) * factor
-    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-    probe = DispatchProbe(task=task, dump_path=str(path))
-    for step in range(steps):
-        ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(step))
-        with probe:
-            model(input_ids=ids, labels=ids).loss.backward()
-        opt.step()
-        opt.zero_grad()
-        probe.step()
-    probe.close()
-    return path / "step0" / "rank0"
-
-
 @pytest.mark.parametrize("arch, task", [("llama", "tensor")] + [pytest.param(a, t, marks=pytest.mark.slow) for a, t in
                                                                (("gpt2", "tensor"), ("bert", "tensor"), ("phi", "tensor"),
                                                                 ("llama", "statistics"))])
 def test_planted_scale_named_at_its_block(arch, task, tmp_path):
-    model, block = ARCHS[arch]()
-    scope = f"{type(model).__name__}.{next(n for n, m in model.named_modules() if m is block)}"
-    runs = {p: _record(arch, tmp_path / str(p), p, task=task) for p in (None, "hook", "inside", "inside0")}
+    """One SGD step of a tiny ``arch`` (tests/compare_helpers.py): "hook" scales the block's output by
+    1.001 in a forward hook (an op in this run only), "inside" multiplies it by 1.001 in its forward
+    where the other run ("inside0") multiplies by 1.0 (the same op)."""
+    model, block, inputs = tiny_model(arch)
+    scope = f"{type(model).__name__}.{block}"
+    runs = {p: record_tiny(model, block, inputs, tmp_path / str(p), plant=p, task=task, steps=1, optimizer="sgd")
+            / "step0" / "rank0" for p in (None, "hook", "inside", "inside0")}
     for planted, clean in (("hook", None), ("inside", "inside0")):
         for a, b in ((planted, clean), (clean, planted)):
             _, v = compare(runs[a], runs[b])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import replace
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from typing import NamedTuple
 
@@ -18,7 +19,7 @@ from ..align import Mapping, align
 from ..launcher import engine_for, gathered, said_by_rank0
 from ..translate import Translation
 from .columns import _BOOL_FIELDS, _FLOAT_FIELDS, _INT_FIELDS, _ROW_FIELDS, _TEXT_FIELDS, COLUMNS, UNMATCHED_COLUMNS
-from .origin import trace
+from .origin import Side, trace
 from .rerun import float64_rerun
 from .pairing import PairingShare, _decomposed_scopes, _explain_unobservable, _flow, _frames, _pair_tensors, pairing_share
 from .scoring import _score
@@ -174,7 +175,9 @@ def _compare_parts(part_a: Part, part_b: Part, match: str, mapping: Mapping, ten
     sides = [("a", i) for i in al.only_a] + [("b", i) for i in al.only_b]   # the unmatched rows' first records
     unobserved = ({i for (s, i), why in zip(sides, unmatched["explained"]) if s == "a" and why.startswith(_UNOBSERVED)},
                   {i for (s, i), why in zip(sides, unmatched["explained"]) if s == "b" and why.startswith(_UNOBSERVED)})
-    df["origin"], divs = trace(df, part_a, recs_a, recs_b, al, seq_a, seq_b, flow_a, flow_b, rerun, unobserved)
+    side_a = Side("a", part_a, recs_a, seq_a, flow_a, frozenset(al.only_a), frozenset(unobserved[0]))
+    side_b = Side("b", part_b, recs_b, seq_b, flow_b, frozenset(al.only_b), frozenset(unobserved[1]))
+    df["origin"], divs = trace(df, side_a, side_b, al.pairs, rerun)
     return PartResult(df, unmatched, problems, divs, (paired, *compute),
                       pairing_share(al.pairs, recs_a, recs_b, unmatched))
 
@@ -336,7 +339,10 @@ def _parallel_result(run_a, run_b, merged, out) -> Result:
 
 def _first(divs: list, unmatched: pd.DataFrame, parts: list, stepped=None) -> tuple[dict, list]:
     """Per stage, the divergence of the first step/rank part that has one; for the stages with none,
-    their first departure.  Inputs that differ at a later step are traced to the earlier step's origin."""
+    their first departure.  Inputs that differ at a later step are traced to the earlier step's origin,
+    and a later step never outranks it: where a stage departed within tolerance at an earlier step than
+    its first divergence, that departure is the stage's divergence (every value entering the later
+    step already differs, so its sources cannot be told from what the earlier step set off)."""
     by_part: dict = {}
     for d in divs:
         by_part.setdefault((d.rank, d.step), {})[(d.stage, d.departure)] = d
@@ -346,7 +352,23 @@ def _first(divs: list, unmatched: pd.DataFrame, parts: list, stepped=None) -> tu
         (early if d.departure else first).setdefault(d.stage, d)
         if d.cause == "inputs" and not d.came_from:
             d.came_from = _came_from(by_part, unmatched, parts, d, stepped)
+    for stage, d in list(first.items()):
+        e = early.get(stage)
+        if e is not None and e.step < d.step:
+            first[stage] = _leads_to(e, d)
     return first, [early[s] for s in ("forward", "backward") if s in early and s not in first]
+
+
+def _leads_to(e, d):
+    """Departure ``e`` of an earlier step as its stage's divergence: ``d``'s error rows (a later
+    step's) come after it, and the values entering that step already differ."""
+    where = f"{d.op} [{d.scope or '<top>'}]"
+    why = (f"there its inputs/parameters differ, first seen at {where} {d.arg}" if d.cause == "inputs" else
+           "there they follow from differing forward values" if d.cause == "inherited" else f"they start at {where}"
+           + (" (approximate)" if d.approximate else ""))
+    return replace(e, departure=False, errors=d.errors,
+                   failed=f"{e.failed} (within tolerance at step {e.step}; the {d.errors} {d.stage} error rows of "
+                          f"step {d.step} rank {d.rank} come after it: {why})")
 
 
 def _came_from(by_part: dict, unmatched: pd.DataFrame, parts: list, d, stepped=None) -> str:

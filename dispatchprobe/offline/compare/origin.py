@@ -27,11 +27,16 @@ from .verdict import Divergence
 
 
 class Root(NamedTuple):
-    """Where a difference enters, ordered by the stage position where it is seen; a difference of
-    rounding size (``weak``) only where no larger one enters."""
+    """Where a difference enters.  Sources compare in an order that does not depend on which run is
+    A: a difference of rounding size (``weak``) only where no larger one enters; then by position
+    in the stage (``at``, ``before``: a one-run-only op sits before the first paired record after
+    it in its own run), then by what it is (``tie``)."""
 
     weak: bool      # an op's own difference no larger than a few roundings of its dtype
-    seq: int        # position in the stage (run A's order)
+    at: int         # position in the stage (run A's order) of the paired record it is seen at, or for
+                    # a one-run-only op of the first paired record of its stage after it
+    before: int     # a one-run-only op: minus its distance (in its run) to that record; else 0
+    tie: tuple      # (op, scope, call) of a one-run-only op; (arg, "", 0) of a tensor
     index: int      # the record (of ``side``'s run)
     side: str       # "a" or "b"
     arg: str        # the tensor, for the causes seen at a tensor (inputs, inherited, unrecorded)
@@ -73,12 +78,15 @@ class OwnShare:
         self.recs_a, self.recs_b, self.pair_b, self.rerun = recs_a, recs_b, pair_b, rerun
         self.estimated: set = set()    # records with differing inputs decided by the recorded errors
 
-    def __call__(self, i: int, outs: list, ins: list, measure: bool = True) -> int:
+    def __call__(self, i: int, outs: list, ins: list, measure: bool = True, unmeasured: bool = False) -> int:
         """``outs``/``ins``: the record's differing output/input rows; ``measure``: whether a float64
-        re-run may decide (not where an earlier larger-than-rounding source is already found)."""
+        re-run may decide (not where an earlier larger-than-rounding source is already found);
+        ``unmeasured``: an input without a row may differ (a one-run-only op made it)."""
         if not outs:
             return NONE
-        if not ins:                  # inputs agree, outputs do not
+        if not ins:                  # inputs agree, outputs do not (or follow the input without a row)
+            if unmeasured:
+                return NONE
             return STRONG if any(self.err[k] > ROUNDINGS * self.unit[k] for k in outs) else WEAK
         floats = [k for k in outs if self.floats[k]]
         if not floats:
@@ -101,205 +109,324 @@ class OwnShare:
         return STRONG if out_err > self.amp * in_err else NONE
 
 
-def trace(df: pd.DataFrame, part_a: Part, recs_a: list, recs_b: list, al, seq_a: list, seq_b: list,
-          flow_a: _Flow, flow_b: _Flow, rerun=None, unobserved: tuple = (set(), set())) -> tuple[np.ndarray, list]:
-    """(per row: is it an output where a difference enters; per stage at most one :class:`Divergence`).
+class Side(NamedTuple):
+    """One run as lineage sees it: its records, their positions per stage (``seq``), its data flow,
+    its one-run-only records and, of those, the ones the other framework runs where no probe sees
+    them (an unobservable backward kernel: a difference passes through them as through a cast)."""
 
-    One pass over run A's records in execution order follows each differing value (at any size)
-    back to where it started: the op that produced it, when that op adds a difference of its own
-    (:class:`OwnShare`); an op present in one run only, producing it or standing between the
-    agreeing producer and the differing consumer; or no recorded op at all (the runs differ at their
-    inputs/parameters).  Each record keeps the earliest such source, so the pass is linear in the
-    records.  A stage's divergence is the earliest source of its error rows; a stage without error
-    rows gets its first *departure* (the earliest own-stage source of any differing value).  Backward
-    values that differ only because forward values do are ``inherited``.  ``unobserved``: each run's
-    one-run-only records that the other framework runs where no probe sees them (an unobservable
-    backward kernel): never a suspect, a difference passes through them as through a cast."""
-    n = len(df)
-    status = df["status"].to_numpy(object)
-    bad = status == V.ERROR
-    off = differs(df) if n else np.zeros(0, bool)
-    origin_rows = np.zeros(n, bool)
-    if not off.any():
-        return origin_rows, []
-    bad_rows, off_rows = bad.copy(), off.copy()
-    uid = df["uid"].to_numpy(np.int64)
-    is_in = (df["io"] == "input").to_numpy()
-    args = df["arg"].to_numpy(object)
-    # the differing outputs: (record, arg) -> row
-    out_row = {(int(uid[k]), args[k]): k for k in np.flatnonzero(off & ~is_in)}
-    starts = np.flatnonzero(np.r_[True, uid[1:] != uid[:-1]])   # rows are in A's record order
-    ends = np.r_[starts[1:], len(uid)]
-    touched = np.add.reduceat(off, starts) > 0
-    groups = {int(uid[s0]): (s0, e0) for s0, e0 in zip(starts[touched].tolist(), ends[touched].tolist())}
-    # plain lists: element access in the pass below is many times cheaper than numpy's
-    err_stages = set(df["stage"].to_numpy(object)[bad].tolist())
-    bad, off, is_in = bad.tolist(), off.tolist(), is_in.tolist()
-    pair_b = {i: j for i, j, _ in al.pairs}
-    own_share = OwnShare(df, recs_a, recs_b, pair_b, rerun)
-    only_a = set(al.only_a)
+    name: str           # "a" or "b"
+    part: Part
+    recs: list
+    seq: list
+    flow: _Flow
+    only: frozenset
+    unobserved: frozenset = frozenset()
 
-    def unmatched_ops(recs, idx):   # per stage: sorted indices of one-run-only op records, compute ops first
+
+def _min(x, y):
+    return y if x is None else x if y is None else min(x, y)
+
+
+def _merge(x: tuple | None, y: tuple | None) -> tuple | None:
+    """Two (own-stage, inherited) source pairs, each the earlier."""
+    return y if x is None else x if y is None else (_min(x[0], y[0]), _min(x[1], y[1]))
+
+
+def _between(loose: dict, stage: str, lo: int, hi: int):
+    """The first one-run-only op of ``stage`` strictly between records ``lo`` and ``hi`` (compute ops first)."""
+    for cast in (False, True):
+        cand = loose.get((stage, cast), ())
+        k = bisect.bisect_right(cand, lo)
+        if k < len(cand) and cand[k] < hi:
+            return cand[k]
+    return None
+
+
+class Lineage:
+    """Follows each differing value (at any size) back to where it started, the same way whichever
+    run is A: the op that produced it, when that op adds a difference of its own (:class:`OwnShare`);
+    an op present in one run only, in either run, producing it or standing between the agreeing
+    producer and the differing consumer; or no recorded op at all (the runs differ at their
+    inputs/parameters).  Each input asks both runs' data flow for its producer, and one-run-only ops
+    of both runs are visited in execution order, so the two runs play the same part.  One pass over
+    the records; each keeps the earliest source (:class:`Root`'s order), so the pass is linear."""
+
+    def __init__(self, df: pd.DataFrame, a: Side, b: Side, pairs: list, rerun=None):
+        self.df, self.a, self.b, self.seq_a = df, a, b, a.seq
+        self.pair_b = {i: j for i, j, _ in pairs}
+        self.pair_a = {j: i for i, j, _ in pairs}
+        self.bad_rows = df["status"].to_numpy(object) == V.ERROR
+        self.off_rows = differs(df) if len(df) else np.zeros(0, bool)
+        self.uid = df["uid"].to_numpy(np.int64)
+        self.args = df["arg"].to_numpy(object)
+        is_in = (df["io"] == "input").to_numpy()
+        # the differing outputs: (record of A, arg) -> row
+        self.out_row = {(int(self.uid[k]), self.args[k]): k for k in np.flatnonzero(self.off_rows & ~is_in)}
+        # plain lists: element access in the pass is many times cheaper than numpy's
+        self.bad, self.off, self.is_in = self.bad_rows.tolist(), self.off_rows.tolist(), is_in.tolist()
+        self.spec = {"a": df["spec_a"].tolist(), "b": df["spec_b"].tolist()}   # id() of each row's specs
+        self.spec_a, self.spec_b = self.spec["a"], self.spec["b"]
+        self.src_a, self.src_b = a.flow.src.get, b.flow.src.get
+        self.own_share = OwnShare(df, a.recs, b.recs, self.pair_b, rerun)
+        self.loose = {s.name: self._loose(s) for s in (a, b)}
+        self.pairs = pairs
+        self.anchors: dict = {}  # per run, built on first use (runs with one-run-only ops): see _anchors
+        self.boundary = {i for i, _, how in pairs if how == "region boundary"}   # rows for the values entering too
+        self.places: dict = {}
+        self.best: dict = {}     # paired record (A's index) -> earliest own-stage source of its differing outputs
+        self.inh: dict = {}      # paired record (A's index) -> earliest inherited source
+        self.passes: dict = {"a": {}, "b": {}}   # one-run-only record -> (best, inherited) of what it passes on
+
+    # ---- one-run-only ops and their place among the paired records -------------------------------
+    @staticmethod
+    def _loose(side: Side) -> dict:
+        """(stage, is a cast) -> sorted one-run-only op records a difference may start at (the
+        unobserved ones never)."""
         out: dict = {}
-        for i in idx:
-            r = recs[i]
+        for i in sorted(side.only - side.unobserved):
+            r = side.recs[i]
             if r["kind"] == "op":
                 out.setdefault((r["stage"], op_traits.is_cast(r["op"])), []).append(i)
         return out
-    loose_a = unmatched_ops(recs_a, [i for i in al.only_a if i not in unobserved[0]])
-    loose_b = unmatched_ops(recs_b, [i for i in al.only_b if i not in unobserved[1]])
 
-    def between(recs_loose, stage, lo, hi):
-        for cast in (False, True):
-            cand = recs_loose.get((stage, cast), ())
-            k = bisect.bisect_right(cand, lo)
-            if k < len(cand) and cand[k] < hi:
-                return cand[k]
-        return None
+    def _anchors(self, side: Side, paired: list) -> dict:
+        """stage -> (the side's paired records in order, their A index, their A position, the
+        stage's record count in this run)."""
+        out: dict = {}
+        to_a = (lambda i: i) if side.name == "a" else self.pair_a.__getitem__
+        for i in paired:
+            idx, a_idx, a_seq = out.setdefault(side.recs[i]["stage"], ([], [], []))[:3]
+            k = to_a(i)
+            idx.append(i)
+            a_idx.append(k)
+            a_seq.append(self.a.seq[k])
+        counts: dict = {}
+        for r in side.recs:
+            counts[r["stage"]] = counts.get(r["stage"], 0) + 1
+        return {st: (*v, counts.get(st, 0)) for st, v in out.items()} | \
+            {st: ([], [], [], n) for st, n in counts.items() if st not in out}
 
-    best: dict = {}     # record -> earliest own-stage source of its differing outputs (a root tuple)
-    inh: dict = {}      # record -> earliest inherited source
-    usrc: dict = {}     # one-run-only record of A -> (best, inherited) of what it passes on
-
-    def root(seq, i, side, arg, cause, weak=False):
-        return Root(weak, seq, i, side, arg, cause)
-
-    def mn(x, y):
-        return y if x is None else x if y is None else min(x, y)
-
-    spec_a, spec_b = df["spec_a"].tolist(), df["spec_b"].tolist()   # id() of each row's specs
-    src_of_a, src_of_b = flow_a.src.get, flow_b.src.get
-
-    def source(r, k, stage):
-        """(own-stage root, inherited root) of input row ``k`` of record ``r``, whose value differs."""
-        arg = args[k]
-        src, srcb = src_of_a(spec_a[k]), src_of_b(spec_b[k])
-        if src is not None:
-            p, parg = src
-            if recs_a[p]["stage"] != stage:
-                return None, root(seq_a[r], r, "a", arg, "inherited")
-            if p in only_a:
-                return usrc.get(p) or (root(seq_a[p], p, "a", "", "unmatched"), None)
-            if (p, parg) in out_row:
-                return best.get(p), inh.get(p)
-            u = between(loose_a, stage, p, r)
-            if u is not None:
-                return root(seq_a[u], u, "a", "", "unmatched"), None
-            jp, jr = pair_b.get(p), pair_b.get(r)
-            if jp is not None and jr is not None:
-                u = between(loose_b, recs_b[jr]["stage"], jp, jr)
-                if u is not None:
-                    return root(seq_a[r], u, "b", "", "unmatched"), None
-            return root(seq_a[r], r, "a", arg, "unrecorded"), None
-        if srcb is not None:
-            pb = srcb[0]
-            if pb in al_only_b:
-                return root(seq_a[r], pb, "b", "", "unmatched"), None
-            if recs_b[pb]["stage"] != stage:
-                return None, root(seq_a[r], r, "a", arg, "inherited")
-        if stage != "forward":   # backward values come from the forward (views autograd makes are not recorded)
-            return None, root(seq_a[r], r, "a", arg, "inherited")
-        return root(seq_a[r], r, "a", arg, "inputs"), None
-
-    def uncompared(i, s0, e0):
-        """Record ``i``'s inputs that have no row (a translation compares no transposed operand) but
-        whose producer's output row differs: (that row, standing for the input; the input's source)."""
-        compared = {spec_a[k] for k in range(s0, e0) if is_in[k]}
-        overwritten = op_traits.overwrites_first_input(recs_a[i]["op"])
-        out = []
-        for io, arg, spec in flow_a.walks[i]:
-            if io != "input" or id(spec) in compared or (overwritten and arg == "input.0"):
-                continue
-            src = src_of_a(id(spec))
-            k = out_row.get(src) if src is not None else None
-            if k is None:
-                continue
-            p = src[0]
-            out.append((k, (None, root(seq_a[i], i, "a", arg, "inherited")) if recs_a[p]["stage"] != recs_a[i]["stage"]
-                        else (best.get(p), inh.get(p))))
-        return out
-
-    al_only_b = set(al.only_b) - unobserved[1]
-    stage_src: dict = {}   # (stage, kind, error) -> [earliest own-stage source, earliest inherited one]
-    # a departure stage with no one-run-only op is settled by its first larger-than-rounding source:
-    # every later source is seen later (the rest of the stage only fills the origin column)
-    loose = {st for st, _ in loose_a} | {st for st, _ in loose_b}
-    settled: set = set()
-    for i in sorted(groups.keys() | {i for i in al.only_a if recs_a[i]["kind"] == "op"}):
-        rec = recs_a[i]
-        stage = rec["stage"]
-        if stage in settled:
-            continue
-        if i in only_a:   # what a one-run-only op passes on: itself, unless a cast passes on its input's
-            own = (root(seq_a[i], i, "a", "", "unmatched"), None)
-            follow = op_traits.is_cast(rec["op"]) or i in unobserved[0]
-            res = None
-            for io, arg, spec in flow_a.walks[i]:
-                if io != "input":
-                    break
-                src = flow_a.src.get(id(spec))
-                if src is None or recs_a[src[0]]["stage"] != stage:
-                    continue
-                p, parg = src
-                if p in only_a:   # a chain of one-run-only ops: its first one
-                    up = usrc[p]
-                    res = up if res is None else (mn(res[0], up[0]), mn(res[1], up[1]))
-                    continue
-                pk = out_row.get((p, parg))
-                if pk is not None and (follow or bad[pk]):
-                    res = (best.get(p), inh.get(p)) if res is None else (mn(res[0], best.get(p)), mn(res[1], inh.get(p)))
-            usrc[i] = res if res is not None and (res[0] is not None or res[1] is not None) else own
-            continue
-        s0, e0 = groups[i]
-        b = h = None
-        ins = [k for k in range(s0, e0) if is_in[k] and off[k]]
-        outs = [k for k in range(s0, e0) if off[k] and not is_in[k]]
-        srcs = {k: source(i, k, stage) for k in ins}
-        if outs:
-            # a float64 re-run costs an op's replay twice: only while no larger source is known
-            found = stage_src.get((stage, rec["kind"], stage in err_stages))
-            hidden = uncompared(i, s0, e0)
-            own = own_share(i, outs, ins + [k for k, _ in hidden], found is None or found[0] is None or found[0].weak)
-            srcs.update((-1 - n, src) for n, (_, src) in enumerate(hidden))     # not rows: keys of their own
-            if own:
-                b = root(seq_a[i], i, "a", "", "op", own == WEAK)
-                origin_rows[outs] = True
+    def place(self, side: Side, u: int) -> tuple:
+        """(A index, A position, distance) of the first paired record of one-run-only record ``u``'s
+        stage after it (past the stage's end where none), distance counted in ``u``'s run."""
+        got = self.places.get((side.name, u))
+        if got is None:
+            if not self.anchors:
+                self.anchors = {s.name: self._anchors(s, sorted(p[k] for p in self.pairs))
+                                for k, s in enumerate((self.a, self.b))}
+            idx, a_idx, a_seq, count = self.anchors[side.name][side.recs[u]["stage"]]
+            n = bisect.bisect_right(idx, u)
+            if n < len(idx):
+                got = (a_idx[n], a_seq[n], side.seq[idx[n]] - side.seq[u])
             else:
-                for kb, kh in srcs.values():
-                    b, h = mn(b, kb), mn(h, kh)
-            best[i], inh[i] = b, h
-        # the sources of its error rows (a stage with some), else of all its differing rows (a departure)
-        error = stage in err_stages
-        rows = [k for k in range(s0, e0) if bad[k]] if error else ins + outs
-        if rows:
-            eb = eh = None
-            if any(not is_in[k] for k in rows):
-                eb, eh = b, h
-            for k in rows:
-                if is_in[k]:
-                    kb, kh = srcs[k]
-                    eb, eh = mn(eb, kb), mn(eh, kh)
-            acc = stage_src.setdefault((stage, rec["kind"], error), [None, None])
-            acc[0], acc[1] = mn(acc[0], eb), mn(acc[1], eh)
-            if not error and rec["kind"] == "op" and stage not in loose and acc[0] is not None and not acc[0].weak:
-                settled.add(stage)
-    out = []
-    stages = df["stage"].to_numpy(object)
-    for stage in ("forward", "backward"):
-        errors = int((bad_rows & (stages == stage)).sum())
-        acc = stage_src.get((stage, "op", bool(errors))) or stage_src.get((stage, "module", bool(errors)))
-        if acc is None:
-            continue
-        pick = acc[0] or acc[1] if errors else acc[0]   # a departure is a stage's own
-        if pick is None and errors:   # not reached: every differing value has a source; keep the verdict honest
-            k = int(np.flatnonzero(bad_rows & (stages == stage))[0])
-            pick = root(seq_a[int(uid[k])], int(uid[k]), "a", args[k], "op")
-        if pick is None:
-            continue
-        div = _describe(df, part_a, recs_a, recs_b, seq_a, seq_b, stage, pick, errors, off_rows)
-        div.approximate = pick.cause == "op" and pick.index in own_share.estimated
-        out.append(div)
-    return origin_rows, out
+                end = self.anchors["a"].get(side.recs[u]["stage"], ((), (), (), 0))[3]
+                got = (len(self.a.recs), end, count - side.seq[u])
+            self.places[side.name, u] = got
+        return got
+
+    def unmatched(self, side: Side, u: int) -> Root:
+        _, at, dist = self.place(side, u)
+        r = side.recs[u]
+        return Root(False, at, -dist, (r["op"], r["scope"], int(r["call"])), u, side.name, "", "unmatched")
+
+    def seen_at(self, r: int, arg: str, cause: str, weak: bool = False) -> Root:
+        """A source seen at paired record ``r`` (A's index), tensor ``arg`` ("" for the op itself)."""
+        return Root(weak, self.seq_a[r], 0, (arg, "", 0), r, "a", arg, cause)
+
+    # ---- where one differing value comes from ----------------------------------------------------
+    def _from_producer(self, side: Side, src, consumer: int, stage: str):
+        """What run ``side``'s producer ``src`` (index, output arg) of a differing input of record
+        ``consumer`` (of that run) says: a (best, inherited) pair, "stage" (made in another stage),
+        "agrees" (its output agrees and no one-run-only op stands between) or None (unknown)."""
+        if src is None:
+            return None
+        p, parg = src
+        if side.recs[p]["stage"] != stage:
+            return "stage"
+        if p in side.only:
+            return self.passes[side.name].get(p) or (self.unmatched(side, p), None)
+        pa = p if side is self.a else self.pair_a.get(p)
+        if pa is not None and (pa, parg) in self.out_row:
+            return self.best.get(pa), self.inh.get(pa)
+        u = _between(self.loose[side.name], stage, p, consumer)
+        return (self.unmatched(side, u), None) if u is not None else "agrees"
+
+    def source(self, r: int, k: int, stage: str) -> tuple:
+        """(own-stage root, inherited root) of input row ``k`` of paired record ``r``, whose value
+        differs, from both runs' producers of it."""
+        src_a = self.src_a(self.spec_a[k])
+        src_b = self.src_b(self.spec_b[k])
+        if src_a is None and src_b is None:    # no recorded op made it in either run
+            return (None, self.seen_at(r, self.args[k], "inherited")) if stage != "forward" else \
+                (self.seen_at(r, self.args[k], "inputs"), None)
+        # the usual case: both runs' producers are one pair of this stage whose output differs, which says it all
+        if src_a is not None and src_b is not None and self.pair_b.get(src_a[0]) == src_b[0] \
+                and src_a in self.out_row and self.a.recs[src_a[0]]["stage"] == stage:
+            return self.best.get(src_a[0]), self.inh.get(src_a[0])
+        jr = self.pair_b.get(r)
+        got_a = self._from_producer(self.a, src_a, r, stage)
+        got_b = self._from_producer(self.b, src_b, jr, stage) if jr is not None else None
+        found = [g for g in (got_a, got_b) if type(g) is tuple]
+        if found:
+            return found[0] if len(found) == 1 else _merge(*found)
+        arg = self.args[k]
+        if "stage" in (got_a, got_b) or stage != "forward":   # backward values come from the forward
+            return None, self.seen_at(r, arg, "inherited")
+        if "agrees" in (got_a, got_b):
+            return self.seen_at(r, arg, "unrecorded"), None
+        return self.seen_at(r, arg, "inputs"), None
+
+    def uncompared(self, i: int, s0: int, e0: int) -> list:
+        """Paired record ``i``'s inputs that have no row in either run (a translation compares no
+        transposed operand) but whose producer's output row differs, or whose producer is a
+        one-run-only op: (that row, standing for the input, or None; the input's source)."""
+        out: dict = {}
+        for side, rec in ((self.a, i), (self.b, self.pair_b.get(i))):
+            if rec is None:
+                continue
+            walk = side.flow.walks[rec]
+            if len(walk) == e0 - s0 and i not in self.boundary:
+                continue   # every tensor has its row (the usual case: nothing to walk)
+            spec = self.spec[side.name]
+            compared = {spec[k] for k in range(s0, e0) if self.is_in[k]}
+            overwritten = op_traits.overwrites_first_input(side.recs[rec]["op"])
+            for io, arg, sp in walk:
+                if io != "input" or id(sp) in compared or (overwritten and arg == "input.0"):
+                    continue
+                src = side.flow.src.get(id(sp))
+                if src is None:
+                    continue
+                p = src[0]
+                if p in side.only:
+                    if side.recs[p]["stage"] == side.recs[rec]["stage"]:
+                        out[side.name, p] = None, self.passes[side.name].get(p) or (self.unmatched(side, p), None)
+                    continue
+                pa = p if side is self.a else self.pair_a.get(p)
+                k = self.out_row.get((pa, src[1])) if pa is not None else None
+                if k is None or k in out:
+                    continue
+                out[k] = k, ((None, self.seen_at(i, arg, "inherited")) if side.recs[p]["stage"] != side.recs[rec]["stage"]
+                             else (self.best.get(pa), self.inh.get(pa)))
+        return list(out.values())
+
+    def passed_on(self, side: Side, u: int) -> tuple:
+        """What one-run-only op ``u`` passes on: itself, unless a cast (or a kernel the other run
+        does not observe) passes on its input's source, or its input already fails."""
+        stage = side.recs[u]["stage"]
+        follow = op_traits.is_cast(side.recs[u]["op"]) or u in side.unobserved
+        res = None
+        for io, _, spec in side.flow.walks[u]:
+            if io != "input":
+                break
+            src = side.flow.src.get(id(spec))
+            if src is None or side.recs[src[0]]["stage"] != stage:
+                continue
+            p, parg = src
+            if p in side.only:   # a chain of one-run-only ops: its first one
+                res = _merge(res, self.passes[side.name].get(p))
+                continue
+            pa = p if side is self.a else self.pair_a.get(p)
+            pk = self.out_row.get((pa, parg)) if pa is not None else None
+            if pk is not None and (follow or self.bad[pk]):
+                res = _merge(res, (self.best.get(pa), self.inh.get(pa)))
+        return res if res is not None and (res[0] is not None or res[1] is not None) else (self.unmatched(side, u), None)
+
+    # ---- the pass ---------------------------------------------------------------------------------
+    def trace(self) -> tuple[np.ndarray, list]:
+        """(per row: is it an output where a difference enters; per stage at most one (root, error
+        rows) pair: the earliest source of its error rows, or for a stage without error rows its first
+        *departure*, the earliest own-stage source of any differing value).  Backward values that
+        differ only because forward values do are ``inherited``."""
+        df, a, b = self.df, self.a, self.b
+        n = len(df)
+        origin_rows = np.zeros(n, bool)
+        if not self.off_rows.any():
+            return origin_rows, []
+        uid, off, bad, is_in = self.uid, self.off, self.bad, self.is_in
+        starts = np.flatnonzero(np.r_[True, uid[1:] != uid[:-1]])   # rows are in A's record order
+        ends = np.r_[starts[1:], len(uid)]
+        touched = np.add.reduceat(self.off_rows, starts) > 0
+        groups = {int(uid[s0]): (s0, e0) for s0, e0 in zip(starts[touched].tolist(), ends[touched].tolist())}
+        stages = df["stage"].to_numpy(object)
+        err_stages = set(stages[self.bad_rows].tolist())
+        # visiting order: A's records, each one-run-only op of B just before the paired record after it
+        visits = [(i, 0, 0) for i in groups] + [(i, 0, 0) for i in a.only if a.recs[i]["kind"] == "op"] + \
+            [(self.place(b, j)[0], -1, j) for j in b.only if b.recs[j]["kind"] == "op"]
+        stage_src: dict = {}   # (stage, kind, error) -> [earliest own-stage source, earliest inherited one]
+        # a departure stage with no one-run-only op is settled by its first larger-than-rounding source:
+        # every later source is seen later (the rest of the stage only fills the origin column)
+        loose = {st for s in (a, b) for st, _ in self.loose[s.name]}
+        settled: set = set()
+        for i, order, j in sorted(visits):
+            side, u = (b, j) if order else (a, i)
+            rec = side.recs[u]
+            stage = rec["stage"]
+            if stage in settled:
+                continue
+            if u in side.only:
+                self.passes[side.name][u] = self.passed_on(side, u)
+                continue
+            s0, e0 = groups[i]
+            best = inh = None
+            ins = [k for k in range(s0, e0) if is_in[k] and off[k]]
+            outs = [k for k in range(s0, e0) if off[k] and not is_in[k]]
+            srcs = {k: self.source(i, k, stage) for k in ins}
+            if outs:
+                # a float64 re-run costs an op's replay twice: only while no larger source is known
+                found = stage_src.get((stage, rec["kind"], stage in err_stages))
+                hidden = self.uncompared(i, s0, e0)
+                own = self.own_share(i, outs, ins + [k for k, _ in hidden if k is not None],
+                                     found is None or found[0] is None or found[0].weak,
+                                     any(k is None for k, _ in hidden))
+                srcs.update((-1 - m, src) for m, (_, src) in enumerate(hidden))     # not rows: keys of their own
+                if own:
+                    best = self.seen_at(i, "", "op", own == WEAK)
+                    origin_rows[outs] = True
+                else:
+                    for kb, kh in srcs.values():
+                        best, inh = _min(best, kb), _min(inh, kh)
+                self.best[i], self.inh[i] = best, inh
+            # the sources of its error rows (a stage with some), else of all its differing rows (a departure)
+            error = stage in err_stages
+            rows = [k for k in range(s0, e0) if bad[k]] if error else ins + outs
+            if rows:
+                eb = eh = None
+                if any(not is_in[k] for k in rows):
+                    eb, eh = best, inh
+                for k in rows:
+                    if is_in[k]:
+                        kb, kh = srcs[k]
+                        eb, eh = _min(eb, kb), _min(eh, kh)
+                acc = stage_src.setdefault((stage, rec["kind"], error), [None, None])
+                acc[0], acc[1] = _min(acc[0], eb), _min(acc[1], eh)
+                if not error and rec["kind"] == "op" and stage not in loose and acc[0] is not None and not acc[0].weak:
+                    settled.add(stage)
+        out = []
+        for stage in ("forward", "backward"):
+            errors = int((self.bad_rows & (stages == stage)).sum())
+            acc = stage_src.get((stage, "op", bool(errors))) or stage_src.get((stage, "module", bool(errors)))
+            if acc is None:
+                continue
+            pick = acc[0] or acc[1] if errors else acc[0]   # a departure is a stage's own
+            if pick is None and errors:   # not reached: every differing value has a source; keep the verdict honest
+                k = int(np.flatnonzero(self.bad_rows & (stages == stage))[0])
+                pick = self.seen_at(int(uid[k]), self.args[k], "op")
+            if pick is not None:
+                out.append((stage, pick, errors))
+        return origin_rows, out
+
+
+def trace(df: pd.DataFrame, a: Side, b: Side, pairs: list, rerun=None) -> tuple[np.ndarray, list]:
+    """(per row: is it an output where a difference enters; per stage at most one :class:`Divergence`),
+    by :class:`Lineage`; ``a``, ``b``: the two runs (:class:`Side`), ``pairs``: the alignment's."""
+    lineage = Lineage(df, a, b, pairs, rerun)
+    origin_rows, picks = lineage.trace()
+    divs = []
+    for stage, pick, errors in picks:
+        div = _describe(df, a, b, stage, pick, errors, lineage.off_rows)
+        div.approximate = pick.cause == "op" and pick.index in lineage.own_share.estimated
+        divs.append(div)
+    return origin_rows, divs
 
 
 def _why(row) -> str:
@@ -321,9 +448,11 @@ def _size(row) -> str:
     return "differs within tolerance"
 
 
-def _describe(df, part_a, recs_a, recs_b, seq_a, seq_b, stage, pick, errors, off) -> Divergence:
-    _, seq, i, side, arg, cause = pick
-    rec = recs_a[i] if side == "a" else recs_b[i]
+def _describe(df, a: Side, b: Side, stage, pick: Root, errors, off) -> Divergence:
+    i, side, arg, cause = pick.index, pick.side, pick.arg, pick.cause
+    run = a if side == "a" else b
+    rec = run.recs[i]
+    other = "B" if side == "a" else "A"
     at = df[(df["uid"] == i) & (df["stage"] == stage) & off] if side == "a" else df.iloc[:0]
     step, rank = int(df["step"].iat[0]), int(df["rank"].iat[0])
     module = None
@@ -343,17 +472,17 @@ def _describe(df, part_a, recs_a, recs_b, seq_a, seq_b, stage, pick, errors, off
         rows = at[at["arg"] == arg]
         failed = "; ".join(_why(r) if r.reason else _size(r) for r in rows.itertuples()) or "values differ"
     else:   # unmatched: name the first failing (differing) record after it
-        later = df[(df["stage"] == stage) & (df["status"] == V.ERROR if errors else off) & (df["seq"] >= seq)]
+        later = df[(df["stage"] == stage) & (df["status"] == V.ERROR if errors else off) & (df["seq"] >= pick.at)]
         nxt = later.iloc[0] if len(later) else None
         what = "failing" if errors else "differing"
-        failed = (f"no counterpart in run {'B' if side == 'a' else 'A'}; the first {what} record after it is "
+        failed = (f"no counterpart in run {other}; the first {what} record after it is "
                   f"{nxt['op_a']} [{nxt['scope'] or '<top>'}] {nxt['arg']} (#{nxt['seq']})") if nxt is not None \
-            else f"no counterpart in run {'B' if side == 'a' else 'A'}"
+            else f"no counterpart in run {other}"
         rows = at.iloc[:0]
     row = rows.iloc[0] if len(rows) else None
     met = {m: row[m] for m in [*TENSOR_METRICS, "stats_err"] if row is not None and pd.notna(row[m])}
-    frames = _frames(part_a, rec) if side == "a" and rec.get("stack") is not None else []
-    return Divergence(stage=stage, step=step, rank=rank, seq=int(seq_a[i] if side == "a" else seq_b[i]),
+    frames = _frames(run.part, rec) if rec.get("stack") is not None else []
+    return Divergence(stage=stage, step=step, rank=rank, seq=int(run.seq[i]),
                       scope=rec["scope"], op=rec["op"], name=rec["name"], call=int(rec["call"]), kind=rec["kind"],
                       failed=failed, metrics=met, stack=list(frames), module=module, cause=cause, side=side,
                       arg=arg, errors=errors, departure=not errors)

@@ -1,0 +1,64 @@
+"""compare's verdict does not depend on which run is A: on every kind of tiny ``transformers`` model the
+compare tests build (a Llama, GPT-2, BERT, Phi, two mixtures of experts, a multi-head-latent-attention
+model, a ViT, an encoder-decoder speech model), with a x1.001 planted by a forward hook on one block's
+output (an op in the planted run only), 2 AdamW steps, statistics and tensor records: ``compare A B``
+and ``compare B A`` name the same origin, with mirrored labels, and nothing at a later step outranks
+the step where the difference starts."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+from dispatchprobe import compare
+
+pytest.importorskip("transformers")
+sys.path.insert(0, os.path.dirname(__file__))
+from compare_helpers import ARCHS, record_tiny, tiny_model  # noqa: E402
+
+TASKS = ("statistics", "tensor")
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def arch_runs(request, tmp_path_factory):
+    """Per task, the planted and the clean run of architecture ``request.param``, and the planted scope."""
+    root = tmp_path_factory.mktemp(request.param)
+    model, block, inputs = tiny_model(request.param)
+    runs = {(task, plant): record_tiny(model, block, inputs, root / f"{task}-{plant or 'clean'}", plant=plant,
+                                       task=task)
+            for task in TASKS for plant in ("hook", None)}
+    return runs, f"{type(model).__name__}.{block}"
+
+
+def _named(verdict, stage: str):
+    """What the verdict names for ``stage``: its divergence, else its first departure within tolerance."""
+    return getattr(verdict, stage) or next((d for d in verdict.departures if d.stage == stage), None)
+
+
+def _run_of(d, planted_is: str):
+    """The run (planted or clean) holding an op present in one run only."""
+    return ("planted" if d.side == planted_is else "clean") if d.cause == "unmatched" else None
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_swapped_runs_name_the_same_origin(arch_runs, task):
+    runs, scope = arch_runs
+    planted, clean = runs[task, "hook"], runs[task, None]
+    verdicts = {"a": compare(planted, clean).verdict, "b": compare(clean, planted).verdict}   # where the plant is
+    assert verdicts["a"].passed == verdicts["b"].passed
+    for stage in ("forward", "backward"):
+        named = {side: _named(v, stage) for side, v in verdicts.items()}
+        assert all(d is not None for d in named.values()), {s: str(v) for s, v in verdicts.items()}
+        seen = {side: (d.step, d.cause, d.op, d.scope, _run_of(d, side)) for side, d in named.items()}
+        assert seen["a"] == seen["b"], (stage, seen, str(verdicts["a"]), str(verdicts["b"]))
+        # the difference starts at step 0: no later step's difference outranks it
+        assert seen["a"][0] == 0, (stage, str(verdicts["a"]), str(verdicts["b"]))
+    # the origin: the planted op at its block, in the run that holds it, said in mirrored words
+    for side, v in verdicts.items():
+        d = _named(v, "forward")
+        assert (d.cause, d.op, d.scope, d.side) == ("unmatched", "aten.mul.Tensor", scope, side), str(v)
+        line = next(ln for ln in str(v).splitlines() if ln.startswith(("first forward", "no forward divergence;")))
+        assert f"aten.mul.Tensor [{scope}]" in line and f"present only in run {side.upper()}" in line, str(v)
+        assert f"no counterpart in run {'B' if side == 'a' else 'A'}" in line, str(v)
