@@ -216,7 +216,7 @@ def main():
     if args.cpu_time:
         torch.set_num_threads(1)
         clock = overhead.clock = time.thread_time
-    fused_stats.build(wait=True)
+    fused_stats.build_native()
     torch.manual_seed(0)
     print(f"device {args.device}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"{args.steps} timed steps per mode\n")

@@ -38,7 +38,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    fused_stats.build(wait=True)
+    fused_stats.build_native()
     if fused_stats.stats4 is None:
         raise SystemExit(f"the one-pass kernel is not available: {fused_stats.error}")
     print(f"torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads; "

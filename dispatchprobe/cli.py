@@ -51,6 +51,22 @@ def echo_table(df, max_rows: int = 40) -> None:
                    + f"\n... {len(df) - max_rows} more rows")
 
 
+@main.command("build-native")
+def build_native():
+    """Build the CPU statistics kernel for this torch (once; needs a C++ compiler and ninja).
+
+    Without it probes record the same statistics, more slowly; a probe never builds it itself."""
+    from .torch import fused_stats
+    if not fused_stats.enabled():
+        raise click.UsageError("DISPATCHPROBE_FUSED_STATS=0 turns the kernel off: unset it to build")
+    reason = fused_stats.build_native()
+    if reason is not None:
+        click.echo(f"error: the CPU statistics kernel did not build: {reason}", err=True)
+        sys.exit(1)
+    path, _, _ = fused_stats._target()
+    click.echo(f"built: {path}")
+
+
 @main.command()
 @click.argument("path", type=click.Path(exists=True, file_okay=False))
 @click.option("--op", "op_pattern", default=None, help="List records whose op or name matches (substring or regex).")

@@ -1,6 +1,10 @@
 """Record statistics, once for every framework, against an array namespace
 ``xp`` (numpy or torch): :func:`record`, or a backend's own reductions completed by :func:`finish`
-or :func:`from_row`; and how compare compares them."""
+or :func:`from_row`; and how compare compares them.
+
+Sums and sums of squares follow one summation order, :func:`tree_sums`, on every path (this
+module's numpy and torch code, the torch adapter's C++ kernel), so equal values give equal
+records, bit for bit, whichever path measured them."""
 
 from __future__ import annotations
 
@@ -41,20 +45,80 @@ def accumulator(x, xp):
     return xp.float64 if x.dtype == xp.float64 else xp.float32
 
 
-def _norm(v, xp) -> float:
-    """L2 norm of 1-D ``v`` (numpy 1.x, which MindSpore needs, has no ``linalg.vector_norm``)."""
-    fn = getattr(xp.linalg, "vector_norm", None) or xp.linalg.norm
-    return float(fn(v))
+# The summation order (:func:`tree_sums`): a block is ROWS x LANES values, a chunk CHUNK_BLOCKS blocks.
+ROWS, LANES, FOLDED_LANES, CHUNK_BLOCKS = 16, 64, 16, 32
+
+
+def _zeros(like, shape, dtype, xp):
+    return like.new_zeros(shape, dtype=dtype) if hasattr(like, "new_zeros") else xp.zeros(shape, dtype=dtype)
+
+
+def _halve(x, axis: int, size: int):
+    """Pairwise halving along ``axis`` of length ``size`` (a power of two) down to one: element
+    ``i`` is added to element ``i + size/2``, then again on the first half, ..."""
+    lead = (slice(None),) * axis
+    while size > 1:
+        size //= 2
+        x = x[lead + (slice(0, size),)] + x[lead + (slice(size, 2 * size),)]
+    return x[lead + (0,)]
+
+
+def tree_sums(seq, xp, wide: bool = False):
+    """``[sum, sum of squares]`` of the 1-D sequence ``seq`` as a float64 array of 2 on its device,
+    in one order every path follows, so that equal values give equal bits anywhere:
+
+    - lanes are float32 (float64 for float64 values or with ``wide``); squares are rounded to the
+      lane type before they are added (never fused into the sum);
+    - the sequence, padded with zeros, is cut in blocks of ROWS x LANES values (row-major); each
+      block's rows are added by pairwise halving (row ``r`` + row ``r + 8``, then ``r + 4``, ...),
+      then its lanes the same way down to FOLDED_LANES, which are widened to float64;
+    - blocks are grouped in chunks of CHUNK_BLOCKS, added by halving within the chunk, then the
+      chunk's FOLDED_LANES lanes by halving, then the chunks by halving (padded with zeros to a
+      power of two);
+    - a zero result is +0.0.
+    Adding a padding zero never changes a value (up to the sign of a zero), so a kernel may skip
+    them; any split of the chunks among threads gives the same result."""
+    n = seq.shape[0]
+    lane = xp.float64 if wide or seq.dtype == xp.float64 else xp.float32
+    v = xp.asarray(seq, dtype=lane)
+    block = ROWS * LANES
+    blocks = max(1, -(-n // block))
+    x = _zeros(v, (2, blocks * block), lane, xp)
+    x[0, :n] = v
+    x[1, :n] = v * v
+    x = _halve(x.reshape(2, blocks, ROWS, LANES), 2, ROWS)                 # (2, blocks, LANES)
+    while x.shape[-1] > FOLDED_LANES:
+        half = x.shape[-1] // 2
+        x = x[..., :half] + x[..., half:]
+    x = xp.asarray(x, dtype=xp.float64)                                     # (2, blocks, FOLDED_LANES)
+    chunks = -(-blocks // CHUNK_BLOCKS)
+    y = _zeros(x, (2, chunks * CHUNK_BLOCKS, FOLDED_LANES), xp.float64, xp)
+    y[:, :blocks] = x
+    y = _halve(y.reshape(2, chunks, CHUNK_BLOCKS, FOLDED_LANES), 2, CHUNK_BLOCKS)
+    y = _halve(y, 2, FOLDED_LANES)                                          # (2, chunks)
+    width = 1 << (chunks - 1).bit_length()
+    if width != chunks:
+        z = _zeros(y, (2, width), xp.float64, xp)
+        z[:, :chunks] = y
+        y = z
+    return _halve(y, 1, width) + 0.0
+
+
+def sums(seq, xp, wide: bool = False) -> tuple[float, float]:
+    """:func:`tree_sums` as Python floats (inf and nan where the lanes overflowed or met them)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        total, squares = (float(v) for v in tree_sums(seq, xp, wide).tolist())
+    return total, squares
 
 
 def record(x, xp) -> dict | None:
-    """The statistics record of array ``x`` (None when it is empty)."""
+    """The statistics record of array ``x`` (None when it is empty): its values in C order."""
     x = source(x, xp)
     if math.prod(x.shape) == 0:
         return None
-    wide = xp.asarray(x.reshape(-1), dtype=accumulator(x, xp))
-    with np.errstate(over="ignore", invalid="ignore"):    # overflowing squares are redone by finish
-        return finish(x, [float(x.max()), float(x.min()), float(wide.sum()), _norm(wide, xp)], xp)
+    flat = x.reshape(-1)
+    total, squares = sums(flat, xp)
+    return finish(flat, [float(x.max()), float(x.min()), total, math.sqrt(squares)], xp)
 
 
 def finite_record(hi: float, lo: float, total: float, norm: float, n: int) -> dict:
@@ -63,19 +127,22 @@ def finite_record(hi: float, lo: float, total: float, norm: float, n: int) -> di
     return {"max": hi, "min": lo, "mean": total / n, "norm": norm, "nan": 0, "inf": 0}
 
 
-def finish(x, values, xp) -> dict:
-    """The record from (max, min, sum, L2 norm) of :func:`source` values ``x``, completing the rare
-    non-finite cases."""
+def finish(x, values, xp, repeat: int = 1) -> dict:
+    """The record from (max, min, sum, L2 norm) of :func:`source` values ``x`` (a 1-D sequence in
+    :func:`tree_sums` order, each value standing for ``repeat`` equal ones: an expanded tensor's),
+    completing the rare non-finite cases."""
     hi, lo, total, norm = values
-    if math.isfinite(hi) and math.isfinite(lo):       # float32 sums of finite values that overflowed
+    if math.isfinite(hi) and math.isfinite(lo) and not (math.isfinite(norm) and math.isfinite(total)):
+        # float32 lanes of finite values that overflowed (attention masks at finfo.min): float64 lanes
+        wide_total, wide_squares = sums(x.reshape(-1), xp, wide=True)
         if not math.isfinite(norm):
-            norm = _norm(xp.asarray(x.reshape(-1), dtype=xp.float64), xp)
-        if not math.isfinite(total):                    # (attention masks at finfo.min)
-            total = float(xp.asarray(x.reshape(-1), dtype=xp.float64).sum())
-    stats = finite_record(hi, lo, total, norm, math.prod(x.shape))
+            norm = math.sqrt(wide_squares * repeat)
+        if not math.isfinite(total):
+            total = wide_total * repeat
+    stats = finite_record(hi, lo, total, norm, math.prod(x.shape) * repeat)
     if not (math.isfinite(hi) and math.isfinite(lo) and math.isfinite(total)):
         # count exactly, and give max/min over the finite values so they still mean something
-        stats.update(nan=int(xp.isnan(x).sum()), inf=int(xp.isinf(x).sum()))
+        stats.update(nan=int(xp.isnan(x).sum()) * repeat, inf=int(xp.isinf(x).sum()) * repeat)
         finite = x[xp.isfinite(x)]
         if finite.shape[0]:
             stats["finite_max"], stats["finite_min"] = float(finite.max()), float(finite.min())

@@ -795,7 +795,7 @@ class DispatchProbe(TorchSession):
             from .grad_probe import GradReader
             self.grad_reader = GradReader(self, model)
         else:
-            fused_stats.build()         # the one-pass CPU statistics kernel, loaded in the background
+            fused_stats.load()          # the one-pass CPU statistics kernel, where it is built
         self._mode: _ProbeMode | None = None
         self.scopes = _ModuleScopes(self, model)
         self.uninitialised = _Uninitialised()

@@ -1,12 +1,15 @@
 """One pass over memory for the CPU statistics of a float32 or bfloat16 tensor (max, min, sum,
-sum of squares), where torch needs three reductions: a small C++ kernel (``csrc/stats4.cpp``), built
-with torch's extension builder the first time a probe starts on a machine, by a process of its
-own (so a short run still completes the cache for the next), and kept in torch's extension cache
-(``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``).  The same module reads the
-facts the per-op path records of every tensor in one call (``describe``).  Until it is ready, where
-no C++ compiler is found, or with ``DISPATCHPROBE_FUSED_STATS=0``, the statistics use torch's
-reductions and the facts are read in Python; both give the same values (the statistics to float32
-rounding).
+sum of squares), where torch needs three reductions: a small C++ kernel (``csrc/stats4.cpp``).
+The same module reads the facts the per-op path records of every tensor in one call
+(``describe``).
+
+It is built once, on command (``dispatchprobe build-native``, which needs a C++ compiler and
+``ninja``), for this CPU, source and torch, into ``DISPATCHPROBE_NATIVE_DIR`` (by default
+``~/.cache/dispatchprobe/native``); a probe only loads a build that is there, never builds one.
+A failed build is remembered beside it, with its reason, until the next ``build-native``.
+Without the kernel (not built, failed, or ``DISPATCHPROBE_FUSED_STATS=0``) the statistics use
+torch's operations in the same summation order (``statistics.tree_sums``): the same records,
+bit for bit, more slowly; a probe says so once per process, in one line.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import hashlib
 import importlib.util
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -23,47 +27,102 @@ import threading
 
 _SOURCE = pathlib.Path(__file__).with_name("csrc") / "stats4.cpp"
 _ISA_FLAGS = {"AVX2": ["-mavx2", "-mfma"], "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma"]}
+# no fused multiply-adds: a square is rounded before it is added, as the Python path does
+_FLOAT_FLAGS = ["-ffp-contract=off", "-fno-fast-math"]
 _lock = threading.Lock()
-_builder: threading.Thread | None = None
-stats4 = None             # the kernel: float32/bfloat16 CPU tensor (contiguous rows) -> [max, min, sum, sum of squares]
+_loaded = False
+stats4 = None             # the kernel: float32/bfloat16 CPU tensor -> [max, min, sum, sum of squares]
 extremes = None           # its second pass where those sums are not finite -> [nan, inf, max, min, finite max, finite min]
 describe = None           # a plain tensor's description and cache keys in one call (backend.describe), or None
 Encoder = None            # the statistics task's per-value encoding (backend.value_encoder), or None
 cache_entry = None        # the recorder's cache pairs kept out of the cyclic GC (backend.cache_entry), or None
 rows_into = None          # a compiled graph's window of CPU values -> their stats rows (compile/runtime.py), or None
-error: str | None = None  # why it could not be built
+error: str | None = None  # why the kernel is not used
 
 
 def enabled() -> bool:
     return os.environ.get("DISPATCHPROBE_FUSED_STATS", "1").lower() not in ("0", "false", "no", "off")
 
 
-def build(wait: bool = False):
-    """Start loading (or building) the kernel, once per process; ``wait``: until it is done.
-    Returns the kernel, or None (not ready yet, turned off, or failed: see :data:`error`)."""
-    global _builder
+def load():
+    """The kernel, loaded once per process where a build of it is there (a probe calls this when
+    it starts: every record of the process then comes from one path), or None, saying once why."""
+    global _loaded
     with _lock:
-        if _builder is None and enabled() and _SOURCE.exists():
-            _builder = threading.Thread(target=_load, name="dispatchprobe-stats4", daemon=True)
-            _builder.start()
-    if wait and _builder is not None:
-        _builder.join()
+        if _loaded:
+            return stats4
+        _loaded = True
+        if not enabled():
+            _unused("the native kernel is turned off (DISPATCHPROBE_FUSED_STATS=0)", say=False)
+            return None
+        try:
+            path, _, _ = _target()
+            failed = path.with_suffix(".failed")
+            if path.exists():
+                _load_module(path)
+            elif failed.exists():
+                _unused(f"the native kernel's build failed ({failed.read_text().strip()}); `dispatchprobe build-native` tries again")
+            else:
+                _unused("the native kernel is not built; `dispatchprobe build-native` builds it once for this torch")
+        except Exception as exc:       # a damaged build, a read-only cache, ...
+            _unused(f"the native kernel did not load ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})")
     return stats4
 
 
+def _unused(why: str, say: bool = True) -> None:
+    global error
+    error = why
+    if say:
+        print(f"dispatchprobe: CPU statistics use torch's operations (the same records, more slowly): {why}",
+              file=sys.stderr)
+
+
+def build_native() -> str | None:
+    """Build the kernel for this CPU, source and torch unless it is built (in a process of its
+    own, so a build that is stopped leaves nothing half-written), and load it; a failure is
+    remembered beside the build with its reason.  Returns None when the kernel is loaded, else
+    the reason it is not."""
+    global _loaded
+    path, _, _ = _target()
+    failed = path.with_suffix(".failed")
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        done = subprocess.run([sys.executable, "-m", __name__], start_new_session=True, capture_output=True, text=True)
+        if done.returncode or not path.exists():
+            reason = _why(done.stderr or done.stdout) or f"the build exited with {done.returncode}"
+            failed.write_text(reason + "\n")
+            return reason
+    failed.unlink(missing_ok=True)
+    with _lock:
+        _loaded = False
+    load()
+    return None if stats4 is not None else error
+
+
+def _why(output: str) -> str:
+    """The line of a failed build's output that says why: the compiler's first error, a missing
+    program, else the last line."""
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    cause = next((line for line in lines if re.search(r"\berror\b:|not found|No such file|fatal", line)
+                  and not line.startswith(("RuntimeError", "subprocess."))), None)
+    return (cause or (lines[-1] if lines else ""))[:300]
+
+
+def native_dir() -> pathlib.Path:
+    return pathlib.Path(os.environ.get("DISPATCHPROBE_NATIVE_DIR") or pathlib.Path.home() / ".cache" / "dispatchprobe" / "native")
+
+
 def _target():
-    """(the cached build's path, its module name, compiler flags) for this CPU, source and torch."""
+    """(the build's path, its module name, compiler flags) for this CPU, source and torch."""
     import torch
-    from torch.utils.cpp_extension import _get_build_directory
     # built for the vector instructions torch found on this CPU, named by them and by the source,
     # so a cache shared by other CPUs or versions keeps one build each
     isa = torch.backends.cpu.get_cpu_capability()
-    flags = ["-O3", *_ISA_FLAGS.get(isa, []), *_parallel_flags()]
+    flags = ["-O3", *_ISA_FLAGS.get(isa, []), *_FLOAT_FLAGS, *_parallel_flags()]
     digest = hashlib.sha1(_SOURCE.read_bytes() + isa.encode() + torch.__version__.encode()
                           + " ".join(flags).encode()).hexdigest()[:12]
     name = f"dispatchprobe_stats4_{isa.lower()}_{digest}"
-    path = pathlib.Path(_get_build_directory(name, verbose=False)) / f"{name}.so"
-    return path, name, flags
+    return native_dir() / f"{name}.so", name, flags
 
 
 def _parallel_flags() -> list[str]:
@@ -76,27 +135,16 @@ def _parallel_flags() -> list[str]:
     return []
 
 
-def _load() -> None:
-    global stats4, extremes, describe, Encoder, cache_entry, rows_into, error
-    try:
-        path, name, _ = _target()
-        if not path.exists():
-            # built by a process of its own, which finishes the cache even when this one exits first
-            done = subprocess.run([sys.executable, "-m", __name__], start_new_session=True,
-                                  capture_output=True, text=True)
-            if done.returncode or not path.exists():
-                lines = (done.stderr or done.stdout).strip().splitlines()
-                raise RuntimeError(lines[-1] if lines else f"the build exited with {done.returncode}")
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        import torch
-        from . import tensor_kinds
-        module.configure(torch.nn.Parameter, tensor_kinds._unseen_writes)
-        stats4, extremes, describe, Encoder = module.stats4, module.extremes, module.describe, module.Encoder
-        cache_entry, rows_into = module.cache_entry, module.rows_into
-    except Exception as exc:          # no compiler, no ninja, a read-only cache: torch's reductions
-        error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+def _load_module(path: pathlib.Path) -> None:
+    global stats4, extremes, describe, Encoder, cache_entry, rows_into
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    import torch
+    from . import tensor_kinds
+    module.configure(torch.nn.Parameter, tensor_kinds._unseen_writes)
+    stats4, extremes, describe, Encoder = module.stats4, module.extremes, module.describe, module.Encoder
+    cache_entry, rows_into = module.cache_entry, module.rows_into
 
 
 def _build_into_cache() -> None:

@@ -133,7 +133,7 @@ class GradReader:
     """Reads the gradients of every optimizer that steps, for one probe (its ``model`` names them)."""
 
     def __init__(self, session, model: torch.nn.Module):
-        fused_stats.build()             # the one-pass CPU statistics kernel, loaded in the background
+        fused_stats.load()              # the one-pass CPU statistics kernel, where it is built
         self.handler = session.handlers[0]
         self.names = parameter_names(model)
         self._model = weakref.ref(model)

@@ -64,9 +64,7 @@ class ProbeBackend:
             raise ValueError(f"probe_backend records the tasks {', '.join(COMPILED_TASKS)}, not {self.config.task!r}"
                              + (" (it checks each op eagerly: use DispatchProbe)" if self.config.task == "free_benchmark" else ""))
         self._session: CompiledProbe | None = None
-        # the one-pass CPU statistics kernel the windows use, loaded in the background while
-        # the first graphs compile
-        fused_stats.build()
+        fused_stats.load()      # the one-pass CPU statistics kernel the windows use, where it is built
         self.module_names = ModuleNames(model)
         self._slots = itertools.count(next(_backends) << cache.SLOT_BITS)
         atexit.register(self.close)

@@ -1,9 +1,9 @@
 // max, min, sum and sum of squares of a float32 or bfloat16 CPU tensor in one pass over memory (torch
 // needs three: aminmax, sum, dot or norm), read in place without a copy: contiguous, a permutation of
-// dense memory, expanded, or strided with a dimension of stride 1 (see Walk).  Blocks of 1024 values are summed in 64
-// float32 lanes (four vectors, so that no add waits on the last), blocks in double lanes.  Where the sums
-// are not finite (inf or nan among the values), `extremes` gives the counts and the finite max and min in
-// a second pass.
+// dense memory, expanded, or strided with a dimension of stride 1 (see Walk).  The sums follow
+// statistics.tree_sums' order (see tree_chunk), the Python path's, so both give the same bits.  Where
+// the sums are not finite (inf or nan among the values), `extremes` gives the counts and the finite
+// max and min in a second pass.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <torch/csrc/Device.h>
@@ -28,18 +28,6 @@ constexpr int64_t kGrain = 1 << 15;       // values per chunk
 // chunks per thread: a tensor over 64K values is read by torch's intra-op threads, each from the part
 // the op that wrote it most likely left in its own core's cache; a smaller one on the calling thread
 constexpr int64_t kChunksPerThread = 2;
-
-struct Partial {
-  float hi = -INFINITY, lo = INFINITY;
-  double sum = 0, squares = 0;
-
-  void add(const Partial& o) {
-    hi = std::max(hi, o.hi);
-    lo = std::min(lo, o.lo);
-    sum += o.sum;
-    squares += o.squares;
-  }
-};
 
 inline float value(const float* p, int64_t i) { return p[i]; }
 
@@ -163,41 +151,6 @@ inline void fold_into(Vec* v, Wide& into) {
   for (int k = 0; k < kVectors; ++k) v[k] = Vec{};
   into += __builtin_convertvector(all, Wide);
 }
-
-// max, min, sum and sum of squares: float32 sums per block, moved into double lanes.
-struct Sums {
-  using Result = Partial;
-  Vec hi[kVectors], lo[kVectors], s[kVectors], q[kVectors];
-  Wide ws{}, wq{};
-  double sum = 0, squares = 0;
-  float th = -INFINITY, tl = INFINITY;
-
-  Sums() {
-    for (int k = 0; k < kVectors; ++k) { hi[k] = fill(-INFINITY); lo[k] = fill(INFINITY); s[k] = q[k] = Vec{}; }
-  }
-  void step(const Vec v, int k) {
-    hi[k] = v > hi[k] ? v : hi[k];               // nan compares false: never kept
-    lo[k] = v < lo[k] ? v : lo[k];
-    s[k] += v;
-    q[k] += v * v;
-  }
-  void scalar(float v) {
-    th = v > th ? v : th;
-    tl = v < tl ? v : tl;
-    sum += v;
-    squares += static_cast<double>(v) * v;
-  }
-  void fold() {
-    fold_into(s, ws);
-    fold_into(q, wq);
-  }
-  Partial done() const {
-    Partial out{th, tl, sum, squares};
-    for (int m = 0; m < kVector; ++m)
-      for (int k = 0; k < kVectors; ++k) out.add({hi[k][m], lo[k][m], k ? 0 : ws[m], k ? 0 : wq[m]});
-    return out;
-  }
-};
 
 // Values holding inf or nan: their counts, max and min without nan (inf kept), finite max and min.
 struct ExtremesPartial {
@@ -351,10 +304,171 @@ typename Acc::Result walk(const Walk& w, const T* p) {
   return w.flat ? run<Acc>(p, w.count) : run_rows<Acc>(p, w.sizes, w.strides);
 }
 
+// ---- sums in statistics.tree_sums' order ------------------------------------------------------
+// The values are taken in the order they lie in memory (the walk's order), in blocks of kTreeRows
+// rows of kTreeLanes float32 lanes; each block's rows are added by pairwise halving, then its
+// lanes down to kFolded, widened to double; the blocks of a chunk (kChunkBlocks) by halving, the
+// chunk's lanes by halving, and the chunks by halving.  Squares are rounded to float32 before they
+// are added (the build turns off fused multiply-adds).  Python's statistics.tree_sums is the same
+// sum, value for value, so every path gives the same bits.
+constexpr int kTreeRows = 16, kTreeLanes = 64, kFolded = 16, kChunkBlocks = 32;
+constexpr int64_t kTreeBlock = kTreeRows * kTreeLanes;            // 1024 values
+constexpr int64_t kTreeChunk = kTreeBlock * kChunkBlocks;         // 32768 values
+static_assert(kTreeLanes == kVectors * kVector && kFolded == kVector, "a block row is kVectors vectors");
+
+struct TreeChunk {
+  float hi = -INFINITY, lo = INFINITY;
+  double sum = 0, squares = 0;
+};
+
+typedef double Folded __attribute__((vector_size(kFolded * sizeof(double))));
+
+// Halves v[0..n) pairwise in place down to v[0] (n a power of two).
+template <typename V>
+inline void halve(V* v, int n) {
+  for (int h = n / 2; h >= 1; h /= 2)
+    for (int i = 0; i < h; ++i) v[i] = v[i] + v[i + h];
+}
+
+// One whole block of float32 values (or bfloat16 bits) at q: its folded sums and squares, and
+// its max and min into hi/lo.
+template <typename T>
+inline void tree_block(const T* q, Folded& sum, Folded& squares, Vec& hi, Vec& lo) {
+  Vec col[kVectors], sq[kVectors];
+  for (int k = 0; k < kVectors; ++k) {
+    Vec r[kTreeRows], s[kTreeRows];
+    for (int i = 0; i < kTreeRows; ++i) {
+      const Vec v = load(q + i * kTreeLanes + k * kVector);
+      hi = v > hi ? v : hi;                        // nan compares false: never kept
+      lo = v < lo ? v : lo;
+      r[i] = v;
+      s[i] = v * v;
+    }
+    halve(r, kTreeRows);
+    halve(s, kTreeRows);
+    col[k] = r[0];
+    sq[k] = s[0];
+  }
+  // lanes 64 -> 32 -> 16: lane j + lane j + 32, then j + 16
+  sum = __builtin_convertvector((col[0] + col[2]) + (col[1] + col[3]), Folded);
+  squares = __builtin_convertvector((sq[0] + sq[2]) + (sq[1] + sq[3]), Folded);
+}
+
+// Reads the walk's values from sequence position `begin` on, a run at a time (a contiguous
+// stretch of memory: the whole tensor when flat, else one row).
+template <typename T>
+struct Cursor {
+  const T* p;
+  const Walk& w;
+  int64_t width;
+  std::vector<int64_t> index;                     // the outer dims' index of the current row
+  int64_t offset = 0, col = 0;
+
+  Cursor(const T* p_, const Walk& w_, int64_t begin) : p(p_), w(w_), width(0) {
+    if (w.flat) return;                             // read in place, block by block
+    const int64_t dims = static_cast<int64_t>(w.sizes.size());
+    width = w.sizes[dims - 1];
+    index.assign(dims - 1, 0);
+    int64_t row = begin / width;
+    col = begin % width;
+    for (int64_t d = dims - 2; d >= 0; --d) {
+      index[d] = row % w.sizes[d];
+      offset += index[d] * w.strides[d];
+      row /= w.sizes[d];
+    }
+  }
+  // copies the next n values into dst (float32), moving on
+  void copy(float* dst, int64_t n) {
+    while (n > 0) {
+      const int64_t take = std::min(n, width - col);
+      const T* src = p + offset + col;
+      for (int64_t i = 0; i < take; ++i) dst[i] = value(src, i);
+      dst += take;
+      n -= take;
+      col += take;
+      if (col == width) next_row();
+    }
+  }
+  void next_row() {
+    col = 0;
+    for (int64_t d = static_cast<int64_t>(index.size()) - 1; d >= 0; --d) {
+      offset += w.strides[d];
+      if (++index[d] < w.sizes[d]) return;
+      offset -= index[d] * w.strides[d];
+      index[d] = 0;
+    }
+  }
+};
+
+// Chunk c of the walk's values (kTreeChunk values from c * kTreeChunk, fewer at the end).
+template <typename T>
+TreeChunk tree_chunk(const T* p, const Walk& w, int64_t c) {
+  const int64_t begin = c * kTreeChunk, n = std::min(w.count - begin, kTreeChunk);
+  Folded sums[kChunkBlocks] = {}, squares[kChunkBlocks] = {};
+  Vec hi = fill(-INFINITY), lo = fill(INFINITY);
+  TreeChunk out;
+  alignas(64) float staged[kTreeBlock];
+  Cursor<T> cursor(p, w, begin);
+  for (int64_t b = 0; b * kTreeBlock < n; ++b) {
+    const int64_t m = std::min(n - b * kTreeBlock, kTreeBlock);
+    if (m == kTreeBlock && w.flat) {
+      tree_block(p + begin + b * kTreeBlock, sums[b], squares[b], hi, lo);
+      continue;
+    }
+    std::memset(staged, 0, sizeof staged);          // padding zeros: they change no sum
+    if (w.flat) {
+      const T* src = p + begin + b * kTreeBlock;
+      for (int64_t i = 0; i < m; ++i) staged[i] = value(src, i);
+    } else {
+      cursor.copy(staged, m);
+    }
+    if (m == kTreeBlock) {
+      tree_block(static_cast<const float*>(staged), sums[b], squares[b], hi, lo);
+      continue;
+    }
+    Vec unused_hi = hi, unused_lo = lo;             // max and min of the m values only
+    tree_block(static_cast<const float*>(staged), sums[b], squares[b], unused_hi, unused_lo);
+    for (int64_t i = 0; i < m; ++i) {
+      const float v = staged[i];
+      out.hi = v > out.hi ? v : out.hi;
+      out.lo = v < out.lo ? v : out.lo;
+    }
+  }
+  halve(sums, kChunkBlocks);
+  halve(squares, kChunkBlocks);
+  double ls[kFolded], lq[kFolded];
+  for (int j = 0; j < kFolded; ++j) { ls[j] = sums[0][j]; lq[j] = squares[0][j]; }
+  halve(ls, kFolded);
+  halve(lq, kFolded);
+  out.sum = ls[0];
+  out.squares = lq[0];
+  for (int j = 0; j < kVector; ++j) {
+    out.hi = hi[j] > out.hi ? hi[j] : out.hi;
+    out.lo = lo[j] < out.lo ? lo[j] : out.lo;
+  }
+  return out;
+}
+
 template <typename T>
 std::vector<double> stats_of(const Walk& w, const T* p) {
-  const Partial all = walk<Sums>(w, p);
-  return {all.hi, all.lo, all.sum * w.repeat, all.squares * w.repeat};
+  const int64_t chunks = (w.count + kTreeChunk - 1) / kTreeChunk;
+  std::vector<TreeChunk> parts(chunks);
+  at::parallel_for(0, chunks, kChunksPerThread, [&](int64_t b, int64_t e) {
+    for (int64_t c = b; c < e; ++c) parts[c] = tree_chunk(p, w, c);
+  });
+  int64_t width = 1;
+  while (width < chunks) width *= 2;
+  std::vector<double> sums(width, 0.0), squares(width, 0.0);
+  float hi = -INFINITY, lo = INFINITY;
+  for (int64_t c = 0; c < chunks; ++c) {
+    sums[c] = parts[c].sum;
+    squares[c] = parts[c].squares;
+    hi = std::max(hi, parts[c].hi);
+    lo = std::min(lo, parts[c].lo);
+  }
+  for (int64_t h = width / 2; h >= 1; h /= 2)
+    for (int64_t i = 0; i < h; ++i) { sums[i] += sums[i + h]; squares[i] += squares[i + h]; }
+  return {hi, lo, (sums[0] + 0.0) * w.repeat, (squares[0] + 0.0) * w.repeat};
 }
 
 template <typename T>
@@ -717,21 +831,99 @@ std::vector<int64_t> rows_into(const py::list& values, torch::Tensor out, py::ha
 // json_line): floats in their shortest round-trip digits, NaN/Infinity for non-finite floats, strings in UTF-8 with
 // quotes, backslashes and control characters escaped.  A value it cannot write (a big integer, a
 // string with lone surrogates, a type outside JSON) makes `put` return false.
+// A float's shortest round-trip digits (no sign, no leading or trailing zeros) and kk, the
+// position of the decimal point: |v| = 0.digits * 10**kk.
+inline int shortest_digits(double v, char* digits, int& kk) {
+  char buf[40];
+  const auto [end, ec] = std::to_chars(buf, buf + sizeof buf, std::fabs(v), std::chars_format::scientific);
+  int n = 0;
+  const char* p = buf;
+  for (; p < end && *p != 'e'; ++p)
+    if (*p != '.') digits[n++] = *p;
+  while (n > 1 && digits[n - 1] == '0') --n;
+  int exponent = 0;
+  std::from_chars(p + 1 + (p[1] == '+'), end, exponent);
+  kk = exponent + 1;
+  return n;
+}
+
+// A JSON line as the record writer's json_line writes it: orjson's text for finite floats (the
+// shortest digits, plain from 1e-5 to 1e16, else d.ddde-7), except in a line holding a
+// non-finite float, which json_line leaves to json.dumps: there every float as repr writes it
+// and NaN/Infinity.  Strings in UTF-8 with quotes, backslashes and control characters escaped.
+// A value it cannot write (a big integer, a string with lone surrogates, a type outside JSON)
+// makes `put` return false.
 struct Json {
   std::string s;
+  bool nonfinite = false;
+  std::vector<std::pair<size_t, double>> floats;   // where each finite float starts, and its value
 
   void raw(const char* p) { s += p; }
   void number(long long v) { s += std::to_string(v); }
   void number(double v) {
     if (!std::isfinite(v)) {
       s += std::isnan(v) ? "NaN" : v > 0 ? "Infinity" : "-Infinity";
+      nonfinite = true;
       return;
     }
-    // the shortest digits that read back as v, as repr finds them; ".0" keeps an integral value a float
-    char buf[32];
-    const auto [end, ec] = std::to_chars(buf, buf + sizeof buf, v);
-    s.append(buf, end);
-    if (std::find_if(buf, end, [](char ch) { return ch == '.' || ch == 'e'; }) == end) s += ".0";
+    floats.emplace_back(s.size(), v);
+    orjson_float(s, v);
+  }
+  static void orjson_float(std::string& out, double v) {
+    if (std::signbit(v)) out += '-';
+    if (v == 0) { out += "0.0"; return; }
+    char d[24];
+    int kk = 0;
+    const int n = shortest_digits(v, d, kk), k = kk - n;
+    if (0 <= k && kk <= 16) {
+      out.append(d, n).append(k, '0') += ".0";
+    } else if (0 < kk && kk <= 16) {
+      out.append(d, kk) += '.';
+      out.append(d + kk, n - kk);
+    } else if (-5 < kk && kk <= 0) {
+      out.append("0.").append(-kk, '0').append(d, n);
+    } else {
+      out += d[0];
+      if (n > 1) out.append(".").append(d + 1, n - 1);
+      out += 'e';
+      out += std::to_string(kk - 1);
+    }
+  }
+  static void repr_float(std::string& out, double v) {
+    if (std::signbit(v)) out += '-';
+    if (v == 0) { out += "0.0"; return; }
+    char d[24];
+    int kk = 0;
+    const int n = shortest_digits(v, d, kk), exponent = kk - 1;
+    if (-4 <= exponent && exponent < 16) {
+      if (kk <= 0) out.append("0.").append(-kk, '0').append(d, n);
+      else if (kk >= n) out.append(d, n).append(kk - n, '0') += ".0";
+      else { out.append(d, kk) += '.'; out.append(d + kk, n - kk); }
+    } else {
+      out += d[0];
+      if (n > 1) out.append(".").append(d + 1, n - 1);
+      out += exponent < 0 ? "e-" : "e+";
+      const int a = std::abs(exponent);
+      if (a < 10) out += '0';
+      out += std::to_string(a);
+    }
+  }
+  // The line as json_line gives it: its floats rewritten as repr writes them where it holds a
+  // non-finite one.
+  void finish() {
+    if (!nonfinite || floats.empty()) return;
+    std::string out;
+    out.reserve(s.size() + 8 * floats.size());
+    size_t at = 0;
+    for (const auto& [start, v] : floats) {
+      out.append(s, at, start - at);
+      std::string old;
+      orjson_float(old, v);
+      repr_float(out, v);
+      at = start + old.size();
+    }
+    out.append(s, at, std::string::npos);
+    s.swap(out);
   }
   bool text(PyObject* u) {
     Py_ssize_t n = 0;
@@ -908,6 +1100,7 @@ class Encoder {
       }
     }
     j.raw("}\n");
+    j.finish();
     const char* p = j.s.data();
     size_t left = j.s.size();
     while (left) {                     // os.write's loop: a write may be partial or interrupted
