@@ -155,18 +155,18 @@ def _build(name: str):
     import transformers as T
     small = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_attention_heads=2)
     if name == "llama":
-        m = T.LlamaForCausalLM(T.LlamaConfig(**small, num_hidden_layers=2, num_key_value_heads=2))
+        m = T.LlamaForCausalLM(T.LlamaConfig(**small, num_hidden_layers=1, num_key_value_heads=2))
         return m, m.model.layers[0].mlp, _tokens
     if name == "gpt2":
-        m = T.GPT2LMHeadModel(T.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=2, n_positions=16, resid_pdrop=0.0,
+        m = T.GPT2LMHeadModel(T.GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2, n_positions=16, resid_pdrop=0.0,
                                            embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))
         return m, m.transformer.h[0].mlp, _tokens
     if name == "bert":
-        m = T.BertForMaskedLM(T.BertConfig(**small, num_hidden_layers=2, hidden_dropout_prob=0.0,
+        m = T.BertForMaskedLM(T.BertConfig(**small, num_hidden_layers=1, hidden_dropout_prob=0.0,
                                            attention_probs_dropout_prob=0.0))
         return m, m.bert.encoder.layer[0].intermediate, _tokens
     if name == "phi":
-        m = T.PhiForCausalLM(T.PhiConfig(**small, num_hidden_layers=2, resid_pdrop=0.0, embd_pdrop=0.0,
+        m = T.PhiForCausalLM(T.PhiConfig(**small, num_hidden_layers=1, resid_pdrop=0.0, embd_pdrop=0.0,
                                          attention_dropout=0.0))
         return m, m.model.layers[0].mlp, _tokens
     if name == "mixtral":      # mixture of experts

@@ -25,7 +25,8 @@ def _score(df: pd.DataFrame, part_a: Part, part_b: Part, tensors: bool, problems
     sb = {s: df[f"{s}_b"].to_numpy(np.float64) for s in STATS}
     for k, v in S.compare_stats_columns(sa, sb).items():
         df[k] = v
-    stats_err = S.stats_error(sa, sb)
+    # the larger of the two directions: a run's statistics are judged the same whichever run is A
+    stats_err = np.fmax(S.stats_error(sa, sb), S.stats_error(sb, sa))
     df["stats_err"] = stats_err
     dtype_a = df["dtype_a"].to_numpy(object)
     dtype_b = df["dtype_b"].to_numpy(object)
