@@ -363,7 +363,7 @@ def _leads_to(e, d):
     """Departure ``e`` of an earlier step as its stage's divergence: ``d``'s error rows (a later
     step's) come after it, and the values entering that step already differ."""
     where = f"{d.op} [{d.scope or '<top>'}]"
-    why = (f"there its inputs/parameters differ, first seen at {where} {d.arg}" if d.cause == "inputs" else
+    why = (f"there the inputs/parameters differ, first seen at {where} {d.arg}" if d.cause == "inputs" else
            "there they follow from differing forward values" if d.cause == "inherited" else f"they start at {where}"
            + (" (approximate)" if d.approximate else ""))
     return replace(e, departure=False, errors=d.errors,

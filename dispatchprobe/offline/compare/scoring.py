@@ -64,7 +64,9 @@ def _score(df: pd.DataFrame, part_a: Part, part_b: Part, tensors: bool, problems
         if len(rows):
             results = _tensor_metrics(part_a, part_b, da[rows], db[rows], judge_dtype[rows],
                                       df["dtype_a"].to_numpy(object)[rows], problems)
-            scale = np.fmax(np.abs(sb["max"][rows]), np.abs(sb["min"][rows]))
+            # the magnitude the absolute-error shortcut is scaled by: the smaller run's (either way round)
+            scale = np.fmin(np.fmax(np.abs(sb["max"][rows]), np.abs(sb["min"][rows])),
+                            np.fmax(np.abs(sa["max"][rows]), np.abs(sa["min"][rows])))
             mvals = {m: np.full(len(rows), np.nan) for m in TENSOR_METRICS}
             rel_l2 = mvals["rel_l2_err"]
             for k, (r, res) in enumerate(zip(rows, results)):
