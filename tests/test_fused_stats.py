@@ -297,3 +297,53 @@ def test_fresh_runs_on_either_path_write_the_same_bytes(kernel, tmp_path):
     assert runs["native"] == runs["python"] == runs["again"]
     written = b"".join(runs["native"].values())
     assert b'"Infinity"' not in written and b"Infinity" in written and b"e-07" in written   # json.dumps' format
+
+
+def _device_cases():
+    g = torch.Generator().manual_seed(4)
+    for n in (1, 100, 1025, 40000):           # one chunk, and two
+        for kind in ("randn", "huge", "inf", "nan"):
+            yield _values(n, kind, seed=n)
+    yield torch.randn(300, 7, generator=g).t()
+    yield torch.randn(5, 1, 300, generator=g).expand(5, 3, 300)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_the_device_path_gives_the_cpu_record(dtype):
+    """An accelerator tensor's statistics (partial rows on its device, combined when read; here
+    torch's operations on CPU tensors stand in for the device) are the CPU path's, bit for bit."""
+    for x in _device_cases():
+        y = x.to(dtype)
+        seq, repeat = backend._sequence(y)
+        row = backend.torch_stats_row(seq, repeat)
+        assert _same(backend.read_stats_rows([row], [y.numel()])[0], backend._cpu_stats(y))
+
+
+_TRITON_CHECK = """
+import torch
+from dispatchprobe.torch import backend, device_stats
+from tests.test_fused_stats import _device_cases, _same
+wrong = []
+for x in _device_cases():
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        y = x.to(dtype)
+        seq, repeat = backend._sequence(y)
+        got = backend.read_stats_rows([device_stats.launch(seq, repeat)], [y.numel()])[0]
+        if not _same(got, backend._cpu_stats(y)):
+            wrong.append((tuple(y.shape), str(dtype)))
+print("checked", len(list(_device_cases())) * 4, "wrong", wrong)
+"""
+
+
+def test_the_triton_kernel_gives_the_cpu_record():
+    """The Triton kernel, run by Triton's interpreter on the CPU (in a process of its own, which
+    reads TRITON_INTERPRET when Triton is imported), gives the CPU record, bit for bit.  torch's
+    CUDA builds ship Triton, the CPU build does not: this runs on the matrix's CUDA-build leg."""
+    import subprocess
+    import sys
+    pytest.importorskip("triton")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", _TRITON_CHECK], cwd=root, capture_output=True, text=True,
+                          env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[:2] == ["checked", "72"] and done.stdout.rstrip().endswith("wrong []"), done.stdout

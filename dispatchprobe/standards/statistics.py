@@ -186,21 +186,44 @@ def nonfinite_record(total: float, squares: float, nan: int, inf: int, hi: float
     return from_row(nonfinite_row(total, squares, nan, inf, hi, lo, fhi, flo), n)
 
 
+# A partial row: what a device kernel gives of one chunk (statistics.tree_sums' CHUNK_BLOCKS
+# blocks) of a tensor's values in memory order, each standing for `repeat` elements.
+PARTIAL_FIELDS = ("max", "min", "finite_max", "finite_min", "sum", "squares", "nan", "inf", "wide_sum",
+                  "wide_squares", "repeat")
+
+
+def _halved(values: list) -> float:
+    """The chunks' sums added by halving, padded with zeros to a power of two (tree_sums' last step)."""
+    width = 1 << (len(values) - 1).bit_length()
+    v = values + [0.0] * (width - len(values))
+    while width > 1:
+        width //= 2
+        v = [v[i] + v[i + width] for i in range(width)]
+    return v[0] + 0.0
+
+
 def row_from_partials(parts: list) -> list:
-    """The :func:`from_row` row of values reduced in pieces, from each piece's partial row (max
-    and min without nan, finite max and min, sum, sum of squares, nan count, inf count), combined
-    in the order given (so the same pieces give the same row)."""
+    """The :func:`from_row` row of values reduced a chunk at a time, from each chunk's partial row
+    (:data:`PARTIAL_FIELDS`: max and min without nan, finite max and min, the sums in float32
+    lanes, nan and inf counts, the sums in float64 lanes, the repeat), in chunk order: the row
+    the CPU paths give the same values (a float32 lane sum of finite values that overflowed is
+    taken from the float64 lanes, as :func:`finish` does)."""
     hi, lo, fhi, flo = -math.inf, math.inf, -math.inf, math.inf
-    total = squares = 0.0
     nan = inf = 0
+    repeat = int(parts[0][10])
     for p in parts:
         hi, lo, fhi, flo = max(hi, p[0]), min(lo, p[1]), max(fhi, p[2]), min(flo, p[3])
-        total += p[4]
-        squares += p[5]
         nan += int(p[6])
         inf += int(p[7])
+    with np.errstate(over="ignore", invalid="ignore"):
+        total, squares = (_halved([p[k] for p in parts]) * repeat for k in (4, 5))
+    nan, inf = nan * repeat, inf * repeat
     if nan or inf:
         return nonfinite_row(total, squares, nan, inf, hi, lo, fhi, flo)
+    if not math.isfinite(total):
+        total = _halved([p[8] for p in parts]) * repeat
+    if not math.isfinite(squares):
+        squares = _halved([p[9] for p in parts]) * repeat
     return [hi, lo, total, math.sqrt(squares), 0, 0]
 
 

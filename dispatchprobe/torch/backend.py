@@ -295,37 +295,37 @@ def stats_on_device(t: torch.Tensor) -> bool:
 
 def device_stats_row(t: torch.Tensor) -> torch.Tensor:
     """The statistics of ``t`` on its device, no host sync (:func:`read_stats_rows` reads many at
-    once): one kernel launch where :mod:`.device_stats` can take the tensor (partial rows, combined
-    when read), else torch's reductions (max, min, sum, L2 norm, nan count, inf count: a float64
-    vector)."""
+    once): partial rows (:data:`statistics.PARTIAL_FIELDS`) of its values in memory order, from
+    one kernel launch where :mod:`.device_stats` can take them, else torch's operations; both sum
+    in :func:`statistics.tree_sums`' order, so the record is the one the CPU gives."""
     with NoGrad():        # nothing here is differentiated: no detach, no decorator machinery
-        values = tensor_kinds.values(t)
-        fused = device_stats.row(values)
-        return fused if fused is not None else torch_stats_row(values)
+        seq, repeat = _sequence(tensor_kinds.values(t))
+        fused = device_stats.row(seq, repeat)
+        return fused if fused is not None else torch_stats_row(seq, repeat)
 
 
-def torch_stats_row(values: torch.Tensor) -> torch.Tensor:
-    """:func:`device_stats_row` with torch's operations (any device), the sums in
-    :func:`statistics.tree_sums`' order, over the values in memory order: the row the CPU gives."""
+def torch_stats_row(seq: torch.Tensor, repeat: int = 1) -> torch.Tensor:
+    """:func:`device_stats_row` with torch's operations (any device): one partial row of 1-D
+    ``seq`` (values in memory order, each standing for ``repeat``)."""
     with torch.no_grad():
-        seq, repeat = _sequence(values)
         x = statistics.source(seq, torch)     # floating point
-        lo, hi = torch.aminmax(x)
-        sums = statistics.tree_sums(x, torch)
-        wide = statistics.tree_sums(x, torch, wide=True)
-        # float32 lanes of finite values that overflowed: float64 lanes, as statistics.finish does
-        sums = torch.where(torch.isfinite(sums) | ~torch.isfinite(hi) | ~torch.isfinite(lo), sums, wide) * repeat
-        return torch.stack([hi.double(), lo.double(), sums[0], sums[1].sqrt(),
-                            torch.isnan(x).sum().double() * repeat, torch.isinf(x).sum().double() * repeat])
+        nan, inf = torch.isnan(x), torch.isinf(x)
+        kept = x.masked_fill(nan, -math.inf), x.masked_fill(nan, math.inf)
+        finite = x.masked_fill(nan | inf, -math.inf), x.masked_fill(nan | inf, math.inf)
+        sums, wide = statistics.tree_sums(x, torch), statistics.tree_sums(x, torch, wide=True)
+        one = [kept[0].max(), kept[1].min(), finite[0].max(), finite[1].min(), sums[0], sums[1], nan.sum(),
+               inf.sum(), wide[0], wide[1], torch.tensor(repeat, device=x.device)]
+        return torch.stack([v.double() for v in one]).reshape(1, -1)
 
 
 def read_stats_rows(rows: list[torch.Tensor], numels: list[int]) -> list[dict]:
-    """Read many :func:`device_stats_row` results with one host sync per device: rows of 6
-    (torch's reductions, a compiled graph's), or the kernel's partial rows of 8, combined here."""
+    """Read many :func:`device_stats_row` results with one host sync per device: partial rows,
+    combined here, or rows of 6 (a compiled graph's)."""
     by_device: dict = {}
     for i, row in enumerate(rows):
         by_device.setdefault(row.device, []).append(i)
     values: list = [None] * len(rows)
+    width = len(statistics.PARTIAL_FIELDS)
     for idx in by_device.values():
         flat = torch.cat([rows[i].reshape(-1) for i in idx]).tolist()
         at = 0
@@ -333,7 +333,7 @@ def read_stats_rows(rows: list[torch.Tensor], numels: list[int]) -> list[dict]:
             r = rows[i]
             size = r.numel()
             values[i] = flat[at:at + size] if r.dim() == 1 else \
-                statistics.row_from_partials([flat[j:j + 8] for j in range(at, at + size, 8)])
+                statistics.row_from_partials([flat[j:j + width] for j in range(at, at + size, width)])
             at += size
     return [statistics.from_row(v, n) for v, n in zip(values, numels)]
 

@@ -1,14 +1,15 @@
-"""One kernel launch for the statistics of an accelerator tensor, where torch's reductions take
-about fourteen (aminmax, two sums, two counts, the casts and the stack): a Triton kernel, used on
-the devices Triton compiles for (CUDA, ROCm, XPU) when the ``triton`` package torch ships with is
-importable. Elsewhere, or with ``DISPATCHPROBE_FUSED_STATS=0``, :func:`row` returns None and the
-caller uses torch's reductions.
+"""One kernel launch for the statistics of an accelerator tensor, where torch's operations take
+about thirty (the extremes, the counts, two summation trees, the casts and the stack): a Triton
+kernel, used on the devices Triton compiles for (CUDA, ROCm, XPU) when the ``triton`` package
+torch ships with is importable. Elsewhere, or with ``DISPATCHPROBE_FUSED_STATS=0``, :func:`row`
+returns None and the caller uses torch's operations.
 
-Each program of the launch reduces 65536 values into a partial row of 8 (max and min without nan,
-finite max and min, sum, sum of squares, nan and inf counts), in float64; the partials stay on the
-device until the recorder reads a batch of them with one host sync, and are combined there, in
-order (:func:`dispatchprobe.standards.statistics.row_from_partials`), so a tensor's row is the same
-on every run and no second launch finishes it.
+Each program of the launch reduces one chunk of 32768 values into a partial row
+(:data:`dispatchprobe.standards.statistics.PARTIAL_FIELDS`), its sums in
+:func:`~dispatchprobe.standards.statistics.tree_sums`' order; the partials stay on the device until
+the recorder reads a batch of them with one host sync, and are combined there in that order
+(:func:`~dispatchprobe.standards.statistics.row_from_partials`): the record the CPU paths give
+the same values, bit for bit.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ import os
 import torch
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-_ONE_PROGRAM = 1 << 16        # elements one program reduces into a partial row
-_BLOCK = 1024
+_CHUNK = 32768        # values one program reduces: statistics.tree_sums' chunk
+_FIELDS = 11          # statistics.PARTIAL_FIELDS
 
 
 @functools.lru_cache(maxsize=None)
@@ -40,29 +41,30 @@ def available(t: torch.Tensor) -> bool:
     return t.dtype in _DTYPES and t.device.type in ("cuda", "xpu") and _kernels() is not None
 
 
-def row(x: torch.Tensor) -> torch.Tensor | None:
-    """The float64 partial rows of ``x`` (a non-empty tensor on an accelerator) on its device, one
-    row of 8 per 65536 values, or None when the kernel cannot take it (the caller then uses
-    torch's reductions)."""
-    if not available(x):
+def row(seq: torch.Tensor, repeat: int = 1) -> torch.Tensor | None:
+    """The float64 partial rows of 1-D ``seq`` (a tensor's values in memory order on an
+    accelerator, each standing for ``repeat`` elements) on its device, one per chunk, or None
+    when the kernel cannot take it (the caller then uses torch's operations)."""
+    if not available(seq):
         return None
-    return launch(x)
+    return launch(seq, repeat)
 
 
-def launch(x: torch.Tensor) -> torch.Tensor:
+def launch(seq: torch.Tensor, repeat: int = 1) -> torch.Tensor:
     """:func:`row` without the checks (any device Triton runs on, its interpreter included)."""
-    if not x.is_contiguous():
-        x = x.contiguous()            # one copy; the reduction itself stays one pass
-    n = x.numel()
-    parts = -(-n // _ONE_PROGRAM)
-    device = x.device
-    out = torch.empty((parts, 8), dtype=torch.float64, device=device)
+    seq = seq.contiguous()
+    n = seq.numel()
+    parts = -(-n // _CHUNK)
+    device = seq.device
+    out = torch.empty((parts, _FIELDS), dtype=torch.float64, device=device)
     kernel = _kernels()[(parts,)]
+    args = (seq, out, n, repeat)
+    options = {"WIDE": seq.dtype == torch.float64, "enable_fp_fusion": False}
     if device.type == "cuda" and _cuda_devices() > 1 and device.index != torch.cuda.current_device():
         with torch.cuda.device(device):          # Triton launches on the current device
-            kernel(x, out, n, _ONE_PROGRAM, BLOCK=_BLOCK)
+            kernel(*args, **options)
     else:
-        kernel(x, out, n, _ONE_PROGRAM, BLOCK=_BLOCK)
+        kernel(*args, **options)
     return out
 
 

@@ -6,24 +6,56 @@ import triton.language as tl
 
 
 @triton.jit
-def reduce_stats(x_ptr, out_ptr, n, chunk, BLOCK: tl.constexpr):
-    # elements [pid*chunk, min(n, (pid+1)*chunk)): max and min without nan (inf kept), finite
-    # max and min, sum, sum of squares, nan and inf counts: one partial row of 8 per program
+def _fold(x):
+    # a block of 16 rows x 64 lanes: rows added by halving (row r + row r + 8, then r + 4, ...),
+    # then lanes down to 16 (lane j + lane j + 32, then j + 16): statistics.tree_sums' block
+    x = tl.sum(tl.reshape(x, [2, 8, 64]), axis=0)
+    x = tl.sum(tl.reshape(x, [2, 4, 64]), axis=0)
+    x = tl.sum(tl.reshape(x, [2, 2, 64]), axis=0)
+    x = tl.reshape(tl.sum(tl.reshape(x, [2, 1, 64]), axis=0), [64])
+    x = tl.sum(tl.reshape(x, [2, 32]), axis=0)
+    return tl.sum(tl.reshape(x, [2, 16]), axis=0)
+
+
+@triton.jit
+def _chunk(blocks):
+    # a chunk's 32 blocks of 16 float64 lanes: blocks added by halving, then the lanes
+    x = tl.sum(tl.reshape(blocks, [2, 16, 16]), axis=0)
+    x = tl.sum(tl.reshape(x, [2, 8, 16]), axis=0)
+    x = tl.sum(tl.reshape(x, [2, 4, 16]), axis=0)
+    x = tl.sum(tl.reshape(x, [2, 2, 16]), axis=0)
+    x = tl.reshape(tl.sum(tl.reshape(x, [2, 1, 16]), axis=0), [16])
+    x = tl.sum(tl.reshape(x, [2, 8]), axis=0)
+    x = tl.sum(tl.reshape(x, [2, 4]), axis=0)
+    x = tl.sum(tl.reshape(x, [2, 2]), axis=0)
+    return tl.sum(x, axis=0)
+
+
+@triton.jit
+def reduce_stats(x_ptr, out_ptr, n, repeat, WIDE: tl.constexpr):
+    # one program per chunk of 32 blocks of 16 x 64 values (statistics.tree_sums): a partial row
+    # (statistics.PARTIAL_FIELDS) of max and min without nan, finite max and min, the sums in the
+    # lanes' type (float32; float64 for float64 values: WIDE), nan and inf counts, the sums in
+    # float64 lanes, the repeat.  Launched without fused multiply-adds: squares are rounded first.
     pid = tl.program_id(0)
-    start = pid.to(tl.int64) * chunk
-    end = tl.minimum(start + chunk, n)
-    hi = tl.full([BLOCK], float("-inf"), tl.float64)
-    lo = tl.full([BLOCK], float("inf"), tl.float64)
-    fhi = tl.full([BLOCK], float("-inf"), tl.float64)
-    flo = tl.full([BLOCK], float("inf"), tl.float64)
-    total = tl.zeros([BLOCK], tl.float64)
-    sumsq = tl.zeros([BLOCK], tl.float64)
-    nan = tl.zeros([BLOCK], tl.float64)
-    inf = tl.zeros([BLOCK], tl.float64)
-    for s in range(start, end, BLOCK):
-        offs = s + tl.arange(0, BLOCK)
-        inside = offs < end
-        v = tl.load(x_ptr + offs, mask=inside, other=0.0).to(tl.float64)
+    base = pid.to(tl.int64) * 32768
+    at = tl.arange(0, 16)[:, None] * 64 + tl.arange(0, 64)[None, :]
+    index = tl.arange(0, 32)[:, None]
+    hi = tl.full([16, 64], float("-inf"), tl.float64)
+    lo = tl.full([16, 64], float("inf"), tl.float64)
+    fhi = tl.full([16, 64], float("-inf"), tl.float64)
+    flo = tl.full([16, 64], float("inf"), tl.float64)
+    nan = tl.zeros([16, 64], tl.float64)
+    inf = tl.zeros([16, 64], tl.float64)
+    sums = tl.zeros([32, 16], tl.float64)
+    squares = tl.zeros([32, 16], tl.float64)
+    wide_sums = tl.zeros([32, 16], tl.float64)
+    wide_squares = tl.zeros([32, 16], tl.float64)
+    for b in range(0, 32):
+        offs = base + b * 1024 + at
+        inside = offs < n
+        raw = tl.load(x_ptr + offs, mask=inside, other=0.0)
+        v = raw.to(tl.float64)
         is_nan = v != v
         is_inf = tl.abs(v) == float("inf")
         finite = inside & ~is_nan & ~is_inf
@@ -32,16 +64,26 @@ def reduce_stats(x_ptr, out_ptr, n, chunk, BLOCK: tl.constexpr):
         lo = tl.minimum(lo, tl.where(keep, v, float("inf")))
         fhi = tl.maximum(fhi, tl.where(finite, v, float("-inf")))
         flo = tl.minimum(flo, tl.where(finite, v, float("inf")))
-        total += v
-        sumsq += v * v
         nan += tl.where(inside & is_nan, 1.0, 0.0)
         inf += tl.where(inside & is_inf, 1.0, 0.0)
-    out = out_ptr + pid * 8
-    tl.store(out + 0, tl.max(hi, 0))
-    tl.store(out + 1, tl.min(lo, 0))
-    tl.store(out + 2, tl.max(fhi, 0))
-    tl.store(out + 3, tl.min(flo, 0))
-    tl.store(out + 4, tl.sum(total, 0))
-    tl.store(out + 5, tl.sum(sumsq, 0))
-    tl.store(out + 6, tl.sum(nan, 0))
-    tl.store(out + 7, tl.sum(inf, 0))
+        if WIDE:
+            lane = v
+        else:
+            lane = raw.to(tl.float32)
+        here = index == b
+        sums = tl.where(here, _fold(lane).to(tl.float64)[None, :], sums)
+        squares = tl.where(here, _fold(lane * lane).to(tl.float64)[None, :], squares)
+        wide_sums = tl.where(here, _fold(v)[None, :], wide_sums)
+        wide_squares = tl.where(here, _fold(v * v)[None, :], wide_squares)
+    out = out_ptr + pid * 11
+    tl.store(out + 0, tl.max(tl.max(hi, 1), 0))
+    tl.store(out + 1, tl.min(tl.min(lo, 1), 0))
+    tl.store(out + 2, tl.max(tl.max(fhi, 1), 0))
+    tl.store(out + 3, tl.min(tl.min(flo, 1), 0))
+    tl.store(out + 4, _chunk(sums))
+    tl.store(out + 5, _chunk(squares))
+    tl.store(out + 6, tl.sum(tl.sum(nan, 1), 0))
+    tl.store(out + 7, tl.sum(tl.sum(inf, 1), 0))
+    tl.store(out + 8, _chunk(wide_sums))
+    tl.store(out + 9, _chunk(wide_squares))
+    tl.store(out + 10, repeat.to(tl.float64))
