@@ -13,6 +13,8 @@ import sys
 import pytest
 
 from dispatchprobe import compare
+from dispatchprobe.offline.align import align
+from dispatchprobe.records.reader import load
 
 pytest.importorskip("transformers")
 sys.path.insert(0, os.path.dirname(__file__))
@@ -55,6 +57,12 @@ def test_swapped_runs_name_the_same_origin(arch_runs, task):
         assert seen["a"] == seen["b"], (stage, seen, str(verdicts["a"]), str(verdicts["b"]))
         # the difference starts at step 0: no later step's difference outranks it
         assert seen["a"][0] == 0, (stage, str(verdicts["a"]), str(verdicts["b"]))
+    # the pairing under it: the same pairs, mirrored, and the same records left over
+    for key, part in load(planted).parts.items():
+        recs_p, recs_c = part.records, load(clean).parts[key].records
+        one, other = align(recs_p, recs_c), align(recs_c, recs_p)
+        assert {(i, j) for i, j, _ in one.pairs} == {(i, j) for j, i, _ in other.pairs}, key
+        assert (one.only_a, one.only_b) == (other.only_b, other.only_a) and len(one.only_a) == 2, key
     # the origin: the planted op at its block, in the run that holds it, said in mirrored words
     for side, v in verdicts.items():
         d = _named(v, "forward")

@@ -247,10 +247,10 @@ def _region_inputs(xa: list, xb: list, most: float = 0.05) -> list:
 
     def whole(s):
         return str(s.get("dtype", "")).startswith(("int", "uint", "bool"))
-    cands = sorted((stats_distance(sa, sb), x, y) for x, sa in enumerate(xa) for y, sb in enumerate(xb)
+    cands = sorted((stats_distance(sa, sb), x + y, x, y) for x, sa in enumerate(xa) for y, sb in enumerate(xb)
                    if numel(sa) == numel(sb) and whole(sa) == whole(sb))
     used_a, used_b, out = set(), set(), []
-    for d, x, y in cands:
+    for d, _, x, y in cands:
         if d <= most and x not in used_a and y not in used_b:
             used_a.add(x)
             used_b.add(y)
@@ -270,9 +270,10 @@ def _pair_leftovers(recs_a: list, recs_b: list, gaps: list, key, mapping: Mappin
     cands = []
     for i in left_a:
         for j in by_key.get(key(recs_a[i], mapping), ()):
-            cands.append((_output_distance(recs_a[i], recs_b[j]), i, j))
+            # ties go by the two positions together, the same whichever run is A
+            cands.append((_output_distance(recs_a[i], recs_b[j]), i + j, abs(i - j), i, j))
     used_a, used_b = set(), set()
-    for _, i, j in sorted(cands):
+    for *_, i, j in sorted(cands):
         if i not in used_a and j not in used_b:
             used_a.add(i)
             used_b.add(j)
@@ -361,10 +362,11 @@ def _closest(run: list, recs_a: list, recs_b: list) -> list:
     """``run``'s records re-paired, the closest output statistics first (then the nearest in order)."""
     if len(run) < 2:
         return run
-    cands = sorted((_output_distance(recs_a[a], recs_b[b]), abs(x - y), x, y)
+    # ties: the nearest in order, then the earliest of both positions together (the same either way round)
+    cands = sorted((_output_distance(recs_a[a], recs_b[b]), abs(x - y), x + y, x, y)
                    for x, (a, _, _) in enumerate(run) for y, (_, b, _) in enumerate(run))
     used_a, used_b, out = set(), set(), []
-    for _, _, x, y in cands:
+    for *_, x, y in cands:
         if x not in used_a and y not in used_b:
             used_a.add(x)
             used_b.add(y)
