@@ -390,7 +390,7 @@ def _came_from(by_part: dict, unmatched: pd.DataFrame, parts: list, d, stepped=N
         um = unmatched[(unmatched["step"] == step) & (unmatched["rank"] == d.rank) & ~unmatched["is_cast"]
                        & (unmatched["explained"] == "")]
         if len(um):
-            u = um.assign(_bwd=um["stage"] != "backward").sort_values(["_bwd", "seq"]).iloc[0]
+            u = um.assign(_bwd=um["stage"] != "backward").sort_values(["_bwd", "seq", "op", "scope", "call"]).iloc[0]
             return (f"they come from step {step}: {u['op']} [{u['scope'] or '<top>'}] call {u['call']} "
                     f"(#{u['seq']} in {u['stage']}), present only in run {u['side'].upper()}")
     said = stepped(step, d.rank) if stepped is not None else ""

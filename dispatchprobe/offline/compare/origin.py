@@ -244,7 +244,8 @@ class Lineage:
         if side.recs[p]["stage"] != stage:
             return "stage"
         if p in side.only:
-            return self.passes[side.name].get(p) or (self.unmatched(side, p), None)
+            got = self.passes[side.name].get(p)
+            return got or ("agrees" if p in side.unobserved else (self.unmatched(side, p), None))
         pa = p if side is self.a else self.pair_a.get(p)
         if pa is not None and (pa, parg) in self.out_row:
             return self.best.get(pa), self.inh.get(pa)
@@ -298,8 +299,9 @@ class Lineage:
                     continue
                 p = src[0]
                 if p in side.only:
-                    if side.recs[p]["stage"] == side.recs[rec]["stage"]:
-                        out[side.name, p] = None, self.passes[side.name].get(p) or (self.unmatched(side, p), None)
+                    got = self.passes[side.name].get(p)
+                    if side.recs[p]["stage"] == side.recs[rec]["stage"] and (got or p not in side.unobserved):
+                        out[side.name, p] = None, got or (self.unmatched(side, p), None)
                     continue
                 pa = p if side is self.a else self.pair_a.get(p)
                 k = self.out_row.get((pa, src[1])) if pa is not None else None
@@ -309,9 +311,10 @@ class Lineage:
                              else (self.best.get(pa), self.inh.get(pa)))
         return list(out.values())
 
-    def passed_on(self, side: Side, u: int) -> tuple:
-        """What one-run-only op ``u`` passes on: itself, unless a cast (or a kernel the other run
-        does not observe) passes on its input's source, or its input already fails."""
+    def passed_on(self, side: Side, u: int) -> tuple | None:
+        """What one-run-only op ``u`` passes on: itself, unless a cast passes on its input's source,
+        or its input already fails.  A kernel the other run does not observe is never a suspect: it
+        passes on its inputs' source, or nothing (None)."""
         stage = side.recs[u]["stage"]
         follow = op_traits.is_cast(side.recs[u]["op"]) or u in side.unobserved
         res = None
@@ -329,7 +332,9 @@ class Lineage:
             pk = self.out_row.get((pa, parg)) if pa is not None else None
             if pk is not None and (follow or self.bad[pk]):
                 res = _merge(res, (self.best.get(pa), self.inh.get(pa)))
-        return res if res is not None and (res[0] is not None or res[1] is not None) else (self.unmatched(side, u), None)
+        if res is not None and (res[0] is not None or res[1] is not None):
+            return res
+        return None if u in side.unobserved else (self.unmatched(side, u), None)
 
     # ---- the pass ---------------------------------------------------------------------------------
     def trace(self) -> tuple[np.ndarray, list]:
