@@ -1,6 +1,6 @@
-"""The torch each path needs: the eager probe from torch 2.5, ``probe_backend`` from 2.6 (its
-inductor's custom graph passes), refused at the call in one line naming both versions, never an
-ImportError deep inside; importing dispatchprobe needs neither."""
+"""The torch each path needs: the eager probe from torch 2.5, ``probe_backend`` from 2.13 (the
+inductor internals it plugs into), refused at the call in one line naming both versions, never an
+ImportError or a failed compile deep inside; importing dispatchprobe needs neither."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def test_probe_backend_on_an_older_torch_names_both_versions(monkeypatch, tmp_pa
     with pytest.raises(RuntimeError) as caught:
         dispatchprobe.probe_backend(task="statistics", dump_path=str(tmp_path / "compiled"))
     msg = str(caught.value)
-    assert "probe_backend needs torch >= 2.6" in msg and "this is torch 2.5.1+cu124" in msg and "\n" not in msg
+    assert "probe_backend needs torch >= 2.13" in msg and "this is torch 2.5.1+cu124" in msg and "\n" not in msg
     assert not (tmp_path / "compiled").exists()
     probe = DispatchProbe(task="statistics", dump_path=str(tmp_path / "eager"))   # the eager path needs no gate
     with probe:
@@ -31,10 +31,10 @@ def test_probe_backend_on_an_older_torch_names_both_versions(monkeypatch, tmp_pa
     assert {"aten.exp.default", "aten.sum.default"} <= set(load(str(tmp_path / "eager")).ops["op"])
 
 
-@pytest.mark.parametrize("version,ok", [("2.6.0", True), ("2.6.0a0+git1234abc", True), ("2.14.1+cu130", True),
-                                        ("2.5.1", False), ("1.13.1", False)])
+@pytest.mark.parametrize("version,ok", [("2.13.0", True), ("2.13.0a0+git1234abc", True), ("2.14.1+cu130", True),
+                                        ("2.12.0", False), ("2.6.0", False), ("2.5.1", False), ("1.13.1", False)])
 def test_release_of_a_version(monkeypatch, version, ok):
-    """A development build of a release is that release; 2.14 is newer than 2.6."""
+    """A development build of a release is that release; 2.14 is newer than 2.13, 2.6 older."""
     monkeypatch.setattr(requires, "installed_torch", lambda: version)
     if ok:
         requires.require_torch()
@@ -51,12 +51,12 @@ def test_probe_backend_on_the_installed_torch(tmp_path):
         assert callable(backend)
         backend.close()
     else:
-        with pytest.raises(RuntimeError, match=f"needs torch >= 2.6 .*; this is torch {re.escape(have)}"):
+        with pytest.raises(RuntimeError, match=f"needs torch >= 2.13 .*; this is torch {re.escape(have)}"):
             dispatchprobe.probe_backend(task="statistics", dump_path=str(tmp_path / "c"))
 
 
 def test_importing_the_compile_package_imports_no_inductor_module():
-    """What needs torch >= 2.6 is imported on first use only: ``import dispatchprobe`` and
+    """What needs torch >= 2.13 is imported on first use only: ``import dispatchprobe`` and
     ``from dispatchprobe.torch.compile import probe_backend`` work on torch 2.5."""
     code = ("import sys, dispatchprobe\n"
             "from dispatchprobe.torch.compile import probe_backend\n"

@@ -26,7 +26,7 @@ def probe_backend(config=None, *, inner: str = "inductor", model=None, granulari
     code, the default) or ``"aot_eager"`` (the same instrumented aten graphs run eagerly).
     ``model`` names the scopes of graphs that start inside a submodule (after a graph break).
     ``granularity="node"`` records each post-grad node, the op inductor compiles, instead of the
-    eager op call it comes from.  Needs torch >= 2.6 (:data:`MIN_TORCH`): on an older torch this
+    eager op call it comes from.  Needs torch >= 2.13 (:data:`MIN_TORCH`): on an older torch this
     call raises a RuntimeError naming both versions."""
     require_torch("probe_backend")
     from . import backend
