@@ -331,27 +331,40 @@ inline void halve(V* v, int n) {
 }
 
 // One whole block of float32 values (or bfloat16 bits) at q: its folded sums and squares, and
-// its max and min into hi/lo.
+// its max and min into hi/lo.  Rows r and r + 8 are read together (the first halving), each of
+// the four vector columns with its own max and min, all held in locals (the values read cannot
+// alias them).
 template <typename T>
-inline void tree_block(const T* q, Folded& sum, Folded& squares, Vec& hi, Vec& lo) {
-  Vec col[kVectors], sq[kVectors];
-  for (int k = 0; k < kVectors; ++k) {
-    Vec r[kTreeRows], s[kTreeRows];
-    for (int i = 0; i < kTreeRows; ++i) {
-      const Vec v = load(q + i * kTreeLanes + k * kVector);
-      hi = v > hi ? v : hi;                        // nan compares false: never kept
-      lo = v < lo ? v : lo;
-      r[i] = v;
-      s[i] = v * v;
+inline void tree_block(const T* __restrict q, Folded& sum, Folded& squares, Vec& hi_io, Vec& lo_io) {
+  Vec hi[kVectors], lo[kVectors], a[kTreeRows / 2][kVectors], s[kTreeRows / 2][kVectors];
+  for (int k = 0; k < kVectors; ++k) { hi[k] = hi_io; lo[k] = lo_io; }
+  for (int r = 0; r < kTreeRows / 2; ++r)
+    for (int k = 0; k < kVectors; ++k) {
+      const Vec x = load(q + r * kTreeLanes + k * kVector);
+      const Vec y = load(q + (r + kTreeRows / 2) * kTreeLanes + k * kVector);
+      hi[k] = x > hi[k] ? x : hi[k];               // nan compares false: never kept
+      lo[k] = x < lo[k] ? x : lo[k];
+      hi[k] = y > hi[k] ? y : hi[k];
+      lo[k] = y < lo[k] ? y : lo[k];
+      a[r][k] = x + y;
+      s[r][k] = x * x + y * y;                      // each square rounded (no fused multiply-add)
     }
-    halve(r, kTreeRows);
-    halve(s, kTreeRows);
-    col[k] = r[0];
-    sq[k] = s[0];
+  for (int h = kTreeRows / 4; h >= 1; h /= 2)
+    for (int r = 0; r < h; ++r)
+      for (int k = 0; k < kVectors; ++k) {
+        a[r][k] = a[r][k] + a[r + h][k];
+        s[r][k] = s[r][k] + s[r + h][k];
+      }
+  Vec h = hi[0], l = lo[0];
+  for (int k = 1; k < kVectors; ++k) {
+    h = hi[k] > h ? hi[k] : h;
+    l = lo[k] < l ? lo[k] : l;
   }
+  hi_io = h;
+  lo_io = l;
   // lanes 64 -> 32 -> 16: lane j + lane j + 32, then j + 16
-  sum = __builtin_convertvector((col[0] + col[2]) + (col[1] + col[3]), Folded);
-  squares = __builtin_convertvector((sq[0] + sq[2]) + (sq[1] + sq[3]), Folded);
+  sum = __builtin_convertvector((a[0][0] + a[0][2]) + (a[0][1] + a[0][3]), Folded);
+  squares = __builtin_convertvector((s[0][0] + s[0][2]) + (s[0][1] + s[0][3]), Folded);
 }
 
 // Reads the walk's values from sequence position `begin` on, a run at a time (a contiguous
