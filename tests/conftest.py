@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import re
+
 import pytest
 import torch
 
@@ -41,3 +44,30 @@ def tiny_run(tmp_path):
     probe = DispatchProbe(task="tensor", dump_path=str(path), level="mix", stack=True, checksum=True)
     train(probe, steps=2)
     return path
+
+
+def pytest_collection_modifyitems(config, items):
+    """Below the torch ``probe_backend`` needs (the minimum torch leg of ci/matrix.py), a test
+    marked ``probe_backend`` still runs, and passes only by passing or by meeting the call's
+    one-line refusal naming both versions: never skipped, never an ImportError deep inside."""
+    from dispatchprobe.torch.compile import requires
+    if requires.release(requires.installed_torch()) >= requires.MIN_TORCH:
+        return
+    for item in items:
+        if isinstance(item, pytest.Function) and item.get_closest_marker("probe_backend") is not None:
+            item.obj = _ends_refused(item.obj)
+
+
+def _ends_refused(test):
+    from dispatchprobe.torch.compile import requires
+    need, have = ".".join(map(str, requires.MIN_TORCH)), requires.installed_torch()
+    refusal = re.compile(rf"probe_backend needs torch >= {re.escape(need)} \(.*\); this is torch {re.escape(have)}: ")
+
+    @functools.wraps(test)
+    def run(*args, **kwargs):
+        try:
+            test(*args, **kwargs)
+        except RuntimeError as exc:
+            if not refusal.match(str(exc)) or "\n" in str(exc):
+                raise
+    return run

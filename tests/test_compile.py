@@ -13,7 +13,9 @@ from torch.nn import functional as F
 
 from dispatchprobe import DispatchProbe, compare, load
 from dispatchprobe.models import MLPNet, TinyTransformer, lm_batch, lm_loss
-from dispatchprobe.torch.compile import probe_backend
+from dispatchprobe.torch.compile import probe_backend, requires
+
+pytestmark = pytest.mark.probe_backend    # below the torch it needs, each test meets the one-line refusal
 
 
 def _ops(path):
@@ -895,7 +897,11 @@ def _run_cached(script: str, tmp_path, name: str) -> tuple[dict, dict]:
     import sys
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"))
     done = subprocess.run([sys.executable, "-c", script, str(tmp_path / name)], env=env,
-                          capture_output=True, text=True, check=True)
+                          capture_output=True, text=True)
+    last = done.stderr.strip().splitlines()[-1] if done.returncode and done.stderr.strip() else ""
+    if last.startswith("RuntimeError: probe_backend needs torch"):     # the script's probe_backend refused
+        raise RuntimeError(last.removeprefix("RuntimeError: "))
+    done.check_returncode()
     out = tmp_path / name
     return (json.loads(done.stdout.strip().splitlines()[-1]),
             {str(p.relative_to(out)): p.read_text() for p in sorted(out.rglob("ops.jsonl"))})
@@ -979,6 +985,7 @@ def test_a_backward_graph_reads_no_saved_activation_again(tmp_path, monkeypatch)
     """The activations a forward graph returns for its backward are read once: the backward's
     windows take their rows from the forward's, and the records equal those of a run that reads
     every value in every graph."""
+    requires.require_torch()          # the path's own modules need the torch probe_backend needs
     from dispatchprobe.torch.compile import runtime
     read = []
     rows = runtime.read_rows
@@ -1018,6 +1025,7 @@ def test_views_of_a_value_share_its_read(tmp_path, monkeypatch):
     """A view showing all of a value's elements (a reshape, a transpose) takes the value's row:
     each value is read once per graph, and the records equal those of a run that reads every
     view on its own (up to the order of the sums)."""
+    requires.require_torch()          # the path's own modules need the torch probe_backend needs
     from dispatchprobe.torch.compile import graph_pass, runtime
     read = []
     rows = runtime.read_rows
@@ -1176,6 +1184,7 @@ def test_cached_graphs_across_graph_breaks_inference_and_two_backends_record_the
 def test_a_graph_recording_under_an_unknown_slot_says_what_to_do():
     """The recording op of a graph no backend in the process compiled fails with a message naming
     the cause and the way out, not a bare KeyError."""
+    requires.require_torch()          # the path's own modules need the torch probe_backend needs
     from dispatchprobe.torch.compile import runtime
     with pytest.raises(RuntimeError, match="TORCHINDUCTOR_CACHE_DIR"):
         runtime._record([torch.zeros(1, runtime.STAT_FIELDS)], [], [], (1 << 30) + 12345, [])

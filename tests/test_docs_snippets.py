@@ -228,12 +228,20 @@ def _run(doc: str, marks: tuple, folder: Path, cache: Path, monkeypatch) -> int:
     return len(todo)
 
 
-@pytest.mark.parametrize("doc", [d for d in DOCS if any(b.mark == "run" for b in blocks(d))])
+def _docs(mark: str) -> list:
+    """The documents with blocks of this mark; those that import MindSpore carry the ``mindspore``
+    mark (they run in the MindSpore environment: ci/matrix.py)."""
+    return [pytest.param(d, marks=pytest.mark.mindspore) if any(b.mark == mark and "mindspore" in b.code.lower()
+                                                                for b in blocks(d)) else d
+            for d in DOCS if any(b.mark == mark for b in blocks(d))]
+
+
+@pytest.mark.parametrize("doc", _docs("run"))
 def test_doc_blocks_run(doc, tmp_path, fixture_cache, monkeypatch):
     _run(doc, ("run",), tmp_path, fixture_cache, monkeypatch)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("doc", [d for d in DOCS if any(b.mark == "run slow" for b in blocks(d))])
+@pytest.mark.parametrize("doc", _docs("run slow"))
 def test_doc_slow_blocks_run(doc, tmp_path, fixture_cache, monkeypatch):
     assert _run(doc, ("run slow",), tmp_path, fixture_cache, monkeypatch)

@@ -13,6 +13,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
+pytestmark = pytest.mark.mindspore      # run in MindSpore's own environment (ci/matrix.py)
 os.environ.setdefault("MS_DEV_LAUNCH_BLOCKING", "1")
 ms = pytest.importorskip("mindspore")
 
