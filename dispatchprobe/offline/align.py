@@ -9,7 +9,9 @@ between nested scopes (a layer wrapped in one run only, ``fc2`` vs ``fc2.inner``
 every key keeps pairs inside one module or its wrapper.  Module records pair by
 ``(scope, stage, call)``; ``match="exact"`` pairs by record name.  Whatever is left is returned
 as unmatched, never dropped.  A mapping (YAML, see docs/compare.md) first renames A's ops and
-scope prefixes into B's vocabulary.
+scope prefixes into B's vocabulary.  Runs of two frameworks compare a span of records each run
+computes differently (a loss cell against ``F.cross_entropy``) as one region, by its data flow:
+the values entering it and the values leaving it (:func:`compare_regions`).
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from dataclasses import dataclass, field
 import yaml
 
 from ..core import op_traits
-from ..records.format import output_shapes, walk
+from ..records.format import output_shapes
+from .regions import compare_regions, fed_alike, producers, region_spans, stats_distance  # noqa: F401 (re-exported)
 
 # Above this many elements in a gap, the quadratic SequenceMatcher is replaced by in-order pairing.
 _MAX_GAP = 20000
@@ -84,7 +87,15 @@ class Alignment:
     only_a: list         # indices into A's records
     only_b: list
     inside: dict = field(default_factory=dict)   # ("a"/"b", index) -> scope of the region compared at its boundary
-    boundary: dict = field(default_factory=dict)  # (i, j) of a region-boundary pair -> [(spec_a, spec_b)]: its inputs
+    regions: dict = field(default_factory=dict)  # ("a"/"b", index of a region's last record) -> the region's record
+    spans: list = field(default_factory=list)    # [(ia, ib)]: unpaired spans still to compare as regions
+
+    def records(self, recs: list, side: str) -> list:
+        """``recs`` (run ``side``'s) with each region's last record standing for the whole region:
+        its entering values as inputs, its leaving values as outputs (:func:`compare_regions`)."""
+        if not self.regions:
+            return recs
+        return [self.regions.get((side, i), r) for i, r in enumerate(recs)]
 
 
 def _match_blocks(ka: list, kb: list, ia: list, ib: list, how: str, pairs: list):
@@ -119,10 +130,27 @@ def _match_blocks(ka: list, kb: list, ia: list, ib: list, how: str, pairs: list)
     return gaps
 
 
+def _between_pairs(ga: list, gb: list, found: list) -> list:
+    """The gaps of ``ga``/``gb`` (record indices in order) left between ``found``'s pairs (in order)."""
+    gaps, a0, b0 = [], 0, 0
+    at_a, at_b = {i: k for k, i in enumerate(ga)}, {j: k for k, j in enumerate(gb)}
+    for i, j, _ in sorted(found, key=lambda p: at_a[p[0]]):
+        if at_a[i] > a0 or at_b[j] > b0:
+            gaps.append((ga[a0:at_a[i]], gb[b0:at_b[j]]))
+        a0, b0 = at_a[i] + 1, at_b[j] + 1
+    if a0 < len(ga) or b0 < len(gb):
+        gaps.append((ga[a0:], gb[b0:]))
+    return gaps
+
+
 def _nested(sa: str, sb: str) -> bool:
     """One scope is the other or inside it (a module wrapped in one run only); ops outside every
     module (scope "") nest only with each other."""
     return sa == sb or (bool(sa) and sb.startswith(sa + ".")) or (bool(sb) and sa.startswith(sb + "."))
+
+
+def _sizes(record: dict) -> tuple:
+    return tuple(math.prod(s) for s in output_shapes(record))
 
 
 def batched_shapes(record: dict) -> tuple:
@@ -131,12 +159,17 @@ def batched_shapes(record: dict) -> tuple:
     return tuple((math.prod(s[:-2]), *s[-2:]) if len(s) > 3 else s for s in output_shapes(record))
 
 
-def align_ops(recs_a: list, recs_b: list, ia: list, ib: list, mapping: Mapping, regions: tuple | None = None) -> Alignment:
-    """Fuzzy alignment of op records ia (of recs_a) against ib (of recs_b), one stage; ``regions``
-    (each run's scopes; runs of two frameworks): shapes keyed with their batch dimensions merged,
-    regions one run computes in a cell of its own compared at their boundary (:func:`_pair_regions`),
-    and what is left paired by key regardless of order (:func:`_pair_leftovers`)."""
-    shapes = output_shapes if regions is None else batched_shapes
+def align_ops(recs_a: list, recs_b: list, ia: list, ib: list, mapping: Mapping, cross: bool = False,
+              made: tuple = ()) -> Alignment:
+    """Fuzzy alignment of op records ia (of recs_a) against ib (of recs_b), one stage; ``cross``
+    (runs of two frameworks): shapes keyed with their batch dimensions merged, what the ordered
+    passes leave paired by key regardless of order (:func:`_pair_leftovers`), and the unpaired spans
+    both runs hold between the same paired records returned as ``spans``, to be compared as regions
+    by their data flow (:func:`regions.compare_regions`) once every stage is paired; a lone record
+    on each side with the same output shapes stays a substituted kernel.  ``made``: each run's
+    :func:`regions.producers` (``cross``): records pair by shape alone only where their inputs
+    come from paired records alike."""
+    shapes = batched_shapes if cross else output_shapes
 
     def scope(r, m):
         return m.scope(r["scope"]) if m else r["scope"]
@@ -144,13 +177,21 @@ def align_ops(recs_a: list, recs_b: list, ia: list, ib: list, mapping: Mapping, 
     def op(r, m):
         return m.op(r["op"]) if m else r["op"]
 
+    def nested(ra, rb):
+        return _nested(scope(ra, mapping), rb["scope"])
+
+    def same_size(ra, rb):   # across frameworks (outputs may differ in number): a scaling of a scalar is no
+        return _sizes(ra)[:1] == _sizes(rb)[:1]     # counterpart of one of a matrix
+
+    substituted = ("shapes", lambda r, m: (scope(r, m), op_traits.is_cast(op(r, m)), shapes(r)), None)
     keyers = (
         ("op+shapes", lambda r, m: (scope(r, m), op(r, m), shapes(r)), None),
-        ("op", lambda r, m: (scope(r, m), op(r, m)), None),
-        # a substituted kernel (addmm for mm): same shapes, but a cast only ever pairs with a cast
-        ("shapes", lambda r, m: (scope(r, m), op_traits.is_cast(op(r, m)), shapes(r)), None),
+        ("op", lambda r, m: (scope(r, m), op(r, m)), same_size if cross else None),
+        # a substituted kernel (addmm for mm): same shapes, but a cast only ever pairs with a cast;
+        # across frameworks only where the inputs come from paired records alike (else: a region)
+        substituted,
         # a module wrapped in one run (a bf16 wrapper around fc2): its ops sit one scope deeper
-        ("op+shapes, nested scope", lambda r, m: (op(r, m), shapes(r)), _nested),
+        ("op+shapes, nested scope", lambda r, m: (op(r, m), shapes(r)), nested),
     )
     none = Mapping()
     pairs: list = []
@@ -164,104 +205,31 @@ def align_ops(recs_a: list, recs_b: list, ia: list, ib: list, mapping: Mapping, 
             ka = [key(recs_a[i], mapping) for i in ga]
             kb = [key(recs_b[i], none) for i in gb]
             found: list = []
-            next_gaps.extend(_match_blocks(ka, kb, ga, gb, how, found))
-            if accept is not None:     # pairs the key alone cannot rule out go back to the unmatched
-                ok = [accept(scope(recs_a[a], mapping), recs_b[b]["scope"]) for a, b, _ in found]
-                rejected = [p for p, k in zip(found, ok) if not k]
-                found = [p for p, k in zip(found, ok) if k]
-                next_gaps.append(([a for a, _, _ in rejected], [b for _, b, _ in rejected]))
+            split = _match_blocks(ka, kb, ga, gb, how, found)
+            if accept is not None or (cross and how == "shapes"):   # pairs the key alone cannot rule out
+                kept = [p for p in found if accept is None or accept(recs_a[p[0]], recs_b[p[1]])]
+                if cross and how == "shapes":      # go back where they sit
+                    kept = fed_alike(kept, pairs, *made)
+                if len(kept) < len(found):
+                    split = _between_pairs(ga, gb, kept)
+                found = kept
+            next_gaps.extend(split)
             pairs.extend(found)
         gaps = next_gaps
-    inside: dict = {}
-    boundary: dict = {}
-    if regions is not None:
-        gaps = _pair_regions(recs_a, recs_b, gaps, mapping, regions, pairs, inside, boundary)
-        gaps = _pair_leftovers(recs_a, recs_b, gaps, lambda r, m: keyers[0][1](r, m), mapping, pairs)
-    only_a = [i for ga, _ in gaps for i in ga]
-    only_b = [i for _, gb in gaps for i in gb]
-    return Alignment(pairs, only_a, only_b, inside, boundary)
-
-
-def _within(scope: str, outer: str) -> bool:
-    return not outer or scope == outer or scope.startswith(outer + ".")
-
-
-def _pair_regions(recs_a: list, recs_b: list, gaps: list, mapping: Mapping, regions: tuple, pairs: list,
-                  inside: dict, boundary: dict) -> list:
-    """A module one run computes inside a cell of its own (MindSpore's ``nn.CrossEntropyLoss``)
-    and the other in its caller (``F.cross_entropy`` at top level): when a gap's records on one
-    side all lie in one scope the other run never records, and the other side's lie in an
-    enclosing scope, the two regions are compared at their boundary: their last records (the
-    region's result) pair, output by output, and the values entering the regions pair as its inputs
-    (``boundary``: :func:`_region_inputs`); the records inside go to ``inside``.  ``regions``: the
-    scopes each run records."""
-    out = []
-    for ga, gb in gaps:
-        if ga and gb:
-            sa = {mapping.scope(recs_a[i]["scope"]) if mapping else recs_a[i]["scope"] for i in ga}
-            sb = {recs_b[i]["scope"] for i in gb}
-            for own, other, other_scopes in ((sa, sb, regions[1]), (sb, sa, regions[0])):
-                if len(own) == 1 and (inner := next(iter(own))) and inner not in other_scopes \
-                        and all(_within(inner, o) and o != inner for o in other):
-                    pairs.append((ga[-1], gb[-1], "region boundary"))
-                    boundary[ga[-1], gb[-1]] = _region_inputs(_entering(recs_a, ga), _entering(recs_b, gb))
-                    ga, gb = ga[:-1], gb[:-1]
-                    inside.update({**{("a", i): inner for i in ga}, **{("b", i): inner for i in gb}})
-                    break
-        out.append((ga, gb))
-    return out
-
-
-def _value_keys(spec: dict) -> list:
-    """What recognises a value across records: its saved-tensor key and its dtype + statistics."""
-    st = spec.get("stats")
-    return [k for k in (spec.get("data"), (spec.get("dtype"), *map(str, st.values())) if st else None) if k is not None]
-
-
-def _entering(recs: list, idx: list) -> list:
-    """The tensor values records ``idx`` read that none of them made (in order, each once): a
-    region's inputs.  Left-out layout ops a record carries (``through``) pass a made value on."""
-    made, seen, out = set(), set(), []
-    for i in idx:
-        r = recs[i]
-        for t in r.get("through", ()):
-            ins = [s for s in t.get("inputs") or () if s.get("type") == "tensor"]
-            if ins and made.intersection(_value_keys(ins[0])):
-                made.update(k for s in t.get("outputs") or () if s.get("type") == "tensor" for k in _value_keys(s))
-        for io, _, spec in walk(r):
-            keys = _value_keys(spec)
-            if io == "output":
-                made.update(keys)
-            elif keys and not made.intersection(keys) and not seen.intersection(keys):
-                seen.update(keys)
-                out.append(spec)
-    return out
-
-
-def _region_inputs(xa: list, xb: list, most: float = 0.05) -> list:
-    """Two regions' entering values paired by size and closest statistics (at most ``most`` apart:
-    a value one framework's region reads and the other's does not, such as a softmax where the other
-    reads a log-softmax, stays out); in A's order."""
-    def numel(s):
-        return math.prod(s.get("shape") or ())
-
-    def whole(s):
-        return str(s.get("dtype", "")).startswith(("int", "uint", "bool"))
-    cands = sorted((stats_distance(sa, sb), x + y, x, y) for x, sa in enumerate(xa) for y, sb in enumerate(xb)
-                   if numel(sa) == numel(sb) and whole(sa) == whole(sb))
-    used_a, used_b, out = set(), set(), []
-    for d, _, x, y in cands:
-        if d <= most and x not in used_a and y not in used_b:
-            used_a.add(x)
-            used_b.add(y)
-            out.append((x, xa[x], xb[y]))
-    return [(sa, sb) for _, sa, sb in sorted(out, key=lambda t: t[0])]
+    spans: list = []
+    if cross:
+        gaps = _pair_leftovers(recs_a, recs_b, gaps, keyers[0][1], mapping, pairs)
+        gaps, spans = region_spans(recs_a, recs_b, gaps, lambda r, m: substituted[1](r, m), mapping, pairs)
+    only_a = [i for ga, _ in gaps for i in ga] + [i for ga, _ in spans for i in ga]
+    only_b = [i for _, gb in gaps for i in gb] + [i for _, gb in spans for i in gb]
+    return Alignment(pairs, only_a, only_b, spans=spans)
 
 
 def _pair_leftovers(recs_a: list, recs_b: list, gaps: list, key, mapping: Mapping, pairs: list) -> list:
     """Records no ordered pass could pair, paired by equal ``(scope, op, shapes)`` wherever they sit
     in the stage, the closest statistics first: two frameworks' autodiff may run a stage's
-    independent ops in other orders (attention's four backward matmuls)."""
+    independent ops in other orders (attention's four backward matmuls).  Returns the gaps less
+    what paired."""
     left_a = [i for ga, _ in gaps for i in ga]
     left_b = [j for _, gb in gaps for j in gb]
     by_key: dict = {}
@@ -278,7 +246,7 @@ def _pair_leftovers(recs_a: list, recs_b: list, gaps: list, key, mapping: Mappin
             used_a.add(i)
             used_b.add(j)
             pairs.append((i, j, "op+shapes, by statistics"))
-    return [([i for i in left_a if i not in used_a], [j for j in left_b if j not in used_b])]
+    return [([i for i in ga if i not in used_a], [j for j in gb if j not in used_b]) for ga, gb in gaps]
 
 
 def _pair_by_key(ia: list, ib: list, key_a, key_b, how: str) -> Alignment:
@@ -306,18 +274,6 @@ def align_modules(recs_a: list, recs_b: list, ia: list, ib: list, mapping: Mappi
     def key(r, m):
         return (m.scope(r["scope"]) if m else r["scope"], r["stage"], r["call"])
     return _pair_by_key(ia, ib, lambda i: key(recs_a[i], mapping), lambda j: key(recs_b[j], None), "module")
-
-
-def stats_distance(sa: dict, sb: dict) -> float:
-    """How far apart two tensor specs' statistics are (relative differences of mean and norm; 0
-    where either lacks them): what pairs values when order cannot."""
-    a, b = sa.get("stats") or {}, sb.get("stats") or {}
-    total = 0.0
-    for k in ("mean", "norm"):
-        x, y = a.get(k), b.get(k)
-        if isinstance(x, (int, float)) and isinstance(y, (int, float)):
-            total += abs(x - y) / (abs(x) + abs(y) + 1e-30)
-    return total
 
 
 def _output_distance(ra: dict, rb: dict) -> float:
@@ -377,10 +333,12 @@ def _closest(run: list, recs_a: list, recs_b: list) -> list:
 def align(recs_a: list, recs_b: list, match: str = "fuzzy", mapping: Mapping | None = None,
           by_stats: bool = False) -> Alignment:
     """Align two parts' records (ops per stage, modules by scope); pairs sorted by A's order.
-    ``by_stats``: equal-key runs paired by closest statistics (:func:`pair_runs_by_stats`)."""
+    ``by_stats`` (runs of two frameworks): equal-key runs paired by closest statistics
+    (:func:`pair_runs_by_stats`), spans each run computes differently compared as regions
+    (:func:`regions.compare_regions`: ``Alignment.records`` gives the records they pair)."""
     mapping = mapping or Mapping()
-    regions = ({mapping.scope(r["scope"]) for r in recs_a}, {r["scope"] for r in recs_b}) if by_stats else None
-    pairs, only_a, only_b, inside, boundary = [], [], [], {}, {}
+    pairs, only_a, only_b, spans = [], [], [], []
+    made = (producers(recs_a), producers(recs_b)) if by_stats else ()
     for stage in ("forward", "backward"):
         for kind in ("op", "module"):
             ia = [i for i, r in enumerate(recs_a) if r["stage"] == stage and r["kind"] == kind]
@@ -390,10 +348,9 @@ def align(recs_a: list, recs_b: list, match: str = "fuzzy", mapping: Mapping | N
             elif match == "exact":
                 al = align_exact(recs_a, recs_b, ia, ib, mapping)
             else:
-                al = align_ops(recs_a, recs_b, ia, ib, mapping, regions)
+                al = align_ops(recs_a, recs_b, ia, ib, mapping, cross=by_stats, made=made)
             pairs += al.pairs
-            inside.update(al.inside)
-            boundary.update(al.boundary)
+            spans += al.spans
             only_a += al.only_a
             only_b += al.only_b
     # records of any other stage count as unmatched rather than vanish
@@ -401,4 +358,10 @@ def align(recs_a: list, recs_b: list, match: str = "fuzzy", mapping: Mapping | N
     only_a += [i for i, r in enumerate(recs_a) if r["stage"] not in known]
     only_b += [i for i, r in enumerate(recs_b) if r["stage"] not in known]
     pairs = pair_runs_by_stats(pairs, recs_a, recs_b) if by_stats else sorted(pairs)
-    return Alignment(pairs, sorted(only_a), sorted(only_b), inside, boundary)
+    inside, regions = {}, {}
+    if spans:   # every stage paired: what a region hands on is known by who reads it
+        region_pairs, regions, inside = compare_regions(recs_a, recs_b, spans, pairs)
+        pairs = sorted(pairs + region_pairs)
+        last_a, last_b = {i for i, _, _ in region_pairs}, {j for _, j, _ in region_pairs}
+        only_a, only_b = [i for i in only_a if i not in last_a], [j for j in only_b if j not in last_b]
+    return Alignment(pairs, sorted(only_a), sorted(only_b), inside, regions)

@@ -28,7 +28,9 @@ from .parallel import optimizer_step
 
 
 # unmatched records run by the other framework where no probe sees them (pairing._explain_unobservable)
-_UNOBSERVED = ("not observable in the other framework", "no counterpart in the other framework")
+# and records inside a region compared at its boundary: a difference passes through them to the region's
+_UNOBSERVED = ("not observable in the other framework", "no counterpart in the other framework",
+               "inside a region compared at its boundary")
 
 
 class PartResult(NamedTuple):
@@ -67,6 +69,7 @@ def _compare_parts(part_a: Part, part_b: Part, match: str, mapping: Mapping, ten
     problems = list(part_a.problems) + list(part_b.problems)
     cross = any(translate)     # two frameworks: argument order and op order may differ, not the values
     al = align(recs_a, recs_b, match=match, mapping=mapping, by_stats=cross)
+    recs_a, recs_b = al.records(recs_a, "a"), al.records(recs_b, "b")   # a region's last record stands for it
     step, rank = part_a.step, part_a.rank
 
     # sequence numbers per stage, in A's (and B's) execution order
@@ -89,15 +92,12 @@ def _compare_parts(part_a: Part, part_b: Part, match: str, mapping: Mapping, ten
     empty: dict = {}
     for i, j, how in al.pairs:
         ra, rb = recs_a[i], recs_b[j]
-        same = mapping.op(ra["op"]) == rb["op"] or how == "module"
+        same = mapping.op(ra["op"]) == rb["op"] or how in ("module", "region boundary")
         stack = None
         head = (ra["stage"], ra["kind"], seq_a[i], ra["scope"], ra["op"], rb["op"], ra["name"], rb["name"],
                 ra["call"], rb["call"], how)
         overwritten = op_traits.overwrites_first_input(ra["op"])
         tensors = _pair_tensors(walks_a[i], walks_b[j], same, rb["op"] if cross else "")
-        if how == "region boundary":   # and the values entering the two regions (align._region_inputs)
-            entering = [("input", f"input.{k}", sa, sb) for k, (sa, sb) in enumerate(al.boundary.get((i, j), ()))]
-            tensors = [*entering, *tensors]
         for io, arg, sa, sb in tensors:
             if overwritten and arg == "input.0":
                 continue  # the destination's old (often uninitialised) content is not an input

@@ -1,0 +1,335 @@
+"""Regions: spans of records two runs compute differently, compared by their data flow (numpy-free,
+never imports torch).
+
+Two frameworks often compute one piece of a model with different ops: MindSpore's
+``nn.CrossEntropyLoss`` runs ~30 primitives where PyTorch's ``F.cross_entropy`` runs
+``_log_softmax`` and ``nll_loss_forward``, wherever each sits (in a cell of its own, or at top
+level outside every module).  Op by op they cannot pair; pairing them by shape alone compares a
+subtraction with a log-softmax.  So the records each run holds between the same two paired records
+(a *span*) are one region, compared at its boundary: the values entering it (read by its records,
+made by none of them: paired by size and closest statistics) and the values leaving it (made
+there and read by a record outside it: paired by the paired record that reads them, and the
+region's result, its last record's outputs, in order).  The region's last record stands for the
+region in the comparison (``op`` ``region(N ops: first .. last)``), its other records are listed as
+"inside a region compared at its boundary"; a difference made inside it is named at the region.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..core import op_traits
+from ..records.format import walk
+
+_NONE = {"type": "none"}
+
+
+def stats_distance(sa: dict, sb: dict) -> float:
+    """How far apart two tensor specs' statistics are (relative differences of mean and norm; 0
+    where either lacks them): what pairs values when order cannot."""
+    a, b = sa.get("stats") or {}, sb.get("stats") or {}
+    total = 0.0
+    for k in ("mean", "norm"):
+        x, y = a.get(k), b.get(k)
+        if isinstance(x, (int, float)) and isinstance(y, (int, float)):
+            total += abs(x - y) / (abs(x) + abs(y) + 1e-30)
+    return total
+
+
+def _value_keys(spec: dict) -> list:
+    """What recognises a value across records: its saved-tensor key and its dtype + statistics."""
+    st = spec.get("stats")
+    return [k for k in (spec.get("data"), (spec.get("dtype"), *map(str, st.values())) if st else None) if k is not None]
+
+
+def _key(spec: dict):
+    keys = _value_keys(spec)
+    return keys[0] if keys else None
+
+
+def _tensors(specs) -> list:
+    return [s for s in specs or () if s.get("type") == "tensor"]
+
+
+# ---- which spans are regions ----------------------------------------------------------------------
+def region_spans(recs_a: list, recs_b: list, gaps: list, key, mapping, pairs: list) -> tuple[list, list]:
+    """Split one stage's gaps (``[(ia, ib)]``: records no pass could pair, each run's between the
+    same paired records) into those left unpaired and the spans to compare as regions: both runs
+    hold compute records there.  A lone record on each side with equal ``key`` (scope, cast or
+    compute, shapes) is a substituted kernel: paired as one (``pairs``).  A record at a span's end
+    in the module of the paired record beside it, a module the other run's span does not enter
+    (a hook scaling a layer's output, next to a loss region), belongs to that module: it stays
+    unpaired."""
+    paired_a = {i for i, _, _ in pairs}
+    paired_b = {j for _, j, _ in pairs}
+    none = type(mapping)()
+    left, spans = [], []
+    for ga, gb in gaps:
+        if not (_computes(recs_a, ga) and _computes(recs_b, gb)):
+            left.append((ga, gb))
+            continue
+        if len(ga) == 1 and len(gb) == 1 and key(recs_a[ga[0]], mapping) == key(recs_b[gb[0]], none):
+            pairs.append((ga[0], gb[0], "shapes"))
+            continue
+        scopes_a = {mapping.scope(recs_a[i]["scope"]) if mapping else recs_a[i]["scope"] for i in ga}
+        scopes_b = {recs_b[j]["scope"] for j in gb}
+        ka, out_a = _trim(recs_a, ga, paired_a, scopes_b, mapping)
+        kb, out_b = _trim(recs_b, gb, paired_b, scopes_a, none)
+        if _computes(recs_a, ka) and _computes(recs_b, kb):
+            spans.append((ka, kb))
+            left.append((out_a, out_b))
+        else:
+            left.append((ga, gb))
+    return left, spans
+
+
+def _computes(recs: list, idx: list) -> bool:
+    return any(recs[i]["kind"] == "op" and not op_traits.is_cast(recs[i]["op"]) for i in idx)
+
+
+def _trim(recs: list, g: list, paired: set, other_scopes: set, mapping) -> tuple[list, list]:
+    """``g`` less its end records that sit in the module of the paired record beside them, where
+    the other run's span has no record in that module: (kept, trimmed)."""
+    def scope(i):
+        return mapping.scope(recs[i]["scope"]) if mapping else recs[i]["scope"]
+
+    def beside(i, step):
+        k = i + step
+        while 0 <= k < len(recs) and recs[k]["stage"] == recs[i]["stage"]:
+            if k in paired and recs[k]["kind"] == "op":
+                return scope(k)
+            k += step
+        return None
+
+    def own_module(i, step):
+        s = scope(i)
+        return bool(s) and s == beside(i, step) and not any(o == s or o.startswith(s + ".") for o in other_scopes)
+    lo, hi = 0, len(g)
+    while lo < hi - 1 and own_module(g[lo], -1):
+        lo += 1
+    while hi - 1 > lo and own_module(g[hi - 1], 1):
+        hi -= 1
+    return g[lo:hi], g[:lo] + g[hi:]
+
+
+# ---- the values at a region's boundary -------------------------------------------------------------
+def _entering(recs: list, idx: list) -> list:
+    """The tensor values records ``idx`` read that none of them made (in order, each once): a
+    region's inputs.  Left-out layout ops a record carries (``through``) pass a made value on."""
+    made, seen, out = set(), set(), []
+    for i in idx:
+        r = recs[i]
+        for t in r.get("through", ()):
+            ins = _tensors(t.get("inputs"))
+            if ins and made.intersection(_value_keys(ins[0])):
+                made.update(k for s in _tensors(t.get("outputs")) for k in _value_keys(s))
+        for io, _, spec in walk(r):
+            keys = _value_keys(spec)
+            if io == "output":
+                made.update(keys)
+            elif keys and not made.intersection(keys) and not seen.intersection(keys):
+                seen.update(keys)
+                out.append(spec)
+    return out
+
+
+def _region_inputs(xa: list, xb: list, most: float = 0.05) -> list:
+    """Two regions' entering values paired by size and closest statistics (at most ``most`` apart:
+    a value one framework's region reads and the other's does not, such as a softmax where the other
+    reads a log-softmax, stays out); in A's order."""
+    def numel(s):
+        return math.prod(s.get("shape") or ())
+
+    def whole(s):
+        return str(s.get("dtype", "")).startswith(("int", "uint", "bool"))
+    cands = sorted((stats_distance(sa, sb), x + y, x, y) for x, sa in enumerate(xa) for y, sb in enumerate(xb)
+                   if numel(sa) == numel(sb) and whole(sa) == whole(sb))
+    used_a, used_b, out = set(), set(), []
+    for d, _, x, y in cands:
+        if d <= most and x not in used_a and y not in used_b:
+            used_a.add(x)
+            used_b.add(y)
+            out.append((x, xa[x], xb[y]))
+    return [(sa, sb) for _, sa, sb in sorted(out, key=lambda t: t[0])]
+
+
+def _aliases(recs: list) -> dict:
+    """value key -> the key of the value it is a layout of (a left-out reshape or transpose a
+    record carries in ``through``)."""
+    alias: dict = {}
+    for r in recs:
+        for t in r.get("through", ()):
+            ins = _tensors(t.get("inputs"))
+            if ins and (src := _key(ins[0])) is not None:
+                for s in _tensors(t.get("outputs")):
+                    if (k := _key(s)) is not None and k != src:
+                        alias[k] = src
+    return alias
+
+
+def _resolve(k, alias: dict):
+    hops = 0
+    while k in alias and hops < 8:
+        k, hops = alias[k], hops + 1
+    return k
+
+
+def _readers(recs: list) -> dict:
+    """value key -> [(record index, input arg)] of every record reading it; a value read through
+    a left-out layout op (``through``: a reshape, a transpose) counts as read itself."""
+    alias = _aliases(recs)
+    out: dict = {}
+    for i, r in enumerate(recs):
+        for _, arg, spec in walk(r, outputs=False):
+            k = _resolve(_key(spec), alias)
+            if k is not None:
+                out.setdefault(k, []).append((i, arg))
+    return out
+
+
+def producers(recs: list) -> list:
+    """Per record, the records of its own stage that made its tensor inputs (a set): the data
+    flow :func:`fed_alike` checks a pair by."""
+    alias, made, out = _aliases(recs), {}, []
+    for i, r in enumerate(recs):
+        got = set()
+        for io, _, spec in walk(r):
+            k = _resolve(_key(spec), alias)
+            if k is None:
+                continue
+            if io == "input":
+                p = made.get(k)
+                if p is not None and recs[p]["stage"] == r["stage"]:
+                    got.add(p)
+            else:
+                made[k] = i
+        out.append(got)
+    return out
+
+
+def fed_alike(found: list, pairs: list, made_a: list, made_b: list) -> list:
+    """``found``'s pairs (records one substitutes for the other: other ops of one shape) whose
+    inputs come from paired records alike (or from no record of the stage): a subtraction inside a
+    loss reads a maximum no paired record made, so it is no counterpart of the other run's
+    log-softmax.  Repeated until no pair is left out (a chain of substitutes)."""
+    kept = list(found)
+    while True:
+        pair_b = {i: j for i, j, _ in pairs} | {i: j for i, j, _ in kept}
+        pair_a = {j: i for i, j in pair_b.items()}
+        ok = [p for p in kept if all(pair_b.get(x) in made_b[p[1]] for x in made_a[p[0]])
+              and all(pair_a.get(y) in made_a[p[0]] for y in made_b[p[1]])]
+        if len(ok) == len(kept):
+            return kept
+        kept = ok
+
+
+def _leaving(recs: list, group: list, readers: dict) -> list:
+    """[(spec, readers outside the region, position among the region's results or None)] of the
+    values region ``group`` makes that a record outside it reads later (its own stage's or the
+    next), and of its last record's outputs (the region's result); in the order they are made.
+    Values are told apart by saved-tensor key, else by dtype and statistics."""
+    inside, at, out = set(group), {}, []
+    last = group[-1]
+    for i in group:
+        for n, (_, _, spec) in enumerate(walk(recs[i], inputs=False)):
+            k = _key(spec)
+            if k is None:
+                continue
+            result = n if i == last else None
+            if k in at:
+                if result is not None and out[at[k]][2] is None:
+                    out[at[k]][2] = result
+                continue
+            outside = [(c, arg) for c, arg in readers.get(k, ()) if c > i and c not in inside]
+            if outside or result is not None:
+                at[k] = len(out)
+                out.append([spec, outside, result])
+    return out
+
+
+def _region_outputs(la: list, lb: list, pair_b: dict) -> list:
+    """Two regions' leaving values paired: those a pair of records reads at the same argument, then
+    those a pair of records reads (of one size), then the regions' results (their last records'
+    outputs) in order; [(index in la, index in lb)] in A's order.  Candidates are taken by kind,
+    then by both positions together: the same pairs whichever run is A."""
+    def numel(s):
+        return math.prod(s.get("shape") or ())
+    by_reader: dict = {}
+    for y, (_, rd, _) in enumerate(lb):
+        for c, arg in rd:
+            by_reader.setdefault(c, []).append((arg, y))
+    cands = set()
+    for x, (sa, rd, _) in enumerate(la):
+        for c, arg in rd:
+            for a, y in by_reader.get(pair_b.get(c), ()):
+                if a == arg:
+                    cands.add((0, x + y, x, y))
+                elif numel(lb[y][0]) == numel(sa):
+                    cands.add((1, x + y, x, y))
+    ra = sorted((n, x) for x, (_, _, n) in enumerate(la) if n is not None)
+    rb = sorted((n, y) for y, (_, _, n) in enumerate(lb) if n is not None)
+    cands.update((2 + k, x + y, x, y) for k, ((_, x), (_, y)) in enumerate(zip(ra, rb))
+                 if numel(la[x][0]) == numel(lb[y][0]))
+    used_a, used_b, out = set(), set(), []
+    for *_, x, y in sorted(cands):
+        if x not in used_a and y not in used_b:
+            used_a.add(x)
+            used_b.add(y)
+            out.append((x, y))
+    return sorted(out)
+
+
+def _common_scope(scopes) -> str:
+    """The innermost module holding every scope ("" when one is at top level)."""
+    common = None
+    for s in scopes:
+        parts = s.split(".") if s else []
+        if common is None:
+            common = parts
+            continue
+        n = 0
+        while n < min(len(common), len(parts)) and common[n] == parts[n]:
+            n += 1
+        common = common[:n]
+    return ".".join(common or [])
+
+
+def _region_record(recs: list, group: list, inputs: list, outputs: list) -> dict:
+    """The record standing for region ``group``: its last record with the region's boundary values."""
+    ops = [recs[i]["op"] for i in group]
+    op = f"region({ops[0]})" if len(ops) == 1 else f"region({len(ops)} ops: {ops[0]} .. {ops[-1]})"
+    new = dict(recs[group[-1]], op=op, scope=_common_scope(recs[i]["scope"] for i in group),
+               inputs=inputs, outputs=outputs, kwargs={}, region=[recs[i]["name"] for i in group])
+    new.pop("fused", None)
+    return new
+
+
+def compare_regions(recs_a: list, recs_b: list, spans: list, pairs: list) -> tuple[list, dict, dict]:
+    """Each span (``[(ia, ib)]``, :func:`region_spans`) as a region compared at its boundary,
+    once every stage is paired (``pairs``: a value a forward region makes may be read in backward).
+    Returns (the regions' pairs: their last records, how "region boundary"; ``{(side, last index):
+    the region's record}`` standing for each region; ``{(side, index): the region's scope}`` of the
+    records inside).  Values of one run only are placed where the other run's record has none, so
+    arguments pair by position."""
+    pair_b = {i: j for i, j, _ in pairs}
+    read_a, read_b = _readers(recs_a), _readers(recs_b)
+    out_pairs, regions, inside = [], {}, {}
+    for ga, gb in spans:
+        ea, eb = _entering(recs_a, ga), _entering(recs_b, gb)
+        ins = _region_inputs(ea, eb)
+        in_a = [sa for sa, _ in ins] + [s for s in ea if not any(s is x for x, _ in ins)]
+        in_b = [sb for _, sb in ins] + [_NONE] * (len(in_a) - len(ins)) + \
+            [s for s in eb if not any(s is y for _, y in ins)]
+        la, lb = _leaving(recs_a, ga, read_a), _leaving(recs_b, gb, read_b)
+        outs = _region_outputs(la, lb, pair_b)
+        got_a, got_b = [x for x, _ in outs], [y for _, y in outs]
+        out_a = [la[x][0] for x in got_a] + [e[0] for x, e in enumerate(la) if x not in got_a]
+        out_b = [lb[y][0] for y in got_b] + [_NONE] * (len(la) - len(got_a)) + \
+            [e[0] for y, e in enumerate(lb) if y not in got_b]
+        regions["a", ga[-1]] = _region_record(recs_a, ga, in_a, out_a)
+        regions["b", gb[-1]] = _region_record(recs_b, gb, in_b, out_b)
+        out_pairs.append((ga[-1], gb[-1], "region boundary"))
+        for side, g in (("a", ga), ("b", gb)):
+            label = regions[side, g[-1]]["scope"] or "<top>"
+            inside.update({(side, i): label for i in g[:-1]})
+    return out_pairs, regions, inside
