@@ -10,6 +10,9 @@ inf/nan screen and are always returned; entries with neither are columns filled 
 
 numpy only.  Relative error is ``|a - e| / max(|e|, small_value(dtype))`` (``data/standards.yaml``),
 ``dtype`` being the actual side's: a near-zero output cannot make a huge one from a tiny absolute one.
+With ``symmetric`` (compare: two runs, neither the reference) errors are relative to the smaller of
+``|a|`` and ``|e|`` per element and ``rel_l2_err`` to the smaller norm, the worse of the two
+directions, so swapping the arrays changes no metric a verdict reads.
 Complex arrays are compared as complex numbers: errors and magnitudes are moduli, cosine is the
 real part of the inner product over the norms (the cosine of the (re, im) pairs).
 """
@@ -66,29 +69,53 @@ class _Term:
 class Block:
     """One block's finite pairs (``a`` actual, ``e`` expected, float64) and its shared terms."""
 
-    def __init__(self, a: np.ndarray, e: np.ndarray, dtype: str, scale: np.ndarray | None = None):
-        self.a, self.e, self.dtype, self.n, self.scale = a, e, dtype, a.size, scale
+    def __init__(self, a: np.ndarray, e: np.ndarray, dtype: str, scale: np.ndarray | None = None,
+                 symmetric: bool = False):
+        self.a, self.e, self.dtype, self.n, self.scale, self.symmetric = a, e, dtype, a.size, scale, symmetric
 
     diff = _Term(lambda b: b.a - b.e)
     abs_err = _Term(lambda b: np.abs(b.diff))
     abs_e = _Term(lambda b: np.abs(b.e))
-    # the magnitude errors are relative to: |e|, or the element's scale when one is given
-    mag = _Term(lambda b: b.abs_e if b.scale is None else np.maximum(b.abs_e, b.scale))
-    floor = _Term(lambda b: np.maximum(b.mag, _limit("small_value", b.dtype)))
+    mag = _Term(lambda b: _magnitude(b))
+    floor = _Term(lambda b: _floor(b))
     rel = _Term(lambda b: b.abs_err / b.floor)
     small = _Term(lambda b: b.mag < _limit("small_value", b.dtype))
     n_small = _Term(lambda b: int(np.count_nonzero(b.small)))
     ss_e = _Term(lambda b: _sumsq(b.e))
+    ss_a = _Term(lambda b: _sumsq(b.a))
     ss_diff = _Term(lambda b: _sumsq(b.diff))
     ulp = _Term(_ulp)
+
+
+def _magnitude(b: Block) -> np.ndarray:
+    """The magnitude errors are relative to: ``|e|``, or with ``symmetric`` the smaller of ``|a|`` and
+    ``|e|``; at least the element's scale when one is given."""
+    if b.symmetric:
+        mag = np.abs(b.a)
+        np.minimum(mag, b.abs_e, out=mag)
+    else:
+        mag = b.abs_e
+    return mag if b.scale is None else np.maximum(mag, b.scale)
+
+
+def _floor(b: Block) -> np.ndarray:
+    """The magnitude, at least ``small_value``: the denominator of relative errors.  Symmetric
+    without a scale (compare's case) in one buffer, ``|a|`` taking the minimum and the floor in
+    place: two passes more than ``|e|``'s, no more arrays."""
+    small = _limit("small_value", b.dtype)
+    if b.symmetric and b.scale is None and "mag" not in b.__dict__:
+        out = np.abs(b.a)
+        np.minimum(out, b.abs_e, out=out)
+        return np.maximum(out, small, out=out)
+    return np.maximum(b.mag, small)
 
 
 class _Screen:
     """The inf/nan screen of :func:`compare_arrays`: counts mismatching non-finite elements
     (same positions, same kind: nan, +inf, -inf) and hands on the finite pairs."""
 
-    def __init__(self, dtype: str, size: int):
-        self.dtype, self.size, self.n, self.mismatch = dtype, size, 0, 0
+    def __init__(self, dtype: str, size: int, symmetric: bool = False):
+        self.dtype, self.size, self.n, self.mismatch, self.symmetric = dtype, size, 0, 0, symmetric
 
     def block(self, a: np.ndarray, e: np.ndarray, scale: np.ndarray | None = None) -> Block | None:
         fin_a, fin_e = np.isfinite(a), np.isfinite(e)
@@ -102,7 +129,7 @@ class _Screen:
         if a.size == 0:
             return None
         self.n += a.size
-        return Block(a, e, self.dtype, scale)
+        return Block(a, e, self.dtype, scale, self.symmetric)
 
 
 def _sum(parts: list):
@@ -182,15 +209,19 @@ def _plan(only: frozenset | None) -> tuple[list, list]:
             [m for m in METRICS.values() if m.block and (only is None or m.name in only)])
 
 
-def compare_arrays(actual, expected, dtype: str | None = None, only=None, scale=None) -> dict[str, Any]:
+def compare_arrays(actual, expected, dtype: str | None = None, only=None, scale=None,
+                   symmetric: bool = False) -> dict[str, Any]:
     """The value metrics ``only`` (default: all) and the screen metrics of ``actual`` against
     ``expected`` (same size), judged by ``dtype``'s tolerance (default: the actual array's).
 
     Non-finite elements are left out of the value metrics and counted in ``inf_nan_mismatch``
     when the two sides disagree on them.  ``scale`` (same size, optional): a magnitude per element
     that relative and ULP errors are measured against when larger than ``|expected|`` (the
-    magnitude an element was computed from, where its value cancelled).  Computed in cache-sized blocks (equal to whole-array
-    passes up to rounding of the sums)."""
+    magnitude an element was computed from, where its value cancelled).  ``symmetric``: neither
+    side is the reference (compare's two runs): relative and ULP errors against the smaller of
+    the two magnitudes, ``rel_l2_err`` against the smaller norm, so the metrics a verdict reads are
+    the same with the arrays swapped (``mape`` stays relative to ``expected``).  Computed in
+    cache-sized blocks (equal to whole-array passes up to rounding of the sums)."""
     dtype = short_dtype(dtype or getattr(actual, "dtype", "float32"))
     a_all = np.asarray(actual).reshape(-1)
     e_all = np.asarray(expected).reshape(-1)
@@ -201,7 +232,7 @@ def compare_arrays(actual, expected, dtype: str | None = None, only=None, scale=
     s_all = None if scale is None else np.nan_to_num(np.abs(np.asarray(scale)).astype(np.float64).reshape(-1),
                                                      nan=0.0, posinf=0.0)
     rows = []                         # per block: each active metric's partial
-    screen = _Screen(dtype, a_all.size)
+    screen = _Screen(dtype, a_all.size, symmetric)
     for start in range(0, a_all.size, _BLOCK):
         block = screen.block(np.asarray(a_all[start:start + _BLOCK], dtype=wide),
                              np.asarray(e_all[start:start + _BLOCK], dtype=wide),
@@ -257,15 +288,16 @@ def _normal_errors(b: Block):
 
 
 def _rel_l2(total, screen) -> float:
-    """||a - e|| / ||e||: the scale-free error of the whole tensor."""
-    ss_diff, ss_e = total
-    return math.sqrt(ss_diff / ss_e) if ss_e > 0 else (0.0 if ss_diff == 0 else math.inf)
+    """||a - e|| / ||e||: the scale-free error of the whole tensor (symmetric: over the smaller norm)."""
+    ss_diff, ss_e, ss_a = total
+    ss = min(ss_e, ss_a) if screen.symmetric else ss_e
+    return math.sqrt(ss_diff / ss) if ss > 0 else (0.0 if ss_diff == 0 else math.inf)
 
 
 # ---- the metrics, in run-ut's column order ---------------------------------------------------
 register_metric("elements", finish=lambda _, s: int(s.size), perfect=0)
 register_metric("inf_nan_mismatch", finish=lambda _, s: s.mismatch, perfect=0, compare=8)
-register_metric("cosine", "Cosine", lambda b: (_inner(b.a, b.e), _sumsq(b.a), b.ss_e), _cosine,
+register_metric("cosine", "Cosine", lambda b: (_inner(b.a, b.e), b.ss_a, b.ss_e), _cosine,
                 perfect=1.0, empty=lambda s: 1.0 if s.mismatch == 0 else math.nan, compare=1, larger_is_worse=False)
 register_metric("max_abs_err", "Max Abs Err", lambda b: float(b.abs_err.max()), combine=max, compare=2)
 # untitled, so free to go first: its temporary is gone before the relative-error terms are made
@@ -293,7 +325,8 @@ register_metric("ulp_over_threshold", "ULP Over Threshold",
 # elements pointing the other way: opposite signs (complex: more than 90 degrees apart)
 register_metric("sign_flips", block=lambda b: int(np.count_nonzero(
     (b.a * np.conj(b.e)).real < 0 if np.iscomplexobj(b.a) else np.sign(b.a) * np.sign(b.e) < 0)), perfect=0)
-register_metric("rel_l2_err", block=lambda b: (b.ss_diff, b.ss_e), finish=_rel_l2, compare=9)
+register_metric("rel_l2_err", block=lambda b: (b.ss_diff, b.ss_e, b.ss_a if b.symmetric else 0.0), finish=_rel_l2,
+                compare=9)
 
 
 def binary_mismatch(actual, expected) -> float:

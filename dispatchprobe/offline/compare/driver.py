@@ -19,6 +19,7 @@ from ..align import Mapping, align
 from ..launcher import engine_for, gathered, said_by_rank0
 from ..translate import Translation
 from .columns import _BOOL_FIELDS, _FLOAT_FIELDS, _INT_FIELDS, _ROW_FIELDS, _TEXT_FIELDS, COLUMNS, UNMATCHED_COLUMNS
+from .exact import same_kernels
 from .origin import Side, trace
 from .rerun import float64_rerun
 from .pairing import PairingShare, _decomposed_scopes, _explain_unobservable, _flow, _frames, _pair_tensors, pairing_share
@@ -43,17 +44,19 @@ class PartResult(NamedTuple):
 
 
 def compare_parts(part_a: Part, part_b: Part, match: str = "fuzzy", mapping: Mapping | None = None,
-                  tensors: bool = True, translate: tuple = (None, None), framework: str | None = "torch") -> PartResult:
+                  tensors: bool = True, translate: tuple = (None, None), framework: str | None = "torch",
+                  kernels: bool = False) -> PartResult:
     """Compare one step/rank part against another; ``translate``: each side's
     :class:`~dispatchprobe.offline.translate.Translation` into aten's vocabulary, or None;
     ``framework``: both parts' framework, whose replay re-runs ops in float64 to place an origin
-    (None: decided on the recorded errors)."""
+    (None: decided on the recorded errors); ``kernels``: the runs' manifests say the same kernels
+    (:func:`.exact.same_kernels`: any statistics difference may count)."""
     with no_gc():
-        return _compare_parts(part_a, part_b, match, mapping or Mapping(), tensors, translate, framework)
+        return _compare_parts(part_a, part_b, match, mapping or Mapping(), tensors, translate, framework, kernels)
 
 
 def _compare_parts(part_a: Part, part_b: Part, match: str, mapping: Mapping, tensors: bool, translate: tuple,
-                   framework: str | None):
+                   framework: str | None, kernels: bool = False):
     recs_a, recs_b = (t.records(p.records) if t else p.records for t, p in zip(translate, (part_a, part_b)))
     if any(translate):   # two frameworks: aten copies of left-out layout primitives out, fused kernels vs pieces
         ta, tb = translate
@@ -177,18 +180,18 @@ def _compare_parts(part_a: Part, part_b: Part, match: str, mapping: Mapping, ten
                   {i for (s, i), why in zip(sides, unmatched["explained"]) if s == "b" and why.startswith(_UNOBSERVED)})
     side_a = Side("a", part_a, recs_a, seq_a, flow_a, frozenset(al.only_a), frozenset(unobserved[0]))
     side_b = Side("b", part_b, recs_b, seq_b, flow_b, frozenset(al.only_b), frozenset(unobserved[1]))
-    df["origin"], divs = trace(df, side_a, side_b, al.pairs, rerun)
+    df["origin"], divs = trace(df, side_a, side_b, al.pairs, rerun, kernels and not any(translate))
     return PartResult(df, unmatched, problems, divs, (paired, *compute),
                       pairing_share(al.pairs, recs_a, recs_b, unmatched))
 
 
 
 def _worker(args):
-    path_a, key_a, path_b, key_b, match, mapping, tensors, translate, framework = args
+    path_a, key_a, path_b, key_b, match, mapping, tensors, translate, framework, kernels = args
     with no_gc():     # the collector runs again once the parts' records are gone (a full pass over them: ~1 s per 100k ops)
         part_a, part_b = Part(path_a, *key_a), Part(path_b, *key_b)
         result = compare_parts(part_a, part_b, match=match, mapping=mapping, tensors=tensors, translate=translate,
-                               framework=framework)
+                               framework=framework, kernels=kernels)
         del part_a, part_b
     return result
 
@@ -238,8 +241,9 @@ def compare(a, b, *, match: str = "fuzzy", mapping: str | Mapping | None = None,
                           f"({sorted(run_a.parts)} vs {sorted(run_b.parts)})")
     translate = _translations(run_a, run_b, mapping)
     fa, fb = (r.manifest.get("framework") or "torch" for r in (run_a, run_b))
+    kernels = same_kernels(run_a.manifest, run_b.manifest)
     tasks = [(run_a.parts[ka].path, ka, run_b.parts[kb].path, kb, match, mapping, tensors, translate,
-              fa if fa == fb else None) for ka, kb in jobs_list]
+              fa if fa == fb else None, kernels) for ka, kb in jobs_list]
     # under a launcher each rank compares every world-th part with its -j workers; rank 0 merges
     results = gathered(engine, tasks, lambda share: _run_tasks(share, jobs, progress))
     return said_by_rank0(engine, lambda: _merge(results, run_a, run_b, jobs_list, problems, (fa, fb), out, metric,

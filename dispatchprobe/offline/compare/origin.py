@@ -6,7 +6,8 @@ enters when its outputs differ while its inputs agree, or when its outputs diffe
 inputs' differences carried through it: measured by re-running it in float64 on both runs' recorded
 inputs where tensors are saved and the framework is importable (:mod:`.rerun`), else estimated on
 the recorded errors (outputs ``origin_amplification`` times further off than inputs; approximate).
-Differences below the threshold count: a stage with no error rows still has a first *departure*."""
+Differences below the threshold count: a stage with no error rows still has a first *departure*.
+Between runs that are otherwise bit-identical (:mod:`.exact`) every statistics difference counts."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from ...records.reader import Part
 from ...standards import statistics as S, verdicts as V
 from ...standards.loader import is_float, standard
 from .columns import TENSOR_METRICS
+from .exact import otherwise_identical
 from .pairing import _Flow, _frames
 from .rerun import ROUNDOFF
 from .verdict import Divergence
@@ -43,17 +45,19 @@ class Root(NamedTuple):
     cause: str      # Divergence.cause
 
 
-# statistics of equal values may differ by their own float32 accumulation: below this relative
-# error, statistics-only rows count as equal (saved tensors count every bit)
+# runs of other kernels (another framework, device kind or precision, compiled code) round differently
+# at every op: below this relative error their statistics-only rows count as equal (saved tensors
+# count every bit; runs otherwise bit-identical count every statistics difference, .exact)
 STATS_NOISE = 1e-6
 
 
-def differs(df: pd.DataFrame) -> np.ndarray:
-    """Per row: do the runs' values differ at all (below the threshold too)?  Undefined values never do."""
+def differs(df: pd.DataFrame, floor: float = STATS_NOISE) -> np.ndarray:
+    """Per row: do the runs' values differ at all (below the threshold too)?  Statistics-only rows by
+    more than ``floor``.  Undefined values never do."""
     status = df["status"].to_numpy(object)
     err = df["error"].to_numpy(np.float64)
     measured = df["rel_l2_err"].notna().to_numpy()
-    out = np.where(measured, err > 0, err > STATS_NOISE) | (status == V.ERROR) | (status == V.WARNING) | (df["checksum_match"] == "unequal").to_numpy()
+    out = np.where(measured, err > 0, err > floor) | (status == V.ERROR) | (status == V.WARNING) | (df["checksum_match"] == "unequal").to_numpy()
     return out & (status != V.NOT_JUDGED)
 
 
@@ -151,12 +155,12 @@ class Lineage:
     of both runs are visited in execution order, so the two runs play the same part.  One pass over
     the records; each keeps the earliest source (:class:`Root`'s order), so the pass is linear."""
 
-    def __init__(self, df: pd.DataFrame, a: Side, b: Side, pairs: list, rerun=None):
+    def __init__(self, df: pd.DataFrame, a: Side, b: Side, pairs: list, rerun=None, exact: bool = False):
         self.df, self.a, self.b, self.seq_a = df, a, b, a.seq
         self.pair_b = {i: j for i, j, _ in pairs}
         self.pair_a = {j: i for i, j, _ in pairs}
         self.bad_rows = df["status"].to_numpy(object) == V.ERROR
-        self.off_rows = differs(df) if len(df) else np.zeros(0, bool)
+        self.off_rows = differs(df, 0.0 if exact else STATS_NOISE) if len(df) else np.zeros(0, bool)
         self.uid = df["uid"].to_numpy(np.int64)
         self.args = df["arg"].to_numpy(object)
         is_in = (df["io"] == "input").to_numpy()
@@ -421,15 +425,23 @@ class Lineage:
         return origin_rows, out
 
 
-def trace(df: pd.DataFrame, a: Side, b: Side, pairs: list, rerun=None) -> tuple[np.ndarray, list]:
+def trace(df: pd.DataFrame, a: Side, b: Side, pairs: list, rerun=None, same_kernels: bool = False
+          ) -> tuple[np.ndarray, list]:
     """(per row: is it an output where a difference enters; per stage at most one :class:`Divergence`),
-    by :class:`Lineage`; ``a``, ``b``: the two runs (:class:`Side`), ``pairs``: the alignment's."""
-    lineage = Lineage(df, a, b, pairs, rerun)
+    by :class:`Lineage`; ``a``, ``b``: the two runs (:class:`Side`), ``pairs``: the alignment's;
+    ``same_kernels``: the runs' manifests say the same framework, version and device kind
+    (:func:`.exact.same_kernels`), so the part may be otherwise bit-identical."""
+    exact = same_kernels and len(df) > 0 and otherwise_identical(df, a.recs, b.recs, pairs, a.only, b.only,
+                                                                 differs(df, 0.0))
+    lineage = Lineage(df, a, b, pairs, rerun, exact)
     origin_rows, picks = lineage.trace()
     divs = []
+    unmeasured = (df["rel_l2_err"].isna() & (df["status"] != V.NOT_JUDGED)).to_numpy() if len(df) else np.zeros(0, bool)
     for stage, pick, errors in picks:
         div = _describe(df, a, b, stage, pick, errors, lineage.off_rows)
-        div.approximate = pick.cause == "op" and pick.index in lineage.own_share.estimated
+        # placed from the recorded errors, or from statistics (equal statistics do not make equal values)
+        div.approximate = pick.cause == "op" and (pick.index in lineage.own_share.estimated or bool(
+            unmeasured[(lineage.uid == pick.index) & (df["stage"].to_numpy(object) == stage)].any()))
         divs.append(div)
     return origin_rows, divs
 

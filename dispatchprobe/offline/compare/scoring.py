@@ -213,7 +213,7 @@ def _metrics_of(a: np.ndarray, b: np.ndarray, dtype: str):
         return {"binary_mismatch": M.binary_mismatch(a, b), "elements": int(a.size)}, "binary"
     if a.dtype == b.dtype and a.shape == b.shape and _same_bytes(a, b):
         return {**_PERFECT, "elements": int(a.size)}, "float"
-    return M.compare_arrays(a, b, dtype, only=_COMPUTED), "float"
+    return M.compare_arrays(a, b, dtype, only=_COMPUTED, symmetric=True), "float"
 
 
 def _same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
