@@ -550,3 +550,19 @@ def test_change_on_a_layer_output_beside_a_loss_region_is_named_at_the_layer(out
                                                                           "unmatched"), str(verdict)
     assert first.side == ("a" if planted_is_a else "b"), str(verdict)
     assert verdict.backward is None or verdict.backward.cause == "inherited", str(verdict)
+
+
+@pytest.mark.parametrize("run", ["ms", "ms_loss", "ms_fc"])
+def test_regions_are_the_same_whichever_run_is_a(outside_runs, run):
+    """Aligning B with A forms A-with-B's pairs, regions and unpaired records, mirrored."""
+    from dispatchprobe.offline.align import align
+    from dispatchprobe.offline.translate import Translation
+    shipped = Translation.shipped("mindspore")
+    recs_ms = shipped.records(next(iter(load(str(outside_runs / run)).parts.values())).records)
+    recs_t = shipped.aten_side(next(iter(load(str(outside_runs / "torch")).parts.values())).records)
+    one, other = align(recs_ms, recs_t, by_stats=True), align(recs_t, recs_ms, by_stats=True)
+    assert sorted(one.pairs) == sorted((i, j, how) for j, i, how in other.pairs)
+    assert {k: r["op"] for k, r in one.regions.items()} == \
+        {({"a": "b", "b": "a"}[s], i): r["op"] for (s, i), r in other.regions.items()}
+    assert (one.only_a, one.only_b) == (other.only_b, other.only_a)
+    assert sum(how == "region boundary" for *_, how in one.pairs) == 2      # the loss, forward and backward

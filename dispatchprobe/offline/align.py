@@ -19,6 +19,7 @@ from __future__ import annotations
 import difflib
 import math
 import os
+from collections import Counter
 from dataclasses import dataclass, field
 
 import yaml
@@ -130,6 +131,17 @@ def _match_blocks(ka: list, kb: list, ia: list, ib: list, how: str, pairs: list)
     return gaps
 
 
+def _lone(found: list, recs_a: list, recs_b: list, ga: list, gb: list, scope, mapping: Mapping) -> list:
+    """``found``'s pairs whose records are each the only compute record of their scope in the gap
+    (``ga``, ``gb``): across frameworks a kernel substitutes for another alone in its module (an
+    untranslated ``SigmoidGrad`` for ``sigmoid_backward``); among a loss's ~30 primitives at top
+    level one of the same shape as ``_log_softmax`` is no substitute for it (a region instead)."""
+    def counts(recs, g, m):
+        return Counter(scope(recs[i], m) for i in g if recs[i]["kind"] == "op" and not op_traits.is_cast(recs[i]["op"]))
+    na, nb = counts(recs_a, ga, mapping), counts(recs_b, gb, Mapping())
+    return [p for p in found if na[scope(recs_a[p[0]], mapping)] == 1 and nb[recs_b[p[1]]["scope"]] == 1]
+
+
 def _between_pairs(ga: list, gb: list, found: list) -> list:
     """The gaps of ``ga``/``gb`` (record indices in order) left between ``found``'s pairs (in order)."""
     gaps, a0, b0 = [], 0, 0
@@ -209,7 +221,7 @@ def align_ops(recs_a: list, recs_b: list, ia: list, ib: list, mapping: Mapping, 
             if accept is not None or (cross and how == "shapes"):   # pairs the key alone cannot rule out
                 kept = [p for p in found if accept is None or accept(recs_a[p[0]], recs_b[p[1]])]
                 if cross and how == "shapes":      # go back where they sit
-                    kept = fed_alike(kept, pairs, *made)
+                    kept = fed_alike(_lone(kept, recs_a, recs_b, ga, gb, scope, mapping), pairs, *made)
                 if len(kept) < len(found):
                     split = _between_pairs(ga, gb, kept)
                 found = kept

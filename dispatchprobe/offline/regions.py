@@ -181,8 +181,7 @@ def _readers(recs: list) -> dict:
     out: dict = {}
     for i, r in enumerate(recs):
         for _, arg, spec in walk(r, outputs=False):
-            k = _resolve(_key(spec), alias)
-            if k is not None:
+            for k in {_resolve(k, alias) for k in _value_keys(spec)}:
                 out.setdefault(k, []).append((i, arg))
     return out
 
@@ -194,15 +193,13 @@ def producers(recs: list) -> list:
     for i, r in enumerate(recs):
         got = set()
         for io, _, spec in walk(r):
-            k = _resolve(_key(spec), alias)
-            if k is None:
-                continue
-            if io == "input":
-                p = made.get(k)
+            keys = [_resolve(k, alias) for k in _value_keys(spec)]
+            if io == "input":     # by saved-tensor key, else by dtype and statistics (a view autograd made)
+                p = next((made[k] for k in keys if k in made), None)
                 if p is not None and recs[p]["stage"] == r["stage"]:
                     got.add(p)
             else:
-                made[k] = i
+                made.update((k, i) for k in keys)
         out.append(got)
     return out
 
@@ -240,7 +237,8 @@ def _leaving(recs: list, group: list, readers: dict) -> list:
                 if result is not None and out[at[k]][2] is None:
                     out[at[k]][2] = result
                 continue
-            outside = [(c, arg) for c, arg in readers.get(k, ()) if c > i and c not in inside]
+            outside = sorted({(c, arg) for key in _value_keys(spec) for c, arg in readers.get(key, ())
+                              if c > i and c not in inside})
             if outside or result is not None:
                 at[k] = len(out)
                 out.append([spec, outside, result])
