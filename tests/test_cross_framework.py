@@ -469,27 +469,29 @@ def torch_small(ms_net):
 @pytest.fixture(scope="module")
 def outside_runs(tmp_path_factory):
     """One step each; the loss is no module of the probed model in either run (its ops have no scope).
-    Plants (x1.01): MindSpore's conv or dense layer's output (a forward hook), and the logits inside
-    each run's loss function."""
+    Plants (x1.01): MindSpore's conv or dense layer's output (a forward hook; the conv's also with
+    module records, level "mix"), and the logits inside each run's loss function."""
     root = tmp_path_factory.mktemp("outside_loss")
     rng = np.random.RandomState(0)
     x, y = rng.randn(4, 3, 4, 4).astype(np.float32), np.arange(4) % 5
-    for name in ("ms", "ms_conv", "ms_fc", "ms_loss"):
+    for name in ("ms", "ms_conv", "ms_fc", "ms_loss", "ms_conv_mix"):
         ms.set_seed(0)
         net = SmallNet()
         if name == "ms":
             twin = torch_small(net)
-        if name in ("ms_conv", "ms_fc"):      # the last layer's output: beside the loss region
-            getattr(net, name[3:]).register_forward_hook(lambda cell, inputs, out: out * 1.01)
+        if name.startswith(("ms_conv", "ms_fc")):      # the last layer's output: beside the loss region
+            getattr(net, name.split("_")[1]).register_forward_hook(lambda cell, inputs, out: out * 1.01)
         ce = nn.CrossEntropyLoss()          # called outside `model=`: not probed as a cell
         loss = (lambda logits, labels: ce(logits * 1.01, labels)) if name == "ms_loss" else ce
         grad_fn = ms.value_and_grad(lambda x, y: loss(net(x), y), None, net.trainable_params())
-        with DispatchProbe(task="tensor", dump_path=str(root / name), model=net) as probe:
+        level = "mix" if name.endswith("_mix") else "op"
+        with DispatchProbe(task="tensor", dump_path=str(root / name), model=net, level=level) as probe:
             grad_fn(ms.Tensor(x), ms.Tensor(y.astype(np.int32)))
         with pytest.warns(RuntimeWarning, match="not .fully. recorded"):
             probe.close()
-    for name in ("torch", "torch_loss"):
-        with TorchProbe(task="tensor", dump_path=str(root / name), model=twin) as probe:
+    for name in ("torch", "torch_loss", "torch_mix"):
+        level = "mix" if name.endswith("_mix") else "op"
+        with TorchProbe(task="tensor", dump_path=str(root / name), model=twin, level=level) as probe:
             logits = twin(torch.from_numpy(x))
             torch.nn.functional.cross_entropy(logits * 1.01 if name == "torch_loss" else logits,
                                               torch.from_numpy(y).long()).backward()
@@ -537,17 +539,20 @@ def test_change_inside_a_loss_outside_every_module_is_named_at_its_region(outsid
     assert verdict.backward.cause == "inherited" or verdict.backward.op.startswith("region("), str(verdict)
 
 
-@pytest.mark.parametrize("layer", ["conv", "fc"])
+@pytest.mark.parametrize("layer", ["conv", "fc", "conv_mix"])
 @pytest.mark.parametrize("planted_is_a", [True, False])
 def test_change_on_a_layer_output_beside_a_loss_region_is_named_at_the_layer(outside_runs, layer, planted_is_a):
     """A forward hook's x1.01 on MindSpore's conv output (was: the loss's ops unpaired, the backward
-    named at one of them), and on the dense layer's, right before the loss region: the hook's mul
-    stays with its layer, not inside the region."""
-    a, b = (f"ms_{layer}", "torch") if planted_is_a else ("torch", f"ms_{layer}")
+    named at one of them; with module records the conv counted as 'decomposed differently' and the
+    runs as 'differing already at their inputs' at the relu), and on the dense layer's, right before
+    the loss region: the hook's mul stays with its layer, not inside the region."""
+    clean = "torch_mix" if layer.endswith("_mix") else "torch"
+    a, b = (f"ms_{layer}", clean) if planted_is_a else (clean, f"ms_{layer}")
     _, verdict = compare(str(outside_runs / a), str(outside_runs / b))
     first = verdict.forward
-    assert first is not None and (first.scope, first.op, first.cause) == (f"SmallNet.{layer}", "aten.mul.Tensor",
-                                                                          "unmatched"), str(verdict)
+    where = f"SmallNet.{layer.split('_')[0]}"
+    assert first is not None and (first.scope, first.op, first.cause) == (where, "aten.mul.Tensor", "unmatched"), \
+        str(verdict)
     assert first.side == ("a" if planted_is_a else "b"), str(verdict)
     assert verdict.backward is None or verdict.backward.cause == "inherited", str(verdict)
 

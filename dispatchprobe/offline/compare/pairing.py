@@ -33,8 +33,8 @@ def _swap_commutative(ta: list, tb: list) -> list:
 
 def _decomposed_scopes(recs_a: list, recs_b: list, translate: tuple) -> set:
     """(stage, scope) of the modules both runs recorded a boundary of, whose own ops differ (after
-    translation): the two frameworks decompose that module differently (a loss), so it is
-    compared at its boundary (its module records), not op by op.  A PyTorch op the other framework
+    translation), each run having ops the other lacks: the two frameworks decompose that module
+    differently (a loss), so it is compared at its boundary (its module records), not op by op.  A PyTorch op the other framework
     runs unobserved counts only where that side shows none of it (a visible ``SumExt`` pairs with
     ``sum``); one it has no counterpart of (an integer counter) never counts."""
     def own_ops(recs, other):
@@ -54,8 +54,8 @@ def _decomposed_scopes(recs_a: list, recs_b: list, translate: tuple) -> set:
             if other is not None and key[0] == "backward":     # unobserved there: not a decomposition
                 for op in set(mine) & set(other.unobservable):
                     mine[op] = min(mine[op], theirs[op])
-        if +a != +b:
-            out.add(key)
+        if (a - b) and (b - a):   # each run has ops the other lacks; ops in one run only (a hook's
+            out.add(key)          # scaling inside the module) are that run's own, not a decomposition
     return out
 
 
