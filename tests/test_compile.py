@@ -328,7 +328,10 @@ def test_hf_llama_compiled_agrees_with_eager(tmp_path, inner):
     assert len(table) > 500 and (table["status"] != "error").all()
     loose = verdict.unmatched
     forward = set(loose[loose["stage"] == "forward"]["op"])
-    assert forward <= {"aten.arange.default", "aten.add.Tensor", "aten.cat.default"}
+    position = {"aten.arange.default", "aten.add.Tensor", "aten.cat.default"}
+    if requires.release(requires.installed_torch()) >= (2, 14):     # its dynamo unpairs the rotary embedding's too
+        position |= {"aten.mul.Tensor", "aten.sin.default", "aten.cos.default"}
+    assert forward <= position, forward
     assert len(loose) < 0.2 * len(table)
 
 
@@ -810,7 +813,7 @@ def test_probe_backend_outputs_are_plain_inductors(tmp_path, name):
     eager = fn(*args)
     torch._dynamo.reset()
     plain = torch.compile(fn, backend="inductor")(*args)
-    assert not torch.equal(plain, eager)
+    fixed = torch.equal(plain, eager)       # a torch whose inductor has the fix (pytorch#183986: torch 2.14)
     with DispatchProbe(task="tensor", dump_path=str(tmp_path / "eager")) as probe:
         fn(*args)
     probe.close()
@@ -823,8 +826,40 @@ def test_probe_backend_outputs_are_plain_inductors(tmp_path, name):
     torch._dynamo.reset()
     table, verdict = compare(str(tmp_path / "eager"), str(tmp_path / "tensor"))
     differ = table[table["status"] != "pass"]
+    if fixed:                                # eager and compiled agree there, and compare says so
+        assert differ.empty and verdict.forward is None, differ
+        return
     assert set(differ["op_a"]) == {op} and set(differ["arg"]) == {"output.0"}, differ
     assert verdict.forward is None or verdict.forward.op == op
+
+
+def _rotary(g, freq):
+    """A rotary embedding's backward shape: ``g * sin`` stored only because the probe reads it,
+    in the loop of the kernel that adds ``g * cos``."""
+    g = g.transpose(1, 2)
+    pos = torch.arange(g.shape[2], dtype=torch.float32)[:, None] * freq
+    emb = torch.cat([pos, pos], -1)
+    t = g * emb.sin()
+    a, b = t[..., :8], t[..., 8:]
+    return torch.cat([-b, a], -1) + g * emb.cos()
+
+
+def test_values_stored_for_the_probe_leave_the_users_kernels_as_they_are(tmp_path):
+    """A value inductor computes inline but the probe reads is stored by a kernel of its own: fused
+    into the user's kernel, its store made inductor generate that loop without vectors, whose
+    scalar ``cos`` differs from the vectorised one in the last bit (1.9e-6 here)."""
+    g = torch.Generator().manual_seed(0)
+    args = (torch.randn(2, 8, 2, 16, generator=g) * 10, torch.rand(8, generator=g) * 3)
+    torch._dynamo.reset()
+    plain = torch.compile(_rotary, backend="inductor")(*args)
+    for task in ("statistics", "tensor"):
+        torch._dynamo.reset()
+        backend = probe_backend(task=task, dump_path=str(tmp_path / task))
+        probed = torch.compile(_rotary, backend=backend)(*args)
+        backend.close()
+        assert torch.equal(probed, plain), (task, (probed - plain).abs().max())
+        assert any(r["op"] == "aten.sin.default" for r in _ops(tmp_path / task))
+    torch._dynamo.reset()
 
 
 def test_a_second_compile_in_one_process_records_as_the_first(tmp_path, monkeypatch):
@@ -898,9 +933,9 @@ def _run_cached(script: str, tmp_path, name: str) -> tuple[dict, dict]:
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"))
     done = subprocess.run([sys.executable, "-c", script, str(tmp_path / name)], env=env,
                           capture_output=True, text=True)
-    last = done.stderr.strip().splitlines()[-1] if done.returncode and done.stderr.strip() else ""
-    if last.startswith("RuntimeError: probe_backend needs torch"):     # the script's probe_backend refused
-        raise RuntimeError(last.removeprefix("RuntimeError: "))
+    refused = [line for line in done.stderr.splitlines() if line.startswith("RuntimeError: probe_backend needs torch")]
+    if done.returncode and refused:           # the script's probe_backend refused this torch
+        raise RuntimeError(refused[-1].removeprefix("RuntimeError: "))
     done.check_returncode()
     out = tmp_path / name
     return (json.loads(done.stdout.strip().splitlines()[-1]),

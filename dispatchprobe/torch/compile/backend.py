@@ -213,20 +213,32 @@ def _clear_output_strides() -> None:
 
 @contextlib.contextmanager
 def unseen_by_lowering(instrument):
-    """While inductor lowers a node of the user's graph, the nodes the pass added are hidden from
-    its users: inductor realizes a value (stores it in its dtype) or inlines it into its readers
-    by their number, which decides bf16 rounding (pytorch#168186): the statistics must not."""
+    """Inductor compiles the user's nodes as it would without the pass.  While it lowers a node of
+    the user's graph, the nodes the pass added are hidden from its users: inductor realizes a
+    value (stores it in its dtype) or inlines it into its readers by their number, which decides
+    bf16 rounding (pytorch#168186): the statistics must not.  And the buffers made while it lowers
+    the pass's nodes (values stored only to be read, a window's rows) are never fused with the
+    user's: fused in, a store changes how the user's kernel is generated (a loop nest with one
+    more store that inductor cannot vectorise computes its ``sin``/``cos`` with the scalar
+    functions, which differ from the vectorised ones in the last bit)."""
     from torch._inductor.graph import GraphLowering
+    from torch._inductor.scheduler import Scheduler
 
     run_node = GraphLowering.run_node
+    can_fuse = Scheduler.can_fuse
+    ours_made: set = set()        # the names of the buffers made while lowering the pass's nodes
 
     def lowering_run_node(self, n):
         ours = instrument.added
         users = n.users
         if n in ours:
-            if REALIZE_READS:
-                stored(self, n, ours)
-            return run_node(self, n)
+            first = len(self.buffers)
+            try:
+                if REALIZE_READS:
+                    stored(self, n, ours)
+                return run_node(self, n)
+            finally:
+                ours_made.update(b.get_name() for b in self.buffers[first:])
         if not any(u in ours for u in users):
             return run_node(self, n)
         n.users = {u: v for u, v in users.items() if u not in ours}
@@ -235,11 +247,24 @@ def unseen_by_lowering(instrument):
         finally:
             n.users = users
 
+    def apart(self, node1, node2, *args, **kwargs):
+        if ours_made and _made_by(node1, ours_made) != _made_by(node2, ours_made):
+            return False
+        return can_fuse(self, node1, node2, *args, **kwargs)
+
     GraphLowering.run_node = lowering_run_node
+    Scheduler.can_fuse = apart
     try:
         yield
     finally:
         GraphLowering.run_node = run_node
+        Scheduler.can_fuse = can_fuse
+
+
+def _made_by(node, names: set) -> bool:
+    """Whether a scheduler node (or fused group) writes a buffer made for the pass (a group never
+    mixes the pass's buffers with the user's)."""
+    return any(name in names for name in node.get_buffer_names())
 
 
 REALIZE_READS = os.environ.get("DISPATCHPROBE_REALIZE_READS", "1") == "1"

@@ -165,12 +165,16 @@ def stats_nodes(graph: torch.fx.Graph, node: torch.fx.Node, at: torch.fx.Node):
 class Reads:
     """Where the pass reads a value, so that inductor does what it does without the probe.
 
-    After the value's last reader (following views): inductor decides at the readers whether to
-    store the value (in its dtype: bf16 rounding) or to recompute it inline, and a statistic
-    read earlier would see it before that decision (pytorch#168186, #141436).  Before anything
-    writes its memory: the ``copy_`` of a mutated graph input, and the functional ops inductor's
-    reinplacing pass may turn in place (``index_put``, ``*_scatter``, foreach ops), which it
-    keeps functional when the value is read after them (pytorch#183986)."""
+    After the last reader of the value's memory: of the value and of every view of that memory
+    (a slice's base and its other slices).  Inductor decides at the readers whether to store a
+    value (in its dtype: bf16 rounding) or to recompute it inline in each reader, and a read
+    before that decision changes it (pytorch#168186, #141436).  Reading a view stores its base:
+    a reader of a sibling view lowered after that loads the stored values instead of computing
+    them in its own loop, where a vectorised ``sin`` differs from the scalar one in the last bit
+    (a rotary embedding's backward reads ``mul(grad, sin)`` through two slices).
+    Before anything writes its memory: the ``copy_`` of a mutated graph input, and the functional
+    ops inductor's reinplacing pass may turn in place (``index_put``, ``*_scatter``, foreach ops),
+    which it keeps functional when the value is read after them (pytorch#183986)."""
 
     def __init__(self, graph: torch.fx.Graph, users: dict):
         from torch._inductor.fx_passes import reinplace
@@ -181,7 +185,10 @@ class Reads:
         self.last_placeholder = last_placeholder(graph)
         candidates = (*reinplace.inplaceable_ops, *reinplace._SCATTER_OP_TO_VIEW, *reinplace.inplaceable_foreach_ops)
         self.writes: dict = {}            # storage -> positions of the nodes that (may) write it
+        self.sharing: dict = {}           # storage -> the nodes whose values are views of it
         for n in graph.nodes:
+            if get_node_storage(n) is not None:
+                self.sharing.setdefault(get_node_storage(n), []).append(n)
             written = [n.args[0]] if n.target in candidates and n.args else []
             if isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable:
                 for i, a in enumerate(n.target._schema.arguments):
@@ -199,11 +206,15 @@ class Reads:
 
     def at(self, n: torch.fx.Node) -> torch.fx.Node:
         limit = self.written_after(n)
-        readers, todo = [], list(self.users.get(n, ()))
+        storage = self.storage(n)
+        readers, seen = [], set()
+        todo = [u for v in (self.sharing.get(storage, ()) if storage is not None else (n,)) for u in self.users.get(v, ())]
+        todo.extend(self.users.get(n, ()))
         while todo:
             u = todo.pop()
-            if u.op == "output" or u not in self.pos or (limit is not None and self.pos[u] >= limit):
+            if u in seen or u.op == "output" or u not in self.pos or (limit is not None and self.pos[u] >= limit):
                 continue
+            seen.add(u)
             readers.append(u)
             if isinstance(u.target, torch._ops.OpOverload) and ops.is_alias(u.target):
                 todo.extend(self.users.get(u, ()))
