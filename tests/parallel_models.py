@@ -33,6 +33,15 @@ class RootMLP(MLP):
         return super().forward(x) * self.scale
 
 
+def fsdp2():
+    """FSDP2's ``fully_shard`` (public from torch 2.6; torch 2.5 has it in ``_composable``)."""
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:
+        from torch.distributed._composable.fsdp import fully_shard
+    return fully_shard
+
+
 def parallelize(model: nn.Module, kind: str, mesh=None) -> nn.Module:
     """``model`` under DDP (``ddp``), FSDP2 (``fsdp``: each layer and the root) or tensor parallelism
     (``tp``: up column-wise, down row-wise) over ``mesh`` (default: every rank); any other kind
@@ -43,7 +52,7 @@ def parallelize(model: nn.Module, kind: str, mesh=None) -> nn.Module:
         from torch.distributed.device_mesh import init_device_mesh
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     if kind == "fsdp":
-        from torch.distributed.fsdp import fully_shard
+        fully_shard = fsdp2()
         fully_shard(model.up, mesh=mesh)
         fully_shard(model.down, mesh=mesh)
         return fully_shard(model, mesh=mesh)
@@ -76,7 +85,7 @@ def parallelize_nd(model: InputMLP, layout: str, mesh) -> nn.Module:
     """``model`` on an N-D mesh (:data:`MESHES`): ``fsdp_tp`` FSDP2 over ``dp`` and tensor parallelism
     (``block.up`` column-wise, ``block.down`` row-wise) over ``tp``; ``hsdp`` FSDP2 replicated over
     ``replicate`` and sharded over ``shard``; ``hsdp_tp`` both, on a 3-D mesh."""
-    from torch.distributed.fsdp import fully_shard
+    fully_shard = fsdp2()
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
     if "tp" in mesh.mesh_dim_names:
         parallelize_module(model.block, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})

@@ -339,7 +339,8 @@ def test_identical_mixture_of_experts_runs_agree(tmp_path, task):
             model(input_ids=ids, labels=ids).loss.backward()
         probe.close()
     recs = load(tmp_path / "a").parts[(0, 0)].records
-    assert any(s.get("undefined") for r in recs if r["op"] == "aten.index_put_.default" for s in r["inputs"])
+    if int(transformers.__version__.split(".")[0]) >= 5:    # its experts fill an uninitialised buffer (4.x: index_add_)
+        assert any(s.get("undefined") for r in recs if r["op"] == "aten.index_put_.default" for s in r["inputs"])
     table, verdict = compare(tmp_path / "a", tmp_path / "b")
     assert verdict.passed and verdict.counts.get("error", 0) == 0, str(verdict)
 

@@ -9,6 +9,7 @@ import os
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.mindspore      # run in MindSpore's own environment (ci/matrix.py)
 os.environ.setdefault("MS_DEV_LAUNCH_BLOCKING", "1")
 ms = pytest.importorskip("mindspore")
 torch = pytest.importorskip("torch")

@@ -58,7 +58,9 @@ def test_ddp(tmp_path):
     for rank in (0, 1):
         rec = next(r for r in _records(tmp_path, "statistics", rank) if r["op"] == "c10d.allreduce_.default")
         assert _group(rec["inputs"]) == {"type": "process_group", "name": "0", "ranks": [0, 1], "group_rank": rank}
-        assert {"type": "reduce_op", "value": "SUM"} in rec["inputs"]
+        # torch 2.5 and 2.6 keep a reduce op's value out of Python's sight: recorded unknown (never judged)
+        hidden = tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 7)
+        assert {"type": "reduce_op", "value": None if hidden else "SUM"} in rec["inputs"]
         # the input as given (copied before the in-place reduction), the output once waited for
         given, reduced = rec["inputs"][0]["value"][0]["stats"], rec["outputs"][0]["value"][0]["stats"]
         assert given != reduced
@@ -83,6 +85,7 @@ def test_ddp(tmp_path):
     assert dest["reason"].str.startswith("prior contents of an out= argument").all()
 
 
+@pytest.mark.fsdp2
 def test_fsdp2(tmp_path):
     _launch("fsdp", tmp_path)
     _every_rank_recorded(tmp_path)

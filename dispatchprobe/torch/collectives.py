@@ -234,6 +234,8 @@ def encode_script_object(value) -> dict:
     if dist is not None and name.endswith("c10d.ProcessGroup"):
         return _group(dist.ProcessGroup.unbox(value))
     if dist is not None and name.endswith("c10d.ReduceOp"):
+        if not value._has_method("op"):        # an older torch (2.5, 2.6) hides it: unknown, never judged
+            return {"type": "reduce_op", "value": None}
         op = value.op()
         names = {int(v): k for k, v in dist.ReduceOp.RedOpType.__members__.items()}
         return {"type": "reduce_op", "value": names.get(int(op), str(op))}
