@@ -124,6 +124,7 @@ class Instrument(CustomGraphPass):
     def _groups(self, graph: torch.fx.Graph) -> list[Group]:
         by_key: dict = {}
         last: dict = {}        # (op, partitioner tag) -> key of its latest decomposed call
+        latest: dict = {}      # (op, seq_nr, partitioner tag) -> key of its latest decomposed call
         groups: list[Group] = []
         owner_of: dict = {}
         node_level = self.owner.granularity == "node"
@@ -154,7 +155,12 @@ class Instrument(CustomGraphPass):
             if exact:
                 key = node
             elif seq_nr is not None:
-                key = last[(str(op), tag)] = (str(op), seq_nr, tag)
+                # one autograd node can make several calls of one op (cumsum's backward: two flips),
+                # each decomposed on its own: one record each, as eager records them
+                base = (str(op), seq_nr, tag)
+                call = node.meta.get(CALL_KEY)
+                key = base + (id(call),) if call is not None else latest.get(base, base)
+                latest[base] = last[(str(op), tag)] = key
             else:   # made by a pattern rewrite, without seq_nr: part of the call it rewrote
                 key = last.get((str(op), tag), node)
             g = by_key.get(key)
