@@ -171,6 +171,15 @@ def batched_shapes(record: dict) -> tuple:
     return tuple((math.prod(s[:-2]), *s[-2:]) if len(s) > 3 else s for s in output_shapes(record))
 
 
+def functional(op: str) -> str:
+    """An in-place op's name as its functional variant's (``aten.div_.Tensor`` -> ``aten.div.Tensor``):
+    a compiled graph computes an eager ``div_`` as ``div`` (functionalization), the same values."""
+    parts = op.split(".")
+    if len(parts) >= 2 and parts[1].endswith("_") and not parts[1].endswith("__"):
+        parts[1] = parts[1][:-1]
+    return ".".join(parts)
+
+
 def align_ops(recs_a: list, recs_b: list, ia: list, ib: list, mapping: Mapping, cross: bool = False,
               made: tuple = ()) -> Alignment:
     """Fuzzy alignment of op records ia (of recs_a) against ib (of recs_b), one stage; ``cross``
@@ -187,7 +196,7 @@ def align_ops(recs_a: list, recs_b: list, ia: list, ib: list, mapping: Mapping, 
         return m.scope(r["scope"]) if m else r["scope"]
 
     def op(r, m):
-        return m.op(r["op"]) if m else r["op"]
+        return functional(m.op(r["op"]) if m else r["op"])
 
     def nested(ra, rb):
         return _nested(scope(ra, mapping), rb["scope"])
