@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 from torch.nn import functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from dispatchprobe import DispatchProbe, compare, load
 from dispatchprobe.models import MLPNet, TinyTransformer, lm_batch, lm_loss
@@ -67,10 +68,13 @@ def test_eager_probe_lets_compiled_code_run(tmp_path):
         probed = compiled(x)
         probed.backward()
     probe.close()
-    assert len(runs) == before + 2          # both compiled regions ran compiled under the probe
     assert torch.equal(probed, plain)
     assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), plain_grads))
     ops = {(r["op"], r["stage"]) for r in _ops(tmp_path / "r")}
+    if not hasattr(TorchDispatchMode, "ignore_compile_internals"):   # torch < 2.9 (docs/compile.md)
+        assert len(runs) == before and ("aten.addmm.default", "forward") in ops      # it ran, recorded, eagerly
+        return
+    assert len(runs) == before + 2          # both compiled regions ran compiled under the probe
     assert ("aten.tanh.default", "forward") in ops          # the eager code between the graphs
     assert ("aten.tanh_backward.default", "backward") in ops
     assert not {op for op, _ in ops} & {"aten.addmm.default", "aten.relu.default", "aten.mm.default",

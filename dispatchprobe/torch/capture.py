@@ -88,7 +88,6 @@ def _dynamo_frames():
 
 _FRAMES = _dynamo_frames()
 _CALLBACK = _FRAMES.get_eval_frame_callback if _FRAMES is not None else None
-_DYNAMO_SKIPS_USER_MODES = not hasattr(TorchDispatchMode, "ignore_compile_internals")
 
 
 def _call_outside_dynamo(fn, *args):
@@ -113,12 +112,6 @@ class _ProbeMode(TorchDispatchMode):
     @classmethod
     def ignore_compile_internals(cls) -> bool:
         return True
-
-    @classmethod
-    def is_infra_mode(cls) -> bool:
-        # a torch older than ignore_compile_internals (2.5, 2.6) lets dynamo run compiled code
-        # under an infra mode only: any other mode makes it run every frame eagerly
-        return _DYNAMO_SKIPS_USER_MODES
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -202,8 +195,6 @@ def never_compiled(code) -> None:
 if _FRAMES is not None:       # the frames that hand an op on with dynamo off
     never_compiled(_ProbeMode.__torch_dispatch__.__code__)
     never_compiled(_call_outside_dynamo.__code__)
-elif not hasattr(TorchDispatchMode, "_should_skip_dynamo"):   # an older torch (2.5, 2.6) leaves that to the mode
-    _ProbeMode.__torch_dispatch__ = torch._disable_dynamo(_ProbeMode.__torch_dispatch__, recursive=True)
 
 
 class _Facts(NamedTuple):
