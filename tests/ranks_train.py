@@ -70,10 +70,15 @@ def train(kind: str, mesh, probe: DispatchProbe, plant: str) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     # TP ranks see one batch (the model's input is replicated); DDP and FSDP2 ranks each their own
     gen = torch.Generator().manual_seed(1 + (0 if kind == "tp" else dist.get_rank()))
-    for step in range(STEPS):
-        x = torch.randn(4, 8, generator=gen)
-        if plant == "inf" and step == 0 and dist.get_rank() == 1:
-            x = x * 1e30          # the loss's square overflows float32 on rank 1 only
+    batches = [torch.randn(4, 8, generator=gen) for _ in range(STEPS)]
+    if plant == "inf" and dist.get_rank() == 1:
+        batches[0] = batches[0] * 1e30          # the loss's square overflows float32 on rank 1 only
+    _train(model, opt, probe, batches)
+
+
+def _train(model, opt, probe: DispatchProbe, batches: list) -> None:
+    """One recorded step per batch: the loss is the output's mean square."""
+    for x in batches:
         probe.start()
         loss = model(x).pow(2).mean()
         loss.backward()
@@ -96,14 +101,7 @@ def train_nd(layout: str, probe: DispatchProbe, plant: str) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     coordinate = [c for c, name in zip(mesh.get_coordinate(), names) if name != "tp"]
     gen = torch.Generator().manual_seed(1 + sum(c * 10 ** i for i, c in enumerate(coordinate)))
-    for _ in range(STEPS):
-        x = torch.randn(4, 8, generator=gen)
-        probe.start()
-        loss = model(x).pow(2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        probe.step()
+    _train(model, opt, probe, [torch.randn(4, 8, generator=gen) for _ in range(STEPS)])
 
 
 def main() -> None:
