@@ -1,8 +1,9 @@
 """One kernel launch for the statistics of an accelerator tensor, where torch's operations take
 about thirty (the extremes, the counts, two summation trees, the casts and the stack): a Triton
 kernel, used on the devices Triton compiles for (CUDA, ROCm, XPU) when the ``triton`` package
-torch ships with is importable. Elsewhere, or with ``DISPATCHPROBE_FUSED_STATS=0``, :func:`row`
-returns None and the caller uses torch's operations.
+torch ships with is importable and at least :data:`MIN_TRITON`. Elsewhere, or with
+``DISPATCHPROBE_FUSED_STATS=0``, :func:`row` returns None and the caller uses torch's operations,
+which give the same row.
 
 Each program of the launch reduces one chunk of 32768 values into a partial row
 (:data:`dispatchprobe.standards.statistics.PARTIAL_FIELDS`), its sums in
@@ -24,14 +25,32 @@ _CHUNK = 32768        # values one program reduces: statistics.tree_sums' chunk
 _FIELDS = 11          # statistics.PARTIAL_FIELDS
 
 
+# the first Triton whose run of the kernel (its interpreter) gives the CPU record bit for bit;
+# Triton 3.1 (torch 2.5) does not, and releases in between are not checked: torch's operations there
+MIN_TRITON = (3, 8)
+
+
+def triton_release() -> tuple[int, int] | None:
+    """(major, minor) of the installed Triton, or None where it is not installed or broken."""
+    try:
+        import triton
+        return tuple(int(p) for p in triton.__version__.split(".")[:2])
+    except Exception:       # not installed (CPU-only torch), broken, or an odd version string
+        return None
+
+
 @functools.lru_cache(maxsize=None)
 def _kernels():
-    """The kernel (compiled on first launch), or None where Triton is unavailable or off."""
+    """The kernel (compiled on first launch), or None where Triton is unavailable, older than
+    :data:`MIN_TRITON`, or turned off."""
     if os.environ.get("DISPATCHPROBE_FUSED_STATS", "1").lower() in ("0", "false", "no", "off"):
+        return None
+    release = triton_release()
+    if release is None or release < MIN_TRITON:
         return None
     try:
         from . import device_stats_kernels as k
-    except Exception:       # not installed (CPU-only torch), or broken
+    except Exception:       # broken
         return None
     return k.reduce_stats
 
