@@ -40,8 +40,8 @@ def _same_records(tmp_path, monkeypatch, run, **config) -> tuple[list, float]:
     for fast in (True, False):
         with monkeypatch.context() as m:
             if fast:
-                append = writer._JsonLines.append
-                m.setattr(writer._JsonLines, "append",
+                append = writer.JsonLines.append
+                m.setattr(writer.JsonLines, "append",
                           lambda self, obj: (in_python.append(self.path.endswith("ops.jsonl")), append(self, obj)))
             else:
                 m.setattr(backend, "value_encoder", lambda *a: None)

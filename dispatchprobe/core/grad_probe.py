@@ -22,7 +22,7 @@ import warnings
 
 import numpy as np
 
-from ..records.writer import WriteFailed, _JsonLines, write_safetensors
+from ..records.writer import WriteFailed, JsonLines, write_safetensors
 from .events import Handler
 
 
@@ -144,8 +144,8 @@ class GradHandler(Handler):
         with self.session.writing():
             folder = self.session.part.folder
             if self._lines is None:
-                self._lines = _JsonLines(os.path.join(folder, "grads.jsonl"))
-                self._index = _JsonLines(os.path.join(folder, "tensors", "index.jsonl"))
+                self._lines = JsonLines(os.path.join(folder, "grads.jsonl"))
+                self._index = JsonLines(os.path.join(folder, "tensors", "index.jsonl"))
             arrays = {}
             for record, signs in items:
                 if signs is not None:

@@ -23,7 +23,7 @@ from concurrent import futures
 from typing import Callable
 
 from ..records.format import CLOSED_MARKER, ended_marker
-from ..records.writer import _JsonLines, atomic_write_text
+from ..records.writer import JsonLines, atomic_write_text
 from ..online import wire
 
 
@@ -37,7 +37,7 @@ class Spool:
         self.root = root
         self._lock = threading.Lock()
         self._manifest: dict | None = None
-        self._files: dict[tuple, _JsonLines] = {}
+        self._files: dict[tuple, JsonLines] = {}
         self._shards: dict[str, int] = defaultdict(int)
 
     def hello(self, rank: int, world: int, manifest: dict) -> None:
@@ -51,10 +51,10 @@ class Spool:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(os.path.join(self.root, ended_marker(rank)))
 
-    def _lines(self, part: str, name: str) -> _JsonLines:
+    def _lines(self, part: str, name: str) -> JsonLines:
         f = self._files.get((part, name))
         if f is None:
-            f = self._files[(part, name)] = _JsonLines(os.path.join(self.root, part, name))
+            f = self._files[(part, name)] = JsonLines(os.path.join(self.root, part, name))
         return f
 
     def frame(self, part: str, header: dict, payload: memoryview) -> None:

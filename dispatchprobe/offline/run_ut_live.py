@@ -23,7 +23,7 @@ import time
 from typing import Callable
 
 from ..records.format import ended_marker, walk
-from ..records.reader import Part, Run, _find_manifest
+from ..records.reader import Part, Run, find_manifest
 from . import run_ut as driver
 from .replayer import Replayer, replayer_for
 
@@ -105,7 +105,7 @@ class Follower:
 
     def manifest(self) -> dict:
         if not self.run.manifest:
-            root, manifest = _find_manifest(self.path)
+            root, manifest = find_manifest(self.path)
             if manifest and root == self.path:
                 self.run.manifest = manifest
         return self.run.manifest

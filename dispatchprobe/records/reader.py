@@ -370,7 +370,7 @@ class Run:
         return pd.DataFrame(rows, columns=GRAD_COLUMNS)
 
 
-def _find_manifest(path: str) -> tuple[str, dict]:
+def find_manifest(path: str) -> tuple[str, dict]:
     """The manifest of a run dir, or of the run a step/rank dir belongs to."""
     for candidate in (path, os.path.dirname(path), os.path.dirname(os.path.dirname(path))):
         file = os.path.join(candidate, "manifest.json")
@@ -399,7 +399,7 @@ def load(path: str | os.PathLike) -> Run:
     path = os.path.normpath(os.fspath(path))
     if not os.path.isdir(path):
         raise RecordError(f"{path}: no such records directory")
-    root, manifest = _find_manifest(path)
+    root, manifest = find_manifest(path)
     parts: dict[tuple[int, int], Part] = {}
     marks = bool(manifest.get("marks_closed_parts"))
     if _is_part(path):

@@ -213,7 +213,7 @@ def _make_folder(folder: str) -> None:
             return
 
 
-class _JsonLines:
+class JsonLines:
     """An append-only JSON-lines file: each line is one ``write`` call as it is appended (no
     buffer to flush), so a killed process leaves every line appended before."""
 
@@ -288,7 +288,7 @@ class TensorShardWriter:
         self._size = 0
         self._since = time.monotonic()
         self._closing = False
-        self._index = _JsonLines(os.path.join(folder, "index.jsonl"))
+        self._index = JsonLines(os.path.join(folder, "index.jsonl"))
         self._shard_no = 0
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="dispatchprobe-writer", daemon=True)
@@ -424,10 +424,10 @@ class PartWriter(PartIndex):
     def __init__(self, folder: str, save_fn=None, nbytes_fn=None):
         self.folder = folder
         _make_folder(folder)
-        self.ops = _JsonLines(os.path.join(folder, "ops.jsonl"))
-        self.stacks = _JsonLines(os.path.join(folder, "stacks.jsonl"))
-        self.modules = _JsonLines(os.path.join(folder, "modules.jsonl"))
-        self.params = _JsonLines(os.path.join(folder, "params.jsonl"))   # opened at the first parameter record
+        self.ops = JsonLines(os.path.join(folder, "ops.jsonl"))
+        self.stacks = JsonLines(os.path.join(folder, "stacks.jsonl"))
+        self.modules = JsonLines(os.path.join(folder, "modules.jsonl"))
+        self.params = JsonLines(os.path.join(folder, "params.jsonl"))   # opened at the first parameter record
         self.tensors = TensorShardWriter(os.path.join(folder, "tensors"), save_fn, nbytes_fn) if save_fn else None
         super().__init__()
 

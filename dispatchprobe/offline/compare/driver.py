@@ -22,7 +22,7 @@ from .columns import _BOOL_FIELDS, _FLOAT_FIELDS, _INT_FIELDS, _ROW_FIELDS, _TEX
 from .exact import same_kernels
 from .origin import Side, trace
 from .rerun import float64_rerun
-from .pairing import PairingShare, _decomposed_scopes, _explain_unobservable, _flow, _frames, _pair_tensors, pairing_share
+from .pairing import PairingShare, _decomposed_scopes, _explain_unobservable, data_flow, user_frames, _pair_tensors, pairing_share
 from .scoring import _score
 from .verdict import Result, RunsDoNotAlign, Verdict
 from .parallel import optimizer_step
@@ -84,7 +84,7 @@ def _compare_parts(part_a: Part, part_b: Part, match: str, mapping: Mapping, ten
             counters[r["stage"]] = c + 1
         return out
     seq_a, seq_b = seqs(recs_a), seqs(recs_b)
-    flow_a, flow_b = _flow(recs_a, cross), _flow(recs_b, cross)
+    flow_a, flow_b = data_flow(recs_a, cross), data_flow(recs_b, cross)
     walks_a, walks_b = flow_a.walks, flow_b.walks
     # most runs carry no lower precision and no undefined value: no per-row lookup then
     lin_a, lin_b = flow_a.lineage.get if flow_a.lineage else None, flow_b.lineage.get if flow_b.lineage else None
@@ -105,7 +105,7 @@ def _compare_parts(part_a: Part, part_b: Part, match: str, mapping: Mapping, ten
             if overwritten and arg == "input.0":
                 continue  # the destination's old (often uninitialised) content is not an input
             if stack is None:
-                frames = _frames(part_a, ra) if ra.get("stack") is not None else []
+                frames = user_frames(part_a, ra) if ra.get("stack") is not None else []
                 stack = " | ".join(frames[-3:]) if frames else ""
             sta, stb = sa.get("stats") or empty, sb.get("stats") or empty
             # a TensorRow, in its field order (a plain tuple: the hot loop)

@@ -23,7 +23,7 @@ from ...standards import statistics as S, verdicts as V
 from ...standards.loader import is_float, standard
 from .columns import TENSOR_METRICS
 from .exact import otherwise_identical
-from .pairing import _Flow, _frames
+from .pairing import DataFlow, user_frames
 from .rerun import ROUNDOFF
 from .verdict import Divergence
 
@@ -122,7 +122,7 @@ class Side(NamedTuple):
     part: Part
     recs: list
     seq: list
-    flow: _Flow
+    flow: DataFlow
     only: frozenset
     unobserved: frozenset = frozenset()
 
@@ -498,7 +498,7 @@ def _describe(df, a: Side, b: Side, stage, pick: Root, errors, off) -> Divergenc
         rows = at.iloc[:0]
     row = rows.iloc[0] if len(rows) else None
     met = {m: row[m] for m in [*TENSOR_METRICS, "stats_err"] if row is not None and pd.notna(row[m])}
-    frames = _frames(run.part, rec) if rec.get("stack") is not None else []
+    frames = user_frames(run.part, rec) if rec.get("stack") is not None else []
     return Divergence(stage=stage, step=step, rank=rank, seq=int(run.seq[i]),
                       scope=rec["scope"], op=rec["op"], name=rec["name"], call=int(rec["call"]), kind=rec["kind"],
                       failed=failed, metrics=met, stack=list(frames), module=module, cause=cause, side=side,

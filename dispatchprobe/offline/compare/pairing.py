@@ -108,7 +108,7 @@ def _pair_tensors(ta: list, tb: list, same_op: bool, op: str = ""):
             yield "output", arg, sa, sb
 
 
-class _Flow(NamedTuple):
+class DataFlow(NamedTuple):
     """The data flow of one part's records, keyed by ``id()`` of the tensor specs."""
 
     src: dict       # input spec -> (index, output arg) of the record that produced the value
@@ -129,7 +129,7 @@ def _signature(spec: dict):
     return (spec["dtype"], *st.values())
 
 
-def _flow(recs: list, permuted: bool = False) -> _Flow:
+def data_flow(recs: list, permuted: bool = False) -> DataFlow:
     """Which earlier record produced each input (the latest with that value) and the precision each
     value carries: a float value computed from bfloat16 values carries bfloat16 rounding, whatever its
     own dtype.  Op records produce values; module records only where a part has no op records.
@@ -198,7 +198,7 @@ def _flow(recs: list, permuted: bool = False) -> _Flow:
                     by_sig[sig] = entry
                 if by_range is not None and (key := _range(spec)) is not None:
                     by_range[key] = entry
-    return _Flow(src, lineage, walks, undefined)
+    return DataFlow(src, lineage, walks, undefined)
 
 
 def _range(spec: dict):
@@ -220,7 +220,7 @@ def _find(spec: dict, by_data: dict, by_sig: dict, by_range: dict | None):
     return hit
 
 
-def _frames(part: Part, record: dict) -> list:
+def user_frames(part: Part, record: dict) -> list:
     try:
         return list(part.stacks.get(record.get("stack"), []))
     except Exception:  # a stacks file we cannot read must not stop a compare

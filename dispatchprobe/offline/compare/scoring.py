@@ -137,7 +137,7 @@ def _within_rounding(df: pd.DataFrame, status, reason, sa: dict, sb: dict) -> No
 def _tolerances(df: pd.DataFrame, dtype_a, dtype_b) -> tuple[np.ndarray, np.ndarray]:
     """Per row: the dtype whose tolerance applies and whether the pair is cross-precision.  A float
     pair is judged by the lowest precision among its two dtypes and the precisions its values were
-    computed from (``_Flow.lineage``); it is cross-precision when those differ between the runs
+    computed from (``DataFlow.lineage``); it is cross-precision when those differ between the runs
     (a bfloat16 layer in one run only: its outputs and everything computed from them)."""
     n = len(df)
     if not n:

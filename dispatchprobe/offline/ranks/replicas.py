@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 from ...core.op_traits import is_random
 from ...records.format import walk
-from ..compare.pairing import _flow
+from ..compare.pairing import data_flow
 from .groups import group_of, shard_holders
 from .values import Values, classes, difference, judged, same_arrays, same_stats, stats_difference, stats_of
 
@@ -69,7 +69,7 @@ class _Rank:
     def __init__(self, rank: int, records: list):
         self.rank = rank
         self.records = records
-        self.flow = _flow(records)
+        self.flow = data_flow(records)
         self.by_name = {r["name"]: i for i, r in enumerate(records) if r.get("kind") == "op"}
         self._sources: dict = {}
 
