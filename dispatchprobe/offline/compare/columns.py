@@ -17,8 +17,8 @@ COLUMNS = M.derived(lambda: ["step", "rank", "stage", "kind", "seq", "scope", "o
                     + M.compare_columns() + ["stats_err", "error", "status", "reason", "origin", "stack"])
 UNMATCHED_COLUMNS = ["step", "rank", "side", "stage", "kind", "seq", "scope", "op", "name", "call", "is_cast"]
 # the metrics compare computes: its columns and what its verdicts read; and their values on equal tensors
-_COMPUTED = M.derived(lambda: set(M.compare_columns()) | set(V.COMPARE_READS))
-_PERFECT = M.derived(lambda: {m: M.METRICS[m].perfect for m in _COMPUTED})
+COMPUTED = M.derived(lambda: set(M.compare_columns()) | set(V.COMPARE_READS))
+PERFECT = M.derived(lambda: {m: M.METRICS[m].perfect for m in COMPUTED})
 
 
 class TensorRow(NamedTuple):
@@ -69,11 +69,11 @@ class TensorRow(NamedTuple):
     norm_b: object
 
 
-_ROW_FIELDS = TensorRow._fields
-assert _ROW_FIELDS[-8:] == tuple(f"{s}_{side}" for s in STATS for side in ("a", "b"))
-_FLOAT_FIELDS = frozenset(f"{s}_{side}" for s in STATS for side in ("a", "b"))
+ROW_FIELDS = TensorRow._fields
+assert ROW_FIELDS[-8:] == tuple(f"{s}_{side}" for s in STATS for side in ("a", "b"))
+FLOAT_FIELDS = frozenset(f"{s}_{side}" for s in STATS for side in ("a", "b"))
 # typed columns made straight from the row tuples (pandas infers the type of a list element by element)
-_INT_FIELDS = frozenset(("uid", "lineage_a", "lineage_b", "spec_a", "spec_b"))
-_BOOL_FIELDS = frozenset(("undef_a", "undef_b"))
-_TEXT_FIELDS = frozenset(("stage", "kind", "scope", "op_a", "op_b", "name_a", "name_b", "match", "io", "arg",
+INT_FIELDS = frozenset(("uid", "lineage_a", "lineage_b", "spec_a", "spec_b"))
+BOOL_FIELDS = frozenset(("undef_a", "undef_b"))
+TEXT_FIELDS = frozenset(("stage", "kind", "scope", "op_a", "op_b", "name_a", "name_b", "match", "io", "arg",
                           "dtype_a", "dtype_b", "checksum_a", "checksum_b", "data_a", "data_b", "stack"))  # str or None

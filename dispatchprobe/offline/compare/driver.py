@@ -18,17 +18,17 @@ from ...standards.loader import standard
 from ..align import Mapping, align
 from ..launcher import engine_for, gathered, said_by_rank0
 from ..translate import Translation
-from .columns import _BOOL_FIELDS, _FLOAT_FIELDS, _INT_FIELDS, _ROW_FIELDS, _TEXT_FIELDS, COLUMNS, UNMATCHED_COLUMNS
+from .columns import BOOL_FIELDS, FLOAT_FIELDS, INT_FIELDS, ROW_FIELDS, TEXT_FIELDS, COLUMNS, UNMATCHED_COLUMNS
 from .exact import same_kernels
 from .origin import Side, trace
 from .rerun import float64_rerun
-from .pairing import PairingShare, _decomposed_scopes, _explain_unobservable, data_flow, user_frames, _pair_tensors, pairing_share
-from .scoring import _score
+from .pairing import PairingShare, decomposed_scopes, explain_unobservable, data_flow, user_frames, pair_tensors, pairing_share
+from .scoring import score_pairs
 from .verdict import Result, RunsDoNotAlign, Verdict
 from .parallel import optimizer_step
 
 
-# unmatched records run by the other framework where no probe sees them (pairing._explain_unobservable)
+# unmatched records run by the other framework where no probe sees them (pairing.explain_unobservable)
 # and records inside a region compared at its boundary: a difference passes through them to the region's
 _UNOBSERVED = ("not observable in the other framework", "no counterpart in the other framework",
                "inside a region compared at its boundary")
@@ -64,7 +64,7 @@ def _compare_parts(part_a: Part, part_b: Part, match: str, mapping: Mapping, ten
         recs_a, recs_b = ta.fuse(recs_a, recs_b) if ta else recs_a, tb.fuse(recs_b, recs_a) if tb else recs_b
     # an overflow re-run of a compiled record repeats that record's call (same name): compared once
     recs_a, recs_b = ([r for r in recs if not (r.get("compiled") or {}).get("rerun")] for recs in (recs_a, recs_b))
-    decomposed = _decomposed_scopes(recs_a, recs_b, translate) if any(translate) else set()
+    decomposed = decomposed_scopes(recs_a, recs_b, translate) if any(translate) else set()
     if decomposed:       # compared at the module's boundary: its ops go to unmatched, explained
         inside = lambda r: r["kind"] == "op" and (r["stage"], r["scope"]) in decomposed   # noqa: E731
         set_aside = [[r for r in recs if inside(r)] for recs in (recs_a, recs_b)]
@@ -100,7 +100,7 @@ def _compare_parts(part_a: Part, part_b: Part, match: str, mapping: Mapping, ten
         head = (ra["stage"], ra["kind"], seq_a[i], ra["scope"], ra["op"], rb["op"], ra["name"], rb["name"],
                 ra["call"], rb["call"], how)
         overwritten = op_traits.overwrites_first_input(ra["op"])
-        tensors = _pair_tensors(walks_a[i], walks_b[j], same, rb["op"] if cross else "")
+        tensors = pair_tensors(walks_a[i], walks_b[j], same, rb["op"] if cross else "")
         for io, arg, sa, sb in tensors:
             if overwritten and arg == "input.0":
                 continue  # the destination's old (often uninitialised) content is not an input
@@ -116,18 +116,18 @@ def _compare_parts(part_a: Part, part_b: Part, match: str, mapping: Mapping, ten
                            lin_a(id(sa), -1) if lin_a else -1, lin_b(id(sb), -1) if lin_b else -1, id(sa), id(sb),
                            sta.get("max"), stb.get("max"), sta.get("min"), stb.get("min"),
                            sta.get("mean"), stb.get("mean"), sta.get("norm"), stb.get("norm")))
-    names = _ROW_FIELDS
+    names = ROW_FIELDS
     columns = list(zip(*rows)) if rows else [()] * len(names)
     del rows
     data = {}
     for name, col in zip(names, columns):
-        if name in _FLOAT_FIELDS:  # None -> nan; numbers and "inf"/"nan" strings -> float, as float() does
+        if name in FLOAT_FIELDS:  # None -> nan; numbers and "inf"/"nan" strings -> float, as float() does
             data[name] = np.array(col, dtype=np.float64)
-        elif name in _INT_FIELDS:
+        elif name in INT_FIELDS:
             data[name] = np.array(col, dtype=np.int64)
-        elif name in _BOOL_FIELDS:
+        elif name in BOOL_FIELDS:
             data[name] = np.array(col, dtype=bool)
-        elif name in _TEXT_FIELDS:
+        elif name in TEXT_FIELDS:
             data[name] = np.empty(len(col), dtype=object)
             try:
                 data[name][:] = col    # str or None
@@ -158,7 +158,7 @@ def _compare_parts(part_a: Part, part_b: Part, match: str, mapping: Mapping, ten
                 explained.append(f"decomposed differently: compared at the boundary of {r['scope']}")
     unmatched = pd.DataFrame(rows, columns=UNMATCHED_COLUMNS)
     unmatched["explained"] = explained
-    unmatched = _explain_unobservable(unmatched, translate, problems, step, rank, (recs_a, recs_b))
+    unmatched = explain_unobservable(unmatched, translate, problems, step, rank, (recs_a, recs_b))
     if decomposed:
         problems.append(f"step {step} rank {rank}: compared at their boundary (the frameworks decompose them "
                         f"differently): {', '.join(sorted({f'{sc} ({st})' for st, sc in decomposed}))}")
@@ -169,7 +169,7 @@ def _compare_parts(part_a: Part, part_b: Part, match: str, mapping: Mapping, ten
         hint = " (different models or options?)" if len(unmatched) > 0.2 * (len(recs_a) + len(recs_b)) else ""
         problems.append(f"step {step} rank {rank}: {int((~unmatched['is_cast'] & (unmatched['explained'] == '')).sum())} of "
                         f"{len(recs_a) + len(recs_b)} records could not be aligned{hint}; listed in unmatched.csv")
-    df = _score(df, part_a, part_b, tensors, problems)
+    df = score_pairs(df, part_a, part_b, tensors, problems)
     compute = [sum(1 for r in recs if not op_traits.is_cast(r["op"])) for recs in (recs_a, recs_b)]
     paired = sum(1 for i, _, _ in al.pairs if not op_traits.is_cast(recs_a[i]["op"]))
     rerun = float64_rerun(framework, part_a, part_b) if tensors and framework and not any(translate) else None

@@ -31,7 +31,7 @@ def _swap_commutative(ta: list, tb: list) -> list:
     return [(io, arg, swap.get(arg, spec)) if io == "input" else (io, arg, spec) for io, arg, spec in tb]
 
 
-def _decomposed_scopes(recs_a: list, recs_b: list, translate: tuple) -> set:
+def decomposed_scopes(recs_a: list, recs_b: list, translate: tuple) -> set:
     """(stage, scope) of the modules both runs recorded a boundary of, whose own ops differ (after
     translation), each run having ops the other lacks: the two frameworks decompose that module
     differently (a loss), so it is compared at its boundary (its module records), not op by op.  A PyTorch op the other framework
@@ -59,7 +59,7 @@ def _decomposed_scopes(recs_a: list, recs_b: list, translate: tuple) -> set:
     return out
 
 
-def _explain_unobservable(unmatched: pd.DataFrame, translate: tuple, problems: list, step: int, rank: int,
+def explain_unobservable(unmatched: pd.DataFrame, translate: tuple, problems: list, step: int, rank: int,
                           recs: tuple = ((), ())):
     """Mark the PyTorch side's unmatched backward records whose counterpart the other framework
     runs unobserved (``unobservable`` in its translation), and those it has no counterpart of (an
@@ -87,7 +87,7 @@ def _explain_unobservable(unmatched: pd.DataFrame, translate: tuple, problems: l
     return unmatched
 
 
-def _pair_tensors(ta: list, tb: list, same_op: bool, op: str = ""):
+def pair_tensors(ta: list, tb: list, same_op: bool, op: str = ""):
     """(io, arg, spec_a, spec_b) of two paired records' tensors (``ta``, ``tb``: their walks);
     ``op`` given (runs of two frameworks): a commutative op's inputs may come in the other order."""
     if same_op and op_traits.base_name(op) in op_traits.COMMUTATIVE:

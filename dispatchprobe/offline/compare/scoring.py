@@ -15,10 +15,10 @@ from ...records.reader import Part, RecordError
 from ...standards import metrics as M, rounding as R, statistics as S, verdicts as V
 from ...standards.loader import is_float
 from ...standards.verdicts import NOT_JUDGED
-from .columns import STATS, TENSOR_METRICS, _COMPUTED, _PERFECT
+from .columns import STATS, TENSOR_METRICS, COMPUTED, PERFECT
 
 
-def _score(df: pd.DataFrame, part_a: Part, part_b: Part, tensors: bool, problems: list) -> pd.DataFrame:
+def score_pairs(df: pd.DataFrame, part_a: Part, part_b: Part, tensors: bool, problems: list) -> pd.DataFrame:
     """Add the metric and verdict columns to the paired rows (vectorised where the metric allows)."""
     n = len(df)
     sa = {s: df[f"{s}_a"].to_numpy(np.float64) for s in STATS}
@@ -212,8 +212,8 @@ def _metrics_of(a: np.ndarray, b: np.ndarray, dtype: str):
     if not is_float(dtype) or a.dtype.kind not in "fc" or b.dtype.kind not in "fc":
         return {"binary_mismatch": M.binary_mismatch(a, b), "elements": int(a.size)}, "binary"
     if a.dtype == b.dtype and a.shape == b.shape and _same_bytes(a, b):
-        return {**_PERFECT, "elements": int(a.size)}, "float"
-    return M.compare_arrays(a, b, dtype, only=_COMPUTED, symmetric=True), "float"
+        return {**PERFECT, "elements": int(a.size)}, "float"
+    return M.compare_arrays(a, b, dtype, only=COMPUTED, symmetric=True), "float"
 
 
 def _same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
