@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dispatchprobe import Config, ConfigError, ConfigWarning, load
-from dispatchprobe.core.config import API_TO_ATEN, MSPROBE_KEYS
+from dispatchprobe.core.msprobe_config import API_TO_ATEN, MSPROBE_KEYS
 from dispatchprobe.core.session import OpSelector
 from conftest import train
 
