@@ -69,32 +69,39 @@ def build_native():
 
 @main.command()
 @click.argument("path", type=click.Path(exists=True, file_okay=False))
-@click.option("--op", "op_pattern", default=None, help="List records whose op or name matches (substring or regex).")
+@click.option("--op", "--param", "op_pattern", default=None,
+              help="List records whose op or name matches (substring or regex); a grad-probe run: the parameters "
+                   "whose name matches, a row per step.")
 @click.option("--stage", type=click.Choice(["forward", "backward"]), default=None, help="Only this stage.")
 @click.option("--top", default=10, show_default=True, type=click.IntRange(min=1),
               help="How many of the most frequent ops to list.")
 @click.option("--limit", default=40, show_default=True, type=click.IntRange(min=1), help="Rows to print with --op.")
 @click.option("--html", "html_path", default=None, type=click.Path(dir_okay=False, writable=True),
               help="Overflow and free_benchmark runs: write the module tree with the op that first created "
-                   "inf/nan (the first flagged op) marked to this file.")
+                   "inf/nan (the first flagged op) marked to this file; grad-probe runs: each (--op selected) "
+                   "parameter's gradient norm over the steps.")
 def show(path, op_pattern, stage, top, limit, html_path):
     """Summarise a run (steps, ranks, op counts, nan/inf), or list records with --op."""
+    from .offline.grad_compare import is_grad_run
     from .offline.summary import summarize, matching_records
     from .records.reader import load
 
     run = load(path)
     page = None
-    if html_path:
-        from .offline.check_pages import check_html
-        page = check_html(run)
-    if op_pattern:
-        rows = matching_records(run, op_pattern, stage)
-        if not len(rows):
-            raise ValueError(f"no record matches {op_pattern!r}{f' in {stage}' if stage else ''} "
-                             "(a substring or regex of op or record names, e.g. aten.mm)")
-        echo_table(rows, max_rows=limit)
+    if is_grad_run(run):
+        page = _show_grads(run, op_pattern, limit, html_path)
     else:
-        click.echo(summarize(run, top=top, stage=stage))
+        if html_path:
+            from .offline.check_pages import check_html
+            page = check_html(run)
+        if op_pattern:
+            rows = matching_records(run, op_pattern, stage)
+            if not len(rows):
+                raise ValueError(f"no record matches {op_pattern!r}{f' in {stage}' if stage else ''} "
+                                 "(a substring or regex of op or record names, e.g. aten.mm)")
+            echo_table(rows, max_rows=limit)
+        else:
+            click.echo(summarize(run, top=top, stage=stage))
     if page is not None:
         from .records.writer import atomic_write_text
         atomic_write_text(html_path, page)
@@ -104,6 +111,27 @@ def show(path, op_pattern, stage, top, limit, html_path):
         click.echo(f"warning: {problem}", err=True)
     if damaged:
         sys.exit(1)
+
+
+def _show_grads(run, pattern, limit, html_path):
+    """``show`` of a grad-probe run: the per-step summary, or with --op a row per step and matching
+    parameter; with --html the norm chart of the same parameters (returned, written by ``show``)."""
+    from .offline.summary import grad_parameter_rows, grad_summary
+    rows = grad_parameter_rows(run, pattern)
+    if pattern and not len(rows):
+        names = grad_parameter_rows(run)["parameter"].unique()
+        raise ValueError(f"no parameter matches {pattern!r} (a substring or regex of parameter names, e.g. "
+                         f"{names[0] if len(names) else 'layers.0'})")
+    if pattern:
+        echo_table(rows, max_rows=limit)
+    else:
+        click.echo(grad_summary(run))
+    if not html_path:
+        return None
+    if not len(rows):
+        raise ValueError(f"{run.path}: no gradient records to chart")
+    from .offline.grad_page import norms_page
+    return norms_page(rows, run.manifest, str(run.path), pattern)
 
 
 @main.command()

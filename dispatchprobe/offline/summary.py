@@ -132,12 +132,9 @@ def _nonfinite_lines(run: Run, bad: pd.DataFrame) -> list[str]:
 
 def matching_records(run: Run, pattern: str, stage: str | None = None) -> pd.DataFrame:
     """Tensor rows of the records whose op or name matches ``pattern`` (substring or regex)."""
-    try:
-        rx = re.compile(pattern)
-    except re.error:
-        rx = re.compile(re.escape(pattern))
+    search = name_matcher(pattern)
     tensors = run.tensors
-    hit = tensors["op"].map(lambda s: bool(rx.search(str(s)))) | tensors["name"].map(lambda s: bool(rx.search(str(s))))
+    hit = tensors["op"].map(lambda s: bool(search(str(s)))) | tensors["name"].map(lambda s: bool(search(str(s))))
     rows = tensors[hit]
     if stage:
         rows = rows[rows["stage"] == stage]
@@ -194,10 +191,7 @@ def grad_summary(run: Run) -> str:
     lines = [f"run        {run.path}",
              f"framework  {run.manifest.get('framework')} {run.manifest.get('framework_version')}  device "
              f"{run.manifest.get('device')}  task grad_probe  grad_level {gp.get('grad_level')}  bounds {gp.get('bounds')}"]
-    per_step: dict = {}
-    for (step, _), part in sorted(run.parts.items()):
-        for rec in part.grads:      # statistics are the whole gradient's: the lowest rank's record
-            per_step.setdefault(step, {}).setdefault(rec["param"], rec)
+    per_step = _grads_per_step(run)
     names = {n for recs in per_step.values() for n in recs}
     lines.append(f"steps      {_ranges(sorted(per_step))}   ranks {_ranges(sorted({r for _, r in run.parts}))}   "
                  f"parameters {len(names)}")
@@ -225,3 +219,39 @@ def grad_summary(run: Run) -> str:
         if part.truncated:
             lines.append(f"truncated  step {part.step} rank {part.rank}: records end early (process killed?)")
     return "\n".join(lines)
+
+
+def _grads_per_step(run: Run) -> dict:
+    """step -> parameter -> its record; the statistics are the whole gradient's on every rank, so the
+    lowest rank's record stands for the step."""
+    per_step: dict = {}
+    for (step, _), part in sorted(run.parts.items()):
+        for rec in part.grads:
+            per_step.setdefault(step, {}).setdefault(rec["param"], rec)
+    return per_step
+
+
+def name_matcher(pattern: str):
+    """``pattern`` as a search over names: a regex, or the literal text where it is no valid regex."""
+    try:
+        return re.compile(pattern).search
+    except re.error:
+        return re.compile(re.escape(pattern)).search
+
+
+def grad_parameter_rows(run: Run, pattern: str | None = None) -> pd.DataFrame:
+    """A grad-probe run's parameters, one row per step and parameter whose name matches ``pattern``
+    (substring or regex; all when None): the gradient's norm, max, min and (level L2) share of zeros,
+    so a user sees *which* parameter moved without opening the records."""
+    match = name_matcher(pattern) if pattern else (lambda name: True)
+    rows = [{"step": step, "parameter": name, "dtype": rec["dtype"], "shape": tuple(rec["shape"]),
+             "norm": rec["stats"]["norm"], "max": rec["stats"]["max"], "min": rec["stats"]["min"],
+             "zero share": (rec.get("distribution") or {}).get("zero")}
+            for step, recs in _grads_per_step(run).items() for name, rec in recs.items() if match(name)]
+    table = pd.DataFrame(rows, columns=["step", "parameter", "dtype", "shape", "norm", "max", "min", "zero share"])
+    order = {name: i for i, name in enumerate(dict.fromkeys(table["parameter"]))}     # the optimizer's order
+    table = table.sort_values(["parameter", "step"], key=lambda c: c.map(order) if c.name == "parameter" else c,
+                              kind="stable", ignore_index=True)
+    if table["zero share"].isna().all():        # levels L0, L1 record no distribution
+        table = table.drop(columns=["zero share"])
+    return table
