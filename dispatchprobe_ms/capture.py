@@ -8,6 +8,7 @@ never recorded.  Forward and backward are told apart by the autodiff engine id.
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 
 import mindspore as ms
@@ -21,17 +22,16 @@ from dispatchprobe.core.session import ProbeSession
 
 from . import backend as ms_backend
 from . import ops
+from .cell_scopes import CellScopes
 
 try:
     from mindspore.graph.api import _pynative_executor
 except ImportError:                                   # mindspore < 2.9
     from mindspore.common.api import _pynative_executor
 
-# forward primitives whose backward kernel MindSpore's CPU runs outside the dispatch mode
-# (single-op graphs, confirmed with GLOG_v=1): reported, never silently absent
-UNOBSERVED_BACKWARD = {"BiasAdd": "BiasAddGrad", "LayerNorm": "LayerNormGrad", "Softmax": "SoftmaxBackward",
-                       "Dropout": "DropoutGrad", "BatchNorm": "BatchNormGrad", "Sqrt": "SqrtGrad",
-                       "SparseSoftmaxCrossEntropyWithLogits": "SparseSoftmaxCrossEntropyWithLogitsGrad"}
+# the tasks whose records a graph's dumped kernels can give (the free benchmark re-runs ops, which a
+# compiled graph does not let it do)
+GRAPH_TASKS = ("statistics", "tensor", "overflow")
 
 
 def in_backward() -> bool:
@@ -66,94 +66,20 @@ class _Mode(MsDispatchMode):
         return out if replaced is None else replaced
 
 
-class _CellScopes:
-    """Cell names (``Net.fc1``) and the active cell, forward and backward, from cell hooks.
-
-    Backward hooks make MindSpore insert identity ``View`` ops around each cell's call:
-    :meth:`is_hook_view` keeps them out of the records.  A cell whose backward ran no observable primitive is noted in ``unobserved``."""
-
-    def __init__(self, probe: "DispatchProbe", model):
-        self.probe, self.model = probe, model
-        self.forward_stack: list[str] = []
-        self.backward_stack: list[str] = []
-        self._handles: list = []
-        self._hook_views = False
-        self._ops_in: dict[str, int] = {}          # backward ops seen while the cell was active
-        self.unobserved: dict[str, str] = {}       # cell -> why its backward is not (fully) recorded
-
-    def current(self, stage: str) -> str:
-        stack = self.backward_stack if stage == "backward" else self.forward_stack
-        return stack[-1] if stack else ""
-
-    def install(self) -> None:
-        if self.model is None:
-            return
-        root = type(self.model).__name__
-        for path, cell in self.model.cells_and_names():
-            scope = f"{root}.{path}" if path else root
-            kind = type(cell).__name__
-            self._handles += [
-                cell.register_forward_pre_hook(lambda c, i, s=scope: self._enter(s)),
-                cell.register_forward_hook(lambda c, i, o, s=scope, k=kind: self._leave(s, k, i, o)),
-                cell.register_backward_pre_hook(lambda c, go, s=scope: self._enter_backward(s)),
-                cell.register_backward_hook(lambda c, gi, go, s=scope, k=kind: self._leave_backward(s, k, go, gi)),
-            ]
-
-    def uninstall(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-        self.forward_stack.clear()
-        self.backward_stack.clear()
-
-    def is_hook_view(self, name: str, inputs) -> bool:
-        """An identity ``View`` right after a cell boundary (one per tensor the cell takes or
-        returns, and then some): the backward hooks' machinery, not the user's."""
-        if self._hook_views and name == "View" and len(inputs) == 2 and list(inputs[1]) == list(inputs[0].shape):
-            return True
-        self._hook_views = False
-        return False
-
-    def saw_op(self, name: str, stage: str) -> None:
-        if stage == "backward":
-            for scope in self.backward_stack:
-                self._ops_in[scope] = self._ops_in.get(scope, 0) + 1
-        elif name in UNOBSERVED_BACKWARD and self.forward_stack:
-            self.unobserved.setdefault(self.forward_stack[-1], f"{UNOBSERVED_BACKWARD[name]} runs outside "
-                                       "the dispatch mode on this device")
-
-    def _enter(self, scope: str) -> None:
-        self.forward_stack.append(scope)
-        self._hook_views = True
-
-    def _leave(self, scope: str, kind: str, inputs, output) -> None:
-        if self.forward_stack and self.forward_stack[-1] == scope:
-            self.forward_stack.pop()
-        self._hook_views = True
-        self.probe.on_module(kind, scope, "forward", inputs, output)
-
-    def _enter_backward(self, scope: str) -> None:
-        self.backward_stack.append(scope)
-        self._ops_in[scope] = 0
-
-    def _leave_backward(self, scope: str, kind: str, grad_out, grad_in) -> None:
-        if scope in self.backward_stack:
-            self.backward_stack.remove(scope)
-        if not self._ops_in.pop(scope, 1) and not any(s.startswith(scope + ".") for s in self._ops_in):
-            self.unobserved.setdefault(scope, "its backward ran no primitive the dispatch mode sees")
-        self.probe.on_module(kind, scope, "backward", grad_out, grad_in)
-
-
 class DispatchProbe(ProbeSession):
-    """Record, check or perturb every MindSpore primitive run inside ``with probe:`` (PyNative).
+    """Record, check or perturb every MindSpore primitive run inside ``with probe:``.
 
     ``DispatchProbe(task="statistics", dump_path="runs/ms", model=net)``: the same config, tasks
-    and records as the PyTorch probe.  ``model`` (an ``nn.Cell``) gives ops their cell scope;
-    ``@jit`` functions and GRAPH_MODE cells run outside the dispatch mode and are not seen."""
+    and records as the PyTorch probe.  ``model`` (an ``nn.Cell``) gives ops their cell scope.
+    PyNative primitives come from the dispatch mode; the kernels of compiled graphs (GRAPH_MODE
+    cells, ``@jit`` functions) from MindSpore's dump, which the probe switches on when it is
+    created (so create it before the first graph compile): ``graphs=False`` leaves it off,
+    ``keep_dump=True`` keeps MindSpore's files under ``dump_path/mindspore_dump``."""
 
     backend = ms_backend
 
-    def __init__(self, config=None, *, model=None, optimizer=None, **overrides):
+    def __init__(self, config=None, *, model=None, optimizer=None, graphs: bool = True, keep_dump: bool = False,
+                 **overrides):
         if model is not None and not isinstance(model, nn.Cell):
             raise ConfigError(f"model must be a mindspore.nn.Cell, not {type(model).__name__}")
         if optimizer is not None and not isinstance(optimizer, nn.Optimizer):
@@ -169,14 +95,25 @@ class DispatchProbe(ProbeSession):
         if self.config.task == "free_benchmark" and self.config.free_benchmark.fuzz_stage == "backward":
             raise ConfigError("free_benchmark fuzz_stage 'backward' is not available for MindSpore: a gradient "
                               "taken inside the dispatch handler breaks the training's own value_and_grad")
-        if ms.get_context("mode") != ms.PYNATIVE_MODE:
-            warnings.warn("dispatchprobe_ms: GRAPH_MODE runs outside the dispatch mode; nothing will be "
-                          "recorded (set mindspore.set_context(mode=mindspore.PYNATIVE_MODE))", RuntimeWarning)
-        self.scopes = _CellScopes(self, model)
+        pynative = ms.get_context("mode") == ms.PYNATIVE_MODE
+        self.graphs = None                    # compiled graphs' kernels, from MindSpore's dump
+        if graphs and self.record_ops and self.task.name in GRAPH_TASKS:
+            from .graph_capture import GraphCapture
+            self.graphs = GraphCapture(self, model, os.path.join(self.run_dir, "mindspore_dump") if keep_dump else None)
+            if not pynative:
+                self.graphs.warn_if_unavailable()
+        elif not pynative:
+            warnings.warn(f"dispatchprobe_ms: task={self.task.name!r} needs PyNative: a GRAPH_MODE graph is recorded "
+                          f"from MindSpore's dump, for the tasks {', '.join(GRAPH_TASKS)} (graphs=True)",
+                          RuntimeWarning, stacklevel=2)
+        # no cell hooks in GRAPH_MODE: MindSpore's graph compiler would have to compile them
+        self.scopes = CellScopes(self, model, hooks=pynative)
         self._mode: _Mode | None = None
         self._depth = 0
 
     def _install(self) -> None:
+        if self.graphs is not None:
+            self.graphs.start()
         self.scopes.install()
         if self.record_ops:
             self._mode = _Mode(self)
@@ -191,6 +128,8 @@ class DispatchProbe(ProbeSession):
             self._mode.__exit__(None, None, None)
             self._mode = None
         self.scopes.uninstall()
+        if self.graphs is not None:
+            self.graphs.finish()
 
     def _quiet(self):
         return ms._no_grad() if hasattr(ms, "_no_grad") else contextlib.nullcontext()

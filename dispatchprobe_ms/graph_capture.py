@@ -1,0 +1,106 @@
+"""Compiled graphs (GRAPH_MODE cells, ``@ms.jit`` functions) recorded from MindSpore's own dump.
+
+At the end of each recorded region the kernels the graphs ran (:mod:`dispatchprobe_ms.graph_dump`)
+go through the session's ``on_op`` in their execution order, as PyNative's primitives do: the
+same filters, call indices, statistics (the backend's, on the dumped values), saved tensors and
+inline checks.  A kernel's inputs and outputs are its dumped arrays as MindSpore tensors; 0-dim
+integer and boolean inputs (attributes the graph passes as constants) become Python numbers, as
+PyNative passes them.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import mindspore as ms
+import numpy as np
+
+from . import graph_dump
+from .graph_scopes import GraphScopes, stage_of
+
+# graph bookkeeping, never the user's numerics (they are not dumped as kernels on CPU either)
+_NOT_RECORDED = {"Depend", "UpdateState", "Load", "MakeTuple", "TupleGetItem"}
+
+
+class GraphCapture:
+    def __init__(self, session, model, keep: str | None = None):
+        self.session = session
+        self.scopes = GraphScopes(model)
+        self.keep = keep
+        self.folder, self.why_not = graph_dump.enable()
+        self.kernels = 0                   # kernels read from the dump (whole run)
+
+    def start(self) -> None:
+        """A recorded region begins: what graphs ran outside it is dropped."""
+        if self.folder is not None:
+            self.folder.discard()
+
+    def finish(self) -> None:
+        """A recorded region ends: the kernels its graphs ran, recorded in order."""
+        if self.folder is None:
+            return
+        kernels = self.folder.take()
+        self.kernels += len(kernels)
+        session = self.session
+        stages = _stages(kernels)
+        for k, stage in zip(kernels, stages):
+            if k.type in _NOT_RECORDED:
+                continue
+            node = k.node
+            _, scope = self.scopes(k.scope, node.frames if node is not None else ())
+            if not session.would_record(stage, scope, k.type):
+                continue
+            shapes = (node.inputs, node.outputs) if node is not None else ([], [])
+            inputs = tuple(_value(_load(k.inputs, i, shapes[0])) for i in range(_count(k.inputs)))
+            outs = [_value(_load(k.outputs, i, shapes[1]), scalars=False) for i in range(_count(k.outputs))]
+            outputs = outs[0] if len(outs) == 1 else tuple(outs)
+            session.on_op(k.type, stage, scope, inputs, {}, outputs, extra={"graph_kernel": k.scope})
+        self.folder.release(os.path.join(self.keep, f"step{session.step_no}") if self.keep else None)
+
+    def warn_if_unavailable(self) -> None:
+        if self.why_not:
+            warnings.warn(f"dispatchprobe_ms: {self.why_not}", RuntimeWarning, stacklevel=3)
+
+
+def _stages(kernels: list) -> list[str]:
+    """Each kernel's stage: ``Gradients/`` kernels are backward; a kernel MindSpore expanded from
+    another (``Expand/_PowTensorScalar/Pow-op0``) has no stage in its name and takes the stage of
+    the next kernel that has one (the gradient it is part of)."""
+    out, pending = [], 0
+    for k in kernels:
+        if k.scope.startswith("Expand/"):
+            pending += 1
+            out.append(None)
+            continue
+        stage = stage_of(k.scope)
+        out[len(out) - pending:] = [stage] * pending
+        pending = 0
+        out.append(stage)
+    return [s or "forward" for s in out]
+
+
+def _count(by_position: dict) -> int:
+    return max(by_position) + 1 if by_position else 0
+
+
+def _load(files: dict, i: int, shapes: list):
+    """Value ``i`` of a kernel, in the shape the graph gives it (a no-op reshape before the kernel
+    leaves the dumped memory in the shape before it), or None when it was not dumped."""
+    if i not in files:
+        return None
+    array = np.load(files[i])
+    shape = shapes[i] if i < len(shapes) else None
+    if shape is not None and tuple(array.shape) != shape and array.size == int(np.prod(shape)):
+        array = array.reshape(shape)
+    return array
+
+
+def _value(array, scalars: bool = True):
+    """A dumped value as the probe records it: a MindSpore tensor, or a Python number for a
+    0-dim integer or boolean input."""
+    if array is None:
+        return None
+    if scalars and array.ndim == 0 and array.dtype.kind in "biu":
+        return array.item()
+    return ms.Tensor(array)

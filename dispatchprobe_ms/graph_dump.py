@@ -1,0 +1,168 @@
+"""MindSpore's own dump of compiled graphs (GRAPH_MODE cells, ``@ms.jit`` functions), switched on
+and read back for the probe.
+
+A compiled graph's kernels never pass through the dispatch mode; MindSpore writes them itself
+when ``MINDSPORE_DUMP_CONFIG`` names a dump config.  It reads that config once per process, at
+its first graph compile: :func:`enable` writes the config and sets the variable (the probe does
+it when it is created), pointing MindSpore at a private folder of this process.  After each
+recorded region :meth:`DumpFolder.take` reads the kernels the graphs ran, in execution order,
+and removes the files (or moves them to ``keep``).
+
+One ``.npy`` per kernel input and output, named
+``{type}.{scope_with_underscores}.{task}.{stream}.{timestamp}.{input|output}.{i}.{format}.{dtype}.npy``
+under ``rank_{r}/{net}/{graph}/{iteration}/``, and each graph's kernel order in
+``rank_{r}/execution_order/ms_execution_order_graph_{graph}.csv`` (full scope names).
+"""
+
+from __future__ import annotations
+
+import atexit
+import csv
+import glob
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+
+from . import graph_ir
+
+ENV = "MINDSPORE_DUMP_CONFIG"
+NET_NAME = "dispatchprobe"
+_folder: "DumpFolder | None" = None         # this process's dump folder, once enabled
+
+
+@dataclass
+class Kernel:
+    """One kernel call of a graph run: its type (``Conv2D``), full scope name
+    (``Default/network-WithLossCell/_backbone-Net/conv-Conv2d/Conv2D-op0``) and the files of its
+    inputs and outputs by position."""
+
+    type: str
+    scope: str
+    inputs: dict = field(default_factory=dict)
+    outputs: dict = field(default_factory=dict)
+    first: int = 0                        # earliest timestamp of its files
+    node: object = None                   # what the graph's IR says of it (graph_ir.Node), or None
+
+
+def enable() -> tuple["DumpFolder | None", str]:
+    """This process's dump folder, the dump switched on for it: (folder, "") or (None, why not)."""
+    global _folder
+    if _folder is not None:
+        return _folder, ""
+    if os.environ.get(ENV):
+        return None, (f"{ENV} is already set ({os.environ[ENV]}): MindSpore dumps where that config says, "
+                      "so compiled graphs are not recorded; unset it to let the probe record them")
+    if _compiled_before():
+        return None, ("MindSpore compiled a graph before the probe was created, and it reads its dump config "
+                      "only at its first compile: compiled graphs are not recorded in this process; create the "
+                      "probe before the first GRAPH_MODE or @jit call")
+    root = tempfile.mkdtemp(prefix=f"dispatchprobe_ms_{os.getpid()}_")
+    config = {"common_dump_settings": {"dump_mode": 0, "path": os.path.join(root, "dump"), "net_name": NET_NAME,
+                                       "iteration": "all", "saved_data": "tensor", "input_output": 0,
+                                       "kernels": [], "support_device": list(range(8)), "op_debug_mode": 0},
+              "e2e_dump_settings": {"enable": True, "trans_flag": True}}
+    path = os.path.join(root, "dump_config.json")
+    with open(path, "w") as f:
+        json.dump(config, f)
+    os.environ[ENV] = path
+    _folder = DumpFolder(config["common_dump_settings"]["path"])
+    atexit.register(shutil.rmtree, root, True)
+    return _folder, ""
+
+
+def _compiled_before() -> bool:
+    try:
+        from mindspore.graph import api
+    except ImportError:                                   # mindspore < 2.9
+        from mindspore.common import api
+    cells = getattr(api, "cells_compile_cache", {})           # cell id -> the phases it compiled
+    return bool(getattr(api, "ms_compile_cache", ())) or any(bool(c) for c in cells.values())
+
+
+def parse_name(filename: str) -> tuple | None:
+    """(type, scope name, timestamp, "input"/"output", position, dtype) of one dump file, or None."""
+    parts = filename.removesuffix(".npy").split(".")
+    if len(parts) < 9 or parts[-4] not in ("input", "output") or not parts[-5].isdigit():
+        return None
+    return parts[0], ".".join(parts[1:-7]), int(parts[-5]), parts[-4], int(parts[-3]), parts[-1]
+
+
+class DumpFolder:
+    """The folder MindSpore dumps into: what the graphs ran since the last look."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def sync(self) -> None:
+        """Wait until every graph launched so far has run (its kernels are on disk)."""
+        try:
+            from mindspore.graph.api import _pynative_executor
+        except ImportError:                               # mindspore < 2.9
+            from mindspore.common.api import _pynative_executor
+        _pynative_executor.sync()
+
+    def discard(self) -> None:
+        """Drop what graphs ran outside a recorded region."""
+        self.sync()
+        for run in self._runs():
+            shutil.rmtree(run, ignore_errors=True)
+
+    def take(self) -> list[Kernel]:
+        """The kernels of every graph run since the last look, in the order they ran (their files
+        stay until :meth:`release`)."""
+        self.sync()
+        runs = []
+        for run in self._runs():
+            kernels = self._kernels(run)
+            if kernels:
+                runs.append((min(k.first for k in kernels), run, kernels))
+        runs.sort(key=lambda r: r[0])
+        return [k for _, _, kernels in runs for k in kernels]
+
+    def release(self, keep: str | None = None) -> None:
+        """Remove (or move under ``keep``) the files :meth:`take` read."""
+        for run in self._runs():
+            if keep:
+                target = os.path.join(keep, os.path.relpath(run, self.path))
+                os.makedirs(os.path.dirname(target), exist_ok=True)
+                shutil.move(run, target)
+            else:
+                shutil.rmtree(run, ignore_errors=True)
+
+    def _runs(self) -> list[str]:
+        return sorted(glob.glob(os.path.join(glob.escape(self.path), "rank_*", NET_NAME, "*", "*")))
+
+    def _kernels(self, run: str) -> list[Kernel]:
+        graph = os.path.basename(os.path.dirname(run))
+        rank_dir = os.path.dirname(os.path.dirname(os.path.dirname(run)))
+        order = _execution_order(os.path.join(rank_dir, "execution_order", f"ms_execution_order_graph_{graph}.csv"))
+        ir = os.path.join(rank_dir, "graphs", f"ms_output_trace_code_graph_{graph}.ir")
+        nodes = graph_ir.read(ir, os.path.getmtime(ir)) if os.path.isfile(ir) else {}
+        calls: dict[str, list[Kernel]] = {}
+        for name in sorted(os.listdir(run)):
+            parsed = parse_name(name)
+            if parsed is None or parsed[1] not in order:       # parameters, not kernels
+                continue
+            kind, flat, stamp, io, pos, _ = parsed
+            slots = calls.setdefault(flat, [])
+            # a kernel run twice in one graph run (a loop): a position seen again starts the next call
+            if not slots or pos in (slots[-1].inputs if io == "input" else slots[-1].outputs):
+                slots.append(Kernel(kind, order[flat][1], first=stamp, node=nodes.get(order[flat][1])))
+            k = slots[-1]
+            (k.inputs if io == "input" else k.outputs)[pos] = os.path.join(run, name)
+            k.first = min(k.first, stamp)
+        kernels = [k for slots in calls.values() for k in slots]
+        kernels.sort(key=lambda k: (order[k.scope.replace("/", "_")][0], k.first))
+        return kernels
+
+
+def _execution_order(path: str) -> dict[str, tuple[int, str]]:
+    """{scope name as in file names: (position, full scope name)} of one graph's kernels."""
+    try:
+        with open(path, newline="") as f:
+            rows = [r[0] for r in csv.reader(f) if r]
+    except OSError:
+        return {}
+    return {name.replace("/", "_"): (i, name) for i, name in enumerate(rows[1:])}

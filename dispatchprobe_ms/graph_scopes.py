@@ -1,0 +1,96 @@
+"""Stage and cell scope of a compiled graph's kernel, from its full scope name or its source trace.
+
+MindSpore names each kernel of a graph by the cells it sits in, ``attribute-Class`` per level,
+backward kernels under ``Gradients/``:
+``Gradients/Default/network-WithLossCell/_backbone-Net/fc-Dense/Grad_MatMul/MatMul-op1``.  The
+probe's scopes are the ``model=`` cell's attribute paths, as in PyNative (``Net.fc``): the part of
+the name below the model's own level, checked against the model's cells.  Kernels outside the
+model (the loss cell, the optimizer) have no scope, as in PyNative.
+
+An ``@ms.jit`` function's kernels are all named ``Default/...``: their cells are read from the
+kernel's source trace in the graph's IR instead: from the frame of the model's ``construct``,
+each call ``self.fc(...)`` that enters a ``construct`` is one level (``Net.fc``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+
+_CALL = re.compile(r"^self\.(\w+)(?:\[(\d+)\])?$")
+
+
+class GraphScopes:
+    def __init__(self, model):
+        self.root = type(model).__name__ if model is not None else None
+        self.cells = {path: type(cell).__name__ for path, cell in model.cells_and_names()} if model is not None else {}
+        self._memo: dict[str, tuple[str, str]] = {}
+        self._construct = _where(type(model).construct) if model is not None else None
+
+    def __call__(self, full_name: str, frames=()) -> tuple[str, str]:
+        """(stage, scope) of the kernel named ``full_name``, whose IR source trace is ``frames``."""
+        hit = self._memo.get(full_name)
+        if hit is None:
+            parts = full_name.split("/")
+            stage = stage_of(full_name)
+            # the trace first: MindSpore's names merge the scopes of kernels it merged (the conv's
+            # BiasAddGrad named after the dense's), and a jit function's names hold no cell
+            scope = self._traced(frames) or self._scope(parts[:-1])
+            hit = self._memo[full_name] = stage, scope
+        return hit
+
+    def _traced(self, frames) -> str:
+        """The scope the source trace gives: the cells entered below the model's ``construct``."""
+        if self.root is None or self._construct is None or not frames:
+            return ""
+        start = next((i for i, (file, line, code, _) in enumerate(frames)
+                      if (file, line) == self._construct and code.lstrip().startswith("def ")), None)
+        if start is None:
+            return ""
+        path = ""
+        for (_, _, _, called), (_, _, code, _) in zip(frames[start + 1:], frames[start + 2:]):
+            m = _CALL.match(called)
+            if m and code.lstrip().startswith("def construct("):
+                attr = m.group(1) if m.group(2) is None else f"{m.group(1)}.{m.group(2)}"
+                longer = f"{path}.{attr}" if path else attr
+                if longer not in self.cells:
+                    break
+                path = longer
+        return f"{self.root}.{path}" if path else self.root
+
+    def _scope(self, parts: list[str]) -> str:
+        if self.root is None:
+            return ""
+        cells = [tuple(p.split("-", 1)) for p in parts if "-" in p and not p.startswith("Grad_")]
+        # the model is the graph's top cell (no level of its own), or one of the levels named by its class
+        starts = [0] + [i + 1 for i, (_, cls) in enumerate(cells) if cls == self.root]
+        best = None
+        for start in starts:
+            path = self._path(cells[start:])
+            if path is not None and (start > 0 or path):
+                best = path if best is None or path.count(".") > best.count(".") else best
+        if best is None:
+            return ""
+        return f"{self.root}.{best}" if best else self.root
+
+    def _path(self, cells: list[tuple[str, str]]) -> str | None:
+        """The longest prefix of ``cells`` that is a cell path of the model ("" for its root)."""
+        path = ""
+        for attr, cls in cells:
+            longer = f"{path}.{attr}" if path else attr
+            if self.cells.get(longer) != cls:
+                break
+            path = longer
+        return path
+
+
+def stage_of(full_name: str) -> str:
+    return "backward" if full_name.startswith("Gradients/") else "forward"
+
+
+def _where(fn) -> tuple[str, int] | None:
+    """(file, first line) of a function's definition, as MindSpore's trace names it."""
+    try:
+        return inspect.getsourcefile(fn), inspect.getsourcelines(fn)[1]
+    except (OSError, TypeError):
+        return None

@@ -1,0 +1,119 @@
+"""A small conv net (conv, batch norm, GELU, dense, MSE loss) trained 2 steps by MindSpore as a
+GRAPH_MODE ``TrainOneStepCell``, an ``@ms.jit`` train step, or PyNative ``value_and_grad``, with
+or without the probe; run in its own process by ``tests/test_mindspore_graph.py`` (MindSpore
+reads its dump config once per process, at the first graph compile).
+
+``python tests/mindspore_graph_train.py MODE OUT [--task T] [--plant] [--overflow] [--unprobed]``
+writes the losses and parameters to ``OUT/result.npz`` and, with a task, records to ``OUT/run``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import numpy as np
+
+os.environ.setdefault("MS_DEV_LAUNCH_BLOCKING", "1")
+import mindspore as ms  # noqa: E402
+from mindspore import nn  # noqa: E402
+
+from dispatchprobe_ms import DispatchProbe  # noqa: E402
+
+
+class ConvNet(nn.Cell):
+    def __init__(self, dtype=ms.float32):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, pad_mode="pad", padding=1, has_bias=True, dtype=dtype)
+        self.bn = nn.BatchNorm2d(4, momentum=0.9, dtype=dtype)
+        self.act = nn.GELU()
+        self.fc = nn.Dense(4 * 4 * 4, 5, dtype=dtype)
+
+    def construct(self, x):
+        h = self.act(self.bn(self.conv(x)))
+        return self.fc(h.reshape(h.shape[0], -1))
+
+
+class PlantedGELU(nn.GELU):
+    """The GELU cell off by 1 %: the fault a compare must name at ``ConvNet.act``."""
+
+    def construct(self, x):
+        return super().construct(x) * 1.01
+
+
+def data(step: int, dtype=np.float32):
+    rng = np.random.RandomState(step)
+    return rng.randn(2, 3, 4, 4).astype(dtype), rng.randn(2, 5).astype(dtype)
+
+
+def build(mode: str, net, loss_fn, opt):
+    """The train step: (x, y) -> loss, the optimizer applied."""
+    if mode == "graph":
+        return nn.TrainOneStepCell(nn.WithLossCell(net, loss_fn), opt)
+
+    def forward(x, y):
+        return loss_fn(net(x), y)
+    grad_fn = ms.value_and_grad(forward, None, opt.parameters)
+
+    def step(x, y):
+        loss, grads = grad_fn(x, y)
+        opt(grads)
+        return loss
+    return ms.jit(step) if mode == "jit" else step
+
+
+def train(mode: str, dump_path: str = "", task: str = "", plant: bool = False, steps: int = 2):
+    """``steps`` of training; with a ``task``, recorded to ``dump_path``: (losses, parameters, summary)."""
+    ms.set_seed(0)
+    net = ConvNet()
+    if plant:
+        net.act = PlantedGELU()
+    # the probe is made before the step is first called (compiled): it switches MindSpore's dump on
+    probe = DispatchProbe(task=task, dump_path=dump_path, model=net) if task else None
+    step = build(mode, net, nn.MSELoss(), nn.SGD(net.trainable_params(), learning_rate=0.1))
+    losses = []
+    for i in range(steps):
+        x, y = (ms.Tensor(v) for v in data(i))
+        if probe is not None:
+            with probe:
+                loss = step(x, y)
+            probe.step()
+        else:
+            loss = step(x, y)
+        losses.append(loss.asnumpy().copy())
+    summary = {}
+    if probe is not None:
+        probe.close()
+        summary = probe.summary()
+    return losses, {p.name: p.asnumpy().copy() for p in net.get_parameters()}, summary
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("mode", choices=["graph", "jit", "pynative"])
+    ap.add_argument("out")
+    ap.add_argument("--task", default="")
+    ap.add_argument("--plant", action="store_true")
+    ap.add_argument("--unprobed", action="store_true", help="also train without the probe, after it")
+    args = ap.parse_args(argv)
+    ms.set_context(mode=ms.GRAPH_MODE if args.mode == "graph" else ms.PYNATIVE_MODE)
+    os.makedirs(args.out, exist_ok=True)
+    result = {}
+    if args.task:
+        losses, params, summary = train(args.mode, os.path.join(args.out, "run"), args.task, plant=args.plant)
+        result.update({f"loss{i}": v for i, v in enumerate(losses)})
+        result.update({f"param:{k}": v for k, v in params.items()})
+        with open(os.path.join(args.out, "summary.json"), "w") as f:
+            json.dump(summary, f)
+    if args.unprobed:
+        losses, params, _ = train(args.mode, plant=args.plant)
+        result.update({f"plain_loss{i}": v for i, v in enumerate(losses)})
+        result.update({f"plain_param:{k}": v for k, v in params.items()})
+    np.savez(os.path.join(args.out, "result.npz"), **result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
