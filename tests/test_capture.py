@@ -574,6 +574,7 @@ def test_dynamo_never_traces_the_probes_frames(tmp_path):
     from torch._dynamo import convert_frame
 
     from dispatchprobe.torch import capture
+    from dispatchprobe.torch.internals import dynamo as dynamo_internals
 
     def f(x):
         y = x.sin()
@@ -595,28 +596,28 @@ def test_dynamo_never_traces_the_probes_frames(tmp_path):
             convert_frame.ConvertFrame.__call__ = original
         return out, seen
 
-    outside = capture._call_outside_dynamo
+    outside = capture.call_outside_dynamo
     handed = []
 
     def counted(fn, *args):
         handed.append(args[0])
         return outside(fn, *args)
-    if capture._FRAMES is not None:      # this torch has the frame controls: the mode hands ops on itself
-        capture.never_compiled(counted.__code__)
+    if dynamo_internals.FRAMES is not None:      # this torch has the frame controls: the mode hands ops on itself
+        dynamo_internals.never_compiled(counted.__code__)
     plain, frames = converted(None)
     probe = DispatchProbe(task="statistics", dump_path=str(tmp_path))
-    capture._call_outside_dynamo = counted
+    capture.call_outside_dynamo = counted
     try:
         probed, probed_frames = converted(probe)
     finally:
-        capture._call_outside_dynamo = outside
+        capture.call_outside_dynamo = outside
     probe.close()
     assert torch.equal(plain, probed)
     recorded = {r["op"] for r in records(tmp_path) if r["kind"] == "op"}
     if not hasattr(TorchDispatchMode, "ignore_compile_internals"):     # torch < 2.9 (docs/compile.md)
         assert {"aten.sin.default", "aten.cos.default", "aten.sum.default"} <= recorded    # f ran eagerly
         return
-    if capture._FRAMES is not None:
+    if dynamo_internals.FRAMES is not None:
         assert torch.ops.aten._local_scalar_dense.default in handed     # reached the probe with dynamo's callback set
     else:                                # torch's own wrapper keeps dynamo out of the mode's frames
         assert capture._ProbeMode._should_skip_dynamo() and not handed
@@ -630,17 +631,18 @@ def test_without_dynamos_frame_controls_the_mode_keeps_torchs_wrapper(monkeypatc
     import torch._C._dynamo.eval_frame as frames
 
     from dispatchprobe.torch import capture
+    from dispatchprobe.torch.internals import dynamo as dynamo_internals
     if not hasattr(frames, "set_code_exec_strategy"):     # an older torch (2.5, 2.6): torch's wrapper
-        assert capture._dynamo_frames() is None and capture._CALLBACK is None
+        assert dynamo_internals.frame_controls() is None and dynamo_internals.frame_callback is None
         assert capture._ProbeMode._should_skip_dynamo()
         return
-    assert capture._dynamo_frames() is frames and capture._CALLBACK is frames.get_eval_frame_callback
+    assert dynamo_internals.frame_controls() is frames and dynamo_internals.frame_callback is frames.get_eval_frame_callback
     assert not capture._ProbeMode._should_skip_dynamo()
 
     def other_shape(*args):
         raise TypeError("takes no arguments")
     monkeypatch.setattr(frames, "_FrameExecStrategy", other_shape)
-    assert capture._dynamo_frames() is None
+    assert dynamo_internals.frame_controls() is None
     monkeypatch.undo()
     monkeypatch.delattr(frames, "set_code_exec_strategy")
-    assert capture._dynamo_frames() is None
+    assert dynamo_internals.frame_controls() is None

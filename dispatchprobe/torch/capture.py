@@ -18,16 +18,17 @@ from typing import NamedTuple
 
 import torch
 from torch.autograd.graph import register_multi_grad_hook
-from torch.nn.modules import module as _module
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_leaves
 
 from . import backend as torch_backend
 from . import collectives, fused_stats, hooks, ops, tensor_kinds
 from ..core.config import ConfigError
 from ..core.session import ProbeSession
+from .internals import autograd as torch_autograd
+from .internals.autograd import current_autograd_node, current_graph_task_id
+from .internals.dispatch import TorchDispatchMode, tree_flatten, tree_leaves
+from .internals.dynamo import FRAMES, call_outside_dynamo, frame_callback, never_compiled
 
 
 # where AOTAutograd's runtime wrappers live (not imported: that would import dynamo)
@@ -69,34 +70,9 @@ def _in_compiled_code(fx: bool = False) -> bool:
     return False
 
 
-_CALL_IMPL, _WRAPPED_CALL_IMPL = _module.Module._call_impl.__code__, _module.Module._wrapped_call_impl.__code__
-_ENGINE_RUN = getattr(getattr(torch.autograd.graph, "_engine_run_backward", None), "__code__", None)
+_CALL_IMPL, _WRAPPED_CALL_IMPL = torch_autograd.MODULE_CALL_CODES
+_ENGINE_RUN = torch_autograd.ENGINE_RUN_CODE
 _FX_CODE = ("<eval_with_key>", os.path.join(torch.__path__[0], "fx", ""))
-
-
-def _dynamo_frames():
-    """torch's C-level controls of dynamo's frame evaluation, or None where this torch lacks them
-    in the shape the mode uses (then torch's own wrapper keeps dynamo out of the mode's frames)."""
-    try:
-        from torch._C._dynamo import eval_frame as frames
-        frames._FrameExecStrategy(frames._FrameAction.SKIP, frames._FrameAction.DEFAULT)
-        frames.get_eval_frame_callback, frames.set_eval_frame, frames.set_code_exec_strategy  # noqa: B018
-    except (ImportError, AttributeError, TypeError):
-        return None
-    return frames
-
-
-_FRAMES = _dynamo_frames()
-_CALLBACK = _FRAMES.get_eval_frame_callback if _FRAMES is not None else None
-
-
-def _call_outside_dynamo(fn, *args):
-    """Run ``fn`` with dynamo's frame callback off, as torch's recursive disable does."""
-    prior = _FRAMES.set_eval_frame(None)
-    try:
-        return fn(*args)
-    finally:
-        _FRAMES.set_eval_frame(prior)
 
 
 class _ProbeMode(TorchDispatchMode):
@@ -117,8 +93,8 @@ class _ProbeMode(TorchDispatchMode):
     def _should_skip_dynamo(cls) -> bool:
         # torch wraps a mode's __torch_dispatch__ in dynamo's recursive disable (a few µs per
         # op); the mode keeps dynamo out of its frames itself, paying that only inside a call of
-        # compiled code, where dynamo's frame callback is set (see _call_outside_dynamo)
-        return _CALLBACK is None
+        # compiled code, where dynamo's frame callback is set (see internals.dynamo.call_outside_dynamo)
+        return frame_callback is None
 
     def __enter__(self):
         active_probes.append(self.probe)     # probe_backend's graphs record into it (same dump_path)
@@ -129,8 +105,8 @@ class _ProbeMode(TorchDispatchMode):
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if _CALLBACK is not None and _CALLBACK() is not None:    # inside compiled code: dynamo off
-            return _call_outside_dynamo(self.__torch_dispatch__, func, types, args, kwargs)
+        if frame_callback is not None and frame_callback() is not None:    # inside compiled code: dynamo off
+            return call_outside_dynamo(self.__torch_dispatch__, func, types, args, kwargs)
         if self.probe.written_last:         # the previous op returned: autograd has moved their counters
             self.probe.carry_over_written()
         if types and tensor_kinds.desugars(types):
@@ -186,15 +162,8 @@ class _ProbeMode(TorchDispatchMode):
         return out if replaced is None else replaced
 
 
-def never_compiled(code) -> None:
-    """Dynamo runs frames of ``code`` as they are (the frames they call are its usual business)."""
-    _FRAMES.set_code_exec_strategy(code, _FRAMES._FrameExecStrategy(_FRAMES._FrameAction.SKIP,
-                                                                    _FRAMES._FrameAction.DEFAULT))
-
-
-if _FRAMES is not None:       # the frames that hand an op on with dynamo off
+if FRAMES is not None:        # the frame that hands an op on with dynamo off
     never_compiled(_ProbeMode.__torch_dispatch__.__code__)
-    never_compiled(_call_outside_dynamo.__code__)
 
 
 class _Facts(NamedTuple):
@@ -422,16 +391,12 @@ class _ModuleHooks:
             post = register_module_forward_hook(_module_left_globally, always_call=True)
             self._ids = (pre.id, post.id)
         else:
-            _module._global_forward_pre_hooks[self._ids[0]] = _module_entered
-            _module._global_forward_hooks[self._ids[1]] = _module_left_globally
-            _module._global_forward_hooks_always_called[self._ids[1]] = True
+            torch_autograd.put_back_global_hooks(self._ids, _module_entered, _module_left_globally)
         warnings.filters.insert(0, self._WARNING)
         _filters_changed()
 
     def _take_out(self) -> None:
-        _module._global_forward_pre_hooks.pop(self._ids[0], None)
-        _module._global_forward_hooks.pop(self._ids[1], None)
-        _module._global_forward_hooks_always_called.pop(self._ids[1], None)
+        torch_autograd.take_out_global_hooks(self._ids)
         if self._WARNING in warnings.filters:
             warnings.filters.remove(self._WARNING)
             _filters_changed()
@@ -440,14 +405,14 @@ class _ModuleHooks:
         """Registers (again) the module's own exit hook when another hook is now behind it."""
         handle = self._exits.get(mod)
         if handle is not None:
-            if next(reversed(mod._forward_hooks)) == handle.id:
+            if next(reversed(torch_autograd.forward_hooks(mod))) == handle.id:
                 return
             handle.remove()
         self._exits[mod] = mod.register_forward_hook(_module_left, always_call=True)
 
     def has_own_exit(self, mod) -> bool:
         handle = self._exits.get(mod)
-        return handle is not None and handle.id in mod._forward_hooks
+        return handle is not None and handle.id in torch_autograd.forward_hooks(mod)
 
 
 def _filters_changed() -> None:
@@ -463,7 +428,7 @@ def _module_entered(mod, args) -> None:
     # is_compiling first: dynamo folds it and traces nothing else here (no guard on our state)
     if torch.compiler.is_compiling() or not _HOOKS.active or _in_compiled_code(isinstance(mod, _GraphModule)):
         return
-    if mod._forward_hooks:
+    if torch_autograd.forward_hooks(mod):
         _HOOKS.keep_exit_last(mod)
     for scopes in _HOOKS.active:
         scopes.enter(mod, args)
@@ -546,8 +511,8 @@ class _ModuleScopes:
 
     @property
     def current(self) -> str:
-        if torch._C._current_graph_task_id() != -1:
-            return self._innermost_backward(torch._C._current_autograd_node() is None)
+        if current_graph_task_id() != -1:
+            return self._innermost_backward(current_autograd_node() is None)
         return self.forward_stack[-1] if self.forward_stack else ""
 
     def _innermost_backward(self, after_graph: bool = False) -> str:
@@ -633,7 +598,7 @@ class _ModuleScopes:
     def _backward_enter_fn(self, name):
         def enter(*grads) -> None:
             if not self._has_callback:
-                torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+                torch_autograd.queue_backward_callback(self._backward_done)
                 self._has_callback = True
             if name in self._left_early:
                 # output and input are one tensor (Identity, Dropout(p=0) returns its input): the
@@ -659,7 +624,7 @@ class _ModuleScopes:
     def _backward_done(self) -> None:
         # queued by the first module entering backward: runs again after the callbacks queued
         # after it (by the modules' own hooks), so that those still see the modules in backward
-        torch.autograd.Variable._execution_engine.queue_callback(self._backward_closed)
+        torch_autograd.queue_backward_callback(self._backward_closed)
 
     def _backward_closed(self) -> None:
         # modules whose inputs need no gradient (the first layer, the root) never leave backward
@@ -869,8 +834,8 @@ class DispatchProbe(TorchSession):
 
     def _where(self) -> tuple[str, str, str | None]:
         """(stage, module scope, autograd node) of the op being called."""
-        if torch._C._current_graph_task_id() != -1:
-            node = torch._C._current_autograd_node()
+        if current_graph_task_id() != -1:
+            node = current_autograd_node()
             return "backward", self.scopes._innermost_backward(node is None), node.name() if node is not None else None
         forward = self.scopes.forward_stack
         return "forward", forward[-1] if forward else "", None

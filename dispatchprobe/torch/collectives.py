@@ -21,6 +21,9 @@ from typing import NamedTuple
 import torch
 
 from ..core.collective_roles import NAMESPACES, role
+from .internals.dispatch import op_schema
+from .internals.distributed import has_method, resolve_process_group, script_type_name, wait_functional
+from .internals.tensors import dtensor_spec
 
 _groups: dict[str, dict] = {}          # group name -> its record value (ranks do not change)
 _mesh_dims: dict[str, str] = {}        # group name -> the DeviceMesh dimension that made it
@@ -51,7 +54,7 @@ class GroupName:
 def _group_index(func):
     hit = _group_arg.get(id(func))
     if hit is None:
-        index = next((i for i, a in enumerate(func._schema.arguments) if a.name == "group_name"), None)
+        index = next((i for i, a in enumerate(op_schema(func).arguments) if a.name == "group_name"), None)
         hit = _group_arg[id(func)] = (func, index)
     return hit[1]
 
@@ -71,7 +74,7 @@ def named_groups(func, args: tuple, kwargs: dict):
 def copy_overwritten(func, args: tuple, kwargs: dict, stand_in):
     """``args``/``kwargs`` with each tensor an in-place collective is about to overwrite replaced
     by ``stand_in(tensor)`` (for its record: a copy, or its entry measured now)."""
-    name = _OVERWRITES.get(func._schema.name.partition("::")[2]) if func.namespace == "c10d" else None
+    name = _OVERWRITES.get(op_schema(func).name.partition("::")[2]) if func.namespace == "c10d" else None
     if name is None:
         return args, kwargs
     if args and isinstance(args[0], (list, tuple)):
@@ -88,15 +91,15 @@ def settle(func, out) -> None:
         for item in (out if isinstance(out, (tuple, list)) else (out,)):
             if isinstance(item, torch.ScriptObject) and _type_name(item).endswith(".Work"):
                 dist.distributed_c10d.Work.unbox(item).wait()
-    elif func.namespace == "_c10d_functional" and func._schema.name != "_c10d_functional::wait_tensor":
+    elif func.namespace == "_c10d_functional" and op_schema(func).name != "_c10d_functional::wait_tensor":
         for t in (out if isinstance(out, (tuple, list)) else (out,)):
             if isinstance(t, torch.Tensor):
-                torch.ops._c10d_functional.wait_tensor(t)
+                wait_functional(t)
 
 
 def _type_name(obj) -> str:
     try:
-        return obj._type().qualified_name()
+        return script_type_name(obj)
     except (RuntimeError, AttributeError):
         return ""
 
@@ -125,7 +128,7 @@ def note_meshes(values) -> None:
     ``values`` (a 1-D mesh over every rank reuses the default group, whose description names no
     dimension).  Once per mesh."""
     for v in values:
-        spec = getattr(v, "_spec", None) if isinstance(v, torch.Tensor) else None
+        spec = dtensor_spec(v) if isinstance(v, torch.Tensor) else None
         mesh = getattr(spec, "mesh", None)
         if mesh is None or id(mesh) in _meshes_seen:
             continue
@@ -150,8 +153,8 @@ _schemas: dict[int, tuple] = {}      # id(overload) -> (overload, _Schema)
 def _schema(func) -> _Schema:
     hit = _schemas.get(id(func))
     if hit is None:
-        r = role(f"{func.namespace}.{func._schema.name.partition('::')[2]}")
-        names = [a.name for a in func._schema.arguments]
+        r = role(f"{func.namespace}.{op_schema(func).name.partition('::')[2]}")
+        names = [a.name for a in op_schema(func).arguments]
 
         def at(*options):
             return next((names.index(n) for n in options if n in names), None)
@@ -165,7 +168,7 @@ def _arg(args, kwargs, func, index):
         return None
     if index < len(args):
         return args[index]
-    return kwargs.get(func._schema.arguments[index].name)
+    return kwargs.get(op_schema(func).arguments[index].name)
 
 
 class Sequence:
@@ -219,9 +222,8 @@ def _reduce_op_name(op) -> str:
 
 
 def encode_group_name(value: GroupName) -> dict:
-    dist = _dist()
     try:
-        return _group(dist.distributed_c10d._resolve_process_group(value.name))
+        return _group(resolve_process_group(value.name))
     except (RuntimeError, ValueError, KeyError, AttributeError):
         return {"type": "process_group", "name": value.name}
 
@@ -234,7 +236,7 @@ def encode_script_object(value) -> dict:
     if dist is not None and name.endswith("c10d.ProcessGroup"):
         return _group(dist.ProcessGroup.unbox(value))
     if dist is not None and name.endswith("c10d.ReduceOp"):
-        if not value._has_method("op"):        # an older torch (2.5, 2.6) hides it: unknown, never judged
+        if not has_method(value, "op"):        # an older torch (2.5, 2.6) hides it: unknown, never judged
             return {"type": "reduce_op", "value": None}
         op = value.op()
         names = {int(v): k for k, v in dist.ReduceOp.RedOpType.__members__.items()}

@@ -20,6 +20,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..core.grad_probe import grad_record, has_signs, md5_of, measures
 from . import fused_stats, hooks
+from .internals.tensors import foreach_norm
 from .parameters import ParamGrad, named_gradients, parameter_names, placement_of
 
 _NUMPY_FLOATS = (torch.float32, torch.float64, torch.float16)
@@ -71,7 +72,7 @@ def measure_all(ts: list[torch.Tensor], level: str, bounds) -> list:
     if on_device:
         flats = [ts[i].reshape(-1) for i in on_device]
         flats = [f if f.dtype in (torch.float32, torch.float64) else f.float() for f in flats]
-        norms = torch._foreach_norm(flats, 2)
+        norms = foreach_norm(flats, 2)
         for i, f, norm in zip(on_device, flats, norms):
             lo, hi = torch.aminmax(f)
             head = torch.stack([hi, lo, norm * norm]).to(torch.float64)

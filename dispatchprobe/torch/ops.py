@@ -10,6 +10,7 @@ import torch
 
 from ..core import op_traits, values
 from . import collectives
+from .internals.dispatch import op_schema, schema_info
 
 
 @functools.cache
@@ -37,8 +38,8 @@ def written_args(func) -> tuple:
     and ``running_var`` unmarked (and no version counter moves inside a dispatch mode, nor for
     such a write at all).  torch's ``_SchemaInfo`` knows those ops; the table in
     :mod:`dispatchprobe.core.op_traits` adds any it misses."""
-    schema = func._schema
-    info = torch._C._SchemaInfo(schema)
+    schema = op_schema(func)
+    info = schema_info(schema)
     unmarked = op_traits.UNMARKED_WRITES.get(base(func), ())
     return tuple((i, a.name) for i, a in enumerate(schema.arguments)
                  if a.alias_info is not None and a.alias_info.is_write
@@ -60,7 +61,7 @@ def reads_written(func) -> tuple:
 def out_args(func) -> tuple:
     """(position, name) of the op's ``out=`` arguments: memory it writes without reading (DDP's
     gradient bucket views hold stale values there), so their prior contents are never an input."""
-    return tuple((i, a.name) for i, a in enumerate(func._schema.arguments) if a.is_out)
+    return tuple((i, a.name) for i, a in enumerate(op_schema(func).arguments) if a.is_out)
 
 
 @functools.cache
@@ -69,7 +70,7 @@ def filled_args(func) -> tuple:
     overwrite-only op (``fill_``, ``copy_``) and the output buffers of collectives
     (:data:`~dispatchprobe.core.op_traits.UNMARKED_FILLS`, named as in the schema)."""
     fills = op_traits.UNMARKED_FILLS.get(base(func), ())
-    own = tuple((i, a.name) for i, a in enumerate(func._schema.arguments) if a.name in fills)
+    own = tuple((i, a.name) for i, a in enumerate(op_schema(func).arguments) if a.name in fills)
     return (written_args(func) if base(func) in op_traits.OVERWRITE else ()) + own
 
 
@@ -87,21 +88,21 @@ def unseen_writes(func):
     statistics, :func:`defined_args` not marked in the schema); ``()`` for none."""
     if func.namespace != "aten":
         return True
-    marked = {a.name for a in func._schema.arguments if a.alias_info is not None and a.alias_info.is_write}
+    marked = {a.name for a in op_schema(func).arguments if a.alias_info is not None and a.alias_info.is_write}
     return tuple(w for w in defined_args(func) if w[1] not in marked)
 
 
 @functools.cache
 def returns_alias(func) -> bool:
     """The output aliases an input (in-place, out=, views): not replaceable by a re-run's."""
-    return any(r.alias_info is not None for r in func._schema.returns)
+    return any(r.alias_info is not None for r in op_schema(func).returns)
 
 
 @functools.cache
 def is_random(func) -> bool:
     """Never run again by a check: draws random numbers (by name, or any op with a ``generator``
     argument), or talks to other ranks (a collective re-run on one rank desynchronises its group)."""
-    return base(func) in op_traits.RANDOM or any(a.name == "generator" for a in func._schema.arguments) \
+    return base(func) in op_traits.RANDOM or any(a.name == "generator" for a in op_schema(func).arguments) \
         or collectives.is_collective(func)
 
 

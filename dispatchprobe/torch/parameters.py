@@ -21,6 +21,8 @@ from typing import Iterator
 
 import torch
 
+from .internals.distributed import local_shape_and_offset
+
 # wrapper modules that insert an attribute into every parameter name; stripped so that names agree
 # across a plain, DDP, compiled and activation-checkpointed model
 WRAPPER_PARTS = ("module", "_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")
@@ -127,8 +129,7 @@ def _placement(shape: tuple, mesh, placements: tuple) -> Placement:
     """:func:`placement_of`, once per shape, mesh and placements: torch works it out in Python
     through the mesh's layout, slowly, and the records ask at every optimizer step, of every
     parameter."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-    local_shape, offset = compute_local_shape_and_global_offset(shape, mesh, placements)
+    local_shape, offset = local_shape_and_offset(shape, mesh, placements)
     return Placement(placements=[repr(p) for p in placements], mesh=mesh.mesh.tolist(),
                      mesh_dim_names=list(mesh.mesh_dim_names) if mesh.mesh_dim_names else None,
                      local_shape=list(local_shape), offset=list(offset) if offset else [0] * len(shape))

@@ -13,11 +13,12 @@ import functools
 import math
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..core import values
 from ..standards.loader import per_dtype
 from . import ops, tensor_kinds
+from .internals.dispatch import autograd_on, tree_flatten, tree_unflatten
+from .internals.tensors import foreach_norm
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _aten = torch.ops.aten
@@ -115,16 +116,6 @@ def nonfinite_counts(t: torch.Tensor) -> tuple[int, int]:
     if not tensor_kinds.readable(t):     # freed before a deferred check: not counted
         return 0, 0
     return int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
-
-
-@contextlib.contextmanager
-def autograd_on():
-    """Autograd back on inside ``__torch_dispatch__`` (which runs with the autograd keys
-    excluded), so a handler can differentiate a re-run.  Only the Python key stays excluded."""
-    keys = torch._C._dispatch_tls_local_include_set()
-    with torch._C._ForceDispatchKeyGuard(keys, torch._C.DispatchKeySet(torch._C.DispatchKey.Python)), \
-            torch.enable_grad():
-        yield
 
 
 class Scratch:
@@ -328,7 +319,7 @@ class Segments:
         self.lengths = lengths
 
     def _norms(self, x, order):
-        return torch.stack(torch._foreach_norm(list(x.split(self.lengths)), order))
+        return torch.stack(foreach_norm(list(x.split(self.lengths)), order))
 
     def count(self, mask):
         return self._norms(mask.to(torch.float64), 1)

@@ -21,11 +21,13 @@ from ..records.format import walk
 from ..records.reader import Part
 from . import ops, references
 from .devices import usable_device
+from .internals.dispatch import op_schema
+from .internals.tensors import MKLDNN
 from .ops import dtype_name
 
 _MEMORY_FORMATS = {"contiguous_format": torch.contiguous_format, "channels_last": torch.channels_last,
                    "channels_last_3d": torch.channels_last_3d, "preserve_format": torch.preserve_format}
-_LAYOUTS = {"strided": torch.strided, "sparse_coo": torch.sparse_coo, "mkldnn": torch._mkldnn}  # noqa: SLF001
+_LAYOUTS = {"strided": torch.strided, "sparse_coo": torch.sparse_coo, "mkldnn": MKLDNN}
 
 # ---- ops ----------------------------------------------------------------------------------------
 _OPS: dict = {}
@@ -393,7 +395,7 @@ def _results(func, args, kwargs):
     """What the op computed: its outputs, or the arguments it wrote when it returns nothing
     (the optimizers' ``_foreach_*_``)."""
     out = func(*args, **kwargs)
-    if out is None and not func._schema.returns:
+    if out is None and not op_schema(func).returns:
         out = tuple(args[i] if i < len(args) else kwargs.get(name) for i, name in ops.written_args(func))
         out = out[0] if len(out) == 1 else out
     return out

@@ -19,10 +19,10 @@ numpy view of memory it does not own; caches hold storages by weak reference onl
 from __future__ import annotations
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
 
-_DISABLED = torch._C._disabled_torch_dispatch_impl
-_functorch = torch._C._functorch
+from .internals.tensors import DISABLED_DISPATCH as _DISABLED
+from .internals.tensors import FakeTensor, dtensor_spec, is_zerotensor, local_tensor, tensor_version
+from .internals.tensors import functorch as _functorch
 _plain_class: dict[type, bool] = {}
 
 
@@ -75,7 +75,7 @@ def resolve(t: torch.Tensor) -> tuple[torch.Tensor | None, dict]:
         return _unwrap(t)
     dtensor = _dtensor_fields(t)
     if dtensor is not None:
-        local, fields = resolve(t._local_tensor)
+        local, fields = resolve(local_tensor(t))
         return local, {**fields, "dtensor": dtensor}
     return _without_values(t)
 
@@ -91,19 +91,19 @@ def _unwrap(t: torch.Tensor) -> tuple[torch.Tensor | None, dict]:
 
 
 def _dtensor_fields(t) -> dict | None:
-    spec = getattr(t, "_spec", None)
-    if spec is None or not hasattr(t, "_local_tensor"):
+    spec = dtensor_spec(t)
+    if spec is None or local_tensor(t) is None:
         return None
     mesh = spec.mesh
     return {"placements": [str(p) for p in spec.placements], "mesh": mesh.mesh.tolist(),
             "mesh_dim_names": list(mesh.mesh_dim_names) if mesh.mesh_dim_names else None,
-            "local_shape": list(t._local_tensor.shape)}
+            "local_shape": list(local_tensor(t).shape)}
 
 
 def _without_values(t: torch.Tensor) -> tuple[torch.Tensor | None, dict]:
     """Metadata only, and why (``no_values`` in the record)."""
     if type(t) is torch.Tensor or type(t) is torch.nn.Parameter or _is_plain_class(type(t)):
-        if t._is_zerotensor():
+        if is_zerotensor(t):
             return None, {"zero": True, "no_values": "forward-AD zero tensor: no memory, every element is 0"}
         if t.is_meta:
             return None, {"no_values": "meta tensor"}
@@ -144,8 +144,8 @@ def version(t: torch.Tensor):
     """The version of ``t``'s values, for caches keyed by it: the in-place counter, and the
     writes it did not see (:func:`unseen_write`)."""
     if not _unseen_writes:
-        return t._version
+        return tensor_version(t)
     try:
-        return t._version, _unseen_writes.get(t.untyped_storage().data_ptr(), 0)
+        return tensor_version(t), _unseen_writes.get(t.untyped_storage().data_ptr(), 0)
     except (RuntimeError, NotImplementedError):
-        return t._version
+        return tensor_version(t)

@@ -1,0 +1,150 @@
+"""Inductor's internals ``probe_backend`` plugs into: its compile entries, config, decomposition
+table, post-grad pass interface, FX graph cache, lowering and scheduler, kernel provenance and
+output code.  Needs torch >= 2.13 (``compile/requires.py`` says so at the call); checked on 2.13.0
+and 2.14.1.  Everything but the pass interface is imported on first use (importing inductor's
+compile pipeline imports dynamo)."""
+
+from __future__ import annotations
+
+import contextlib
+
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+__all__ = ["CustomGraphPass", "compile_fx", "compile_fx_inner", "config", "select_decomp_table", "hash_of_files",
+           "cache_dir", "fx_graph_cache_key", "fx_cache_loads", "lowering_classes", "realize_if_boxed",
+           "kernel_provenance", "eager_output", "reinplace_candidates", "node_storage"]
+
+
+def compile_fx(gm, example_inputs, **kwargs):
+    """Inductor's whole pipeline (AOTAutograd, then ``inner_compile`` per graph)."""
+    from torch._inductor.compile_fx import compile_fx as run
+    return run(gm, example_inputs, **kwargs)
+
+
+def compile_fx_inner(gm, inputs, **kwargs):
+    """Inductor's compile of one post-AOTAutograd graph."""
+    from torch._inductor.compile_fx import compile_fx_inner as run
+    return run(gm, inputs, **kwargs)
+
+
+def config():
+    """Inductor's config module (``patch``, ``fx_graph_cache``, ...)."""
+    import torch._inductor.config as inductor_config
+    return inductor_config
+
+
+def select_decomp_table() -> dict:
+    """Inductor's decomposition table."""
+    from torch._inductor.decomposition import select_decomp_table as table
+    return table()
+
+
+def hash_of_files(files: tuple) -> bytes:
+    """Inductor's hash of source files, as custom passes key the FX graph cache with."""
+    from torch._inductor.custom_graph_pass import get_hash_for_files
+    return get_hash_for_files(files)
+
+
+def cache_dir() -> str:
+    """Inductor's cache directory (``TORCHINDUCTOR_CACHE_DIR`` or its default)."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir as where
+    return where()
+
+
+def fx_graph_cache_key(compiled):
+    """The FX graph cache key a compiled graph was stored or found under, or None."""
+    return getattr(compiled, "_fx_graph_cache_key", None)
+
+
+@contextlib.contextmanager
+def fx_cache_loads():
+    """The FX graph cache keys of the graphs loaded meanwhile (an AOTAutograd hit loads its
+    graphs by these keys without compiling them); none noted where a torch loads otherwise."""
+    from torch._inductor.codecache import FxGraphCache
+    keys: list = []
+    load_with_key = FxGraphCache.__dict__.get("load_with_key")
+    if not isinstance(load_with_key, staticmethod):
+        yield keys
+        return
+
+    def noting(key, *args, **kwargs):
+        found = load_with_key.__func__(key, *args, **kwargs)
+        if found[0] is not None:
+            keys.append(key)
+        return found
+    FxGraphCache.load_with_key = staticmethod(noting)
+    try:
+        yield keys
+    finally:
+        FxGraphCache.load_with_key = load_with_key
+
+
+def lowering_classes() -> tuple:
+    """(``GraphLowering``, ``Scheduler``): whose ``run_node`` and ``can_fuse`` the backend wraps."""
+    from torch._inductor.graph import GraphLowering
+    from torch._inductor.scheduler import Scheduler
+    return GraphLowering, Scheduler
+
+
+def realize_if_boxed(box) -> None:
+    """Stores a lowered value (an ``ir.TensorBox``) instead of inlining it into its readers."""
+    from torch._inductor import ir
+    if isinstance(box, ir.TensorBox):
+        box.realize()
+
+
+class kernel_provenance:
+    """Inductor's kernel -> post-grad nodes map of one graph's compile (``"cpp_fused_add_0:3": [node
+    names]``), kept apart from other compiles' and merged back for torch's own tools afterwards."""
+
+    def __enter__(self) -> dict:
+        from torch._inductor import debug
+        self.saved = debug._inductor_triton_kernel_to_post_grad_node_info
+        self.ours = debug._inductor_triton_kernel_to_post_grad_node_info = {}
+        return self.ours
+
+    def __exit__(self, *exc) -> None:
+        from torch._inductor import debug
+        ours = debug._inductor_triton_kernel_to_post_grad_node_info
+        self.ours.update(ours)
+        self.saved.update(ours)
+        debug._inductor_triton_kernel_to_post_grad_node_info = self.saved
+
+
+_eager_output_class = None
+
+
+def eager_output(gm):
+    """An instrumented aten graph run eagerly, in inductor's compiled-output interface."""
+    global _eager_output_class
+    if _eager_output_class is None:
+        from torch._inductor.output_code import OutputCode
+
+        class EagerOutput(OutputCode):
+            def __init__(self, gm):
+                self.gm = gm
+                self._boxed_call = True
+
+            def __call__(self, inputs):
+                return self.gm(*inputs)
+
+            def post_compile(self, example_inputs, constants, graph_kwargs) -> None:
+                pass
+
+            def set_triton_bundle(self, triton_bundle) -> None:
+                pass
+
+        _eager_output_class = EagerOutput
+    return _eager_output_class(gm)
+
+
+def reinplace_candidates() -> tuple:
+    """The functional ops inductor's reinplacing pass may turn in place (their first argument written)."""
+    from torch._inductor.fx_passes import reinplace
+    return (*reinplace.inplaceable_ops, *reinplace._SCATTER_OP_TO_VIEW, *reinplace.inplaceable_foreach_ops)
+
+
+def node_storage(node):
+    """The storage an FX node's value lives in (views share their base's), or None."""
+    from torch._inductor.fx_utils import get_node_storage
+    return get_node_storage(node)
