@@ -1,5 +1,6 @@
 """The built-in demo: record a few training steps of a tiny transformer (model and data generated
-here, no downloads), then summarise them."""
+here, no downloads), then summarise them.  Each inline check's demo has something to find: the
+overflow demo an attention that overflows float16, the free-benchmark demo a bfloat16 kernel."""
 
 from __future__ import annotations
 
@@ -10,22 +11,47 @@ import torch
 from .models import TinyTransformer, lm_batch, lm_loss
 from .records.reader import load
 from .offline.summary import checks_line, summarize
+from .core.overflow import OverflowDetected
 from .torch.capture import DispatchProbe
+
+# the overflow demo's query and key weights, grown this many times larger (as weights grow in a run
+# that diverges): in float16 the attention scores q @ k^T pass 65504 from finite inputs
+QK_GROWTH = 150.0
+
+
+def demo_model(task: str) -> TinyTransformer:
+    """The tiny transformer as each demo trains it: bfloat16 for free_benchmark (improve_precision
+    re-runs 16-bit ops in float32), float16 with large query/key weights for overflow."""
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    if task == "free_benchmark":
+        model = model.to(torch.bfloat16)
+    elif task == "overflow":
+        model = model.half()
+        with torch.no_grad():
+            for layer in model.layers:
+                qkv = layer.attn.qkv.weight
+                qkv[: 2 * qkv.shape[0] // 3].mul_(QK_GROWTH)     # rows of q and k; v unchanged
+    return model
 
 
 def run_demo(dump_path: str = "runs/demo", task: str = "tensor", steps: int = 2) -> str:
-    torch.manual_seed(0)
-    model = TinyTransformer()
-    if task == "free_benchmark":     # improve_precision re-runs 16-bit ops in float32: train in bf16
-        model = model.to(torch.bfloat16)
+    model = demo_model(task)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     # the demo owns its output folder: a second demo replaces the first one's records
     probe = DispatchProbe(task=task, dump_path=dump_path, level="mix", model=model, overwrite=True)
+    if task == "overflow":
+        print(f"float16 training, the attention's query/key weights x{QK_GROWTH:g}: its scores overflow float16")
     for step in range(steps):
         tokens, targets = lm_batch(seed=step)
-        with probe:
-            loss = lm_loss(model, tokens, targets)
-            loss.backward()
+        try:
+            with probe:
+                loss = lm_loss(model, tokens, targets)
+                loss.backward()
+        except OverflowDetected as exc:      # overflow_nums=1: training stops at the first critical op
+            print(f"step {step}: {exc}")
+            print("training stopped there (overflow_nums=1; -1 would check on)")
+            break
         opt.step()
         opt.zero_grad()
         probe.step()
@@ -41,7 +67,8 @@ def run_demo(dump_path: str = "runs/demo", task: str = "tensor", steps: int = 2)
     print(summarize(load(dump_path)))
     print(f"\nrecords written to {os.path.abspath(dump_path)}")
     if task in ("overflow", "free_benchmark"):
-        print(f"flagged ops: {dump_path}/step*/rank*/{task}.csv;  next: dispatchprobe show {dump_path}")
+        print(f"flagged ops: {dump_path}/step*/rank*/{task}.csv;  next: dispatchprobe show {dump_path} "
+              f"--html {task}.html")
     else:
         print(f"next: dispatchprobe show {dump_path} --op aten.mm")
     return dump_path

@@ -48,19 +48,39 @@ def test_mask_inf_is_not_reported_as_trouble(stats_run, tmp_path):
     assert re.search(r"aten\.mul\.Tensor\.0\.forward output\.0 .* inf=4", text), text
 
 
-def test_overflow_demo_one_account(tmp_path):
-    """The terminal, `show`, overflow.csv and the HTML page count the same run the same way."""
+def test_overflow_demo_finds_an_overflow_and_gives_one_account(tmp_path):
+    """The overflow demo finds a real overflow (float16 attention scores past 65504 from finite inputs);
+    the terminal, `show`, overflow.csv and the HTML page count the same run the same way."""
     out = tmp_path / "ovf"
     demo = CliRunner().invoke(main, ["demo", "--task", "overflow", "-o", str(out), "--steps", "2"])
     assert demo.exit_code == 0, demo.output
     rows = [r for f in sorted(out.glob("step*/rank*/overflow.csv")) for r in csv.DictReader(open(f))]
-    propagated = sum(r["class"] == "propagated" for r in rows)
-    assert propagated > 0      # the causal mask's -inf, in every attention layer and step
+    critical = [r for r in rows if r["class"] == "critical"]
+    assert len(critical) == 1 and critical[0]["op"] == "aten.bmm.default", rows
+    assert critical[0]["dtype"] == "float16" and critical[0]["replay"] == "precision"   # float64 stays finite
+    record = dispatchprobe.load(out).tensors
+    record = record[record["name"] == critical[0]["name"]]
+    inputs, outputs = record[record["io"] == "input"], record[record["io"] == "output"]
+    assert (inputs["inf"] == 0).all() and (inputs["nan"] == 0).all() and (outputs["inf"] > 0).all(), record
     line = next(s for s in demo.output.splitlines() if "op calls checked" in s)
-    assert f"none flagged; {propagated} propagated" in line
+    assert line.endswith(", 1 flagged") and "none flagged" not in demo.output, demo.output
     show = CliRunner().invoke(main, ["show", str(out), "--html", str(tmp_path / "ovf.html")])
     assert show.exit_code == 0 and line in show.output, show.output
-    assert f"{propagated} propagated" in (tmp_path / "ovf.html").read_text()
+    assert "1 critical" in (tmp_path / "ovf.html").read_text()
+
+
+def test_free_benchmark_demo_counts_unchecked_ops_apart_from_flagged_ones(tmp_path):
+    """The float32-only op calls improve_precision leaves alone are said to be unchecked, apart from
+    the flagged ones (it read "12 flagged; 12 not widened", as if the flagged ones failed to widen)."""
+    out = tmp_path / "fb"
+    demo = CliRunner().invoke(main, ["demo", "--task", "free_benchmark", "-o", str(out), "--steps", "1"])
+    assert demo.exit_code == 0, demo.output
+    counts = __import__("json").loads((out / "step0" / "rank0" / "checks.json").read_text())
+    line = next(s for s in demo.output.splitlines() if "op calls checked" in s)
+    assert line == (f"free_benchmark: {counts['checked']} op calls checked, {counts['flagged']} flagged; "
+                    f"{counts['not_widened']} other op calls left unchecked (float32 inputs only: improve_precision "
+                    "re-runs 16-bit ones)"), line
+    assert counts["flagged"] > 0 and counts["not_widened"] > 0 and "not widened" not in demo.output
 
 
 def test_compare_without_out_says_how_to_list_problems(tmp_path):

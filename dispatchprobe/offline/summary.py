@@ -75,7 +75,7 @@ _CHECK_NOTES = {
     "expected": "expected (backward overflows in steps the loss scaler skipped; not counted as flagged)",
     "scale collapse": "loss scale collapsing (steps skipped in a row)",
     "skipped": "skipped",
-    "not_widened": "not widened (no 16-bit input)",
+    "not_widened": "other op calls left unchecked (float32 inputs only: improve_precision re-runs 16-bit ones)",
 }
 
 
