@@ -25,6 +25,7 @@ from . import backend as torch_backend
 from . import collectives, fused_stats, hooks, ops, tensor_kinds
 from ..core.config import ConfigError
 from ..core.session import ProbeSession
+from .process_state import STATE
 from .internals import autograd as torch_autograd
 from .internals.autograd import current_autograd_node, current_graph_task_id
 from .internals.dispatch import TorchDispatchMode, tree_flatten, tree_leaves
@@ -34,7 +35,7 @@ from .internals.dynamo import FRAMES, call_outside_dynamo, frame_callback, never
 # where AOTAutograd's runtime wrappers live (not imported: that would import dynamo)
 _AOT_RUNTIME = os.path.join(torch.__path__[0], "_functorch", "_aot_autograd", "runtime_wrappers.py")
 _AOT_MODULE = "torch._functorch._aot_autograd.runtime_wrappers"
-active_probes: list = []      # DispatchProbes recording now, innermost last
+active_probes = STATE.active_probes      # DispatchProbes recording now, innermost last
 _COLLECTIVES = tuple(f"{ns}." for ns in collectives.NAMESPACES)
 
 
@@ -358,17 +359,20 @@ class _ModuleHooks:
     _WARNING = ("ignore", re.compile(r"Using `torch\.compile\(module\)` when there are global hooks"), UserWarning,
                 None, 0)
 
-    def __init__(self):
-        self.active: list["_ModuleScopes"] = []      # trackers of the probes recording now
-        self.users = 0
-        self._ids: tuple = ()                        # (pre-hook id, hook id), reused at every entry
-        self._exits: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # module -> its exit hook's handle
+    def __init__(self, state):
+        # in the adapter's process state: the trackers of the probes recording now, the probes
+        # holding the hooks, (pre-hook id, hook id) reused at every entry, module -> its exit hook
+        self.active: list["_ModuleScopes"] = state.module_scopes
+        self.users: list = state.module_hook_users
+        self._ids: list = state.module_hook_ids
+        self._exits: weakref.WeakKeyDictionary = state.module_exits
 
     def acquire(self) -> None:
-        self.users += 1
+        self.users.append(True)
 
     def release(self) -> None:
-        self.users -= 1
+        if self.users:
+            self.users.pop()
         if not self.users:
             for h in list(self._exits.values()):
                 h.remove()
@@ -389,7 +393,7 @@ class _ModuleHooks:
         if not self._ids:
             pre = register_module_forward_pre_hook(_module_entered)
             post = register_module_forward_hook(_module_left_globally, always_call=True)
-            self._ids = (pre.id, post.id)
+            self._ids[:] = (pre.id, post.id)
         else:
             torch_autograd.put_back_global_hooks(self._ids, _module_entered, _module_left_globally)
         warnings.filters.insert(0, self._WARNING)
@@ -420,7 +424,7 @@ def _filters_changed() -> None:
     (getattr(warnings, "_filters_mutated", None) or getattr(warnings, "_filters_mutated_lock_held"))()
 
 
-_HOOKS = _ModuleHooks()
+_HOOKS = _ModuleHooks(STATE)
 _GraphModule = torch.fx.GraphModule
 
 

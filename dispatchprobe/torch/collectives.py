@@ -24,10 +24,11 @@ from ..core.collective_roles import NAMESPACES, role
 from .internals.dispatch import op_schema
 from .internals.distributed import has_method, resolve_process_group, script_type_name, wait_functional
 from .internals.tensors import dtensor_spec
+from .process_state import STATE
 
-_groups: dict[str, dict] = {}          # group name -> its record value (ranks do not change)
-_mesh_dims: dict[str, str] = {}        # group name -> the DeviceMesh dimension that made it
-_meshes_seen: set[int] = set()
+_groups = STATE.process_groups          # group name -> its record value (ranks do not change)
+_mesh_dims = STATE.mesh_dims            # group name -> the DeviceMesh dimension that made it
+_meshes_seen = STATE.meshes_seen
 # in-place c10d collectives whose schemas do not mark the tensors they overwrite
 _OVERWRITES = {"allreduce_": "tensors", "allreduce_coalesced_": "tensors", "broadcast_": "tensors",
                "reduce_": "tensors"}

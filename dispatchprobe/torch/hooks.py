@@ -17,7 +17,9 @@ import weakref
 
 import torch
 
-_pending: list = []           # removals queued by finalizers, run by remove_collected()
+from .process_state import STATE
+
+_pending = STATE.pending_removals          # removals queued by finalizers, run by remove_collected()
 # the files whose functions loop over hook dictionaries (optimizer step hooks, module hooks)
 _LOOPING = tuple(os.path.join(torch.__path__[0], *parts) for parts in
                  (("optim", "optimizer.py"), ("nn", "modules", "module.py")))

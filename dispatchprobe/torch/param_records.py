@@ -12,17 +12,16 @@ its local shard with its placement and offset in the whole tensor, which compare
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 
 from ..core.events import OpEvent
 from ..standards import statistics
 from .returned import returned_row
 from .parameters import clean_name, kept_per_optimizer, named_gradients, parameter_names, placement_of
+from .process_state import STATE
 
 
-_NAMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_NAMES = STATE.parameter_names      # optimizer -> its parameters' names
 
 
 def _names(optimizer, roots) -> dict[int, str]:

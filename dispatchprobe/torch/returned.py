@@ -13,8 +13,9 @@ from __future__ import annotations
 import torch
 
 from . import backend as torch_backend
+from .process_state import STATE
 
-_RETURNED: dict = {}     # key (_returned_key) -> (weak reference to the memory, row)
+_RETURNED = STATE.returned_rows     # key (_returned_key) -> (weak reference to the memory, row)
 _PRUNE_AT = 4096
 
 

@@ -23,6 +23,7 @@ import torch
 from .internals.tensors import DISABLED_DISPATCH as _DISABLED
 from .internals.tensors import FakeTensor, dtensor_spec, is_zerotensor, local_tensor, tensor_version
 from .internals.tensors import functorch as _functorch
+from .process_state import STATE
 _plain_class: dict[type, bool] = {}
 
 
@@ -126,7 +127,7 @@ def fields(t: torch.Tensor) -> dict:
     return {} if readable(t) else resolve(t)[1]
 
 
-_unseen_writes: dict = {}     # storage address -> writes its version counters never saw (read by fused_stats too)
+_unseen_writes = STATE.unseen_writes     # storage address -> writes its version counters never saw (read by fused_stats too)
 
 
 def unseen_write(t: torch.Tensor) -> None:

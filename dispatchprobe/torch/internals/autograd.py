@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch.nn.modules import module as _module
 
-__all__ = ["current_graph_task_id", "current_autograd_node", "queue_backward_callback", "ENGINE_RUN_CODE",
+__all__ = ["current_graph_task_id", "current_autograd_node", "node_sequence_nr", "queue_backward_callback", "ENGINE_RUN_CODE",
            "MODULE_CALL_CODES", "forward_hooks", "put_back_global_hooks", "take_out_global_hooks"]
 
 #: The id of the backward pass running on this thread, -1 outside backward.
@@ -22,6 +22,11 @@ MODULE_CALL_CODES = (_module.Module._call_impl.__code__, _module.Module._wrapped
 
 #: The code of the engine's entry from Python (backward ops run below it), or None.
 ENGINE_RUN_CODE = getattr(getattr(torch.autograd.graph, "_engine_run_backward", None), "__code__", None)
+
+
+def node_sequence_nr(node) -> int:
+    """An autograd node's sequence number (the order nodes were made in, per thread)."""
+    return node._sequence_nr()
 
 
 def queue_backward_callback(fn) -> None:

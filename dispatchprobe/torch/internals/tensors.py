@@ -9,7 +9,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 __all__ = ["FakeTensor", "MKLDNN", "DISABLED_DISPATCH", "functorch", "tensor_version", "tensor_base", "dtensor_spec",
-           "is_zerotensor", "local_tensor", "foreach_norm", "safetensors_codes"]
+           "is_zerotensor", "local_tensor", "foreach_norm", "safetensors_codes", "storage_expired"]
 
 #: The mkldnn layout (a layout with no public name).
 MKLDNN = torch._mkldnn
@@ -26,6 +26,9 @@ tensor_version = operator.attrgetter("_version")
 
 #: The tensor a view was made from, or None.
 tensor_base = operator.attrgetter("_base")
+
+#: Whether a storage held by ``StorageWeakRef`` was freed, from its ``cdata`` (two calls fewer than its method).
+storage_expired = torch.UntypedStorage._expired
 
 #: Norms of a list of tensors in one call (what optimizers' gradient clipping uses).
 foreach_norm = torch._foreach_norm
