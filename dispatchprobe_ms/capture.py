@@ -19,6 +19,7 @@ from mindspore.utils import MsDispatchMode
 from dispatchprobe.core import values
 from dispatchprobe.core.config import ConfigError
 from dispatchprobe.core.session import ProbeSession
+from dispatchprobe.records.writer import write_manifest
 
 from . import backend as ms_backend
 from . import ops
@@ -62,7 +63,10 @@ class _Mode(MsDispatchMode):
         out = func(*args)
         if not values.collect(out, ms_backend.is_tensor):       # typeof, shape queries: no numerics
             return out
-        replaced = probe.on_op(name, stage, scope, seen, attrs, out, func=call, stack=ops.user_stack)
+        unwritten = ops.unwritten_outputs(name, ms_backend.accelerator())
+        undefined = {id(o) for i, o in enumerate(out) if i in unwritten} if unwritten and isinstance(out, tuple) else None
+        replaced = probe.on_op(name, stage, scope, seen, attrs, out, func=call, stack=ops.user_stack,
+                               undefined=undefined)
         return out if replaced is None else replaced
 
 
@@ -130,6 +134,19 @@ class DispatchProbe(ProbeSession):
         self.scopes.uninstall()
         if self.graphs is not None:
             self.graphs.finish()
+
+    def _manifest_info(self) -> dict:
+        info = super()._manifest_info()
+        if self.graphs is not None and self.graphs.recorded:
+            info["extra"] = {**info["extra"], "graph_kernels": True}    # compare reads it: see graph_capture
+        return info
+
+    def graph_kernels_recorded(self) -> None:
+        """The first records of a compiled graph's kernels: the manifest says so (compare reads a
+        graph run against a PyNative one in aten's vocabulary, as two frameworks)."""
+        if self.online is None and self._manifest_written:
+            with self.writing():
+                write_manifest(self.run_dir, **self._manifest_info())
 
     def _quiet(self):
         return ms._no_grad() if hasattr(ms, "_no_grad") else contextlib.nullcontext()

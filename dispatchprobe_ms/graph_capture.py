@@ -3,9 +3,9 @@
 At the end of each recorded region the kernels the graphs ran (:mod:`dispatchprobe_ms.graph_dump`)
 go through the session's ``on_op`` in their execution order, as PyNative's primitives do: the
 same filters, call indices, statistics (the backend's, on the dumped values), saved tensors and
-inline checks.  A kernel's inputs and outputs are its dumped arrays as MindSpore tensors; 0-dim
-integer and boolean inputs (attributes the graph passes as constants) become Python numbers, as
-PyNative passes them.
+inline checks.  A kernel's inputs and outputs are its dumped arrays as MindSpore tensors; what the
+graph passes as a scalar (an attribute such as ``epsilon``) becomes a Python number, as PyNative
+passes it.
 """
 
 from __future__ import annotations
@@ -16,7 +16,10 @@ import warnings
 import mindspore as ms
 import numpy as np
 
-from . import graph_dump
+from dispatchprobe.core.recorder import Measured
+
+from . import backend as ms_backend
+from . import graph_dump, ops
 from .graph_scopes import GraphScopes, stage_of
 
 # graph bookkeeping, never the user's numerics (they are not dumped as kernels on CPU either)
@@ -30,6 +33,9 @@ class GraphCapture:
         self.keep = keep
         self.folder, self.why_not = graph_dump.enable()
         self.kernels = 0                   # kernels read from the dump (whole run)
+        # a kernel of the model's own computation came from a graph (the manifest says so): one in
+        # a cell of the model or in backward, not an optimizer update PyNative runs as a graph
+        self.recorded = False
 
     def start(self) -> None:
         """A recorded region begins: what graphs ran outside it is dropped."""
@@ -52,10 +58,18 @@ class GraphCapture:
             if not session.would_record(stage, scope, k.type):
                 continue
             shapes = (node.inputs, node.outputs) if node is not None else ([], [])
-            inputs = tuple(_value(_load(k.inputs, i, shapes[0])) for i in range(_count(k.inputs)))
-            outs = [_value(_load(k.outputs, i, shapes[1]), scalars=False) for i in range(_count(k.outputs))]
+            written = ops.written_positions(k.type)
+            inputs = tuple(_written(_load(k.inputs, i, shapes[0])) if i in written else
+                           _value(_load(k.inputs, i, shapes[0]), _scalar(shapes[0], i)) for i in range(_count(k.inputs)))
+            outs = [_value(_load(k.outputs, i, shapes[1]), False) for i in range(_count(k.outputs))]
             outputs = outs[0] if len(outs) == 1 else tuple(outs)
-            session.on_op(k.type, stage, scope, inputs, {}, outputs, extra={"graph_kernel": k.scope})
+            unwritten = ops.unwritten_outputs(k.type, ms_backend.accelerator())
+            undefined = {id(o) for i, o in enumerate(outs) if i in unwritten and o is not None} or None
+            if not self.recorded and (scope or stage == "backward"):
+                self.recorded = True
+                session.graph_kernels_recorded()
+            session.on_op(k.type, stage, scope, inputs, {}, outputs, undefined=undefined,
+                          extra={"graph_kernel": k.scope})
         self.folder.release(os.path.join(self.keep, f"step{session.step_no}") if self.keep else None)
 
     def warn_if_unavailable(self) -> None:
@@ -96,11 +110,27 @@ def _load(files: dict, i: int, shapes: list):
     return array
 
 
-def _value(array, scalars: bool = True):
-    """A dumped value as the probe records it: a MindSpore tensor, or a Python number for a
-    0-dim integer or boolean input."""
+def _written(array):
+    """An input the kernel writes in place: MindSpore dumps inputs after the kernel ran, so the
+    values are the written ones, not those the kernel received: described, not measured."""
     if array is None:
         return None
-    if scalars and array.ndim == 0 and array.dtype.kind in "biu":
+    spec = ms_backend.tensor_meta(ms.Tensor(array))
+    spec["no_values"] = "written by the kernel before MindSpore's dump read it (the dump holds the new values)"
+    return Measured(spec)
+
+
+def _scalar(shapes: list, i: int) -> bool | None:
+    """Whether input ``i`` is a scalar in the graph (``<Float32, NoShape>``, not a tensor); None
+    where the IR does not say."""
+    return shapes[i] is None if i < len(shapes) else None
+
+
+def _value(array, scalar: bool | None):
+    """A dumped value as the probe records it: a MindSpore tensor, or a Python number for what
+    the graph passes as a scalar (where the IR does not say: a 0-dim integer or boolean)."""
+    if array is None:
+        return None
+    if array.ndim == 0 and (scalar or scalar is None and array.dtype.kind in "biu"):
         return array.item()
     return ms.Tensor(array)

@@ -21,6 +21,7 @@ import csv
 import glob
 import json
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 from . import graph_ir
 
 ENV = "MINDSPORE_DUMP_CONFIG"
+_OP_NUMBER = re.compile(r"-op(\d+)$")
 NET_NAME = "dispatchprobe"
 _folder: "DumpFolder | None" = None         # this process's dump folder, once enabled
 
@@ -141,11 +143,15 @@ class DumpFolder:
         ir = os.path.join(rank_dir, "graphs", f"ms_output_trace_code_graph_{graph}.ir")
         nodes = graph_ir.read(ir, os.path.getmtime(ir)) if os.path.isfile(ir) else {}
         calls: dict[str, list[Kernel]] = {}
+        renamed = _renamed(order, {p[1] for p in map(parse_name, os.listdir(run)) if p is not None})
         for name in sorted(os.listdir(run)):
             parsed = parse_name(name)
-            if parsed is None or parsed[1] not in order:       # parameters, not kernels
+            if parsed is None or parsed[0] == "Parameter":     # parameters, not kernels
                 continue
             kind, flat, stamp, io, pos, _ = parsed
+            flat = flat if flat in order else renamed.get(flat)
+            if flat is None:
+                continue
             slots = calls.setdefault(flat, [])
             # a kernel run twice in one graph run (a loop): a position seen again starts the next call
             if not slots or pos in (slots[-1].inputs if io == "input" else slots[-1].outputs):
@@ -156,6 +162,22 @@ class DumpFolder:
         kernels = [k for slots in calls.values() for k in slots]
         kernels.sort(key=lambda k: (order[k.scope.replace("/", "_")][0], k.first))
         return kernels
+
+
+def _renamed(order: dict, dumped: set) -> dict[str, str]:
+    """Dumped names missing from the execution order, matched to its entries that no file has:
+    MindSpore may number a kernel differently in the two (``Conv2DBackpropFilter-op0`` in the
+    file name, ``-op1`` in the order); matched by the name without the number, in order."""
+    missing = sorted(n for n in dumped if n not in order)
+    free: dict[str, list[str]] = {}
+    for name in sorted((n for n in order if n not in dumped), key=lambda n: order[n][0]):
+        free.setdefault(_OP_NUMBER.sub("", name), []).append(name)
+    out = {}
+    for name in sorted(missing, key=lambda n: int(_OP_NUMBER.search(n).group(1)) if _OP_NUMBER.search(n) else 0):
+        slots = free.get(_OP_NUMBER.sub("", name))
+        if slots:
+            out[name] = slots.pop(0)
+    return out
 
 
 def _execution_order(path: str) -> dict[str, tuple[int, str]]:

@@ -103,12 +103,28 @@ def writes_first(name: str) -> bool:
     return name.startswith(("Inplace", "Assign", "Scatter")) or name.endswith("_")
 
 
+# optimizer kernels update their parameter and state inputs in place
+_OPTIMIZER_WRITES = {"SGD": (0, 3, 5), "ApplyMomentum": (0, 1), "Adam": (0, 1, 2), "AdamWeightDecay": (0, 1, 2),
+                     "ApplyAdam": (0, 1, 2), "ApplyAdagrad": (0, 1), "ApplyRMSProp": (0, 1, 2)}
+
+# outputs a kernel leaves unwritten on the CPU (memory as it was: zeros or an earlier tensor's
+# values): BatchNorm's outputs 1 and 2 (MindSpore's CPU kernel keeps the batch statistics in 3, 4)
+CPU_UNWRITTEN_OUTPUTS = {"BatchNorm": (1, 2)}
+
+
 @functools.cache
 def written_positions(name: str) -> tuple[int, ...]:
-    """Positions of the inputs the primitive writes: the first of in-place ones, and those
-    :data:`~dispatchprobe.core.op_traits.UNMARKED_WRITES` names (``BatchNorm``'s moving statistics)."""
+    """Positions of the inputs the primitive writes: the first of in-place ones, an optimizer
+    kernel's parameter and state, and those :data:`~dispatchprobe.core.op_traits.UNMARKED_WRITES`
+    names (``BatchNorm``'s moving statistics)."""
     extra = [i for i in op_traits.UNMARKED_WRITES.get(name, ()) if isinstance(i, int)]
+    extra += _OPTIMIZER_WRITES.get(name, ())
     return tuple(sorted({0, *extra} if writes_first(name) else set(extra)))
+
+
+def unwritten_outputs(name: str, device: str) -> tuple[int, ...]:
+    """Positions of the outputs the kernel does not write on ``device``: undefined contents."""
+    return CPU_UNWRITTEN_OUTPUTS.get(name, ()) if device == "cpu" else ()
 
 
 def user_stack() -> tuple:

@@ -70,6 +70,7 @@ def train(mode: str, dump_path: str = "", task: str = "", plant: bool = False, s
     net = ConvNet()
     if plant:
         net.act = PlantedGELU()
+    net.set_train(True)                       # batch norm on batch statistics
     # the probe is made before the step is first called (compiled): it switches MindSpore's dump on
     probe = DispatchProbe(task=task, dump_path=dump_path, model=net) if task else None
     step = build(mode, net, nn.MSELoss(), nn.SGD(net.trainable_params(), learning_rate=0.1))

@@ -15,7 +15,7 @@ import pandas as pd
 from ...core import op_traits
 from ...records.reader import Part, RecordError, load, no_gc
 from ...standards.loader import standard
-from ..align import Mapping, align
+from ..align import Mapping, align, functional
 from ..launcher import engine_for, gathered, said_by_rank0
 from ..translate import Translation
 from .columns import BOOL_FIELDS, FLOAT_FIELDS, INT_FIELDS, ROW_FIELDS, TEXT_FIELDS, COLUMNS, UNMATCHED_COLUMNS
@@ -95,7 +95,9 @@ def _compare_parts(part_a: Part, part_b: Part, match: str, mapping: Mapping, ten
     empty: dict = {}
     for i, j, how in al.pairs:
         ra, rb = recs_a[i], recs_b[j]
-        same = mapping.op(ra["op"]) == rb["op"] or how in ("module", "region boundary")
+        # the same op, or its in-place and functional variants (eager div_, a compiled graph's div): the
+        # same arguments, compared one by one
+        same = functional(mapping.op(ra["op"])) == functional(rb["op"]) or how in ("module", "region boundary")
         stack = None
         head = (ra["stage"], ra["kind"], seq_a[i], ra["scope"], ra["op"], rb["op"], ra["name"], rb["name"],
                 ra["call"], rb["call"], how)
@@ -197,9 +199,11 @@ def _worker(args):
 
 
 def _translations(run_a, run_b, mapping: Mapping) -> tuple:
-    """Runs of two frameworks are compared in aten's vocabulary: the non-torch side(s) translated."""
+    """Runs of two frameworks are compared in aten's vocabulary: the non-torch side(s) translated.
+    So are two MindSpore runs of which one recorded a compiled graph's kernels and the other
+    PyNative's primitives (the manifest's ``graph_kernels``): two vocabularies of one framework."""
     fa, fb = (r.manifest.get("framework") or "torch" for r in (run_a, run_b))
-    if fa == fb:
+    if fa == fb and (fa == "torch" or bool(run_a.manifest.get("graph_kernels")) == bool(run_b.manifest.get("graph_kernels"))):
         return None, None
     return tuple(None if f == "torch" else Translation.shipped(f, mapping.frameworks.get(f)) for f in (fa, fb))
 
