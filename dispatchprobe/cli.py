@@ -320,6 +320,29 @@ def _run_ut_online(records, out_dir, follow, listen, tls_path, keep_records, *, 
     _run_ut_exit(res)
 
 
+@main.command()
+@click.argument("run", type=click.Path())
+@click.argument("record")
+@click.option("-o", "--out", "out_dir", required=True, type=OUT_DIR, help="Folder for repro.py and its inputs.")
+@click.option("--step", default=None, type=int, help="The step whose call to take (default: the first that saved it).")
+@click.option("--rank", default=None, type=int, help="The rank whose call to take.")
+@click.option("--prelude", "preludes", multiple=True, type=click.Path(dir_okay=False),
+              help="A Python file defining custom ops (torch.library): copied beside the script, imported first. "
+                   "Repeatable.")
+def repro(run, record, out_dir, step, rank, preludes):
+    """Write a standalone repro of one recorded op call: a script needing only PyTorch and the op's saved
+    inputs, re-running it on the recorded device and dtypes against float64.
+
+    RECORD is the record's name as compare, run-ut and overflow.csv print it (aten.mm.default.0.forward).
+    Run it with: python OUT/repro.py (exit 0: agrees with float64, 2: differs, 1: could not run)."""
+    from .offline.repro import write_repro
+    made = write_repro(run, record, out_dir, step=step, rank=rank, preludes=preludes)
+    click.echo(f"repro of {made.record} (step {made.step} rank {made.rank}): {made.script}")
+    for note in made.notes:
+        click.echo(f"note: {note}")
+    click.echo(f"run it: python {made.script}")
+
+
 @main.command("precision-compare")
 @click.argument("dut", type=click.Path())
 @click.argument("ref", type=click.Path())

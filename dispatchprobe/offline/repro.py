@@ -1,0 +1,230 @@
+"""``dispatchprobe repro``: one recorded op call as a standalone bug report.
+
+A folder with the op's saved inputs (``inputs.safetensors``, their bytes copied unchanged from the
+run's shards), the record (``record.json``) and a script (``repro.py``, from
+``templates/repro_torch.py``) that re-runs the call on the recorded device and dtypes and prints its
+error against float64 with nothing but PyTorch: what an upstream issue (PyTorch, a vendor's kernel
+library) needs.  The user's own kernels (``torch.library``) travel as ``--prelude`` files the script
+imports.  Neutral: no framework is imported here; the script imports torch.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import re
+import shutil
+from dataclasses import dataclass, field
+
+from ..core import op_traits
+from ..records.format import walk
+from ..records.reader import Part, Run, load
+from ..records.writer import atomic_write_text, write_safetensors
+from ..standards.loader import per_dtype, standard
+from ..standards.verdicts import category
+
+_TEMPLATE = os.path.join(os.path.dirname(__file__), "templates", "repro_torch.py")
+_CORE_NAMESPACES = {"aten", "prims", "quantized", "_c10d_functional", "c10d", "_quantized", "rngprims"}
+
+
+@dataclass
+class Repro:
+    folder: str
+    script: str
+    record: str                  # the record's name
+    step: int
+    rank: int
+    notes: list = field(default_factory=list)
+
+
+def command(run_path, record_name: str, out: str | None = None) -> str:
+    """The command line that writes the repro of ``record_name`` (what compare, run-ut and the
+    overflow check print beside the op they name)."""
+    folder = out or os.path.join("repro", _folder_name(record_name))
+    return f"dispatchprobe repro {_quote(str(run_path))} {_quote(record_name)} -o {_quote(folder)}"
+
+
+def _folder_name(record_name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", record_name)
+
+
+def _quote(text: str) -> str:
+    return text if re.fullmatch(r"[A-Za-z0-9_./:@+=-]+", text) else "'" + text.replace("'", "'\\''") + "'"
+
+
+def write_repro(run_path, record_name: str, out: str, *, step: int | None = None, rank: int | None = None,
+                preludes=()) -> Repro:
+    """Write the repro folder ``out`` of the op record ``record_name`` (its name as compare, run-ut and
+    overflow.csv print it) of run ``run_path``; ``step``/``rank`` choose among parts that hold it (default:
+    the first, in step and rank order, whose inputs were saved).  ``preludes``: Python files defining
+    custom ops, copied beside the script and imported by it first."""
+    run = load(run_path)
+    framework = run.manifest.get("framework") or "torch"
+    if framework != "torch":
+        raise ValueError(f"{run.path} is a {framework} run: repro writes PyTorch scripts (replay a {framework} "
+                         "op with dispatchprobe run-ut --api)")
+    part, rec, held_by = _find(run, record_name, step, rank)
+    _check(rec, part)
+    modules = _prelude_modules(preludes)
+    os.makedirs(out, exist_ok=True)
+    tensors, metadata = _input_bytes(part, rec)
+    write_safetensors(tensors, os.path.join(out, "inputs.safetensors"), metadata=metadata)
+    for src, name in modules:
+        shutil.copyfile(src, os.path.join(out, f"{name}.py"))
+    atomic_write_text(os.path.join(out, "record.json"), json.dumps(rec, indent=1) + "\n")
+    script = os.path.join(out, "repro.py")
+    atomic_write_text(script, _script(run, part, rec, [name for _, name in modules]))
+    notes = []
+    if len(held_by) > 1:
+        notes.append(f"{len(held_by)} step/rank parts hold {record_name}: this is step {part.step} rank {part.rank} "
+                     "(--step/--rank choose another)")
+    namespace = rec["op"].split(".")[0]
+    if namespace not in _CORE_NAMESPACES and not modules:
+        notes.append(f"{rec['op']} is not a PyTorch op: the script needs the module that defines it "
+                     "(--prelude FILE copies it beside the script)")
+    cat = category(rec["op"])
+    if cat != "benchmark":
+        notes.append(f"run-ut judges {base(rec['op'])} by its {cat} rule, the script by run-ut's benchmark rule "
+                     "(cosine, max abs error, relative-error shares): their verdicts can differ")
+    return Repro(folder=out, script=script, record=record_name, step=part.step, rank=part.rank, notes=notes)
+
+
+def base(op: str) -> str:
+    return op_traits.base_name(op)
+
+
+def _find(run: Run, name: str, step, rank) -> tuple[Part, dict, list]:
+    """(part, record, the parts holding it) of the record named ``name``; a one-line error naming
+    the closest names when no part holds it."""
+    held = []
+    for key in sorted(run.parts):
+        if (step is not None and key[0] != step) or (rank is not None and key[1] != rank):
+            continue
+        part = run.parts[key]
+        for rec in part.records:
+            if rec.get("name") == name:
+                held.append((part, rec))
+                break
+    if not held:
+        where = "".join(f" {w} {v}" for w, v in (("step", step), ("rank", rank)) if v is not None)
+        names = {r.get("name") for p in run.parts.values() for r in p.records if r.get("kind") == "op"}
+        near = difflib.get_close_matches(name, sorted(n for n in names if n), n=3, cutoff=0.85)
+        raise ValueError(f"no record named {name!r} in {run.path}{where}"
+                         + (f" (did you mean {', '.join(near)}?)" if near else
+                            " (a record name as compare, run-ut and overflow.csv print it, e.g. "
+                            f"{min(names) if names else 'aten.mm.default.0.forward'})"))
+    saved = [(p, r) for p, r in held if _inputs_saved(r)]
+    part, rec = (saved or held)[0]
+    return part, rec, held
+
+
+def _inputs_saved(rec: dict) -> bool:
+    return "inputs" in rec and all(s.get("data") is not None or s.get("undefined")
+                                   for _, _, s in walk(rec, outputs=False))
+
+
+def _check(rec: dict, part: Part) -> None:
+    """One line for each record that cannot make a repro (before any file is written)."""
+    name = rec.get("name")
+    if rec.get("kind") != "op" or len(rec["op"].split(".")) != 3:
+        raise ValueError(f"{name} is a {rec.get('kind')} record, not an op call: repro one of the ops inside it")
+    if op_traits.is_random(rec["op"]):
+        raise ValueError(f"{name} is a random op ({base(rec['op'])}): its output cannot be reproduced from its inputs")
+    if rec.get("inputs_overwritten"):
+        raise ValueError(f"{name}: its inputs were written in place before they were saved: no repro")
+    if "inputs" not in rec:
+        raise ValueError(f"{name}: its inputs were not recorded (the config's io filter)")
+    for _, arg, spec in walk(rec, outputs=False, tensors_only=False):
+        if spec.get("type") == "generator":
+            raise ValueError(f"{name}: {arg} is a random generator: the op is random")
+    if not _inputs_saved(rec):
+        raise ValueError(f"{name}: its input tensors were not saved ({part.path} holds statistics only): record "
+                         "the run with task='tensor' (list=[...] or scope=[...] keep it small) to repro the op")
+    missing = [arg for _, arg, s in walk(rec, outputs=False) if s.get("data") and not part.has_tensor(s["data"])]
+    if missing:
+        raise ValueError(f"{name}: saved tensor of {missing[0]} is missing from {part.path} (the run ended before "
+                         "its shard was written)")
+
+
+def _prelude_modules(preludes) -> list[tuple[str, str]]:
+    """(file, module name) of each prelude: a Python file whose name is a module name."""
+    out = []
+    for src in preludes:
+        stem, ext = os.path.splitext(os.path.basename(src))
+        if ext != ".py" or not stem.isidentifier() or stem == "repro":
+            raise ValueError(f"--prelude {src}: a Python file named as a module (my_kernels.py), not 'repro.py'")
+        if not os.path.isfile(src):
+            raise FileNotFoundError(f"--prelude {src}: no such file")
+        out.append((src, stem))
+    return out
+
+
+def _input_bytes(part: Part, rec: dict) -> tuple[dict, dict]:
+    """{argument: (safetensors dtype code, shape, bytes)} of the record's saved inputs, copied from
+    the run's shards unchanged, and the metadata of those stored in another form (a dtype
+    safetensors lacks, a view rebuilt from its base)."""
+    entries, metadata, headers = {}, {}, {}
+    for _, arg, spec in walk(rec, outputs=False):
+        key = spec.get("data")
+        if key is None:
+            continue
+        view = part.views.get(key)
+        stored = view["base"] if view else key
+        shard = os.path.join(part.path, "tensors", part.shards[stored])
+        if shard not in headers:
+            headers[shard] = _header(shard)
+        head, start_of_data = headers[shard]
+        info = head[stored]
+        begin, end = info["data_offsets"]
+        with open(shard, "rb") as f:
+            f.seek(start_of_data + begin)
+            data = f.read(end - begin)
+        entries[arg] = (info["dtype"], info["shape"], memoryview(data))
+        meta = json.loads((head.get("__metadata__") or {}).get(stored) or "{}")
+        if view:
+            meta["view"] = {"shape": view["shape"], "stride": view["stride"], "offset": view["offset"]}
+        if meta:
+            metadata[arg] = json.dumps(meta)
+    return entries, metadata
+
+
+def _header(path: str) -> tuple[dict, int]:
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        return json.loads(f.read(n)), 8 + n
+
+
+def _device(run: Run, rec: dict) -> str:
+    for _, _, spec in walk(rec):
+        if spec.get("device"):
+            return spec["device"]
+    return run.manifest.get("device") or "cpu"
+
+
+def _judged_dtype(rec: dict) -> str:
+    """The dtype run-ut's tolerances come from: the first floating output's (else the first input's)."""
+    for io_outputs in (True, False):
+        for _, _, spec in walk(rec, inputs=not io_outputs, outputs=io_outputs):
+            if "float" in str(spec.get("dtype")) or "complex" in str(spec.get("dtype")):
+                return spec["dtype"]
+    return "float32"
+
+
+def _script(run: Run, part: Part, rec: dict, preludes: list) -> str:
+    dtype = _judged_dtype(rec)
+    bench = standard()["benchmark"]
+    rule = {"dtype": dtype, "cosine_min": bench["cosine_min"], "max_abs_pass": bench["max_abs_pass"],
+            "tiers": [float(t) for t in per_dtype("benchmark.tiers", dtype)],
+            "small_value": float(per_dtype("small_value", dtype))}
+    call = {"inputs": rec.get("inputs") or [], "kwargs": rec.get("kwargs") or {}}
+    device = _device(run, rec)
+    title = (f"Repro of {rec['op']}: record {rec['name']} ({rec.get('stage')}, module "
+             f"{rec.get('scope') or '<top>'}), step {part.step} rank {part.rank} of {run.path}, torch "
+             f"{run.manifest.get('framework_version')}")
+    fills = {"title": title, "device": device, "op": repr(rec["op"]), "device_literal": repr(device),
+             "call": repr(json.dumps(call, separators=(",", ":"))), "preludes": repr(list(preludes)),
+             "rule": repr(json.dumps(rule))}
+    with open(_TEMPLATE, encoding="utf-8") as f:
+        text = f.read()
+    return re.sub(r"\{\{(\w+)\}\}", lambda m: fills[m.group(1)], text)
