@@ -408,3 +408,21 @@ def test_arguments_that_cannot_mean_the_same_say_so(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="task"):
         PrecisionDebugger(dump_path="./a", task="no_such_task")
     assert PrecisionDebugger._instance is None        # a failed construction leaves no debugger
+
+
+def test_seed_all_rm_dropout_runs_dropouts_with_p_zero(monkeypatch):
+    """msprobe's seed_all(seed, mode, rm_dropout): torch's functional dropouts, and the modules
+    calling them (made before or after), run with p=0; without it dropout is untouched."""
+    functional = torch.nn.functional
+    for name in ("dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout"):
+        monkeypatch.setattr(functional, name, getattr(functional, name))     # put back after the test
+    x = torch.ones(4, 3, 8)
+    made_before = torch.nn.Dropout(0.5)
+    seed_all(1234)
+    assert not torch.equal(made_before(x), x)
+    done = seed_all(1234, mode=False, rm_dropout=True)
+    assert done["dropout p=0"].startswith("dropout,dropout1d,dropout2d")
+    images = torch.ones(2, 3, 4, 4)
+    assert torch.equal(made_before(x), x) and torch.equal(torch.nn.Dropout2d(0.9)(images), images)
+    assert torch.equal(functional.dropout(x, p=0.3, training=True), x)
+    assert seed_all(1234, rm_dropout=True)["dropout p=0"] == "already"

@@ -7,6 +7,7 @@ deterministic.  The probe calls it when its config holds ``seed`` or ``is_determ
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import os
@@ -24,7 +25,7 @@ class Seeded(dict):
         return "dispatchprobe.seed_all: " + "; ".join(f"{k}={v}" for k, v in self.items())
 
 
-def seed_all(seed: int = 1234, mode: bool = False) -> Seeded:
+def seed_all(seed: int = 1234, mode: bool = False, rm_dropout: bool = False) -> Seeded:
     """Seed ``random``, numpy, torch (CPU, CUDA, NPU) and MindSpore with ``seed``.
 
     ``mode=True``: deterministic algorithms (``torch.use_deterministic_algorithms(True)``: an op
@@ -32,12 +33,16 @@ def seed_all(seed: int = 1234, mode: bool = False) -> Seeded:
     when its first handle is made: call this before any CUDA matmul), cuDNN deterministic with
     benchmarking off, ``HCCL_DETERMINISTIC=true`` for NPU collectives.  ``mode=False`` leaves
     those settings as they are.  ``PYTHONHASHSEED`` is set for child processes; this process's
-    string hashing was fixed when it started.  Returns what was changed and logs it as one line.
+    string hashing was fixed when it started.  ``rm_dropout=True`` (msprobe's switch): torch's
+    functional dropouts, which ``nn.Dropout*`` modules call, run with ``p=0`` from then on, so runs
+    on devices with different generators compare.  Returns what was changed and logs it as one line.
     """
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
         raise ValueError(f"seed_all: seed must be an integer in [0, 2**32), got {seed!r}")
     if not isinstance(mode, bool):
         raise ValueError(f"seed_all: mode must be True or False, got {mode!r}")
+    if not isinstance(rm_dropout, bool):
+        raise ValueError(f"seed_all: rm_dropout must be True or False, got {rm_dropout!r}")
     done = Seeded(seed=seed)
     random.seed(seed)
     os.environ["PYTHONHASHSEED"] = str(seed)
@@ -63,6 +68,10 @@ def seed_all(seed: int = 1234, mode: bool = False) -> Seeded:
     done["seeded"] = ",".join(seeded)
     if mode:
         done.update(_deterministic(torch, ms))
+    if rm_dropout and torch is not None:
+        done["dropout p=0"] = ",".join(_without_dropout(torch.nn.functional)) or "already"
+    elif rm_dropout:
+        done["dropout p=0"] = "not done: only torch's dropouts are replaced"
     log.info(str(done))
     return done
 
@@ -88,6 +97,24 @@ def _deterministic(torch, ms) -> dict:
             pass
         changed["mindspore.set_deterministic"] = True
     return changed
+
+
+def _without_dropout(functional) -> list[str]:
+    """msprobe's ``rm_dropout``: each dropout of ``torch.nn.functional`` replaced by one that runs it
+    with ``p=0`` (modules look them up at each call; those made before are covered too)."""
+    replaced = []
+    for name in ("dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout"):
+        fn = getattr(functional, name, None)
+        if fn is None or getattr(fn, "p_is_zero", False):
+            continue
+
+        def p_zero(input, p=0.5, *args, dropout=fn, **kwargs):
+            return dropout(input, 0.0, *args, **kwargs)
+        functools.update_wrapper(p_zero, fn)
+        p_zero.p_is_zero = True
+        setattr(functional, name, p_zero)
+        replaced.append(name)
+    return replaced
 
 
 def _optional(name: str):
