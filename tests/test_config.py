@@ -41,7 +41,8 @@ def test_msprobe_config_file_accepted(tmp_path):
 
 
 @pytest.mark.parametrize("bad,message", [
-    ({"tsk": "statistics"}, "unknown key 'tsk'; allowed keys:"),
+    ({"tsk": "statistics"}, "unknown key 'tsk'; did you mean 'task'?"),
+    ({"zzzqq": 1}, "unknown key 'zzzqq'; allowed keys: bounds, check_mode,"),
     ({"task": "dump"}, "task='dump' is not allowed; choose one of: statistics, tensor, overflow, free_benchmark"),
     ({"level": "L9"}, "level='L9' is not allowed; choose one of: op, module, mix"),
     ({"step": "x"}, "step"),

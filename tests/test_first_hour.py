@@ -201,3 +201,22 @@ def test_two_run_ut_in_one_second_keep_their_own_files(tmp_path):
     first = dispatchprobe.run_ut(str(path), str(tmp_path / "ut"))
     second = dispatchprobe.run_ut(str(path), str(tmp_path / "ut"))
     assert first.result_csv != second.result_csv and second.replayed == first.replayed == 2
+
+
+@pytest.mark.parametrize("config, says", [
+    ({"task": "overflow", "overflow_nums": 0}, "config: overflow_nums=0: the number of critical overflows to stop "
+                                               "at (1 or more), or -1 to check on to the end"),
+    ({"task": "overflow", "overflow_nums": -2}, "config: overflow_nums=-2:"),
+    ({"task": "overflow", "overflow_num": 2}, "config: unknown key 'overflow_num'; did you mean 'overflow_nums'?"),
+    ({"free_benchmark": {"pert_mod": "add_noise"}}, "unknown key 'pert_mod' in 'free_benchmark'; did you mean "
+                                                     "'pert_mode'?"),
+    ({"task": "statistics", "statistics": {"scop": []}}, "unknown key 'scop' in 'statistics'; did you mean 'scope'?"),
+])
+def test_config_mistakes_are_one_line_that_says_what_to_write(tmp_path, config, says):
+    """overflow_nums=0 ran as 1; a misspelt key listed all 39 keys without naming the one meant."""
+    with pytest.raises(ConfigError) as err:
+        DispatchProbe({**config, "dump_path": str(tmp_path / "run")})
+    assert says in str(err.value) and "\n" not in str(err.value), str(err.value)
+    assert "allowed keys" not in str(err.value)
+    assert not (tmp_path / "run").exists()
+

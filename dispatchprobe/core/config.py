@@ -14,7 +14,8 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-from .config_values import ConfigError, ConfigWarning, check_regexes, check_type, choice, int_list, str_list
+from .config_values import (ConfigError, ConfigWarning, check_regexes, check_type, choice, int_list, str_list,
+                            unknown_key)
 from .msprobe_config import MSPROBE_ONLY_TASKS, flatten_msprobe, msprobe_list, msprobe_scope
 from .perturbations import PERTURBATIONS
 from .tasks import TASKS, canonical
@@ -136,7 +137,7 @@ class Config:
                 continue
             if key not in top:
                 allowed = sorted(set(top).union(*(_field_names(c) for c in sections.values())))
-                raise ConfigError(f"config: unknown key {key!r}; allowed keys: {', '.join(allowed)}")
+                raise unknown_key(key, allowed)
             kwargs[key] = value
         if kwargs.get("seed") is not None:      # msprobe's top-level seed also seeds the free benchmark
             fb = kwargs.setdefault("free_benchmark", {})
@@ -173,6 +174,9 @@ class Config:
         self._validate_online()
         o, fb = self.overflow, self.free_benchmark
         check_type("overflow_nums", o.overflow_nums, int)
+        if o.overflow_nums == 0 or o.overflow_nums < -1:     # msprobe's: the N-th overflow stops, -1 never
+            raise ConfigError(f"config: overflow_nums={o.overflow_nums}: the number of critical overflows to stop "
+                              "at (1 or more), or -1 to check on to the end")
         o.check_mode = {"all": "both"}.get(o.check_mode, o.check_mode)  # msprobe's spelling
         choice("check_mode", o.check_mode, OVERFLOW_STAGES)
         choice("pert_mode", fb.pert_mode, tuple(PERTURBATIONS))
@@ -276,7 +280,7 @@ def _build_section(klass, name: str, values: dict):
     allowed = _field_names(klass)
     for key in values:
         if key not in allowed:
-            raise ConfigError(f"config: unknown key {key!r} in '{name}'; allowed: {', '.join(sorted(allowed))}")
+            raise unknown_key(key, allowed, name)
     return klass(**values)
 
 

@@ -6,6 +6,7 @@ as sorted ints) or raises :class:`ConfigError` in one line naming the key and wh
 
 from __future__ import annotations
 
+import difflib
 import re
 
 MAX_STEPS = 1_000_000       # a step range/schedule may list at most this many steps
@@ -17,6 +18,16 @@ class ConfigError(ValueError):
 
 class ConfigWarning(UserWarning):
     """A config key or value read differently from msprobe (ignored, or mapped): one line each."""
+
+
+def unknown_key(key, allowed, where: str = "") -> ConfigError:
+    """The error of a key no section knows: the nearest allowed key when one is close (a misspelling),
+    else every allowed key."""
+    place = f" in {where!r}" if where else ""
+    near = difflib.get_close_matches(str(key), sorted(allowed), n=1, cutoff=0.6)
+    if near:
+        return ConfigError(f"config: unknown key {key!r}{place}; did you mean {near[0]!r}?")
+    return ConfigError(f"config: unknown key {key!r}{place}; allowed keys: {', '.join(sorted(allowed))}")
 
 
 def choice(key: str, value, allowed) -> None:

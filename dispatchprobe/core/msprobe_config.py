@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from typing import NamedTuple
 
-from .config_values import ConfigError, choice
+from .config_values import ConfigError, choice, unknown_key
 from .tasks import canonical
 
 class MsprobeKey(NamedTuple):
@@ -136,7 +136,7 @@ def flatten_msprobe(data: dict, task: str, notes: list[str]) -> dict:
         del data[name]
         for key in section:
             if key not in allowed:
-                raise ConfigError(f"config: unknown key {key!r} in {name!r}; allowed: {', '.join(sorted(allowed))}")
+                raise unknown_key(key, allowed, name)
         if name == chosen == "grad_probe":
             data["grad_probe"] = section
         elif name == chosen:
