@@ -83,6 +83,31 @@ def test_free_benchmark_demo_counts_unchecked_ops_apart_from_flagged_ones(tmp_pa
     assert counts["flagged"] > 0 and counts["not_widened"] > 0 and "not widened" not in demo.output
 
 
+def test_compare_of_an_overflow_run_with_a_statistics_run_says_the_tasks_differ(tmp_path):
+    """The overflow demo's model recorded twice, by the overflow check (only the op it flagged) and by
+    statistics (every op): the flagged op is judged against its twin and agrees; the ops only the
+    statistics run has are explained, never suspects; the verdict says the tasks differ (it hinted
+    "different models?"), whichever run is A."""
+    from dispatchprobe.demo import demo_model, run_demo
+    from dispatchprobe.models import lm_batch, lm_loss
+    run_demo(str(tmp_path / "ovf"), task="overflow", steps=1)
+    model = demo_model("overflow")
+    tokens, targets = lm_batch(seed=0)
+    probe = DispatchProbe(task="statistics", dump_path=str(tmp_path / "stats"), level="mix", model=model)
+    with probe:
+        lm_loss(model, tokens, targets).backward()
+    probe.close()
+    for a, b in (("ovf", "stats"), ("stats", "ovf")):
+        res = CliRunner().invoke(main, ["compare", str(tmp_path / a), str(tmp_path / b)])
+        assert res.exit_code == 0, res.output
+        ta, tb = ("overflow", "statistics") if a == "ovf" else ("statistics", "overflow")
+        side = "A" if a == "ovf" else "B"
+        assert (f"the runs used different tasks, A {ta} and B {tb}: {side} (overflow) holds only the ops it "
+                "flagged; compare judged those ops against the other run's same ops") in res.output, res.output
+        assert "different models" not in res.output and "present only in run" not in res.output
+        assert re.search(r"compared \d+ tensors .*: pass \d+, warning 0, error 0", res.output), res.output
+
+
 def test_compare_without_out_says_how_to_list_problems(tmp_path):
     def run(path, steps, extra):
         probe = DispatchProbe(task="statistics", dump_path=str(path))

@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 
 from ...core import op_traits
-from ...records.reader import Part, RecordError, load, no_gc
+from ...records.reader import Part, RecordError, find_manifest, load, no_gc
 from ...standards.loader import standard
 from ..align import Mapping, align, functional
 from ..launcher import engine_for, gathered, said_by_rank0
@@ -24,6 +24,7 @@ from .origin import Side, trace
 from .rerun import float64_rerun
 from .pairing import PairingShare, decomposed_scopes, explain_unobservable, data_flow, user_frames, pair_tensors, pairing_share
 from .scoring import score_pairs
+from .task_mismatch import NOT_RECORDED, explanation, flagged_only_side, tasks_note, unaligned_hint
 from .verdict import Result, RunsDoNotAlign, Verdict
 from .parallel import optimizer_step
 
@@ -31,7 +32,7 @@ from .parallel import optimizer_step
 # unmatched records run by the other framework where no probe sees them (pairing.explain_unobservable)
 # and records inside a region compared at its boundary: a difference passes through them to the region's
 _UNOBSERVED = ("not observable in the other framework", "no counterpart in the other framework",
-               "inside a region compared at its boundary")
+               "inside a region compared at its boundary", NOT_RECORDED)
 
 
 class PartResult(NamedTuple):
@@ -152,6 +153,11 @@ def _compare_parts(part_a: Part, part_b: Part, match: str, mapping: Mapping, ten
     for k, (side, i) in enumerate((side, i) for side, idx in (("a", al.only_a), ("b", al.only_b)) for i in idx):
         if (side, i) in al.inside:   # a region one run computes in a cell of its own: compared at its boundary
             explained[k] = f"inside a region compared at its boundary ({al.inside[side, i]})"
+    manifests = (find_manifest(part_a.path)[1], find_manifest(part_b.path)[1])
+    partial = flagged_only_side(*manifests)
+    if partial:      # the other run's records an inline check does not make: no counterpart by design
+        why = explanation(*manifests)
+        explained = [why if r[2] != partial and not e else e for r, e in zip(rows, explained)]
     if decomposed:
         for side, recs in zip("ab", set_aside):
             for r in recs:
@@ -166,9 +172,9 @@ def _compare_parts(part_a: Part, part_b: Part, match: str, mapping: Mapping, ten
                         f"differently): {', '.join(sorted({f'{sc} ({st})' for st, sc in decomposed}))}")
     if recs_a and recs_b and not al.pairs:
         problems.append(f"step {step} rank {rank}: no record of {part_a.path} could be aligned with "
-                        f"{part_b.path} (different models?)")
+                        f"{part_b.path} ({unaligned_hint(*manifests)})")
     elif len(unmatched) and (~unmatched["is_cast"] & (unmatched["explained"] == "")).any():
-        hint = " (different models or options?)" if len(unmatched) > 0.2 * (len(recs_a) + len(recs_b)) else ""
+        hint = f" ({unaligned_hint(*manifests)})" if len(unmatched) > 0.2 * (len(recs_a) + len(recs_b)) else ""
         problems.append(f"step {step} rank {rank}: {int((~unmatched['is_cast'] & (unmatched['explained'] == '')).sum())} of "
                         f"{len(recs_a) + len(recs_b)} records could not be aligned{hint}; listed in unmatched.csv")
     df = score_pairs(df, part_a, part_b, tensors, problems)
@@ -228,6 +234,9 @@ def compare(a, b, *, match: str = "fuzzy", mapping: str | Mapping | None = None,
     if is_grad_run(run_a) or is_grad_run(run_b):      # gradient directions per step and parameter
         return said_by_rank0(engine, lambda: grad_compare(run_a, run_b, out=out), _elsewhere)
     problems: list[str] = []
+    note = tasks_note(run_a.manifest, run_b.manifest)
+    if note:
+        problems.append(note)
     if len(run_a.parts) == 1 and len(run_b.parts) == 1:
         jobs_list = [(next(iter(run_a.parts)), next(iter(run_b.parts)))]
     elif _other_parallelism(run_a, run_b):
@@ -298,7 +307,7 @@ def _merge(results: list, run_a, run_b, jobs_list: list, problems: list, framewo
     need = float(standard("compare_standards").get("min_aligned", 0.5))
     if share < need:
         raise RunsDoNotAlign(f"the runs do not align: {smaller - int(aligned[0])} of the smaller run's {smaller} "
-                             f"compute records could not be aligned (different models or options?)"
+                             f"compute records could not be aligned ({unaligned_hint(run_a.manifest, run_b.manifest)})"
                              + (f" (partial report: {verdict.report})" if verdict.report else ""),
                              Result(table, verdict))
     return Result(table, verdict)
