@@ -4,7 +4,7 @@ The same config, tasks and records as the PyTorch probe; the offline tools (``di
 compare``, ``run-ut``) read both.  Needs ``pip install "dispatchprobe[mindspore]"``.
 """
 
-from dispatchprobe.core.backend import missing_members
+from dispatchprobe.core.tensor_backend import missing_members
 
 from . import backend
 from .capture import DispatchProbe

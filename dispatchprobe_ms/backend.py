@@ -1,4 +1,4 @@
-"""The MindSpore :class:`~dispatchprobe.core.backend.TensorBackend`.
+"""The MindSpore :class:`~dispatchprobe.core.tensor_backend.TensorBackend`.
 
 Every number is computed in numpy (:mod:`dispatchprobe.core.host_numerics`) on the tensor's
 host values: MindSpore's CPU lacks the reductions the statistics need (aminmax, vector norm,
@@ -18,7 +18,7 @@ import mindspore as ms
 import numpy as np
 
 from dispatchprobe.core import host_numerics as hn
-from dispatchprobe.core import values
+from dispatchprobe.core import nested_values as values
 from dispatchprobe.records.writer import save_numpy_shard
 from dispatchprobe.standards import statistics
 

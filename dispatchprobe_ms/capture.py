@@ -16,7 +16,7 @@ from mindspore import nn
 from mindspore._c_expression import _DispatchGuardStack
 from mindspore.utils import MsDispatchMode
 
-from dispatchprobe.core import values
+from dispatchprobe.core import nested_values as values
 from dispatchprobe.core.config import ConfigError
 from dispatchprobe.core.session import ProbeSession
 from dispatchprobe.records.writer import write_manifest

@@ -21,7 +21,8 @@ from mindspore import _c_expression
 from mindspore._c_expression import typing
 from mindspore.ops import Primitive
 
-from dispatchprobe.core import op_traits, values
+from dispatchprobe.core import nested_values as values
+from dispatchprobe.core import op_traits
 
 # ops of the framework's own machinery, never the user's numerics
 NOT_RECORDED = {"typeof", "CellBackwardHook"}

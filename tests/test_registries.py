@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dispatchprobe import Config, ConfigError, DispatchProbe
-from dispatchprobe.core.backend import TensorBackend, missing_members
+from dispatchprobe.core.tensor_backend import TensorBackend, missing_members
 from dispatchprobe.core.events import Handler
 from dispatchprobe.core.perturbations import PERTURBATIONS, register_perturbation
 from dispatchprobe.core.tasks import TASKS, register_task

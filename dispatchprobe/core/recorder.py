@@ -1,6 +1,6 @@
 """The recorder: turns op events into the records of ``docs/record-format.md`` and writes them
 into the open step/rank part.  It talks to tensors only through the backend
-(:class:`dispatchprobe.core.backend.TensorBackend`).  Every task's records go through it: the
+(:class:`dispatchprobe.core.tensor_backend.TensorBackend`).  Every task's records go through it: the
 statistics and tensor tasks use it as their handler, the inline checks call :meth:`Recorder.encode`
 and :meth:`Recorder.write` for the ops they flag.
 """

@@ -1,7 +1,7 @@
 """A probe session: config, step/rank bookkeeping, the open part writer and the task's handlers.
 
 Framework-neutral.  The torch and MindSpore adapters subclass it, set ``backend`` (a
-:class:`~dispatchprobe.core.backend.TensorBackend`) and add only the interception (a dispatch
+:class:`~dispatchprobe.core.tensor_backend.TensorBackend`) and add only the interception (a dispatch
 mode, module hooks) that turns calls into :class:`OpEvent` objects for :meth:`ProbeSession.dispatch`.
 """
 

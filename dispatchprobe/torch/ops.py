@@ -8,7 +8,7 @@ import functools
 
 import torch
 
-from ..core import op_traits, values
+from ..core import nested_values, op_traits
 from . import collectives
 from .internals.dispatch import op_schema, schema_info
 
@@ -124,4 +124,4 @@ def is_alias(func) -> bool:
 
 def user_stack(skip: int = 3) -> tuple:
     """The Python frames of user code at this moment (torch and dispatchprobe frames left out)."""
-    return values.user_stack(torch.__path__[0], skip)
+    return nested_values.user_stack(torch.__path__[0], skip)

@@ -1,5 +1,5 @@
 """The inline-check primitives of the torch backend (contract:
-:class:`~dispatchprobe.core.backend.TensorBackend`, re-exported by :mod:`dispatchprobe.torch.backend`):
+:class:`~dispatchprobe.core.tensor_backend.TensorBackend`, re-exported by :mod:`dispatchprobe.torch.backend`):
 walk an op's tensors, re-run it, perturb its inputs, screen and measure changes on their device.
 
 All of it runs inside a handler (dispatch mode popped, ``no_grad``), so none of these ops is
@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from ..core import values
+from ..core import nested_values
 from ..standards.loader import per_dtype
 from . import ops, tensor_kinds
 from .internals.dispatch import autograd_on, tree_flatten, tree_unflatten
@@ -570,7 +570,7 @@ def replacement(original, result):
         out = torch.empty_like(orig)
         out.copy_(new)
         return out
-    return values.pair_outputs(original, result, lambda t: isinstance(t, torch.Tensor), one)
+    return nested_values.pair_outputs(original, result, lambda t: isinstance(t, torch.Tensor), one)
 
 
 def input_grads(func, args, kwargs, grad_outs, gen, device, fixup=None):
