@@ -426,3 +426,28 @@ def test_seed_all_rm_dropout_runs_dropouts_with_p_zero(monkeypatch):
     assert torch.equal(made_before(x), x) and torch.equal(torch.nn.Dropout2d(0.9)(images), images)
     assert torch.equal(functional.dropout(x, p=0.3, training=True), x)
     assert seed_all(1234, rm_dropout=True)["dropout p=0"] == "already"
+
+
+def test_msprobe_calls_without_an_equivalent_say_so_and_set_init_step_numbers_steps(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("dispatchprobe.torch.msprobe_api._SAID", set())
+    exec(compile(LOOP, "loop.py", "exec"), ns := {})
+    debugger = PrecisionDebugger(dump_path="./a")
+    try:
+        debugger.set_init_step(5)
+        data, label = ns["data_loader"][0]
+        with pytest.warns(ConfigWarning, match="token_range"):
+            debugger.start(ns["model"], token_range=[0, 10])
+        with pytest.warns(ConfigWarning, match=r"save\('act'\) records nothing"):
+            debugger.save(data, "act")
+        with pytest.warns(ConfigWarning, match="scope"):
+            debugger.module_dump(ns["model"].linear_1, "linear_1")
+        ns["F"].mse_loss(ns["model"](data), label).backward()
+        debugger.module_dump_end()
+        with pytest.raises(ConfigError, match="before start"):
+            debugger.set_init_step(1)
+        debugger.stop()
+        debugger.step()
+    finally:
+        debugger.close()
+    assert sorted(p.name for p in (tmp_path / "a").glob("step*")) == ["step5"]

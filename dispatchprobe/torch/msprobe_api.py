@@ -22,6 +22,7 @@ import torch
 from ..core.config import Config, ConfigError, ConfigWarning
 from ..core.overflow import OverflowDetected
 from .capture import DispatchProbe
+from .internals.autograd import current_autograd_node, node_sequence_nr
 
 
 def _next_node_number() -> int:
@@ -29,7 +30,7 @@ def _next_node_number() -> int:
     to read it (numbers only order nodes ready together in backward; every later node moves by one)."""
     with torch.enable_grad():
         leaf = torch.zeros((), requires_grad=True)
-        return leaf.view(()).grad_fn._sequence_nr() + 1
+        return node_sequence_nr(leaf.view(()).grad_fn) + 1
 
 
 class MsprobeProbe(DispatchProbe):
@@ -48,8 +49,8 @@ class MsprobeProbe(DispatchProbe):
         if window is not None:
             if stage == "forward":
                 return False
-            node = torch._C._current_autograd_node()
-            if node is None or node._sequence_nr() not in window:
+            node = current_autograd_node()
+            if node is None or node_sequence_nr(node) not in window:
                 return False
         return super().recording(stage, scope)
 
@@ -168,10 +169,13 @@ class PrecisionDebugger:
 
     # ---- msprobe's interface --------------------------------------------------------------------
     @_OnTheDebugger
-    def start(self, model=None) -> None:
+    def start(self, model=None, token_range=None) -> None:
         """Record from here (msprobe: ``debugger.start()`` / ``start(model)``).  The model only
         names module scopes, which are derived from the modules as they run without it; the
         grad probe is started by ``monitor(model)`` (or by start(model))."""
+        if token_range is not None:
+            _say_once("token_range", f"token_range={token_range!r}: every forward call of a step is recorded "
+                      "(select ops with list/scope)")
         if self.grad_probe:
             if model is not None and self.probe is None:
                 self._build(_one_model(model, grad_probe=True))
@@ -215,6 +219,32 @@ class PrecisionDebugger:
             self._build(_one_model(model, grad_probe=True))
 
     @_OnTheDebugger
+    def set_init_step(self, step: int) -> None:
+        """msprobe's ``set_init_step(step)``: the step number the next step's records take."""
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ConfigError(f"PrecisionDebugger.set_init_step: step must be a non-negative integer, got {step!r}")
+        probe = self._probe()
+        if probe.active:
+            raise ConfigError("PrecisionDebugger.set_init_step: call it before start(), not while recording")
+        probe.step_no = step
+
+    @_OnTheDebugger
+    def save(self, variable, name, save_backward=True) -> None:
+        """msprobe's level ``debug`` (any variable by name): not here, one line says so."""
+        _say_once("save", f"PrecisionDebugger.save({name!r}) records nothing: dispatchprobe records the ops "
+                  "below autograd; `dispatchprobe show RUN --op NAME` finds the op that made the variable")
+
+    @_OnTheDebugger
+    def module_dump(self, module, dump_name) -> None:
+        """msprobe's one-module dump: a scope here, one line says so."""
+        _say_once("module_dump", f"PrecisionDebugger.module_dump({dump_name!r}) selects nothing: select the "
+                  "module with scope: ['*.<its attribute path>'] (it and what it runs, forward and backward)")
+
+    @_OnTheDebugger
+    def module_dump_end(self) -> None:
+        """Goes with :meth:`module_dump` (which said what to do instead)."""
+
+    @_OnTheDebugger
     def close(self) -> None:
         """End the run (at exit without it); the next PrecisionDebugger(...) starts a new one."""
         if self._closed:
@@ -247,6 +277,16 @@ def _one_model(model, grad_probe: bool = False):
                       "(from its class name); only the grad probe needs one model", ConfigWarning, stacklevel=3)
         return None
     raise ConfigError(f"PrecisionDebugger: model must be a torch.nn.Module or a list of them, not {type(model).__name__}")
+
+
+_SAID: set[str] = set()
+
+
+def _say_once(what: str, line: str) -> None:
+    """A msprobe call or argument that cannot mean the same here: one ConfigWarning line per process."""
+    if what not in _SAID:
+        _SAID.add(what)
+        warnings.warn(line, ConfigWarning, stacklevel=4)
 
 
 def _close_at_exit(debugger: PrecisionDebugger) -> None:
