@@ -19,9 +19,11 @@ import numpy as np
 from dispatchprobe.core.recorder import Measured
 
 from . import backend as ms_backend
-from . import graph_dump, ops
+from . import graph_dump, graph_ir, ops
 from .graph_scopes import GraphScopes, stage_of
 
+_NUMPY = {"Int64": np.int64, "Int32": np.int32, "Int8": np.int8, "UInt8": np.uint8, "Bool": np.bool_,
+          "Float16": np.float16, "Float32": np.float32, "Float64": np.float64}
 # graph bookkeeping, never the user's numerics (they are not dumped as kernels on CPU either)
 _NOT_RECORDED = {"Depend", "UpdateState", "Load", "MakeTuple", "TupleGetItem"}
 
@@ -59,8 +61,12 @@ class GraphCapture:
                 continue
             shapes = (node.inputs, node.outputs) if node is not None else ([], [])
             written = ops.written_positions(k.type)
-            inputs = tuple(_written(_load(k.inputs, i, shapes[0])) if i in written else
-                           _value(_load(k.inputs, i, shapes[0]), _scalar(shapes[0], i)) for i in range(_count(k.inputs)))
+            args = node.args if node is not None else []
+            inputs = tuple(_constant(args[i]) if i not in k.inputs else
+                           _written(_load(k.inputs, i, shapes[0])) if i in written else
+                           _value(_load(k.inputs, i, shapes[0]), _scalar(shapes[0], i))
+                           for i in range(_count(k.inputs, args)))
+            attrs = ops.constructor_attrs(k.type, node.attrs) if node is not None else {}
             outs = [_value(_load(k.outputs, i, shapes[1]), False) for i in range(_count(k.outputs))]
             outputs = outs[0] if len(outs) == 1 else tuple(outs)
             unwritten = ops.unwritten_outputs(k.type, ms_backend.accelerator())
@@ -68,7 +74,7 @@ class GraphCapture:
             if not self.recorded and (scope or stage == "backward"):
                 self.recorded = True
                 session.graph_kernels_recorded()
-            session.on_op(k.type, stage, scope, inputs, {}, outputs, undefined=undefined,
+            session.on_op(k.type, stage, scope, inputs, attrs, outputs, undefined=undefined,
                           extra={"graph_kernel": k.scope})
         self.folder.release(os.path.join(self.keep, f"step{session.step_no}") if self.keep else None)
 
@@ -94,8 +100,22 @@ def _stages(kernels: list) -> list[str]:
     return [s or "forward" for s in out]
 
 
-def _count(by_position: dict) -> int:
-    return max(by_position) + 1 if by_position else 0
+def _count(by_position: dict, args: list = ()) -> int:
+    """How many inputs a kernel has: those dumped, and the constants the IR gives after them
+    (``Reshape``'s shape; not the monads that order side effects)."""
+    n = max(by_position) + 1 if by_position else 0
+    while n < len(args) and graph_ir.constant(args[n]) is not None:
+        n += 1
+    return n
+
+
+def _constant(text: str):
+    """An argument the graph passes as a constant (not dumped), as PyNative passes it: a tuple, a
+    number, or a MindSpore tensor for a constant tensor; None when the IR gives no value."""
+    value = graph_ir.constant(text)
+    if isinstance(value, tuple) and len(value) == 3 and value[0] == "tensor":
+        return ms.Tensor(np.array(value[2], dtype=_NUMPY.get(value[1], np.float32)))
+    return value
 
 
 def _load(files: dict, i: int, shapes: list):

@@ -1,11 +1,14 @@
 """What MindSpore's dump says of each kernel in a graph's IR (``graphs/ms_output_trace_code_graph_{g}.ir``):
-the shapes its inputs and outputs have in the graph, and the source lines that made it.
+the shapes its inputs and outputs have in the graph, its constant arguments and primitive
+attributes, and the source lines that made it.
 
 The dumped arrays carry the shape of the memory they were read from: a kernel after a no-op
 reshape (``Flatten``) gets its input dumped in the shape before it, so the IR's shapes are
 the record's.  The source trace (``# In file f.py:20, 32~41/    return self.act(self.fc(x))/``)
 names the cells a kernel ran in where its scope name does not (``@ms.jit`` functions: every
-kernel is ``Default/...``).
+kernel is ``Default/...``).  Constants the graph passes (``Reshape``'s shape, a gradient kernel's
+``filter_sizes``) are not dumped: they are read here, as are the attributes a legacy primitive is
+built from (``Conv2D``'s ``out_channel``, ``kernel_size``, ...), which run-ut needs.
 """
 
 from __future__ import annotations
@@ -17,6 +20,9 @@ from dataclasses import dataclass, field
 _FULLNAME = re.compile(r"# Fullname with scope: \((.*)\)$")
 _FRAME = re.compile(r"# In file (.+?):(\d+)(?:~\d+)?, (\d+)~(\d+)/(.*)/$")
 _ITEM = re.compile(r"<Tensor\[\w+\], \(([\d, ]*)\)>|<[^<>]*>")
+_NODE = re.compile(r"^%\S+ = (?:PrimFunc_)?\w+\((.*?)\)(?: \{instance name: [^}]*\})?(?: primitive_attrs: \{(.*?)\})?(?: cnode_attrs|$)")
+_CONST_TENSOR = re.compile(r"Tensor\(shape=\[[\d, ]*\], dtype=(\w+), value=\[?([-\d. e+]*)\]?\)$")
+_NUMBER = re.compile(r"^(I8|I16|I32|I64|U8|U16|U32|U64|F16|F32|F64|Bool)\((.*)\)$")
 
 
 @dataclass
@@ -24,6 +30,8 @@ class Node:
     inputs: list = field(default_factory=list)       # shape (tuple) of each input, None for non-tensors
     outputs: list = field(default_factory=list)
     frames: list = field(default_factory=list)       # (file, line, code, text the columns select)
+    args: list = field(default_factory=list)         # each argument's text: "%3" (a value) or a constant
+    attrs: dict = field(default_factory=dict)        # primitive_attrs, as Python values
 
 
 @functools.lru_cache(maxsize=32)
@@ -37,8 +45,12 @@ def read(path: str, mtime: float = 0.0) -> dict[str, Node]:
     nodes: dict[str, Node] = {}
     signature = None
     current = None
+    node = None
     for line in lines:
         text = line.strip()
+        if text.startswith("%") and " = " in text:
+            node, signature, current = _NODE.match(text), None, None
+            continue
         if text.startswith(": (") and signature is None:
             signature = text
             continue
@@ -47,7 +59,10 @@ def read(path: str, mtime: float = 0.0) -> dict[str, Node]:
             current = nodes[hit.group(1)] = Node()
             if signature:
                 current.inputs, current.outputs = _shapes(signature)
-            signature = None
+            if node is not None:
+                current.args = _split(node.group(1))
+                current.attrs = {k: constant(v) for k, _, v in (a.partition(": ") for a in _split(node.group(2) or ""))}
+            signature = node = None
             continue
         frame = _FRAME.match(text)
         if frame and current is not None:
@@ -55,7 +70,7 @@ def read(path: str, mtime: float = 0.0) -> dict[str, Node]:
             current.frames.append((file, int(lineno), code, code[int(c1):int(c2)]))
             continue
         if not text.startswith((": ", "#")):
-            current, signature = None, None
+            current, signature, node = None, None, None
     return nodes
 
 
@@ -71,3 +86,43 @@ def _items(side: str) -> list:
         dims = m.group(1)
         out.append(None if dims is None else tuple(int(d) for d in dims.split(",") if d.strip()))
     return out
+
+
+def _split(text: str) -> list[str]:
+    """``text`` split at its top-level commas (not those inside brackets or quotes)."""
+    out, depth, quoted, start = [], 0, False, 0
+    for i, ch in enumerate(text):
+        if ch == '"':
+            quoted = not quoted
+        elif not quoted and ch in "([{":
+            depth += 1
+        elif not quoted and ch in ")]}":
+            depth -= 1
+        elif not quoted and depth == 0 and ch == ",":
+            out.append(text[start:i].strip())
+            start = i + 1
+    if text[start:].strip():
+        out.append(text[start:].strip())
+    return out
+
+
+def constant(text: str):
+    """A constant of the IR as a Python value (``I64(4)`` -> 4, ``(I64(2), I64(64))`` -> (2, 64),
+    ``"same"`` -> "same", ``Tensor(shape=[4], dtype=Int64, value=[4 3 3 3])`` -> (dtype, [values]));
+    a value reference (``%3``) or anything else unknown: None."""
+    text = text.strip()
+    m = _NUMBER.match(text)
+    if m:
+        kind, value = m.groups()
+        return bool(int(value)) if kind == "Bool" else float(value) if kind.startswith("F") else int(value)
+    if text.startswith('"') and text.endswith('"'):
+        return text[1:-1]
+    if text.startswith("(") and text.endswith(")") or text.startswith("[") and text.endswith("]"):
+        items = [constant(t) for t in _split(text[1:-1])]
+        return tuple(items) if text[0] == "(" else items
+    m = _CONST_TENSOR.match(text)
+    if m:
+        return ("tensor", m.group(1), [float(v) for v in m.group(2).split()])
+    if re.fullmatch(r"-?\d+", text):
+        return int(text)
+    return None

@@ -35,7 +35,8 @@ def primitive_class(name: str):
     from mindspore.ops.auto_generate import gen_ops_prim
     from mindspore.ops.operations.manually_defined import ops_def
     import mindspore.ops.operations as operations
-    for module in (gen_ops_prim, ops_def, operations):
+    from mindspore.ops.operations import _grad_ops           # gradient kernels of compiled graphs
+    for module in (gen_ops_prim, ops_def, operations, _grad_ops):
         cls = getattr(module, name, None)
         if isinstance(cls, type) and issubclass(cls, Primitive):
             return cls
@@ -56,6 +57,26 @@ def pyboost_form(name: str) -> tuple[str, tuple[int, ...]] | None:
                 and len(node.args) == 2 and isinstance(node.args[1], ast.List) and hasattr(_c_expression, node.func.id):
             return node.func.id, tuple(i for i, e in enumerate(node.args[1].elts) if "dtype_to_type_id" in ast.unparse(e))
     return None
+
+
+def constructor_attrs(name: str, attrs: dict) -> dict:
+    """Of a compiled graph's primitive attributes, those a hand-written (legacy) primitive is built
+    from (``Conv2D(out_channel, kernel_size, ...)``), as PyNative records them (``init_attrs``);
+    {} for generated primitives, whose arguments are inputs."""
+    cls = primitive_class(name)
+    if cls is None or cls.__module__.endswith("gen_ops_prim") or pyboost_form(name) is not None:
+        return {}
+    try:
+        params = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
+    except (TypeError, ValueError):
+        return {}
+    aliases = {"data_format": "format"}
+    out = {}
+    for p in params:
+        key = p if p in attrs else aliases.get(p)
+        if key in attrs and attrs[key] is not None:
+            out[p] = attrs[key]
+    return out
 
 
 def dtype_to_id(dtype) -> int:

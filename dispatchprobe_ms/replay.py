@@ -53,6 +53,8 @@ def _value(spec, bench: bool, path: str, source=None, record=None, random=False)
             rng = np.random.default_rng(zlib.crc32(f"{record['name']}:{path}".encode()))
             values = rng.uniform(st["min"], st["max"], size=spec["shape"]) if spec["dtype"] != "bool" \
                 else rng.integers(0, 2, size=spec["shape"]).astype(bool)
+        elif spec.get("data") is None and spec.get("no_values"):
+            raise Skip(f"{path} has no values: {spec['no_values']}")
         elif spec.get("data") is None:
             raise Skip(f"{path} was not saved (statistics-only records: replay them with --random)")
         else:
@@ -104,6 +106,8 @@ def replay(record: dict, source, device, random: bool = False, keep_data: bool =
             if outs[bench] is None:
                 raise Skip(f"no float64 {name} kernel on {ms.get_context('device_target')} ({why}) and "
                            f"{unmapped}") from None
+    if not result.note:       # a reduction's terms: the float64 run on |inputs| ("magnitude") or on ones ("count")
+        result.terms = lambda kind="magnitude": _terms(run, specs, source, record, random, kind)
     bench_of = dict(outs[True])
     for out_name, d in outs[False]:
         b = bench_of.get(out_name)
@@ -117,6 +121,18 @@ def replay(record: dict, source, device, random: bool = False, keep_data: bool =
         if keep_data:
             result.data[f"{out_name}.device"], result.data[f"{out_name}.bench"] = np.array(dn), np.array(bn)
     return result
+
+
+def _terms(run, specs: list, source, record: dict, random: bool, kind: str) -> dict:
+    """{output name: float64 array} of the primitive run in float64 on the absolute values of its
+    floating inputs, or on ones: per output element, the magnitude (or number) of its terms."""
+    def term(a):
+        if not isinstance(a, ms.Tensor) or dtype_of(a) != "float64":
+            return a
+        x = np.abs(host(a)) if kind == "magnitude" else np.ones(tuple(a.shape))
+        return tensor(np.asarray(x, dtype=np.float64), "float64")
+    args = [term(_value(s, True, f"input.{i}", source, record, random)) for i, s in enumerate(specs)]
+    return {name: np.asarray(host(v), dtype=np.float64) for name, v in _outputs(run(args)) if isinstance(v, ms.Tensor)}
 
 
 _translation = functools.cache(lambda: Translation.shipped("mindspore"))   # read once, when first needed
