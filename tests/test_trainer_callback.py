@@ -99,7 +99,7 @@ def test_a_bad_key_fails_when_the_callback_is_made():
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not built")
 def test_torchrun_two_gloo_ranks(tmp_path):
     """Trainer's DDP on 2 gloo ranks: one folder per rank, bit-identical training on both, two
-    runs compare clean, the grad probe per rank."""
+    runs compare clean, the ranks agree (`dispatchprobe ranks`), the grad probe per rank."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            str(SCRIPT), str(tmp_path)], capture_output=True, text=True, timeout=400, env=env)
@@ -114,3 +114,5 @@ def test_torchrun_two_gloo_ranks(tmp_path):
             assert (tmp_path / "grad" / f"step{step}" / f"rank{rank}" / "grads.jsonl").exists()
     res = compare(tmp_path / "a", tmp_path / "b")
     assert res.exit_code == 0, res.output
+    res = CliRunner().invoke(main, ["ranks", str(tmp_path / "a")])
+    assert res.exit_code == 0 and "the ranks agree" in res.output, res.output
