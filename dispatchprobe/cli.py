@@ -53,18 +53,17 @@ def echo_table(df, max_rows: int = 40) -> None:
 
 @main.command("build-native")
 def build_native():
-    """Build the CPU statistics kernel for this torch (once; needs a C++ compiler and ninja).
+    """Build the native CPU statistics (once per source, compiler and platform; needs a C++ compiler).
 
-    Without it probes record the same statistics, more slowly; a probe never builds it itself."""
+    Without them probes record the same statistics, more slowly; a probe never builds them itself."""
     from .torch import fused_stats
     if not fused_stats.enabled():
-        raise click.UsageError("DISPATCHPROBE_FUSED_STATS=0 turns the kernel off: unset it to build")
+        raise click.UsageError("DISPATCHPROBE_FUSED_STATS=0 turns the native statistics off: unset it to build")
     reason = fused_stats.build_native()
     if reason is not None:
-        click.echo(f"error: the CPU statistics kernel did not build: {reason}", err=True)
+        click.echo(f"error: the native CPU statistics did not build: {reason}", err=True)
         sys.exit(1)
-    path, _, _ = fused_stats._target()
-    click.echo(f"built: {path}")
+    click.echo(f"built: {fused_stats.library_path()}")
 
 
 @main.command()
@@ -187,6 +186,8 @@ def compare(a, b, out, match, mapping, jobs, metric, stats_only):
         sys.exit(130)
     if int(os.environ.get("RANK", "0")) == 0:     # under torchrun: rank 0 merged and says it
         click.echo(str(verdict))
+        _say_repro([(a if d.side == "a" else b, d.name, d.step, d.rank) for d in (verdict.forward, verdict.backward)
+                    if d is not None and d.cause == "op" and d.kind == "op" and not d.departure])
     if not verdict.passed:
         sys.exit(2)
     if verdict.damaged:
@@ -270,7 +271,26 @@ def run_ut(records, out_dir, random_inputs, resume, jobs, device, filter_duplica
         sys.exit(130)
     if int(os.environ.get("RANK", "0")) == 0:
         click.echo(summary_text(res))
+        if not random_inputs:
+            _say_repro(_first_errors(res, records))
     _run_ut_exit(res)
+
+
+def _say_repro(named: list) -> None:
+    """Under the ops a verdict names, the command of each one's standalone repro (where its inputs
+    were saved): the next step from a verdict to an upstream bug report."""
+    from .offline.repro import hint
+    for run, name, step, rank in dict.fromkeys(named):
+        line = hint(run, name, step, rank)
+        if line:
+            click.echo(f"{name}: {line}")
+
+
+def _first_errors(res, records) -> list:
+    """(run, record, step, rank) of the first op run-ut judged error (with saved inputs to repro)."""
+    from .offline.run_ut import op_status
+    rows = res.results[op_status(res.results) == "error"]
+    return [(records, row["API Name"], int(row["Step"]), int(row["Rank"])) for _, row in rows.head(1).iterrows()]
 
 
 def _run_ut_exit(res) -> None:

@@ -67,6 +67,15 @@ def test_overflow_demo_finds_an_overflow_and_gives_one_account(tmp_path):
     show = CliRunner().invoke(main, ["show", str(out), "--html", str(tmp_path / "ovf.html")])
     assert show.exit_code == 0 and line in show.output, show.output
     assert "1 critical" in (tmp_path / "ovf.html").read_text()
+    # the overflow's message names its standalone repro, which shows it again with torch alone
+    command = f"dispatchprobe repro {out} {critical[0]['name']} -o repro"
+    assert f"a standalone repro: {command}" in demo.output, demo.output
+    made = CliRunner().invoke(main, command.split()[1:-1] + [str(tmp_path / "repro")])
+    assert made.exit_code == 0, made.output
+    again = subprocess.run([sys.executable, str(tmp_path / "repro" / "repro.py")], capture_output=True, text=True,
+                           timeout=300)
+    assert again.returncode == 2 and "output.0 float16" in again.stdout, again.stdout + again.stderr
+    assert int(re.search(r"inf/nan mismatches (\d+)", again.stdout).group(1)) == int(critical[0]["inf"])
 
 
 def test_free_benchmark_demo_counts_unchecked_ops_apart_from_flagged_ones(tmp_path):

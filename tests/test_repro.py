@@ -60,6 +60,7 @@ def planted(tmp_path_factory):
     spec = importlib.util.spec_from_file_location("planted_kernels", kernels)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    sys.modules["planted_kernels"] = module      # run-ut --import planted_kernels: already imported
     x = torch.randn(16, 8, generator=torch.Generator().manual_seed(0))
     with DispatchProbe(task="tensor", dump_path=str(tmp / "run")) as probe:
         torch.ops.repro_planted.scale(x)
@@ -160,3 +161,25 @@ def test_records_that_cannot_make_a_repro_say_why_in_one_line(tmp_path):
         res = CliRunner().invoke(main, ["repro", str(tmp_path / "stats"), name, "-o", str(tmp_path / "r")])
         assert res.exit_code == 1 and says in res.output and len(res.output.strip().splitlines()) == 1, res.output
     assert not (tmp_path / "r").exists()         # nothing written for a refused record
+
+
+def test_run_ut_and_compare_print_the_repro_command_of_the_op_they_name(planted, tmp_path, monkeypatch):
+    tmp, _, _ = planted
+    monkeypatch.chdir(tmp_path)
+    res = CliRunner().invoke(main, ["run-ut", str(tmp / "run"), "-o", "ut", "--import", "planted_kernels"])
+    assert res.exit_code == 2, res.output
+    name = "repro_planted.scale.default.0.forward"
+    assert f"{name}: a standalone repro: dispatchprobe repro {tmp / 'run'} {name} -o repro/{name}\n" in res.output
+
+    from tests.compare_helpers import record
+    record(tmp_path / "a", plant=True)
+    record(tmp_path / "b")
+    res = CliRunner().invoke(main, ["compare", str(tmp_path / "a"), str(tmp_path / "b")])
+    assert res.exit_code == 2, res.output
+    named = re.search(r"^first forward divergence: (\S+) ", res.output, re.M).group(1)
+    line = re.search(r"^(\S+): a standalone repro: (dispatchprobe repro .*)$", res.output, re.M)
+    assert line and line.group(1).startswith(named), res.output
+    made = CliRunner().invoke(main, line.group(2).split()[1:])
+    assert made.exit_code == 0, made.output
+    assert (tmp_path / "repro" / line.group(1) / "repro.py").is_file()
+

@@ -304,8 +304,11 @@ class OverflowHandler(Handler):
                         f"{', ' + row['grad_fn'] if row['grad_fn'] else ''}): {row['inf']} inf, {row['nan']} nan "
                         f"from finite inputs{'; float64 replay: ' + info['replay'] if info and 'replay' in info else ''}"
                         f"{'; ' + row['loss_scale'] if row['loss_scale'] else ''}")
+                # the op as a standalone bug report (offline/repro.py; its inputs are saved unless overwritten)
+                repro = (f"; a standalone repro: dispatchprobe repro {self.session.run_dir} {rec['name']} -o repro"
+                         if rec is not None and not rec.get("inputs_overwritten") and klass == "critical" else "")
                 self._stop = OverflowDetected(f"dispatchprobe: {what}; see "
-                                              f"{os.path.join(self.session.part_dir, 'overflow.csv')}")
+                                              f"{os.path.join(self.session.part_dir, 'overflow.csv')}{repro}")
 
     def _replay(self, event: OpEvent, outs) -> dict:
         """Run the op again on CPU in float64: does the overflow belong to the maths or the dtype?"""

@@ -45,6 +45,19 @@ def command(run_path, record_name: str, out: str | None = None) -> str:
     return f"dispatchprobe repro {_quote(str(run_path))} {_quote(record_name)} -o {_quote(folder)}"
 
 
+def hint(run_path, record_name: str, step: int | None = None, rank: int | None = None) -> str | None:
+    """``"a standalone repro: <command>"`` for a record whose inputs were saved (None otherwise, or
+    when the run cannot be read): the line compare and run-ut print under the op they name."""
+    try:
+        run = load(run_path)
+        part, rec, held = _find(run, record_name, step, rank)
+        _check(rec, part)
+    except (ValueError, OSError):
+        return None
+    where = f" --step {part.step} --rank {part.rank}" if len(held) > 1 or len(run.parts) > 1 else ""
+    return f"a standalone repro: {command(run_path, record_name)}{where}"
+
+
 def _folder_name(record_name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", record_name)
 
