@@ -1,4 +1,4 @@
-"""The torch :class:`~dispatchprobe.core.backend.TensorBackend`: what the framework-neutral recorder
+"""The torch :class:`~dispatchprobe.core.tensor_backend.TensorBackend`: what the framework-neutral recorder
 asks of torch tensors (describe, statistics, snapshots, JSON encoding of non-tensor arguments that
 ``replay`` turns back), plus the inline-check primitives of :mod:`.perturb`.
 """
@@ -14,12 +14,13 @@ import zlib
 
 import numpy as np
 import torch
-from safetensors import torch as safetensors_torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import collectives, device_stats, fused_stats, tensor_kinds
 from ..records.writer import write_safetensors
 from ..standards import statistics
+from .internals.dispatch import no_functorch, set_grad_enabled
+from .internals.tensors import MKLDNN, is_view, safetensors_codes, storage_expired, tensor_base
 from .ops import dtype_name
 
 name = "torch"
@@ -27,7 +28,7 @@ version = torch.__version__
 
 _MEMORY_FORMATS = {torch.contiguous_format: "contiguous_format", torch.channels_last: "channels_last",
                    torch.channels_last_3d: "channels_last_3d", torch.preserve_format: "preserve_format"}
-_LAYOUTS = {torch.strided: "strided", torch.sparse_coo: "sparse_coo", torch._mkldnn: "mkldnn"}  # noqa: SLF001
+_LAYOUTS = {torch.strided: "strided", torch.sparse_coo: "sparse_coo", MKLDNN: "mkldnn"}
 
 
 def is_tensor(value) -> bool:
@@ -87,7 +88,7 @@ def _meta(t, cls, dtype, shape, stride, device, requires_grad: bool) -> dict:
         "device": _DEVICE_NAMES.get(device) or _device_name(device),
         "requires_grad": requires_grad,
     }
-    if cls is _PARAMETER or type(t._base) is _PARAMETER:      # a model parameter, or a view of one
+    if cls is _PARAMETER or type(tensor_base(t)) is _PARAMETER:      # a model parameter, or a view of one
         meta["param"] = True
     return meta
 
@@ -150,7 +151,7 @@ def tensor_stats(tensors: list[torch.Tensor]) -> list[dict | None]:
         slow.append(i)
     if not slow:
         return out
-    with NoGrad(), torch._C._DisableFuncTorch():    # unwrapped values stay unwrapped
+    with NoGrad(), no_functorch():    # unwrapped values stay unwrapped
         for i in slow:
             t = tensor_kinds.values(tensors[i])
             if t is None or t.numel() == 0:
@@ -174,10 +175,10 @@ class NoGrad:
 
     def __enter__(self):
         self.prev = torch.is_grad_enabled()
-        torch._C._set_grad_enabled(False)
+        set_grad_enabled(False)
 
     def __exit__(self, *exc):
-        torch._C._set_grad_enabled(self.prev)
+        set_grad_enabled(self.prev)
 
 
 def _sequence(x: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -367,7 +368,7 @@ def _numpy_copy(x: torch.Tensor) -> np.ndarray:
 def checksum(t: torch.Tensor) -> str:
     """CRC32 of the tensor's bytes in C order (fast; equal bytes give equal sums), read from a
     private copy (see :func:`_numpy_copy`)."""
-    with torch._C._DisableFuncTorch():
+    with no_functorch():
         x = tensor_kinds.values(t).detach().to("cpu", copy=True, memory_format=torch.contiguous_format)
     if x.dtype in (torch.bfloat16,) or x.dtype.is_floating_point and x.element_size() == 1:
         x = x.view(torch.uint16 if x.element_size() == 2 else torch.uint8)
@@ -452,7 +453,7 @@ def _storage_objects_kept() -> bool:
 
 
 _weak = weakref.ref
-_expired = torch.UntypedStorage._expired     # StorageWeakRef.expired, two calls fewer
+_expired = storage_expired     # StorageWeakRef.expired, two calls fewer
 _STORAGE_OBJECTS_KEPT = _storage_objects_kept()
 
 
@@ -593,7 +594,7 @@ def snapshot(t: torch.Tensor) -> torch.Tensor:
     """A private contiguous copy to save, taken now on the op's thread: a later in-place op
     must not change what is saved.  Of the values :mod:`.tensor_kinds` allows (the recorder saves
     nothing for a tensor whose record says ``no_values``)."""
-    with torch.no_grad(), torch._C._DisableFuncTorch():
+    with torch.no_grad(), no_functorch():
         return _copy_out(tensor_kinds.values(t).detach())
 
 
@@ -601,7 +602,7 @@ def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-_ST_CODES = {dtype: code for code, dtype in safetensors_torch._TYPES.items()}
+_ST_CODES = safetensors_codes()
 _PAIRS = {torch.complex128: ("F64", torch.float64), torch.complex32: ("F16", torch.float16)}
 
 

@@ -8,7 +8,7 @@ import operator
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-__all__ = ["FakeTensor", "MKLDNN", "DISABLED_DISPATCH", "functorch", "tensor_version", "tensor_base", "dtensor_spec",
+__all__ = ["FakeTensor", "MKLDNN", "DISABLED_DISPATCH", "functorch", "tensor_version", "tensor_base", "is_view", "dtensor_spec",
            "is_zerotensor", "local_tensor", "foreach_norm", "safetensors_codes", "storage_expired"]
 
 #: The mkldnn layout (a layout with no public name).
@@ -23,6 +23,9 @@ functorch = torch._C._functorch
 
 #: A tensor's in-place version counter (a C-level getter: it runs per tensor per op).
 tensor_version = operator.attrgetter("_version")
+
+#: Whether a tensor is a view (a C-level call: it runs per tensor per op).
+is_view = operator.methodcaller("_is_view")
 
 #: The tensor a view was made from, or None.
 tensor_base = operator.attrgetter("_base")
