@@ -10,6 +10,7 @@ Framework-neutral: the replay and its services come from a :class:`~.replayer.Re
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import dataclasses
 import importlib
@@ -73,7 +74,10 @@ class RunUTResult:
 
 
 # ---- the per-op check (runs in workers) -----------------------------------------------------------
-class _State:
+class ReplayState:
+    """The run being judged in this process, read by :func:`check_op` (and by forked workers,
+    which inherit it): records, options, the replayer, its device, open tensor files."""
+
     def __init__(self, run: Run, options: dict, replayer: Replayer):
         self.run = run
         self.options = options
@@ -88,7 +92,24 @@ class _State:
         return src
 
 
-_STATE: _State | None = None
+_STATE: ReplayState | None = None
+
+
+def replay_state() -> ReplayState | None:
+    """The run :func:`check_op` judges now, or None."""
+    return _STATE
+
+
+@contextlib.contextmanager
+def replaying(run: Run, options: dict, replayer: Replayer):
+    """Makes ``run`` the one :func:`check_op` judges (here, and in workers forked meanwhile);
+    the previous one is back afterwards."""
+    global _STATE
+    prev, _STATE = _STATE, ReplayState(run, options, replayer)
+    try:
+        yield _STATE
+    finally:
+        _STATE = prev
 
 
 def _fmt(value) -> str:
@@ -232,7 +253,7 @@ def _op_rows(step, rank, rec: dict, cat: str, status: str, message: str, details
     return [_fmt(v) for v in row], [[_fmt(v) for v in d] for d in details]
 
 
-def _blas_limit(threads: int):
+def blas_limit(threads: int):
     """Limit numpy's BLAS threads while replaying (restored after)."""
     try:
         from threadpoolctl import threadpool_limits
@@ -250,11 +271,11 @@ def _init_worker(path, options, threads, replayer):
     for name in options.get("imports") or ():
         importlib.import_module(name)
     if _STATE is None or _STATE.run.path != path:
-        _STATE = _State(load(path), options, replayer)
+        _STATE = ReplayState(load(path), options, replayer)
     else:
         _STATE.sources = {}        # safetensors handles are not shared across fork
     replayer.set_threads(threads)
-    _blas_limit(threads)
+    blas_limit(threads)
 
 
 # ---- CSV files -----------------------------------------------------------------------------------
@@ -276,7 +297,7 @@ def _read_rows(path: str) -> list[list[str]]:
     return rows[1:] if rows else []
 
 
-class _Journal:
+class Journal:
     """Appends result and detail rows, flushed per op, so a kill loses at most one op."""
 
     def __init__(self, result_path: str, details_path: str, redo=None):
@@ -409,7 +430,7 @@ def run_ut(records, out_dir: str | None = None, *, random: bool = False, device:
                                                     "api": api}))
     # ops an earlier pass skipped for want of --random are judged when this one has it
     redo = (lambda r: _NOT_SAVED in r[_MESSAGE]) if resume and random else None
-    journal = _Journal(result_path + shard_suffix, details_path + shard_suffix, redo)
+    journal = Journal(result_path + shard_suffix, details_path + shard_suffix, redo)
     todo = [t for t in mine if (str(t[0]), str(t[1]), run.parts[t[:2]].records[t[2]]["name"]) not in journal.done]
     if limit is not None:
         todo = todo[:limit]
@@ -434,19 +455,17 @@ def run_ut(records, out_dir: str | None = None, *, random: bool = False, device:
                 runnable.append(t)
         threads = max(1, int(threads or 1))   # replayed ops are small: threads would only contend
         if jobs == 1 or len(runnable) <= 1:
-            prev = _STATE
-            _STATE = _State(run, options, replayer)
             prev_threads = replayer.set_threads(threads)
-            blas = _blas_limit(threads)
+            blas = blas_limit(threads)
             try:
-                for t in runnable:
-                    row, det, err = check_op(*t)
-                    _emit(journal, out_dir, row, det, err, replayer)
-                    replayed += 1
-                    if bar is not None:
-                        bar.update(1)
+                with replaying(run, options, replayer):
+                    for t in runnable:
+                        row, det, err = check_op(*t)
+                        write_judged(journal, out_dir, row, det, err, replayer)
+                        replayed += 1
+                        if bar is not None:
+                            bar.update(1)
             finally:
-                _STATE = prev
                 replayer.set_threads(prev_threads)
                 if blas is not None:
                     blas.restore_original_limits()
@@ -454,14 +473,14 @@ def run_ut(records, out_dir: str | None = None, *, random: bool = False, device:
             method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
             ctx = mp.get_context(method)
             if method == "fork":
-                _STATE = _State(run, options, replayer)   # inherited by the workers: records parsed once
+                _STATE = ReplayState(run, options, replayer)   # inherited by the workers: records parsed once
             chunk = max(1, min(16, len(runnable) // (jobs * 8) or 1))
             chunks = [runnable[i:i + chunk] for i in range(0, len(runnable), chunk)]
             with ctx.Pool(jobs, initializer=_init_worker, initargs=(run.path, options, threads, replayer)) as pool:
                 try:
                     for results in pool.imap(_check_chunk, chunks):
                         for _, (row, det, err) in results:
-                            _emit(journal, out_dir, row, det, err, replayer)
+                            write_judged(journal, out_dir, row, det, err, replayer)
                             replayed += 1
                         if bar is not None:
                             bar.update(len(results))
@@ -483,7 +502,7 @@ def run_ut(records, out_dir: str | None = None, *, random: bool = False, device:
     details = pd.read_csv(details_path, dtype=str, keep_default_na=False)
     res = RunUTResult(results, details, result_path, details_path, replayed, time.perf_counter() - t_start)
     if rank == 0:
-        res.report_html = _write_report(res, run, out_dir, ts, len(tasks))
+        res.report_html = write_report(res, run, out_dir, ts, len(tasks))
     return res
 
 
@@ -495,7 +514,7 @@ def _read_options(path: str) -> dict:
         return {}
 
 
-def _write_report(res: RunUTResult, run: Run, out_dir: str, ts: str, total: int) -> str:
+def write_report(res: RunUTResult, run: Run, out_dir: str, ts: str, total: int) -> str:
     """The results by module as one HTML page beside the CSVs (rewritten by each resume)."""
     from .run_ut_page import run_ut_html
     path = os.path.join(out_dir, f"accuracy_checking_report_{ts}.html")
@@ -507,7 +526,8 @@ def _write_report(res: RunUTResult, run: Run, out_dir: str, ts: str, total: int)
     return path
 
 
-def _emit(journal: _Journal, out_dir: str, row, det, err, replayer: Replayer) -> None:
+def write_judged(journal: Journal, out_dir: str, row, det, err, replayer: Replayer) -> None:
+    """Writes one judged op's rows to ``journal``, and its error data when it has some."""
     if err:
         try:
             _save_error_data(out_dir, row, err, replayer)

@@ -185,7 +185,7 @@ class Follower:
 def _check_live(task):
     """check_op for a task of a live run (in this process or a worker)."""
     step, rank, index, rec, folder = task
-    st = driver._STATE
+    st = driver.replay_state()
     part = st.run.parts.get((step, rank))
     if not isinstance(part, LivePart) or part.path != folder:
         part = st.run.parts[(step, rank)] = LivePart(folder, step, rank)
@@ -196,9 +196,9 @@ def _check_live(task):
 
 
 def _init_live_worker(options, threads, replayer):
-    driver._STATE.sources = {}       # safetensors handles are not shared across fork
+    driver.replay_state().sources = {}       # safetensors handles are not shared across fork
     replayer.set_threads(threads)
-    driver._blas_limit(threads)
+    driver.blas_limit(threads)
 
 
 def wait_for_manifest(follower: Follower, poll_s: float = 0.2, say: Callable[[str], None] | None = None) -> dict:
@@ -236,54 +236,30 @@ def run_ut_live(follower: Follower, out_dir: str | None = None, *, jobs: int = 1
         ts = f"{time.strftime('%Y%m%d%H%M%S')}-{n}"
     result_path = os.path.join(out_dir, f"accuracy_checking_result_{ts}.csv")
     details_path = os.path.join(out_dir, f"accuracy_checking_details_{ts}.csv")
-    journal = driver._Journal(result_path, details_path)
+    journal = driver.Journal(result_path, details_path)
     options = {"random": False, "device": device, "save_error_data": save_error_data, "imports": list(imports or ())}
     threads = max(1, int(threads or 1))
     show = sys.stderr.isatty() if progress is None else progress
     from tqdm import tqdm
     bar = tqdm(disable=not show, unit="op", desc="run-ut (live)")
     replayed = 0
-    prev_state = driver._STATE
-    driver._STATE = driver._State(run, options, replayer)
     interrupted = None
 
     def emit(task, result):
         nonlocal replayed
         row, det, err = result
-        driver._emit(journal, out_dir, row, det, err, replayer)
+        driver.write_judged(journal, out_dir, row, det, err, replayer)
         replayed += 1
         bar.update(1)
         if on_judged is not None:
             on_judged(task[0], task[1])
 
     try:
-        if jobs == 1:
-            prev_threads = replayer.set_threads(threads)
-            blas = driver._blas_limit(threads)
-            try:
-                for task in follower.tasks(poll_s):
-                    emit(*_check_live(task))
-            finally:
-                replayer.set_threads(prev_threads)
-                if blas is not None:
-                    blas.restore_original_limits()
-        else:
-            method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
-            if method != "fork":
-                raise ValueError("run-ut --follow/--listen with -j > 1 needs the fork start method (Linux, macOS "
-                                 "with fork); use -j 1")
-            with mp.get_context(method).Pool(jobs, initializer=_init_live_worker,
-                                             initargs=(options, threads, replayer)) as pool:
-                try:
-                    for task, result in pool.imap(_check_live, follower.tasks(poll_s), chunksize=1):
-                        emit(task, result)
-                except BaseException:
-                    pool.terminate()
-                    raise
+        with driver.replaying(run, options, replayer):
+            _judge_all(follower, replayer, emit, jobs, threads, options, poll_s)
     except KeyboardInterrupt as exc:
         interrupted = exc
     finally:
-        driver._STATE = prev_state
         bar.close()
         journal.close()
     import pandas as pd
@@ -291,8 +267,36 @@ def run_ut_live(follower: Follower, out_dir: str | None = None, *, jobs: int = 1
     details = pd.read_csv(details_path, dtype=str, keep_default_na=False)
     res = driver.RunUTResult(results, details, result_path, details_path, replayed, time.perf_counter() - t_start)
     if run.parts:
-        res.report_html = driver._write_report(res, run, out_dir, ts, len(results))
+        res.report_html = driver.write_report(res, run, out_dir, ts, len(results))
     if interrupted is not None:
         interrupted.result = res
         raise interrupted
     return res
+
+
+def _judge_all(follower: Follower, replayer: Replayer, emit, jobs: int, threads: int, options: dict,
+               poll_s: float) -> None:
+    """Judges the follower's ops as they come, here (``jobs == 1``) or in forked workers."""
+    if jobs == 1:
+        prev_threads = replayer.set_threads(threads)
+        blas = driver.blas_limit(threads)
+        try:
+            for task in follower.tasks(poll_s):
+                emit(*_check_live(task))
+        finally:
+            replayer.set_threads(prev_threads)
+            if blas is not None:
+                blas.restore_original_limits()
+    else:
+        method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+        if method != "fork":
+            raise ValueError("run-ut --follow/--listen with -j > 1 needs the fork start method (Linux, macOS "
+                             "with fork); use -j 1")
+        with mp.get_context(method).Pool(jobs, initializer=_init_live_worker,
+                                         initargs=(options, threads, replayer)) as pool:
+            try:
+                for task, result in pool.imap(_check_live, follower.tasks(poll_s), chunksize=1):
+                    emit(task, result)
+            except BaseException:
+                pool.terminate()
+                raise
