@@ -15,15 +15,19 @@ from dispatchprobe import DispatchProbe
 from dispatchprobe.cli import main
 
 
-def _grad_run(path, steps=4, inf_at=None):
+def _grad_run(path, steps=4, inf_at=None, scale_from=None):
     """SGD steps of a small MLP under the grad probe (L2); with ``inf_at``, the last layer's bias gradient
-    is inf at that step (its norm too)."""
+    is inf at that step (its norm too); with ``scale_from``, the first layer's weight gradient is 3x and
+    10 % of its signs flipped from that step on."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     step = [0]
     if inf_at is not None:
         model[2].bias.register_hook(lambda g: g * math.inf if step[0] == inf_at else g)
+    if scale_from is not None:
+        flip = torch.where(torch.rand(16, 8, generator=torch.Generator().manual_seed(7)) < 0.1, -3.0, 3.0)
+        model[0].weight.register_hook(lambda g: g * flip if step[0] >= scale_from else g)
     probe = DispatchProbe(task="grad_probe", dump_path=str(path), grad_level="L2", model=model)
     gen = torch.Generator().manual_seed(3)
     for i in range(steps):
@@ -119,3 +123,16 @@ def test_html_marks_a_non_finite_norm_off_the_scale(tmp_path):
     assert res.exit_code == 0, res.output
     line = _lines(page.read_text())["2.bias"]
     assert len(line["points"]) == 3 and line["crosses"] == ["2.bias step 3: norm inf"], line
+
+
+def test_grad_compare_page_draws_the_flagged_parameters_norms_of_both_runs(grad_run, tmp_path):
+    from dispatchprobe import compare
+    changed = _grad_run(tmp_path / "c", scale_from=2)
+    table, verdict = compare(changed, grad_run, out=str(tmp_path / "out"))
+    assert verdict.first["param"] == "0.weight", str(verdict)
+    drawn = _lines((tmp_path / "out" / "grad_compare.html").read_text())
+    flagged = set(table.loc[(table["flag"] != "") & (table["param"] != "summary"), "param"])
+    assert "0.weight" in flagged and set(drawn) == {f"{p} ({s})" for p in flagged for s in "AB"}   # flagged only
+    a, b = drawn["0.weight (A)"]["points"], drawn["0.weight (B)"]["points"]
+    assert a[:2] == b[:2] and all(pa[1] < pb[1] for pa, pb in zip(a[2:], b[2:]))   # A's 3x norm drawn higher
+

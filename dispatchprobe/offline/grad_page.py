@@ -53,10 +53,20 @@ def heat_map_page(table: pd.DataFrame, verdict, manifest_a: dict, manifest_b: di
         label = "summary (weighted)" if name == "summary" else name
         body.append(f'<tr{cls}><th class="p">{html.escape(label)}</th>{cells}</tr>')
     rule = standard("compare_standards")["grad_probe"]
+    flagged = table[(table["flag"] != "") & (table["param"] != "summary")]["param"].unique().tolist()
+    norms = ""
+    if flagged:      # how each flagged parameter's gradient norm went in both runs
+        rows = table[table["param"].isin(flagged)]
+        both = pd.concat([rows.assign(parameter=rows["param"] + f" ({side})", norm=rows[f"norm_{side.lower()}"],
+                                      order=rows["param"].map(flagged.index) * 2 + k)
+                          for k, side in enumerate("AB")]).sort_values(["order", "step"], kind="stable")
+        both = both[["parameter", "step", "norm"]]
+        norms = ('<h2>Gradient norm of the flagged parameters, A (solid) and B (dashed)</h2><div class="scroll">'
+                 + norm_chart(both, _paired_style) + legend_table(both, _paired_style) + "</div>")
     data = {"columns": list(table.columns),
             "rows": [[num(v) if not isinstance(v, str) else v for v in r] for r in table.itertuples(index=False)]}
     return fill("grad_compare.html", data, title=html.escape(f"grad compare: {verdict.a} vs {verdict.b}"),
-                summary=lines(str(verdict).splitlines()), heatmap=head + "".join(body),
+                summary=lines(str(verdict).splitlines()), heatmap=head + "".join(body), norms=norms,
                 rule=html.escape(f"below {rule['first_step_min']} at the first step, or a drop of more than "
                                  f"{rule['max_drop']} from the step before"),
                 csv="grad_compare.csv", meta=meta_rows({}, {"A": manifest_a, "B": manifest_b}))
@@ -73,8 +83,13 @@ def _style(i: int) -> tuple[str, str]:
     return _PALETTE[i % len(_PALETTE)], ("", "6 3", "2 2")[(i // len(_PALETTE)) % 3]
 
 
-def _swatch(i: int) -> str:
-    colour, dash = _style(i)
+def _paired_style(i: int) -> tuple[str, str]:
+    """Compare's lines, A and B of each parameter in turn: one colour per parameter, B dashed."""
+    return _PALETTE[(i // 2) % len(_PALETTE)], ("", "6 3")[i % 2]
+
+
+def _swatch(i: int, style=_style) -> str:
+    colour, dash = style(i)
     return (f'<svg width="26" height="8"><line x1="0" y1="4" x2="26" y2="4" stroke="{colour}" stroke-width="2" '
             f'stroke-dasharray="{dash}"/></svg>')
 
@@ -93,7 +108,7 @@ def _y_scale(norms: list[float]):
     return (lambda v: _TOP + span * (1 - (f(v) - a) / (b - a))), log, lo, hi
 
 
-def norm_chart(rows: pd.DataFrame) -> str:
+def norm_chart(rows: pd.DataFrame, style=_style) -> str:
     """An SVG line per parameter (``parameter``, ``step``, ``norm`` rows): its gradient norm at each
     step. A non-finite norm is a red cross on the top edge, never a point on the scale."""
     steps = sorted(rows["step"].unique().tolist())
@@ -112,7 +127,7 @@ def norm_chart(rows: pd.DataFrame) -> str:
     out.append(f'<text x="12" y="{_H / 2:.0f}" transform="rotate(-90 12 {_H / 2:.0f})" text-anchor="middle">'
                f'gradient norm{" (log scale)" if log else ""}</text>')
     for i, (name, group) in enumerate(rows.groupby("parameter", sort=False)):
-        colour, dash = _style(i)
+        colour, dash = style(i)
         points, marks = [], []
         for step, norm in sorted(zip(group["step"], group["norm"].astype(float))):
             tip = html.escape(f"{name} step {step}: norm {norm}")
@@ -135,19 +150,23 @@ def num_text(v: float) -> str:
     return f"{v:.4g}"
 
 
-def norms_page(rows: pd.DataFrame, manifest: dict, run_path: str, pattern: str | None) -> str:
-    """``dispatchprobe show RUN --html``, a grad-probe run: the chart of the selected parameters' norms
-    and a legend row per parameter (its colour, first, last and largest norm)."""
+def legend_table(rows: pd.DataFrame, style=_style) -> str:
+    """A row per line of :func:`norm_chart`: its swatch, parameter, first, last and largest finite
+    norm, and how many of its steps had a non-finite one."""
     legend = []
     for i, (name, group) in enumerate(rows.groupby("parameter", sort=False)):
         norms = group.sort_values("step")["norm"].astype(float)
         finite = norms[norms.map(math.isfinite)]
-        legend.append(f'<tr><td>{_swatch(i)}</td>'
-                      f'<th class="p">{html.escape(name)}</th><td>{num_text(norms.iloc[0])}</td>'
-                      f'<td>{num_text(norms.iloc[-1])}</td>'
-                      f'<td>{num_text(finite.max()) if len(finite) else "-"}</td>'
-                      f'<td>{len(norms) - len(finite)}</td></tr>')
+        legend.append(f'<tr><td>{_swatch(i, style)}</td><th class="p">{html.escape(name)}</th>'
+                      f'<td>{num_text(norms.iloc[0])}</td><td>{num_text(norms.iloc[-1])}</td>'
+                      f'<td>{num_text(finite.max()) if len(finite) else "-"}</td><td>{len(norms) - len(finite)}</td></tr>')
     head = "<tr><th></th><th>parameter</th><th>first norm</th><th>last norm</th><th>largest</th><th>non-finite</th></tr>"
+    return f'<table class="legend">{head}{"".join(legend)}</table>'
+
+
+def norms_page(rows: pd.DataFrame, manifest: dict, run_path: str, pattern: str | None) -> str:
+    """``dispatchprobe show RUN --html``, a grad-probe run: the chart of the selected parameters' norms
+    and a legend row per parameter (its colour, first, last and largest norm)."""
     chosen = f"parameters matching {pattern!r}" if pattern else "every parameter"
     summary = [f"{run_path}: {chosen}: {rows['parameter'].nunique()} parameter(s), "
                f"{rows['step'].nunique()} step(s)"]
@@ -155,4 +174,4 @@ def norms_page(rows: pd.DataFrame, manifest: dict, run_path: str, pattern: str |
             "rows": [[v if isinstance(v, str) else num(v) if not isinstance(v, tuple) else list(v) for v in r]
                      for r in rows.itertuples(index=False)]}
     return fill("grad_norms.html", data, title=html.escape(f"gradient norms: {run_path}"), summary=lines(summary),
-                chart=norm_chart(rows), legend=head + "".join(legend), meta=meta_rows({}, {"": manifest}))
+                chart=norm_chart(rows), legend=legend_table(rows), meta=meta_rows({}, {"": manifest}))
