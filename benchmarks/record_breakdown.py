@@ -42,7 +42,7 @@ from dispatchprobe.core import recorder
 from dispatchprobe.torch import backend, capture, fused_stats, ops
 
 def parts(probe) -> list:
-    """(label, owner, attribute) of the probe's parts; "statistics kernel" wraps the C++ kernel
+    """(label, owner, attribute) of the probe's parts; "statistics kernel" wraps the native call
     itself (and the accelerator kernel's launch)."""
     return [
         ("module scopes", capture, "_module_entered"),
@@ -52,8 +52,7 @@ def parts(probe) -> list:
         ("value cache", recorder.Recorder, "_fill_tensors"),
         ("value cache", recorder.Recorder, "_measured"),
         ("statistics (Python)", backend, "tensor_stats"),
-        ("statistics kernel", fused_stats, "stats4"),
-        ("statistics kernel", fused_stats, "extremes"),
+        ("statistics kernel", fused_stats, "tree_rows"),
         ("statistics kernel", backend, "device_stats_row"),
         ("building the record", recorder.Recorder, "encode"),
         ("building the record", recorder.Recorder, "write_line"),

@@ -56,7 +56,7 @@ import pathlib, sys
 from dispatchprobe.torch import fused_stats
 from tests.test_compare_exact_stats import record
 record(pathlib.Path(sys.argv[1]))
-print("kernel", fused_stats.stats4 is not None)
+print("kernel", fused_stats.tree_rows is not None)
 """
 
 
@@ -107,7 +107,7 @@ def test_other_kernels_keep_the_floor(tmp_path):
 
 
 def test_identical_runs_and_either_statistics_path_agree(tmp_path):
-    """Two runs in fresh processes, one with the C++ statistics kernel, one with
+    """Two runs in fresh processes, one with the native statistics, one with
     DISPATCHPROBE_FUSED_STATS=0, and a third run in this process: no departure anywhere, exit 0."""
     assert fused_stats.build_native() is None, f"the kernel did not build: {fused_stats.error}"
     for name, env, kernel in (("native", "1", True), ("python", "0", False)):

@@ -1,5 +1,5 @@
-"""The one-pass CPU statistics kernel gives the records the Python path gives, bit for bit: one
-summation order (``statistics.tree_sums``) on every path."""
+"""The native CPU statistics (a library of reductions over raw memory) give the records the Python
+path gives, bit for bit: one summation order (``statistics.tree_sums``) on every path."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from dispatchprobe.torch import backend, fused_stats
 
 @pytest.fixture(scope="module")
 def kernel():
-    assert fused_stats.build_native() is None, f"the kernel did not build: {fused_stats.error}"
-    return fused_stats.stats4
+    assert fused_stats.build_native() is None, f"the native library did not build: {fused_stats.error}"
+    return fused_stats.tree_rows
 
 
 def _same(a: dict, b: dict) -> bool:
@@ -26,7 +26,7 @@ def _same(a: dict, b: dict) -> bool:
 
 def _torch_stats(t, monkeypatch):
     with monkeypatch.context() as m:
-        m.setattr(fused_stats, "stats4", None)
+        m.setattr(fused_stats, "tree_rows", None)
         return backend._cpu_stats(t)
 
 
@@ -83,11 +83,11 @@ def test_a_failed_build_is_remembered_said_once_and_records_stay_the_same(tmp_pa
     gives the kernel's records."""
     monkeypatch.setenv("DISPATCHPROBE_NATIVE_DIR", str(tmp_path / "native"))
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
-    for name in ("stats4", "extremes", "describe", "Encoder", "cache_entry", "rows_into", "error"):
+    for name in ("tree_rows", "rows_into", "_native", "error"):
         monkeypatch.setattr(fused_stats, name, None)
     monkeypatch.setattr(fused_stats, "_loaded", False)
     reason = fused_stats.build_native()
-    assert reason and fused_stats.stats4 is None
+    assert reason and "no-such-compiler" in reason and fused_stats.tree_rows is None
     assert not list((tmp_path / "native").rglob("*.so"))
     assert [p.read_text().strip() for p in (tmp_path / "native").glob("*.failed")] == [reason]
     capsys.readouterr()
@@ -141,7 +141,7 @@ def test_expanded_permuted_and_column_layouts_are_read_in_place(kernel, monkeypa
              torch.randn(5, 1, generator=g).to(dtype).expand(5, 9)[:, 2:7],
              torch.tensor(3.0).to(dtype).expand(6, 4)]                                # one value
     handed = []
-    monkeypatch.setattr(fused_stats, "stats4", lambda t, k=fused_stats.stats4: handed.append(t) or k(t))
+    monkeypatch.setattr(fused_stats, "tree_rows", lambda ts, k=fused_stats.tree_rows: handed.extend(ts) or k(ts))
     for x in views:
         assert x.stride(-1) != 1 or 0 in x.stride()
         handed.clear()
@@ -164,61 +164,18 @@ def test_layouts_without_a_contiguous_dimension_are_reduced_from_a_copy(kernel, 
     """Every other element of every other row: no dimension of stride 1, so the kernel declines
     (an empty result) and the record comes from a contiguous copy, the same as torch's."""
     x = torch.randn(40, 60, generator=torch.Generator().manual_seed(2))[::2, ::2]
-    assert fused_stats.stats4(x) == []
+    assert fused_stats.tree_rows([x])[0] == fused_stats.DECLINED
     handed = []
-    monkeypatch.setattr(fused_stats, "stats4", lambda t, k=fused_stats.stats4: handed.append(t) or k(t))
+    monkeypatch.setattr(fused_stats, "tree_rows", lambda ts, k=fused_stats.tree_rows: handed.extend(ts) or k(ts))
     fused, reference, exact = backend._cpu_stats(x), _torch_stats(x, monkeypatch), x.double()
     assert [t.is_contiguous() for t in handed] == [False, True]      # declined, then the copy
+    handed.clear()
+    assert backend.tensor_stats([x])[0] == fused
+    assert [t.is_contiguous() for t in handed] == [False, True]
     assert _same(fused, reference)
     assert fused["mean"] == pytest.approx(exact.mean().item(), rel=1e-6, abs=1e-7)
     assert fused["norm"] == pytest.approx(torch.linalg.vector_norm(exact).item(), rel=1e-6)
     assert backend.tensor_stats([x])[0] == fused
-
-
-def _tensors_of_every_kind():
-    """Plain tensors the per-op path describes: every dtype in every layout a training step
-    makes (contiguous, transposed, sliced, expanded, channels-last, overlapping, conjugate and
-    negative views, 0-d, empty), leaves requiring grad, parameters and their views."""
-    g = torch.Generator().manual_seed(0)
-    dtypes = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.int64,
-              torch.int32, torch.int8, torch.uint8, torch.bool]
-    layouts = [lambda x: x, lambda x: x.t(), lambda x: x[:, 1:5], lambda x: x[::2], lambda x: x[1],
-               lambda x: x.unsqueeze(1).expand(6, 3, 8), lambda x: x[:0], lambda x: x[2, 3],
-               lambda x: x.reshape(2, 3, 2, 4).permute(0, 2, 3, 1),
-               lambda x: x.reshape(1, 6, 2, 4).contiguous(memory_format=torch.channels_last),
-               lambda x: x.flatten().as_strided((3, 3), (1, 1))]
-    tensors = []
-    for dtype in dtypes:
-        base = (torch.randn(6, 8, generator=g) * 10).to(dtype)
-        tensors += [layout(base) for layout in layouts]
-    complex_base = torch.randn(6, 8, dtype=torch.complex64, generator=g)
-    param = torch.nn.Parameter(torch.randn(4, 4, generator=g))
-    tensors += [complex_base.conj(), torch.randn(6, 8, generator=g).neg().t(), torch.tensor(2.5),
-                torch.randn(3, 4, generator=g).requires_grad_(), param, param.t(), param[1], torch.zeros(0)]
-    return tensors
-
-
-def test_the_cpp_describe_gives_the_python_describe(kernel, monkeypatch):
-    """The per-op facts from one C++ call (dtype, shape, stride, device, requires_grad, param,
-    the cache keys) equal the Python path's for every tensor; tensors the C++ call declines
-    (meta, wrappers) fall back to the Python path whole."""
-    assert fused_stats.describe is not None
-    tensors = _tensors_of_every_kind()
-    assert sum(fused_stats.describe(t) is not None for t in tensors) > 100      # taken by the C++ call
-    fast = [backend.describe(t) for t in tensors]
-    monkeypatch.setattr(fused_stats, "describe", None)
-    slow = [backend.describe(t) for t in tensors]
-    for t, a, b in zip(tensors, fast, slow):
-        assert a == b, (t.dtype, t.shape, t.stride())
-        assert a[1] is None or hash(a[1]) == hash(b[1])
-    declined = [torch.empty(3, device="meta"), torch.inference_mode()(lambda: torch.ones(2))(),
-                torch.sparse_coo_tensor([[0]], [1.0], (2,)).coalesce()]
-    monkeypatch.undo()
-    for t in declined:
-        assert fused_stats.describe(t) is None
-    fast = [backend.describe(t) for t in declined]
-    monkeypatch.setattr(fused_stats, "describe", None)
-    assert fast == [backend.describe(t) for t in declined]
 
 
 def test_a_windows_rows_in_one_call_are_the_python_paths(kernel):
@@ -282,21 +239,93 @@ def _record_bytes(run) -> dict:
 
 
 def test_fresh_runs_on_either_path_write_the_same_bytes(kernel, tmp_path):
-    """Two identical runs in fresh processes, one with the C++ kernel and encoder and one on the
-    Python path, and a second run with the kernel: every record file is the same, byte for byte,
-    from the first op (bf16 autocast, and values holding inf and nan, included)."""
+    """Two identical runs in fresh processes, one with the native statistics and one on the
+    Python path, a second run with the native statistics, and a run where the compiler is broken
+    (``CXX=false``: ``build-native`` fails in one line, the probe says in one line that it uses
+    torch's operations): every record file is the same, byte for byte, from the first op (bf16
+    autocast, and values holding inf and nan, included)."""
     import subprocess
     import sys
-    runs = {}
-    for name, env in (("native", {}), ("python", {"DISPATCHPROBE_FUSED_STATS": "0"}), ("again", {})):
+    broken = {"CXX": "false", "DISPATCHPROBE_NATIVE_DIR": str(tmp_path / "broken-cache")}
+    built = subprocess.run([sys.executable, "-m", "dispatchprobe", "build-native"], env={**os.environ, **broken},
+                           capture_output=True, text=True, timeout=300)
+    assert built.returncode == 1 and len(built.stderr.splitlines()) == 1 and "false" in built.stderr, built.stderr
+    runs, said = {}, {}
+    for name, env in (("native", {}), ("python", {"DISPATCHPROBE_FUSED_STATS": "0"}), ("again", {}),
+                      ("broken", broken)):
         done = subprocess.run([sys.executable, "-c", _TRAIN, str(tmp_path / name)], env={**os.environ, **env},
                               capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr[-2000:]
         runs[name] = _record_bytes(tmp_path / name)
+        said[name] = [line for line in done.stderr.splitlines() if line.startswith("dispatchprobe:")]
     assert len(runs["native"]) >= 4 and sum(len(b) for b in runs["native"].values()) > 100_000
-    assert runs["native"] == runs["python"] == runs["again"]
+    assert runs["native"] == runs["python"] == runs["again"] == runs["broken"]
+    assert said["native"] == said["python"] == said["again"] == []
+    assert len(said["broken"]) == 1 and "build failed" in said["broken"][0], said["broken"]
     written = b"".join(runs["native"].values())
     assert b'"Infinity"' not in written and b"Infinity" in written and b"e-07" in written   # json.dumps' format
+
+
+_NUMBERS_ONLY = """
+import ctypes, sys
+import numpy as np
+from dispatchprobe.standards import statistics
+lib = ctypes.CDLL(sys.argv[1])
+lib.dp_tree_stats.argtypes = (ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p)
+rng = np.random.default_rng(0)
+x = (rng.standard_normal((300, 257)) * 1e3).astype(np.float32)
+ids = rng.integers(-1000, 1000, (40, 30))
+views = [(x, 0), (x[:, 5:200], 0), (x.T, 0), (ids, 2), (ids.T[::2], 2)]
+desc, out = [], np.zeros(11 * len(views))
+for v, code in views:
+    desc += [v.ctypes.data, code, v.ndim, *v.shape, *(s // v.itemsize for s in v.strides)]
+desc = np.array(desc, dtype=np.int64)
+lib.dp_tree_stats(len(views), desc.ctypes.data, out.ctypes.data)
+for k, (v, code) in enumerate(views):
+    row = out[11 * k:11 * k + 11]
+    flat = np.array(sorted(zip(v.strides, v.shape), reverse=True))   # memory order (no expands here)
+    seq = np.lib.stride_tricks.as_strided(v, flat[:, 1], flat[:, 0]).reshape(-1)
+    total, squares = statistics.sums(seq, np) if code == 0 else (float(seq.sum()), float((seq * seq).sum()))
+    assert list(row[:5]) == [1, seq.max(), seq.min(), total, squares], (k, list(row[:5]), total, squares)
+print("torch" in sys.modules)
+"""
+
+
+def test_the_library_is_numbers_only(kernel):
+    """The native library needs neither torch nor Python objects: a process that never imports
+    torch loads it with ctypes, hands it numpy memory (contiguous, sliced, transposed float32;
+    integers) and gets the sums ``statistics.tree_sums`` defines, bit for bit (integers: exact)."""
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", _NUMBERS_ONLY, str(fused_stats.library_path())], cwd=root,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["False"]
+
+
+def test_the_build_is_named_by_source_compiler_and_platform(monkeypatch):
+    """No torch headers: another torch finds the same build; another compiler makes its own."""
+    path = fused_stats.library_path()
+    monkeypatch.setattr(torch, "__version__", "9.99.0")
+    assert fused_stats.library_path() == path
+    monkeypatch.setenv("CXX", "clang++ -O2")
+    assert fused_stats.library_path() != path
+
+
+def test_compare_of_all_nan_statistics_warns_nothing():
+    """Statistics that are nan on both sides (a record of values holding nan) are compared without
+    a numpy warning reaching the user (``-W error`` would make it an exception)."""
+    import warnings
+    from dispatchprobe.standards import statistics
+    nan = math.nan
+    side = {"max": [nan, 1.0], "min": [nan, -1.0], "mean": [nan, 0.5], "norm": [nan, 2.0]}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert statistics.stats_error(side, side).tolist() == [0.0, 0.0]
+        other = {**side, "norm": [nan, 3.0]}
+        assert statistics.stats_error(side, other).tolist() == [0.0, pytest.approx(1 / 3)]
+        statistics.compare_stats_columns(side, other)
 
 
 def _device_cases():

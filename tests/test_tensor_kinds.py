@@ -129,7 +129,7 @@ def test_probed_storage_stays_resizable(tmp_path, dtype, monkeypatch):
     """FSDP2 frees parameters by resizing their storage to 0; ``Tensor.numpy()`` would have made
     it non-resizable for good (small tensors' statistics are reduced by numpy)."""
     from dispatchprobe.torch import fused_stats
-    monkeypatch.setattr(fused_stats, "stats4", None)       # the numpy path, whatever the kernel
+    monkeypatch.setattr(fused_stats, "tree_rows", None)    # the numpy path, whatever the native library
     w = torch.randn(16, 8, dtype=dtype)
     x = torch.randn(4, 8, dtype=dtype)
     for task, extra in TASKS.items():
@@ -156,7 +156,7 @@ def test_numeric_warnings_never_reach_user_code(tmp_path, monkeypatch):
     """A finfo.min attention mask overflows float32 squares, +inf and -inf sum to nan: the probe's
     reductions must stay silent under ``-W error``."""
     from dispatchprobe.torch import fused_stats
-    monkeypatch.setattr(fused_stats, "stats4", None)
+    monkeypatch.setattr(fused_stats, "tree_rows", None)
     mask = torch.full((8, 8), torch.finfo(torch.float32).min).triu(1)
     both = torch.tensor([1.0, float("inf"), -float("inf")])
     with warnings.catch_warnings(), np.errstate(all="warn"):

@@ -3,8 +3,8 @@
 or :func:`from_row`; and how compare compares them.
 
 Sums and sums of squares follow one summation order, :func:`tree_sums`, on every path (this
-module's numpy and torch code, the torch adapter's C++ kernel), so equal values give equal
-records, bit for bit, whichever path measured them."""
+module's numpy and torch code, the torch adapter's native library and device kernels), so equal
+values give equal records, bit for bit, whichever path measured them."""
 
 from __future__ import annotations
 
@@ -123,8 +123,9 @@ def record(x, xp) -> dict | None:
 
 def finite_record(hi: float, lo: float, total: float, norm: float, n: int) -> dict:
     """The record of ``n`` values whose max, min, sum and L2 norm are finite: what :func:`finish`
-    gives them, callable without the values (a compiled encoder calls it per value it reads)."""
-    return {"max": hi, "min": lo, "mean": total / n, "norm": norm, "nan": 0, "inf": 0}
+    gives them, callable without the values (from a kernel's numbers).  A zero max or min is +0.0
+    (which of +0.0 and -0.0 a reduction keeps depends on its order)."""
+    return {"max": hi + 0.0, "min": lo + 0.0, "mean": total / n, "norm": norm, "nan": 0, "inf": 0}
 
 
 def finish(x, values, xp, repeat: int = 1) -> dict:
@@ -145,7 +146,7 @@ def finish(x, values, xp, repeat: int = 1) -> dict:
         stats.update(nan=int(xp.isnan(x).sum()) * repeat, inf=int(xp.isinf(x).sum()) * repeat)
         finite = x[xp.isfinite(x)]
         if finite.shape[0]:
-            stats["finite_max"], stats["finite_min"] = float(finite.max()), float(finite.min())
+            stats["finite_max"], stats["finite_min"] = float(finite.max()) + 0.0, float(finite.min()) + 0.0
     return stats
 
 
@@ -157,14 +158,14 @@ def from_row(row, n: int) -> dict:
     other fields, so the record is the one :func:`finish` gives the values, with ``finite_max`` and
     ``finite_min``, without a second pass over them."""
     hi, lo, total, norm, nan, inf = row
-    stats = {"max": hi, "min": lo, "mean": total / n, "norm": norm, "nan": int(nan), "inf": int(inf)}
+    stats = {"max": hi + 0.0, "min": lo + 0.0, "mean": total / n, "norm": norm, "nan": int(nan), "inf": int(inf)}
     if nan or inf:
         if math.isfinite(total) and math.isfinite(norm):
-            stats["finite_max"], stats["finite_min"] = total, norm
+            stats["finite_max"], stats["finite_min"] = total + 0.0, norm + 0.0
             stats["mean"] = math.nan if nan or (hi == math.inf and lo == -math.inf) else hi if math.isinf(hi) else lo
             stats["norm"] = math.nan if nan else math.inf
     elif not math.isfinite(total):       # finite values whose sum overflowed, as finish gives them
-        stats["finite_max"], stats["finite_min"] = hi, lo
+        stats["finite_max"], stats["finite_min"] = hi + 0.0, lo + 0.0
     return stats
 
 
@@ -271,7 +272,7 @@ def stats_error(actual: dict, expected: dict) -> np.ndarray:
         e_n = np.asarray(expected["norm"], dtype=np.float64)
         rel_n = np.abs(a_n - e_n) / np.where(e_n > 0, e_n, 1.0)
         parts.append(np.where(a_n == e_n, 0.0, rel_n))
-        err = np.nanmax(np.vstack(parts), axis=0)
+        err = np.fmax.reduce(np.vstack(parts), axis=0)     # nanmax without its warning on all-nan rows
     return np.nan_to_num(err, nan=0.0, posinf=np.inf)
 
 

@@ -6,6 +6,7 @@ asks of torch tensors (describe, statistics, snapshots, JSON encoding of non-ten
 from __future__ import annotations
 
 import ctypes
+import gc
 import json
 import math
 import threading
@@ -52,12 +53,13 @@ def traced_meta(t: torch.Tensor) -> dict:
 
 def describe(t: torch.Tensor) -> tuple:
     """``(tensor_meta(t), identity(t), dense_key(t))`` in one pass over the tensor's attributes
-    (the per-op path asks all three of every tensor): for a plain tensor or parameter from one C++
-    call (:data:`fused_stats.describe`) once the kernels are loaded, the same values as below."""
-    described = _described_in_cpp(t)
-    if described is not None:
-        return described
+    (the per-op path asks all three of every tensor): a plain tensor or parameter in allocated
+    strided memory first, each attribute read once (:func:`_described_plain`)."""
     cls = type(t)
+    if cls is _TENSOR or cls is _PARAMETER:
+        described = _described_plain(t, cls)
+        if described is not None:
+            return described
     dtype, device, shape = t.dtype, t.device, t.shape
     readable = tensor_kinds.readable(t)
     stride = t.stride() if readable or t.layout is _STRIDED else None
@@ -72,10 +74,31 @@ def describe(t: torch.Tensor) -> tuple:
     return (meta, *_key_pair(t, ptr, shape, stride, dtype, device, version))
 
 
-def _described_in_cpp(t: torch.Tensor) -> tuple | None:
-    """:func:`describe`'s triple from one C++ call, or None (kernels not loaded, or not a plain
-    readable tensor or parameter: the Python path decides)."""
-    return fused_stats.describe(t) if fused_stats.describe is not None else None
+def _described_plain(t: torch.Tensor, cls) -> tuple | None:
+    """:func:`describe` of a ``torch.Tensor`` or ``Parameter`` whose values are in allocated
+    strided memory (what :func:`tensor_kinds.readable` accepts with a data pointer), or None
+    for the general path (empty, no storage, other layouts, inference tensors)."""
+    try:
+        ptr = t.data_ptr()
+        version = tensor_kinds.version(t)
+    except (RuntimeError, NotImplementedError):
+        return None
+    if not ptr or t.layout is not _STRIDED:
+        return None
+    dtype, device, shape, stride = t.dtype, t.device, t.shape, t.stride()
+    meta = {"type": "tensor", "dtype": _DTYPE_NAMES.get(dtype) or dtype_name(dtype), "shape": list(shape),
+            "stride": list(stride), "device": _DEVICE_NAMES.get(device) or _device_name(device),
+            "requires_grad": t.requires_grad}
+    if cls is _PARAMETER or is_view(t) and type(tensor_base(t)) is _PARAMETER:     # a parameter, or a view of one
+        meta["param"] = True
+    ident = ptr, tuple(shape), stride, dtype, device, version
+    n = t.numel()
+    if n and (t.is_contiguous() or _fills_block(t)):
+        return meta, ident, (ptr, n, dtype, device, version)
+    return meta, ident, None
+
+
+_TENSOR = torch.Tensor
 
 
 def _meta(t, cls, dtype, shape, stride, device, requires_grad: bool) -> dict:
@@ -111,11 +134,7 @@ def identity(t: torch.Tensor):
 
 
 def _keys(t: torch.Tensor) -> tuple:
-    """(:func:`identity`, :func:`dense_key`) of ``t`` (from :func:`describe`'s C++ call where it
-    takes ``t``)."""
-    described = _described_in_cpp(t)
-    if described is not None:
-        return described[1], described[2]
+    """(:func:`identity`, :func:`dense_key`) of ``t``."""
     if not tensor_kinds.readable(t):
         return None, None
     try:
@@ -127,8 +146,9 @@ def _keys(t: torch.Tensor) -> tuple:
 
 def _key_pair(t: torch.Tensor, ptr, shape, stride, dtype, device, version) -> tuple:
     """(identity, dense key) from the attributes already read: the dense key only where the
-    view's elements fill one block of memory."""
-    ident = ptr, shape, stride, dtype, device, version
+    view's elements fill one block of memory.  Plain tuples (not ``torch.Size``): CPython's first
+    young collection stops tracking them, so the cache's keys are never walked again."""
+    ident = ptr, tuple(shape), stride, dtype, device, version
     n = t.numel()
     if n and (t.is_contiguous() or _fills_block(t)):
         return ident, (ptr, n, dtype, device, version)
@@ -142,13 +162,23 @@ def tensor_stats(tensors: list[torch.Tensor]) -> list[dict | None]:
     out: list[dict | None] = [None] * len(tensors)
     pending: list[tuple[int, torch.Tensor]] = []
     slow = []
+    native = []
+    read = fused_stats.tree_rows
     for i, t in enumerate(tensors):
-        # the common case first: a plain float32/bfloat16 CPU tensor, one C++ pass in place
-        if t.is_cpu and t.numel() and _one_pass_fits(t) and tensor_kinds.readable(t):
-            out[i] = _one_pass(t)
-            if out[i] is not None:
-                continue
-        slow.append(i)
+        # the common case first: a plain CPU tensor the native library reads in place
+        if read is not None and t.dtype in _NATIVE_CODES and t.is_cpu and t.numel() and tensor_kinds.readable(t):
+            native.append(i)
+        else:
+            slow.append(i)
+    declined = set()
+    if native:     # all of them in one native call
+        taken = [tensors[i] for i in native]
+        flat = read(taken)
+        for k, i in enumerate(native):
+            out[i] = _native_record(taken[k], flat[k * _ROW:(k + 1) * _ROW])
+            if out[i] is None:
+                declined.add(i)
+        slow = sorted(slow + list(declined))
     if not slow:
         return out
     with NoGrad(), no_functorch():    # unwrapped values stay unwrapped
@@ -159,7 +189,7 @@ def tensor_stats(tensors: list[torch.Tensor]) -> list[dict | None]:
             if stats_on_device(t):
                 pending.append((i, t, device_stats_row(t)))
                 continue
-            out[i] = _cpu_stats(t)
+            out[i] = _cpu_stats(t, i in declined)
     if pending:
         rows = read_stats_rows([r for _, _, r in pending], [t.numel() for _, t, _ in pending])
         for (i, _, _), st in zip(pending, rows):
@@ -203,40 +233,43 @@ def _fills_block(t: torch.Tensor) -> bool:
     return True
 
 
-def _one_pass_fits(x: torch.Tensor) -> bool:
-    """Whether the C++ kernel (:mod:`.fused_stats`) takes ``x``: float32 or bfloat16 (it reads in
-    place any layout with a dimension of stride 1, expanded or permuted too)."""
-    return fused_stats.stats4 is not None and x.dtype in _ONE_PASS_DTYPES
+def _native_fits(x: torch.Tensor) -> bool:
+    """Whether the native library (:mod:`.fused_stats`) is loaded and reads ``x``'s dtype (float32
+    and bfloat16 in any layout with a dimension of stride 1, expanded or permuted too; integers
+    and bools in any layout, where their sums are exact)."""
+    return fused_stats.tree_rows is not None and x.dtype in _NATIVE_CODES
 
 
-def _one_pass(x: torch.Tensor, repeat: int = 1) -> dict | None:
-    """The record from one pass of the kernel over ``x`` (:func:`_one_pass_fits`), each element
-    standing for ``repeat``; values holding inf or nan take a second pass for their counts and
-    finite max and min.  None where the kernel does not read ``x``'s layout in place (no
-    dimension of stride 1)."""
-    values = fused_stats.stats4(x)
-    if not values:
-        return None
-    hi, lo, total, squares = values
-    total, squares = total * repeat, squares * repeat
-    if not (math.isfinite(total) and math.isfinite(squares)):
-        nan, inf, hi_, lo_, fhi, flo = fused_stats.extremes(x)
-        if nan or inf:
-            return statistics.nonfinite_record(total, squares, int(nan) * repeat, int(inf) * repeat, hi_, lo_, fhi, flo,
-                                               x.numel() * repeat)
-        # finite values whose float32 lanes overflowed: finish sums them again in float64 lanes
-        seq, inner = _sequence(x)
+def _native_record(x: torch.Tensor, row, repeat: int = 1) -> dict | None:
+    """The record of ``x`` from its native row (:data:`fused_stats.ROW`), each element standing for
+    ``repeat``: made by ``standards/statistics`` from the row's numbers (values holding inf or nan
+    from their counts and finite max and min).  None where the library declined ``x``."""
+    kind, hi, lo, total, squares = row[0], row[1], row[2], row[3] * repeat, row[4] * repeat
+    if kind == _FINITE:
+        return statistics.finite_record(hi, lo, total, math.sqrt(squares), x.numel() * repeat)
+    if kind == _NONFINITE:
+        return statistics.nonfinite_record(total, squares, int(row[5]) * repeat, int(row[6]) * repeat, row[7], row[8],
+                                           row[9], row[10], x.numel() * repeat)
+    if kind == _OVERFLOWED:     # finite values whose float32 lanes overflowed: finish sums them in float64 lanes
+        seq, inner = _sequence(x.detach())
         return statistics.finish(seq, [hi, lo, total, math.sqrt(squares)], torch, repeat * inner)
-    return statistics.finite_record(hi, lo, total, math.sqrt(squares), x.numel() * repeat)
+    return None
 
 
-def _cpu_stats(t: torch.Tensor) -> dict:
-    st = _one_pass(t) if _one_pass_fits(t) else None
+def _native_one(x: torch.Tensor, repeat: int = 1) -> dict | None:
+    """:func:`_native_record` of one tensor (None: not loaded, another dtype, or declined)."""
+    if not (_native_fits(x) and x.numel()):
+        return None
+    return _native_record(x, fused_stats.tree_rows([x]), repeat)
+
+
+def _cpu_stats(t: torch.Tensor, native_declined: bool = False) -> dict:
+    st = None if native_declined or not tensor_kinds.readable(t) else _native_one(t)
     if st is not None:
         return st
     seq, repeat = _sequence(t.detach())
     x = statistics.source(seq, torch)
-    st = _one_pass(x, repeat) if _one_pass_fits(x) else None
+    st = _native_one(x, repeat)
     if st is not None:
         return st
     if x.numel() <= _NUMPY_MAX and x.dtype in _NUMPY_DTYPES:
@@ -266,7 +299,7 @@ def _with_infinities(x: torch.Tensor, values: list, repeat: int = 1) -> dict:
     ``-inf``), the same record in far fewer passes: a count and a masked max/min per sign."""
     hi, lo, total, norm = values
     n = x.numel() * repeat
-    stats = {"max": hi, "min": lo, "mean": total / n, "norm": norm, "nan": 0, "inf": 0}
+    stats = {"max": hi + 0.0, "min": lo + 0.0, "mean": total / n, "norm": norm, "nan": 0, "inf": 0}
     inf = 0
     finite_max, finite_min = hi, lo
     if hi == math.inf:
@@ -279,7 +312,7 @@ def _with_infinities(x: torch.Tensor, values: list, repeat: int = 1) -> dict:
         finite_min = float(x.masked_fill(neg, math.inf).min())
     stats["inf"] = inf
     if inf < n:
-        stats["finite_max"], stats["finite_min"] = finite_max, finite_min
+        stats["finite_max"], stats["finite_min"] = finite_max + 0.0, finite_min + 0.0
     return stats
 
 
@@ -339,7 +372,8 @@ def read_stats_rows(rows: list[torch.Tensor], numels: list[int]) -> list[dict]:
     return [statistics.from_row(v, n) for v, n in zip(values, numels)]
 
 
-_ONE_PASS_DTYPES = (torch.float32, torch.bfloat16)      # what fused_stats.stats4 reads
+_NATIVE_CODES = fused_stats.DTYPE_CODES       # the dtypes the native library reads
+_ROW, _FINITE, _NONFINITE, _OVERFLOWED = fused_stats.ROW, fused_stats.FINITE, fused_stats.NONFINITE, fused_stats.OVERFLOWED
 
 # Small CPU float tensors: numpy's reductions cost less dispatch than torch's.
 _NUMPY_MAX = 16384
@@ -422,19 +456,37 @@ def memory_ref(t: torch.Tensor):
 
 def cache_entry(ref, value) -> tuple:
     """``(ref, value)`` for the recorder's cache, with Python's cyclic garbage collector told not to
-    follow it where it cannot hold a cycle (:data:`fused_stats.cache_entry`): a step caches
-    hundreds of values, which every collection would otherwise walk."""
-    return (ref, value) if fused_stats.cache_entry is None else fused_stats.cache_entry(ref, value)
+    follow the pair, its weak reference and its entry where none can be part of a cycle (a
+    reference without a callback, an entry holding only values the collector does not track: the
+    statistics, which CPython leaves untracked as dictionaries of numbers): a step caches hundreds
+    of values, which every collection would otherwise walk."""
+    pair = (ref, value)
+    if _untrack is not None and type(ref) is _WEAKREF and ref.__callback__ is None and type(value) is dict \
+            and not any(map(_tracked, value.values())):
+        _untrack(ref)
+        _untrack(value)
+        _untrack(pair)
+    return pair
+
+
+def _untracker():
+    """CPython's ``PyObject_GC_UnTrack`` (public C API), or None on another Python."""
+    try:
+        fn = ctypes.pythonapi.PyObject_GC_UnTrack
+    except (AttributeError, ValueError):
+        return None
+    fn.argtypes, fn.restype = (ctypes.py_object,), None
+    return fn
+
+
+_untrack = _untracker()
+_WEAKREF = weakref.ReferenceType
+_tracked = gc.is_tracked
 
 
 def value_encoder(cache: dict, dense: dict, measured: type):
-    """The C++ encoder of an op's values for records that need only statistics
-    (:data:`fused_stats.Encoder`), on the recorder's cache dictionaries, once the kernels are
-    loaded; None before, or where storages' Python objects do not live as long as their memory
-    (the encoder keeps weak references to them, as :func:`memory_ref` does)."""
-    if fused_stats.Encoder is None or not _STORAGE_OBJECTS_KEPT:
-        return None
-    return fused_stats.Encoder(cache, dense, measured, statistics.finite_record, statistics.nonfinite_record)
+    """None: the recorder's Python encoder writes every record (``records.writer.json_line``)."""
+    return None
 
 
 def memory_alive(ref) -> bool:

@@ -1,72 +1,158 @@
-"""One pass over memory for the CPU statistics of a float32 or bfloat16 tensor (max, min, sum,
-sum of squares), where torch needs three reductions: a small C++ kernel (``csrc/stats4.cpp``).
-The same module reads the facts the per-op path records of every tensor in one call
-(``describe``).
+"""The CPU statistics of many tensors in one native call: a small library of reductions over raw
+memory (``csrc/tree_stats.cpp``: addresses, sizes, strides and dtype codes in, numbers out; no
+torch headers, no Python objects), loaded with ctypes.  For float32 and bfloat16 values it reads
+each tensor once where torch needs three reductions, summing in ``statistics.tree_sums``' order;
+for integers and bools it sums exactly in double.  Records are made from its numbers in Python,
+by ``standards/statistics`` (the one record encoder is ``records.writer.json_line``).
 
-It is built once, on command (``dispatchprobe build-native``, which needs a C++ compiler and
-``ninja``), for this CPU, source and torch, into ``DISPATCHPROBE_NATIVE_DIR`` (by default
-``~/.cache/dispatchprobe/native``); a probe only loads a build that is there, never builds one.
-A failed build is remembered beside it, with its reason, until the next ``build-native``.
-Without the kernel (not built, failed, or ``DISPATCHPROBE_FUSED_STATS=0``) the statistics use
-torch's operations in the same summation order (``statistics.tree_sums``): the same records,
-bit for bit, more slowly; a probe says so once per process, in one line.
+It is built once, by ``dispatchprobe build-native`` (a C++ compiler: ``$CXX``, else ``c++``), into
+``DISPATCHPROBE_NATIVE_DIR`` (by default ``~/.cache/dispatchprobe/native``), named by its source,
+compiler and platform: no torch headers, so a new torch needs no new build.  A probe only loads a
+build that is there, never builds one.  A failed build is remembered beside it, with the
+compiler's reason, until the next ``build-native``.  Without the library (not built, failed, or
+``DISPATCHPROBE_FUSED_STATS=0``) the statistics use torch's operations in the same summation order:
+the same records, bit for bit, more slowly; a probe says so once per process, in one line.
 """
 
 from __future__ import annotations
 
+import array
+import ctypes
 import hashlib
-import importlib.util
+import math
 import os
 import pathlib
+import platform
 import re
 import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 
-_SOURCE = pathlib.Path(__file__).with_name("csrc") / "stats4.cpp"
-_ISA_FLAGS = {"AVX2": ["-mavx2", "-mfma"], "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma"]}
+import torch
+
+SOURCE = pathlib.Path(__file__).with_name("csrc") / "tree_stats.cpp"
+ABI = 1                          # dp_tree_stats_abi() of the library this module reads
+_ISA_FLAGS = {"avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma"],
+              "avx2": ["-mavx2", "-mfma"], "generic": []}
 # no fused multiply-adds: a square is rounded before it is added, as the Python path does
 _FLOAT_FLAGS = ["-ffp-contract=off", "-fno-fast-math"]
+
+# A row of the library (ROW numbers per tensor): KIND, then max, min, sum, sum of squares, and for
+# values holding inf or nan (or whose float32 sums overflowed) their nan and inf counts, max and
+# min without nan, finite max and min.
+ROW = 11
+DECLINED, FINITE, NONFINITE, OVERFLOWED = 0, 1, 2, 3
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.int64: 2, torch.int32: 3, torch.int16: 4, torch.int8: 5,
+               torch.uint8: 6, torch.bool: 7}
+
 _lock = threading.Lock()
 _loaded = False
-stats4 = None             # the kernel: float32/bfloat16 CPU tensor -> [max, min, sum, sum of squares]
-extremes = None           # its second pass where those sums are not finite -> [nan, inf, max, min, finite max, finite min]
-describe = None           # a plain tensor's description and cache keys in one call (backend.describe), or None
-Encoder = None            # the statistics task's per-value encoding (backend.value_encoder), or None
-cache_entry = None        # the recorder's cache pairs kept out of the cyclic GC (backend.cache_entry), or None
-rows_into = None          # a compiled graph's window of CPU values -> their stats rows (compile/runtime.py), or None
-error: str | None = None  # why the kernel is not used
+_native = None            # the library's dp_tree_stats, once loaded
+tree_rows = None          # rows(tensors) -> the library's rows of CPU tensors (see rows), or None
+rows_into = None          # a compiled graph's window of CPU values -> their stats rows (see window_rows), or None
+stats4 = None             # one float32/bfloat16 CPU tensor -> [max, min, sum, sum of squares] (see sums4), or None
+error: str | None = None  # why the library is not used
 
 
 def enabled() -> bool:
     return os.environ.get("DISPATCHPROBE_FUSED_STATS", "1").lower() not in ("0", "false", "no", "off")
 
 
+def rows(tensors) -> array.array:
+    """The library's rows (:data:`ROW` numbers each, one after another) of CPU tensors whose dtype
+    is in :data:`DTYPE_CODES`, in one call: each tensor read where it lies (its data pointer,
+    sizes and strides).  A row's kind is DECLINED where the library does not read the tensor
+    (empty, no dimension of stride 1 for floats, integers whose sums would not be exact)."""
+    desc: list = []
+    for t in tensors:
+        shape = t.shape
+        desc += (t.data_ptr(), DTYPE_CODES[t.dtype], len(shape), *shape, *t.stride())
+    count = len(tensors)
+    described = array.array("q", desc)          # held here while the library reads it
+    out = array.array("d", bytes(8 * ROW * count))
+    _native(count, described.buffer_info()[0], out.buffer_info()[0])   # ctypes releases the GIL
+    return out
+
+
+def sums4(t: torch.Tensor) -> list:
+    """[max, min, sum, sum of squares] of one float32 or bfloat16 CPU tensor (the sums inf or nan
+    where its values hold inf or nan), or [] where the library does not read it in place."""
+    r = rows([t])
+    return [] if r[0] == DECLINED else list(r[1:5])
+
+
+def window_rows(values: list, out: torch.Tensor, nonfinite_row) -> list[int]:
+    """A compiled graph's window of CPU values (compile/runtime.py): the device stats row of each,
+    [max, min, sum, L2 norm, nan count, inf count], into row i of ``out`` (float64, (len, 6)), for
+    plain tensors the library reads (float32/bfloat16, integers and bools with exact sums), in one
+    call; values holding inf or nan get their row from ``nonfinite_row``
+    (``statistics.nonfinite_row``).  Returns the indexes of the others, left untouched for the
+    Python path (other dtypes, layouts not read in place, finite values whose float32 sums
+    overflowed, subclasses, freed memory, ...)."""
+    if out.dtype != torch.float64 or not out.is_contiguous() or out.dim() != 2 or tuple(out.shape) != (len(values), 6):
+        raise RuntimeError("rows_into: a contiguous float64 (len, 6) tensor")
+    taken = [i for i, t in enumerate(values) if _plain_in_memory(t)]
+    flat = out.view(-1).tolist()
+    left = sorted(set(range(len(values))) - set(taken))
+    got = rows([values[i] for i in taken]) if taken else ()
+    for k, i in enumerate(taken):
+        r = got[k * ROW:(k + 1) * ROW]
+        kind = r[0]
+        if kind == FINITE:
+            row = [r[1], r[2], r[3], math.sqrt(r[4]), 0, 0]
+        elif kind == NONFINITE:
+            row = nonfinite_row(r[3], r[4], int(r[5]), int(r[6]), r[7], r[8], r[9], r[10])
+        else:
+            left.append(i)
+            continue
+        flat[6 * i:6 * i + 6] = row
+    out.copy_(torch.tensor(flat, dtype=torch.float64).view(len(values), 6))
+    return sorted(left)
+
+
+def _plain_in_memory(t) -> bool:
+    """A plain CPU tensor or parameter of a dtype the library reads, whose every element lies in
+    its storage's allocated bytes (not a storage freed to size 0 between uses, as FSDP2 does)."""
+    if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.dtype not in DTYPE_CODES or t.layout != torch.strided \
+            or not t.is_cpu or t.numel() == 0:
+        return False
+    try:
+        storage = t.untyped_storage()
+        if storage.data_ptr() == 0:
+            return False
+        last = t.storage_offset() + sum((k - 1) * s for k, s in zip(t.shape, t.stride()))
+        return min(t.stride(), default=0) >= 0 and (last + 1) * t.element_size() <= storage.nbytes()
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
 def load():
-    """The kernel, loaded once per process where a build of it is there (a probe calls this when
-    it starts: every record of the process then comes from one path), or None, saying once why."""
+    """The library's :func:`rows`, loaded once per process where a build of it is there (a probe
+    calls this when it starts: every record of the process then comes from one path), or None,
+    saying once why."""
     global _loaded
     with _lock:
         if _loaded:
-            return stats4
+            return tree_rows
         _loaded = True
         if not enabled():
-            _unused("the native kernel is turned off (DISPATCHPROBE_FUSED_STATS=0)", say=False)
+            _unused("the native statistics are turned off (DISPATCHPROBE_FUSED_STATS=0)", say=False)
             return None
         try:
-            path, _, _ = _target()
+            path = library_path()
             failed = path.with_suffix(".failed")
             if path.exists():
-                _load_module(path)
+                _open(path)
             elif failed.exists():
-                _unused(f"the native kernel's build failed ({failed.read_text().strip()}); `dispatchprobe build-native` tries again")
+                _unused(f"the native statistics' build failed ({failed.read_text().strip()}); "
+                        "`dispatchprobe build-native` tries again")
             else:
-                _unused("the native kernel is not built; `dispatchprobe build-native` builds it once for this torch")
+                _unused("the native statistics are not built; `dispatchprobe build-native` builds them once")
         except Exception as exc:       # a damaged build, a read-only cache, ...
-            _unused(f"the native kernel did not load ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})")
-    return stats4
+            _unused(f"the native statistics did not load ({type(exc).__name__}: "
+                    f"{str(exc).splitlines()[0] if str(exc) else ''})")
+    return tree_rows
 
 
 def _unused(why: str, say: bool = True) -> None:
@@ -77,88 +163,102 @@ def _unused(why: str, say: bool = True) -> None:
               file=sys.stderr)
 
 
+def _open(path: pathlib.Path) -> None:
+    global _native, tree_rows, rows_into, stats4
+    lib = ctypes.CDLL(str(path))
+    lib.dp_tree_stats_abi.restype = ctypes.c_int64
+    if lib.dp_tree_stats_abi() != ABI:
+        raise RuntimeError(f"{path.name} speaks interface {lib.dp_tree_stats_abi()}, not {ABI}")
+    fn = lib.dp_tree_stats
+    fn.argtypes = (ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p)
+    fn.restype = None
+    _native, tree_rows, rows_into, stats4 = fn, rows, window_rows, sums4
+
+
 def build_native() -> str | None:
-    """Build the kernel for this CPU, source and torch unless it is built (in a process of its
-    own, so a build that is stopped leaves nothing half-written), and load it; a failure is
-    remembered beside the build with its reason.  Returns None when the kernel is loaded, else
-    the reason it is not."""
+    """Build the library for this source, compiler and platform unless it is built, and load it;
+    a failure is remembered beside the build with the compiler's reason.  Returns None when the
+    library is loaded, else the reason it is not."""
     global _loaded
-    path, _, _ = _target()
+    path = library_path()
     failed = path.with_suffix(".failed")
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
-        done = subprocess.run([sys.executable, "-m", __name__], start_new_session=True, capture_output=True, text=True)
-        if done.returncode or not path.exists():
-            reason = _why(done.stderr or done.stdout) or f"the build exited with {done.returncode}"
+        reason = _compile(path)
+        if reason is not None:
             failed.write_text(reason + "\n")
             return reason
     failed.unlink(missing_ok=True)
     with _lock:
         _loaded = False
     load()
-    return None if stats4 is not None else error
+    return None if tree_rows is not None else error
+
+
+def _compile(path: pathlib.Path) -> str | None:
+    """Compile into a file of this process's own and move it into place whole (a build that is
+    stopped leaves nothing half-written); with OpenMP where the compiler has it (torch's CPU
+    runtime is libgomp: the threads are torch's), else without.  None, or why it failed."""
+    part = path.with_suffix(f".{os.getpid()}.part")
+    base = [*_compiler(), "-O3", "-std=c++17", "-shared", "-fPIC", *_ISA_FLAGS[_isa()], *_FLOAT_FLAGS,
+            str(SOURCE), "-o", str(part)]
+    reason = None
+    for extra in (["-fopenmp"], []):
+        try:
+            done = subprocess.run(base[:1] + extra + base[1:], capture_output=True, text=True, timeout=300)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return f"{base[0]}: {type(exc).__name__}: {exc}"[:300]
+        if done.returncode == 0 and part.exists():
+            os.replace(part, path)
+            return None
+        reason = _why(done.stderr or done.stdout) or f"{base[0]} exited with {done.returncode}"
+    part.unlink(missing_ok=True)
+    return reason
 
 
 def _why(output: str) -> str:
-    """The line of a failed build's output that says why: the compiler's first error, a missing
-    program, else the last line."""
+    """The line of a failed build's output that says why: the compiler's first error, else the
+    last line."""
     lines = [line.strip() for line in output.splitlines() if line.strip()]
-    cause = next((line for line in lines if re.search(r"\berror\b:|not found|No such file|fatal", line)
-                  and not line.startswith(("RuntimeError", "subprocess."))), None)
+    cause = next((line for line in lines if re.search(r"\berror\b:|not found|No such file|fatal", line)), None)
     return (cause or (lines[-1] if lines else ""))[:300]
+
+
+def _compiler() -> list[str]:
+    """The C++ compiler's command: ``$CXX`` (which may carry flags), else ``c++``, ``g++`` or ``clang++``."""
+    named = os.environ.get("CXX", "").split()
+    if named:
+        return named
+    found = next((c for c in ("c++", "g++", "clang++") if shutil.which(c)), "c++")
+    return [found]
+
+
+def _isa() -> str:
+    """The vector instructions the build uses, as this CPU has them (Linux reads /proc/cpuinfo;
+    elsewhere none beyond the platform's baseline).  The sums do not depend on them."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return "generic"
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return "generic"
+    if {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma"} <= set(flags):
+        return "avx512"
+    return "avx2" if {"avx2", "fma"} <= set(flags) else "generic"
 
 
 def native_dir() -> pathlib.Path:
     return pathlib.Path(os.environ.get("DISPATCHPROBE_NATIVE_DIR") or pathlib.Path.home() / ".cache" / "dispatchprobe" / "native")
 
 
-def _target():
-    """(the build's path, its module name, compiler flags) for this CPU, source and torch."""
-    import torch
-    # built for the vector instructions torch found on this CPU, named by them and by the source,
-    # so a cache shared by other CPUs or versions keeps one build each
-    isa = torch.backends.cpu.get_cpu_capability()
-    flags = ["-O3", *_ISA_FLAGS.get(isa, []), *_FLOAT_FLAGS, *_parallel_flags()]
-    digest = hashlib.sha1(_SOURCE.read_bytes() + isa.encode() + torch.__version__.encode()
-                          + " ".join(flags).encode()).hexdigest()[:12]
-    name = f"dispatchprobe_stats4_{isa.lower()}_{digest}"
-    return native_dir() / f"{name}.so", name, flags
-
-
-def _parallel_flags() -> list[str]:
-    """``at::parallel_for`` is inlined into the kernel: with torch's OpenMP backend it runs in
-    parallel only when the kernel is compiled with OpenMP too (otherwise serially, on one core).
-    The library it links is the one torch already loaded (same soname)."""
-    import torch
-    if sys.platform.startswith("linux") and "OpenMP" in torch.__config__.parallel_info():
-        return ["-fopenmp"]
-    return []
-
-
-def _load_module(path: pathlib.Path) -> None:
-    global stats4, extremes, describe, Encoder, cache_entry, rows_into
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    import torch
-    from . import tensor_kinds
-    module.configure(torch.nn.Parameter, tensor_kinds._unseen_writes)
-    stats4, extremes, describe, Encoder = module.stats4, module.extremes, module.describe, module.Encoder
-    cache_entry, rows_into = module.cache_entry, module.rows_into
-
-
-def _build_into_cache() -> None:
-    """Compile in a directory of its own and move the result into place whole: a build that is
-    stopped leaves no lock behind for the next one to wait on."""
-    from torch.utils.cpp_extension import load
-    path, name, flags = _target()
-    with tempfile.TemporaryDirectory(prefix="dispatchprobe-stats4-") as tmp:
-        load(name, [str(_SOURCE)], extra_cflags=flags, extra_ldflags=[f for f in flags if f == "-fopenmp"],
-             build_directory=tmp, verbose=False)
-        part = path.with_suffix(f".{os.getpid()}.part")
-        shutil.copyfile(pathlib.Path(tmp) / f"{name}.so", part)
-        os.replace(part, path)
-
-
-if __name__ == "__main__":
-    _build_into_cache()
+def library_path() -> pathlib.Path:
+    """Where the build for this source, compiler and platform is (or goes): named by them, so a
+    cache shared by other machines or compilers keeps one build each."""
+    compiler = _compiler()
+    resolved = shutil.which(compiler[0]) or compiler[0]
+    isa = _isa()
+    key = "\0".join([SOURCE.read_text(), os.path.realpath(resolved), *compiler[1:], sys.platform, platform.machine(),
+                     isa, " ".join(_FLOAT_FLAGS)])
+    digest = hashlib.sha1(key.encode()).hexdigest()[:12]
+    return native_dir() / f"dispatchprobe_tree_stats_{isa}_{digest}.so"

@@ -1,0 +1,606 @@
+// The statistics of a tensor's values over raw memory, for dispatchprobe's CPU records: numbers
+// only (no torch, no Python: pointers, sizes, strides and a dtype code in; numbers out), loaded with
+// ctypes by dispatchprobe/torch/fused_stats.py.
+//
+// Float32 and bfloat16 values: max, min, sum and sum of squares in one pass over memory (torch needs
+// three reductions), read in place without a copy: contiguous, a permutation of dense memory,
+// expanded, or strided with a dimension of stride 1 (see Walk).  The sums follow
+// standards/statistics.tree_sums' order (see tree_chunk), the Python path's, so both give the same
+// bits.  Where the sums are not finite (inf or nan among the values), a second pass gives the
+// counts and the finite max and min.  Integers and bools: one pass summing in double, exact below
+// 2**53 (declined otherwise).  Tensors over 64K values are split over OpenMP threads where the
+// build has OpenMP (torch's CPU runtime, libgomp, is the one loaded).
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+namespace {
+// A list of sizes or strides (a pointer and a length).
+struct Dims {
+  const int64_t* p = nullptr;
+  size_t n = 0;
+  size_t size() const { return n; }
+  int64_t operator[](size_t i) const { return p[i]; }
+};
+// chunks per thread: a tensor over 64K values is read by torch's intra-op threads (the same OpenMP
+// runtime), each from the part the op that wrote it most likely left in its own core's cache; a
+// smaller one on the calling thread
+constexpr int64_t kChunksPerThread = 2;
+
+// fn(c) for every chunk c in [0, chunks): split over the OpenMP threads where there are more than
+// two chunks per thread's share (as torch's at::parallel_for with that grain), else on this thread.
+template <typename Fn>
+void parallel_chunks(int64_t chunks, Fn&& fn) {
+#ifdef _OPENMP
+  if (chunks > kChunksPerThread && !omp_in_parallel()) {
+    const int64_t wanted = (chunks + kChunksPerThread - 1) / kChunksPerThread;
+    const int threads = static_cast<int>(std::min<int64_t>(omp_get_max_threads(), wanted));
+    if (threads > 1) {
+#pragma omp parallel num_threads(threads)
+      {
+        const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
+        const int64_t per = (chunks + nt - 1) / nt, b = tid * per, e = std::min(chunks, b + per);
+        for (int64_t c = b; c < e; ++c) fn(c);
+      }
+      return;
+    }
+  }
+#endif
+  for (int64_t c = 0; c < chunks; ++c) fn(c);
+}
+constexpr int kLanes = 64;          // float32 lanes: four vectors of kVector
+constexpr int kVector = 16;         // float32 values per vector (one AVX-512 register, two AVX2 ones)
+constexpr int kVectors = kLanes / kVector;
+constexpr int64_t kBlock = 1024;
+constexpr int64_t kGrain = 1 << 15;       // values per chunk
+
+inline float value(const float* p, int64_t i) { return p[i]; }
+
+inline float value(const uint16_t* p, int64_t i) {     // bfloat16: the high half of a float32
+  const uint32_t bits = static_cast<uint32_t>(p[i]) << 16;
+  float v;
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
+}
+
+typedef float Vec __attribute__((vector_size(kVector * sizeof(float))));
+typedef double Wide __attribute__((vector_size(kVector * sizeof(double))));
+typedef uint16_t Half __attribute__((vector_size(kVector * sizeof(uint16_t))));
+typedef uint32_t Bits __attribute__((vector_size(kVector * sizeof(uint32_t))));
+
+inline Vec load(const float* p) {
+  Vec v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline Vec load(const uint16_t* p) {               // bfloat16: the high half of a float32
+  Half h;
+  std::memcpy(&h, p, sizeof h);
+  return reinterpret_cast<Vec>(__builtin_convertvector(h, Bits) << 16);
+}
+
+// Two vectors of values at once: kVectors / 2 pairs cover a group of kLanes.  For bfloat16, one load
+// of 2 * kVector values interleaved with zeros (each value becomes the high half of a float32): in
+// another order than memory's, which the statistics do not depend on, and far fewer instructions
+// than widening each half.
+inline void load_pair(const float* p, Vec& a, Vec& b) {
+  a = load(p);
+  b = load(p + kVector);
+}
+
+typedef uint16_t Halves __attribute__((vector_size(2 * kVector * sizeof(uint16_t))));
+
+inline void load_pair(const uint16_t* p, Vec& a, Vec& b) {
+  Halves h;
+  std::memcpy(&h, p, sizeof h);
+  const Halves z{};
+  // within each 16-byte lane (8 values) the low four, then the high four, each after a zero
+#define DP_LANE(L, J) (8 * (L) + (J)), (2 * kVector + 8 * (L) + (J))
+#define DP_HALF(L, J0) DP_LANE(L, J0), DP_LANE(L, J0 + 1), DP_LANE(L, J0 + 2), DP_LANE(L, J0 + 3)
+#if defined(__clang__) || __GNUC__ >= 12
+  a = reinterpret_cast<Vec>(__builtin_shufflevector(z, h, DP_HALF(0, 0), DP_HALF(1, 0), DP_HALF(2, 0), DP_HALF(3, 0)));
+  b = reinterpret_cast<Vec>(__builtin_shufflevector(z, h, DP_HALF(0, 4), DP_HALF(1, 4), DP_HALF(2, 4), DP_HALF(3, 4)));
+#else   // GCC before 12: the same shuffles by mask
+  const Halves low{DP_HALF(0, 0), DP_HALF(1, 0), DP_HALF(2, 0), DP_HALF(3, 0)};
+  const Halves high{DP_HALF(0, 4), DP_HALF(1, 4), DP_HALF(2, 4), DP_HALF(3, 4)};
+  a = reinterpret_cast<Vec>(__builtin_shuffle(z, h, low));
+  b = reinterpret_cast<Vec>(__builtin_shuffle(z, h, high));
+#endif
+#undef DP_HALF
+#undef DP_LANE
+}
+
+// Calls fn(row pointer, width) for rows r0..r1 of the last dimension (stride 1), wherever the other
+// strides put them; a contiguous run is one row.
+template <typename T, typename Fn>
+void each_row(const T* p, int64_t r0, int64_t r1, const Dims& sizes, const Dims& strides, int64_t width, Fn&& fn) {
+  const int64_t outer = static_cast<int64_t>(sizes.size()) - 1;
+  std::vector<int64_t> index(std::max<int64_t>(outer, 0));
+  int64_t offset = 0, rest = r0;
+  for (int64_t d = outer - 1; d >= 0; --d) {
+    index[d] = rest % sizes[d];
+    offset += index[d] * strides[d];
+    rest /= sizes[d];
+  }
+  for (int64_t r = r0; r < r1; ++r) {
+    fn(p + offset, width);
+    for (int64_t d = outer - 1; d >= 0; --d) {        // the next row: an odometer over the outer dims
+      offset += strides[d];
+      if (++index[d] < sizes[d]) break;
+      offset -= index[d] * strides[d];
+      index[d] = 0;
+    }
+  }
+}
+
+// Reads rows r0..r1 (each_row) into an accumulator in kVectors independent vectors (one vector would
+// make each step wait for the last), folded every kBlock values: the same arithmetic whether the
+// values come in one run or in many short rows, the accumulator's vectors held in registers from
+// row to row.  The values after a row's last whole vector go to acc.scalar.
+template <typename Acc, typename T>
+typename Acc::Result rows(const T* p, int64_t r0, int64_t r1, const Dims& sizes, const Dims& strides,
+                          int64_t width) {
+  Acc acc;
+  int64_t pending = 0;                          // values stepped since the last fold
+  each_row(p, r0, r1, sizes, strides, width, [&](const T* row, int64_t n) {
+    int64_t i = 0;
+    while (i + kVector <= n) {
+      const int64_t end = i + std::min(kBlock - pending, (n - i) / kVector * kVector);
+      pending += end - i;
+      for (; i + kLanes <= end; i += kLanes)
+        for (int k = 0; k < kVectors; k += 2) {
+          Vec a, b;
+          load_pair(row + i + k * kVector, a, b);
+          acc.step(a, k);
+          acc.step(b, k + 1);
+        }
+      for (int k = 0; i < end; i += kVector, ++k) acc.step(load(row + i), k);
+      if (pending >= kBlock) {
+        acc.fold();
+        pending = 0;
+      }
+    }
+    for (; i < n; ++i) acc.scalar(value(row, i));
+  });
+  acc.fold();
+  return acc.done();
+}
+
+inline Vec fill(float v) { return Vec{} + v; }
+
+// Adds the kVectors float32 vectors of a block into double lanes and clears them.
+inline void fold_into(Vec* v, Wide& into) {
+  Vec all = v[0];
+  for (int k = 1; k < kVectors; ++k) all += v[k];
+  for (int k = 0; k < kVectors; ++k) v[k] = Vec{};
+  into += __builtin_convertvector(all, Wide);
+}
+
+// Values holding inf or nan: their counts, max and min without nan (inf kept), finite max and min.
+struct ExtremesPartial {
+  double nan = 0, inf = 0;
+  float hi = -INFINITY, lo = INFINITY, fhi = -INFINITY, flo = INFINITY;
+
+  void add(const ExtremesPartial& o) {
+    nan += o.nan;
+    inf += o.inf;
+    hi = std::max(hi, o.hi);
+    lo = std::min(lo, o.lo);
+    fhi = std::max(fhi, o.fhi);
+    flo = std::min(flo, o.flo);
+  }
+};
+
+struct Extremes {
+  using Result = ExtremesPartial;
+  Vec hi[kVectors], lo[kVectors], fhi[kVectors], flo[kVectors], nan[kVectors], inf[kVectors];
+  Wide wn{}, wi{};
+  ExtremesPartial tail;
+
+  Extremes() {
+    for (int k = 0; k < kVectors; ++k) {
+      hi[k] = fhi[k] = fill(-INFINITY);
+      lo[k] = flo[k] = fill(INFINITY);
+      nan[k] = inf[k] = Vec{};
+    }
+  }
+  void step(const Vec v, int k) {
+    const Vec a = v < 0 ? -v : v;
+    const auto finite = a < INFINITY;                    // false for inf and nan
+    hi[k] = v > hi[k] ? v : hi[k];
+    lo[k] = v < lo[k] ? v : lo[k];
+    fhi[k] = (finite & (v > fhi[k])) ? v : fhi[k];
+    flo[k] = (finite & (v < flo[k])) ? v : flo[k];
+    nan[k] -= __builtin_convertvector(v != v, Vec);      // a true comparison is -1
+    inf[k] -= __builtin_convertvector(a == INFINITY, Vec);
+  }
+  void scalar(float v) {
+    if (v != v) { tail.nan += 1; return; }
+    tail.hi = v > tail.hi ? v : tail.hi;
+    tail.lo = v < tail.lo ? v : tail.lo;
+    if (std::isinf(v)) { tail.inf += 1; return; }
+    tail.fhi = v > tail.fhi ? v : tail.fhi;
+    tail.flo = v < tail.flo ? v : tail.flo;
+  }
+  void fold() {                                          // counts of at most kBlock: exact in float32
+    fold_into(nan, wn);
+    fold_into(inf, wi);
+  }
+  ExtremesPartial done() const {
+    ExtremesPartial out = tail;
+    for (int m = 0; m < kVector; ++m)
+      for (int k = 0; k < kVectors; ++k)
+        out.add({k ? 0 : wn[m], k ? 0 : wi[m], hi[k][m], lo[k][m], fhi[k][m], flo[k][m]});
+    return out;
+  }
+};
+
+template <typename R>
+R merged(const std::vector<R>& parts) {
+  R all;
+  for (const auto& part : parts) all.add(part);
+  return all;
+}
+
+template <typename Acc, typename T>
+typename Acc::Result run(const T* p, int64_t n) {
+  const int64_t chunks = (n + kGrain - 1) / kGrain;
+  std::vector<typename Acc::Result> parts(chunks);
+  parallel_chunks(chunks, [&](int64_t c) {
+    const int64_t begin = c * kGrain;
+    parts[c] = rows<Acc>(p + begin, 0, 1, Dims{}, Dims{}, std::min(n, begin + kGrain) - begin);
+  });
+  return merged(parts);
+}
+
+template <typename Acc, typename T>
+typename Acc::Result run_rows(const T* p, const Dims& sizes, const Dims& strides) {
+  const int64_t dims = sizes.size(), width = sizes[dims - 1];
+  int64_t count = 1;
+  for (int64_t d = 0; d + 1 < dims; ++d) count *= sizes[d];
+  const int64_t per_chunk = std::max<int64_t>(1, kGrain / std::max<int64_t>(width, 1));
+  const int64_t chunks = (count + per_chunk - 1) / per_chunk;
+  std::vector<typename Acc::Result> parts(chunks);
+  parallel_chunks(chunks, [&](int64_t c) {
+    parts[c] = rows<Acc>(p, c * per_chunk, std::min(count, (c + 1) * per_chunk), sizes, strides, width);
+  });
+  return merged(parts);
+}
+
+// How the kernel walks a tensor's memory: each distinct element once.  Dimensions of size 1 are
+// dropped; a dimension of stride 0 (an expand) repeats the same values, read once and counted
+// `repeat` times; elements filling one block of memory in any order (a transpose or permute of
+// dense memory) are read as that block; otherwise a dimension of stride 1 is moved last and read
+// as rows (the statistics do not depend on the order of the values).  `readable` is false when
+// no dimension has stride 1 (every other element, say): the caller reduces a copy instead.
+struct Walk {
+  std::vector<int64_t> sizes, strides;
+  int64_t repeat = 1, count = 1;
+  bool flat = false, readable = true;
+};
+
+
+// The walk of a strided tensor of `ndim` dimensions (sizes and strides in elements, none negative)
+Walk walk_of(int64_t ndim, const int64_t* sizes, const int64_t* strides) {
+  Walk w;
+  std::vector<std::pair<int64_t, int64_t>> dims;        // (stride, size) of the dimensions read
+  for (int64_t d = 0; d < ndim; ++d) {
+    if (sizes[d] == 1) continue;
+    if (strides[d] == 0) { w.repeat *= sizes[d]; continue; }
+    dims.emplace_back(strides[d], sizes[d]);
+    w.count *= sizes[d];
+  }
+  std::sort(dims.begin(), dims.end());
+  int64_t expected = 1;
+  bool block = true;
+  for (const auto& [stride, size] : dims) {
+    if (stride != expected) { block = false; break; }
+    expected *= size;
+  }
+  if (block) {            // contiguous, a permutation of dense memory, a single value: one run
+    w.flat = true;
+    return w;
+  }
+  if (dims.front().first != 1) {
+    w.readable = false;
+    return w;
+  }
+  // rows along the stride-1 dimension, the others outermost first (descending strides)
+  for (size_t d = dims.size() - 1; d > 0; --d) {
+    w.sizes.push_back(dims[d].second);
+    w.strides.push_back(dims[d].first);
+  }
+  w.sizes.push_back(dims.front().second);
+  w.strides.push_back(1);
+  return w;
+}
+
+template <typename Acc, typename T>
+typename Acc::Result walk(const Walk& w, const T* p) {
+  return w.flat ? run<Acc>(p, w.count) : run_rows<Acc>(p, Dims{w.sizes.data(), w.sizes.size()}, Dims{w.strides.data(), w.strides.size()});
+}
+
+// ---- sums in statistics.tree_sums' order ------------------------------------------------------
+// The values are taken in the order they lie in memory (the walk's order), in blocks of kTreeRows
+// rows of kTreeLanes float32 lanes; each block's rows are added by pairwise halving, then its
+// lanes down to kFolded, widened to double; the blocks of a chunk (kChunkBlocks) by halving, the
+// chunk's lanes by halving, and the chunks by halving.  Squares are rounded to float32 before they
+// are added (the build turns off fused multiply-adds).  Python's statistics.tree_sums is the same
+// sum, value for value, so every path gives the same bits.
+constexpr int kTreeRows = 16, kTreeLanes = 64, kFolded = 16, kChunkBlocks = 32;
+constexpr int64_t kTreeBlock = kTreeRows * kTreeLanes;            // 1024 values
+constexpr int64_t kTreeChunk = kTreeBlock * kChunkBlocks;         // 32768 values
+static_assert(kTreeLanes == kVectors * kVector && kFolded == kVector, "a block row is kVectors vectors");
+
+struct TreeChunk {
+  float hi = -INFINITY, lo = INFINITY;
+  double sum = 0, squares = 0;
+};
+
+typedef double Folded __attribute__((vector_size(kFolded * sizeof(double))));
+
+// Halves v[0..n) pairwise in place down to v[0] (n a power of two).
+template <typename V>
+inline void halve(V* v, int n) {
+  for (int h = n / 2; h >= 1; h /= 2)
+    for (int i = 0; i < h; ++i) v[i] = v[i] + v[i + h];
+}
+
+// One whole block of float32 values (or bfloat16 bits) at q: its folded sums and squares, and
+// its max and min into hi/lo.  Rows r and r + 8 are read together (the first halving), each of
+// the four vector columns with its own max and min, all held in locals (the values read cannot
+// alias them).
+template <typename T>
+inline void tree_block(const T* __restrict q, Folded& sum, Folded& squares, Vec& hi_io, Vec& lo_io) {
+  Vec hi[kVectors], lo[kVectors], a[kTreeRows / 2][kVectors], s[kTreeRows / 2][kVectors];
+  for (int k = 0; k < kVectors; ++k) { hi[k] = hi_io; lo[k] = lo_io; }
+  for (int r = 0; r < kTreeRows / 2; ++r)
+    for (int k = 0; k < kVectors; ++k) {
+      const Vec x = load(q + r * kTreeLanes + k * kVector);
+      const Vec y = load(q + (r + kTreeRows / 2) * kTreeLanes + k * kVector);
+      hi[k] = x > hi[k] ? x : hi[k];               // nan compares false: never kept
+      lo[k] = x < lo[k] ? x : lo[k];
+      hi[k] = y > hi[k] ? y : hi[k];
+      lo[k] = y < lo[k] ? y : lo[k];
+      a[r][k] = x + y;
+      s[r][k] = x * x + y * y;                      // each square rounded (no fused multiply-add)
+    }
+  for (int h = kTreeRows / 4; h >= 1; h /= 2)
+    for (int r = 0; r < h; ++r)
+      for (int k = 0; k < kVectors; ++k) {
+        a[r][k] = a[r][k] + a[r + h][k];
+        s[r][k] = s[r][k] + s[r + h][k];
+      }
+  Vec h = hi[0], l = lo[0];
+  for (int k = 1; k < kVectors; ++k) {
+    h = hi[k] > h ? hi[k] : h;
+    l = lo[k] < l ? lo[k] : l;
+  }
+  hi_io = h;
+  lo_io = l;
+  // lanes 64 -> 32 -> 16: lane j + lane j + 32, then j + 16
+  sum = __builtin_convertvector((a[0][0] + a[0][2]) + (a[0][1] + a[0][3]), Folded);
+  squares = __builtin_convertvector((s[0][0] + s[0][2]) + (s[0][1] + s[0][3]), Folded);
+}
+
+// Reads the walk's values from sequence position `begin` on, a run at a time (a contiguous
+// stretch of memory: the whole tensor when flat, else one row).
+template <typename T>
+struct Cursor {
+  const T* p;
+  const Walk& w;
+  int64_t width;
+  std::vector<int64_t> index;                     // the outer dims' index of the current row
+  int64_t offset = 0, col = 0;
+
+  Cursor(const T* p_, const Walk& w_, int64_t begin) : p(p_), w(w_), width(0) {
+    if (w.flat) return;                             // read in place, block by block
+    const int64_t dims = static_cast<int64_t>(w.sizes.size());
+    width = w.sizes[dims - 1];
+    index.assign(dims - 1, 0);
+    int64_t row = begin / width;
+    col = begin % width;
+    for (int64_t d = dims - 2; d >= 0; --d) {
+      index[d] = row % w.sizes[d];
+      offset += index[d] * w.strides[d];
+      row /= w.sizes[d];
+    }
+  }
+  // copies the next n values into dst (float32), moving on
+  void copy(float* dst, int64_t n) {
+    while (n > 0) {
+      const int64_t take = std::min(n, width - col);
+      const T* src = p + offset + col;
+      for (int64_t i = 0; i < take; ++i) dst[i] = value(src, i);
+      dst += take;
+      n -= take;
+      col += take;
+      if (col == width) next_row();
+    }
+  }
+  void next_row() {
+    col = 0;
+    for (int64_t d = static_cast<int64_t>(index.size()) - 1; d >= 0; --d) {
+      offset += w.strides[d];
+      if (++index[d] < w.sizes[d]) return;
+      offset -= index[d] * w.strides[d];
+      index[d] = 0;
+    }
+  }
+};
+
+// Chunk c of the walk's values (kTreeChunk values from c * kTreeChunk, fewer at the end).
+template <typename T>
+TreeChunk tree_chunk(const T* p, const Walk& w, int64_t c) {
+  const int64_t begin = c * kTreeChunk, n = std::min(w.count - begin, kTreeChunk);
+  Folded sums[kChunkBlocks] = {}, squares[kChunkBlocks] = {};
+  Vec hi = fill(-INFINITY), lo = fill(INFINITY);
+  TreeChunk out;
+  alignas(64) float staged[kTreeBlock];
+  Cursor<T> cursor(p, w, begin);
+  for (int64_t b = 0; b * kTreeBlock < n; ++b) {
+    const int64_t m = std::min(n - b * kTreeBlock, kTreeBlock);
+    if (m == kTreeBlock && w.flat) {
+      tree_block(p + begin + b * kTreeBlock, sums[b], squares[b], hi, lo);
+      continue;
+    }
+    std::memset(staged, 0, sizeof staged);          // padding zeros: they change no sum
+    if (w.flat) {
+      const T* src = p + begin + b * kTreeBlock;
+      for (int64_t i = 0; i < m; ++i) staged[i] = value(src, i);
+    } else {
+      cursor.copy(staged, m);
+    }
+    if (m == kTreeBlock) {
+      tree_block(static_cast<const float*>(staged), sums[b], squares[b], hi, lo);
+      continue;
+    }
+    Vec unused_hi = hi, unused_lo = lo;             // max and min of the m values only
+    tree_block(static_cast<const float*>(staged), sums[b], squares[b], unused_hi, unused_lo);
+    for (int64_t i = 0; i < m; ++i) {
+      const float v = staged[i];
+      out.hi = v > out.hi ? v : out.hi;
+      out.lo = v < out.lo ? v : out.lo;
+    }
+  }
+  halve(sums, kChunkBlocks);
+  halve(squares, kChunkBlocks);
+  double ls[kFolded], lq[kFolded];
+  for (int j = 0; j < kFolded; ++j) { ls[j] = sums[0][j]; lq[j] = squares[0][j]; }
+  halve(ls, kFolded);
+  halve(lq, kFolded);
+  out.sum = ls[0];
+  out.squares = lq[0];
+  for (int j = 0; j < kVector; ++j) {
+    out.hi = hi[j] > out.hi ? hi[j] : out.hi;
+    out.lo = lo[j] < out.lo ? lo[j] : out.lo;
+  }
+  return out;
+}
+
+template <typename T>
+std::vector<double> stats_of(const Walk& w, const T* p) {
+  const int64_t chunks = (w.count + kTreeChunk - 1) / kTreeChunk;
+  std::vector<TreeChunk> parts(chunks);
+  parallel_chunks(chunks, [&](int64_t c) { parts[c] = tree_chunk(p, w, c); });
+  int64_t width = 1;
+  while (width < chunks) width *= 2;
+  std::vector<double> sums(width, 0.0), squares(width, 0.0);
+  float hi = -INFINITY, lo = INFINITY;
+  for (int64_t c = 0; c < chunks; ++c) {
+    sums[c] = parts[c].sum;
+    squares[c] = parts[c].squares;
+    hi = std::max(hi, parts[c].hi);
+    lo = std::min(lo, parts[c].lo);
+  }
+  for (int64_t h = width / 2; h >= 1; h /= 2)
+    for (int64_t i = 0; i < h; ++i) { sums[i] += sums[i + h]; squares[i] += squares[i + h]; }
+  return {hi, lo, (sums[0] + 0.0) * w.repeat, (squares[0] + 0.0) * w.repeat};
+}
+
+template <typename T>
+std::vector<double> extremes_of(const Walk& w, const T* p) {
+  const ExtremesPartial all = walk<Extremes>(w, p);
+  return {all.nan * w.repeat, all.inf * w.repeat, all.hi, all.lo, all.fhi, all.flo};
+}
+
+
+// [max, min, sum, sum of squares] of integers (or bools) at strided positions, in double; false
+// where a sum could round: below 2**53 for the sum of squares, every square and every partial sum
+// is an exact integer (and |sum| <= sum of squares), so the result is exact whatever the order of
+// the elements: the one torch's or numpy's float64 reductions give these values (statistics.source)
+template <typename T>
+bool exact_sums(const T* p, int64_t dims, const int64_t* sizes, const int64_t* strides, double* out) {
+  double hi = -std::numeric_limits<double>::infinity(), lo = std::numeric_limits<double>::infinity();
+  double total = 0, squares = 0;
+  const int64_t inner = dims ? sizes[dims - 1] : 1, step = dims ? strides[dims - 1] : 1;
+  std::vector<int64_t> index(dims > 1 ? dims - 1 : 0, 0);
+  for (;;) {
+    int64_t offset = 0;
+    for (int64_t d = 0; d + 1 < dims; ++d) offset += index[d] * strides[d];
+    for (int64_t i = 0; i < inner; ++i) {
+      const double v = static_cast<double>(p[offset + i * step]);
+      hi = std::max(hi, v);
+      lo = std::min(lo, v);
+      total += v;
+      squares += v * v;
+    }
+    int64_t d = dims - 2;          // the next row: the outer index counted like an odometer
+    for (; d >= 0; --d) {
+      if (++index[d] < sizes[d]) break;
+      index[d] = 0;
+    }
+    if (d < 0) break;
+  }
+  if (!(squares < 9007199254740992.0)) return false;
+  out[0] = hi, out[1] = lo, out[2] = total, out[3] = squares;
+  return true;
+}
+
+// The dtype codes of the C interface (fused_stats.DTYPE_CODES).
+enum Code : int64_t { kFloat32 = 0, kBFloat16 = 1, kInt64 = 2, kInt32 = 3, kInt16 = 4, kInt8 = 5, kUInt8 = 6, kBool = 7 };
+
+// A row of the C interface (fused_stats.ROW), kRow doubles: what the caller makes a record of.
+enum Kind { kDeclined = 0, kFinite = 1, kNonfinite = 2, kOverflowed = 3 };
+constexpr int kRow = 11;   // kind, max, min, sum, squares, nan, inf, max and min without nan, finite max, finite min
+
+template <typename T>
+void float_row(const T* p, const Walk& w, double* row) {
+  const std::vector<double> s = stats_of(w, p);
+  for (int k = 0; k < 4; ++k) row[1 + k] = s[k];
+  if (std::isfinite(s[2]) && std::isfinite(s[3])) {
+    row[0] = kFinite;
+    return;
+  }
+  const std::vector<double> e = extremes_of(w, p);
+  for (int k = 0; k < 6; ++k) row[5 + k] = e[k];
+  row[0] = e[0] != 0 || e[1] != 0 ? kNonfinite : kOverflowed;
+}
+
+void one_row(const void* data, int64_t code, int64_t ndim, const int64_t* sizes, const int64_t* strides, double* row) {
+  std::fill(row, row + kRow, 0.0);
+  for (int64_t d = 0; d < ndim; ++d)
+    if (sizes[d] == 0 || strides[d] < 0) return;            // no values, or a layout torch does not make
+  if (data == nullptr) return;
+  if (code == kFloat32 || code == kBFloat16) {
+    const Walk w = walk_of(ndim, sizes, strides);
+    if (!w.readable) return;
+    if (code == kFloat32) float_row(static_cast<const float*>(data), w, row);
+    else float_row(static_cast<const uint16_t*>(data), w, row);
+    return;
+  }
+  bool exact = false;
+  switch (code) {
+    case kInt64: exact = exact_sums(static_cast<const int64_t*>(data), ndim, sizes, strides, row + 1); break;
+    case kInt32: exact = exact_sums(static_cast<const int32_t*>(data), ndim, sizes, strides, row + 1); break;
+    case kInt16: exact = exact_sums(static_cast<const int16_t*>(data), ndim, sizes, strides, row + 1); break;
+    case kInt8: exact = exact_sums(static_cast<const int8_t*>(data), ndim, sizes, strides, row + 1); break;
+    case kUInt8: case kBool: exact = exact_sums(static_cast<const uint8_t*>(data), ndim, sizes, strides, row + 1); break;
+    default: break;
+  }
+  row[0] = exact ? kFinite : kDeclined;
+}
+}  // namespace
+
+extern "C" {
+// The interface's version: fused_stats checks it matches the one it speaks.
+int64_t dp_tree_stats_abi(void) { return 1; }
+
+// The rows (kRow doubles each, into `out`) of `count` tensors described one after another in
+// `desc`: data address, dtype code, ndim, then ndim sizes and ndim strides (in elements).
+void dp_tree_stats(int64_t count, const int64_t* desc, double* out) {
+  for (int64_t i = 0; i < count; ++i) {
+    const void* data = reinterpret_cast<const void*>(static_cast<uintptr_t>(desc[0]));
+    const int64_t code = desc[1], ndim = desc[2];
+    one_row(data, code, ndim, desc + 3, desc + 3 + ndim, out + i * kRow);
+    desc += 3 + 2 * ndim;
+  }
+}
+}
