@@ -65,12 +65,14 @@ def build(mode: str, net, loss_fn, opt):
 
 
 def train(mode: str, dump_path: str = "", task: str = "", plant: bool = False, steps: int = 2):
-    """``steps`` of training; with a ``task``, recorded to ``dump_path``: (losses, parameters, summary)."""
+    """``steps`` of training; with a ``task``, recorded to ``dump_path``: {losses, initial and final
+    parameters, the probe's summary}."""
     ms.set_seed(0)
     net = ConvNet()
     if plant:
         net.act = PlantedGELU()
     net.set_train(True)                       # batch norm on batch statistics
+    initial = {p.name: p.asnumpy().copy() for p in net.get_parameters()}
     # the probe is made before the step is first called (compiled): it switches MindSpore's dump on
     probe = DispatchProbe(task=task, dump_path=dump_path, model=net) if task else None
     step = build(mode, net, nn.MSELoss(), nn.SGD(net.trainable_params(), learning_rate=0.1))
@@ -88,7 +90,8 @@ def train(mode: str, dump_path: str = "", task: str = "", plant: bool = False, s
     if probe is not None:
         probe.close()
         summary = probe.summary()
-    return losses, {p.name: p.asnumpy().copy() for p in net.get_parameters()}, summary
+    return {"losses": losses, "initial": initial, "summary": summary,
+            "params": {p.name: p.asnumpy().copy() for p in net.get_parameters()}}
 
 
 def main(argv=None) -> int:
@@ -103,15 +106,16 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     result = {}
     if args.task:
-        losses, params, summary = train(args.mode, os.path.join(args.out, "run"), args.task, plant=args.plant)
-        result.update({f"loss{i}": v for i, v in enumerate(losses)})
-        result.update({f"param:{k}": v for k, v in params.items()})
+        out = train(args.mode, os.path.join(args.out, "run"), args.task, plant=args.plant)
+        result.update({f"loss{i}": v for i, v in enumerate(out["losses"])})
+        result.update({f"initial:{k}": v for k, v in out["initial"].items()})
+        result.update({f"param:{k}": v for k, v in out["params"].items()})
         with open(os.path.join(args.out, "summary.json"), "w") as f:
-            json.dump(summary, f)
+            json.dump(out["summary"], f)
     if args.unprobed:
-        losses, params, _ = train(args.mode, plant=args.plant)
-        result.update({f"plain_loss{i}": v for i, v in enumerate(losses)})
-        result.update({f"plain_param:{k}": v for k, v in params.items()})
+        out = train(args.mode, plant=args.plant)
+        result.update({f"plain_loss{i}": v for i, v in enumerate(out["losses"])})
+        result.update({f"plain_param:{k}": v for k, v in out["params"].items()})
     np.savez(os.path.join(args.out, "result.npz"), **result)
     return 0
 

@@ -47,7 +47,7 @@ def runs(tmp_path_factory):
 @pytest.mark.parametrize("mode", ["graph", "jit"])
 def test_training_is_bit_identical_with_the_probe(runs, mode):
     result = np.load(runs[mode] / "result.npz")
-    probed = [k for k in result.files if not k.startswith("plain_")]
+    probed = [k for k in result.files if k.startswith(("loss", "param:"))]
     assert any(k.startswith("param:") for k in probed) and "loss1" in probed
     for k in probed:
         assert np.array_equal(result[k], result["plain_" + k]), k
@@ -127,3 +127,58 @@ def test_planted_change_in_one_cell_is_named_at_that_cell(runs):
     _, verdict = compare(str(runs["planted"] / "run"), str(runs["pynative"] / "run"))
     assert not verdict.passed
     assert verdict.forward is not None and verdict.forward.scope == "ConvNet.act", str(verdict)
+
+
+def torch_twin_run(graph_dir, out):
+    """The PyTorch twin (same class and attribute names, the graph run's initial weights and
+    batches) trained 2 steps by SGD under the torch probe: F.mse_loss, optimizer outside the probe."""
+    torch = pytest.importorskip("torch")
+    from dispatchprobe import DispatchProbe as TorchProbe
+
+    class ConvNet(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.bn = torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.BatchNorm2d(4)
+            # MindSpore's nn.GELU() is the tanh approximation
+            self.act, self.fc = torch.nn.GELU(approximate="tanh"), torch.nn.Linear(4 * 4 * 4, 5)
+
+        def forward(self, x):
+            h = self.act(self.bn(self.conv(x)))
+            return self.fc(h.reshape(h.shape[0], -1))
+    result = np.load(graph_dir / "result.npz")
+    names = {"bn.weight": "bn.gamma", "bn.bias": "bn.beta", "bn.running_mean": "bn.moving_mean",
+             "bn.running_var": "bn.moving_variance"}
+    net = ConvNet()
+    with torch.no_grad():
+        for n, p in list(net.named_parameters()) + list(net.named_buffers()):
+            key = "initial:" + names.get(n, n)
+            if key in result.files:
+                p.copy_(torch.from_numpy(result[key]))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    probe = TorchProbe(task="statistics", dump_path=str(out), model=net)
+    for step in range(2):
+        rng = np.random.RandomState(step)          # tests/mindspore_graph_train.py's batches
+        x, y = (torch.from_numpy(rng.randn(*shape).astype(np.float32)) for shape in ((2, 3, 4, 4), (2, 5)))
+        opt.zero_grad()
+        with probe:
+            loss = torch.nn.functional.mse_loss(net(x), y)
+            loss.backward()
+        opt.step()
+        probe.step()
+    probe.close()
+    return out
+
+
+@pytest.mark.parametrize("order", ["graph-torch", "torch-graph"])
+def test_graph_run_compares_clean_against_its_pytorch_twin(runs, tmp_path_factory, order):
+    from dispatchprobe import compare
+    twin = torch_twin_run(runs["graph"], tmp_path_factory.mktemp("twin") / "torch")
+    a, b = (runs["graph"] / "run", twin) if order == "graph-torch" else (twin, runs["graph"] / "run")
+    table, verdict = compare(str(a), str(b))
+    assert verdict.passed and verdict.forward is None and verdict.backward is None, str(verdict)
+    assert (table["status"] == "pass").all()
+    ops = set(zip(table["stage"], table["scope"], table["op_a" if order == "torch-graph" else "op_b"]))
+    assert {("forward", "ConvNet.conv", "aten.convolution.default"), ("forward", "ConvNet.bn", "aten.native_batch_norm.default"),
+            ("forward", "ConvNet.fc", "aten.addmm.default"), ("backward", "ConvNet.act", "aten.gelu_backward.default"),
+            ("backward", "ConvNet.bn", "aten.native_batch_norm_backward.default"),
+            ("backward", "ConvNet.conv", "aten.convolution_backward.default")} <= ops, ops

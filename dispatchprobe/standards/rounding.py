@@ -19,6 +19,8 @@ EPS = {"float16": 2.0 ** -11, "bfloat16": 2.0 ** -8, "float32": 2.0 ** -24, "flo
 
 # reductions of one input over some of its dimensions: compare bounds them from that input's norm
 _SUMS = {"sum": 1, "nansum": 1, "mean": 0}      # 0: divided by the number of terms
+# outputs that are a sum of the op's first input over all but some dimensions, of ops that are not
+_OUTPUT_SUMS = {"convolution_backward": {"output.2": 1}}    # the bias gradient: grad_output summed but over channels
 
 
 def _thresholds() -> dict:
@@ -52,12 +54,13 @@ def discount(device, bench, bound):
     return np.where(np.isfinite(d) & np.isfinite(b), b + err * keep, d)
 
 
-def norm_bound(op: str, input_norm: float, terms_per_element: float, dtype: str) -> float | None:
+def norm_bound(op: str, input_norm: float, terms_per_element: float, dtype: str, output: str = "") -> float | None:
     """The L2 norm of the rounding error ``term_bound`` allows over a whole output of ``op`` (a sum or
     mean of one input over some dimensions), from the input's L2 norm: per element sum|x| <=
     sqrt(n) * ||row|| (n terms), so the bound's norm is at most ``slack * eps * sqrt(n) * ||x||``
-    (over n for a mean).  None for other ops or unknown sizes."""
-    kind = _SUMS.get(base_name(op))
+    (over n for a mean).  ``output``: which output (``output.2`` of ``convolution_backward``, the
+    bias gradient, is a sum of its first input).  None for other ops and outputs, or unknown sizes."""
+    kind = _SUMS.get(base_name(op), _OUTPUT_SUMS.get(base_name(op), {}).get(output))
     n = terms_per_element
     if kind is None or not (n >= 1) or not math.isfinite(input_norm):
         return None

@@ -106,11 +106,13 @@ def _within_rounding(df: pd.DataFrame, status, reason, sa: dict, sb: dict) -> No
     largest statistics difference (each a lower bound of it)."""
     ops = df["op_a"].to_numpy(object)
     cand = np.flatnonzero((status != V.PASS) & (status != NOT_JUDGED) & (df["io"].to_numpy(object) == "output"))
-    sums: dict = {}         # op -> whether it is a sum or mean (asked once per distinct op)
-    cand = [r for r in cand if sums.setdefault(ops[r], R.norm_bound(ops[r], 1.0, 1, "float32") is not None)]
+    args = df["arg"].to_numpy(object)
+    sums: dict = {}         # (op, output) -> whether it is a sum or mean (asked once per distinct pair)
+    cand = [r for r in cand if sums.setdefault((ops[r], args[r]), R.norm_bound(ops[r], 1.0, 1, "float32", args[r])
+                                               is not None)]
     if not len(cand):
         return
-    uid, args = df["uid"].to_numpy(), df["arg"].to_numpy(object)
+    uid = df["uid"].to_numpy()
     first_input = {}
     for k in np.flatnonzero(args == "input.0"):
         first_input.setdefault(uid[k], k)
@@ -121,7 +123,8 @@ def _within_rounding(df: pd.DataFrame, status, reason, sa: dict, sb: dict) -> No
             continue
         n_out = max(int(np.prod(df["shape_a"].iat[r])), 1)
         n = int(np.prod(df["shape_a"].iat[i])) / n_out
-        bounds = [R.norm_bound(ops[r], st["norm"][i], n, df[f"dtype_{side}"].iat[i]) for st, side in ((sa, "a"), (sb, "b"))]
+        bounds = [R.norm_bound(ops[r], st["norm"][i], n, df[f"dtype_{side}"].iat[i], args[r])
+                  for st, side in ((sa, "a"), (sb, "b"))]
         if any(b is None for b in bounds):
             continue
         if np.isfinite(rmse[r]):
