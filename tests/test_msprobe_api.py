@@ -197,17 +197,21 @@ def test_example_2_2_records_every_step_as_the_native_loop(tmp_path, monkeypatch
     assert "steps 0-2" in out
 
 
-def test_example_2_3_records_the_block_and_its_backward_only(tmp_path, monkeypatch):
+@pytest.mark.parametrize("level", ["L1", "mix"])
+def test_example_2_3_records_the_block_and_its_backward_only(tmp_path, monkeypatch, level):
     """forward_backward_dump_end(): the loss after it is not recorded, nor its backward; the
-    model's backward is.  Natively: the model's scope."""
-    write_config(tmp_path, STATISTICS_CONFIG)
+    model's backward is, ops and (level mix) modules.  Natively: the model's scope."""
+    write_config(tmp_path, {**STATISTICS_CONFIG, "level": level})
     run_here(EXAMPLE_2_3, tmp_path, monkeypatch)
     run_here(native_loop("./native", scope=["ModuleOP"]), tmp_path, monkeypatch)
     for step in range(3):
         ops = records(tmp_path / "dump_path", step)
         assert not any("mse_loss" in r["op"] for r in ops)
         assert {r["op"] for r in ops if r["stage"] == "backward"} >= {"aten.threshold_backward.default", "aten.mm.default"}
-    compare_clean(tmp_path / "dump_path", tmp_path / "native")
+        modules = {r["name"] for r in ops if r["kind"] == "module" and r["stage"] == "backward"}
+        assert modules == (set() if level == "L1" else {f"ModuleOP{m}.backward.0" for m in ("", ".linear_1", ".linear_2")})
+    out = compare_clean(tmp_path / "dump_path", tmp_path / "native")
+    assert "unmatched" not in out, out
 
 
 OVERFLOW_CONFIG = {"task": "overflow_check", "dump_path": "./dump_path", "rank": [], "step": [], "level": "L1",

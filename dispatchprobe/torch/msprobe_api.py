@@ -42,11 +42,13 @@ class MsprobeProbe(DispatchProbe):
         super().__init__(*args, **kwargs)
         self.window: range | None = None     # autograd node numbers of the ops started before forward_backward_dump_end
         self.window_start = 0
+        self.window_modules: set[str] = set()    # the modules whose forward ran in the window (level module/mix)
+        self._module_backward = False
         self.checks_ended: OverflowDetected | None = None
 
     def recording(self, stage: str, scope: str = "") -> bool:
         window = self.window
-        if window is not None:
+        if window is not None and not self._module_backward:
             if stage == "forward":
                 return False
             node = current_autograd_node()
@@ -54,8 +56,23 @@ class MsprobeProbe(DispatchProbe):
                 return False
         return super().recording(stage, scope)
 
+    def on_module(self, type_name: str, scope: str, stage: str, inputs, outputs) -> None:
+        """After forward_backward_dump_end a module's backward is recorded when its forward ran
+        in the window (msprobe's rule), wherever autograd runs its hooks."""
+        if self.window is None:
+            if stage == "forward":
+                self.window_modules.add(scope)
+            super().on_module(type_name, scope, stage, inputs, outputs)
+        elif stage == "backward" and scope in self.window_modules:
+            self._module_backward = True
+            try:
+                super().on_module(type_name, scope, stage, inputs, outputs)
+            finally:
+                self._module_backward = False
+
     def mark_window_start(self) -> None:
         self.window = None
+        self.window_modules.clear()
         self.window_start = _next_node_number()
 
     def close_window(self) -> None:
