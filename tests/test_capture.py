@@ -573,7 +573,7 @@ def test_dynamo_never_traces_the_probes_frames(tmp_path):
     the probe (none of the probe's own), the result is the same, and the graphs' ops are recorded."""
     from torch._dynamo import convert_frame
 
-    from dispatchprobe.torch import capture
+    from dispatchprobe.torch import dispatch_mode
     from dispatchprobe.torch.internals import dynamo as dynamo_internals
 
     def f(x):
@@ -596,7 +596,7 @@ def test_dynamo_never_traces_the_probes_frames(tmp_path):
             convert_frame.ConvertFrame.__call__ = original
         return out, seen
 
-    outside = capture.call_outside_dynamo
+    outside = dispatch_mode.call_outside_dynamo
     handed = []
 
     def counted(fn, *args):
@@ -606,11 +606,11 @@ def test_dynamo_never_traces_the_probes_frames(tmp_path):
         dynamo_internals.never_compiled(counted.__code__)
     plain, frames = converted(None)
     probe = DispatchProbe(task="statistics", dump_path=str(tmp_path))
-    capture.call_outside_dynamo = counted
+    dispatch_mode.call_outside_dynamo = counted
     try:
         probed, probed_frames = converted(probe)
     finally:
-        capture.call_outside_dynamo = outside
+        dispatch_mode.call_outside_dynamo = outside
     probe.close()
     assert torch.equal(plain, probed)
     recorded = {r["op"] for r in records(tmp_path) if r["kind"] == "op"}
@@ -620,7 +620,7 @@ def test_dynamo_never_traces_the_probes_frames(tmp_path):
     if dynamo_internals.FRAMES is not None:
         assert torch.ops.aten._local_scalar_dense.default in handed     # reached the probe with dynamo's callback set
     else:                                # torch's own wrapper keeps dynamo out of the mode's frames
-        assert capture._ProbeMode._should_skip_dynamo() and not handed
+        assert dispatch_mode.ProbeMode._should_skip_dynamo() and not handed
     assert probed_frames == frames and all(name == __file__ for name in frames)
     assert {"aten.sin.default", "aten.sum.default"} <= recorded
 
@@ -630,14 +630,14 @@ def test_without_dynamos_frame_controls_the_mode_keeps_torchs_wrapper(monkeypatc
     leaves the mode to torch's own wrapper: the check says so before the mode class is made."""
     import torch._C._dynamo.eval_frame as frames
 
-    from dispatchprobe.torch import capture
+    from dispatchprobe.torch import dispatch_mode
     from dispatchprobe.torch.internals import dynamo as dynamo_internals
     if not hasattr(frames, "set_code_exec_strategy"):     # an older torch (2.5, 2.6): torch's wrapper
         assert dynamo_internals.frame_controls() is None and dynamo_internals.frame_callback is None
-        assert capture._ProbeMode._should_skip_dynamo()
+        assert dispatch_mode.ProbeMode._should_skip_dynamo()
         return
     assert dynamo_internals.frame_controls() is frames and dynamo_internals.frame_callback is frames.get_eval_frame_callback
-    assert not capture._ProbeMode._should_skip_dynamo()
+    assert not dispatch_mode.ProbeMode._should_skip_dynamo()
 
     def other_shape(*args):
         raise TypeError("takes no arguments")

@@ -94,10 +94,10 @@ def _plain_aot_eager(gm, example_inputs):
     """The uninstrumented reference of ``inner="aot_eager"``: inductor's decompositions and
     partitioner, graphs run eagerly."""
     from torch._inductor.compile_fx import compile_fx
-    from dispatchprobe.torch.compile import _EagerOutput
+    from dispatchprobe.torch.internals.inductor import eager_output
 
     with torch._functorch.config.patch(enable_autograd_cache=False):
-        return compile_fx(gm, example_inputs, inner_compile=lambda g, ex, **kw: _EagerOutput(g),
+        return compile_fx(gm, example_inputs, inner_compile=lambda g, ex, **kw: eager_output(g),
                           config_patches={"fx_graph_cache": False})
 
 

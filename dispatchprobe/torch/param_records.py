@@ -16,7 +16,7 @@ import torch
 
 from ..core.events import OpEvent
 from ..standards import statistics
-from .returned import returned_row
+from .returned_rows import returned_row
 from .parameters import clean_name, kept_per_optimizer, named_gradients, parameter_names, placement_of
 from .process_state import STATE
 

@@ -16,8 +16,8 @@ from .requires import MIN_TORCH, require_torch
 __all__ = ["COMPILED_TASKS", "GRANULARITIES", "MIN_TORCH", "STAT_FIELDS", "CompiledProbe", "ProbeBackend",
            "probe_backend"]
 # imported on first use: the modules below need torch >= MIN_TORCH, importing this package does not
-_LAZY = {"COMPILED_TASKS": "backend", "GRANULARITIES": "backend", "CompiledProbe": "backend",
-         "ProbeBackend": "backend", "_EagerOutput": "backend", "STAT_FIELDS": "runtime"}
+_LAZY = {"COMPILED_TASKS": "compiler", "GRANULARITIES": "compiler", "CompiledProbe": "compiler",
+         "ProbeBackend": "compiler", "STAT_FIELDS": "runtime"}
 
 
 def probe_backend(config=None, *, inner: str = "inductor", model=None, granularity: str = "eager", **overrides):
@@ -29,8 +29,8 @@ def probe_backend(config=None, *, inner: str = "inductor", model=None, granulari
     eager op call it comes from.  Needs torch >= 2.13 (:data:`MIN_TORCH`): on an older torch this
     call raises a RuntimeError naming both versions."""
     require_torch("probe_backend")
-    from . import backend
-    return backend.probe_backend(config, inner=inner, model=model, granularity=granularity, **overrides)
+    from . import compiler
+    return compiler.probe_backend(config, inner=inner, model=model, granularity=granularity, **overrides)
 
 
 def __getattr__(name):

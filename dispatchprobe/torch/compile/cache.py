@@ -12,7 +12,7 @@ its graphs again while two backends compiling the same graph in one process get 
 
 An AOTAutograd hit returns a forward and backward graph without compiling either: its key gets
 the probe's through :class:`Keyed`, and its graphs find their templates by the FX graph cache keys
-it loads them by (:func:`loaded_graphs`).
+it loads them by (``internals.inductor.fx_cache_loads``).
 """
 
 from __future__ import annotations
@@ -25,9 +25,10 @@ import pathlib
 import json
 
 import torch
-from torch._inductor.custom_graph_pass import CustomGraphPass
-from torch.utils._pytree import tree_map
 
+from ..internals import inductor
+from ..internals.dispatch import tree_map
+from ..internals.inductor import CustomGraphPass
 from .decompositions import CALL_KEY, OUTPUT_KEY, VALUE_KEY, Call, Value
 from .graph_pass import Template
 
@@ -37,11 +38,10 @@ SLOT_BITS = 24          # a slot: backend number << SLOT_BITS | graph number in 
 @functools.cache
 def source_digest() -> str:
     """The code a cached graph's templates come from (the pass, how it encodes values)."""
-    from torch._inductor.custom_graph_pass import get_hash_for_files
     here = pathlib.Path(__file__).resolve().parent
     files = sorted(str(p) for p in here.glob("*.py"))
     files += [str(here.parent / "ops.py"), str(here.parent / "backend.py"), str(here.parent.parent / "core" / "recorder.py")]
-    return get_hash_for_files(tuple(files)).hex()
+    return inductor.hash_of_files(tuple(files)).hex()
 
 
 def graph_digest(gm: torch.fx.GraphModule, roots) -> str:
@@ -91,7 +91,7 @@ class Keyed(CustomGraphPass):
     :meth:`uuid` puts the probe's key into it: the probe's graphs get entries of their own, apart
     from plain inductor's and from other configurations'.  (The pass that runs is the backend's
     own, set per graph.)  A hit's graphs are found by the FX graph cache keys it loads them by
-    (:func:`loaded_graphs`), each with its templates, slot and stage."""
+    (``internals.inductor.fx_cache_loads``), each with its templates, slot and stage."""
 
     def __init__(self, key: str):
         self.key = key
@@ -108,15 +108,14 @@ def cacheable(owner, example_inputs) -> bool:
     on, and what the templates hold all plain data (task ``overflow`` keeps an eager copy of the
     graph to re-run; symbolic sizes are resolved per call from sympy expressions)."""
     from torch.fx.experimental.symbolic_shapes import free_symbols
-    if owner.inner != "inductor" or owner.config.task == "overflow" or not torch._inductor.config.fx_graph_cache:
+    if owner.inner != "inductor" or owner.config.task == "overflow" or not inductor.config().fx_graph_cache:
         return False
     return not any(isinstance(x, (torch.Tensor, torch.SymInt, torch.SymFloat)) and free_symbols(x)
                    for x in example_inputs)
 
 
 def _path(key: str) -> pathlib.Path:
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-    return pathlib.Path(cache_dir()) / "dispatchprobe" / f"{key}.json"
+    return pathlib.Path(inductor.cache_dir()) / "dispatchprobe" / f"{key}.json"
 
 
 _FIELDS = ("op", "scope", "inputs", "kwargs", "outputs", "output_type", "compiled", "rows", "in_rows",
@@ -190,26 +189,3 @@ def load(key: str) -> tuple[int, str, list] | None:
         return slot, stage, templates
     except (OSError, ValueError, KeyError, TypeError):
         return None
-
-
-@contextlib.contextmanager
-def loaded_graphs():
-    """The FX graph cache keys of the graphs loaded meanwhile (an AOTAutograd hit loads its
-    graphs by these keys without compiling them)."""
-    from torch._inductor.codecache import FxGraphCache
-    keys: list = []
-    load_with_key = FxGraphCache.__dict__.get("load_with_key")
-    if not isinstance(load_with_key, staticmethod):     # another torch: its hits are compiled again
-        yield keys
-        return
-
-    def noting(key, *args, **kwargs):
-        found = load_with_key.__func__(key, *args, **kwargs)
-        if found[0] is not None:
-            keys.append(key)
-        return found
-    FxGraphCache.load_with_key = staticmethod(noting)
-    try:
-        yield keys
-    finally:
-        FxGraphCache.load_with_key = load_with_key

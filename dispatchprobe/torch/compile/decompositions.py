@@ -9,9 +9,10 @@ import itertools
 
 import torch
 import torch.fx
-from torch.utils._pytree import tree_map
 
 from .. import backend as torch_backend
+from ..internals.dispatch import tree_map
+from ..internals.inductor import select_decomp_table
 
 CALL_KEY = "dispatchprobe_call"         # node.meta: the traced call (a Call) a decomposition's node comes from
 OUTPUT_KEY = "dispatchprobe_output"     # node.meta: which output of that call the node is
@@ -47,7 +48,6 @@ _IDENTITIES = (torch.ops.aten.detach.default, torch.ops.aten.alias.default)
 def traced_decompositions() -> dict:
     """Inductor's decomposition table, each entry noting the call it decomposes on the nodes it
     makes, so a decomposed call can be recorded with its arguments and its outputs by position."""
-    from torch._inductor.decomposition import select_decomp_table
     return {op: _traced(op, fn) for op, fn in select_decomp_table().items()}
 
 

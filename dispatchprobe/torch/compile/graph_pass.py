@@ -7,11 +7,11 @@ import operator
 
 import torch
 import torch.fx
-from torch._inductor.custom_graph_pass import CustomGraphPass
-from torch.utils._pytree import tree_map
 
 from .. import backend as torch_backend
 from .. import ops
+from ..internals.dispatch import OpOverload, tree_map
+from ..internals.inductor import CustomGraphPass
 from ...core.events import has_nonfinite_scalar
 from ...core.recorder import encode_plain
 from .decompositions import CALL_KEY, OUTPUT_KEY, VALUE_KEY, Call, Value, hint
@@ -136,7 +136,7 @@ class Instrument(CustomGraphPass):
                 g.nodes.append(node)
                 owner_of[node] = g
                 continue
-            if not isinstance(node.target, torch._ops.OpOverload) or node.target.namespace == "dispatchprobe":
+            if not isinstance(node.target, OpOverload) or node.target.namespace == "dispatchprobe":
                 continue
             tag = node.meta.get("partitioner_tag")
             if node_level:      # every node where it runs, recomputed ones included
@@ -174,7 +174,7 @@ class Instrument(CustomGraphPass):
         wanted = []
         for g in groups:
             op = g.op
-            if isinstance(op, torch._ops.OpOverload):
+            if isinstance(op, OpOverload):
                 if ops.never_recorded(op) or (not session_like.include_views and ops.is_alias(op)):
                     continue
             wanted.append(g)

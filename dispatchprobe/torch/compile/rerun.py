@@ -6,6 +6,7 @@ import torch
 import torch.fx
 
 from .. import ops
+from ..internals.dispatch import OpOverload
 
 def rerun_module(graph: torch.fx.Graph) -> torch.fx.GraphModule:
     """A copy of a post-grad graph, to run eagerly (node metadata kept)."""
@@ -34,7 +35,7 @@ class Rerun(torch.fx.Interpreter):
         """Each node's call keeps the call index of the graph call's record (no second numbering),
         and each record the check writes says which compiled record it re-runs, at which node."""
         out = super().call_function(target, args, kwargs)
-        if isinstance(target, torch._ops.OpOverload) and not ops.never_recorded(target) \
+        if isinstance(target, OpOverload) and not ops.never_recorded(target) \
                 and not ops.is_alias(target):
             node = self._node
             scope = node.meta.get("fwd_nn_module_stack" if self.stage == "backward" else "nn_module_stack") \

@@ -16,11 +16,13 @@ import torch
 import torch.fx
 
 from .. import backend as torch_backend, fused_stats
-from ..returned import remember_returned, returned_row
+from ..process_state import STATE
+from ..returned_rows import remember_returned, returned_row
 from ...records.writer import json_line
 from ...standards import statistics
 from .decompositions import hint
 from .rerun import Rerun
+
 
 STAT_FIELDS = 6          # max, min, sum, L2 norm, nan count, inf count: a device stats row
 
@@ -130,7 +132,7 @@ def read_rows(values: list) -> list:
     return rows
 
 
-GRAPHS: dict[int, "GraphRecords"] = {}        # by slot (cache.py)
+GRAPHS = STATE.graphs        # compiled graphs' GraphRecords by slot (cache.py), in the adapter's process state
 _MARK = f"dispatchprobe-stats-{secrets.token_hex(8)}-"    # where a joined record's statistics go
 graph_ids = itertools.count()
 

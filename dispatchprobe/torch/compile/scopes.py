@@ -8,8 +8,11 @@ import weakref
 
 import torch
 
+from ..internals.autograd import MODULE_CALL_CODES
+from ..internals.dynamo import is_optimized_module, traced_frame_locals
+
 _SOURCE = re.compile(r"^L\['([^']+)'\]")
-_CALLS = {torch.nn.Module._call_impl.__code__, torch.nn.Module._wrapped_call_impl.__code__}
+_CALLS = set(MODULE_CALL_CODES)
 
 
 class ModuleNames:
@@ -42,17 +45,12 @@ class ModuleNames:
         while f is not None:
             if f.f_code in _CALLS:
                 m = f.f_locals.get("self")
-                if isinstance(m, torch.nn.Module) and not isinstance(m, torch._dynamo.eval_frame.OptimizedModule):
+                if isinstance(m, torch.nn.Module) and not is_optimized_module(m):
                     calling.append(m)
             f = f.f_back
         for m in reversed(calling):           # outermost first: it names its submodules
             self.add(m)
-        local = {}
-        try:
-            from torch._dynamo.symbolic_convert import InstructionTranslator
-            local = InstructionTranslator.current_tx().f_locals
-        except Exception:        # not called by dynamo (a direct backend call)
-            pass
+        local = traced_frame_locals()
         found = {k: v for k, v in local.items() if isinstance(v, torch.nn.Module)}
         for v in found.values():
             self.add(v)

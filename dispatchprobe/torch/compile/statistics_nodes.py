@@ -10,6 +10,8 @@ import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .. import ops
+from ..internals.dispatch import OpOverload, op_schema
+from ..internals.inductor import node_storage, reinplace_candidates
 from .decompositions import hint
 from .runtime import GRAPH_INPUT, GRAPH_OUTPUT  # (importing runtime registers dispatchprobe::stats_rows)
 
@@ -47,7 +49,7 @@ def values_source(node: torch.fx.Node) -> torch.fx.Node:
     """The node whose values ``node``'s are, following views that keep every element (a
     reshape, a permute, an ``expand`` or ``slice`` that changes nothing): reading it gives
     ``node``'s statistics, and one read serves every view of it."""
-    while node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) \
+    while node.op == "call_function" and isinstance(node.target, OpOverload) \
             and ops.base(node.target) in _SAME_VALUES and node.args and isinstance(node.args[0], torch.fx.Node):
         base, val = node.args[0].meta.get("val"), node.meta.get("val")
         if not (isinstance(base, torch.Tensor) and isinstance(val, torch.Tensor) and base.dtype == val.dtype
@@ -177,21 +179,20 @@ class Reads:
     which it keeps functional when the value is read after them (pytorch#183986)."""
 
     def __init__(self, graph: torch.fx.Graph, users: dict):
-        from torch._inductor.fx_passes import reinplace
-        from torch._inductor.fx_utils import get_node_storage
-        self.storage = get_node_storage
+        get_node_storage = node_storage
+        self.storage = node_storage
         self.users = users
         self.pos = {n: i for i, n in enumerate(graph.nodes)}
         self.last_placeholder = last_placeholder(graph)
-        candidates = (*reinplace.inplaceable_ops, *reinplace._SCATTER_OP_TO_VIEW, *reinplace.inplaceable_foreach_ops)
+        candidates = reinplace_candidates()
         self.writes: dict = {}            # storage -> positions of the nodes that (may) write it
         self.sharing: dict = {}           # storage -> the nodes whose values are views of it
         for n in graph.nodes:
             if get_node_storage(n) is not None:
                 self.sharing.setdefault(get_node_storage(n), []).append(n)
             written = [n.args[0]] if n.target in candidates and n.args else []
-            if isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable:
-                for i, a in enumerate(n.target._schema.arguments):
+            if isinstance(n.target, OpOverload) and op_schema(n.target).is_mutable:
+                for i, a in enumerate(op_schema(n.target).arguments):
                     if a.alias_info is not None and a.alias_info.is_write:
                         written.append(n.args[i] if i < len(n.args) else n.kwargs.get(a.name))
             for arg in written:
@@ -216,7 +217,7 @@ class Reads:
                 continue
             seen.add(u)
             readers.append(u)
-            if isinstance(u.target, torch._ops.OpOverload) and ops.is_alias(u.target):
+            if isinstance(u.target, OpOverload) and ops.is_alias(u.target):
                 todo.extend(self.users.get(u, ()))
         if readers:
             return max(readers, key=self.pos.__getitem__)

@@ -12,7 +12,11 @@ import torch
 import torch.fx
 
 from .. import fused_stats
-from ..capture import TorchSession, active_probes
+from ..process_state import STATE
+from ..session import TorchSession
+from ..internals import inductor
+from ..internals.dynamo import clear_output_strides, functorch_config
+from ..internals.inductor import eager_output, kernel_provenance
 from .decompositions import traced_decompositions
 from . import cache
 from .graph_pass import Instrument
@@ -80,7 +84,7 @@ class ProbeBackend:
     def target(self):
         """The session a graph call records into now: an active DispatchProbe writing to the same
         run directory (so both capture paths share one record stream), else this backend's own."""
-        for probe in reversed(active_probes):
+        for probe in reversed(STATE.active_probes):
             if probe.config.dump_path == self.config.dump_path:
                 return probe
         session = self.session
@@ -97,9 +101,6 @@ class ProbeBackend:
 
     # -- compiling ------------------------------------------------------------------------------
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
-        from torch._functorch import config as functorch_config
-        from torch._inductor.compile_fx import compile_fx
-
         roots = self.module_names.frame()
         # the slots the forward and backward graph record under, chosen now: the AOTAutograd
         # cache returns both graphs of a hit without calling inner_compile, so its key gets the
@@ -107,7 +108,7 @@ class ProbeBackend:
         # the templates kept beside the graphs it loaded
         slots = {"forward": self._next_slot(), "backward": self._next_slot()}
         aot_key = None
-        if functorch_config.enable_autograd_cache and cache.cacheable(self, example_inputs):
+        if functorch_config().enable_autograd_cache and cache.cacheable(self, example_inputs):
             # (training or inference: which graphs an entry holds)
             grads = (torch.is_grad_enabled(), [getattr(x, "requires_grad", None) for x in example_inputs])
             aot_key = hashlib.sha256(repr((cache.source_digest(), self._config_key(), slots, grads,
@@ -126,12 +127,11 @@ class ProbeBackend:
                 instrument = Instrument(self, roots, backward, slot)
                 instrument(graph_module.graph)
                 graph_module.recompile()
-                return _EagerOutput(graph_module)
+                return eager_output(graph_module)
             if "get_decomp_fn" in kw:
                 # lowering's table: inductor's own (ours only notes calls while AOTAutograd traces),
                 # which the FX graph cache can hash (our wrappers are not picklable)
-                from torch._inductor.decomposition import select_decomp_table
-                kw["get_decomp_fn"] = select_decomp_table
+                kw["get_decomp_fn"] = inductor.select_decomp_table
             use_cache = cache.cacheable(self, inputs)
             key = ""
             if use_cache:
@@ -139,21 +139,21 @@ class ProbeBackend:
                                            cache.graph_digest(graph_module, roots))).encode()).hexdigest()
             compiled = self._compile(graph_module, inputs, Instrument(self, roots, backward, slot, key), use_cache, kw)
             if compiled is None:        # a cache hit without its templates: compiled again, uncached
-                _clear_output_strides()
+                clear_output_strides()
                 compiled = self._compile(graph_module, inputs, Instrument(self, roots, backward, slot), False, kw)
             return compiled
 
         def compile_all(use_aot: bool):
             passes = {"post_grad_custom_post_pass": cache.Keyed(aot_key)} if use_aot else {}
-            with functorch_config.patch(enable_autograd_cache=use_aot), torch._inductor.config.patch(passes):
-                return compile_fx(gm, example_inputs, inner_compile=inner_compile, decompositions=traced_decompositions())
+            with functorch_config().patch(enable_autograd_cache=use_aot), inductor.config().patch(passes):
+                return inductor.compile_fx(gm, example_inputs, inner_compile=inner_compile, decompositions=traced_decompositions())
 
         if aot_key is None:
             return compile_all(False)
-        with cache.loaded_graphs() as loaded:
+        with inductor.fx_cache_loads() as loaded:
             compiled = compile_all(True)
         if not compiled_here and not self._loaded(loaded, roots, training=grads[0] and any(grads[1])):
-            _clear_output_strides()        # an AOTAutograd hit whose graphs' templates are not all here
+            clear_output_strides()        # an AOTAutograd hit whose graphs' templates are not all here
             compiled = compile_all(False)
         return compiled
 
@@ -183,12 +183,11 @@ class ProbeBackend:
     def _compile(self, graph_module, inputs, instrument: Instrument, use_cache: bool, kw):
         """Inductor's compile of one graph with the pass in it; through the FX graph cache where
         ``use_cache``, the templates kept beside the cached code (None: a hit without them)."""
-        from torch._inductor.compile_fx import compile_fx_inner
         with kernel_provenance() as kernels, unseen_by_lowering(instrument), \
-                torch._inductor.config.patch({"post_grad_custom_post_pass": instrument, "fx_graph_cache": use_cache,
+                inductor.config().patch({"post_grad_custom_post_pass": instrument, "fx_graph_cache": use_cache,
                                               "trace.provenance_tracking_level": PROVENANCE_LEVEL}):
-            compiled = compile_fx_inner(graph_module, inputs, **kw)
-        key = getattr(compiled, "_fx_graph_cache_key", None) if use_cache else None
+            compiled = inductor.compile_fx_inner(graph_module, inputs, **kw)
+        key = inductor.fx_graph_cache_key(compiled) if use_cache else None
         records = instrument.records
         if records is not None:          # the pass ran
             records.set_kernels(kernels)
@@ -203,14 +202,6 @@ class ProbeBackend:
         return compiled
 
 
-def _clear_output_strides() -> None:
-    """Forget the output strides a cache hit gave the tracing context: the compile that follows
-    sets them anew (and refuses to find some there)."""
-    context = torch._guards.TracingContext.try_get()
-    if context is not None and context.output_strides:
-        context.output_strides.clear()
-
-
 @contextlib.contextmanager
 def unseen_by_lowering(instrument):
     """Inductor compiles the user's nodes as it would without the pass.  While it lowers a node of
@@ -221,9 +212,7 @@ def unseen_by_lowering(instrument):
     user's: fused in, a store changes how the user's kernel is generated (a loop nest with one
     more store that inductor cannot vectorise computes its ``sin``/``cos`` with the scalar
     functions, which differ from the vectorised ones in the last bit)."""
-    from torch._inductor.graph import GraphLowering
-    from torch._inductor.scheduler import Scheduler
-
+    GraphLowering, Scheduler = inductor.lowering_classes()
     run_node = GraphLowering.run_node
     can_fuse = Scheduler.can_fuse
     ours_made: set = set()        # the names of the buffers made while lowering the pass's nodes
@@ -277,7 +266,6 @@ def stored(lowering, n, ours) -> None:
     anyway, and without this each of its reductions computes it again, in a loop of its own.
     Its own readers were lowered before (the pass reads after the last of them), so their kernels
     do not change."""
-    from torch._inductor import ir
     for a in n.all_input_nodes:
         if a in ours or a.op != "call_function":
             continue
@@ -285,32 +273,13 @@ def stored(lowering, n, ours) -> None:
         box = lowering.env.get(a)
         # not bf16/fp16: a stored value is rounded to its dtype where an inlined one is not, and
         # a reader lowered later (of a view, or after a write) would read the rounded one
-        if isinstance(val, torch.Tensor) and val.device.type == "cpu" and val.dtype not in _LOW \
-                and isinstance(box, ir.TensorBox):
-            box.realize()
+        if isinstance(val, torch.Tensor) and val.device.type == "cpu" and val.dtype not in _LOW:
+            inductor.realize_if_boxed(box)
 
 
 # inductor's provenance tracking, level "basic": which post-grad nodes each generated kernel computes
 # (level 1 also rewrites the metadata of pattern-matched nodes, which the grouping reads)
 PROVENANCE_LEVEL = 2
-
-
-class kernel_provenance:
-    """Inductor's kernel -> post-grad nodes map of one graph's compile (``"cpp_fused_add_0:3": [node
-    names]``), kept apart from other compiles' and merged back for torch's own tools afterwards."""
-
-    def __enter__(self) -> dict:
-        from torch._inductor import debug
-        self.saved = debug._inductor_triton_kernel_to_post_grad_node_info
-        self.ours = debug._inductor_triton_kernel_to_post_grad_node_info = {}
-        return self.ours
-
-    def __exit__(self, *exc) -> None:
-        from torch._inductor import debug
-        ours = debug._inductor_triton_kernel_to_post_grad_node_info
-        self.ours.update(ours)
-        self.saved.update(ours)
-        debug._inductor_triton_kernel_to_post_grad_node_info = self.saved
 
 
 def probe_backend(config=None, *, inner: str = "inductor", model: torch.nn.Module | None = None,
@@ -322,32 +291,3 @@ def probe_backend(config=None, *, inner: str = "inductor", model: torch.nn.Modul
     ``granularity="node"`` records each post-grad node, the op inductor compiles, instead of the
     eager op call it comes from."""
     return ProbeBackend(config, inner=inner, model=model, granularity=granularity, **overrides)
-
-
-def _eager_output_type():
-    from torch._inductor.output_code import OutputCode
-
-    class EagerOutput(OutputCode):
-        """An instrumented aten graph run eagerly, in inductor's compiled-output interface."""
-
-        def __init__(self, gm):
-            self.gm = gm
-            self._boxed_call = True
-
-        def __call__(self, inputs):
-            return self.gm(*inputs)
-
-        def post_compile(self, example_inputs, constants, graph_kwargs) -> None:
-            pass
-
-        def set_triton_bundle(self, triton_bundle) -> None:
-            pass
-
-    return EagerOutput
-
-
-def _EagerOutput(gm):
-    global _EagerOutput
-    cls = _eager_output_type()
-    _EagerOutput = cls
-    return cls(gm)

@@ -1,0 +1,326 @@
+"""The module scope of each op, forward and backward: two global module hooks for the process
+(:class:`ModuleHooks`, kept in the adapter's process state) feeding each recording probe's
+tracker (:class:`ModuleScopes`), which names modules from the root down and follows backward
+through tensor and multi-grad hooks."""
+
+from __future__ import annotations
+
+import re
+import warnings
+import weakref
+
+import torch
+from torch.autograd.graph import register_multi_grad_hook
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+from . import collectives, hooks
+from .compiled_frames import in_compiled_code
+from .internals import autograd as torch_autograd
+from .internals.autograd import current_autograd_node, current_graph_task_id
+from .internals.dispatch import tree_flatten
+from .process_state import STATE
+
+
+class ModuleHooks:
+    """One global forward pre-hook and one global forward hook for the whole process, present
+    while a probe is recording and handing module boundaries to the probes inside ``with probe:``.
+
+    Each ``with probe:`` puts back the same two hooks under the same handle ids: dynamo guards on
+    the global hooks, and new handles at every entry would recompile a compiled model each step
+    until it gave up and ran eagerly; so a compiled model is compiled at most twice (without and
+    with the probe).  Inside a graph dynamo traces, the hooks return at once.
+
+    A module's own forward hooks (adapters, scaling, FSDP's) run after the global one: for a
+    module that has some, the exit is a hook of its own kept last in its ``_forward_hooks``, so
+    what those hooks run is recorded in the module's scope, and its backward too."""
+
+    # torch warns at every call of a compiled module while global hooks exist; ours are the
+    # probe's business, not the user's (the filter is there only while they are)
+    _WARNING = ("ignore", re.compile(r"Using `torch\.compile\(module\)` when there are global hooks"), UserWarning,
+                None, 0)
+
+    def __init__(self, state):
+        # in the adapter's process state: the trackers of the probes recording now, the probes
+        # holding the hooks, (pre-hook id, hook id) reused at every entry, module -> its exit hook
+        self.active: list["ModuleScopes"] = state.module_scopes
+        self.users: list = state.module_hook_users
+        self._ids: list = state.module_hook_ids
+        self._exits: weakref.WeakKeyDictionary = state.module_exits
+
+    def acquire(self) -> None:
+        self.users.append(True)
+
+    def release(self) -> None:
+        if self.users:
+            self.users.pop()
+        if not self.users:
+            for h in list(self._exits.values()):
+                h.remove()
+            self._exits.clear()
+
+    def add(self, scopes: "ModuleScopes") -> None:
+        if not self.active:
+            self._put_back()
+        self.active.append(scopes)
+
+    def remove(self, scopes: "ModuleScopes") -> None:
+        if scopes in self.active:
+            self.active.remove(scopes)
+            if not self.active:
+                self._take_out()
+
+    def _put_back(self) -> None:
+        if not self._ids:
+            pre = register_module_forward_pre_hook(_module_entered)
+            post = register_module_forward_hook(_module_left_globally, always_call=True)
+            self._ids[:] = (pre.id, post.id)
+        else:
+            torch_autograd.put_back_global_hooks(self._ids, _module_entered, _module_left_globally)
+        warnings.filters.insert(0, self._WARNING)
+        _filters_changed()
+
+    def _take_out(self) -> None:
+        torch_autograd.take_out_global_hooks(self._ids)
+        if self._WARNING in warnings.filters:
+            warnings.filters.remove(self._WARNING)
+            _filters_changed()
+
+    def keep_exit_last(self, mod) -> None:
+        """Registers (again) the module's own exit hook when another hook is now behind it."""
+        handle = self._exits.get(mod)
+        if handle is not None:
+            if next(reversed(torch_autograd.forward_hooks(mod))) == handle.id:
+                return
+            handle.remove()
+        self._exits[mod] = mod.register_forward_hook(_module_left, always_call=True)
+
+    def has_own_exit(self, mod) -> bool:
+        handle = self._exits.get(mod)
+        return handle is not None and handle.id in torch_autograd.forward_hooks(mod)
+
+
+def _filters_changed() -> None:
+    """What ``warnings.filterwarnings`` does after changing the list (its caches are keyed on it)."""
+    (getattr(warnings, "_filters_mutated", None) or getattr(warnings, "_filters_mutated_lock_held"))()
+
+
+_HOOKS = ModuleHooks(STATE)
+_GraphModule = torch.fx.GraphModule
+
+
+def _module_entered(mod, args) -> None:
+    # is_compiling first: dynamo folds it and traces nothing else here (no guard on our state)
+    if torch.compiler.is_compiling() or not _HOOKS.active or in_compiled_code(isinstance(mod, _GraphModule)):
+        return
+    if torch_autograd.forward_hooks(mod):
+        _HOOKS.keep_exit_last(mod)
+    for scopes in _HOOKS.active:
+        scopes.enter(mod, args)
+
+
+def _module_left_globally(mod, args, output) -> None:
+    if torch.compiler.is_compiling() or not _HOOKS.active or _HOOKS.has_own_exit(mod) \
+            or in_compiled_code(isinstance(mod, _GraphModule)):
+        return
+    for scopes in _HOOKS.active:
+        scopes.leave(mod, args, output)
+
+
+def _module_left(mod, args, output) -> None:
+    if torch.compiler.is_compiling() or not _HOOKS.active or in_compiled_code(isinstance(mod, _GraphModule)):
+        return
+    for scopes in _HOOKS.active:
+        scopes.leave(mod, args, output)
+
+
+def _run_first(handle):
+    """Moves a just registered tensor hook before the tensor's other hooks: a module entering
+    backward is then in scope when the hooks its own forward hooks put on its output run (FSDP's
+    pre-backward all-gather), and its backward-done callback is queued before theirs."""
+    for h in getattr(handle, "handles", (handle,)):
+        hooks = h.hooks_dict_ref()
+        if hooks is not None and h.id in hooks and next(iter(hooks)) != h.id:
+            # rebuilt, not ``move_to_end``: autograd walks the dictionary's own order (PyDict_Next)
+            entries = list(hooks.items())
+            hooks.clear()
+            hooks[h.id] = dict(entries)[h.id]
+            hooks.update((k, v) for k, v in entries if k != h.id)
+    return handle
+
+
+_LEAVES = (int, float, bool, str, type(None))
+
+
+def _needing_grad(obj) -> list:
+    """The tensors requiring grad in a module's inputs or output, in pytree order: a tensor, or a
+    flat tuple or list of tensors and plain values, directly (most module calls); anything
+    nested through the pytree registry."""
+    if isinstance(obj, torch.Tensor):
+        return [obj] if obj.requires_grad else []
+    if type(obj) is tuple or type(obj) is list:
+        found = []
+        for x in obj:
+            if isinstance(x, torch.Tensor):
+                if x.requires_grad:
+                    found.append(x)
+            elif not isinstance(x, _LEAVES):
+                break
+        else:
+            return found
+    return [t for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+class ModuleScopes:
+    """The module scope of each op, forward and backward, for one probe.
+
+    Modules are named from the root down (``Net.layers.1.mlp``, as torch's ``ModuleTracker``
+    names them).  Forward: entered and left by :class:`ModuleHooks`.  Backward: a module is
+    entered when the gradient of its output arrives and left when its inputs' gradients are done
+    (tensor and multi-grad hooks, which observe gradients without changing them)."""
+
+    def __init__(self, probe: "DispatchProbe", root: torch.nn.Module | None):
+        self.probe = probe
+        self.forward_stack: list[str] = []
+        self.backward_active: list[str] = []
+        self._names: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._named: weakref.WeakSet = weakref.WeakSet()
+        self._types: dict[str, str] = {}
+        self._grad_out: dict = {}
+        self._left_early: dict = {}      # backward exits seen before their module entered
+        self._hooks: list = []           # tensor hooks of this entry's backward
+        self._has_callback = False
+        self._holds: weakref.finalize | None = None    # the global hooks, held until close (or collection)
+        if root is not None:
+            self._name(root)
+
+    @property
+    def names(self) -> weakref.WeakKeyDictionary:
+        """{module: its scope name} of the modules seen run."""
+        return self._names
+
+    @property
+    def current(self) -> str:
+        if current_graph_task_id() != -1:
+            return self.innermost_backward(current_autograd_node() is None)
+        return self.forward_stack[-1] if self.forward_stack else ""
+
+    def innermost_backward(self, after_graph: bool = False) -> str:
+        # Modules sharing an output tensor (a model whose last layer's output is its own) enter
+        # backward together: prefer the deepest descendant of the latest entry.
+        active = self.backward_active
+        if not active:
+            return ""
+        if after_graph:
+            # no node running: a callback queued for the end of backward (FSDP's root
+            # post-backward, which reduce-scatters the gradients of modules whose inputs need
+            # none): it belongs to the outermost module still in backward, whose hooks queued it
+            return min(active, key=lambda name: name.count("."))
+        current = active[-1]
+        for name in reversed(active):
+            if name.startswith(current + "."):
+                current = name
+        return current
+
+    def _name(self, mod) -> str:
+        name = self._names.get(mod)
+        if name is None:
+            name = self._names[mod] = type(mod).__name__
+        if mod not in self._named:
+            self._named.add(mod)
+            collectives.note_meshes(mod._parameters.values())     # FSDP2's sharded parameters: their mesh
+            for child_name, child in mod.named_children():
+                self._names[child] = f"{name}.{child_name}"
+                self._name(child)
+        return name
+
+    def install(self) -> None:
+        hooks.remove_collected()
+        if self._holds is None or not self._holds.alive:
+            _HOOKS.acquire()
+            self._holds = hooks.remove_when_collected(self.probe, _HOOKS.release)
+        _HOOKS.add(self)
+
+    def uninstall(self) -> None:
+        _HOOKS.remove(self)
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+        self.forward_stack.clear()
+
+    def release(self) -> None:
+        """The probe is closed: the global hooks go when no probe holds them."""
+        self.uninstall()
+        if self._holds is not None:
+            self._holds()           # once: a finalizer runs at most once
+            hooks.remove_collected()
+
+    # ---- forward --------------------------------------------------------------------------------
+    def enter(self, mod, args) -> None:
+        name = self._name(mod)
+        self._types[name] = type(mod).__name__
+        self.forward_stack.append(name)
+        tensors = _needing_grad(args)
+        if len(tensors) == 1:
+            # one input (most modules): a plain tensor hook, called as torch's multi-grad hook
+            # calls its function (with the list of gradients), without its per-call bookkeeping
+            leave = self._backward_leave_fn(name)
+            self._hooks.append(tensors[0].register_hook(lambda grad: leave([grad]) and None))
+        elif tensors:
+            self._hooks.append(register_multi_grad_hook(tensors, self._backward_leave_fn(name)))
+
+    def leave(self, mod, args, output) -> None:
+        name = self._name(mod)
+        stack = self.forward_stack
+        if name in stack:
+            del stack[len(stack) - 1 - stack[::-1].index(name)]
+        tensors = _needing_grad(output)
+        enter = self._backward_enter_fn(name)
+        if len(tensors) == 1:
+            # one output: a plain tensor hook, which also fires on the root of backward (the loss
+            # module's output), where torch's multi-grad hook never does
+            self._hooks.append(_run_first(tensors[0].register_hook(lambda grad: enter(grad) and None)))
+        elif tensors:
+            self._hooks.append(_run_first(register_multi_grad_hook(tensors, enter)))
+        self.probe.on_module(self._types.get(name, type(mod).__name__), name, "forward", args, output)
+
+    # ---- backward -------------------------------------------------------------------------------
+    def _backward_enter_fn(self, name):
+        def enter(*grads) -> None:
+            if not self._has_callback:
+                torch_autograd.queue_backward_callback(self._backward_done)
+                self._has_callback = True
+            if name in self._left_early:
+                # output and input are one tensor (Identity, Dropout(p=0) returns its input): the
+                # module's exit hook fired first; it runs no backward op, so it never becomes a scope
+                self.probe.on_module(self._types.get(name, ""), name, "backward", grads,
+                                     self._left_early.pop(name))
+            else:
+                self.backward_active.append(name)
+                self._grad_out[name] = grads
+        return enter
+
+    def _backward_leave_fn(self, name):
+        def leave(*grads) -> None:
+            stack = self.backward_active
+            if name not in stack:
+                self._left_early[name] = tuple(grads)
+                return
+            del stack[len(stack) - 1 - stack[::-1].index(name)]
+            self.probe.on_module(self._types.get(name, ""), name, "backward", self._grad_out.pop(name, ()),
+                                 tuple(grads))
+        return leave
+
+    def _backward_done(self) -> None:
+        # queued by the first module entering backward: runs again after the callbacks queued
+        # after it (by the modules' own hooks), so that those still see the modules in backward
+        torch_autograd.queue_backward_callback(self._backward_closed)
+
+    def _backward_closed(self) -> None:
+        # modules whose inputs need no gradient (the first layer, the root) never leave backward
+        # by a hook: their module records are written when backward ends, innermost first
+        self._has_callback = False
+        for name in reversed(self.backward_active):
+            self.probe.on_module(self._types.get(name, ""), name, "backward", self._grad_out.get(name, ()), ())
+        self.backward_active.clear()
+        self._grad_out.clear()
+        self._left_early.clear()
