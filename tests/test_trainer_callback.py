@@ -66,7 +66,7 @@ def test_two_trainer_runs_compare_clean_and_a_planted_change_is_named(trained):
     out, reference, _ = trained
     train(str(out / "trainer"), [DispatchProbeCallback(task="statistics", dump_path=str(out / "b"))])
     res = compare(out / "a", out / "b")
-    assert res.exit_code == 0, res.output
+    assert res.exit_code == 0 and "unmatched" not in res.output, res.output
 
     def plant(model):      # a hook x1.001 on one layer: the bug to find
         model.model.layers[1].mlp.down_proj.register_forward_hook(lambda mod, args, output: output * 1.001)
