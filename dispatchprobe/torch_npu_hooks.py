@@ -54,7 +54,9 @@ class _Runs:
         dump_path = path or self.dump_path or "./dispatchprobe_dump"
         key = (hook.task, dump_path)
         if key not in self.probes:
-            self.probes[key] = DispatchProbe(task=hook.task, dump_path=dump_path, step=self.steps, model=model)
+            # a dump file is rewritten by each run, as torch_npu.hooks rewrote it
+            self.probes[key] = DispatchProbe(task=hook.task, dump_path=dump_path, step=self.steps, model=model,
+                                             overwrite=True)
         self.probes[key].start()
 
     def close(self) -> None:

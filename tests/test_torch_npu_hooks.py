@@ -174,6 +174,9 @@ compare("./npu_module_op.pkl", "./cpu_module_op.pkl", "./module_result.csv")
 
 
 def test_compare_example_records_both_runs_and_compares_them(tmp_path, monkeypatch, capsys):
+    """Run twice: each run rewrites its dump files, as torch_npu.hooks did."""
+    run_here(COMPARE_EXAMPLE, tmp_path, monkeypatch)
+    RUNS.hooked.clear()
     run_here(COMPARE_EXAMPLE, tmp_path, monkeypatch)
     assert "the runs agree" in capsys.readouterr().out
     table = (tmp_path / "module_result.csv").read_text().splitlines()

@@ -156,7 +156,9 @@ class PrecisionDebugger:
                               "call debugger.close() first to start another run", ConfigWarning, stacklevel=2)
             return
         try:
-            self._setup(config_path, dict(task=task, dump_path=dump_path, level=level, step=step), model)
+            # as msprobe's dumps, a run replaces this rank's records of an earlier run in dump_path
+            self._setup(config_path, dict(task=task, dump_path=dump_path, level=level, step=step, overwrite=True),
+                        model)
         except BaseException:
             self.config = None
             type(self)._instance = None       # a failed construction leaves no debugger behind
