@@ -35,6 +35,7 @@ class GraphCapture:
         self.keep = keep
         self.folder, self.why_not = graph_dump.enable()
         self.kernels = 0                   # kernels read from the dump (whole run)
+        self.unmatched = 0                 # kernels whose files disagreed with the graph's IR (not recorded)
         # a kernel of the model's own computation came from a graph (the manifest says so): one in
         # a cell of the model or in backward, not an optimizer update PyNative runs as a graph
         self.recorded = False
@@ -51,6 +52,15 @@ class GraphCapture:
         kernels = self.folder.take()
         self.kernels += len(kernels)
         session = self.session
+        unmatched = [k for k in kernels if not _matches_ir(k)]
+        if unmatched:           # the files cannot be told apart reliably: nothing recorded rather than wrong records
+            self.folder.release(os.path.join(self.keep, f"step{session.step_no}") if self.keep else None)
+            self.unmatched += len(unmatched)
+            warnings.warn(f"dispatchprobe_ms: MindSpore's dump of step {session.step_no} could not be matched to "
+                          f"the graph's kernels ({len(unmatched)} of {len(kernels)} kernels' files disagree with the "
+                          f"graph's dtypes or shapes, first {unmatched[0].scope}): the step's graph kernels are not "
+                          "recorded", RuntimeWarning, stacklevel=4)
+            return
         stages = _stages(kernels)
         for k, stage in zip(kernels, stages):
             if k.type in _NOT_RECORDED:
@@ -81,6 +91,35 @@ class GraphCapture:
     def warn_if_unavailable(self) -> None:
         if self.why_not:
             warnings.warn(f"dispatchprobe_ms: {self.why_not}", RuntimeWarning, stacklevel=3)
+
+
+def _matches_ir(kernel) -> bool:
+    """Whether the kernel's files have the dtypes and element counts the graph's IR gives its
+    inputs and outputs (where it gives them): MindSpore numbers kernels differently in file names
+    and execution order in some graphs (control flow), and a file matched to the wrong kernel must
+    not become its record."""
+    node = kernel.node
+    if node is None:
+        return True
+    for files, shapes, dtypes in ((kernel.inputs, node.inputs, node.input_dtypes),
+                                  (kernel.outputs, node.outputs, node.output_dtypes)):
+        for i, path in files.items():
+            if i >= len(shapes) or shapes[i] is None or dtypes[i] is None:
+                continue
+            dumped = graph_dump.parse_name(os.path.basename(path))
+            if dumped is not None and dumped[5].lower() != dtypes[i].lower():
+                return False
+            if int(np.prod(shapes[i])) != _numel(path):
+                return False
+    return True
+
+
+def _numel(path: str) -> int:
+    """The element count of a .npy file, from its header (the data is not read)."""
+    with open(path, "rb") as f:
+        version = np.lib.format.read_magic(f)
+        shape = np.lib.format._read_array_header(f, version)[0]
+    return int(np.prod(shape))
 
 
 def _stages(kernels: list) -> list[str]:

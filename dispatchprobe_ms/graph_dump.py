@@ -129,6 +129,7 @@ class DumpFolder:
             if keep:
                 target = os.path.join(keep, os.path.relpath(run, self.path))
                 os.makedirs(os.path.dirname(target), exist_ok=True)
+                shutil.rmtree(target, ignore_errors=True)        # an earlier run's, in the same dump_path
                 shutil.move(run, target)
             else:
                 shutil.rmtree(run, ignore_errors=True)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 _FULLNAME = re.compile(r"# Fullname with scope: \((.*)\)$")
 _FRAME = re.compile(r"# In file (.+?):(\d+)(?:~\d+)?, (\d+)~(\d+)/(.*)/$")
-_ITEM = re.compile(r"<Tensor\[\w+\], \(([\d, ]*)\)>|<[^<>]*>")
+_ITEM = re.compile(r"<Tensor\[(\w+)\], \(([\d, ]*)\)>|<[^<>]*>")
 _NODE = re.compile(r"^%\S+ = (?:PrimFunc_)?\w+\((.*?)\)(?: \{instance name: [^}]*\})?(?: primitive_attrs: \{(.*?)\})?(?: cnode_attrs|$)")
 _CONST_TENSOR = re.compile(r"Tensor\(shape=\[[\d, ]*\], dtype=(\w+), value=\[?([-\d. e+]*)\]?\)$")
 _NUMBER = re.compile(r"^(I8|I16|I32|I64|U8|U16|U32|U64|F16|F32|F64|Bool)\((.*)\)$")
@@ -29,6 +29,8 @@ _NUMBER = re.compile(r"^(I8|I16|I32|I64|U8|U16|U32|U64|F16|F32|F64|Bool)\((.*)\)
 class Node:
     inputs: list = field(default_factory=list)       # shape (tuple) of each input, None for non-tensors
     outputs: list = field(default_factory=list)
+    input_dtypes: list = field(default_factory=list)     # MindSpore's dtype name ("Float16"), None for non-tensors
+    output_dtypes: list = field(default_factory=list)
     frames: list = field(default_factory=list)       # (file, line, code, text the columns select)
     args: list = field(default_factory=list)         # each argument's text: "%3" (a value) or a constant
     attrs: dict = field(default_factory=dict)        # primitive_attrs, as Python values
@@ -58,7 +60,7 @@ def read(path: str, mtime: float = 0.0) -> dict[str, Node]:
         if hit:
             current = nodes[hit.group(1)] = Node()
             if signature:
-                current.inputs, current.outputs = _shapes(signature)
+                (current.inputs, current.input_dtypes), (current.outputs, current.output_dtypes) = _shapes(signature)
             if node is not None:
                 current.args = _split(node.group(1))
                 current.attrs = {k: constant(v) for k, _, v in (a.partition(": ") for a in _split(node.group(2) or ""))}
@@ -74,18 +76,20 @@ def read(path: str, mtime: float = 0.0) -> dict[str, Node]:
     return nodes
 
 
-def _shapes(signature: str) -> tuple[list, list]:
-    """The tensor shapes of a node's ``: (<inputs>) -> (<outputs>)`` line."""
+def _shapes(signature: str) -> tuple[tuple[list, list], tuple[list, list]]:
+    """((shapes, dtypes) of the inputs, (shapes, dtypes) of the outputs) of a node's
+    ``: (<inputs>) -> (<outputs>)`` line."""
     left, _, right = signature[2:].partition(") -> (")
     return _items(left), _items(right)
 
 
-def _items(side: str) -> list:
-    out = []
+def _items(side: str) -> tuple[list, list]:
+    shapes, dtypes = [], []
     for m in _ITEM.finditer(side):
-        dims = m.group(1)
-        out.append(None if dims is None else tuple(int(d) for d in dims.split(",") if d.strip()))
-    return out
+        dtype, dims = m.group(1), m.group(2)
+        shapes.append(None if dims is None else tuple(int(d) for d in dims.split(",") if d.strip()))
+        dtypes.append(dtype)
+    return shapes, dtypes
 
 
 def _split(text: str) -> list[str]:
