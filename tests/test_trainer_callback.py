@@ -113,6 +113,6 @@ def test_torchrun_two_gloo_ranks(tmp_path):
             assert any(r["op"].startswith("c10d.allreduce") for r in ops)       # DDP's gradient reduction
             assert (tmp_path / "grad" / f"step{step}" / f"rank{rank}" / "grads.jsonl").exists()
     res = compare(tmp_path / "a", tmp_path / "b")
-    assert res.exit_code == 0, res.output
+    assert res.exit_code == 0 and "unmatched" not in res.output, res.output
     res = CliRunner().invoke(main, ["ranks", str(tmp_path / "a")])
     assert res.exit_code == 0 and "the ranks agree" in res.output, res.output
