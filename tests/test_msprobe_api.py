@@ -457,3 +457,20 @@ def test_msprobe_calls_without_an_equivalent_say_so_and_set_init_step_numbers_st
     finally:
         debugger.close()
     assert sorted(p.name for p in (tmp_path / "a").glob("step*")) == ["step5"]
+
+
+def test_started_in_inference_mode(tmp_path, monkeypatch):
+    """An evaluation loop under torch.inference_mode(): its forward is recorded."""
+    monkeypatch.chdir(tmp_path)
+    model = torch.nn.Linear(4, 2)
+    debugger = PrecisionDebugger(dump_path="./eval")
+    try:
+        with torch.inference_mode():
+            debugger.start()
+            model(torch.randn(3, 4))
+            debugger.forward_backward_dump_end()
+            debugger.stop()
+            debugger.step()
+    finally:
+        debugger.close()
+    assert [r["op"] for r in records(tmp_path / "eval")] == ["aten.randn.default", "aten.linear.default"]

@@ -27,8 +27,9 @@ from .internals.autograd import current_autograd_node, node_sequence_nr
 
 def _next_node_number() -> int:
     """The sequence number autograd gives the next node made on this thread: one node is made
-    to read it (numbers only order nodes ready together in backward; every later node moves by one)."""
-    with torch.enable_grad():
+    to read it (numbers only order nodes ready together in backward; every later node moves by one),
+    under inference mode too (a debugger started in an evaluation loop)."""
+    with torch.inference_mode(False), torch.enable_grad():
         leaf = torch.zeros((), requires_grad=True)
         return node_sequence_nr(leaf.view(()).grad_fn) + 1
 
