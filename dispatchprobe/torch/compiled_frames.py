@@ -13,11 +13,8 @@ import sys
 import torch
 
 from .internals import autograd as torch_autograd
-
-
-# where AOTAutograd's runtime wrappers live (not imported: that would import dynamo)
-_AOT_RUNTIME = os.path.join(torch.__path__[0], "_functorch", "_aot_autograd", "runtime_wrappers.py")
-_AOT_MODULE = "torch._functorch._aot_autograd.runtime_wrappers"
+from .internals.dynamo import AOT_RUNTIME_FILE as _AOT_RUNTIME
+from .internals.dynamo import AOT_RUNTIME_MODULE as _AOT_MODULE
 
 
 def in_compiled_code(fx: bool = False) -> bool:

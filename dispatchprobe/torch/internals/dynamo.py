@@ -6,11 +6,12 @@ dynamo out instead."""
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
 
-__all__ = ["FRAMES", "frame_controls", "frame_callback", "call_outside_dynamo", "never_compiled", "is_optimized_module",
+__all__ = ["AOT_RUNTIME_MODULE", "AOT_RUNTIME_FILE", "FRAMES", "frame_controls", "frame_callback", "call_outside_dynamo", "never_compiled", "is_optimized_module",
            "traced_frame_locals", "clear_output_strides", "functorch_config"]
 
 
@@ -25,6 +26,11 @@ def frame_controls():
         return None
     return frames
 
+
+#: The module and the file of AOTAutograd's runtime wrappers, inside which every compiled region runs
+#: (looked up, never imported: importing it imports dynamo).  Checked on torch 2.5.1 to 2.14.1.
+AOT_RUNTIME_MODULE = "torch._functorch._aot_autograd.runtime_wrappers"
+AOT_RUNTIME_FILE = os.path.join(torch.__path__[0], "_functorch", "_aot_autograd", "runtime_wrappers.py")
 
 #: torch's C-level controls of dynamo's frame evaluation, or None (see the module's docstring).
 FRAMES = frame_controls()
