@@ -186,7 +186,8 @@ def compare(a, b, out, match, mapping, jobs, metric, stats_only):
         sys.exit(130)
     if int(os.environ.get("RANK", "0")) == 0:     # under torchrun: rank 0 merged and says it
         click.echo(str(verdict))
-        _say_repro([(a if d.side == "a" else b, d.name, d.step, d.rank) for d in (verdict.forward, verdict.backward)
+        named = [getattr(verdict, stage, None) for stage in ("forward", "backward")]     # none in a grad compare
+        _say_repro([(a if d.side == "a" else b, d.name, d.step, d.rank) for d in named
                     if d is not None and d.cause == "op" and d.kind == "op" and not d.departure])
     if not verdict.passed:
         sys.exit(2)

@@ -130,6 +130,8 @@ def test_grad_compare_page_draws_the_flagged_parameters_norms_of_both_runs(grad_
     changed = _grad_run(tmp_path / "c", scale_from=2)
     table, verdict = compare(changed, grad_run, out=str(tmp_path / "out"))
     assert verdict.first["param"] == "0.weight", str(verdict)
+    said = CliRunner().invoke(main, ["compare", str(changed), str(grad_run)])      # the command line says it too
+    assert said.exit_code == 2 and "first divergence: step 2, parameter 0.weight" in said.output, said.output
     drawn = _lines((tmp_path / "out" / "grad_compare.html").read_text())
     flagged = set(table.loc[(table["flag"] != "") & (table["param"] != "summary"), "param"])
     assert "0.weight" in flagged and set(drawn) == {f"{p} ({s})" for p in flagged for s in "AB"}   # flagged only
