@@ -102,7 +102,8 @@ def _compare_parts(part_a: Part, part_b: Part, match: str, mapping: Mapping, ten
         stack = None
         head = (ra["stage"], ra["kind"], seq_a[i], ra["scope"], ra["op"], rb["op"], ra["name"], rb["name"],
                 ra["call"], rb["call"], how)
-        overwritten = op_traits.overwrites_first_input(ra["op"])
+        # either run's op (an eager copy_ paired with a graph's functional copy): its destination is not read
+        overwritten = op_traits.overwrites_first_input(ra["op"]) or op_traits.overwrites_first_input(rb["op"])
         tensors = pair_tensors(walks_a[i], walks_b[j], same, rb["op"] if cross else "")
         for io, arg, sa, sb in tensors:
             if overwritten and arg == "input.0":

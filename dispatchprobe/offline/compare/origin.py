@@ -156,7 +156,7 @@ class Lineage:
     the records; each keeps the earliest source (:class:`Root`'s order), so the pass is linear."""
 
     def __init__(self, df: pd.DataFrame, a: Side, b: Side, pairs: list, rerun=None, exact: bool = False):
-        self.df, self.a, self.b, self.seq_a = df, a, b, a.seq
+        self.df, self.a, self.b, self.seq_a, self.exact = df, a, b, a.seq, exact
         self.pair_b = {i: j for i, j, _ in pairs}
         self.pair_a = {j: i for i, j, _ in pairs}
         self.bad_rows = df["status"].to_numpy(object) == V.ERROR
@@ -180,6 +180,9 @@ class Lineage:
         self.best: dict = {}     # paired record (A's index) -> earliest own-stage source of its differing outputs
         self.inh: dict = {}      # paired record (A's index) -> earliest inherited source
         self.passes: dict = {"a": {}, "b": {}}   # one-run-only record -> (best, inherited) of what it passes on
+        # one-run-only record -> (the largest error of the differing paired values it reads, directly or
+        # through other one-run-only records; their (best, inherited) sources)
+        self.carried: dict = {"a": {}, "b": {}}
 
     # ---- one-run-only ops and their place among the paired records -------------------------------
     @staticmethod
@@ -238,16 +241,22 @@ class Lineage:
         return Root(weak, self.seq_a[r], 0, (arg, "", 0), r, "a", arg, cause)
 
     # ---- where one differing value comes from ----------------------------------------------------
-    def _from_producer(self, side: Side, src, consumer: int, stage: str):
+    def _from_producer(self, side: Side, src, consumer: int, stage: str, err: float = 0.0):
         """What run ``side``'s producer ``src`` (index, output arg) of a differing input of record
-        ``consumer`` (of that run) says: a (best, inherited) pair, "stage" (made in another stage),
-        "agrees" (its output agrees and no one-run-only op stands between) or None (unknown)."""
+        ``consumer`` (of that run), off by ``err``, says: a (best, inherited) pair, "stage" (made in
+        another stage), "agrees" (its output agrees and no one-run-only op stands between) or None
+        (unknown).  A one-run-only producer that hands on no more than the difference it was given
+        (``PASS_ON``) passes on that difference's sources (a compiled graph's gradient-accumulation
+        ``add``, a folded ``where``, carrying a difference the forward made)."""
         if src is None:
             return None
         p, parg = src
         if side.recs[p]["stage"] != stage:
             return "stage"
         if p in side.only:
+            carried = self.carried[side.name].get(p)
+            if carried is not None and err <= PASS_ON * carried[0] and any(x is not None for x in carried[1]):
+                return carried[1]
             got = self.passes[side.name].get(p)
             return got or ("agrees" if p in side.unobserved else (self.unmatched(side, p), None))
         pa = p if side is self.a else self.pair_a.get(p)
@@ -261,25 +270,38 @@ class Lineage:
         differs, from both runs' producers of it."""
         src_a = self.src_a(self.spec_a[k])
         src_b = self.src_b(self.spec_b[k])
+        weak = self._rounding(k)
         if src_a is None and src_b is None:    # no recorded op made it in either run
-            return (None, self.seen_at(r, self.args[k], "inherited")) if stage != "forward" else \
-                (self.seen_at(r, self.args[k], "inputs"), None)
+            return (None, self.seen_at(r, self.args[k], "inherited", weak)) if stage != "forward" else \
+                (self.seen_at(r, self.args[k], "inputs", weak), None)
         # the usual case: both runs' producers are one pair of this stage whose output differs, which says it all
         if src_a is not None and src_b is not None and self.pair_b.get(src_a[0]) == src_b[0] \
                 and src_a in self.out_row and self.a.recs[src_a[0]]["stage"] == stage:
             return self.best.get(src_a[0]), self.inh.get(src_a[0])
         jr = self.pair_b.get(r)
-        got_a = self._from_producer(self.a, src_a, r, stage)
-        got_b = self._from_producer(self.b, src_b, jr, stage) if jr is not None else None
+        err = self.own_share.err[k]
+        got_a = self._from_producer(self.a, src_a, r, stage, err)
+        got_b = self._from_producer(self.b, src_b, jr, stage, err) if jr is not None else None
         found = [g for g in (got_a, got_b) if type(g) is tuple]
         if found:
-            return found[0] if len(found) == 1 else _merge(*found)
+            got = found[0] if len(found) == 1 else _merge(*found)
+            if weak and got[0] is not None and got[0].cause == "unmatched" and not got[0].weak:
+                # a one-run-only op is judged by what it hands on: here a rounding-size difference
+                return got[0]._replace(weak=True), got[1]
+            return got
         arg = self.args[k]
         if "stage" in (got_a, got_b) or stage != "forward":   # backward values come from the forward
-            return None, self.seen_at(r, arg, "inherited")
+            return None, self.seen_at(r, arg, "inherited", weak)
         if "agrees" in (got_a, got_b):
-            return self.seen_at(r, arg, "unrecorded"), None
-        return self.seen_at(r, arg, "inputs"), None
+            return self.seen_at(r, arg, "unrecorded", weak), None
+        return self.seen_at(r, arg, "inputs", weak), None
+
+    def _rounding(self, k: int) -> bool:
+        """Row ``k`` (a value no paired op made) differs by no more than a few roundings of its dtype:
+        runs of other kernels (eager and compiled) round a view of a recorded value differently, which
+        is no origin where a larger difference enters.  Runs otherwise bit-identical: every bit counts."""
+        share = self.own_share
+        return not self.exact and share.floats[k] and share.err[k] <= ROUNDINGS * share.unit[k]
 
     def uncompared(self, i: int, s0: int, e0: int) -> list:
         """Paired record ``i``'s inputs that have no row in either run (a translation compares no
@@ -318,10 +340,13 @@ class Lineage:
     def passed_on(self, side: Side, u: int) -> tuple | None:
         """What one-run-only op ``u`` passes on: itself, unless a cast passes on its input's source,
         or its input already fails.  A kernel the other run does not observe is never a suspect: it
-        passes on its inputs' source, or nothing (None)."""
+        passes on its inputs' source, or nothing (None).  Notes in ``carried`` the differing values it
+        was given (their largest error and sources): a consumer whose input differs no more than that
+        takes those sources instead (:meth:`_from_producer`)."""
         stage = side.recs[u]["stage"]
         follow = op_traits.is_cast(side.recs[u]["op"]) or u in side.unobserved
-        res = None
+        res = carried = None
+        carried_err = 0.0
         for io, _, spec in side.flow.walks[u]:
             if io != "input":
                 break
@@ -331,11 +356,18 @@ class Lineage:
             p, parg = src
             if p in side.only:   # a chain of one-run-only ops: its first one
                 res = _merge(res, self.passes[side.name].get(p))
+                if (got := self.carried[side.name].get(p)) is not None:
+                    carried_err, carried = max(carried_err, got[0]), _merge(carried, got[1])
                 continue
             pa = p if side is self.a else self.pair_a.get(p)
             pk = self.out_row.get((pa, parg)) if pa is not None else None
+            if pk is not None:
+                carried_err = max(carried_err, self.own_share.err[pk])
+                carried = _merge(carried, (self.best.get(pa), self.inh.get(pa)))
             if pk is not None and (follow or self.bad[pk]):
                 res = _merge(res, (self.best.get(pa), self.inh.get(pa)))
+        if carried is not None:
+            self.carried[side.name][u] = carried_err, carried
         if res is not None and (res[0] is not None or res[1] is not None):
             return res
         return None if u in side.unobserved else (self.unmatched(side, u), None)

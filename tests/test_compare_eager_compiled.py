@@ -1,0 +1,76 @@
+"""compare pairs an eager run with a compiled one where the graph computes a value once that eager
+computes twice: a router normalising its top-k weights in place (``top /= top.sum()``, as a
+mixture of experts does) makes eager's ``div`` backward compute ``top / sum`` again, which the
+compiled backward takes from the forward.  The compiled backward's one ``div`` pairs with the eager
+``div`` of the same values (the closest statistics among the records of its kind), and the eager
+``div_`` with the graph's functional ``div``, argument by argument: compare exits 0, either run as A."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+import torch
+from click.testing import CliRunner
+from torch import nn
+
+from dispatchprobe import DispatchProbe
+from dispatchprobe.cli import main
+from dispatchprobe.torch.compile import probe_backend
+
+pytestmark = pytest.mark.probe_backend    # below the torch it needs, the one-line refusal
+
+
+class Router(nn.Module):
+    """A gate's softmax, its top 2 weights normalised in place, scaling a projection."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(16, 4, bias=False)
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, x):
+        top, _ = self.gate(x).softmax(-1).topk(2, dim=-1)
+        top /= top.sum(-1, keepdim=True)
+        return (self.proj(x) * top[..., :1]).square().mean()
+
+
+def _record(path, compiled: bool):
+    torch.manual_seed(0)
+    model = Router()
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    if compiled:     # the graph's aten ops run eagerly (fast to compile); the partitioner reuses the forward's div
+        backend = probe_backend(task="tensor", dump_path=str(path), inner="aot_eager")
+        torch.compile(model, backend=backend)(x).backward()
+        backend.close()
+        torch._dynamo.reset()
+    else:
+        probe = DispatchProbe(task="tensor", dump_path=str(path))
+        with probe:
+            model(x).backward()
+        probe.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("router")
+    return _record(root / "eager", False), _record(root / "compiled", True)
+
+
+@pytest.mark.parametrize("eager_is", ["A", "B"])
+def test_recomputed_div_pairs_with_the_same_values(runs, tmp_path, eager_is):
+    eager, compiled = runs
+    a, b = (eager, compiled) if eager_is == "A" else (compiled, eager)
+    res = CliRunner().invoke(main, ["compare", str(a), str(b), "-o", str(tmp_path / "out")])
+    assert res.exit_code == 0, res.output
+    table = pd.read_csv(tmp_path / "out" / "compare.csv", keep_default_na=False)
+    unmatched = pd.read_csv(tmp_path / "out" / "unmatched.csv", keep_default_na=False)
+    # the backward's divs: the compiled run has one fewer (it reuses the forward's top / sum)
+    divs = unmatched[(unmatched["op"] == "aten.div.Tensor") & (unmatched["stage"] == "backward")]
+    assert list(divs["side"]) == ["a" if eager_is == "A" else "b"], unmatched
+    paired = table[(table["stage"] == "backward") & (table["op_a"] == "aten.div.Tensor")]
+    assert len(paired.drop_duplicates("seq")) == 2 and set(paired["status"]) == {"pass"}, paired
+    assert (paired["rel_l2_err"].astype(float) < 1e-6).all(), paired[["seq", "arg", "rel_l2_err"]]
+    # the in-place div_ and the graph's div: inputs compared too, not only the output
+    inplace = table[(table["stage"] == "forward") & table["op_a"].isin(["aten.div_.Tensor", "aten.div.Tensor"])]
+    assert sorted(inplace["arg"]) == ["input.0", "input.1", "output.0"], inplace[["op_a", "op_b", "arg"]]
