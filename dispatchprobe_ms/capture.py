@@ -78,17 +78,25 @@ class DispatchProbe(ProbeSession):
     PyNative primitives come from the dispatch mode; the kernels of compiled graphs (GRAPH_MODE
     cells, ``@jit`` functions) from MindSpore's dump, which the probe switches on when it is
     created (so create it before the first graph compile): ``graphs=False`` leaves it off,
-    ``keep_dump=True`` keeps MindSpore's files under ``dump_path/mindspore_dump``."""
+    ``keep_dump=True`` keeps MindSpore's files under ``dump_path/mindspore_dump``.  ``loss_scaler``
+    (an ``amp.DynamicLossScaler``): the overflow task's backward overflows in a step whose scale
+    backed off are the scaler's deliberate ones."""
 
     backend = ms_backend
 
-    def __init__(self, config=None, *, model=None, optimizer=None, graphs: bool = True, keep_dump: bool = False,
-                 **overrides):
+    def __init__(self, config=None, *, model=None, optimizer=None, loss_scaler=None, graphs: bool = True,
+                 keep_dump: bool = False, **overrides):
         if model is not None and not isinstance(model, nn.Cell):
             raise ConfigError(f"model must be a mindspore.nn.Cell, not {type(model).__name__}")
         if optimizer is not None and not isinstance(optimizer, nn.Optimizer):
             raise ConfigError(f"optimizer must be a mindspore.nn.Optimizer, not {type(optimizer).__name__}")
+        if loss_scaler is not None and not isinstance(getattr(loss_scaler, "scale_value", None), ms.Parameter):
+            raise ConfigError("loss_scaler must be a mindspore.amp loss scaler (a DynamicLossScaler: its scale_value "
+                              f"Parameter is read), not {type(loss_scaler).__name__}")
         super().__init__(config, **overrides)
+        # MindSpore scales the loss in compiled graphs (amp's jit functions): the overflow task learns of
+        # the scaler from the user, and a scale that backed off marks the step's backward overflows expected
+        self.loss_scaler = loss_scaler
         self.grad_reader = None
         if not self.task.intercepts_ops:      # the grad probe: the gradients the optimizer receives
             if optimizer is None:
@@ -116,6 +124,8 @@ class DispatchProbe(ProbeSession):
         self._depth = 0
 
     def _install(self) -> None:
+        if self.loss_scaler is not None:
+            self.loss_scale_seen(scale=self.loss_scaler.scale_value)
         if self.graphs is not None:
             self.graphs.start()
         self.scopes.install()

@@ -3,8 +3,10 @@ GRAPH_MODE ``TrainOneStepCell``, an ``@ms.jit`` train step, or PyNative ``value_
 or without the probe; run in its own process by ``tests/test_mindspore_graph.py`` (MindSpore
 reads its dump config once per process, at the first graph compile).
 
-``python tests/mindspore_graph_train.py MODE OUT [--task T] [--plant] [--overflow] [--unprobed]``
-writes the losses and parameters to ``OUT/result.npz`` and, with a task, records to ``OUT/run``.
+``python tests/mindspore_graph_train.py MODE OUT [--task T] [--plant] [--plant-overflow] [--unprobed]``
+writes the losses and parameters to ``OUT/result.npz`` and, with a task, records to ``OUT/run``;
+``--loss-scale``: a float16 net trained under ``amp.DynamicLossScaler`` (its first steps overflow on
+purpose and are skipped), the overflow task told of the scaler.
 """
 
 from __future__ import annotations
@@ -43,6 +45,67 @@ class PlantedGELU(nn.GELU):
         return super().construct(x) * 1.01
 
 
+class PlantedOverflow(nn.GELU):
+    """The GELU cell overflowing float32 in forward: the overflow the task must name at ``ConvNet.act``."""
+
+    def construct(self, x):
+        return super().construct(x) * 1e38 * 100.0
+
+
+class HalfNet(nn.Cell):
+    """float16 dense + GELU: the loss scale's first steps overflow in its backward."""
+
+    def __init__(self, overflow: bool = False):
+        super().__init__()
+        self.fc = nn.Dense(8, 4, dtype=ms.float16)
+        self.act = nn.GELU()
+        self.overflow = overflow
+
+    def construct(self, x):
+        h = self.fc(x)
+        return self.act(h * 1000.0 * 100.0 if self.overflow else h)     # planted: float16 overflows in forward
+
+
+def train_loss_scaled(mode: str, dump_path: str, plant: bool, steps: int = 6) -> dict:
+    """The MindSpore loss-scaling loop (scale, unscale, amp.all_finite, optimizer only when finite,
+    adjust) on a float16 net, with the overflow task; {scales, summary, error}."""
+    from mindspore import amp
+    from dispatchprobe.core.overflow import OverflowDetected
+    ms.set_seed(0)
+    net = HalfNet(overflow=plant)
+    opt = nn.SGD(net.trainable_params(), 0.01)
+    scaler = amp.DynamicLossScaler(scale_value=2.0 ** 20, scale_factor=2, scale_window=1000)
+    loss_fn = nn.MSELoss()
+    probe = DispatchProbe(task="overflow", dump_path=dump_path, model=net, loss_scaler=scaler)
+
+    def forward(x, y):
+        return scaler.scale(loss_fn(net(x).astype(ms.float32), y))
+    grad_fn = ms.value_and_grad(forward, None, opt.parameters)
+
+    def step(x, y):
+        loss, grads = grad_fn(x, y)
+        loss, grads = scaler.unscale(loss), scaler.unscale(grads)
+        finite = amp.all_finite(grads)
+        if finite:
+            opt(grads)
+        scaler.adjust(finite)
+        return loss
+    step = ms.jit(step) if mode == "jit" else step
+    scales, error = [], ""
+    try:
+        for i in range(steps):
+            rng = np.random.RandomState(i)
+            x, y = ms.Tensor(rng.randn(4, 8).astype(np.float16)), ms.Tensor(rng.randn(4, 4).astype(np.float32))
+            with probe:
+                step(x, y)
+            probe.step()
+            scales.append(float(scaler.scale_value.asnumpy()))
+    except OverflowDetected as exc:
+        error = str(exc)
+    probe.close()
+    return {"scales": scales, "summary": probe.summary(), "error": error}
+
+
 def data(step: int, dtype=np.float32):
     rng = np.random.RandomState(step)
     return rng.randn(2, 3, 4, 4).astype(dtype), rng.randn(2, 5).astype(dtype)
@@ -70,7 +133,7 @@ def train(mode: str, dump_path: str = "", task: str = "", plant: bool = False, s
     ms.set_seed(0)
     net = ConvNet()
     if plant:
-        net.act = PlantedGELU()
+        net.act = PlantedOverflow() if plant == "overflow" else PlantedGELU()
     net.set_train(True)                       # batch norm on batch statistics
     initial = {p.name: p.asnumpy().copy() for p in net.get_parameters()}
     # the probe is made before the step is first called (compiled): it switches MindSpore's dump on
@@ -99,21 +162,33 @@ def main(argv=None) -> int:
     ap.add_argument("mode", choices=["graph", "jit", "pynative"])
     ap.add_argument("out")
     ap.add_argument("--task", default="")
-    ap.add_argument("--plant", action="store_true")
+    ap.add_argument("--plant", action="store_true", help="the GELU cell off by 1 %%")
+    ap.add_argument("--plant-overflow", action="store_true", help="the GELU cell overflowing in forward")
+    ap.add_argument("--loss-scale", action="store_true")
     ap.add_argument("--unprobed", action="store_true", help="also train without the probe, after it")
     args = ap.parse_args(argv)
     ms.set_context(mode=ms.GRAPH_MODE if args.mode == "graph" else ms.PYNATIVE_MODE)
     os.makedirs(args.out, exist_ok=True)
+    plant = "overflow" if args.plant_overflow else args.plant
+    if args.loss_scale:
+        with open(os.path.join(args.out, "summary.json"), "w") as f:
+            json.dump(train_loss_scaled(args.mode, os.path.join(args.out, "run"), args.plant_overflow), f)
+        return 0
     result = {}
     if args.task:
-        out = train(args.mode, os.path.join(args.out, "run"), args.task, plant=args.plant)
+        try:
+            out = train(args.mode, os.path.join(args.out, "run"), args.task, plant=plant)
+        except Exception as exc:        # an overflow the task stops at: said in the summary
+            with open(os.path.join(args.out, "summary.json"), "w") as f:
+                json.dump({"error": f"{type(exc).__name__}: {exc}"}, f)
+            return 0
         result.update({f"loss{i}": v for i, v in enumerate(out["losses"])})
         result.update({f"initial:{k}": v for k, v in out["initial"].items()})
         result.update({f"param:{k}": v for k, v in out["params"].items()})
         with open(os.path.join(args.out, "summary.json"), "w") as f:
             json.dump(out["summary"], f)
     if args.unprobed:
-        out = train(args.mode, plant=args.plant)
+        out = train(args.mode, plant=plant)
         result.update({f"plain_loss{i}": v for i, v in enumerate(out["losses"])})
         result.update({f"plain_param:{k}": v for k, v in out["params"].items()})
     np.savez(os.path.join(args.out, "result.npz"), **result)

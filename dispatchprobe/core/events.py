@@ -68,6 +68,9 @@ class Handler:
     def optimizer_stepping(self) -> None:
         """An optimizer is about to step (adapters report it from the framework's global hook)."""
 
+    def loss_scale_seen(self, scale, found_inf) -> None:
+        """A dynamic loss scaler's scale or check, as the adapter recognised it (see the session)."""
+
     def close(self) -> None:
         pass
 

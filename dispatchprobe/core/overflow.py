@@ -122,6 +122,19 @@ class OverflowHandler(Handler):
             self._write_summary()
         self._raise_if_stopped()
 
+    def loss_scale_seen(self, scale, found_inf) -> None:
+        """The adapter recognised the framework's loss scaler: its scale (the watch is active from
+        now: backward overflows are held) or its check's verdict (held overflows are decided)."""
+        if scale is not None:
+            self.loss_scale.use_scale(scale)
+        if found_inf is not None:
+            self._resolve()
+            self.loss_scale.checked(found_inf)
+            self._settle()
+            if self._dirty:
+                self._write_summary()
+            self._raise_if_stopped()
+
     def boundary(self) -> None:
         """The user's code ran outside the probe (the next region starts, or the part closes):
         decide what is still held from the loss scale's state, then start the next step's watch."""
@@ -313,7 +326,9 @@ class OverflowHandler(Handler):
     def _replay(self, event: OpEvent, outs) -> dict:
         """Run the op again on CPU in float64: does the overflow belong to the maths or the dtype?"""
         b = self.backend
-        if event.func is None or b.is_random(event.func):
+        if event.func is None:          # measured elsewhere (a compiled graph's kernel): nothing to call
+            return {"replay": "not replayed (no callable op: a compiled graph's kernel)"}
+        if b.is_random(event.func):
             return {"replay": "not replayed (random op)"}
         try:
             args, kwargs = b.cast_args(event.args, event.kwargs, _TO_FLOAT64, device="cpu")
@@ -392,6 +407,16 @@ class LossScaleWatch:
         if base == "mul" and event.stage == "forward" and not event.scope and self.scale is None:
             self._maybe_scale(event.args)
         return False
+
+    def use_scale(self, scale) -> None:
+        """``scale`` (a 0-dim tensor) is this step's loss scale, as the adapter recognised it."""
+        if self.scale is None:
+            self.scale, self.value = scale, self.backend.max_abs_finite(scale)
+
+    def checked(self, found_inf: bool) -> None:
+        """The scaler's check of this step's gradients found inf/nan (its update backs off)."""
+        self.scaler_ops = True
+        self.found_inf = bool(found_inf)
 
     def _maybe_scale(self, args) -> None:
         b = self.backend
