@@ -127,7 +127,7 @@ def fused_stats_rows(dev) -> list[tuple[str, str]]:
     import math
     import numpy as np
     from dispatchprobe.standards import statistics as st
-    from dispatchprobe.torch import backend, device_stats
+    from dispatchprobe.torch import tensor_backend as backend, device_stats
     if not device_stats.available(torch.empty(1, device=dev)):
         return [("one-launch statistics kernel", "not available here (torch's reductions are used)")]
     torch.manual_seed(0)

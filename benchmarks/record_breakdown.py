@@ -39,7 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import record_overhead as overhead
 from dispatchprobe import DispatchProbe
 from dispatchprobe.core import recorder
-from dispatchprobe.torch import backend, capture, fused_stats, ops
+from dispatchprobe.torch import tensor_backend as backend, capture, fused_stats, ops
 
 def parts(probe) -> list:
     """(label, owner, attribute) of the probe's parts; "statistics kernel" wraps the native call

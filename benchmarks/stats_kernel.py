@@ -12,7 +12,7 @@ import timeit
 
 import torch
 
-from dispatchprobe.torch import backend, fused_stats
+from dispatchprobe.torch import tensor_backend as backend, fused_stats
 
 SIZES = [16_384, 131_072, 1_048_576, 4_194_304]
 

@@ -219,7 +219,7 @@ def test_deferred_device_statistics_match(tmp_path, monkeypatch):
     """The accelerator path (stats reduced on the device, read back in batches) gives the same
     records, in the same order, as the immediate path; forced here on CPU tensors."""
     from dispatchprobe.core import recorder
-    from dispatchprobe.torch import backend as torch_backend
+    from dispatchprobe.torch import tensor_backend as torch_backend
     train(DispatchProbe(dump_path=str(tmp_path / "now"), level="mix"), steps=1)
     monkeypatch.setattr(torch_backend, "stats_on_device", lambda t: t.numel() > 0 and t.layout == torch.strided)
     monkeypatch.setattr(recorder, "DEFER_BATCH", 64)

@@ -993,7 +993,7 @@ def test_probe_graphs_come_from_the_caches_and_record_the_same(tmp_path):
 def test_probe_backend_alone_reads_cpu_values_with_the_one_pass_kernel(tmp_path, monkeypatch):
     """A probe_backend without any DispatchProbe loads the built one-pass kernel when it is made,
     and its windows use it: compiled records equal the eager statistics, bit for bit."""
-    from dispatchprobe.torch import backend as torch_backend, fused_stats
+    from dispatchprobe.torch import tensor_backend as torch_backend, fused_stats
     assert fused_stats.build_native() is None, f"the kernel did not build: {fused_stats.error}"
     monkeypatch.setattr(fused_stats, "_loaded", False)      # as in a fresh process
     monkeypatch.setattr(fused_stats, "stats4", None)

@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from dispatchprobe import DispatchProbe
 from dispatchprobe.cli import main
 from dispatchprobe.offline.run_ut import exit_code, run_ut, summary_text
-from dispatchprobe.torch import backend, devices, replay
+from dispatchprobe.torch import tensor_backend as backend, devices, replay
 
 BROKEN = {"on": False}       # the fragile kernel raises while this is set (after recording)
 

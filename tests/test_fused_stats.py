@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from dispatchprobe.torch import backend, fused_stats
+from dispatchprobe.torch import tensor_backend as backend, fused_stats
 
 
 @pytest.fixture(scope="module")
@@ -350,7 +350,7 @@ def test_the_device_path_gives_the_cpu_record(dtype):
 
 _TRITON_CHECK = """
 import torch
-from dispatchprobe.torch import backend, device_stats
+from dispatchprobe.torch import tensor_backend as backend, device_stats
 from tests.test_fused_stats import _device_cases, _same
 wrong = []
 for x in _device_cases():

@@ -15,7 +15,7 @@ from dispatchprobe import compare
 from dispatchprobe.offline import compare as compare_mod, precision_compare, report, run_ut
 from dispatchprobe.standards import statistics
 from dispatchprobe.standards.metrics import METRICS, compare_arrays, register_metric, unregister_metric
-from dispatchprobe.torch import backend
+from dispatchprobe.torch import tensor_backend as backend
 
 sys.path.insert(0, os.path.dirname(__file__))
 from compare_helpers import record  # noqa: E402

@@ -258,7 +258,7 @@ def test_frames_are_checked_before_anything_is_written():
     """What a peer could send instead of a frame: each is a FrameError naming what is wrong."""
     import io
     from dispatchprobe.online import wire
-    from dispatchprobe.torch.backend import save_shard
+    from dispatchprobe.torch.snapshots import save_shard
     buf = io.BytesIO()
     save_shard({"t0": torch.ones(3)}, buf)
     shard = buf.getvalue()

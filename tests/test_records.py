@@ -344,7 +344,7 @@ def test_queued_tensors_reach_disk_without_a_flush(tmp_path, monkeypatch):
     import torch
     from dispatchprobe.records import writer
     from dispatchprobe.records.reader import read_safetensors
-    from dispatchprobe.torch import backend
+    from dispatchprobe.torch import tensor_backend as backend
     monkeypatch.setattr(writer, "SHARD_SECONDS", 0.2)
     w = writer.TensorShardWriter(str(tmp_path), backend.save_shard, backend.nbytes)
     values = {f"t{i}": torch.randn(5, 3) for i in range(3)}

@@ -143,7 +143,7 @@ def test_probed_storage_stays_resizable(tmp_path, dtype, monkeypatch):
 
 def test_storage_resized_to_zero_is_metadata_only(tmp_path):
     """A tensor whose storage its owner freed (FSDP2 between all-gathers) is described, never read."""
-    from dispatchprobe.torch import backend
+    from dispatchprobe.torch import tensor_backend as backend
     t = torch.randn(4, 4)
     t.untyped_storage().resize_(0)
     meta = backend.tensor_meta(t)
@@ -241,7 +241,7 @@ def test_a_memory_reference_lives_exactly_as_long_as_the_memory():
     reference to the storage's Python object, which torch keeps exactly as long as the storage)."""
     import gc
 
-    from dispatchprobe.torch import backend
+    from dispatchprobe.torch import tensor_backend as backend
     assert backend._STORAGE_OBJECTS_KEPT
     x = torch.randn(4, 6, requires_grad=True)
     y = x.exp()

@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 from dispatchprobe import DispatchProbe
-from dispatchprobe.torch import backend, fused_stats
+from dispatchprobe.torch import tensor_backend as backend, fused_stats
 
 
 @pytest.fixture(autouse=True, scope="module")

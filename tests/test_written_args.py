@@ -201,7 +201,7 @@ def _values(obj):
 def _reads(monkeypatch) -> list:
     """The shapes of the tensors the probe's Python path reads for statistics, as it reads them
     (:func:`_read_count` adds the values its compiled encoder read)."""
-    from dispatchprobe.torch import backend
+    from dispatchprobe.torch import tensor_backend as backend
     reads = []
     measure = backend.tensor_stats
 

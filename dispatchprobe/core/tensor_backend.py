@@ -1,6 +1,6 @@
 """The contract between the neutral core and a framework: everything the recorder and the task
 logic may ask of tensors.  An adapter provides one object (a module will do) with these members
--- ``dispatchprobe.torch.backend`` for PyTorch; nothing in ``core/`` touches a framework otherwise.
+-- ``dispatchprobe.torch.tensor_backend`` for PyTorch; nothing in ``core/`` touches a framework otherwise.
 
 Tensors, dtypes, ops (``func``) and generators are the framework's objects, opaque here; dtypes
 cross the line by name (``"bfloat16"``) where the core decides on them.  ``Pending`` values stay

@@ -102,7 +102,7 @@ def read_safetensors(path: str, keys=None) -> dict[str, np.ndarray]:
             arr = np.frombuffer(buf, dtype=np.dtype(_ST_DTYPES[dt]).newbyteorder("<"))
         else:
             raise RecordError(f"{path}: tensor {key} has dtype {dt}, which numpy cannot hold; read it with torch")
-        if key in stored_as:            # a dtype safetensors has no code for (see torch.backend.save_shard)
+        if key in stored_as:            # a dtype safetensors has no code for (see torch.snapshots.save_shard)
             real = json.loads(stored_as[key])
             arr, shape = _restore(arr, real["dtype"], path, key), real["shape"]
         out[key] = arr.reshape(shape)

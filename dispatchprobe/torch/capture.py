@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from . import backend as torch_backend
+from . import tensor_backend as torch_backend
 from . import collectives, fused_stats, ops, tensor_kinds
 from ..core.config import ConfigError
 from .dispatch_mode import OpFacts, ProbeMode

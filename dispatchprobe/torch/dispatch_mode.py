@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from . import backend as torch_backend
+from . import tensor_backend as torch_backend
 from . import collectives, ops, tensor_kinds
 from .compiled_frames import in_compiled_code
 from .internals.dispatch import TorchDispatchMode

@@ -1,5 +1,5 @@
 """The inline-check primitives of the torch backend (contract:
-:class:`~dispatchprobe.core.tensor_backend.TensorBackend`, re-exported by :mod:`dispatchprobe.torch.backend`):
+:class:`~dispatchprobe.core.tensor_backend.TensorBackend`, re-exported by :mod:`dispatchprobe.torch.tensor_backend`):
 walk an op's tensors, re-run it, perturb its inputs, screen and measure changes on their device.
 
 All of it runs inside a handler (dispatch mode popped, ``no_grad``), so none of these ops is

@@ -91,7 +91,7 @@ class TensorSource:
             real = (handle.metadata() or {}).get(stored)
         except Exception as exc:  # noqa: BLE001 - any failure to read is the record's, not the op's
             raise Skip(f"damaged record: {path}: {' '.join(str(exc).split())[:160]}") from None
-        if real is not None:      # a dtype safetensors has no code for (torch.backend.save_shard)
+        if real is not None:      # a dtype safetensors has no code for (torch.snapshots.save_shard)
             real = json.loads(real)
             dtype = to_dtype(real["dtype"])
             t = torch.view_as_complex(t) if dtype.is_complex else t.view(dtype)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from . import backend as torch_backend
+from . import tensor_backend as torch_backend
 from .process_state import STATE
 
 _RETURNED = STATE.returned_rows     # key (_returned_key) -> (weak reference to the memory, row)

@@ -9,7 +9,7 @@ import weakref
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from . import backend as torch_backend
+from . import tensor_backend as torch_backend
 from . import hooks
 from ..core.session import ProbeSession
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from . import backend as torch_backend
+from . import tensor_backend as torch_backend
 
 
 def replace_args(positions, args, kwargs, replace):

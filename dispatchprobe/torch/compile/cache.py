@@ -40,7 +40,7 @@ def source_digest() -> str:
     """The code a cached graph's templates come from (the pass, how it encodes values)."""
     here = pathlib.Path(__file__).resolve().parent
     files = sorted(str(p) for p in here.glob("*.py"))
-    files += [str(here.parent / "ops.py"), str(here.parent / "backend.py"), str(here.parent.parent / "core" / "recorder.py")]
+    files += [str(here.parent / "ops.py"), str(here.parent / "tensor_backend.py"), str(here.parent.parent / "core" / "recorder.py")]
     return inductor.hash_of_files(tuple(files)).hex()
 
 

@@ -10,7 +10,7 @@ import itertools
 import torch
 import torch.fx
 
-from .. import backend as torch_backend
+from .. import tensor_backend as torch_backend
 from ..internals.dispatch import tree_map
 from ..internals.inductor import select_decomp_table
 

@@ -8,7 +8,7 @@ import operator
 import torch
 import torch.fx
 
-from .. import backend as torch_backend
+from .. import tensor_backend as torch_backend
 from .. import ops
 from ..internals.dispatch import OpOverload, tree_map
 from ..internals.inductor import CustomGraphPass

@@ -15,7 +15,7 @@ import secrets
 import torch
 import torch.fx
 
-from .. import backend as torch_backend, fused_stats
+from .. import tensor_backend as torch_backend, fused_stats
 from ..process_state import STATE
 from ..returned_rows import remember_returned, returned_row
 from ...records.writer import json_line

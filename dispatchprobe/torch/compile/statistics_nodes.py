@@ -105,7 +105,7 @@ def stats_nodes(graph: torch.fx.Graph, node: torch.fx.Node, at: torch.fx.Node):
     """Nodes computing a device stats row of ``node``'s value, inserted after ``at``: on a CPU four
     fused reductions (:class:`Reductions`, completed by :func:`row_windows`); on an accelerator, where the extra
     reductions cost no memory pass and a host read would sync, the whole row in the graph (six 0-d
-    nodes): the formulas of :func:`~dispatchprobe.torch.backend.device_stats_row`, and the finite
+    nodes): the formulas of :func:`~dispatchprobe.torch.tensor_backend.device_stats_row`, and the finite
     max/min of values holding inf/nan in that row's layout (:func:`statistics.from_row`), in ops
     with inductor lowerings (``isfinite``/``stack`` have none)."""
     aten = torch.ops.aten
