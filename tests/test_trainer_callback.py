@@ -18,7 +18,7 @@ from click.testing import CliRunner
 
 from dispatchprobe import ConfigError
 from dispatchprobe.cli import main
-from dispatchprobe.integrations.transformers import DispatchProbeCallback
+from dispatchprobe import DispatchProbeCallback
 
 sys.path.insert(0, str(Path(__file__).parent))
 from trainer_train import MICRO_STEPS, STEPS, train  # noqa: E402

@@ -13,7 +13,7 @@ import sys
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
-from dispatchprobe.integrations.transformers import DispatchProbeCallback
+from dispatchprobe import DispatchProbeCallback
 
 STEPS, MICRO_STEPS, BATCH, SEQ, VOCAB = 3, 2, 2, 8, 64
 # the runs the torchrun script makes: name -> DispatchProbeCallback keys
