@@ -114,6 +114,10 @@ class DispatchProbe(ProbeSession):
             self.graphs = GraphCapture(self, model, os.path.join(self.run_dir, "mindspore_dump") if keep_dump else None)
             if not pynative:
                 self.graphs.warn_if_unavailable()
+        elif not pynative and not self.record_ops:
+            warnings.warn(f"dispatchprobe_ms: level={self.config.level!r} records cell boundaries, which a GRAPH_MODE "
+                          "graph does not show: nothing will be recorded (level 'op' or 'mix' records its kernels)",
+                          RuntimeWarning, stacklevel=2)
         elif not pynative:
             warnings.warn(f"dispatchprobe_ms: task={self.task.name!r} needs PyNative: a GRAPH_MODE graph is recorded "
                           f"from MindSpore's dump, for the tasks {', '.join(GRAPH_TASKS)} (graphs=True)",

@@ -127,7 +127,7 @@ def build(mode: str, net, loss_fn, opt):
     return ms.jit(step) if mode == "jit" else step
 
 
-def train(mode: str, dump_path: str = "", task: str = "", plant: bool = False, steps: int = 2):
+def train(mode: str, dump_path: str = "", task: str = "", plant: bool = False, steps: int = 2, **config):
     """``steps`` of training; with a ``task``, recorded to ``dump_path``: {losses, initial and final
     parameters, the probe's summary}."""
     ms.set_seed(0)
@@ -137,7 +137,7 @@ def train(mode: str, dump_path: str = "", task: str = "", plant: bool = False, s
     net.set_train(True)                       # batch norm on batch statistics
     initial = {p.name: p.asnumpy().copy() for p in net.get_parameters()}
     # the probe is made before the step is first called (compiled): it switches MindSpore's dump on
-    probe = DispatchProbe(task=task, dump_path=dump_path, model=net) if task else None
+    probe = DispatchProbe(task=task, dump_path=dump_path, model=net, **config) if task else None
     step = build(mode, net, nn.MSELoss(), nn.SGD(net.trainable_params(), learning_rate=0.1))
     losses = []
     for i in range(steps):
@@ -165,6 +165,7 @@ def main(argv=None) -> int:
     ap.add_argument("--plant", action="store_true", help="the GELU cell off by 1 %%")
     ap.add_argument("--plant-overflow", action="store_true", help="the GELU cell overflowing in forward")
     ap.add_argument("--loss-scale", action="store_true")
+    ap.add_argument("--config", default="{}", help="more probe settings, as JSON (step, scope, list, level)")
     ap.add_argument("--unprobed", action="store_true", help="also train without the probe, after it")
     args = ap.parse_args(argv)
     ms.set_context(mode=ms.GRAPH_MODE if args.mode == "graph" else ms.PYNATIVE_MODE)
@@ -177,7 +178,7 @@ def main(argv=None) -> int:
     result = {}
     if args.task:
         try:
-            out = train(args.mode, os.path.join(args.out, "run"), args.task, plant=plant)
+            out = train(args.mode, os.path.join(args.out, "run"), args.task, plant=plant, **json.loads(args.config))
         except Exception as exc:        # an overflow the task stops at: said in the summary
             with open(os.path.join(args.out, "summary.json"), "w") as f:
                 json.dump({"error": f"{type(exc).__name__}: {exc}"}, f)

@@ -228,3 +228,12 @@ def test_control_flow_graph_dump_is_refused_not_misrecorded(overflow_runs):
     assert "could not be matched to the graph's kernels" in (run / "stderr.txt").read_text()
     assert not got["error"] and got["summary"]["critical"] == 0
     assert not any('"graph_kernel"' in p.read_text() for p in (run / "run").glob("step*/rank0/ops.jsonl"))
+
+
+def test_step_scope_and_list_filters_select_graph_kernels(tmp_path):
+    run = train(tmp_path / "filtered", "graph", "--task", "statistics",
+                "--config", json.dumps({"step": [1], "scope": ["ConvNet.fc"], "list": ["MatMul"]})) / "run"
+    assert not (run / "step0").exists()
+    recs = records(run, 1)
+    assert recs and {(r["op"], r["scope"]) for r in recs} == {("MatMul", "ConvNet.fc")}
+    assert {r["stage"] for r in recs} == {"forward", "backward"}
