@@ -77,3 +77,37 @@ def test_symmetric_metrics_are_the_worse_direction():
     low = np.ones(8) * (1 - 0.9995e-3)
     assert M.compare_arrays(low, np.ones(8), "float32")["one_thousandth"] == 1.0
     assert M.compare_arrays(low, np.ones(8), "float32", symmetric=True)["one_thousandth"] == 0.0
+
+
+def test_runs_of_other_parallelism_judge_a_pair_the_same_both_ways():
+    """compare across parallelism (offline/compare/parallel.py) scores an assembled pair the same
+    with the runs swapped: on tensors, the row at the 0.001 line above (an error both ways; relative
+    to run B's values alone it was an error one way and a warning the other), and on statistics alone
+    (relative to the larger error of the two directions)."""
+    from dispatchprobe.offline.compare.parallel import Value, score
+    from dispatchprobe.standards import statistics as S
+
+    x = 1.0 + np.random.default_rng(0).random(SIZE).astype(np.float32)
+    y = x.copy()
+    y[:OFF] *= np.float32(FACTOR)
+
+    def value(arr, stats):
+        return Value(arr.shape, "float32", stats, arr)
+
+    def stats(arr):
+        return {"max": float(arr.max()), "min": float(arr.min()), "mean": float(arr.mean(dtype=np.float64)),
+                "norm": float(np.linalg.norm(arr.astype(np.float64))), "nan": 0, "inf": 0}
+
+    ab, ba = score(value(y, None), value(x, None)), score(value(x, None), value(y, None))
+    assert ab["status"] == ba["status"] == V.ERROR and ab["reason"] == ba["reason"], (ab, ba)
+    assert ab["rel_l2_err"] == ba["rel_l2_err"] and ab["max_abs_err"] == ba["max_abs_err"]
+    # statistics only: a max moved by 1e-3 of the other run's magnitude, judged from either side alike
+    big = x.copy()
+    big[np.argmax(big)] *= np.float32(1.001)
+    ab, ba = (score(Value(x.shape, "float32", stats(p), None), Value(x.shape, "float32", stats(q), None))
+              for p, q in ((big, x), (x, big)))
+    assert (ab["status"], ab["reason"], ab["stats_err"]) == (ba["status"], ba["reason"], ba["stats_err"]), (ab, ba)
+    assert ab["stats_err"] == max(S.stats_error({k: np.array([v]) for k, v in stats(big).items()},
+                                                {k: np.array([v]) for k, v in stats(x).items()})[0],
+                                  S.stats_error({k: np.array([v]) for k, v in stats(x).items()},
+                                                {k: np.array([v]) for k, v in stats(big).items()})[0])

@@ -121,6 +121,29 @@ def test_planted_change_is_named_across_parallelism(a, b, side, request):
     assert f"prime suspect): aten.mul.Tensor.0.forward [up] in run {side} only" in res.output, res.output
 
 
+def test_swapped_runs_of_other_parallelism_give_the_mirrored_verdict(runs):
+    """compare A B and compare B A across parallelism: every pair judged alike, the same place where
+    the runs part and the same first error and departure, the same suspect and unpaired lines with
+    the run labels swapped."""
+    ab, ba = compare(runs / "ddp" / "clean", runs / "single" / "planted"), compare(runs / "single" / "planted",
+                                                                                  runs / "ddp" / "clean")
+    assert ab.verdict.counts == ba.verdict.counts and not ab.verdict.passed, str(ab.verdict)
+    cols = ["step", "what", "name", "scope", "arg", "status", "reason", "rel_l2_err", "cosine", "stats_err"]
+    assert ab.table[cols].fillna(-1).values.tolist() == ba.table[cols].fillna(-1).values.tolist()
+
+    def mirror(text: str) -> str:
+        return text.replace("run A", "run \0").replace("run B", "run A").replace("run \0", "run B")
+
+    for which in ("parted", "first", "departure"):
+        one, other = getattr(ab.verdict, which), getattr(ba.verdict, which)
+        assert (one is None) == (other is None), which
+        if one is not None:
+            assert [one[c] for c in cols[:7]] == [other[c] for c in cols[:7]], which
+            assert mirror(one["after_one_run_only"]) == other["after_one_run_only"], which
+    assert "in run B only" in ab.verdict.parted["after_one_run_only"]      # the plant, in the one-process run
+    assert sorted(map(mirror, ab.verdict.unpaired)) == sorted(ba.verdict.unpaired)
+
+
 @pytest.mark.fsdp2
 def test_fsdp2_agrees_with_one_process(fsdp_runs):
     runs = fsdp_runs

@@ -51,7 +51,8 @@ def parameter_name(name: str) -> str:
 def module_path(scope: str) -> str:
     """A module scope relative to the root module, wrappers left out (``DistributedDataParallel.module.up``
     and ``FSDPMLP.up`` are both ``up``)."""
-    return parameter_name(scope.partition(".")[2]) if scope else ""
+    path = parameter_name(scope.partition(".")[2] + ".") if scope else ""
+    return path[:-1] if path.endswith(".") else path    # the wrapper's own attribute (DDP's ``module``) is the root
 
 
 @dataclass
@@ -271,7 +272,9 @@ def _split_dim(shapes: list, target: tuple) -> int | None:
 
 # ---- scoring one pair -----------------------------------------------------------------------------------
 def score(a: Value, b: Value) -> dict:
-    """The metrics and verdict of one assembled pair."""
+    """The metrics and verdict of one assembled pair, the same with ``a`` and ``b`` swapped: neither
+    run is the reference (relative errors against the smaller magnitude, the absolute-error shortcut
+    scaled by the smaller run's, a statistics error the larger of the two directions)."""
     row = {"cosine": np.nan, "max_abs_err": np.nan, "rel_l2_err": np.nan, "stats_err": np.nan}
     dtype = V.lower_precision(a.dtype, b.dtype)
     if a.array is not None and b.array is not None and a.array.size == b.array.size:
@@ -281,8 +284,8 @@ def score(a: Value, b: Value) -> dict:
                     "reason": f"{mism:.2%} of elements differ" if mism else ""}
         if np.array_equal(a.array, b.array):
             return {**row, "cosine": 1.0, "max_abs_err": 0.0, "rel_l2_err": 0.0, "status": V.PASS, "reason": ""}
-        met = M.compare_arrays(a.array, b.array, dtype)
-        scale = float(np.max(np.abs(b.array))) if b.array.size else 1.0
+        met = M.compare_arrays(a.array, b.array, dtype, symmetric=True)
+        scale = float(np.fmin(np.max(np.abs(a.array)), np.max(np.abs(b.array)))) if b.array.size else 1.0
         status, reason = V.judge_compare(met, dtype, scale if np.isfinite(scale) else 1.0)
         return {**row, **{k: met.get(k, np.nan) for k in ("cosine", "max_abs_err", "rel_l2_err")},
                 "status": status, "reason": reason}
@@ -291,7 +294,7 @@ def score(a: Value, b: Value) -> dict:
                 "reason": "no values recorded"}
     sa = {k: np.array([a.stats.get(k, np.nan)], np.float64) for k in S.KEYS}
     sb = {k: np.array([b.stats.get(k, np.nan)], np.float64) for k in S.KEYS}
-    err = S.stats_error(sa, sb)
+    err = np.fmax(S.stats_error(sa, sb), S.stats_error(sb, sa))
     nonfinite = np.array([a.stats.get("nan", 0) != b.stats.get("nan", 0) or a.stats.get("inf", 0) != b.stats.get("inf", 0)])
     status, reason = S.judge_stats_columns(err, [dtype], nonfinite)
     return {**row, "stats_err": float(err[0]), "rel_l2_err": float(err[0]), "status": status[0], "reason": reason[0]}
@@ -406,11 +409,10 @@ def _step_rows(step: int, pa: dict, pb: dict, tensors: bool, problems: list, unp
     fa, order_a, scopes_a = _forward(pa)
     fb, order_b, scopes_b = _forward(pb)
     loss = {_loss_name(pa[min(pa)].records), _loss_name(pb[min(pb)].records)} - {None}
-    for name in order_a:
-        if name not in fa or name not in fb:
-            continue
+    for name in _in_both_orders(order_a, order_b, [n for n in order_a if n in fa and n in fb]):
         rec_a, rec_b = fa[name], fb[name]
-        scope = module_path(rec_b[min(rec_b)]["scope"])
+        scope = max(module_path(rec_a[min(rec_a)]["scope"]), module_path(rec_b[min(rec_b)]["scope"]),
+                    key=lambda sc: (sc.count("."), sc))    # the deeper where the runs' scopes differ
         parts_of_op = rec_a[min(rec_a)]["op"].split(".")
         reduction = parts_of_op[1] if len(parts_of_op) > 1 else None
         walks_a = {r: {arg: s for io, arg, s in walk(rec, inputs=False)} for r, rec in rec_a.items()}
@@ -427,7 +429,8 @@ def _step_rows(step: int, pa: dict, pb: dict, tensors: bool, problems: list, unp
             vb, why_b = assemble(sb, pb, tensors, problems, ta, reduction)
             if va is None or vb is None or int(np.prod(va.shape)) != int(np.prod(vb.shape)):
                 if arg == "output.0" and (why_a or why_b):
-                    unpaired.append(f"step {step} forward op {name} [{scope or '<root>'}]: {why_a or why_b}")
+                    why = "; ".join(sorted({why_a, why_b} - {""}))
+                    unpaired.append(f"step {step} forward op {name} [{scope or '<root>'}]: {why}")
                 continue
             add("loss" if name in loss else "forward", name, scope, arg, va, vb)
     only = {}
@@ -446,18 +449,21 @@ def _step_rows(step: int, pa: dict, pb: dict, tensors: bool, problems: list, unp
             k = order.index(r["name"]) - 1
             while k >= 0 and order[k] not in paired:
                 if order[k] in only[side]:
-                    r["after_one_run_only"].append(f"{order[k]} [{module_path(scopes[order[k]]) or '<root>'}] in run {side.upper()} only")
+                    r["after_one_run_only"].append((order.index(r["name"]) - k, f"{order[k]} [{module_path(scopes[order[k]]) or '<root>'}] in run {side.upper()} only"))
                 k -= 1
+        # nearest first in either run, then by name: the same list whichever run is A
+        r["after_one_run_only"] = [text for _, text in sorted(r["after_one_run_only"])]
 
     # parameters: gradients as the optimizer read them, values after its step
     qa, qb = _params(pa), _params(pb)
     if not qa or not qb:
-        unpaired.append(f"step {step}: no parameter records in run {'A' if not qa else 'B'} (record with the "
+        unpaired.append(f"step {step}: no parameter records in run {'A and B' if not qa and not qb else 'A' if not qa else 'B'} (record with the "
                         "statistics or tensor task and parameters: true; the optimizer must step while the probe records)")
     for what in ("grad", "value"):
-        for key in [k for k in qb if k[0] == what]:
-            if key not in qa:
-                unpaired.append(f"step {step}: parameter {key[1]} ({what}) only in run B")
+        keys = [k for k in qa if k[0] == what] + [k for k in qb if k[0] == what and k not in qa]
+        for key in _in_both_orders(list(qa), list(qb), keys):
+            if key not in qa or key not in qb:
+                unpaired.append(f"step {step}: parameter {key[1]} ({what}) only in run {'B' if key not in qa else 'A'}")
                 continue
             va, why_a = assemble(qa[key], pa, tensors, problems)
             vb, why_b = assemble(qb[key], pb, tensors, problems)
@@ -468,9 +474,18 @@ def _step_rows(step: int, pa: dict, pb: dict, tensors: bool, problems: list, unp
                 unpaired.append(f"step {step}: parameter {key[1]} ({what}): shapes {list(va.shape)} and {list(vb.shape)}")
                 continue
             add(what, key[1], key[1].rpartition(".")[0], "value" if what == "value" else "grad", va, vb)
-        for key in [k for k in qa if k[0] == what and k not in qb]:
-            unpaired.append(f"step {step}: parameter {key[1]} ({what}) only in run A")
     return rows
+
+
+def _in_both_orders(order_a: list, order_b: list, items: list) -> list:
+    """``items`` in the two runs' orders together (by the sum of their positions, one run's alone
+    for what only it holds; ties by name): the rows, and so the first that errs, come in one order
+    whichever run is A."""
+    pos_a, pos_b = {x: k for k, x in enumerate(order_a)}, {x: k for k, x in enumerate(order_b)}
+    def key(x):
+        at = [p[x] for p in (pos_a, pos_b) if x in p]
+        return sum(at) * 2 // len(at), str(x)
+    return sorted(items, key=key)
 
 
 def _index(parts: dict, name: str) -> int:
