@@ -90,6 +90,15 @@ def test_grad_probe_records_each_optimizer_step(tmp_path, trained):
     assert not (tmp_path / "g" / f"step{STEPS}").exists()
 
 
+def test_step_selects_optimizer_steps(tmp_path, trained):
+    _, reference, _ = trained
+    probed = train(str(tmp_path / "trainer"), [DispatchProbeCallback(task="statistics", step=[1],
+                                                                     dump_path=str(tmp_path / "s"))])
+    assert identical(probed, reference)
+    assert sorted(p.name for p in (tmp_path / "s").glob("step*")) == ["step1"]
+    assert sum(r["op"] == "aten.embedding.default" for r in records(tmp_path / "s", 1)) == MICRO_STEPS
+
+
 def test_a_bad_key_fails_when_the_callback_is_made():
     with pytest.raises(ConfigError, match="unknown key 'taks'"):
         DispatchProbeCallback(taks="statistics")
