@@ -1,8 +1,10 @@
-"""probe_backend leaves inductor's computation bitwise unchanged on real architectures: tiny
-``transformers`` models (one layer, random init, no dropout, float32) of each kind the compile tests
-build (a Llama, a mixture of experts, multi-head latent attention with experts, Gemma3 with a
-sliding and a full attention layer, Mamba2's state-space scan) train 2 AdamW steps under
-``probe_backend`` to the very parameters plain inductor gives."""
+"""probe_backend on real architectures: tiny ``transformers`` models (one layer, random init, no
+dropout, float32) of each kind the compile tests build (a Llama, a mixture of experts, multi-head
+latent attention with experts, Gemma3 with a sliding and a full attention layer, Mamba2's
+state-space scan) train 2 AdamW steps under ``probe_backend`` to the very parameters plain inductor
+gives; ``compare`` of the eager run against the compiled one exits 0 either way round (the compiled
+records pair with eager's where inductor folds, reorders or reuses values), and a x1.001 planted on
+one block's output in the compiled run is named at that block, in that run, either way round."""
 
 from __future__ import annotations
 
@@ -13,12 +15,15 @@ import sys
 
 import pytest
 import torch
+from click.testing import CliRunner
 
+from dispatchprobe import compare
+from dispatchprobe.cli import main
 from dispatchprobe.torch.compile import probe_backend
 
 pytest.importorskip("transformers")
 sys.path.insert(0, os.path.dirname(__file__))
-from compare_helpers import tiny_model  # noqa: E402
+from compare_helpers import record_tiny, tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.probe_backend    # below the torch it needs, each test meets the one-line refusal
 
@@ -74,7 +79,10 @@ ARCHS = ("llama", "mixtral", "deepseek_v3", "gemma3", "mamba2")
 _SLOWEST = ("deepseek_v3", "gemma3")
 
 
-@pytest.mark.parametrize("arch", [pytest.param(a, marks=pytest.mark.slow) if a in _SLOWEST else a for a in ARCHS])
+_PARAMS = [pytest.param(a, marks=pytest.mark.slow) if a in _SLOWEST else a for a in ARCHS]
+
+
+@pytest.mark.parametrize("arch", _PARAMS)
 def test_probe_backend_trains_bitwise_as_plain_inductor(tmp_path, arch):
     model, _, inputs = compiled_model(arch)
     torch._dynamo.reset()
@@ -91,3 +99,53 @@ def test_probe_backend_trains_bitwise_as_plain_inductor(tmp_path, arch):
     for step in (0, 1):
         records = [json.loads(line) for line in open(tmp_path / "compiled" / f"step{step}" / "rank0" / "ops.jsonl")]
         assert sum("compiled" in r for r in records) > 50, step
+
+
+# ---- eager against compiled --------------------------------------------------------------------------
+def _record_compiled(model, block: str, inputs, path, plant: bool):
+    """2 AdamW steps of a copy of ``model`` under ``probe_backend`` (task tensor) recorded to ``path``;
+    ``plant``: block ``block``'s output scaled by 1.001 in a forward hook (compiled into the graph)."""
+    model = copy.deepcopy(model)
+    if plant:
+        model.get_submodule(block).register_forward_hook(lambda m, args, out: out * 1.001)
+    torch._dynamo.reset()
+    backend = probe_backend(task="tensor", dump_path=str(path))
+    train_compiled(model, inputs, backend)
+    backend.close()
+    torch._dynamo.reset()
+    return path
+
+
+@pytest.fixture(scope="module", params=_PARAMS)
+def eager_compiled(request, tmp_path_factory):
+    """The eager run, the compiled run and the compiled run with the plant of one architecture, and
+    the planted block's scope."""
+    root = tmp_path_factory.mktemp(request.param)
+    model, block, inputs = compiled_model(request.param)
+    runs = {"eager": record_tiny(model, block, inputs, root / "eager", task="tensor"),
+            "compiled": _record_compiled(model, block, inputs, root / "compiled", plant=False),
+            "planted": _record_compiled(model, block, inputs, root / "planted", plant=True)}
+    return runs, f"{type(model).__name__}.{block}"
+
+
+def test_eager_and_compiled_runs_agree(eager_compiled):
+    runs, _ = eager_compiled
+    for a, b in (("eager", "compiled"), ("compiled", "eager")):
+        res = CliRunner().invoke(main, ["compare", str(runs[a]), str(runs[b])])
+        assert res.exit_code == 0, (a, b, res.output)
+        assert "no forward divergence" in res.output and "no backward divergence" in res.output, res.output
+
+
+def test_change_planted_in_the_compiled_run_is_named_at_its_block(eager_compiled):
+    runs, scope = eager_compiled
+    for a, b in (("eager", "planted"), ("planted", "eager")):
+        verdict = compare(runs[a], runs[b]).verdict
+        side = "a" if a == "planted" else "b"
+        d = verdict.forward
+        assert d is not None and (d.step, d.cause, d.op, d.scope, d.side) == (0, "unmatched", "aten.mul.Tensor", scope,
+                                                                              side), str(verdict)
+        # backward differs through the forward, or at the plant's own backward (the gradient x1.001): nothing
+        # else, and nothing of the other run, is named
+        bwd = verdict.backward
+        assert bwd is None or bwd.cause == "inherited" or (bwd.cause, bwd.op, bwd.scope, bwd.side) == (
+            "unmatched", "aten.mul.Tensor", scope, side), str(verdict)
