@@ -209,6 +209,23 @@ for step in range(4):
     assert sorted(p.name for p in (tmp_path / "steps.pkl").glob("step*")) == ["step1", "step2"]
 
 
+def test_async_datadump_saves_tensors_into_its_path(tmp_path, monkeypatch):
+    """The guide's wrap_async_datadump_hook example: tensors of steps 1-2 in path='./output'."""
+    run_here('''
+import torch
+from dispatchprobe.torch_npu_hooks import register_hook, wrap_async_datadump_hook, schedule, step_schedule
+
+module = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
+# register wrap_async_datadump_hook and add datadump path
+register_hook(module, wrap_async_datadump_hook, path='./output', schedule=schedule(1, 2))
+for step in range(3):
+    module(torch.randn(2, 2)).sum().backward()
+    step_schedule.step()
+''', tmp_path, monkeypatch)
+    assert sorted(p.name for p in (tmp_path / "output").glob("step*")) == ["step1", "step2"]
+    assert list((tmp_path / "output" / "step1" / "rank0" / "tensors").glob("*.safetensors"))
+
+
 def test_schedule_and_bad_arguments():
     import torch
     assert schedule(4, 10, 2) == [4, 6, 8, 10] and schedule() == []
