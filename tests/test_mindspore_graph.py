@@ -232,8 +232,11 @@ def test_control_flow_graph_dump_is_refused_not_misrecorded(overflow_runs):
 
 def test_step_scope_and_list_filters_select_graph_kernels(tmp_path):
     run = train(tmp_path / "filtered", "graph", "--task", "statistics",
-                "--config", json.dumps({"step": [1], "scope": ["ConvNet.fc"], "list": ["MatMul"]})) / "run"
+                "--config", json.dumps({"step": [1], "scope": ["ConvNet.fc"], "list": ["MatMul"],
+                                        "keep_dump": True})) / "run"
     assert not (run / "step0").exists()
+    kept = list((run / "mindspore_dump" / "step1").rglob("*.npy"))     # MindSpore's files, as asked
+    assert any(p.name.startswith("MatMul.") for p in kept) and any(p.name.startswith("Conv2D.") for p in kept)
     recs = records(run, 1)
     assert recs and {(r["op"], r["scope"]) for r in recs} == {("MatMul", "ConvNet.fc")}
     assert {r["stage"] for r in recs} == {"forward", "backward"}
