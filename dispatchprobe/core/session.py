@@ -492,6 +492,15 @@ class ProbeSession:
             for h in self.handlers:
                 h.optimizer_stepping()
 
+    def loss_scale_seen(self, scale=None, found_inf: bool | None = None) -> None:
+        """A framework's dynamic loss scaler, as the adapter recognised it: ``scale`` (the 0-dim
+        scale multiplied into the loss) or ``found_inf`` (what its check of the gradients found:
+        MindSpore's ``amp.all_finite``).  Adapters call it where the framework's scaler does not
+        run on the ops the handlers recognise (torch's ``GradScaler``)."""
+        if self.part is not None:
+            for h in self.handlers:
+                h.loss_scale_seen(scale, found_inf)
+
     def _close_part(self) -> None:
         if self.part is not None:
             try:
