@@ -99,6 +99,29 @@ def test_step_selects_optimizer_steps(tmp_path, trained):
     assert sum(r["op"] == "aten.embedding.default" for r in records(tmp_path / "s", 1)) == MICRO_STEPS
 
 
+def test_a_run_stopped_by_an_exception_is_ended_by_closing_the_probe(tmp_path):
+    """Trainer tells callbacks nothing when training raises: the probe is still recording until
+    callback.probe.close(), and what was written is readable."""
+    from dispatchprobe import load
+
+    def plant(model):      # the second optimizer step's first forward raises
+        calls = []
+
+        def fail(mod, args):
+            calls.append(1)
+            if len(calls) > MICRO_STEPS:
+                raise RuntimeError("planted failure")
+        model.model.layers[0].register_forward_pre_hook(fail)
+
+    callback = DispatchProbeCallback(task="statistics", dump_path=str(tmp_path / "x"))
+    with pytest.raises(RuntimeError, match="planted failure"):
+        train(str(tmp_path / "trainer"), [callback], plant)
+    assert callback.probe.active
+    callback.probe.close()
+    assert not callback.probe.active
+    assert sorted(load(tmp_path / "x").parts)[0][0] == 0 and records(tmp_path / "x", 0)
+
+
 def test_a_bad_key_fails_when_the_callback_is_made():
     with pytest.raises(ConfigError, match="unknown key 'taks'"):
         DispatchProbeCallback(taks="statistics")
