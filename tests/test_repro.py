@@ -65,6 +65,7 @@ def planted(tmp_path_factory):
     with DispatchProbe(task="tensor", dump_path=str(tmp / "run")) as probe:
         torch.ops.repro_planted.scale(x)
         torch.nn.functional.gelu(x)
+        torch.mm(x.half(), x.t().half())          # judged by run-ut's ULP rule
     probe.close()
     res = dispatchprobe.run_ut(str(tmp / "run"), str(tmp / "ut"))
     return tmp, kernels, res
@@ -119,6 +120,17 @@ def test_repro_of_a_clean_op_reports_agreement(planted):
     saved = dispatchprobe.load(tmp / "run").part(step=0, rank=0).tensor(record["inputs"][0]["data"])
     from dispatchprobe.records.reader import read_safetensors
     assert (read_safetensors(str(tmp / "r_gelu" / "inputs.safetensors"))["input.0"] == saved).all()
+
+
+def test_the_script_judges_by_the_rule_run_ut_uses_for_the_op(planted):
+    tmp, _, res = planted
+    name = "aten.mm.default.0.forward"
+    made = CliRunner().invoke(main, ["repro", str(tmp / "run"), name, "-o", str(tmp / "r_mm")])
+    assert made.exit_code == 0, made.output
+    out = _fresh(tmp / "r_mm" / "repro.py")
+    verdict = _verdict(res, name)
+    assert out.returncode == {"pass": 0, "warning": 0, "error": 2}[verdict], out.stdout + out.stderr
+    assert f"output.0 float16 [16, 16]: {verdict}:" in out.stdout and "(run-ut's ulp rule for float16:" in out.stdout
 
 
 def test_a_custom_op_without_its_prelude_is_said_not_misjudged(planted):

@@ -22,7 +22,7 @@ from ..records.format import walk
 from ..records.reader import Part, Run, load
 from ..records.writer import atomic_write_text, write_safetensors
 from ..standards.loader import per_dtype, standard
-from ..standards.verdicts import category
+from ..standards.verdicts import category, component_dtype
 
 _TEMPLATE = os.path.join(os.path.dirname(__file__), "templates", "repro_torch.py")
 _CORE_NAMESPACES = {"aten", "prims", "quantized", "_c10d_functional", "c10d", "_quantized", "rngprims"}
@@ -96,10 +96,6 @@ def write_repro(run_path, record_name: str, out: str, *, step: int | None = None
     if namespace not in _CORE_NAMESPACES and not modules:
         notes.append(f"{rec['op']} is not a PyTorch op: the script needs the module that defines it "
                      "(--prelude FILE copies it beside the script)")
-    cat = category(rec["op"])
-    if cat != "benchmark":
-        notes.append(f"run-ut judges {base(rec['op'])} by its {cat} rule, the script by run-ut's benchmark rule "
-                     "(cosine, max abs error, relative-error shares): their verdicts can differ")
     return Repro(folder=out, script=script, record=record_name, step=part.step, rank=part.rank, notes=notes)
 
 
@@ -225,11 +221,17 @@ def _judged_dtype(rec: dict) -> str:
 
 
 def _script(run: Run, part: Part, rec: dict, preludes: list) -> str:
-    dtype = _judged_dtype(rec)
-    bench = standard()["benchmark"]
-    rule = {"dtype": dtype, "cosine_min": bench["cosine_min"], "max_abs_pass": bench["max_abs_pass"],
+    dtype = component_dtype(_judged_dtype(rec))
+    bench, thr = standard()["benchmark"], standard("api_precision_standard")["thresholds"]
+    rule = {"category": category(rec["op"]), "dtype": dtype,
+            "cosine_min": bench["cosine_min"], "max_abs_pass": bench["max_abs_pass"],
             "tiers": [float(t) for t in per_dtype("benchmark.tiers", dtype)],
-            "small_value": float(per_dtype("small_value", dtype))}
+            "small_value": float(per_dtype("small_value", dtype)),
+            "small_value_atol": float(per_dtype("small_value_atol", dtype)),
+            "relative_limit": float(per_dtype("free_benchmark_threshold", dtype)),
+            "ulp_threshold": float(per_dtype("ulp_threshold", dtype)), "ulp": dict(thr["ulp"]),
+            "thousandth_min": float(thr["thousandth_min"]),
+            "thousandth_tolerance": float(per_dtype(thr["thousandth_tolerance"], dtype))}
     call = {"inputs": rec.get("inputs") or [], "kwargs": rec.get("kwargs") or {}}
     device = _device(run, rec)
     title = (f"Repro of {rec['op']}: record {rec['name']} ({rec.get('stage')}, module "

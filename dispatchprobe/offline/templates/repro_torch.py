@@ -151,16 +151,15 @@ def leaves(value, name="output"):
 
 
 def judge(d, b):
-    """(verdict, the numbers) of one output against float64, by run-ut's benchmark rule: inf/nan where
-    float64 has none (or the other way) or a cosine at most cosine_min: error; a max absolute error
-    under max_abs_pass: pass; else the shares of elements within 1/100 (16-bit) or 1/1000 relative
-    error, then the finer share (warning)."""
+    """(verdict, the numbers) of one output against float64, by the rule run-ut judges this op's outputs
+    with (RULE["category"], thresholds of the recorded dtype): inf/nan where float64 has none (or the
+    other way) is an error under every rule; integer and bool outputs must be equal."""
     if not isinstance(d, torch.Tensor):
         d, b = torch.tensor(d), torch.tensor(b)
     d, b = d.detach().cpu(), b.detach().cpu()
     if not (d.is_floating_point() or d.is_complex()):
         bad = int((d != b.to(d.dtype)).sum())
-        return ("pass" if bad == 0 else "error"), f"{bad} of {d.numel()} elements differ"
+        return ("pass" if bad == 0 else "error"), f"{bad} of {d.numel()} elements differ (binary rule)"
     d, b = d.to(torch.complex128 if d.is_complex() else torch.float64), b.to(d.dtype if d.is_complex() else
                                                                                torch.float64)
     finite_d, finite_b = torch.isfinite(d), torch.isfinite(b)
@@ -168,17 +167,47 @@ def judge(d, b):
     both = finite_d & finite_b
     d, b = d[both], b[both]
     err = (d - b).abs()
+    mag = b.abs()
     max_abs = float(err.max()) if err.numel() else 0.0
-    rel = err / b.abs().clamp(min=RULE["small_value"])
+    rel = err / mag.clamp(min=RULE["small_value"])
     nd, nb = float(d.abs().square().sum().sqrt()), float(b.abs().square().sum().sqrt())
     cosine = float((d * b.conj()).real.sum() / (nd * nb)) if nd and nb else (1.0 if nd == nb else float("nan"))
-    shares = {tol: float((rel <= tol).double().mean()) if rel.numel() else 1.0 for tol in RULE["tiers"]}
+    tiers = RULE["tiers"]
+    shares = {tol: float((rel <= tol).double().mean()) if rel.numel() else 1.0 for tol in tiers}
     text = (f"max abs error {max_abs:.6g}, max rel error {float(rel.max()) if rel.numel() else 0.0:.6g}, "
             f"cosine {cosine:.6f}, inf/nan mismatches {mismatch}, within relative error "
             + ", ".join(f"{tol:g}: {share:.4%}" for tol, share in shares.items())
             + ("" if err.numel() else " (no element is finite on both sides)"))
+    rule = RULE["category"]
     if mismatch:
         return "error", text
+    if rule == "binary":
+        bad = int((err > 0).sum())
+        return ("pass" if bad == 0 else "error"), text + f"; {bad} elements differ"
+    if rule == "absolute_threshold":
+        small = mag < RULE["small_value"]
+        rel_rate = float((rel[~small] > RULE["relative_limit"]).double().mean()) if (~small).any() else 0.0
+        abs_rate = float((err[small] > RULE["small_value_atol"]).double().mean()) if small.any() else 0.0
+        text += f"; relative error rate {rel_rate:.3g}, small-value error rate {abs_rate:.3g}"
+        return ("error" if rel_rate > 0 or abs_rate > 0 else "pass"), text
+    if rule == "ulp":
+        info = torch.finfo(getattr(torch, RULE["dtype"]) if RULE["dtype"] in ("float16", "bfloat16", "float64")
+                           else torch.float32)
+        mantissa, min_exp = round(-math.log2(info.eps)), round(math.log2(info.tiny))
+        exponent = torch.floor(torch.log2(mag))
+        exponent = torch.where(torch.isfinite(exponent), exponent, torch.full_like(exponent, min_exp)).clamp(min=min_exp)
+        ulp = err / torch.exp2(exponent - mantissa)
+        over = float((ulp > RULE["ulp_threshold"]).double().mean()) if ulp.numel() else 0.0
+        mean = float(ulp.mean()) if ulp.numel() else 0.0
+        text += f"; ULP mean {mean:.3g}, share over {RULE['ulp_threshold']:g} ULP {over:.3g}"
+        u = RULE["ulp"]
+        if RULE["dtype"] in ("float16", "bfloat16"):
+            return ("pass" if over < u["half_over_threshold"] else "error"), text
+        return ("pass" if mean < u["float32_ulp_mean"] or over < u["float32_over_threshold"] else "error"), text
+    if rule == "thousandth":
+        tol = RULE["thousandth_tolerance"]
+        share = float((rel <= tol).double().mean()) if rel.numel() else 1.0
+        return ("pass" if share > RULE["thousandth_min"] or not rel.numel() else "error"), text
     if not math.isnan(cosine) and cosine <= RULE["cosine_min"]:
         return "error", text
     if math.isnan(cosine) and max_abs >= RULE["max_abs_pass"]:
@@ -189,6 +218,17 @@ def judge(d, b):
         if share < 1 - tol:
             return verdict, text
     return "pass", text
+
+
+_RULE_KEYS = {"benchmark": ("cosine_min", "max_abs_pass", "tiers"), "ulp": ("ulp_threshold", "ulp"), "binary": (),
+              "absolute_threshold": ("small_value", "small_value_atol", "relative_limit"),
+              "thousandth": ("thousandth_min", "thousandth_tolerance")}
+
+
+def rule_text():
+    """The rule and the thresholds it used, for the verdict line."""
+    used = {k: RULE[k] for k in _RULE_KEYS.get(RULE["category"], _RULE_KEYS["benchmark"])}
+    return f"run-ut's {RULE['category']} rule for {RULE['dtype']}: {json.dumps(used)}"
 
 
 def main():
@@ -240,10 +280,10 @@ def main():
         print(f"  {out_name} {kind}: {verdict}: {text}")
         worst.append(verdict)
     if "error" in worst:
-        print(f"differs from float64: error (thresholds: {json.dumps(RULE)})")
+        print(f"differs from float64: error ({rule_text()})")
         return 2
     print("agrees with float64" + (" (a warning: the finer relative-error share is not met)" if "warning" in worst
-                                   else "") + f" (thresholds: {json.dumps(RULE)})")
+                                   else "") + f" ({rule_text()})")
     return 0
 
 
