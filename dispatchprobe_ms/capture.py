@@ -21,7 +21,7 @@ from dispatchprobe.core.config import ConfigError
 from dispatchprobe.core.session import ProbeSession
 from dispatchprobe.records.writer import write_manifest
 
-from . import backend as ms_backend
+from . import tensor_backend as ms_backend
 from . import ops
 from .cell_scopes import CellScopes
 

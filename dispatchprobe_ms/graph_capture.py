@@ -18,7 +18,7 @@ import numpy as np
 
 from dispatchprobe.core.recorder import Measured
 
-from . import backend as ms_backend
+from . import tensor_backend as ms_backend
 from . import graph_dump, graph_ir, ops
 from .graph_scopes import GraphScopes, stage_of
 

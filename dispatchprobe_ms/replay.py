@@ -21,7 +21,7 @@ from dispatchprobe.offline.replayer import Output, Replayed, Replayer, ReplayErr
 from dispatchprobe.offline.translate import Translation
 
 from . import ops
-from .backend import dtype_of, host, tensor
+from .tensor_backend import dtype_of, host, tensor
 
 _FLOATS = ("float16", "bfloat16", "float32")
 
