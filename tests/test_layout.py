@@ -137,3 +137,13 @@ def test_no_module_uses_another_modules_private_names():
     found = {str(p.relative_to(PACKAGE)): uses for p, t in _sources().items()
              if (uses := _private_cross_module_uses(p, t))}
     assert not found, f"private names used across modules (give them a public name): {found}"
+
+
+def test_each_module_behind_the_boundary_says_which_torch_it_is_checked_on():
+    """One place changes when torch does: each internals module names the releases it was checked on."""
+    import re
+    for path in sorted(INTERNALS.glob("*.py")):
+        if path.name == "__init__.py":
+            continue
+        doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))) or ""
+        assert re.search(r"torch (>= )?2\.\d+", doc), f"{path.name}: its docstring names no torch release"
