@@ -101,6 +101,7 @@ def show(path, op_pattern, stage, top, limit, html_path):
             echo_table(rows, max_rows=limit)
         else:
             click.echo(summarize(run, top=top, stage=stage))
+            _say_repro(_first_critical(run, path))
     if page is not None:
         from .records.writer import atomic_write_text
         atomic_write_text(html_path, page)
@@ -285,6 +286,16 @@ def _say_repro(named: list) -> None:
         line = hint(run, name, step, rank)
         if line:
             click.echo(f"{name}: {line}")
+
+
+def _first_critical(run, path) -> list:
+    """(run, record, step, rank) of an overflow run's first critical op (the one it stopped at)."""
+    from .offline.check_pages import overflow_rows
+    if not any(os.path.isfile(os.path.join(p.path, "overflow.json")) for p in run.parts.values()):
+        return []
+    rows = overflow_rows(run)
+    rows = rows[(rows["class"] == "critical") & (rows["name"] != "")]
+    return [(path, r["name"], int(r["step"]), int(r["rank"])) for _, r in rows.head(1).iterrows()]
 
 
 def _first_errors(res, records) -> list:

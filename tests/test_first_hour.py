@@ -70,6 +70,7 @@ def test_overflow_demo_finds_an_overflow_and_gives_one_account(tmp_path):
     # the overflow's message names its standalone repro, which shows it again with torch alone
     command = f"dispatchprobe repro {out} {critical[0]['name']} -o repro"
     assert f"a standalone repro: {command}" in demo.output, demo.output
+    assert f"a standalone repro: {command}/{critical[0]['name']}\n" in show.output, show.output     # show says it too
     made = CliRunner().invoke(main, command.split()[1:-1] + [str(tmp_path / "repro")])
     assert made.exit_code == 0, made.output
     again = subprocess.run([sys.executable, str(tmp_path / "repro" / "repro.py")], capture_output=True, text=True,
