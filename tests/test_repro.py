@@ -195,3 +195,16 @@ def test_run_ut_and_compare_print_the_repro_command_of_the_op_they_name(planted,
     assert made.exit_code == 0, made.output
     assert (tmp_path / "repro" / line.group(1) / "repro.py").is_file()
 
+
+@pytest.mark.mindspore
+def test_a_mindspore_run_is_refused_in_one_line_and_never_offered(tmp_path):
+    from dispatchprobe_ms import DispatchProbe as MsProbe
+    from dispatchprobe_ms.demo import train
+    from dispatchprobe.offline.repro import hint
+    train(MsProbe(task="tensor", dump_path=str(tmp_path / "ms")), steps=1)
+    name = next(r["name"] for r in dispatchprobe.load(tmp_path / "ms").part(step=0, rank=0).records
+                if r.get("kind") == "op")
+    res = CliRunner().invoke(main, ["repro", str(tmp_path / "ms"), name, "-o", str(tmp_path / "r")])
+    assert res.exit_code == 1 and "is a mindspore run: repro writes PyTorch scripts" in res.output, res.output
+    assert hint(tmp_path / "ms", name) is None          # compare and run-ut print no command for it
+

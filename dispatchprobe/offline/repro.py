@@ -50,6 +50,8 @@ def hint(run_path, record_name: str, step: int | None = None, rank: int | None =
     when the run cannot be read): the line compare and run-ut print under the op they name."""
     try:
         run = load(run_path)
+        if (run.manifest.get("framework") or "torch") != "torch":      # repro writes PyTorch scripts
+            return None
         part, rec, held = _find(run, record_name, step, rank)
         _check(rec, part)
     except (ValueError, OSError):
