@@ -25,6 +25,9 @@ from ..standards.loader import per_dtype, standard
 from ..standards.verdicts import category, component_dtype
 
 _TEMPLATE = os.path.join(os.path.dirname(__file__), "templates", "repro_torch.py")
+# the argument kinds the script rebuilds (templates/repro_torch.py ``decode``)
+_REBUILT = {"tensor", "none", "bool", "int", "str", "symint", "symbool", "float", "symfloat", "complex", "list", "tuple",
+            "dtype", "device", "memory_format", "layout"}
 _CORE_NAMESPACES = {"aten", "prims", "quantized", "_c10d_functional", "c10d", "_quantized", "rngprims"}
 
 
@@ -149,6 +152,8 @@ def _check(rec: dict, part: Part) -> None:
     for _, arg, spec in walk(rec, outputs=False, tensors_only=False):
         if spec.get("type") == "generator":
             raise ValueError(f"{name}: {arg} is a random generator: the op is random")
+        if spec.get("type") not in _REBUILT:
+            raise ValueError(f"{name}: {arg} ({spec.get('repr', spec.get('type'))}) cannot be rebuilt from the record")
     if not _inputs_saved(rec):
         raise ValueError(f"{name}: its input tensors were not saved ({part.path} holds statistics only): record "
                          "the run with task='tensor' (list=[...] or scope=[...] keep it small) to repro the op")
