@@ -463,8 +463,10 @@ def cache_entry(ref, value) -> tuple:
     pair = (ref, value)
     if _untrack is not None and type(ref) is _WEAKREF and ref.__callback__ is None and type(value) is dict \
             and not any(map(_tracked, value.values())):
-        _untrack(ref)
-        _untrack(value)
+        if _tracked(ref):           # one reference serves a value's entries under both its keys
+            _untrack(ref)
+        if _tracked(value):         # a statistics record is untracked already
+            _untrack(value)
         _untrack(pair)
     return pair
 
