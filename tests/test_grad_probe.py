@@ -79,10 +79,10 @@ def test_levels_match_numpy(tmp_path, level):
             assert r["shape"] == list(g.shape) and r["numel"] == g.size and r["dtype"] == "float32"
             assert r["stats"]["max"] == float(g.max()) and r["stats"]["min"] == float(g.min())
             assert r["stats"]["norm"] == pytest.approx(np.linalg.norm(g.astype(np.float64)), rel=1e-6)
-            assert ("md5" in r) == (level == "L0") and ("sign" in r) == (level != "L0")
+            assert ("checksum" in r) == (level == "L0") and ("sign" in r) == (level != "L0") and "md5" not in r
             assert ("distribution" in r) == (level == "L2")
             if level == "L0":
-                assert r["md5"] == hashlib.md5(g.astype(np.float32).tobytes()).hexdigest()
+                assert r["checksum"] == {"kind": "wsum64", "value": _weighted_sums(g.tobytes())}
             else:
                 assert np.array_equal(read_signs(part, r), g > 0)
                 assert part.tensor(r["sign"]).dtype == np.uint8 and part.tensor(r["sign"]).size == -(-g.size // 8)
@@ -101,6 +101,44 @@ def test_levels_match_numpy(tmp_path, level):
     table = run.grads
     assert len(table) == 8 and list(table["param"][:4]) == ["0.weight", "0.bias", "2.weight", "2.bias"]
     assert table["norm"].iloc[0] == run.part(0, 0).grads[0]["stats"]["norm"]
+
+
+def _weighted_sums(data: bytes) -> str:
+    """The L0 checksum by its definition, in Python integers: little-endian 64-bit words w_i (the last
+    zero-padded), sum(w_i) and sum((i + 1) * w_i) modulo 2**64."""
+    data += bytes(-len(data) % 8)
+    words = [int.from_bytes(data[i:i + 8], "little") for i in range(0, len(data), 8)]
+    return f"{sum(words) % 2 ** 64:016x}{sum((i + 1) * w for i, w in enumerate(words)) % 2 ** 64:016x}"
+
+
+def test_l0_checksum_is_computed_where_the_gradient_is_and_md5_only_when_asked(tmp_path):
+    from dispatchprobe.core.grad_probe import checksum_hex, checksum_of
+    from dispatchprobe.torch.grad_probe import checksum_on_device
+    gen = torch.Generator().manual_seed(0)
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        for n in (1, 3, 8191, 8195, 40_000):       # tails of every length; several rows of words
+            t = torch.randn(n, generator=gen).to(dtype)
+            want = _weighted_sums(t.view(torch.uint8).numpy().tobytes())
+            assert checksum_of(t.view(torch.uint8).numpy()) == want, (dtype, n)
+            for device in devices:               # the torch formula on the gradient's device: the same digits
+                got = checksum_on_device(t.to(device)).cpu()
+                assert checksum_hex(*(int(v) for v in got)) == want, (dtype, n, device)
+    shard = torch.randn(3, 1001, generator=gen)[:, 1:]      # not contiguous, not 8-byte aligned
+    assert checksum_hex(*(int(v) for v in checksum_on_device(shard))) == _weighted_sums(
+        shard.contiguous().numpy().tobytes())
+    x = torch.randn(100_000, generator=gen)
+    swapped, flipped = x.clone(), x.clone()
+    swapped[[10, 70_000]] = swapped[[70_000, 10]]
+    flipped.view(torch.int32)[5] ^= 1              # the lowest bit of one element
+    sums = {checksum_of(v.numpy()) for v in (x, swapped, flipped)}
+    assert len(sums) == 3                          # reordered or one bit changed: another checksum
+
+    seen = _mlp_run(tmp_path / "md5", "L0", checksum=True)     # msprobe's MD5 column, when asked for
+    for step, grads in enumerate(seen):
+        for r in dispatchprobe.load(tmp_path / "md5").part(step, 0).grads:
+            assert "checksum" not in r
+            assert r["md5"] == hashlib.md5(grads[r["param"]].astype(np.float32).tobytes()).hexdigest()
 
 
 # ---- the tiny transformer: identical runs, a planted sign flip ------------------------------------

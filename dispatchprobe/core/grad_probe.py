@@ -6,10 +6,12 @@ records (``grads.jsonl`` and the packed sign bits, docs/grad-probe.md).  An adap
 gradients (:mod:`dispatchprobe.torch.grad_probe`, ``dispatchprobe_ms.grad_probe``), reduces the
 statistics of sharded ones over their ranks, and hands :class:`GradHandler` one entry per parameter.
 
-Levels as msprobe's: L0 max, min, norm, shape and an MD5 of the gradient; L1 the same (no MD5)
-and the sign of each element (``grad > 0``); L2 also the share of elements in each interval of
-``bounds`` (lower end open, upper closed: ``(-inf, b0], (b0, b1], ..., (bn, inf)``) and the share
-exactly zero.
+Levels as msprobe's: L0 max, min, norm, shape and a checksum of the gradient's bytes (by default
+the position-weighted sums of :func:`checksum_of`, computed where the gradient lives; msprobe's
+MD5 when the config asks for checksums, ``checksum=True`` / ``summary_mode: md5``); L1 the same
+(no checksum) and the sign of each element (``grad > 0``); L2 also the share of elements in each
+interval of ``bounds`` (lower end open, upper closed: ``(-inf, b0], (b0, b1], ..., (bn, inf)``) and
+the share exactly zero.
 """
 
 from __future__ import annotations
@@ -78,6 +80,45 @@ def measures(x, xp, level: str, bounds, base=None) -> list:
     return out
 
 
+#: The kind of checksum :func:`checksum_of` computes (a record's ``checksum.kind``).
+CHECKSUM_KIND = "wsum64"
+#: Words per row when the weighted sum is taken as row and column sums (any width gives the same sums).
+CHECKSUM_ROW = 4096
+
+
+def checksum_of(data: np.ndarray) -> str:
+    """The gradient's bytes (C order) as little-endian 64-bit words ``w_0 .. w_n-1`` (the last one
+    zero-padded): ``S0 = sum(w_i)`` and ``S1 = sum((i + 1) * w_i)``, both modulo 2**64, as 32 hex
+    digits.  Integer sums do not depend on the order they are added in, so every device and
+    framework gives the same digits for the same bytes; ``S1`` is taken as row and column sums of
+    the words laid out in rows (two vectorised reductions, no weight array).  The torch adapter
+    computes the same on the gradient's device (``dispatchprobe.torch.grad_probe``)."""
+    raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+    full = raw.size // 8 * 8
+    words = raw[:full].view(np.uint64)
+    if full < raw.size:                                 # the last word, zero-padded
+        last = np.zeros(8, np.uint8)
+        last[:raw.size - full] = raw[full:]
+        words = np.concatenate([words, last.view(np.uint64)])
+    n = words.size
+    rows = n // CHECKSUM_ROW
+    block = words[:rows * CHECKSUM_ROW].reshape(rows, CHECKSUM_ROW)
+    tail = words[rows * CHECKSUM_ROW:]
+    row_sums, col_sums = block.sum(1, dtype=np.uint64), block.sum(0, dtype=np.uint64)
+    index = np.arange(rows, dtype=np.uint64)
+    cols = np.arange(1, CHECKSUM_ROW + 1, dtype=np.uint64)
+    tail_w = np.arange(rows * CHECKSUM_ROW + 1, n + 1, dtype=np.uint64)
+    s0 = int(row_sums.sum(dtype=np.uint64)) + int(tail.sum(dtype=np.uint64))      # arrays wrap; ints: mod 2**64
+    s1 = CHECKSUM_ROW * int((index * row_sums).sum(dtype=np.uint64)) + int((cols * col_sums).sum(dtype=np.uint64)) \
+        + int((tail_w * tail).sum(dtype=np.uint64))
+    return checksum_hex(int(s0), int(s1))
+
+
+def checksum_hex(s0: int, s1: int) -> str:
+    """``S0`` and ``S1`` (any integers: taken modulo 2**64) as the record's 32 hex digits."""
+    return f"{s0 % 2 ** 64:016x}{s1 % 2 ** 64:016x}"
+
+
 def md5_of(x: np.ndarray) -> str:
     """msprobe's MD5 column: the digest of the gradient's float32 bytes (C order)."""
     return hashlib.md5(np.ascontiguousarray(x, dtype=np.float32).tobytes()).hexdigest()
@@ -111,6 +152,7 @@ class GradHandler(Handler):
         self.session = session
         cfg = session.config.grad_probe
         self.level, self.bounds = cfg.grad_level, list(cfg.bounds)
+        self.md5 = session.config.checksum      # L0: msprobe's MD5 (checksum=True, summary_mode md5), on the host
         self.select = ParamSelector(cfg.param_list)
         self._lines = self._index = None
         self._keys = self._shards = 0

@@ -7,6 +7,10 @@ reduced over the mesh dimensions it is sharded on (max, min, sums: one all-reduc
 group of parameters, the same on every rank), so every rank records the whole gradient's
 statistics; its sign bits stay the local shard's, with the placement.  Every rank takes part in
 those reductions, also a rank that ``rank`` leaves out.
+
+Everything a step measures stays where the gradients are until the end: on an accelerator the
+statistics, the L0 checksums and the packed sign bits of all parameters come to the host in one
+transfer per device (:func:`fetch`); on a CPU they are computed in numpy, which is faster there.
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ import numpy as np
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from ..core.grad_probe import grad_record, has_signs, md5_of, measures
+from ..core.grad_probe import CHECKSUM_KIND, CHECKSUM_ROW, checksum_hex, checksum_of, grad_record, has_signs, md5_of, \
+    measures
 from . import fused_stats, hooks
 from .internals.tensors import foreach_norm
 from .parameters import ParamGrad, named_gradients, parameter_names, placement_of
@@ -31,7 +36,7 @@ _BIT_WEIGHTS: dict = {}
 def packed_signs(t: torch.Tensor):
     """``t > 0`` packed as ``np.packbits`` packs (first element in the highest bit): a numpy array on a
     CPU; on an accelerator a uint8 tensor on the device (an eighth of a byte per element comes back,
-    with the other parameters' in one transfer, :func:`_signs_to_host`)."""
+    with the step's other results in one transfer, :func:`fetch`)."""
     if t.device.type == "cpu":
         if t.dtype in _NUMPY_FLOATS:            # numpy's comparison is some 3x faster than torch's on CPU
             return np.packbits(np.greater(t.numpy().reshape(-1), 0))
@@ -47,17 +52,63 @@ def packed_signs(t: torch.Tensor):
     return (bits.view(torch.uint8).view(-1, 8) * w).sum(1, dtype=torch.uint8)
 
 
-def _signs_to_host(packed: list) -> list:
-    """Device tensors among ``packed`` as numpy arrays, one transfer per device."""
-    out = list(packed)
+def checksum_on_device(t: torch.Tensor) -> torch.Tensor:
+    """:func:`~dispatchprobe.core.grad_probe.checksum_of` computed where ``t`` lives: its bytes as
+    int64 words (two's complement wraps as uint64 does: the same sums), the row and column sums of
+    the words in rows of ``CHECKSUM_ROW``, combined on the device.  Returns int64 ``[S0, S1]`` on
+    ``t``'s device; nothing is read back (:func:`checksum_hex` of the two reads them)."""
+    raw = t.reshape(-1).view(torch.uint8)
+    if raw.storage_offset() % 8:                        # an int64 view needs 8-byte alignment
+        raw = raw.clone()
+    full = raw.numel() // 8 * 8
+    words = raw[:full].view(torch.int64)
+    n = words.numel()
+    rows = n // CHECKSUM_ROW
+    block = words[:rows * CHECKSUM_ROW].view(rows, CHECKSUM_ROW)
+    index = torch.arange(rows, dtype=torch.int64, device=t.device)
+    cols = torch.arange(1, CHECKSUM_ROW + 1, dtype=torch.int64, device=t.device)
+    s0 = block.sum(dtype=torch.int64)
+    s1 = (index * block.sum(1)).sum() * CHECKSUM_ROW + (cols * block.sum(0)).sum()
+    tail = words[rows * CHECKSUM_ROW:]
+    if full < raw.numel():                              # the last word, zero-padded
+        last = torch.zeros(8, dtype=torch.uint8, device=t.device)
+        last[:raw.numel() - full] = raw[full:]
+        tail = torch.cat([tail, last.view(torch.int64)])
+    if tail.numel():
+        weights = torch.arange(rows * CHECKSUM_ROW + 1, rows * CHECKSUM_ROW + tail.numel() + 1, dtype=torch.int64,
+                               device=t.device)
+        s0 = s0 + tail.sum()
+        s1 = s1 + (weights * tail).sum()
+    return torch.stack([s0, s1])
+
+
+def checksum_record(t: torch.Tensor, md5: bool):
+    """A gradient's L0 checksum for its record: msprobe's MD5 (on the host) when asked for, else
+    ``{"kind", "value"}`` of :func:`checksum_of`: done here on a CPU, a pending int64 pair on a device."""
+    if md5:
+        return md5_of(t.float().cpu().numpy())
+    if t.device.type != "cpu":
+        return checksum_on_device(t)
+    return {"kind": CHECKSUM_KIND, "value": checksum_of(t.reshape(-1).view(torch.uint8).numpy())}
+
+
+def fetch(items: list) -> list:
+    """The tensors among ``items`` (float64 rows, int64 checksums, uint8 sign bits) as numpy arrays
+    of their dtype and shape, in one transfer per device (their bytes concatenated); anything else
+    is returned as it is."""
+    out = list(items)
     by_device: dict = {}
-    for i, p in enumerate(packed):
-        if isinstance(p, torch.Tensor):
-            by_device.setdefault(p.device, []).append(i)
+    for i, x in enumerate(items):
+        if isinstance(x, torch.Tensor):
+            by_device.setdefault(x.device, []).append(i)
     for idx in by_device.values():
-        host = torch.cat([packed[i] for i in idx]).cpu().numpy()
-        for i, part in zip(idx, np.split(host, np.cumsum([packed[i].numel() for i in idx])[:-1])):
-            out[i] = part
+        parts = [items[i].contiguous().reshape(-1).view(torch.uint8) for i in idx]
+        host = torch.cat(parts).cpu().numpy()
+        sizes = np.cumsum([p.numel() for p in parts])[:-1]
+        for i, chunk in zip(idx, np.split(host, sizes)):
+            t = items[i]
+            dtype = np.dtype(str(t.dtype).removeprefix("torch."))
+            out[i] = chunk.view(dtype).reshape(tuple(t.shape))
     return out
 
 
@@ -180,28 +231,22 @@ class GradReader:
             if not here:
                 return
             signs = [packed_signs(g.local) for g in grads] if has_signs(h.level) else [None] * len(grads)
-            values, signs = _to_host(rows), _signs_to_host(signs)
+            sums = [checksum_record(g.local, h.md5) for g in grads] if h.level == "L0" else [None] * len(grads)
+            n = len(grads)
+            host = fetch(rows + signs + sums)              # one transfer per device
+            values, signs, sums = host[:n], host[n:2 * n], host[2 * n:]
             items = []
-            for g, row, bits in zip(grads, values, signs):
+            for g, row, bits, checksum in zip(grads, values, signs, sums):
                 rec = grad_record(g.name, dtype=str(g.local.dtype).removeprefix("torch."), shape=g.shape,
                                   values=row, level=h.level, bounds=h.bounds, source=g.source)
                 if g.placement is not None:
                     rec["dtensor"] = g.placement.to_dict()
-                if h.level == "L0":
-                    rec["md5"] = md5_of(g.local.float().cpu().numpy())
+                if isinstance(checksum, str):
+                    rec["md5"] = checksum
+                elif isinstance(checksum, np.ndarray):
+                    rec["checksum"] = {"kind": CHECKSUM_KIND, "value": checksum_hex(*(int(v) for v in checksum))}
+                elif checksum is not None:
+                    rec["checksum"] = checksum
                 items.append((rec, bits))
             h.write(items)
 
-
-def _to_host(rows: list[torch.Tensor]) -> list[list[float]]:
-    """The rows as floats, one transfer per device."""
-    out: list = list(rows)
-    by_device: dict = {}
-    for i, r in enumerate(rows):
-        if isinstance(r, torch.Tensor):
-            by_device.setdefault(r.device, []).append(i)
-    for idx in by_device.values():
-        host = torch.stack([rows[i] for i in idx]).cpu().tolist()
-        for i, v in zip(idx, host):
-            out[i] = v
-    return out
