@@ -13,7 +13,8 @@ import weakref
 
 import numpy as np
 
-from dispatchprobe.core.grad_probe import grad_record, has_signs, md5_of, measures, pack_signs
+from dispatchprobe.core.grad_probe import CHECKSUM_KIND, checksum_of, grad_record, has_signs, md5_of, measures, \
+    pack_signs
 
 
 class GradReader:
@@ -51,7 +52,9 @@ class GradReader:
             x = np.asarray(grad.asnumpy())
             rec = grad_record(name, dtype=x.dtype.name, shape=list(x.shape), level=h.level, bounds=h.bounds,
                               values=[float(v) for v in measures(x, np, h.level, h.bounds)])
-            if h.level == "L0":
+            if h.level == "L0" and h.md5:
                 rec["md5"] = md5_of(x)
+            elif h.level == "L0":
+                rec["checksum"] = {"kind": CHECKSUM_KIND, "value": checksum_of(x)}
             items.append((rec, pack_signs(x) if has_signs(h.level) else None))
         h.write(items)

@@ -96,3 +96,14 @@ def test_mindspore_and_torch_gradients_compare(tmp_path):
         # names differ only where the frameworks name differently: paired by order and shape
         renamed = dict(zip(table["param"], table["param_b"]))
         assert renamed.get("norm.gamma" if a == "ms" else "norm.weight") == ("norm.weight" if a == "ms" else "norm.gamma")
+
+
+def test_mindspore_l0_checksums_are_torchs_for_the_same_bytes(tmp_path):
+    from dispatchprobe.core.grad_probe import checksum_hex
+    from dispatchprobe.torch.grad_probe import checksum_on_device
+    _, seen, _ = train_ms(tmp_path / "l0", level="L0")
+    run = dispatchprobe.load(tmp_path / "l0")
+    for step, grads in enumerate(seen):
+        for r, g in zip(run.part(step, 0).grads, grads):
+            assert "md5" not in r and r["checksum"]["kind"] == "wsum64"
+            assert r["checksum"]["value"] == checksum_hex(*(int(v) for v in checksum_on_device(torch.from_numpy(g))))
