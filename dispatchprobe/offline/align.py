@@ -238,7 +238,7 @@ def align_ops(recs_a: list, recs_b: list, ia: list, ib: list, mapping: Mapping, 
             next_gaps.extend(split)
             pairs.extend(found)
         gaps = next_gaps
-    if _closest_siblings(recs_a, recs_b, ia, ib, pairs):   # a pair moved: the gaps between pairs moved too
+    if _closest_siblings(recs_a, recs_b, pairs, gaps):   # a pair moved: the gaps between pairs moved too
         gaps = _between_pairs(ia, ib, pairs)
     spans: list = []
     if cross:
@@ -264,60 +264,64 @@ def _closeness(ra: dict, rb: dict) -> tuple:
     return tuple(out)
 
 
-def _closest_siblings(recs_a: list, recs_b: list, ia: list, ib: list, pairs: list) -> bool:
+def _closest_siblings(recs_a: list, recs_b: list, pairs: list, gaps: list) -> bool:
     """Re-pair each pair among its unpaired siblings (records of the same scope, op and output
     shapes on its own side, between the same neighbouring pairs), the closest values first: one run
     may compute a value twice where the other computes it once (eager recomputes ``self / other``
     in ``div``'s backward, a compiled graph reuses the forward's), and the order alone pairs the
     other run's one call with whichever comes first.  Order is kept (each pair stays between its
-    neighbours); ties keep the ordered pass's choice.  Changes ``pairs`` in place; True if any moved."""
-    paired_a, paired_b = {p[0] for p in pairs}, {p[1] for p in pairs}
+    neighbours); ties keep the ordered pass's choice.  ``gaps``: the unpaired records, (A's, B's)
+    per gap.  Changes ``pairs`` in place; True if any moved."""
     free: tuple = ({}, {})
-    for side, idx, recs, paired in ((0, ia, recs_a, paired_a), (1, ib, recs_b, paired_b)):
-        for pos, i in enumerate(idx):
-            if i not in paired:
-                free[side].setdefault(_sibling(recs[i]), []).append(pos)
-    ops = {key[1] for side in free for key in side}
+    for gap in gaps:
+        for side, recs in ((0, recs_a), (1, recs_b)):
+            for i in gap[side]:
+                free[side].setdefault(_sibling(recs[i]), []).append(i)
+    if not free[0] and not free[1]:
+        return False
+    for side in free:
+        for lst in side.values():
+            lst.sort()
+    kinds = ({key[:2] for key in free[0]}, {key[:2] for key in free[1]})   # (scope, op) of the unpaired
     names: dict = {}     # op -> its functional name, asked once per distinct op
-    def may_have_siblings(r):
+
+    def may_have_siblings(r, side):
         op = r["op"]
         name = names.get(op)
         if name is None:
             name = names[op] = functional(op)
-        return name in ops
-    candidates = [k for k, p in enumerate(pairs) if may_have_siblings(recs_a[p[0]]) or may_have_siblings(recs_b[p[1]])]
+        return (r["scope"], name) in kinds[side]
+    candidates = [k for k, p in enumerate(pairs)
+                  if may_have_siblings(recs_a[p[0]], 0) or may_have_siblings(recs_b[p[1]], 1)]
     if not candidates:
         return False
-    pos_a, pos_b = {i: k for k, i in enumerate(ia)}, {j: k for k, j in enumerate(ib)}
-    order = sorted((k for k, p in enumerate(pairs) if p[0] in pos_a and p[1] in pos_b), key=lambda k: pos_a[pairs[k][0]])
+    order = sorted(range(len(pairs)), key=lambda k: pairs[k][0])   # record indices keep each run's order
     at = {k: n for n, k in enumerate(order)}
     moved = False
     for k in candidates:
-        n = at.get(k)
-        if n is None:
-            continue
+        n = at[k]
         i, j, how = pairs[k]
         sib_a, sib_b = _sibling(recs_a[i]), _sibling(recs_b[j])
         cand = []
-        for side, pos, x, sib in ((0, pos_a, i, sib_a), (1, pos_b, j, sib_b)):
-            lo = pos[pairs[order[n - 1]][side]] if n else -1
-            hi = pos[pairs[order[n + 1]][side]] if n + 1 < len(order) else len(pos)
-            cand.append([pos[x]] + [q for q in free[side].get(sib, ()) if lo < q < hi])
+        for side, x, sib in ((0, i, sib_a), (1, j, sib_b)):
+            lo = pairs[order[n - 1]][side] if n else -1
+            hi = pairs[order[n + 1]][side] if n + 1 < len(order) else math.inf
+            lst = free[side].get(sib, [])
+            cand.append([x] + lst[bisect.bisect_right(lst, lo):bisect.bisect_left(lst, hi)])
         if len(cand[0]) == 1 and len(cand[1]) == 1:
             continue
         # ties: the ordered pass's pair, then the nearest to it, the earliest (the same whichever run is A)
-        here = (pos_a[i], pos_b[j])
-        best = min((*_closeness(recs_a[ia[x]], recs_b[ib[y]]), (x, y) != here, abs(x - here[0]) + abs(y - here[1]),
-                    x + y, x, y) for x in cand[0] for y in cand[1])
+        best = min((*_closeness(recs_a[x], recs_b[y]), (x, y) != (i, j), abs(x - i) + abs(y - j), x + y, x, y)
+                   for x in cand[0] for y in cand[1])
         x, y = best[-2:]
-        if (x, y) == here:
+        if (x, y) == (i, j):
             continue
-        for side, old, new, key in ((0, here[0], x, sib_a), (1, here[1], y, sib_b)):
+        for side, old, new, key in ((0, i, x, sib_a), (1, j, y, sib_b)):
             if old != new:
                 lst = free[side][key]
                 lst.remove(new)
                 bisect.insort(lst, old)
-        pairs[k] = (ia[x], ib[y], how)
+        pairs[k] = (x, y, how)
         moved = True
     return moved
 
