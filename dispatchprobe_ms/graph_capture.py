@@ -41,14 +41,19 @@ class GraphCapture:
         self.recorded = False
 
     def start(self) -> None:
-        """A recorded region begins: what graphs ran outside it is dropped."""
+        """A recorded region begins: MindSpore dumps from now on (what graphs ran outside a
+        region, where it cannot be switched off, is dropped)."""
         if self.folder is not None:
             self.folder.discard()
+            self.folder.switch(True)
 
     def finish(self) -> None:
-        """A recorded region ends: the kernels its graphs ran, recorded in order."""
+        """A recorded region ends: MindSpore stops dumping; the kernels its graphs ran, recorded
+        in order."""
         if self.folder is None:
             return
+        self.folder.sync()
+        self.folder.switch(False)
         kernels = self.folder.take()
         self.kernels += len(kernels)
         session = self.session

@@ -8,6 +8,13 @@ it when it is created), pointing MindSpore at a private folder of this process. 
 recorded region :meth:`DumpFolder.take` reads the kernels the graphs ran, in execution order,
 and removes the files (or moves them to ``keep``).
 
+The config itself cannot change once read, but its ``iteration`` is compared with a counter the
+probe sets (``_set_init_iter``, MindSpore's user-step counter): the config selects the one
+iteration :data:`ON`, and :meth:`DumpFolder.switch` sets the counter to it only inside a recorded
+region.  A step the probe's ``step`` filter leaves out, graphs run outside ``with probe:``, and
+everything after ``close()`` are then not dumped at all.  MindSpore's own counter (one per graph
+run) starts at 0 and never reaches :data:`ON`, so nothing is dumped before the first region.
+
 One ``.npy`` per kernel input and output, named
 ``{type}.{scope_with_underscores}.{task}.{stream}.{timestamp}.{input|output}.{i}.{format}.{dtype}.npy``
 under ``rank_{r}/{net}/{graph}/{iteration}/``, and each graph's kernel order in
@@ -29,9 +36,15 @@ from dataclasses import dataclass, field
 from . import graph_ir
 
 ENV = "MINDSPORE_DUMP_CONFIG"
+ON, OFF = 2 ** 32 - 1, 2 ** 32 - 2      # dump iterations: the one the config selects, one it does not
 _OP_NUMBER = re.compile(r"-op(\d+)$")
 NET_NAME = "dispatchprobe"
 _folder: "DumpFolder | None" = None         # this process's dump folder, once enabled
+
+try:                                       # MindSpore's user-step dump counter (2.6 and later)
+    from mindspore._c_expression import _set_init_iter
+except ImportError:
+    _set_init_iter = None
 
 
 @dataclass
@@ -62,7 +75,7 @@ def enable() -> tuple["DumpFolder | None", str]:
                       "probe before the first GRAPH_MODE or @jit call")
     root = tempfile.mkdtemp(prefix=f"dispatchprobe_ms_{os.getpid()}_")
     config = {"common_dump_settings": {"dump_mode": 0, "path": os.path.join(root, "dump"), "net_name": NET_NAME,
-                                       "iteration": "all", "saved_data": "tensor", "input_output": 0,
+                                       "iteration": str(ON) if _set_init_iter else "all", "saved_data": "tensor", "input_output": 0,
                                        "kernels": [], "support_device": list(range(8)), "op_debug_mode": 0},
               "e2e_dump_settings": {"enable": True, "trans_flag": True}}
     path = os.path.join(root, "dump_config.json")
@@ -96,6 +109,20 @@ class DumpFolder:
 
     def __init__(self, path: str):
         self.path = path
+        self.regions = 0                  # recorded regions open now (the counter is ON while any is)
+
+    @property
+    def switchable(self) -> bool:
+        """Whether MindSpore dumps only inside recorded regions (else it dumps every graph run,
+        and what runs outside them is deleted unread)."""
+        return _set_init_iter is not None
+
+    def switch(self, on: bool) -> None:
+        """A recorded region begins (``on``) or ends: MindSpore dumps the graphs run while any is
+        open.  Call after :meth:`sync`: a kernel still queued checks the counter when it runs."""
+        self.regions = max(0, self.regions + (1 if on else -1))
+        if _set_init_iter is not None:
+            _set_init_iter(ON if self.regions else OFF)
 
     def sync(self) -> None:
         """Wait until every graph launched so far has run (its kernels are on disk)."""
@@ -115,13 +142,9 @@ class DumpFolder:
         """The kernels of every graph run since the last look, in the order they ran (their files
         stay until :meth:`release`)."""
         self.sync()
-        runs = []
-        for run in self._runs():
-            kernels = self._kernels(run)
-            if kernels:
-                runs.append((min(k.first for k in kernels), run, kernels))
+        runs = [(min(k.first for k in kernels), kernels) for run in self._runs() for kernels in self._kernels(run)]
         runs.sort(key=lambda r: r[0])
-        return [k for _, _, kernels in runs for k in kernels]
+        return [k for _, kernels in runs for k in kernels]
 
     def release(self, keep: str | None = None) -> None:
         """Remove (or move under ``keep``) the files :meth:`take` read."""
@@ -137,7 +160,12 @@ class DumpFolder:
     def _runs(self) -> list[str]:
         return sorted(glob.glob(os.path.join(glob.escape(self.path), "rank_*", NET_NAME, "*", "*")))
 
-    def _kernels(self, run: str) -> list[Kernel]:
+    def _kernels(self, run: str) -> list[list[Kernel]]:
+        """The kernels of one graph's folder, one list per run of the graph, each in execution
+        order.  MindSpore's counter stays at :data:`ON` through a region, so a graph run twice in
+        it (two micro-batches) writes both runs into one folder: a kernel's n-th call (its files
+        in time order, a position seen again starting the next) belongs to the n-th run (a kernel
+        graph runs each of its kernels once: control flow makes graphs of its own)."""
         graph = os.path.basename(os.path.dirname(run))
         rank_dir = os.path.dirname(os.path.dirname(os.path.dirname(run)))
         order = _execution_order(os.path.join(rank_dir, "execution_order", f"ms_execution_order_graph_{graph}.csv"))
@@ -154,15 +182,18 @@ class DumpFolder:
             if flat is None:
                 continue
             slots = calls.setdefault(flat, [])
-            # a kernel run twice in one graph run (a loop): a position seen again starts the next call
+            # a position seen again starts the kernel's next call (the graph's next run)
             if not slots or pos in (slots[-1].inputs if io == "input" else slots[-1].outputs):
                 slots.append(Kernel(kind, order[flat][1], first=stamp, node=nodes.get(order[flat][1])))
             k = slots[-1]
             (k.inputs if io == "input" else k.outputs)[pos] = os.path.join(run, name)
             k.first = min(k.first, stamp)
-        kernels = [k for slots in calls.values() for k in slots]
-        kernels.sort(key=lambda k: (order[k.scope.replace("/", "_")][0], k.first))
-        return kernels
+        runs: dict[int, list[Kernel]] = {}
+        for slots in calls.values():
+            for n, k in enumerate(slots):
+                runs.setdefault(n, []).append(k)
+        return [sorted(kernels, key=lambda k: (order[k.scope.replace("/", "_")][0], k.first))
+                for _, kernels in sorted(runs.items())]
 
 
 def _renamed(order: dict, dumped: set) -> dict[str, str]:

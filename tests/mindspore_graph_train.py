@@ -12,6 +12,7 @@ purpose and are skipped), the overflow task told of the scaler.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -127,9 +128,20 @@ def build(mode: str, net, loss_fn, opt):
     return ms.jit(step) if mode == "jit" else step
 
 
-def train(mode: str, dump_path: str = "", task: str = "", plant: bool = False, steps: int = 2, **config):
-    """``steps`` of training; with a ``task``, recorded to ``dump_path``: {losses, initial and final
-    parameters, the probe's summary}."""
+def dumped_files() -> int:
+    """How many tensor files MindSpore's dump holds now in the probe's private folder (0 without
+    one; the graphs' IR and execution order, written at compile, are not counted)."""
+    from dispatchprobe_ms import graph_dump
+    folder = graph_dump._folder
+    return sum(f.endswith(".npy") for _, _, files in os.walk(folder.path) for f in files) if folder else 0
+
+
+def train(mode: str, dump_path: str = "", task: str = "", plant: bool = False, steps: int = 2, calls: int = 1,
+          **config):
+    """``steps`` of training (``calls`` train steps on batches of their own in each recorded
+    region); with a ``task``, recorded to ``dump_path``: {losses, initial and final
+    parameters, the probe's summary, the files MindSpore's dump held after each step and after a
+    step run once the probe was closed}."""
     ms.set_seed(0)
     net = ConvNet()
     if plant:
@@ -139,22 +151,25 @@ def train(mode: str, dump_path: str = "", task: str = "", plant: bool = False, s
     # the probe is made before the step is first called (compiled): it switches MindSpore's dump on
     probe = DispatchProbe(task=task, dump_path=dump_path, model=net, **config) if task else None
     step = build(mode, net, nn.MSELoss(), nn.SGD(net.trainable_params(), learning_rate=0.1))
-    losses = []
+    losses, dumped = [], []
     for i in range(steps):
-        x, y = (ms.Tensor(v) for v in data(i))
-        if probe is not None:
-            with probe:
+        batches = [[ms.Tensor(v) for v in data(i * calls + c)] for c in range(calls)]
+        with probe if probe is not None else contextlib.nullcontext():
+            for x, y in batches:
                 loss = step(x, y)
+        if probe is not None:
             probe.step()
-        else:
-            loss = step(x, y)
         losses.append(loss.asnumpy().copy())
+        dumped.append(dumped_files())
     summary = {}
+    params = {p.name: p.asnumpy().copy() for p in net.get_parameters()}
     if probe is not None:
         probe.close()
         summary = probe.summary()
-    return {"losses": losses, "initial": initial, "summary": summary,
-            "params": {p.name: p.asnumpy().copy() for p in net.get_parameters()}}
+        x, y = (ms.Tensor(v) for v in data(steps))
+        step(x, y).asnumpy()                  # after close(): MindSpore must not dump it
+        dumped.append(dumped_files())
+    return {"losses": losses, "initial": initial, "summary": summary, "dumped": dumped, "params": params}
 
 
 def main(argv=None) -> int:
@@ -186,6 +201,7 @@ def main(argv=None) -> int:
         result.update({f"loss{i}": v for i, v in enumerate(out["losses"])})
         result.update({f"initial:{k}": v for k, v in out["initial"].items()})
         result.update({f"param:{k}": v for k, v in out["params"].items()})
+        result["dumped"] = np.array(out["dumped"])
         with open(os.path.join(args.out, "summary.json"), "w") as f:
             json.dump(out["summary"], f)
     if args.unprobed:

@@ -231,12 +231,31 @@ def test_control_flow_graph_dump_is_refused_not_misrecorded(overflow_runs):
 
 
 def test_step_scope_and_list_filters_select_graph_kernels(tmp_path):
-    run = train(tmp_path / "filtered", "graph", "--task", "statistics",
+    out = train(tmp_path / "filtered", "graph", "--task", "statistics",
                 "--config", json.dumps({"step": [1], "scope": ["ConvNet.fc"], "list": ["MatMul"],
-                                        "keep_dump": True})) / "run"
-    assert not (run / "step0").exists()
+                                        "keep_dump": True, "steps": 3}))
+    run = out / "run"
+    assert not (run / "step0").exists() and not (run / "step2").exists()
+    # MindSpore dumps the selected step only: steps 0 and 2 and a step after close() write no file
+    assert list(np.load(out / "result.npz")["dumped"]) == [0, 0, 0, 0]
     kept = list((run / "mindspore_dump" / "step1").rglob("*.npy"))     # MindSpore's files, as asked
     assert any(p.name.startswith("MatMul.") for p in kept) and any(p.name.startswith("Conv2D.") for p in kept)
     recs = records(run, 1)
     assert recs and {(r["op"], r["scope"]) for r in recs} == {("MatMul", "ConvNet.fc")}
     assert {r["stage"] for r in recs} == {"forward", "backward"}
+
+
+def test_a_graph_run_twice_in_one_step_is_recorded_run_by_run(tmp_path):
+    """Two micro-batches through the GRAPH_MODE train step inside one ``with probe:``: MindSpore
+    writes both runs into one folder; each kernel is recorded twice, the first run's kernels
+    (its optimizer update included) before the second's, each with its own batch."""
+    sys.path.insert(0, os.path.dirname(SCRIPT))
+    from mindspore_graph_train import data
+    run = train(tmp_path / "twice", "graph", "--task", "statistics", "--config", json.dumps({"steps": 1, "calls": 2}))
+    recs = records(run / "run")
+    convs = [i for i, r in enumerate(recs) if r["op"] == "Conv2D"]
+    sgd = [i for i, r in enumerate(recs) if r["op"] == "SGD"]
+    half = len(sgd) // 2                  # one SGD kernel per parameter, in each run
+    assert len(convs) == 2 and half and len(sgd) == 2 * half and convs[0] < sgd[0] and sgd[half - 1] < convs[1] < sgd[half]
+    for call, i in enumerate(convs):
+        assert np.isclose(recs[i]["inputs"][0]["stats"]["max"], data(call)[0].max())
