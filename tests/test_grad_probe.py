@@ -141,6 +141,45 @@ def test_l0_checksum_is_computed_where_the_gradient_is_and_md5_only_when_asked(t
             assert r["md5"] == hashlib.md5(grads[r["param"]].astype(np.float32).tobytes()).hexdigest()
 
 
+def _l0_run(path, nudge_from=None, **kw):
+    """Three SGD steps of a small net at L0; from step ``nudge_from`` one bias gradient is nudged."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    probe = DispatchProbe(task="grad_probe", dump_path=str(path), grad_level="L0", model=model, **kw)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(3):
+        model(torch.randn(8, 6, generator=gen)).square().sum().backward()
+        if nudge_from is not None and step >= nudge_from:
+            model[2].bias.grad[0] += 1e-6
+        opt.step()
+        opt.zero_grad()
+    probe.close()
+
+
+def test_l0_runs_compare_by_checksum_and_kinds_that_differ_are_not_a_difference(tmp_path):
+    for name, kw in (("a", {}), ("b", {}), ("c", {"nudge_from": 1}), ("md5", {"checksum": True})):
+        _l0_run(tmp_path / name, **kw)
+    res = CliRunner().invoke(main, ["compare", str(tmp_path / "a"), str(tmp_path / "b"), "-o", str(tmp_path / "ab")])
+    assert res.exit_code == 0, res.output
+    assert "12 equal, 0 unequal" in res.output and "agree: every compared gradient has the same bytes" in res.output
+    table, verdict = dispatchprobe.compare(tmp_path / "a", tmp_path / "b")
+    assert verdict.passed and set(table.loc[table["param"] != "summary", "checksum"]) == {"equal"}
+
+    res = CliRunner().invoke(main, ["compare", str(tmp_path / "c"), str(tmp_path / "a")])
+    assert res.exit_code == 2, res.output
+    assert "first difference: step 1, parameter 2.bias: its checksums differ" in res.output
+    table, verdict = dispatchprobe.compare(tmp_path / "c", tmp_path / "a")
+    # step 1 changed only 2.bias; step 2 follows from different parameters: every gradient differs
+    unequal = table[table["checksum"] == "unequal"]
+    assert list(unequal[unequal["step"] == 1]["param"]) == ["2.bias"] and (table[table["step"] == 0]
+                                                                           ["checksum"] != "unequal").all()
+
+    res = CliRunner().invoke(main, ["compare", str(tmp_path / "md5"), str(tmp_path / "a")])
+    assert res.exit_code == 1, res.output       # MD5 against the weighted sums: cannot judge, no false mismatch
+    assert "run A's checksums are md5, run B's wsum64" in res.output and "unequal" not in res.output
+
+
 # ---- the tiny transformer: identical runs, a planted sign flip ------------------------------------
 
 def _transformer_run(path, flip_from=None, probe=True, steps=5):

@@ -7,6 +7,11 @@ lowest rank that recorded it (DDP's ranks hold the same one), so runs of differe
 (one process, DDP, FSDP2) compare element for element.  Parameters pair by name; a name only one
 run has pairs, in order, with the other run's next unpaired parameter of the same shape (another
 framework's names: MindSpore's ``gamma``/``beta``, ``embedding_table``).
+
+Level L0 records no directions but a checksum of each gradient's bytes: equal checksums of one
+kind mean equal bytes.  Checksums of different kinds (msprobe's MD5 against the position-weighted
+sums), of different dtypes or of shards cut differently are not comparable, and are said to be,
+never counted as a difference.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from ..records.reader import RecordError, Run
 from ..standards.loader import standard
 
 COLUMNS = ["step", "param", "numel", "similarity", "flag", "norm_a", "norm_b", "max_a", "max_b", "min_a", "min_b",
-           "zero_a", "zero_b", "param_b"]
+           "zero_a", "zero_b", "checksum", "param_b"]
 SUMMARY = "summary"
 
 
@@ -64,6 +69,39 @@ def _local(part, rec) -> np.ndarray:
     return np.unpackbits(part.tensor(rec["sign"]), count=math.prod(local)).astype(bool).reshape(local)
 
 
+def _checksums(entries: list) -> tuple[str | None, list]:
+    """(kind, [(offset, local shape, value)] over shards) of one parameter's L0 checksums; kind None
+    when its records hold none.  A gradient that is not sharded: the lowest rank's."""
+    part, rec = entries[0]
+    kind = "md5" if "md5" in rec else (rec.get("checksum") or {}).get("kind")
+    if kind is None:
+        return None, []
+    placements = (rec.get("dtensor") or {}).get("placements") or []
+    if not any(p.startswith(("Shard", "_StridedShard", "S(")) for p in placements):
+        entries = entries[:1]
+    return kind, sorted((tuple((r.get("dtensor") or {}).get("offset", ())),
+                         tuple((r.get("dtensor") or {}).get("local_shape", ())),
+                         r["md5"] if kind == "md5" else (r.get("checksum") or {}).get("value")) for _, r in entries)
+
+
+def checksum_match(entries_a: list, entries_b: list) -> tuple[str, str | None]:
+    """("equal" / "unequal" / "not comparable" / "", why not comparable) of one parameter's L0
+    checksums in two runs; "" when either run recorded none."""
+    (kind_a, sums_a), (kind_b, sums_b) = _checksums(entries_a), _checksums(entries_b)
+    if kind_a is None or kind_b is None:
+        return "", None
+    ra, rb = entries_a[0][1], entries_b[0][1]
+    if kind_a != kind_b:
+        return "not comparable", f"run A's checksums are {kind_a}, run B's {kind_b}: record both runs with the " \
+                                 "same checksum setting"
+    if ra["dtype"] != rb["dtype"]:
+        return "not comparable", f"the gradients are {ra['dtype']} in A, {rb['dtype']} in B: checksums of " \
+                                 "different bytes"
+    if [x[:2] for x in sums_a] != [x[:2] for x in sums_b]:
+        return "not comparable", "the runs shard the gradient differently: checksums are of each rank's shard"
+    return ("equal" if [x[2] for x in sums_a] == [x[2] for x in sums_b] else "unequal"), None
+
+
 def _pair_names(names_a: list[str], recs_a: dict, recs_b: dict) -> list[tuple[str, str]]:
     """(name in A, name in B): equal names, then the rest in order by equal shape."""
     other = {n: n for n in names_a if n in recs_b}
@@ -91,6 +129,7 @@ class GradVerdict:
     problems: list = field(default_factory=list)
     report: str | None = None
     damaged: list = field(default_factory=list)
+    checksums: dict | None = None              # level L0: gradients whose checksums were equal, unequal, ...
 
     @property
     def passed(self) -> bool:
@@ -98,15 +137,18 @@ class GradVerdict:
 
     def __str__(self) -> str:
         rule = standard("compare_standards")["grad_probe"]
-        lines = [f"grad compare: {self.a} (A) vs {self.b} (B): {len(self.steps)} step(s), {self.params} parameter(s)",
-                 "step  similarity (weighted over the parameters)"]
+        lines = [f"grad compare: {self.a} (A) vs {self.b} (B): {len(self.steps)} step(s), {self.params} parameter(s)"]
+        if self.checksums is not None:
+            return self._checksum_summary(lines)
+        lines.append("step  similarity (weighted over the parameters)")
         for step in self.steps:
             mark = ""
             hits = [f for f in self.flagged if f["step"] == step]
             if hits:
                 mark = f"   {len(hits)} flagged: " + ", ".join(f"{f['param']} {f['similarity']:.4f}" for f in hits[:3]) \
                     + (" ..." if len(hits) > 3 else "")
-            lines.append(f"{step:>4}  {self.overall[step]:.4f}{mark}")
+            sim = self.overall[step]
+            lines.append(f"{step:>4}  {'n/a' if sim != sim else f'{sim:.4f}':>6}{mark}")
         if self.first is None:
             lines.append(f"agree: every parameter's direction similarity is >= {rule['first_step_min']} at the first "
                          f"step and drops by no more than {rule['max_drop']} from step to step")
@@ -114,6 +156,24 @@ class GradVerdict:
             f = self.first
             lines.append(f"first divergence: step {f['step']}, parameter {f['param']}: direction similarity "
                          f"{f['similarity']:.4f} ({f['flag']})")
+        lines += [f"warning: {p}" for p in self.problems]
+        if self.report:
+            lines.append(f"report: {self.report}")
+        return "\n".join(lines)
+
+    def _checksum_summary(self, lines: list) -> str:
+        """Level L0: the records hold checksums, not directions: equal bytes or not, per gradient."""
+        c = self.checksums
+        compared = c["equal"] + c["unequal"]
+        lines.append(f"level L0 (no gradient directions): checksums of {compared} gradient(s) compared over the steps: "
+                     f"{c['equal']} equal, {c['unequal']} unequal" +
+                     (f", {c['not comparable']} not comparable" if c["not comparable"] else ""))
+        if self.first is None:
+            lines.append("agree: every compared gradient has the same bytes in both runs (equal checksums)")
+        else:
+            f = self.first
+            lines.append(f"first difference: step {f['step']}, parameter {f['param']}: its checksums differ (the "
+                         "bytes differ; record at L1 or L2 to see how far the directions part)")
         lines += [f"warning: {p}" for p in self.problems]
         if self.report:
             lines.append(f"report: {self.report}")
@@ -132,7 +192,7 @@ def grad_compare(run_a: Run, run_b: Run, out: str | None = None):
                 for s in sorted(set(mine) - set(other))]
     if not steps:
         raise RecordError(f"{run_a.path} and {run_b.path} have no step in common ({sorted(a)} vs {sorted(b)})")
-    rows, no_signs, unpaired = [], False, {}
+    rows, no_signs, unpaired, incomparable = [], False, {}, {}
     for step in steps:
         pairs = _pair_names(list(a[step]), a[step], b[step])
         for side, names, used in (("A", a[step], {x for x, _ in pairs}), ("B", b[step], {y for _, y in pairs})):
@@ -141,8 +201,11 @@ def grad_compare(run_a: Run, run_b: Run, out: str | None = None):
                     unpaired.setdefault((side, n), step)
         for name_a, name_b in pairs:
             ra, rb = a[step][name_a][0][1], b[step][name_b][0][1]
+            match, why = checksum_match(a[step][name_a], b[step][name_b])
+            if why:
+                incomparable.setdefault(why, (step, name_a))
             row = {"step": step, "param": name_a, "param_b": name_b if name_b != name_a else "",
-                   "numel": ra["numel"], "similarity": math.nan, "same": 0, "total": 0}
+                   "numel": ra["numel"], "similarity": math.nan, "same": 0, "total": 0, "checksum": match}
             for side, rec in (("a", ra), ("b", rb)):
                 st = rec.get("stats") or {}
                 row.update({f"norm_{side}": st.get("norm"), f"max_{side}": st.get("max"), f"min_{side}": st.get("min"),
@@ -171,20 +234,24 @@ def grad_compare(run_a: Run, run_b: Run, out: str | None = None):
             rows.append(row)
     problems += [f"{n}: only in run {side} (from step {step}), or no parameter of its shape to pair with; not compared"
                  for (side, n), step in unpaired.items()]
-    if no_signs and not any(r["total"] for r in rows):
-        raise RecordError("the runs hold no gradient signs (grad_level L0): record both at L1 or L2 to compare "
-                          "gradient directions")
+    problems += [f"checksums not compared from step {step} ({name} first): {why}"
+                 for why, (step, name) in incomparable.items()]
+    by_checksum = no_signs and not any(r["total"] for r in rows)       # level L0: no directions
+    if by_checksum and not any(r["checksum"] in ("equal", "unequal") for r in rows):
+        why = next(iter(incomparable), "record both at L1 or L2 to compare gradient directions")
+        raise RecordError(f"the runs hold no gradient signs (grad_level L0) and no checksums to compare: {why}")
     table = pd.DataFrame(rows)
     table["flag"] = ""
-    flagged = _flag(table)
+    flagged = _flag_checksums(table) if by_checksum else _flag(table)
     overall = {s: _weighted(table[table["step"] == s]) for s in steps}
     summary = pd.DataFrame([{"step": s, "param": SUMMARY, "numel": int(table.loc[table["step"] == s, "total"].sum()),
-                             "similarity": overall[s], "flag": ""} for s in steps])
+                             "similarity": overall[s], "flag": "", "checksum": ""} for s in steps])
     params = table["param"].nunique()
     table = pd.concat([table, summary], ignore_index=True)
     table = table[COLUMNS]
     verdict = GradVerdict(a=str(run_a.path), b=str(run_b.path), steps=steps, params=params, overall=overall,
-                          first=flagged[0] if flagged else None, flagged=flagged, problems=problems)
+                          first=flagged[0] if flagged else None, flagged=flagged, problems=problems,
+                          checksums=_checksum_counts(table) if by_checksum else None)
     if out:
         verdict.report = _write(out, table, verdict, run_a, run_b)
     return Result(table, verdict)
@@ -192,7 +259,23 @@ def grad_compare(run_a: Run, run_b: Run, out: str | None = None):
 
 def _weighted(rows: pd.DataFrame) -> float:
     total = rows["total"].sum()
-    return float(rows["same"].sum() / total) if total else 0.0
+    return float(rows["same"].sum() / total) if total else math.nan
+
+
+def _flag_checksums(table: pd.DataFrame) -> list[dict]:
+    """Level L0: a parameter whose checksums differ is flagged (its bytes differ; the records hold
+    no directions to say by how much).  Sets ``flag``; returns the flagged rows in table order."""
+    out = []
+    for i in table.index[table["checksum"] == "unequal"]:
+        table.at[i, "flag"] = "checksums differ: the gradient's bytes differ (L0 records no directions)"
+        out.append(table.loc[i].to_dict())
+    return out
+
+
+def _checksum_counts(table: pd.DataFrame) -> dict:
+    """How many gradients' checksums were equal, unequal, not comparable."""
+    counts = table["checksum"].value_counts()
+    return {k: int(counts.get(k, 0)) for k in ("equal", "unequal", "not comparable")}
 
 
 def _flag(table: pd.DataFrame) -> list[dict]:
