@@ -275,6 +275,18 @@ def test_needs_a_model_and_reads_msprobes_config_json(tmp_path):
         probe.close()
 
 
+def test_msprobes_summary_mode_md5_asks_for_the_md5(tmp_path):
+    cfg = {"task": "grad_probe", "dump_path": str(tmp_path / "g"),
+           "grad_probe": {"grad_level": "L0", "summary_mode": "md5"}}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert DispatchProbe(str(tmp_path / "config.json"), model=torch.nn.Linear(2, 2)).config.checksum
+    cfg["grad_probe"]["summary_mode"] = "statistics"
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert not DispatchProbe(str(tmp_path / "config.json"), model=torch.nn.Linear(2, 2)).config.checksum
+    assert DispatchProbe(task="grad_probe", dump_path=str(tmp_path / "h"), summary_mode="md5",
+                         model=torch.nn.Linear(2, 2)).config.checksum
+
+
 def test_steps_follow_the_optimizer_and_params_are_selected(tmp_path):
     # steps 1 and 3 of 4; param_list: a dotted prefix and a regex over whole names
     _mlp_run(tmp_path / "sel", "L1", steps=4, step=[1, 3], param_list=["0", r".*\.bias"])

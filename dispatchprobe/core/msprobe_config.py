@@ -117,7 +117,7 @@ _SECTION_KEYS = {      # what each msprobe section may hold (dispatchprobe's own
                "bench_path", "diff_nums", "online_run_ut", "nfs_path", "host", "port", "tls_path"},
     "run_ut": {"white_list", "black_list", "error_data_path", "is_online", "nfs_path", "host", "port",
                "rank_list", "tls_path", "precision"},
-    "grad_probe": {"grad_level", "param_list", "bounds"},
+    "grad_probe": {"grad_level", "param_list", "bounds", "summary_mode"},
 }
 _SECTION_KEYS["acc_check"] = _SECTION_KEYS["run_ut"]
 
@@ -138,6 +138,9 @@ def flatten_msprobe(data: dict, task: str, notes: list[str]) -> dict:
             if key not in allowed:
                 raise unknown_key(key, allowed, name)
         if name == chosen == "grad_probe":
+            section = dict(section)
+            if "summary_mode" in section:           # md5: msprobe's MD5 of each gradient at L0
+                data["summary_mode"] = section.pop("summary_mode")
             data["grad_probe"] = section
         elif name == chosen:
             data.update(section)
