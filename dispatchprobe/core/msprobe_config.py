@@ -66,7 +66,8 @@ MSPROBE_KEYS: dict[str, MsprobeKey] = {
     "list": MsprobeKey("statistics, tensor, free_benchmark", True,
                        "list: aten op names/regexes; msprobe and torch API names -> the aten ops they run"),
     "data_mode": MsprobeKey("statistics, tensor", True, "data_mode"),
-    "summary_mode": MsprobeKey("statistics, tensor", True, "checksum: md5/xor = CRC32 beside the statistics"),
+    "summary_mode": MsprobeKey("statistics, tensor, grad_probe", True,
+                               "checksum: md5/xor = CRC32 beside the statistics; grad_probe: md5 = msprobe's MD5 at L0"),
     "tensor_list": MsprobeKey("statistics, tensor", False, "tensors are saved for every selected op (task "
                               "tensor) or none (task statistics); select ops with list", ([],)),
     "file_format": MsprobeKey("tensor", False, "tensors are always safetensors", ("npy",)),
