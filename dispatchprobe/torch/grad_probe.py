@@ -67,8 +67,9 @@ def checksum_on_device(t: torch.Tensor) -> torch.Tensor:
     block = words[:rows * CHECKSUM_ROW].view(rows, CHECKSUM_ROW)
     index = torch.arange(rows, dtype=torch.int64, device=t.device)
     cols = torch.arange(1, CHECKSUM_ROW + 1, dtype=torch.int64, device=t.device)
-    s0 = block.sum(dtype=torch.int64)
-    s1 = (index * block.sum(1)).sum() * CHECKSUM_ROW + (cols * block.sum(0)).sum()
+    row_sums = block.sum(1)                             # two reductions read the words: rows, columns
+    s0 = row_sums.sum()
+    s1 = (index * row_sums).sum() * CHECKSUM_ROW + (cols * block.sum(0)).sum()
     tail = words[rows * CHECKSUM_ROW:]
     if full < raw.numel():                              # the last word, zero-padded
         last = torch.zeros(8, dtype=torch.uint8, device=t.device)
