@@ -39,15 +39,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import record_overhead as overhead
 from dispatchprobe import DispatchProbe
 from dispatchprobe.core import recorder
-from dispatchprobe.torch import tensor_backend as backend, capture, fused_stats, ops
+from dispatchprobe.torch import tensor_backend as backend, fused_stats, module_scopes, ops
 
 def parts(probe) -> list:
     """(label, owner, attribute) of the probe's parts; "statistics kernel" wraps the native call
     itself (and the accelerator kernel's launch)."""
     return [
-        ("module scopes", capture, "_module_entered"),
-        ("module scopes", capture, "_module_left_globally"),
-        ("module scopes", capture, "_module_left"),
+        ("module scopes", module_scopes, "_module_entered"),
+        ("module scopes", module_scopes, "_module_left_globally"),
+        ("module scopes", module_scopes, "_module_left"),
         ("describing tensors", probe.recorder, "_describe"),
         ("value cache", recorder.Recorder, "_fill_tensors"),
         ("value cache", recorder.Recorder, "_measured"),
