@@ -112,8 +112,7 @@ class DispatchProbe(ProbeSession):
         if graphs and self.record_ops and self.task.name in GRAPH_TASKS:
             from .graph_capture import GraphCapture
             self.graphs = GraphCapture(self, model, os.path.join(self.run_dir, "mindspore_dump") if keep_dump else None)
-            if not pynative:
-                self.graphs.warn_if_unavailable()
+            self.graphs.warn_if_unavailable(pynative)
         elif not pynative and not self.record_ops:
             warnings.warn(f"dispatchprobe_ms: level={self.config.level!r} records cell boundaries, which a GRAPH_MODE "
                           "graph does not show: nothing will be recorded (level 'op' or 'mix' records its kernels)",

@@ -93,9 +93,13 @@ class GraphCapture:
                           extra={"graph_kernel": k.scope})
         self.folder.release(os.path.join(self.keep, f"step{session.step_no}") if self.keep else None)
 
-    def warn_if_unavailable(self) -> None:
+    def warn_if_unavailable(self, pynative: bool) -> None:
+        """One line when compiled graphs cannot be recorded (in PyNative the dispatched primitives
+        still are: ``graphs=False`` says that is all the user wants)."""
         if self.why_not:
-            warnings.warn(f"dispatchprobe_ms: {self.why_not}", RuntimeWarning, stacklevel=3)
+            also = " (PyNative primitives are recorded; graphs=False records only them, without this warning)" \
+                if pynative else ""
+            warnings.warn(f"dispatchprobe_ms: {self.why_not}{also}", RuntimeWarning, stacklevel=3)
 
 
 def _matches_ir(kernel) -> bool:

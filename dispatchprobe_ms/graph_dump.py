@@ -41,7 +41,7 @@ _OP_NUMBER = re.compile(r"-op(\d+)$")
 NET_NAME = "dispatchprobe"
 _folder: "DumpFolder | None" = None         # this process's dump folder, once enabled
 
-try:                                       # MindSpore's user-step dump counter (2.6 and later)
+try:                                       # MindSpore's user-step dump counter, where it has one
     from mindspore._c_expression import _set_init_iter
 except ImportError:
     _set_init_iter = None
@@ -70,9 +70,10 @@ def enable() -> tuple["DumpFolder | None", str]:
         return None, (f"{ENV} is already set ({os.environ[ENV]}): MindSpore dumps where that config says, "
                       "so compiled graphs are not recorded; unset it to let the probe record them")
     if _compiled_before():
-        return None, ("MindSpore compiled a graph before the probe was created, and it reads its dump config "
-                      "only at its first compile: compiled graphs are not recorded in this process; create the "
-                      "probe before the first GRAPH_MODE or @jit call")
+        return None, ("MindSpore compiled a graph before the probe was created and reads its dump config only at "
+                      "its first compile: compiled graphs (GRAPH_MODE cells, @jit functions, PyNative's nn.SGD/nn.Adam "
+                      "updates) are not recorded in this process; create the probe before the first GRAPH_MODE or "
+                      "@jit call and the first optimizer step")
     root = tempfile.mkdtemp(prefix=f"dispatchprobe_ms_{os.getpid()}_")
     config = {"common_dump_settings": {"dump_mode": 0, "path": os.path.join(root, "dump"), "net_name": NET_NAME,
                                        "iteration": str(ON) if _set_init_iter else "all", "saved_data": "tensor", "input_output": 0,

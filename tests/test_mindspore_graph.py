@@ -259,3 +259,41 @@ def test_a_graph_run_twice_in_one_step_is_recorded_run_by_run(tmp_path):
     assert len(convs) == 2 and half and len(sgd) == 2 * half and convs[0] < sgd[0] and sgd[half - 1] < convs[1] < sgd[half]
     for call, i in enumerate(convs):
         assert np.isclose(recs[i]["inputs"][0]["stats"]["max"], data(call)[0].max())
+
+
+LATE_PROBE = """
+import warnings
+import mindspore as ms, numpy as np
+from dispatchprobe_ms import DispatchProbe
+
+
+@ms.jit
+def double(x):
+    return x * 2
+
+
+if {compile_first}:
+    double(ms.Tensor(np.ones(3, np.float32)))          # MindSpore's first compile, before the probe
+with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter("always")
+    probe = DispatchProbe(task="statistics", dump_path={out!r})
+    with probe:
+        double(ms.Tensor(np.ones(3, np.float32)))
+    probe.close()
+print("\\n".join(str(w.message) for w in seen if "compiled a graph" in str(w.message)))
+"""
+
+
+@pytest.mark.parametrize("compile_first", [True, False])
+def test_a_pynative_probe_made_after_the_first_compile_says_graphs_go_unrecorded(tmp_path, compile_first):
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("MINDSPORE_DUMP_CONFIG", None)
+    script = tmp_path / "late_probe.py"         # MindSpore compiles only functions it can read the source of
+    script.write_text(LATE_PROBE.format(compile_first=compile_first, out=str(tmp_path / "run")))
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    said = res.stdout.strip().splitlines()
+    if compile_first:       # one line, saying where the probe must be made
+        assert len(said) == 1 and "create the probe before the first GRAPH_MODE or @jit call" in said[0], said
+    else:                   # made in time: the @jit call inside the probe is recorded, nothing said
+        assert not said and '"graph_kernel"' in (tmp_path / "run" / "step0" / "rank0" / "ops.jsonl").read_text()
