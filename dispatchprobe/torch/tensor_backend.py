@@ -166,19 +166,19 @@ def tensor_stats(tensors: list[torch.Tensor]) -> list[dict | None]:
     read = fused_stats.tree_rows
     for i, t in enumerate(tensors):
         # the common case first: a plain CPU tensor the native library reads in place
-        if read is not None and t.dtype in _NATIVE_CODES and t.is_cpu and t.numel() and tensor_kinds.readable(t):
+        if read is not None and t.dtype in _NATIVE_CODES and t.is_cpu and _in_memory(t):
             native.append(i)
         else:
             slow.append(i)
-    declined = set()
+    declined = ()
     if native:     # all of them in one native call
         taken = [tensors[i] for i in native]
-        flat = read(taken)
+        flat = read(taken).tolist()
         for k, i in enumerate(native):
             out[i] = _native_record(taken[k], flat[k * _ROW:(k + 1) * _ROW])
-            if out[i] is None:
-                declined.add(i)
-        slow = sorted(slow + list(declined))
+        declined = {i for i in native if out[i] is None}
+        if declined:
+            slow = sorted(slow + list(declined))
     if not slow:
         return out
     with NoGrad(), no_functorch():    # unwrapped values stay unwrapped
@@ -231,6 +231,17 @@ def _fills_block(t: torch.Tensor) -> bool:
             return False
         expected *= size
     return True
+
+
+def _in_memory(t: torch.Tensor) -> bool:
+    """Whether ``t`` has values in allocated strided memory to read (:func:`tensor_kinds.readable`
+    and not empty), plain tensors and parameters first."""
+    if type(t) is _TENSOR or type(t) is _PARAMETER:
+        try:
+            return t.data_ptr() != 0 and t.layout is _STRIDED and t.numel() != 0
+        except (RuntimeError, NotImplementedError):
+            return False
+    return t.numel() != 0 and tensor_kinds.readable(t)
 
 
 def _native_fits(x: torch.Tensor) -> bool:
