@@ -74,16 +74,40 @@ def measures(x, xp, level: str, bounds, base=None) -> list:
         flat = xp.asarray(flat, dtype=xp.float32)       # half floats (msprobe widens bf16 too), ints
     out = list(base) if base is not None else [flat.max(), flat.min(), xp.dot(flat, flat)]
     if level == "L2":
-        below = [xp.count_nonzero(flat <= b) for b in bounds]      # elements <= each bound
+        if xp is np:
+            below, zero = _counts_in_chunks(flat, bounds)
+        else:
+            below = [xp.count_nonzero(flat <= b) for b in bounds]      # elements <= each bound
+            zero = xp.count_nonzero(flat == 0)
         out += [below[0]] + [hi - lo for lo, hi in zip(below, below[1:])] + [n - below[-1]]
-        out.append(xp.count_nonzero(flat == 0))
+        out.append(zero)
     return out
+
+
+def _counts_in_chunks(flat: np.ndarray, bounds) -> tuple[list[int], int]:
+    """``[count(flat <= b) for b in bounds]`` and ``count(flat == 0)``, each chunk compared with every
+    bound while it is in cache (one read of the gradient from memory)."""
+    below, zero = [0] * len(bounds), 0
+    mask = np.empty(min(flat.shape[0], _COUNT_CHUNK), bool)
+    for start in range(0, flat.shape[0], _COUNT_CHUNK):
+        chunk = flat[start:start + _COUNT_CHUNK]
+        m = mask[:chunk.shape[0]]
+        for i, b in enumerate(bounds):
+            np.less_equal(chunk, b, out=m)
+            below[i] += int(np.count_nonzero(m))
+        np.equal(chunk, 0, out=m)
+        zero += int(np.count_nonzero(m))
+    return below, zero
 
 
 #: The kind of checksum :func:`checksum_of` computes (a record's ``checksum.kind``).
 CHECKSUM_KIND = "wsum64"
-#: Words per row when the weighted sum is taken as row and column sums (any width gives the same sums).
-CHECKSUM_ROW = 4096
+#: Words per row when the weighted sum is taken as row and column sums (any width gives the same
+#: sums; 512 was the fastest in numpy here: 8.5 ms for 134 MB of gradients, 24 ms at 4096).
+CHECKSUM_ROW = 512
+#: Elements per chunk of the L2 counts in numpy: the comparisons of all bounds read a chunk while it
+#: is in cache (134 MB of gradients, three bounds and zero: 33 ms against 42 ms in whole passes).
+_COUNT_CHUNK = 1 << 18
 
 
 def checksum_of(data: np.ndarray) -> str:
