@@ -313,6 +313,23 @@ def test_the_build_is_named_by_source_compiler_and_platform(monkeypatch):
     assert fused_stats.library_path() != path
 
 
+def test_a_build_by_another_compiler_is_loaded(kernel, tmp_path, monkeypatch):
+    """Built with one compiler (``CXX=...``), used where ``CXX`` names another or none: the probe
+    loads the build of this source for this platform."""
+    import shutil
+    built = fused_stats.library_path()
+    monkeypatch.setenv("DISPATCHPROBE_NATIVE_DIR", str(tmp_path))
+    shutil.copyfile(built, tmp_path / built.name)
+    monkeypatch.setenv("CXX", "clang++ -O2")
+    assert not fused_stats.library_path().exists()
+    for name in ("tree_rows", "rows_into", "stats4", "_native", "error"):
+        monkeypatch.setattr(fused_stats, name, None)
+    monkeypatch.setattr(fused_stats, "_loaded", False)
+    assert fused_stats.load() is not None and fused_stats.error is None
+    x = torch.randn(1000)
+    assert backend.tensor_stats([x])[0] == _torch_stats(x, monkeypatch)
+
+
 def test_compare_of_all_nan_statistics_warns_nothing():
     """Statistics that are nan on both sides (a record of values holding nan) are compared without
     a numpy warning reaching the user (``-W error`` would make it an exception)."""

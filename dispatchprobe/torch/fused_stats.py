@@ -142,8 +142,9 @@ def load():
         try:
             path = library_path()
             failed = path.with_suffix(".failed")
-            if path.exists():
-                _open(path)
+            built = _built()
+            if built is not None:
+                _open(built)
             elif failed.exists():
                 _unused(f"the native statistics' build failed ({failed.read_text().strip()}); "
                         "`dispatchprobe build-native` tries again")
@@ -256,9 +257,22 @@ def library_path() -> pathlib.Path:
     """Where the build for this source, compiler and platform is (or goes): named by them, so a
     cache shared by other machines or compilers keeps one build each."""
     compiler = _compiler()
-    resolved = shutil.which(compiler[0]) or compiler[0]
+    resolved = os.path.realpath(shutil.which(compiler[0]) or compiler[0])
+    by_compiler = hashlib.sha1("\0".join([resolved, *compiler[1:]]).encode()).hexdigest()[:8]
+    return native_dir() / f"{_build_stem()}_{by_compiler}.so"
+
+
+def _build_stem() -> str:
+    """The name every build of this source for this platform starts with."""
     isa = _isa()
-    key = "\0".join([SOURCE.read_text(), os.path.realpath(resolved), *compiler[1:], sys.platform, platform.machine(),
-                     isa, " ".join(_FLOAT_FLAGS)])
-    digest = hashlib.sha1(key.encode()).hexdigest()[:12]
-    return native_dir() / f"dispatchprobe_tree_stats_{isa}_{digest}.so"
+    key = "\0".join([SOURCE.read_text(), sys.platform, platform.machine(), isa, " ".join(_FLOAT_FLAGS)])
+    return f"dispatchprobe_tree_stats_{isa}_{hashlib.sha1(key.encode()).hexdigest()[:12]}"
+
+
+def _built() -> pathlib.Path | None:
+    """The build a probe loads: the one for this compiler, else one another compiler made of this
+    source for this platform (built with ``CXX=clang++``, trained without ``CXX``), else None."""
+    path = library_path()
+    if path.exists():
+        return path
+    return next(iter(sorted(path.parent.glob(f"{_build_stem()}_*.so"))), None)
