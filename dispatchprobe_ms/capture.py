@@ -76,8 +76,9 @@ class DispatchProbe(ProbeSession):
     ``DispatchProbe(task="statistics", dump_path="runs/ms", model=net)``: the same config, tasks
     and records as the PyTorch probe.  ``model`` (an ``nn.Cell``) gives ops their cell scope.
     PyNative primitives come from the dispatch mode; the kernels of compiled graphs (GRAPH_MODE
-    cells, ``@jit`` functions) from MindSpore's dump, which the probe switches on when it is
-    created (so create it before the first graph compile): ``graphs=False`` leaves it off,
+    cells, ``@jit`` functions) from MindSpore's dump, which the probe sets up when it is created
+    (so create it before the first graph compile) and MindSpore writes only inside the recorded
+    regions of the selected steps: ``graphs=False`` leaves it off,
     ``keep_dump=True`` keeps MindSpore's files under ``dump_path/mindspore_dump``.  ``loss_scaler``
     (an ``amp.DynamicLossScaler``): the overflow task's backward overflows in a step whose scale
     backed off are the scaler's deliberate ones."""
