@@ -66,7 +66,7 @@ class GradProbeConfig:
 
 @dataclass
 class Config:
-    """Everything a probe needs.  See the README's "Config" section for each key."""
+    """Everything a probe needs.  Each key: docs/recording.md, "Config"."""
 
     task: str = "statistics"
     dump_path: str = "./dispatchprobe_dump"
