@@ -6,7 +6,7 @@ Four legs, each in an environment of its own so that none downgrades another's p
 - ``mindspore``: MindSpore 2.10 with torch 2.13.0 in ``.venvs/mindspore`` (MindSpore needs
   numpy<2 and pandas<3), the tests marked ``mindspore`` (its adapter, cross-framework compare);
 - ``newest``: torch 2.14.1, the CUDA build most users have, run on a CPU machine (``.venvs/torch2.14``);
-- ``minimum``: torch 2.5.1, the oldest torch the README promises (``.venvs/torch2.5``).
+- ``minimum``: torch 2.5.1, the oldest torch dispatchprobe supports (``.venvs/torch2.5``).
 
 The two extra torch legs run :data:`EXTRA_LEG_TESTS` but those marked ``slow``: capture under
 every task, compare, run-ut, the devices, ``probe_backend`` (refused in one line below the torch it
@@ -48,7 +48,7 @@ EXTRA_LEG_TESTS = (
     "tests/test_devices.py",           # the device run-ut picks, ops that cannot run
     "tests/test_compile.py",           # probe_backend (its refusal below torch 2.6)
     "tests/test_torch_versions.py",    # the torch each path needs
-    "tests/test_fused_stats.py",       # the native statistics kernel built for this torch
+    "tests/test_fused_stats.py",       # the native statistics kernel and its Python twin
     "tests/test_distributed.py",       # DDP, FSDP2, tensor parallel on gloo ranks, every task
     "tests/test_distributed_compare.py",
     "tests/test_process_state.py",     # the adapter's process state, empty again once every probe is closed
