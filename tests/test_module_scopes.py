@@ -1,10 +1,13 @@
-"""Module scopes: what a module's own hooks run belongs to that module, and a probe entered at
-every step leaves a compiled model compiled."""
+"""Module scopes: what a module's own hooks run belongs to that module, a backward op belongs to
+the module whose forward made its autograd node (also where no gradient flows into a module's
+inputs), compiled runs file backward ops where eager does, and a probe entered at every step
+leaves a compiled model compiled."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from dispatchprobe import DispatchProbe, load
@@ -124,3 +127,125 @@ def test_a_probe_entered_each_step_keeps_a_compiled_model_compiled(tmp_path, bac
         if backend != "aot_eager":                                  # and probe_backend recorded it
             compiled_ops = {(r["op"], r["stage"]) for r in recs if r.get("compiled")}
             assert {("aten.addmm.default", "forward"), ("aten.mm.default", "backward")} <= compiled_ops, step
+
+
+class Gate(nn.Module):
+    """Mixtral's router: logits (returned, unused), softmax, top 2 normalised in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 16) * 0.3)
+
+    def forward(self, h):
+        logits = F.linear(h, self.weight)
+        top, idx = logits.float().softmax(-1).topk(2, dim=-1)
+        top /= top.sum(-1, keepdim=True)
+        return logits, top, idx
+
+
+class Experts(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 16, 16) * 0.3)
+
+    def forward(self, h, idx, top):
+        out = 0
+        for k in range(2):
+            out = out + torch.einsum("nd,nde->ne", h, self.w[idx[:, k]]) * top[:, k:k + 1]
+        return out
+
+
+class Moe(nn.Module):
+    """The gate's input is the experts' too: its gradient is done only after the gate's backward."""
+
+    def __init__(self, detach: bool):
+        super().__init__()
+        self.gate, self.experts, self.detach = Gate(), Experts(), detach
+
+    def forward(self, h):
+        _, top, idx = self.gate(h.detach() if self.detach else h)
+        return self.experts(h, idx, top)
+
+
+class MoeModel(nn.Module):
+    def __init__(self, detach: bool):
+        super().__init__()
+        self.inp, self.mlp, self.head = nn.Linear(16, 16), Moe(detach), nn.Linear(16, 1)
+
+    def forward(self, x):
+        return self.head(self.mlp(self.inp(x))).square().mean()
+
+
+class Router(nn.Module):
+    """Two children whose input (the batch) needs no gradient, the routing ops in the parent."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(16, 4, bias=False)
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, x):
+        top, _ = self.gate(x).softmax(-1).topk(2, dim=-1)
+        top /= top.sum(-1, keepdim=True)
+        return (self.proj(x) * top[..., :1]).square().mean()
+
+
+def _backward_scopes(model, path, backend=None) -> dict:
+    """{op: the set of scopes its backward calls are filed under} of one step."""
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    if backend is None:
+        probe = DispatchProbe(task="statistics", dump_path=str(path))
+        with probe:
+            model(x).backward()
+        probe.close()
+    else:
+        from dispatchprobe.torch.compile import probe_backend
+        torch._dynamo.reset()
+        probe = probe_backend(task="statistics", dump_path=str(path), inner="aot_eager")
+        torch.compile(model, backend=probe)(x).backward()
+        probe.close()
+        torch._dynamo.reset()
+    found: dict = {}
+    for r in load(path).part(0, 0).records:
+        if r["kind"] == "op" and r["stage"] == "backward":
+            found.setdefault(r["op"], set()).add(r["scope"])
+    return found
+
+
+def test_backward_ops_of_a_parent_after_a_child_whose_input_needs_no_grad(tmp_path):
+    # proj's and gate's input needs no gradient: no hook sees them leave backward; the parent's
+    # div (the in-place normalisation) runs after proj's backward and is still the parent's
+    torch.manual_seed(0)
+    ops = _backward_scopes(Router(), tmp_path)
+    assert ops["aten.div.Tensor"] == ops["aten.neg.default"] == {"Router"}
+    assert ops["aten._softmax_backward_data.default"] == ops["aten.scatter.src"] == {"Router"}
+    assert ops["aten.mm.default"] == {"Router.proj", "Router.gate"}
+    assert ops["aten.sum.dim_IntList"] == {"Router", "Router.proj"}      # proj's bias gradient is its own
+
+
+@pytest.mark.parametrize("detach", [False, True])
+def test_a_routers_backward_is_the_routers_while_the_experts_wait(tmp_path, detach):
+    # the experts' input gradient is done only after the gate's backward (or, detached, the gate's
+    # input needs none): the routing ops' backward is still the gate's, as in its forward
+    torch.manual_seed(0)
+    ops = _backward_scopes(MoeModel(detach), tmp_path)
+    for op in ("aten.div.Tensor", "aten.neg.default", "aten._softmax_backward_data.default", "aten.scatter.src"):
+        assert ops[op] == {"MoeModel.mlp.gate"}, (op, ops[op])
+    assert ops["aten.index_put.default"] == {"MoeModel.mlp.experts"}
+    assert ops["aten.pow.Tensor_Scalar"] == {"MoeModel"}
+
+
+@pytest.mark.probe_backend
+@pytest.mark.parametrize("detach", [False, True])
+def test_compiled_backward_ops_are_filed_where_eager_files_them(tmp_path, detach):
+    # the in-place div's autograd node has no forward node of its number in the joint graph:
+    # its scope comes from the forward nodes numbered around it (the gate's), not the model
+    torch.manual_seed(0)
+    model = MoeModel(detach)
+    eager = _backward_scopes(model, tmp_path / "eager")
+    compiled = _backward_scopes(model, tmp_path / "compiled", backend="probe_backend")
+    assert compiled["aten.div.Tensor"] == compiled["aten.neg.default"] == {"MoeModel.mlp.gate"}
+    shared = set(eager) & set(compiled)
+    assert {"aten.div.Tensor", "aten._softmax_backward_data.default", "aten.index_put.default",
+            "aten.mm.default"} <= shared
+    assert {op: compiled[op] for op in shared} == {op: eager[op] for op in shared}

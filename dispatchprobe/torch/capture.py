@@ -123,6 +123,6 @@ class DispatchProbe(TorchSession):
         """(stage, module scope, autograd node) of the op being called."""
         if current_graph_task_id() != -1:
             node = current_autograd_node()
-            return "backward", self.scopes.innermost_backward(node is None), node.name() if node is not None else None
+            return "backward", self.scopes.backward_scope(node), node.name() if node is not None else None
         forward = self.scopes.forward_stack
         return "forward", forward[-1] if forward else "", None

@@ -1,11 +1,15 @@
 """The module scope of each op, forward and backward: two global module hooks for the process
 (:class:`ModuleHooks`, kept in the adapter's process state) feeding each recording probe's
-tracker (:class:`ModuleScopes`), which names modules from the root down and follows backward
-through tensor and multi-grad hooks."""
+tracker (:class:`ModuleScopes`), which names modules from the root down.  A backward op's scope
+is the forward scope its autograd node was made in (nodes are numbered as they are made): a
+module's backward is exactly what autograd runs for its forward, whether or not gradients flow
+into its inputs.  Tensor and multi-grad hooks follow modules through backward for their module
+records and for what runs outside any node of a forward (end-of-backward callbacks)."""
 
 from __future__ import annotations
 
 import re
+from bisect import bisect_right
 import warnings
 import weakref
 
@@ -16,7 +20,7 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 from . import collectives, hooks
 from .compiled_frames import in_compiled_code
 from .internals import autograd as torch_autograd
-from .internals.autograd import current_autograd_node, current_graph_task_id
+from .internals.autograd import current_autograd_node, current_graph_task_id, next_sequence_nr, node_sequence_nr
 from .internals.dispatch import tree_flatten
 from .process_state import STATE
 
@@ -176,7 +180,16 @@ class ModuleScopes:
     Modules are named from the root down (``Net.layers.1.mlp``, as torch's ``ModuleTracker``
     names them).  Forward: entered and left by :class:`ModuleHooks`.  Backward: a module is
     entered when the gradient of its output arrives and left when its inputs' gradients are done
-    (tensor and multi-grad hooks, which observe gradients without changing them)."""
+    (tensor and multi-grad hooks, which observe gradients without changing them), for its module
+    records.  A backward op's scope is not the module in backward then (a module whose inputs
+    need no gradient would never leave, and own the ops autograd runs after it): it is the
+    forward scope the running autograd node was made in.  Each change of the forward scope marks
+    the next node's sequence number (``_starts``, ascending) with the new scope (``_marked``);
+    a node's scope is the mark at or below its number."""
+
+    #: marks kept: the oldest half goes past this many (a node older than them, or made while a
+    #: backward ran, is scoped by the modules in backward, as a callback is)
+    MARKS = 1 << 16
 
     def __init__(self, probe: "DispatchProbe", root: torch.nn.Module | None):
         self.probe = probe
@@ -189,6 +202,8 @@ class ModuleScopes:
         self._left_early: dict = {}      # backward exits seen before their module entered
         self._hooks: list = []           # tensor hooks of this entry's backward
         self._has_callback = False
+        self._starts: list[int] = []
+        self._marked: list[str | None] = []
         self._holds: weakref.finalize | None = None    # the global hooks, held until close (or collection)
         if root is not None:
             self._name(root)
@@ -201,8 +216,34 @@ class ModuleScopes:
     @property
     def current(self) -> str:
         if current_graph_task_id() != -1:
-            return self.innermost_backward(current_autograd_node() is None)
+            return self.backward_scope(current_autograd_node())
         return self.forward_stack[-1] if self.forward_stack else ""
+
+    def backward_scope(self, node) -> str:
+        """The scope of an op autograd runs now for ``node`` (None: between nodes): the forward
+        scope ``node`` was made in, else (a callback, a node made outside the marks) the module
+        in backward."""
+        if node is not None:
+            seq = node_sequence_nr(node)
+            starts = self._starts
+            if starts and starts[0] <= seq < next_sequence_nr():
+                scope = self._marked[bisect_right(starts, seq) - 1]
+                if scope is not None:
+                    return scope
+        return self.innermost_backward(node is None)
+
+    def _mark(self, scope: str | None) -> None:
+        """Nodes made from now on belong to ``scope`` (None: to no forward scope)."""
+        seq, starts = next_sequence_nr(), self._starts
+        if starts and seq <= starts[-1]:
+            if seq < starts[-1]:
+                return          # another thread's numbers: they would not sort with these
+            self._marked[-1] = scope        # no node made since the last mark
+            return
+        starts.append(seq)
+        self._marked.append(scope)
+        if len(starts) > self.MARKS:
+            del starts[:self.MARKS // 2], self._marked[:self.MARKS // 2]
 
     def innermost_backward(self, after_graph: bool = False) -> str:
         # Modules sharing an output tensor (a model whose last layer's output is its own) enter
@@ -239,9 +280,11 @@ class ModuleScopes:
             _HOOKS.acquire()
             self._holds = hooks.remove_when_collected(self.probe, _HOOKS.release)
         _HOOKS.add(self)
+        self._mark(self.forward_stack[-1] if self.forward_stack else "")
 
     def uninstall(self) -> None:
         _HOOKS.remove(self)
+        self._mark(None)        # nodes made while not recording: their modules were not followed
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
@@ -259,6 +302,7 @@ class ModuleScopes:
         name = self._name(mod)
         self._types[name] = type(mod).__name__
         self.forward_stack.append(name)
+        self._mark(name)
         tensors = _needing_grad(args)
         if len(tensors) == 1:
             # one input (most modules): a plain tensor hook, called as torch's multi-grad hook
@@ -273,6 +317,7 @@ class ModuleScopes:
         stack = self.forward_stack
         if name in stack:
             del stack[len(stack) - 1 - stack[::-1].index(name)]
+        self._mark(stack[-1] if stack else "")
         tensors = _needing_grad(output)
         enter = self._backward_enter_fn(name)
         if len(tensors) == 1:
@@ -289,6 +334,7 @@ class ModuleScopes:
             if not self._has_callback:
                 torch_autograd.queue_backward_callback(self._backward_done)
                 self._has_callback = True
+                self._mark(None)        # nodes made in backward (create_graph) have no forward scope
             if name in self._left_early:
                 # output and input are one tensor (Identity, Dropout(p=0) returns its input): the
                 # module's exit hook fired first; it runs no backward op, so it never becomes a scope
@@ -319,6 +365,7 @@ class ModuleScopes:
         # modules whose inputs need no gradient (the first layer, the root) never leave backward
         # by a hook: their module records are written when backward ends, innermost first
         self._has_callback = False
+        self._mark(self.forward_stack[-1] if self.forward_stack else "")
         for name in reversed(self.backward_active):
             self.probe.on_module(self._types.get(name, ""), name, "backward", self._grad_out.get(name, ()), ())
         self.backward_active.clear()

@@ -71,7 +71,7 @@ def graph_digest(gm: torch.fx.GraphModule, roots) -> str:
                 call_fact = calls[id(call)] = (len(calls), str(call.op), call.outputs,
                                                tree_map(plain, (list(call.args), dict(call.kwargs))))
         h.update(repr((n.name, str(m.get("original_aten")), rank(seq, m.get("seq_nr")), m.get("partitioner_tag"),
-                       roots.scope(m.get("nn_module_stack")), roots.scope(m.get("fwd_nn_module_stack")),
+                       roots.scope(m.get("nn_module_stack")), roots.node_scope(m, "backward"),
                        call_fact, m.get(OUTPUT_KEY), rank(vids, m.get(VALUE_KEY)))).encode())
     return h.hexdigest()
 

@@ -121,6 +121,9 @@ class ProbeBackend:
             backward = bool(kw.get("is_backward"))
             stage = "backward" if backward else "forward"
             slot = slots[stage]
+            # backward nodes whose forward node AOTAutograd did not find get their scope here,
+            # before the keys and templates that hold it
+            (roots.fill_backward if backward else roots.note_forward)(graph_module.graph)
             if slot in GRAPHS:        # a second graph of this stage (not cached by AOTAutograd)
                 slot = self._next_slot()
             if self.inner == "aot_eager":

@@ -313,10 +313,8 @@ class Template:
 def add_template(records: GraphRecords, group: Group, inputs, kwargs, outputs, exact: bool,
                  traced: bool = False) -> Template:
     """The template of one op call's records, added to ``records``."""
-    scope_meta = group.nodes[0].meta.get("fwd_nn_module_stack" if records.stage == "backward" else "nn_module_stack")
-    if records.stage == "backward" and not scope_meta:
-        scope_meta = group.nodes[0].meta.get("nn_module_stack")
-    t = Template(str(group.op), records.roots.scope(scope_meta), [n.name for n in group.nodes], exact)
+    scope = records.roots.node_scope(group.nodes[0].meta, records.stage)
+    t = Template(str(group.op), scope, [n.name for n in group.nodes], exact)
     if not exact:
         t.compiled["call"] = traced
     original = group.nodes[0].meta.get("original_aten")

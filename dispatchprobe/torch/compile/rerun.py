@@ -38,9 +38,8 @@ class Rerun(torch.fx.Interpreter):
         if isinstance(target, OpOverload) and not ops.never_recorded(target) \
                 and not ops.is_alias(target):
             node = self._node
-            scope = node.meta.get("fwd_nn_module_stack" if self.stage == "backward" else "nn_module_stack") \
-                or node.meta.get("nn_module_stack")
-            self.session.on_op(ops.op_name(target), self.stage, self.roots.scope(scope), args, kwargs, out,
+            scope = self.roots.node_scope(node.meta, self.stage)
+            self.session.on_op(ops.op_name(target), self.stage, scope, args, kwargs, out,
                                func=target, call=self.node_calls.get(node.name),
                                extra={"compiled": {**self.mark, "nodes": [node.name], "rerun": True}})
         return out

@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 from torch.nn.modules import module as _module
 
-__all__ = ["current_graph_task_id", "current_autograd_node", "node_sequence_nr", "queue_backward_callback", "ENGINE_RUN_CODE",
+__all__ = ["current_graph_task_id", "current_autograd_node", "node_sequence_nr", "next_sequence_nr",
+           "queue_backward_callback", "ENGINE_RUN_CODE",
            "MODULE_CALL_CODES", "forward_hooks", "put_back_global_hooks", "take_out_global_hooks"]
 
 #: The id of the backward pass running on this thread, -1 outside backward.
@@ -27,6 +28,12 @@ ENGINE_RUN_CODE = getattr(getattr(torch.autograd.graph, "_engine_run_backward", 
 def node_sequence_nr(node) -> int:
     """An autograd node's sequence number (the order nodes were made in, per thread)."""
     return node._sequence_nr()
+
+
+def next_sequence_nr() -> int:
+    """The sequence number the next autograd node made on this thread will get (nodes made
+    before now have smaller ones; ``AccumulateGrad`` nodes have the largest 64-bit number)."""
+    return torch._C._autograd._get_sequence_nr()
 
 
 def queue_backward_callback(fn) -> None:
