@@ -31,7 +31,6 @@ import functools
 import statistics
 import tempfile
 import time
-import types
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -55,15 +54,13 @@ def parts(probe) -> list:
         ("statistics kernel", fused_stats, "tree_rows"),
         ("statistics kernel", backend, "device_stats_row"),
         ("building the record", recorder.Recorder, "encode"),
-        ("building the record", recorder.Recorder, "write_line"),
         ("writing", recorder.Recorder, "emit"),
     ]
 
 
 clock = time.perf_counter
 
-ENCODER = "value encoder (C++)"
-ORDER = ["torch's dispatch floor", "module scopes", ENCODER, "describing tensors", "value cache", "statistics kernel",
+ORDER = ["torch's dispatch floor", "module scopes", "describing tensors", "value cache", "statistics kernel",
          "statistics (Python)", "building the record", "writing", "per-op bookkeeping"]
 
 
@@ -88,19 +85,6 @@ class ReadingFloor(TorchDispatchMode):
                         and t.dtype in (torch.float32, torch.bfloat16)
                     fused_stats.stats4(t) if one_pass else torch.aminmax(t)
         return out
-
-
-class _Proxy:
-    """The encoder's two calls, through ``held``'s (timed) attributes."""
-
-    def __init__(self, held):
-        self.held = held
-
-    def __call__(self, *args):
-        return self.held.encode(*args)
-
-    def line(self, *args):
-        return self.held.line(*args)
 
 
 class Timers:
@@ -153,12 +137,6 @@ def breakdown(case, steps: int, tmp: str) -> dict:
     timers = Timers()
     for label, owner, attr in parts(probe):
         timers.wrap(label, owner, attr)
-    encoder = probe.recorder._encoder       # loaded by the timed steps above
-    if encoder is not None:                 # its calls timed as a whole (describing, cache, kernel, line)
-        held = types.SimpleNamespace(encode=encoder, line=encoder.line)
-        timers.wrap(ENCODER, held, "encode")
-        timers.wrap(ENCODER, held, "line")
-        probe.recorder._encoder = _Proxy(held)
     try:
         with probe:                 # one untimed step first: a one-off cost lands in no part
             step()
@@ -177,7 +155,6 @@ def breakdown(case, steps: int, tmp: str) -> dict:
             model.zero_grad(set_to_none=True)
     finally:
         timers.unwrap()
-        probe.recorder._encoder = encoder
         probe.close()
     spent = {label: v / steps for label, v in timers.spent.items()}
     floor = times["empty dispatch mode"] - times["uninstrumented"]

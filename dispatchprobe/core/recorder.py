@@ -63,7 +63,6 @@ class Recorder(Handler):
         self._cache: dict = {}
         self._spans: dict = {}
         self._dense: dict = {}
-        self._encoder = None        # the backend's compiled value encoder, once it has one
         self._lines = None          # the part's ops.jsonl, where records need only statistics
         self._next_key = 0
         # accelerator statistics still on the device, and the records waiting for them: read
@@ -89,26 +88,32 @@ class Recorder(Handler):
         return encode_plain(value, self.backend)
 
     def encode(self, event: OpEvent, save: bool | None = None, defer: bool = False) -> dict:
-        """The record of ``event``.  ``defer``: statistics of accelerator tensors are reduced on
-        the device and filled in later (:meth:`emit` then holds the record until they are)."""
+        """The record of ``event``, built in one dict.  ``defer``: statistics of accelerator
+        tensors are reduced on the device and filled in later (:meth:`emit` then holds the record
+        until they are)."""
         save = self.save_tensors if save is None else save
         found: list[tuple] = []
-        record = self.skeleton(event.kind, event.op, event.stage, event.scope, event.call, grad_fn=event.grad_fn,
-                               stack=self.part.stack_id(event.stack) if event.stack else None)
-        values = self._values_encoder(found, event.undefined, save)
+        stack = event.stack
+        record = {"id": None, "kind": event.kind, "name": record_name(event.kind, event.op, event.scope, event.stage,
+                                                                      event.call),
+                  "op": event.op, "stage": event.stage, "scope": event.scope, "call": event.call,
+                  "grad_fn": event.grad_fn, "stack": self.part.stack_id(stack) if stack else None}
+        values = self._encode_values
         if self._inputs:
-            record["inputs"] = values(event.args)
-            record["kwargs"] = values(event.kwargs) if event.kwargs else {}
+            record["inputs"] = values(found, event.args)
+            kwargs = event.kwargs
+            record["kwargs"] = {k: self._encode_value(found, v) for k, v in kwargs.items()} if kwargs else {}
         if self._outputs:
             out = event.outputs
             if isinstance(out, (tuple, list)):
                 record["output_type"] = "tuple" if isinstance(out, tuple) else "list"
-                record["outputs"] = values(out)
+                record["outputs"] = values(found, out)
             else:
                 record["output_type"] = "single"
-                record["outputs"] = values((out,))
+                record["outputs"] = values(found, (out,))
         same = self.backend.same_values(event) if save and event.func is not None else None
-        self._fill_found(found, event.undefined, save, same, defer and not self.checksum)
+        if found:
+            self._fill_found(found, event.undefined, save, same, defer and not self.checksum)
         if event.extra:
             record.update(event.extra)
         return record
@@ -123,22 +128,19 @@ class Recorder(Handler):
         if found:
             self._fill_tensors(found, save, same, defer)
 
-    def _values_encoder(self, found: list, undefined: set | None, save: bool):
-        """``values(args)``: a list (or dict) of arguments as JSON, their tensors described and
-        collected in ``found`` for :meth:`_fill_tensors`.  For records of statistics, the backend's
-        compiled encoder, where it has one, also fills the statistics of the tensors it can
-        (plain CPU float tensors), from the same cache; ``found`` gets the others."""
-        enc = self._encode_value
-        fast = None if save or self.checksum else self._encoder or self._load_encoder()
-        if fast is not None:
-            return lambda values: fast(values, found, undefined, enc)
-        return lambda values: {k: enc(found, v) for k, v in values.items()} if isinstance(values, dict) \
-            else [enc(found, v) for v in values]
-
-    def _load_encoder(self):
-        """The backend's compiled value encoder for records of statistics (None until it has one)."""
-        self._encoder = self.backend.value_encoder(self._cache, self._dense, Measured)
-        return self._encoder
+    def _encode_values(self, found: list, values) -> list:
+        """A sequence of arguments as JSON, their tensors described and collected in ``found``
+        for :meth:`_fill_tensors`; plain tensors (most arguments) without a call per value."""
+        is_tensor, describe, enc = self._is_tensor, self._describe, self._encode_value
+        out = []
+        for v in values:
+            if is_tensor(v):
+                described = describe(v)
+                found.append((v, *described))
+                out.append(described[0])
+            else:
+                out.append(enc(found, v))
+        return out
 
     @property
     def measures_only(self) -> bool:
@@ -151,7 +153,7 @@ class Recorder(Handler):
         or read now (accelerator tensors: queued on the device before the op, read later)."""
         found: list[tuple] = []
         unwritten = {id(t)} if undefined else None
-        spec = self._values_encoder(found, unwritten, False)((t,))[0]
+        spec = self._encode_value(found, t)
         self._fill_found(found, unwritten, False, None, True)
         return Measured(spec)
 
@@ -319,7 +321,7 @@ class Recorder(Handler):
         """A new step/rank part (its ``PartWriter``): ids, tensor keys and cache start over."""
         if part is not None:
             self.part = part
-        # the compiled encoder appends its lines to the file itself (a writer with a descriptor)
+        # a compiled graph's records are joined from JSON kept per graph (a writer with a descriptor)
         self._lines = self.part.ops if self.measures_only and self.part and hasattr(self.part.ops, "fd") else None
         self._next_id = 0
         self._cache.clear()
@@ -329,35 +331,8 @@ class Recorder(Handler):
 
     # -- handler ------------------------------------------------------------------------------
     def on_op(self, event: OpEvent):
-        if event.kind != "op" or event.extra or not self.write_line(
-                event.op, event.stage, event.scope, event.call, event.grad_fn, event.stack, event.args,
-                event.kwargs, event.outputs, event.undefined):
-            self.emit(self.encode(event, defer=True))
+        self.emit(self.encode(event, defer=True))
         return None
-
-    def write_line(self, op: str, stage: str, scope: str, call: int, grad_fn, stack, args, kwargs, outputs,
-                   undefined) -> bool:
-        """The record of an op call (the fields of an :class:`OpEvent`) made whole by the backend's
-        compiled encoder, as its JSON line, and written: records of statistics only.  False where
-        a value needs the Python path (an accelerator tensor, a dtype it does not measure, ...)
-        or records wait for device statistics: then nothing was written."""
-        if self._lines is None or self._waiting or self._row_stats:
-            return False
-        enc = self._encoder or self._load_encoder()
-        if enc is None:
-            return False
-        head = self.skeleton("op", op, stage, scope, call, grad_fn=grad_fn,
-                             stack=self.part.stack_id(stack) if stack else None)
-        head["id"] = self._next_id
-        lines = self._lines
-        try:
-            if enc.line(lines.fd(), head, args, kwargs, outputs, self._inputs, self._outputs, undefined,
-                        self._encode_value) is None:
-                return False
-        except OSError as exc:
-            raise lines.failed(exc) from None
-        self._next_id += 1
-        return True
 
     def write_joined(self, head: dict, rest: bytes) -> bool:
         """Append the record whose first fields are ``head`` (:meth:`skeleton`, given its id here)

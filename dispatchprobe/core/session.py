@@ -347,10 +347,6 @@ class ProbeSession:
         frames = stack() if stack is not None and self.config.stack and stage == "forward" else None
         self.busy = True
         try:
-            # the backend's compiled encoder runs with the framework's autograd off itself
-            if self._measure_written and extra is None and self.recorder.write_line(
-                    op, stage, scope, call, grad_fn, frames, args, kwargs, outputs, undefined or None):
-                return None
             with self._quiet():
                 event = OpEvent("op", op, stage, scope, call, args, kwargs, outputs, grad_fn=grad_fn,
                                 stack=frames, func=func, undefined=undefined or None, extra=extra)
