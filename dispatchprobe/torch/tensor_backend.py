@@ -161,21 +161,29 @@ def tensor_stats(tensors: list[torch.Tensor]) -> list[dict | None]:
     Only the values :mod:`.tensor_kinds` allows (a DTensor's local shard; none for some kinds)."""
     out: list[dict | None] = [None] * len(tensors)
     pending: list[tuple[int, torch.Tensor]] = []
-    slow = []
-    native = []
     read = fused_stats.tree_rows
-    for i, t in enumerate(tensors):
-        # the common case first: a plain CPU tensor the native library reads in place
-        if read is not None and t.dtype in _NATIVE_CODES and t.is_cpu and _in_memory(t):
-            native.append(i)
-        else:
-            slow.append(i)
+    native, slow = [], []
+    if read is not None:
+        codes = _NATIVE_CODES
+        for i, t in enumerate(tensors):
+            # the common case first: a plain CPU tensor the native library reads in place
+            if t.dtype in codes and t.is_cpu and _in_memory(t):
+                native.append(i)
+            else:
+                slow.append(i)
+    else:
+        slow = list(range(len(tensors)))
     declined = ()
-    if native:     # all of them in one native call
-        taken = [tensors[i] for i in native]
-        flat = read(taken).tolist()
+    if native:     # all of them in one native call; finite values' records straight from the row
+        taken = tensors if len(native) == len(tensors) else [tensors[i] for i in native]
+        flat = read(taken)
+        finite, sqrt = statistics.finite_record, math.sqrt
         for k, i in enumerate(native):
-            out[i] = _native_record(taken[k], flat[k * _ROW:(k + 1) * _ROW])
+            at = k * _ROW
+            if flat[at] == _FINITE:
+                out[i] = finite(flat[at + 1], flat[at + 2], flat[at + 3], sqrt(flat[at + 4]), taken[k].numel())
+            else:
+                out[i] = _native_record(taken[k], flat[at:at + _ROW].tolist())
         declined = {i for i in native if out[i] is None}
         if declined:
             slow = sorted(slow + list(declined))
@@ -470,9 +478,10 @@ def cache_entry(ref, value) -> tuple:
     follow the pair, its weak reference and its entry where none can be part of a cycle (a
     reference without a callback, an entry holding only values the collector does not track: the
     statistics, which CPython leaves untracked as dictionaries of numbers): a step caches hundreds
-    of values, which every collection would otherwise walk."""
+    of values, which every collection would otherwise walk.  The pair needs its own call: CPython
+    untracks a tuple by itself only where it holds no dict or weak reference."""
     pair = (ref, value)
-    if _untrack is not None and type(ref) is _WEAKREF and ref.__callback__ is None and type(value) is dict \
+    if _untrack is not None and type(ref) is _WEAKREF and type(value) is dict and ref.__callback__ is None \
             and not any(map(_tracked, value.values())):
         if _tracked(ref):           # one reference serves a value's entries under both its keys
             _untrack(ref)
