@@ -168,9 +168,10 @@ class Recorder(Handler):
         key)`` entries :meth:`_encode_value` collected: from the cache where the value was
         measured before, else measured now (or queued on the device, ``defer``)."""
         backend = self.backend
-        cache, alive = self._cache, backend.memory_alive
+        cache, dense_cache, alive, checksum = self._cache, self._dense, backend.memory_alive, self.checksum
         missing = []
-        for t, spec, ident, dense in found:
+        for item in found:
+            t, spec, ident, dense = item
             if "undefined" in spec or "no_values" in spec:   # uninitialised memory, or none to read
                 continue
             hit = cache.get(ident) if ident is not None else None
@@ -182,19 +183,19 @@ class Recorder(Handler):
                         spec["checksum"] = entry["checksum"]
                     continue
             # a reshape/transpose of measured memory has the same max/min/mean/norm
-            hit = self._dense.get(dense) if dense is not None else None
+            hit = dense_cache.get(dense) if dense is not None else None
             if hit is not None and alive(hit[0]):
                 spec["stats"] = hit[1]
                 entry = {"stats": hit[1]}
-                if self.checksum:
+                if checksum:
                     entry["checksum"] = spec["checksum"] = backend.checksum(t)
                 self._remember(t, entry, ident)
             else:
-                missing.append((t, spec, dense, ident))
+                missing.append(item)
         if defer and missing:
             now = []
             for item in missing:
-                t, spec, dense, ident = item
+                t, spec, ident, dense = item
                 if not backend.stats_on_device(t):
                     now.append(item)
                     continue
@@ -205,12 +206,13 @@ class Recorder(Handler):
             missing = now
         if missing:
             stats = backend.tensor_stats([m[0] for m in missing])
-            for (t, spec, dense, ident), st in zip(missing, stats):
+            measured = self._measured
+            for (t, spec, ident, dense), st in zip(missing, stats):
                 spec["stats"] = st
                 entry = {"stats": st}
-                if self.checksum:
+                if checksum:
                     entry["checksum"] = spec["checksum"] = backend.checksum(t)
-                self._measured(t, entry, ident, dense)
+                measured(t, entry, ident, dense)
         if save:
             for t, spec, ident, _ in found:
                 # metadata only (the backend said why), or uninitialised memory: its bytes mean
@@ -222,13 +224,14 @@ class Recorder(Handler):
     def _measured(self, t, entry: dict, ident, dense) -> None:
         """Cache freshly measured statistics under the tensor's identity and its dense key (one
         weak reference to its memory for both)."""
-        ref = self.backend.memory_ref(t)
+        backend = self.backend
+        ref = backend.memory_ref(t)
         if ref is None:
             return
         if ident is not None:
-            self._cache[ident] = self.backend.cache_entry(ref, entry)
+            self._cache[ident] = backend.cache_entry(ref, entry)
         if dense is not None:
-            self._dense[dense] = self.backend.cache_entry(ref, entry["stats"])
+            self._dense[dense] = backend.cache_entry(ref, entry["stats"])
 
     def measured_elsewhere(self, t, stats: dict) -> None:
         """``t``'s statistics as another reader took them of its current values (a compiled graph's

@@ -20,8 +20,9 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from . import collectives, device_stats, fused_stats, tensor_kinds
 from ..standards import statistics
 from .internals.dispatch import no_functorch, set_grad_enabled
-from .internals.tensors import MKLDNN, is_view, storage_expired, tensor_base
+from .internals.tensors import MKLDNN, is_view, storage_expired, tensor_base, tensor_version
 from .ops import dtype_name
+from .process_state import STATE
 from .snapshots import nbytes, save_shard, snapshot, span_snapshot  # noqa: F401 (the contract's members)
 
 name = "torch"
@@ -80,7 +81,8 @@ def _described_plain(t: torch.Tensor, cls) -> tuple | None:
     for the general path (empty, no storage, other layouts, inference tensors)."""
     try:
         ptr = t.data_ptr()
-        version = tensor_kinds.version(t)
+        # tensor_kinds.version, its common case inline (no write unseen by a version counter)
+        version = tensor_kinds.version(t) if _unseen_writes else tensor_version(t)
     except (RuntimeError, NotImplementedError):
         return None
     if not ptr or t.layout is not _STRIDED:
@@ -91,14 +93,19 @@ def _described_plain(t: torch.Tensor, cls) -> tuple | None:
             "requires_grad": t.requires_grad}
     if cls is _PARAMETER or is_view(t) and type(tensor_base(t)) is _PARAMETER:     # a parameter, or a view of one
         meta["param"] = True
-    ident = ptr, tuple(shape), stride, dtype, device, version
+    shape = tuple(shape)
+    ident = ptr, shape, stride, dtype, device, version
+    if t.is_contiguous():
+        n = t.numel()
+        return meta, ident, ((ptr, n, dtype, device, version) if n else None)
     n = t.numel()
-    if n and (t.is_contiguous() or _fills_block(t)):
+    if n and _fills_block(t):
         return meta, ident, (ptr, n, dtype, device, version)
     return meta, ident, None
 
 
 _TENSOR = torch.Tensor
+_unseen_writes = STATE.unseen_writes      # what tensor_kinds.version reads, read per tensor
 
 
 def _meta(t, cls, dtype, shape, stride, device, requires_grad: bool) -> dict:
