@@ -60,9 +60,9 @@ class Recorder(Handler):
         self.io_filter = io_filter or (lambda io: True)
         self._inputs, self._outputs = self.io_filter("input"), self.io_filter("output")
         self._is_tensor, self._describe = backend.is_tensor, backend.describe
-        self._cache: dict = {}
+        self._cache: dict = {}         # identity -> (memory ref, entry)
         self._spans: dict = {}
-        self._dense: dict = {}
+        self._dense: dict = {}         # dense key -> the (memory ref, entry) of a value measured
         self._lines = None          # the part's ops.jsonl, where records need only statistics
         self._next_key = 0
         # accelerator statistics still on the device, and the records waiting for them: read
@@ -185,8 +185,8 @@ class Recorder(Handler):
             # a reshape/transpose of measured memory has the same max/min/mean/norm
             hit = dense_cache.get(dense) if dense is not None else None
             if hit is not None and alive(hit[0]):
-                spec["stats"] = hit[1]
-                entry = {"stats": hit[1]}
+                spec["stats"] = stats = hit[1]["stats"]
+                entry = {"stats": stats}
                 if checksum:
                     entry["checksum"] = spec["checksum"] = backend.checksum(t)
                 self._remember(t, entry, ident)
@@ -222,16 +222,20 @@ class Recorder(Handler):
                     spec["data"] = self.save(t, like=same.get(id(t)) if same else None, ident=ident)
 
     def _measured(self, t, entry: dict, ident, dense) -> None:
-        """Cache freshly measured statistics under the tensor's identity and its dense key (one
-        weak reference to its memory for both)."""
+        """Cache freshly measured statistics under the tensor's identity and its dense key: one
+        ``(weak reference to its memory, entry)`` pair for both (the dense key's readers take
+        only the entry's ``stats``), made once."""
+        if ident is None and dense is None:
+            return
         backend = self.backend
         ref = backend.memory_ref(t)
         if ref is None:
             return
+        pair = backend.cache_entry(ref, entry)
         if ident is not None:
-            self._cache[ident] = backend.cache_entry(ref, entry)
+            self._cache[ident] = pair
         if dense is not None:
-            self._dense[dense] = backend.cache_entry(ref, entry["stats"])
+            self._dense[dense] = pair
 
     def measured_elsewhere(self, t, stats: dict) -> None:
         """``t``'s statistics as another reader took them of its current values (a compiled graph's
