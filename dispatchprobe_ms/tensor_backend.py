@@ -148,11 +148,6 @@ def cache_entry(ref, value) -> tuple:
     return (ref, value)
 
 
-def value_encoder(cache: dict, dense: dict, measured: type):
-    """None: the recorder encodes MindSpore values in Python."""
-    return None
-
-
 def snapshot(t) -> np.ndarray:
     return np.array(host(t), copy=True, order="C")
 

@@ -53,14 +53,6 @@ class TensorBackend(Protocol):
     def cache_entry(self, ref, value) -> tuple:
         """``(ref, value)`` as the recorder caches it; where the framework can, kept out of
         Python's cyclic garbage collector (its parts hold no cycles)."""
-    def value_encoder(self, cache: dict, dense: dict, measured: type):
-        """A compiled ``encoder(values, found, undefined, fallback)`` doing the statistics task's
-        per-value work of :meth:`Recorder.encode` with the same cache, or None (none, or not
-        loaded yet); ``fallback(found, value)`` takes what it does not.  Its
-        ``line(fd, head, args, kwargs, outputs, inputs, outputs_on, undefined, fallback)`` makes an op's
-        whole record, appends it to the file ``fd`` as its JSON line and returns True, or returns
-        None to leave the op to the Python path; it runs with the framework's autograd off (what
-        the session's ``_quiet`` does for the Python path)."""
     def memory_alive(self, ref) -> bool: ...
     def storage_span(self, t: Tensor):
         """``(span_key, start, length, offset, stride, plain)`` to save shared memory once, or None."""

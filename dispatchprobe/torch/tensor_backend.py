@@ -513,11 +513,6 @@ _WEAKREF = weakref.ReferenceType
 _tracked = gc.is_tracked
 
 
-def value_encoder(cache: dict, dense: dict, measured: type):
-    """None: the recorder's Python encoder writes every record (``records.writer.json_line``)."""
-    return None
-
-
 def memory_alive(ref) -> bool:
     if ref is None:
         return False
