@@ -231,9 +231,15 @@ def _run(doc: str, marks: tuple, folder: Path, cache: Path, monkeypatch) -> int:
 def _docs(mark: str) -> list:
     """The documents with blocks of this mark; those that import MindSpore carry the ``mindspore``
     mark (they run in the MindSpore environment: ci/matrix.py)."""
-    return [pytest.param(d, marks=pytest.mark.mindspore) if any(b.mark == mark and "mindspore" in b.code.lower()
+    return [pytest.param(d, marks=pytest.mark.mindspore) if any(b.mark == mark and _uses_mindspore(b.code)
                                                                 for b in blocks(d)) else d
             for d in DOCS if any(b.mark == mark for b in blocks(d))]
+
+
+def _uses_mindspore(code: str) -> bool:
+    """A block needs MindSpore when it names it or its adapter (``dispatchprobe_ms``: run with
+    the MindSpore prelude's net)."""
+    return "mindspore" in code.lower() or "dispatchprobe_ms" in code
 
 
 @pytest.mark.parametrize("doc", _docs("run"))
