@@ -75,9 +75,10 @@ class ProbeMode(TorchDispatchMode):
         facts = probe.facts(func)
         # every collective is numbered on its group, recorded or not, so ranks' numbers agree
         called = probe.collective_seq.describe(func, args, kwargs) if facts.collective and not probe.busy else None
-        if probe.busy or not facts.wanted or in_compiled_code():
+        busy = probe.busy or STATE.probe_work      # this probe's own work, or another probe's
+        if busy or not facts.wanted or in_compiled_code():
             out = func(*args, **kwargs)
-            if not probe.busy:
+            if not busy:
                 if facts.allocates_uninitialised:
                     probe.uninitialised.add(out)
                 elif probe.uninitialised or facts.writes_unseen:      # an op not recorded still writes memory

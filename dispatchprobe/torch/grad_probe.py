@@ -28,6 +28,7 @@ from ..core.grad_probe import CHECKSUM_KIND, CHECKSUM_ROW, checksum_hex, checksu
 from . import fused_stats, hooks
 from .internals.tensors import foreach_norm
 from .parameters import ParamGrad, named_gradients, parameter_names, placement_of
+from .process_state import ProbeWork
 
 _NUMPY_FLOATS = (torch.float32, torch.float64, torch.float16)
 
@@ -208,11 +209,12 @@ class GradReader:
         """Whether ``optimizer`` updates parameters of the probe's model (not another model's).  The
         names are read again when the optimizer holds a parameter they lack: a model wrapped after
         the probe was built (``fully_shard`` replaces its parameters) is still named."""
+        model = self._model()
+        if model is None:       # its parameters are gone: their ids may now name another model's
+            return False
         params = [p for group in optimizer.param_groups for p in group["params"]]
         if not all(id(p) in self.names for p in params):
-            model = self._model()
-            if model is not None:
-                self.names = parameter_names(model)
+            self.names = parameter_names(model)
         return any(id(p) in self.names for p in params)
 
     def on_step(self, optimizer) -> None:
@@ -226,7 +228,7 @@ class GradReader:
                  if id(g.param) in self.names and h.select(g.name)]
         if not here and not any(g.dtensor is not None for g in grads):
             return          # a rank left out computes only what the other ranks' reductions need
-        with torch.no_grad():
+        with ProbeWork():
             grads = [_replicate_partial(g) if g.dtensor is not None else g for g in grads]
             rows = measure_all([g.local for g in grads], h.level, h.bounds)
             _reduce_sharded(grads, rows)

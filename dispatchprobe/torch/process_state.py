@@ -21,6 +21,10 @@ from __future__ import annotations
 import weakref
 from dataclasses import dataclass, field, fields
 
+import torch
+
+from .internals.dispatch import set_grad_enabled
+
 
 @dataclass(eq=False)
 class AdapterState:
@@ -32,6 +36,7 @@ class AdapterState:
     module_hook_users: list = field(default_factory=list)   # one entry per probe holding the global hooks
     module_exits: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)   # module -> exit hook
     pending_removals: list = field(default_factory=list)    # hook removals queued by finalizers
+    probe_work: list = field(default_factory=list)          # probes doing their own work now (ProbeWork)
     # kept across probes
     module_hook_ids: list = field(default_factory=list)     # (pre-hook id, hook id), reused: dynamo guards on them
     process_groups: dict = field(default_factory=dict)      # group name -> its record value
@@ -42,7 +47,7 @@ class AdapterState:
     graphs: dict = field(default_factory=dict)              # compiled graphs' records by slot
     parameter_names: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
 
-    HELD = ("active_probes", "module_scopes", "module_hook_users", "module_exits", "pending_removals")
+    HELD = ("active_probes", "module_scopes", "module_hook_users", "module_exits", "pending_removals", "probe_work")
 
     def held(self) -> dict:
         """What probes still hold, by field ({} once every probe is closed)."""
@@ -58,3 +63,21 @@ class AdapterState:
 
 
 STATE = AdapterState()
+
+
+class ProbeWork:
+    """A probe's own work (its handlers, parameter records, a grad probe's reading), marked for
+    every probe of the process: another probe's dispatch mode, active around it (a probe left open,
+    a grad probe beside a recording one), passes those ops through instead of recording them as the
+    user's.  Gradients off, as for any of a probe's own calls."""
+
+    __slots__ = ("prev",)
+
+    def __enter__(self):
+        STATE.probe_work.append(self)
+        self.prev = torch.is_grad_enabled()
+        set_grad_enabled(False)
+
+    def __exit__(self, *exc):
+        set_grad_enabled(self.prev)
+        STATE.probe_work.pop()

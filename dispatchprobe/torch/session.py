@@ -11,6 +11,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from . import tensor_backend as torch_backend
 from . import hooks
+from .process_state import ProbeWork
 from ..core.session import ProbeSession
 
 
@@ -99,7 +100,7 @@ class TorchSession(ProbeSession):
         super()._open_part()
 
     def _quiet(self):
-        return torch_backend.NoGrad()
+        return ProbeWork()
 
     def _follow_optimizer(self) -> None:
         # torch's global optimizer step hook, holding the session weakly (a probe left unclosed
