@@ -18,7 +18,7 @@ def __getattr__(name):
         from .torch.capture import DispatchProbe
         return DispatchProbe
     if name == "DispatchProbeCallback":     # transformers.Trainer's callback (docs/integrations.md)
-        from .integrations.transformers import DispatchProbeCallback
+        from .torch.trainer_callback import DispatchProbeCallback
         return DispatchProbeCallback
     if name == "PrecisionDebugger":     # msprobe's interface (docs/integrations.md)
         from .torch.msprobe_api import PrecisionDebugger

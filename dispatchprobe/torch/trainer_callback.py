@@ -16,7 +16,7 @@ import warnings
 from transformers import TrainerCallback
 
 from ..core.config import Config, ConfigWarning
-from ..torch.capture import DispatchProbe
+from .capture import DispatchProbe
 
 
 class DispatchProbeCallback(TrainerCallback):
