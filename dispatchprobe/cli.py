@@ -4,9 +4,12 @@ options) are one line on stderr and exit code 1 (docs/architecture.md); ``--debu
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import signal
 import sys
+import threading
 
 import click
 
@@ -28,6 +31,30 @@ class ProbeGroup(click.Group):
                 raise
             click.echo(f"error: {exc}", err=True)
             ctx.exit(1)
+
+
+@contextlib.contextmanager
+def interruptible():
+    """Ctrl-C (SIGINT) raises KeyboardInterrupt here whatever this process inherited: a shell starts
+    background jobs with SIGINT ignored, and a test run or CI job started so hands that (or a blocked
+    SIGINT) to every process it starts; run-ut's Ctrl-C is how --follow stops and how a run is left
+    resumable.  The previous handling is put back after (a command run in-process leaves no trace)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield                                           # only the main thread sets handlers and gets them
+        return
+    previous = signal.getsignal(signal.SIGINT)
+    if previous in (signal.SIG_IGN, signal.SIG_DFL):
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    blocked = hasattr(signal, "pthread_sigmask") and signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    if blocked:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
+    try:
+        yield
+    finally:
+        if blocked:
+            signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
+        if previous in (signal.SIG_IGN, signal.SIG_DFL):
+            signal.signal(signal.SIGINT, previous)
 
 
 @click.group(cls=ProbeGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -253,24 +280,26 @@ def run_ut(records, out_dir, random_inputs, resume, jobs, device, filter_duplica
     """
     from .offline.run_ut import run_ut as do_run_ut, summary_text
     if follow or listen:
-        _run_ut_online(records, out_dir, follow, listen, tls_path, keep_records, jobs=jobs, device=device,
-                       save_error_data=save_error_data, imports=imports, progress=progress, api=api,
-                       random_inputs=random_inputs, resume=resume, filter_duplicates=filter_duplicates)
+        with interruptible():
+            _run_ut_online(records, out_dir, follow, listen, tls_path, keep_records, jobs=jobs, device=device,
+                           save_error_data=save_error_data, imports=imports, progress=progress, api=api,
+                           random_inputs=random_inputs, resume=resume, filter_duplicates=filter_duplicates)
         return
     if records is None:
         raise ValueError("run-ut needs RECORDS (a run directory), or --listen HOST:PORT")
-    try:
-        res = do_run_ut(records, out_dir, random=random_inputs, device=device, jobs=jobs, resume=resume,
-                        filter_duplicates=filter_duplicates, save_error_data=save_error_data, imports=imports,
-                        progress=progress, api=api)
-    except KeyboardInterrupt as exc:
-        saved = getattr(exc, "result_csv", None)
-        if saved and getattr(exc, "rows_saved", 0):
-            click.echo(f"interrupted: {exc.rows_saved} ops are saved in {saved}; continue with: dispatchprobe "
-                       f"run-ut {records}{getattr(exc, 'resume_options', '')} --resume {saved}", err=True)
-        else:
-            click.echo("interrupted before any op was judged: nothing to resume", err=True)
-        sys.exit(130)
+    with interruptible():
+        try:
+            res = do_run_ut(records, out_dir, random=random_inputs, device=device, jobs=jobs, resume=resume,
+                            filter_duplicates=filter_duplicates, save_error_data=save_error_data, imports=imports,
+                            progress=progress, api=api)
+        except KeyboardInterrupt as exc:
+            saved = getattr(exc, "result_csv", None)
+            if saved and getattr(exc, "rows_saved", 0):
+                click.echo(f"interrupted: {exc.rows_saved} ops are saved in {saved}; continue with: dispatchprobe "
+                           f"run-ut {records}{getattr(exc, 'resume_options', '')} --resume {saved}", err=True)
+            else:
+                click.echo("interrupted before any op was judged: nothing to resume", err=True)
+            sys.exit(130)
     if int(os.environ.get("RANK", "0")) == 0:
         click.echo(summary_text(res))
         if not random_inputs:
@@ -362,8 +391,9 @@ def _run_ut_online(records, out_dir, follow, listen, tls_path, keep_records, *, 
               help="A Python file defining custom ops (torch.library): copied beside the script, imported first. "
                    "Repeatable.")
 def repro(run, record, out_dir, step, rank, preludes):
-    """Write a standalone repro of one recorded op call: a script needing only PyTorch and the op's saved
-    inputs, re-running it on the recorded device and dtypes against float64.
+    """Write a standalone repro of one recorded op call: a script needing only the framework that recorded
+    it (PyTorch, or MindSpore) and the op's saved inputs, re-running it on the recorded device and dtypes
+    against float64 (and judging the recorded outputs against that float64 run).
 
     RECORD is the record's name as compare, run-ut and overflow.csv print it (aten.mm.default.0.forward).
     Run it with: python OUT/repro.py (exit 0: agrees with float64, 2: differs, 1: could not run)."""

@@ -75,7 +75,7 @@ def test_run_ut_says_why_ops_were_not_replayed(records, args, code, words):
 
 SLOW_RUN_UT = """
 import signal, sys, time
-signal.signal(signal.SIGINT, signal.default_int_handler)   # a job started in the background inherits it ignored
+signal.signal(signal.SIGINT, signal.SIG_IGN)   # as a shell's background job inherits it: Ctrl-C still stops run-ut
 import dispatchprobe.offline.run_ut as m
 _check = m.check_op
 m.check_op = lambda *a: (time.sleep(1.5), _check(*a))[1]
@@ -101,6 +101,26 @@ def test_ctrl_c_in_run_ut_names_the_file_to_resume(records, tmp_path):
     assert proc.returncode == 130, err
     saved = next((tmp_path / "ut").glob("accuracy_checking_result_*.csv"))
     assert f"--resume {saved}" in err and "{timestamp}" not in err and err.strip().count("\n") == 0
+
+
+def test_run_ut_takes_sigint_back_and_then_returns_it():
+    """run-ut's Ctrl-C works when the process got SIGINT ignored and blocked; after the command the
+    process has them as before (run in-process, e.g. by CliRunner, it leaves nothing changed)."""
+    import signal
+    from dispatchprobe.cli import interruptible
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
+    try:
+        with interruptible():
+            assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+            assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+            with pytest.raises(KeyboardInterrupt):
+                signal.raise_signal(signal.SIGINT)
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        assert signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        signal.signal(signal.SIGINT, before)
 
 
 @pytest.mark.parametrize("args,code,words", CASES, ids=[" ".join(a.replace("{root}/", "") for a in c[0]) for c in CASES])

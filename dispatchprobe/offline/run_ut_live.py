@@ -170,16 +170,22 @@ class Follower:
             self._reaped.update(done)
             return [(k, self.run.parts[k].path) for k in done]
 
-    def tasks(self, poll_s: float = 0.2):
-        """Every ready task until :meth:`ended` and nothing waits; sleeps ``poll_s`` when idle."""
-        while True:
+    def tasks(self, poll_s: float = 0.2, stop: threading.Event | None = None):
+        """Every ready task until :meth:`ended` and nothing waits; sleeps ``poll_s`` when idle.
+        ``stop`` ends it within ``poll_s`` from another thread: a worker pool's feeder thread runs
+        this loop, and the pool cannot be terminated while it waits for a run that never ends."""
+        stop = stop or threading.Event()
+        while not stop.is_set():
             ended = self.ended()         # before polling: what was written before the end is read
             batch = self.poll()
-            yield from batch
+            for task in batch:
+                if stop.is_set():
+                    return
+                yield task
             if ended and not self.waiting:
                 return
             if not batch:
-                time.sleep(poll_s)
+                stop.wait(poll_s)
 
 
 def _check_live(task):
@@ -292,11 +298,13 @@ def _judge_all(follower: Follower, replayer: Replayer, emit, jobs: int, threads:
         if method != "fork":
             raise ValueError("run-ut --follow/--listen with -j > 1 needs the fork start method (Linux, macOS "
                              "with fork); use -j 1")
+        stop = threading.Event()
         with mp.get_context(method).Pool(jobs, initializer=_init_live_worker,
                                          initargs=(options, threads, replayer)) as pool:
             try:
-                for task, result in pool.imap(_check_live, follower.tasks(poll_s), chunksize=1):
+                for task, result in pool.imap(_check_live, follower.tasks(poll_s, stop), chunksize=1):
                     emit(task, result)
             except BaseException:
+                stop.set()           # the feeder thread leaves follower.tasks: else terminate waits on it forever
                 pool.terminate()
                 raise
