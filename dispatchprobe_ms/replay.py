@@ -45,6 +45,22 @@ def _callable(record: dict):
     return lambda args: _run_op(prim, name, tuple(args))
 
 
+def call_form(record: dict) -> dict:
+    """How ``dispatchprobe repro``'s script calls the recorded primitive, from the lookup the replay
+    uses (:func:`ops.primitive_class`, :func:`ops.pyboost_form`): the class by module and name, its
+    ``pyboost_<name>`` function and dtype positions (None: ``_run_op``).  ValueError in one line for
+    a primitive that cannot be called again."""
+    name = record["op"]
+    if ops.is_random(name) or op_traits.base_name(name) in op_traits.RANDOM:
+        raise ValueError(f"{record['name']} is a random op ({name}): its output cannot be reproduced from its inputs")
+    cls = ops.primitive_class(name)
+    if cls is None:
+        raise ValueError(f"{record['name']}: primitive {name} does not exist in this MindSpore ({ms.__version__})")
+    form = ops.pyboost_form(name)
+    return {"module": cls.__module__, "class": cls.__name__, "pyboost": form[0] if form else None,
+            "dtype_positions": list(form[1]) if form else []}
+
+
 def _value(spec, bench: bool, path: str, source=None, record=None, random=False):
     kind = spec.get("type")
     if kind == "tensor":
@@ -172,4 +188,5 @@ def resolve_device(name: str | None):
 
 
 # saved tensors read as numpy, MindSpore's thread pool fixed at start, no launcher: the defaults
-REPLAYER = Replayer("mindspore", replay=replay, resolve_device=resolve_device, seed_rule="mindspore_benchmark")
+REPLAYER = Replayer("mindspore", replay=replay, resolve_device=resolve_device, seed_rule="mindspore_benchmark",
+                    call_form=call_form)

@@ -8,7 +8,6 @@ import importlib.util
 import json
 import os
 import re
-import subprocess
 import sys
 
 import pandas as pd
@@ -19,6 +18,7 @@ from click.testing import CliRunner
 import dispatchprobe
 from dispatchprobe import DispatchProbe
 from dispatchprobe.cli import main
+from tests.repro_helpers import fresh as _fresh
 
 # a custom kernel that is wrong below float64 (the float64 benchmark runs the same op)
 KERNELS = '''"""A planted kernel: scale by 2, but by 2.5 in any dtype narrower than float64."""
@@ -27,29 +27,6 @@ lib = torch.library.Library("repro_planted", "DEF")
 lib.define("scale(Tensor x) -> Tensor")
 lib.impl("scale", lambda x: x * 2 if x.dtype == torch.float64 else x * 2.5, "CPU")
 '''
-
-# runs a script as __main__ in a process where importing dispatchprobe fails
-NO_DISPATCHPROBE = '''
-import importlib.abc, runpy, sys
-class Refuse(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in ("dispatchprobe", "dispatchprobe_ms"):
-            raise ImportError(f"{name} may not be imported by a repro")
-sys.meta_path.insert(0, Refuse())
-sys.argv = sys.argv[1:]
-try:
-    runpy.run_path(sys.argv[0], run_name="__main__")
-finally:
-    assert not [m for m in sys.modules if m.startswith("dispatchprobe")]
-'''
-
-
-def _fresh(script, *args, cwd=None):
-    """``python script args`` in a fresh interpreter that refuses to import dispatchprobe."""
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    return subprocess.run([sys.executable, "-c", NO_DISPATCHPROBE, str(script), *args], capture_output=True,
-                          text=True, timeout=300, env=env, cwd=cwd)
-
 
 @pytest.fixture(scope="module")
 def planted(tmp_path_factory):
@@ -87,11 +64,12 @@ def test_repro_of_a_planted_kernel_shows_run_uts_error_without_dispatchprobe(pla
                                      "--prelude", str(kernels)])
     assert made.exit_code == 0, made.output
     assert "note:" not in made.output      # the prelude defines the custom op
-    assert sorted(os.listdir(tmp / "r_scale")) == ["inputs.safetensors", "planted_kernels.py", "record.json",
-                                                   "repro.py"]
+    assert sorted(os.listdir(tmp / "r_scale")) == ["inputs.safetensors", "outputs.safetensors", "planted_kernels.py",
+                                                   "record.json", "repro.py"]
     out = _fresh(tmp / "r_scale" / "repro.py", cwd=tmp.parent)
     assert out.returncode == 2, out.stdout + out.stderr
     assert "output.0 float32 [16, 8]: error:" in out.stdout and "differs from float64: error" in out.stdout
+    assert "recorded output.0 float32 [16, 8]: error:" in out.stdout     # the training process ran it too
     detail = pd.read_csv(res.details_csv)
     row = detail[(detail["API Name"] == name) & (detail["Judged"] == "replay")].iloc[0]
     assert _number(out.stdout, "max abs error") == pytest.approx(row["Max Abs Err"], rel=1e-5)
@@ -194,17 +172,3 @@ def test_run_ut_and_compare_print_the_repro_command_of_the_op_they_name(planted,
     made = CliRunner().invoke(main, line.group(2).split()[1:])
     assert made.exit_code == 0, made.output
     assert (tmp_path / "repro" / line.group(1) / "repro.py").is_file()
-
-
-@pytest.mark.mindspore
-def test_a_mindspore_run_is_refused_in_one_line_and_never_offered(tmp_path):
-    from dispatchprobe_ms import DispatchProbe as MsProbe
-    from dispatchprobe_ms.demo import train
-    from dispatchprobe.offline.repro import hint
-    train(MsProbe(task="tensor", dump_path=str(tmp_path / "ms")), steps=1)
-    name = next(r["name"] for r in dispatchprobe.load(tmp_path / "ms").part(step=0, rank=0).records
-                if r.get("kind") == "op")
-    res = CliRunner().invoke(main, ["repro", str(tmp_path / "ms"), name, "-o", str(tmp_path / "r")])
-    assert res.exit_code == 1 and "is a mindspore run: repro writes PyTorch scripts" in res.output, res.output
-    assert hint(tmp_path / "ms", name) is None          # compare and run-ut print no command for it
-

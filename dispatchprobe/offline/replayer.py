@@ -105,6 +105,9 @@ class Replayer:
     # a second verdict msprobe defines for this framework (a rule of standards.yaml, e.g.
     # "mindspore_benchmark"), given beside the full one in the details' "MindSpore Rule" column
     seed_rule: str = ""
+    # (record) -> how a standalone repro script calls the recorded op (JSON; ``dispatchprobe repro``),
+    # ValueError with a one-line reason where it cannot; None where the op name says it all (torch)
+    call_form: Callable[[dict], dict] | None = None
 
 
 REPLAYERS = {"torch": "dispatchprobe.torch.replay", "mindspore": "dispatchprobe_ms.replay"}   # manifest "framework" -> module with REPLAYER

@@ -1,11 +1,18 @@
 """``dispatchprobe repro``: one recorded op call as a standalone bug report.
 
 A folder with the op's saved inputs (``inputs.safetensors``, their bytes copied unchanged from the
-run's shards), the record (``record.json``) and a script (``repro.py``, from
-``templates/repro_torch.py``) that re-runs the call on the recorded device and dtypes and prints its
-error against float64 with nothing but PyTorch: what an upstream issue (PyTorch, a vendor's kernel
-library) needs.  The user's own kernels (``torch.library``) travel as ``--prelude`` files the script
-imports.  Neutral: no framework is imported here; the script imports torch.
+run's shards), the outputs the training process computed where they were saved
+(``outputs.safetensors``), the record (``record.json``) and a script (``repro.py``) that re-runs the
+call on the recorded device and dtypes and prints its error against float64 -- and the recorded
+outputs' error against the same float64 run, as run-ut judges both -- with nothing but the framework
+that recorded it (PyTorch, or MindSpore with numpy): what an upstream issue (the framework, a
+vendor's kernel library) needs.  The script is the framework's call part (``templates/repro_<framework>.py``:
+reading the inputs, running the op) followed by one driver for all (``templates/repro_driver.py``:
+the run-ut rule that judges the outputs, the messages, the exit code).  Where the op name alone does
+not say how to call it (MindSpore's primitive classes and call forms), the framework's replayer
+resolves it when the script is written (``Replayer.call_form``), as run-ut's replay does.  The
+user's own kernels (``torch.library``) travel as ``--prelude`` files the script imports.  Neutral:
+no framework is imported here (but through that replayer).
 """
 
 from __future__ import annotations
@@ -22,10 +29,15 @@ from ..records.format import walk
 from ..records.reader import Part, Run, load
 from ..records.writer import atomic_write_text, write_safetensors
 from ..standards.loader import per_dtype, standard
-from ..standards.verdicts import category, component_dtype
+from ..standards.metrics import FLOAT_LAYOUT
+from ..standards.verdicts import category, component_dtype, output_trait
+from .replayer import replayer_for
 
-_TEMPLATE = os.path.join(os.path.dirname(__file__), "templates", "repro_torch.py")
-# the argument kinds the script rebuilds (templates/repro_torch.py ``decode``)
+_TEMPLATES = os.path.join(os.path.dirname(__file__), "templates")
+# manifest "framework" -> (its call part, whether the script needs the replayer's call form)
+FRAMEWORKS = {"torch": ("repro_torch.py", False), "mindspore": ("repro_mindspore.py", True)}
+_NAMES = {"torch": "PyTorch", "mindspore": "MindSpore"}
+# the argument kinds the scripts rebuild (their ``decode``)
 _REBUILT = {"tensor", "none", "bool", "int", "str", "symint", "symbool", "float", "symfloat", "complex", "list", "tuple",
             "dtype", "device", "memory_format", "layout"}
 _CORE_NAMESPACES = {"aten", "prims", "quantized", "_c10d_functional", "c10d", "_quantized", "rngprims"}
@@ -53,11 +65,12 @@ def hint(run_path, record_name: str, step: int | None = None, rank: int | None =
     when the run cannot be read): the line compare and run-ut print under the op they name."""
     try:
         run = load(run_path)
-        if (run.manifest.get("framework") or "torch") != "torch":      # repro writes PyTorch scripts
-            return None
+        framework = _framework(run)
         part, rec, held = _find(run, record_name, step, rank)
-        _check(rec, part)
-    except (ValueError, OSError):
+        _check(rec, part, framework)
+        if FRAMEWORKS[framework][1]:          # a primitive the script could not call: no command offered
+            replayer_for(run).call_form(rec)
+    except (ValueError, OSError, ImportError):
         return None
     where = f" --step {part.step} --rank {part.rank}" if len(held) > 1 or len(run.parts) > 1 else ""
     return f"a standalone repro: {command(run_path, record_name)}{where}"
@@ -78,30 +91,45 @@ def write_repro(run_path, record_name: str, out: str, *, step: int | None = None
     the first, in step and rank order, whose inputs were saved).  ``preludes``: Python files defining
     custom ops, copied beside the script and imported by it first."""
     run = load(run_path)
-    framework = run.manifest.get("framework") or "torch"
-    if framework != "torch":
-        raise ValueError(f"{run.path} is a {framework} run: repro writes PyTorch scripts (replay a {framework} "
-                         "op with dispatchprobe run-ut --api)")
+    framework = _framework(run)
     part, rec, held_by = _find(run, record_name, step, rank)
-    _check(rec, part)
+    _check(rec, part, framework)
+    form = replayer_for(run).call_form(rec) if FRAMEWORKS[framework][1] else {}
     modules = _prelude_modules(preludes)
     os.makedirs(out, exist_ok=True)
-    tensors, metadata = _input_bytes(part, rec)
+    tensors, metadata = _tensor_bytes(part, rec, _inputs(rec))
     write_safetensors(tensors, os.path.join(out, "inputs.safetensors"), metadata=metadata)
+    recorded = _recorded_outputs(part, rec)
+    if recorded:
+        tensors, metadata = _tensor_bytes(part, rec, recorded)
+        write_safetensors(tensors, os.path.join(out, "outputs.safetensors"), metadata=metadata)
+    elif os.path.exists(os.path.join(out, "outputs.safetensors")):     # a folder written before
+        os.remove(os.path.join(out, "outputs.safetensors"))
     for src, name in modules:
         shutil.copyfile(src, os.path.join(out, f"{name}.py"))
     atomic_write_text(os.path.join(out, "record.json"), json.dumps(rec, indent=1) + "\n")
     script = os.path.join(out, "repro.py")
-    atomic_write_text(script, _script(run, part, rec, [name for _, name in modules]))
+    atomic_write_text(script, _script(run, part, rec, [name for _, name in modules], framework, form,
+                                      {arg: f"{spec['dtype']} {list(spec['shape'])}" for arg, spec in recorded}))
     notes = []
     if len(held_by) > 1:
         notes.append(f"{len(held_by)} step/rank parts hold {record_name}: this is step {part.step} rank {part.rank} "
                      "(--step/--rank choose another)")
     namespace = rec["op"].split(".")[0]
-    if namespace not in _CORE_NAMESPACES and not modules:
+    if framework == "torch" and namespace not in _CORE_NAMESPACES and not modules:
         notes.append(f"{rec['op']} is not a PyTorch op: the script needs the module that defines it "
                      "(--prelude FILE copies it beside the script)")
     return Repro(folder=out, script=script, record=record_name, step=part.step, rank=part.rank, notes=notes)
+
+
+def _framework(run: Run) -> str:
+    """The framework that recorded ``run``; a one-line error for one repro writes no script for."""
+    framework = run.manifest.get("framework") or "torch"
+    if framework not in FRAMEWORKS:
+        raise ValueError(f"{run.path} is a {framework} run: repro writes scripts for "
+                         f"{', '.join(_NAMES.get(f, f) for f in FRAMEWORKS)} (replay a {framework} op with "
+                         "dispatchprobe run-ut --api)")
+    return framework
 
 
 def base(op: str) -> str:
@@ -138,12 +166,13 @@ def _inputs_saved(rec: dict) -> bool:
                                    for _, _, s in walk(rec, outputs=False))
 
 
-def _check(rec: dict, part: Part) -> None:
-    """One line for each record that cannot make a repro (before any file is written)."""
+def _check(rec: dict, part: Part, framework: str = "torch") -> None:
+    """One line for each record that cannot make a repro (before any file is written); a MindSpore
+    primitive that cannot be called again (random, unknown) is refused by its replayer's call form."""
     name = rec.get("name")
-    if rec.get("kind") != "op" or len(rec["op"].split(".")) != 3:
+    if rec.get("kind") != "op" or (framework == "torch" and len(rec["op"].split(".")) != 3):
         raise ValueError(f"{name} is a {rec.get('kind')} record, not an op call: repro one of the ops inside it")
-    if op_traits.is_random(rec["op"]):
+    if framework == "torch" and op_traits.is_random(rec["op"]):
         raise ValueError(f"{name} is a random op ({base(rec['op'])}): its output cannot be reproduced from its inputs")
     if rec.get("inputs_overwritten"):
         raise ValueError(f"{name}: its inputs were written in place before they were saved: no repro")
@@ -154,6 +183,9 @@ def _check(rec: dict, part: Part) -> None:
             raise ValueError(f"{name}: {arg} is a random generator: the op is random")
         if spec.get("type") not in _REBUILT:
             raise ValueError(f"{name}: {arg} ({spec.get('repr', spec.get('type'))}) cannot be rebuilt from the record")
+    for _, arg, spec in walk(rec, outputs=False):
+        if spec.get("no_values"):
+            raise ValueError(f"{name}: {arg} has no values to save ({spec['no_values']}): no repro")
     if not _inputs_saved(rec):
         raise ValueError(f"{name}: its input tensors were not saved ({part.path} holds statistics only): record "
                          "the run with task='tensor' (list=[...] or scope=[...] keep it small) to repro the op")
@@ -176,15 +208,31 @@ def _prelude_modules(preludes) -> list[tuple[str, str]]:
     return out
 
 
-def _input_bytes(part: Part, rec: dict) -> tuple[dict, dict]:
-    """{argument: (safetensors dtype code, shape, bytes)} of the record's saved inputs, copied from
-    the run's shards unchanged, and the metadata of those stored in another form (a dtype
-    safetensors lacks, a view rebuilt from its base)."""
+def _inputs(rec: dict) -> list:
+    return [(arg, spec) for _, arg, spec in walk(rec, outputs=False) if spec.get("data") is not None]
+
+
+def _recorded_outputs(part: Part, rec: dict) -> list:
+    """[(output, spec)] of the outputs the training process saved that can be judged (as run-ut's
+    recorded outputs): not undefined contents, not saved as the same tensor as an input (one saved
+    value cannot be both an argument the op writes before the op and the output after it), its
+    shard written."""
+    def stored(key):
+        return part.views[key]["base"] if key in part.views else key
+    before = {stored(spec["data"]) for _, spec in _inputs(rec)}
+    return [(arg, spec) for _, arg, spec in walk(rec, inputs=False)
+            if spec.get("data") is not None and not spec.get("undefined")
+            and output_trait(rec["op"], arg) != "undefined" and stored(spec["data"]) not in before
+            and part.has_tensor(spec["data"])]
+
+
+def _tensor_bytes(part: Part, rec: dict, specs: list) -> tuple[dict, dict]:
+    """{argument: (safetensors dtype code, shape, bytes)} of saved tensors ``[(argument, spec)]``,
+    copied from the run's shards unchanged, and the metadata of those stored in another form (a
+    dtype safetensors lacks, a view rebuilt from its base)."""
     entries, metadata, headers = {}, {}, {}
-    for _, arg, spec in walk(rec, outputs=False):
-        key = spec.get("data")
-        if key is None:
-            continue
+    for arg, spec in specs:
+        key = spec["data"]
         view = part.views.get(key)
         stored = view["base"] if view else key
         shard = os.path.join(part.path, "tensors", part.shards[stored])
@@ -227,8 +275,9 @@ def _judged_dtype(rec: dict) -> str:
     return "float32"
 
 
-def _script(run: Run, part: Part, rec: dict, preludes: list) -> str:
+def _script(run: Run, part: Part, rec: dict, preludes: list, framework: str, form: dict, recorded: dict) -> str:
     dtype = component_dtype(_judged_dtype(rec))
+    mantissa, min_exponent = FLOAT_LAYOUT.get(dtype, FLOAT_LAYOUT["float32"])
     bench, thr = standard()["benchmark"], standard("api_precision_standard")["thresholds"]
     rule = {"category": category(rec["op"]), "dtype": dtype,
             "cosine_min": bench["cosine_min"], "max_abs_pass": bench["max_abs_pass"],
@@ -237,16 +286,23 @@ def _script(run: Run, part: Part, rec: dict, preludes: list) -> str:
             "small_value_atol": float(per_dtype("small_value_atol", dtype)),
             "relative_limit": float(per_dtype("free_benchmark_threshold", dtype)),
             "ulp_threshold": float(per_dtype("ulp_threshold", dtype)), "ulp": dict(thr["ulp"]),
+            "mantissa": mantissa, "min_exponent": min_exponent,
+            # outputs whose contents the op leaves undefined: never judged (as run-ut)
+            "undefined_outputs": [arg for _, arg, spec in walk(rec, inputs=False, tensors_only=False)
+                                  if spec.get("undefined") or output_trait(rec["op"], arg) == "undefined"],
             "thousandth_min": float(thr["thousandth_min"]),
             "thousandth_tolerance": float(per_dtype(thr["thousandth_tolerance"], dtype))}
     call = {"inputs": rec.get("inputs") or [], "kwargs": rec.get("kwargs") or {}}
     device = _device(run, rec)
     title = (f"Repro of {rec['op']}: record {rec['name']} ({rec.get('stage')}, module "
-             f"{rec.get('scope') or '<top>'}), step {part.step} rank {part.rank} of {run.path}, torch "
+             f"{rec.get('scope') or '<top>'}), step {part.step} rank {part.rank} of {run.path}, {framework} "
              f"{run.manifest.get('framework_version')}")
     fills = {"title": title, "device": device, "op": repr(rec["op"]), "device_literal": repr(device),
              "call": repr(json.dumps(call, separators=(",", ":"))), "preludes": repr(list(preludes)),
-             "rule": repr(json.dumps(rule))}
-    with open(_TEMPLATE, encoding="utf-8") as f:
+             "rule": repr(json.dumps(rule)), "form": repr(json.dumps(form)),
+             "recorded": repr(json.dumps(recorded))}
+    with open(os.path.join(_TEMPLATES, FRAMEWORKS[framework][0]), encoding="utf-8") as f:
         text = f.read()
+    with open(os.path.join(_TEMPLATES, "repro_driver.py"), encoding="utf-8") as f:
+        fills["driver"] = f.read()
     return re.sub(r"\{\{(\w+)\}\}", lambda m: fills[m.group(1)], text)

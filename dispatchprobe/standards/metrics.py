@@ -28,15 +28,15 @@ import numpy as np
 
 from .loader import per_dtype, short_dtype
 
-# Mantissa bits and minimum normal exponent, for ULP sizes.
-_FLOAT_LAYOUT = {"float16": (10, -14), "bfloat16": (7, -126), "float32": (23, -126), "float64": (52, -1022)}
+# Mantissa bits and minimum normal exponent, for ULP sizes (run-ut's ULP rule and the repro scripts that mirror it).
+FLOAT_LAYOUT = {"float16": (10, -14), "bfloat16": (7, -126), "float32": (23, -126), "float64": (52, -1022)}
 _BLOCK = 1 << 16   # elements per pass: float64 blocks that stay in cache
 _limit = functools.lru_cache(maxsize=None)(per_dtype)
 
 
 def _ulp(b) -> np.ndarray:
     """|a - e| in units in the last place of the dtype at the expected value."""
-    mantissa, min_exp = _FLOAT_LAYOUT.get(b.dtype, _FLOAT_LAYOUT["float32"])
+    mantissa, min_exp = FLOAT_LAYOUT.get(b.dtype, FLOAT_LAYOUT["float32"])
     with np.errstate(divide="ignore"):
         exponent = np.floor(np.log2(b.mag))
     exponent = np.maximum(np.where(np.isfinite(exponent), exponent, min_exp), min_exp)

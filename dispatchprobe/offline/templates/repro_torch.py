@@ -3,7 +3,8 @@
 Written by `dispatchprobe repro`; needs only PyTorch (no dispatchprobe).  It re-runs the one recorded
 op call on the recorded device with its saved inputs (inputs.safetensors, beside this file) in the
 recorded dtypes, then the same call on the CPU with floating inputs in float64, and prints the
-device result's error against the float64 one.
+device result's error against the float64 one; then that of the outputs the training process
+computed (outputs.safetensors, where they were saved) against the same float64 run.
 
     python repro.py                 # on the recorded device ({{device}})
     python repro.py --device cpu    # elsewhere
@@ -27,7 +28,11 @@ DEVICE = {{device_literal}}
 CALL = json.loads({{call}})
 PRELUDES = {{preludes}}
 RULE = json.loads({{rule}})
+# the outputs the training process computed (outputs.safetensors): output -> its dtype and shape
+RECORDED = json.loads({{recorded}})
 # ---- end of the recorded call ----
+FRAMEWORK = f"torch {torch.__version__}"
+xp = torch              # the array module the driver judges with
 
 _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
               "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -144,148 +149,55 @@ def call(func, tensors, device, bench=False, keep=(), wide_dtypes=False):
     return out
 
 
-def leaves(value, name="output"):
-    if isinstance(value, (tuple, list)):
-        return [leaf for i, v in enumerate(value) for leaf in leaves(v, f"{name}.{i}")]
-    return [(name if name != "output" else "output.0", value)]
-
-
-def judge(d, b):
-    """(verdict, the numbers) of one output against float64, by the rule run-ut judges this op's outputs
-    with (RULE["category"], thresholds of the recorded dtype): inf/nan where float64 has none (or the
-    other way) is an error under every rule; integer and bool outputs must be equal."""
-    if not isinstance(d, torch.Tensor):
-        d, b = torch.tensor(d), torch.tensor(b)
-    d, b = d.detach().cpu(), b.detach().cpu()
-    if not (d.is_floating_point() or d.is_complex()):
-        bad = int((d != b.to(d.dtype)).sum())
-        return ("pass" if bad == 0 else "error"), f"{bad} of {d.numel()} elements differ (binary rule)"
-    d, b = d.to(torch.complex128 if d.is_complex() else torch.float64), b.to(d.dtype if d.is_complex() else
-                                                                               torch.float64)
-    finite_d, finite_b = torch.isfinite(d), torch.isfinite(b)
-    mismatch = int((finite_d != finite_b).sum() + ((~finite_d & ~finite_b) & (d != b) & ~(d.isnan() & b.isnan())).sum())
-    both = finite_d & finite_b
-    d, b = d[both], b[both]
-    err = (d - b).abs()
-    mag = b.abs()
-    max_abs = float(err.max()) if err.numel() else 0.0
-    rel = err / mag.clamp(min=RULE["small_value"])
-    nd, nb = float(d.abs().square().sum().sqrt()), float(b.abs().square().sum().sqrt())
-    cosine = float((d * b.conj()).real.sum() / (nd * nb)) if nd and nb else (1.0 if nd == nb else float("nan"))
-    tiers = RULE["tiers"]
-    shares = {tol: float((rel <= tol).double().mean()) if rel.numel() else 1.0 for tol in tiers}
-    text = (f"max abs error {max_abs:.6g}, max rel error {float(rel.max()) if rel.numel() else 0.0:.6g}, "
-            f"cosine {cosine:.6f}, inf/nan mismatches {mismatch}, within relative error "
-            + ", ".join(f"{tol:g}: {share:.4%}" for tol, share in shares.items())
-            + ("" if err.numel() else " (no element is finite on both sides)"))
-    rule = RULE["category"]
-    if mismatch:
-        return "error", text
-    if rule == "binary":
-        bad = int((err > 0).sum())
-        return ("pass" if bad == 0 else "error"), text + f"; {bad} elements differ"
-    if rule == "absolute_threshold":
-        small = mag < RULE["small_value"]
-        rel_rate = float((rel[~small] > RULE["relative_limit"]).double().mean()) if (~small).any() else 0.0
-        abs_rate = float((err[small] > RULE["small_value_atol"]).double().mean()) if small.any() else 0.0
-        text += f"; relative error rate {rel_rate:.3g}, small-value error rate {abs_rate:.3g}"
-        return ("error" if rel_rate > 0 or abs_rate > 0 else "pass"), text
-    if rule == "ulp":
-        info = torch.finfo(getattr(torch, RULE["dtype"]) if RULE["dtype"] in ("float16", "bfloat16", "float64")
-                           else torch.float32)
-        mantissa, min_exp = round(-math.log2(info.eps)), round(math.log2(info.tiny))
-        exponent = torch.floor(torch.log2(mag))
-        exponent = torch.where(torch.isfinite(exponent), exponent, torch.full_like(exponent, min_exp)).clamp(min=min_exp)
-        ulp = err / torch.exp2(exponent - mantissa)
-        over = float((ulp > RULE["ulp_threshold"]).double().mean()) if ulp.numel() else 0.0
-        mean = float(ulp.mean()) if ulp.numel() else 0.0
-        text += f"; ULP mean {mean:.3g}, share over {RULE['ulp_threshold']:g} ULP {over:.3g}"
-        u = RULE["ulp"]
-        if RULE["dtype"] in ("float16", "bfloat16"):
-            return ("pass" if over < u["half_over_threshold"] else "error"), text
-        return ("pass" if mean < u["float32_ulp_mean"] or over < u["float32_over_threshold"] else "error"), text
-    if rule == "thousandth":
-        tol = RULE["thousandth_tolerance"]
-        share = float((rel <= tol).double().mean()) if rel.numel() else 1.0
-        return ("pass" if share > RULE["thousandth_min"] or not rel.numel() else "error"), text
-    if not math.isnan(cosine) and cosine <= RULE["cosine_min"]:
-        return "error", text
-    if math.isnan(cosine) and max_abs >= RULE["max_abs_pass"]:
-        return "error", text + " (one side is all zeros)"
-    if max_abs < RULE["max_abs_pass"]:
-        return "pass", text
-    for (tol, share), verdict in zip(shares.items(), ("error", "warning")):
-        if share < 1 - tol:
-            return verdict, text
-    return "pass", text
-
-
-_RULE_KEYS = {"benchmark": ("cosine_min", "max_abs_pass", "tiers"), "ulp": ("ulp_threshold", "ulp"), "binary": (),
-              "absolute_threshold": ("small_value", "small_value_atol", "relative_limit"),
-              "thousandth": ("thousandth_min", "thousandth_tolerance")}
-
-
-def rule_text():
-    """The rule and the thresholds it used, for the verdict line."""
-    used = {k: RULE[k] for k in _RULE_KEYS.get(RULE["category"], _RULE_KEYS["benchmark"])}
-    return f"run-ut's {RULE['category']} rule for {RULE['dtype']}: {json.dumps(used)}"
-
-
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default=DEVICE, help=f"device of the recorded-dtype run (recorded: {DEVICE})")
-    device = torch.device(ap.parse_args().device)
-    sys.path.insert(0, HERE)
-    for name in PRELUDES:          # the user's own kernels (torch.library), copied beside this script
-        __import__(name)
+def prepare(wanted):
+    """(device, the op, where the benchmark runs); CannotRun where this machine or torch lacks them."""
+    device = torch.device(wanted)
     if device.type != "cpu" and not getattr(torch, device.type).is_available():
-        print(f"this machine has no {device.type} device: run with --device cpu (or where it was recorded)")
-        return 1
+        raise CannotRun(f"this machine has no {device.type} device: run with --device cpu (or where it was recorded)")
     ns, name, overload = OP.split(".")
     try:
         func = getattr(getattr(getattr(torch.ops, ns), name), overload)
     except (AttributeError, RuntimeError):
-        print(f"{OP} does not exist in this torch ({torch.__version__}): a custom op needs the module that "
-              "defines it (dispatchprobe repro --prelude FILE)")
-        return 1
-    tensors = load_inputs(os.path.join(HERE, "inputs.safetensors"))
+        raise CannotRun(f"{OP} does not exist in this torch ({torch.__version__}): a custom op needs the module "
+                        "that defines it (dispatchprobe repro --prelude FILE)") from None
+    return device, func, "on the CPU"
+
+
+def run_device(func, tensors, device):
+    with torch.no_grad():
+        return call(func, tensors, device)
+
+
+def run_benchmark(func, tensors):
+    """The call in float64 on the CPU.  As run-ut: written arguments keep their dtype (the result is
+    stored in it), unless the kernel then refuses the mix; dtype arguments widened where the kernel
+    insists they match its inputs."""
     keep = written(func)
     with torch.no_grad():
-        try:
-            dev = leaves(call(func, tensors, device))
-        except Exception as exc:          # the op's own failure on the device
-            print(f"{OP} failed on {device}: {type(exc).__name__}: {exc}")
-            return 1
-        bench = None
-        # as run-ut: written arguments keep their dtype (the result is stored in it), unless the kernel
-        # then refuses the mix; dtype arguments widened where the kernel insists they match its inputs
         for keep_written, wide_dtypes in ((keep, False), (keep, True), ((), True)):
             try:
-                bench = leaves(call(func, tensors, torch.device("cpu"), True, keep_written, wide_dtypes))
-                break
+                return call(func, tensors, torch.device("cpu"), True, keep_written, wide_dtypes)
             except Exception as exc:
                 failure = f"{type(exc).__name__}: {exc}"
-        if bench is None:
-            print(f"{OP} could not run in float64 on the CPU ({failure}): no benchmark, not judged")
-            return 1
-    dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in tensors.values()})
-    print(f"{OP} on {device} ({', '.join(dtypes) or 'no tensor inputs'}) against float64 on the CPU, torch "
-          f"{torch.__version__}")
-    worst = []
-    for (out_name, d), (_, b) in zip(dev, bench):
-        if d is None and b is None:
-            continue
-        verdict, text = judge(d, b)
-        kind = f"{str(d.dtype).removeprefix('torch.')} {list(d.shape)}" if isinstance(d, torch.Tensor) else type(d).__name__
-        print(f"  {out_name} {kind}: {verdict}: {text}")
-        worst.append(verdict)
-    if "error" in worst:
-        print(f"differs from float64: error ({rule_text()})")
-        return 2
-    print("agrees with float64" + (" (a warning: the finer relative-error share is not met)" if "warning" in worst
-                                   else "") + f" ({rule_text()})")
-    return 0
+    raise CannotRun(failure)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def input_dtypes(tensors):
+    return sorted({str(t.dtype).removeprefix("torch.") for t in tensors.values()})
+
+
+def host_pair(d, b):
+    """(device result, benchmark, exact) on the CPU: floating results in float64 (complex128), integer
+    and bool ones (``exact``) with the benchmark in the device's dtype."""
+    if not isinstance(d, torch.Tensor):
+        d, b = torch.tensor(d), torch.tensor(b)
+    d, b = d.detach().cpu(), b.detach().cpu()
+    if not (d.is_floating_point() or d.is_complex()):
+        return d, b.to(d.dtype), True
+    wide = torch.complex128 if d.is_complex() else torch.float64
+    return d.to(wide), b.to(wide), False
+
+
+def describe(d):
+    return f"{str(d.dtype).removeprefix('torch.')} {list(d.shape)}" if isinstance(d, torch.Tensor) else type(d).__name__
+{{driver}}
