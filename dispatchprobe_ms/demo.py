@@ -8,6 +8,9 @@ import numpy as np
 from mindspore import mint, nn
 
 DIMS = (16, 32, 8)
+# the overflow demo's first-layer weights, grown this many times larger (as weights grow in a run that
+# diverges): in float16 the first matmul passes 65504 from finite inputs (its float64 value does not fit)
+FC1_GROWTH = 5e4
 
 
 class TinyNet(nn.Cell):
@@ -61,24 +64,51 @@ def train(probe=None, steps: int = 3, dtype=ms.float32, seed: int = 0, net=None)
     return losses, {p.name: p.asnumpy().copy() for p in net.trainable_params()}
 
 
+def overflow_net(seed: int = 0) -> TinyNet:
+    """The demo net in float16 with its first layer's weights x :data:`FC1_GROWTH` (still finite)."""
+    ms.set_seed(seed)
+    net = TinyNet(ms.float16)
+    w = net.fc1.weight
+    w.set_data(ms.Tensor((w.asnumpy().astype(np.float32) * FC1_GROWTH).astype(np.float16)))
+    return net
+
+
 def run_demo(dump_path: str = "runs/ms_demo", task: str = "tensor", steps: int = 2) -> str:
-    """``dispatchprobe demo --framework mindspore``: record ``steps`` of the demo net, summarise."""
+    """``dispatchprobe demo --framework mindspore``: record ``steps`` of the demo net, summarise.  Each
+    inline check's demo has something to find: the overflow demo a float16 matmul past 65504."""
     import os
     import warnings
 
-    from dispatchprobe.offline.summary import summarize
+    from dispatchprobe.core.overflow import OverflowDetected
+    from dispatchprobe.offline.summary import checks_line, summarize
     from dispatchprobe.records.reader import load
 
     from .capture import DispatchProbe
     probe = DispatchProbe(task=task, dump_path=dump_path, level="mix", overwrite=True)
+    net = overflow_net() if task == "overflow" else None
+    if net is not None:
+        print(f"float16 training, the first layer's weights x{FC1_GROWTH:g}: its matmul overflows float16")
     with warnings.catch_warnings(record=True):
-        losses, _ = train(probe, steps=steps, dtype=ms.float16 if task == "free_benchmark" else ms.float32)
+        try:
+            losses, _ = train(probe, steps=steps, dtype=ms.float32 if task in ("tensor", "statistics") else ms.float16,
+                              net=net)
+        except OverflowDetected as exc:      # overflow_nums=1: training stops at the first critical op
+            print(exc)
+            print("training stopped there (overflow_nums=1; -1 would check on)")
+            probe.close()
+            losses = []
     for step, loss in enumerate(losses):
         print(f"step {step}: loss {float(loss):.4f}")
-    counts = probe.summary()
-    if task in ("overflow", "free_benchmark"):
-        print(f"{task}: {counts['checked']} op calls checked, {counts['flagged']} flagged")
-    else:
-        print(summarize(load(dump_path)))
+    if task in ("overflow", "free_benchmark"):     # records only for what they flag
+        counts = probe.summary()
+        print(checks_line([counts]))      # the same account as `dispatchprobe show`
+        if not counts["flagged"]:
+            print(f"\nno op was flagged (records in {os.path.abspath(dump_path)}; "
+                  f"see them with: dispatchprobe show {dump_path})")
+            return dump_path
+    print(summarize(load(dump_path)))
     print(f"\nrecords written to {os.path.abspath(dump_path)}")
+    if task in ("overflow", "free_benchmark"):
+        print(f"flagged ops: {dump_path}/step*/rank*/{task}.csv;  next: dispatchprobe show {dump_path} "
+              f"--html {task}.html")
     return dump_path
