@@ -373,8 +373,10 @@ class Recorder(Handler):
 
     def emit(self, record: dict) -> None:
         """Write ``record`` now, or after the device statistics queued before it are read."""
-        if not self._waiting and not self._row_stats:
-            self.write(record)
+        if not self._waiting and not self._row_stats:      # write(record), one call fewer per op
+            record["id"] = self._next_id
+            self._next_id += 1
+            self.part.ops.append(record)
             return
         self._waiting.append(record)
         if len(self._row_stats) >= DEFER_BATCH:

@@ -246,7 +246,7 @@ class JsonLines:
         return WriteFailed(f"{exc.strerror or exc} writing {self.path}")
 
     def _write(self, line: bytes) -> None:
-        fd = self.fd()
+        fd = self._fd if self._fd is not None else self.fd()
         try:
             written = os.write(fd, line)
             while written < len(line):      # a write may be partial

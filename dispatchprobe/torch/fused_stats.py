@@ -43,6 +43,7 @@ _FLOAT_FLAGS = ["-ffp-contract=off", "-fno-fast-math"]
 # min without nan, finite max and min.
 ROW = 11
 DECLINED, FINITE, NONFINITE, OVERFLOWED = 0, 1, 2, 3
+_ZERO_ROW = array.array("d", bytes(8 * ROW))
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.int64: 2, torch.int32: 3, torch.int16: 4, torch.int8: 5,
                torch.uint8: 6, torch.bool: 7}
 
@@ -70,7 +71,7 @@ def rows(tensors) -> array.array:
         desc += (t.data_ptr(), DTYPE_CODES[t.dtype], len(shape), *shape, *t.stride())
     count = len(tensors)
     described = array.array("q", desc)          # held here while the library reads it
-    out = array.array("d", bytes(8 * ROW * count))
+    out = _ZERO_ROW * count
     _native(count, described.buffer_info()[0], out.buffer_info()[0])   # ctypes releases the GIL
     return out
 

@@ -166,36 +166,19 @@ def tensor_stats(tensors: list[torch.Tensor]) -> list[dict | None]:
     """The statistics records (:mod:`dispatchprobe.standards.statistics`) of each tensor: CPU
     tensors read back one by one, accelerator ones (:func:`device_stats_row`) in one host sync.
     Only the values :mod:`.tensor_kinds` allows (a DTensor's local shard; none for some kinds)."""
-    out: list[dict | None] = [None] * len(tensors)
-    pending: list[tuple[int, torch.Tensor]] = []
     read = fused_stats.tree_rows
-    native, slow = [], []
-    if read is not None:
-        codes = _NATIVE_CODES
-        for i, t in enumerate(tensors):
-            # the common case first: a plain CPU tensor the native library reads in place
-            if t.dtype in codes and t.is_cpu and _in_memory(t):
-                native.append(i)
-            else:
-                slow.append(i)
-    else:
-        slow = list(range(len(tensors)))
-    declined = ()
-    if native:     # all of them in one native call; finite values' records straight from the row
-        taken = tensors if len(native) == len(tensors) else [tensors[i] for i in native]
-        flat = read(taken)
-        finite, sqrt = statistics.finite_record, math.sqrt
-        for k, i in enumerate(native):
-            at = k * _ROW
-            if flat[at] == _FINITE:
-                out[i] = finite(flat[at + 1], flat[at + 2], flat[at + 3], sqrt(flat[at + 4]), taken[k].numel())
-            else:
-                out[i] = _native_record(taken[k], flat[at:at + _ROW].tolist())
-        declined = {i for i in native if out[i] is None}
-        if declined:
-            slow = sorted(slow + list(declined))
-    if not slow:
-        return out
+    native = [read is not None and t.dtype in _NATIVE_CODES and t.is_cpu and _in_memory(t) for t in tensors]
+    out: list[dict | None] = [None] * len(tensors)
+    taken = tensors if all(native) else [t for t, n in zip(tensors, native) if n]
+    if taken:      # the values the library reads, in one call; finite values' records straight from its rows
+        records = _native_records(taken, read(taken))
+        if taken is tensors and None not in records:      # the common case: nothing left
+            return records
+        kept = iter(records)
+        out = [next(kept) if n else None for n in native]
+    declined = {i for i, n in enumerate(native) if n and out[i] is None}
+    slow = [i for i, n in enumerate(native) if not n or i in declined]
+    pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []
     with NoGrad(), no_functorch():    # unwrapped values stay unwrapped
         for i in slow:
             t = tensor_kinds.values(tensors[i])
@@ -209,6 +192,21 @@ def tensor_stats(tensors: list[torch.Tensor]) -> list[dict | None]:
         rows = read_stats_rows([r for _, _, r in pending], [t.numel() for _, t, _ in pending])
         for (i, _, _), st in zip(pending, rows):
             out[i] = st
+    return out
+
+
+def _native_records(tensors: list[torch.Tensor], flat) -> list[dict | None]:
+    """The records of ``tensors`` from the library's rows ``flat``: finite values' straight from
+    the row's numbers, the others by :func:`_native_record`; None where the library declined."""
+    finite, sqrt = statistics.finite_record, math.sqrt
+    out = []
+    at = 0
+    for t in tensors:
+        if flat[at] == _FINITE:
+            out.append(finite(flat[at + 1], flat[at + 2], flat[at + 3], sqrt(flat[at + 4]), t.numel()))
+        else:
+            out.append(_native_record(t, flat[at:at + _ROW].tolist()))
+        at += _ROW
     return out
 
 
