@@ -58,6 +58,28 @@ def test_offline_run_ut_catches_a_kernel_wrong_only_in_training(planted_run, tmp
 # ---- shared storage: run-ut --follow ----------------------------------------------------------
 TRAIN = os.path.join(os.path.dirname(__file__), "online_train.py")
 CLI = [sys.executable, "-m", "dispatchprobe.cli"]
+_STARTED: list[subprocess.Popen] = []
+
+
+def start(args: list, **kw) -> subprocess.Popen:
+    """A checker or training process in a session of its own (with its -j workers), killed at the
+    test's end if still running: a failed test leaves no checker waiting for a run that never comes."""
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            **kw)
+    _STARTED.append(proc)
+    return proc
+
+
+@pytest.fixture(autouse=True)
+def _no_process_outlives_its_test():
+    yield
+    while _STARTED:
+        proc = _STARTED.pop()
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)      # its group: workers may outlive their parent
+        except ProcessLookupError:
+            pass
+        proc.wait()                                  # its pipes stay with whoever reads them (Checker's thread)
 
 
 def verdicts(results: pd.DataFrame) -> set:
@@ -72,8 +94,7 @@ def read_results(out) -> pd.DataFrame:
 
 def test_follow_judges_a_run_while_it_is_written(tmp_path):
     run, out = tmp_path / "nfs", tmp_path / "ut_follow"
-    checker = subprocess.Popen(CLI + ["run-ut", str(run), "--follow", "-o", str(out)], stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)       # started first: waits for the run
+    checker = start(CLI + ["run-ut", str(run), "--follow", "-o", str(out)])       # started first: waits for the run
     config = {"task": "tensor", "online_run_ut": True, "nfs_path": str(run), "dump_path": str(tmp_path / "unused")}
     subprocess.run([sys.executable, TRAIN, json.dumps(config), "--plant", "--sleep", "0.3"], check=True, timeout=300)
     stdout, stderr = checker.communicate(timeout=300)
@@ -91,8 +112,7 @@ class Checker:
 
     def __init__(self, out, *args):
         self.out = str(out)
-        self.proc = subprocess.Popen(CLI + ["run-ut", "--listen", "127.0.0.1:0", "-o", self.out, *map(str, args)],
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.proc = start(CLI + ["run-ut", "--listen", "127.0.0.1:0", "-o", self.out, *map(str, args)])
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -217,8 +237,7 @@ def test_two_ranks_stream_to_one_checker(tmp_path):
     checker = Checker(tmp_path / "ut", "-j", "2", "--keep-records")
     config = json.dumps({"task": "tensor", "online_run_ut": True, "host": "127.0.0.1", "port": checker.port,
                          "dump_path": str(tmp_path / "unused")})
-    ranks = [subprocess.Popen([sys.executable, TRAIN, config, "--steps", "1"],
-                              env=dict(os.environ, RANK=str(r), WORLD_SIZE="2"), stderr=subprocess.PIPE, text=True)
+    ranks = [start([sys.executable, TRAIN, config, "--steps", "1"], env=dict(os.environ, RANK=str(r), WORLD_SIZE="2"))
              for r in (0, 1)]
     accounts = [p.communicate(timeout=300)[1] for p in ranks]
     assert all(p.returncode == 0 for p in ranks), accounts
@@ -247,24 +266,18 @@ def test_follow_ctrl_c_writes_what_was_judged(planted_run, tmp_path, jobs):
     shutil.copytree(planted_run, run)
     os.remove(run / "rank0.ended")
     out = tmp_path / "ut"
-    checker = subprocess.Popen([sys.executable, "-c", SIGINT_INHERITED_OFF] + CLI
-                               + ["run-ut", str(run), "--follow", "-j", jobs, "-o", str(out)],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        expected = len(run_ut(planted_run, str(tmp_path / "ut_offline"), progress=False).results)
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:       # every op of the run is judged, then it waits for the rank
-            files = glob.glob(str(out / "accuracy_checking_result_*.csv"))
-            if files and len(pd.read_csv(files[0], dtype=str)) >= expected:
-                break
-            time.sleep(0.2)
-        assert checker.poll() is None, checker.communicate()[1][-2000:]      # still following the rank
-        checker.send_signal(signal.SIGINT)
-        stdout, stderr = checker.communicate(timeout=120)
-    finally:
-        if checker.poll() is None:               # never leave a checker running after a failure
-            checker.kill()
-            checker.communicate()
+    checker = start([sys.executable, "-c", SIGINT_INHERITED_OFF] + CLI
+                    + ["run-ut", str(run), "--follow", "-j", jobs, "-o", str(out)])
+    expected = len(run_ut(planted_run, str(tmp_path / "ut_offline"), progress=False).results)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:       # every op of the run is judged, then it waits for the rank
+        files = glob.glob(str(out / "accuracy_checking_result_*.csv"))
+        if files and len(pd.read_csv(files[0], dtype=str)) >= expected:
+            break
+        time.sleep(0.2)
+    assert checker.poll() is None, checker.communicate()[1][-2000:]      # still following the rank
+    checker.send_signal(signal.SIGINT)
+    stdout, stderr = checker.communicate(timeout=120)
     assert checker.returncode == 130, stderr[-2000:]
     assert f"the {expected} ops judged so far are written" in stderr and "run-ut: " in stdout
     assert errors(read_results(out)) == {"aten.silu.default"}
