@@ -130,13 +130,17 @@ def replay(record: dict, source, device, random: bool = False, keep_data: bool =
         if not isinstance(d, ms.Tensor) or not isinstance(b, (ms.Tensor, np.ndarray)):
             continue
         dn, bn = host(d), host(b) if isinstance(b, ms.Tensor) else b
-        result.outputs.append(Output(out_name, np.asarray(dn, dtype=np.float64) if dn.dtype.kind == "f" else dn,
-                                     np.asarray(bn, dtype=np.float64) if bn.dtype.kind == "f" else bn,
+        result.outputs.append(Output(out_name, _widened(dn), _widened(bn),
                                      dtype_of(d), dtype_of(b) if isinstance(b, ms.Tensor) else str(bn.dtype),
                                      tuple(d.shape)))
         if keep_data:
             result.data[f"{out_name}.device"], result.data[f"{out_name}.bench"] = np.array(dn), np.array(bn)
     return result
+
+
+def _widened(a: np.ndarray) -> np.ndarray:
+    """Floating values in float64: numpy's own floats and MindSpore's bfloat16 (ml_dtypes, kind "V")."""
+    return np.asarray(a, dtype=np.float64) if a.dtype.kind == "f" or a.dtype.name == "bfloat16" else a
 
 
 def _terms(run, specs: list, source, record: dict, random: bool, kind: str) -> dict:

@@ -128,6 +128,23 @@ def test_a_recorded_output_computed_wrong_is_named(ms_run, tmp_path):
     assert "the recorded output differs from float64: error; this run agrees" in out.stdout
 
 
+def test_a_bfloat16_record_is_judged_alike_by_run_ut_and_its_repro(tmp_path):
+    """bfloat16 (numpy has none: the script reads it as float32, MindSpore hands it out as ml_dtypes'):
+    run-ut and the repro give the same verdict and numbers."""
+    from mindspore import mint
+    x = ms.Tensor(np.random.RandomState(0).randn(4, 8).astype(np.float32)).astype(ms.bfloat16)
+    with DispatchProbe(task="tensor", dump_path=str(tmp_path / "run")):
+        mint.mul(x, x)
+    res = CliRunner().invoke(main, ["run-ut", str(tmp_path / "run"), "-o", str(tmp_path / "ut")])
+    row = _replay_row(tmp_path / "ut", "Mul.0.forward")
+    assert row["Status"] == "warning", res.output          # the thousandth share of bfloat16's tiers is not met
+    out = fresh(_repro(tmp_path / "run", "Mul.0.forward", tmp_path / "r"))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "  output.0 bfloat16 [4, 8]: warning:" in out.stdout and "(a warning:" in out.stdout
+    assert _number(out.stdout, "max abs error") == pytest.approx(row["Max Abs Err"], rel=1e-5)     # printed to 6 digits
+    assert _number(out.stdout, "cosine") == pytest.approx(row["Cosine"], abs=1e-6)
+
+
 def test_repro_of_a_graph_mode_record(tmp_path):
     """GRAPH_MODE kernels from MindSpore's dump: a generated primitive re-runs and agrees; a legacy
     one built from its recorded attributes (Conv2D) runs but has no float64 kernel: not judged (exit 1);
