@@ -12,7 +12,7 @@ import torch
 from click.testing import CliRunner
 from torch import nn
 
-from dispatchprobe import DispatchProbe
+from dispatchprobe import DispatchProbe, compare
 from dispatchprobe.cli import main
 from dispatchprobe.offline.run_ut import run_ut
 
@@ -124,3 +124,138 @@ def test_compare_mathematically_zero_bias_gradient(tmp_path):
     planted = run("planted", 1.0, ("sum.dim_IntList", _wrong_sum))
     res, row = _sum_row(a, planted, tmp_path / "cmp_bad")
     assert row["status"] == "error" and res.exit_code == 2, row.to_dict()
+
+
+# ---- element-wise sums that cancel --------------------------------------------------------------------
+class Residual(nn.Module):
+    """``h + back`` where ``back`` is ``-h`` summed in the reverse order: the add's output is rounding
+    noise (about 1e-7 of its operands), which the next add buries under ``fc2(h)``."""
+
+    def __init__(self, d=32):
+        super().__init__()
+        self.fc, self.fc2 = nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x):
+        h = self.fc(x)
+        back = nn.functional.linear(x.flip(-1), -self.fc.weight.flip(-1), -self.fc.bias)
+        return self.fc2(h) + (h + back)
+
+
+def _wrong_add(a, b, alpha=1):
+    """add off by 1e-5 of its operands' magnitudes (a few times the rounding they carry); built
+    from sub, abs and mul so that it does not call itself."""
+    exact = torch.sub(a, b, alpha=-alpha)
+    terms = torch.sub(a.abs(), torch.mul(b.abs(), -abs(alpha)))
+    return torch.sub(exact, torch.mul(terms, -1e-5))
+
+
+def _residual_run(path, scale=1.0, plant=None, dtype=torch.float32):
+    torch.manual_seed(0)
+    model, x = Residual().to(dtype), (torch.randn(16, 32) * scale).to(dtype)
+    with _planted(*plant) if plant else contextlib.nullcontext():
+        probe = DispatchProbe(task="tensor", dump_path=str(path))
+        with probe:
+            model(x).float().square().sum().backward()
+        probe.close()
+    return str(path)
+
+
+def _cancelling_add(table):
+    adds = table[(table["op_a"] == "aten.add.Tensor") & (table["io"] == "output") & (table["stage"] == "forward")]
+    return adds[adds["call_a"] == adds["call_a"].min()].iloc[0]     # h + back (fc2(h) + ... is call 1)
+
+
+@pytest.mark.parametrize("other", ["summation order", "bfloat16"])
+def test_compare_add_of_operands_that_cancel(tmp_path, other):
+    """Two runs whose ``h + back`` round differently: a last-bit change of the input (the sums round
+    otherwise), or the model in bfloat16 (where ``h + back`` comes out exactly zero): the add's outputs
+    are noise (cosine far below 0.99, or undefined against zeros), within what its operands carry."""
+    a = _residual_run(tmp_path / "a")
+    b = (_residual_run(tmp_path / "b", 1 + 2.0 ** -20) if other == "summation order"
+         else _residual_run(tmp_path / "b", dtype=torch.bfloat16))
+    for x, y in ((a, b), (b, a)):
+        res = compare(x, y)
+        row = _cancelling_add(res.table)
+        assert not row["cosine"] >= 0.99 and row["status"] == "pass", row.to_dict()
+        assert "within the rounding bound of their terms" in row["reason"]
+        assert res.verdict.passed and res.verdict.forward is None, str(res.verdict)
+        out = CliRunner().invoke(main, ["compare", x, y])
+        assert out.exit_code == 0, out.output
+
+
+def test_compare_add_off_beyond_its_operands_rounding(tmp_path):
+    """The same add computed 1e-5 of its operands off (in one run: a wrong kernel) is an error
+    named at that add, whichever run is A."""
+    a = _residual_run(tmp_path / "a")
+    b = _residual_run(tmp_path / "b", plant=("add.Tensor", _wrong_add))
+    named = []
+    for x, y in ((a, b), (b, a)):
+        res = compare(x, y)
+        row = _cancelling_add(res.table)
+        assert row["status"] == "error", row.to_dict()
+        d = res.verdict.forward
+        assert d is not None and (d.cause, d.op, d.call) == ("op", "aten.add.Tensor", 0), str(res.verdict)
+        named.append((d.op, d.scope, d.call, d.seq))
+        assert CliRunner().invoke(main, ["compare", x, y]).exit_code == 2
+    assert named[0] == named[1], named
+
+
+def test_terms_norm_bounds_the_terms_from_the_records(tmp_path):
+    """The magnitude each output element is summed from, bounded from one run's record alone (its inputs'
+    norms, shapes and scalars): never below the true ||sum|terms|||, nor 1.7 times above it; coefficients
+    (alpha, beta) scale their terms; an op whose output is no sum of its inputs has none."""
+    from dispatchprobe.records.reader import load
+    from dispatchprobe.standards.rounding import terms_norm
+    g = torch.Generator().manual_seed(0)
+    x, y, row, w = (torch.randn(*s, generator=g) for s in ((8, 16), (8, 16), (16,), (16, 4)))
+    bias, xb, big = torch.randn(4, generator=g), torch.randn(3, 8, 16, generator=g), 100 * y
+    cases = [  # (call, the true sum|terms| of each output element)
+        (lambda: torch.add(x, big, alpha=1e-3), x.abs() + 1e-3 * big.abs()),
+        (lambda: torch.sub(x, row), x.abs() + row.abs().expand(8, 16)),
+        (lambda: torch.rsub(x, y, alpha=2.0), y.abs() + 2 * x.abs()),
+        (lambda: torch.add(x, 3.0), x.abs() + 3.0),
+        (lambda: x.sum(0), x.abs().sum(0)),
+        (lambda: x.mean(1), x.abs().mean(1)),
+        (lambda: x @ w, x.abs() @ w.abs()),
+        (lambda: xb @ w, xb.abs() @ w.abs()),
+        (lambda: torch.addmm(bias, x, w, beta=0.5, alpha=2.0), 0.5 * bias.abs() + 2 * (x.abs() @ w.abs())),
+    ]
+    probe = DispatchProbe(task="statistics", dump_path=str(tmp_path / "run"))
+    with probe:
+        for call, _ in cases:
+            call()
+        torch.mul(x, y)
+    probe.close()
+    records = [r for r in load(str(tmp_path / "run")).parts[(0, 0)].records if r["kind"] == "op"]
+    assert len(records) == len(cases) + 1, [r["op"] for r in records]
+    for rec, (_, true) in zip(records, cases):
+        bound, exact = terms_norm(rec, "output.0"), float(true.double().norm())
+        assert exact * (1 - 1e-6) <= bound <= 1.7 * exact, (rec["op"], bound, exact)
+    assert terms_norm(records[-1], "output.0") is None                 # mul: no terms to cancel
+
+
+def test_terms_norm_of_mindspore_primitives(tmp_path):
+    """MindSpore's primitives of the same sums (their argument order: AddExt's alpha third, a Sub
+    by a scalar, MatMulExt, SumExt, MeanExt) are bounded alike from their records."""
+    ms = pytest.importorskip("mindspore")
+    import numpy as np
+    from mindspore import mint, ops
+    from dispatchprobe.records.reader import load
+    from dispatchprobe.standards.rounding import terms_norm
+    from dispatchprobe_ms import DispatchProbe as MsProbe
+    rng = np.random.default_rng(0)
+    xn, yn, wn = (rng.standard_normal(s).astype(np.float32) for s in ((8, 16), (16,), (16, 4)))
+    x, big, w = ms.Tensor(xn), ms.Tensor(100 * yn), ms.Tensor(wn)
+    ax, ay, aw = np.abs(xn.astype(np.float64)), np.abs(yn.astype(np.float64)), np.abs(wn.astype(np.float64))
+    cases = [(lambda: mint.add(x, big, alpha=0.01), ax + ay), (lambda: ops.sub(x, 2.0), ax + 2.0),
+             (lambda: ops.matmul(x, w), ax @ aw), (lambda: x.sum(0), ax.sum(0)), (lambda: x.mean(), ax.mean())]
+    probe = MsProbe(task="statistics", dump_path=str(tmp_path / "run"))
+    with probe:
+        for call, _ in cases:
+            call()
+    probe.close()
+    records = [r for r in load(str(tmp_path / "run")).parts[(0, 0)].records if r["kind"] == "op"]
+    assert len(records) == len(cases), [r["op"] for r in records]
+    for rec, (_, true) in zip(records, cases):
+        bound, exact = terms_norm(rec, "output.0"), float(np.linalg.norm(true))
+        assert bound is not None and exact * (1 - 1e-6) <= bound <= 1.7 * exact, (rec["op"], bound, exact)

@@ -178,7 +178,7 @@ def _compare_parts(part_a: Part, part_b: Part, match: str, mapping: Mapping, ten
         hint = f" ({unaligned_hint(*manifests)})" if len(unmatched) > 0.2 * (len(recs_a) + len(recs_b)) else ""
         problems.append(f"step {step} rank {rank}: {int((~unmatched['is_cast'] & (unmatched['explained'] == '')).sum())} of "
                         f"{len(recs_a) + len(recs_b)} records could not be aligned{hint}; listed in unmatched.csv")
-    df = score_pairs(df, part_a, part_b, tensors, problems)
+    df = score_pairs(df, part_a, part_b, tensors, problems, (recs_a, recs_b, al.pairs, flow_a.src, flow_b.src))
     compute = [sum(1 for r in recs if not op_traits.is_cast(r["op"])) for recs in (recs_a, recs_b)]
     paired = sum(1 for i, _, _ in al.pairs if not op_traits.is_cast(recs_a[i]["op"]))
     rerun = float64_rerun(framework, part_a, part_b) if tensors and framework and not any(translate) else None

@@ -18,8 +18,11 @@ from ...standards.verdicts import NOT_JUDGED
 from .columns import STATS, TENSOR_METRICS, COMPUTED, PERFECT
 
 
-def score_pairs(df: pd.DataFrame, part_a: Part, part_b: Part, tensors: bool, problems: list) -> pd.DataFrame:
-    """Add the metric and verdict columns to the paired rows (vectorised where the metric allows)."""
+def score_pairs(df: pd.DataFrame, part_a: Part, part_b: Part, tensors: bool, problems: list,
+                records=None) -> pd.DataFrame:
+    """Add the metric and verdict columns to the paired rows (vectorised where the metric allows).
+    ``records``: ``(records of A, records of B, pairs, data flow source of A, of B)`` as aligned, for
+    the values that cancel (:func:`_within_rounding`)."""
     n = len(df)
     sa = {s: df[f"{s}_a"].to_numpy(np.float64) for s in STATS}
     sb = {s: df[f"{s}_b"].to_numpy(np.float64) for s in STATS}
@@ -91,50 +94,59 @@ def score_pairs(df: pd.DataFrame, part_a: Part, part_b: Part, tensors: bool, pro
             for m in TENSOR_METRICS:
                 df.loc[df.index[rows], m] = mvals[m]
             error[rows] = np.where(np.isnan(rel_l2), error[rows], rel_l2)
-    _within_rounding(df, status, reason, sa, sb)
+    _within_rounding(df, status, reason, sa, sb, records)
     df["error"] = error
     df["status"] = status
     df["reason"] = reason
     return df
 
 
-def _within_rounding(df: pd.DataFrame, status, reason, sa: dict, sb: dict) -> None:
-    """A sum's outputs that differ by no more than the rounding of its terms (the one bound,
-    :func:`~dispatchprobe.standards.rounding.norm_bound`, from each run's input norm) pass: their
-    values cancelled (a bias gradient that is mathematically zero), so cosine and relative errors
-    compare rounding noise.  The difference is the tensors' L2 distance, or without tensors the
-    largest statistics difference (each a lower bound of it)."""
-    ops = df["op_a"].to_numpy(object)
-    cand = np.flatnonzero((status != V.PASS) & (status != NOT_JUDGED) & (df["io"].to_numpy(object) == "output"))
-    args = df["arg"].to_numpy(object)
-    sums: dict = {}         # (op, output) -> whether it is a sum or mean (asked once per distinct pair)
-    cand = [r for r in cand if sums.setdefault((ops[r], args[r]), R.norm_bound(ops[r], 1.0, 1, "float32", args[r])
-                                               is not None)]
-    if not len(cand):
+def _within_rounding(df: pd.DataFrame, status, reason, sa: dict, sb: dict, records) -> None:
+    """A value that an op made as a sum of terms (a reduction, an element-wise add or sub, a matrix
+    product: :func:`~dispatchprobe.standards.rounding.terms_norm`) and that cancelled in both runs
+    (its terms more than ``cancellation`` times its norm) passes when the runs differ by no more
+    than the rounding its terms carry (:func:`~dispatchprobe.standards.rounding.carried_bound`, each
+    run's from its own record, summed): cosine and relative errors there compare rounding noise (a
+    bias gradient that is mathematically zero; a residual add whose operands nearly cancel).  Its
+    producer's output row and every input row reading it (the producers found by each run's data
+    flow, paired with each other) are judged alike.  The difference is the tensors' L2 distance, or
+    without tensors the largest statistics difference (each a lower bound of it).  ``records``:
+    ``(records of A, records of B, pairs, data flow source of A, of B)`` as aligned."""
+    cand = np.flatnonzero((status != V.PASS) & (status != NOT_JUDGED))
+    if not len(cand) or records is None:
         return
-    uid = df["uid"].to_numpy()
-    first_input = {}
-    for k in np.flatnonzero(args == "input.0"):
-        first_input.setdefault(uid[k], k)
+    recs_a, recs_b, pairs, src_a, src_b = records
+    pair_b = {i: j for i, j, _ in pairs}
+    uid, args, io = df["uid"].to_numpy(), df["arg"].to_numpy(object), df["io"].to_numpy(object)
+    spec_a, spec_b = df["spec_a"].to_numpy(), df["spec_b"].to_numpy()
     rmse = df["rmse"].to_numpy(np.float64) if "rmse" in df else np.full(len(df), np.nan)
+    bounds: dict = {}       # (record of A, of B, output) -> (bound, terms) of each run, once
     for r in cand:
-        i = first_input.get(uid[r])
-        if i is None:
+        if io[r] == "output":
+            i, j, out = int(uid[r]), pair_b.get(int(uid[r])), args[r]
+        else:                # an input: the value its producers made, where those pair with each other
+            ha, hb = src_a.get(int(spec_a[r])), src_b.get(int(spec_b[r]))
+            if ha is None or hb is None or ha[1] != hb[1]:
+                continue
+            i, j, out = ha[0], hb[0], ha[1]
+            if pair_b.get(i) != j:
+                continue
+        if j is None:
             continue
-        n_out = max(int(np.prod(df["shape_a"].iat[r])), 1)
-        n = int(np.prod(df["shape_a"].iat[i])) / n_out
-        bounds = [R.norm_bound(ops[r], st["norm"][i], n, df[f"dtype_{side}"].iat[i], args[r])
-                  for st, side in ((sa, "a"), (sb, "b"))]
-        if any(b is None for b in bounds):
+        key = (i, j, out)
+        if key not in bounds:
+            bounds[key] = [R.carried_bound(rec, out) for rec in (recs_a[i], recs_b[j])]
+        sides = bounds[key]
+        if any(x is None for x in sides) or not all(R.cancelled(t, st["norm"][r]) for (_, t), st in zip(sides, (sa, sb))):
             continue
-        if np.isfinite(rmse[r]):
-            diff = rmse[r] * math.sqrt(n_out)
-        else:
-            diff = max(abs(sa[s][r] - sb[s][r]) for s in ("norm", "max", "min"))
-        if diff <= sum(bounds):
+        bound = sum(x for x, _ in sides)
+        n = max(int(np.prod(df["shape_a"].iat[r])), 1)
+        diff = rmse[r] * math.sqrt(n) if np.isfinite(rmse[r]) else max(abs(sa[s][r] - sb[s][r]) for s in ("norm", "max", "min"))
+        if diff <= bound:
             status[r] = V.PASS
-            reason[r] = (f"outputs differ by {diff:.3g}, within the rounding bound of their terms "
-                         f"({sum(bounds):.3g}): the values cancel")
+            made = "" if io[r] == "output" else f" ({recs_a[i]['op']} {out})"
+            reason[r] = (f"outputs{made} differ by {diff:.3g}, within the rounding bound of their terms "
+                         f"({bound:.3g}; terms {max(t for _, t in sides):.3g}): the values cancel")
 
 
 def _tolerances(df: pd.DataFrame, dtype_a, dtype_b) -> tuple[np.ndarray, np.ndarray]:
