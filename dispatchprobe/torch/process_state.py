@@ -8,7 +8,8 @@ Torch's hooks and caches are per process, so some of the adapter's state is too.
 - what the process keeps across probes, keyed by memory or names that stay valid: process
   groups' record values and DeviceMesh dimensions, the writes no version counter saw, the rows of
   values compiled graphs returned, compiled graphs' records by slot (compiled code calls them by
-  that number), parameter names per optimizer.
+  that number), parameter names per optimizer, the tensors the offline tools' ranks exchanged
+  (freed only after their process group is destroyed: see ``replay.TorchDistributed``).
 
 :meth:`AdapterState.reset` empties both (tests, a process starting over); it refuses while a
 probe records or holds hooks.  Containers are emptied in place: modules may hold them under a short name on
@@ -46,6 +47,7 @@ class AdapterState:
     returned_rows: dict = field(default_factory=dict)       # compiled graphs' returned values -> their rows
     graphs: dict = field(default_factory=dict)              # compiled graphs' records by slot
     parameter_names: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
+    collective_tensors: list = field(default_factory=list)  # the offline tools' gloo tensors, kept until the group ends
 
     HELD = ("active_probes", "module_scopes", "module_hook_users", "module_exits", "pending_removals", "probe_work")
 

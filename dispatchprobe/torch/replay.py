@@ -6,6 +6,7 @@ encoding, ``backend.encode_other``) and run it on the target device in the recor
 from __future__ import annotations
 
 import atexit
+import pickle
 import json
 import math
 import os
@@ -24,6 +25,7 @@ from .devices import usable_device
 from .internals.dispatch import op_schema
 from .internals.tensors import MKLDNN
 from .ops import dtype_name
+from .process_state import STATE
 
 _MEMORY_FORMATS = {"contiguous_format": torch.contiguous_format, "channels_last": torch.channels_last,
                    "channels_last_3d": torch.channels_last_3d, "preserve_format": torch.preserve_format}
@@ -522,20 +524,53 @@ def save_error_data(path: str, data: dict, metadata: dict) -> None:
 
 
 class TorchDistributed:
-    """torch.distributed's object collectives over the process group torchrun set up."""
+    """Object collectives over the gloo group torchrun set up, on tensors the adapter keeps.
+
+    torch's own ``broadcast_object_list``/``gather_object`` drop their tensors while a gloo worker
+    thread may still hold its work on them; that thread then needs the GIL to free them, and
+    ``destroy_process_group`` (joining the thread with the GIL held) deadlocks (seen on torch 2.5).
+    Every tensor handed to gloo here stays in ``STATE.collective_tensors`` until the group is
+    destroyed, so gloo's threads never free a Python-owned tensor.  Objects travel pickled, between
+    this tool's own ranks only.
+    """
 
     def __init__(self, dist):
         self._dist, self.rank, self.world = dist, dist.get_rank(), dist.get_world_size()
 
+    @staticmethod
+    def _kept(t: torch.Tensor) -> torch.Tensor:
+        STATE.collective_tensors.append(t)
+        return t
+
+    def _size(self, n: int = 0) -> torch.Tensor:
+        return self._kept(torch.tensor([n], dtype=torch.int64))
+
+    def _buffer(self, n: int) -> torch.Tensor:
+        return self._kept(torch.zeros(n, dtype=torch.uint8))
+
+    def _encoded(self, obj) -> torch.Tensor:
+        return self._kept(torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8))
+
     def broadcast(self, obj, src: int = 0):
-        box = [obj]
-        self._dist.broadcast_object_list(box, src=src)
-        return box[0]
+        data = self._encoded(obj) if self.rank == src else None
+        size = self._size(data.numel() if data is not None else 0)
+        self._dist.broadcast(size, src=src)
+        if data is None:
+            data = self._buffer(int(size))
+        self._dist.broadcast(data, src=src)
+        return obj if self.rank == src else pickle.loads(data.numpy().tobytes())
 
     def gather(self, obj, dst: int = 0):
-        out = [None] * self.world if self.rank == dst else None
-        self._dist.gather_object(obj, out, dst=dst)
-        return out
+        mine = self._encoded(obj)
+        sizes = [self._size() for _ in range(self.world)]
+        self._dist.all_gather(sizes, self._size(mine.numel()))
+        padded = self._buffer(max(int(s) for s in sizes))
+        padded[:mine.numel()] = mine
+        bufs = [self._buffer(padded.numel()) for _ in range(self.world)] if self.rank == dst else None
+        self._dist.gather(padded, bufs, dst=dst)
+        if self.rank != dst:
+            return None
+        return [pickle.loads(b[:int(n)].numpy().tobytes()) for b, n in zip(bufs, sizes)]
 
     def barrier(self) -> None:
         self._dist.barrier()
@@ -559,6 +594,7 @@ def distributed() -> TorchDistributed | None:
 def _destroy_group(dist) -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+    STATE.collective_tensors.clear()
 
 
 REPLAYER = Replayer("torch", replay=replay, resolve_device=resolve_device, tensor_source=TensorSource,
