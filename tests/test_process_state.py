@@ -1,8 +1,10 @@
 """The torch adapter's process state lives in one object: probes fill it while they record,
-leave nothing held once closed, and ``reset`` empties it (refusing while a probe records)."""
+leave nothing held once closed or collected (torch's global optimizer step hooks included), and
+``reset`` empties it (refusing while a probe records)."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 
 import pytest
@@ -19,6 +21,7 @@ def _step(model, opt):
 
 
 def test_a_closed_probe_leaves_nothing_held(tmp_path):
+    gc.collect()            # probes earlier tests left unclosed
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     probe = DispatchProbe(task="statistics", dump_path=str(tmp_path), model=model)
@@ -27,6 +30,7 @@ def test_a_closed_probe_leaves_nothing_held(tmp_path):
         held = STATE.held()
         assert held.get("active_probes") == 1 and held.get("module_scopes") == 1, held
         assert held.get("module_hook_users") == 1, held
+        assert held.get("optimizer_hooks") == 3, held       # parameter records (2), steps followed
         with pytest.raises(RuntimeError, match="while a probe records"):
             STATE.reset()
     assert STATE.held().get("module_hook_users") == 1      # between entries the probe keeps its hooks
@@ -35,6 +39,7 @@ def test_a_closed_probe_leaves_nothing_held(tmp_path):
 
 
 def test_an_unclosed_probe_collected_leaves_nothing_held(tmp_path):
+    gc.collect()
     model = torch.nn.Sequential(torch.nn.Linear(8, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     probe = DispatchProbe(task="statistics", dump_path=str(tmp_path), model=model)
@@ -47,6 +52,7 @@ def test_an_unclosed_probe_collected_leaves_nothing_held(tmp_path):
 
 
 def test_reset_empties_every_container(tmp_path):
+    gc.collect()
     model = torch.nn.Sequential(torch.nn.Linear(8, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with DispatchProbe(task="statistics", dump_path=str(tmp_path), model=model) as probe:
@@ -96,3 +102,93 @@ def test_a_probes_own_work_is_not_recorded_by_another(tmp_path, monkeypatch):
     left_open.close()
     grads.close()
     assert _ops(tmp_path / "left_open") and (tmp_path / "grads").exists()
+
+
+def _optimizer_hooks() -> tuple[int, int]:
+    """How many global optimizer step hooks torch holds (pre, post)."""
+    from torch.optim import optimizer
+    return len(optimizer._global_optimizer_pre_hooks), len(optimizer._global_optimizer_post_hooks)
+
+
+def _probe(kind: str, folder, model):
+    """A probe of ``kind`` on ``model``, its session made, and what enters it around a step."""
+    if kind == "probe_backend":
+        from dispatchprobe.torch.compile import probe_backend
+        backend = probe_backend(task="statistics", dump_path=str(folder), model=model)
+        backend.session       # made by the first graph call: its hooks are registered then
+        return backend, contextlib.nullcontext()
+    if kind == "grad_probe":
+        probe = DispatchProbe(task="grad_probe", dump_path=str(folder), model=model)
+        return probe, contextlib.nullcontext()
+    probe = DispatchProbe(task="statistics", dump_path=str(folder), model=model)
+    return probe, probe
+
+
+@pytest.mark.parametrize("kind, ending", [("statistics", "closed"), ("statistics", "collected"),
+                                          ("grad_probe", "closed"), ("grad_probe", "collected"),
+                                          ("probe_backend", "closed")])
+def test_every_probe_kind_leaves_no_optimizer_hook(tmp_path, kind, ending):
+    """torch's global optimizer step hooks, which every probe kind registers, are all removed when
+    the probe is closed, or collected unclosed, and counted in ``STATE.held()`` until then (a
+    probe backend is closed at exit, which keeps it until then)."""
+    gc.collect()
+    before = _optimizer_hooks()
+    assert "optimizer_hooks" not in STATE.held()
+    model = torch.nn.Sequential(torch.nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    probe, around = _probe(kind, tmp_path, model)
+    registered = STATE.held()["optimizer_hooks"]
+    assert sum(_optimizer_hooks()) - sum(before) == registered >= 2
+    with around:
+        _step(model, opt)
+    if ending == "closed":
+        probe.close()
+    else:
+        del probe, around
+        gc.collect()
+        _step(model, opt)       # queued removals run where torch loops over no hook dictionary
+    assert "optimizer_hooks" not in STATE.held() and _optimizer_hooks() == before
+
+
+def _params(folder) -> set[str]:
+    import glob
+    import json
+    import os
+    return {json.loads(line)["name"] for f in glob.glob(os.path.join(folder, "step*", "rank*", "params.jsonl"))
+            for line in open(f)}
+
+
+def test_a_probe_left_open_records_nothing_of_a_later_training(tmp_path, monkeypatch):
+    """A probe left open (never stepped nor closed, not collected yet) after its model is gone, as
+    a test or a notebook cell leaves one: a later probe's training is recorded by that probe as when
+    it records alone (the Python statistics path: measuring runs torch's operations, which the
+    later probe's mode would record as the user's), and the probe left open writes nothing of it
+    (its model's parameters once gone, a later model's may have their addresses)."""
+    from dispatchprobe.torch import fused_stats
+    monkeypatch.setattr(fused_stats, "tree_rows", None)
+
+    def train(folder):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        probe = DispatchProbe(task="statistics", dump_path=str(folder))
+        for _ in range(2):
+            with probe:
+                _step(model, opt)
+            probe.step()
+        probe.close()
+        return _ops(folder), _params(folder)
+
+    alone = train(tmp_path / "alone")
+    left_open = DispatchProbe(task="statistics", dump_path=str(tmp_path / "left_open"))
+    model = torch.nn.Linear(8, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with left_open:
+        _step(model, opt)
+    own = {f"{name}.{what}.0" for name in ("weight", "bias") for what in ("grad", "value")}
+    del model, opt
+    later = train(tmp_path / "later")
+    assert any(name.startswith("aten.") for name in alone[0]) and alone[1]
+    assert later == alone
+    left_open.close()
+    assert _params(tmp_path / "left_open") == own

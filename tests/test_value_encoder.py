@@ -101,8 +101,6 @@ def test_opinfo_records_are_the_python_paths(tmp_path, monkeypatch):
     assert taken > 0.3        # float32, bfloat16, integer and bool samples (complex ones are left to torch)
 
 
-@pytest.mark.xfail(strict=False, reason="KNOWN DEFECT: after the rest of the suite in one process, the Python "
-                   "path's run recorded extra ops at the optimizer step (twice); alone it passes; cause not found yet")
 def test_training_records_are_the_python_paths(tmp_path, monkeypatch):
     from transformers import LlamaConfig, LlamaForCausalLM
 

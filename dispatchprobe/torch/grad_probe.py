@@ -21,7 +21,6 @@ import weakref
 
 import numpy as np
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..core.grad_probe import CHECKSUM_KIND, CHECKSUM_ROW, checksum_hex, checksum_of, grad_record, has_signs, md5_of, \
     measures
@@ -199,11 +198,10 @@ class GradReader:
             if reader is not None:
                 reader.on_step(optimizer)
         hooks.remove_collected()
-        self._hook = register_optimizer_step_pre_hook(pre_step)
-        hooks.remove_when_collected(self, self._hook.remove)     # a probe never closed leaves no hook behind
+        self._remove_hook = hooks.optimizer_hook(self, pre_step)     # a probe never closed leaves no hook behind
 
     def remove(self) -> None:
-        self._hook.remove()
+        self._remove_hook()
 
     def holds(self, optimizer) -> bool:
         """Whether ``optimizer`` updates parameters of the probe's model (not another model's).  The

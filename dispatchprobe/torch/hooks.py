@@ -7,7 +7,12 @@ a hook there stops the user's training with "OrderedDict mutated during iteratio
 may also run in another thread (a writer thread's allocation), while the training thread is in
 such a loop.  So a finalizer removes the hooks at once only when no thread has such a loop on its
 stack; otherwise it queues them, and the queue is emptied when a probe is made, enters ``with``,
-or closes."""
+or closes.
+
+torch's global optimizer step hooks, which every probe kind registers, go through
+:func:`optimizer_hook`: each runs as the probe's own work (``ProbeWork``: no other probe records
+its operations), and each is counted in ``STATE.optimizer_hooks`` while registered, so that
+``STATE.held()`` shows one left behind."""
 
 from __future__ import annotations
 
@@ -16,13 +21,32 @@ import sys
 import weakref
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from .process_state import STATE
+from .process_state import STATE, ProbeWork
 
 _pending = STATE.pending_removals          # removals queued by finalizers, run by remove_collected()
 # the files whose functions loop over hook dictionaries (optimizer step hooks, module hooks)
 _LOOPING = tuple(os.path.join(torch.__path__[0], *parts) for parts in
                  (("optim", "optimizer.py"), ("nn", "modules", "module.py")))
+
+
+def optimizer_hook(owner, hook, post: bool = False):
+    """Register ``hook(optimizer, args, kwargs)`` as torch's global optimizer step pre-hook (or
+    post-hook) for ``owner``, a probe or its reader, which ``hook`` must hold only weakly.  Returns
+    its ``remove``, which is also run once ``owner`` is collected (a probe never closed)."""
+    def run(optimizer, args, kwargs) -> None:
+        with ProbeWork():
+            hook(optimizer, args, kwargs)
+    handle = (register_optimizer_step_post_hook if post else register_optimizer_step_pre_hook)(run)
+    held = STATE.optimizer_hooks
+    held[handle.id] = type(owner).__name__
+
+    def remove() -> None:
+        handle.remove()
+        held.pop(handle.id, None)
+    remove_when_collected(owner, remove)
+    return remove
 
 
 def remove_when_collected(owner, *removers) -> weakref.finalize:

@@ -197,6 +197,7 @@ class ModuleScopes:
         self.backward_active: list[str] = []
         self._names: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._named: weakref.WeakSet = weakref.WeakSet()
+        self.named_any = False           # once set, stays: the modules named may all be gone
         self._types: dict[str, str] = {}
         self._grad_out: dict = {}
         self._left_early: dict = {}      # backward exits seen before their module entered
@@ -266,6 +267,7 @@ class ModuleScopes:
         name = self._names.get(mod)
         if name is None:
             name = self._names[mod] = type(mod).__name__
+            self.named_any = True
         if mod not in self._named:
             self._named.add(mod)
             collectives.note_meshes(mod._parameters.values())     # FSDP2's sharded parameters: their mesh

@@ -3,8 +3,9 @@
 Torch's hooks and caches are per process, so some of the adapter's state is too.  Two kinds:
 
 - what probes hold while they record: the probes recording now, the module-hook trackers and
-  their users, the module exit hooks, the hook removals finalizers queued.  Once every probe is
-  closed none is left (:meth:`AdapterState.held` is empty); a test asserts it.
+  their users, the module exit hooks, the hook removals finalizers queued, the global optimizer
+  step hooks (every probe kind's, until it is closed or collected).  Once every probe is
+  closed or collected none is left (:meth:`AdapterState.held` is empty); a test asserts it.
 - what the process keeps across probes, keyed by memory or names that stay valid: process
   groups' record values and DeviceMesh dimensions, the writes no version counter saw, the rows of
   values compiled graphs returned, compiled graphs' records by slot (compiled code calls them by
@@ -38,6 +39,7 @@ class AdapterState:
     module_exits: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)   # module -> exit hook
     pending_removals: list = field(default_factory=list)    # hook removals queued by finalizers
     probe_work: list = field(default_factory=list)          # probes doing their own work now (ProbeWork)
+    optimizer_hooks: dict = field(default_factory=dict)     # torch's global optimizer step hooks: handle id -> holder
     # kept across probes
     module_hook_ids: list = field(default_factory=list)     # (pre-hook id, hook id), reused: dynamo guards on them
     process_groups: dict = field(default_factory=dict)      # group name -> its record value
@@ -49,10 +51,11 @@ class AdapterState:
     parameter_names: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
     collective_tensors: list = field(default_factory=list)  # the offline tools' gloo tensors, kept until the group ends
 
-    HELD = ("active_probes", "module_scopes", "module_hook_users", "module_exits", "pending_removals", "probe_work")
+    HELD = ("active_probes", "module_scopes", "module_hook_users", "module_exits", "pending_removals", "probe_work",
+            "optimizer_hooks")
 
     def held(self) -> dict:
-        """What probes still hold, by field ({} once every probe is closed)."""
+        """What probes still hold, by field ({} once every probe is closed or collected)."""
         return {name: len(getattr(self, name)) for name in self.HELD if len(getattr(self, name))}
 
     def reset(self) -> None:

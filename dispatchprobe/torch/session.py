@@ -7,7 +7,6 @@ from __future__ import annotations
 import weakref
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from . import tensor_backend as torch_backend
 from . import hooks
@@ -39,23 +38,26 @@ class TorchSession(ProbeSession):
                 session._parameters(optimizer, "value")
         self._owned: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         hooks.remove_collected()
-        self._stepping_hook = register_optimizer_step_pre_hook(stepping)
-        self._stepped_hook = register_optimizer_step_post_hook(stepped)
         # a probe never closed (a notebook cell, an exception) leaves no hook behind once collected
-        hooks.remove_when_collected(self, self._stepping_hook.remove, self._stepped_hook.remove)
+        self._remove_step_hooks = (hooks.optimizer_hook(self, stepping), hooks.optimizer_hook(self, stepped, post=True))
 
     def close(self) -> None:
         try:
             super().close()
         finally:
-            self._stepping_hook.remove()
-            self._stepped_hook.remove()
+            for remove in self._remove_step_hooks:
+                remove()
             hooks.remove_collected()
 
     def module_names(self):
         """{module: its scope name} of the modules this session has seen run, or None."""
         scopes = getattr(self, "scopes", None)
         return scopes.names if scopes is not None else None
+
+    def saw_modules(self) -> bool:
+        """Whether this session has named any module, even one collected since."""
+        scopes = getattr(self, "scopes", None)
+        return scopes is not None and scopes.named_any
 
     def roots(self) -> list:
         """The outermost modules among those this session has seen run."""
@@ -68,10 +70,11 @@ class TorchSession(ProbeSession):
         optimizer while it has seen none, and one of tensors that are no module's parameters): a
         session left open (a backend never closed, held by dynamo's cache) neither records nor
         counts the steps of another model's optimizer, whose records would mix two trainings in
-        one run."""
+        one run; once the models it saw are gone, it owns none (a later model's, its parameters
+        perhaps at the same addresses, is another training)."""
         roots = self.roots()
         if not roots:
-            return True
+            return not self.saw_modules()
         from .parameters import kept_per_optimizer, updates_any
         return kept_per_optimizer(self._owned, optimizer, roots, updates_any)
 
@@ -111,8 +114,7 @@ class TorchSession(ProbeSession):
             session = ref()
             if session is not None and session.owns(optimizer):
                 session.optimizer_stepped(optimizer)
-        self._optimizer_hook = register_optimizer_step_post_hook(stepped)
-        hooks.remove_when_collected(self, self._optimizer_hook.remove)
+        self._remove_follower = hooks.optimizer_hook(self, stepped, post=True)
 
     def _unfollow_optimizer(self) -> None:
-        self._optimizer_hook.remove()
+        self._remove_follower()

@@ -40,6 +40,9 @@ class CompiledProbe(TorchSession):
     def module_names(self):
         return self.modules._names if self.modules is not None else None
 
+    def saw_modules(self) -> bool:
+        return self.modules is not None and self.modules.named_any
+
     def _install(self) -> None:
         pass
 

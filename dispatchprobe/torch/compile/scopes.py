@@ -27,12 +27,14 @@ class ModuleNames:
 
     def __init__(self, model: torch.nn.Module | None = None):
         self._names: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.named_any = False           # once set, stays: the modules named may all be gone
         if model is not None:
             self.add(model)
 
     def add(self, module: torch.nn.Module) -> None:
         if module in self._names:
             return
+        self.named_any = True
         root = type(module).__name__
         for path, sub in module.named_modules():
             if sub not in self._names:
