@@ -182,18 +182,20 @@ def _number(spec):
     return value if math.isfinite(value) else None
 
 
-def carried_bound(record: dict, output: str) -> tuple[float, float] | None:
+def carried_bound(record: dict, output: str, carried: str | None = None) -> tuple[float, float] | None:
     """``(bound, terms)`` of one run's output ``output`` (None where :func:`terms_norm` is): how far
     that output's L2 norm may move from rounding alone: the op's own (:func:`term_bound`, run-ut's:
     half types accumulate in float32) plus one rounding of each term in the lowest precision among
-    the op's float inputs and that output (two runs' inputs each carry their dtype's rounding: a
-    bfloat16 input is rounded to bfloat16 whatever the kernel accumulates in), both relative to
-    the terms, not to the value."""
+    the op's float inputs, that output and ``carried`` (the precision the values were computed from,
+    where lower: a float32 gradient of a bfloat16 layer's output), relative to the terms, not to the
+    value.  Two runs' inputs each carry that rounding (a bfloat16 input is rounded to bfloat16
+    whatever the kernel accumulates in)."""
     terms = terms_norm(record, output)
     if terms is None:
         return None
     specs = [s for _, _, s in walk(record, outputs=False)] + [_output_spec(record, output)]
-    dtypes = [d for d in (short_dtype(s.get("dtype", "")) for s in specs if s) if d in EPS]
+    dtypes = [d for d in [short_dtype(s.get("dtype", "")) for s in specs if s] + [short_dtype(carried or "")]
+              if d in EPS]
     low = max(dtypes, key=EPS.get, default="float32")
     return float(term_bound(terms, low)) + EPS[low] * terms, terms
 

@@ -94,24 +94,25 @@ def score_pairs(df: pd.DataFrame, part_a: Part, part_b: Part, tensors: bool, pro
             for m in TENSOR_METRICS:
                 df.loc[df.index[rows], m] = mvals[m]
             error[rows] = np.where(np.isnan(rel_l2), error[rows], rel_l2)
-    _within_rounding(df, status, reason, sa, sb, records)
+    _within_rounding(df, status, reason, sa, sb, records, judge_dtype)
     df["error"] = error
     df["status"] = status
     df["reason"] = reason
     return df
 
 
-def _within_rounding(df: pd.DataFrame, status, reason, sa: dict, sb: dict, records) -> None:
+def _within_rounding(df: pd.DataFrame, status, reason, sa: dict, sb: dict, records, judge_dtype) -> None:
     """A value that an op made as a sum of terms (a reduction, an element-wise add or sub, a matrix
     product: :func:`~dispatchprobe.standards.rounding.terms_norm`) and that cancelled in both runs
     (its terms more than ``cancellation`` times its norm) passes when the runs differ by no more
     than the rounding its terms carry (:func:`~dispatchprobe.standards.rounding.carried_bound`, each
-    run's from its own record, summed): cosine and relative errors there compare rounding noise (a
-    bias gradient that is mathematically zero; a residual add whose operands nearly cancel).  Its
-    producer's output row and every input row reading it (the producers found by each run's data
-    flow, paired with each other) are judged alike.  The difference is the tensors' L2 distance, or
-    without tensors the largest statistics difference (each a lower bound of it).  ``records``:
-    ``(records of A, records of B, pairs, data flow source of A, of B)`` as aligned."""
+    run's from its own record and the precision the row is judged at, which lineage lowers; summed):
+    cosine and relative errors there compare rounding noise (a bias gradient that is mathematically
+    zero; a residual add whose operands nearly cancel).  Its producer's output row and every input
+    row reading it (the producers found by each run's data flow, paired with each other) are judged
+    alike.  The difference is the tensors' L2 distance, or without tensors the largest statistics
+    difference (norm, max, min, and the mean's times sqrt(n): each a lower bound of it).
+    ``records``: ``(records of A, records of B, pairs, data flow source of A, of B)`` as aligned."""
     cand = np.flatnonzero((status != V.PASS) & (status != NOT_JUDGED))
     if not len(cand) or records is None:
         return
@@ -133,15 +134,16 @@ def _within_rounding(df: pd.DataFrame, status, reason, sa: dict, sb: dict, recor
                 continue
         if j is None:
             continue
-        key = (i, j, out)
+        key = (i, j, out, judge_dtype[r])
         if key not in bounds:
-            bounds[key] = [R.carried_bound(rec, out) for rec in (recs_a[i], recs_b[j])]
+            bounds[key] = [R.carried_bound(rec, out, judge_dtype[r]) for rec in (recs_a[i], recs_b[j])]
         sides = bounds[key]
         if any(x is None for x in sides) or not all(R.cancelled(t, st["norm"][r]) for (_, t), st in zip(sides, (sa, sb))):
             continue
         bound = sum(x for x, _ in sides)
         n = max(int(np.prod(df["shape_a"].iat[r])), 1)
-        diff = rmse[r] * math.sqrt(n) if np.isfinite(rmse[r]) else max(abs(sa[s][r] - sb[s][r]) for s in ("norm", "max", "min"))
+        diff = rmse[r] * math.sqrt(n) if np.isfinite(rmse[r]) else max(
+            abs(sa[s][r] - sb[s][r]) * (math.sqrt(n) if s == "mean" else 1.0) for s in ("norm", "max", "min", "mean"))
         if diff <= bound:
             status[r] = V.PASS
             made = "" if io[r] == "output" else f" ({recs_a[i]['op']} {out})"
