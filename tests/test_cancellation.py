@@ -263,3 +263,23 @@ def test_terms_norm_of_mindspore_primitives(tmp_path):
     for rec, (_, true) in zip(records, cases):
         bound, exact = terms_norm(rec, "output.0"), float(np.linalg.norm(true))
         assert bound is not None and exact * (1 - 1e-6) <= bound <= 1.7 * exact, (rec["op"], bound, exact)
+
+
+def test_integer_sums_that_cancel_are_not_rounding(tmp_path):
+    """Integers do not round: an integer add whose operands cancel, one element apart between the runs,
+    is an error however small that is against its terms."""
+    x = torch.arange(10 ** 6, 10 ** 6 + 64, dtype=torch.int64)
+
+    def run(name, off):
+        y = -x + 3
+        y[5] += off
+        probe = DispatchProbe(task="tensor", dump_path=str(tmp_path / name))
+        with probe:
+            torch.add(x, y)
+        probe.close()
+        return str(tmp_path / name)
+    a, b = run("a", 0), run("b", 1)
+    for a, b in ((a, b), (b, a)):
+        t = compare(a, b).table
+        row = t[(t["op_a"] == "aten.add.Tensor") & (t["arg"] == "output.0")].iloc[0]
+        assert row["status"] == "error", row.to_dict()
