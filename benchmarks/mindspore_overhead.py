@@ -1,8 +1,9 @@
 """Cost of recording a MindSpore training step: unrecorded vs an empty dispatch mode vs
 dispatchprobe_ms statistics vs tensor, all in one run (PyNative, blocking mode); and the same
 net as a GRAPH_MODE ``TrainOneStepCell``, unrecorded vs the statistics task, recording every step
-or a step filter that selects none of them (the cost of a step the config leaves out), each in
-its own process: MindSpore reads the dump config the probe sets once per process.
+or a step filter that selects none of them (the cost of a step the config leaves out), and one
+cell's records (``scope``) with MindSpore's dump narrowed to it or not, each in its own process:
+MindSpore reads the dump config the probe sets once per process.
 
     python benchmarks/mindspore_overhead.py [--steps 20] [--width 16] [--graph-only]
 """
@@ -66,15 +67,19 @@ class _nothing:
         return False
 
 
-def graph_step_times(task: str, steps: int, width: int, dump_path: str, unselected: bool = False) -> list[float]:
+def graph_step_times(task: str, steps: int, width: int, dump_path: str, unselected: bool = False,
+                     scope: list[str] = (), dump_filter: bool = True) -> list[float]:
     """GRAPH_MODE steps of the demo net (TrainOneStepCell), unrecorded (``task`` "") or recorded
-    (``unselected``: the probe's ``step`` filter selects none of them); the probe is made before
-    the first compile, as it must be."""
+    (``unselected``: the probe's ``step`` filter selects none of them; ``scope``: one cell's
+    records, MindSpore's dump narrowed to it or, without ``dump_filter``, not); the probe is made
+    before the first compile, as it must be."""
     ms.set_context(mode=ms.GRAPH_MODE)
     ms.set_seed(0)
     demo.DIMS = (16 * width, 32 * width, 8)
     net = demo.TinyNet()
     filters = {"step": [steps + 2]} if unselected else {}          # a step the loop never reaches
+    if scope:
+        filters.update(scope=list(scope), dump_filter=dump_filter)
     probe = DispatchProbe(task=task, dump_path=dump_path, model=net, **filters) if task else None
     train = ms.nn.TrainOneStepCell(ms.nn.WithLossCell(net, ms.nn.MSELoss()),
                                    ms.nn.SGD(net.trainable_params(), learning_rate=0.1))
@@ -97,7 +102,9 @@ def graph_results(steps: int, width: int, root: str) -> dict:
     """{mode: median step} of GRAPH_MODE, each mode in a process of its own."""
     out = {}
     for name, task in (("GRAPH_MODE unrecorded", ""), ("GRAPH_MODE statistics", "statistics"),
-                       ("GRAPH_MODE statistics, step not selected", "unselected")):
+                       ("GRAPH_MODE statistics, step not selected", "unselected"),
+                       ("GRAPH_MODE statistics, scope act", "scope"),
+                       ("GRAPH_MODE statistics, scope act, dump not narrowed", "scope-unfiltered")):
         res = subprocess.run([sys.executable, __file__, "--graph-run", task or "-", "--steps", str(steps),
                               "--width", str(width), "--dump", os.path.join(root, name.replace(" ", "_"))],
                              capture_output=True, text=True, check=True)
@@ -116,8 +123,11 @@ def main() -> None:
     if opts.graph_run:
         import warnings
         warnings.simplefilter("ignore", RuntimeWarning)
-        task = {"-": "", "unselected": "statistics"}.get(opts.graph_run, opts.graph_run)
-        times = graph_step_times(task, opts.steps, opts.width, opts.dump, unselected=opts.graph_run == "unselected")
+        task = {"-": "", "unselected": "statistics", "scope": "statistics",
+                "scope-unfiltered": "statistics"}.get(opts.graph_run, opts.graph_run)
+        scope = ["act"] if opts.graph_run.startswith("scope") else []
+        times = graph_step_times(task, opts.steps, opts.width, opts.dump, unselected=opts.graph_run == "unselected",
+                                 scope=scope, dump_filter=opts.graph_run != "scope-unfiltered")
         print(json.dumps({"median": statistics.median(times)}))
         return
     root = tempfile.mkdtemp(prefix="ms_overhead_")

@@ -78,7 +78,8 @@ class DispatchProbe(ProbeSession):
     PyNative primitives come from the dispatch mode; the kernels of compiled graphs (GRAPH_MODE
     cells, ``@jit`` functions) from MindSpore's dump, which the probe sets up when it is created
     (so create it before the first graph compile) and MindSpore writes only inside the recorded
-    regions of the selected steps: ``graphs=False`` leaves it off,
+    regions of the selected steps, narrowed to the kernels ``scope``/``list`` could select:
+    ``graphs=False`` leaves it off, ``dump_filter=False`` dumps every kernel (filtered when read),
     ``keep_dump=True`` keeps MindSpore's files under ``dump_path/mindspore_dump``.  ``loss_scaler``
     (an ``amp.DynamicLossScaler``): the overflow task's backward overflows in a step whose scale
     backed off are the scaler's deliberate ones."""
@@ -86,7 +87,7 @@ class DispatchProbe(ProbeSession):
     backend = ms_backend
 
     def __init__(self, config=None, *, model=None, optimizer=None, loss_scaler=None, graphs: bool = True,
-                 keep_dump: bool = False, **overrides):
+                 keep_dump: bool = False, dump_filter: bool = True, **overrides):
         if model is not None and not isinstance(model, nn.Cell):
             raise ConfigError(f"model must be a mindspore.nn.Cell, not {type(model).__name__}")
         if optimizer is not None and not isinstance(optimizer, nn.Optimizer):
@@ -112,7 +113,8 @@ class DispatchProbe(ProbeSession):
         self.graphs = None                    # compiled graphs' kernels, from MindSpore's dump
         if graphs and self.record_ops and self.task.name in GRAPH_TASKS:
             from .graph_capture import GraphCapture
-            self.graphs = GraphCapture(self, model, os.path.join(self.run_dir, "mindspore_dump") if keep_dump else None)
+            self.graphs = GraphCapture(self, model, os.path.join(self.run_dir, "mindspore_dump") if keep_dump else None,
+                                       dump_filter=dump_filter)
             self.graphs.warn_if_unavailable(pynative)
         elif not pynative and not self.record_ops:
             warnings.warn(f"dispatchprobe_ms: level={self.config.level!r} records cell boundaries, which a GRAPH_MODE "

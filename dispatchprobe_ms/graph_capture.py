@@ -20,7 +20,7 @@ from dispatchprobe.core.recorder import Measured
 
 from . import tensor_backend as ms_backend
 from . import graph_dump, graph_ir, ops
-from .graph_scopes import GraphScopes, stage_of
+from .graph_scopes import GraphScopes, dump_kernels, stage_of
 
 _NUMPY = {"Int64": np.int64, "Int32": np.int32, "Int8": np.int8, "UInt8": np.uint8, "Bool": np.bool_,
           "Float16": np.float16, "Float32": np.float32, "Float64": np.float64}
@@ -29,16 +29,28 @@ _NOT_RECORDED = {"Depend", "UpdateState", "Load", "MakeTuple", "TupleGetItem"}
 
 
 class GraphCapture:
-    def __init__(self, session, model, keep: str | None = None):
+    def __init__(self, session, model, keep: str | None = None, dump_filter: bool = True):
         self.session = session
         self.scopes = GraphScopes(model)
         self.keep = keep
-        self.folder, self.why_not = graph_dump.enable()
+        config = session.config
+        # MindSpore's dump narrowed to what scope/list could select (a superset: the read filter is exact)
+        stages = [s for s in ("forward", "backward") if config.stage_enabled(s)]
+        kernels = dump_kernels(model, config.scope, config.list, session.selector.in_scope, stages) \
+            if dump_filter else []
+        self.folder, self.why_not = graph_dump.enable(kernels)
+        self.left_out: set[str] = set()    # kernels the dump filter kept out that the read filter selects
         self.kernels = 0                   # kernels read from the dump (whole run)
         self.unmatched = 0                 # kernels whose files disagreed with the graph's IR (not recorded)
         # a kernel of the model's own computation came from a graph (the manifest says so): one in
         # a cell of the model or in backward, not an optimizer update PyNative runs as a graph
         self.recorded = False
+
+    @property
+    def filtered(self) -> bool:
+        """Whether MindSpore dumps only the kernels a filter selects (this probe's or, read at
+        the process's first compile, an earlier one's)."""
+        return self.folder is not None and bool(self.folder.kernels)
 
     def start(self) -> None:
         """A recorded region begins: MindSpore dumps from now on (what graphs ran outside a
@@ -66,6 +78,8 @@ class GraphCapture:
                           f"graph's dtypes or shapes, first {unmatched[0].scope}): the step's graph kernels are not "
                           "recorded", RuntimeWarning, stacklevel=4)
             return
+        if self.filtered:
+            self._check_left_out()
         stages = _stages(kernels)
         for k, stage in zip(kernels, stages):
             if k.type in _NOT_RECORDED:
@@ -92,6 +106,27 @@ class GraphCapture:
             session.on_op(k.type, stage, scope, inputs, attrs, outputs, undefined=undefined,
                           extra={"graph_kernel": k.scope})
         self.folder.release(os.path.join(self.keep, f"step{session.step_no}") if self.keep else None)
+
+    def _check_left_out(self) -> None:
+        """Say, once per kernel, when a kernel MindSpore's filtered dump left out is one the read
+        filter selects (the dump filter is meant as a superset; this is its check where a graph
+        ran in the region)."""
+        session = self.session
+        for name, node, stage in self.folder.missing:
+            if name in self.left_out:
+                continue
+            last = name.rsplit("/", 1)[-1]
+            kind = node.op if node is not None and node.op else graph_dump._OP_NUMBER.sub("", last)
+            if kind in _NOT_RECORDED:
+                continue
+            stage = stage or "forward"
+            _, scope = self.scopes(name, node.frames if node is not None else ())
+            if session.config.stage_enabled(stage) and session.selector.in_scope(scope) \
+                    and session.selector.op_selected(kind):
+                self.left_out.add(name)
+                warnings.warn(f"dispatchprobe_ms: MindSpore's dump filter left out {name} ({kind}, scope "
+                              f"{scope!r}), which scope/list select: it is not recorded; "
+                              "DispatchProbe(..., dump_filter=False) dumps every kernel", RuntimeWarning, stacklevel=4)
 
     def warn_if_unavailable(self, pynative: bool) -> None:
         """One line when compiled graphs cannot be recorded (in PyNative the dispatched primitives
@@ -132,16 +167,17 @@ def _numel(path: str) -> int:
 
 
 def _stages(kernels: list) -> list[str]:
-    """Each kernel's stage: ``Gradients/`` kernels are backward; a kernel MindSpore expanded from
-    another (``Expand/_PowTensorScalar/Pow-op0``) has no stage in its name and takes the stage of
-    the next kernel that has one (the gradient it is part of)."""
+    """Each kernel's stage: the one its graph's execution order gives it (graph_dump), else:
+    ``Gradients/`` kernels are backward; a kernel MindSpore expanded from another
+    (``Expand/_PowTensorScalar/Pow-op0``) has no stage in its name and takes the stage of the next
+    kernel that has one (the gradient it is part of)."""
     out, pending = [], 0
     for k in kernels:
-        if k.scope.startswith("Expand/"):
+        stage = k.stage or (None if k.scope.startswith("Expand/") else stage_of(k.scope))
+        if stage is None:
             pending += 1
             out.append(None)
             continue
-        stage = stage_of(k.scope)
         out[len(out) - pending:] = [stage] * pending
         pending = 0
         out.append(stage)

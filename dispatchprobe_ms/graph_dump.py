@@ -15,6 +15,12 @@ region.  A step the probe's ``step`` filter leaves out, graphs run outside ``wit
 everything after ``close()`` are then not dumped at all.  MindSpore's own counter (one per graph
 run) starts at 0 and never reaches :data:`ON`, so nothing is dumped before the first region.
 
+The config's ``kernels`` (``dump_mode`` 1) narrows the dump to the kernels the ``scope`` and
+``list`` filters could select (:func:`dispatchprobe_ms.graph_scopes.dump_kernels`): a superset,
+the exact filter is still applied when the records are made.  What the kernels' stage depends on
+(an expanded kernel's is that of the next kernel) is read from the execution order, which holds
+every kernel, so narrowing the dump changes no record.
+
 One ``.npy`` per kernel input and output, named
 ``{type}.{scope_with_underscores}.{task}.{stream}.{timestamp}.{input|output}.{i}.{format}.{dtype}.npy``
 under ``rank_{r}/{net}/{graph}/{iteration}/``, and each graph's kernel order in
@@ -59,12 +65,25 @@ class Kernel:
     outputs: dict = field(default_factory=dict)
     first: int = 0                        # earliest timestamp of its files
     node: object = None                   # what the graph's IR says of it (graph_ir.Node), or None
+    stage: str | None = None              # from the execution order; None: not known there
 
 
-def enable() -> tuple["DumpFolder | None", str]:
-    """This process's dump folder, the dump switched on for it: (folder, "") or (None, why not)."""
+def enable(kernels: list[str] = ()) -> tuple["DumpFolder | None", str]:
+    """This process's dump folder, the dump switched on for it: (folder, "") or (None, why not).
+    ``kernels``: MindSpore's kernel filter (empty: every kernel).  A later probe of the process
+    rewrites the config while MindSpore has not read it; after that, a filter other than the one
+    MindSpore read is said (the kernels it leaves out cannot be recorded)."""
     global _folder
+    kernels = list(kernels)
     if _folder is not None:
+        if kernels == _folder.kernels:
+            return _folder, ""
+        if not _compiled_before():
+            _folder.write_config(kernels)
+            return _folder, ""
+        if _folder.kernels:
+            return _folder, ("MindSpore read its dump config (filtered by an earlier probe's scope/list) at its first "
+                             "compile: this probe's graph kernels outside that filter are not recorded")
         return _folder, ""
     if os.environ.get(ENV):
         return None, (f"{ENV} is already set ({os.environ[ENV]}): MindSpore dumps where that config says, "
@@ -75,15 +94,9 @@ def enable() -> tuple["DumpFolder | None", str]:
                       "updates) are not recorded in this process; create the probe before the first GRAPH_MODE or "
                       "@jit call and the first optimizer step")
     root = tempfile.mkdtemp(prefix=f"dispatchprobe_ms_{os.getpid()}_")
-    config = {"common_dump_settings": {"dump_mode": 0, "path": os.path.join(root, "dump"), "net_name": NET_NAME,
-                                       "iteration": str(ON) if _set_init_iter else "all", "saved_data": "tensor", "input_output": 0,
-                                       "kernels": [], "support_device": list(range(8)), "op_debug_mode": 0},
-              "e2e_dump_settings": {"enable": True, "trans_flag": True}}
-    path = os.path.join(root, "dump_config.json")
-    with open(path, "w") as f:
-        json.dump(config, f)
-    os.environ[ENV] = path
-    _folder = DumpFolder(config["common_dump_settings"]["path"])
+    _folder = DumpFolder(os.path.join(root, "dump"))
+    _folder.write_config(kernels)
+    os.environ[ENV] = _folder.config
     atexit.register(shutil.rmtree, root, True)
     return _folder, ""
 
@@ -110,7 +123,21 @@ class DumpFolder:
 
     def __init__(self, path: str):
         self.path = path
+        self.config = os.path.join(os.path.dirname(path), "dump_config.json")
+        self.kernels: list[str] = []      # MindSpore's kernel filter ([]: every kernel)
         self.regions = 0                  # recorded regions open now (the counter is ON while any is)
+        self.missing: list[tuple] = []    # (full name, graph_ir.Node or None, stage) of the kernels the last
+                                          # :meth:`take` found no file of, in the graphs that ran
+
+    def write_config(self, kernels: list[str]) -> None:
+        self.kernels = list(kernels)
+        config = {"common_dump_settings": {"dump_mode": 1 if kernels else 0, "path": self.path, "net_name": NET_NAME,
+                                           "iteration": str(ON) if _set_init_iter else "all", "saved_data": "tensor",
+                                           "input_output": 0, "kernels": self.kernels,
+                                           "support_device": list(range(8)), "op_debug_mode": 0},
+                  "e2e_dump_settings": {"enable": True, "trans_flag": True}}
+        with open(self.config, "w") as f:
+            json.dump(config, f)
 
     @property
     def switchable(self) -> bool:
@@ -143,6 +170,7 @@ class DumpFolder:
         """The kernels of every graph run since the last look, in the order they ran (their files
         stay until :meth:`release`)."""
         self.sync()
+        self.missing = []
         runs = [(min(k.first for k in kernels), kernels) for run in self._runs() for kernels in self._kernels(run)]
         runs.sort(key=lambda r: r[0])
         return [k for _, kernels in runs for k in kernels]
@@ -173,7 +201,12 @@ class DumpFolder:
         ir = os.path.join(rank_dir, "graphs", f"ms_output_trace_code_graph_{graph}.ir")
         nodes = graph_ir.read(ir, os.path.getmtime(ir)) if os.path.isfile(ir) else {}
         calls: dict[str, list[Kernel]] = {}
-        renamed = _renamed(order, {p[1] for p in map(parse_name, os.listdir(run)) if p is not None})
+        dumped = {p[1] for p in map(parse_name, os.listdir(run)) if p is not None}
+        renamed = _renamed(order, dumped)
+        stages = _order_stages([name for _, name in sorted(order.values())])
+        taken = set(renamed.values())
+        self.missing += [(name, nodes.get(name), stages[i]) for flat, (i, name) in order.items()
+                         if flat not in dumped and flat not in taken]
         for name in sorted(os.listdir(run)):
             parsed = parse_name(name)
             if parsed is None or parsed[0] == "Parameter":     # parameters, not kernels
@@ -185,7 +218,8 @@ class DumpFolder:
             slots = calls.setdefault(flat, [])
             # a position seen again starts the kernel's next call (the graph's next run)
             if not slots or pos in (slots[-1].inputs if io == "input" else slots[-1].outputs):
-                slots.append(Kernel(kind, order[flat][1], first=stamp, node=nodes.get(order[flat][1])))
+                slots.append(Kernel(kind, order[flat][1], first=stamp, node=nodes.get(order[flat][1]),
+                                    stage=stages[order[flat][0]]))
             k = slots[-1]
             (k.inputs if io == "input" else k.outputs)[pos] = os.path.join(run, name)
             k.first = min(k.first, stamp)
@@ -195,6 +229,20 @@ class DumpFolder:
                 runs.setdefault(n, []).append(k)
         return [sorted(kernels, key=lambda k: (order[k.scope.replace("/", "_")][0], k.first))
                 for _, kernels in sorted(runs.items())]
+
+
+def _order_stages(names: list[str]) -> list[str | None]:
+    """Each kernel's stage, by its position in the execution order: ``Gradients/`` kernels are
+    backward; a kernel MindSpore expanded from another (``Expand/_PowTensorScalar/Pow-op0``) has
+    no stage in its name and takes the stage of the next kernel that has one (the gradient it is
+    part of), None when none follows."""
+    out: list[str | None] = [None] * len(names)
+    after = None
+    for i in range(len(names) - 1, -1, -1):
+        if not names[i].startswith("Expand/"):
+            after = "backward" if names[i].startswith("Gradients/") else "forward"
+        out[i] = after
+    return out
 
 
 def _renamed(order: dict, dumped: set) -> dict[str, str]:

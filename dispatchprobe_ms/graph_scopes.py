@@ -94,3 +94,51 @@ def _where(fn) -> tuple[str, int] | None:
         return inspect.getsourcefile(fn), inspect.getsourcelines(fn)[1]
     except (OSError, TypeError):
         return None
+
+
+_PLAIN = re.compile(r"^\w+$")
+_SPECIAL = re.compile(r"([\\^$.|?*+()\[\]{}])")
+
+
+def _escape(text: str) -> str:
+    """``text`` literal in MindSpore's regexes (C++ ECMAScript syntax)."""
+    return _SPECIAL.sub(r"\\\1", text)
+
+
+def dump_kernels(model, scopes: list[str], names: list[str], in_scope, stages=("forward", "backward")) -> list[str]:
+    """MindSpore dump ``kernels`` entries (``name-regex(...)``, matched against whole full
+    names) selecting every kernel the ``scope`` and ``list`` filters could select, or [] (dump
+    all) where no narrowing is safe.  The read filter stays the exact one; this only keeps
+    MindSpore from writing kernels it would drop.
+
+    A ``list`` entry narrows only when it is a plain name (a substring of the kernel type, which
+    the name's last part holds).  A ``scope`` narrows forward kernels named under the selected
+    cells (``.../fc-Dense/...``); backward kernels (MindSpore names a primitive's gradient after
+    the first cell that used that primitive), expanded ones and those whose names hold no cell
+    (``@ms.jit`` functions) are kept whatever the scope.  A stage ``data_mode`` leaves out
+    narrows by the ``Gradients/`` prefix (expanded kernels, whose stage the name does not give,
+    are kept).  ``in_scope``: the session's selector; ``stages``: those recorded."""
+    kind = "[^/]*"
+    if names and all(_PLAIN.match(n) for n in names):
+        kind = f"[^/]*({'|'.join(names)})[^/]*"
+    places = ["(.*/)?"]
+    if scopes and model is not None:
+        root = type(model).__name__
+        if not in_scope(root):
+            cells = {path: type(cell).__name__ for path, cell in model.cells_and_names() if path}
+            chosen = [p for p in cells if in_scope(f"{root}.{p}")]
+            chosen = [p for p in chosen if not any(p.startswith(q + ".") for q in chosen)]
+            chains = []
+            for path in chosen:
+                parts = path.split(".")
+                chains.append("/".join(_escape(f"{a}-{cells['.'.join(parts[:i + 1])]}") for i, a in enumerate(parts)))
+            places = [f"(.*/)?{c}/(.*/)?" for c in chains] + ["Gradients/(.*/)?", "Expand/(.*/)?",
+                                                             "Default/(Grad_[^/]*/)*"]
+    if "backward" not in stages:
+        places = [p if p.startswith("Expand/") else "(?!Gradients/)" + p
+                  for p in places if not p.startswith("Gradients/")]
+    elif "forward" not in stages:
+        places = ["Gradients/(.*/)?", "Expand/(.*/)?"]
+    if places == ["(.*/)?"] and kind == "[^/]*":
+        return []
+    return [f"name-regex(^{p}{kind}$)" for p in places]

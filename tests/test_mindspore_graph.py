@@ -239,10 +239,48 @@ def test_step_scope_and_list_filters_select_graph_kernels(tmp_path):
     # MindSpore dumps the selected step only: steps 0 and 2 and a step after close() write no file
     assert list(np.load(out / "result.npz")["dumped"]) == [0, 0, 0, 0]
     kept = list((run / "mindspore_dump" / "step1").rglob("*.npy"))     # MindSpore's files, as asked
-    assert any(p.name.startswith("MatMul.") for p in kept) and any(p.name.startswith("Conv2D.") for p in kept)
+    # MindSpore's dump narrowed to what the filters could select: the MatMuls, not the conv's kernels
+    assert any(p.name.startswith("MatMul.") for p in kept) and not any(p.name.startswith("Conv2D") for p in kept)
     recs = records(run, 1)
     assert recs and {(r["op"], r["scope"]) for r in recs} == {("MatMul", "ConvNet.fc")}
     assert {r["stage"] for r in recs} == {"forward", "backward"}
+
+
+@pytest.mark.parametrize("mode,filters", [
+    ("graph", {"scope": ["ConvNet.conv"]}),                 # its BiasAddGrad is named after the dense cell's
+    ("graph", {"list": ["MatMul", "GeLU"]}),
+    ("graph", {"scope": ["act"], "list": ["GeLU"]}),
+    ("jit", {"scope": ["ConvNet.conv"]}),                   # a jit function's kernel names hold no cell
+    ("graph", {"data_mode": ["forward"], "scope": ["ConvNet.conv"]}),
+    ("jit", {"data_mode": ["backward"], "list": ["Mul", "BiasAddGrad"]}),   # an expanded Mul among them
+])
+def test_scope_and_list_narrow_mindspores_dump_without_changing_records(tmp_path, mode, filters):
+    """The dump-side filter (MindSpore's ``kernels``) keeps MindSpore from writing kernels the
+    filters drop: the same records as a dump of every kernel filtered when read, fewer files."""
+    got = {}
+    for narrowed in (True, False):
+        out = train(tmp_path / f"narrowed{narrowed}", mode, "--task", "statistics", "--config",
+                    json.dumps({**filters, "keep_dump": True, "dump_filter": narrowed}))
+        assert "dump filter left out" not in (out / "stderr.txt").read_text()
+        recs = [r for step in (0, 1) for r in records(out / "run", step)]
+        files = sum(1 for _ in (out / "run" / "mindspore_dump").rglob("*.npy"))
+        got[narrowed] = recs, files
+    assert got[True][0] and got[True][0] == got[False][0]
+    assert 0 < got[True][1] < got[False][1], (got[True][1], got[False][1])
+
+
+def test_level_mix_records_a_graph_as_level_op_and_module_dumps_nothing(tmp_path):
+    """No cell boundary is seen inside a graph: ``mix`` gives the kernels' records only, and
+    ``module`` (L0) records nothing and leaves MindSpore's dump off (it warns)."""
+    runs = {level: train(tmp_path / level, "graph", "--task", "statistics", "--config",
+                         json.dumps({"level": level, "steps": 1, "keep_dump": True}))
+            for level in ("op", "mix", "module")}
+    ops = "run/step0/rank0/ops.jsonl"
+    assert (runs["op"] / ops).read_text() == (runs["mix"] / ops).read_text()
+    assert records(runs["mix"] / "run") and all(r["kind"] == "op" for r in records(runs["mix"] / "run"))
+    assert "level='module' records cell boundaries" in (runs["module"] / "stderr.txt").read_text()
+    assert not list((runs["module"] / "run").rglob("ops.jsonl"))
+    assert not (runs["module"] / "run/mindspore_dump").exists()
 
 
 def test_a_graph_run_twice_in_one_step_is_recorded_run_by_run(tmp_path):
@@ -259,6 +297,56 @@ def test_a_graph_run_twice_in_one_step_is_recorded_run_by_run(tmp_path):
     assert len(convs) == 2 and half and len(sgd) == 2 * half and convs[0] < sgd[0] and sgd[half - 1] < convs[1] < sgd[half]
     for call, i in enumerate(convs):
         assert np.isclose(recs[i]["inputs"][0]["stats"]["max"], data(call)[0].max())
+
+
+TWO_PROBES = """
+import sys, warnings
+sys.path.insert(0, {tests!r})
+import mindspore as ms
+from mindspore import nn
+from mindspore_graph_train import ConvNet, data
+from dispatchprobe_ms import DispatchProbe
+
+ms.set_context(mode=ms.GRAPH_MODE)
+net = ConvNet()
+step = nn.TrainOneStepCell(nn.WithLossCell(net, nn.MSELoss()), nn.SGD(net.trainable_params(), 0.1))
+first = DispatchProbe(task="statistics", dump_path={out!r} + "/fc", model=net, scope=["ConvNet.fc"])
+if {compile_between}:                     # MindSpore reads the first probe's dump filter at this compile
+    with first:
+        step(*(ms.Tensor(v) for v in data(0)))
+first.close()
+with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter("always")
+    second = DispatchProbe(task="statistics", dump_path={out!r} + "/conv", model=net, scope=["ConvNet.conv"])
+    with second:
+        step(*(ms.Tensor(v) for v in data(1)))
+    second.close()
+print("\\n".join(str(w.message) for w in seen if "dump" in str(w.message)))
+"""
+
+
+@pytest.mark.parametrize("compile_between", [True, False])
+def test_a_later_probe_with_other_filters_gets_its_kernels_or_is_told(tmp_path, compile_between):
+    """MindSpore reads the dump filter once, at its first compile: a second probe made before it
+    replaces the first one's filter; made after it, the kernels its filters select and the dump
+    left out are named, not silently missing."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("MINDSPORE_DUMP_CONFIG", None)
+    script = tmp_path / "two_probes.py"
+    script.write_text(TWO_PROBES.format(tests=os.path.dirname(SCRIPT), out=str(tmp_path),
+                                        compile_between=compile_between))
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    said = res.stdout.strip()
+    conv = tmp_path / "conv" / "step0" / "rank0" / "ops.jsonl"
+    recorded = {json.loads(line)["op"] for line in open(conv)} if conv.exists() else set()
+    if compile_between:
+        assert "filtered by an earlier probe's scope/list" in said, said
+        assert "dump filter left out Default/network-WithLossCell/_backbone-ConvNet/conv-Conv2d/Conv2D-op0" in said
+        assert "Conv2D" not in recorded
+    else:
+        assert not said, said
+        assert {"Conv2D", "BiasAdd", "Conv2DBackpropFilter", "BiasAddGrad"} <= recorded, recorded
 
 
 LATE_PROBE = """
