@@ -14,6 +14,23 @@ from dispatchprobe import DispatchProbe
 from dispatchprobe.torch.process_state import STATE
 
 
+@pytest.fixture(autouse=True)
+def earlier_probes_closed():
+    """These tests read process-wide state: probes that earlier tests in the process left open
+    are closed first (a probe backend stays until exit, whose ``atexit`` closes it; a probe in a
+    reference cycle until a collection), so that what is held is what these tests' probes hold."""
+    from dispatchprobe.torch import hooks
+    from dispatchprobe.torch.session import TorchSession
+    gc.collect()
+    for session in [o for o in gc.get_objects() if isinstance(o, TorchSession)]:
+        try:
+            session.close()
+        except Exception:       # noqa: BLE001 - what it raises belongs to the test that left it open
+            pass
+    hooks.remove_collected()
+    assert STATE.held() == {}
+
+
 def _step(model, opt):
     model(torch.randn(4, 8)).sum().backward()
     opt.step()
@@ -21,7 +38,6 @@ def _step(model, opt):
 
 
 def test_a_closed_probe_leaves_nothing_held(tmp_path):
-    gc.collect()            # probes earlier tests left unclosed
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     probe = DispatchProbe(task="statistics", dump_path=str(tmp_path), model=model)
@@ -39,7 +55,6 @@ def test_a_closed_probe_leaves_nothing_held(tmp_path):
 
 
 def test_an_unclosed_probe_collected_leaves_nothing_held(tmp_path):
-    gc.collect()
     model = torch.nn.Sequential(torch.nn.Linear(8, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     probe = DispatchProbe(task="statistics", dump_path=str(tmp_path), model=model)
@@ -52,7 +67,6 @@ def test_an_unclosed_probe_collected_leaves_nothing_held(tmp_path):
 
 
 def test_reset_empties_every_container(tmp_path):
-    gc.collect()
     model = torch.nn.Sequential(torch.nn.Linear(8, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with DispatchProbe(task="statistics", dump_path=str(tmp_path), model=model) as probe:
@@ -131,9 +145,7 @@ def test_every_probe_kind_leaves_no_optimizer_hook(tmp_path, kind, ending):
     """torch's global optimizer step hooks, which every probe kind registers, are all removed when
     the probe is closed, or collected unclosed, and counted in ``STATE.held()`` until then (a
     probe backend is closed at exit, which keeps it until then)."""
-    gc.collect()
     before = _optimizer_hooks()
-    assert "optimizer_hooks" not in STATE.held()
     model = torch.nn.Sequential(torch.nn.Linear(8, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     probe, around = _probe(kind, tmp_path, model)
