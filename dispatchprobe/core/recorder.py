@@ -70,6 +70,7 @@ class Recorder(Handler):
         self._rows: list = []
         self._row_stats: list = []
         self._waiting: list[dict] = []
+        self._unfilled: set[int] = set()     # ids of records reserved (reserve) and not yet filled
 
     # -- encoding --------------------------------------------------------------------------
     def _encode_value(self, found: list, value):
@@ -111,9 +112,14 @@ class Recorder(Handler):
             else:
                 record["output_type"] = "single"
                 record["outputs"] = values(found, (out,))
-        same = self.backend.same_values(event) if save and event.func is not None else None
         if found:
-            self._fill_found(found, event.undefined, save, same, defer and not self.checksum)
+            undefined = event.undefined
+            if undefined:
+                for t, spec, *_ in found:
+                    if id(t) in undefined:
+                        spec["undefined"] = True
+            same = self.backend.same_values(event) if save and event.func is not None else None
+            self._fill_tensors(found, save, same, defer and not self.checksum)
         if event.extra:
             record.update(event.extra)
         return record
@@ -205,7 +211,7 @@ class Recorder(Handler):
                 self._measured(t, {"stats": st}, ident, dense)
             missing = now
         if missing:
-            stats = backend.tensor_stats([m[0] for m in missing])
+            stats = backend.tensor_stats([m[0] for m in missing], [m[2] for m in missing])
             measured = self._measured
             for (t, spec, ident, dense), st in zip(missing, stats):
                 spec["stats"] = st
@@ -382,13 +388,47 @@ class Recorder(Handler):
         if len(self._row_stats) >= DEFER_BATCH:
             self.flush()
 
+    def reserve(self) -> dict:
+        """A record's place in the part's order, for a record made later (a collective whose
+        outputs hold their values only once its work completes): the records emitted after it
+        wait behind it until :meth:`fill`, so the part keeps call order."""
+        slot: dict = {}
+        self._waiting.append(slot)
+        self._unfilled.add(id(slot))
+        return slot
+
+    def fill(self, slot: dict, record: dict | None) -> None:
+        """The record made for ``slot`` (None: nothing is recorded there); the records waiting
+        only for it are written (those waiting for device statistics wait for :meth:`flush`)."""
+        self._unfilled.discard(id(slot))
+        if record is None:
+            self._waiting = [r for r in self._waiting if r is not slot]
+        else:
+            slot.update(record)
+        if not self._row_stats:
+            self._write_waiting()
+
     def flush(self) -> None:
-        """Read the pending device statistics (one sync per device) and write waiting records."""
+        """Read the pending device statistics (one sync per device) and write waiting records
+        (up to the first place still reserved)."""
         if self._row_stats:
             values = self.backend.read_stats_rows(self._rows, [n for _, n in self._row_stats])
             for (st, _), v in zip(self._row_stats, values):
                 st.update(v)
             self._rows, self._row_stats = [], []
-        waiting, self._waiting = self._waiting, []
+        self._write_waiting()
+
+    def _write_waiting(self) -> None:
+        waiting, unfilled = self._waiting, self._unfilled
+        if not unfilled:
+            self._waiting = []
+            for record in waiting:
+                self.write(record)
+            return
+        n = 0
         for record in waiting:
+            if id(record) in unfilled:
+                break
             self.write(record)
+            n += 1
+        del waiting[:n]

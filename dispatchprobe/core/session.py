@@ -319,9 +319,7 @@ class ProbeSession:
         with self.writing():
             if now:
                 self.recorder.flush()
-                self.recorder.write(record)
-            else:
-                self.recorder.emit(record)
+            self.recorder.emit(record)      # written now unless a reserved place holds it back
 
     def recording(self, stage: str, scope: str = "") -> bool:
         """Whether records of ``stage`` are written now.  After the optimizer's step, the first
@@ -356,6 +354,40 @@ class ProbeSession:
             return None
         finally:
             self.busy = False
+
+    @property
+    def records_later(self) -> bool:
+        """Whether an op's record may be made after the op returned (:meth:`reserve`): the task
+        only records (an inline check judges outputs at the call)."""
+        return self.handlers == [self.recorder]
+
+    def reserve(self, op: str, stage: str, scope: str, *, stack=None) -> tuple | None:
+        """For a call whose outputs hold their values only later (an asynchronous collective):
+        its filters and call index now (:meth:`count_call`), and its record's place in the part,
+        which the records after it wait behind until :meth:`fill`.  None: not recorded."""
+        call = self.count_call(op, stage, scope)
+        if call is None:
+            return None
+        frames = stack() if stack is not None and self.config.stack and stage == "forward" else None
+        with self.writing():
+            return call, frames, self.recorder.reserve()
+        return None
+
+    def fill(self, place: tuple, op: str, stage: str, scope: str, args, kwargs, outputs, *, func=None,
+             grad_fn=None, undefined=None, extra: dict | None = None) -> None:
+        """The record of a call :meth:`reserve` placed, made now that its outputs hold their values."""
+        call, frames, slot = place
+        record = None
+        self.busy = True
+        try:
+            with self._quiet(), self.writing():
+                record = self.recorder.encode(OpEvent("op", op, stage, scope, call, args, kwargs, outputs,
+                                                      grad_fn=grad_fn, stack=frames, func=func,
+                                                      undefined=undefined or None, extra=extra), defer=True)
+        finally:
+            self.busy = False
+            with self.writing():
+                self.recorder.fill(slot, record)
 
     def on_module(self, type_name: str, scope: str, stage: str, inputs, outputs) -> None:
         """A module boundary (level ``module``/``mix``): one module record, in the module tree."""

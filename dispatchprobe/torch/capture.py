@@ -50,6 +50,7 @@ class DispatchProbe(TorchSession):
         self.uninitialised = Uninitialised()
         self._facts: dict[int, OpFacts] = {}
         self.collective_seq = collectives.Sequence()     # per process group, from the probe's start
+        self.pending = collectives.Pending(self)         # collectives called, recorded once complete
         self.written_last: list = []     # (tensor, version) written by the last recorded op (count_write)
 
     # ---- installation -------------------------------------------------------------------------
@@ -87,6 +88,11 @@ class DispatchProbe(TorchSession):
             moved = torch_backend.moved_keys(t, before)
             if moved is not None:
                 self.recorder.carry_over(*moved)
+
+    def flush(self) -> None:
+        # the step ends or the probe stops: the program has waited for its collectives
+        self.pending.settle()
+        super().flush()
 
     def optimizer_stepped(self, optimizer) -> None:
         if self.grad_reader is not None and not self.grad_reader.holds(optimizer):

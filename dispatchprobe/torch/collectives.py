@@ -1,10 +1,12 @@
 """Collective ops (``c10d.*`` from eager ``torch.distributed``, ``_c10d_functional.*`` from DTensor
 and compiled code) as the eager capture records them.
 
-- A collective's outputs are valid only once its work is waited for (``async_op``, functional
-  collectives' lazy ``wait_tensor``): the capture waits before reading them (:func:`settle`), which
-  changes when the wait happens, not any value.  The tensors an in-place collective overwrites
-  (``allreduce_``'s list) are copied first, so its record holds the inputs it was given.
+- A collective's outputs are valid only once its work completes (``async_op``, functional
+  collectives' lazy ``wait_tensor``).  The probe never waits for it earlier than the program
+  does: its record keeps its place in the part (:class:`Pending`) and is made once the work is
+  seen complete or its outputs are first used, so communication keeps overlapping computation.
+  The tensors an in-place collective overwrites (``allreduce_``'s list) are copied first, so its
+  record holds the inputs it was given.
 - Its process group is recorded with the group's name, ranks, this process's index in it and the
   DeviceMesh dimension that made it where known, its reduce op by name
   (:func:`encode_script_object`; a functional collective's ``group_name`` string is given the
@@ -16,14 +18,17 @@ and compiled code) as the eager capture records them.
 
 from __future__ import annotations
 
+import time
 from typing import NamedTuple
 
 import torch
 
 from ..core.collective_roles import NAMESPACES, role
+from ..core.recorder import Measured
 from .internals.dispatch import op_schema
 from .internals.distributed import has_method, resolve_process_group, script_type_name, wait_functional
 from .internals.tensors import dtensor_spec
+from . import ops
 from .process_state import STATE
 
 _groups = STATE.process_groups          # group name -> its record value (ranks do not change)
@@ -33,6 +38,7 @@ _meshes_seen = STATE.meshes_seen
 _OVERWRITES = {"allreduce_": "tensors", "allreduce_coalesced_": "tensors", "broadcast_": "tensors",
                "reduce_": "tensors"}
 _group_arg: dict[int, tuple] = {}     # id(overload) -> (overload, index of its group_name argument or None)
+_async_arg: dict[int, tuple] = {}     # id(overload) -> (overload, index of its asyncOp argument or None)
 
 
 def is_collective(func) -> bool:
@@ -96,6 +102,226 @@ def settle(func, out) -> None:
         for t in (out if isinstance(out, (tuple, list)) else (out,)):
             if isinstance(t, torch.Tensor):
                 wait_functional(t)
+
+
+#: at a step's end (or the probe's exit) the program has waited for its collectives; one it has
+#: not is given this long to complete before its outputs are recorded as not waited for
+SETTLE_S = 10.0
+#: a collective still incomplete this many ops after its call is recorded as not waited for, so
+#: that the records held behind it stay bounded
+MAX_LATER_OPS = 200_000
+_WAIT_TENSOR = "_c10d_functional::wait_tensor"
+
+
+class _Entry:
+    __slots__ = ("place", "call", "work", "storages", "waited", "later", "kept")
+
+    def __init__(self, place, call, work, storages):
+        self.place, self.call, self.work, self.storages = place, call, work, storages
+        self.waited = False
+        self.later = 0
+        self.kept = None            # {id(output): its copy taken as the work completed}
+
+    def keep(self, tensors) -> None:
+        """The work's first completion callback (in the thread that completes it, before any the
+        program chains on it: a DDP comm hook's ``then`` that rescales the bucket): copies of the
+        outputs as the collective left them (on an accelerator, queued in stream order)."""
+        try:
+            with torch.no_grad():
+                self.kept = {id(t): t.detach().clone() for t in tensors}
+        except Exception:           # noqa: BLE001 - a callback must not fail the program's future
+            self.kept = {}
+
+
+class Pending:
+    """Collectives called and not yet complete, each holding its record's place in the part
+    (:meth:`ProbeSession.reserve`).  A record is made, from what a call waited for at once
+    would give, as soon as the probe sees the collective complete (checked at the start of each
+    later op): its ``Work``'s future completed (its outputs are then copied before any callback
+    the program chained on it runs, :meth:`_Entry.keep`), a ``wait_tensor`` on a functional
+    collective's result returned, or a later op using its outputs (the program must have waited
+    for that op to be correct).  Never waits itself, except for a bounded wait when the step ends
+    (:meth:`settle`)."""
+
+    def __init__(self, probe):
+        self.probe = probe
+        self.entries: list[_Entry] = []
+
+    def defer(self, func, out, name: str, where: tuple, args: tuple, kwargs: dict, undefined, extra) -> bool:
+        """Take the collective just called, instead of waiting for it; False where its outputs
+        must be read now (an inline check's handlers judge them at the call, or no work to await)."""
+        probe = self.probe
+        if extra is None or not probe.records_later:
+            return False            # no collective (wait_tensor, a wrapper's op), or an inline check
+        if func.namespace == "c10d":
+            if _arg(args, kwargs, func, _async_index(func)) is False:
+                return False        # a synchronous call: the program waits for it right away
+            work = _work(out)
+            if work is None or not _has_future(work):
+                return False        # a work that may never say it completed (gloo's reduce-scatter)
+        else:
+            work = None
+        stage, scope, grad_fn = where
+        place = probe.reserve(name, stage, scope, stack=ops.user_stack)
+        if place is None:           # filtered out after all: nothing to record or wait for
+            return True
+        tensors = [t for t in _leaves(out) if isinstance(t, torch.Tensor)]
+        entry = _Entry(place, (name, stage, scope, args, kwargs, out, func, grad_fn, undefined, extra),
+                       work, _storages(tensors))
+        self.entries.append(entry)
+        if work is not None:
+            work.get_future().add_done_callback(lambda _, e=entry, ts=tensors: e.keep(ts))
+        return True
+
+    def poll(self, func, args, kwargs) -> None:
+        """At the start of an op: record the collectives now complete, before the op runs (it
+        may overwrite their outputs)."""
+        functional = func.namespace == "_c10d_functional"
+        waits = functional and op_schema(func).name == _WAIT_TENSOR
+        used = None
+        done = []
+        for e in self.entries:
+            e.later += 1
+            if e.waited or e.kept is not None:
+                done.append((e, None))
+            elif not functional or waits:     # a functional collective's wrapping is no use of its result
+                if used is None:
+                    used = _storages(x for x in _leaves((args, kwargs)) if isinstance(x, torch.Tensor))
+                if e.storages & used:
+                    if waits and e.work is None:
+                        e.waited = True      # complete once wait_tensor has returned (at the next poll)
+                    else:
+                        done.append((e, None))
+            if e.later > MAX_LATER_OPS and not any(d[0] is e for d in done):
+                done.append((e, f"collective not complete {MAX_LATER_OPS} ops after its call"))
+        for e, reason in done:
+            self._record(e, reason)
+
+    def settle(self) -> None:
+        """The step ends (or the probe stops): every collective called is recorded, those the
+        program waited for with their values; one still incomplete after :data:`SETTLE_S` (or a
+        functional collective never waited for) with its outputs marked ``no_values``."""
+        deadline = time.monotonic() + SETTLE_S
+        while self.entries:
+            e = self.entries[0]
+            if e.work is None:
+                self._record(e, None if e.waited else "result of a collective not waited for within the step")
+                continue
+            self._record(e, None if _waited(e, deadline)
+                         else f"collective not complete {SETTLE_S:g} s after the step's end")
+
+    def _record(self, e: _Entry, reason: str | None) -> None:
+        self.entries.remove(e)
+        name, stage, scope, args, kwargs, out, func, grad_fn, undefined, extra = e.call
+        if reason is None and e.work is not None and (e.kept is not None or _waited(e, time.monotonic() + 1.0)):
+            kept = _changed(out, e.kept)     # the outputs as the work left them, where they changed since
+            if kept:
+                args, kwargs, out = _swap(args, kept), {k: _swap(v, kept) for k, v in kwargs.items()}, _swap(out, kept)
+        if reason is not None:
+            unread = _unread(e.storages, self.probe.backend.describe, reason)
+            args, kwargs, out = unread(args), {k: unread(v) for k, v in kwargs.items()}, unread(out)
+        self.probe.fill(e.place, name, stage, scope, args, kwargs, out, func=func, grad_fn=grad_fn,
+                        undefined=undefined, extra=extra)
+
+
+def _work(out):
+    for item in (out if isinstance(out, (tuple, list)) else (out,)):
+        if isinstance(item, torch.ScriptObject) and _type_name(item).endswith(".Work"):
+            return _dist().distributed_c10d.Work.unbox(item)
+    return None
+
+
+def _waited(e: _Entry, deadline: float) -> bool:
+    """Whether the entry's work completes (and its outputs are copied) by ``deadline``, polled (a
+    timed ``wait`` may fail the work); the sleeps let the completing thread take the GIL."""
+    while e.kept is None:
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.001)
+    return True
+
+
+def _changed(out, kept: dict) -> dict:
+    """The copies of the outputs a callback may have changed since: on the host those whose
+    values differ now (the others are recorded as themselves, so that the ops reading them next
+    share their measurement and saved data); on an accelerator every copy (comparing would
+    synchronise the host)."""
+    changed = {}
+    with torch.no_grad():
+        for t in _leaves(out):
+            copy = kept.get(id(t)) if isinstance(t, torch.Tensor) else None
+            if copy is not None and (t.device.type != "cpu" or not _same_bytes(t, copy)):
+                changed[id(t)] = copy
+    return changed
+
+
+def _same_bytes(a, b) -> bool:
+    """Bit for bit (a NaN equals itself)."""
+    try:
+        return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    except RuntimeError:
+        return torch.equal(a, b)
+
+
+def _swap(value, kept: dict):
+    if isinstance(value, (list, tuple)):
+        return type(value)(_swap(v, kept) for v in value)
+    if isinstance(value, torch.Tensor):
+        return kept.get(id(value), value)
+    return value
+
+
+def _has_future(work) -> bool:
+    """Whether ``work`` completes a future, which says when its outputs are final (a work
+    without one, gloo's reduce-scatter, may never say so; it is waited for at the call)."""
+    try:
+        work.get_future()
+    except RuntimeError:
+        return False
+    return True
+
+
+def _async_index(func):
+    hit = _async_arg.get(id(func))
+    if hit is None:
+        index = next((i for i, a in enumerate(op_schema(func).arguments) if a.name in ("async_op", "asyncOp")), None)
+        hit = _async_arg[id(func)] = (func, index)
+    return hit[1]
+
+
+def _leaves(value):
+    if isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _leaves(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _leaves(v)
+    else:
+        yield value
+
+
+def _storages(tensors) -> set:
+    out = set()
+    for t in tensors:
+        try:
+            out.add(t.untyped_storage().data_ptr())
+        except (RuntimeError, NotImplementedError):
+            pass
+    return out
+
+
+def _unread(storages: set, describe, reason: str):
+    """A function giving a value with every tensor in the collective's outputs' memory as
+    metadata only, ``no_values`` saying why."""
+    def swap(v):
+        if isinstance(v, (list, tuple)):
+            return type(v)(swap(x) for x in v)
+        if isinstance(v, torch.Tensor) and _storages((v,)) & storages:
+            spec = dict(describe(v)[0])
+            spec["no_values"] = reason
+            return Measured(spec)
+        return v
+    return swap
 
 
 def _type_name(obj) -> str:

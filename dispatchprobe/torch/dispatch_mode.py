@@ -72,6 +72,8 @@ class ProbeMode(TorchDispatchMode):
             return NotImplemented
         kwargs = kwargs or {}
         probe = self.probe
+        if probe.pending.entries and not probe.busy and not STATE.probe_work:
+            probe.pending.poll(func, args, kwargs)      # collectives complete now: recorded before this op
         facts = probe.facts(func)
         # every collective is numbered on its group, recorded or not, so ranks' numbers agree
         called = probe.collective_seq.describe(func, args, kwargs) if facts.collective and not probe.busy else None
@@ -106,9 +108,12 @@ class ProbeMode(TorchDispatchMode):
             # autograd moves a written tensor's version counter only once this call returns: count
             # the write now, so that the record measures the new values, not a cached earlier reading
             replace_args(written + facts.out_args, args, kwargs, probe.count_write)
-        if collective:            # outputs hold their values once the work is waited for
-            collectives.settle(func, out)
+        if collective:            # outputs hold their values once the work completes: recorded then
             seen_args, seen_kwargs = collectives.named_groups(func, seen_args, seen_kwargs)
+            if probe.pending.defer(func, out, facts.name, where, seen_args, seen_kwargs, undefined,
+                                   {"collective": called} if called else None):
+                return out
+            collectives.settle(func, out)
         stage, scope, grad_fn = where
         replaced = probe.on_op(facts.name, stage, scope, seen_args, seen_kwargs, out, func=func, grad_fn=grad_fn,
                                stack=ops.user_stack, undefined=undefined,

@@ -1,0 +1,68 @@
+"""Collectives are recorded when the program's wait completes them, never waited for at their call:
+async all-reduces on two groups that the 2 gloo ranks issue and wait for in opposite orders
+(``overlap_train.py``, ``torchrun`` on loopback) finish under the probe as they do unprobed, with
+each record at its call's place and holding the reduced values; one still running when the step
+ends is recorded as not waited for after a bounded wait."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from dispatchprobe.cli import main
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not built")
+SCRIPT = Path(__file__).with_name("overlap_train.py")
+
+
+def _records(out: Path, task: str, step: int, rank: int) -> list[dict]:
+    path = out / task / f"step{step}" / f"rank{rank}" / "ops.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_rank_dependent_waits_on_two_groups_do_not_block(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # the groups time out after 60 s: a probe that waited at the call fails the launch, never hangs it
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(SCRIPT), str(tmp_path)], capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    reduced = {"A": (20.0, 10.0), "B": (5.0, -5.0)}        # (max, min) of the sums over both ranks
+    for rank in (0, 1):
+        result = json.loads((tmp_path / f"result{rank}.json").read_text())
+        assert all(r["identical"] for r in result.values()), result
+        names = {}
+        for task in ("statistics", "tensor"):
+            for step in (0, 1):
+                records = _records(tmp_path, task, step, rank)
+                ops = [r["op"] for r in records]
+                calls = [r for r in records if r["op"] == "c10d.allreduce_.default"]
+                assert len(calls) == 2
+                # in call order: the exp before both, the multiply after both, whatever the completion
+                assert ops.index("aten.exp.default") < records.index(calls[0])
+                assert records.index(calls[1]) < len(ops) - 1 - ops[::-1].index("aten.mul.Tensor")
+                assert [r["id"] for r in records] == list(range(len(records)))
+                for rec in calls:
+                    out = rec["outputs"][0]["value"][0]
+                    assert "no_values" not in out
+                    group = rec["collective"]["group"]
+                    names.setdefault(group, "A" if out["stats"]["max"] == 20.0 else "B")
+                    assert (out["stats"]["max"], out["stats"]["min"]) == reduced[names[group]], (rank, rec)
+                    assert rec["collective"]["seq"] == step
+                # rank 0 issues A first, rank 1 B first
+                first = names[calls[0]["collective"]["group"]]
+                assert first == ("A" if rank == 0 else "B")
+    for task in ("statistics", "tensor"):
+        res = CliRunner().invoke(main, ["ranks", str(tmp_path / task)])
+        assert res.exit_code == 0, res.output[-3000:]
+    # a collective still running when the step ended: a bounded wait, then recorded as not waited for
+    assert [json.loads((tmp_path / f"late{rank}.json").read_text()) for rank in (0, 1)] == [[3.0] * 3] * 2
+    (late,) = [r for r in _records(tmp_path, "late", 0, 0) if r["op"] == "c10d.allreduce_.default"]
+    assert late["outputs"][0]["value"][0]["no_values"] == "collective not complete 1 s after the step's end"
+    assert late["inputs"][0]["value"][0]["stats"]["max"] == 1.0        # the input as given (copied first)
