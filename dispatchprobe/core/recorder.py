@@ -211,7 +211,7 @@ class Recorder(Handler):
                 self._measured(t, {"stats": st}, ident, dense)
             missing = now
         if missing:
-            stats = backend.tensor_stats([m[0] for m in missing], [m[2] for m in missing])
+            stats = backend.tensor_stats([m[0] for m in missing])
             measured = self._measured
             for (t, spec, ident, dense), st in zip(missing, stats):
                 spec["stats"] = st
