@@ -9,7 +9,11 @@ whole batch on the machine's threads, and one rank's work alone (its share of th
 thread count), which separates what recording a distributed step costs from what recording a
 smaller step does.
 
-    python benchmarks/distributed_overhead.py [--steps 8] [--quick] [--nproc 2]
+    python benchmarks/distributed_overhead.py [--steps 8] [--quick] [--nproc 2] [--kinds ddp] [--bucket-mb 1]
+
+``--bucket-mb``: DDP's bucket size (torch's default 25 MB makes one bucket of this model, reduced
+after the backward; 1 MB makes several, whose asynchronous all-reduces overlap the rest of the
+backward, as in a large model's step).
 
 The ranks are launched with ``python -m torch.distributed.run --standalone`` (gloo on loopback).
 """
@@ -39,9 +43,9 @@ def _model(quick: bool):
     return TinyTransformer(**kw), kw
 
 
-def _wrap(kind: str, model):
+def _wrap(kind: str, model, bucket_mb: float | None = None):
     if kind == "ddp":
-        return torch.nn.parallel.DistributedDataParallel(model)
+        return torch.nn.parallel.DistributedDataParallel(model, **({"bucket_cap_mb": bucket_mb} if bucket_mb else {}))
     if kind == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -52,12 +56,12 @@ def _wrap(kind: str, model):
     return model
 
 
-def measure(kind: str, steps: int, quick: bool, dump: str, shares: int = 1) -> dict:
+def measure(kind: str, steps: int, quick: bool, dump: str, shares: int = 1, bucket_mb: float | None = None) -> dict:
     """Median seconds per step, unprobed and probed (alternating), in this process; ``shares``
     (one process only): train on the first of that many shares of the batch, as a rank does."""
     rank, world = (torch.distributed.get_rank(), torch.distributed.get_world_size()) if kind != "single" else (0, 1)
     model, kw = _model(quick)
-    model = _wrap(kind, model)
+    model = _wrap(kind, model, bucket_mb)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     batch = 8
     tokens, targets = lm_batch(batch=batch, seq=kw["seq"], vocab=kw["vocab"])
@@ -88,9 +92,9 @@ def measure(kind: str, steps: int, quick: bool, dump: str, shares: int = 1) -> d
             "probed": statistics.median(probed)}
 
 
-def _worker(kind: str, steps: int, quick: bool, dump: str, out: str) -> None:
+def _worker(kind: str, steps: int, quick: bool, dump: str, out: str, bucket_mb: float | None) -> None:
     torch.distributed.init_process_group("gloo")
-    res = measure(kind, steps, quick, dump)
+    res = measure(kind, steps, quick, dump, bucket_mb=bucket_mb)
     with open(os.path.join(out, f"{kind}-rank{res['rank']}.json"), "w") as f:
         json.dump(res, f)
     torch.distributed.barrier()
@@ -102,11 +106,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--quick", action="store_true", help="a smaller transformer (smoke runs)")
     parser.add_argument("--nproc", type=int, default=2, help="ranks of the DDP and FSDP2 runs")
+    parser.add_argument("--kinds", default="ddp,fsdp2", help="the distributed runs, comma-separated")
+    parser.add_argument("--bucket-mb", type=float, help="DDP's bucket_cap_mb (default: torch's)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--tmp", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        _worker(args.worker, args.steps, args.quick, os.path.join(args.tmp, "runs"), args.tmp)
+        _worker(args.worker, args.steps, args.quick, os.path.join(args.tmp, "runs"), args.tmp, args.bucket_mb)
         return
     tmp = tempfile.mkdtemp(prefix="dist_overhead_")
     try:
@@ -117,9 +123,11 @@ def main() -> None:
         rows.append(measure("single", args.steps, args.quick, os.path.join(tmp, "runs"), shares=args.nproc))
         torch.set_num_threads(threads)
         env = {**os.environ, "OMP_NUM_THREADS": str(rank_threads)}
-        for kind in ("ddp", "fsdp2"):
+        for kind in args.kinds.split(","):
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc),
                    os.path.abspath(__file__), "--worker", kind, "--tmp", tmp, "--steps", str(args.steps)]
+            if args.bucket_mb:
+                cmd += ["--bucket-mb", str(args.bucket_mb)]
             done = subprocess.run(cmd + (["--quick"] if args.quick else []), capture_output=True, text=True, env=env)
             if done.returncode:
                 raise SystemExit(f"{kind} ranks failed:\n{done.stderr[-3000:]}")
