@@ -1,6 +1,7 @@
 """Async collectives on two process groups that each rank issues and waits for in its own order
 (rank 0: A then B, rank 1: B then A), on 2 gloo ranks, under the statistics and tensor tasks; run
-by ``test_collective_overlap.py`` as ``torchrun --nproc-per-node 2 overlap_train.py OUT``.  A probe
+by ``test_collective_overlap.py`` as ``torchrun --nproc-per-node 2 overlap_train.py OUT`` (and with
+``--nproc-per-node 1 ... OUT functional``: functional collectives, :func:`functional`).  A probe
 that waited for each collective at its call would block both ranks (rank 0 in A, which rank 1 has
 not issued, rank 1 in B): the groups' timeout turns that into an error instead of a hang.  Each
 rank writes ``OUT/result{rank}.json``: the reduced values it computed, and whether they match the
@@ -62,9 +63,28 @@ def late(out: str, group, rank: int) -> None:
         json.dump(x.tolist(), f)
 
 
+def functional(out: str) -> None:
+    """Functional collectives (DTensor's): one whose result is used (recorded with its values
+    where it was called), one never waited for (its outputs recorded as not waited for)."""
+    import torch.distributed._functional_collectives as fc
+    probe = DispatchProbe(task="statistics", dump_path=os.path.join(out, "functional"))
+    x = torch.arange(4.0)
+    with probe:
+        used = fc.all_reduce(x, "sum", dist.group.WORLD)
+        (used * 2).sum()
+        fc.all_reduce(x + 1, "sum", dist.group.WORLD)
+        (x - 1).sum()
+    probe.step()
+    probe.close()
+
+
 def main() -> None:
     out = sys.argv[1]
     dist.init_process_group("gloo", timeout=TIMEOUT)
+    if sys.argv[2:] == ["functional"]:
+        functional(out)
+        dist.destroy_process_group()
+        return
     rank = dist.get_rank()
     groups = {"A": dist.new_group([0, 1], timeout=TIMEOUT), "B": dist.new_group([0, 1], timeout=TIMEOUT)}
     plain = step(groups, rank)

@@ -27,12 +27,16 @@ def _records(out: Path, task: str, step: int, rank: int) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def test_rank_dependent_waits_on_two_groups_do_not_block(tmp_path):
+def _launch(nproc: int, *args) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    # the groups time out after 60 s: a probe that waited at the call fails the launch, never hangs it
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(SCRIPT), str(tmp_path)], capture_output=True, text=True, timeout=240, env=env)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                           str(nproc), str(SCRIPT), *map(str, args)], capture_output=True, text=True, timeout=240, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+def test_rank_dependent_waits_on_two_groups_do_not_block(tmp_path):
+    # the groups time out after 60 s: a probe that waited at the call fails the launch, never hangs it
+    _launch(2, tmp_path)
     reduced = {"A": (20.0, 10.0), "B": (5.0, -5.0)}        # (max, min) of the sums over both ranks
     for rank in (0, 1):
         result = json.loads((tmp_path / f"result{rank}.json").read_text())
@@ -66,3 +70,15 @@ def test_rank_dependent_waits_on_two_groups_do_not_block(tmp_path):
     (late,) = [r for r in _records(tmp_path, "late", 0, 0) if r["op"] == "c10d.allreduce_.default"]
     assert late["outputs"][0]["value"][0]["no_values"] == "collective not complete 1 s after the step's end"
     assert late["inputs"][0]["value"][0]["stats"]["max"] == 1.0        # the input as given (copied first)
+
+
+def test_functional_collective_is_recorded_at_its_first_use(tmp_path):
+    _launch(1, tmp_path, "functional")
+    records = _records(tmp_path, "functional", 0, 0)
+    used, unused = [r for r in records if r["op"] == "_c10d_functional.all_reduce.default"]
+    ops = [r["op"] for r in records]
+    # each at its call's place: before the ops that ran while it was pending
+    assert ops.index("aten.mul.Tensor") > records.index(used) and ops.index("aten.sub.Tensor") > records.index(unused)
+    assert used["outputs"][0]["stats"]["max"] == 3.0 and "no_values" not in used["outputs"][0]
+    assert unused["outputs"][0]["no_values"] == "result of a collective not waited for within the step"
+    assert unused["inputs"][0]["stats"]["max"] == 4.0          # its input, as given
