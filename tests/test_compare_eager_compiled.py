@@ -3,7 +3,11 @@ computes twice: a router normalising its top-k weights in place (``top /= top.su
 mixture of experts does) makes eager's ``div`` backward compute ``top / sum`` again, which the
 compiled backward takes from the forward.  The compiled backward's one ``div`` pairs with the eager
 ``div`` of the same values (the closest statistics among the records of its kind), and the eager
-``div_`` with the graph's functional ``div``, argument by argument: compare exits 0, either run as A."""
+``div_`` with the graph's functional ``div``, argument by argument: compare exits 0, either run as A.
+
+And where the graph calls one module's independent calls in another order than eager (dynamo
+iterates a ``set`` in insertion order, Python in hash order: Gemma3's rotary embedding, called once
+per attention kind), each call pairs with the one computing the same values."""
 
 from __future__ import annotations
 
@@ -83,3 +87,84 @@ def test_recomputed_div_pairs_with_the_same_values(runs, tmp_path, eager_is):
     # the in-place div_ and the graph's div: inputs compared too, not only the output
     inplace = table[(table["stage"] == "forward") & table["op_a"].isin(["aten.div_.Tensor", "aten.div.Tensor"])]
     assert sorted(inplace["arg"]) == ["input.0", "input.1", "output.0"], inplace[["op_a", "op_b", "arg"]]
+
+
+# ---- a module's calls made in another order ----------------------------------------------------------
+KINDS = ("local", "global")
+
+
+class Tables(nn.Module):
+    """cos and sin of positions times one of two frequency tables, chosen by name (a rotary
+    embedding called once per attention kind)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("local_freq", 1.0 / 10.0 ** torch.arange(0, 1, 0.125))
+        self.register_buffer("global_freq", 1.0 / 1000.0 ** torch.arange(0, 1, 0.125))
+
+    def forward(self, pos, kind):
+        angles = pos[:, None] * getattr(self, kind + "_freq")
+        return angles.cos(), angles.sin()
+
+
+class TwoKinds(nn.Module):
+    """Both tables computed first, in reverse order when compiled (as a graph traced from a loop over
+    a ``set`` may), then used in one fixed order."""
+
+    def __init__(self):
+        super().__init__()
+        self.tables = Tables()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        kinds = KINDS[::-1] if torch.compiler.is_compiling() else KINDS
+        pos = torch.arange(x.shape[0], dtype=x.dtype)
+        emb = {k: self.tables(pos, k) for k in kinds}
+        h = self.proj(x)
+        for k in KINDS:
+            cos, sin = emb[k]
+            h = h * cos + h.roll(1, -1) * sin
+        return h.square().mean()
+
+
+def _record_kinds(path, compiled: bool):
+    torch.manual_seed(0)
+    model = TwoKinds()
+    x = torch.randn(8, 8, generator=torch.Generator().manual_seed(1))
+    if compiled:
+        backend = probe_backend(task="tensor", dump_path=str(path), inner="aot_eager")
+        torch.compile(model, backend=backend)(x).backward()
+        backend.close()
+        torch._dynamo.reset()
+    else:
+        probe = DispatchProbe(task="tensor", dump_path=str(path))
+        with probe:
+            model(x).backward()
+        probe.close()
+    return path
+
+
+def _first_table_read(path) -> float:
+    """The mean of the frequency table the run's first ``Tables`` call read."""
+    import json
+    for line in open(path / "step0" / "rank0" / "ops.jsonl"):
+        r = json.loads(line)
+        if r["kind"] == "op" and r["scope"] == "TwoKinds.tables" and r["op"] == "aten.mul.Tensor":
+            return r["inputs"][1]["stats"]["mean"]
+    raise AssertionError("no Tables call recorded")
+
+
+def test_calls_made_in_another_order_pair_by_their_values(tmp_path):
+    eager, compiled = _record_kinds(tmp_path / "eager", False), _record_kinds(tmp_path / "compiled", True)
+    # the graph did call the tables the other way round
+    assert _first_table_read(eager) != _first_table_read(compiled)
+    for a, b in ((eager, compiled), (compiled, eager)):
+        out = tmp_path / f"out_{a.name}"
+        res = CliRunner().invoke(main, ["compare", str(a), str(b), "-o", str(out)])
+        assert res.exit_code == 0, res.output
+        assert "no forward divergence" in res.output and "no backward divergence" in res.output, res.output
+        table = pd.read_csv(out / "compare.csv", keep_default_na=False)
+        tables = table[table["scope"] == "TwoKinds.tables"]
+        # each call's cos, sin and angles with the same values (the aten ops run as eager runs them)
+        assert len(tables.drop_duplicates("seq")) == 6 and set(tables["status"]) == {"pass"}, tables
+        assert (tables["max_abs_err"].astype(float) == 0).all(), tables[["seq", "op_a", "arg", "max_abs_err"]]

@@ -6,8 +6,9 @@ Runs on different devices, dtypes or versions differ in their op sequences (``ad
 ``(scope, op)`` (e.g. another batch size), then on ``(scope, cast or compute, output shapes)`` (a
 substituted kernel: a cast never stands in for a compute op), then on ``(op, output shapes)``
 between nested scopes (a layer wrapped in one run only, ``fc2`` vs ``fc2.inner``); the scope in
-every key keeps pairs inside one module or its wrapper.  Module records pair by
-``(scope, stage, call)``; ``match="exact"`` pairs by record name.  Whatever is left is returned
+every key keeps pairs inside one module or its wrapper; a module's repeated calls that one run
+makes in another order (a compiled graph's loop over a ``set``) re-pair by their values.  Module
+records pair by ``(scope, stage, call)``; ``match="exact"`` pairs by record name.  Whatever is left is returned
 as unmatched, never dropped.  A mapping (YAML, see docs/compare.md) first renames A's ops and
 scope prefixes into B's vocabulary.  Runs of two frameworks compare a span of records each run
 computes differently (a loss cell against ``F.cross_entropy``) as one region, by its data flow:
@@ -240,6 +241,9 @@ def align_ops(recs_a: list, recs_b: list, ia: list, ib: list, mapping: Mapping, 
         gaps = next_gaps
     if _closest_siblings(recs_a, recs_b, pairs, gaps):   # a pair moved: the gaps between pairs moved too
         gaps = _between_pairs(ia, ib, pairs)
+    if not cross and _reordered_calls(recs_a, recs_b, ia, ib, pairs):
+        paired_a, paired_b = {p[0] for p in pairs}, {p[1] for p in pairs}
+        gaps = [([i for i in ia if i not in paired_a], [j for j in ib if j not in paired_b])]
     spans: list = []
     if cross:
         gaps = _pair_leftovers(recs_a, recs_b, gaps, keyers[0][1], mapping, pairs)
@@ -322,6 +326,76 @@ def _closest_siblings(recs_a: list, recs_b: list, pairs: list, gaps: list) -> bo
                 lst.remove(new)
                 bisect.insort(lst, old)
         pairs[k] = (x, y, how)
+        moved = True
+    return moved
+
+
+def _reordered_calls(recs_a: list, recs_b: list, ia: list, ib: list, pairs: list) -> bool:
+    """Re-pair the records of one stretch of a module's ops (consecutive records of one scope in
+    each run) among those of the same op and output shapes, the closest values first, where that
+    brings the stretch's pairs strictly closer than the order does: one run may make a module's
+    independent calls in another order (a compiled graph traced from a loop over a ``set`` runs it
+    in insertion order, eager Python in hash order: Gemma3's rotary embedding per attention kind),
+    and the order alone pairs each call with the other's.  Unpaired records of the stretch take
+    part (a call one run computes a value of once less).  A group moves only where its pairs'
+    distance (outputs' and inputs' statistics together) falls to half or less: rounding noise
+    (a bf16 run's two adds of near-equal outputs) never reorders pairs.  Ties keep the ordered
+    pairs.  Changes ``pairs`` in place (they may then cross inside the stretch); True if any moved."""
+    def stretches(recs, idx):
+        out, run, prev = {}, -1, None
+        for i in idx:
+            if recs[i]["scope"] != prev:
+                run, prev = run + 1, recs[i]["scope"]
+            out[i] = run
+        return out
+    run_a, run_b = stretches(recs_a, ia), stretches(recs_b, ib)
+    groups: dict = {}       # (stretch A, stretch B, op, shapes) -> indices into pairs
+    for k, (i, j, _) in enumerate(pairs):
+        if i in run_a and j in run_b:
+            groups.setdefault((run_a[i], run_b[j], *_sibling(recs_a[i])[1:]), []).append(k)
+    paired_a, paired_b = {p[0] for p in pairs}, {p[1] for p in pairs}
+    members: tuple = ({}, {})     # (stretch, op, shapes) -> the unpaired records of it, per side
+    for side, recs, idx, run, paired in ((0, recs_a, ia, run_a, paired_a), (1, recs_b, ib, run_b, paired_b)):
+        for i in idx:
+            if i not in paired:
+                members[side].setdefault((run[i], *_sibling(recs[i])[1:]), []).append(i)
+    # a group of one pair takes part where its stretch holds an unpaired record of its kind
+    groups = {g: ks for g, ks in groups.items() if len(ks) <= _MAX_GROUP and (
+        len(ks) > 1 or (g[0], *g[2:]) in members[0] or (g[1], *g[2:]) in members[1])}
+    if not groups:
+        return False
+    moved = False
+    for (sa, sb, op, shapes), ks in groups.items():
+        old = [pairs[k] for k in ks]
+        cand_a = sorted({p[0] for p in old} | set(members[0].get((sa, op, shapes), ())))
+        cand_b = sorted({p[1] for p in old} | set(members[1].get((sb, op, shapes), ())))
+        if len(cand_a) > _MAX_GROUP or len(cand_b) > _MAX_GROUP:
+            continue
+        cost = {(x, y): sum(_closeness(recs_a[x], recs_b[y])) for x in cand_a for y in cand_b}
+        # ties: the ordered pass's pairs, then the nearest in order, the earliest (the same either way round)
+        at_a, at_b = {x: n for n, x in enumerate(cand_a)}, {y: n for n, y in enumerate(cand_b)}
+        ordered = {(p[0], p[1]) for p in old}
+        ranked = sorted(cost, key=lambda xy: (cost[xy], xy not in ordered, abs(at_a[xy[0]] - at_b[xy[1]]),
+                                              at_a[xy[0]] + at_b[xy[1]], xy))
+        used_a, used_b, new = set(), set(), []
+        for x, y in ranked:
+            if x not in used_a and y not in used_b:
+                used_a.add(x)
+                used_b.add(y)
+                new.append((x, y))
+                if len(new) == len(old):
+                    break
+        # (an ordered pair of non-finite statistics, a value gone inf or nan, stays where it is)
+        before = sum(cost[xy] for xy in ordered)
+        if set(new) == ordered or not math.isfinite(before) or not 2 * sum(cost[xy] for xy in new) < before:
+            continue
+        how = old[0][2]
+        for k, (x, y) in zip(ks, sorted(new)):
+            pairs[k] = (x, y, how)
+        for side, key, was, now in ((0, (sa, op, shapes), {p[0] for p in old}, used_a),
+                                    (1, (sb, op, shapes), {p[1] for p in old}, used_b)):
+            free = set(members[side].get(key, ())) - now | (was - now)
+            members[side][key] = sorted(free)
         moved = True
     return moved
 

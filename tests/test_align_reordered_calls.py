@@ -1,0 +1,66 @@
+"""align on records alone: a module's independent calls that one run makes in another order (a
+compiled graph's loop over a ``set``) pair by their values, a call computing one value fewer
+included; rounding noise and a value gone nan keep the order."""
+
+from __future__ import annotations
+
+import math
+
+from dispatchprobe.offline.align import align
+
+
+def _spec(mean: float, norm: float) -> dict:
+    return {"type": "tensor", "dtype": "float32", "shape": [8], "stats": {"mean": mean, "norm": norm}}
+
+
+def _op(scope: str, op: str, inp: tuple, out: tuple) -> dict:
+    return {"kind": "op", "stage": "forward", "scope": scope, "op": op, "inputs": [_spec(*inp)],
+            "outputs": [_spec(*out)]}
+
+
+def _call(table: float, cast: bool = True) -> list:
+    """One call of ``Net.rope`` on the frequency table of mean ``table``: a cast, a mul, a cos."""
+    ops = [_op("Net.rope", "aten._to_copy.default", (table, 3 * table), (table, 3 * table))] if cast else []
+    return ops + [_op("Net.rope", "aten.mul.Tensor", (table, 2 * table), (4 * table, 9 * table)),
+                  _op("Net.rope", "aten.cos.default", (4 * table, 9 * table), (0.5 - table, 2.0 + table))]
+
+
+def _run(calls: list) -> list:
+    head = [_op("Net.embed", "aten.embedding.default", (0.1, 1.0), (0.2, 3.0))]
+    tail = [_op("Net.proj", "aten.mm.default", (0.2, 3.0), (0.3, 4.0))]
+    return head + [r for c in calls for r in c] + tail
+
+
+def _pairs(a: list, b: list) -> dict:
+    return {i: j for i, j, _ in align(a, b).pairs}
+
+
+def test_calls_in_another_order_pair_by_values():
+    # eager: the global table's call, then the local one's; compiled: the other way round, its
+    # second call's cast folded away
+    a = _run([_call(0.15), _call(0.18)])
+    b = _run([_call(0.18), _call(0.15, cast=False)])
+    pairs = _pairs(a, b)
+    for i, j in pairs.items():
+        assert a[i]["outputs"] == b[j]["outputs"] and a[i]["op"] == b[j]["op"], (i, j)
+    assert len(pairs) == len(b), pairs           # every compiled record pairs; eager's second cast stays alone
+    # either run as A: the same pairs
+    assert {j: i for i, j in _pairs(b, a).items()} == pairs
+
+
+def test_rounding_noise_keeps_the_order():
+    """Two calls whose outputs are near-equal, one run's values off by rounding: a crosswise
+    pairing that is not at least twice as close leaves the ordered pairs."""
+    a = _run([_call(0.15), _call(0.1501)])
+    b = _run([_call(0.15 * (1 + 4e-4)), _call(0.1501 * (1 - 4e-4))])
+    assert _pairs(a, b) == {i: i for i in range(len(a))}
+
+
+def test_a_value_gone_nan_stays_in_its_pair():
+    """A's first cast gone nan: its pair is not traded for the unpaired cast of A's second call,
+    which would leave the nan unpaired."""
+    a = _run([_call(0.15), _call(0.18)])
+    b = _run([_call(0.18), _call(0.15, cast=False)])
+    a[1]["outputs"] = [_spec(math.nan, math.nan)]
+    pairs = _pairs(a, b)
+    assert pairs[1] == 1 and 4 not in pairs, pairs
