@@ -20,7 +20,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from . import collectives, device_stats, fused_stats, tensor_kinds
 from ..standards import statistics
 from .internals.dispatch import no_functorch, set_grad_enabled
-from .internals.tensors import MKLDNN, is_view, storage_expired, tensor_base, tensor_version
+from .internals.tensors import MKLDNN, is_view, storage_expired, storage_from_weak, tensor_base, tensor_version
 from .ops import dtype_name
 from .process_state import STATE
 from .snapshots import nbytes, save_shard, snapshot, span_snapshot  # noqa: F401 (the contract's members)
@@ -462,7 +462,9 @@ def shape(t: torch.Tensor) -> list[int]:
 def memory_ref(t: torch.Tensor):
     """A weak reference to ``t``'s memory (None if it has none): while it is alive, no other
     tensor can be given the same address, so an address-based cache key stays truthful.  A weak
-    reference neither keeps the memory nor stops its owner from resizing it (FSDP2).
+    reference neither keeps the memory nor stops its owner from resizing it (FSDP2), so it holds
+    the address its storage had too: a storage resized to 0 (and perhaps back, elsewhere) lives
+    on, but the memory it gave back may be another tensor's now (:func:`memory_alive`).
 
     torch keeps a storage's Python object for as long as the storage lives, so a Python weak
     reference to that object lives exactly as long as the memory, and the storage is freed as
@@ -475,7 +477,27 @@ def memory_ref(t: torch.Tensor):
         storage = t.untyped_storage()
     except (RuntimeError, NotImplementedError, TypeError):
         return None
-    return _weak(storage) if _STORAGE_OBJECTS_KEPT else StorageWeakRef(storage)
+    return _MemoryRef(storage) if _STORAGE_OBJECTS_KEPT else _StorageRef(storage)
+
+
+class _MemoryRef(weakref.ref):
+    """A weak reference to a storage's Python object and the address of its memory then."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, storage):
+        super().__init__(storage)
+        self.ptr = storage.data_ptr()
+
+
+class _StorageRef(StorageWeakRef):
+    """:class:`_MemoryRef` where torch does not keep storages' Python objects."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, storage):
+        super().__init__(storage)
+        self.ptr = storage.data_ptr()
 
 
 def cache_entry(ref, value) -> tuple:
@@ -486,7 +508,7 @@ def cache_entry(ref, value) -> tuple:
     of values, which every collection would otherwise walk.  The pair needs its own call: CPython
     untracks a tuple by itself only where it holds no dict or weak reference."""
     pair = (ref, value)
-    if _untrack is not None and type(ref) is _WEAKREF and type(value) is dict and ref.__callback__ is None \
+    if _untrack is not None and type(ref) is _MemoryRef and type(value) is dict and ref.__callback__ is None \
             and not any(map(_tracked, value.values())):
         if _tracked(ref):           # one reference serves a value's entries under both its keys
             _untrack(ref)
@@ -507,14 +529,19 @@ def _untracker():
 
 
 _untrack = _untracker()
-_WEAKREF = weakref.ReferenceType
 _tracked = gc.is_tracked
 
 
 def memory_alive(ref) -> bool:
+    """Whether the memory :func:`memory_ref` saw is still its storage's: the storage lives and
+    holds the same address (FSDP2 frees its unsharded parameters' memory by resizing their
+    storage to 0 and keeps the storage; a new tensor may be given that address meanwhile)."""
     if ref is None:
         return False
-    return ref() is not None if _STORAGE_OBJECTS_KEPT else not _expired(ref.cdata)
+    if _STORAGE_OBJECTS_KEPT:
+        storage = ref()
+        return storage is not None and storage.data_ptr() == ref.ptr
+    return not _expired(ref.cdata) and storage_from_weak(ref.cdata).data_ptr() == ref.ptr
 
 
 def _storage_objects_kept() -> bool:

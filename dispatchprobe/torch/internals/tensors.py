@@ -9,7 +9,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 __all__ = ["FakeTensor", "MKLDNN", "DISABLED_DISPATCH", "functorch", "tensor_version", "tensor_base", "is_view", "dtensor_spec",
-           "is_zerotensor", "local_tensor", "foreach_norm", "safetensors_codes", "storage_expired"]
+           "is_zerotensor", "local_tensor", "foreach_norm", "safetensors_codes", "storage_expired",
+           "storage_from_weak"]
 
 #: The mkldnn layout (a layout with no public name).
 MKLDNN = torch._mkldnn
@@ -32,6 +33,9 @@ tensor_base = operator.attrgetter("_base")
 
 #: Whether a storage held by ``StorageWeakRef`` was freed, from its ``cdata`` (two calls fewer than its method).
 storage_expired = torch.UntypedStorage._expired
+
+#: The storage a ``StorageWeakRef``'s ``cdata`` refers to (one not expired), as a new strong reference.
+storage_from_weak = torch.UntypedStorage._new_with_weak_ptr
 
 #: Norms of a list of tensors in one call (what optimizers' gradient clipping uses).
 foreach_norm = torch._foreach_norm
