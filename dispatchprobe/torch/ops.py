@@ -9,7 +9,7 @@ import functools
 import torch
 
 from ..core import nested_values, op_traits
-from . import collectives
+from ..core.collective_roles import NAMESPACES
 from .internals.dispatch import op_schema, schema_info
 
 
@@ -103,7 +103,7 @@ def is_random(func) -> bool:
     """Never run again by a check: draws random numbers (by name, or any op with a ``generator``
     argument), or talks to other ranks (a collective re-run on one rank desynchronises its group)."""
     return base(func) in op_traits.RANDOM or any(a.name == "generator" for a in op_schema(func).arguments) \
-        or collectives.is_collective(func)
+        or getattr(func, "namespace", None) in NAMESPACES
 
 
 @functools.cache
