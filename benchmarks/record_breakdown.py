@@ -52,8 +52,9 @@ def parts(probe) -> list:
         ("value cache", recorder.Recorder, "_measured"),
         ("statistics (Python)", backend, "tensor_stats"),
         ("statistics kernel", fused_stats, "tree_rows"),
+        ("statistics kernel", fused_stats, "described_rows"),
         ("statistics kernel", backend, "device_stats_row"),
-        ("building the record", recorder.Recorder, "encode"),
+        ("building the record", recorder.Recorder, "_record"),
         ("writing", recorder.Recorder, "emit"),
     ]
 

@@ -95,7 +95,7 @@ def tensor(values: np.ndarray, dtype: str):
 
 
 # ---- statistics ------------------------------------------------------------------------------------
-def tensor_stats(tensors: list) -> list[dict | None]:
+def tensor_stats(tensors: list, keys: list | None = None) -> list[dict | None]:
     return [hn.stats(host(t)) if numel(t) else None for t in tensors]
 
 

@@ -32,14 +32,22 @@ def _same_records(tmp_path, monkeypatch, run, **config) -> tuple[list, float]:
     """The records ``run(probe)`` writes with the native statistics, checked equal, byte for byte,
     to those it writes with torch's operations, as parsed JSON (NaN and Infinity kept as their
     spelling), and the share of the tensors measured whose numbers the library gave."""
-    read = fused_stats.tree_rows
+    read, described = fused_stats.tree_rows, backend._described_records
     out = []
     handed, measured = [], []         # tensors handed to the library, tensors measured
+
+    def described_counted(ts, keys):      # the per-op path: read from the facts their description holds
+        records = described(ts, keys)
+        if records is not None:
+            handed.extend(ts)
+        return records
     for native in (True, False):
         with monkeypatch.context() as m:
-            m.setattr(backend, "tensor_stats", lambda ts, k=backend.tensor_stats: measured.extend(ts) or k(ts))
+            m.setattr(backend, "tensor_stats",
+                      lambda ts, keys=None, k=backend.tensor_stats: measured.extend(ts) or k(ts, keys))
             if native:
                 m.setattr(fused_stats, "tree_rows", lambda ts: handed.extend(ts) or read(ts))
+                m.setattr(backend, "_described_records", described_counted)
             else:
                 m.setattr(fused_stats, "tree_rows", None)
             probe = DispatchProbe(task="statistics", dump_path=str(tmp_path / f"native{native}"), **config)

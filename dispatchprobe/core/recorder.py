@@ -93,19 +93,33 @@ class Recorder(Handler):
         tensors are reduced on the device and filled in later (:meth:`emit` then holds the record
         until they are)."""
         save = self.save_tensors if save is None else save
+        return self._record(event.kind, event.op, event.stage, event.scope, event.call, event.args, event.kwargs,
+                            event.outputs, event.grad_fn, event.stack, event.undefined, event.extra,
+                            event if save and event.func is not None else None, save, defer)
+
+    def record_op(self, op: str, stage: str, scope: str, call: int, args, kwargs, outputs, *, func, grad_fn,
+                  stack, undefined, extra) -> None:
+        """:meth:`on_op` of an op call given by its fields: a session whose one handler is the
+        recorder (the recording tasks) makes no :class:`OpEvent` per op."""
+        save = self.save_tensors
+        same_of = OpEvent("op", op, stage, scope, call, args, kwargs, outputs, func=func) \
+            if save and func is not None else None
+        self.emit(self._record("op", op, stage, scope, call, args, kwargs, outputs, grad_fn, stack, undefined, extra,
+                               same_of, save, True))
+
+    def _record(self, kind, op, stage, scope, call, args, kwargs, out, grad_fn, stack, undefined, extra,
+                same_of, save: bool, defer: bool) -> dict:
+        """:meth:`encode`, from the event's fields; ``same_of``: the event whose outputs may hold an
+        input's values (:meth:`TensorBackend.same_values`), where tensors are saved."""
         found: list[tuple] = []
-        stack = event.stack
-        record = {"id": None, "kind": event.kind, "name": record_name(event.kind, event.op, event.scope, event.stage,
-                                                                      event.call),
-                  "op": event.op, "stage": event.stage, "scope": event.scope, "call": event.call,
-                  "grad_fn": event.grad_fn, "stack": self.part.stack_id(stack) if stack else None}
+        record = {"id": None, "kind": kind, "name": record_name(kind, op, scope, stage, call), "op": op,
+                  "stage": stage, "scope": scope, "call": call, "grad_fn": grad_fn,
+                  "stack": self.part.stack_id(stack) if stack else None}
         values = self._encode_values
         if self._inputs:
-            record["inputs"] = values(found, event.args)
-            kwargs = event.kwargs
+            record["inputs"] = values(found, args)
             record["kwargs"] = {k: self._encode_value(found, v) for k, v in kwargs.items()} if kwargs else {}
         if self._outputs:
-            out = event.outputs
             if isinstance(out, (tuple, list)):
                 record["output_type"] = "tuple" if isinstance(out, tuple) else "list"
                 record["outputs"] = values(found, out)
@@ -113,15 +127,14 @@ class Recorder(Handler):
                 record["output_type"] = "single"
                 record["outputs"] = values(found, (out,))
         if found:
-            undefined = event.undefined
             if undefined:
                 for t, spec, *_ in found:
                     if id(t) in undefined:
                         spec["undefined"] = True
-            same = self.backend.same_values(event) if save and event.func is not None else None
+            same = self.backend.same_values(same_of) if same_of is not None else None
             self._fill_tensors(found, save, same, defer and not self.checksum)
-        if event.extra:
-            record.update(event.extra)
+        if extra:
+            record.update(extra)
         return record
 
     def _fill_found(self, found: list, undefined: set | None, save: bool, same: dict | None, defer: bool) -> None:
@@ -211,7 +224,7 @@ class Recorder(Handler):
                 self._measured(t, {"stats": st}, ident, dense)
             missing = now
         if missing:
-            stats = backend.tensor_stats([m[0] for m in missing])
+            stats = backend.tensor_stats([m[0] for m in missing], [m[2] for m in missing])
             measured = self._measured
             for (t, spec, ident, dense), st in zip(missing, stats):
                 spec["stats"] = st

@@ -122,6 +122,9 @@ class ProbeSession:
         # need only statistics, as its entry measured before the write (stand_in_for_written);
         # then an op's record also goes to the recorder without an event (on_op)
         self._measure_written = self.handlers == [self.recorder] and self.recorder.measures_only
+        # the recording tasks: an op goes to the recorder as its fields, without an event (unless
+        # a session class decides per event, overriding dispatch)
+        self._recorder_only = self.handlers == [self.recorder] and type(self).dispatch is ProbeSession.dispatch
         self.busy = False              # handlers are running: their own calls are not the user's
         self.record_ops = self.config.level in ("op", "mix")
         self.record_modules = self.config.level in ("module", "mix") and self.task.records_modules
@@ -346,6 +349,10 @@ class ProbeSession:
         self.busy = True
         try:
             with self._quiet():
+                if self._recorder_only:
+                    self.recorder.record_op(op, stage, scope, call, args, kwargs, outputs, func=func, grad_fn=grad_fn,
+                                            stack=frames, undefined=undefined or None, extra=extra)
+                    return None
                 event = OpEvent("op", op, stage, scope, call, args, kwargs, outputs, grad_fn=grad_fn,
                                 stack=frames, func=func, undefined=undefined or None, extra=extra)
                 return self.dispatch(event)

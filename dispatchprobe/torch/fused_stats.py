@@ -69,7 +69,12 @@ def rows(tensors) -> array.array:
     for t in tensors:
         shape = t.shape
         desc += (t.data_ptr(), DTYPE_CODES[t.dtype], len(shape), *shape, *t.stride())
-    count = len(tensors)
+    return described_rows(desc, len(tensors))
+
+
+def described_rows(desc: list, count: int) -> array.array:
+    """:func:`rows` of ``count`` tensors whose facts the caller has read already: ``desc`` holds
+    each one's data pointer, dtype code, number of dimensions, sizes and strides, one after another."""
     described = array.array("q", desc)          # held here while the library reads it
     out = _ZERO_ROW * count
     _native(count, described.buffer_info()[0], out.buffer_info()[0])   # ctypes releases the GIL
