@@ -335,7 +335,8 @@ class ProbeSession:
     def on_op(self, op: str, stage: str, scope: str, args, kwargs, outputs, *, func=None, grad_fn=None,
               stack=None, undefined=None, call: int | None = None, extra: dict | None = None):
         """What every capture path does with one op call: :meth:`count_call` (filters, call index),
-        an :class:`OpEvent` for the handlers (run with the framework's tracing off, :meth:`_quiet`).
+        an :class:`OpEvent` for the handlers (run with the framework's tracing off, :meth:`_quiet`);
+        a task whose one handler is the recorder gets the call's fields (:meth:`Recorder.record_op`).
         ``stack``: a callable giving the user's frames, called only when the config asks for stacks
         of forward ops; ``call``: an index already counted (a compiled graph's op run again);
         ``extra``: fields added to its records.  Returns replacement outputs (``fix``) or None."""
