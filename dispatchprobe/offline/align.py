@@ -24,11 +24,12 @@ import os
 from collections import Counter
 from dataclasses import dataclass, field
 
+import numpy as np
 import yaml
 
 from ..core import op_traits
 from ..records.format import output_shapes
-from .regions import compare_regions, fed_alike, producers, region_spans, stats_distance  # noqa: F401 (re-exported)
+from .regions import compare_regions, fed_alike, producers, region_spans, stat_terms, stats_distance  # noqa: F401
 
 # Above this many elements in a gap, the quadratic SequenceMatcher is replaced by in-order pairing.
 _MAX_GAP = 20000
@@ -257,14 +258,36 @@ def _sibling(r: dict) -> tuple:
     return r["scope"], functional(r["op"]), output_shapes(r)
 
 
-def _closeness(ra: dict, rb: dict) -> tuple:
-    """How far apart two records' values are: their outputs', then their inputs' statistics
-    (non-finite distances, from nan statistics, count as far)."""
+def _closeness(recs_a: list, recs_b: list, cand_a: list, cand_b: list) -> tuple:
+    """How far apart records ``cand_a`` (of recs_a) are from ``cand_b`` (of recs_b), every pair at
+    once: their outputs', then their inputs' summed :func:`regions.stats_distance` as two
+    ``(len(cand_a), len(cand_b))`` arrays (non-finite distances, from nan statistics, count as
+    far).  In numpy, the same IEEE operations in the same order as the scalar distance (slots summed
+    left to right), so ties and choices are those of the per-pair sum; an integer statistic float64
+    would round is measured by the scalar distance itself."""
     out = []
     for io in ("outputs", "inputs"):
-        d = sum(stats_distance(sa, sb) for sa, sb in zip(ra.get(io) or (), rb.get(io) or ())
-                if isinstance(sa, dict) and isinstance(sb, dict))
-        out.append(d if math.isfinite(d) else math.inf)
+        specs = [[recs[i].get(io) or () for i in cand] for recs, cand in ((recs_a, cand_a), (recs_b, cand_b))]
+        width = min(max(map(len, side), default=0) for side in specs)
+        rows = [[[v for n in range(width) for v in
+                  (stat_terms(r[n]) if n < len(r) and isinstance(r[n], dict) else (None, None))] for r in side]
+                for side in specs]
+        if any(isinstance(v, int) and abs(v) > 2 ** 52 for side in rows for row in side for v in row):
+            d = np.array([[sum(stats_distance(sa, sb) for sa, sb in zip(ra, rb)
+                               if isinstance(sa, dict) and isinstance(sb, dict)) for rb in specs[1]]
+                          for ra in specs[0]], float).reshape(len(cand_a), len(cand_b))
+            out.append(np.where(np.isfinite(d), d, np.inf))
+            continue
+        known = [np.array([[v is not None for v in row] for row in side], bool).reshape(len(side), width, 2)
+                 for side in rows]
+        vals = [np.array([[0.0 if v is None else v for v in row] for row in side], float).reshape(len(side), width, 2)
+                for side in rows]
+        va, vb = vals[0][:, None], vals[1][None]
+        with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+            rel = np.abs(va - vb) / (np.abs(va) + np.abs(vb) + 1e-30)
+        rel = np.where(known[0][:, None] & known[1][None], rel, 0.0)
+        d = np.cumsum(rel[..., 0] + rel[..., 1], axis=-1)[..., -1] if width else np.zeros((len(cand_a), len(cand_b)))
+        out.append(np.where(np.isfinite(d), d, np.inf))     # (cumsum: in order, not pairwise)
     return tuple(out)
 
 
@@ -314,9 +337,10 @@ def _closest_siblings(recs_a: list, recs_b: list, pairs: list, gaps: list) -> bo
             cand.append([x] + lst[bisect.bisect_right(lst, lo):bisect.bisect_left(lst, hi)])
         if len(cand[0]) == 1 and len(cand[1]) == 1:
             continue
+        far_out, far_in = (m.tolist() for m in _closeness(recs_a, recs_b, cand[0], cand[1]))
         # ties: the ordered pass's pair, then the nearest to it, the earliest (the same whichever run is A)
-        best = min((*_closeness(recs_a[x], recs_b[y]), (x, y) != (i, j), abs(x - i) + abs(y - j), x + y, x, y)
-                   for x in cand[0] for y in cand[1])
+        best = min((far_out[p][q], far_in[p][q], (x, y) != (i, j), abs(x - i) + abs(y - j), x + y, x, y)
+                   for p, x in enumerate(cand[0]) for q, y in enumerate(cand[1]))
         x, y = best[-2:]
         if (x, y) == (i, j):
             continue
@@ -371,7 +395,9 @@ def _reordered_calls(recs_a: list, recs_b: list, ia: list, ib: list, pairs: list
         cand_b = sorted({p[1] for p in old} | set(members[1].get((sb, op, shapes), ())))
         if len(cand_a) > _MAX_GROUP or len(cand_b) > _MAX_GROUP:
             continue
-        cost = {(x, y): sum(_closeness(recs_a[x], recs_b[y])) for x in cand_a for y in cand_b}
+        far_out, far_in = _closeness(recs_a, recs_b, cand_a, cand_b)
+        far = (far_out + far_in).tolist()
+        cost = {(x, y): far[p][q] for p, x in enumerate(cand_a) for q, y in enumerate(cand_b)}
         # ties: the ordered pass's pairs, then the nearest in order, the earliest (the same either way round)
         at_a, at_b = {x: n for n, x in enumerate(cand_a)}, {y: n for n, y in enumerate(cand_b)}
         ordered = {(p[0], p[1]) for p in old}

@@ -27,11 +27,21 @@ _NONE = {"type": "none"}
 def stats_distance(sa: dict, sb: dict) -> float:
     """How far apart two tensor specs' statistics are (relative differences of mean and norm; 0
     where either lacks them): what pairs values when order cannot."""
-    a, b = sa.get("stats") or {}, sb.get("stats") or {}
+    return terms_distance(stat_terms(sa), stat_terms(sb))
+
+
+def stat_terms(spec: dict) -> tuple:
+    """A spec's mean and norm as :func:`terms_distance` reads them (None where not a number): read
+    once per record where one record is measured against many."""
+    st = spec.get("stats") or {}
+    return tuple(x if isinstance(x := st.get(k), (int, float)) else None for k in ("mean", "norm"))
+
+
+def terms_distance(ta: tuple, tb: tuple) -> float:
+    """:func:`stats_distance` of two specs' :func:`stat_terms`."""
     total = 0.0
-    for k in ("mean", "norm"):
-        x, y = a.get(k), b.get(k)
-        if isinstance(x, (int, float)) and isinstance(y, (int, float)):
+    for x, y in zip(ta, tb):
+        if x is not None and y is not None:
             total += abs(x - y) / (abs(x) + abs(y) + 1e-30)
     return total
 
