@@ -396,11 +396,19 @@ def _reordered_calls(recs_a: list, recs_b: list, ia: list, ib: list, pairs: list
         if len(cand_a) > _MAX_GROUP or len(cand_b) > _MAX_GROUP:
             continue
         far_out, far_in = _closeness(recs_a, recs_b, cand_a, cand_b)
-        far = (far_out + far_in).tolist()
-        cost = {(x, y): far[p][q] for p, x in enumerate(cand_a) for q, y in enumerate(cand_b)}
-        # ties: the ordered pass's pairs, then the nearest in order, the earliest (the same either way round)
+        far = far_out + far_in
         at_a, at_b = {x: n for n, x in enumerate(cand_a)}, {y: n for n, y in enumerate(cand_b)}
         ordered = {(p[0], p[1]) for p in old}
+        # (an ordered pair of non-finite statistics, a value gone inf or nan, stays where it is)
+        before = sum(far[at_a[x], at_b[y]].item() for x, y in ordered)
+        # any len(old) pairs cost at least the len(old) smallest distances (all >= 0): where even these
+        # are not under half, nothing moves (the margin covers the sums' rounding)
+        floor = float(np.sort(far, axis=None)[:len(old)].sum())
+        if not math.isfinite(before) or not 2 * floor < before * (1 + 1e-9):
+            continue
+        far = far.tolist()
+        cost = {(x, y): far[p][q] for p, x in enumerate(cand_a) for q, y in enumerate(cand_b)}
+        # ties: the ordered pass's pairs, then the nearest in order, the earliest (the same either way round)
         ranked = sorted(cost, key=lambda xy: (cost[xy], xy not in ordered, abs(at_a[xy[0]] - at_b[xy[1]]),
                                               at_a[xy[0]] + at_b[xy[1]], xy))
         used_a, used_b, new = set(), set(), []
@@ -411,9 +419,8 @@ def _reordered_calls(recs_a: list, recs_b: list, ia: list, ib: list, pairs: list
                 new.append((x, y))
                 if len(new) == len(old):
                     break
-        # (an ordered pair of non-finite statistics, a value gone inf or nan, stays where it is)
         before = sum(cost[xy] for xy in ordered)
-        if set(new) == ordered or not math.isfinite(before) or not 2 * sum(cost[xy] for xy in new) < before:
+        if set(new) == ordered or not 2 * sum(cost[xy] for xy in new) < before:
             continue
         how = old[0][2]
         for k, (x, y) in zip(ks, sorted(new)):
