@@ -238,6 +238,7 @@ def test_terms_norm_bounds_the_terms_from_the_records(tmp_path):
     assert terms_norm(records[-1], "output.0") is None                 # mul: no terms to cancel
 
 
+@pytest.mark.mindspore
 def test_terms_norm_of_mindspore_primitives(tmp_path):
     """MindSpore's primitives of the same sums (their argument order: AddExt's alpha third, a Sub
     by a scalar, MatMulExt, SumExt, MeanExt) are bounded alike from their records."""
