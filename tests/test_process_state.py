@@ -145,9 +145,16 @@ def test_every_probe_kind_leaves_no_optimizer_hook(tmp_path, kind, ending):
     """torch's global optimizer step hooks, which every probe kind registers, are all removed when
     the probe is closed, or collected unclosed, and counted in ``STATE.held()`` until then (a
     probe backend is closed at exit, which keeps it until then)."""
+    from dispatchprobe.torch.compile import requires
     before = _optimizer_hooks()
     model = torch.nn.Sequential(torch.nn.Linear(8, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if kind == "probe_backend" and requires.release(requires.installed_torch()) < requires.MIN_TORCH:
+        # refused in one line below the torch it needs: and it leaves no hook behind
+        with pytest.raises(RuntimeError, match="probe_backend needs torch"):
+            _probe(kind, tmp_path, model)
+        assert "optimizer_hooks" not in STATE.held() and _optimizer_hooks() == before
+        return
     probe, around = _probe(kind, tmp_path, model)
     registered = STATE.held()["optimizer_hooks"]
     assert sum(_optimizer_hooks()) - sum(before) == registered >= 2
