@@ -4,13 +4,10 @@ overflow demo an attention that overflows float16, the free-benchmark demo a bfl
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from .models import TinyTransformer, lm_batch, lm_loss
-from .records.reader import load
-from .offline.summary import checks_line, summarize
+from .offline.summary import demo_report
 from .core.overflow import OverflowDetected
 from .torch.capture import DispatchProbe
 
@@ -57,20 +54,8 @@ def run_demo(dump_path: str = "runs/demo", task: str = "tensor", steps: int = 2)
         probe.step()
         print(f"step {step}: loss {loss.item():.4f}")
     probe.close()
-    if task in ("overflow", "free_benchmark"):     # records only for what they flag
-        counts = probe.summary()
-        print(checks_line([counts]))      # the same account as `dispatchprobe show`
-        if not counts["flagged"]:
-            print(f"\nno op was flagged (records in {os.path.abspath(dump_path)}; "
-                  f"see them with: dispatchprobe show {dump_path})")
-            return dump_path
-    print(summarize(load(dump_path)))
-    print(f"\nrecords written to {os.path.abspath(dump_path)}")
-    if task in ("overflow", "free_benchmark"):
-        print(f"flagged ops: {dump_path}/step*/rank*/{task}.csv;  next: dispatchprobe show {dump_path} "
-              f"--html {task}.html")
-    else:
-        print(f"next: dispatchprobe show {dump_path} --op aten.mm")
+    counts = probe.summary() if task in ("overflow", "free_benchmark") else None
+    print(demo_report(dump_path, task, counts, example_op="aten.mm"))
     return dump_path
 
 

@@ -76,12 +76,10 @@ def overflow_net(seed: int = 0) -> TinyNet:
 def run_demo(dump_path: str = "runs/ms_demo", task: str = "tensor", steps: int = 2) -> str:
     """``dispatchprobe demo --framework mindspore``: record ``steps`` of the demo net, summarise.  Each
     inline check's demo has something to find: the overflow demo a float16 matmul past 65504."""
-    import os
     import warnings
 
     from dispatchprobe.core.overflow import OverflowDetected
-    from dispatchprobe.offline.summary import checks_line, summarize
-    from dispatchprobe.records.reader import load
+    from dispatchprobe.offline.summary import demo_report
 
     from .capture import DispatchProbe
     probe = DispatchProbe(task=task, dump_path=dump_path, level="mix", overwrite=True)
@@ -99,16 +97,6 @@ def run_demo(dump_path: str = "runs/ms_demo", task: str = "tensor", steps: int =
             losses = []
     for step, loss in enumerate(losses):
         print(f"step {step}: loss {float(loss):.4f}")
-    if task in ("overflow", "free_benchmark"):     # records only for what they flag
-        counts = probe.summary()
-        print(checks_line([counts]))      # the same account as `dispatchprobe show`
-        if not counts["flagged"]:
-            print(f"\nno op was flagged (records in {os.path.abspath(dump_path)}; "
-                  f"see them with: dispatchprobe show {dump_path})")
-            return dump_path
-    print(summarize(load(dump_path)))
-    print(f"\nrecords written to {os.path.abspath(dump_path)}")
-    if task in ("overflow", "free_benchmark"):
-        print(f"flagged ops: {dump_path}/step*/rank*/{task}.csv;  next: dispatchprobe show {dump_path} "
-              f"--html {task}.html")
+    counts = probe.summary() if task in ("overflow", "free_benchmark") else None
+    print(demo_report(dump_path, task, counts))
     return dump_path

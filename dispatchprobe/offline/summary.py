@@ -97,6 +97,26 @@ def checks_line(checks: list[dict]) -> str:
     return line
 
 
+def demo_report(dump_path: str, task: str, counts: dict | None, example_op: str | None = None) -> str:
+    """What a demo prints after training, for every framework's demo: the inline check's account
+    (``counts``, its probe's summary) when it flagged nothing, else the run's summary and where to
+    look next."""
+    import os
+    from ..records.reader import load
+    checks = task in ("overflow", "free_benchmark")       # records only for what they flag
+    lines = [checks_line([counts])] if checks else []     # the same account as `dispatchprobe show`
+    if checks and not counts["flagged"]:
+        return "\n".join(lines + [f"\nno op was flagged (records in {os.path.abspath(dump_path)}; "
+                                   f"see them with: dispatchprobe show {dump_path})"])
+    lines += [summarize(load(dump_path)), f"\nrecords written to {os.path.abspath(dump_path)}"]
+    if checks:
+        lines.append(f"flagged ops: {dump_path}/step*/rank*/{task}.csv;  next: dispatchprobe show {dump_path} "
+                     f"--html {task}.html")
+    elif example_op:
+        lines.append(f"next: dispatchprobe show {dump_path} --op {example_op}")
+    return "\n".join(lines)
+
+
 def _nonfinite_lines(run: Run, bad: pd.DataFrame) -> list[str]:
     """The tensors holding nan/inf, sorted by where their values came from (offline/nonfinite.py): made
     by the op from finite values (what to look at), written as a constant (a causal mask's -inf:
