@@ -38,10 +38,12 @@ class Router(nn.Module):
         return (self.proj(x) * top[..., :1]).square().mean()
 
 
-def _record(path, compiled: bool):
+def _record(path, compiled: bool, make=None, width: int = 16):
+    """One forward and backward of ``make()`` (default the router) on an (8, width) input, eager or
+    under ``probe_backend`` (task tensor)."""
     torch.manual_seed(0)
-    model = Router()
-    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    model = (make or Router)()
+    x = torch.randn(8, width, generator=torch.Generator().manual_seed(1))
     if compiled:     # the graph's aten ops run eagerly (fast to compile); the partitioner reuses the forward's div
         backend = probe_backend(task="tensor", dump_path=str(path), inner="aot_eager")
         torch.compile(model, backend=backend)(x).backward()
@@ -128,20 +130,7 @@ class TwoKinds(nn.Module):
 
 
 def _record_kinds(path, compiled: bool):
-    torch.manual_seed(0)
-    model = TwoKinds()
-    x = torch.randn(8, 8, generator=torch.Generator().manual_seed(1))
-    if compiled:
-        backend = probe_backend(task="tensor", dump_path=str(path), inner="aot_eager")
-        torch.compile(model, backend=backend)(x).backward()
-        backend.close()
-        torch._dynamo.reset()
-    else:
-        probe = DispatchProbe(task="tensor", dump_path=str(path))
-        with probe:
-            model(x).backward()
-        probe.close()
-    return path
+    return _record(path, compiled, make=TwoKinds, width=8)
 
 
 def _first_table_read(path) -> float:
