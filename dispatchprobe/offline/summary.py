@@ -2,28 +2,28 @@
 
 from __future__ import annotations
 
+import itertools
 import re
 
 import pandas as pd
 
+from ..records import part_summary
 from ..records.reader import Run
-from . import nonfinite
 
 
 def summarize(run: Run, top: int = 10, stage: str | None = None) -> str:
     """Steps, ranks, op counts per stage, most frequent ops, and every tensor with nan/inf
-    (a grad-probe run: :func:`grad_summary`)."""
+    (a grad-probe run: :func:`grad_summary`).  Read from each part's ``summary.json`` where it
+    describes the part's records as they are (records/part_summary.py), else from the records."""
     from .grad_compare import is_grad_run
     if is_grad_run(run):
         return grad_summary(run)
     m = run.manifest
-    ops = run.ops
+    digests = {key: part_digest(part) for key, part in run.parts.items()}
     # an overflow hit in a compiled graph and its eager re-run are one op call: count the hit once
-    reruns = _reruns(run)
-    if reruns:
-        ops = ops[~_keyed(ops, reruns)]
-    if stage:
-        ops = ops[ops["stage"] == stage]
+    reruns = sum(d["reruns"] for d in digests.values())
+    per_stage = [(key, name, st) for key, d in digests.items() for name, st in d["stages"].items()
+                 if stage is None or name == stage]
     lines = [f"run        {run.path}"]
     if m:
         cfg = m.get("config", {})
@@ -31,27 +31,26 @@ def summarize(run: Run, top: int = 10, stage: str | None = None) -> str:
                      f"task {cfg.get('task')}  level {cfg.get('level')}")
     steps = sorted({s for s, _ in run.parts})
     ranks = sorted({r for _, r in run.parts})
-    lines.append(f"steps      {_ranges(steps)}   ranks {_ranges(ranks)}   records {len(ops)}")
-    kernel = ops[ops["kind"] == "op"]
-    if len(kernel):
-        counts = kernel.groupby("stage").size()
-        lines.append("op calls   " + "   ".join(f"{s} {n}" for s, n in counts.items())
-                     + f"   distinct ops {kernel['op'].nunique()}")
+    lines.append(f"steps      {_ranges(steps)}   ranks {_ranges(ranks)}   "
+                 f"records {sum(st['records'] for _, _, st in per_stage)}")
+    counts = {}
+    for _, name, st in per_stage:
+        if st["ops"]:
+            counts[name] = counts.get(name, 0) + sum(st["ops"].values())
+    if counts:
+        calls = _op_calls(digests, stage)
+        lines.append("op calls   " + "   ".join(f"{s} {counts[s]}" for s in sorted(counts))
+                     + f"   distinct ops {len(calls)}")
         lines.append(f"top ops")
-        for op, n in kernel["op"].value_counts().head(top).items():
+        for op, n in calls.sort_values(ascending=False).head(top).items():
             lines.append(f"  {n:7d}  {op}")
-    modules = ops[ops["kind"] == "module"]
-    if len(modules):
-        lines.append(f"module records {len(modules)} ({modules['scope'].nunique()} modules)")
+    modules = sum(st["modules"] for _, _, st in per_stage)
+    if modules:
+        scopes = {scope for _, _, st in per_stage for scope in st["module_scopes"] if scope is not None}
+        lines.append(f"module records {modules} ({len(scopes)} modules)")
     if reruns:
-        lines.append(f"re-runs    {len(reruns)} eager re-run(s) of compiled overflow records (same name, counted once)")
-    tensors = run.tensors
-    if reruns:
-        tensors = tensors[~_keyed(tensors, reruns)]
-    if stage:
-        tensors = tensors[tensors["stage"] == stage]
-    bad = tensors[(tensors["nan"].fillna(0) > 0) | (tensors["inf"].fillna(0) > 0)]
-    lines += _nonfinite_lines(run, bad)
+        lines.append(f"re-runs    {reruns} eager re-run(s) of compiled overflow records (same name, counted once)")
+    lines += _nonfinite_lines([(key, st["nonfinite"]) for key, _, st in per_stage if st["nonfinite"]])
     unseen = {cell: why for p in run.parts.values() if p.checks
               for cell, why in (p.checks.get("backward_not_observable") or {}).items()}
     for cell, why in sorted(unseen.items()):
@@ -59,13 +58,37 @@ def summarize(run: Run, top: int = 10, stage: str | None = None) -> str:
     checks = [p.checks for p in run.parts.values() if p.checks and "checked" in p.checks]
     if checks:
         lines.append("checks     " + checks_line(checks))
-    for part in run.parts.values():
-        if part.truncated:
+    for key, part in run.parts.items():
+        # a part whose summary holds has whole records (summarised from complete lines): its own
+        # problems, if any, are those of its other files
+        whole = digests[key]["ops_bytes"] is not None
+        if any("incomplete" in p or "corrupt" in p for p in part.problems) if whole else part.truncated:
             lines.append(f"truncated  step {part.step} rank {part.rank}: records end early (process killed?)")
         elif part.closed is False:
             lines.append(f"partial    step {part.step} rank {part.rank}: this step never closed (the process stopped "
                          "during it, or probe.step()/probe.close() did not run): its records may stop mid-step")
     return "\n".join(lines)
+
+
+def part_digest(part) -> dict:
+    """A part's summary (records/part_summary.py): its ``summary.json`` where that still describes
+    its ``ops.jsonl``, else reduced from its records now (``ops_bytes`` None: read from records)."""
+    digest = part_summary.read(part.path)
+    if digest is None:
+        digest = part_summary.reduce(part.records, None)
+    return digest
+
+
+def _op_calls(digests: dict, stage: str | None) -> pd.Series:
+    """Op calls per op over the parts (in ``stage``, or all), in the order ops first appear in the
+    run: sorted by count, ties keep that order as ``value_counts`` over the records would."""
+    total: dict[str, int] = {}
+    for d in digests.values():
+        names = d["op_order"] if stage is None else d["stages"].get(stage, {}).get("ops", ())
+        for op in names:
+            total[op] = total.get(op, 0) + sum(st["ops"].get(op, 0) for name, st in d["stages"].items()
+                                               if stage is None or name == stage)
+    return pd.Series(total, dtype="int64")
 
 
 # what an inline check's counts mean, for the one line that the demo and `show` both print
@@ -117,35 +140,30 @@ def demo_report(dump_path: str, task: str, counts: dict | None, example_op: str 
     return "\n".join(lines)
 
 
-def _nonfinite_lines(run: Run, bad: pd.DataFrame) -> list[str]:
+def _nonfinite_lines(found: list) -> list[str]:
     """The tensors holding nan/inf, sorted by where their values came from (offline/nonfinite.py): made
     by the op from finite values (what to look at), written as a constant (a causal mask's -inf:
-    intended), or carried from an input (or, a module call's, from the op within it that made them)."""
-    if not len(bad):
+    intended), or carried from an input (or, a module call's, from the op within it that made them).
+    ``found``: ((step, rank), a stage's nan/inf account of part_summary.reduce) in the run's order."""
+    if not found:
         return ["nan/inf    none"]
-    records, with_ops = {}, set()
-    for key in {(s, r) for s, r in zip(bad["step"], bad["rank"])}:
-        records.update({(key[0], key[1], rec["id"]): rec for rec in run.parts[key].records})
-        if any(rec.get("kind") == "op" for rec in run.parts[key].records):
-            with_ops.add(key)
-    kinds, expected = [], []
-    for row in bad.itertuples():
-        rec = records.get((row.step, row.rank, row.id), {})
-        expected.append((rec.get("overflow") or {}).get("class") == "expected")
-        kinds.append(nonfinite.origin(rec, (row.step, row.rank) in with_ops) if row.io == "output" else nonfinite.CARRIED)
-    bad = bad.assign(origin=kinds, expected=expected)
-    made, constant = bad[bad["origin"] == nonfinite.MADE], bad[bad["origin"] == nonfinite.CONSTANT]
-    carried = len(bad) - len(made) - len(constant)
-    n_records = len(set(zip(bad["step"], bad["rank"], bad["id"])))
-    lines = [f"nan/inf    {len(bad)} tensors in {n_records} records: {len(made) or 'none'} made from finite "
-             f"values, {len(constant)} written from an inf/nan constant (masks such as masked_fill(-inf): intended), "
-             f"{carried} carried from an input"]
-    first = made if len(made) else bad
-    lines.append("  first made from finite values:" if len(made) else "  first:")
-    for _, row in first.head(5).iterrows():
-        lines.append(f"  step {row['step']} rank {row['rank']} {row['name']} {row['arg']} [{row['scope']}] "
-                     f"nan={int(row['nan'] or 0)} inf={int(row['inf'] or 0)}"
-                     + ("" if len(made) else f" ({row['origin']})")
+    tensors = sum(nf["tensors"] for _, nf in found)
+    made = sum(nf["made"] for _, nf in found)
+    constant = sum(nf["constant"] for _, nf in found)
+    n_records = sum(nf["records"] for _, nf in found)
+    lines = [f"nan/inf    {tensors} tensors in {n_records} records: {made or 'none'} made from finite "
+             f"values, {constant} written from an inf/nan constant (masks such as masked_fill(-inf): intended), "
+             f"{tensors - made - constant} carried from an input"]
+    lines.append("  first made from finite values:" if made else "  first:")
+    # each part's stages hold their first rows; the run's first are the first over parts, in tensor order
+    rows = []
+    for key, group in itertools.groupby(found, key=lambda kn: kn[0]):
+        rows += [(key, row) for row in sorted((row for _, nf in group for row in nf["first_made" if made else "first"]),
+                                               key=lambda row: row["pos"])]
+    for (step, rank), row in rows[:part_summary.FIRST_ROWS]:
+        lines.append(f"  step {step} rank {rank} {row['name']} {row['arg']} [{row['scope']}] "
+                     f"nan={row['nan']} inf={row['inf']}"
+                     + ("" if made else f" ({row['origin']})")
                      + (" (expected: a step the loss scaler skipped)" if row["expected"] else ""))
     return lines
 
@@ -165,16 +183,6 @@ def matching_records(run: Run, pattern: str, stage: str | None = None) -> pd.Dat
         rows = rows.assign(kernels=[kernels.get(k, "") for k in zip(rows["step"], rows["rank"], rows["id"])])
         cols.append("kernels")
     return rows[cols]
-
-
-def _reruns(run: Run) -> set:
-    """(step, rank, id) of the records that re-run a compiled record eagerly (``compiled.rerun``)."""
-    return {(step, rank, r["id"]) for (step, rank), part in run.parts.items() for r in part.records
-            if (r.get("compiled") or {}).get("rerun")}
-
-
-def _keyed(rows: pd.DataFrame, keys: set) -> pd.Series:
-    return pd.Series([k in keys for k in zip(rows["step"], rows["rank"], rows["id"])], index=rows.index, dtype=bool)
 
 
 def _kernels(run: Run) -> dict:

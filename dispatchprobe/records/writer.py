@@ -25,6 +25,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from . import part_summary
 from .format import CLOSED_MARKER, FORMAT_NAME, FORMAT_VERSION
 
 try:  # serialises a record ~9x faster than the stdlib; every line still reads as the stdlib writes it
@@ -436,6 +437,10 @@ class PartWriter(PartIndex):
             self.tensors.close()
         for f in (self.ops, self.stacks, self.modules, self.params):
             f.close()
+        try:    # what `show` prints of the step, so that it need not read every record
+            part_summary.write(self.folder)
+        except (OSError, ValueError, KeyError, TypeError):
+            pass    # a part without its summary is read from its records
         try:    # readers tell a finished step from one its process left mid-way
             os.close(os.open(os.path.join(self.folder, CLOSED_MARKER), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644))
         except OSError:

@@ -1,0 +1,214 @@
+"""``dispatchprobe show`` from the per-part summaries written when a step closes
+(``summary.json``, dispatchprobe/records/part_summary.py): the same text as from the records on
+every kind of run, and the records read instead wherever a summary is missing, stale or damaged
+(an old run, a killed process, records appended or cut since)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from dispatchprobe import DispatchProbe, load
+from dispatchprobe.cli import main
+from dispatchprobe.offline.summary import summarize
+from dispatchprobe.records import part_summary
+
+sys.path.insert(0, os.path.dirname(__file__))
+from compare_helpers import record  # noqa: E402
+from test_grad_show import _grad_run  # noqa: E402
+from test_nonfinite_badges import inf_gelu  # noqa: E402
+
+OPTIONS = [[], ["--stage", "forward"], ["--stage", "backward"], ["--top", "3"]]
+
+
+@contextlib.contextmanager
+def rank(n: int):
+    """Record as rank ``n`` of a launcher (its RANK variable), for a two-rank run in one process."""
+    old = os.environ.get("RANK")
+    os.environ["RANK"] = str(n)
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["RANK"]
+        else:
+            os.environ["RANK"] = old
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("summaries")
+    out = {"statistics": record(root / "statistics", task="statistics", steps=2),
+           "op level": record(root / "op_level", task="statistics", level="op"),
+           "tensor": record(root / "tensor", task="tensor")}
+    with inf_gelu():        # inf made from finite values, beside the causal mask's -inf constant
+        out["nan/inf"] = record(root / "nonfinite", task="statistics", steps=2)
+        out["overflow"] = record(root / "overflow", task="overflow", steps=2, overflow_nums=-1)
+    for n in (0, 1):
+        with rank(n):
+            out["two ranks"] = record(root / "ranks", task="statistics", steps=2, level="op", batch=2 + n)
+    out["grad probe"] = _grad_run(root / "grads", steps=2)
+    return out
+
+
+def without_summaries(run, tmp_path):
+    """A copy of ``run`` as a run written before summaries were (or by a process killed at each
+    step's close): its records only."""
+    copy = tmp_path / f"{os.path.basename(run)}_records"
+    shutil.copytree(run, copy)
+    for folder, _, files in os.walk(copy):
+        if part_summary.FILE in files:
+            os.remove(os.path.join(folder, part_summary.FILE))
+    return copy
+
+
+def show(path, *options):
+    result = CliRunner().invoke(main, ["show", str(path), *options])
+    return result.exit_code, result.output
+
+
+@pytest.mark.parametrize("kind", ["statistics", "op level", "tensor", "nan/inf", "overflow", "two ranks",
+                                  "grad probe"])
+def test_show_prints_the_same_from_summaries_as_from_records(runs, kind, tmp_path):
+    run = runs[kind]
+    parts = load(run).parts
+    summaries = [part_summary.read(p.path) for p in parts.values()]
+    if kind == "grad probe":        # no ops.jsonl: grads.jsonl, one small record per parameter, is read
+        assert summaries == [None] * len(parts)
+    else:
+        assert None not in summaries and len(summaries) == len(parts), "every closed step has its summary"
+    copy = without_summaries(run, tmp_path)
+    for options in OPTIONS:
+        code, text = show(run, *options)
+        assert code == 0, text
+        assert show(copy, *options) == (code, text.replace(str(run), str(copy))), options
+
+
+def test_summaries_hold_what_the_records_say(runs):
+    """Independent of the merge: the counts `show` prints are those of the records' tables."""
+    run = load(runs["nan/inf"])
+    text = summarize(run)
+    ops = run.ops
+    kernel = ops[ops["kind"] == "op"]
+    assert f"records {len(ops)}" in text
+    for op, n in kernel["op"].value_counts().head(10).items():
+        assert f"  {n:7d}  {op}" in text
+    tensors = run.tensors
+    bad = tensors[(tensors["nan"].fillna(0) > 0) | (tensors["inf"].fillna(0) > 0)]
+    assert f"nan/inf    {len(bad)} tensors in {len(set(zip(bad['step'], bad['id'])))} records: " in text
+    assert "step 0 rank 0 aten.gelu.default.0.forward output.0 [TinyTransformer.layers.0.mlp] nan=0 inf=1" in text
+    two = summarize(load(runs["two ranks"]))
+    assert "steps      0-1   ranks 0-1" in two
+
+
+def test_stale_damaged_or_foreign_summaries_are_not_read(runs, tmp_path):
+    """A summary counts only while it describes its part's ops.jsonl as it is: records appended
+    after it, a summary cut short, or one of another version send `show` to the records."""
+    run = tmp_path / "run"
+    shutil.copytree(runs["statistics"], run)
+    before = summarize(load(run))
+    folder = run / "step1" / "rank0"
+    ops = folder / "ops.jsonl"
+    first = ops.read_bytes().split(b"\n", 1)[0] + b"\n"
+    with open(ops, "ab") as f:          # one more record after the step closed
+        f.write(first)
+    assert part_summary.read(str(folder)) is None
+    n = int(before.split("records ", 1)[1].split()[0])
+    assert f"records {n + 1}" in summarize(load(run))
+    ops.write_bytes(ops.read_bytes()[:-len(first)])
+    assert part_summary.read(str(folder)) is not None and summarize(load(run)) == before
+    summary = folder / part_summary.FILE
+    whole = summary.read_bytes()
+    summary.write_bytes(whole[:len(whole) // 2])        # the process died while writing it
+    assert part_summary.read(str(folder)) is None and summarize(load(run)) == before
+    foreign = json.loads(whole)
+    foreign["version"] = part_summary.VERSION + 1
+    summary.write_text(json.dumps(foreign))
+    assert part_summary.read(str(folder)) is None and summarize(load(run)) == before
+
+
+def test_a_torn_part_writes_no_summary(tmp_path):
+    """A part whose last line is torn (the disk filled mid-record) is left to the reader, which
+    reports it: its summary would hide that."""
+    folder = tmp_path / "step0" / "rank0"
+    folder.mkdir(parents=True)
+    (folder / "ops.jsonl").write_bytes(b'{"id":0,"kind":"op","name":"a","op":"a","stage":"forward","scope":"m"}\n{"id":1')
+    assert not part_summary.write(str(folder))
+    assert not (folder / part_summary.FILE).exists()
+
+
+TRAIN_FOREVER = textwrap.dedent("""
+    import sys, torch
+    from dispatchprobe import DispatchProbe
+    from dispatchprobe.models import TinyTransformer, lm_batch, lm_loss
+    model = TinyTransformer()
+    probe = DispatchProbe(task="statistics", dump_path=sys.argv[1], level="op")
+    step = 0
+    while True:
+        tokens, targets = lm_batch(seed=step)
+        with probe:
+            lm_loss(model, tokens, targets).backward()
+            print("step", step, flush=True)
+        probe.step()
+        step += 1
+""")
+
+
+def test_a_killed_run_reads_its_last_step_from_records(tmp_path):
+    """A process killed mid-step: the steps it closed are read from their summaries, the one it was
+    in from its records (partial, maybe torn), and `show` prints what the records alone say."""
+    path = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, "-c", TRAIN_FOREVER, str(path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().startswith("step 0")
+        assert proc.stdout.readline().startswith("step 1")
+        time.sleep(0.1)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait(timeout=60)
+    run = load(path)
+    closed = {key: part.closed for key, part in run.parts.items()}
+    assert closed[(0, 0)] and not all(closed.values())
+    for key, part in run.parts.items():     # a summary where the step closed, none where it did not
+        assert (part_summary.read(part.path) is not None) == closed[key], key
+    code, text = show(path)
+    assert "partial" in text or "truncated" in text
+    assert show(without_summaries(path, tmp_path)) == (code, text.replace(str(path), str(tmp_path / "killed_records")))
+
+
+def test_show_reads_no_records_where_summaries_hold(runs, monkeypatch):
+    """The fast path: a run whose parts all have summaries is summarised without one record read."""
+    from dispatchprobe.records import reader
+    monkeypatch.setattr(reader.Part, "records", property(lambda self: pytest.fail(f"read records of {self.path}")))
+    for kind in ("statistics", "nan/inf", "two ranks"):
+        assert "records " in summarize(load(runs[kind]))
+
+
+def test_a_run_writes_a_summary_per_closed_step(tmp_path):
+    """Both ways a step closes (probe.step() and close) leave the summary of the step's records;
+    a step without records (no op selected, a grad-probe step) has none to summarise."""
+    probe = DispatchProbe(task="statistics", dump_path=str(tmp_path / "r"), list=["aten.mul"])
+    for op in (torch.add, torch.mul, torch.mul):
+        with probe:
+            op(torch.ones(3), 2)
+        probe.step()
+    with probe:
+        torch.ones(3) * 2
+        torch.ones(3) * 3
+    probe.close()
+    run = load(tmp_path / "r")
+    assert list(run.parts) == [(1, 0), (2, 0), (3, 0)]
+    assert [part_summary.read(p.path)["stages"]["forward"]["ops"] for p in run.parts.values()] == \
+        [{"aten.mul.Tensor": 1}, {"aten.mul.Tensor": 1}, {"aten.mul.Tensor": 2}]
+    assert not os.path.exists(tmp_path / "r" / "step0" / "rank0" / part_summary.FILE)
