@@ -64,3 +64,42 @@ def test_a_value_gone_nan_stays_in_its_pair():
     a[1]["outputs"] = [_spec(math.nan, math.nan)]
     pairs = _pairs(a, b)
     assert pairs[1] == 1 and 4 not in pairs, pairs
+
+
+def test_groups_sieved_at_once_pair_as_when_each_is_ranked(monkeypatch):
+    """The sieve that decides for all groups at once which cannot move changes no pair: random
+    stretches (calls shuffled, values exact, off by rounding, or by a ratio near the half the
+    rule needs; a nan; a call left out) pair the same as with every group ranked on its own."""
+    import random
+
+    from dispatchprobe.offline import align as A
+
+    rng = random.Random(0)
+
+    def value(base: float) -> float:
+        kind = rng.random()
+        if kind < 0.05:
+            return math.nan
+        scale = rng.choice([0.0, 1e-7, 1e-3, 0.3, 0.5, 0.51, 1.0])
+        return base * (1 + scale * rng.uniform(-1, 1))
+
+    for _ in range(100):
+        calls_a, calls_b = [], []
+        for c in range(rng.randint(2, 6)):
+            t = rng.uniform(0.1, 1.0)
+            ops = [_op("Net.rope", op, (value(t), value(2 * t)), (value(3 * t), value(t))) for op in
+                   ("aten.mul.Tensor", "aten.cos.default", "aten.mul.Tensor")]
+            calls_a.append(ops)
+            calls_b.append([_op("Net.rope", r["op"], (value(r["inputs"][0]["stats"]["mean"]),
+                                                    value(r["inputs"][0]["stats"]["norm"])),
+                                (value(r["outputs"][0]["stats"]["mean"]), value(r["outputs"][0]["stats"]["norm"])))
+                            for r in ops])
+        rng.shuffle(calls_b)
+        if rng.random() < 0.5:
+            calls_b[-1] = calls_b[-1][1:]
+        a, b = _run(calls_a), _run(calls_b)
+        sieved = align(a, b).pairs
+        with monkeypatch.context() as m:
+            m.setattr(A, "_movable", lambda recs_a, recs_b, groups: [None] * len(groups))
+            ranked = align(a, b).pairs
+        assert sieved == ranked

@@ -176,11 +176,18 @@ def batched_shapes(record: dict) -> tuple:
 
 def functional(op: str) -> str:
     """An in-place op's name as its functional variant's (``aten.div_.Tensor`` -> ``aten.div.Tensor``):
-    a compiled graph computes an eager ``div_`` as ``div`` (functionalization), the same values."""
-    parts = op.split(".")
-    if len(parts) >= 2 and parts[1].endswith("_") and not parts[1].endswith("__"):
-        parts[1] = parts[1][:-1]
-    return ".".join(parts)
+    a compiled graph computes an eager ``div_`` as ``div`` (functionalization), the same values.
+    Answered once per distinct name (asked for every record and every pair)."""
+    name = _FUNCTIONAL.get(op)
+    if name is None:
+        parts = op.split(".")
+        if len(parts) >= 2 and parts[1].endswith("_") and not parts[1].endswith("__"):
+            parts[1] = parts[1][:-1]
+        name = _FUNCTIONAL[op] = ".".join(parts)
+    return name
+
+
+_FUNCTIONAL: dict = {}
 
 
 def align_ops(recs_a: list, recs_b: list, ia: list, ib: list, mapping: Mapping, cross: bool = False,
@@ -364,7 +371,9 @@ def _reordered_calls(recs_a: list, recs_b: list, ia: list, ib: list, pairs: list
     part (a call one run computes a value of once less).  A group moves only where its pairs'
     distance (outputs' and inputs' statistics together) falls to half or less: rounding noise
     (a bf16 run's two adds of near-equal outputs) never reorders pairs.  Ties keep the ordered
-    pairs.  Changes ``pairs`` in place (they may then cross inside the stretch); True if any moved."""
+    pairs.  The groups that cannot move (most: their ordered pairs already the closest) are told
+    apart for all groups at once (:func:`_movable`), the others ranked one by one.  Changes
+    ``pairs`` in place (they may then cross inside the stretch); True if any moved."""
     def stretches(recs, idx):
         out, run, prev = {}, -1, None
         for i in idx:
@@ -388,12 +397,22 @@ def _reordered_calls(recs_a: list, recs_b: list, ia: list, ib: list, pairs: list
         len(ks) > 1 or (g[0], *g[2:]) in members[0] or (g[1], *g[2:]) in members[1])}
     if not groups:
         return False
-    moved = False
-    for (sa, sb, op, shapes), ks in groups.items():
+
+    def candidates(sa, sb, op, shapes, old):
+        return (sorted({p[0] for p in old} | set(members[0].get((sa, op, shapes), ()))),
+                sorted({p[1] for p in old} | set(members[1].get((sb, op, shapes), ()))))
+    jobs = [(g, ks, *candidates(*g, [pairs[k] for k in ks])) for g, ks in groups.items()]
+    fits = [len(cand_a) <= _MAX_GROUP and len(cand_b) <= _MAX_GROUP for _, _, cand_a, cand_b in jobs]
+    movable = iter(_movable(recs_a, recs_b, [(cand_a, cand_b, [pairs[k][:2] for k in ks])
+                                             for (_, ks, cand_a, cand_b), fit in zip(jobs, fits) if fit]))
+    moved, touched = False, set()     # the unpaired records' lists a move changed
+    for ((sa, sb, op, shapes), ks, cand_a, cand_b), fit in zip(jobs, fits):
+        may = next(movable) if fit else None
         old = [pairs[k] for k in ks]
-        cand_a = sorted({p[0] for p in old} | set(members[0].get((sa, op, shapes), ())))
-        cand_b = sorted({p[1] for p in old} | set(members[1].get((sb, op, shapes), ())))
-        if len(cand_a) > _MAX_GROUP or len(cand_b) > _MAX_GROUP:
+        if (0, sa, op, shapes) in touched or (1, sb, op, shapes) in touched:   # ranked on the lists as they are now
+            cand_a, cand_b = candidates(sa, sb, op, shapes, old)
+            fit, may = len(cand_a) <= _MAX_GROUP and len(cand_b) <= _MAX_GROUP, None
+        if not fit or may is False:
             continue
         far_out, far_in = _closeness(recs_a, recs_b, cand_a, cand_b)
         far = far_out + far_in
@@ -429,8 +448,138 @@ def _reordered_calls(recs_a: list, recs_b: list, ia: list, ib: list, pairs: list
                                     (1, (sb, op, shapes), {p[1] for p in old}, used_b)):
             free = set(members[side].get(key, ())) - now | (was - now)
             members[side][key] = sorted(free)
+            touched.add((side, *key))
         moved = True
     return moved
+
+
+def _movable(recs_a: list, recs_b: list, groups: list) -> list:
+    """For each group ``(cand_a, cand_b, ordered pairs)`` of :func:`_reordered_calls`: False where
+    no re-pairing can move it, decided for all groups at once: its ordered pairs' distance is
+    not finite, or any choice of that many pairs (at least the sum of that many smallest
+    distances, all >= 0) is not under half of it.  The distances are :func:`_closeness`'s bit for
+    bit (:func:`_closeness_many`); the sums here add in another order than the group's own
+    decision, so the margin (1e-6 relative, far above a sum's rounding) only ever sends a
+    borderline group on to that decision.  None where not measured here (an integer statistic
+    float64 would round): the group is ranked."""
+    out: list = [None] * len(groups)
+    for idx, far in _closeness_many(recs_a, recs_b, [g[:2] for g in groups]):
+        size = far.shape[1] * far.shape[2]
+        flat, gid, k = [], [], []
+        for n, g in enumerate(idx):
+            cand_a, cand_b, ordered = groups[g]
+            at_a, at_b = {x: p for p, x in enumerate(cand_a)}, {y: q for q, y in enumerate(cand_b)}
+            flat += [n * size + at_a[x] * far.shape[2] + at_b[y] for x, y in ordered]
+            gid += [n] * len(ordered)
+            k.append(len(ordered))
+        before = np.bincount(np.array(gid, np.int64), weights=far.reshape(-1)[np.array(flat, np.int64)],
+                             minlength=len(idx))
+        floor = np.cumsum(np.sort(far.reshape(len(idx), size), axis=1), axis=1)[np.arange(len(idx)),
+                                                                                 np.array(k, np.int64) - 1]
+        with np.errstate(invalid="ignore"):
+            still = ~(~np.isfinite(before) | (2 * floor >= before * (1 + 1e-6)))
+        for g, may in zip(idx, still.tolist()):
+            out[g] = may
+    return out
+
+
+def _stat_row(record: dict, io: str) -> tuple:
+    """``(terms, first, gaps)``: the record's specs under ``io`` as flat :func:`regions.stat_terms`
+    (``(None, None)`` for a slot that is no spec), the first slot holding an integer float64 would
+    round (inf: none), and whether any term is None."""
+    row: list = []
+    first, gaps = math.inf, False
+    for n, spec in enumerate(record.get(io) or ()):
+        try:                   # the usual spec: both statistics floats
+            st = spec["stats"]
+            mean, norm = st["mean"], st["norm"]
+            if type(mean) is float and type(norm) is float:
+                row += (mean, norm)
+                continue
+        except (KeyError, TypeError, IndexError):
+            pass
+        terms = stat_terms(spec) if isinstance(spec, dict) else (None, None)
+        for v in terms:
+            if isinstance(v, int) and abs(v) > 2 ** 52 and first > n:
+                first = n
+            gaps = gaps or v is None
+        row += terms
+    return row, first, gaps
+
+
+# elements of the largest array _closeness_many makes at once (8 bytes each)
+_CHUNK = 1 << 22
+
+
+def _closeness_many(recs_a: list, recs_b: list, groups: list):
+    """:func:`_closeness` of many groups ``(cand_a, cand_b)`` at once, their outputs' and inputs'
+    distances summed (``far_out + far_in``): groups of one size and width computed together, the
+    same IEEE operations in the same order, so each matrix equals the group's own bit for bit.
+    Yields ``(group indices, far)`` with ``far`` of shape ``(len(indices), len(cand_a),
+    len(cand_b))``; a group holding an integer statistic float64 would round is left out."""
+    rows: tuple = ({"outputs": {}, "inputs": {}}, {"outputs": {}, "inputs": {}})   # _stat_row per side, io, record
+    buckets: dict = {}
+    for g, cands in enumerate(groups):
+        key = [len(cands[0]), len(cands[1])]
+        for io in ("outputs", "inputs"):
+            terms = []
+            for side, recs in ((0, recs_a), (1, recs_b)):
+                known, got = rows[side][io], []
+                for i in cands[side]:
+                    r = known.get(i)
+                    if r is None:
+                        r = known[i] = _stat_row(recs[i], io)
+                    got.append(r)
+                terms.append(got)
+            width = min(max(len(r[0]) for r in side) // 2 for side in terms)
+            if any(r[1] < width for side in terms for r in side):
+                break
+            key.append(width)
+        else:
+            buckets.setdefault(tuple(key), []).append(g)
+    for (na, nb, w_out, w_in), members in buckets.items():
+        per = max(1, _CHUNK // (na * nb * max(w_out, w_in, 1) * 2))
+        for start in range(0, len(members), per):
+            idx = members[start:start + per]
+            far = None
+            for io, width in (("outputs", w_out), ("inputs", w_in)):
+                if width:
+                    arrays = []
+                    for side, n_cand in ((0, na), (1, nb)):
+                        flat, gaps, known = [], False, rows[side][io]
+                        for g in idx:
+                            for i in groups[g][side]:
+                                r, _, holes = known[i]
+                                if len(r) == 2 * width:
+                                    flat += r
+                                elif len(r) > 2 * width:
+                                    flat += r[:2 * width]
+                                    holes = holes and None in r[:2 * width]
+                                else:
+                                    flat += r
+                                    flat += [None] * (2 * width - len(r))
+                                    holes = True
+                                gaps = gaps or holes
+                        shape = (len(idx), n_cand, width, 2)
+                        if gaps:
+                            mask = np.array([v is not None for v in flat], bool).reshape(shape)
+                            flat = [0.0 if v is None else v for v in flat]
+                        else:
+                            mask = None
+                        arrays.append((np.array(flat, float).reshape(shape), mask))
+                    (va, ka), (vb, kb) = arrays
+                    va, vb = va[:, :, None], vb[:, None]
+                    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+                        rel = np.abs(va - vb) / (np.abs(va) + np.abs(vb) + 1e-30)
+                    if ka is not None or kb is not None:
+                        known = np.ones(va.shape, bool) if ka is None else ka[:, :, None]
+                        rel = np.where(known & (np.ones(vb.shape, bool) if kb is None else kb[:, None]), rel, 0.0)
+                    d = np.cumsum(rel[..., 0] + rel[..., 1], axis=-1)[..., -1]
+                else:
+                    d = np.zeros((len(idx), na, nb))
+                d = np.where(np.isfinite(d), d, np.inf)
+                far = d if far is None else far + d
+            yield idx, far
 
 
 def _pair_leftovers(recs_a: list, recs_b: list, gaps: list, key, mapping: Mapping, pairs: list) -> list:

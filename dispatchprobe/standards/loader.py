@@ -29,9 +29,22 @@ def per_dtype(table, dtype: str, name: str = "standards"):
 
 
 def short_dtype(dtype: str) -> str:
-    """``torch.float16`` / ``Float16`` / ``half`` -> ``float16``."""
+    """``torch.float16`` / ``Float16`` / ``half`` -> ``float16`` (each name worked out once: asked
+    for every tensor of the rows compare judges)."""
+    try:
+        return _SHORT[dtype]
+    except (KeyError, TypeError):
+        pass
     name = str(dtype).rsplit(".", 1)[-1].lower()
-    return {"half": "float16", "float": "float32", "double": "float64", "bf16": "bfloat16"}.get(name, name)
+    name = {"half": "float16", "float": "float32", "double": "float64", "bf16": "bfloat16"}.get(name, name)
+    try:
+        _SHORT[dtype] = name
+    except TypeError:      # an unhashable name: answered, not kept
+        pass
+    return name
+
+
+_SHORT: dict = {}
 
 
 def is_float(dtype: str) -> bool:

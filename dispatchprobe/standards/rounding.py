@@ -81,13 +81,15 @@ def terms_norm(record: dict, output: str) -> float | None:
     each repeated where broadcast), a matrix product (|| |X||Y| || <= ||X|| ||Y||, batched too) with
     its bias.  None for other ops, or where a statistic is missing."""
     name = base_name(record.get("op", ""))
+    kind = _SUMS.get(name, _OUTPUT_SUMS.get(name, {}).get(output))
+    if kind is None and (output != "output.0" or (name not in _SIGNED and name not in _PRODUCTS)):
+        return None       # no sum of terms (most ops): nothing more to read
     ins = record.get("inputs") or []
     kw = record.get("kwargs") or {}
     out = _output_spec(record, output)
     if out is None:
         return None
     n_out = max(math.prod(out.get("shape") or ()), 1)
-    kind = _SUMS.get(name, _OUTPUT_SUMS.get(name, {}).get(output))
     if kind is not None:
         x = _tensor(ins, 0)
         if x is None:
@@ -182,15 +184,18 @@ def _number(spec):
     return value if math.isfinite(value) else None
 
 
-def carried_bound(record: dict, output: str, carried: str | None = None) -> tuple[float, float] | None:
+def carried_bound(record: dict, output: str, carried: str | None = None,
+                  terms: float | None = None) -> tuple[float, float] | None:
     """``(bound, terms)`` of one run's output ``output`` (None where :func:`terms_norm` is): how far
     that output's L2 norm may move from rounding alone: the op's own (:func:`term_bound`, run-ut's:
     half types accumulate in float32) plus one rounding of each term in the lowest precision among
     the op's float inputs, that output and ``carried`` (the precision the values were computed from,
     where lower: a float32 gradient of a bfloat16 layer's output), relative to the terms, not to the
     value.  Two runs' inputs each carry that rounding (a bfloat16 input is rounded to bfloat16
-    whatever the kernel accumulates in)."""
-    terms = terms_norm(record, output)
+    whatever the kernel accumulates in).  ``terms``: :func:`terms_norm` of it, where the caller
+    has it already."""
+    if terms is None:
+        terms = terms_norm(record, output)
     if terms is None:
         return None
     specs = [s for _, _, s in walk(record, outputs=False)] + [_output_spec(record, output)]

@@ -116,14 +116,17 @@ def _within_rounding(df: pd.DataFrame, status, reason, sa: dict, sb: dict, recor
     cand = np.flatnonzero((status != V.PASS) & (status != NOT_JUDGED))
     if not len(cand) or records is None:
         return
+    floats = {d: is_float(d) for d in set(judge_dtype[cand].tolist())}
     recs_a, recs_b, pairs, src_a, src_b = records
     pair_b = {i: j for i, j, _ in pairs}
     uid, args, io = df["uid"].to_numpy(), df["arg"].to_numpy(object), df["io"].to_numpy(object)
     spec_a, spec_b = df["spec_a"].to_numpy(), df["spec_b"].to_numpy()
+    shape_a = df["shape_a"].to_numpy(object)
     rmse = df["rmse"].to_numpy(np.float64) if "rmse" in df else np.full(len(df), np.nan)
-    bounds: dict = {}       # (record of A, of B, output) -> (bound, terms) of each run, once
-    for r in cand:
-        if not is_float(judge_dtype[r]):     # integers do not round: any difference is one
+    terms: dict = {}        # (record of A, of B, output) -> its terms in each run, once
+    bounds: dict = {}       # (record of A, of B, output, precision) -> (bound, terms) of each run, once
+    for r in cand.tolist():
+        if not floats[judge_dtype[r]]:     # integers do not round: any difference is one
             continue
         if io[r] == "output":
             i, j, out = int(uid[r]), pair_b.get(int(uid[r])), args[r]
@@ -136,14 +139,19 @@ def _within_rounding(df: pd.DataFrame, status, reason, sa: dict, sb: dict, recor
                 continue
         if j is None:
             continue
+        # the terms first: most rows are no sum, or did not cancel (the bound is then never read)
+        each = terms.get((i, j, out))
+        if each is None:
+            each = terms[i, j, out] = (R.terms_norm(recs_a[i], out), R.terms_norm(recs_b[j], out))
+        if any(t is None for t in each) or not all(R.cancelled(t, st["norm"][r]) for t, st in zip(each, (sa, sb))):
+            continue
         key = (i, j, out, judge_dtype[r])
         if key not in bounds:
-            bounds[key] = [R.carried_bound(rec, out, judge_dtype[r]) for rec in (recs_a[i], recs_b[j])]
+            bounds[key] = [R.carried_bound(rec, out, judge_dtype[r], t)
+                           for rec, t in zip((recs_a[i], recs_b[j]), each)]
         sides = bounds[key]
-        if any(x is None for x in sides) or not all(R.cancelled(t, st["norm"][r]) for (_, t), st in zip(sides, (sa, sb))):
-            continue
         bound = sum(x for x, _ in sides)
-        n = max(int(np.prod(df["shape_a"].iat[r])), 1)
+        n = max(int(np.prod(shape_a[r])), 1)
         if np.isfinite(rmse[r]):
             diff = rmse[r] * math.sqrt(n)
         else:            # a missing statistic bounds nothing; none at all: not excused
