@@ -31,7 +31,8 @@ def encode_plain(value, backend) -> dict:
     return backend.encode_other(value)
 
 
-DEFER_BATCH = 512   # accelerator tensors measured per host sync
+DEFER_BATCH = 512   # accelerator tensors queued between two looks for arrived statistics
+DEFER_HELD = 8      # batches queued and not arrived before the recorder waits for the device
 
 
 class Measured:
@@ -65,11 +66,15 @@ class Recorder(Handler):
         self._dense: dict = {}         # dense key -> the (memory ref, entry) of a value measured
         self._lines = None          # the part's ops.jsonl, where records need only statistics
         self._next_key = 0
-        # accelerator statistics still on the device, and the records waiting for them: read
-        # back with one host sync every DEFER_BATCH tensors or at flush, not one per op
+        # accelerator statistics still on the device, and the records waiting for them: those
+        # arrived on the host are read every DEFER_BATCH tensors, the rest at flush (or once
+        # DEFER_HELD batches wait), never one host sync per op
         self._rows: list = []
         self._row_stats: list = []
+        self._read_rows = 0            # rows read since the recorder began
+        self._looked_at = 0            # len(self._rows) after the last look
         self._waiting: list[dict] = []
+        self._need: list[int] = []     # per waiting record: the rows read before it is complete
         self._unfilled: set[int] = set()     # ids of records reserved (reserve) and not yet filled
 
     # -- encoding --------------------------------------------------------------------------
@@ -398,8 +403,32 @@ class Recorder(Handler):
             self.part.ops.append(record)
             return
         self._waiting.append(record)
-        if len(self._row_stats) >= DEFER_BATCH:
-            self.flush()
+        self._need.append(self._read_rows + len(self._rows))
+        if len(self._rows) - self._looked_at >= DEFER_BATCH:
+            self._read_arrived()
+
+    def _read_arrived(self) -> None:
+        """Read the queued device statistics that have arrived on the host (all of them, waiting,
+        when DEFER_HELD batches have not) and write the records complete up to the first that
+        is not."""
+        rows = self._rows
+        n = self.backend.stats_ready(rows)
+        if len(rows) - n >= DEFER_HELD * DEFER_BATCH:
+            n = len(rows)
+        self._read(n)
+        self._looked_at = len(self._rows)
+        self._write_waiting()
+
+    def _read(self, n: int) -> None:
+        """Fill the statistics of the first ``n`` queued rows."""
+        if not n:
+            return
+        stats = self._row_stats
+        values = self.backend.read_stats_rows(self._rows[:n], [k for _, k in stats[:n]])
+        for (st, _), v in zip(stats, values):
+            st.update(v)
+        del self._rows[:n], stats[:n]
+        self._read_rows += n
 
     def reserve(self) -> dict:
         """A record's place in the part's order, for a record made later (a collective whose
@@ -407,41 +436,36 @@ class Recorder(Handler):
         wait behind it until :meth:`fill`, so the part keeps call order."""
         slot: dict = {}
         self._waiting.append(slot)
+        self._need.append(self._read_rows + len(self._rows))
         self._unfilled.add(id(slot))
         return slot
 
     def fill(self, slot: dict, record: dict | None) -> None:
         """The record made for ``slot`` (None: nothing is recorded there); the records waiting
-        only for it are written (those waiting for device statistics wait for :meth:`flush`)."""
+        only for it are written (those waiting for device statistics wait until they are read)."""
         self._unfilled.discard(id(slot))
         if record is None:
-            self._waiting = [r for r in self._waiting if r is not slot]
+            at = next(i for i, r in enumerate(self._waiting) if r is slot)
+            del self._waiting[at], self._need[at]
         else:
             slot.update(record)
-        if not self._row_stats:
-            self._write_waiting()
+        self._write_waiting()
 
     def flush(self) -> None:
         """Read the pending device statistics (one sync per device) and write waiting records
         (up to the first place still reserved)."""
-        if self._row_stats:
-            values = self.backend.read_stats_rows(self._rows, [n for _, n in self._row_stats])
-            for (st, _), v in zip(self._row_stats, values):
-                st.update(v)
-            self._rows, self._row_stats = [], []
+        self._read(len(self._rows))
+        self._looked_at = 0
         self._write_waiting()
 
     def _write_waiting(self) -> None:
-        waiting, unfilled = self._waiting, self._unfilled
-        if not unfilled:
-            self._waiting = []
-            for record in waiting:
-                self.write(record)
-            return
+        """Write the waiting records in order up to the first whose statistics are not read yet or
+        whose place is still reserved."""
+        waiting, unfilled, read = self._waiting, self._unfilled, self._read_rows
         n = 0
-        for record in waiting:
-            if id(record) in unfilled:
+        for record, need in zip(waiting, self._need):
+            if need > read or id(record) in unfilled:
                 break
             self.write(record)
             n += 1
-        del waiting[:n]
+        del waiting[:n], self._need[:n]

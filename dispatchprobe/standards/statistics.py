@@ -28,6 +28,14 @@ def _plan(dtype) -> str:
     return "keep" if name in _KEEP else "float32" if name.startswith("float") or name == "bool" else "float64"
 
 
+def source_plan(dtype) -> str:
+    """How :func:`source` takes values of ``dtype`` (a dtype or its name): ``"keep"`` (the four
+    float dtypes as they are), ``"abs"`` (complex), or the dtype name they are converted to
+    (``"float32"``, ``"float64"``): a device path that copies values to reduce them later converts
+    them in the copy."""
+    return _plan(dtype)
+
+
 def source(x, xp):
     """The values statistics are taken of: ``|x|`` for complex; half and single floats as they
     are (accumulated in float32, far cheaper than float64 on CPU); other floats and bool as
@@ -61,6 +69,12 @@ def _halve(x, axis: int, size: int):
         size //= 2
         x = x[lead + (slice(0, size),)] + x[lead + (slice(size, 2 * size),)]
     return x[lead + (0,)]
+
+
+def halve(x, axis: int, size: int):
+    """:func:`tree_sums`' pairwise halving along ``axis`` (a device path summing many values' blocks
+    at once follows it step by step)."""
+    return _halve(x, axis, size)
 
 
 def tree_sums(seq, xp, wide: bool = False):

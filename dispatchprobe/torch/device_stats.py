@@ -41,8 +41,8 @@ def triton_release() -> tuple[int, int] | None:
 
 @functools.lru_cache(maxsize=None)
 def _kernels():
-    """The kernel (compiled on first launch), or None where Triton is unavailable, older than
-    :data:`MIN_TRITON`, or turned off."""
+    """The kernels' module (each compiled on first launch), or None where Triton is unavailable,
+    older than :data:`MIN_TRITON`, or turned off."""
     if os.environ.get("DISPATCHPROBE_FUSED_STATS", "1").lower() in ("0", "false", "no", "off"):
         return None
     release = triton_release()
@@ -52,7 +52,12 @@ def _kernels():
         from . import device_stats_kernels as k
     except Exception:       # broken
         return None
-    return k.reduce_stats
+    return k
+
+
+def kernels_loaded() -> bool:
+    """Whether the kernels can be launched here (Triton importable, recent enough, not turned off)."""
+    return _kernels() is not None
 
 
 def available(t: torch.Tensor) -> bool:
@@ -76,15 +81,25 @@ def launch(seq: torch.Tensor, repeat: int = 1) -> torch.Tensor:
     parts = -(-n // _CHUNK)
     device = seq.device
     out = torch.empty((parts, _FIELDS), dtype=torch.float64, device=device)
-    kernel = _kernels()[(parts,)]
-    args = (seq, out, n, repeat)
-    options = {"WIDE": seq.dtype == torch.float64, "enable_fp_fusion": False}
+    _run(_kernels().reduce_stats[(parts,)], device, (seq, out, n, repeat), seq.dtype == torch.float64)
+    return out
+
+
+def launch_table(values: torch.Tensor, table: torch.Tensor, out: torch.Tensor) -> None:
+    """Partial rows of many values copied into the 1-D buffer ``values``, one launch: ``table``
+    (int64, on the device) has a row per chunk (start in ``values``, values in the chunk, repeat,
+    row of ``out`` written), ``out`` the float64 rows (:mod:`.device_batch`)."""
+    _run(_kernels().reduce_table[(table.shape[0],)], values.device, (values, table, out),
+         values.dtype == torch.float64)
+
+
+def _run(kernel, device, args: tuple, wide: bool) -> None:
+    options = {"WIDE": wide, "enable_fp_fusion": False}
     if device.type == "cuda" and _cuda_devices() > 1 and device.index != torch.cuda.current_device():
         with torch.cuda.device(device):          # Triton launches on the current device
             kernel(*args, **options)
     else:
         kernel(*args, **options)
-    return out
 
 
 @functools.lru_cache(maxsize=None)

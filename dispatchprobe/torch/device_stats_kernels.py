@@ -1,5 +1,6 @@
-"""The Triton kernel of :mod:`.device_stats` (imported on first use: importing Triton takes a
-while, and CPU-only torch has none)."""
+"""The Triton kernels of :mod:`.device_stats` (imported on first use: importing Triton takes a
+while, and CPU-only torch has none): one tensor's chunks (``reduce_stats``), or the chunks a
+table lists of many values copied into one buffer (``reduce_table``, :mod:`.device_batch`)."""
 
 import triton
 import triton.language as tl
@@ -32,13 +33,12 @@ def _chunk(blocks):
 
 
 @triton.jit
-def reduce_stats(x_ptr, out_ptr, n, repeat, WIDE: tl.constexpr):
-    # one program per chunk of 32 blocks of 16 x 64 values (statistics.tree_sums): a partial row
-    # (statistics.PARTIAL_FIELDS) of max and min without nan, finite max and min, the sums in the
-    # lanes' type (float32; float64 for float64 values: WIDE), nan and inf counts, the sums in
-    # float64 lanes, the repeat.  Launched without fused multiply-adds: squares are rounded first.
-    pid = tl.program_id(0)
-    base = pid.to(tl.int64) * 32768
+def _reduce(x_ptr, out, start, count, repeat, WIDE: tl.constexpr):
+    # one chunk of 32 blocks of 16 x 64 values (statistics.tree_sums) from x_ptr + start, count of
+    # them (a chunk's 32768 at most): a partial row (statistics.PARTIAL_FIELDS) at out of max and
+    # min without nan, finite max and min, the sums in the lanes' type (float32; float64 for
+    # float64 values: WIDE), nan and inf counts, the sums in float64 lanes, the repeat.  Launched
+    # without fused multiply-adds: squares are rounded first.
     at = tl.arange(0, 16)[:, None] * 64 + tl.arange(0, 64)[None, :]
     index = tl.arange(0, 32)[:, None]
     hi = tl.full([16, 64], float("-inf"), tl.float64)
@@ -52,9 +52,9 @@ def reduce_stats(x_ptr, out_ptr, n, repeat, WIDE: tl.constexpr):
     wide_sums = tl.zeros([32, 16], tl.float64)
     wide_squares = tl.zeros([32, 16], tl.float64)
     for b in range(0, 32):
-        offs = base + b * 1024 + at
-        inside = offs < n
-        raw = tl.load(x_ptr + offs, mask=inside, other=0.0)
+        local = b * 1024 + at
+        inside = local < count
+        raw = tl.load(x_ptr + start + local, mask=inside, other=0.0)
         v = raw.to(tl.float64)
         is_nan = v != v
         is_inf = tl.abs(v) == float("inf")
@@ -75,7 +75,6 @@ def reduce_stats(x_ptr, out_ptr, n, repeat, WIDE: tl.constexpr):
         squares = tl.where(here, _fold(lane * lane).to(tl.float64)[None, :], squares)
         wide_sums = tl.where(here, _fold(v)[None, :], wide_sums)
         wide_squares = tl.where(here, _fold(v * v)[None, :], wide_squares)
-    out = out_ptr + pid * 11
     tl.store(out + 0, tl.max(tl.max(hi, 1), 0))
     tl.store(out + 1, tl.min(tl.min(lo, 1), 0))
     tl.store(out + 2, tl.max(tl.max(fhi, 1), 0))
@@ -87,3 +86,23 @@ def reduce_stats(x_ptr, out_ptr, n, repeat, WIDE: tl.constexpr):
     tl.store(out + 8, _chunk(wide_sums))
     tl.store(out + 9, _chunk(wide_squares))
     tl.store(out + 10, repeat.to(tl.float64))
+
+
+@triton.jit
+def reduce_stats(x_ptr, out_ptr, n, repeat, WIDE: tl.constexpr):
+    # one program per chunk of one tensor's n values
+    pid = tl.program_id(0)
+    start = pid.to(tl.int64) * 32768
+    _reduce(x_ptr, out_ptr + pid * 11, start, n - start, repeat, WIDE)
+
+
+@triton.jit
+def reduce_table(x_ptr, table_ptr, out_ptr, WIDE: tl.constexpr):
+    # one program per row of the table (int64: start in x, values, repeat, output row): the chunks
+    # of many values copied into one buffer, reduced in one launch
+    row = table_ptr + tl.program_id(0).to(tl.int64) * 4
+    start = tl.load(row)
+    count = tl.load(row + 1)
+    repeat = tl.load(row + 2)
+    at = tl.load(row + 3)
+    _reduce(x_ptr, out_ptr + at * 11, start, count, repeat, WIDE)

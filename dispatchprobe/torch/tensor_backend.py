@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from . import collectives, device_stats, fused_stats, tensor_kinds
+from . import collectives, device_batch, device_stats, fused_stats, tensor_kinds
 from ..standards import statistics
 from .internals.dispatch import no_functorch, set_grad_enabled
 from .internals.tensors import MKLDNN, storage_expired, storage_from_weak, tensor_base, tensor_version
@@ -270,12 +270,19 @@ def _sequence(x: torch.Tensor) -> tuple[torch.Tensor, int]:
     """``x``'s distinct elements as a 1-D tensor in the order they lie in memory (the order
     :func:`statistics.tree_sums` and the C++ kernel sum them; a copy only where they are not one
     run), and how many elements each stands for (the product of expanded dimensions)."""
+    view, repeat = _memory_order(x)
+    return view.reshape(-1), repeat
+
+
+def _memory_order(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """:func:`_sequence` as a view, never a copy: ``x``'s distinct elements with its dimensions
+    ordered by stride (``x`` itself where contiguous), and the repeat."""
     if x.is_contiguous():
-        return x.reshape(-1), 1
+        return x, 1
     dims = [(s, k) for s, k in zip(x.stride(), x.shape) if k != 1]
     repeat = math.prod(k for s, k in dims if s == 0)
     kept = sorted((s, k) for s, k in dims if s != 0)[::-1]
-    return x.as_strided([k for _, k in kept], [s for s, _ in kept]).reshape(-1), repeat
+    return x.as_strided([k for _, k in kept], [s for s, _ in kept]), repeat
 
 
 def _fills_block(t: torch.Tensor) -> bool:
@@ -389,19 +396,29 @@ def clone(t: torch.Tensor) -> torch.Tensor:
 
 
 def stats_on_device(t: torch.Tensor) -> bool:
-    """Whether ``t``'s statistics are best reduced on its (accelerator) device and read later."""
-    return not t.is_cpu and t.numel() > 0 and tensor_kinds.values(t) is not None
+    """Whether ``t``'s statistics are best reduced on its (accelerator) device and read later
+    (CPU values too where :data:`device_batch.HOST_AS_DEVICE` is set)."""
+    return (not t.is_cpu or device_batch.HOST_AS_DEVICE) and t.numel() > 0 and tensor_kinds.values(t) is not None
 
 
-def device_stats_row(t: torch.Tensor) -> torch.Tensor:
+def device_stats_row(t: torch.Tensor):
     """The statistics of ``t`` on its device, no host sync (:func:`read_stats_rows` reads many at
-    once): partial rows (:data:`statistics.PARTIAL_FIELDS`) of its values in memory order, from
-    one kernel launch where :mod:`.device_stats` can take them, else torch's operations; both sum
-    in :func:`statistics.tree_sums`' order, so the record is the one the CPU gives."""
+    once): its values copied now into its device's window (:mod:`.device_batch`), reduced with
+    many others in one launch; or, with the window off, partial rows
+    (:data:`statistics.PARTIAL_FIELDS`) of its values in memory order now (:func:`row_now`).
+    Every path sums in :func:`statistics.tree_sums`' order: the record is the one the CPU gives."""
     with NoGrad():        # nothing here is differentiated: no detach, no decorator machinery
-        seq, repeat = _sequence(tensor_kinds.values(t))
-        fused = device_stats.row(seq, repeat)
-        return fused if fused is not None else torch_stats_row(seq, repeat)
+        view, repeat = _memory_order(tensor_kinds.values(t))
+        if device_batch.WINDOW:
+            return device_batch.add(view, repeat, row_now)
+        return row_now(view.reshape(-1), repeat)
+
+
+def row_now(seq: torch.Tensor, repeat: int = 1) -> torch.Tensor:
+    """The partial rows of 1-D ``seq`` on its device now: one kernel launch where
+    :mod:`.device_stats` can take them, else torch's operations."""
+    fused = device_stats.row(seq, repeat)
+    return fused if fused is not None else torch_stats_row(seq, repeat)
 
 
 def torch_stats_row(seq: torch.Tensor, repeat: int = 1) -> torch.Tensor:
@@ -418,14 +435,41 @@ def torch_stats_row(seq: torch.Tensor, repeat: int = 1) -> torch.Tensor:
         return torch.stack([v.double() for v in one]).reshape(1, -1)
 
 
-def read_stats_rows(rows: list[torch.Tensor], numels: list[int]) -> list[dict]:
-    """Read many :func:`device_stats_row` results with one host sync per device: partial rows,
-    combined here, or rows of 6 (a compiled graph's)."""
+def stats_ready(rows: list) -> int:
+    """How many of the leading ``rows`` (:func:`device_stats_row`'s) :func:`read_stats_rows` reads
+    without waiting for the device: their window's rows have arrived on the host (rows reduced
+    on the host are there already; a compiled graph's rows on a device are read at a flush)."""
+    n = 0
+    window = None
+    for row in rows:
+        if type(row) is _PENDING:
+            if row.window is not window:
+                if not row.window.arrived():
+                    break
+                window = row.window
+        elif not row.is_cpu:
+            break
+        n += 1
+    return n
+
+
+_PENDING = device_batch.Pending
+
+
+def read_stats_rows(rows: list, numels: list[int]) -> list[dict]:
+    """Read many :func:`device_stats_row` results with one host sync per device (per window still
+    on its way): partial rows, combined here, or rows of 6 (a compiled graph's)."""
     by_device: dict = {}
-    for i, row in enumerate(rows):
-        by_device.setdefault(row.device, []).append(i)
     values: list = [None] * len(rows)
     width = len(statistics.PARTIAL_FIELDS)
+    if any(type(row) is _PENDING and row.window.host is None for row in rows):
+        device_batch.launch_all()        # every window on its way before the first wait
+    for i, row in enumerate(rows):
+        if type(row) is _PENDING:
+            flat = row.values()
+            values[i] = statistics.row_from_partials([flat[j:j + width] for j in range(0, len(flat), width)])
+        else:
+            by_device.setdefault(row.device, []).append(i)
     for idx in by_device.values():
         flat = torch.cat([rows[i].reshape(-1) for i in idx]).tolist()
         at = 0
