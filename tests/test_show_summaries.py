@@ -25,7 +25,7 @@ from dispatchprobe.offline.summary import summarize
 from dispatchprobe.records import part_summary
 
 sys.path.insert(0, os.path.dirname(__file__))
-from compare_helpers import record  # noqa: E402
+from compare_helpers import record, record_net  # noqa: E402
 from test_grad_show import _grad_run  # noqa: E402
 from test_nonfinite_badges import inf_gelu  # noqa: E402
 
@@ -51,7 +51,8 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("summaries")
     out = {"statistics": record(root / "statistics", task="statistics", steps=2),
            "op level": record(root / "op_level", task="statistics", level="op"),
-           "tensor": record(root / "tensor", task="tensor")}
+           "tensor": record(root / "tensor", task="tensor"),
+           "no nan/inf": record_net(root / "finite", task="statistics", steps=2)}
     with inf_gelu():        # inf made from finite values, beside the causal mask's -inf constant
         out["nan/inf"] = record(root / "nonfinite", task="statistics", steps=2)
         out["overflow"] = record(root / "overflow", task="overflow", steps=2, overflow_nums=-1)
@@ -78,8 +79,8 @@ def show(path, *options):
     return result.exit_code, result.output
 
 
-@pytest.mark.parametrize("kind", ["statistics", "op level", "tensor", "nan/inf", "overflow", "two ranks",
-                                  "grad probe"])
+@pytest.mark.parametrize("kind", ["statistics", "op level", "tensor", "no nan/inf", "nan/inf", "overflow",
+                                  "two ranks", "grad probe"])
 def test_show_prints_the_same_from_summaries_as_from_records(runs, kind, tmp_path):
     run = runs[kind]
     parts = load(run).parts
@@ -88,6 +89,10 @@ def test_show_prints_the_same_from_summaries_as_from_records(runs, kind, tmp_pat
         assert summaries == [None] * len(parts)
     else:
         assert None not in summaries and len(summaries) == len(parts), "every closed step has its summary"
+    if kind == "no nan/inf":        # summarised from the records' first fields only
+        for part in parts.values():
+            with open(os.path.join(part.path, "ops.jsonl"), "rb") as f:
+                assert part_summary._heads(f.read()) is not None
     copy = without_summaries(run, tmp_path)
     for options in OPTIONS:
         code, text = show(run, *options)
@@ -146,6 +151,24 @@ def test_a_torn_part_writes_no_summary(tmp_path):
     (folder / "ops.jsonl").write_bytes(b'{"id":0,"kind":"op","name":"a","op":"a","stage":"forward","scope":"m"}\n{"id":1')
     assert not part_summary.write(str(folder))
     assert not (folder / part_summary.FILE).exists()
+
+
+def test_records_not_starting_with_the_skeleton_are_read_whole(tmp_path):
+    """Lines whose first fields are not the recorder's (another writer's key order, a ``call`` key
+    only nested) are summarised from whole records, to the same counts."""
+    folder = tmp_path / "step0" / "rank0"
+    folder.mkdir(parents=True)
+    t = {"type": "tensor", "dtype": "float32", "shape": [2], "stats": {"max": 1.0, "min": 0.0, "nan": 0, "inf": 0}}
+    lines = [{"id": 0, "kind": "op", "name": "aten.mm.default.0.forward", "op": "aten.mm.default",
+              "stage": "forward", "scope": "M", "call": 0, "outputs": [t]},
+             {"kind": "op", "id": 1, "op": "aten.add.Tensor", "name": "aten.add.Tensor.0.backward",
+              "stage": "backward", "scope": "M", "outputs": [dict(t, call=3)], "call": 0}]
+    (folder / "ops.jsonl").write_text("".join(json.dumps(r, separators=(",", ":")) + "\n" for r in lines))
+    assert part_summary.write(str(folder))
+    summary = part_summary.read(str(folder))
+    assert summary == part_summary.reduce(lines, (folder / "ops.jsonl").stat().st_size)
+    assert {name: st["ops"] for name, st in summary["stages"].items()} == \
+        {"forward": {"aten.mm.default": 1}, "backward": {"aten.add.Tensor": 1}}
 
 
 TRAIN_FOREVER = textwrap.dedent("""

@@ -28,8 +28,8 @@ NAME = "dispatchprobe-part-summary"
 VERSION = 1
 FIRST_ROWS = 5          # the nan/inf tensors `show` lists, per stage (made, and any)
 
-# a tensor statistic counting some nan or inf: a part without one has no tensor to walk (the walk
-# is half the summary's time)
+# a tensor statistic counting some nan or inf: a part without one has no tensor to walk, and only
+# its records' first fields are read
 _NONFINITE = re.compile(rb'"(?:nan|inf)"\s*:\s*[1-9]')
 
 
@@ -126,15 +126,37 @@ def write(folder: str) -> bool:
             data = f.read()
     except FileNotFoundError:       # no record (a grad-probe part, a check that flagged nothing)
         return False
-    records = _parse(data)
+    nonfinite = _NONFINITE.search(data) is not None
+    records = None if nonfinite or b'"rerun"' in data else _heads(data)
     if records is None:
-        return False
-    summary = reduce(records, len(data), nonfinite=_NONFINITE.search(data) is not None)
+        records = _parse(data)
+        if records is None:
+            return False
+    summary = reduce(records, len(data), nonfinite=nonfinite)
     # written in place: a reader of a summary cut short (the process killed meanwhile) finds no
     # valid JSON in it and reads the records
     with open(os.path.join(folder, FILE), "wb") as f:
         f.write(json.dumps(summary, separators=(",", ":")).encode())
     return True
+
+
+_HEAD_KEYS = ["id", "kind", "name", "op", "stage", "scope"]     # Recorder.skeleton's first fields
+
+
+def _heads(data: bytes) -> list[dict] | None:
+    """The first fields of each record (up to ``call``), where every line is a whole record that
+    starts with them: all :func:`reduce` needs of records holding no nan/inf and no re-run,
+    parsed in a quarter of the time of whole records.  None where any line is otherwise."""
+    if not data.endswith(b"\n"):
+        return None
+    lines = data[:-1].split(b"\n")
+    ends = [line.find(b',"call":') for line in lines]    # a key: quotes inside strings are escaped
+    if -1 in ends or data.count(b"}\n") != len(lines):
+        return None
+    heads = _parse(b"}\n".join(line[:end] for line, end in zip(lines, ends)) + b"}\n")
+    if heads is None or any(list(h) != _HEAD_KEYS for h in heads):
+        return None
+    return heads
 
 
 def _parse(data: bytes) -> list[dict] | None:
