@@ -2,14 +2,16 @@
 
 One model (the tiny transformer of ``dispatchprobe.models``) and one global batch: one process
 trains on all of it; under ``torchrun`` each of the ranks trains on its share, wrapped in DDP or
-FSDP2 (``fully_shard`` per layer and the root).  Each process times its steps (forward,
-backward, optimizer step) unprobed and under ``DispatchProbe(task="statistics")``, alternating,
-and reports the median of each; the table gives each rank's ratio beside two 1-process ones: the
-whole batch on the machine's threads, and one rank's work alone (its share of the batch and its
-thread count), which separates what recording a distributed step costs from what recording a
-smaller step does.
+FSDP2 (``fully_shard`` per layer and the root), or not wrapped (``local``: the ranks' work side
+by side on the machine, no communication).  Each process times its steps (forward, backward,
+optimizer step) unprobed and under ``DispatchProbe(task="statistics")``, alternating, and
+reports the median of each and the records a probed step wrote; the table gives each rank's
+ratio beside two 1-process ones: the whole batch on the machine's threads, and one rank's work
+alone (its share of the batch and its thread count), which separates what recording a
+distributed step costs from what recording a smaller step does.  The rank's-work-alone row is
+timed again after the ranks, so that a change of the machine's load between them shows.
 
-    python benchmarks/distributed_overhead.py [--steps 8] [--quick] [--nproc 2] [--kinds ddp] [--bucket-mb 1]
+    python benchmarks/distributed_overhead.py [--steps 8] [--quick] [--nproc 2] [--kinds local,ddp] [--bucket-mb 1]
 
 ``--bucket-mb``: DDP's bucket size (torch's default 25 MB makes one bucket of this model, reduced
 after the backward; 1 MB makes several, whose asynchronous all-reduces overlap the rest of the
@@ -89,7 +91,18 @@ def measure(kind: str, steps: int, quick: bool, dump: str, shares: int = 1, buck
     probe.close()
     return {"kind": kind if shares == 1 else f"{kind} 1/{shares}", "rank": rank, "world": world,
             "threads": torch.get_num_threads(), "plain": statistics.median(plain),
-            "probed": statistics.median(probed)}
+            "probed": statistics.median(probed), "records": _records_per_step(os.path.join(dump, kind), rank)}
+
+
+def _records_per_step(run: str, rank: int) -> int:
+    """The median number of records a probed step wrote on ``rank`` (the work the probe did)."""
+    counts = []
+    for step in os.listdir(run):
+        path = os.path.join(run, step, f"rank{rank}", "ops.jsonl")
+        if step.startswith("step") and os.path.exists(path):
+            with open(path, "rb") as f:
+                counts.append(sum(1 for _ in f))
+    return int(statistics.median(counts)) if counts else 0
 
 
 def _worker(kind: str, steps: int, quick: bool, dump: str, out: str, bucket_mb: float | None) -> None:
@@ -106,7 +119,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--quick", action="store_true", help="a smaller transformer (smoke runs)")
     parser.add_argument("--nproc", type=int, default=2, help="ranks of the DDP and FSDP2 runs")
-    parser.add_argument("--kinds", default="ddp,fsdp2", help="the distributed runs, comma-separated")
+    parser.add_argument("--kinds", default="local,ddp,fsdp2",
+                        help="the distributed runs, comma-separated (local: the ranks not wrapped)")
     parser.add_argument("--bucket-mb", type=float, help="DDP's bucket_cap_mb (default: torch's)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--tmp", help=argparse.SUPPRESS)
@@ -119,9 +133,13 @@ def main() -> None:
         rows = [measure("single", args.steps, args.quick, os.path.join(tmp, "runs"))]
         # the same work as one rank, alone: its share of the batch, its thread count
         threads, rank_threads = torch.get_num_threads(), int(os.environ.get("OMP_NUM_THREADS", "1"))
-        torch.set_num_threads(rank_threads)
-        rows.append(measure("single", args.steps, args.quick, os.path.join(tmp, "runs"), shares=args.nproc))
-        torch.set_num_threads(threads)
+
+        def rank_alone(label=""):
+            torch.set_num_threads(rank_threads)
+            rows.append(measure("single", args.steps, args.quick, os.path.join(tmp, "runs"), shares=args.nproc))
+            rows[-1]["kind"] += label
+            torch.set_num_threads(threads)
+        rank_alone()
         env = {**os.environ, "OMP_NUM_THREADS": str(rank_threads)}
         for kind in args.kinds.split(","):
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc),
@@ -134,12 +152,14 @@ def main() -> None:
             for r in range(args.nproc):
                 with open(os.path.join(tmp, f"{kind}-rank{r}.json")) as f:
                     rows.append(json.load(f))
+        rank_alone(" after")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    print(f"{'setup':<10} {'rank':>4} {'threads':>7} {'unprobed ms/step':>17} {'statistics ms/step':>19} {'ratio':>6}")
+    print(f"{'setup':<16} {'rank':>4} {'threads':>7} {'unprobed ms/step':>17} {'statistics ms/step':>19} {'ratio':>6}"
+          f" {'records/step':>12}")
     for r in rows:
-        print(f"{r['kind']:<10} {r['rank']:>2}/{r['world']:<1} {r['threads']:>7} {1e3 * r['plain']:>17.1f} "
-              f"{1e3 * r['probed']:>19.1f} {r['probed'] / r['plain']:>6.2f}")
+        print(f"{r['kind']:<16} {r['rank']:>2}/{r['world']:<1} {r['threads']:>7} {1e3 * r['plain']:>17.1f} "
+              f"{1e3 * r['probed']:>19.1f} {r['probed'] / r['plain']:>6.2f} {r['records']:>12}")
 
 
 if __name__ == "__main__":
