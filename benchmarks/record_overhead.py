@@ -12,6 +12,7 @@ below autograd can go under.  The tensor task's row prints beside it the memory 
 to copy the bytes it writes per step once in memory.
 
     python benchmarks/record_overhead.py [--steps 8] [--quick] [--device cuda] [--cases llama] [--no-rss]
+                                         [--modes empty,statistics]
 
 Peak RSS: the modes are timed in turn in one process, so their memory cannot be told apart
 there; each mode is run again alone in a child process (same model, same number of steps) and
@@ -172,22 +173,32 @@ def copy_floor(nbytes: float) -> float:
     return statistics.median(times)
 
 
+# --modes: the tools timed beside the uninstrumented step, by the short name each label has
+MODES = {"empty TorchDispatchMode": "empty", "dispatchprobe statistics": "statistics",
+         "dispatchprobe tensor": "tensor", "torch DebugMode": "debugmode"}
+TOOLS = (*MODES.values(), "msprobe")
+SELECTED = set(TOOLS)
+
+
 def mode_wraps(model, tmp: str, only: str | None = None) -> dict:
     """label -> wrap(i) giving (context, end hook) for one step of that mode (``only``: just it)."""
+    def wanted(label: str) -> bool:
+        return label == only if only is not None else MODES[label] in SELECTED
     wraps = {"uninstrumented": lambda i: (_Null(), lambda: None)}
-    if only is None or only == "empty TorchDispatchMode":
+    if wanted("empty TorchDispatchMode"):
         wraps["empty TorchDispatchMode"] = lambda i: (empty_mode(), lambda: None)
     for task in ("statistics", "tensor"):
-        if only is not None and only != f"dispatchprobe {task}":
+        if not wanted(f"dispatchprobe {task}"):
             continue
         probe = DispatchProbe(task=task, dump_path=os.path.join(tmp, task), model=model)
         # step() closes the step's records (waits for its tensors): its cost is counted
         wraps[f"dispatchprobe {task}"] = lambda i, probe=probe: (probe, probe.step)
-    try:
-        from torch.utils._debug_mode import DebugMode
-        wraps["torch DebugMode"] = lambda i: (DebugMode(), lambda: None)
-    except ImportError:
-        pass
+    if wanted("torch DebugMode"):
+        try:
+            from torch.utils._debug_mode import DebugMode
+            wraps["torch DebugMode"] = lambda i: (DebugMode(), lambda: None)
+        except ImportError:
+            pass
     return wraps
 
 
@@ -214,8 +225,9 @@ def run_modes(case, steps: int, tmp: str, rss: bool = True):
             shutil.rmtree(folder, ignore_errors=True)    # a full /dev/shm slows every later copy
             written = (size / (steps + 2), files / (steps + 2))
         rows.append((label, ts, written, own.get(label), rss_of(name, label, steps, tmp) if rss else None))
-    rows.append(msprobe_row(name, model, step, steps, tmp, "statistics"))
-    rows.append(msprobe_row(name, model, step, steps, tmp, "tensor"))
+    if "msprobe" in SELECTED:
+        rows.append(msprobe_row(name, model, step, steps, tmp, "statistics"))
+        rows.append(msprobe_row(name, model, step, steps, tmp, "tensor"))
     return name, rows
 
 
@@ -339,14 +351,16 @@ def main():
                         help="write GB of memory once before timing: on a virtual machine whose memory the host backs "
                              "on first touch (about 0.4 GB/s), the run's first new pages (the tensor modes' files, "
                              "msprobe's) would otherwise pay that, not the tools")
+    parser.add_argument("--modes", default=",".join(TOOLS),
+                        help="which tools, comma-separated, from " + ", ".join(TOOLS) + " (default: all)")
     parser.add_argument("--no-rss", action="store_true",
                         help="skip the peak-RSS column (each mode run again alone in a child process)")
     parser.add_argument("--msprobe-child", help=argparse.SUPPRESS)
     parser.add_argument("--rss-child", help=argparse.SUPPRESS)
     parser.add_argument("--tmp", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    global QUICK, DEVICE
-    QUICK, DEVICE = args.quick, args.device
+    global QUICK, DEVICE, SELECTED
+    QUICK, DEVICE, SELECTED = args.quick, args.device, set(args.modes.split(","))
     if args.msprobe_child:
         msprobe_child(args.msprobe_child, args.steps, args.tmp)
         return
