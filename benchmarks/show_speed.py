@@ -20,6 +20,7 @@ benchmarks/show_speed.py``.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
@@ -33,7 +34,9 @@ sys.path.insert(0, ROOT)        # this tree's dispatchprobe records the run
 
 
 def record(path: str, steps: int) -> tuple[float, list[float]]:
-    """Record the run; (seconds per recorded step, seconds of each summary written at a close)."""
+    """Record the run; (seconds per recorded step, seconds of each summary written at a close).
+    Run in a child process (``--record``), so that the children timing ``show`` start from a
+    small process (Linux keeps a process's peak RSS across exec)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -103,11 +106,19 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--old-tree", default=None, help="a worktree of an older commit to time beside this one")
     ap.add_argument("--dump", default=None, help="where to record (default: a temporary folder, removed after)")
+    ap.add_argument("--record", default=None, help=argparse.SUPPRESS)     # the child that records
     args = ap.parse_args()
+    if args.record:
+        per_step, spent = record(args.record, args.steps)
+        print(json.dumps({"per_step": per_step, "spent": spent}))
+        return
     tmp = tempfile.mkdtemp(prefix="show_speed_", dir=args.dump)
     try:
         run, plain = os.path.join(tmp, "run"), os.path.join(tmp, "records_only")
-        per_step, spent = record(run, args.steps)
+        child = subprocess.run([sys.executable, __file__, "--record", run, "--steps", str(args.steps)],
+                               stdout=subprocess.PIPE, text=True, check=True)
+        timings = json.loads(child.stdout.strip().splitlines()[-1])
+        per_step, spent = timings["per_step"], timings["spent"]
         without_summaries(run, plain)
         size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(run) for f in fs
                    if f == "ops.jsonl")

@@ -235,3 +235,23 @@ def test_a_run_writes_a_summary_per_closed_step(tmp_path):
     assert [part_summary.read(p.path)["stages"]["forward"]["ops"] for p in run.parts.values()] == \
         [{"aten.mul.Tensor": 1}, {"aten.mul.Tensor": 1}, {"aten.mul.Tensor": 2}]
     assert not os.path.exists(tmp_path / "r" / "step0" / "rank0" / part_summary.FILE)
+
+
+@pytest.mark.mindspore
+def test_mindspore_steps_write_the_same_summaries(tmp_path):
+    """The MindSpore adapter closes its steps through the same part writer: each step's summary,
+    and `show` prints from them what it prints from the records."""
+    os.environ.setdefault("MS_DEV_LAUNCH_BLOCKING", "1")
+    ms = pytest.importorskip("mindspore")
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    from dispatchprobe_ms import DispatchProbe as MsProbe
+    from dispatchprobe_ms.demo import train
+    path = tmp_path / "ms"
+    train(MsProbe(task="statistics", dump_path=str(path), level="mix"), steps=2)
+    parts = load(path).parts
+    assert len(parts) == 2 and all(part_summary.read(p.path) is not None for p in parts.values())
+    copy = without_summaries(path, tmp_path)
+    for options in OPTIONS:
+        code, text = show(path, *options)
+        assert code == 0 and "op calls" in text, text
+        assert show(copy, *options) == (code, text.replace(str(path), str(copy))), options
