@@ -15,6 +15,7 @@ import json
 import os
 import re
 
+from ..offline import nonfinite as origins
 from .format import walk
 
 try:  # as the reader: orjson parses the part's lines faster; the stdlib where it refuses them
@@ -39,8 +40,6 @@ def reduce(records: list[dict], ops_bytes: int | None, nonfinite: bool = True) -
     by origin, the first few listed); eager re-runs of compiled overflow records are counted
     apart (they repeat a record).  ``ops_bytes``: the size of the ``ops.jsonl`` summarised (None:
     read from records, not a file); ``nonfinite=False``: no tensor holds nan/inf (not walked)."""
-    from ..offline import nonfinite as origins
-
     tally = _Tally()
     with_ops = any(r.get("kind") == "op" for r in records)
     bad_pos = 0
