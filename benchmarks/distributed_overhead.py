@@ -5,7 +5,9 @@ trains on all of it; under ``torchrun`` each of the ranks trains on its share, w
 FSDP2 (``fully_shard`` per layer and the root), or not wrapped (``local``: the ranks' work side
 by side on the machine, no communication).  Each process times its steps (forward, backward,
 optimizer step) unprobed and under ``DispatchProbe(task="statistics")``, alternating, and
-reports the median of each and the records a probed step wrote; the table gives each rank's
+reports the median of each (wall time, and the CPU time of the thread that runs the step, which
+other work on a shared machine moves less; a row of several threads leaves the others' out) and
+the records a probed step wrote; the table gives each rank's
 ratio beside two 1-process ones: the whole batch on the machine's threads, and one rank's work
 alone (its share of the batch and its thread count), which separates what recording a
 distributed step costs from what recording a smaller step does.  The rank's-work-alone row is
@@ -71,8 +73,8 @@ def measure(kind: str, steps: int, quick: bool, dump: str, shares: int = 1, buck
     tokens, targets = tokens[rank * share:(rank + 1) * share], targets[rank * share:(rank + 1) * share]
     probe = DispatchProbe(task="statistics", dump_path=os.path.join(dump, kind), overwrite=True)
 
-    def step(probed: bool) -> float:
-        t0 = time.perf_counter()
+    def step(probed: bool) -> tuple[float, float]:
+        t0, c0 = time.perf_counter(), time.thread_time()
         if probed:
             probe.start()
         lm_loss(model, tokens, targets).backward()
@@ -80,7 +82,7 @@ def measure(kind: str, steps: int, quick: bool, dump: str, shares: int = 1, buck
         opt.zero_grad()
         if probed:
             probe.step()
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, time.thread_time() - c0
 
     step(False)                   # warm-up: allocations, FSDP's first all-gathers
     step(True)
@@ -90,8 +92,10 @@ def measure(kind: str, steps: int, quick: bool, dump: str, shares: int = 1, buck
         probed.append(step(True))
     probe.close()
     return {"kind": kind if shares == 1 else f"{kind} 1/{shares}", "rank": rank, "world": world,
-            "threads": torch.get_num_threads(), "plain": statistics.median(plain),
-            "probed": statistics.median(probed), "records": _records_per_step(os.path.join(dump, kind), rank)}
+            "threads": torch.get_num_threads(), "plain": statistics.median(t for t, _ in plain),
+            "probed": statistics.median(t for t, _ in probed),
+            "plain_cpu": statistics.median(c for _, c in plain), "probed_cpu": statistics.median(c for _, c in probed),
+            "records": _records_per_step(os.path.join(dump, kind), rank)}
 
 
 def _records_per_step(run: str, rank: int) -> int:
@@ -156,10 +160,12 @@ def main() -> None:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print(f"{'setup':<16} {'rank':>4} {'threads':>7} {'unprobed ms/step':>17} {'statistics ms/step':>19} {'ratio':>6}"
-          f" {'records/step':>12}")
+          f" {'cpu ms/step':>13} {'cpu ratio':>9} {'records/step':>12}")
     for r in rows:
         print(f"{r['kind']:<16} {r['rank']:>2}/{r['world']:<1} {r['threads']:>7} {1e3 * r['plain']:>17.1f} "
-              f"{1e3 * r['probed']:>19.1f} {r['probed'] / r['plain']:>6.2f} {r['records']:>12}")
+              f"{1e3 * r['probed']:>19.1f} {r['probed'] / r['plain']:>6.2f} "
+              f"{1e3 * r['plain_cpu']:>6.1f}/{1e3 * r['probed_cpu']:<6.1f} {r['probed_cpu'] / r['plain_cpu']:>9.2f} "
+              f"{r['records']:>12}")
 
 
 if __name__ == "__main__":
