@@ -18,6 +18,7 @@ and compiled code) as the eager capture records them.
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import NamedTuple
 
@@ -114,13 +115,14 @@ _WAIT_TENSOR = "_c10d_functional::wait_tensor"
 
 
 class _Entry:
-    __slots__ = ("place", "call", "work", "storages", "waited", "later", "kept")
+    __slots__ = ("place", "call", "work", "storages", "waited", "later", "kept", "kept_set")
 
     def __init__(self, place, call, work, storages):
         self.place, self.call, self.work, self.storages = place, call, work, storages
         self.waited = False
         self.later = 0
         self.kept = None            # {id(output): (its copy taken as the work completed, its version then)}
+        self.kept_set = threading.Event() if work is not None else None
 
     def keep(self, tensors) -> None:
         """The work's first completion callback (in the thread that completes it, before any the
@@ -132,6 +134,8 @@ class _Entry:
                 self.kept = {id(t): (t.detach().clone(), tensor_kinds.version(t)) for t in tensors}
         except Exception:           # noqa: BLE001 - a callback must not fail the program's future
             self.kept = {}
+        finally:
+            self.kept_set.set()
 
 
 class Pending:
@@ -233,13 +237,11 @@ def _work(out):
 
 
 def _waited(e: _Entry, deadline: float) -> bool:
-    """Whether the entry's work completes (and its outputs are copied) by ``deadline``, polled (a
-    timed ``wait`` may fail the work); the sleeps let the completing thread take the GIL."""
-    while e.kept is None:
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.001)
-    return True
+    """Whether the entry's work completes (and its outputs are copied) by ``deadline``: waits for
+    its completion callback to say so (the work's own timed ``wait`` may fail the work), woken
+    as it does, the GIL released meanwhile.  A program that waited on the work's future can use
+    its outputs before that future's callbacks have run (the future wakes its waiters first)."""
+    return e.kept is not None or e.kept_set.wait(max(0.0, deadline - time.monotonic()))
 
 
 def _changed(out, kept: dict) -> dict:
