@@ -141,6 +141,88 @@ def test_l0_checksum_is_computed_where_the_gradient_is_and_md5_only_when_asked(t
             assert r["md5"] == hashlib.md5(grads[r["param"]].astype(np.float32).tobytes()).hexdigest()
 
 
+class _Planted(torch.nn.Module):
+    """Parameters whose gradient is a tensor the test plants: the loss ``sum(p * w)`` has gradient ``w``."""
+
+    def __init__(self, grads: dict):
+        super().__init__()
+        self.grads = grads
+        self.ps = torch.nn.ParameterDict({k: torch.nn.Parameter(torch.zeros(v.shape, dtype=v.dtype)) for k, v in
+                                          grads.items()})
+
+    def loss(self):
+        return sum((p * self.grads[k]).sum() for k, p in self.ps.items())
+
+
+def _planted_grads() -> dict:
+    """Gradients around the one-pass kernel's edges: sizes past a vector, a block (1024) and a chunk
+    (32768), not whole 64-bit words; values equal to the bounds (0.1 is not a float32: numpy
+    compares in float32), -0.0, exact zeros, inf and nan (those measured by numpy); bfloat16,
+    float16, float64, and a gradient that is not contiguous."""
+    gen = torch.Generator().manual_seed(3)
+    out = {}
+    for n in (1, 7, 17, 1023, 1025, 32768 + 5, 3 * 32768 + 1029):
+        for dtype in (torch.float32, torch.bfloat16):
+            g = (torch.randn(n, generator=gen) * 0.2).to(dtype)
+            g[::5] = 0
+            g[1::7] = 0.1
+            g[2::11] = -0.0
+            g[3::13] = -0.25
+            out[f"n{n}_{str(dtype)[6:]}"] = g
+    out["nan"] = torch.randn(2000, generator=gen)
+    out["nan"][[3, 1500]] = float("nan")
+    out["inf"] = torch.randn(2000, generator=gen)
+    out["inf"][7] = float("-inf")
+    out["huge"] = torch.randn(100, generator=gen) * 1e30        # float32 squares overflow
+    out["f16"] = torch.randn(301, generator=gen).half()
+    out["f64"] = torch.randn(301, generator=gen).double()
+    out["strided"] = torch.randn(30, 40, generator=gen).t()
+    return out
+
+
+@pytest.mark.parametrize("level", ["L0", "L1", "L2"])
+def test_the_one_pass_kernel_writes_the_bytes_numpy_writes(tmp_path, monkeypatch, level):
+    """Contiguous float32 and bfloat16 gradients are read once by the native kernel (statistics,
+    checksum, signs and counts together); the records and sign bits are byte for byte those of the
+    per-measure numpy path."""
+    from dispatchprobe.torch import fused_stats
+    assert fused_stats.build_native() is None, f"the native library did not build: {fused_stats.error}"
+    grads = _planted_grads()
+
+    def run(path, one_pass):
+        model = _Planted(grads)
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        probe = DispatchProbe(task="grad_probe", dump_path=str(path), grad_level=level, bounds=[-0.25, 0, 0.1, 0.5],
+                              model=model)
+        handed = []
+        with monkeypatch.context() as m:
+            if one_pass:
+                m.setattr(fused_stats, "grad_rows", lambda ts, *a, k=fused_stats.grad_rows: handed.extend(ts) or k(ts, *a))
+            else:
+                m.setattr(fused_stats, "grad_rows", None)
+            model.loss().backward()
+            model.ps["strided"].grad = grads["strided"]      # as it was planted: not contiguous
+            opt.step()
+        probe.close()
+        return handed
+
+    handed = run(tmp_path / "one", True)
+    run(tmp_path / "numpy", False)
+    assert {t.dtype for t in handed} == {torch.float32, torch.bfloat16} and len(handed) == 17   # not f16, f64, strided
+    files = sorted(p.relative_to(tmp_path / "one") for p in (tmp_path / "one").rglob("*") if p.is_file()
+                   and p.name != "manifest.json")
+    assert len(files) >= 2
+    for f in files:
+        assert (tmp_path / "one" / f).read_bytes() == (tmp_path / "numpy" / f).read_bytes(), f
+    part = dispatchprobe.load(tmp_path / "one").part(0, 0)
+    for r in part.grads:
+        g = grads[r["param"].removeprefix("ps.")].float().numpy()
+        if level != "L0":
+            assert np.array_equal(read_signs(part, r), g > 0), r["param"]
+        if level == "L2" and np.isfinite(g).all():
+            assert r["distribution"]["shares"][2] == pytest.approx(float(((g > 0) & (g <= np.float32(0.1))).mean()))
+
+
 def _l0_run(path, nudge_from=None, **kw):
     """Three SGD steps of a small net at L0; from step ``nudge_from`` one bias gradient is nudged."""
     torch.manual_seed(0)

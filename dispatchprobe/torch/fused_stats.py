@@ -50,9 +50,11 @@ DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.int64: 2, torch.int32:
 _lock = threading.Lock()
 _loaded = False
 _native = None            # the library's dp_tree_stats, once loaded
+_grad = None              # the library's dp_grad_stats, once loaded
 tree_rows = None          # rows(tensors) -> the library's rows of CPU tensors (see rows), or None
 rows_into = None          # a compiled graph's window of CPU values -> their stats rows (see window_rows), or None
 stats4 = None             # one float32/bfloat16 CPU tensor -> [max, min, sum, sum of squares] (see sums4), or None
+grad_rows = None          # the grad probe's one read of contiguous float32/bfloat16 CPU gradients (see grad_pass), or None
 error: str | None = None  # why the library is not used
 
 
@@ -86,6 +88,31 @@ def sums4(t: torch.Tensor) -> list:
     where its values hold inf or nan), or [] where the library does not read it in place."""
     r = rows([t])
     return [] if r[0] == DECLINED else list(r[1:5])
+
+
+def grad_pass(tensors, bounds, checksum: bool, signs: bool) -> list:
+    """The grad probe's measures of contiguous float32 or bfloat16 CPU tensors, each read once from
+    memory (max, min and sum of squares as :func:`sums4` gives them; the other measures of each
+    chunk while it is in cache).  Per tensor ``(row, s0, s1, bits)``: ``row`` is [kind (FINITE, or
+    OVERFLOWED where the sum of squares is inf or nan), max, min, sum of squares, count == 0,
+    count <= each of ``bounds`` (compared in float32, as numpy and torch compare a float32 array
+    with a Python float)]; ``s0``, ``s1`` the L0 checksum's sums of its bytes (0 without
+    ``checksum``); ``bits`` its signs (``> 0``) packed as ``np.packbits`` packs them, or None."""
+    import numpy as np
+    width = 5 + len(bounds)
+    desc = array.array("q")
+    packed = []
+    for t in tensors:
+        n = t.numel()
+        bits = np.empty((n + 7) // 8, np.uint8) if signs else None
+        packed.append(bits)
+        desc.extend((t.data_ptr(), DTYPE_CODES[t.dtype], n, bits.ctypes.data if signs else 0))
+    out = array.array("d", bytes(8 * width * len(tensors)))
+    sums = array.array("Q", bytes(16 * len(tensors)))
+    low = array.array("f", bounds or [0.0])          # rounded to float32 as numpy rounds them
+    _grad(len(tensors), desc.buffer_info()[0], len(bounds), low.buffer_info()[0], int(checksum),
+          out.buffer_info()[0], sums.buffer_info()[0])   # ctypes releases the GIL
+    return [(out[i * width:(i + 1) * width], sums[2 * i], sums[2 * i + 1], packed[i]) for i in range(len(tensors))]
 
 
 def window_rows(values: list, out: torch.Tensor, nonfinite_row) -> list[int]:
@@ -171,7 +198,7 @@ def _unused(why: str, say: bool = True) -> None:
 
 
 def _open(path: pathlib.Path) -> None:
-    global _native, tree_rows, rows_into, stats4
+    global _native, tree_rows, rows_into, stats4, _grad, grad_rows
     lib = ctypes.CDLL(str(path))
     lib.dp_tree_stats_abi.restype = ctypes.c_int64
     if lib.dp_tree_stats_abi() != ABI:
@@ -179,7 +206,11 @@ def _open(path: pathlib.Path) -> None:
     fn = lib.dp_tree_stats
     fn.argtypes = (ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p)
     fn.restype = None
-    _native, tree_rows, rows_into, stats4 = fn, rows, window_rows, sums4
+    grad = lib.dp_grad_stats
+    grad.argtypes = (ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                     ctypes.c_void_p)
+    grad.restype = None
+    _native, tree_rows, rows_into, stats4, _grad, grad_rows = fn, rows, window_rows, sums4, grad, grad_pass
 
 
 def build_native() -> str | None:

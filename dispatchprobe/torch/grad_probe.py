@@ -10,8 +10,9 @@ those reductions, also a rank that ``rank`` leaves out.
 
 Everything a step measures stays where the gradients are until the end: on an accelerator the
 statistics, the L0 checksums and the packed sign bits of all parameters come to the host in one
-transfer per device (:func:`fetch`); on a CPU they are computed by the one-pass statistics kernel
-and numpy, faster there than torch's operations.
+transfer per device (:func:`fetch`); on a CPU the native kernel reads each contiguous float32 or
+bfloat16 gradient once from memory for all of them (statistics, checksum, signs, L2 counts), and
+numpy, faster there than torch's operations, measures the others.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from .parameters import ParamGrad, named_gradients, parameter_names, placement_o
 from .process_state import ProbeWork
 
 _NUMPY_FLOATS = (torch.float32, torch.float64, torch.float16)
+_ONE_PASS = (torch.float32, torch.bfloat16)    # the dtypes fused_stats.grad_pass reads
 
 _BIT_WEIGHTS: dict = {}
 
@@ -114,13 +116,22 @@ def fetch(items: list) -> list:
     return out
 
 
-def measure_all(ts: list[torch.Tensor], level: str, bounds) -> list:
+def measure_all(ts: list[torch.Tensor], level: str, bounds, signs: bool = False, checksum: bool = False):
     """Each gradient's (or shard's) measures (:func:`~dispatchprobe.core.grad_probe.measures`): a
-    float64 row on its device, or floats on a CPU.  On an accelerator: max and min in one reduction,
-    the sums of squares of all gradients in one multi-tensor launch, nothing read back.  On a CPU:
-    in numpy (its comparisons and reductions are faster than torch's there), with max, min and sum
-    of squares in one pass by the fused statistics kernel where it is built (float32, bfloat16)."""
-    rows: list = [None] * len(ts)
+    float64 row on its device, or floats on a CPU; with ``signs`` and ``checksum`` (the default L0
+    checksum) also those of the CPU gradients the one-pass kernel reads.  Returns (rows, sign bits,
+    checksum records), None where not computed here (:func:`packed_signs`, :func:`checksum_record`).
+
+    On an accelerator: max and min in one reduction, the sums of squares of all gradients in one
+    multi-tensor launch, nothing read back.  On a CPU, contiguous float32 and bfloat16 gradients
+    (finite sums of squares) are read once from memory, all in one native call
+    (:func:`~dispatchprobe.torch.fused_stats.grad_pass`); the others in numpy (its comparisons and
+    reductions are faster than torch's there), with max, min and sum of squares by the statistics
+    kernel where it is built."""
+    n = len(ts)
+    rows: list = [None] * n
+    bits: list = [None] * n
+    sums: list = [None] * n
     on_device = [i for i, t in enumerate(ts) if t.device.type != "cpu" and t.numel()]
     if on_device:
         flats = [ts[i].reshape(-1) for i in on_device]
@@ -131,10 +142,26 @@ def measure_all(ts: list[torch.Tensor], level: str, bounds) -> list:
             head = torch.stack([hi, lo, norm * norm]).to(torch.float64)
             tail = measures(f, torch, level, bounds, base=[])
             rows[i] = torch.cat([head, torch.stack(tail).to(torch.float64)]) if tail else head
+    one_pass = fused_stats.grad_rows
+    if one_pass is not None:
+        take = [i for i, t in enumerate(ts) if t.device.type == "cpu" and t.dtype in _ONE_PASS and t.numel()
+                and t.is_contiguous()]
+        counted = list(bounds) if level == "L2" else []
+        for i, (row, s0, s1, packed) in zip(take, one_pass([ts[i] for i in take], counted, checksum, signs)):
+            if row[0] != fused_stats.FINITE:
+                continue                                # inf or nan: numpy's reductions, below
+            rows[i] = [row[1], row[2], row[3]]
+            if counted:
+                below, numel = row[5:], ts[i].numel()
+                rows[i] += [below[0], *(hi - lo for lo, hi in zip(below, below[1:])), numel - below[-1], row[4]]
+            bits[i] = packed
+            if checksum:
+                sums[i] = {"kind": CHECKSUM_KIND, "value": checksum_hex(s0, s1)}
     for i, t in enumerate(ts):
         if rows[i] is None:
             rows[i] = _measure_on_host(t, level, bounds)
-    return rows
+            bits[i] = sums[i] = None
+    return rows, bits, sums
 
 
 def _measure_on_host(t: torch.Tensor, level: str, bounds) -> list[float]:
@@ -228,12 +255,16 @@ class GradReader:
             return          # a rank left out computes only what the other ranks' reductions need
         with ProbeWork():
             grads = [_replicate_partial(g) if g.dtensor is not None else g for g in grads]
-            rows = measure_all([g.local for g in grads], h.level, h.bounds)
+            rows, signs, sums = measure_all([g.local for g in grads], h.level, h.bounds,
+                                            signs=here and has_signs(h.level),
+                                            checksum=here and h.level == "L0" and not h.md5)
             _reduce_sharded(grads, rows)
             if not here:
                 return
-            signs = [packed_signs(g.local) for g in grads] if has_signs(h.level) else [None] * len(grads)
-            sums = [checksum_record(g.local, h.md5) for g in grads] if h.level == "L0" else [None] * len(grads)
+            if has_signs(h.level):
+                signs = [packed_signs(g.local) if b is None else b for g, b in zip(grads, signs)]
+            if h.level == "L0":
+                sums = [checksum_record(g.local, h.md5) if c is None else c for g, c in zip(grads, sums)]
             n = len(grads)
             host = fetch(rows + signs + sums)              # one transfer per device
             values, signs, sums = host[:n], host[n:2 * n], host[2 * n:]

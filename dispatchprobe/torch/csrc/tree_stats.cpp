@@ -10,6 +10,8 @@
 // counts and the finite max and min.  Integers and bools: one pass summing in double, exact below
 // 2**53 (declined otherwise).  Tensors over 64K values are split over OpenMP threads where the
 // build has OpenMP (torch's CPU runtime, libgomp, is the one loaded).
+// The grad probe's pass (dp_grad_stats) adds, per block of a gradient while it is in cache, the
+// L0 checksum's sums, the packed signs and the L2 interval counts.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -18,6 +20,9 @@
 #include <vector>
 #ifdef _OPENMP
 #include <omp.h>
+#endif
+#if defined(__AVX__)
+#include <immintrin.h>
 #endif
 
 namespace {
@@ -436,9 +441,18 @@ struct Cursor {
   }
 };
 
-// Chunk c of the walk's values (kTreeChunk values from c * kTreeChunk, fewer at the end).
-template <typename T>
-TreeChunk tree_chunk(const T* p, const Walk& w, int64_t c) {
+// Nothing more to do with a block (tree_chunk's default).
+struct NoBlock {
+  template <typename T>
+  void operator()(const T*, int64_t, int64_t) const {}
+};
+
+// Chunk c of the walk's values (kTreeChunk values from c * kTreeChunk, fewer at the end).  A flat
+// walk's next block is prefetched while one is summed (the hardware's prefetcher alone left the
+// sums at a third of memory's speed); on_block(q, first, m) is called with each block of a flat
+// walk (m values at q, the first-th of the tensor) after it is summed, while it is in cache.
+template <typename T, typename OnBlock = NoBlock>
+TreeChunk tree_chunk(const T* p, const Walk& w, int64_t c, OnBlock&& on_block = OnBlock{}) {
   const int64_t begin = c * kTreeChunk, n = std::min(w.count - begin, kTreeChunk);
   Folded sums[kChunkBlocks] = {}, squares[kChunkBlocks] = {};
   Vec hi = fill(-INFINITY), lo = fill(INFINITY);
@@ -448,13 +462,20 @@ TreeChunk tree_chunk(const T* p, const Walk& w, int64_t c) {
   for (int64_t b = 0; b * kTreeBlock < n; ++b) {
     const int64_t m = std::min(n - b * kTreeBlock, kTreeBlock);
     if (m == kTreeBlock && w.flat) {
-      tree_block(p + begin + b * kTreeBlock, sums[b], squares[b], hi, lo);
+      const T* q = p + begin + b * kTreeBlock;
+      if (begin + (b + 2) * kTreeBlock <= w.count) {      // the next block, also past this chunk
+        const char* ahead = reinterpret_cast<const char*>(q + kTreeBlock);
+        for (size_t l = 0; l < kTreeBlock * sizeof(T); l += 64) __builtin_prefetch(ahead + l);
+      }
+      tree_block(q, sums[b], squares[b], hi, lo);
+      on_block(q, begin + b * kTreeBlock, m);
       continue;
     }
     std::memset(staged, 0, sizeof staged);          // padding zeros: they change no sum
     if (w.flat) {
       const T* src = p + begin + b * kTreeBlock;
       for (int64_t i = 0; i < m; ++i) staged[i] = value(src, i);
+      on_block(src, begin + b * kTreeBlock, m);
     } else {
       cursor.copy(staged, m);
     }
@@ -587,6 +608,197 @@ void one_row(const void* data, int64_t code, int64_t ndim, const int64_t* sizes,
   }
   row[0] = exact ? kFinite : kDeclined;
 }
+
+// ---- the grad probe's one read of a gradient ---------------------------------------------------
+// Beside the statistics of a chunk (tree_chunk: max, min, sum of squares in tree_sums' order), what
+// the grad probe records of it, read while the chunk is still in cache: the checksum sums of its
+// bytes as little-endian 64-bit words (S0 = sum w_j, S1 = sum (j + 1) w_j, modulo 2**64:
+// core/grad_probe.checksum_of), its signs (x > 0) packed 8 to a byte with the first value in the
+// highest bit (np.packbits), and the counts of values <= each bound and == 0 (compared in float32,
+// as numpy and torch compare a float32 array with a Python float).
+typedef uint64_t Words __attribute__((vector_size(8 * sizeof(uint64_t))));
+typedef int32_t Counts __attribute__((vector_size(kVector * sizeof(int32_t))));
+constexpr int64_t kMaxBounds = 64;      // bounds counted in one pass (the caller measures more its own way)
+
+struct GradChunk {
+  TreeChunk stats;
+  uint64_t s0 = 0, s1 = 0;          // the chunk's words: S0, and S1 with the tensor's weights
+  int64_t zero = 0;
+  int64_t below[kMaxBounds] = {};
+};
+
+// S0 and S1 of m words at q (any alignment), weighted from 1: each of 8 lanes takes every 8th
+// word; per lane A (the running sum) and B (the sum of A after each step) give
+// sum_g (g + 1) w = (G + 1) A - B over its G words without a multiply in the loop.
+inline void word_sums(const unsigned char* q, int64_t m, uint64_t& s0, uint64_t& s1) {
+  const int64_t groups = m / 8;
+  Words a{}, b{};
+  for (int64_t g = 0; g < groups; ++g) {
+    Words v;
+    std::memcpy(&v, q + 64 * g, sizeof v);
+    a += v;
+    b += a;
+  }
+  uint64_t t0 = 0, t1 = 0;
+  const uint64_t big = static_cast<uint64_t>(groups);
+  for (int l = 0; l < 8; ++l) {        // word 8g + l weighs 8 g + l + 1
+    t0 += a[l];
+    t1 += 8 * (big * a[l] - b[l]) + static_cast<uint64_t>(l + 1) * a[l];
+  }
+  for (int64_t j = groups * 8; j < m; ++j) {
+    uint64_t v;
+    std::memcpy(&v, q + 8 * j, sizeof v);
+    t0 += v;
+    t1 += static_cast<uint64_t>(j + 1) * v;
+  }
+  s0 = t0;
+  s1 = t1;
+}
+
+// bit-reversed bytes: a comparison mask's first value (lowest bit) becomes packbits' highest bit
+struct Reversed {
+  unsigned char table[256];
+  Reversed() {
+    for (int i = 0; i < 256; ++i) {
+      int r = 0;
+      for (int k = 0; k < 8; ++k) r |= ((i >> k) & 1) << (7 - k);
+      table[i] = static_cast<unsigned char>(r);
+    }
+  }
+};
+const Reversed kReversed;
+
+// Bit k (lowest first) set where v[k] > 0, for the kVector values of v (false for nan).
+inline uint32_t positive_mask(const Vec v) {
+#if defined(__AVX512F__)
+  __m512 x;
+  std::memcpy(&x, &v, sizeof x);
+  return _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GT_OQ);
+#elif defined(__AVX__)
+  __m256 x[2];
+  std::memcpy(x, &v, sizeof x);
+  const __m256 z = _mm256_setzero_ps();
+  return static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(x[0], z, _CMP_GT_OQ))) |
+         static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(x[1], z, _CMP_GT_OQ))) << 8;
+#else
+  const Counts m = v > 0;                        // -1 where true
+  uint32_t out = 0;
+  for (int k = 0; k < kVector; ++k) out |= static_cast<uint32_t>(m[k] & 1) << k;
+  return out;
+#endif
+}
+
+// How many of the vectors of values at q (n a multiple of kVector) are <= bound (== 0 with Equal).
+template <bool Equal, typename T>
+inline int64_t count_vectors(const T* q, int64_t n, float bound) {
+  const Vec b = fill(bound);
+  Counts acc{};
+  for (int64_t i = 0; i < n; i += kVector) {
+    const Vec v = load(q + i);
+    acc -= Equal ? (v == b) : (v <= b);          // a true comparison is -1
+  }
+  int64_t out = 0;
+  for (int k = 0; k < kVector; ++k) out += acc[k];
+  return out;
+}
+
+// What the grad probe records of a block of m values at q (the first-th of the tensor), beside
+// its statistics, while the block is in cache.
+template <typename T>
+struct GradBlock {
+  GradChunk& out;
+  const float* bounds;
+  int64_t nb;
+  bool checksum;
+  unsigned char* signs;
+
+  void operator()(const T* q, int64_t first, int64_t m) const {
+    if (checksum) {                                   // whole words: first * sizeof(T) is a multiple of 8
+      const unsigned char* bytes = reinterpret_cast<const unsigned char*>(q);
+      const int64_t nbytes = m * static_cast<int64_t>(sizeof(T)), whole = nbytes / 8;
+      const uint64_t before = static_cast<uint64_t>(first * static_cast<int64_t>(sizeof(T)) / 8);
+      uint64_t s0 = 0, s1 = 0;
+      word_sums(bytes, whole, s0, s1);
+      if (whole * 8 < nbytes) {                       // the tensor's last word, zero-padded
+        uint64_t v = 0;
+        std::memcpy(&v, bytes + whole * 8, nbytes - whole * 8);
+        s0 += v;
+        s1 += static_cast<uint64_t>(whole + 1) * v;
+      }
+      out.s0 += s0;
+      out.s1 += s1 + before * s0;
+    }
+    const int64_t vectors = m / kVector * kVector;
+    if (signs != nullptr) {                           // first is a multiple of 8
+      unsigned char* s = signs + first / 8;
+      for (int64_t i = 0; i < vectors; i += kVector) {
+        const uint32_t mask = positive_mask(load(q + i));
+        for (int k = 0; k < kVector / 8; ++k) s[i / 8 + k] = kReversed.table[(mask >> (8 * k)) & 0xff];
+      }
+      for (int64_t byte = vectors / 8; byte < (m + 7) / 8; ++byte) s[byte] = 0;
+      for (int64_t i = vectors; i < m; ++i)
+        if (value(q, i) > 0) s[i / 8] |= static_cast<unsigned char>(0x80 >> (i % 8));
+    }
+    if (nb == 0) return;
+    for (int64_t b = 0; b < nb; ++b) {
+      out.below[b] += count_vectors<false>(q, vectors, bounds[b]);
+      for (int64_t i = vectors; i < m; ++i) out.below[b] += value(q, i) <= bounds[b];
+    }
+    out.zero += count_vectors<true>(q, vectors, 0.0f);
+    for (int64_t i = vectors; i < m; ++i) out.zero += value(q, i) == 0;
+  }
+};
+
+template <typename T>
+GradChunk grad_chunk(const T* p, const Walk& w, int64_t c, const float* bounds, int64_t nb, bool checksum,
+                     unsigned char* signs) {
+  GradChunk out;
+  out.stats = tree_chunk(p, w, c, GradBlock<T>{out, bounds, nb, checksum, signs});
+  return out;
+}
+
+// The grad probe's row of one contiguous float32 or bfloat16 tensor of n values: kind (kFinite,
+// or kOverflowed where the sum of squares is inf or nan: the caller measures those values its own
+// way), max, min, sum of squares, count == 0, then count <= bounds[b] for each bound; the
+// checksum's S0 and S1 into sums; the packed signs into signs (if given, (n + 7) / 8 bytes).
+template <typename T>
+void grad_row(const T* p, int64_t n, const float* bounds, int64_t nb, bool checksum, unsigned char* signs,
+              double* row, uint64_t* sums) {
+  Walk w;
+  w.count = n;
+  w.flat = true;
+  const int64_t chunks = (n + kTreeChunk - 1) / kTreeChunk;
+  std::vector<GradChunk> parts(chunks);
+  parallel_chunks(chunks, [&](int64_t c) { parts[c] = grad_chunk(p, w, c, bounds, nb, checksum, signs); });
+  int64_t width = 1;
+  while (width < chunks) width *= 2;
+  std::vector<double> squares(width, 0.0);
+  float hi = -INFINITY, lo = INFINITY;
+  uint64_t s0 = 0, s1 = 0;
+  double zero = 0;
+  std::vector<double> below(nb, 0.0);
+  for (int64_t c = 0; c < chunks; ++c) {
+    const GradChunk& g = parts[c];
+    squares[c] = g.stats.squares;
+    hi = std::max(hi, g.stats.hi);
+    lo = std::min(lo, g.stats.lo);
+    s0 += g.s0;
+    s1 += g.s1;
+    zero += static_cast<double>(g.zero);
+    for (int64_t b = 0; b < nb; ++b) below[b] += static_cast<double>(g.below[b]);
+  }
+  for (int64_t h = width / 2; h >= 1; h /= 2)
+    for (int64_t i = 0; i < h; ++i) squares[i] += squares[i + h];
+  const double sq = squares[0] + 0.0;
+  row[0] = std::isfinite(sq) ? kFinite : kOverflowed;
+  row[1] = hi;
+  row[2] = lo;
+  row[3] = sq;
+  row[4] = zero;
+  for (int64_t b = 0; b < nb; ++b) row[5 + b] = below[b];
+  sums[0] = s0;
+  sums[1] = s1;
+}
 }  // namespace
 
 extern "C" {
@@ -601,6 +813,26 @@ void dp_tree_stats(int64_t count, const int64_t* desc, double* out) {
     const int64_t code = desc[1], ndim = desc[2];
     one_row(data, code, ndim, desc + 3, desc + 3 + ndim, out + i * kRow);
     desc += 3 + 2 * ndim;
+  }
+}
+
+// The grad probe's rows (dp_grad_row_size(nb) doubles each, into `rows`) and checksum sums (two
+// uint64 each, into `sums`) of `count` contiguous float32 or bfloat16 tensors, described one after
+// another in `desc`: data address, dtype code, number of values, address for the packed signs (0:
+// none).  `bounds`: nb float32 bounds counted (nb 0: none); `checksum` 0: no sums.
+void dp_grad_stats(int64_t count, const int64_t* desc, int64_t nb, const float* bounds, int64_t checksum,
+                   double* rows, uint64_t* sums) {
+  for (int64_t i = 0; i < count; ++i, desc += 4) {
+    const void* data = reinterpret_cast<const void*>(static_cast<uintptr_t>(desc[0]));
+    unsigned char* signs = reinterpret_cast<unsigned char*>(static_cast<uintptr_t>(desc[3]));
+    double* row = rows + i * (5 + nb);
+    std::fill(row, row + 5 + nb, 0.0);
+    sums[2 * i] = sums[2 * i + 1] = 0;
+    if (data == nullptr || desc[2] <= 0 || nb > kMaxBounds || (desc[1] != kFloat32 && desc[1] != kBFloat16)) continue;
+    if (desc[1] == kFloat32)
+      grad_row(static_cast<const float*>(data), desc[2], bounds, nb, checksum != 0, signs, row, sums + 2 * i);
+    else
+      grad_row(static_cast<const uint16_t*>(data), desc[2], bounds, nb, checksum != 0, signs, row, sums + 2 * i);
   }
 }
 }
