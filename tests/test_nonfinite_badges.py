@@ -15,7 +15,7 @@ import torch
 from torch.nn import functional as F
 
 from dispatchprobe import compare, load
-from dispatchprobe.offline import nonfinite
+from dispatchprobe.records import nonfinite
 from dispatchprobe.offline.summary import summarize
 
 sys.path.insert(0, os.path.dirname(__file__))

@@ -19,7 +19,7 @@ from ..records.writer import atomic_write_text
 from ..standards import metrics as M
 from ..standards.loader import standard
 from ..standards.verdicts import ERROR, NOT_JUDGED, PASS, WARNING
-from . import nonfinite
+from ..records import nonfinite
 from .page_kit import (OPS_PER_NODE, cell, cells, col, fill, lines, meta_rows, num, scope_tree, up,
                        verdict_levels)
 
@@ -171,7 +171,7 @@ def _op_groups(table: pd.DataFrame, nf: pd.DataFrame) -> pd.DataFrame:
 def nonfinite_rows(table: pd.DataFrame, run_a: str | None, run_b: str | None) -> pd.DataFrame:
     """Per row of ``table``: ``differ`` (the runs' nan/inf counts differ) and ``made_a``/``made_b`` (an
     output that run A's / B's op made inf/nan in from finite values, as ``dispatchprobe show`` classifies it:
-    offline/nonfinite.py).  The rest (a causal mask's -inf written from a constant, inf/nan carried from an
+    records/nonfinite.py).  The rest (a causal mask's -inf written from a constant, inf/nan carried from an
     input, equal in both runs) is intended or a consequence, not badged.  The runs' records are read again
     for the parts and records with nan/inf output only; a run that cannot be read is left unclassified."""
     def count(c):

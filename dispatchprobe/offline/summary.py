@@ -141,7 +141,7 @@ def demo_report(dump_path: str, task: str, counts: dict | None, example_op: str 
 
 
 def _nonfinite_lines(found: list) -> list[str]:
-    """The tensors holding nan/inf, sorted by where their values came from (offline/nonfinite.py): made
+    """The tensors holding nan/inf, sorted by where their values came from (records/nonfinite.py): made
     by the op from finite values (what to look at), written as a constant (a causal mask's -inf:
     intended), or carried from an input (or, a module call's, from the op within it that made them).
     ``found``: ((step, rank), a stage's nan/inf account of part_summary.reduce) in the run's order."""

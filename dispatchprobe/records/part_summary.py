@@ -15,7 +15,7 @@ import json
 import os
 import re
 
-from ..offline import nonfinite as origins
+from . import nonfinite as origins
 from .format import walk
 
 try:  # as the reader: orjson parses the part's lines faster; the stdlib where it refuses them

@@ -1,5 +1,5 @@
 """Where inf/nan started across ranks: each rank's first record holding inf/nan is either an op
-that made them from finite values (:func:`dispatchprobe.offline.nonfinite.made`: the origin), a
+that made them from finite values (:func:`dispatchprobe.records.nonfinite.made`: the origin), a
 collective whose own inputs were finite (they arrived from another rank through it), or an op
 whose inputs already held them (they came with the rank's data)."""
 
@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 from ...core.collective_roles import role
 from ...records.format import walk
-from ..nonfinite import made
+from ...records.nonfinite import made
 
 
 class FirstNonfinite(NamedTuple):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..records.format import walk
+from .format import walk
 
 MADE, CONSTANT, CARRIED = "made", "constant", "carried"
 
