@@ -465,3 +465,34 @@ def test_a_model_sharded_after_the_probe_is_built_is_still_named_and_no_step_is_
     idle = DispatchProbe(task="grad_probe", dump_path=str(tmp_path / "idle"), model=model)
     with pytest.warns(RuntimeWarning, match="saw no optimizer step"):
         idle.close()
+
+
+def test_step_files_written_off_the_training_thread_are_all_there_at_close_and_a_failed_write_stops_recording(
+        tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    probe = DispatchProbe(task="grad_probe", dump_path=str(tmp_path / "g"), grad_level="L1", model=model)
+    (tmp_path / "g" / "step1" / "rank0").mkdir(parents=True)
+    (tmp_path / "g" / "step1" / "rank0" / "tensors").write_text("")      # step 1's sign bits cannot be written
+    with pytest.warns(RuntimeWarning, match="recording stopped: .*step1/rank0/tensors"):
+        for _ in range(4):
+            model(torch.randn(8, 6)).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+        probe.close()
+    run = dispatchprobe.load(tmp_path / "g")
+    part = run.part(0, 0)
+    assert [r["param"] for r in part.grads] == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    assert all(read_signs(part, r).shape == tuple(r["shape"]) for r in part.grads)
+    assert not (tmp_path / "g" / "step1" / "rank0" / "grads.jsonl").exists()     # no record without its bits
+    assert not (tmp_path / "g" / "step2").exists() and not (tmp_path / "g" / "step3").exists()
+
+    probe = DispatchProbe(task="grad_probe", dump_path=str(tmp_path / "h"), grad_level="L2", model=model)
+    for _ in range(3):
+        model(torch.randn(8, 6)).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    probe.close()                       # the last step's files are written before close returns
+    last = dispatchprobe.load(tmp_path / "h").part(2, 0)
+    assert len(last.grads) == 4 and all(read_signs(last, r).size == r["numel"] for r in last.grads)

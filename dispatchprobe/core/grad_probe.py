@@ -20,6 +20,7 @@ import hashlib
 import math
 import os
 import re
+import threading
 import warnings
 
 import numpy as np
@@ -180,6 +181,8 @@ class GradHandler(Handler):
         self.select = ParamSelector(cfg.param_list)
         self._lines = self._index = None
         self._keys = self._shards = 0
+        self._writer: threading.Thread | None = None      # the last step's files, being written
+        self._failure: OSError | None = None
         self.steps_seen = 0             # optimizer steps of the model's parameters
 
     def begin(self, optimizer) -> tuple[bool, bool]:
@@ -201,13 +204,16 @@ class GradHandler(Handler):
 
     def write(self, items: list) -> None:
         """Append the records of one optimizer step's parameters: ``items`` of (record, packed sign
-        bits or None).  The sign bits go first into one safetensors shard of their own (temp file +
-        rename, then listed in ``tensors/index.jsonl``), then the records that name them: a killed
-        process leaves no record whose bits are missing.  Small (1/32 of the gradients): written
-        here, without a writer thread."""
+        bits or None).  The files are written off the training thread, one step at a time in step
+        order (a step waits for the last one's files first; a part's end and the probe's close wait
+        for all): the sign bits first into one safetensors shard of their own (temp file + rename,
+        then listed in ``tensors/index.jsonl``), then the records that name them, so a killed
+        process leaves no record whose bits are missing.  A write that fails stops the recording at
+        the next step, the part's end or close (``session.writing``)."""
         if not items:
             return
         with self.session.writing():
+            self._wait()
             folder = self.session.part.folder
             if self._lines is None:
                 self._lines = JsonLines(os.path.join(folder, "grads.jsonl"))
@@ -218,32 +224,60 @@ class GradHandler(Handler):
                     record["sign"] = key = f"g{self._keys}"
                     self._keys += 1
                     arrays[key] = signs
+            shard = None
             if arrays:
-                if not self._shards:
-                    os.makedirs(os.path.join(folder, "tensors"), exist_ok=True)
-                name = f"shard_{self._shards:05d}.safetensors"
+                shard = f"shard_{self._shards:05d}.safetensors"
                 self._shards += 1
-                path = os.path.join(folder, "tensors", name)
+            args = (folder, shard, arrays, [record for record, _ in items], self._lines, self._index)
+            self._writer = threading.Thread(target=self._write_files, args=args, name="dispatchprobe-grad-writer")
+            self._writer.start()        # not a daemon: an interpreter that exits finishes the step's files
+
+    def _write_files(self, folder: str, shard, arrays: dict, records: list, lines, index) -> None:
+        try:
+            if shard is not None:
+                os.makedirs(os.path.join(folder, "tensors"), exist_ok=True)
+                path = os.path.join(folder, "tensors", shard)
                 try:
                     write_safetensors({k: ("U8", [a.size], memoryview(a)) for k, a in arrays.items()}, path + ".tmp")
                     os.replace(path + ".tmp", path)
                 except OSError as exc:
                     raise WriteFailed(f"{exc.strerror or exc} writing {path}") from None
-                self._index.append({"shard": name, "keys": list(arrays)})
-            self._lines.extend(record for record, _ in items)
+                index.append({"shard": shard, "keys": list(arrays)})
+            lines.extend(records)
+        except OSError as exc:
+            self._failure = exc
+
+    def _wait(self) -> None:
+        """The last step's files are written (raises the OSError that stopped them)."""
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None
+        if self._failure is not None:
+            exc, self._failure = self._failure, None
+            raise exc
 
     # -- handler ------------------------------------------------------------------------------
     def start_part(self) -> None:
         self._keys = self._shards = 0
 
+    def flush(self) -> None:
+        with self.session.writing():
+            self._wait()
+
     def boundary(self) -> None:
-        """The part closes: its files are closed."""
-        if self._lines is not None:
-            self._lines.close()
-            self._index.close()
-            self._lines = self._index = None
+        """The part closes: its files are written and closed."""
+        try:
+            with self.session.writing():
+                self._wait()
+        finally:
+            if self._lines is not None:
+                self._lines.close()
+                self._index.close()
+                self._lines = self._index = None
 
     def close(self) -> None:
+        with self.session.writing():
+            self._wait()
         cfg = self.session.config
         if not self.steps_seen and not cfg.step and not self.session.failed \
                 and (not cfg.rank or self.session.rank in cfg.rank):
