@@ -546,7 +546,13 @@ def _closeness_many(recs_a: list, recs_b: list, groups: list):
                 if width:
                     arrays = []
                     for side, n_cand in ((0, na), (1, nb)):
-                        flat, gaps, known = [], False, rows[side][io]
+                        known = rows[side][io]
+                        got = [known[i] for g in idx for i in groups[g][side]]
+                        shape = (len(idx), n_cand, width, 2)
+                        if all(len(r[0]) == 2 * width and not r[2] for r in got):   # the usual case: one call
+                            arrays.append((np.array([r[0] for r in got], float).reshape(shape), None))
+                            continue
+                        flat, gaps = [], False
                         for g in idx:
                             for i in groups[g][side]:
                                 r, _, holes = known[i]
@@ -560,7 +566,6 @@ def _closeness_many(recs_a: list, recs_b: list, groups: list):
                                     flat += [None] * (2 * width - len(r))
                                     holes = True
                                 gaps = gaps or holes
-                        shape = (len(idx), n_cand, width, 2)
                         if gaps:
                             mask = np.array([v is not None for v in flat], bool).reshape(shape)
                             flat = [0.0 if v is None else v for v in flat]
@@ -572,8 +577,9 @@ def _closeness_many(recs_a: list, recs_b: list, groups: list):
                     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
                         rel = np.abs(va - vb) / (np.abs(va) + np.abs(vb) + 1e-30)
                     if ka is not None or kb is not None:
-                        known = np.ones(va.shape, bool) if ka is None else ka[:, :, None]
-                        rel = np.where(known & (np.ones(vb.shape, bool) if kb is None else kb[:, None]), rel, 0.0)
+                        both = (np.ones(va.shape, bool) if ka is None else ka[:, :, None]) & \
+                            (np.ones(vb.shape, bool) if kb is None else kb[:, None])
+                        rel = np.where(both, rel, 0.0)
                     d = np.cumsum(rel[..., 0] + rel[..., 1], axis=-1)[..., -1]
                 else:
                     d = np.zeros((len(idx), na, nb))
