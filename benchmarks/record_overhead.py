@@ -12,7 +12,7 @@ below autograd can go under.  The tensor task's row prints beside it the memory 
 to copy the bytes it writes per step once in memory.
 
     python benchmarks/record_overhead.py [--steps 8] [--quick] [--device cuda] [--cases llama] [--no-rss]
-                                         [--modes empty,statistics]
+                                         [--modes empty,statistics] [--cpu-time]
 
 Peak RSS: the modes are timed in turn in one process, so their memory cannot be told apart
 there; each mode is run again alone in a child process (same model, same number of steps) and
@@ -243,7 +243,8 @@ def msprobe_row(name, model, step, steps, tmp, task):
         return (f"msprobe {task} L1", None, "not installed (pip install mindstudio-probe)", None, None)
     out = subprocess.run([sys.executable, __file__, "--msprobe-child", f"{name}:{task}", "--steps", str(steps),
                           "--tmp", tmp, "--device", DEVICE]
-                         + (["--quick"] if QUICK else []), capture_output=True, text=True)
+                         + (["--quick"] if QUICK else []) + (["--cpu-time"] if clock is time.thread_time else []),
+                         capture_output=True, text=True)
     lines = [l for l in out.stdout.splitlines() if l.startswith("{")]
     if out.returncode or not lines:
         return (f"msprobe {task} L1", None, f"failed: {out.stderr.strip().splitlines()[-1:]}", None, None)
@@ -353,14 +354,20 @@ def main():
                              "msprobe's) would otherwise pay that, not the tools")
     parser.add_argument("--modes", default=",".join(TOOLS),
                         help="which tools, comma-separated, from " + ", ".join(TOOLS) + " (default: all)")
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="one intra-op thread, each step timed in CPU time of the stepping thread (a machine "
+                             "shared with other work: wall time there measures the other work)")
     parser.add_argument("--no-rss", action="store_true",
                         help="skip the peak-RSS column (each mode run again alone in a child process)")
     parser.add_argument("--msprobe-child", help=argparse.SUPPRESS)
     parser.add_argument("--rss-child", help=argparse.SUPPRESS)
     parser.add_argument("--tmp", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    global QUICK, DEVICE, SELECTED
+    global QUICK, DEVICE, SELECTED, clock
     QUICK, DEVICE, SELECTED = args.quick, args.device, set(args.modes.split(","))
+    if args.cpu_time:
+        torch.set_num_threads(1)
+        clock = time.thread_time
     if args.msprobe_child:
         msprobe_child(args.msprobe_child, args.steps, args.tmp)
         return
