@@ -4,8 +4,10 @@ CI has no accelerator; this script is how the device paths are exercised and tim
 lent.  It prints one table of checks (bit-identical training under the probe with deterministic
 kernels, overflow localisation on the device, free-benchmark flags) and one of step times.
 
-    python benchmarks/accelerator_check.py [--steps 10] [--large] [--timings-only]
+    python benchmarks/accelerator_check.py [--steps 10] [--large] [--timings-only] [--windows-only]
 
+``--windows-only``: just the statistics task's windows against its per-value path (same records,
+synchronisations inside a step, step time beside DebugMode): what a short lent-device run checks.
 ``--large``: a transformer whose step is GPU-bound (dim 2048, 8 layers, seq 1024, batch 8),
 where the cost of the re-runs themselves shows, not the Python per op.
 """
@@ -117,7 +119,81 @@ def checks(dev, tmp) -> list[tuple[str, str]]:
     rows.append(("overflow localised (fp16)", where))
     rows.extend(device_syncs(dev, tmp))
     rows.extend(fused_stats_rows(dev))
+    rows.extend(window_rows(dev, tmp))
     return rows
+
+
+def window_rows(dev, tmp, steps: int = 6) -> list[tuple[str, str]]:
+    """The statistics task with its windows (``torch/device_batch.py``: values copied at their op,
+    reduced many per launch, read back without waiting) against the per-value path
+    (``device_batch.WINDOW = False``) on the small transformer's bf16 step: the same ops.jsonl
+    bytes, the synchronisations ``torch.cuda.set_sync_debug_mode`` reports inside the probed
+    forward and backward (the step's flush outside), and the host time per step beside
+    torch's DebugMode, modes interleaved. On the CPU (a smoke run) the accelerator path runs on
+    the host (``device_batch.HOST_AS_DEVICE``) and nothing counts synchronisations."""
+    import warnings
+    from dispatchprobe.torch import device_batch
+    cuda = dev == "cuda"
+    device_batch.HOST_AS_DEVICE = dev == "cpu"
+    size, batch = SIZES["small"] if dev != "cpu" else (dict(vocab=128, dim=32, heads=4, layers=2, seq=16), 4)
+    torch.manual_seed(0)
+    model = TinyTransformer(**size).to(dev)
+    tokens, targets = (t.to(dev) for t in lm_batch(batch=batch, seq=size["seq"], vocab=size["vocab"]))
+
+    def step():
+        with torch.autocast(dev, dtype=torch.bfloat16):
+            loss = lm_loss(model, tokens, targets)
+        loss.backward()
+
+    probes = {on: DispatchProbe(task="statistics", dump_path=f"{tmp}/window-{on}", model=model) for on in (True, False)}
+    try:
+        from torch.utils._debug_mode import DebugMode
+    except ImportError:
+        DebugMode = None
+    times = collections.defaultdict(list)
+    syncs = collections.Counter()
+    for i in range(steps + 2):
+        for label in ("windows", "per value", "DebugMode", "unprobed"):
+            on = label == "windows"
+            if label in ("windows", "per value"):
+                device_batch.WINDOW = on
+                ctx = probes[on]
+            elif label == "DebugMode" and DebugMode is not None:
+                ctx = DebugMode()
+            else:
+                ctx = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+            sync(dev)
+            t0 = time.perf_counter()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                if cuda:
+                    torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    with ctx:
+                        step()
+                finally:
+                    if cuda:
+                        torch.cuda.set_sync_debug_mode("default")
+            if label in ("windows", "per value"):
+                probes[on].step()          # the step's flush: one wait, outside the count
+            sync(dev)
+            if i >= 2:
+                times[label].append(time.perf_counter() - t0)
+                syncs[label] += sum("synchroniz" in str(w.message) for w in caught)
+            model.zero_grad(set_to_none=True)
+    device_batch.WINDOW, device_batch.HOST_AS_DEVICE = True, False
+    for p in probes.values():
+        p.close()
+    same = all(open(a, "rb").read() == open(b, "rb").read() for a, b in zip(
+        sorted(glob.glob(f"{tmp}/window-True/step*/rank*/ops.jsonl")),
+        sorted(glob.glob(f"{tmp}/window-False/step*/rank*/ops.jsonl"))))
+    base = statistics.median(times["unprobed"])
+    return [("statistics windows: ops.jsonl the per-value path's, byte for byte", str(same)),
+            (f"synchronisations per probed step (sync debug mode, {steps} steps)",
+             ", ".join(f"{k} {syncs[k] / steps:.1f}" for k in ("windows", "per value", "unprobed"))
+             if cuda else "n/a (counted on cuda)"),
+            ("step time vs unprobed (median, interleaved)",
+             ", ".join(f"{k} {statistics.median(v) / base:.2f}x" for k, v in times.items() if k != "unprobed"))]
 
 
 def fused_stats_rows(dev) -> list[tuple[str, str]]:
@@ -283,6 +359,8 @@ def main():
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--large", action="store_true", help="a GPU-bound transformer for the timings")
     parser.add_argument("--timings-only", action="store_true", help="skip the table of checks")
+    parser.add_argument("--windows-only", action="store_true",
+                        help="only the statistics windows against the per-value path (records, syncs, step time)")
     args = parser.parse_args()
     size_name = "large" if args.large else "small"
     size, batch = SIZES[size_name]
@@ -290,6 +368,10 @@ def main():
     name = torch.cuda.get_device_name() if dev == "cuda" else dev
     print(f"device {dev} ({name}), torch {torch.__version__}\n")
     with tempfile.TemporaryDirectory() as tmp:
+        if args.windows_only:
+            for label, value in window_rows(dev, tmp, args.steps):
+                print(f"  {label:58s} {value}")
+            return
         if not args.timings_only:
             for label, value in checks(dev, tmp):
                 print(f"  {label:58s} {value}")

@@ -195,3 +195,34 @@ def test_a_killed_process_leaves_a_prefix_of_the_records(tmp_path):
     assert killed == whole[:len(killed)]
     # behind the last look: at most DEFER_BATCH values queued since, and the window holding them
     assert len(whole) - len(killed) <= 16 + 7 and len(killed) > len(whole) / 2
+
+
+_TRITON_TABLE = """
+import torch
+from dispatchprobe.torch import device_batch, tensor_backend as backend
+from tests.test_fused_stats import _device_cases, _same
+device_batch.HOST_AS_DEVICE = True
+device_batch.WINDOW_VALUES = 7
+assert device_batch.uses_triton(torch.device("cpu"))
+values = [x.to(dtype) for x in _device_cases() for dtype in (torch.float32, torch.bfloat16, torch.float64)]
+values += [(x.nan_to_num(0.0, 0.0, 0.0) * 100).to(torch.int64) for x in _device_cases()]
+rows = [backend.device_stats_row(x) for x in values]
+got = backend.read_stats_rows(rows, [x.numel() for x in values])
+wrong = [(tuple(x.shape), str(x.dtype)) for x, g in zip(values, got) if not _same(g, backend._cpu_stats(x))]
+print("checked", len(values), "wrong", wrong)
+"""
+
+
+def test_the_triton_table_kernel_gives_the_cpu_records():
+    """The one launch per window and dtype (``device_stats_kernels.reduce_table``), run by Triton's
+    interpreter on the CPU in a process of its own: the CPU records, bit for bit. Where Triton is
+    missing or older than the release checked, windows are reduced by torch's operations."""
+    from dispatchprobe.torch import device_stats
+    release = device_stats.triton_release()
+    if release is None or release < device_stats.MIN_TRITON:
+        assert not device_batch.uses_triton(torch.device("cpu"))
+        return
+    done = subprocess.run([sys.executable, "-c", _TRITON_TABLE], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[:2] == ["checked", "72"] and done.stdout.rstrip().endswith("wrong []"), done.stdout

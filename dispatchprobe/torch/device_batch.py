@@ -138,7 +138,7 @@ class Window:
         with _on(self.stream):
             if at:
                 out = torch.empty((at, _FIELDS), dtype=torch.float64, device=self.device)
-                if _use_triton(self.device):
+                if uses_triton(self.device):
                     table = _to_device(np.concatenate([t for _, t in tables]), self.device)
                     first = 0
                     for buf, t in tables:
@@ -272,7 +272,7 @@ def _chunk_sums(folded: torch.Tensor, slot: torch.Tensor, slots: int, chunks: in
     return statistics.halve(y, 2, statistics.FOLDED_LANES)
 
 
-def _use_triton(device: torch.device) -> bool:
+def uses_triton(device: torch.device) -> bool:
     """The Triton table kernel: on the devices Triton compiles for, and on the host where Triton's
     interpreter is on and the host stands for a device."""
     if not device_stats.kernels_loaded():
