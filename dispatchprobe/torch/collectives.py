@@ -115,10 +115,11 @@ _WAIT_TENSOR = "_c10d_functional::wait_tensor"
 
 
 class _Entry:
-    __slots__ = ("place", "call", "work", "storages", "waited", "later", "kept", "kept_set")
+    __slots__ = ("place", "call", "work", "future", "storages", "waited", "later", "kept", "kept_set")
 
     def __init__(self, place, call, work, storages):
         self.place, self.call, self.work, self.storages = place, call, work, storages
+        self.future = work.get_future() if work is not None else None
         self.waited = False
         self.later = 0
         self.kept = None            # {id(output): (its copy taken as the work completed, its version then)}
@@ -144,9 +145,10 @@ class Pending:
     would give, as soon as the probe sees the collective complete (checked at the start of each
     later op): its ``Work``'s future completed (its outputs are then copied before any callback
     the program chained on it runs, :meth:`_Entry.keep`), a ``wait_tensor`` on a functional
-    collective's result returned, or a later op using its outputs (the program must have waited
-    for that op to be correct).  Never waits itself, except for a bounded wait when the step ends
-    (:meth:`settle`)."""
+    collective's result returned, or a later op using its outputs once it is complete (a
+    functional collective's, or a work's whose future is done but whose callbacks have not yet
+    run: that op may overwrite them).  Never waits for a work still running, except for a bounded
+    wait when the step ends (:meth:`settle`)."""
 
     def __init__(self, probe):
         self.probe = probe
@@ -175,7 +177,7 @@ class Pending:
                        work, _storages(tensors))
         self.entries.append(entry)
         if work is not None:
-            work.get_future().add_done_callback(lambda _, e=entry, ts=tensors: e.keep(ts))
+            entry.future.add_done_callback(lambda _, e=entry, ts=tensors: e.keep(ts))
         return True
 
     def poll(self, func, args, kwargs) -> None:
@@ -189,7 +191,9 @@ class Pending:
             e.later += 1
             if e.waited or e.kept is not None:
                 done.append((e, None))
-            elif not functional or waits:     # a functional collective's wrapping is no use of its result
+            # a use of the outputs once the work's future is done (the program waited on it: it wakes
+            # its waiters before running its callbacks); a functional collective's wrapping is no use
+            elif (not functional or waits) and (e.future is None or e.future.done()):
                 if used is None:
                     used = _storages(x for x in _leaves((args, kwargs)) if isinstance(x, torch.Tensor))
                 if e.storages & used:
