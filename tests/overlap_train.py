@@ -1,7 +1,8 @@
 """Async collectives on two process groups that each rank issues and waits for in its own order
 (rank 0: A then B, rank 1: B then A), on 2 gloo ranks, under the statistics and tensor tasks; run
 by ``test_collective_overlap.py`` as ``torchrun --nproc-per-node 2 overlap_train.py OUT`` (and with
-``--nproc-per-node 1 ... OUT functional``: functional collectives, :func:`functional`).  A probe
+``--nproc-per-node 1 ... OUT functional``: functional collectives, :func:`functional`; an early use
+of a pending buffer, :func:`early`).  A probe
 that waited for each collective at its call would block both ranks (rank 0 in A, which rank 1 has
 not issued, rank 1 in B): the groups' timeout turns that into an error instead of a hang.  Each
 rank writes ``OUT/result{rank}.json``: the reduced values it computed, and whether they match the
@@ -63,6 +64,32 @@ def late(out: str, group, rank: int) -> None:
         json.dump(x.tolist(), f)
 
 
+def early(out: str, group, rank: int) -> None:
+    """Rank 0 takes a view of an all-reduce's buffer (an op on its memory) before rank 1 has
+    joined it: the probe does not wait for the work there (rank 1 joins only after the view), and
+    records the sum once rank 0's own wait has completed it."""
+    marker = os.path.join(out, "early-viewed")
+    x = torch.arange(3.0) + 10 * rank
+    if rank == 0:
+        probe = DispatchProbe(task="statistics", dump_path=os.path.join(out, "early"))
+        with probe:
+            work = dist.all_reduce(x, group=group, async_op=True)
+            t0 = time.monotonic()
+            x.view(3, 1)
+            viewed_s = time.monotonic() - t0
+            open(marker, "w").close()
+            work.wait()
+        probe.step()
+        probe.close()
+        with open(os.path.join(out, "early0.json"), "w") as f:
+            json.dump({"viewed_s": viewed_s, "sum": x.tolist()}, f)
+    else:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(marker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        dist.all_reduce(x, group=group)
+
+
 def functional(out: str) -> None:
     """Functional collectives (DTensor's): one whose result is used (recorded with its values
     where it was called), one never waited for (its outputs recorded as not waited for)."""
@@ -98,6 +125,7 @@ def main() -> None:
         probe.close()
         result[task] = {"identical": probed == plain, "values": probed}
     late(out, groups["A"], rank)
+    early(out, groups["A"], rank)
     with open(os.path.join(out, f"result{rank}.json"), "w") as f:
         json.dump(result, f)
     dist.barrier()

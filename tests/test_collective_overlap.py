@@ -70,6 +70,12 @@ def test_rank_dependent_waits_on_two_groups_do_not_block(tmp_path):
     (late,) = [r for r in _records(tmp_path, "late", 0, 0) if r["op"] == "c10d.allreduce_.default"]
     assert late["outputs"][0]["value"][0]["no_values"] == "collective not complete 1 s after the step's end"
     assert late["inputs"][0]["value"][0]["stats"]["max"] == 1.0        # the input as given (copied first)
+    # a view of a buffer whose all-reduce the other rank has not joined: no wait there, the sum recorded
+    early = json.loads((tmp_path / "early0.json").read_text())
+    assert early["sum"] == [10.0, 12.0, 14.0] and early["viewed_s"] < 0.5, early
+    (reduced_rec,) = [r for r in _records(tmp_path, "early", 0, 0) if r["op"] == "c10d.allreduce_.default"]
+    out = reduced_rec["outputs"][0]["value"][0]
+    assert "no_values" not in out and (out["stats"]["max"], out["stats"]["min"]) == (14.0, 10.0), out
 
 
 def test_functional_collective_is_recorded_at_its_first_use(tmp_path):
