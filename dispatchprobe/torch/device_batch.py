@@ -138,15 +138,13 @@ class Window:
         with _on(self.stream):
             if at:
                 out = torch.empty((at, _FIELDS), dtype=torch.float64, device=self.device)
-                if uses_triton(self.device):
-                    table = _to_device(np.concatenate([t for _, t in tables]), self.device)
-                    first = 0
-                    for buf, t in tables:
-                        device_stats.launch_table(buf.values, table[first:first + len(t)], out)
-                        first += len(t)
-                else:
-                    for buf, t in tables:
+                table = _to_device(np.concatenate([t for _, t in tables]), self.device) \
+                    if uses_triton(self.device) else None
+                first = 0
+                for buf, t in tables:
+                    if table is None or not _launched(buf.values, table[first:first + len(t)], out):
                         out[int(t[0, 3]):int(t[-1, 3]) + 1] = partial_rows(buf.values, t)
+                    first += len(t)
                 parts.append(out.reshape(-1))
             flat_at = at * _FIELDS
             for rows, pending in self.direct:
@@ -159,7 +157,7 @@ class Window:
             else:
                 self.host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
                 self.host.copy_(flat, non_blocking=True)
-                self.event = torch.Event(device=self.device)
+                self.event = _event(self.device)
                 self.event.record(self.stream)
         self.buffers, self.direct = {}, []       # the buffers go back to the allocator, on their stream
 
@@ -281,6 +279,23 @@ def uses_triton(device: torch.device) -> bool:
                                               and os.environ.get("TRITON_INTERPRET") == "1")
 
 
+def _launched(values: torch.Tensor, table: torch.Tensor, out: torch.Tensor) -> bool:
+    """Launch the Triton table kernel; False where it failed to compile or launch (the window is
+    then reduced by torch's operations, which give the same rows)."""
+    global triton_error
+    if triton_error is not None:
+        return False
+    try:
+        device_stats.launch_table(values, table, out)
+        return True
+    except Exception as err:       # noqa: BLE001 - a compiler or driver this kernel does not run on
+        triton_error = err
+        return False
+
+
+triton_error: Exception | None = None    # why the table kernel is not used, once it failed
+
+
 def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     """``array`` on ``device`` without waiting for it (from pinned memory)."""
     t = torch.from_numpy(np.ascontiguousarray(array))
@@ -293,8 +308,21 @@ def _stream(device: torch.device):
     """The current stream of ``device`` (None on the host): a window's copies and launch share one."""
     if device.type == "cpu":
         return None
-    return torch.accelerator.current_stream(device)
+    if _CURRENT_STREAM is not None:
+        return _CURRENT_STREAM(device)
+    return torch.cuda.current_stream(device) if device.type == "cuda" else None
+
+
+# torch.accelerator's (torch >= 2.6); torch.cuda's before
+_CURRENT_STREAM = getattr(getattr(torch, "accelerator", None), "current_stream", None)
 
 
 def _on(stream):
-    return stream if stream is not None else contextlib.nullcontext()
+    """``stream`` made current for a window's launch."""
+    if stream is None:
+        return contextlib.nullcontext()
+    return stream if hasattr(stream, "__enter__") else torch.cuda.stream(stream)
+
+
+def _event(device: torch.device):
+    return torch.Event(device=device) if hasattr(torch, "Event") else torch.cuda.Event()

@@ -431,7 +431,7 @@ def torch_stats_row(seq: torch.Tensor, repeat: int = 1) -> torch.Tensor:
         finite = x.masked_fill(nan | inf, -math.inf), x.masked_fill(nan | inf, math.inf)
         sums, wide = statistics.tree_sums(x, torch), statistics.tree_sums(x, torch, wide=True)
         one = [kept[0].max(), kept[1].min(), finite[0].max(), finite[1].min(), sums[0], sums[1], nan.sum(),
-               inf.sum(), wide[0], wide[1], torch.tensor(repeat, device=x.device)]
+               inf.sum(), wide[0], wide[1], torch.full((), float(repeat), dtype=torch.float64, device=x.device)]
         return torch.stack([v.double() for v in one]).reshape(1, -1)
 
 
