@@ -182,7 +182,7 @@ class GradHandler(Handler):
         self._lines = self._index = None
         self._keys = self._shards = 0
         self._writer: threading.Thread | None = None      # the last step's files, being written
-        self._failure: OSError | None = None
+        self._failure: Exception | None = None
         self.steps_seen = 0             # optimizer steps of the model's parameters
 
     def begin(self, optimizer) -> tuple[bool, bool]:
@@ -244,11 +244,11 @@ class GradHandler(Handler):
                     raise WriteFailed(f"{exc.strerror or exc} writing {path}") from None
                 index.append({"shard": shard, "keys": list(arrays)})
             lines.extend(records)
-        except OSError as exc:
+        except Exception as exc:        # raised on the training thread at the next wait, as it was raised there
             self._failure = exc
 
     def _wait(self) -> None:
-        """The last step's files are written (raises the OSError that stopped them)."""
+        """The last step's files are written (raises what stopped them: an OSError stops the recording)."""
         if self._writer is not None:
             self._writer.join()
             self._writer = None
