@@ -54,7 +54,7 @@ _grad = None              # the library's dp_grad_stats, once loaded
 tree_rows = None          # rows(tensors) -> the library's rows of CPU tensors (see rows), or None
 rows_into = None          # a compiled graph's window of CPU values -> their stats rows (see window_rows), or None
 stats4 = None             # one float32/bfloat16 CPU tensor -> [max, min, sum, sum of squares] (see sums4), or None
-grad_rows = None          # the grad probe's one read of contiguous float32/bfloat16 CPU gradients (see grad_pass), or None
+grad_rows = None          # the grad probe's one read of contiguous CPU gradients (see grad_pass), or None
 error: str | None = None  # why the library is not used
 
 
