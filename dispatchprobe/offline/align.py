@@ -693,6 +693,19 @@ def _closest(run: list, recs_a: list, recs_b: list) -> list:
     return out
 
 
+def _by_stage_kind(recs: list) -> dict:
+    """(stage, kind) -> the indices of its records, in order: one pass over a part's records."""
+    out: dict = {}
+    for i, r in enumerate(recs):
+        key = r["stage"], r["kind"]
+        got = out.get(key)
+        if got is None:
+            out[key] = [i]
+        else:
+            got.append(i)
+    return out
+
+
 def align(recs_a: list, recs_b: list, match: str = "fuzzy", mapping: Mapping | None = None,
           by_stats: bool = False) -> Alignment:
     """Align two parts' records (ops per stage, modules by scope); pairs sorted by A's order.
@@ -702,10 +715,10 @@ def align(recs_a: list, recs_b: list, match: str = "fuzzy", mapping: Mapping | N
     mapping = mapping or Mapping()
     pairs, only_a, only_b, spans = [], [], [], []
     made = (producers(recs_a), producers(recs_b)) if by_stats else ()
+    parts_a, parts_b = _by_stage_kind(recs_a), _by_stage_kind(recs_b)
     for stage in ("forward", "backward"):
         for kind in ("op", "module"):
-            ia = [i for i, r in enumerate(recs_a) if r["stage"] == stage and r["kind"] == kind]
-            ib = [i for i, r in enumerate(recs_b) if r["stage"] == stage and r["kind"] == kind]
+            ia, ib = parts_a.pop((stage, kind), []), parts_b.pop((stage, kind), [])
             if kind == "module":
                 al = align_modules(recs_a, recs_b, ia, ib, mapping)
             elif match == "exact":
@@ -717,9 +730,8 @@ def align(recs_a: list, recs_b: list, match: str = "fuzzy", mapping: Mapping | N
             only_a += al.only_a
             only_b += al.only_b
     # records of any other stage count as unmatched rather than vanish
-    known = ("forward", "backward")
-    only_a += [i for i, r in enumerate(recs_a) if r["stage"] not in known]
-    only_b += [i for i, r in enumerate(recs_b) if r["stage"] not in known]
+    only_a += [i for (stage, _), idx in parts_a.items() if stage not in ("forward", "backward") for i in idx]
+    only_b += [i for (stage, _), idx in parts_b.items() if stage not in ("forward", "backward") for i in idx]
     pairs = pair_runs_by_stats(pairs, recs_a, recs_b) if by_stats else sorted(pairs)
     inside, regions = {}, {}
     if spans:   # every stage paired: what a region hands on is known by who reads it

@@ -137,6 +137,13 @@ def _compare_parts(part_a: Part, part_b: Part, match: str, mapping: Mapping, ten
                 data[name][:] = col    # str or None
             except ValueError:         # a sequence numpy would unpack: as a list
                 data[name] = list(col)
+        elif col and all(type(v) is int for v in col):   # what pandas infers from the list, made at once
+            try:
+                data[name] = np.array(col, dtype=np.int64)
+            except OverflowError:
+                data[name] = list(col)
+        elif col and all(type(v) is tuple for v in col):   # shapes: one object array of the tuples
+            data[name] = np.fromiter(col, dtype=object, count=len(col))
         else:
             data[name] = list(col)
     del columns
