@@ -74,6 +74,7 @@ def test_statistics_compare(runs):
     assert table.cosine.isna().all()  # statistics only on one side: no tensor metrics
     t2, _ = compare(runs["clean"] / "step0" / "rank0", runs["bad"] / "step0" / "rank0", tensors=False)
     assert set(t2.status) >= {"pass", "warning"} or "error" in set(t2.status)
+    assert t2.cosine.isna().all()   # tensors=False (--stats-only): no saved tensor is read
 
 
 def test_mapping_renames_scopes(runs, tmp_path):

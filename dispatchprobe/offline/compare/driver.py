@@ -104,8 +104,8 @@ def _compare_parts(part_a: Part, part_b: Part, match: str, mapping: Mapping, ten
                 ra["call"], rb["call"], how)
         # either run's op (an eager copy_ paired with a graph's functional copy): its destination is not read
         overwritten = op_traits.overwrites_first_input(ra["op"]) or op_traits.overwrites_first_input(rb["op"])
-        tensors = pair_tensors(walks_a[i], walks_b[j], same, rb["op"] if cross else "")
-        for io, arg, sa, sb in tensors:
+        tensor_pairs = pair_tensors(walks_a[i], walks_b[j], same, rb["op"] if cross else "")
+        for io, arg, sa, sb in tensor_pairs:
             if overwritten and arg == "input.0":
                 continue  # the destination's old (often uninitialised) content is not an input
             if stack is None:
