@@ -182,7 +182,7 @@ class GradHandler(Handler):
         self._lines = self._index = None
         self._keys = self._shards = 0
         self._writer: threading.Thread | None = None      # the last step's files, being written
-        self._failure: Exception | None = None
+        self._failures: list[Exception] = []       # what stopped the writer, raised at the next wait
         self.steps_seen = 0             # optimizer steps of the model's parameters
 
     def begin(self, optimizer) -> tuple[bool, bool]:
@@ -228,33 +228,19 @@ class GradHandler(Handler):
             if arrays:
                 shard = f"shard_{self._shards:05d}.safetensors"
                 self._shards += 1
-            args = (folder, shard, arrays, [record for record, _ in items], self._lines, self._index)
-            self._writer = threading.Thread(target=self._write_files, args=args, name="dispatchprobe-grad-writer")
+            args = (folder, shard, arrays, [record for record, _ in items], self._lines, self._index, self._failures)
+            # a function, not a method: the thread holds no reference to the probe, which a user who
+            # drops it may have collected while the step's files are still being written
+            self._writer = threading.Thread(target=_write_step_files, args=args, name="dispatchprobe-grad-writer")
             self._writer.start()        # not a daemon: an interpreter that exits finishes the step's files
-
-    def _write_files(self, folder: str, shard, arrays: dict, records: list, lines, index) -> None:
-        try:
-            if shard is not None:
-                os.makedirs(os.path.join(folder, "tensors"), exist_ok=True)
-                path = os.path.join(folder, "tensors", shard)
-                try:
-                    write_safetensors({k: ("U8", [a.size], memoryview(a)) for k, a in arrays.items()}, path + ".tmp")
-                    os.replace(path + ".tmp", path)
-                except OSError as exc:
-                    raise WriteFailed(f"{exc.strerror or exc} writing {path}") from None
-                index.append({"shard": shard, "keys": list(arrays)})
-            lines.extend(records)
-        except Exception as exc:        # raised on the training thread at the next wait, as it was raised there
-            self._failure = exc
 
     def _wait(self) -> None:
         """The last step's files are written (raises what stopped them: an OSError stops the recording)."""
         if self._writer is not None:
             self._writer.join()
             self._writer = None
-        if self._failure is not None:
-            exc, self._failure = self._failure, None
-            raise exc
+        if self._failures:
+            raise self._failures.pop()
 
     # -- handler ------------------------------------------------------------------------------
     def start_part(self) -> None:
@@ -297,3 +283,22 @@ def read_signs(part, record: dict) -> np.ndarray:
     local = (record.get("dtensor") or {}).get("local_shape", record["shape"])
     n = math.prod(local)
     return np.unpackbits(part.tensor(record["sign"]), count=n).astype(bool).reshape(local)
+
+
+def _write_step_files(folder: str, shard, arrays: dict, records: list, lines, index, failures: list) -> None:
+    """One optimizer step's files, in the writer thread: the sign-bit shard (temp file + rename),
+    its index line, then the records that name it.  What stops it goes to ``failures``, raised on
+    the training thread at its next wait, as it was raised there."""
+    try:
+        if shard is not None:
+            os.makedirs(os.path.join(folder, "tensors"), exist_ok=True)
+            path = os.path.join(folder, "tensors", shard)
+            try:
+                write_safetensors({k: ("U8", [a.size], memoryview(a)) for k, a in arrays.items()}, path + ".tmp")
+                os.replace(path + ".tmp", path)
+            except OSError as exc:
+                raise WriteFailed(f"{exc.strerror or exc} writing {path}") from None
+            index.append({"shard": shard, "keys": list(arrays)})
+        lines.extend(records)
+    except Exception as exc:        # noqa: BLE001 - raised on the training thread at the next wait
+        failures.append(exc)
