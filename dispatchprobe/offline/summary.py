@@ -62,7 +62,7 @@ def summarize(run: Run, top: int = 10, stage: str | None = None) -> str:
         # a part whose summary holds has whole records (summarised from complete lines): its own
         # problems, if any, are those of its other files
         whole = digests[key]["ops_bytes"] is not None
-        if any("incomplete" in p or "corrupt" in p for p in part.problems) if whole else part.truncated:
+        if part.files_end_early if whole else part.truncated:
             lines.append(f"truncated  step {part.step} rank {part.rank}: records end early (process killed?)")
         elif part.closed is False:
             lines.append(f"partial    step {part.step} rank {part.rank}: this step never closed (the process stopped "

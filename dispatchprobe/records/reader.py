@@ -261,6 +261,11 @@ class Part:
     @property
     def truncated(self) -> bool:
         _ = self.records
+        return self.files_end_early
+
+    @property
+    def files_end_early(self) -> bool:
+        """A file read so far ends in a torn or corrupt line (``truncated`` reads the records first)."""
         return any("incomplete" in p or "corrupt" in p for p in self.problems)
 
     @cached_property
