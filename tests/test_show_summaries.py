@@ -240,14 +240,20 @@ def test_a_run_writes_a_summary_per_closed_step(tmp_path):
 @pytest.mark.mindspore
 def test_mindspore_steps_write_the_same_summaries(tmp_path):
     """The MindSpore adapter closes its steps through the same part writer: each step's summary,
-    and `show` prints from them what it prints from the records."""
-    os.environ.setdefault("MS_DEV_LAUNCH_BLOCKING", "1")
-    ms = pytest.importorskip("mindspore")
-    ms.set_context(mode=ms.PYNATIVE_MODE)
-    from dispatchprobe_ms import DispatchProbe as MsProbe
-    from dispatchprobe_ms.demo import train
+    and `show` prints from them what it prints from the records.  The run is recorded in a process
+    of its own: MindSpore keeps PyNative gradient state across the tests of one process."""
+    pytest.importorskip("mindspore")
     path = tmp_path / "ms"
-    train(MsProbe(task="statistics", dump_path=str(path), level="mix"), steps=2)
+    script = textwrap.dedent(f"""
+        import mindspore as ms
+        ms.set_context(mode=ms.PYNATIVE_MODE)
+        from dispatchprobe_ms import DispatchProbe
+        from dispatchprobe_ms.demo import train
+        train(DispatchProbe(task="statistics", dump_path={str(path)!r}, level="mix"), steps=2)
+    """)
+    env = {**os.environ, "MS_DEV_LAUNCH_BLOCKING": "1"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
     parts = load(path).parts
     assert len(parts) == 2 and all(part_summary.read(p.path) is not None for p in parts.values())
     copy = without_summaries(path, tmp_path)
