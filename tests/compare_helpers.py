@@ -151,6 +151,11 @@ def _speech(step: int) -> dict:
     return {"input_features": torch.randn(2, 8, 8, generator=g), "labels": torch.randint(3, 64, (2, 6), generator=g)}
 
 
+def _text_pairs(step: int) -> dict:
+    ids = torch.randint(2, 64, (2, 8), generator=torch.Generator().manual_seed(step))
+    return {"input_ids": ids, "labels": ids[:, :6].contiguous()}
+
+
 def _build(name: str):
     import transformers as T
     small = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_attention_heads=2)
@@ -197,10 +202,26 @@ def _build(name: str):
             max_target_positions=8, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, pad_token_id=0,
             bos_token_id=1, eos_token_id=2, decoder_start_token_id=1))
         return m, m.model.encoder.layers[0].fc1, _speech
+    if name == "phi3":         # partial rotary: each head's pass-through part is empty
+        m = T.Phi3ForCausalLM(T.Phi3Config(**small, num_hidden_layers=1, num_key_value_heads=2, resid_pdrop=0.0,
+                                           embd_pdrop=0.0, attention_dropout=0.0, pad_token_id=0,
+                                           max_position_embeddings=16, original_max_position_embeddings=16))
+        return m, m.model.layers[0].mlp, _tokens
+    if name == "t5":           # encoder-decoder text, relative position bias
+        m = T.T5ForConditionalGeneration(T.T5Config(vocab_size=64, d_model=32, d_kv=16, d_ff=64, num_layers=1,
+                                                    num_decoder_layers=1, num_heads=2, dropout_rate=0.0,
+                                                    decoder_start_token_id=0, pad_token_id=0))
+        return m, m.encoder.block[0].layer[1].DenseReluDense, _text_pairs
+    if name == "convnext":     # convolutions, no attention
+        m = T.ConvNextForImageClassification(T.ConvNextConfig(num_channels=3, hidden_sizes=[8, 16], depths=[1, 1],
+                                                              num_stages=2, patch_size=2, image_size=8, num_labels=4,
+                                                              drop_path_rate=0.0))
+        return m, m.convnext.encoder.stages[0].layers[0], _images
     raise KeyError(name)
 
 
-ARCHS = ("llama", "gpt2", "bert", "phi", "mixtral", "qwen2_moe", "deepseek_v3", "vit", "whisper")
+ARCHS = ("llama", "gpt2", "bert", "phi", "mixtral", "qwen2_moe", "deepseek_v3", "vit", "whisper", "phi3", "t5",
+         "convnext")
 
 
 def tiny_model(name: str, seed: int = 0):

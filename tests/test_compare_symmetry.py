@@ -1,9 +1,10 @@
 """compare's verdict does not depend on which run is A: on every kind of tiny ``transformers`` model the
-compare tests build (a Llama, GPT-2, BERT, Phi, two mixtures of experts, a multi-head-latent-attention
-model, a ViT, an encoder-decoder speech model), with a x1.001 planted by a forward hook on one block's
-output (an op in the planted run only), 2 AdamW steps, statistics and tensor records: ``compare A B``
-and ``compare B A`` name the same origin, with mirrored labels, and nothing at a later step outranks
-the step where the difference starts."""
+compare tests build (a Llama, GPT-2, BERT, Phi, Phi-3 with its partial rotary, two mixtures of
+experts, a multi-head-latent-attention model, a ViT, encoder-decoder speech and text models, a
+ConvNeXt), with a x1.001 planted by a forward hook on one block's output (an op in the planted run
+only), 2 AdamW steps, statistics and tensor records: ``compare A B`` and ``compare B A`` name the
+same origin, with mirrored labels, and nothing at a later step outranks the step where the
+difference starts."""
 
 from __future__ import annotations
 
