@@ -170,8 +170,9 @@ class CallBuilder:
         if hit is not None:
             return hit
         key = spec.get("data")
-        if spec.get("undefined"):
+        if spec.get("undefined") or _holds_nothing(spec):
             # uninitialised memory: any contents are a faithful instance; both runs get zeros
+            # (an empty tensor has no contents: its shape and dtype are the whole value)
             t = torch.zeros(tuple(spec["shape"]), dtype=to_dtype(spec["dtype"]))
         elif self.random:
             t = random_tensor(spec, zlib.crc32(f"{self.record['name']}:{path}".encode()))
@@ -237,6 +238,12 @@ class CallBuilder:
         return args, kwargs
 
 
+def _holds_nothing(spec: dict) -> bool:
+    """An empty tensor (a zero in its shape): rebuilt from its record alone, whether or not its
+    (zero) bytes were saved; a compiled graph records none for it."""
+    return 0 in (spec.get("shape") or ())
+
+
 def check_replayable(record: dict, random: bool) -> None:
     """Raise :class:`Skip` with the reason when the op cannot be replayed."""
     base = op_traits.base_name(record["op"])
@@ -267,7 +274,7 @@ def check_replayable(record: dict, random: bool) -> None:
                 raise Skip("in-place op on an overlapping view (broadcast strides): cannot be rebuilt")
     if not random:
         for io, _, s in tensors:
-            if io == "input" and s.get("data") is None and not s.get("undefined"):
+            if io == "input" and s.get("data") is None and not s.get("undefined") and not _holds_nothing(s):
                 raise Skip("inputs were not saved (statistics-only records: replay them with --random)")
 
 

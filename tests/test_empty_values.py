@@ -7,6 +7,7 @@ named where it is planted, either run as A."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from click.testing import CliRunner
 from torch import nn
@@ -65,3 +66,28 @@ def test_runs_with_empty_values_compare(tmp_path):
         d = compare(x, y).verdict.forward
         assert d is not None and (d.cause, d.op, d.scope, d.side) == ("unmatched", "aten.mul.Tensor", "_Net.head",
                                                                       side), str(compare(x, y).verdict)
+
+
+@pytest.mark.probe_backend
+def test_empty_values_replay_in_run_ut(tmp_path):
+    """A compiled graph records no contents for an empty value (there are none) and an eager tensor
+    run saves zero bytes: either way run-ut rebuilds it from its shape and judges the op (the slice
+    padding the empty part back) instead of skipping it as if its
+    inputs had not been saved."""
+    from dispatchprobe import run_ut
+    from dispatchprobe.torch.compile import probe_backend
+
+    torch.manual_seed(0)
+    model = _Net()
+    x = torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(1))
+    backend = probe_backend(task="tensor", dump_path=str(tmp_path / "compiled"), inner="aot_eager")
+    torch.compile(model, backend=backend)(x).square().mean().backward()
+    backend.close()
+    torch._dynamo.reset()
+    for run in (tmp_path / "compiled", _record(tmp_path / "eager")):
+        res = run_ut(str(run), str(tmp_path / f"ut_{run.name}"))
+        rows = res.results
+        status = rows["Forward Test Success"].where(rows["Forward Test Success"] != "", rows["Backward Test Success"])
+        empty = rows[rows["API Name"].str.startswith("aten.slice_backward")]
+        assert len(empty) == 1 and (status[empty.index] == "pass").all(), rows.loc[empty.index, ["API Name", "Message"]]
+        assert not rows["Message"].str.contains("not saved").any(), rows[rows["Message"].str.contains("not saved")]
