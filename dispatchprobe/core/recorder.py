@@ -61,6 +61,8 @@ class Recorder(Handler):
         self.io_filter = io_filter or (lambda io: True)
         self._inputs, self._outputs = self.io_filter("input"), self.io_filter("output")
         self._is_tensor, self._describe = backend.is_tensor, backend.describe
+        # the backend's loop over a sequence of arguments (plain tensors without a call each), else ours
+        self._values = getattr(backend, "encode_values", None)
         self._cache: dict = {}         # identity -> (memory ref, entry)
         self._spans: dict = {}
         self._dense: dict = {}         # dense key -> the (memory ref, entry) of a value measured
@@ -117,20 +119,22 @@ class Recorder(Handler):
         """:meth:`encode`, from the event's fields; ``same_of``: the event whose outputs may hold an
         input's values (:meth:`TensorBackend.same_values`), where tensors are saved."""
         found: list[tuple] = []
-        record = {"id": None, "kind": kind, "name": record_name(kind, op, scope, stage, call), "op": op,
+        # record_name's op form inline (a call fewer per op)
+        name = f"{op}.{call}.{stage}" if kind == "op" else record_name(kind, op, scope, stage, call)
+        record = {"id": None, "kind": kind, "name": name, "op": op,
                   "stage": stage, "scope": scope, "call": call, "grad_fn": grad_fn,
                   "stack": self.part.stack_id(stack) if stack else None}
-        values = self._encode_values
+        values, enc = self._values or self._own_values, self._encode_value
         if self._inputs:
-            record["inputs"] = values(found, args)
-            record["kwargs"] = {k: self._encode_value(found, v) for k, v in kwargs.items()} if kwargs else {}
+            record["inputs"] = values(found, args, enc)
+            record["kwargs"] = {k: enc(found, v) for k, v in kwargs.items()} if kwargs else {}
         if self._outputs:
             if isinstance(out, (tuple, list)):
                 record["output_type"] = "tuple" if isinstance(out, tuple) else "list"
-                record["outputs"] = values(found, out)
+                record["outputs"] = values(found, out, enc)
             else:
                 record["output_type"] = "single"
-                record["outputs"] = values(found, (out,))
+                record["outputs"] = values(found, (out,), enc)
         if found:
             if undefined:
                 for t, spec, *_ in found:
@@ -152,10 +156,11 @@ class Recorder(Handler):
         if found:
             self._fill_tensors(found, save, same, defer)
 
-    def _encode_values(self, found: list, values) -> list:
-        """A sequence of arguments as JSON, their tensors described and collected in ``found``
-        for :meth:`_fill_tensors`; plain tensors (most arguments) without a call per value."""
-        is_tensor, describe, enc = self._is_tensor, self._describe, self._encode_value
+    def _own_values(self, found: list, values, enc) -> list:
+        """A sequence of arguments as JSON (``enc``: :meth:`_encode_value`), their tensors described
+        and collected in ``found`` for :meth:`_fill_tensors`; plain tensors (most arguments) without
+        a call per value.  Where the backend has its own loop (``encode_values``), that one runs."""
+        is_tensor, describe = self._is_tensor, self._describe
         out = []
         for v in values:
             if is_tensor(v):

@@ -333,14 +333,20 @@ class ProbeSession:
         return self.part is not None and not self.failed and self._stage_on[stage]
 
     def on_op(self, op: str, stage: str, scope: str, args, kwargs, outputs, *, func=None, grad_fn=None,
-              stack=None, undefined=None, call: int | None = None, extra: dict | None = None):
+              stack=None, undefined=None, call: int | None = None, extra: dict | None = None,
+              selected: bool = False):
         """What every capture path does with one op call: :meth:`count_call` (filters, call index),
         an :class:`OpEvent` for the handlers (run with the framework's tracing off, :meth:`_quiet`);
         a task whose one handler is the recorder gets the call's fields (:meth:`Recorder.record_op`).
         ``stack``: a callable giving the user's frames, called only when the config asks for stacks
         of forward ops; ``call``: an index already counted (a compiled graph's op run again);
-        ``extra``: fields added to its records.  Returns replacement outputs (``fix``) or None."""
-        if call is None:
+        ``extra``: fields added to its records; ``selected``: the capture path found the call
+        recorded (:meth:`would_record` and :meth:`OpSelector.op_selected` before it ran), so only
+        its index is counted here.  Returns replacement outputs (``fix``) or None."""
+        if selected:
+            self.selector.hits += 1
+            call = self.next_call(op, stage)
+        elif call is None:
             call = self.count_call(op, stage, scope)
         elif not self.recording(stage, scope):
             call = None

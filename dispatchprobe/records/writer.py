@@ -24,6 +24,7 @@ import os
 import socket
 import threading
 import time
+from operator import countOf as _count_of
 from typing import Any, Callable
 
 import numpy as np
@@ -195,7 +196,7 @@ def json_line(obj: dict) -> bytes:
             pass
         else:
             nulls = line.count(b"null")
-            if not nulls or nulls == list(obj.values()).count(None) or _orjson.loads(line) == obj:
+            if not nulls or nulls == _count_of(obj.values(), None) or _orjson.loads(line) == obj:
                 return line
     return (json.dumps(obj, separators=(",", ":"), default=str) + "\n").encode()
 
@@ -293,6 +294,16 @@ class MappedLines(JsonLines):
         self._reserved = False  # a window was reserved: the file is cut to its data at close
         self._next = self.FIRST     # the next window's size
 
+    def append(self, obj: dict) -> None:
+        line = json_line(obj)
+        at = self._at
+        end = at + len(line)
+        if end <= self._room:               # the common case: one copy into the window (_write inline)
+            self._map[at:end] = line
+            self._at = end
+            return
+        self._write_over(line)
+
     def _write(self, line: bytes) -> None:
         at = self._at
         end = at + len(line)
@@ -349,7 +360,7 @@ class MappedLines(JsonLines):
             os.lseek(self._fd, written, os.SEEK_SET)
             return
         self._reserved = True
-        self._map = mmap.mmap(self._fd, size, offset=base)
+        self._map = mmap.mmap(self._fd, size, flags=_SHARED, offset=base)
         self._base, self._at, self._room = base, written - base, size
 
     def close(self) -> None:
@@ -380,6 +391,8 @@ def _data_end(fd: int) -> int:
 
 
 _CAN_MAP = hasattr(os, "posix_fallocate") and hasattr(mmap, "MAP_SHARED")
+# the window's pages mapped at once (Linux), not one fault per page as lines reach them
+_SHARED = getattr(mmap, "MAP_SHARED", 0) | getattr(mmap, "MAP_POPULATE", 0)
 _MAPPED = os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
 _NO_RESERVE = {errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS, getattr(errno, "ENOTSUP", errno.EOPNOTSUPP)}
 

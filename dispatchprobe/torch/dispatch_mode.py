@@ -115,9 +115,10 @@ class ProbeMode(TorchDispatchMode):
                 return out
             collectives.settle(func, out)
         stage, scope, grad_fn = where
+        # facts.wanted holds the op's selection, would_record the stage's and scope's
         replaced = probe.on_op(facts.name, stage, scope, seen_args, seen_kwargs, out, func=func, grad_fn=grad_fn,
                                stack=ops.user_stack, undefined=undefined,
-                               extra={"collective": called} if called else None)
+                               extra={"collective": called} if called else None, selected=True)
         return out if replaced is None else replaced
 
 

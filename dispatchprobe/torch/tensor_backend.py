@@ -75,6 +75,25 @@ def describe(t: torch.Tensor) -> tuple:
     return (meta, *_key_pair(t, ptr, shape, stride, dtype, device, version))
 
 
+def encode_values(found: list, values, other) -> list:
+    """The record's entries of a sequence of an op's arguments (what the recorder's loop over
+    them makes): plain tensors and parameters described here (:func:`_described_plain`, no call
+    per tensor between), collected in ``found`` as ``(tensor, meta, identity, dense key)``; any
+    other value by ``other(found, value)``."""
+    out = []
+    for v in values:
+        cls = type(v)
+        if cls is _TENSOR or cls is _PARAMETER:
+            described = _described_plain(v, cls)
+            if described is not None:
+                meta, ident, dense = described
+                found.append((v, meta, ident, dense))
+                out.append(meta)
+                continue
+        out.append(other(found, v))
+    return out
+
+
 def _described_plain(t: torch.Tensor, cls) -> tuple | None:
     """:func:`describe` of a ``torch.Tensor`` or ``Parameter`` whose values are in allocated
     strided memory (what :func:`tensor_kinds.readable` accepts with a data pointer), or None
@@ -563,17 +582,17 @@ def memory_ref(t: torch.Tensor):
         storage = t.untyped_storage()
     except (RuntimeError, NotImplementedError, TypeError):
         return None
-    return _MemoryRef(storage) if _STORAGE_OBJECTS_KEPT else _StorageRef(storage)
+    if not _STORAGE_OBJECTS_KEPT:
+        return _StorageRef(storage)
+    ref = _MemoryRef(storage)       # its address set here: a Python __init__ would double the cost
+    ref.ptr = storage.data_ptr()
+    return ref
 
 
 class _MemoryRef(weakref.ref):
-    """A weak reference to a storage's Python object and the address of its memory then."""
+    """A weak reference to a storage's Python object and (``ptr``) the address of its memory then."""
 
     __slots__ = ("ptr",)
-
-    def __init__(self, storage):
-        super().__init__(storage)
-        self.ptr = storage.data_ptr()
 
 
 class _StorageRef(StorageWeakRef):
@@ -597,21 +616,21 @@ def cache_entry(ref, value) -> tuple:
     if _untrack is not None and type(ref) is _MemoryRef and type(value) is dict and ref.__callback__ is None \
             and not any(map(_tracked, value.values())):
         if _tracked(ref):           # one reference serves a value's entries under both its keys
-            _untrack(ref)
+            _untrack(id(ref))
         if _tracked(value):         # a statistics record is untracked already
-            _untrack(value)
-        _untrack(pair)
+            _untrack(id(value))
+        _untrack(id(pair))
     return pair
 
 
 def _untracker():
-    """CPython's ``PyObject_GC_UnTrack`` (public C API), or None on another Python."""
+    """CPython's ``PyObject_GC_UnTrack`` (public C API), given an object's address (``id``; the
+    caller holds the object), or None on another Python.  A prototype taking an address costs
+    half a call through ``pythonapi`` with a ``py_object`` argument."""
     try:
-        fn = ctypes.pythonapi.PyObject_GC_UnTrack
+        return ctypes.PYFUNCTYPE(None, ctypes.c_void_p)(("PyObject_GC_UnTrack", ctypes.pythonapi))
     except (AttributeError, ValueError):
         return None
-    fn.argtypes, fn.restype = (ctypes.py_object,), None
-    return fn
 
 
 _untrack = _untracker()
