@@ -88,3 +88,60 @@ def test_functional_collective_is_recorded_at_its_first_use(tmp_path):
     assert used["outputs"][0]["stats"]["max"] == 3.0 and "no_values" not in used["outputs"][0]
     assert unused["outputs"][0]["no_values"] == "result of a collective not waited for within the step"
     assert unused["inputs"][0]["stats"]["max"] == 4.0          # its input, as given
+
+
+def _one_rank(tmp_path):
+    import torch.distributed as dist
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    return dist
+
+
+def test_a_write_no_version_counter_sees_leaves_the_record_as_the_collective_left_it(tmp_path):
+    """A thread the probe does not see writes the reduced buffer through ``.data`` (its own version
+    counter: the buffer's does not move) after the work completed and before the next op: the
+    record holds the result as the collective left it (the bytes differ from the copy taken at
+    completion), the next op reads the buffer as written."""
+    import threading
+    from dispatchprobe import DispatchProbe
+    dist = _one_rank(tmp_path)
+    try:
+        probe = DispatchProbe(task="statistics", dump_path=str(tmp_path / "run"))
+        x = torch.arange(4.0)
+        with probe:
+            work = dist.all_reduce(x, async_op=True)
+            work.get_future().then(lambda _: None).wait()    # callbacks run in order: the probe's copy is taken
+            version = x._version
+            writer = threading.Thread(target=lambda: x.data.mul_(2))
+            writer.start()
+            writer.join()
+            assert x._version == version
+            (x + 1).sum()
+        probe.close()
+    finally:
+        dist.destroy_process_group()
+    records = _records(tmp_path, "run", 0, 0)
+    (reduced,) = [r for r in records if r["op"] == "c10d.allreduce_.default"]
+    assert reduced["outputs"][0]["value"][0]["stats"]["max"] == 3.0
+    assert reduced["inputs"][0]["value"][0]["stats"]["max"] == 3.0
+    (added,) = [r for r in records if r["op"] == "aten.add.Tensor"]
+    assert added["inputs"][0]["stats"]["max"] == 6.0
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.randn(1000),
+    lambda: torch.tensor([float("nan"), 1.0, float("inf")]),
+    lambda: torch.randn(6, 5).t(),                  # not contiguous: compared word by word
+    lambda: torch.randn(7, dtype=torch.float64)[1:],
+    lambda: torch.arange(9, dtype=torch.uint8),
+    lambda: torch.empty(0),
+])
+def test_same_bytes_is_bit_equality(make):
+    from dispatchprobe.torch.collectives import _same_bytes
+    a = make()
+    assert _same_bytes(a, a.clone())
+    if a.numel():
+        b, last = a.clone(), (-1,) * a.dim()
+        old = a[last].item()
+        b[last] = (0.5 if old != 0.5 else 0.25) if a.dtype.is_floating_point else (int(old) + 1) % 256
+        assert not _same_bytes(a, b)
+    assert not _same_bytes(torch.tensor([0.0]), torch.tensor([-0.0]))      # equal numbers, other bits

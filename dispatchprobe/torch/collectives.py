@@ -18,6 +18,8 @@ and compiled code) as the eager capture records them.
 
 from __future__ import annotations
 
+import ctypes
+import sys
 import threading
 import time
 from typing import NamedTuple
@@ -267,8 +269,13 @@ def _changed(out, kept: dict) -> dict:
 
 
 def _same_bytes(a, b) -> bool:
-    """Bit for bit (a NaN equals itself), compared in 8- or 4-byte words where the memory allows
-    (several times faster than byte by byte)."""
+    """Bit for bit (a NaN equals itself): one ``memcmp`` of the bytes where both lie contiguous
+    in host memory in the same layout (the kept copy of a contiguous output does), else compared
+    in 8- or 4-byte words where the memory allows (several times faster than byte by byte)."""
+    if _memcmp is not None and a.device.type == "cpu" and b.device.type == "cpu" and a.dtype == b.dtype \
+            and a.shape == b.shape and a.is_contiguous() and b.is_contiguous():
+        size = a.numel() * a.element_size()
+        return size == 0 or _memcmp(a.data_ptr(), b.data_ptr(), size) == 0    # ctypes releases the GIL
     try:
         x, y = a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)
     except RuntimeError:
@@ -280,6 +287,21 @@ def _same_bytes(a, b) -> bool:
             except RuntimeError:        # a view at an offset not aligned to the word
                 continue
     return torch.equal(x, y)
+
+
+def _libc_memcmp():
+    """The C library's ``memcmp`` (torch compares a megabyte in several times its time), or None
+    where this process has no C library ctypes can name."""
+    try:
+        lib = ctypes.cdll.msvcrt if sys.platform == "win32" else ctypes.CDLL(None)    # the C library loaded
+        fn = lib.memcmp
+    except (OSError, AttributeError, TypeError):
+        return None
+    fn.restype, fn.argtypes = ctypes.c_int, (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
+    return fn
+
+
+_memcmp = _libc_memcmp()
 
 
 def _swap(value, kept: dict):
@@ -482,9 +504,28 @@ def encode_script_object(value) -> dict:
     if dist is not None and name.endswith("c10d.ProcessGroup"):
         return _group(dist.ProcessGroup.unbox(value))
     if dist is not None and name.endswith("c10d.ReduceOp"):
-        if not has_method(value, "op"):        # an older torch (2.5, 2.6) hides it: unknown, never judged
-            return {"type": "reduce_op", "value": None}
-        op = value.op()
-        names = {int(v): k for k, v in dist.ReduceOp.RedOpType.__members__.items()}
-        return {"type": "reduce_op", "value": names.get(int(op), str(op))}
+        return {"type": "reduce_op", "value": _reduce_op_value(value, dist)}
     return {"type": "other", "repr": name or repr(value)[:200]}
+
+
+_reduce_names: dict = {}        # int(RedOpType) -> its name, read once
+_named_ops: dict = {}           # id(reduce op) -> (the op, its name): a call's op is named for its
+                                # ``collective`` field and again for its argument's record
+
+
+def _reduce_op_value(value, dist):
+    """The name of a ``ReduceOp`` script object (its ``op()`` is a TorchScript method call)."""
+    hit = _named_ops.get(id(value))
+    if hit is not None and hit[0] is value:
+        return hit[1]
+    if not has_method(value, "op"):        # an older torch (2.5, 2.6) hides it: unknown, never judged
+        name = None
+    else:
+        if not _reduce_names:
+            _reduce_names.update({int(v): k for k, v in dist.ReduceOp.RedOpType.__members__.items()})
+        op = value.op()
+        name = _reduce_names.get(int(op), str(op))
+    if len(_named_ops) >= 64:           # the ops of the collectives in flight at most: a few
+        _named_ops.clear()
+    _named_ops[id(value)] = (value, name)
+    return name
