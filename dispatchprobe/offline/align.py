@@ -507,6 +507,27 @@ def _stat_row(record: dict, io: str) -> tuple:
     return row, first, gaps
 
 
+def _stat_rows(recs: list, idx, io: str) -> dict:
+    """:func:`_stat_row` of records ``idx`` (index -> row): the usual record, every spec's mean and
+    norm floats, read in one loop without a call per record."""
+    out = {}
+    inf = math.inf
+    for i in idx:
+        row: list = []
+        try:
+            for spec in recs[i].get(io) or ():
+                st = spec["stats"]
+                mean, norm = st["mean"], st["norm"]
+                if type(mean) is not float or type(norm) is not float:
+                    raise TypeError
+                row += (mean, norm)
+        except (KeyError, TypeError, IndexError):
+            out[i] = _stat_row(recs[i], io)
+            continue
+        out[i] = (row, inf, False)
+    return out
+
+
 # elements of the largest array _closeness_many makes at once (8 bytes each)
 _CHUNK = 1 << 22
 
@@ -518,21 +539,19 @@ def _closeness_many(recs_a: list, recs_b: list, groups: list):
     Yields ``(group indices, far)`` with ``far`` of shape ``(len(indices), len(cand_a),
     len(cand_b))``; a group holding an integer statistic float64 would round is left out."""
     rows: tuple = ({"outputs": {}, "inputs": {}}, {"outputs": {}, "inputs": {}})   # _stat_row per side, io, record
+    odd: tuple = ({"outputs": False, "inputs": False}, {"outputs": False, "inputs": False})   # any integer to round
+    for side, recs in ((0, recs_a), (1, recs_b)):
+        wanted = {i for cands in groups for i in cands[side]}
+        for io in ("outputs", "inputs"):
+            known = rows[side][io] = _stat_rows(recs, wanted, io)
+            odd[side][io] = any(r[1] != math.inf for r in known.values())
     buckets: dict = {}
     for g, cands in enumerate(groups):
         key = [len(cands[0]), len(cands[1])]
         for io in ("outputs", "inputs"):
-            terms = []
-            for side, recs in ((0, recs_a), (1, recs_b)):
-                known, got = rows[side][io], []
-                for i in cands[side]:
-                    r = known.get(i)
-                    if r is None:
-                        r = known[i] = _stat_row(recs[i], io)
-                    got.append(r)
-                terms.append(got)
+            terms = [[rows[side][io][i] for i in cands[side]] for side in (0, 1)]
             width = min(max(len(r[0]) for r in side) // 2 for side in terms)
-            if any(r[1] < width for side in terms for r in side):
+            if (odd[0][io] or odd[1][io]) and any(r[1] < width for side in terms for r in side):
                 break
             key.append(width)
         else:

@@ -22,9 +22,10 @@ PERFECT = M.derived(lambda: {m: M.METRICS[m].perfect for m in COMPUTED})
 
 
 class TensorRow(NamedTuple):
-    """One paired tensor as ``compare_parts`` collects it: built as a plain tuple in this field order
-    (the hot loop of a 100k-op compare; a keyword-built record costs it seconds), read by name
-    once it is a table column."""
+    """One paired tensor's fields, the table's column order: ``compare_parts`` collects them as two
+    plain tuples, its pair's (``HEAD_FIELDS``, once per pair) and its own (``TENSOR_FIELDS``), in
+    this order (the hot loop of a 100k-op compare; a keyword-built record costs it seconds); read
+    by name once they are table columns."""
 
     stage: object   # the paired records': forward/backward
     kind: object
@@ -71,6 +72,9 @@ class TensorRow(NamedTuple):
 
 ROW_FIELDS = TensorRow._fields
 assert ROW_FIELDS[-8:] == tuple(f"{s}_{side}" for s in STATS for side in ("a", "b"))
+# a pair's fields (the same for each of its tensors), and each tensor's own
+HEAD_FIELDS = ROW_FIELDS[:11] + ("stack", "uid")
+TENSOR_FIELDS = tuple(f for f in ROW_FIELDS if f not in HEAD_FIELDS)
 FLOAT_FIELDS = frozenset(f"{s}_{side}" for s in STATS for side in ("a", "b"))
 # typed columns made straight from the row tuples (pandas infers the type of a list element by element)
 INT_FIELDS = frozenset(("uid", "lineage_a", "lineage_b", "spec_a", "spec_b"))

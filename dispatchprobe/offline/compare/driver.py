@@ -18,7 +18,8 @@ from ...standards.loader import standard
 from ..align import Mapping, align, functional
 from ..launcher import engine_for, gathered, said_by_rank0
 from ..translate import Translation
-from .columns import BOOL_FIELDS, FLOAT_FIELDS, INT_FIELDS, ROW_FIELDS, TEXT_FIELDS, COLUMNS, UNMATCHED_COLUMNS
+from .columns import (BOOL_FIELDS, FLOAT_FIELDS, HEAD_FIELDS, INT_FIELDS, ROW_FIELDS, TENSOR_FIELDS, TEXT_FIELDS,
+                      COLUMNS, UNMATCHED_COLUMNS)
 from .exact import same_kernels
 from .origin import Side, trace
 from .rerun import float64_rerun
@@ -91,20 +92,29 @@ def _compare_parts(part_a: Part, part_b: Part, match: str, mapping: Mapping, ten
     lin_a, lin_b = flow_a.lineage.get if flow_a.lineage else None, flow_b.lineage.get if flow_b.lineage else None
     und_a, und_b = flow_a.undefined, flow_b.undefined
 
-    rows = []
+    rows = []          # per paired tensor: its pair's index in heads, then the tensor's fields
     append = rows.append
+    heads = []         # per pair with a tensor row: HEAD_FIELDS (stored once, not per tensor)
     empty: dict = {}
+    by_ops: dict = {}   # (op A, op B, how) -> (same, overwritten): a few distinct keys over 100k pairs
     for i, j, how in al.pairs:
         ra, rb = recs_a[i], recs_b[j]
-        # the same op, or its in-place and functional variants (eager div_, a compiled graph's div): the
-        # same arguments, compared one by one
-        same = functional(mapping.op(ra["op"])) == functional(rb["op"]) or how in ("module", "region boundary")
+        op_a, op_b = ra["op"], rb["op"]
+        known = by_ops.get((op_a, op_b, how))
+        if known is None:
+            # the same op, or its in-place and functional variants (eager div_, a compiled graph's div):
+            # the same arguments, compared one by one
+            known = by_ops[op_a, op_b, how] = (
+                functional(mapping.op(op_a)) == functional(op_b) or how in ("module", "region boundary"),
+                # either run's op (an eager copy_ paired with a graph's functional copy): its destination
+                # is not read
+                op_traits.overwrites_first_input(op_a) or op_traits.overwrites_first_input(op_b))
+        same, overwritten = known
         stack = None
-        head = (ra["stage"], ra["kind"], seq_a[i], ra["scope"], ra["op"], rb["op"], ra["name"], rb["name"],
+        head = (ra["stage"], ra["kind"], seq_a[i], ra["scope"], op_a, op_b, ra["name"], rb["name"],
                 ra["call"], rb["call"], how)
-        # either run's op (an eager copy_ paired with a graph's functional copy): its destination is not read
-        overwritten = op_traits.overwrites_first_input(ra["op"]) or op_traits.overwrites_first_input(rb["op"])
-        tensor_pairs = pair_tensors(walks_a[i], walks_b[j], same, rb["op"] if cross else "")
+        tensor_pairs = pair_tensors(walks_a[i], walks_b[j], same, op_b if cross else "")
+        h = len(heads)
         for io, arg, sa, sb in tensor_pairs:
             if overwritten and arg == "input.0":
                 continue  # the destination's old (often uninitialised) content is not an input
@@ -112,42 +122,17 @@ def _compare_parts(part_a: Part, part_b: Part, match: str, mapping: Mapping, ten
                 frames = user_frames(part_a, ra) if ra.get("stack") is not None else []
                 stack = " | ".join(frames[-3:]) if frames else ""
             sta, stb = sa.get("stats") or empty, sb.get("stats") or empty
-            # a TensorRow, in its field order (a plain tuple: the hot loop)
-            append(head + (io, arg, sa["dtype"], sb["dtype"], tuple(sa["shape"]), tuple(sb["shape"]),
-                           sta.get("nan"), stb.get("nan"), sta.get("inf"), stb.get("inf"),
-                           sa.get("checksum"), sb.get("checksum"), sa.get("data"), sb.get("data"), stack, i,
-                           bool(und_a) and id(sa) in und_a, bool(und_b) and id(sb) in und_b,
-                           lin_a(id(sa), -1) if lin_a else -1, lin_b(id(sb), -1) if lin_b else -1, id(sa), id(sb),
-                           sta.get("max"), stb.get("max"), sta.get("min"), stb.get("min"),
-                           sta.get("mean"), stb.get("mean"), sta.get("norm"), stb.get("norm")))
-    names = ROW_FIELDS
-    columns = list(zip(*rows)) if rows else [()] * len(names)
-    del rows
-    data = {}
-    for name, col in zip(names, columns):
-        if name in FLOAT_FIELDS:  # None -> nan; numbers and "inf"/"nan" strings -> float, as float() does
-            data[name] = np.array(col, dtype=np.float64)
-        elif name in INT_FIELDS:
-            data[name] = np.array(col, dtype=np.int64)
-        elif name in BOOL_FIELDS:
-            data[name] = np.array(col, dtype=bool)
-        elif name in TEXT_FIELDS:
-            data[name] = np.empty(len(col), dtype=object)
-            try:
-                data[name][:] = col    # str or None
-            except ValueError:         # a sequence numpy would unpack: as a list
-                data[name] = list(col)
-        elif col and all(type(v) is int for v in col):   # what pandas infers from the list, made at once
-            try:
-                data[name] = np.array(col, dtype=np.int64)
-            except OverflowError:
-                data[name] = list(col)
-        elif col and all(type(v) is tuple for v in col):   # shapes: one object array of the tuples
-            data[name] = np.fromiter(col, dtype=object, count=len(col))
-        else:
-            data[name] = list(col)
-    del columns
-    df = pd.DataFrame(data)
+            # TENSOR_FIELDS, in order (a plain tuple: the hot loop)
+            append((h, io, arg, sa["dtype"], sb["dtype"], tuple(sa["shape"]), tuple(sb["shape"]),
+                    sta.get("nan"), stb.get("nan"), sta.get("inf"), stb.get("inf"),
+                    sa.get("checksum"), sb.get("checksum"), sa.get("data"), sb.get("data"),
+                    bool(und_a) and id(sa) in und_a, bool(und_b) and id(sb) in und_b,
+                    lin_a(id(sa), -1) if lin_a else -1, lin_b(id(sb), -1) if lin_b else -1, id(sa), id(sb),
+                    sta.get("max"), stb.get("max"), sta.get("min"), stb.get("min"),
+                    sta.get("mean"), stb.get("mean"), sta.get("norm"), stb.get("norm")))
+        if stack is not None:    # a row was made
+            heads.append(head + (stack, i))
+    df = pd.DataFrame(_table(heads, rows))
     df.insert(0, "rank", rank)
     df.insert(0, "step", step)
 
@@ -200,6 +185,48 @@ def _compare_parts(part_a: Part, part_b: Part, match: str, mapping: Mapping, ten
     return PartResult(df, unmatched, problems, divs, (paired, *compute),
                       pairing_share(al.pairs, recs_a, recs_b, unmatched))
 
+
+
+def _typed(name: str, col):
+    """A table column from the tuple of its values: typed by numpy at once where its type is known
+    (pandas infers a list's element by element), else what pandas infers from the list."""
+    if name in FLOAT_FIELDS:  # None -> nan; numbers and "inf"/"nan" strings -> float, as float() does
+        return np.array(col, dtype=np.float64)
+    if name in INT_FIELDS:
+        return np.array(col, dtype=np.int64)
+    if name in BOOL_FIELDS:
+        return np.array(col, dtype=bool)
+    if name in TEXT_FIELDS:
+        out = np.empty(len(col), dtype=object)
+        try:
+            out[:] = col    # str or None
+            return out
+        except ValueError:         # a sequence numpy would unpack: as a list
+            return list(col)
+    if col and all(type(v) is int for v in col):   # what pandas infers from the list, made at once
+        try:
+            return np.array(col, dtype=np.int64)
+        except OverflowError:
+            return list(col)
+    if col and all(type(v) is tuple for v in col):   # shapes: one object array of the tuples
+        return np.fromiter(col, dtype=object, count=len(col))
+    return list(col)
+
+
+def _table(heads: list, rows: list) -> dict:
+    """The paired tensors' columns (``ROW_FIELDS`` order) from the pairs' ``heads`` (``HEAD_FIELDS``)
+    and the tensors' ``rows`` (their pair's index in ``heads``, then ``TENSOR_FIELDS``): a pair's
+    fields typed once per pair and repeated for its tensors by one numpy take."""
+    at = np.fromiter((r[0] for r in rows), dtype=np.int64, count=len(rows))
+    cols = dict(zip(HEAD_FIELDS, zip(*heads) if heads else [()] * len(HEAD_FIELDS)))
+    cols.update(zip(TENSOR_FIELDS, list(zip(*rows))[1:] if rows else [()] * len(TENSOR_FIELDS)))
+    data = {}
+    for name in ROW_FIELDS:
+        col = _typed(name, cols.pop(name))
+        if name in HEAD_FIELDS:   # the same values, so the same type as a per-tensor column's
+            col = col[at] if isinstance(col, np.ndarray) else [col[k] for k in at.tolist()]
+        data[name] = col
+    return data
 
 
 def _worker(args):

@@ -19,11 +19,12 @@ import pandas as pd
 
 from ...core import op_traits
 from ...records.reader import Part
-from ...standards import statistics as S, verdicts as V
+from ...standards import verdicts as V
 from ...standards.loader import is_float, standard
 from .columns import TENSOR_METRICS
 from .exact import otherwise_identical
 from .pairing import DataFlow, user_frames
+from .scoring import pair_codes
 from .rerun import ROUNDOFF
 from .verdict import Divergence
 
@@ -74,7 +75,7 @@ class OwnShare:
         self.err = np.nan_to_num(df["error"].to_numpy(np.float64), nan=0.0, posinf=np.inf).tolist()
         self.dtype_a, self.dtype_b = df["dtype_a"].tolist(), df["dtype_b"].tolist()
         # per row: both floats; the unit roundoff of the lower precision (one lookup per dtype pair)
-        codes, pairs = S.factorize(list(zip(self.dtype_a, self.dtype_b)))
+        codes, pairs = pair_codes(self.dtype_a, self.dtype_b)
         self.floats = np.array([is_float(x) and is_float(y) for x, y in pairs], bool)[codes].tolist()
         self.unit = np.array([ROUNDOFF.get(V.lower_precision(x, y), ROUNDOFF["float32"]) for x, y in pairs],
                              np.float64)[codes].tolist()

@@ -164,6 +164,19 @@ def _within_rounding(df: pd.DataFrame, status, reason, sa: dict, sb: dict, recor
                          f"({bound:.3g}; terms {max(t for _, t in sides):.3g}): the values cancel")
 
 
+def pair_codes(xa, xb) -> tuple[np.ndarray, list]:
+    """``statistics.factorize`` of the pairs ``zip(xa, xb)`` (codes, distinct pairs in order of first
+    appearance) for two columns of text (dtypes): each column hashed once by pandas and the pairs
+    told apart by their two codes, no tuple made per row.  Anything not text: as factorize does."""
+    ca, ua = pd.factorize(np.asarray(xa, dtype=object))
+    cb, ub = pd.factorize(np.asarray(xb, dtype=object))
+    if len(ca) != len(cb) or not all(type(v) is str for v in (*ua, *ub)) or (ca < 0).any() or (cb < 0).any():
+        return S.factorize(list(zip(xa, xb)))
+    width = max(len(ub), 1)
+    codes, keys = pd.factorize(ca.astype(np.int64) * width + cb)
+    return codes.astype(np.int64), [(ua[k // width], ub[k % width]) for k in keys.tolist()]
+
+
 def _tolerances(df: pd.DataFrame, dtype_a, dtype_b) -> tuple[np.ndarray, np.ndarray]:
     """Per row: the dtype whose tolerance applies and whether the pair is cross-precision.  A float
     pair is judged by the lowest precision among its two dtypes and the precisions its values were
@@ -172,7 +185,7 @@ def _tolerances(df: pd.DataFrame, dtype_a, dtype_b) -> tuple[np.ndarray, np.ndar
     n = len(df)
     if not n:
         return np.zeros(0, object), np.zeros(0, bool)
-    codes, uniques = S.factorize(list(zip(dtype_a, dtype_b)))
+    codes, uniques = pair_codes(dtype_a, dtype_b)
     base = np.array([V.lower_precision(x, y) for x, y in uniques], dtype=object)[codes]
     own_a = np.array([V.precision_rank(x) for x, _ in uniques], dtype=np.int64)[codes]
     own_b = np.array([V.precision_rank(y) for _, y in uniques], dtype=np.int64)[codes]
