@@ -997,12 +997,12 @@ def test_probe_backend_alone_reads_cpu_values_with_the_one_pass_kernel(tmp_path,
     assert fused_stats.build_native() is None, f"the kernel did not build: {fused_stats.error}"
     monkeypatch.setattr(fused_stats, "_loaded", False)      # as in a fresh process
     monkeypatch.setattr(fused_stats, "stats4", None)
-    monkeypatch.setattr(fused_stats, "rows_into", None)
+    monkeypatch.setattr(fused_stats, "row_lists", None)
     backend = probe_backend(task="statistics", dump_path=str(tmp_path / "c"))
-    assert fused_stats.rows_into is not None
+    assert fused_stats.row_lists is not None
     calls = []
-    kernel = fused_stats.rows_into
-    monkeypatch.setattr(fused_stats, "rows_into", lambda values, out, row: calls.append(len(values)) or kernel(values, out, row))
+    kernel = fused_stats.row_lists
+    monkeypatch.setattr(fused_stats, "row_lists", lambda values, row: calls.append(len(values)) or kernel(values, row))
     x = torch.randn(64, 32, generator=torch.Generator().manual_seed(0))
     torch.manual_seed(0)
     model = MLPNet(dim=32, depth=2, classes=4)

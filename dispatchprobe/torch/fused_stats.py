@@ -53,6 +53,7 @@ _native = None            # the library's dp_tree_stats, once loaded
 _grad = None              # the library's dp_grad_stats, once loaded
 tree_rows = None          # rows(tensors) -> the library's rows of CPU tensors (see rows), or None
 rows_into = None          # a compiled graph's window of CPU values -> their stats rows (see window_rows), or None
+row_lists = None          # the same rows as Python lists (see window_row_lists), or None
 stats4 = None             # one float32/bfloat16 CPU tensor -> [max, min, sum, sum of squares] (see sums4), or None
 grad_rows = None          # the grad probe's one read of contiguous CPU gradients (see grad_pass), or None
 error: str | None = None  # why the library is not used
@@ -116,32 +117,41 @@ def grad_pass(tensors, bounds, checksum: bool, signs: bool) -> list:
 
 
 def window_rows(values: list, out: torch.Tensor, nonfinite_row) -> list[int]:
-    """A compiled graph's window of CPU values (compile/runtime.py): the device stats row of each,
-    [max, min, sum, L2 norm, nan count, inf count], into row i of ``out`` (float64, (len, 6)), for
-    plain tensors the library reads (float32/bfloat16, integers and bools with exact sums), in one
-    call; values holding inf or nan get their row from ``nonfinite_row``
-    (``statistics.nonfinite_row``).  Returns the indexes of the others, left untouched for the
-    Python path (other dtypes, layouts not read in place, finite values whose float32 sums
-    overflowed, subclasses, freed memory, ...)."""
+    """A compiled graph's window of CPU values: the device stats row of each, [max, min, sum, L2
+    norm, nan count, inf count], into row i of ``out`` (float64, (len, 6)), as
+    :func:`window_row_lists` gives them.  Returns the indexes of the values it leaves to the
+    Python path, whose rows are left untouched."""
     if out.dtype != torch.float64 or not out.is_contiguous() or out.dim() != 2 or tuple(out.shape) != (len(values), 6):
         raise RuntimeError("rows_into: a contiguous float64 (len, 6) tensor")
+    rows, left = window_row_lists(values, nonfinite_row)
+    done = [i for i, row in enumerate(rows) if row is not None]
+    if done:
+        out[done] = torch.tensor([rows[i] for i in done], dtype=torch.float64)
+    return left
+
+
+def window_row_lists(values: list, nonfinite_row) -> tuple[list, list[int]]:
+    """A compiled graph's window of CPU values (compile/runtime.py), in one call: the device stats
+    row of each as a list of floats, for plain tensors the library reads (float32/bfloat16,
+    integers and bools with exact sums); values holding inf or nan get their row from
+    ``nonfinite_row`` (``statistics.nonfinite_row``).  Returns (the rows, None for the values it
+    leaves to the Python path: other dtypes, layouts not read in place, finite values whose
+    float32 sums overflowed, subclasses, freed memory, ...; those values' indexes).  The rows
+    stay Python numbers: a window's caller makes one tensor of them."""
+    out: list = [None] * len(values)
     taken = [i for i, t in enumerate(values) if _plain_in_memory(t)]
-    flat = out.view(-1).tolist()
-    left = sorted(set(range(len(values))) - set(taken))
+    left = sorted(set(range(len(values))) - set(taken)) if len(taken) < len(values) else []
     got = rows([values[i] for i in taken]) if taken else ()
     for k, i in enumerate(taken):
         r = got[k * ROW:(k + 1) * ROW]
         kind = r[0]
         if kind == FINITE:
-            row = [r[1], r[2], r[3], math.sqrt(r[4]), 0, 0]
+            out[i] = [r[1], r[2], r[3], math.sqrt(r[4]), 0.0, 0.0]
         elif kind == NONFINITE:
-            row = nonfinite_row(r[3], r[4], int(r[5]), int(r[6]), r[7], r[8], r[9], r[10])
+            out[i] = [float(v) for v in nonfinite_row(r[3], r[4], int(r[5]), int(r[6]), r[7], r[8], r[9], r[10])]
         else:
             left.append(i)
-            continue
-        flat[6 * i:6 * i + 6] = row
-    out.copy_(torch.tensor(flat, dtype=torch.float64).view(len(values), 6))
-    return sorted(left)
+    return out, sorted(left)
 
 
 def _plain_in_memory(t) -> bool:
@@ -198,7 +208,7 @@ def _unused(why: str, say: bool = True) -> None:
 
 
 def _open(path: pathlib.Path) -> None:
-    global _native, tree_rows, rows_into, stats4, _grad, grad_rows
+    global _native, tree_rows, rows_into, row_lists, stats4, _grad, grad_rows
     lib = ctypes.CDLL(str(path))
     lib.dp_tree_stats_abi.restype = ctypes.c_int64
     if lib.dp_tree_stats_abi() != ABI:
@@ -210,7 +220,8 @@ def _open(path: pathlib.Path) -> None:
     grad.argtypes = (ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
                      ctypes.c_void_p)
     grad.restype = None
-    _native, tree_rows, rows_into, stats4, _grad, grad_rows = fn, rows, window_rows, sums4, grad, grad_pass
+    _native, tree_rows, rows_into, row_lists, stats4, _grad, grad_rows = fn, rows, window_rows, window_row_lists, sums4, \
+        grad, grad_pass
 
 
 def build_native() -> str | None:

@@ -119,16 +119,14 @@ def read_rows(values: list) -> list:
     integers and bools whose sums are exact in double), else by the eager probe's code."""
     if not values:
         return []
-    fast = fused_stats.rows_into
+    fast = fused_stats.row_lists
     if fast is None:
-        left = range(len(values))
-        rows: list = [None] * len(values)
+        rows, left = [None] * len(values), range(len(values))
     else:
-        block = torch.empty(len(values), STAT_FIELDS, dtype=torch.float64)
-        left = fast(values, block, statistics.nonfinite_row)
-        rows = block.tolist()
-    for i, st in zip(left, torch_backend.tensor_stats([values[i] for i in left])):
-        rows[i] = statistics.to_row(st, values[i].numel())
+        rows, left = fast(values, statistics.nonfinite_row)
+    if left:
+        for i, st in zip(left, torch_backend.tensor_stats([values[i] for i in left])):
+            rows[i] = statistics.to_row(st, values[i].numel())
     return rows
 
 
