@@ -6,6 +6,8 @@ the same cache dir: what a rerun of a training script pays).
 
     python benchmarks/compile_overhead.py            # 4 layers, dim 256, seq 128, batch 8
     python benchmarks/compile_overhead.py --quick    # 2 layers, dim 64, seq 32, batch 4
+    python benchmarks/compile_overhead.py --host-split   # thread CPU per step, one thread: inductor,
+                                                         # probe_backend, and the probe's host side
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 
 from dispatchprobe import DispatchProbe, probe_backend
 from dispatchprobe.torch.compile import runtime
+from dispatchprobe.torch.compile.compiler import ProbeBackend
 from dispatchprobe.models import TinyTransformer, lm_batch, lm_loss
 
 GRAPH = "inductor + probe, graph stats"    # DISPATCHPROBE_COMPILED_CPU_STATS=graph (docs/compile.md)
@@ -103,6 +106,49 @@ def _run_all(names, cfg, steps, tmp) -> dict:
     return {name: statistics.median(times[name]) for name in names}
 
 
+def _host_split(cfg, steps, tmp) -> None:
+    """CPU time of the stepping thread per step (one intra-op thread, so that a loaded machine
+    moves it little): inductor, probe_backend, and of the probe's step its host side: the windows
+    (reading the values, making their rows), the records of each graph call, and the step's close
+    (its part's files).  The rest of the difference is what the probe's graphs run."""
+    torch.set_num_threads(1)
+    host = {"windows": 0.0, "records": 0.0, "step close": 0.0}
+
+    def timed(name, fn):
+        def wrapped(*args, **kwargs):
+            t0 = time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                host[name] += time.thread_time() - t0
+        return wrapped
+    global _PROBE
+    _PROBE = timed("windows", _PROBE[0]), timed("records", _PROBE[1])
+    ProbeBackend.step = timed("step close", ProbeBackend.step)
+    names = ["inductor", "inductor + probe_backend"]
+    setups = {name: _setup(name, cfg, tmp) for name in names}
+    for name in names:
+        for _ in range(3):
+            setups[name][0]()
+    cpu: dict = {name: [] for name in names}
+    parts: list = []
+    for _ in range(steps):
+        for name in names:
+            before = dict(host)
+            t0 = time.thread_time()
+            setups[name][0]()
+            cpu[name].append(time.thread_time() - t0)
+            if name != "inductor":
+                parts.append({k: host[k] - before[k] for k in host})
+    for _, close in setups.values():
+        close()
+    ind, probe = (statistics.median(cpu[n]) for n in names)
+    print(f"thread CPU ms per step, one thread, median of {steps}: inductor {ind * 1e3:.1f}, "
+          f"probe_backend {probe * 1e3:.1f} ({probe / ind:.3f}x)")
+    for k in host:
+        print(f"  probe's {k}: {statistics.median(p[k] for p in parts) * 1e3:.1f} ms")
+
+
 def _first_step(name: str, cfg: dict) -> None:
     """Child process: one variant's first step, with torch's cache counters, as a JSON line."""
     from torch._dynamo.utils import counters
@@ -140,6 +186,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a small model and few steps")
     ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--host-split", action="store_true",
+                    help="thread CPU per step (one thread): inductor, probe_backend and the probe's host side")
     ap.add_argument("--first-step", help=argparse.SUPPRESS)      # child process: one variant's first step
     ap.add_argument("--config", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -147,6 +195,9 @@ def main(argv=None):
         return _first_step(args.first_step, json.loads(args.config))
     cfg = QUICK if args.quick else FULL
     steps = args.steps or (5 if args.quick else 10)
+    if args.host_split:
+        with tempfile.TemporaryDirectory() as tmp:
+            return _host_split(cfg, steps, tmp)
     first = _first_steps(COMPILED, cfg)
     with tempfile.TemporaryDirectory() as tmp:
         results = _run_all(NAMES, cfg, steps, tmp)
