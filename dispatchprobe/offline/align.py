@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import bisect
 import difflib
+import itertools
 import math
 import os
 from collections import Counter
@@ -569,7 +570,8 @@ def _closeness_many(recs_a: list, recs_b: list, groups: list):
                         got = [known[i] for g in idx for i in groups[g][side]]
                         shape = (len(idx), n_cand, width, 2)
                         if all(len(r[0]) == 2 * width and not r[2] for r in got):   # the usual case: one call
-                            arrays.append((np.array([r[0] for r in got], float).reshape(shape), None))
+                            flat = itertools.chain.from_iterable(r[0] for r in got)
+                            arrays.append((np.fromiter(flat, float, count=math.prod(shape)).reshape(shape), None))
                             continue
                         flat, gaps = [], False
                         for g in idx:
