@@ -420,7 +420,17 @@ class Lineage:
                 own = self.own_share(i, outs, ins + [k for k, _ in hidden if k is not None],
                                      found is None or found[0] is None or found[0].weak,
                                      any(k is None for k, _ in hidden))
-                srcs.update((-1 - m, src) for m, (_, src) in enumerate(hidden))     # not rows: keys of their own
+                # a one-run-only op whose output no row compares may or may not hand on a difference: it is
+                # a suspect only where the measured differing inputs (rows) with a source do not explain
+                # the outputs' difference (they differ no less than PASS_ON times less).  The second
+                # gradient of a tied weight, made by a kernel one run only has, is no origin where the
+                # other gradient already carries the difference from later in the backward
+                err = self.own_share.err
+                measured = [k for k, src in [*((k, srcs[k]) for k in ins), *((k, s) for k, s in hidden if k is not None)]
+                            if any(r is not None and not r.weak for r in src)]
+                explained = bool(measured) and max(err[k] for k in outs) <= PASS_ON * max(err[k] for k in measured)
+                srcs.update((-1 - m, src) for m, (k, src) in enumerate(hidden)     # not rows: keys of their own
+                            if k is not None or not explained)
                 if own:
                     best = self.seen_at(i, "", "op", own == WEAK)
                     origin_rows[outs] = True
