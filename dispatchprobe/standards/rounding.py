@@ -24,7 +24,12 @@ _SUMS = {"sum": 1, "nansum": 1, "mean": 0,      # 0: divided by the number of te
          "ReduceSum": 1, "SumExt": 1, "ReduceMean": 0, "MeanExt": 0,
          "BiasAddGrad": 1}                       # MindSpore's bias gradient: dout summed but over channels
 # outputs that are a sum of the op's first input over all but some dimensions, of ops that are not
-_OUTPUT_SUMS = {"convolution_backward": {"output.2": 1}}    # the bias gradient: grad_output summed but over channels
+_OUTPUT_SUMS = {"convolution_backward": {"output.2": 1},    # the bias gradient: grad_output summed but over channels
+                # the saved mean of a normalisation: its input averaged over the normalised elements (the
+                # mean of an already normalised value is rounding noise around zero)
+                **dict.fromkeys(("native_layer_norm", "native_group_norm", "native_batch_norm",
+                                 "_native_batch_norm_legit", "_native_batch_norm_legit_no_training"),
+                                {"output.1": 0})}
 
 
 def _thresholds() -> dict:

@@ -142,7 +142,10 @@ def _within_rounding(df: pd.DataFrame, status, reason, sa: dict, sb: dict, recor
         # the terms first: most rows are no sum, or did not cancel (the bound is then never read)
         each = terms.get((i, j, out))
         if each is None:
-            each = terms[i, j, out] = (R.terms_norm(recs_a[i], out), R.terms_norm(recs_b[j], out))
+            ta, tb = R.terms_norm(recs_a[i], out), R.terms_norm(recs_b[j], out)
+            # a compiled graph may not read the input the terms are of (it computes from another value
+            # equal to it): the paired op's terms in the other run stand for them
+            each = terms[i, j, out] = (tb if ta is None else ta, ta if tb is None else tb)
         if any(t is None for t in each) or not all(R.cancelled(t, st["norm"][r]) for t, st in zip(each, (sa, sb))):
             continue
         key = (i, j, out, judge_dtype[r])
