@@ -11,7 +11,8 @@ the records a probed step wrote; the table gives each rank's
 ratio beside two 1-process ones: the whole batch on the machine's threads, and one rank's work
 alone (its share of the batch and its thread count), which separates what recording a
 distributed step costs from what recording a smaller step does.  The rank's-work-alone row is
-timed again after the ranks, so that a change of the machine's load between them shows.
+timed again after the ranks, so that a change of the machine's load between them shows.  Last, each
+distributed rank's ratio over that one's (wall time and CPU time), before and after.
 
     python benchmarks/distributed_overhead.py [--steps 8] [--quick] [--nproc 2] [--kinds local,ddp] [--bucket-mb 1]
 
@@ -166,6 +167,14 @@ def main() -> None:
               f"{1e3 * r['probed']:>19.1f} {r['probed'] / r['plain']:>6.2f} "
               f"{1e3 * r['plain_cpu']:>6.1f}/{1e3 * r['probed_cpu']:<6.1f} {r['probed_cpu'] / r['plain_cpu']:>9.2f} "
               f"{r['records']:>12}")
+    # each rank's ratio against the one-process ratio of its share of the work (before and after)
+    alone = [r for r in rows if r["kind"].startswith("single 1/")]
+    for r in rows:
+        if r["kind"] != "single" and not r["kind"].startswith("single "):
+            print(f"{r['kind']} rank {r['rank']}: ratio " + " / ".join(
+                f"{(r['probed'] / r['plain']) / (a['probed'] / a['plain']):.2f}x" for a in alone)
+                + " of a rank's share alone (before / after), cpu ratio " + " / ".join(
+                f"{(r['probed_cpu'] / r['plain_cpu']) / (a['probed_cpu'] / a['plain_cpu']):.2f}x" for a in alone))
 
 
 if __name__ == "__main__":
