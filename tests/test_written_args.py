@@ -141,19 +141,25 @@ def test_writes_no_version_counter_sees_are_not_taken_for_old_values(tmp_path, t
 @pytest.mark.parametrize("task", ["statistics", "tensor"])
 def test_outputs_of_writing_ops_hold_the_written_values(tmp_path, task):
     """Autograd moves an in-place op's version counter only after the op returned (the mode runs
-    below it): the output of ``add_`` and of an ``out=`` op is measured after the write, not taken
-    from what was measured of that memory before (here: ``clone``'s output, 1.0)."""
-    x = torch.ones(3)
+    below it): the output of ``add_``, of an ``out=`` op and of the ops that overwrite without
+    reading (``copy_``, ``fill_``, ``zero_``: DDP copies each averaged bucket back into a gradient
+    it measured before) is measured after the write, not taken from what was measured of that
+    memory before (here: ``clone``'s output, 1.0)."""
+    x, src = torch.ones(3), torch.full((3,), 5.0)
     with DispatchProbe(task=task, dump_path=str(tmp_path / "r")) as probe:
         y = x.clone()
         y.add_(x)
         torch.mul(x, 3, out=y)
+        y.copy_(src)
+        y.fill_(7.0)
+        y.zero_()
     probe.close()
     part = load(tmp_path / "r").part(0, 0)
     means = {r["op"]: r["outputs"][0]["stats"]["mean"] for r in part.records}
-    assert means == {"aten.clone.default": 1.0, "aten.add_.Tensor": 2.0, "aten.mul.out": 3.0}
+    assert means == {"aten.clone.default": 1.0, "aten.add_.Tensor": 2.0, "aten.mul.out": 3.0,
+                     "aten.copy_.default": 5.0, "aten.fill_.Scalar": 7.0, "aten.zero_.default": 0.0}
     if task == "tensor":
-        assert [float(part.tensor(r["outputs"][0]["data"]).mean()) for r in part.records] == [1.0, 2.0, 3.0]
+        assert [float(part.tensor(r["outputs"][0]["data"]).mean()) for r in part.records] == [1, 2, 3, 5, 7, 0]
 
 
 def test_statistics_need_no_copy_of_what_an_op_overwrites(tmp_path, monkeypatch):

@@ -120,8 +120,10 @@ class DispatchProbe(TorchSession):
         wanted = not ops.never_recorded(func) and self.selector.op_selected(ops.op_name(func))
         if not self.config.include_views and ops.is_alias(func):
             wanted = False
-        facts = self._facts[id(func)] = OpFacts(func, wanted, ops.op_name(func), ops.reads_written(func),
-                                                ops.allocates_uninitialised(func), ops.out_args(func),
+        reads_written, out_args = ops.reads_written(func), ops.out_args(func)
+        counted = tuple(dict.fromkeys(reads_written + out_args + ops.overwritten_args(func)))
+        facts = self._facts[id(func)] = OpFacts(func, wanted, ops.op_name(func), reads_written,
+                                                ops.allocates_uninitialised(func), out_args, counted,
                                                 bool(ops.unseen_writes(func)), ops.op_name(func).startswith(_COLLECTIVES))
         return facts
 

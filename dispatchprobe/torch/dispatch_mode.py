@@ -24,6 +24,7 @@ class OpFacts(NamedTuple):
     reads_written: tuple
     allocates_uninitialised: bool
     out_args: tuple
+    counted_writes: tuple            # every argument whose write the record must see: in place, out=, overwritten
     writes_unseen: bool              # may write memory without moving version counters
     collective: bool                 # c10d / functional collectives (and wait_tensor)
 
@@ -104,10 +105,11 @@ class ProbeMode(TorchDispatchMode):
             probe.uninitialised.written(func, args, kwargs, out)
         if not recorded:          # stage or scope filtered out: nothing more to do
             return out
-        if written or facts.out_args:
+        if facts.counted_writes:
             # autograd moves a written tensor's version counter only once this call returns: count
             # the write now, so that the record measures the new values, not a cached earlier reading
-            replace_args(written + facts.out_args, args, kwargs, probe.count_write)
+            # (``copy_``'s and ``fill_``'s too, which read nothing of what they overwrite)
+            replace_args(facts.counted_writes, args, kwargs, probe.count_write)
         if collective:            # outputs hold their values once the work completes: recorded then
             seen_args, seen_kwargs = collectives.named_groups(func, seen_args, seen_kwargs)
             if probe.pending.defer(func, out, facts.name, where, seen_args, seen_kwargs, undefined,

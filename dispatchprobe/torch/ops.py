@@ -65,13 +65,20 @@ def out_args(func) -> tuple:
 
 
 @functools.cache
+def overwritten_args(func) -> tuple:
+    """(position, name) of the arguments an overwrite-only op (``fill_``, ``copy_``) writes:
+    every element, none read."""
+    return written_args(func) if base(func) in op_traits.OVERWRITE else ()
+
+
+@functools.cache
 def filled_args(func) -> tuple:
     """(position, name) of the arguments the op writes without reading them: those of an
-    overwrite-only op (``fill_``, ``copy_``) and the output buffers of collectives
+    overwrite-only op (:func:`overwritten_args`) and the output buffers of collectives
     (:data:`~dispatchprobe.core.op_traits.UNMARKED_FILLS`, named as in the schema)."""
     fills = op_traits.UNMARKED_FILLS.get(base(func), ())
     own = tuple((i, a.name) for i, a in enumerate(op_schema(func).arguments) if a.name in fills)
-    return (written_args(func) if base(func) in op_traits.OVERWRITE else ()) + own
+    return overwritten_args(func) + own
 
 
 @functools.cache
