@@ -94,14 +94,14 @@ def score_pairs(df: pd.DataFrame, part_a: Part, part_b: Part, tensors: bool, pro
             for m in TENSOR_METRICS:
                 df.loc[df.index[rows], m] = mvals[m]
             error[rows] = np.where(np.isnan(rel_l2), error[rows], rel_l2)
-    _within_rounding(df, status, reason, sa, sb, records, judge_dtype)
+    _within_rounding(df, status, reason, error, sa, sb, records, judge_dtype)
     df["error"] = error
     df["status"] = status
     df["reason"] = reason
     return df
 
 
-def _within_rounding(df: pd.DataFrame, status, reason, sa: dict, sb: dict, records, judge_dtype) -> None:
+def _within_rounding(df: pd.DataFrame, status, reason, error, sa: dict, sb: dict, records, judge_dtype) -> None:
     """A value that an op made as a sum of terms (a reduction, an element-wise add or sub, a matrix
     product: :func:`~dispatchprobe.standards.rounding.terms_norm`) and that cancelled in both runs
     (its terms more than ``cancellation`` times its norm) passes when the runs differ by no more
@@ -111,7 +111,9 @@ def _within_rounding(df: pd.DataFrame, status, reason, sa: dict, sb: dict, recor
     zero; a residual add whose operands nearly cancel).  Its producer's output row and every input
     row reading it (the producers found by each run's data flow, paired with each other) are judged
     alike.  The difference is the tensors' L2 distance, or without tensors the largest statistics
-    difference (norm, max, min, and the mean's times sqrt(n): each a lower bound of it).
+    difference (norm, max, min, and the mean's times sqrt(n): each a lower bound of it).  Its
+    ``error`` becomes that difference relative to the terms (the magnitude it is computed from), so
+    lineage sees a rounding-size difference, not the noise's own relative error.
     ``records``: ``(records of A, records of B, pairs, data flow source of A, of B)`` as aligned."""
     cand = np.flatnonzero((status != V.PASS) & (status != NOT_JUDGED))
     if not len(cand) or records is None:
@@ -162,6 +164,7 @@ def _within_rounding(df: pd.DataFrame, status, reason, sa: dict, sb: dict, recor
             diff = max((d for d in lower if d == d), default=math.inf)
         if diff <= bound:
             status[r] = V.PASS
+            error[r] = diff / max(t for _, t in sides)
             made = "" if io[r] == "output" else f" ({recs_a[i]['op']} {out})"
             reason[r] = (f"outputs{made} differ by {diff:.3g}, within the rounding bound of their terms "
                          f"({bound:.3g}; terms {max(t for _, t in sides):.3g}): the values cancel")
