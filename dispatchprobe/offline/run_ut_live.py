@@ -22,7 +22,7 @@ import threading
 import time
 from typing import Callable
 
-from ..records.format import ended_marker, walk, written_lines
+from ..records.format import ended_marker, walk
 from ..records.reader import Part, Run, find_manifest
 from . import run_ut as driver
 from .replayer import Replayer, replayer_for
@@ -39,7 +39,7 @@ def _tail(path: str, offset: int) -> tuple[list[dict], int]:
             data = f.read()
     except FileNotFoundError:
         return [], offset
-    end, _ = written_lines(data)       # complete lines only, before any zero bytes the writer mapped ahead
+    end = data.rfind(b"\n") + 1
     out = []
     for line in data[:end].split(b"\n")[:-1]:
         try:

@@ -16,22 +16,6 @@ def ended_marker(rank: int) -> str:
     ``run-ut --follow`` stops once every rank of the manifest has one."""
     return f"rank{rank}.ended"
 
-def written_lines(data: bytes, start: int = 0) -> tuple[int, int]:
-    """``(end, written)`` of a JSON-lines file's bytes ``data`` from ``start``: ``end`` just after
-    its last complete line, ``written`` after its last byte of data.  ``ops.jsonl`` is written
-    through a memory mapping grown ahead of its lines (``writer.MappedLines``): until its writer
-    closes it (or where a killed writer left it) the file ends in zero bytes, and its data ends
-    at its first NUL byte, which no JSON line holds.  ``written > end``: a line is torn (or still
-    being written)."""
-    written = len(data)
-    if data.endswith(b"\0"):
-        written = len(data.rstrip(b"\0"))
-        hole = data.find(b"\0", start, written)      # a line cut short by a kill mid-copy
-        if hole >= 0:
-            return data.rfind(b"\n", start, hole) + 1 or start, written
-    return data.rfind(b"\n", start, written) + 1 or start, written
-
-
 def base_name(op: str) -> str:
     """An op's name without namespace, overload and in-place ``_``, the key of op tables:
     ``aten.addmm.default`` -> ``addmm``; ``aten.add_.Tensor`` -> ``add``; ``Dense`` -> ``Dense``."""

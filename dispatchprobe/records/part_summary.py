@@ -16,7 +16,7 @@ import os
 import re
 
 from . import nonfinite as origins
-from .format import walk, written_lines
+from .format import walk
 
 try:  # as the reader: orjson parses the part's lines faster; the stdlib where it refuses them
     import orjson as _orjson
@@ -125,9 +125,6 @@ def write(folder: str) -> bool:
             data = f.read()
     except FileNotFoundError:       # no record (a grad-probe part, a check that flagged nothing)
         return False
-    _, written = written_lines(data)
-    if written < len(data):         # zero bytes after the data: a file whose writer did not cut it
-        data = data[:written]
     nonfinite = _NONFINITE.search(data) is not None
     records = None if nonfinite or b'"rerun"' in data else _heads(data)
     if records is None:

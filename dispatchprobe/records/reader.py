@@ -20,7 +20,7 @@ from functools import cached_property
 import numpy as np
 import pandas as pd
 
-from .format import CLOSED_MARKER, FORMAT_NAME, FORMAT_VERSION, walk, written_lines
+from .format import CLOSED_MARKER, FORMAT_NAME, FORMAT_VERSION, walk
 
 
 class RecordError(Exception):
@@ -167,8 +167,8 @@ def _read_jsonl(path: str) -> tuple[list[dict], list[str]]:
     with open(path, "rb") as f:
         data = f.read()
     problems: list[str] = []
-    end, written = written_lines(data)
-    if end < written:  # a complete file ends with a newline (then, while it is written, zero bytes)
+    end = data.rfind(b"\n") + 1
+    if end < len(data):  # a complete file ends with a newline
         problems.append(f"{path}: last line is incomplete (the process ended while writing it); ignored")
     with no_gc():
         records: list = []

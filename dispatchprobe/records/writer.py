@@ -1,10 +1,9 @@
 """Writes records to disk: append-only JSON lines, tensors in safetensors shards.
 
 Why this shape (see docs/record-format.md):
-* ``ops.jsonl`` gets one line per op, copied into a shared mapping of the file as the op
-  finishes (:class:`MappedLines`), so a process that is killed leaves every record up to the op
-  it died in.  No fsync per op: a killed process loses nothing the OS already has; a power cut
-  is out of scope.
+* ``ops.jsonl`` gets one line per op, written and flushed as the op finishes, so a process that
+  is killed leaves every record up to the op it died in.  No fsync per op: a killed process
+  loses nothing the OS already has; a power cut is out of scope.
 * Tensors are copied on the op's thread (the value must be snapshotted before a later in-place
   op changes it) and written by one background thread into shards of ~64 MB.  A shard becomes
   visible only by an atomic rename, and only then is it listed in ``tensors/index.jsonl``: a
@@ -17,9 +16,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import errno
 import json
-import mmap
 import os
 import socket
 import threading
@@ -269,134 +266,6 @@ class JsonLines:
             self._fd = None
 
 
-class MappedLines(JsonLines):
-    """``ops.jsonl``: an append-only JSON-lines file whose lines are copied into a shared memory
-    mapping of it, no system call per line.  The mapped pages are the file's pages in the OS's
-    cache, so a killed process leaves every line copied before, as one ``write`` per line does.
-
-    The file is grown a window at a time (:data:`FIRST` bytes, each next window twice the last
-    up to :data:`WINDOW`: a step's few records reserve little; its blocks reserved with
-    ``posix_fallocate`` so that a full disk is an ``OSError`` here, never a fault at a copy) and
-    cut to the length written at :meth:`close`.  Until then it ends in zero bytes: readers take
-    its data to end at its first NUL byte (a JSON line never holds one); a line cut short by a
-    kill is torn there, as a torn ``write``.  Where the file system reserves no blocks, lines
-    are written as :class:`JsonLines` writes them."""
-
-    FIRST, WINDOW = 64 << 10, 4 << 20
-
-    def __init__(self, path: str):
-        super().__init__(path)
-        self._map: mmap.mmap | None = None
-        self._at = 0            # where the next line goes in the window
-        self._room = 0          # the window's size
-        self._base = 0          # the window's offset in the file
-        self._mapped = _CAN_MAP
-        self._reserved = False  # a window was reserved: the file is cut to its data at close
-        self._next = self.FIRST     # the next window's size
-
-    def append(self, obj: dict) -> None:
-        line = json_line(obj)
-        at = self._at
-        end = at + len(line)
-        if end <= self._room:               # the common case: one copy into the window (_write inline)
-            self._map[at:end] = line
-            self._at = end
-            return
-        self._write_over(line)
-
-    def _write(self, line: bytes) -> None:
-        at = self._at
-        end = at + len(line)
-        if end <= self._room:               # the common case: one copy into the window
-            self._map[at:end] = line
-            self._at = end
-            return
-        self._write_over(line)
-
-    def _write_over(self, line: bytes) -> None:
-        """A line that does not fit in the window: its start there, the rest in the next ones."""
-        if self._fd is None:
-            self.fd()
-        if not self._mapped:
-            return super()._write(line)
-        try:
-            while line:
-                if self._at == self._room:
-                    self._next_window()
-                    if not self._mapped:
-                        return super()._write(line)
-                take = min(len(line), self._room - self._at)
-                self._map[self._at:self._at + take] = line[:take]
-                self._at += take
-                line = line[take:]
-        except OSError as exc:
-            raise self.failed(exc) from None
-
-    def fd(self) -> int:
-        if self._fd is None:
-            try:
-                self._fd = os.open(self.path, _MAPPED if self._mapped else _APPEND, 0o644)
-                if self._mapped:
-                    self._base, self._at, self._room = _data_end(self._fd), 0, 0
-            except OSError as exc:
-                raise self.failed(exc) from None
-        return self._fd
-
-    def _next_window(self) -> None:
-        """Map the file's next window (its blocks reserved first) from the written bytes on."""
-        written = self._base + self._at
-        if self._map is not None:
-            self._map.close()
-            self._map = None
-        base = written - written % mmap.ALLOCATIONGRANULARITY
-        size = max(self._next, written - base + mmap.ALLOCATIONGRANULARITY)
-        self._next = min(2 * self._next, max(self.WINDOW, self.FIRST))
-        try:
-            os.posix_fallocate(self._fd, base, size)
-        except OSError as exc:
-            if exc.errno not in _NO_RESERVE:
-                raise
-            self._mapped = False      # this file system reserves no blocks: a write per line
-            os.lseek(self._fd, written, os.SEEK_SET)
-            return
-        self._reserved = True
-        self._map = mmap.mmap(self._fd, size, flags=_SHARED, offset=base)
-        self._base, self._at, self._room = base, written - base, size
-
-    def close(self) -> None:
-        if self._map is not None:
-            self._map.close()
-            self._map = None
-        if self._fd is not None and self._reserved:
-            with contextlib.suppress(OSError):      # the file's length: what was written
-                os.ftruncate(self._fd, os.lseek(self._fd, 0, os.SEEK_CUR) if not self._mapped
-                             else self._base + self._at)
-        self._at = self._room = 0
-        super().close()
-
-
-def _data_end(fd: int) -> int:
-    """The length of the data in a file :class:`MappedLines` writes (the part's file opened
-    again): up to the zero bytes a window left after it."""
-    size = os.fstat(fd).st_size
-    end = size
-    while end:
-        start = max(0, end - (1 << 20))
-        chunk = os.pread(fd, end - start, start)
-        kept = chunk.rstrip(b"\0")
-        if kept:
-            return start + len(kept)
-        end = start
-    return 0
-
-
-_CAN_MAP = hasattr(os, "posix_fallocate") and hasattr(mmap, "MAP_SHARED")
-# the window's pages mapped at once (Linux), not one fault per page as lines reach them
-_SHARED = getattr(mmap, "MAP_SHARED", 0) | getattr(mmap, "MAP_POPULATE", 0)
-_MAPPED = os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
-_NO_RESERVE = {errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS, getattr(errno, "ENOTSUP", errno.EOPNOTSUPP)}
-
-
 class TensorShardWriter:
     """Background writer of safetensors shards.  ``save_fn(dict_of_tensors, path)`` serialises
     (the backend's ``save_shard``); ``nbytes_fn`` sizes a queued tensor.
@@ -557,7 +426,7 @@ class PartWriter(PartIndex):
     def __init__(self, folder: str, save_fn=None, nbytes_fn=None):
         self.folder = folder
         _make_folder(folder)
-        self.ops = MappedLines(os.path.join(folder, "ops.jsonl"))
+        self.ops = JsonLines(os.path.join(folder, "ops.jsonl"))
         self.stacks = JsonLines(os.path.join(folder, "stacks.jsonl"))
         self.modules = JsonLines(os.path.join(folder, "modules.jsonl"))
         self.params = JsonLines(os.path.join(folder, "params.jsonl"))   # opened at the first parameter record
