@@ -28,6 +28,7 @@ from .scoring import score_pairs
 from .task_mismatch import NOT_RECORDED, explanation, flagged_only_side, tasks_note, unaligned_hint
 from .verdict import Result, RunsDoNotAlign, Verdict
 from .parallel import optimizer_step
+from .amplified import explain as amplified_noise
 
 
 # unmatched records run by the other framework where no probe sees them (pairing.explain_unobservable)
@@ -320,6 +321,7 @@ def _merge(results: list, run_a, run_b, jobs_list: list, problems: list, framewo
     um["is_cast"] = um["is_cast"].astype(bool)
     if jobs_list[0][0] != jobs_list[0][1] and len(jobs_list) == 1:
         table["step"], table["rank"] = jobs_list[0][0]
+    explained = _amplified(table, divs, run_a, run_b)
     first, departures = _first(divs, um, [k for k, _ in jobs_list],
                                lambda step, rank: optimizer_step(run_a, run_b, step, rank))
     counts = {k: int(v) for k, v in table["status"].value_counts().items()} if len(table) else {}
@@ -328,7 +330,8 @@ def _merge(results: list, run_a, run_b, jobs_list: list, problems: list, framewo
     verdict = Verdict(a=str(run_a.path), b=str(run_b.path), forward=first.get("forward"),
                       backward=first.get("backward"), counts=counts, unmatched=um, problems=problems,
                       parts=[k for k, _ in jobs_list], aligned=share,
-                      same_run=_same_folder(run_a, run_b, jobs_list), departures=departures, pairing=pairing)
+                      same_run=_same_folder(run_a, run_b, jobs_list), departures=departures, pairing=pairing,
+                      explained=explained)
     table = table.drop(columns=["uid", "data_a", "data_b", "checksum_a", "checksum_b"], errors="ignore")
     table = table[[c for c in COLUMNS if c in table.columns]]
     if out:
@@ -346,6 +349,26 @@ def _merge(results: list, run_a, run_b, jobs_list: list, problems: list, framewo
                              + (f" (partial report: {verdict.report})" if verdict.report else ""),
                              Result(table, verdict))
     return Result(table, verdict)
+
+
+def _amplified(table: pd.DataFrame, divs: list, run_a, run_b) -> list:
+    """Parts whose error rows are only parameters moved apart by the optimizer amplifying cancelled
+    gradient noise (:mod:`.amplified`): those rows pass with the reason, the part's divergences go,
+    and the lines saying so are returned for the verdict."""
+    if not len(table) or "status" not in table.columns:
+        return []
+    bad = table.loc[table["status"] == "error", ["step", "rank"]]
+    lines: list = []
+    for step, rank in sorted({(int(s), int(r)) for s, r in bad.itertuples(index=False)}):
+        got = amplified_noise(table, run_a, run_b, step, rank)
+        if got is None:
+            continue
+        rows, said = got
+        table.loc[rows, "status"] = "pass"
+        table.loc[rows, "reason"] = "parameter moved apart by the optimizer amplifying cancelled gradient noise"
+        divs[:] = [d for d in divs if (d.step, d.rank) != (step, rank) or d.departure]
+        lines += said
+    return lines
 
 
 def _other_parallelism(run_a, run_b) -> bool:

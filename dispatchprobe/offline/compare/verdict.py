@@ -98,6 +98,7 @@ class Verdict:
     same_run: bool = False       # A and B are the same folder: agreement says nothing
     departures: list = field(default_factory=list)   # per stage without error rows: its first departure
     pairing: PairingShare = field(default_factory=PairingShare)   # how each run's op records were paired
+    explained: list = field(default_factory=list)   # error rows passed as optimizer-amplified gradient noise
 
     @property
     def departure(self) -> Divergence | None:
@@ -135,6 +136,7 @@ class Verdict:
                 lines.append(f"no {stage} divergence; " + early[stage].describe())
             else:
                 lines.append(div.describe() if div else f"no {stage} divergence")
+        lines += self.explained
         if self.passed and self.damaged:
             lines.append("the runs agree on what could be read; damaged records were not compared (see the "
                          "warnings)")

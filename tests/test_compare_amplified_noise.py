@@ -1,0 +1,96 @@
+"""A parameter whose gradient is mathematically zero (an attention key bias: softmax is
+shift-invariant) holds rounding noise that eager and inductor round differently; AdamW's
+normalisation turns that noise into updates of about the learning rate, so the bias differs at
+step 1 although no computation diverged.  compare traces it back to the optimizer's update and the
+cancelled gradient and exits 0 saying so, either run as A; a learning rate changed in one run
+moves parameters with real gradients and is still a divergence (exit 2, both orders), and so is a
+x1.001 planted on the head's output."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from click.testing import CliRunner
+from torch import nn
+
+from dispatchprobe import DispatchProbe
+from dispatchprobe.cli import main
+from dispatchprobe.torch.compile import probe_backend
+
+pytestmark = pytest.mark.probe_backend
+
+
+class Attention(nn.Module):
+    """One attention layer with a fused query/key/value projection (as GPT-NeoX's): the key third of
+    its bias has a gradient that cancels, the rest real gradients; then a head."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(16, 48)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        w = (q @ k.transpose(-1, -2) / 4.0).softmax(-1)
+        return self.head(w @ v).square().mean()
+
+
+def _record(path, compiled: bool, lr: float = 1e-3, plant: bool = False):
+    torch.manual_seed(0)
+    model = Attention()
+    if plant:     # x1.001 on the head's output, an op in this run only
+        model.head.register_forward_hook(lambda m, args, out: out * 1.001)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, eps=1e-9)   # eps near the noise: it moves the bias apart
+    xs = [torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(s)) for s in range(2)]
+    if compiled:
+        backend = probe_backend(task="tensor", dump_path=str(path))
+        fn = torch.compile(model, backend=backend)
+        for x in xs:
+            fn(x).backward()
+            opt.step()
+            opt.zero_grad()
+            backend.step()
+        backend.close()
+        torch._dynamo.reset()
+    else:
+        probe = DispatchProbe(task="tensor", dump_path=str(path))
+        for x in xs:
+            with probe:
+                model(x).backward()
+            opt.step()
+            opt.zero_grad()
+            probe.step()
+        probe.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("amplified")
+    return {"eager": _record(root / "eager", False), "compiled": _record(root / "compiled", True),
+            "lr": _record(root / "lr", False, lr=2e-3), "planted": _record(root / "planted", False, plant=True)}
+
+
+@pytest.mark.parametrize("order", [("eager", "compiled"), ("compiled", "eager")])
+def test_amplified_gradient_noise_is_not_a_divergence(runs, order):
+    got = CliRunner().invoke(main, ["compare", str(runs[order[0]]), str(runs[order[1]])])
+    assert got.exit_code == 0, got.output
+    assert "parameter qkv.bias differs from step 1: its step 0 gradient is zero up to rounding" in got.output
+    assert "not a precision divergence" in got.output
+
+
+@pytest.mark.parametrize("order", [("eager", "lr"), ("lr", "eager")])
+def test_a_changed_learning_rate_is_still_named(runs, order):
+    got = CliRunner().invoke(main, ["compare", str(runs[order[0]]), str(runs[order[1]])])
+    assert got.exit_code == 2, got.output
+    assert "optimizer's normalisation amplified" not in got.output
+    assert "inputs/parameters differ" in got.output or "differ already at their inputs" in got.output
+
+
+@pytest.mark.parametrize("order", [("planted", "compiled"), ("compiled", "planted")])
+def test_a_planted_change_is_still_named(runs, order):
+    got = CliRunner().invoke(main, ["compare", str(runs[order[0]]), str(runs[order[1]])])
+    assert got.exit_code == 2, got.output
+    side = "A" if order[0] == "planted" else "B"
+    assert "first forward divergence: aten.mul.Tensor [Attention.head]" in got.output, got.output
+    assert f"present only in run {side}" in got.output, got.output
