@@ -35,15 +35,16 @@ class Attention(nn.Module):
         return self.head(w @ v).square().mean()
 
 
-def _record(path, compiled: bool, lr: float = 1e-3, plant: bool = False):
+def _record(path, compiled: bool, lr: float = 1e-3, plant: bool = False, task: str = "tensor",
+            steps: int = 2):
     torch.manual_seed(0)
     model = Attention()
     if plant:     # x1.001 on the head's output, an op in this run only
         model.head.register_forward_hook(lambda m, args, out: out * 1.001)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, eps=1e-9)   # eps near the noise: it moves the bias apart
-    xs = [torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(s)) for s in range(2)]
+    xs = [torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(s)) for s in range(steps)]
     if compiled:
-        backend = probe_backend(task="tensor", dump_path=str(path))
+        backend = probe_backend(task=task, dump_path=str(path))
         fn = torch.compile(model, backend=backend)
         for x in xs:
             fn(x).backward()
@@ -53,7 +54,7 @@ def _record(path, compiled: bool, lr: float = 1e-3, plant: bool = False):
         backend.close()
         torch._dynamo.reset()
     else:
-        probe = DispatchProbe(task="tensor", dump_path=str(path))
+        probe = DispatchProbe(task=task, dump_path=str(path))
         for x in xs:
             with probe:
                 model(x).backward()
@@ -94,3 +95,21 @@ def test_a_planted_change_is_still_named(runs, order):
     side = "A" if order[0] == "planted" else "B"
     assert "first forward divergence: aten.mul.Tensor [Attention.head]" in got.output, got.output
     assert f"present only in run {side}" in got.output, got.output
+
+
+def test_statistics_below_the_floor_are_said(tmp_path):
+    """Statistics of eager and compiled runs (one step: the next would start from the key bias moved
+    apart, a departure above the floor) differ by rounding below the floor that counts them as
+    equal: the runs agree (exit 0), and the verdict says how many rows differ below it; two runs of
+    the same kernels say plainly that they agree."""
+    eager = _record(tmp_path / "eager", False, task="statistics", steps=1)
+    again = _record(tmp_path / "again", False, task="statistics", steps=1)
+    compiled = _record(tmp_path / "compiled", True, task="statistics", steps=1)
+    got = CliRunner().invoke(main, ["compare", str(eager), str(compiled)])
+    assert got.exit_code == 0, got.output
+    line = next(x for x in got.output.splitlines() if x.startswith("the runs agree"))
+    n = int(line.split("the runs agree within the floor: ")[1].split()[0])
+    compared = int(got.output.split("compared ")[1].split()[0])
+    assert 0 < n <= compared and line.endswith("statistics rows differ below 1e-06 (relative)"), line
+    same = CliRunner().invoke(main, ["compare", str(eager), str(again)])
+    assert same.exit_code == 0 and "\nthe runs agree\n" in same.output, same.output

@@ -21,7 +21,7 @@ from ..translate import Translation
 from .columns import (BOOL_FIELDS, FLOAT_FIELDS, HEAD_FIELDS, INT_FIELDS, ROW_FIELDS, TENSOR_FIELDS, TEXT_FIELDS,
                       COLUMNS, UNMATCHED_COLUMNS)
 from .exact import same_kernels
-from .origin import Side, trace
+from .origin import STATS_NOISE, Side, differs, trace
 from .rerun import float64_rerun
 from .pairing import PairingShare, decomposed_scopes, explain_unobservable, data_flow, user_frames, pair_tensors, pairing_share
 from .scoring import score_pairs
@@ -325,13 +325,14 @@ def _merge(results: list, run_a, run_b, jobs_list: list, problems: list, framewo
     first, departures = _first(divs, um, [k for k, _ in jobs_list],
                                lambda step, rank: optimizer_step(run_a, run_b, step, rank))
     counts = {k: int(v) for k, v in table["status"].value_counts().items()} if len(table) else {}
+    below = int((differs(table, 0.0) & ~differs(table)).sum()) if len(table) else 0   # statistics-only rows
     smaller = min(int(aligned[1]), int(aligned[2]))   # a truncated or shorter run is judged on what it has
     share = float(aligned[0]) / max(smaller, 1)
     verdict = Verdict(a=str(run_a.path), b=str(run_b.path), forward=first.get("forward"),
                       backward=first.get("backward"), counts=counts, unmatched=um, problems=problems,
                       parts=[k for k, _ in jobs_list], aligned=share,
                       same_run=_same_folder(run_a, run_b, jobs_list), departures=departures, pairing=pairing,
-                      explained=explained)
+                      explained=explained, below_floor=(below, STATS_NOISE))
     table = table.drop(columns=["uid", "data_a", "data_b", "checksum_a", "checksum_b"], errors="ignore")
     table = table[[c for c in COLUMNS if c in table.columns]]
     if out:

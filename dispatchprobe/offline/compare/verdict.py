@@ -99,6 +99,7 @@ class Verdict:
     departures: list = field(default_factory=list)   # per stage without error rows: its first departure
     pairing: PairingShare = field(default_factory=PairingShare)   # how each run's op records were paired
     explained: list = field(default_factory=list)   # error rows passed as optimizer-amplified gradient noise
+    below_floor: tuple = (0, 0.0)   # (statistics-only rows that differ below the floor, the floor)
 
     @property
     def departure(self) -> Divergence | None:
@@ -146,6 +147,9 @@ class Verdict:
             d = self.departure
             lines.append(d.describe("the runs agree within tolerance; first departure") if d.cause in ("op", "unmatched")
                          else "the runs agree within tolerance; first departure: " + d.describe())
+        elif self.passed and self.below_floor[0]:
+            lines.append(f"the runs agree within the floor: {self.below_floor[0]} statistics rows differ below "
+                         f"{self.below_floor[1]:g} (relative)")
         elif self.passed:
             lines.append("the runs agree")
         compute = self.unmatched[~self.unmatched["is_cast"]] if len(self.unmatched) else self.unmatched
