@@ -132,6 +132,7 @@ class ProbeBackend:
             if self.inner == "aot_eager":
                 instrument = Instrument(self, roots, backward, slot)
                 instrument(graph_module.graph)
+                instrument.note_inlined()           # run eagerly: every value is in memory
                 graph_module.recompile()
                 return eager_output(graph_module)
             if "get_decomp_fn" in kw:
@@ -196,6 +197,7 @@ class ProbeBackend:
         key = inductor.fx_graph_cache_key(compiled) if use_cache else None
         records = instrument.records
         if records is not None:          # the pass ran
+            instrument.note_inlined()
             records.set_kernels(kernels)
             if key is not None:
                 cache.save(key, records.templates, instrument.slot, records.stage)
@@ -228,6 +230,11 @@ def unseen_by_lowering(instrument):
         users = n.users
         if n in ours:
             first = len(self.buffers)
+            # the user's floating values not in memory now, after all their readers: each reader
+            # computed them inline, and what the probe reads is a computation of its own
+            instrument.inlined.update(a for a in n.all_input_nodes if a not in ours and a.op == "call_function"
+                                      and getattr(a.meta.get("val"), "is_floating_point", lambda: False)()
+                                      and not inductor.is_stored(self.env.get(a)))
             try:
                 if REALIZE_READS:
                     stored(self, n, ours)

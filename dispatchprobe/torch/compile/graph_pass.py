@@ -14,6 +14,7 @@ from ..internals.dispatch import OpOverload, tree_map
 from ..internals.inductor import CustomGraphPass
 from ...core.events import has_nonfinite_scalar
 from ...core.recorder import encode_plain
+from ...records.format import walk
 from .decompositions import CALL_KEY, OUTPUT_KEY, VALUE_KEY, Call, Value, hint
 from .rerun import rerun_module
 from .runtime import GraphRecords
@@ -41,6 +42,7 @@ class Instrument(CustomGraphPass):
         self.key = key
         self.records: GraphRecords | None = None
         self.added: set = set()       # the nodes the pass added
+        self.inlined: set = set()     # the user's values its readers compute inline (lowering)
 
     def uuid(self) -> str:
         return self.key
@@ -120,6 +122,19 @@ class Instrument(CustomGraphPass):
             records.symbols = [n.meta["val"].node.expr for n in symbols]
             graph.call_function(torch.ops.dispatchprobe.record.default, (flat, values, inputs, records.slot, symbols))
         records.finish(order, source)
+
+    def note_inlined(self) -> None:
+        """After lowering: each record names, in ``compiled.inlined``, its floating inputs that were
+        not in memory when the pass read them.  Every reader computed such a value inline, and
+        the recorded value is the pass's own computation of it (stored by a kernel of its own),
+        which may round differently from the reader's: run-ut cannot check the reader bit for bit."""
+        for t in self.records.templates if self.records is not None else ():
+            nodes = {id(spec): node for spec, node in t.__dict__.pop("read", ())}
+            labels = [arg for _, arg, spec in walk({"inputs": t.inputs, "kwargs": t.kwargs}, outputs=False)
+                      if nodes.get(id(spec)) in self.inlined]
+            if labels:
+                t.compiled["inlined"] = labels
+        self.inlined = set()
 
     def _groups(self, graph: torch.fx.Graph) -> list[Group]:
         by_key: dict = {}

@@ -193,6 +193,7 @@ class GraphRecords:
             t.in_rows = [r for (spec, _), r in zip(t.slots, t.rows) if id(spec) not in outs] \
                 + [row_of[n] for n in t.producers]
             t.producers = []
+            t.read = [(spec, n) for spec, n in t.slots if id(spec) not in outs]   # until note_inlined
             t.slots = [spec for spec, _ in t.slots]
             t.tensor_nodes = []
 

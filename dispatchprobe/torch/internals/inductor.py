@@ -11,7 +11,7 @@ import contextlib
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 __all__ = ["CustomGraphPass", "compile_fx", "compile_fx_inner", "config", "select_decomp_table", "hash_of_files",
-           "cache_dir", "fx_graph_cache_key", "fx_cache_loads", "lowering_classes", "realize_if_boxed",
+           "cache_dir", "fx_graph_cache_key", "fx_cache_loads", "lowering_classes", "realize_if_boxed", "is_stored",
            "kernel_provenance", "eager_output", "reinplace_candidates", "node_storage"]
 
 
@@ -91,6 +91,16 @@ def realize_if_boxed(box) -> None:
     from torch._inductor import ir
     if isinstance(box, ir.TensorBox):
         box.realize()
+
+
+def is_stored(box) -> bool:
+    """Whether a lowered value is in memory (a buffer, or any view of one) rather than a loop body
+    that its readers inline: a reader lowered while it is not stored computes it itself."""
+    from torch._inductor import ir
+    x = box
+    while isinstance(x, (ir.TensorBox, ir.BaseView)):      # views of a value: its storage
+        x = x.data
+    return not (isinstance(x, ir.StorageBox) and isinstance(x.data, (ir.Pointwise, ir.Reduction, ir.Scan, ir.Sort)))
 
 
 class kernel_provenance:
