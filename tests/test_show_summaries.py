@@ -171,6 +171,33 @@ def test_records_not_starting_with_the_skeleton_are_read_whole(tmp_path):
         {"forward": {"aten.mm.default": 1}, "backward": {"aten.add.Tensor": 1}}
 
 
+def test_only_the_records_holding_nan_inf_or_reruns_are_read_whole(tmp_path):
+    """A part with a few records holding nan/inf (every attention's causal mask) and an eager re-run
+    of a compiled record: those lines are parsed whole, the others by their first fields, and the
+    summary equals the one reduced from every whole record."""
+    folder = tmp_path / "step0" / "rank0"
+    folder.mkdir(parents=True)
+
+    def tensor(nan=0, inf=0):
+        return {"type": "tensor", "dtype": "float32", "shape": [2], "stats": {"max": 1.0, "min": 0.0, "nan": nan,
+                                                                              "inf": inf}}
+    lines = []
+    for i in range(12):
+        r = {"id": i, "kind": "op", "name": f"aten.mm.default.{i}.forward", "op": "aten.mm.default",
+             "stage": "forward", "scope": f"M.layers.{i % 3}", "call": i, "inputs": [tensor()],
+             "outputs": [tensor(inf=2 if i in (3, 7) else 0, nan=1 if i == 7 else 0)]}
+        if i == 9:
+            r["compiled"] = {"rerun": True}
+        lines.append(r)
+    (folder / "ops.jsonl").write_text("".join(json.dumps(r, separators=(",", ":")) + "\n" for r in lines))
+    assert part_summary.write(str(folder))
+    summary = part_summary.read(str(folder))
+    assert summary == part_summary.reduce(lines, (folder / "ops.jsonl").stat().st_size)
+    assert summary["reruns"] == 1 and summary["stages"]["forward"]["records"] == 11
+    nf = summary["stages"]["forward"]["nonfinite"]
+    assert (nf["records"], nf["tensors"]) == (2, 2) and [row["nan"] for row in nf["first"]] == [0, 1]
+
+
 TRAIN_FOREVER = textwrap.dedent("""
     import sys, torch
     from dispatchprobe import DispatchProbe

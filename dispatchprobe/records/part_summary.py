@@ -126,7 +126,9 @@ def write(folder: str) -> bool:
     except FileNotFoundError:       # no record (a grad-probe part, a check that flagged nothing)
         return False
     nonfinite = _NONFINITE.search(data) is not None
-    records = None if nonfinite or b'"rerun"' in data else _heads(data)
+    records = _heads(data)
+    if records is not None and (nonfinite or b'"rerun"' in data):
+        records = _with_whole(records, data)
     if records is None:
         records = _parse(data)
         if records is None:
@@ -155,6 +157,20 @@ def _heads(data: bytes) -> list[dict] | None:
     heads = _parse(b"}\n".join(line[:end] for line, end in zip(lines, ends)) + b"}\n")
     if heads is None or any(list(h) != _HEAD_KEYS for h in heads):
         return None
+    return heads
+
+
+def _with_whole(heads: list[dict], data: bytes) -> list[dict] | None:
+    """``heads`` with the records :func:`reduce` reads whole parsed whole: those holding a tensor
+    with nan/inf, and compiled re-runs (the causal mask of every attention holds -inf: a step's
+    few such lines, not all of them).  None where one of those lines is corrupt."""
+    lines = data[:-1].split(b"\n")
+    whole = [i for i, line in enumerate(lines) if b'"rerun"' in line or _NONFINITE.search(line)]
+    parsed = _parse(b"\n".join(lines[i] for i in whole) + b"\n") if whole else []
+    if parsed is None:
+        return None
+    for i, record in zip(whole, parsed):
+        heads[i] = record
     return heads
 
 
