@@ -1,19 +1,19 @@
 """A later step's error rows that are a parameter moved apart by the optimizer amplifying rounding
 noise: where a parameter's gradient is mathematically zero (an attention key bias: softmax is
 shift-invariant), each run's gradient there is rounding noise of its own, and a normalising
-optimizer (Adam's ``m / (sqrt(v) + eps)``) turns any noise into an update of about the learning
-rate, so the runs' parameters part although neither computation diverged.
+optimizer (Adam's ``m / (sqrt(v) + eps)``) turns any noise into an update of a sizeable part of
+the learning rate, so the runs' parameters part although neither computation diverged.
 
 Sound only where the traced facts say so, element by element: at the previous step the backward
 row that produced the gradient the optimizer applied passed (within tolerance or by the
-cancellation rule); the parameter's elements that move it apart
-are exactly elements whose gradient is at rounding level in both runs (below the rounding bound
-of its terms, :func:`...standards.rounding.carried_bound` of the backward record that produced
-it, the cancellation rule's bound) and differs between the runs (the noise itself: a changed
-optimizer with equal gradients is not explained); with those elements held equal the parameter
-agrees; and every error row of the later step is that parameter's own value (bitwise each run's
-value after the step), nothing it feeds.  A changed learning rate or optimizer moves elements with
-real gradients and stays a divergence."""
+cancellation rule); the parameter's elements that move apart are exactly elements whose gradient
+is at rounding level in both runs (below the rounding bound of its terms,
+:func:`...standards.rounding.carried_bound` of that backward record, the cancellation rule's
+bound) and differs between the runs (the noise itself: a changed optimizer with equal gradients
+is not explained); with those elements held equal the parameter agrees; and every error row of
+the later step is that parameter's own value (bitwise each run's value after the step), nothing
+it feeds.  A changed learning rate or optimizer moves elements with real gradients and stays a
+divergence."""
 
 from __future__ import annotations
 
