@@ -1,10 +1,10 @@
 """A parameter whose gradient is mathematically zero (an attention key bias: softmax is
 shift-invariant) holds rounding noise that eager and inductor round differently; AdamW's
-normalisation turns that noise into updates of about the learning rate, so the bias differs at
-step 1 although no computation diverged.  compare traces it back to the optimizer's update and the
-cancelled gradient and exits 0 saying so, either run as A; a learning rate changed in one run
-moves parameters with real gradients and is still a divergence (exit 2, both orders), and so is a
-x1.001 planted on the head's output."""
+normalisation turns that noise into sizeable updates, so the bias differs at step 1 although no
+computation diverged.  compare traces it back to the optimizer's update and the cancelled gradient
+and exits 0 saying so, either run as A; a learning rate or optimizer (RMSprop for AdamW) changed
+in one run moves parameters with real gradients and is still a divergence (exit 2, both orders),
+and so is a x1.001 planted on the head's output."""
 
 from __future__ import annotations
 
@@ -36,12 +36,12 @@ class Attention(nn.Module):
 
 
 def _record(path, compiled: bool, lr: float = 1e-3, plant: bool = False, task: str = "tensor",
-            steps: int = 2):
+            steps: int = 2, optimizer=torch.optim.AdamW):
     torch.manual_seed(0)
     model = Attention()
     if plant:     # x1.001 on the head's output, an op in this run only
         model.head.register_forward_hook(lambda m, args, out: out * 1.001)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, eps=1e-9)   # eps near the noise: it moves the bias apart
+    opt = optimizer(model.parameters(), lr=lr, eps=1e-9)   # eps near the noise: it moves the bias apart
     xs = [torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(s)) for s in range(steps)]
     if compiled:
         backend = probe_backend(task=task, dump_path=str(path))
@@ -69,7 +69,9 @@ def _record(path, compiled: bool, lr: float = 1e-3, plant: bool = False, task: s
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("amplified")
     return {"eager": _record(root / "eager", False), "compiled": _record(root / "compiled", True),
-            "lr": _record(root / "lr", False, lr=2e-3), "planted": _record(root / "planted", False, plant=True)}
+            "lr": _record(root / "lr", False, lr=2e-3),
+            "rmsprop": _record(root / "rmsprop", False, optimizer=torch.optim.RMSprop),   # another optimizer
+            "planted": _record(root / "planted", False, plant=True)}
 
 
 @pytest.mark.parametrize("order", [("eager", "compiled"), ("compiled", "eager")])
@@ -80,8 +82,8 @@ def test_amplified_gradient_noise_is_not_a_divergence(runs, order):
     assert "not a precision divergence" in got.output
 
 
-@pytest.mark.parametrize("order", [("eager", "lr"), ("lr", "eager")])
-def test_a_changed_learning_rate_is_still_named(runs, order):
+@pytest.mark.parametrize("order", [("eager", "lr"), ("lr", "eager"), ("compiled", "rmsprop"), ("rmsprop", "compiled")])
+def test_a_changed_learning_rate_or_optimizer_is_still_named(runs, order):
     got = CliRunner().invoke(main, ["compare", str(runs[order[0]]), str(runs[order[1]])])
     assert got.exit_code == 2, got.output
     assert "optimizer's normalisation amplified" not in got.output
