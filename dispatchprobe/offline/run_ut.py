@@ -30,8 +30,8 @@ from ..standards.metrics import binary_mismatch, columns, compare_arrays, derive
 from ..records.format import call_signature
 from ..records.reader import Run, load
 from ..standards.verdicts import (ERROR, NOT_JUDGED, PASS, SKIP, WARNING, cancelled_scale, category, component_dtype,
-                                  is_reduction_output, is_staged, judge, judge_benchmark, output_category,
-                                  output_trait, unique_form, within_terms, worst)
+                                  direction_readable, is_reduction_output, is_staged, judge, judge_benchmark,
+                                  output_category, output_trait, unique_form, within_terms, worst)
 from ..records.writer import atomic_write_text, write_csv
 from .replayer import Distributed, Replayer, ReplayError, Skip, replayer_for
 
@@ -210,7 +210,8 @@ def judge_outputs(op: str, cat: str, rep) -> list[tuple[dict, str, str, tuple]]:
     their unique form.  An output that is not a pass at first is judged again (the detail row
     keeps the first metrics): a reduction's errors within the rounding bound of its terms are
     discounted, and relative errors are measured against the magnitude each element is computed
-    from (the benchmark's spread) where its value cancelled."""
+    from (the benchmark's spread) where its value cancelled; when that leaves the cosine unable to
+    tell a wrong output from tolerated rounding (the output is noise around zero), it is not read."""
     by_name = {o.name: o for o in rep.outputs}
     ordered = [by_name.get(f"output.{i}") for i in range(len(rep.outputs))]
     terms, counts, spread, judged = None, None, None, []
@@ -243,18 +244,23 @@ def judge_outputs(op: str, cat: str, rep) -> list[tuple[dict, str, str, tuple]]:
                 if t is not None and np.shape(t) == np.shape(b):
                     d = within_terms(d, b, t, out.device_dtype, op, k if np.shape(k) == np.shape(b) else None)
                     notes.append("errors within the rounding bound of its terms discounted")
-            scale = None
+            scale, direction = None, True
             if rep.spread is not None:
                 spread = rep.spread() if spread is None else spread
                 scale = spread.get(out.name)
                 if scale is not None and np.shape(scale) == np.shape(b):
                     scale = cancelled_scale(b, scale)
                     notes.append("cancelled elements relative to the magnitude they are computed from")
+                    direction = direction_readable(b, scale, out.device_dtype)
+                    if not direction:
+                        notes.append("cosine not read: the expected value is rounding noise around zero, "
+                                     "whose direction says nothing")
                 else:
                     scale = None
             if notes:
-                verdict, reason = judge(cat, output_metrics(d, b, out.device_dtype, cat, scale), out.device_dtype)
-                if verdict != first[0]:
+                verdict, reason = judge(cat, output_metrics(d, b, out.device_dtype, cat, scale), out.device_dtype,
+                                        direction)
+                if verdict != first[0] or not direction:
                     note = f"{first[0]} ({first[1]}) -> {verdict}: {', '.join(notes)}"
         judged.append((m, verdict, "; ".join(x for x in (reason, note) if x), np.shape(d)))
     return judged

@@ -50,13 +50,16 @@ def lower_precision(dtype_a: str, dtype_b: str) -> str:
 
 
 # ---- the benchmark rule (run-ut and compare) --------------------------------------------------
-def judge_benchmark(metrics: dict, dtype: str, rule: str = "benchmark") -> tuple[str, str]:
+def judge_benchmark(metrics: dict, dtype: str, rule: str = "benchmark", direction: bool = True) -> tuple[str, str]:
     """``(verdict, reason)`` of one output by the per-output rule (cosine, max abs error, then the
     hundredth/thousandth ratios).  ``rule``: ``benchmark``, or ``mindspore_benchmark`` (cosine and
-    max-abs only)."""
+    max-abs only).  ``direction=False`` (:func:`direction_readable`): the ratios alone decide; the
+    cosine and the absolute-error shortcut, which only the cosine keeps honest, are not read."""
     std = standard()[rule]
     if metrics.get("inf_nan_mismatch"):
         return ERROR, f"{metrics['inf_nan_mismatch']} inf/nan mismatches"
+    if not direction and rule == "benchmark":
+        return _tiers(metrics, dtype)
     cos = metrics.get("cosine")
     if cos is not None and not math.isnan(cos) and cos <= std["cosine_min"]:
         return ERROR, f"cosine {cos:.6f} <= {std['cosine_min']}"
@@ -66,6 +69,10 @@ def judge_benchmark(metrics: dict, dtype: str, rule: str = "benchmark") -> tuple
         return PASS, ""
     if rule != "benchmark":
         return ERROR, f"max abs error {metrics['max_abs_err']:.3g} >= {std['max_abs_pass']}"
+    return _tiers(metrics, dtype)
+
+
+def _tiers(metrics: dict, dtype: str) -> tuple[str, str]:
     coarse, fine = (float(t) for t in per_dtype("benchmark.tiers", dtype))
     for tol, verdict in ((coarse, ERROR), (fine, WARNING)):
         if metrics[_TIERS[tol]] < 1 - tol:
@@ -234,6 +241,21 @@ def cancelled_scale(bench, spread):
     return np.where(spread > ratio * np.abs(np.asarray(bench)), spread, 0.0)
 
 
+def direction_readable(bench, scale, dtype: str) -> bool:
+    """Whether the cosine can judge an output whose cancelled elements are measured against their
+    spread (``scale``, :func:`cancelled_scale`): not when the errors the coarse tier tolerates
+    there (tier x spread) could by themselves turn it to ``cosine_min`` -- the output is then
+    rounding noise around zero, whose direction says nothing (two correct runs round it apart)."""
+    b = np.asarray(bench)
+    b = np.where(np.isfinite(b), np.abs(b), 0.0).astype(np.float64)
+    s = np.nan_to_num(np.abs(np.asarray(scale)).astype(np.float64), nan=0.0, posinf=0.0)
+    coarse = float(per_dtype("benchmark.tiers", component_dtype(dtype))[0])
+    cos_min = standard()["benchmark"]["cosine_min"]
+    tolerated = coarse * coarse * float(np.vdot(s, s))
+    # a tolerated error t orthogonal to the value: cosine ||b|| / sqrt(||b||^2 + ||t||^2)
+    return tolerated < float(np.vdot(b, b)) * (1.0 / (cos_min * cos_min) - 1.0)
+
+
 def within_terms(device, bench, terms, dtype: str, op: str = "", counts=None):
     """``device`` with each element's error reduced by the rounding bound of its terms (``terms``:
     the op on the inputs' absolute values, i.e. sum |x|; :mod:`.rounding`, the one bound)."""
@@ -241,8 +263,9 @@ def within_terms(device, bench, terms, dtype: str, op: str = "", counts=None):
     return rounding.discount(device, bench, bound)
 
 
-def judge(cat: str, metrics: dict, dtype: str) -> tuple[str, str]:
-    """(verdict, reason) of one output of ``dtype`` (the device dtype) by category ``cat``."""
+def judge(cat: str, metrics: dict, dtype: str, direction: bool = True) -> tuple[str, str]:
+    """(verdict, reason) of one output of ``dtype`` (the device dtype) by category ``cat``;
+    ``direction``: whether the cosine is read (:func:`direction_readable`)."""
     cat = output_category(cat, dtype)
     dtype = component_dtype(dtype)
     if cat == "binary":
@@ -259,7 +282,7 @@ def judge(cat: str, metrics: dict, dtype: str) -> tuple[str, str]:
         return _judge_ulp(metrics, dtype, None)
     if cat == "thousandth":
         return _judge_thousandth(metrics, dtype)
-    return judge_benchmark(metrics, dtype)
+    return judge_benchmark(metrics, dtype, direction=direction)
 
 
 def _judge_thousandth(metrics: dict, dtype: str) -> tuple[str, str]:
