@@ -13,6 +13,7 @@
 // The grad probe's pass (dp_grad_stats) adds, per block of a gradient while it is in cache, the
 // L0 checksum's sums, the packed signs and the L2 interval counts.
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -295,34 +296,38 @@ struct Walk {
 // The walk of a strided tensor of `ndim` dimensions (sizes and strides in elements, none negative)
 Walk walk_of(int64_t ndim, const int64_t* sizes, const int64_t* strides) {
   Walk w;
-  std::vector<std::pair<int64_t, int64_t>> dims;        // (stride, size) of the dimensions read
+  // (stride, size) of the dimensions read: on the stack for the usual few (no allocation per call)
+  std::pair<int64_t, int64_t> few[8];
+  std::vector<std::pair<int64_t, int64_t>> many(ndim > 8 ? ndim : 0);
+  std::pair<int64_t, int64_t>* dims = ndim > 8 ? many.data() : few;
+  int64_t used = 0;
   for (int64_t d = 0; d < ndim; ++d) {
     if (sizes[d] == 1) continue;
     if (strides[d] == 0) { w.repeat *= sizes[d]; continue; }
-    dims.emplace_back(strides[d], sizes[d]);
+    dims[used++] = {strides[d], sizes[d]};
     w.count *= sizes[d];
   }
-  std::sort(dims.begin(), dims.end());
+  std::sort(dims, dims + used);
   int64_t expected = 1;
   bool block = true;
-  for (const auto& [stride, size] : dims) {
-    if (stride != expected) { block = false; break; }
-    expected *= size;
+  for (int64_t d = 0; d < used; ++d) {
+    if (dims[d].first != expected) { block = false; break; }
+    expected *= dims[d].second;
   }
   if (block) {            // contiguous, a permutation of dense memory, a single value: one run
     w.flat = true;
     return w;
   }
-  if (dims.front().first != 1) {
+  if (dims[0].first != 1) {
     w.readable = false;
     return w;
   }
   // rows along the stride-1 dimension, the others outermost first (descending strides)
-  for (size_t d = dims.size() - 1; d > 0; --d) {
+  for (int64_t d = used - 1; d > 0; --d) {
     w.sizes.push_back(dims[d].second);
     w.strides.push_back(dims[d].first);
   }
-  w.sizes.push_back(dims.front().second);
+  w.sizes.push_back(dims[0].second);
   w.strides.push_back(1);
   return w;
 }
@@ -358,41 +363,57 @@ inline void halve(V* v, int n) {
     for (int i = 0; i < h; ++i) v[i] = v[i] + v[i + h];
 }
 
+// Halves the first `live` of v[0..n) pairwise (n a power of two) as if the rest were zeros, which
+// are not added: a padding zero changes no sum (up to the sign of a zero, which the caller's
+// final + 0.0 makes +0.0).
+template <typename V>
+inline void halve_live(V* v, int n, int live) {
+  for (int h = n / 2; h >= 1; h /= 2) {
+    for (int i = 0; i < h && i + h < live; ++i) v[i] = v[i] + v[i + h];
+    live = std::min(live, h);
+  }
+}
+
+// One vector column of a block (kTreeRows rows of kVector lanes, kTreeLanes apart): its rows'
+// sum and sum of squares by pairwise halving (row r + row r + 8 first), its max and min into hi
+// and lo.  A column at a time keeps the live vectors within the registers (the whole block's
+// 64 partial vectors at once spilled to the stack); the order of max and min does not matter.
+template <typename T>
+inline void tree_column(const T* __restrict q, Vec& sum, Vec& squares, Vec& hi, Vec& lo) {
+  Vec a[kTreeRows / 2], s[kTreeRows / 2], up[kTreeRows / 2], down[kTreeRows / 2];
+  for (int r = 0; r < kTreeRows / 2; ++r) {
+    const Vec x = load(q + r * kTreeLanes);
+    const Vec y = load(q + (r + kTreeRows / 2) * kTreeLanes);
+    up[r] = y > x ? y : x;                          // nan compares false: never kept over a number
+    down[r] = y < x ? y : x;
+    a[r] = x + y;
+    s[r] = x * x + y * y;                           // each square rounded (no fused multiply-add)
+  }
+  halve(a, kTreeRows / 2);
+  halve(s, kTreeRows / 2);
+  for (int h = kTreeRows / 4; h >= 1; h /= 2)
+    for (int r = 0; r < h; ++r) {
+      up[r] = up[r + h] > up[r] ? up[r + h] : up[r];
+      down[r] = down[r + h] < down[r] ? down[r + h] : down[r];
+    }
+  hi = up[0] > hi ? up[0] : hi;
+  lo = down[0] < lo ? down[0] : lo;
+  sum = a[0];
+  squares = s[0];
+}
+
 // One whole block of float32 values (or bfloat16 bits) at q: its folded sums and squares, and
-// its max and min into hi/lo.  Rows r and r + 8 are read together (the first halving), each of
-// the four vector columns with its own max and min, all held in locals (the values read cannot
-// alias them).
+// its max and min into hi/lo.
 template <typename T>
 inline void tree_block(const T* __restrict q, Folded& sum, Folded& squares, Vec& hi_io, Vec& lo_io) {
-  Vec hi[kVectors], lo[kVectors], a[kTreeRows / 2][kVectors], s[kTreeRows / 2][kVectors];
-  for (int k = 0; k < kVectors; ++k) { hi[k] = hi_io; lo[k] = lo_io; }
-  for (int r = 0; r < kTreeRows / 2; ++r)
-    for (int k = 0; k < kVectors; ++k) {
-      const Vec x = load(q + r * kTreeLanes + k * kVector);
-      const Vec y = load(q + (r + kTreeRows / 2) * kTreeLanes + k * kVector);
-      hi[k] = x > hi[k] ? x : hi[k];               // nan compares false: never kept
-      lo[k] = x < lo[k] ? x : lo[k];
-      hi[k] = y > hi[k] ? y : hi[k];
-      lo[k] = y < lo[k] ? y : lo[k];
-      a[r][k] = x + y;
-      s[r][k] = x * x + y * y;                      // each square rounded (no fused multiply-add)
-    }
-  for (int h = kTreeRows / 4; h >= 1; h /= 2)
-    for (int r = 0; r < h; ++r)
-      for (int k = 0; k < kVectors; ++k) {
-        a[r][k] = a[r][k] + a[r + h][k];
-        s[r][k] = s[r][k] + s[r + h][k];
-      }
-  Vec h = hi[0], l = lo[0];
-  for (int k = 1; k < kVectors; ++k) {
-    h = hi[k] > h ? hi[k] : h;
-    l = lo[k] < l ? lo[k] : l;
-  }
-  hi_io = h;
-  lo_io = l;
+  Vec a[kVectors], s[kVectors];
+  Vec hi = hi_io, lo = lo_io;
+  for (int k = 0; k < kVectors; ++k) tree_column(q + k * kVector, a[k], s[k], hi, lo);
+  hi_io = hi;
+  lo_io = lo;
   // lanes 64 -> 32 -> 16: lane j + lane j + 32, then j + 16
-  sum = __builtin_convertvector((a[0][0] + a[0][2]) + (a[0][1] + a[0][3]), Folded);
-  squares = __builtin_convertvector((s[0][0] + s[0][2]) + (s[0][1] + s[0][3]), Folded);
+  sum = __builtin_convertvector((a[0] + a[2]) + (a[1] + a[3]), Folded);
+  squares = __builtin_convertvector((s[0] + s[2]) + (s[1] + s[3]), Folded);
 }
 
 // Reads the walk's values from sequence position `begin` on, a run at a time (a contiguous
@@ -454,7 +475,8 @@ struct NoBlock {
 template <typename T, typename OnBlock = NoBlock>
 TreeChunk tree_chunk(const T* p, const Walk& w, int64_t c, OnBlock&& on_block = OnBlock{}) {
   const int64_t begin = c * kTreeChunk, n = std::min(w.count - begin, kTreeChunk);
-  Folded sums[kChunkBlocks] = {}, squares[kChunkBlocks] = {};
+  Folded sums[kChunkBlocks], squares[kChunkBlocks];       // the first `blocks` are written
+  const int blocks = static_cast<int>((n + kTreeBlock - 1) / kTreeBlock);
   Vec hi = fill(-INFINITY), lo = fill(INFINITY);
   TreeChunk out;
   alignas(64) float staged[kTreeBlock];
@@ -471,7 +493,7 @@ TreeChunk tree_chunk(const T* p, const Walk& w, int64_t c, OnBlock&& on_block = 
       on_block(q, begin + b * kTreeBlock, m);
       continue;
     }
-    std::memset(staged, 0, sizeof staged);          // padding zeros: they change no sum
+    std::memset(staged + m, 0, sizeof(float) * (kTreeBlock - m));   // padding zeros: they change no sum
     if (w.flat) {
       const T* src = p + begin + b * kTreeBlock;
       for (int64_t i = 0; i < m; ++i) staged[i] = value(src, i);
@@ -491,8 +513,8 @@ TreeChunk tree_chunk(const T* p, const Walk& w, int64_t c, OnBlock&& on_block = 
       out.lo = v < out.lo ? v : out.lo;
     }
   }
-  halve(sums, kChunkBlocks);
-  halve(squares, kChunkBlocks);
+  halve_live(sums, kChunkBlocks, blocks);
+  halve_live(squares, kChunkBlocks, blocks);
   double ls[kFolded], lq[kFolded];
   for (int j = 0; j < kFolded; ++j) { ls[j] = sums[0][j]; lq[j] = squares[0][j]; }
   halve(ls, kFolded);
@@ -506,9 +528,15 @@ TreeChunk tree_chunk(const T* p, const Walk& w, int64_t c, OnBlock&& on_block = 
   return out;
 }
 
+// [max, min, sum, sum of squares] of the walk's values.  A tensor of one chunk (most) is summed
+// without an allocation; chunk sums beyond it are added by halving, padded with zeros.
 template <typename T>
-std::vector<double> stats_of(const Walk& w, const T* p) {
+std::array<double, 4> stats_of(const Walk& w, const T* p) {
   const int64_t chunks = (w.count + kTreeChunk - 1) / kTreeChunk;
+  if (chunks == 1) {
+    const TreeChunk c = tree_chunk(p, w, 0);
+    return {c.hi, c.lo, (c.sum + 0.0) * w.repeat, (c.squares + 0.0) * w.repeat};
+  }
   std::vector<TreeChunk> parts(chunks);
   parallel_chunks(chunks, [&](int64_t c) { parts[c] = tree_chunk(p, w, c); });
   int64_t width = 1;
@@ -574,7 +602,7 @@ constexpr int kRow = 11;   // kind, max, min, sum, squares, nan, inf, max and mi
 
 template <typename T>
 void float_row(const T* p, const Walk& w, double* row) {
-  const std::vector<double> s = stats_of(w, p);
+  const std::array<double, 4> s = stats_of(w, p);
   for (int k = 0; k < 4; ++k) row[1 + k] = s[k];
   if (std::isfinite(s[2]) && std::isfinite(s[3])) {
     row[0] = kFinite;
