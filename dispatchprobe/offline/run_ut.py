@@ -253,8 +253,8 @@ def judge_outputs(op: str, cat: str, rep) -> list[tuple[dict, str, str, tuple]]:
                     notes.append("cancelled elements relative to the magnitude they are computed from")
                     direction = direction_readable(b, scale, out.device_dtype)
                     if not direction:
-                        notes.append("cosine not read: the expected value is rounding noise around zero, "
-                                     "whose direction says nothing")
+                        notes.append("cosine not read: errors the tiers tolerate against the spread could "
+                                     "alone bring it to the minimum (the value is mostly rounding of larger terms)")
                 else:
                     scale = None
             if notes:

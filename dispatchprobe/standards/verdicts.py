@@ -244,8 +244,9 @@ def cancelled_scale(bench, spread):
 def direction_readable(bench, scale, dtype: str) -> bool:
     """Whether the cosine can judge an output whose cancelled elements are measured against their
     spread (``scale``, :func:`cancelled_scale`): not when the errors the coarse tier tolerates
-    there (tier x spread) could by themselves turn it to ``cosine_min`` -- the output is then
-    rounding noise around zero, whose direction says nothing (two correct runs round it apart)."""
+    there (tier x spread) could by themselves turn it to ``cosine_min``: the output is then mostly
+    the rounding of larger terms (noise around zero), which two correct runs make differently, so
+    its direction says nothing."""
     b = np.asarray(bench)
     b = np.where(np.isfinite(b), np.abs(b), 0.0).astype(np.float64)
     s = np.nan_to_num(np.abs(np.asarray(scale)).astype(np.float64), nan=0.0, posinf=0.0)
