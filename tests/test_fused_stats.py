@@ -210,6 +210,21 @@ def test_a_windows_rows_in_one_call_are_the_python_paths(kernel):
         fused_stats.rows_into(values, torch.empty(len(values), 6), statistics.nonfinite_row)
 
 
+def test_a_window_leaves_values_past_their_storages_end(kernel):
+    """A window reads a value only where its every element lies in its storage's bytes, judged
+    from its storage offset, sizes and strides (contiguous or not): a storage shrunk under a view
+    leaves the views that reach past its end to the Python path."""
+    from dispatchprobe.standards import statistics
+    base = torch.randn(16, 8)
+    views = [base[2:4], base[10:12], base[2:4].t(), base[10:12].t(), base[9:11, 1:3]]
+    base.untyped_storage().resize_(10 * 8 * 4)        # the first 10 rows stay
+    rows, left = fused_stats.window_row_lists(views, statistics.nonfinite_row)
+    assert left == [1, 3, 4]
+    for i in (0, 2):
+        assert rows[i] == pytest.approx(statistics.to_row(backend.tensor_stats([views[i]])[0], 16), rel=0, abs=0)
+    assert [r is None for r in rows] == [False, True, False, True, True]
+
+
 class _Sub(torch.Tensor):
     pass
 

@@ -139,35 +139,66 @@ def window_row_lists(values: list, nonfinite_row) -> tuple[list, list[int]]:
     float32 sums overflowed, subclasses, freed memory, ...; those values' indexes).  The rows
     stay Python numbers: a window's caller makes one tensor of them."""
     out: list = [None] * len(values)
-    taken = [i for i, t in enumerate(values) if _plain_in_memory(t)]
-    left = sorted(set(range(len(values))) - set(taken)) if len(taken) < len(values) else []
-    got = rows([values[i] for i in taken]) if taken else ()
+    desc: list = []
+    taken: list[int] = []
+    left: list[int] = []
+    for i, t in enumerate(values):
+        described = _in_memory_desc(t)
+        if described is None:
+            left.append(i)
+        else:
+            desc += described
+            taken.append(i)
+    got = described_rows(desc, len(taken)).tolist() if taken else []
+    sqrt = math.sqrt
     for k, i in enumerate(taken):
-        r = got[k * ROW:(k + 1) * ROW]
-        kind = r[0]
+        at = k * ROW
+        kind = got[at]
         if kind == FINITE:
-            out[i] = [r[1], r[2], r[3], math.sqrt(r[4]), 0.0, 0.0]
+            out[i] = [got[at + 1], got[at + 2], got[at + 3], sqrt(got[at + 4]), 0.0, 0.0]
         elif kind == NONFINITE:
+            r = got[at:at + ROW]
             out[i] = [float(v) for v in nonfinite_row(r[3], r[4], int(r[5]), int(r[6]), r[7], r[8], r[9], r[10])]
         else:
             left.append(i)
     return out, sorted(left)
 
 
-def _plain_in_memory(t) -> bool:
-    """A plain CPU tensor or parameter of a dtype the library reads, whose every element lies in
-    its storage's allocated bytes (not a storage freed to size 0 between uses, as FSDP2 does)."""
-    if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.dtype not in DTYPE_CODES or t.layout != torch.strided \
-            or not t.is_cpu or t.numel() == 0:
-        return False
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _in_memory_desc(t) -> tuple | None:
+    """What :func:`described_rows` reads of ``t`` (data pointer, dtype code, ndim, sizes, strides)
+    where it is a plain CPU tensor or parameter of a dtype the library reads, whose every element
+    lies in its storage's allocated bytes (not a storage freed to size 0 between uses, as FSDP2
+    does); else None.  Each fact is read once: a compiled window calls this for every value."""
+    if type(t) not in _PLAIN:
+        return None
+    code = DTYPE_CODES.get(t.dtype)
+    if code is None or t.layout != torch.strided or not t.is_cpu:
+        return None
+    shape = t.shape
     try:
         storage = t.untyped_storage()
-        if storage.data_ptr() == 0:
-            return False
-        last = t.storage_offset() + sum((k - 1) * s for k, s in zip(t.shape, t.stride()))
-        return min(t.stride(), default=0) >= 0 and (last + 1) * t.element_size() <= storage.nbytes()
+        base = storage.data_ptr()
+        if base == 0:
+            return None
+        ptr = t.data_ptr()                       # the storage offset's bytes are ptr - base
+        if t.is_contiguous():
+            size = t.nbytes
+            if size == 0 or ptr - base + size > storage.nbytes():
+                return None
+            stride = t.stride()
+        else:
+            stride = t.stride()
+            if 0 in shape or min(stride, default=0) < 0:
+                return None
+            last = sum((k - 1) * s for k, s in zip(shape, stride))
+            if ptr - base + (last + 1) * t.element_size() > storage.nbytes():
+                return None
     except (RuntimeError, NotImplementedError):
-        return False
+        return None
+    return (ptr, code, len(shape), *shape, *stride)
 
 
 def load():
