@@ -374,16 +374,42 @@ inline void halve_live(V* v, int n, int live) {
   }
 }
 
-// One vector column of a block (kTreeRows rows of kVector lanes, kTreeLanes apart): its rows'
-// sum and sum of squares by pairwise halving (row r + row r + 8 first), its max and min into hi
-// and lo.  A column at a time keeps the live vectors within the registers (the whole block's
-// 64 partial vectors at once spilled to the stack); the order of max and min does not matter.
+// The float32 lanes one register holds (AVX-512: 16, AVX: 8, else 4): a block's columns are
+// summed this wide, since a wider vector type than the registers is split into halves that
+// spill.  Every lane is summed alone, so the width does not change a sum.
+#if defined(__AVX512F__)
+constexpr int kNarrow = 16;
+#elif defined(__AVX__)
+constexpr int kNarrow = 8;
+#else
+constexpr int kNarrow = 4;
+#endif
+typedef float Narrow __attribute__((vector_size(kNarrow * sizeof(float))));
+typedef uint16_t NarrowHalf __attribute__((vector_size(kNarrow * sizeof(uint16_t))));
+typedef uint32_t NarrowBits __attribute__((vector_size(kNarrow * sizeof(uint32_t))));
+
+inline Narrow load_narrow(const float* p) {
+  Narrow v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline Narrow load_narrow(const uint16_t* p) {     // bfloat16: the high half of a float32
+  NarrowHalf h;
+  std::memcpy(&h, p, sizeof h);
+  return reinterpret_cast<Narrow>(__builtin_convertvector(h, NarrowBits) << 16);
+}
+
+// One column of a block (kTreeRows rows of kNarrow lanes, kTreeLanes apart): its rows' sum and
+// sum of squares by pairwise halving (row r + row r + 8 first), its max and min into hi and lo.
+// A column at a time keeps the live vectors within the registers (the whole block's partial
+// vectors at once spilled to the stack); the order of max and min does not matter.
 template <typename T>
-inline void tree_column(const T* __restrict q, Vec& sum, Vec& squares, Vec& hi, Vec& lo) {
-  Vec a[kTreeRows / 2], s[kTreeRows / 2], up[kTreeRows / 2], down[kTreeRows / 2];
+inline void tree_column(const T* __restrict q, Narrow& sum, Narrow& squares, Narrow& hi, Narrow& lo) {
+  Narrow a[kTreeRows / 2], s[kTreeRows / 2], up[kTreeRows / 2], down[kTreeRows / 2];
   for (int r = 0; r < kTreeRows / 2; ++r) {
-    const Vec x = load(q + r * kTreeLanes);
-    const Vec y = load(q + (r + kTreeRows / 2) * kTreeLanes);
+    const Narrow x = load_narrow(q + r * kTreeLanes);
+    const Narrow y = load_narrow(q + (r + kTreeRows / 2) * kTreeLanes);
     up[r] = y > x ? y : x;                          // nan compares false: never kept over a number
     down[r] = y < x ? y : x;
     a[r] = x + y;
@@ -406,14 +432,30 @@ inline void tree_column(const T* __restrict q, Vec& sum, Vec& squares, Vec& hi, 
 // its max and min into hi/lo.
 template <typename T>
 inline void tree_block(const T* __restrict q, Folded& sum, Folded& squares, Vec& hi_io, Vec& lo_io) {
-  Vec a[kVectors], s[kVectors];
-  Vec hi = hi_io, lo = lo_io;
-  for (int k = 0; k < kVectors; ++k) tree_column(q + k * kVector, a[k], s[k], hi, lo);
-  hi_io = hi;
-  lo_io = lo;
+  if constexpr (kNarrow == kVector) {       // one register a vector: the columns are its vectors
+    Vec a[kVectors], s[kVectors];
+    Vec hi = hi_io, lo = lo_io;
+    for (int k = 0; k < kVectors; ++k) tree_column(q + k * kVector, a[k], s[k], hi, lo);
+    hi_io = hi;
+    lo_io = lo;
+    // lanes 64 -> 32 -> 16: lane j + lane j + 32, then j + 16
+    sum = __builtin_convertvector((a[0] + a[2]) + (a[1] + a[3]), Folded);
+    squares = __builtin_convertvector((s[0] + s[2]) + (s[1] + s[3]), Folded);
+    return;
+  }
+  constexpr int kPieces = kTreeLanes / kNarrow, kPerVector = kVector / kNarrow;
+  Narrow a[kPieces], s[kPieces], hi[kPerVector], lo[kPerVector];
+  std::memcpy(hi, &hi_io, sizeof hi);
+  std::memcpy(lo, &lo_io, sizeof lo);
+  for (int k = 0; k < kPieces; ++k) tree_column(q + k * kNarrow, a[k], s[k], hi[k % kPerVector], lo[k % kPerVector]);
+  std::memcpy(&hi_io, hi, sizeof hi);
+  std::memcpy(&lo_io, lo, sizeof lo);
   // lanes 64 -> 32 -> 16: lane j + lane j + 32, then j + 16
-  sum = __builtin_convertvector((a[0] + a[2]) + (a[1] + a[3]), Folded);
-  squares = __builtin_convertvector((s[0] + s[2]) + (s[1] + s[3]), Folded);
+  Vec row[kVectors], sq[kVectors];
+  std::memcpy(row, a, sizeof a);
+  std::memcpy(sq, s, sizeof s);
+  sum = __builtin_convertvector((row[0] + row[2]) + (row[1] + row[3]), Folded);
+  squares = __builtin_convertvector((sq[0] + sq[2]) + (sq[1] + sq[3]), Folded);
 }
 
 // Reads the walk's values from sequence position `begin` on, a run at a time (a contiguous
