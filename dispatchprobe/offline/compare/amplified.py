@@ -22,7 +22,7 @@ import pandas as pd
 
 from ...standards import verdicts as V
 from ...standards.rounding import carried_bound
-from .parallel import Value, _params, score
+from .parallel import Value, param_specs, score
 
 
 def _array(part, key):
@@ -94,7 +94,7 @@ def explain(table: pd.DataFrame, run_a, run_b, step: int, rank: int) -> tuple[li
     na, nb = run_a.parts.get((step, rank)), run_b.parts.get((step, rank))
     if na is None or nb is None:
         return None
-    qa, qb = _params({rank: pa}), _params({rank: pb})
+    qa, qb = param_specs({rank: pa}), param_specs({rank: pb})
     values = {}
     for key in qa:
         if key[0] == "value" and key in qb and ("grad",) + key[1:] in qa and ("grad",) + key[1:] in qb:

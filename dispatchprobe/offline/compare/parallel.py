@@ -337,7 +337,7 @@ def _forward(parts: dict) -> tuple[dict, list, dict]:
     return common, list(first), {n: rec["scope"] for n, rec in first.items()}
 
 
-def _params(parts: dict) -> dict:
+def param_specs(parts: dict) -> dict:
     """(what, name, call) -> {rank: spec} of the parameter records."""
     out: dict = {}
     for r, p in parts.items():
@@ -455,7 +455,7 @@ def _step_rows(step: int, pa: dict, pb: dict, tensors: bool, problems: list, unp
         r["after_one_run_only"] = [text for _, text in sorted(r["after_one_run_only"])]
 
     # parameters: gradients as the optimizer read them, values after its step
-    qa, qb = _params(pa), _params(pb)
+    qa, qb = param_specs(pa), param_specs(pb)
     if not qa or not qb:
         unpaired.append(f"step {step}: no parameter records in run {'A and B' if not qa and not qb else 'A' if not qa else 'B'} (record with the "
                         "statistics or tensor task and parameters: true; the optimizer must step while the probe records)")
@@ -501,7 +501,7 @@ def optimizer_step(run_a, run_b, step: int, rank: int, tensors: bool = True) -> 
     pa, pb = run_a.parts.get((step, rank)), run_b.parts.get((step, rank))
     if pa is None or pb is None:
         return ""
-    qa, qb = _params({rank: pa}), _params({rank: pb})
+    qa, qb = param_specs({rank: pa}), param_specs({rank: pb})
     problems: list = []
     for key in [k for k in qa if k[0] == "value" and k in qb]:
         va, _ = assemble(qa[key], {rank: pa}, tensors, problems)
