@@ -80,17 +80,24 @@ typedef double Wide __attribute__((vector_size(kVector * sizeof(double))));
 typedef uint16_t Half __attribute__((vector_size(kVector * sizeof(uint16_t))));
 typedef uint32_t Bits __attribute__((vector_size(kVector * sizeof(uint32_t))));
 
-inline Vec load(const float* p) {
-  Vec v;
+// A vector of W float32 lanes from float32 or bfloat16 memory (bfloat16: the high half of a
+// float32); V, H and B are the float, uint16 and uint32 vector types of that width.
+template <class V, class H, class B>
+inline V load_lanes(const float* p) {
+  V v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
 
-inline Vec load(const uint16_t* p) {               // bfloat16: the high half of a float32
-  Half h;
+template <class V, class H, class B>
+inline V load_lanes(const uint16_t* p) {
+  H h;
   std::memcpy(&h, p, sizeof h);
-  return reinterpret_cast<Vec>(__builtin_convertvector(h, Bits) << 16);
+  return reinterpret_cast<V>(__builtin_convertvector(h, B) << 16);
 }
+
+template <class T>
+inline Vec load(const T* p) { return load_lanes<Vec, Half, Bits>(p); }
 
 // Two vectors of values at once: kVectors / 2 pairs cover a group of kLanes.  For bfloat16, one load
 // of 2 * kVector values interleaved with zeros (each value becomes the high half of a float32): in
@@ -388,17 +395,8 @@ typedef float Narrow __attribute__((vector_size(kNarrow * sizeof(float))));
 typedef uint16_t NarrowHalf __attribute__((vector_size(kNarrow * sizeof(uint16_t))));
 typedef uint32_t NarrowBits __attribute__((vector_size(kNarrow * sizeof(uint32_t))));
 
-inline Narrow load_narrow(const float* p) {
-  Narrow v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline Narrow load_narrow(const uint16_t* p) {     // bfloat16: the high half of a float32
-  NarrowHalf h;
-  std::memcpy(&h, p, sizeof h);
-  return reinterpret_cast<Narrow>(__builtin_convertvector(h, NarrowBits) << 16);
-}
+template <class T>
+inline Narrow load_narrow(const T* p) { return load_lanes<Narrow, NarrowHalf, NarrowBits>(p); }
 
 // One column of a block (kTreeRows rows of kNarrow lanes, kTreeLanes apart): its rows' sum and
 // sum of squares by pairwise halving (row r + row r + 8 first), its max and min into hi and lo.
