@@ -19,6 +19,7 @@ and compiled code) as the eager capture records them.
 from __future__ import annotations
 
 import ctypes
+import functools
 import sys
 import threading
 import time
@@ -508,24 +509,15 @@ def encode_script_object(value) -> dict:
     return {"type": "other", "repr": name or repr(value)[:200]}
 
 
-_reduce_names: dict = {}        # int(RedOpType) -> its name, read once
-_named_ops: dict = {}           # id(reduce op) -> (the op, its name): a call's op is named for its
-                                # ``collective`` field and again for its argument's record
+@functools.cache
+def _reduce_names(dist) -> dict:
+    """int(RedOpType) -> its name, read once."""
+    return {int(v): k for k, v in dist.ReduceOp.RedOpType.__members__.items()}
 
 
 def _reduce_op_value(value, dist):
     """The name of a ``ReduceOp`` script object (its ``op()`` is a TorchScript method call)."""
-    hit = _named_ops.get(id(value))
-    if hit is not None and hit[0] is value:
-        return hit[1]
     if not has_method(value, "op"):        # an older torch (2.5, 2.6) hides it: unknown, never judged
-        name = None
-    else:
-        if not _reduce_names:
-            _reduce_names.update({int(v): k for k, v in dist.ReduceOp.RedOpType.__members__.items()})
-        op = value.op()
-        name = _reduce_names.get(int(op), str(op))
-    if len(_named_ops) >= 64:           # the ops of the collectives in flight at most: a few
-        _named_ops.clear()
-    _named_ops[id(value)] = (value, name)
-    return name
+        return None
+    op = value.op()
+    return _reduce_names(dist).get(int(op), str(op))
