@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ..records.writer import json_line
+from ..records.writer import json_line, json_piece
 from .events import Handler, OpEvent, record_name
 
 def encode_plain(value, backend) -> dict:
@@ -78,6 +78,13 @@ class Recorder(Handler):
         self._waiting: list[dict] = []
         self._need: list[int] = []     # per waiting record: the rows read before it is complete
         self._unfilled: set[int] = set()     # ids of records reserved (reserve) and not yet filled
+        # records written from JSON pieces (_write_line): the backend's facts of a plain tensor, and
+        # per part the pieces of each tensor look, plain value, keyword and op's fields made once
+        self._line_facts = getattr(backend, "line_facts", None)
+        self._line_ready = False
+        self._looks: dict = {}
+        self._plain: dict = {}
+        self._heads: dict = {}
 
     # -- encoding --------------------------------------------------------------------------
     def _encode_value(self, found: list, value):
@@ -108,6 +115,9 @@ class Recorder(Handler):
                   stack, undefined, extra) -> None:
         """:meth:`on_op` of an op call given by its fields: a session whose one handler is the
         recorder (the recording tasks) makes no :class:`OpEvent` per op."""
+        if self._line_ready and not (stack or undefined or extra or self._waiting or self._row_stats) \
+                and self._write_line(op, stage, scope, call, grad_fn, args, kwargs, outputs):
+            return
         save = self.save_tensors
         same_of = OpEvent("op", op, stage, scope, call, args, kwargs, outputs, func=func) \
             if save and func is not None else None
@@ -145,6 +155,183 @@ class Recorder(Handler):
         if extra:
             record.update(extra)
         return record
+
+    def _write_line(self, op, stage, scope, call, grad_fn, args, kwargs, out) -> bool:
+        """:meth:`record_op`'s record, where records need only statistics, joined from JSON pieces
+        made once (each tensor look's description, plain values, the op's fields) around each
+        tensor's statistics: the bytes :func:`json_line` writes of :meth:`_record`'s dict, without
+        building it.  False, with nothing written, where a value is not such a piece (a tensor
+        the backend describes otherwise, a non-finite number): the general path then writes it."""
+        head = self._heads.get((op, stage, scope, grad_fn))
+        if head is None:
+            head = self._head(op, stage, scope, grad_fn)
+        if head is False:
+            return False
+        number = b"%d" % call
+        parts = [b'{"id":', b"", head[0], number, head[1], number, head[2]]
+        found: list = []      # (tensor, its statistics' holder, identity, dense key), as _fill_tensors takes
+        slots: list = []      # where each one's statistics go in parts
+        add = self._line_value
+        first = True
+        for v in args:
+            if not first:
+                parts.append(b",")
+            first = False
+            if not add(parts, found, slots, v):
+                return False
+        parts.append(b'],"kwargs":{')
+        if kwargs:
+            first = True
+            for k, v in kwargs.items():
+                key = self._plain.get((dict, k))
+                if key is None:
+                    key = json_piece(k)
+                    if key is None:
+                        return False
+                    key = self._plain[(dict, k)] = key + b":"
+                parts.append(key if first else b"," + key)
+                first = False
+                if not add(parts, found, slots, v):
+                    return False
+        if isinstance(out, (tuple, list)):
+            parts.append(b'},"output_type":"tuple","outputs":[' if isinstance(out, tuple)
+                         else b'},"output_type":"list","outputs":[')
+            first = True
+            for v in out:
+                if not first:
+                    parts.append(b",")
+                first = False
+                if not add(parts, found, slots, v):
+                    return False
+        else:
+            parts.append(b'},"output_type":"single","outputs":[')
+            if not add(parts, found, slots, out):
+                return False
+        parts.append(b"]}\n")
+        if found and not self._line_stats(found, slots, parts):
+            return False
+        parts[1] = b"%d" % self._next_id
+        self._lines.append_line(b"".join(parts))
+        self._next_id += 1
+        return True
+
+    def _line_stats(self, found: list, slots: list, parts: list) -> bool:
+        """The statistics' JSON of the tensors :meth:`_line_value` collected, put in their places
+        in ``parts``: :meth:`_fill_tensors`' cache, dense-key and measuring steps, each value's JSON
+        kept in its cache entry (``"json"``) so that a value's later records reuse it.  False where
+        one is not a :func:`json_piece` (no values, non-finite ones), after measuring them all."""
+        cache, dense_cache, alive = self._cache, self._dense, self.backend.memory_alive
+        missing = []
+        whole = True
+        for item, at in zip(found, slots):
+            t, _, ident, dense = item
+            hit = cache.get(ident)
+            if hit is not None and alive(hit[0]) and "stats" in hit[1]:
+                entry = hit[1]
+            else:
+                hit = dense_cache.get(dense) if dense is not None else None
+                if hit is None or not alive(hit[0]):
+                    missing.append((item, at))
+                    continue
+                # a reshape/transpose of measured memory has the same max/min/mean/norm
+                entry = {"stats": hit[1]["stats"]}
+                if "json" in hit[1]:
+                    entry["json"] = hit[1]["json"]
+                self._remember(t, entry, ident)
+            piece = entry.get("json")
+            if piece is None:
+                piece = json_piece(entry["stats"])
+                if piece is None:
+                    whole = False
+                    continue
+                entry["json"] = piece
+            parts[at] = piece
+        if missing:
+            stats = self.backend.tensor_stats([m[0][0] for m in missing], [m[0][2] for m in missing])
+            measured = self._measured
+            for ((t, _, ident, dense), at), st in zip(missing, stats):
+                piece = json_piece(st)
+                if piece is None:
+                    measured(t, {"stats": st}, ident, dense)
+                    whole = False
+                else:
+                    measured(t, {"stats": st, "json": piece}, ident, dense)
+                    parts[at] = piece
+        return whole
+
+    def _head(self, op, stage, scope, grad_fn):
+        """The JSON of a record's fields from ``"kind"`` to ``"inputs":[``, in three pieces around
+        the call index (written twice: in the name and as ``call``), or False where one is not a
+        :func:`json_piece`."""
+        pieces = [json_piece(x) for x in (op, stage, scope)]
+        fn = b"null" if grad_fn is None else json_piece(grad_fn)
+        if None in pieces or fn is None:
+            head = False
+        else:
+            o, st, sc = pieces
+            head = (b',"kind":"op","name":' + o[:-1] + b".",
+                    b"." + st[1:] + b',"op":' + o + b',"stage":' + st + b',"scope":' + sc + b',"call":',
+                    b',"grad_fn":' + fn + b',"stack":null,"inputs":[')
+        self._heads[(op, stage, scope, grad_fn)] = head
+        return head
+
+    def _line_value(self, parts: list, found: list, slots: list, v) -> bool:
+        """Append ``v``'s JSON pieces to ``parts`` (a tensor's statistics left as a place, filled by
+        :meth:`_write_line`, the tensor collected in ``found``); False where ``v`` takes the
+        general path."""
+        facts = self._line_facts(v)
+        if facts is not None:
+            ident, dense, look = facts
+            piece = self._looks.get(look)
+            if piece is None:
+                piece = json_piece(self.backend.meta_of(look))
+                if piece is None:
+                    return False
+                piece = self._looks[look] = piece[:-1] + b',"stats":'
+            parts.append(piece)
+            found.append((v, {}, ident, dense))
+            slots.append(len(parts))
+            parts.append(None)
+            parts.append(b"}")
+            return True
+        cls = type(v)
+        if cls is int or cls is str or cls is bool or v is None:
+            piece = self._plain.get((cls, v))
+            if piece is None:
+                piece = json_piece(encode_plain(v, self.backend))
+                if piece is None:
+                    return False
+                if len(self._plain) < 4096:
+                    self._plain[(cls, v)] = piece
+            parts.append(piece)
+            return True
+        if isinstance(v, (list, tuple)):
+            piece = self._plain.get((type, cls))
+            if piece is None:
+                piece = json_piece(cls.__name__)
+                if piece is None:
+                    return False
+                piece = self._plain[(type, cls)] = b'{"type":' + piece + b',"value":['
+            parts.append(piece)
+            first = True
+            for x in v:
+                if not first:
+                    parts.append(b",")
+                first = False
+                if not self._line_value(parts, found, slots, x):
+                    return False
+            parts.append(b"]}")
+            return True
+        if cls is Measured:
+            piece = json_piece(v.spec)
+        elif self._is_tensor(v):
+            return False
+        else:
+            piece = json_piece(encode_plain(v, self.backend))
+        if piece is None:
+            return False
+        parts.append(piece)
+        return True
 
     def _fill_found(self, found: list, undefined: set | None, save: bool, same: dict | None, defer: bool) -> None:
         """Statistics (and saved data) of the tensors :meth:`_encode_value` collected; those in
@@ -360,6 +547,10 @@ class Recorder(Handler):
         # a compiled graph's records are joined from JSON kept per graph (a writer with a descriptor)
         self._lines = self.part.ops if self.measures_only and self.part and hasattr(self.part.ops, "fd") else None
         self._next_id = 0
+        self._line_ready = self._lines is not None and self._line_facts is not None and self._inputs and self._outputs
+        self._looks.clear()
+        self._plain.clear()
+        self._heads.clear()
         self._cache.clear()
         self._spans.clear()
         self._dense.clear()

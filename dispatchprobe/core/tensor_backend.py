@@ -51,6 +51,9 @@ class TensorBackend(Protocol):
         """A key shared by the views showing the same elements of one memory (None: not dense)."""
     def describe(self, t: Tensor) -> tuple:
         """``(tensor_meta(t), identity(t), dense_key(t))``: the per-op path asks all at once."""
+    # optional: ``line_facts(value)`` -> ``(identity, dense key, look)`` of a plain tensor in host
+    # memory, else None, and ``meta_of(look)`` -> its tensor_meta: records whose tensors all have
+    # them are joined from JSON pieces made once per look (the recorder's _write_line)
     def memory_ref(self, t: Tensor):
         """A weak reference to the memory: keys are trusted only while it lives."""
     def cache_entry(self, ref, value) -> tuple:

@@ -33,6 +33,7 @@ try:  # serialises a record ~9x faster than the stdlib; every line still reads a
     import orjson as _orjson
     _ORJSON_OPTIONS = (_orjson.OPT_APPEND_NEWLINE | _orjson.OPT_PASSTHROUGH_SUBCLASS
                        | _orjson.OPT_PASSTHROUGH_DATACLASS | _orjson.OPT_PASSTHROUGH_DATETIME)
+    _PIECE_OPTIONS = _ORJSON_OPTIONS & ~_orjson.OPT_APPEND_NEWLINE
 except ImportError:  # pragma: no cover - a broken install: the stdlib still works
     _orjson = None
 
@@ -196,6 +197,20 @@ def json_line(obj: dict) -> bytes:
             if not nulls or nulls == _count_of(obj.values(), None) or _orjson.loads(line) == obj:
                 return line
     return (json.dumps(obj, separators=(",", ":"), default=str) + "\n").encode()
+
+
+def json_piece(obj) -> bytes | None:
+    """``obj``'s JSON for a line joined from pieces (no newline), or None where the joined line
+    might not be what :func:`json_line` writes of the whole record: orjson's bytes holding no
+    ``null``.  A line whose only nulls are its top-level ``None`` fields is written by
+    :func:`json_line` as orjson's bytes of the whole, which are its pieces' bytes joined."""
+    if _orjson is None:
+        return None
+    try:
+        piece = _orjson.dumps(obj, default=_refuse, option=_PIECE_OPTIONS)
+    except TypeError:
+        return None
+    return None if b"null" in piece else piece
 
 
 _APPEND = os.O_WRONLY | os.O_CREAT | os.O_APPEND | getattr(os, "O_CLOEXEC", 0)

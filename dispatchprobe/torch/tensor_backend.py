@@ -98,6 +98,17 @@ def _described_plain(t: torch.Tensor, cls) -> tuple | None:
     """:func:`describe` of a ``torch.Tensor`` or ``Parameter`` whose values are in allocated
     strided memory (what :func:`tensor_kinds.readable` accepts with a data pointer), or None
     for the general path (empty, no storage, other layouts, inference tensors)."""
+    facts = _plain_facts(t, cls)
+    if facts is None:
+        return None
+    ident, dense, look = facts
+    return meta_of(look), ident, dense
+
+
+def _plain_facts(t: torch.Tensor, cls) -> tuple | None:
+    """``(identity, dense key, look)`` of a tensor :func:`_described_plain` takes, each attribute
+    read once; ``look`` (sizes, strides, dtype, device, ``requires_grad``, whether a parameter or a
+    view of one) is what its record entry shows besides statistics (:func:`meta_of`)."""
     try:
         ptr = t.data_ptr()
         # tensor_kinds.version, its common case inline (no write unseen by a version counter)
@@ -106,21 +117,41 @@ def _described_plain(t: torch.Tensor, cls) -> tuple | None:
         return None
     if not ptr or t.layout is not _STRIDED:
         return None
-    dtype, device, shape, stride = t.dtype, t.device, t.shape, t.stride()
+    dtype, device, shape, stride = t.dtype, t.device, tuple(t.shape), t.stride()
+    # a parameter, or a view of one (_base: None)
+    look = shape, stride, dtype, device, t.requires_grad, cls is _PARAMETER or type(tensor_base(t)) is _PARAMETER
+    ident = ptr, shape, stride, dtype, device, version
+    n = t.numel()
+    if n and (t.is_contiguous() or _fills_block(t)):
+        return ident, (ptr, n, dtype, device, version), look
+    return ident, None, look
+
+
+def line_facts(v) -> tuple | None:
+    """:func:`_plain_facts` of ``v`` where it is a plain tensor or parameter in host memory (what
+    the recorder writes from cached JSON pieces), else None."""
+    cls = type(v)
+    if cls is not _TENSOR and cls is not _PARAMETER:
+        return None
+    facts = _plain_facts(v, cls)
+    if facts is None:
+        return None
+    device = facts[2][3]
+    on_host = _ON_HOST.get(device)
+    if on_host is None:
+        on_host = _ON_HOST[device] = device.type == "cpu"
+    return facts if on_host else None
+
+
+def meta_of(look: tuple) -> dict:
+    """The record's description of a tensor from its ``look`` (:func:`_plain_facts`)."""
+    shape, stride, dtype, device, requires_grad, param = look
     meta = {"type": "tensor", "dtype": _DTYPE_NAMES.get(dtype) or dtype_name(dtype), "shape": list(shape),
             "stride": list(stride), "device": _DEVICE_NAMES.get(device) or _device_name(device),
-            "requires_grad": t.requires_grad}
-    if cls is _PARAMETER or type(tensor_base(t)) is _PARAMETER:     # a parameter, or a view of one (_base: None)
+            "requires_grad": requires_grad}
+    if param:
         meta["param"] = True
-    shape = tuple(shape)
-    ident = ptr, shape, stride, dtype, device, version
-    if t.is_contiguous():
-        n = t.numel()
-        return meta, ident, ((ptr, n, dtype, device, version) if n else None)
-    n = t.numel()
-    if n and _fills_block(t):
-        return meta, ident, (ptr, n, dtype, device, version)
-    return meta, ident, None
+    return meta
 
 
 _TENSOR = torch.Tensor
