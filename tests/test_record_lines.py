@@ -1,4 +1,4 @@
-"""Records joined from JSON pieces (``Recorder._write_line``: each tensor look's description,
+"""Records joined from JSON pieces (``Recorder.record_line``: each tensor look's description,
 plain values and the op's fields made once, each value's statistics kept with its cache entry) are
 the lines ``records.writer.json_line`` writes of the record's dict, byte for byte: on PyTorch's
 OpInfo samples, on a transformers Llama trained with AdamW (in-place updates, parameter records),
@@ -27,7 +27,7 @@ def _same_lines(tmp_path, monkeypatch, run, **config) -> tuple[int, int]:
     """Run ``run(probe)`` with the pieces and with the dict's path only; the lines must be equal.
     Returns (records written from pieces, records)."""
     joined = []
-    write_line = Recorder._write_line
+    write_line = Recorder.record_line
 
     def counted(self, *args):
         done = write_line(self, *args)
@@ -37,7 +37,7 @@ def _same_lines(tmp_path, monkeypatch, run, **config) -> tuple[int, int]:
     out = []
     for pieces in (True, False):
         with monkeypatch.context() as m:
-            m.setattr(Recorder, "_write_line", counted if pieces else (lambda self, *args: False))
+            m.setattr(Recorder, "record_line", counted if pieces else (lambda self, *args: False))
             probe = DispatchProbe(task="statistics", dump_path=str(tmp_path / f"pieces{pieces}"), **config)
             run(probe)
             probe.close()

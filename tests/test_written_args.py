@@ -206,15 +206,23 @@ def _values(obj):
 
 def _reads(monkeypatch) -> list:
     """The shapes of the tensors the probe reads for statistics, as it reads them (every record
-    is made by the recorder: ``backend.tensor_stats`` sees every read)."""
+    is made by the recorder: ``backend.tensor_stats`` sees every read, ``backend.line_stats``
+    those of the records it joins from pieces)."""
     from dispatchprobe.torch import tensor_backend as backend
     reads = []
-    measure = backend.tensor_stats
+    measure, line = backend.tensor_stats, backend.line_stats
 
     def counted(tensors, keys=None):
         reads.extend(tuple(t.shape) for t in tensors)
         return measure(tensors, keys)
+
+    def counted_line(keys):
+        stats = line(keys)
+        if stats is not None:       # None: nothing the records take (the general path reads them)
+            reads.extend(key[1] for key in keys)
+        return stats
     monkeypatch.setattr(backend, "tensor_stats", counted)
+    monkeypatch.setattr(backend, "line_stats", counted_line)
     return reads
 
 

@@ -81,6 +81,7 @@ class Recorder(Handler):
         # records written from JSON pieces (_write_line): the backend's facts of a plain tensor, and
         # per part the pieces of each tensor look, plain value, keyword and op's fields made once
         self._line_facts = getattr(backend, "line_facts", None)
+        self._constants = getattr(backend, "CONSTANT_TYPES", ())
         self._line_ready = False
         self._looks: dict = {}
         self._plain: dict = {}
@@ -115,9 +116,6 @@ class Recorder(Handler):
                   stack, undefined, extra) -> None:
         """:meth:`on_op` of an op call given by its fields: a session whose one handler is the
         recorder (the recording tasks) makes no :class:`OpEvent` per op."""
-        if self._line_ready and not (stack or undefined or extra or self._waiting or self._row_stats) \
-                and self._write_line(op, stage, scope, call, grad_fn, args, kwargs, outputs):
-            return
         save = self.save_tensors
         same_of = OpEvent("op", op, stage, scope, call, args, kwargs, outputs, func=func) \
             if save and func is not None else None
@@ -156,12 +154,17 @@ class Recorder(Handler):
             record.update(extra)
         return record
 
-    def _write_line(self, op, stage, scope, call, grad_fn, args, kwargs, out) -> bool:
-        """:meth:`record_op`'s record, where records need only statistics, joined from JSON pieces
-        made once (each tensor look's description, plain values, the op's fields) around each
-        tensor's statistics: the bytes :func:`json_line` writes of :meth:`_record`'s dict, without
-        building it.  False, with nothing written, where a value is not such a piece (a tensor
-        the backend describes otherwise, a non-finite number): the general path then writes it."""
+    def record_line(self, op, stage, scope, call, grad_fn, args, kwargs, out) -> bool:
+        """:meth:`record_op` without stack, extra fields or uninitialised memory, where records need
+        only statistics: the record joined from JSON pieces made once (each tensor look's
+        description, plain values, the op's fields) around each tensor's statistics, the bytes
+        :func:`json_line` writes of :meth:`_record`'s dict, without building it.  Runs no
+        framework operation (the native statistics of finite host values only).  False, with
+        nothing written, where a value is not such a piece (a tensor the backend describes
+        otherwise, a non-finite number, one the native statistics do not read): then
+        :meth:`record_op` writes it."""
+        if not self._line_ready or self._waiting or self._row_stats:
+            return False
         head = self._heads.get((op, stage, scope, grad_fn))
         if head is None:
             head = self._head(op, stage, scope, grad_fn)
@@ -169,69 +172,72 @@ class Recorder(Handler):
             return False
         number = b"%d" % call
         parts = [b'{"id":', b"", head[0], number, head[1], number, head[2]]
-        found: list = []      # (tensor, its statistics' holder, identity, dense key), as _fill_tensors takes
-        slots: list = []      # where each one's statistics go in parts
+        found: list = []      # (tensor, identity, dense key, where its statistics go in parts)
         add = self._line_value
-        first = True
+        # each value is followed by a comma; the last one becomes the bracket closing its list
         for v in args:
-            if not first:
-                parts.append(b",")
-            first = False
-            if not add(parts, found, slots, v):
+            if not add(parts, found, v):
                 return False
-        parts.append(b'],"kwargs":{')
+            parts.append(b",")
+        if len(parts) > 7:
+            parts[-1] = b'],"kwargs":{'
+        else:
+            parts.append(b'],"kwargs":{')
         if kwargs:
-            first = True
+            keys = self._plain
             for k, v in kwargs.items():
-                key = self._plain.get((dict, k))
+                key = keys.get((dict, k))
                 if key is None:
                     key = json_piece(k)
                     if key is None:
                         return False
-                    key = self._plain[(dict, k)] = key + b":"
-                parts.append(key if first else b"," + key)
-                first = False
-                if not add(parts, found, slots, v):
+                    key = keys[(dict, k)] = key + b":"
+                parts.append(key)
+                if not add(parts, found, v):
                     return False
+                parts.append(b",")
+            parts.pop()
         if isinstance(out, (tuple, list)):
             parts.append(b'},"output_type":"tuple","outputs":[' if isinstance(out, tuple)
                          else b'},"output_type":"list","outputs":[')
-            first = True
+            at = len(parts)
             for v in out:
-                if not first:
-                    parts.append(b",")
-                first = False
-                if not add(parts, found, slots, v):
+                if not add(parts, found, v):
                     return False
+                parts.append(b",")
+            if len(parts) > at:
+                parts[-1] = b"]}\n"
+            else:
+                parts.append(b"]}\n")
         else:
             parts.append(b'},"output_type":"single","outputs":[')
-            if not add(parts, found, slots, out):
+            if not add(parts, found, out):
                 return False
-        parts.append(b"]}\n")
-        if found and not self._line_stats(found, slots, parts):
+            parts.append(b"]}\n")
+        if found and not self._line_stats(found, parts):
             return False
         parts[1] = b"%d" % self._next_id
         self._lines.append_line(b"".join(parts))
         self._next_id += 1
         return True
 
-    def _line_stats(self, found: list, slots: list, parts: list) -> bool:
+    def _line_stats(self, found: list, parts: list) -> bool:
         """The statistics' JSON of the tensors :meth:`_line_value` collected, put in their places
         in ``parts``: :meth:`_fill_tensors`' cache, dense-key and measuring steps, each value's JSON
         kept in its cache entry (``"json"``) so that a value's later records reuse it.  False where
-        one is not a :func:`json_piece` (no values, non-finite ones), after measuring them all."""
+        one is not a :func:`json_piece` (no values, non-finite ones) or the native statistics do
+        not read one."""
         cache, dense_cache, alive = self._cache, self._dense, self.backend.memory_alive
         missing = []
-        whole = True
-        for item, at in zip(found, slots):
-            t, _, ident, dense = item
+        for item in found:
+            t, ident, dense, at = item
             hit = cache.get(ident)
             if hit is not None and alive(hit[0]) and "stats" in hit[1]:
                 entry = hit[1]
             else:
                 hit = dense_cache.get(dense) if dense is not None else None
                 if hit is None or not alive(hit[0]):
-                    missing.append((item, at))
+                    missing.append(item)
                     continue
                 # a reshape/transpose of measured memory has the same max/min/mean/norm
                 entry = {"stats": hit[1]["stats"]}
@@ -242,22 +248,22 @@ class Recorder(Handler):
             if piece is None:
                 piece = json_piece(entry["stats"])
                 if piece is None:
-                    whole = False
-                    continue
+                    return False
                 entry["json"] = piece
             parts[at] = piece
         if missing:
-            stats = self.backend.tensor_stats([m[0][0] for m in missing], [m[0][2] for m in missing])
-            measured = self._measured
-            for ((t, _, ident, dense), at), st in zip(missing, stats):
-                piece = json_piece(st)
-                if piece is None:
-                    measured(t, {"stats": st}, ident, dense)
-                    whole = False
-                else:
-                    measured(t, {"stats": st, "json": piece}, ident, dense)
-                    parts[at] = piece
-        return whole
+            stats = self.backend.line_stats([m[1] for m in missing])
+            if stats is None:
+                return False
+            ref_of, pair_of = self.backend.line_memory_ref, self.backend.cache_entry
+            for (t, ident, dense, at), st in zip(missing, stats):
+                piece = json_piece(st)      # finite statistics: a piece
+                parts[at] = piece
+                pair = pair_of(ref_of(t), {"stats": st, "json": piece})
+                cache[ident] = pair
+                if dense is not None:
+                    dense_cache[dense] = pair
+        return True
 
     def _head(self, op, stage, scope, grad_fn):
         """The JSON of a record's fields from ``"kind"`` to ``"inputs":[``, in three pieces around
@@ -275,9 +281,9 @@ class Recorder(Handler):
         self._heads[(op, stage, scope, grad_fn)] = head
         return head
 
-    def _line_value(self, parts: list, found: list, slots: list, v) -> bool:
+    def _line_value(self, parts: list, found: list, v) -> bool:
         """Append ``v``'s JSON pieces to ``parts`` (a tensor's statistics left as a place, filled by
-        :meth:`_write_line`, the tensor collected in ``found``); False where ``v`` takes the
+        :meth:`_line_stats`, the tensor collected in ``found``); False where ``v`` takes the
         general path."""
         facts = self._line_facts(v)
         if facts is not None:
@@ -289,13 +295,14 @@ class Recorder(Handler):
                     return False
                 piece = self._looks[look] = piece[:-1] + b',"stats":'
             parts.append(piece)
-            found.append((v, {}, ident, dense))
-            slots.append(len(parts))
+            found.append((v, ident, dense, len(parts)))
             parts.append(None)
             parts.append(b"}")
             return True
         cls = type(v)
-        if cls is int or cls is str or cls is bool or v is None:
+        # values whose piece is cached: hashable, their JSON a function of type and value (not
+        # floats: 0.0 and -0.0 are equal keys)
+        if cls is int or cls is str or cls is bool or v is None or cls in self._constants:
             piece = self._plain.get((cls, v))
             if piece is None:
                 piece = json_piece(encode_plain(v, self.backend))
@@ -313,21 +320,22 @@ class Recorder(Handler):
                     return False
                 piece = self._plain[(type, cls)] = b'{"type":' + piece + b',"value":['
             parts.append(piece)
-            first = True
+            at = len(parts)
             for x in v:
-                if not first:
-                    parts.append(b",")
-                first = False
-                if not self._line_value(parts, found, slots, x):
+                if not self._line_value(parts, found, x):
                     return False
-            parts.append(b"]}")
+                parts.append(b",")
+            if len(parts) > at:
+                parts[-1] = b"]}"
+            else:
+                parts.append(b"]}")
             return True
         if cls is Measured:
             piece = json_piece(v.spec)
-        elif self._is_tensor(v):
-            return False
-        else:
+        elif cls is float or cls is complex:
             piece = json_piece(encode_plain(v, self.backend))
+        else:       # tensors the backend describes otherwise, objects whose entry may run code (repr)
+            return False
         if piece is None:
             return False
         parts.append(piece)

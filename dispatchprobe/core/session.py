@@ -355,11 +355,16 @@ class ProbeSession:
         frames = stack() if stack is not None and self.config.stack and stage == "forward" else None
         self.busy = True
         try:
-            with self._quiet():
-                if self._recorder_only:
+            if self._recorder_only:
+                # a record the recorder joins from pieces runs no framework operation: no own-work marker
+                if frames is None and not undefined and not extra \
+                        and self.recorder.record_line(op, stage, scope, call, grad_fn, args, kwargs, outputs):
+                    return None
+                with self._quiet():
                     self.recorder.record_op(op, stage, scope, call, args, kwargs, outputs, func=func, grad_fn=grad_fn,
                                             stack=frames, undefined=undefined or None, extra=extra)
-                    return None
+                return None
+            with self._quiet():
                 event = OpEvent("op", op, stage, scope, call, args, kwargs, outputs, grad_fn=grad_fn,
                                 stack=frames, func=func, undefined=undefined or None, extra=extra)
                 return self.dispatch(event)

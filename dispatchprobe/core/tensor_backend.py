@@ -51,9 +51,11 @@ class TensorBackend(Protocol):
         """A key shared by the views showing the same elements of one memory (None: not dense)."""
     def describe(self, t: Tensor) -> tuple:
         """``(tensor_meta(t), identity(t), dense_key(t))``: the per-op path asks all at once."""
-    # optional: ``line_facts(value)`` -> ``(identity, dense key, look)`` of a plain tensor in host
-    # memory, else None, and ``meta_of(look)`` -> its tensor_meta: records whose tensors all have
-    # them are joined from JSON pieces made once per look (the recorder's _write_line)
+    # optional, for records joined from JSON pieces (Recorder.record_line), running no framework
+    # operation: ``line_facts(value)`` -> ``(identity, dense key, look)`` of a plain tensor in host
+    # memory, else None; ``meta_of(look)`` -> its tensor_meta; ``line_stats(identities)`` -> their
+    # statistics, or None unless every value is finite and read natively; ``line_memory_ref(t)``;
+    # ``CONSTANT_TYPES``: argument types whose entry is a function of the value alone
     def memory_ref(self, t: Tensor):
         """A weak reference to the memory: keys are trusted only while it lives."""
     def cache_entry(self, ref, value) -> tuple:

@@ -252,6 +252,49 @@ def tensor_stats(tensors: list[torch.Tensor], keys: list | None = None) -> list[
     return out
 
 
+def line_stats(keys: list) -> list[dict] | None:
+    """:func:`tensor_stats` of the host tensors :func:`line_facts` described, from their identity
+    keys, where the native library reads them all and every value is finite, running no torch
+    operation (the recorder calls it outside the probe's own-work marker); None otherwise, for
+    the general path."""
+    if fused_stats.tree_rows is None:
+        return None
+    desc: list = []
+    numels = []
+    codes = _NATIVE_CODES
+    for ptr, shape, stride, dtype, _, _ in keys:
+        code = codes.get(dtype)
+        n = math.prod(shape)
+        if code is None or not n:
+            return None
+        desc += (ptr, code, len(shape), *shape, *stride)
+        numels.append(n)
+    flat = fused_stats.described_rows(desc, len(keys))
+    finite, sqrt = statistics.finite_record, math.sqrt
+    out = []
+    at = 0
+    for n in numels:
+        if flat[at] != _FINITE:
+            return None
+        out.append(finite(flat[at + 1], flat[at + 2], flat[at + 3], sqrt(flat[at + 4]), n))
+        at += _ROW
+    return out
+
+
+def line_memory_ref(t: torch.Tensor):
+    """:func:`memory_ref` of a tensor :func:`line_facts` described (readable, in host memory)."""
+    storage = t.untyped_storage()
+    if not _STORAGE_OBJECTS_KEPT:
+        return _StorageRef(storage)
+    ref = _MemoryRef(storage)
+    ref.ptr = storage.data_ptr()
+    return ref
+
+
+# arguments whose record entry is a function of their value alone, made without running anything
+CONSTANT_TYPES = (torch.dtype, torch.device, torch.layout, torch.memory_format)
+
+
 def _described_records(tensors: list[torch.Tensor], keys: list) -> list[dict] | None:
     """:func:`tensor_stats` of readable CPU tensors the native library reads, from their identity
     keys (data pointer, sizes, strides, dtype, device: what :func:`fused_stats.rows` reads) in one
