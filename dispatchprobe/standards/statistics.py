@@ -297,16 +297,20 @@ def judge_stats_columns(error: np.ndarray, dtypes, nonfinite_differs: np.ndarray
     pass_lim, err_lim = (np.array([per_dtype(f"statistics.{k}", d, "compare_standards") for d in uniques],
                                   dtype=np.float64)[codes] for k in ("pass", "error"))
     error = np.asarray(error, dtype=np.float64)
-    verdict = np.where(nonfinite_differs, ERROR, np.where(error > err_lim, ERROR, np.where(error > pass_lim, WARNING, PASS)))
-    reason = np.where(nonfinite_differs, "nan/inf counts differ", "").astype(object)
-    moved = np.flatnonzero((verdict != PASS) & ~np.asarray(nonfinite_differs, dtype=bool))
+    # 0 pass, 1 warning, 2 error; each row's verdict one of the three shared strings (a long run's
+    # table holds a row per tensor: no string of its own per row)
+    level = np.where(nonfinite_differs, 2, np.where(error > err_lim, 2, np.where(error > pass_lim, 1, 0)))
+    verdict = np.array([PASS, WARNING, ERROR], dtype=object)[level]
+    nonfinite = np.broadcast_to(np.asarray(nonfinite_differs, dtype=bool), level.shape)
+    reason = np.array(["", "nan/inf counts differ"], dtype=object)[nonfinite.astype(np.intp)]
+    moved = np.flatnonzero((level != 0) & ~nonfinite)
     if len(moved):   # the limit crossed (the error itself is the stats_err column), per distinct one
-        crossed = codes[moved] * 2 + (verdict[moved] == ERROR)
+        crossed = codes[moved] * 2 + (level[moved] == 2)
         kinds, inverse = np.unique(crossed, return_inverse=True)
         texts = [f"statistics differ: error > {per_dtype(f'statistics.{kind}', uniques[c], 'compare_standards'):g} "
                  f"({uniques[c]})" for c, kind in ((k // 2, "error" if k % 2 else "pass") for k in kinds)]
         reason[moved] = np.array(texts, dtype=object)[inverse.reshape(-1)]
-    return verdict.astype(object), reason
+    return verdict, reason
 
 
 def factorize(values) -> tuple[np.ndarray, list]:

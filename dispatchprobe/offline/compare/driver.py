@@ -54,18 +54,21 @@ class PartResult(NamedTuple):
 
 def compare_parts(part_a: Part, part_b: Part, match: str = "fuzzy", mapping: Mapping | None = None,
                   tensors: bool = True, translate: tuple = (None, None), framework: str | None = "torch",
-                  kernels: bool = False) -> PartResult:
+                  kernels: bool = False, texts: dict | None = None) -> PartResult:
     """Compare one step/rank part against another; ``translate``: each side's
     :class:`~dispatchprobe.offline.translate.Translation` into aten's vocabulary, or None;
     ``framework``: both parts' framework, whose replay re-runs ops in float64 to place an origin
     (None: decided on the recorded errors); ``kernels``: the runs' manifests say the same kernels
-    (:func:`.exact.same_kernels`: any statistics difference may count)."""
+    (:func:`.exact.same_kernels`: any statistics difference may count); ``texts``: the table's
+    repeated strings and shapes (names, scopes, dtypes), one object per value shared by the parts
+    given the same dict (a run of 1,000 steps repeats each step's), else each part's own."""
     with no_gc():
-        return _compare_parts(part_a, part_b, match, mapping or Mapping(), tensors, translate, framework, kernels)
+        return _compare_parts(part_a, part_b, match, mapping or Mapping(), tensors, translate, framework, kernels,
+                              {} if texts is None else texts)
 
 
 def _compare_parts(part_a: Part, part_b: Part, match: str, mapping: Mapping, tensors: bool, translate: tuple,
-                   framework: str | None, kernels: bool = False):
+                   framework: str | None, kernels: bool = False, texts: dict | None = None):
     recs_a, recs_b = (t.records(p.records) if t else p.records for t, p in zip(translate, (part_a, part_b)))
     if any(translate):   # two frameworks: aten copies of left-out layout primitives out, fused kernels vs pieces
         ta, tb = translate
@@ -104,6 +107,9 @@ def _compare_parts(part_a: Part, part_b: Part, match: str, mapping: Mapping, ten
     heads = []         # per pair with a tensor row: HEAD_FIELDS (stored once, not per tensor)
     empty: dict = {}
     by_ops: dict = {}   # (op A, op B, how) -> (same, overwritten): a few distinct keys over 100k pairs
+    # the table keeps one object per distinct text or shape, not the records' copies of it (which
+    # would outlive the records, per row)
+    keep = (texts if texts is not None else {}).setdefault
     for i, j, how in al.pairs:
         ra, rb = recs_a[i], recs_b[j]
         op_a, op_b = ra["op"], rb["op"]
@@ -118,7 +124,8 @@ def _compare_parts(part_a: Part, part_b: Part, match: str, mapping: Mapping, ten
                 op_traits.overwrites_first_input(op_a) or op_traits.overwrites_first_input(op_b))
         same, overwritten = known
         stack = None
-        head = (ra["stage"], ra["kind"], seq_a[i], ra["scope"], op_a, op_b, ra["name"], rb["name"],
+        head = (keep(ra["stage"], ra["stage"]), keep(ra["kind"], ra["kind"]), seq_a[i], keep(ra["scope"], ra["scope"]),
+                keep(op_a, op_a), keep(op_b, op_b), keep(ra["name"], ra["name"]), keep(rb["name"], rb["name"]),
                 ra["call"], rb["call"], how)
         tensor_pairs = pair_tensors(walks_a[i], walks_b[j], same, op_b if cross else "")
         h = len(heads)
@@ -128,6 +135,7 @@ def _compare_parts(part_a: Part, part_b: Part, match: str, mapping: Mapping, ten
             if stack is None:
                 frames = user_frames(part_a, ra) if ra.get("stack") is not None else []
                 stack = " | ".join(frames[-3:]) if frames else ""
+                stack = keep(stack, stack)
             sta, stb = sa.get("stats") or empty, sb.get("stats") or empty
             try:       # the usual statistics: all six keys, read in one call
                 na, ia, xa, mia, mea, noa = _STAT_VALUES(sta)
@@ -138,7 +146,8 @@ def _compare_parts(part_a: Part, part_b: Part, match: str, mapping: Mapping, ten
             except (KeyError, TypeError):
                 nb, ib, xb, mib, meb, nob = map(stb.get, _STAT_KEYS)
             # TENSOR_FIELDS, in order (a plain tuple: the hot loop)
-            append((h, io, arg, sa["dtype"], sb["dtype"], tuple(sa["shape"]), tuple(sb["shape"]),
+            da, db, ha, hb = sa["dtype"], sb["dtype"], tuple(sa["shape"]), tuple(sb["shape"])
+            append((h, io, arg, keep(da, da), keep(db, db), keep(ha, ha), keep(hb, hb),
                     na, nb, ia, ib, sa.get("checksum"), sb.get("checksum"), sa.get("data"), sb.get("data"),
                     bool(und_a) and id(sa) in und_a, bool(und_b) and id(sb) in und_b,
                     lin_a(id(sa), -1) if lin_a else -1, lin_b(id(sb), -1) if lin_b else -1, id(sa), id(sb),
@@ -254,12 +263,12 @@ def _transposed(rows: list, width: int, chunk: int = 1024) -> list:
     return cols
 
 
-def _worker(args):
+def _worker(args, texts: dict | None = None):
     path_a, key_a, path_b, key_b, match, mapping, tensors, translate, framework, kernels = args
     with no_gc():     # the collector runs again once the parts' records are gone (a full pass over them: ~1 s per 100k ops)
         part_a, part_b = Part(path_a, *key_a), Part(path_b, *key_b)
         result = compare_parts(part_a, part_b, match=match, mapping=mapping, tensors=tensors, translate=translate,
-                               framework=framework, kernels=kernels)
+                               framework=framework, kernels=kernels, texts=texts)
         del part_a, part_b
     return result
 
@@ -333,14 +342,15 @@ def _merge(results: list, run_a, run_b, jobs_list: list, problems: list, framewo
     """One table and one verdict from the parts' results (in ``jobs_list`` order); the reports."""
     tables, unmatched, divs, aligned = [], [], [], np.zeros(3, np.int64)
     pairing = PairingShare(frameworks)
-    for res in results:
+    for k, res in enumerate(results):
         tables.append(res.rows)
+        results[k] = res._replace(rows=None)    # the tables are joined (and freed) below
         unmatched.append(res.unmatched)
         problems.extend(res.problems)
         divs.extend(res.divergences)
         aligned += res.aligned
         pairing.add(res.pairing)
-    table = pd.concat(tables, ignore_index=True) if tables else pd.DataFrame(columns=COLUMNS)
+    table = _joined(tables) if tables else pd.DataFrame(columns=COLUMNS)
     um = pd.concat(unmatched, ignore_index=True) if unmatched else pd.DataFrame(columns=UNMATCHED_COLUMNS + ["explained"])
     um["is_cast"] = um["is_cast"].astype(bool)
     if jobs_list[0][0] != jobs_list[0][1] and len(jobs_list) == 1:
@@ -357,8 +367,8 @@ def _merge(results: list, run_a, run_b, jobs_list: list, problems: list, framewo
                       parts=[k for k, _ in jobs_list], aligned=share,
                       same_run=_same_folder(run_a, run_b, jobs_list), departures=departures, pairing=pairing,
                       explained=explained, below_floor=(below, STATS_NOISE))
-    table = table.drop(columns=["uid", "data_a", "data_b", "checksum_a", "checksum_b"], errors="ignore")
-    table = table[[c for c in COLUMNS if c in table.columns]]
+    # the reported columns, in order (the arrays as they are: a copy would hold the table twice)
+    table = pd.DataFrame({c: table[c] for c in COLUMNS if c in table.columns}, copy=False)
     if out:
         from ..report import write_reports
         verdict.report = write_reports(out, table, verdict, run_a.manifest, run_b.manifest, metric=metric,
@@ -374,6 +384,27 @@ def _merge(results: list, run_a, run_b, jobs_list: list, problems: list, framewo
                              + (f" (partial report: {verdict.report})" if verdict.report else ""),
                              Result(table, verdict))
     return Result(table, verdict)
+
+
+def _joined(tables: list) -> pd.DataFrame:
+    """``pd.concat(tables, ignore_index=True)`` a column at a time, each column taken out of the
+    parts' tables once joined: the parts and the whole are never both held in full (a long run's
+    parts are most of compare's memory)."""
+    columns = list(tables[0].columns)
+    if any(list(t.columns) != columns for t in tables[1:]):
+        return pd.concat(tables, ignore_index=True)
+    parts = {name: [t[name] for t in tables] for name in columns}
+    tables.clear()      # the parts' frames go; each column's pieces go once it is joined
+    joined = {}
+    for name in columns:
+        pieces = parts.pop(name)
+        dtypes = {p.dtype for p in pieces}
+        if len(dtypes) == 1 and isinstance(pieces[0].dtype, np.dtype):   # what pandas joins them to, at once
+            joined[name] = np.concatenate([p.to_numpy() for p in pieces])
+        else:
+            joined[name] = pd.concat(pieces, ignore_index=True)
+        del pieces
+    return pd.DataFrame(joined, copy=False)
 
 
 def _amplified(table: pd.DataFrame, divs: list, run_a, run_b) -> list:
@@ -521,8 +552,9 @@ def _run_tasks(tasks, jobs: int, progress: bool):
                 if bar:
                     bar.update()
     else:
+        texts: dict = {}    # the parts' tables share their strings and shapes (compare_parts)
         for k, t in enumerate(tasks):
-            results[k] = _worker(t)
+            results[k] = _worker(t, texts)
             if bar:
                 bar.update()
     if bar:
