@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 #ifdef _OPENMP
 #include <omp.h>
@@ -398,23 +399,121 @@ typedef uint32_t NarrowBits __attribute__((vector_size(kNarrow * sizeof(uint32_t
 template <class T>
 inline Narrow load_narrow(const T* p) { return load_lanes<Narrow, NarrowHalf, NarrowBits>(p); }
 
+// How a column's lanes take their values: kInOrder, kNarrow values one after another; kEven and
+// kOdd (bfloat16, little-endian), the even and the odd ones of 2 * kNarrow values, each lane from
+// one 32-bit word holding two values: shifted up or masked, one operation, where widening kNarrow
+// values in order takes two (a shuffle and a shift).  in_order puts such a pair back in order.
+enum Lanes { kInOrder, kEven, kOdd };
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+constexpr bool kPairedHalves = true;
+#else
+constexpr bool kPairedHalves = false;
+#endif
+
+template <Lanes L, class T>
+inline Narrow column_load(const T* p) {
+  if constexpr (L == kInOrder) {
+    return load_narrow(p);
+  } else {
+    NarrowBits bits;
+    std::memcpy(&bits, p, sizeof bits);
+    return reinterpret_cast<Narrow>(L == kEven ? bits << 16 : bits & 0xffff0000u);
+  }
+}
+
+// The kEven and kOdd columns of the same 2 * kNarrow values, as the two kInOrder columns of them.
+inline void in_order(Narrow& even, Narrow& odd) {
+#if defined(__AVX512F__)
+#define DP_FIRST 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23
+#define DP_SECOND 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31
+#elif defined(__AVX__)
+#define DP_FIRST 0, 8, 1, 9, 2, 10, 3, 11
+#define DP_SECOND 4, 12, 5, 13, 6, 14, 7, 15
+#else
+#define DP_FIRST 0, 4, 1, 5
+#define DP_SECOND 2, 6, 3, 7
+#endif
+#if defined(__clang__) || __GNUC__ >= 12
+  const Narrow first = __builtin_shufflevector(even, odd, DP_FIRST);
+  const Narrow second = __builtin_shufflevector(even, odd, DP_SECOND);
+#else
+  const NarrowBits first_mask{DP_FIRST}, second_mask{DP_SECOND};
+  const Narrow first = __builtin_shuffle(even, odd, first_mask);
+  const Narrow second = __builtin_shuffle(even, odd, second_mask);
+#endif
+#undef DP_FIRST
+#undef DP_SECOND
+  even = first;
+  odd = second;
+}
+
+// What a block prefetches while it is summed (tree_block): nothing, the block kNearBlocks on into
+// the first-level cache, or that and the block kFarBlocks on into the second level.  Lines
+// prefetched with the columns (no loop of their own) kept cached tensors fast; the far block
+// keeps tensors read from main memory as fast as one loop prefetching the next block ahead.
+enum { kNone = 0, kNear = 1, kFar = 2 };
+constexpr int64_t kNearBlocks = 1, kFarBlocks = 4;
+
+// x + y computed as fma(x, one, y) where the build has fused multiply-adds (`one` holds 1.0 in
+// every lane): x * 1 is exact, so the one rounding is the sum's, the same bits as x + y.  AMD's
+// cores (Zen) add, compare and take max and min on two pipes and multiply on two others; a
+// block's max, min and sums all on the adding pipes left the multiplying ones mostly idle.  On
+// cores that do both on the same pipes it changes nothing.
+inline Narrow add_as_fma(Narrow x, Narrow y, Narrow one) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<Narrow>(_mm512_fmadd_ps(reinterpret_cast<__m512>(x), reinterpret_cast<__m512>(one),
+                                                  reinterpret_cast<__m512>(y)));
+#elif defined(__AVX__) && defined(__FMA__)
+  return reinterpret_cast<Narrow>(_mm256_fmadd_ps(reinterpret_cast<__m256>(x), reinterpret_cast<__m256>(one),
+                                                  reinterpret_cast<__m256>(y)));
+#else
+  (void)one;
+  return x + y;
+#endif
+}
+
+// A vector of 1.0 the compiler cannot see through, so that it keeps add_as_fma a multiply-add
+// (it would otherwise turn fma(x, 1, y) back into an add).
+inline Narrow opaque_one() {
+  Narrow one = Narrow{} + 1.0f;
+#if defined(__AVX512F__)
+  asm("" : "+v"(one));
+#elif defined(__AVX__)
+  asm("" : "+x"(one));
+#endif
+  return one;
+}
+
 // One column of a block (kTreeRows rows of kNarrow lanes, kTreeLanes apart): its rows' sum and
 // sum of squares by pairwise halving (row r + row r + 8 first), its max and min into hi and lo.
 // A column at a time keeps the live vectors within the registers (the whole block's partial
-// vectors at once spilled to the stack); the order of max and min does not matter.
-template <typename T>
-inline void tree_column(const T* __restrict q, Narrow& sum, Narrow& squares, Narrow& hi, Narrow& lo) {
+// vectors at once spilled to the stack); the order of max and min does not matter.  The first
+// level's additions and the squares' halving go to the multiply-add pipes (add_as_fma), the
+// sums' halving stays with max and min: about as many operations on each pair of pipes.
+template <int Ahead, Lanes L = kInOrder, typename T>
+inline void tree_column(const T* __restrict q, const T* ahead, Narrow& sum, Narrow& squares, Narrow& hi, Narrow& lo,
+                        Narrow one) {
   Narrow a[kTreeRows / 2], s[kTreeRows / 2], up[kTreeRows / 2], down[kTreeRows / 2];
   for (int r = 0; r < kTreeRows / 2; ++r) {
-    const Narrow x = load_narrow(q + r * kTreeLanes);
-    const Narrow y = load_narrow(q + (r + kTreeRows / 2) * kTreeLanes);
+    if constexpr (Ahead >= kNear) {
+      __builtin_prefetch(ahead + r * kTreeLanes, 0, 3);
+      __builtin_prefetch(ahead + (r + kTreeRows / 2) * kTreeLanes, 0, 3);
+    }
+    if constexpr (Ahead >= kFar) {
+      const T* far = ahead + (kFarBlocks - kNearBlocks) * kTreeBlock;
+      __builtin_prefetch(far + r * kTreeLanes, 0, 2);
+      __builtin_prefetch(far + (r + kTreeRows / 2) * kTreeLanes, 0, 2);
+    }
+    const Narrow x = column_load<L>(q + r * kTreeLanes);
+    const Narrow y = column_load<L>(q + (r + kTreeRows / 2) * kTreeLanes);
     up[r] = y > x ? y : x;                          // nan compares false: never kept over a number
     down[r] = y < x ? y : x;
-    a[r] = x + y;
-    s[r] = x * x + y * y;                           // each square rounded (no fused multiply-add)
+    a[r] = add_as_fma(x, y, one);
+    s[r] = add_as_fma(x * x, y * y, one);           // each square rounded before it is added
   }
   halve(a, kTreeRows / 2);
-  halve(s, kTreeRows / 2);
+  for (int h = kTreeRows / 4; h >= 1; h /= 2)     // halve(s), on the multiply-add pipes
+    for (int r = 0; r < h; ++r) s[r] = add_as_fma(s[r], s[r + h], one);
   for (int h = kTreeRows / 4; h >= 1; h /= 2)
     for (int r = 0; r < h; ++r) {
       up[r] = up[r + h] > up[r] ? up[r + h] : up[r];
@@ -427,25 +526,38 @@ inline void tree_column(const T* __restrict q, Narrow& sum, Narrow& squares, Nar
 }
 
 // One whole block of float32 values (or bfloat16 bits) at q: its folded sums and squares, and
-// its max and min into hi/lo.
-template <typename T>
-inline void tree_block(const T* __restrict q, Folded& sum, Folded& squares, Vec& hi_io, Vec& lo_io) {
-  if constexpr (kNarrow == kVector) {       // one register a vector: the columns are its vectors
-    Vec a[kVectors], s[kVectors];
-    Vec hi = hi_io, lo = lo_io;
-    for (int k = 0; k < kVectors; ++k) tree_column(q + k * kVector, a[k], s[k], hi, lo);
-    hi_io = hi;
-    lo_io = lo;
-    // lanes 64 -> 32 -> 16: lane j + lane j + 32, then j + 16
-    sum = __builtin_convertvector((a[0] + a[2]) + (a[1] + a[3]), Folded);
-    squares = __builtin_convertvector((s[0] + s[2]) + (s[1] + s[3]), Folded);
-    return;
-  }
+// its max and min into hi/lo.  Meanwhile the block at `ahead` (kNearBlocks on) is prefetched
+// into the first-level cache (Ahead >= kNear), and the one kFarBlocks on into the second level
+// (Ahead == kFar): a cache line of each with each column that starts one, no loop of their own.
+template <int Ahead, typename T>
+inline void tree_block(const T* __restrict q, const T* ahead, Folded& sum, Folded& squares, Vec& hi_io, Vec& lo_io) {
   constexpr int kPieces = kTreeLanes / kNarrow, kPerVector = kVector / kNarrow;
+  constexpr int kLine = 64 / (kNarrow * sizeof(T));        // columns per cache line (at least 1)
+  static_assert(kLine >= 1 && kPieces % kLine == 0, "a column is at most a cache line");
   Narrow a[kPieces], s[kPieces], hi[kPerVector], lo[kPerVector];
   std::memcpy(hi, &hi_io, sizeof hi);
   std::memcpy(lo, &lo_io, sizeof lo);
-  for (int k = 0; k < kPieces; ++k) tree_column(q + k * kNarrow, a[k], s[k], hi[k % kPerVector], lo[k % kPerVector]);
+  const Narrow one = opaque_one();
+  if constexpr (std::is_same_v<T, uint16_t> && kPairedHalves) {   // bfloat16: columns in even/odd pairs
+    for (int k = 0; k < kPieces; k += 2) {
+      const T* pair = q + k * kNarrow;
+      if ((k * kNarrow * sizeof(T)) % 64 == 0)
+        tree_column<Ahead, kEven>(pair, ahead + k * kNarrow, a[k], s[k], hi[k % kPerVector], lo[k % kPerVector], one);
+      else
+        tree_column<kNone, kEven>(pair, ahead, a[k], s[k], hi[k % kPerVector], lo[k % kPerVector], one);
+      tree_column<kNone, kOdd>(pair, ahead, a[k + 1], s[k + 1], hi[(k + 1) % kPerVector], lo[(k + 1) % kPerVector],
+                               one);
+      in_order(a[k], a[k + 1]);
+      in_order(s[k], s[k + 1]);
+    }
+  } else {
+    for (int k = 0; k < kPieces; k += kLine) {
+      tree_column<Ahead>(q + k * kNarrow, ahead + k * kNarrow, a[k], s[k], hi[k % kPerVector], lo[k % kPerVector], one);
+      for (int j = 1; j < kLine; ++j)
+        tree_column<kNone>(q + (k + j) * kNarrow, ahead, a[k + j], s[k + j], hi[(k + j) % kPerVector],
+                           lo[(k + j) % kPerVector], one);
+    }
+  }
   std::memcpy(&hi_io, hi, sizeof hi);
   std::memcpy(&lo_io, lo, sizeof lo);
   // lanes 64 -> 32 -> 16: lane j + lane j + 32, then j + 16
@@ -509,8 +621,8 @@ struct NoBlock {
 };
 
 // Chunk c of the walk's values (kTreeChunk values from c * kTreeChunk, fewer at the end).  A flat
-// walk's next block is prefetched while one is summed (the hardware's prefetcher alone left the
-// sums at a third of memory's speed); on_block(q, first, m) is called with each block of a flat
+// walk's blocks ahead are prefetched while one is summed (tree_block; the hardware's prefetcher
+// alone left the sums at a third of memory's speed); on_block(q, first, m) is called with each block of a flat
 // walk (m values at q, the first-th of the tensor) after it is summed, while it is in cache.
 template <typename T, typename OnBlock = NoBlock>
 TreeChunk tree_chunk(const T* p, const Walk& w, int64_t c, OnBlock&& on_block = OnBlock{}) {
@@ -525,11 +637,13 @@ TreeChunk tree_chunk(const T* p, const Walk& w, int64_t c, OnBlock&& on_block = 
     const int64_t m = std::min(n - b * kTreeBlock, kTreeBlock);
     if (m == kTreeBlock && w.flat) {
       const T* q = p + begin + b * kTreeBlock;
-      if (begin + (b + 2) * kTreeBlock <= w.count) {      // the next block, also past this chunk
-        const char* ahead = reinterpret_cast<const char*>(q + kTreeBlock);
-        for (size_t l = 0; l < kTreeBlock * sizeof(T); l += 64) __builtin_prefetch(ahead + l);
-      }
-      tree_block(q, sums[b], squares[b], hi, lo);
+      const int64_t after = w.count - (begin + (b + 1) * kTreeBlock);   // values after this block
+      if (after >= kFarBlocks * kTreeBlock)                              // also past this chunk
+        tree_block<kFar>(q, q + kNearBlocks * kTreeBlock, sums[b], squares[b], hi, lo);
+      else if (after >= kNearBlocks * kTreeBlock)
+        tree_block<kNear>(q, q + kNearBlocks * kTreeBlock, sums[b], squares[b], hi, lo);
+      else
+        tree_block<kNone>(q, q, sums[b], squares[b], hi, lo);
       on_block(q, begin + b * kTreeBlock, m);
       continue;
     }
@@ -542,11 +656,12 @@ TreeChunk tree_chunk(const T* p, const Walk& w, int64_t c, OnBlock&& on_block = 
       cursor.copy(staged, m);
     }
     if (m == kTreeBlock) {
-      tree_block(static_cast<const float*>(staged), sums[b], squares[b], hi, lo);
+      tree_block<kNone>(static_cast<const float*>(staged), static_cast<const float*>(staged), sums[b], squares[b], hi, lo);
       continue;
     }
     Vec unused_hi = hi, unused_lo = lo;             // max and min of the m values only
-    tree_block(static_cast<const float*>(staged), sums[b], squares[b], unused_hi, unused_lo);
+    tree_block<kNone>(static_cast<const float*>(staged), static_cast<const float*>(staged), sums[b], squares[b],
+                      unused_hi, unused_lo);
     for (int64_t i = 0; i < m; ++i) {
       const float v = staged[i];
       out.hi = v > out.hi ? v : out.hi;
