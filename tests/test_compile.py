@@ -964,6 +964,68 @@ print(json.dumps({**counters["inductor"], **counters["aot_autograd"]}))
 """
 
 
+def _schedules(monkeypatch) -> list:
+    """The schedules the probe's graphs are compiled with, as (the probe's?, ends the kernel?) per
+    scheduled node, noted from the real placement as inductor compiles."""
+    from dispatchprobe.torch.internals import inductor as internals
+    noted: list = []
+    placed = internals.placed_apart
+
+    def noting(nodes, ours):
+        out = placed(nodes, ours)
+        if out is not None:
+            noted.append([(bool(ours(n)), internals._ends_kernel(n)) for n in out])
+        return out
+    monkeypatch.setattr(internals, "placed_apart", noting)
+    return noted
+
+
+def test_probe_calls_run_where_the_users_kernels_end(tmp_path, monkeypatch):
+    """The probe's windows and its own kernels run right after an extern call of the user's (a
+    matrix product) or after the user's last node, never between two of the user's nodes that the
+    C++ backend generates as one kernel: the user's kernels are generated as without the probe."""
+    schedules = _schedules(monkeypatch)
+    torch.manual_seed(0)
+    model = TinyTransformer(vocab=64, dim=32, heads=2, layers=2, seq=16)
+    tokens, targets = lm_batch(batch=2, seq=16, vocab=64)
+    backend = probe_backend(task="statistics", dump_path=str(tmp_path / "c"))
+    with torch._functorch.config.patch(enable_autograd_cache=False), torch._inductor.config.patch(fx_graph_cache=False):
+        lm_loss(torch.compile(model, backend=backend), tokens, targets).backward()
+    backend.close()
+    assert len(schedules) >= 2 and all(any(o for o, _ in s) for s in schedules)
+    for schedule in schedules:        # (after the user's last node they split nothing)
+        last = max(i for i, (ours, _) in enumerate(schedule) if not ours)
+        for (ours_before, ends_before), (ours, _) in zip(schedule[:last], schedule[1:last]):
+            assert not ours or ours_before or ends_before, schedule
+    assert {r["stage"] for r in _ops(tmp_path / "c")} == {"forward", "backward"}
+
+
+def test_probe_calls_wait_a_bounded_while_without_matrix_products(tmp_path, monkeypatch):
+    """A graph without extern calls still reads its values as it goes (a window waits a bounded
+    number of nodes for a kernel's end), and records what the same graph run eagerly records."""
+    schedules = _schedules(monkeypatch)
+
+    def f(x):
+        for i in range(40):
+            x = torch.sin(x * (1.0 + i / 64)) + x.mean(dim=0)
+        return x
+
+    x = torch.randn(64, 256)
+    stats = []
+    for inner in ("inductor", "aot_eager"):
+        backend = probe_backend(task="statistics", dump_path=str(tmp_path / inner), inner=inner)
+        with torch._functorch.config.patch(enable_autograd_cache=False), torch._inductor.config.patch(fx_graph_cache=False):
+            torch.compile(f, backend=backend)(x)
+        backend.close()
+        stats.append([(r["op"], r["outputs"][0]["stats"]["max"]) for r in _ops(tmp_path / inner) if r["op"] == "aten.sin.default"])
+    assert len(stats[0]) == 40 and [op for op, _ in stats[0]] == [op for op, _ in stats[1]]
+    assert all(a == pytest.approx(b, rel=1e-5) for (_, a), (_, b) in zip(*stats))
+    schedule = schedules[-1]
+    first_user = next(i for i, (o, _) in enumerate(schedule) if not o)
+    last_user = max(i for i, (o, _) in enumerate(schedule) if not o)
+    assert any(o for o, _ in schedule[first_user:last_user]), "every read waited for the end of the graph"
+
+
 def test_probe_graphs_come_from_the_caches_and_record_the_same(tmp_path):
     """A rerun of a script (a new process, the same torch cache dir) gets the probe's forward and
     backward graphs from the AOTAutograd and FX graph caches, with their record templates (kept as

@@ -40,7 +40,8 @@ def source_digest() -> str:
     """The code a cached graph's templates come from (the pass, how it encodes values)."""
     here = pathlib.Path(__file__).resolve().parent
     files = sorted(str(p) for p in here.glob("*.py"))
-    files += [str(here.parent / "ops.py"), str(here.parent / "tensor_backend.py"), str(here.parent.parent / "core" / "recorder.py")]
+    files += [str(here.parent / "ops.py"), str(here.parent / "tensor_backend.py"), str(here.parent.parent / "core" / "recorder.py"),
+              str(here.parent / "internals" / "inductor.py")]     # the lowering and schedule the pass's code comes from
     return inductor.hash_of_files(tuple(files)).hex()
 
 

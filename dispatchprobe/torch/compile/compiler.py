@@ -219,7 +219,11 @@ def unseen_by_lowering(instrument):
     the pass's nodes (values stored only to be read, a window's rows) are never fused with the
     user's: fused in, a store changes how the user's kernel is generated (a loop nest with one
     more store that inductor cannot vectorise computes its ``sin``/``cos`` with the scalar
-    functions, which differ from the vectorised ones in the last bit)."""
+    functions, which differ from the vectorised ones in the last bit).  And the scheduler orders
+    the user's nodes as without the pass's, which run right after an extern call of the user's (a
+    matrix product), where inductor ends the C++ kernel it generates anyway: a window's call
+    between two of the user's nodes would split their kernel in two, and the layers of a model
+    would get kernels of different code, each compiled on its own."""
     GraphLowering, Scheduler = inductor.lowering_classes()
     run_node = GraphLowering.run_node
     can_fuse = Scheduler.can_fuse
@@ -257,7 +261,8 @@ def unseen_by_lowering(instrument):
     GraphLowering.run_node = lowering_run_node
     Scheduler.can_fuse = apart
     try:
-        yield
+        with inductor.scheduled_apart(lambda node: _made_by(node, ours_made)):
+            yield
     finally:
         GraphLowering.run_node = run_node
         Scheduler.can_fuse = can_fuse

@@ -12,7 +12,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 __all__ = ["CustomGraphPass", "compile_fx", "compile_fx_inner", "config", "select_decomp_table", "hash_of_files",
            "cache_dir", "fx_graph_cache_key", "fx_cache_loads", "lowering_classes", "realize_if_boxed", "is_stored",
-           "kernel_provenance", "eager_output", "reinplace_candidates", "node_storage"]
+           "scheduled_apart", "placed_apart", "kernel_provenance", "eager_output", "reinplace_candidates", "node_storage"]
 
 
 def compile_fx(gm, example_inputs, **kwargs):
@@ -84,6 +84,106 @@ def lowering_classes() -> tuple:
     from torch._inductor.graph import GraphLowering
     from torch._inductor.scheduler import Scheduler
     return GraphLowering, Scheduler
+
+
+@contextlib.contextmanager
+def scheduled_apart(ours):
+    """Inductor schedules the graphs compiled meanwhile as if the nodes ``ours(node)`` picks were not
+    there, and runs those where its kernels end anyway.  Its peak-memory reordering (which picks
+    among orders by their estimated peak) orders the other nodes alone, and before the buffers' last
+    uses are computed (which decide when memory is freed and reused) ``ours`` are placed by
+    :func:`placed_apart`; where they cannot be (a node of the others that depends on one of
+    ``ours`` is ordered before what that one reads), the schedule is inductor's as it is."""
+    from torch._inductor import memory
+    from torch._inductor.scheduler import Scheduler
+    compute_last_usage = Scheduler.compute_last_usage
+    reorder_for_peak_memory = memory.reorder_for_peak_memory
+
+    def reorder_others(nodes, *args, **kwargs):
+        others = [n for n in nodes if not ours(n)]
+        if len(others) == len(nodes):
+            return reorder_for_peak_memory(nodes, *args, **kwargs)
+        return placed_apart(reorder_for_peak_memory(others, *args, **kwargs) + [n for n in nodes if ours(n)], ours) \
+            or reorder_for_peak_memory(nodes, *args, **kwargs)
+
+    def placed_first(self):
+        self.nodes = placed_apart(self.nodes, ours) or self.nodes
+        return compute_last_usage(self)
+    memory.reorder_for_peak_memory = reorder_others
+    Scheduler.compute_last_usage = placed_first
+    try:
+        yield
+    finally:
+        memory.reorder_for_peak_memory = reorder_for_peak_memory
+        Scheduler.compute_last_usage = compute_last_usage
+
+
+def _names(node) -> set:
+    return {*node.get_buffer_names(), *node.get_operation_names()}
+
+
+def _deps(node) -> set:
+    return {d.name for d in node.unmet_dependencies}
+
+
+def _ends_kernel(node) -> bool:
+    """Whether the kernel being generated ends at ``node``: the C++ backend generates the loops of
+    consecutive scheduled nodes as one kernel, up to an extern call or a template; the others
+    generate one kernel per scheduled node."""
+    from torch._inductor.scheduler import FusedSchedulerNode, NopKernelSchedulerNode, SchedulerNode
+    device = node.get_device()
+    return (device is not None and device.type != "cpu") \
+        or not isinstance(node, (SchedulerNode, FusedSchedulerNode, NopKernelSchedulerNode)) \
+        or node.is_extern() or node.is_template() or node.is_foreach()
+
+
+# scheduled nodes one of ``ours`` waits at most for a kernel's end: where none comes (a graph
+# without matrix products), the values it reads are not all kept to the end of the graph
+_WAIT = 16
+
+
+def placed_apart(nodes: list, ours) -> list | None:
+    """The schedule ``nodes`` with the others in their order and each of ``ours`` (in theirs) run
+    right after the first node ending a kernel (:func:`_ends_kernel`) once all it reads is
+    computed (or ``_WAIT`` nodes later): between two extern calls, so that the kernels of the others
+    are generated as without ``ours``, and ``ours``' own loops make kernels of their own.  A node
+    of the others that depends on one of ``ours`` gets it just before it.  None where no such
+    order exists."""
+    mine = [n for n in nodes if ours(n)]
+    if not mine:
+        return nodes
+    made = set().union(*map(_names, nodes))
+    mine_made = set().union(*map(_names, mine))
+    done: set = set()
+    out: list = []
+
+    def emit(n):
+        out.append(n)
+        done.update(_names(n))
+
+    def ready(n) -> bool:
+        return all(d in done or d not in made for d in _deps(n))
+
+    def flush(until=None) -> bool:
+        while mine and ready(mine[0]) and (until is None or not until <= done):
+            emit(mine.pop(0))
+        return until is None or until <= done
+
+    flush()          # what reads only the graph's inputs: first
+    waited = 0
+    for node in nodes:
+        if ours(node):
+            continue
+        needed = _deps(node) & mine_made
+        if needed and not flush(needed):
+            return None
+        emit(node)
+        waited = waited + 1 if mine and ready(mine[0]) else 0
+        if _ends_kernel(node) or waited > _WAIT:
+            flush()
+            waited = 0
+    flush()
+    return None if mine else out
 
 
 def realize_if_boxed(box) -> None:
