@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ..records.writer import json_line, json_piece
+from ..records.writer import PIECES, finite_numbers_piece, json_line, json_piece
 from .events import Handler, OpEvent, record_name
 
 def encode_plain(value, backend) -> dict:
@@ -257,7 +257,7 @@ class Recorder(Handler):
                 return False
             ref_of, pair_of = self.backend.line_memory_ref, self.backend.cache_entry
             for (t, ident, dense, at), st in zip(missing, stats):
-                piece = json_piece(st)      # finite statistics: a piece
+                piece = finite_numbers_piece(st)
                 parts[at] = piece
                 pair = pair_of(ref_of(t), {"stats": st, "json": piece})
                 cache[ident] = pair
@@ -300,9 +300,10 @@ class Recorder(Handler):
             parts.append(b"}")
             return True
         cls = type(v)
-        # values whose piece is cached: hashable, their JSON a function of type and value (not
-        # floats: 0.0 and -0.0 are equal keys)
-        if cls is int or cls is str or cls is bool or v is None or cls in self._constants:
+        # values whose piece is cached: hashable, their JSON a function of type and value (floats
+        # but zeros, whose signs are equal keys, and nan, never equal to a key)
+        if cls is int or cls is str or cls is bool or v is None or cls in self._constants \
+                or cls is float and v and v == v:
             piece = self._plain.get((cls, v))
             if piece is None:
                 piece = json_piece(encode_plain(v, self.backend))
@@ -332,7 +333,7 @@ class Recorder(Handler):
             return True
         if cls is Measured:
             piece = json_piece(v.spec)
-        elif cls is float or cls is complex:
+        elif cls is float or cls is complex:      # zeros, nan
             piece = json_piece(encode_plain(v, self.backend))
         else:       # tensors the backend describes otherwise, objects whose entry may run code (repr)
             return False
@@ -555,7 +556,8 @@ class Recorder(Handler):
         # a compiled graph's records are joined from JSON kept per graph (a writer with a descriptor)
         self._lines = self.part.ops if self.measures_only and self.part and hasattr(self.part.ops, "fd") else None
         self._next_id = 0
-        self._line_ready = self._lines is not None and self._line_facts is not None and self._inputs and self._outputs
+        self._line_ready = PIECES and self._lines is not None and self._line_facts is not None \
+            and self._inputs and self._outputs
         self._looks.clear()
         self._plain.clear()
         self._heads.clear()

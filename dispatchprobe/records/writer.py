@@ -213,6 +213,15 @@ def json_piece(obj) -> bytes | None:
     return None if b"null" in piece else piece
 
 
+def finite_numbers_piece(numbers: dict) -> bytes:
+    """:func:`json_piece` of a dict of finite numbers (a statistics record of finite values),
+    without the checks such a dict never needs."""
+    return _orjson.dumps(numbers)
+
+
+PIECES = _orjson is not None      # whether lines may be joined from pieces
+
+
 _APPEND = os.O_WRONLY | os.O_CREAT | os.O_APPEND | getattr(os, "O_CLOEXEC", 0)
 
 
