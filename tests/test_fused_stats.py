@@ -345,6 +345,59 @@ def test_a_build_by_another_compiler_is_loaded(kernel, tmp_path, monkeypatch):
     assert backend.tensor_stats([x])[0] == _torch_stats(x, monkeypatch)
 
 
+def _layouts() -> list:
+    """Tensors across the kernel's paths: block and chunk tails, tensors long enough for its
+    prefetches ahead, misaligned starts, strided rows, transposes, expands, inf, nan, huge values."""
+    g = torch.Generator().manual_seed(7)
+    out = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for n in (1, 17, 1023, 1024, 1025, 4096 + 33, 5 * 1024, 32768, 40000, 100003, 300000):
+            x = (torch.randn(n + 1, generator=g) * 3 + 0.5).to(dtype)
+            out += [x[:n], x[1:]]                                   # aligned and one element in
+        m = torch.randn(300, 257, generator=g).to(dtype)
+        out += [m[:, :200], m.t(), m[:1, :].expand(40, 257), m[5:, 3:]]
+        specials = torch.randn(70000, generator=g)
+        specials[[5, 40000]] = torch.tensor([math.inf, -math.inf])
+        out.append(specials.to(dtype))
+        specials = specials.clone()
+        specials[69000] = math.nan
+        out += [specials.to(dtype), (torch.randn(9000, generator=g) * 1e30).to(dtype), -torch.zeros(2048, dtype=dtype)]
+    return out
+
+
+def test_every_vector_width_gives_the_same_rows(kernel, tmp_path, monkeypatch):
+    """The library built for each vector width this CPU runs (AVX-512, AVX2, the platform's
+    baseline) gives the same rows and grad-probe measures, bit for bit (nan equal to nan), and
+    the Python path's records: every width sums in the one order."""
+    import shutil
+    runs = {"avx512": ["avx512", "avx2", "generic"], "avx2": ["avx2", "generic"]}.get(fused_stats._isa(), ["generic"])
+    tensors = _layouts()
+    grads = [t for t in tensors if t.is_contiguous() and t.dtype in (torch.float32, torch.bfloat16)]
+    built = fused_stats.library_path()                  # this CPU's width: built already (kernel)
+    shutil.copyfile(built, tmp_path / built.name)
+    monkeypatch.setenv("DISPATCHPROBE_NATIVE_DIR", str(tmp_path))
+    for name in ("_native", "tree_rows", "rows_into", "row_lists", "stats4", "_grad", "grad_rows", "error", "_loaded"):
+        monkeypatch.setattr(fused_stats, name, getattr(fused_stats, name))
+    got = {}
+    for isa in runs:
+        monkeypatch.setattr(fused_stats, "_isa", lambda isa=isa: isa)
+        assert fused_stats.build_native() is None, (isa, fused_stats.error)
+        rows = list(fused_stats.rows(tensors))
+        measured = fused_stats.grad_pass(grads, [-0.5, 0.0, 1.0], checksum=True, signs=True)
+        grad = [(list(r), s0, s1, bits.tobytes()) for r, s0, s1, bits in measured]
+        got[isa] = (rows, grad)
+    assert len(list(tmp_path.glob("*.so"))) == len(runs)
+    records = [backend._cpu_stats(t) for t in tensors]       # the last build's records: the Python path's
+    assert all(_same(r, _torch_stats(t, monkeypatch)) for r, t in zip(records, tensors))
+    def same(a: list, b: list) -> bool:               # nan equal to nan
+        return len(a) == len(b) and all(x == y or x != x and y != y for x, y in zip(a, b))
+    first, *others = runs
+    for isa in others:
+        assert same(got[first][0], got[isa][0]), (first, isa)
+        for (r, *sums), (q, *other) in zip(got[first][1], got[isa][1]):
+            assert same(r, q) and sums == other, (first, isa)
+
+
 def test_compare_of_all_nan_statistics_warns_nothing():
     """Statistics that are nan on both sides (a record of values holding nan) are compared without
     a numpy warning reaching the user (``-W error`` would make it an exception)."""
