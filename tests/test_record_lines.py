@@ -115,3 +115,31 @@ def test_values_the_pieces_leave_to_the_dict(tmp_path, monkeypatch):
 
     joined, records = _same_lines(tmp_path, monkeypatch, run, level="mix")
     assert 0 < joined < records
+
+
+def test_copies_take_their_sources_statistics(tmp_path, monkeypatch):
+    """``clone``, ``copy_`` and a same-dtype ``_to_copy`` whose output lies in memory as its source
+    does hold its values bit for bit: the output takes the source's statistics without a read
+    (the sums run in memory order); a copy into another layout is read.  Lines as the dict's."""
+    from dispatchprobe.torch import tensor_backend as backend
+    reads = []
+    line = backend.line_stats
+    monkeypatch.setattr(backend, "line_stats", lambda keys: reads.extend(k[1] for k in keys) or line(keys))
+
+    def run(probe):
+        torch.manual_seed(0)
+        with probe:
+            torch.zeros(3).add_(1)          # an in-place op first (the versions' form is settled)
+            y = torch.randn(64, 64) * 2
+            y.clone()
+            y.t().clone()                   # a transposed copy, transposed too
+            torch.zeros(64, 64).copy_(y)
+            torch.zeros(64, 64).t().copy_(y.t())
+            y.to(torch.float32, copy=True)
+            y[::2].clone()                  # every other row, copied contiguously: read
+        probe.step()
+
+    joined, records = _same_lines(tmp_path, monkeypatch, run)
+    assert joined == records
+    # randn, mul, the two zeros; the slice and its copy
+    assert reads.count((64, 64)) == 4 and reads.count((32, 64)) == 2, reads

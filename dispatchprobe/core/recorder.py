@@ -82,6 +82,7 @@ class Recorder(Handler):
         # per part the pieces of each tensor look, plain value, keyword and op's fields made once
         self._line_facts = getattr(backend, "line_facts", None)
         self._constants = getattr(backend, "CONSTANT_TYPES", ())
+        self._copied_from = getattr(backend, "copied_from", None)
         self._line_ready = False
         self._looks: dict = {}
         self._plain: dict = {}
@@ -154,11 +155,13 @@ class Recorder(Handler):
             record.update(extra)
         return record
 
-    def record_line(self, op, stage, scope, call, grad_fn, args, kwargs, out) -> bool:
+    def record_line(self, op, stage, scope, call, grad_fn, args, kwargs, out, func=None) -> bool:
         """:meth:`record_op` without stack, extra fields or uninitialised memory, where records need
         only statistics: the record joined from JSON pieces made once (each tensor look's
         description, plain values, the op's fields) around each tensor's statistics, the bytes
-        :func:`json_line` writes of :meth:`_record`'s dict, without building it.  Runs no
+        :func:`json_line` writes of :meth:`_record`'s dict, without building it (an output
+        copying an input's values bit for bit in its layout takes the input's statistics,
+        ``backend.copied_from``).  Runs no
         framework operation (the native statistics of finite host values only).  False, with
         nothing written, where a value is not such a piece (a tensor the backend describes
         otherwise, a non-finite number, one the native statistics do not read): then
@@ -214,14 +217,14 @@ class Recorder(Handler):
             if not add(parts, found, out):
                 return False
             parts.append(b"]}\n")
-        if found and not self._line_stats(found, parts):
+        if found and not self._line_stats(found, parts, func, args, out):
             return False
         parts[1] = b"%d" % self._next_id
         self._lines.append_line(b"".join(parts))
         self._next_id += 1
         return True
 
-    def _line_stats(self, found: list, parts: list) -> bool:
+    def _line_stats(self, found: list, parts: list, func, args, out) -> bool:
         """The statistics' JSON of the tensors :meth:`_line_value` collected, put in their places
         in ``parts``: :meth:`_fill_tensors`' cache, dense-key and measuring steps, each value's JSON
         kept in its cache entry (``"json"``) so that a value's later records reuse it.  False where
@@ -251,11 +254,26 @@ class Recorder(Handler):
                     return False
                 entry["json"] = piece
             parts[at] = piece
+        ref_of, pair_of = self.backend.line_memory_ref, self.backend.cache_entry
+        if missing and func is not None and self._copied_from is not None and missing[-1][0] is out:
+            src = self._copied_from(func, args, out)
+            copied = next((f for f in found if f[0] is src), None) if src is not None else None
+            hit = cache.get(copied[1]) if copied is not None else None
+            if hit is not None and "json" in hit[1] and alive(hit[0]):     # read by the loop above
+                pair = None
+                for t, ident, dense, at in missing:
+                    if t is out:            # the output, and an in-place op's written argument
+                        parts[at] = hit[1]["json"]
+                        if pair is None:
+                            pair = pair_of(ref_of(t), {"stats": hit[1]["stats"], "json": hit[1]["json"]})
+                        cache[ident] = pair
+                        if dense is not None:
+                            dense_cache[dense] = pair
+                missing = [m for m in missing if m[0] is not out]
         if missing:
             stats = self.backend.line_stats([m[1] for m in missing])
             if stats is None:
                 return False
-            ref_of, pair_of = self.backend.line_memory_ref, self.backend.cache_entry
             for (t, ident, dense, at), st in zip(missing, stats):
                 piece = finite_numbers_piece(st)
                 parts[at] = piece

@@ -358,7 +358,7 @@ class ProbeSession:
             if self._recorder_only:
                 # a record the recorder joins from pieces runs no framework operation: no own-work marker
                 if frames is None and not undefined and not extra \
-                        and self.recorder.record_line(op, stage, scope, call, grad_fn, args, kwargs, outputs):
+                        and self.recorder.record_line(op, stage, scope, call, grad_fn, args, kwargs, outputs, func):
                     return None
                 with self._quiet():
                     self.recorder.record_op(op, stage, scope, call, args, kwargs, outputs, func=func, grad_fn=grad_fn,

@@ -55,7 +55,8 @@ class TensorBackend(Protocol):
     # operation: ``line_facts(value)`` -> ``(identity, dense key, look)`` of a plain tensor in host
     # memory, else None; ``meta_of(look)`` -> its tensor_meta; ``line_stats(identities)`` -> their
     # statistics, or None unless every value is finite and read natively; ``line_memory_ref(t)``;
-    # ``CONSTANT_TYPES``: argument types whose entry is a function of the value alone
+    # ``CONSTANT_TYPES``: argument types whose entry is a function of the value alone;
+    # ``copied_from(func, args, out)``: the argument ``out`` copies bit for bit in its layout
     def memory_ref(self, t: Tensor):
         """A weak reference to the memory: keys are trusted only while it lives."""
     def cache_entry(self, ref, value) -> tuple:

@@ -634,6 +634,31 @@ def same_values(event) -> dict:
     return {}
 
 
+def copied_from(func, args, out):
+    """The argument whose values ``out``, a plain tensor, holds bit for bit, lying in memory as they
+    do (``clone``, a same-dtype ``_to_copy``, ``copy_``, between equal dtypes, sizes, strides and
+    devices, in memory not shared): its statistics are ``out``'s, the sums running in memory
+    order.  None otherwise."""
+    at = _COPY_SOURCE.get(func)
+    if at is None:
+        packet = getattr(func, "overloadpacket", None)
+        at = _COPY_SOURCE[func] = 1 if packet is _aten.copy_ else 0 if packet in (_aten.clone, _aten._to_copy) else -1
+    if at < 0 or len(args) <= at:
+        return None
+    src = args[at]
+    cls = type(src)
+    if (cls is not _TENSOR and cls is not _PARAMETER) or type(out) is not _TENSOR and type(out) is not _PARAMETER:
+        return None
+    if src.dtype != out.dtype or src.shape != out.shape or src.stride() != out.stride() or src.device != out.device:
+        return None
+    if src.untyped_storage().data_ptr() == out.untyped_storage().data_ptr():
+        return None
+    return src
+
+
+_COPY_SOURCE: dict = {}      # overload -> the index of the argument it copies, or -1
+
+
 def shape(t: torch.Tensor) -> list[int]:
     return list(t.shape)
 
