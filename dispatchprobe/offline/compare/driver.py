@@ -387,24 +387,19 @@ def _merge(results: list, run_a, run_b, jobs_list: list, problems: list, framewo
 
 
 def _joined(tables: list) -> pd.DataFrame:
-    """``pd.concat(tables, ignore_index=True)`` a column at a time, each column taken out of the
-    parts' tables once joined: the parts and the whole are never both held in full (a long run's
-    parts are most of compare's memory)."""
-    columns = list(tables[0].columns)
-    if any(list(t.columns) != columns for t in tables[1:]):
-        return pd.concat(tables, ignore_index=True)
-    parts = {name: [t[name] for t in tables] for name in columns}
-    tables.clear()      # the parts' frames go; each column's pieces go once it is joined
-    joined = {}
-    for name in columns:
-        pieces = parts.pop(name)
-        dtypes = {p.dtype for p in pieces}
-        if len(dtypes) == 1 and isinstance(pieces[0].dtype, np.dtype):   # what pandas joins them to, at once
-            joined[name] = np.concatenate([p.to_numpy() for p in pieces])
-        else:
-            joined[name] = pd.concat(pieces, ignore_index=True)
-        del pieces
-    return pd.DataFrame(joined, copy=False)
+    """``pd.concat(tables, ignore_index=True)``; where every table has the same columns of the same
+    numpy dtypes (what concat then keeps), joined a column at a time, each column's pieces freed
+    once joined: the parts and the whole are never both held in full (a long run's parts are most
+    of compare's memory).  ``tables`` is emptied."""
+    columns, dtypes = list(tables[0].columns), list(tables[0].dtypes)
+    if not all(isinstance(d, np.dtype) for d in dtypes) or \
+            any(list(t.columns) != columns or list(t.dtypes) != dtypes for t in tables[1:]):
+        joined = pd.concat(tables, ignore_index=True)
+        tables.clear()
+        return joined
+    pieces = {name: [t[name].to_numpy() for t in tables] for name in columns}
+    tables.clear()
+    return pd.DataFrame({name: np.concatenate(pieces.pop(name)) for name in columns}, copy=False)
 
 
 def _amplified(table: pd.DataFrame, divs: list, run_a, run_b) -> list:

@@ -101,12 +101,13 @@ def score_pairs(df: pd.DataFrame, part_a: Part, part_b: Part, tensors: bool, pro
 
 def _with_columns(df: pd.DataFrame, new: dict) -> pd.DataFrame:
     """``df`` with the columns of ``new`` set in its order (as ``df[k] = v`` one by one would), the
-    ones it does not have yet joined at once."""
+    ones it does not have yet added at once: a new frame of the same arrays (``pd.concat`` copies
+    every column, ``df[k] = v`` each new one)."""
     for k in [k for k in new if k in df.columns]:
         df[k] = new.pop(k)
     if not new:
         return df
-    return pd.concat([df, pd.DataFrame(new, index=df.index, copy=False)], axis=1, copy=False)
+    return pd.DataFrame({**{c: df[c] for c in df.columns}, **new}, index=df.index, copy=False)
 
 
 def _within_rounding(df: pd.DataFrame, status, reason, error, sa: dict, sb: dict, records, judge_dtype) -> None:
