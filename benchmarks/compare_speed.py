@@ -6,10 +6,18 @@
    transformer steps (task "tensor", level "L1"), when mindstudio-probe is importable.  Each
    msprobe dump runs in its own interpreter (its debugger is a process-wide singleton).
 
-Every compare runs in a fresh interpreter: "seconds" is its whole wall time (imports included),
-"in-call" the compare call alone; peak RSS is the child's.
+4. with ``--long-steps N``: two identical N-step runs of ``show_speed.py``'s tiny transformers
+   Llama (task statistics, about 295 records a step; the second a hard-linked copy), compared
+   part by part: a long run's time and memory.
 
-    python benchmarks/compare_speed.py [--ops 100000] [--skip-tensor]
+Every compare runs in a fresh interpreter: "seconds" is its whole wall time (imports included),
+"in-call" the compare call alone; peak RSS is the child's.  ``--tree LABEL=PATH`` (repeatable)
+compares with the dispatchprobe of each tree (``PYTHONPATH``) on the same runs, the trees
+alternating ``--rounds`` times: an old and a new version side by side.  Time it alone:
+``flock /tmp/bench.lock python benchmarks/compare_speed.py ...``.
+
+    python benchmarks/compare_speed.py [--ops 100000] [--skip-tensor] [--long-steps 1000]
+                                       [--tree old=/tmp/old --tree new=. --rounds 2]
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -50,13 +59,15 @@ def synthetic_run(path: str, n_ops: int, seed: int, noise: float) -> None:
             f.write(json.dumps(rec, separators=(",", ":")) + "\n")
 
 
-def timed_subprocess(code: str) -> tuple[float, float, str, float]:
-    """Run code in a fresh interpreter; (seconds, peak RSS MB, stdout or error, in-call seconds).
-    The code prints ``CALL_SECONDS <s>`` around the call it times."""
+def timed_subprocess(code: str, tree: str | None = None) -> tuple[float, float, str, float]:
+    """Run code in a fresh interpreter (``tree``: with that tree's dispatchprobe first on the path);
+    (seconds, peak RSS MB, stdout or error, in-call seconds).  The code prints ``CALL_SECONDS <s>``
+    around the call it times."""
+    env = dict(os.environ, PYTHONPATH=os.path.abspath(tree)) if tree else None
     t = time.perf_counter()
     res = subprocess.run([sys.executable, "-c", code + "\nimport resource, sys\n"
                           "print('RSS', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"],
-                         capture_output=True, text=True)
+                         capture_output=True, text=True, env=env, cwd=tempfile.gettempdir())
     dt = time.perf_counter() - t
     if res.returncode:
         return dt, float("nan"), res.stderr.strip().splitlines()[-1], float("nan")
@@ -123,10 +134,41 @@ def msprobe_rows(tmp: str, model_kw: dict, batch: int) -> tuple[list, str]:
     return rows, f"msprobe: pt_compare real-data mode on its own dumps ({len(csvs)} result csv)"
 
 
+def long_runs(tmp: str, steps: int) -> tuple[str, str]:
+    """Two identical ``steps``-step runs of show_speed.py's tiny Llama: one recorded (in a child),
+    the other its hard-linked copy."""
+    a, b = os.path.join(tmp, "la"), os.path.join(tmp, "lb")
+    res = subprocess.run([sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "show_speed.py"),
+                          "--record", a, "--steps", str(steps)], capture_output=True, text=True)
+    if res.returncode:
+        raise SystemExit(f"recording the long run failed: {res.stderr.strip().splitlines()[-1:]}")
+    shutil.copytree(a, b, copy_function=os.link)
+    return a, b
+
+
+def tree_rows(cases: list, trees: list, rounds: int) -> list:
+    """Each case compared by each tree's dispatchprobe, the trees alternating ``rounds`` times; the
+    rows name the tree."""
+    rows = []
+    for _ in range(rounds):
+        for case, a, b in cases:
+            for label, path in trees:
+                dt, rss, out, call = timed_subprocess("from dispatchprobe import compare\n"
+                                                      + _timed(f"t, v = compare({a!r}, {b!r})"), tree=path)
+                if rss != rss:
+                    raise SystemExit(f"tree {label}: compare failed: {out}")
+                rows.append((case, f"dispatchprobe {label}", dt, call, rss))
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ops", type=int, default=100_000)
     ap.add_argument("--skip-tensor", action="store_true")
+    ap.add_argument("--long-steps", type=int, default=0, help="also compare two identical runs of this many steps")
+    ap.add_argument("--tree", action="append", default=[], metavar="LABEL=PATH",
+                    help="compare with this tree's dispatchprobe (repeatable): the trees side by side, alternating")
+    ap.add_argument("--rounds", type=int, default=1, help="--tree: rounds, the trees alternating")
     ap.add_argument("--msprobe-dump", help=argparse.SUPPRESS)
     ap.add_argument("--plant", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -142,9 +184,17 @@ def main():
         synthetic_run(a, args.ops, 1, 0.0)
         synthetic_run(b, args.ops, 2, 1e-4)
         gen = time.perf_counter() - t
-        dt, rss, _, call = timed_subprocess("from dispatchprobe import compare\n"
-                                            + _timed(f"t, v = compare({a!r}, {b!r})") + "\nprint(len(t))")
-        rows.append((f"statistics, {args.ops:,} ops x 3 tensors", "dispatchprobe", dt, call, rss))
+        cases = [(f"statistics, {args.ops:,} ops x 3 tensors", a, b)]
+        if args.long_steps:
+            la, lb = long_runs(tmp, args.long_steps)
+            cases.append((f"statistics, {args.long_steps:,}-step Llama runs", la, lb))
+        if args.tree:
+            rows += tree_rows(cases, [t.split("=", 1) for t in args.tree], args.rounds)
+        else:
+            for case, x, y in cases:
+                dt, rss, _, call = timed_subprocess("from dispatchprobe import compare\n"
+                                                    + _timed(f"t, v = compare({x!r}, {y!r})"))
+                rows.append((case, "dispatchprobe", dt, call, rss))
         if not args.skip_tensor:
             from compare_helpers import record
             ta, tb = os.path.join(tmp, "ta"), os.path.join(tmp, "tb")
@@ -163,9 +213,9 @@ def main():
         else:
             ms_note = "tensor compare skipped"
     print(f"(synthetic runs generated in {gen:.1f} s)")
-    print(f"{'case':48s} {'tool':14s} {'seconds':>8s} {'in-call':>8s} {'peak RSS MB':>12s}")
+    print(f"{'case':48s} {'tool':18s} {'seconds':>8s} {'in-call':>8s} {'peak RSS MB':>12s}")
     for case, tool, dt, call, rss in rows:
-        print(f"{case:48s} {tool:14s} {dt:8.2f} {call:8.2f} {rss:12.0f}")
+        print(f"{case:48s} {tool:18s} {dt:8.2f} {call:8.2f} {rss:12.0f}")
     print(ms_note)
 
 
