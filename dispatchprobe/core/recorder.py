@@ -31,6 +31,7 @@ def encode_plain(value, backend) -> dict:
     return backend.encode_other(value)
 
 
+PIECES_KEPT = 8192  # JSON pieces of looks, plain values and op fields kept per kind before starting over
 DEFER_BATCH = 512   # accelerator tensors queued between two looks for arrived statistics
 DEFER_HELD = 8      # batches queued and not arrived before the recorder waits for the device
 
@@ -78,8 +79,8 @@ class Recorder(Handler):
         self._waiting: list[dict] = []
         self._need: list[int] = []     # per waiting record: the rows read before it is complete
         self._unfilled: set[int] = set()     # ids of records reserved (reserve) and not yet filled
-        # records written from JSON pieces (_write_line): the backend's facts of a plain tensor, and
-        # per part the pieces of each tensor look, plain value, keyword and op's fields made once
+        # records joined from JSON pieces (record_line): the backend's facts of a plain tensor, and
+        # the pieces of each tensor look, plain value, keyword and op's fields, made once
         self._line_facts = getattr(backend, "line_facts", None)
         self._constants = getattr(backend, "CONSTANT_TYPES", ())
         self._copied_from = getattr(backend, "copied_from", None)
@@ -327,7 +328,7 @@ class Recorder(Handler):
                 piece = json_piece(encode_plain(v, self.backend))
                 if piece is None:
                     return False
-                if len(self._plain) < 4096:
+                if len(self._plain) < PIECES_KEPT:     # many distinct values in one step: not all kept
                     self._plain[(cls, v)] = piece
             parts.append(piece)
             return True
@@ -576,9 +577,9 @@ class Recorder(Handler):
         self._next_id = 0
         self._line_ready = PIECES and self._lines is not None and self._line_facts is not None \
             and self._inputs and self._outputs
-        self._looks.clear()
-        self._plain.clear()
-        self._heads.clear()
+        for pieces in (self._looks, self._plain, self._heads):     # kept from step to step, bounded
+            if len(pieces) > PIECES_KEPT:
+                pieces.clear()
         self._cache.clear()
         self._spans.clear()
         self._dense.clear()
