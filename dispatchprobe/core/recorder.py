@@ -162,11 +162,10 @@ class Recorder(Handler):
         description, plain values, the op's fields) around each tensor's statistics, the bytes
         :func:`json_line` writes of :meth:`_record`'s dict, without building it (an output
         copying an input's values bit for bit in its layout takes the input's statistics,
-        ``backend.copied_from``).  Runs no
-        framework operation (the native statistics of finite host values only).  False, with
-        nothing written, where a value is not such a piece (a tensor the backend describes
-        otherwise, a non-finite number, one the native statistics do not read): then
-        :meth:`record_op` writes it."""
+        ``backend.copied_from``).  Runs no framework operation (the native statistics of finite
+        host values only).  False, with nothing written, where a value is not such a piece (a
+        tensor the backend describes otherwise, a non-finite number, one the native statistics
+        do not read): then :meth:`record_op` writes it."""
         if not self._line_ready or self._waiting or self._row_stats:
             return False
         head = self._heads.get((op, stage, scope, grad_fn))
@@ -179,11 +178,12 @@ class Recorder(Handler):
         found: list = []      # (tensor, identity, dense key, where its statistics go in parts)
         add = self._line_value
         # each value is followed by a comma; the last one becomes the bracket closing its list
+        opened = len(parts)
         for v in args:
             if not add(parts, found, v):
                 return False
             parts.append(b",")
-        if len(parts) > 7:
+        if len(parts) > opened:
             parts[-1] = b'],"kwargs":{'
         else:
             parts.append(b'],"kwargs":{')
