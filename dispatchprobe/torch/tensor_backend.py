@@ -283,12 +283,7 @@ def line_stats(keys: list) -> list[dict] | None:
 
 def line_memory_ref(t: torch.Tensor):
     """:func:`memory_ref` of a tensor :func:`line_facts` described (readable, in host memory)."""
-    storage = t.untyped_storage()
-    if not _STORAGE_OBJECTS_KEPT:
-        return _StorageRef(storage)
-    ref = _MemoryRef(storage)
-    ref.ptr = storage.data_ptr()
-    return ref
+    return _storage_ref(t.untyped_storage())
 
 
 # arguments whose record entry is a function of their value alone, made without running anything
@@ -639,10 +634,12 @@ def copied_from(func, args, out):
     do (``clone``, a same-dtype ``_to_copy``, ``copy_``, between equal dtypes, sizes, strides and
     devices, in memory not shared): its statistics are ``out``'s, the sums running in memory
     order.  None otherwise."""
-    at = _COPY_SOURCE.get(func)
-    if at is None:
+    known = _COPY_SOURCE.get(id(func))
+    if known is None:
         packet = getattr(func, "overloadpacket", None)
-        at = _COPY_SOURCE[func] = 1 if packet is _aten.copy_ else 0 if packet in (_aten.clone, _aten._to_copy) else -1
+        known = _COPY_SOURCE[id(func)] = func, (1 if packet is _aten.copy_ else
+                                                0 if packet in (_aten.clone, _aten._to_copy) else -1)
+    at = known[1]
     if at < 0 or len(args) <= at:
         return None
     src = args[at]
@@ -656,7 +653,9 @@ def copied_from(func, args, out):
     return src
 
 
-_COPY_SOURCE: dict = {}      # overload -> the index of the argument it copies, or -1
+# id(overload) -> (the overload, held so that its id stays its own; the index of the argument it
+# copies, or -1): keyed by id, as an overload's hash is a Python method
+_COPY_SOURCE: dict = {}
 
 
 def shape(t: torch.Tensor) -> list[int]:
@@ -681,6 +680,11 @@ def memory_ref(t: torch.Tensor):
         storage = t.untyped_storage()
     except (RuntimeError, NotImplementedError, TypeError):
         return None
+    return _storage_ref(storage)
+
+
+def _storage_ref(storage):
+    """:func:`memory_ref` of a storage."""
     if not _STORAGE_OBJECTS_KEPT:
         return _StorageRef(storage)
     ref = _MemoryRef(storage)       # its address set here: a Python __init__ would double the cost
