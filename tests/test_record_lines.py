@@ -15,7 +15,7 @@ import torch
 from dispatchprobe import DispatchProbe
 from dispatchprobe.core.recorder import Recorder
 
-from test_value_encoder import _opinfo_samples
+from test_value_encoder import _opinfo_samples, train_llama
 
 
 def _lines(path) -> list[bytes]:
@@ -62,23 +62,7 @@ def test_opinfo_lines(tmp_path, monkeypatch):
 
 
 def test_training_lines(tmp_path, monkeypatch):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    def run(probe):
-        torch.manual_seed(0)
-        cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16)
-        model = LlamaForCausalLM(cfg)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        ids = torch.randint(0, 64, (2, 16))
-        for _ in range(2):
-            with probe:
-                model(input_ids=ids, labels=ids).loss.backward()
-                opt.step()
-                opt.zero_grad()
-            probe.step()
-
-    joined, records = _same_lines(tmp_path, monkeypatch, run)
+    joined, records = _same_lines(tmp_path, monkeypatch, train_llama)
     assert records > 500 and joined > 0.9 * records
 
 

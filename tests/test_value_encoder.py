@@ -126,24 +126,25 @@ def test_opinfo_records_are_the_python_paths(tmp_path, monkeypatch):
     assert taken > 0.3        # float32, bfloat16, integer and bool samples (complex ones are left to torch)
 
 
-def test_training_records_are_the_python_paths(tmp_path, monkeypatch):
+def train_llama(probe) -> None:
+    """Two AdamW steps of a tiny transformers Llama under ``probe``, a step per part."""
     from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16)
+    model = LlamaForCausalLM(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, 64, (2, 16))
+    for _ in range(2):
+        with probe:
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        probe.step()
 
-    def run(probe):
-        torch.manual_seed(0)
-        cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16)
-        model = LlamaForCausalLM(cfg)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        ids = torch.randint(0, 64, (2, 16))
-        for _ in range(2):
-            with probe:
-                model(input_ids=ids, labels=ids).loss.backward()
-                opt.step()
-                opt.zero_grad()
-            probe.step()
 
-    fast, taken = _same_records(tmp_path, monkeypatch, run)
+def test_training_records_are_the_python_paths(tmp_path, monkeypatch):
+    fast, taken = _same_records(tmp_path, monkeypatch, train_llama)
     assert len(fast) > 500 and taken > 0.9
 
 

@@ -177,16 +177,8 @@ class Recorder(Handler):
         parts = [b'{"id":', b"", head[0], number, head[1], number, head[2]]
         found: list = []      # (tensor, identity, dense key, where its statistics go in parts)
         add = self._line_value
-        # each value is followed by a comma; the last one becomes the bracket closing its list
-        opened = len(parts)
-        for v in args:
-            if not add(parts, found, v):
-                return False
-            parts.append(b",")
-        if len(parts) > opened:
-            parts[-1] = b'],"kwargs":{'
-        else:
-            parts.append(b'],"kwargs":{')
+        if not self._line_values(parts, found, args, b'],"kwargs":{'):
+            return False
         if kwargs:
             keys = self._plain
             for k, v in kwargs.items():
@@ -204,15 +196,8 @@ class Recorder(Handler):
         if isinstance(out, (tuple, list)):
             parts.append(b'},"output_type":"tuple","outputs":[' if isinstance(out, tuple)
                          else b'},"output_type":"list","outputs":[')
-            at = len(parts)
-            for v in out:
-                if not add(parts, found, v):
-                    return False
-                parts.append(b",")
-            if len(parts) > at:
-                parts[-1] = b"]}\n"
-            else:
-                parts.append(b"]}\n")
+            if not self._line_values(parts, found, out, b"]}\n"):
+                return False
         else:
             parts.append(b'},"output_type":"single","outputs":[')
             if not add(parts, found, out):
@@ -223,6 +208,22 @@ class Recorder(Handler):
         parts[1] = b"%d" % self._next_id
         self._lines.append_line(b"".join(parts))
         self._next_id += 1
+        return True
+
+    def _line_values(self, parts: list, found: list, values, closing: bytes) -> bool:
+        """Append the pieces of a sequence of values (:meth:`_line_value`), each followed by a
+        comma, the last comma replaced by ``closing``, the bracket ending the list; False where one
+        takes the general path."""
+        opened = len(parts)
+        add = self._line_value
+        for v in values:
+            if not add(parts, found, v):
+                return False
+            parts.append(b",")
+        if len(parts) > opened:
+            parts[-1] = closing
+        else:
+            parts.append(closing)
         return True
 
     def _line_stats(self, found: list, parts: list, func, args, out) -> bool:
@@ -340,16 +341,7 @@ class Recorder(Handler):
                     return False
                 piece = self._plain[(type, cls)] = b'{"type":' + piece + b',"value":['
             parts.append(piece)
-            at = len(parts)
-            for x in v:
-                if not self._line_value(parts, found, x):
-                    return False
-                parts.append(b",")
-            if len(parts) > at:
-                parts[-1] = b"]}"
-            else:
-                parts.append(b"]}")
-            return True
+            return self._line_values(parts, found, v, b"]}")
         if cls is Measured:
             piece = json_piece(v.spec)
         elif cls is float or cls is complex:      # zeros, nan
