@@ -967,6 +967,7 @@ print(json.dumps({**counters["inductor"], **counters["aot_autograd"]}))
 def _schedules(monkeypatch) -> list:
     """The schedules the probe's graphs are compiled with, as (the probe's?, ends the kernel?) per
     scheduled node, noted from the real placement as inductor compiles."""
+    requires.require_torch()          # the inductor internals the placement reads need the torch probe_backend needs
     from dispatchprobe.torch.internals import inductor as internals
     noted: list = []
     placed = internals.placed_apart
