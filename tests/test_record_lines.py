@@ -15,7 +15,7 @@ import torch
 from dispatchprobe import DispatchProbe
 from dispatchprobe.core.recorder import Recorder
 
-from test_value_encoder import _opinfo_samples, train_llama
+from test_value_encoder import run_opinfo_samples, train_llama
 
 
 def _lines(path) -> list[bytes]:
@@ -48,14 +48,7 @@ def _same_lines(tmp_path, monkeypatch, run, **config) -> tuple[int, int]:
 
 def test_opinfo_lines(tmp_path, monkeypatch):
     def run(probe):
-        samples = list(_opinfo_samples(dtypes=(torch.float32, torch.bfloat16, torch.int64, torch.complex64)))
-        with probe:
-            for info, s in samples:
-                try:
-                    info.op(s.input, *s.args, **s.kwargs)
-                except Exception:   # noqa: BLE001 - samples meant to raise; both runs see the same
-                    pass
-        probe.step()
+        run_opinfo_samples(probe, dtypes=(torch.float32, torch.bfloat16, torch.int64, torch.complex64))
 
     joined, records = _same_lines(tmp_path, monkeypatch, run)
     assert records > 1000 and joined > 0.6 * records

@@ -107,19 +107,25 @@ def _opinfo_samples(dtypes=(torch.float32, torch.bfloat16, torch.int64, torch.bo
                 yield info, s
 
 
+def run_opinfo_samples(probe, **which) -> int:
+    """Every sample of :func:`_opinfo_samples` (``which``: its arguments) run once under ``probe``,
+    one step; made anew for each run (some ops write their inputs).  Returns how many ran."""
+    samples = list(_opinfo_samples(**which))
+    with probe:
+        for info, s in samples:
+            try:
+                info.op(s.input, *s.args, **s.kwargs)
+            except Exception:   # noqa: BLE001 - samples meant to raise; every run sees the same
+                pass
+    probe.step()
+    return len(samples)
+
+
 def test_opinfo_records_are_the_python_paths(tmp_path, monkeypatch):
     counted = []
 
     def run(probe):
-        samples = list(_opinfo_samples())    # anew for each run: some ops write their inputs
-        counted.append(len(samples))
-        with probe:
-            for info, s in samples:
-                try:
-                    info.op(s.input, *s.args, **s.kwargs)
-                except Exception:   # noqa: BLE001 - samples meant to raise; both runs see the same
-                    pass
-        probe.step()
+        counted.append(run_opinfo_samples(probe))
 
     fast, taken = _same_records(tmp_path, monkeypatch, run)
     assert counted[0] == counted[1] > 500 and len(fast) > 1000

@@ -259,17 +259,10 @@ def line_stats(keys: list) -> list[dict] | None:
     the general path."""
     if fused_stats.tree_rows is None:
         return None
-    desc: list = []
-    numels = []
-    codes = _NATIVE_CODES
-    for ptr, shape, stride, dtype, _, _ in keys:
-        code = codes.get(dtype)
-        n = math.prod(shape)
-        if code is None or not n:
-            return None
-        desc += (ptr, code, len(shape), *shape, *stride)
-        numels.append(n)
-    flat = fused_stats.described_rows(desc, len(keys))
+    read = _native_rows(keys)
+    if read is None:
+        return None
+    flat, numels = read
     finite, sqrt = statistics.finite_record, math.sqrt
     out = []
     at = 0
@@ -294,6 +287,29 @@ def _described_records(tensors: list[torch.Tensor], keys: list) -> list[dict] | 
     """:func:`tensor_stats` of readable CPU tensors the native library reads, from their identity
     keys (data pointer, sizes, strides, dtype, device: what :func:`fused_stats.rows` reads) in one
     call; None, with nothing measured, where one tensor is another case (the general path)."""
+    read = _native_rows(keys)
+    if read is None:
+        return None
+    flat, numels = read
+    finite, sqrt = statistics.finite_record, math.sqrt
+    out = []
+    at = 0
+    for t, n in zip(tensors, numels):
+        if flat[at] == _FINITE:
+            out.append(finite(flat[at + 1], flat[at + 2], flat[at + 3], sqrt(flat[at + 4]), n))
+        else:
+            record = _native_record(t, flat[at:at + _ROW].tolist())
+            if record is None:        # declined (no dimension of stride 1, inexact integer sums)
+                return None
+            out.append(record)
+        at += _ROW
+    return out
+
+
+def _native_rows(keys: list) -> tuple | None:
+    """The library's rows of the tensors whose identity keys are ``keys`` (read in one call) and
+    their element counts; None, with nothing read, where one is not a host tensor in memory of a
+    dtype the library reads."""
     desc: list = []
     numels = []
     for key in keys:
@@ -309,20 +325,7 @@ def _described_records(tensors: list[torch.Tensor], keys: list) -> list[dict] | 
             return None
         desc += (ptr, code, len(shape), *shape, *stride)
         numels.append(n)
-    flat = fused_stats.described_rows(desc, len(keys))
-    finite, sqrt = statistics.finite_record, math.sqrt
-    out = []
-    at = 0
-    for t, n in zip(tensors, numels):
-        if flat[at] == _FINITE:
-            out.append(finite(flat[at + 1], flat[at + 2], flat[at + 3], sqrt(flat[at + 4]), n))
-        else:
-            record = _native_record(t, flat[at:at + _ROW].tolist())
-            if record is None:        # declined (no dimension of stride 1, inexact integer sums)
-                return None
-            out.append(record)
-        at += _ROW
-    return out
+    return fused_stats.described_rows(desc, len(keys)), numels
 
 
 def _native_records(tensors: list[torch.Tensor], flat) -> list[dict | None]:
