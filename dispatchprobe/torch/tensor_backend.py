@@ -260,18 +260,7 @@ def line_stats(keys: list) -> list[dict] | None:
     if fused_stats.tree_rows is None:
         return None
     read = _native_rows(keys)
-    if read is None:
-        return None
-    flat, numels = read
-    finite, sqrt = statistics.finite_record, math.sqrt
-    out = []
-    at = 0
-    for n in numels:
-        if flat[at] != _FINITE:
-            return None
-        out.append(finite(flat[at + 1], flat[at + 2], flat[at + 3], sqrt(flat[at + 4]), n))
-        at += _ROW
-    return out
+    return None if read is None else _rows_records(*read, None)
 
 
 def line_memory_ref(t: torch.Tensor):
@@ -288,17 +277,23 @@ def _described_records(tensors: list[torch.Tensor], keys: list) -> list[dict] | 
     keys (data pointer, sizes, strides, dtype, device: what :func:`fused_stats.rows` reads) in one
     call; None, with nothing measured, where one tensor is another case (the general path)."""
     read = _native_rows(keys)
-    if read is None:
-        return None
-    flat, numels = read
+    return None if read is None else _rows_records(*read, tensors)
+
+
+def _rows_records(flat, numels: list, tensors: list | None) -> list[dict] | None:
+    """The statistics records of :func:`_native_rows`' rows: finite values' from the row's numbers,
+    the others from their tensors (:func:`_native_record`); None where the library declined one,
+    or (``tensors`` None: no torch operation may run) where one holds a value not finite."""
     finite, sqrt = statistics.finite_record, math.sqrt
     out = []
     at = 0
-    for t, n in zip(tensors, numels):
+    for i, n in enumerate(numels):
         if flat[at] == _FINITE:
             out.append(finite(flat[at + 1], flat[at + 2], flat[at + 3], sqrt(flat[at + 4]), n))
+        elif tensors is None:
+            return None
         else:
-            record = _native_record(t, flat[at:at + _ROW].tolist())
+            record = _native_record(tensors[i], flat[at:at + _ROW].tolist())
             if record is None:        # declined (no dimension of stride 1, inexact integer sums)
                 return None
             out.append(record)
