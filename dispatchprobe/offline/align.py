@@ -24,6 +24,7 @@ import math
 import os
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import yaml
@@ -465,18 +466,20 @@ def _movable(recs_a: list, recs_b: list, groups: list) -> list:
     float64 would round): the group is ranked."""
     out: list = [None] * len(groups)
     for idx, far in _closeness_many(recs_a, recs_b, [g[:2] for g in groups]):
-        size = far.shape[1] * far.shape[2]
-        flat, gid, k = [], [], []
-        for n, g in enumerate(idx):
-            cand_a, cand_b, ordered = groups[g]
-            at_a, at_b = {x: p for p, x in enumerate(cand_a)}, {y: q for q, y in enumerate(cand_b)}
-            flat += [n * size + at_a[x] * far.shape[2] + at_b[y] for x, y in ordered]
-            gid += [n] * len(ordered)
-            k.append(len(ordered))
-        before = np.bincount(np.array(gid, np.int64), weights=far.reshape(-1)[np.array(flat, np.int64)],
-                             minlength=len(idx))
-        floor = np.cumsum(np.sort(far.reshape(len(idx), size), axis=1), axis=1)[np.arange(len(idx)),
-                                                                                 np.array(k, np.int64) - 1]
+        n_a, n_b = far.shape[1], far.shape[2]
+        size = n_a * n_b
+        k = np.fromiter((len(groups[g][2]) for g in idx), np.int64, count=len(idx))
+        gid = np.repeat(np.arange(len(idx)), k)
+        xy = np.array([xy for g in idx for xy in groups[g][2]], np.int64).reshape(-1, 2)
+        cand_a = np.array([groups[g][0] for g in idx], np.int64)
+        cand_b = np.array([groups[g][1] for g in idx], np.int64)
+        # each ordered pair's place among its group's candidates (every pair is one of them)
+        at_a = (cand_a[gid] == xy[:, :1]).argmax(1)
+        at_b = (cand_b[gid] == xy[:, 1:]).argmax(1)
+        flat = gid * size + at_a * n_b + at_b
+        # (bincount adds each group's pairs in their order, as the group's own sum does)
+        before = np.bincount(gid, weights=far.reshape(-1)[flat], minlength=len(idx))
+        floor = np.cumsum(np.sort(far.reshape(len(idx), size), axis=1), axis=1)[np.arange(len(idx)), k - 1]
         with np.errstate(invalid="ignore"):
             still = ~(~np.isfinite(before) | (2 * floor >= before * (1 + 1e-6)))
         for g, may in zip(idx, still.tolist()):
@@ -508,25 +511,71 @@ def _stat_row(record: dict, io: str) -> tuple:
     return row, first, gaps
 
 
-def _stat_rows(recs: list, idx, io: str) -> dict:
-    """:func:`_stat_row` of records ``idx`` (index -> row): the usual record, every spec's mean and
-    norm floats, read in one loop without a call per record."""
-    out = {}
-    inf = math.inf
+class _Terms(NamedTuple):
+    """:func:`_stat_row` of many records of one run and one side (inputs or outputs), as columns:
+    each record's terms a stretch of ``values`` (``start``, ``length``, indexed by record), the
+    terms that are None flagged in ``known`` (None where none is), and per record the first slot
+    holding an integer float64 would round (``first``, inf: none; such a term is stored as 0.0 and
+    never read: a group measuring that slot is left out)."""
+
+    values: np.ndarray
+    known: np.ndarray | None
+    start: np.ndarray
+    length: np.ndarray
+    first: np.ndarray
+    odd: bool           # any record with such an integer
+
+
+def _stat_columns(recs: list, idx, io: str) -> _Terms:
+    """:class:`_Terms` of records ``idx``: the usual record (every spec's mean and norm floats) read
+    in one loop without a call per record, the others by :func:`_stat_row`."""
+    flat: list = []
+    lens = []
+    firsts, holes = {}, False
     for i in idx:
-        row: list = []
+        mark = len(flat)
         try:
             for spec in recs[i].get(io) or ():
                 st = spec["stats"]
                 mean, norm = st["mean"], st["norm"]
                 if type(mean) is not float or type(norm) is not float:
                     raise TypeError
-                row += (mean, norm)
+                flat += (mean, norm)
         except (KeyError, TypeError, IndexError):
-            out[i] = _stat_row(recs[i], io)
-            continue
-        out[i] = (row, inf, False)
-    return out
+            del flat[mark:]
+            row, first, gaps = _stat_row(recs[i], io)
+            holes = holes or gaps
+            if first != math.inf:
+                firsts[i] = first
+                row = [0.0 if isinstance(v, int) and abs(v) > 2 ** 52 else v for v in row]
+            flat += row
+        lens.append(len(flat) - mark)
+    n = len(recs)
+    start, length, first = np.zeros(n, np.int64), np.zeros(n, np.int64), np.full(n, math.inf)
+    at = np.array(idx, np.int64)
+    length[at] = lens
+    start[at] = np.cumsum(length[at]) - length[at]
+    for i, f in firsts.items():
+        first[i] = f
+    known = None
+    if holes:
+        known = np.array([v is not None for v in flat], bool)
+        flat = [0.0 if v is None else v for v in flat]
+    return _Terms(np.array(flat, float), known, start, length, first, bool(firsts))
+
+
+def _gathered(terms: _Terms, cands: np.ndarray, width: int) -> tuple:
+    """The first ``width`` slots' terms of records ``cands`` (any shape) as an array of shape
+    ``cands.shape + (width, 2)``: slots a record lacks (or a None term) are 0.0 and flagged False
+    in the mask returned beside (None where every term is there)."""
+    col = np.arange(2 * width)
+    take = terms.start[cands][..., None] + col
+    valid = col < terms.length[cands][..., None]
+    take = np.where(valid, take, 0)
+    vals = np.where(valid, terms.values[take], 0.0) if len(terms.values) else np.zeros(take.shape)
+    mask = valid if terms.known is None else valid & terms.known[take]
+    shape = cands.shape + (width, 2)
+    return vals.reshape(shape), None if mask.all() else mask.reshape(shape)
 
 
 # elements of the largest array _closeness_many makes at once (8 bytes each)
@@ -538,62 +587,44 @@ def _closeness_many(recs_a: list, recs_b: list, groups: list):
     distances summed (``far_out + far_in``): groups of one size and width computed together, the
     same IEEE operations in the same order, so each matrix equals the group's own bit for bit.
     Yields ``(group indices, far)`` with ``far`` of shape ``(len(indices), len(cand_a),
-    len(cand_b))``; a group holding an integer statistic float64 would round is left out."""
-    rows: tuple = ({"outputs": {}, "inputs": {}}, {"outputs": {}, "inputs": {}})   # _stat_row per side, io, record
-    odd: tuple = ({"outputs": False, "inputs": False}, {"outputs": False, "inputs": False})   # any integer to round
+    len(cand_b))``; a group holding an integer statistic float64 would round is left out.  Each
+    record's statistics are read once into columns (:class:`_Terms`), the groups' taken from them
+    by numpy."""
+    if not groups:
+        return
+    terms = {}
+    widths = []      # per io: each group's width (slots both sides measure), -1 where left out
     for side, recs in ((0, recs_a), (1, recs_b)):
-        wanted = {i for cands in groups for i in cands[side]}
+        wanted = sorted({i for cands in groups for i in cands[side]})
         for io in ("outputs", "inputs"):
-            known = rows[side][io] = _stat_rows(recs, wanted, io)
-            odd[side][io] = any(r[1] != math.inf for r in known.values())
+            terms[side, io] = _stat_columns(recs, wanted, io)
+    sizes = [np.fromiter((len(c[side]) for c in groups), np.int64, count=len(groups)) for side in (0, 1)]
+    flat = [np.fromiter(itertools.chain.from_iterable(c[side] for c in groups), np.int64,
+                        count=int(sizes[side].sum())) for side in (0, 1)]
+    starts = [np.cumsum(n) - n for n in sizes]
+    for io in ("outputs", "inputs"):
+        most = [np.maximum.reduceat(terms[side, io].length[flat[side]], starts[side]) // 2 for side in (0, 1)]
+        width = np.minimum(*most)
+        if terms[0, io].odd or terms[1, io].odd:
+            lowest = [np.minimum.reduceat(terms[side, io].first[flat[side]], starts[side]) for side in (0, 1)]
+            width = np.where((lowest[0] < width) | (lowest[1] < width), -1, width)
+        widths.append(width)
+    keep = (widths[0] >= 0) & (widths[1] >= 0)
     buckets: dict = {}
-    for g, cands in enumerate(groups):
-        key = [len(cands[0]), len(cands[1])]
-        for io in ("outputs", "inputs"):
-            terms = [[rows[side][io][i] for i in cands[side]] for side in (0, 1)]
-            width = min(max(len(r[0]) for r in side) // 2 for side in terms)
-            if (odd[0][io] or odd[1][io]) and any(r[1] < width for side in terms for r in side):
-                break
-            key.append(width)
-        else:
-            buckets.setdefault(tuple(key), []).append(g)
+    for g, key in zip(np.flatnonzero(keep).tolist(),
+                      zip(sizes[0][keep].tolist(), sizes[1][keep].tolist(), widths[0][keep].tolist(),
+                          widths[1][keep].tolist())):
+        buckets.setdefault(key, []).append(g)
     for (na, nb, w_out, w_in), members in buckets.items():
         per = max(1, _CHUNK // (na * nb * max(w_out, w_in, 1) * 2))
-        for start in range(0, len(members), per):
-            idx = members[start:start + per]
+        for begin in range(0, len(members), per):
+            idx = members[begin:begin + per]
+            cands = [np.array([groups[g][side] for g in idx], np.int64).reshape(len(idx), n)
+                     for side, n in ((0, na), (1, nb))]
             far = None
             for io, width in (("outputs", w_out), ("inputs", w_in)):
                 if width:
-                    arrays = []
-                    for side, n_cand in ((0, na), (1, nb)):
-                        known = rows[side][io]
-                        got = [known[i] for g in idx for i in groups[g][side]]
-                        shape = (len(idx), n_cand, width, 2)
-                        if all(len(r[0]) == 2 * width and not r[2] for r in got):   # the usual case: one call
-                            flat = itertools.chain.from_iterable(r[0] for r in got)
-                            arrays.append((np.fromiter(flat, float, count=math.prod(shape)).reshape(shape), None))
-                            continue
-                        flat, gaps = [], False
-                        for g in idx:
-                            for i in groups[g][side]:
-                                r, _, holes = known[i]
-                                if len(r) == 2 * width:
-                                    flat += r
-                                elif len(r) > 2 * width:
-                                    flat += r[:2 * width]
-                                    holes = holes and None in r[:2 * width]
-                                else:
-                                    flat += r
-                                    flat += [None] * (2 * width - len(r))
-                                    holes = True
-                                gaps = gaps or holes
-                        if gaps:
-                            mask = np.array([v is not None for v in flat], bool).reshape(shape)
-                            flat = [0.0 if v is None else v for v in flat]
-                        else:
-                            mask = None
-                        arrays.append((np.array(flat, float).reshape(shape), mask))
-                    (va, ka), (vb, kb) = arrays
+                    (va, ka), (vb, kb) = (_gathered(terms[side, io], cands[side], width) for side in (0, 1))
                     va, vb = va[:, :, None], vb[:, None]
                     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
                         rel = np.abs(va - vb) / (np.abs(va) + np.abs(vb) + 1e-30)
