@@ -288,3 +288,38 @@ def test_mindspore_steps_write_the_same_summaries(tmp_path):
         code, text = show(path, *options)
         assert code == 0 and "op calls" in text, text
         assert show(copy, *options) == (code, text.replace(str(path), str(copy))), options
+
+
+def test_scanned_lines_summarise_as_parsed_records(tmp_path):
+    """The scan of a part's lines (their first fields; nan/inf and re-run lines parsed whole) gives
+    the summary of every record parsed whole, on lines that test the scan: escaped and non-ASCII
+    strings, null scopes, counts written with spaces, a ``"rerun"`` inside a string, a re-run the
+    only record of its op, a nan/inf count on the last line, and the same first fields on many
+    lines (counted per line, in the order they first appear)."""
+    def tensor(nan=0, inf=0):
+        return {"type": "tensor", "dtype": "float32", "shape": [2], "stats": {"max": 1.0, "min": 0.0, "nan": nan,
+                                                                              "inf": inf}}
+    lines = []
+    for i in range(40):
+        lines.append({"id": i, "kind": "op" if i % 5 else "module", "name": f"n{i}", "op": f"aten.op{i % 4}",
+                      "stage": ["forward", "backward", "b\u00e4ck \"w\"\\d"][i % 3], "scope": None if i % 7 == 0
+                      else f"M.l\u00e9yer\t{i % 3}", "call": i, "inputs": [tensor(nan=int(i % 11 == 3))],
+                      "outputs": [tensor(inf=2 if i % 9 == 4 else 0)], "kwargs": {"note": {"type": "str",
+                                                                                       "value": "\"rerun\""}}})
+    lines[5]["compiled"] = {"rerun": True}
+    lines[5]["op"] = "aten.only_rerun"
+    text = "".join(json.dumps(r, separators=(",", ":"), ensure_ascii=i % 2 == 0) + "\n"
+                   for i, r in enumerate(lines))
+    text = text.replace('"nan":0,', '"nan": 0 ,', 3).replace('"inf":0}', '"inf" :0}', 2)
+    last = dict(lines[-1], id=40, outputs=[tensor(inf=1)])
+    text += json.dumps(last, separators=(",", ":")).replace('"inf":1', '"inf" : 1') + "\n"
+    folder = tmp_path / "step0" / "rank0"
+    folder.mkdir(parents=True)
+    (folder / "ops.jsonl").write_text(text, encoding="utf-8")
+    data = (folder / "ops.jsonl").read_bytes()
+    assert part_summary._heads(data) is not None, "the scan path is the one tested"
+    assert part_summary.write(str(folder))
+    records = [json.loads(line) for line in text.splitlines()]
+    assert part_summary.read(str(folder)) == part_summary.reduce(records, len(data))
+    nf = part_summary.read(str(folder))["stages"]["forward"]["nonfinite"]
+    assert nf is not None and nf["tensors"] > 0
