@@ -160,9 +160,9 @@ def _marks(data: bytes) -> list[int]:
     n = len(data)
     found = []
     for k in range(min(4, max(n - 3, 0))):
-        words = np.frombuffer(data[k:k + (n - k) // 4 * 4], "<u4")      # a copy, aligned: faster compares
-        hit = (words == _STARTS[0]) | (words == _STARTS[1]) | (words == _STARTS[2])
-        found.append(np.flatnonzero(hit) * 4 + k)
+        words = np.frombuffer(data, "<u4", count=(n - k) // 4, offset=k)     # a view: no copy
+        hit = np.flatnonzero((words == _STARTS[0]) | (words == _STARTS[1]) | (words == _STARTS[2]))
+        found.append(hit * 4 + k)
     if not found:
         return []
     at = np.sort(np.concatenate(found))
@@ -172,6 +172,18 @@ def _marks(data: bytes) -> list[int]:
     at = np.concatenate([inside[~zero], at[at + 7 >= n]])
     match = _MARKED.match
     return [p for p in at.tolist() if match(data, p)]
+
+
+# Newlines are found 64 KB at a time: temporaries that small come from the heap, which reuses them,
+# where one the file's size may be mapped from the system and faulted in page by page at each close.
+_CHUNK = 1 << 16
+
+
+def _line_ends(data: bytes) -> np.ndarray:
+    """Where each newline of ``data`` is."""
+    b = np.frombuffer(data, np.uint8)
+    ends = [np.flatnonzero(b[at:at + _CHUNK] == 0x0A) + at for at in range(0, len(b), _CHUNK)]
+    return np.concatenate(ends) if ends else np.zeros(0, np.int64)
 
 
 # A line as Recorder.skeleton starts it: its first fields up to ``call`` in that order (the id,
@@ -217,9 +229,8 @@ def _heads(data: bytes) -> tuple | None:
     them.  None where any line does not start with them or end in ``}`` (or is not whole)."""
     if not data.endswith(b"\n"):
         return None
-    b = np.frombuffer(data, np.uint8)
-    ends = np.flatnonzero(b == 0x0A)
-    if not (b[ends - 1] == 0x7D).all():
+    ends = _line_ends(data)
+    if not (np.frombuffer(data, np.uint8)[ends - 1] == 0x7D).all():
         return None
     match = _HEAD.match
     found = [match(data, s) for s in [0, *(ends[:-1] + 1).tolist()]]
