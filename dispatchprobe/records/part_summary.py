@@ -10,6 +10,7 @@ records with the same :func:`reduce`, so both ways print the same.
 
 from __future__ import annotations
 
+import bisect
 import gc
 import json
 import os
@@ -174,18 +175,6 @@ def _marks(data: bytes) -> list[int]:
     return [p for p in at.tolist() if match(data, p)]
 
 
-# Newlines are found 64 KB at a time: temporaries that small come from the heap, which reuses them,
-# where one the file's size may be mapped from the system and faulted in page by page at each close.
-_CHUNK = 1 << 16
-
-
-def _line_ends(data: bytes) -> np.ndarray:
-    """Where each newline of ``data`` is."""
-    b = np.frombuffer(data, np.uint8)
-    ends = [np.flatnonzero(b[at:at + _CHUNK] == 0x0A) + at for at in range(0, len(b), _CHUNK)]
-    return np.concatenate(ends) if ends else np.zeros(0, np.int64)
-
-
 # A line as Recorder.skeleton starts it: its first fields up to ``call`` in that order (the id,
 # then JSON strings or null: no raw control character, escapes allowed).
 _STRING = rb'(?:null|"[^"\\\x00-\x1f]*(?:\\.[^"\\\x00-\x1f]*)*")'
@@ -202,9 +191,8 @@ def _from_heads(data: bytes, marks: list[int], nonfinite: bool) -> dict | None:
     if lines is None:
         return None
     ends, heads = lines
-    at = sorted(set(np.searchsorted(ends, marks).tolist())) if marks else []
-    whole = _parse(b"\n".join(data[0 if i == 0 else int(ends[i - 1]) + 1:int(ends[i])] for i in at) + b"\n") \
-        if at else []
+    at = sorted({bisect.bisect_left(ends, p) for p in marks})        # the lines they are on
+    whole = _parse(b"\n".join(data[0 if i == 0 else ends[i - 1] + 1:ends[i]] for i in at) + b"\n") if at else []
     if whole is None:
         return None
     reruns = {i for i, r in zip(at, whole) if (r.get("compiled") or {}).get("rerun")}
@@ -229,11 +217,15 @@ def _heads(data: bytes) -> tuple | None:
     them.  None where any line does not start with them or end in ``}`` (or is not whole)."""
     if not data.endswith(b"\n"):
         return None
-    ends = _line_ends(data)
-    if not (np.frombuffer(data, np.uint8)[ends - 1] == 0x7D).all():
-        return None
+    ends, find = [], data.find         # a find per line: at a step's close, with the caches cold,
+    end = find(b"\n")                   # faster than vector compares over the file
+    while end != -1:
+        if data[end - 1] != 0x7D:
+            return None
+        ends.append(end)
+        end = find(b"\n", end + 1)
     match = _HEAD.match
-    found = [match(data, s) for s in [0, *(ends[:-1] + 1).tolist()]]
+    found = [match(data, s) for s in [0, *(e + 1 for e in ends[:-1])]]
     if None in found:
         return None
     return ends, [m.groups() for m in found]
