@@ -51,6 +51,7 @@ class PartResult(NamedTuple):
     divergences: list     # per stage at most one :class:`Divergence` (a departure where it has no error rows)
     aligned: tuple        # (compute records paired, compute records of A, of B)
     pairing: PairingShare = PairingShare()   # how each run's op records were paired, per stage
+    arrays: dict | None = None   # the columns of ``rows`` as numpy arrays, where known (the parts are joined from them)
 
 
 def compare_parts(part_a: Part, part_b: Part, match: str = "fuzzy", mapping: Mapping | None = None,
@@ -195,7 +196,9 @@ def _compare_parts(part_a: Part, part_b: Part, match: str, mapping: Mapping, ten
         hint = f" ({unaligned_hint(*manifests)})" if len(unmatched) > 0.2 * (len(recs_a) + len(recs_b)) else ""
         problems.append(f"step {step} rank {rank}: {int((~unmatched['is_cast'] & (unmatched['explained'] == '')).sum())} of "
                         f"{len(recs_a) + len(recs_b)} records could not be aligned{hint}; listed in unmatched.csv")
-    df = score_pairs(df, part_a, part_b, tensors, problems, (recs_a, recs_b, al.pairs, flow_a.src, flow_b.src))
+    arrays: dict = {}
+    df = score_pairs(df, part_a, part_b, tensors, problems, (recs_a, recs_b, al.pairs, flow_a.src, flow_b.src),
+                     arrays)
     # compute records: counted per distinct op (a few over 100k records), casts left out
     compute = [_compute(Counter(map(_OP, recs))) for recs in (recs_a, recs_b)]
     paired = _compute(Counter(recs_a[i]["op"] for i, _, _ in al.pairs))
@@ -208,8 +211,12 @@ def _compare_parts(part_a: Part, part_b: Part, match: str, mapping: Mapping, ten
     side_a = Side("a", part_a, recs_a, seq_a, flow_a, frozenset(al.only_a), frozenset(unobserved[0]))
     side_b = Side("b", part_b, recs_b, seq_b, flow_b, frozenset(al.only_b), frozenset(unobserved[1]))
     df["origin"], divs = trace(df, side_a, side_b, al.pairs, rerun, kernels and not any(translate))
+    if arrays and list(arrays) == list(df.columns[:-1]) and isinstance(df["origin"].dtype, np.dtype):
+        arrays["origin"] = df["origin"].to_numpy()
+    else:
+        arrays = None
     return PartResult(df, unmatched, problems, divs, (paired, *compute),
-                      pairing_share(al.pairs, recs_a, recs_b, unmatched))
+                      pairing_share(al.pairs, recs_a, recs_b, unmatched), arrays)
 
 
 
@@ -354,8 +361,8 @@ def _merge(results: list, run_a, run_b, jobs_list: list, problems: list, framewo
     tables, unmatched, divs, aligned = [], [], [], np.zeros(3, np.int64)
     pairing = PairingShare(frameworks)
     for k, res in enumerate(results):
-        tables.append(res.rows)
-        results[k] = res._replace(rows=None)    # the tables are joined (and freed) below
+        tables.append(res.rows if res.arrays is None else res.arrays)
+        results[k] = res._replace(rows=None, arrays=None)    # the tables are joined (and freed) below
         unmatched.append(res.unmatched)
         problems.extend(res.problems)
         divs.extend(res.divergences)
@@ -401,14 +408,17 @@ def _joined(tables: list) -> pd.DataFrame:
     """``pd.concat(tables, ignore_index=True)``; where every table has the same columns of the same
     numpy dtypes (what concat then keeps), joined a column at a time, each column's pieces freed
     once joined: the parts and the whole are never both held in full (a long run's parts are most
-    of compare's memory).  ``tables`` is emptied."""
-    columns, dtypes = list(tables[0].columns), list(tables[0].dtypes)
-    if not all(isinstance(d, np.dtype) for d in dtypes) or \
-            any(list(t.columns) != columns or list(t.dtypes) != dtypes for t in tables[1:]):
-        joined = pd.concat(tables, ignore_index=True)
+    of compare's memory).  A table is a frame or its columns' arrays (``PartResult.arrays``: no
+    column read back from a frame).  ``tables`` is emptied."""
+    def layout(t):
+        return (list(t), [a.dtype for a in t.values()]) if isinstance(t, dict) else (list(t.columns), list(t.dtypes))
+    columns, dtypes = layout(tables[0])
+    if not all(isinstance(d, np.dtype) for d in dtypes) or any(layout(t) != (columns, dtypes) for t in tables[1:]):
+        joined = pd.concat([pd.DataFrame(t, copy=False) if isinstance(t, dict) else t for t in tables],
+                           ignore_index=True)
         tables.clear()
         return joined
-    pieces = {name: [t[name].to_numpy() for t in tables] for name in columns}
+    pieces = {name: [t[name] if isinstance(t, dict) else t[name].to_numpy() for t in tables] for name in columns}
     tables.clear()
     return pd.DataFrame({name: np.concatenate(pieces.pop(name)) for name in columns}, copy=False)
 
