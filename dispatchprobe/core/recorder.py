@@ -82,6 +82,8 @@ class Recorder(Handler):
         # records joined from JSON pieces (record_line): the backend's facts of a plain tensor, and
         # the pieces of each tensor look, plain value, keyword and op's fields, made once
         self._line_facts = getattr(backend, "line_facts", None)
+        self._line_types = frozenset(getattr(backend, "LINE_TYPES", ()))     # the classes line_facts takes
+        self._line_entry = getattr(backend, "line_entry", None)
         self._constants = getattr(backend, "CONSTANT_TYPES", ())
         self._copied_from = getattr(backend, "copied_from", None)
         self._line_ready = False
@@ -256,7 +258,7 @@ class Recorder(Handler):
                     return False
                 entry["json"] = piece
             parts[at] = piece
-        ref_of, pair_of = self.backend.line_memory_ref, self.backend.cache_entry
+        entry_of = self._line_entry
         if missing and func is not None and self._copied_from is not None and missing[-1][0] is out:
             src = self._copied_from(func, args, out)
             copied = next((f for f in found if f[0] is src), None) if src is not None else None
@@ -267,7 +269,7 @@ class Recorder(Handler):
                     if t is out:            # the output, and an in-place op's written argument
                         parts[at] = hit[1]["json"]
                         if pair is None:
-                            pair = pair_of(ref_of(t), {"stats": hit[1]["stats"], "json": hit[1]["json"]})
+                            pair = entry_of(t, hit[1]["stats"], hit[1]["json"])
                         cache[ident] = pair
                         if dense is not None:
                             dense_cache[dense] = pair
@@ -279,7 +281,7 @@ class Recorder(Handler):
             for (t, ident, dense, at), st in zip(missing, stats):
                 piece = finite_numbers_piece(st)
                 parts[at] = piece
-                pair = pair_of(ref_of(t), {"stats": st, "json": piece})
+                pair = entry_of(t, st, piece)
                 cache[ident] = pair
                 if dense is not None:
                     dense_cache[dense] = pair
@@ -305,7 +307,8 @@ class Recorder(Handler):
         """Append ``v``'s JSON pieces to ``parts`` (a tensor's statistics left as a place, filled by
         :meth:`_line_stats`, the tensor collected in ``found``); False where ``v`` takes the
         general path."""
-        facts = self._line_facts(v)
+        cls = type(v)
+        facts = self._line_facts(v) if cls in self._line_types else None
         if facts is not None:
             ident, dense, look = facts
             piece = self._looks.get(look)
@@ -319,7 +322,6 @@ class Recorder(Handler):
             parts.append(None)
             parts.append(b"}")
             return True
-        cls = type(v)
         # values whose piece is cached: hashable, their JSON a function of type and value (floats
         # but zeros, whose signs are equal keys, and nan, never equal to a key)
         if cls is int or cls is str or cls is bool or v is None or cls in self._constants \
@@ -568,7 +570,7 @@ class Recorder(Handler):
         self._lines = self.part.ops if self.measures_only and self.part and hasattr(self.part.ops, "fd") else None
         self._next_id = 0
         self._line_ready = PIECES and self._lines is not None and self._line_facts is not None \
-            and self._inputs and self._outputs
+            and self._line_entry is not None and self._inputs and self._outputs
         for pieces in (self._looks, self._plain, self._heads):     # kept from step to step, bounded
             if len(pieces) > PIECES_KEPT:
                 pieces.clear()

@@ -52,9 +52,10 @@ class TensorBackend(Protocol):
     def describe(self, t: Tensor) -> tuple:
         """``(tensor_meta(t), identity(t), dense_key(t))``: the per-op path asks all at once."""
     # optional, for records joined from JSON pieces (Recorder.record_line), running no framework
-    # operation: ``line_facts(value)`` -> ``(identity, dense key, look)`` of a plain tensor in host
-    # memory, else None; ``meta_of(look)`` -> its tensor_meta; ``line_stats(identities)`` -> their
-    # statistics, or None unless every value is finite and read natively; ``line_memory_ref(t)``;
+    # operation: ``LINE_TYPES``, the classes ``line_facts(value)`` takes -> ``(identity, dense key,
+    # look)`` of a plain tensor in host memory, else None; ``meta_of(look)`` -> its tensor_meta;
+    # ``line_stats(identities)`` -> their statistics, or None unless every value is finite and read
+    # natively; ``line_entry(t, stats, json)`` -> the cache pair of a value so described;
     # ``CONSTANT_TYPES``: argument types whose entry is a function of the value alone;
     # ``copied_from(func, args, out)``: the argument ``out`` copies bit for bit in its layout
     def memory_ref(self, t: Tensor):

@@ -128,12 +128,10 @@ def _plain_facts(t: torch.Tensor, cls) -> tuple | None:
 
 
 def line_facts(v) -> tuple | None:
-    """:func:`_plain_facts` of ``v`` where it is a plain tensor or parameter in host memory (what
-    the recorder writes from cached JSON pieces), else None."""
-    cls = type(v)
-    if cls is not _TENSOR and cls is not _PARAMETER:
-        return None
-    facts = _plain_facts(v, cls)
+    """:func:`_plain_facts` of ``v``, a plain tensor or parameter (:data:`LINE_TYPES`, which the
+    recorder checks first), where it is in host memory (what the recorder writes from cached JSON
+    pieces), else None."""
+    facts = _plain_facts(v, type(v))
     if facts is None:
         return None
     device = facts[2][3]
@@ -155,6 +153,7 @@ def meta_of(look: tuple) -> dict:
 
 
 _TENSOR = torch.Tensor
+LINE_TYPES = (_TENSOR, torch.nn.Parameter)      # the classes line_facts describes (not subclasses)
 _unseen_writes = STATE.unseen_writes      # what tensor_kinds.version reads, read per tensor
 
 
@@ -259,13 +258,36 @@ def line_stats(keys: list) -> list[dict] | None:
     the general path."""
     if fused_stats.tree_rows is None:
         return None
+    if len(keys) == 1:          # most ops make one new value: its row without the lists
+        ptr, shape, stride, dtype, device, _ = keys[0]
+        code = _NATIVE_CODES.get(dtype)
+        on_host = _ON_HOST.get(device)
+        if on_host is None:
+            on_host = _ON_HOST[device] = device.type == "cpu"
+        n = math.prod(shape)
+        if code is None or not ptr or not n or not on_host:
+            return None
+        row = fused_stats.described_rows((ptr, code, len(shape), *shape, *stride), 1)
+        if row[0] != _FINITE:
+            return None
+        return [statistics.finite_record(row[1], row[2], row[3], math.sqrt(row[4]), n)]
     read = _native_rows(keys)
     return None if read is None else _rows_records(*read, None)
 
 
-def line_memory_ref(t: torch.Tensor):
-    """:func:`memory_ref` of a tensor :func:`line_facts` described (readable, in host memory)."""
-    return _storage_ref(t.untyped_storage())
+def line_entry(t: torch.Tensor, stats: dict, piece: bytes) -> tuple:
+    """The cache pair of a value :func:`line_facts` described, with its statistics and their JSON:
+    :func:`cache_entry` of :func:`memory_ref` and ``{"stats", "json"}``, kept out of the garbage
+    collector without asking (a reference without a callback, a dict of a dict of numbers and
+    bytes: no cycle through any of them)."""
+    ref = _storage_ref(t.untyped_storage())
+    value = {"stats": stats, "json": piece}
+    pair = (ref, value)
+    if _untrack is not None and type(ref) is _MemoryRef:
+        _untrack(id(ref))
+        _untrack(id(value))
+        _untrack(id(pair))
+    return pair
 
 
 # arguments whose record entry is a function of their value alone, made without running anything
