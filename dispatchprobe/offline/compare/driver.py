@@ -219,7 +219,6 @@ def _compare_parts(part_a: Part, part_b: Part, match: str, mapping: Mapping, ten
                       pairing_share(al.pairs, recs_a, recs_b, unmatched), arrays)
 
 
-
 _OP = operator.itemgetter("op")
 
 
