@@ -20,6 +20,7 @@ from dispatchprobe.core import recorder
 from dispatchprobe.models import TinyTransformer, lm_batch, lm_loss
 from dispatchprobe.torch import device_batch, tensor_backend as backend
 from test_fused_stats import _device_cases, _same
+from test_value_encoder import train_llama
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -89,21 +90,8 @@ def _lines(path) -> list[bytes]:
 
 
 def _llama(probe):
-    from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16)
-    model = LlamaForCausalLM(cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    ids = torch.randint(0, 64, (2, 16))
-    mask = torch.ones(2, 16, dtype=torch.long)
-    mask[1, :3] = 0
-    for _ in range(2):
-        with probe:
-            model(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
-            opt.step()
-            opt.zero_grad()
-        probe.step()
+    """The tests' tiny transformers Llama, its second sequence padded (an attention mask)."""
+    train_llama(probe, padded=True)
 
 
 def _transformer_bf16(probe):

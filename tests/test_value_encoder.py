@@ -132,8 +132,9 @@ def test_opinfo_records_are_the_python_paths(tmp_path, monkeypatch):
     assert taken > 0.3        # float32, bfloat16, integer and bool samples (complex ones are left to torch)
 
 
-def train_llama(probe) -> None:
-    """Two AdamW steps of a tiny transformers Llama under ``probe``, a step per part."""
+def train_llama(probe, padded: bool = False) -> None:
+    """Two AdamW steps of a tiny transformers Llama under ``probe``, a step per part;
+    ``padded``: the second sequence's first three tokens masked out (an attention mask)."""
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -141,9 +142,13 @@ def train_llama(probe) -> None:
     model = LlamaForCausalLM(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ids = torch.randint(0, 64, (2, 16))
+    masked = {}
+    if padded:
+        mask = masked["attention_mask"] = torch.ones(2, 16, dtype=torch.long)
+        mask[1, :3] = 0
     for _ in range(2):
         with probe:
-            model(input_ids=ids, labels=ids).loss.backward()
+            model(input_ids=ids, labels=ids, **masked).loss.backward()
             opt.step()
             opt.zero_grad()
         probe.step()
