@@ -259,18 +259,8 @@ def line_stats(keys: list) -> list[dict] | None:
     if fused_stats.tree_rows is None:
         return None
     if len(keys) == 1:          # most ops make one new value: its row without the lists
-        ptr, shape, stride, dtype, device, _ = keys[0]
-        code = _NATIVE_CODES.get(dtype)
-        on_host = _ON_HOST.get(device)
-        if on_host is None:
-            on_host = _ON_HOST[device] = device.type == "cpu"
-        n = math.prod(shape)
-        if code is None or not ptr or not n or not on_host:
-            return None
-        row = fused_stats.described_rows((ptr, code, len(shape), *shape, *stride), 1)
-        if row[0] != _FINITE:
-            return None
-        return [statistics.finite_record(row[1], row[2], row[3], math.sqrt(row[4]), n)]
+        one = _native_desc(keys[0])
+        return None if one is None else _rows_records(fused_stats.described_rows(one[0], 1), [one[1]], None)
     read = _native_rows(keys)
     return None if read is None else _rows_records(*read, None)
 
@@ -330,19 +320,27 @@ def _native_rows(keys: list) -> tuple | None:
     desc: list = []
     numels = []
     for key in keys:
-        if key is None:
+        one = _native_desc(key) if key is not None else None
+        if one is None:
             return None
-        ptr, shape, stride, dtype, device, _ = key
-        code = _NATIVE_CODES.get(dtype)
-        n = math.prod(shape)
-        on_host = _ON_HOST.get(device)
-        if on_host is None:      # device.type builds a new string per call: asked once per device
-            on_host = _ON_HOST[device] = device.type == "cpu"
-        if code is None or not ptr or not n or not on_host:
-            return None
-        desc += (ptr, code, len(shape), *shape, *stride)
-        numels.append(n)
+        desc += one[0]
+        numels.append(one[1])
     return fused_stats.described_rows(desc, len(keys)), numels
+
+
+def _native_desc(key) -> tuple | None:
+    """What the library reads of the tensor whose identity key is ``key`` (data pointer, dtype
+    code, number of dimensions, sizes, strides) and its element count; None where it is not a
+    host tensor in memory of a dtype the library reads."""
+    ptr, shape, stride, dtype, device, _ = key
+    code = _NATIVE_CODES.get(dtype)
+    n = math.prod(shape)
+    on_host = _ON_HOST.get(device)
+    if on_host is None:      # device.type builds a new string per call: asked once per device
+        on_host = _ON_HOST[device] = device.type == "cpu"
+    if code is None or not ptr or not n or not on_host:
+        return None
+    return (ptr, code, len(shape), *shape, *stride), n
 
 
 def _native_records(tensors: list[torch.Tensor], flat) -> list[dict | None]:
