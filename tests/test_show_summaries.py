@@ -13,7 +13,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 import torch
@@ -199,7 +198,7 @@ def test_only_the_records_holding_nan_inf_or_reruns_are_read_whole(tmp_path):
 
 
 TRAIN_FOREVER = textwrap.dedent("""
-    import sys, torch
+    import sys, time, torch
     from dispatchprobe import DispatchProbe
     from dispatchprobe.models import TinyTransformer, lm_batch, lm_loss
     model = TinyTransformer()
@@ -210,6 +209,8 @@ TRAIN_FOREVER = textwrap.dedent("""
         with probe:
             lm_loss(model, tokens, targets).backward()
             print("step", step, flush=True)
+            if step == 2:           # mid-step, its records written: where the test kills it
+                time.sleep(600)
         probe.step()
         step += 1
 """)
@@ -221,9 +222,8 @@ def test_a_killed_run_reads_its_last_step_from_records(tmp_path):
     path = tmp_path / "killed"
     proc = subprocess.Popen([sys.executable, "-c", TRAIN_FOREVER, str(path)], stdout=subprocess.PIPE, text=True)
     try:
-        assert proc.stdout.readline().startswith("step 0")
-        assert proc.stdout.readline().startswith("step 1")
-        time.sleep(0.1)
+        for step in range(3):
+            assert proc.stdout.readline().startswith(f"step {step}")
         proc.send_signal(signal.SIGKILL)
     finally:
         proc.wait(timeout=60)
