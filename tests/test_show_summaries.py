@@ -224,8 +224,8 @@ def test_a_killed_run_reads_its_last_step_from_records(tmp_path):
     try:
         for step in range(3):
             assert proc.stdout.readline().startswith(f"step {step}")
+    finally:        # killed mid-step 2, or at once where it did not get there
         proc.send_signal(signal.SIGKILL)
-    finally:
         proc.wait(timeout=60)
     run = load(path)
     closed = {key: part.closed for key, part in run.parts.items()}
