@@ -200,7 +200,8 @@ def compare(a, b, out, match, mapping, jobs, metric, stats_only):
 
     A and B are run directories or single step*/rank* folders.  Exit code 0 when the runs
     agree (no error row), 2 when some rows diverge (the verdict says where), 1 when the runs
-    do not align or nothing could be compared.  Runs of different rank counts (1 process vs
+    do not align, nothing could be compared, or the values first differ at a random op (dropout:
+    each run drew its own numbers, no precision verdict).  Runs of different rank counts (1 process vs
     DDP/FSDP2) are compared on loss, forward ops and parameters; under torchrun the ranks share
     the parts and rank 0 writes the report (docs/distributed.md).
     """
@@ -217,6 +218,8 @@ def compare(a, b, out, match, mapping, jobs, metric, stats_only):
         named = [getattr(verdict, stage, None) for stage in ("forward", "backward")]     # none in a grad compare
         _say_repro([(a if d.side == "a" else b, d.name, d.step, d.rank) for d in named
                     if d is not None and d.cause == "op" and d.kind == "op" and not d.departure])
+    if getattr(verdict, "random_only", False):       # a grad compare's verdict has no random op
+        sys.exit(1)
     if not verdict.passed:
         sys.exit(2)
     if verdict.damaged:

@@ -418,10 +418,15 @@ def test_arguments_that_cannot_mean_the_same_say_so(tmp_path, monkeypatch):
 
 def test_seed_all_rm_dropout_runs_dropouts_with_p_zero(monkeypatch):
     """msprobe's seed_all(seed, mode, rm_dropout): torch's functional dropouts, and the modules
-    calling them (made before or after), run with p=0; without it dropout is untouched."""
+    calling them (made before or after), and scaled_dot_product_attention's dropout_p (transformers'
+    attention passes it while training), run with p=0; without it dropout is untouched."""
     functional = torch.nn.functional
-    for name in ("dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout"):
+    for name in ("dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout",
+                 "scaled_dot_product_attention"):
         monkeypatch.setattr(functional, name, getattr(functional, name))     # put back after the test
+    q, k, v = torch.randn(3, 2, 4, 5, 8).unbind(0)
+    no_dropout = functional.scaled_dot_product_attention(q, k, v, None, 0.0, True)
+    assert not torch.equal(functional.scaled_dot_product_attention(q, k, v, None, 0.5, True), no_dropout)
     x = torch.ones(4, 3, 8)
     made_before = torch.nn.Dropout(0.5)
     seed_all(1234)
@@ -431,6 +436,9 @@ def test_seed_all_rm_dropout_runs_dropouts_with_p_zero(monkeypatch):
     images = torch.ones(2, 3, 4, 4)
     assert torch.equal(made_before(x), x) and torch.equal(torch.nn.Dropout2d(0.9)(images), images)
     assert torch.equal(functional.dropout(x, p=0.3, training=True), x)
+    assert done["dropout p=0"].endswith("scaled_dot_product_attention")
+    assert torch.equal(functional.scaled_dot_product_attention(q, k, v, None, 0.5, True), no_dropout)
+    assert torch.equal(functional.scaled_dot_product_attention(q, k, v, dropout_p=0.5, is_causal=True), no_dropout)
     assert seed_all(1234, rm_dropout=True)["dropout p=0"] == "already"
 
 

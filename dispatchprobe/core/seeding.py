@@ -34,8 +34,9 @@ def seed_all(seed: int = 1234, mode: bool = False, rm_dropout: bool = False) -> 
     benchmarking off, ``HCCL_DETERMINISTIC=true`` for NPU collectives.  ``mode=False`` leaves
     those settings as they are.  ``PYTHONHASHSEED`` is set for child processes; this process's
     string hashing was fixed when it started.  ``rm_dropout=True`` (msprobe's switch): torch's
-    functional dropouts, which ``nn.Dropout*`` modules call, run with ``p=0`` from then on, so runs
-    on devices with different generators compare.  Returns what was changed and logs it as one line.
+    functional dropouts, which ``nn.Dropout*`` modules call, and ``scaled_dot_product_attention``'s
+    ``dropout_p`` run with ``p=0`` from then on, so runs on devices with different generators (or
+    eager against compiled code) compare.  Returns what was changed and logs it as one line.
     """
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
         raise ValueError(f"seed_all: seed must be an integer in [0, 2**32), got {seed!r}")
@@ -114,6 +115,16 @@ def _without_dropout(functional) -> list[str]:
         p_zero.p_is_zero = True
         setattr(functional, name, p_zero)
         replaced.append(name)
+    attention = getattr(functional, "scaled_dot_product_attention", None)
+    if attention is not None and not getattr(attention, "p_is_zero", False):
+        # attention's own dropout (``dropout_p``, which transformers' models pass while training)
+
+        def no_dropout_p(query, key, value, attn_mask=None, dropout_p=0.0, *args, attention=attention, **kwargs):
+            return attention(query, key, value, attn_mask, 0.0, *args, **kwargs)
+        functools.update_wrapper(no_dropout_p, attention)
+        no_dropout_p.p_is_zero = True
+        functional.scaled_dot_product_attention = no_dropout_p
+        replaced.append("scaled_dot_product_attention")
     return replaced
 
 

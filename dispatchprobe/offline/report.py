@@ -251,7 +251,9 @@ def report_data(table: pd.DataFrame, verdict, metric: str) -> dict:
         n["div"].append(d.stage)
         divs[d.stage] = {"node": n["id"], "op": d.op, "key": [d.step, d.rank, d.stage, d.kind, d.seq],
                          "side": d.side, "cause": d.cause, "text": text, "label": mark_label(d),
-                         "departure": bool(d.departure)}
+                         "departure": bool(d.departure),
+                         # drawn quietly: a departure within tolerance, or values that differ by random draws
+                         "quiet": bool(d.departure) or d.cause in ("random", "after_random")}
     # ops embedded per node: failing, origin and divergence ops first, then in execution order
     div_keys = {tuple(v["key"]) for v in divs.values()}
     stacks, stack_ix = [], {}
@@ -343,6 +345,8 @@ def mark_label(d) -> str:
         return f"{d.stage} inputs/parameters differ (first seen)" + (" within tolerance" if d.departure else "")
     if d.cause == "inherited":
         return f"{d.stage} errors follow from forward values"
+    if d.cause == "after_random":
+        return f"{d.stage} not judged: follows a random op"
     return d.headline()
 
 

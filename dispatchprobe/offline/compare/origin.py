@@ -486,7 +486,34 @@ def trace(df: pd.DataFrame, a: Side, b: Side, pairs: list, rerun=None, same_kern
         div.approximate = pick.cause == "op" and (pick.index in lineage.own_share.estimated or bool(
             unmeasured[(lineage.uid == pick.index) & (df["stage"].to_numpy(object) == stage)].any()))
         divs.append(div)
+    _random_draws(df, divs, [pick for _, pick, _ in picks])
     return origin_rows, divs
+
+
+def _random_draws(df: pd.DataFrame, divs: list, picks: list) -> None:
+    """Names the paired op of the other run where it is another op, and marks a divergence at a
+    random op (either run's, :func:`op_traits.is_random`) ``random``: its values depend on each run's
+    generator (eager and compiled, or two devices, draw different numbers), so neither it nor
+    what follows from it is a precision verdict; a backward with error rows after such a forward
+    divergence is ``after_random``."""
+    ops_b = df["op_b"].to_numpy(object) if len(df) else None
+    uid = df["uid"].to_numpy() if len(df) else None
+    for div, pick in zip(divs, picks):
+        if div.cause not in ("op", "unmatched", "unrecorded"):
+            continue
+        ops = {div.op}
+        if div.cause != "unmatched" and div.side == "a" and ops_b is not None:
+            paired = set(ops_b[uid == pick.index].tolist()) - {div.op}
+            if len(paired) == 1:
+                div.other_op = paired.pop()
+                ops.add(div.other_op)
+        if any(op_traits.is_random(op) for op in ops):
+            div.cause = "random"
+    forward = next((d for d in divs if d.stage == "forward" and d.cause == "random" and not d.departure), None)
+    if forward is not None:
+        for div in divs:
+            if div.stage == "backward" and div.errors:
+                div.cause, div.random_at, div.approximate = "after_random", forward.where(), False
 
 
 def _why(row) -> str:

@@ -24,7 +24,12 @@ class Divergence:
     - ``unmatched``: an op present in one run only (``side``) between agreeing and differing records;
     - ``inputs``: a value no recorded op produced (parameter, data) already differs (``arg``);
     - ``unrecorded``: an input differs although the op that produced it agreed;
-    - ``inherited``: backward only: no backward op diverges by itself, its errors come from forward values.
+    - ``inherited``: backward only: no backward op diverges by itself, its errors come from forward values;
+    - ``random``: the first op where values differ draws random numbers (dropout, ``rand``...): its values
+      depend on each run's generator, so a difference there and in what is computed from it is no
+      precision verdict (``op``, ``unmatched`` or ``unrecorded`` at a random op);
+    - ``after_random``: backward only: its error rows come after a forward ``random`` divergence
+      (``random_at``), computed from values that depend on the draws: not judged.
     """
 
     stage: str
@@ -47,12 +52,17 @@ class Divergence:
     departure: bool = False      # no error rows: the first difference within tolerance
     approximate: bool = False    # decided on statistics/recorded errors, not on a float64 re-run
     came_from: str = ""          # inputs differing at a later step: where the earlier step's difference entered
+    other_op: str = ""           # the paired record's op in the other run, where it is another op
+    random_at: str = ""          # after_random: the forward random op's place (its where())
 
     def headline(self) -> str:
+        if self.cause == "random":
+            return f"first {self.stage} difference, at a random op" + (" (within tolerance)" if self.departure else "")
         return f"first {self.stage} departure (within tolerance)" if self.departure else f"first {self.stage} divergence"
 
     def where(self) -> str:
-        return (f"{self.op} [{self.scope or '<top>'}] call {self.call} "
+        paired = f" (paired with {self.other_op} in run {'B' if self.side == 'a' else 'A'})" if self.other_op else ""
+        return (f"{self.op}{paired} [{self.scope or '<top>'}] call {self.call} "
                 f"(#{self.seq} in {self.stage}{'' if self.side == 'a' else ' of run B'}, "
                 f"step {self.step} rank {self.rank})")
 
@@ -66,6 +76,13 @@ class Divergence:
             lines = [f"{self.stage}: no {self.stage} op diverges by itself; its {self.errors} error rows follow from "
                      f"differing forward values (first at {self.op} [{self.scope or '<top>'}] {self.arg}, "
                      f"#{self.seq} in {self.stage}, step {self.step} rank {self.rank})"]
+        elif self.cause == "random":
+            lines = [f"{lead or self.headline()}: {self.where()}: its values depend on the random numbers "
+                     f"each run drew, so the runs cannot be compared value for value there or in what is computed "
+                     f"from it; not a precision verdict ({self.failed}). {RANDOM_ADVICE}"]
+        elif self.cause == "after_random":
+            lines = [f"{self.stage}: not judged: its {self.errors} error rows (first at {self.where()}) are computed "
+                     f"from forward values that depend on the random op {self.random_at}"]
         elif self.cause == "unmatched":
             lines = [f"{lead or self.headline()}: {self.where()}, present only in run {self.side.upper()}"
                      f"{'' if self.departure else ' (prime suspect)'}: {self.failed}"]
@@ -79,6 +96,12 @@ class Divergence:
             lines.append(f"  smallest module whose output differs: {self.module}")
         lines += [f"  at {frame}" for frame in self.stack[-4:]]
         return "\n".join(lines)
+
+
+RANDOM_ADVICE = ("To compare past it, record both runs seeded alike with dropout off "
+                 "(dispatchprobe.seed_all(seed, rm_dropout=True)); compiled code draws from inductor's own "
+                 "generator unless torch._inductor.config.fallback_random = True, and each device type has "
+                 "generators of its own.")
 
 
 @dataclass
@@ -119,6 +142,13 @@ class Verdict:
     @property
     def inputs_differ(self) -> bool:
         return any(d is not None and d.cause == "inputs" for d in (self.forward, self.backward))
+
+    @property
+    def random_only(self) -> bool:
+        """Whether every error row comes at or after a random op where the runs' values first differ:
+        no precision verdict, what compare cannot judge (exit code 1)."""
+        divs = [d for d in (self.forward, self.backward) if d is not None]
+        return not self.passed and bool(divs) and all(d.cause in ("random", "after_random") for d in divs)
 
     @property
     def compared(self) -> int:

@@ -5,7 +5,7 @@
 // D (the page's JSON): nodes [{id, name, path, parent, children, c: counts by level, div: marked stages}],
 // levels [{name, color}] by severity (highest is worst), mark "first {stage} error"-like label; a page whose
 // marks have words of their own gives them as D.divs[stage].label, a quiet one (a departure within tolerance:
-// the runs pass) with D.divs[stage].departure.
+// the runs pass, or values differing by random draws: no precision verdict) with D.divs[stage].quiet.
 var D = JSON.parse(document.getElementById("report-data").textContent);
 var N = D.nodes, LV = D.levels, expanded = {}, selected = null;
 // D.flags [{field, label, badge}] (pages without their own): a filter "label" and a badge on nodes with n[field] > 0
@@ -23,7 +23,7 @@ function fmt(v) {
 function esc(s) { return fmt(s).replace(/[&<>"]/g, function (c) { return {"&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;"}[c]; }); }
 function opKey(k) { return k.join("-"); }
 function markLabel(stage) { var d = (D.divs || {})[stage]; return d && d.label ? d.label : D.mark.replace("{stage}", stage); }
-function markQuiet(stage) { var d = (D.divs || {})[stage]; return !!(d && d.departure); }
+function markQuiet(stage) { var d = (D.divs || {})[stage]; return !!(d && d.quiet); }
 // text as html in which no number breaks over two lines (at the minus of 9.55e-07)
 var NUMBER = /[-+]?\d[\d.]*(?:e[-+]?\d+)?/g;
 function keepNumbers(text) { return esc(text).replace(NUMBER, '<span class="nw">$&</span>'); }
