@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import json
 import os
 import socket
@@ -294,25 +293,25 @@ class TensorShardWriter:
     """Background writer of safetensors shards.  ``save_fn(dict_of_tensors, path)`` serialises
     (the backend's ``save_shard``); ``nbytes_fn`` sizes a queued tensor.
 
-    Queued tensors are handed to the writer thread in batches (every ``HANDOFF_BYTES``, or at the
-    thread's own ``SHARD_SECONDS`` tick), not one by one: each wake-up of the thread takes the GIL
-    from the op thread, and a step of a small-op model queues hundreds of tensors.  A flush
+    The op thread fills the open shard and closes it once it holds ``SHARD_BYTES``; only then is
+    the writer thread woken, once per shard: a shard's header comes first in its file and lists
+    every tensor in it, so nothing of a shard can be written before it is closed, and each
+    wake-up of the thread takes the GIL from the op thread.  The writer's own tick closes a shard
+    ``SHARD_SECONDS`` old, so a hung or killed process leaves its tensors up to then.  A flush
     writes what is left on the calling thread (after the shard the writer may be finishing): the
     step end does not wait for the writer thread to be woken and scheduled."""
-
-    HANDOFF_BYTES = 8 << 20
 
     def __init__(self, folder: str, save_fn: Callable[[dict, str], None], nbytes_fn: Callable[[Any], int]):
         self.folder = folder
         self._save = save_fn
         self._nbytes = nbytes_fn
-        self._items: collections.deque = collections.deque()   # appended by put, taken under _lock
-        self._unsent = 0
-        self._wake = threading.Event()
-        self._lock = threading.Lock()       # held by the thread moving items into shards
-        self._pending: dict = {}            # the shard being filled
+        self._open_lock = threading.Lock()   # the open shard: filled by put, closed by put or the tick
+        self._pending: dict = {}            # the open shard
         self._size = 0
         self._since = time.monotonic()
+        self._closed: collections.deque = collections.deque()   # closed shards, oldest first
+        self._wake = threading.Event()
+        self._lock = threading.Lock()       # held by the thread writing shards (in order)
         self._closing = False
         self._index = JsonLines(os.path.join(folder, "index.jsonl"))
         self._shard_no = 0
@@ -327,12 +326,13 @@ class TensorShardWriter:
             os.makedirs(self.folder, exist_ok=True)
             self._thread.start()
             self._started = True
-        self._items.append((key, tensor))
-        if not isinstance(tensor, _View):
-            self._unsent += self._nbytes(tensor)
-            if self._unsent >= self.HANDOFF_BYTES:
-                self._unsent = 0
-                self._wake.set()
+        with self._open_lock:
+            self._pending[key] = tensor
+            if type(tensor) is not _View:
+                self._size += self._nbytes(tensor)
+                if self._size >= SHARD_BYTES:
+                    self._close_open()
+                    self._wake.set()
 
     def put_view(self, key: str, base: str, offset: int, shape, stride) -> None:
         """Record ``key`` as a strided view of the saved 1-D tensor ``base`` (stored once)."""
@@ -341,9 +341,10 @@ class TensorShardWriter:
     def flush(self) -> None:
         """Write everything queued so far (the rest as one shard), on this thread."""
         if self._started:
-            self._unsent = 0
             with self._lock:
-                self._take(final=True)
+                with self._open_lock:
+                    self._close_open()
+                self._write_closed()
         if self._error is not None:
             raise WriteFailed(self._error)
 
@@ -359,38 +360,35 @@ class TensorShardWriter:
     def _run(self) -> None:
         while not self._closing:
             self._wake.wait(timeout=SHARD_SECONDS)
-            self._wake.clear()              # before taking: a later put's wake-up is not lost
+            self._wake.clear()              # before writing: a later close's wake-up is not lost
             with self._lock:
-                self._take(final=False)
+                if time.monotonic() - self._since >= SHARD_SECONDS:
+                    with self._open_lock:
+                        if time.monotonic() - self._since >= SHARD_SECONDS:
+                            self._close_open()
+                self._write_closed()
 
-    def _take(self, final: bool) -> None:
-        """Move the queued items into the open shard, writing it each time it is full, and at the
-        end if ``final`` or it is ``SHARD_SECONDS`` old (so a hung or killed process leaves its
-        tensors up to then).  Called with ``_lock`` held."""
-        while True:
-            try:
-                key, value = self._items.popleft()
-            except IndexError:
-                break
-            self._pending[key] = value
-            if not isinstance(value, _View):
-                self._size += self._nbytes(value)
-                if self._size >= SHARD_BYTES:
-                    self._write_pending()
-        if self._pending and (final or time.monotonic() - self._since >= SHARD_SECONDS):
-            self._write_pending()
+    def _close_open(self) -> None:
+        """Close the open shard, if it holds anything.  Called with ``_open_lock`` held."""
+        if self._pending:
+            self._closed.append(self._pending)
+            self._pending, self._size = {}, 0
+        self._since = time.monotonic()
 
-    def _write_pending(self) -> None:
-        if self._error is None:        # after a failure nothing more is written
-            try:
-                self._write_shard(self._pending)
-            except BaseException as exc:  # reported on the next put/flush, on the op thread
-                self._error = str(exc) if isinstance(exc, WriteFailed) else f"{type(exc).__name__}: {exc}"
-        self._pending, self._size, self._since = {}, 0, time.monotonic()
+    def _write_closed(self) -> None:
+        """Write the closed shards, oldest first.  Called with ``_lock`` held."""
+        closed = self._closed
+        while closed:
+            pending = closed.popleft()
+            if self._error is None:        # after a failure nothing more is written
+                try:
+                    self._write_shard(pending)
+                except BaseException as exc:  # reported on the next put/flush, on the op thread
+                    self._error = str(exc) if isinstance(exc, WriteFailed) else f"{type(exc).__name__}: {exc}"
 
     def _write_shard(self, pending: dict) -> None:
-        views = {k: dataclasses.asdict(v) for k, v in pending.items() if isinstance(v, _View)}
-        tensors = {k: v for k, v in pending.items() if not isinstance(v, _View)}
+        views = {k: v.fields() for k, v in pending.items() if type(v) is _View}
+        tensors = {k: v for k, v in pending.items() if type(v) is not _View} if views else pending
         line: dict = {"shard": None, "keys": []}
         if tensors:
             name = f"shard_{self._shard_no:05d}.safetensors"
@@ -410,14 +408,18 @@ class TensorShardWriter:
         self._index.append(line)
 
 
-@dataclasses.dataclass
-class _View:
-    """A saved tensor that is a strided view of another saved (1-D) tensor."""
+class _View(tuple):
+    """A saved tensor that is a strided view of another saved (1-D) tensor: (base, offset,
+    shape, stride)."""
 
-    base: str
-    offset: int
-    shape: list
-    stride: list
+    __slots__ = ()
+
+    def __new__(cls, base: str, offset: int, shape: list, stride: list):
+        return tuple.__new__(cls, (base, offset, shape, stride))
+
+    def fields(self) -> dict:
+        base, offset, shape, stride = self
+        return {"base": base, "offset": offset, "shape": shape, "stride": stride}
 
 
 class PartIndex:
