@@ -498,11 +498,15 @@ class Recorder(Handler):
         ``like``: an already saved tensor with the same values and shape (a ``clone``'s input),
         whose key is reused instead of storing a copy; ``ident``: ``t``'s identity, if known."""
         ident = self.backend.identity(t) if ident is None else ident
-        entry = self._lookup(t, ident)
-        if entry is not None and "data" in entry:
-            return entry["data"]
+        hit = self._cache.get(ident) if ident is not None else None
+        if hit is not None and self.backend.memory_alive(hit[0]):
+            ref, entry = hit        # the memory's reference serves the saved span too
+            if "data" in entry:
+                return entry["data"]
+        else:
+            ref = entry = None
         source = self._lookup(like) if like is not None else None
-        key = source["data"] if source is not None and "data" in source else self._save_by_storage(t)
+        key = source["data"] if source is not None and "data" in source else self._save_by_storage(t, ref)
         if entry is None:
             entry = {}
             self._remember(t, entry, ident)
@@ -514,9 +518,10 @@ class Recorder(Handler):
         self._next_key += 1
         return key
 
-    def _save_by_storage(self, t) -> str:
+    def _save_by_storage(self, t, ref=None) -> str:
         """Save the memory under ``t`` once: a transpose, reshape or slice of saved memory (same
-        in-place version) is written as (base key, offset, shape, stride), not a second copy."""
+        in-place version) is written as (base key, offset, shape, stride), not a second copy.
+        ``ref``: the weak reference to ``t``'s memory, where the caller has it."""
         writer = self.part.tensors
         span = self.backend.storage_span(t)
         if span is None:
@@ -533,7 +538,7 @@ class Recorder(Handler):
             # a plain tensor is saved in its own shape; the bytes are the same 1-D span
             base_shape = shape if plain else [length]
             writer.put(base, self.backend.snapshot(t) if plain else self.backend.span_snapshot(t, start, length))
-            self._spans[span_key] = (self.backend.memory_ref(t), base, base_shape)
+            self._spans[span_key] = (ref if ref is not None else self.backend.memory_ref(t), base, base_shape)
         if plain and base_shape == shape:
             return base
         key = self._new_key()

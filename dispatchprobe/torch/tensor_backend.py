@@ -820,19 +820,20 @@ def storage_span(t: torch.Tensor):
         ptr, nbytes = storage.data_ptr(), storage.nbytes()
     except (RuntimeError, NotImplementedError):
         return None
-    size = t.element_size()
+    size, numel, stride = t.element_size(), t.numel(), t.stride()
     total = nbytes // size
     own_start = t.storage_offset()
-    own_len = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
-    if total <= 4 * t.numel():
+    contiguous = t.is_contiguous()
+    own_len = numel if contiguous else 1 + sum((n - 1) * s for n, s in zip(t.shape, stride))
+    if total <= 4 * numel:
         start, length = 0, total
-    elif own_len <= 2 * t.numel():
+    elif own_len <= 2 * numel:
         start, length = own_start, own_len
     else:
         return None
     key = (ptr, start, length, t.dtype, t.device, tensor_kinds.version(t))
-    plain = own_start == start and length == t.numel() and t.is_contiguous()
-    return key, start, length, own_start - start, list(t.stride()), plain
+    plain = own_start == start and length == numel and contiguous
+    return key, start, length, own_start - start, list(stride), plain
 
 
 def encode_other(value) -> dict:
