@@ -337,6 +337,46 @@ def test_random_sigkills_leave_records_whose_tensors_match_them(tmp_path):
     assert checked > 300
 
 
+def test_step_end_writes_beside_the_writer_thread_in_closing_order(tmp_path, monkeypatch):
+    """The step end writes the closed shards the writer thread has not taken while that thread
+    is still writing its own (another file); the index lists every shard in the order it closed,
+    numbered in that order, whichever thread wrote it, and each reads back as saved."""
+    import threading
+    import torch
+    from dispatchprobe.records import writer
+    from dispatchprobe.records.reader import read_safetensors
+    from dispatchprobe.torch import tensor_backend as backend
+    monkeypatch.setattr(writer, "SHARD_BYTES", 1024)       # one 16x16 float32 value a shard
+    writing, wrote = threading.Event(), []
+
+    def save(tensors, path):
+        start = time.monotonic()
+        if threading.current_thread().name == "dispatchprobe-writer" and not writing.is_set():
+            writing.set()
+            time.sleep(0.5)             # the writer thread still at its first shard at the flush
+        backend.save_shard(tensors, path)
+        wrote.append((threading.current_thread().name, start, time.monotonic()))
+    w = writer.TensorShardWriter(str(tmp_path), save, backend.nbytes)
+    values = {f"t{i}": torch.randn(16, 16) for i in range(5)}
+    w.put("t0", backend.snapshot(values["t0"]))
+    assert writing.wait(30)
+    for key in list(values)[1:]:
+        w.put(key, backend.snapshot(values[key]))
+    w.put_view("v", "t4", 16, [16], [1])
+    w.flush()
+    first = {}
+    for name, start, end in wrote:
+        first.setdefault(name, (start, end))
+    assert first["MainThread"][0] < first["dispatchprobe-writer"][1], wrote    # beside it, not after
+    lines = [json.loads(line) for line in (tmp_path / "index.jsonl").read_text().splitlines()]
+    assert [(line["shard"], line["keys"]) for line in lines] == \
+        [(f"shard_{i:05d}.safetensors", [f"t{i}"]) for i in range(5)] + [(None, [])]
+    assert lines[-1]["views"] == {"v": {"base": "t4", "offset": 16, "shape": [16], "stride": [1]}}
+    for i, (key, value) in enumerate(values.items()):
+        assert np.array_equal(read_safetensors(str(tmp_path / lines[i]["shard"]))[key], value.numpy())
+    w.close()
+
+
 def test_queued_tensors_reach_disk_without_a_flush(tmp_path, monkeypatch):
     """Tensors reach the writer thread in batches, yet a process that hangs mid-step (a collective
     that never returns) and is then killed leaves those queued up to ``SHARD_SECONDS`` before:

@@ -289,6 +289,21 @@ class JsonLines:
             self._fd = None
 
 
+WRITER_NICE = int(os.environ.get("DISPATCHPROBE_WRITER_NICE", "0"))
+
+
+def lower_priority(nice: int) -> None:
+    """Give the calling thread the scheduling weight of ``nice`` (Linux: a thread's own nice
+    value): the shard writer's copies into files then give way to the training's threads, whose
+    intra-op parallel ops would each wait for the one thread that lost its core, yet still get
+    their share of a busy machine (a hung step's shards are written on the writer's tick).
+    Nothing where the OS has no per-thread priority."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+    except (AttributeError, OSError, ValueError):
+        pass
+
+
 class TensorShardWriter:
     """Background writer of safetensors shards.  ``save_fn(dict_of_tensors, path)`` serialises
     (the backend's ``save_shard``); ``nbytes_fn`` sizes a queued tensor.
@@ -298,23 +313,27 @@ class TensorShardWriter:
     every tensor in it, so nothing of a shard can be written before it is closed, and each
     wake-up of the thread takes the GIL from the op thread.  The writer's own tick closes a shard
     ``SHARD_SECONDS`` old, so a hung or killed process leaves its tensors up to then.  A flush
-    writes what is left on the calling thread (after the shard the writer may be finishing): the
-    step end does not wait for the writer thread to be woken and scheduled."""
+    closes the open shard and writes the closed ones the writer has not taken on the calling
+    thread, beside the shard the writer may be finishing (another file): the step end neither
+    waits for the writer thread to be woken nor writes after it.  Shards are numbered as they
+    close and listed in ``index.jsonl`` in that order, whichever thread wrote them."""
 
     def __init__(self, folder: str, save_fn: Callable[[dict, str], None], nbytes_fn: Callable[[Any], int]):
         self.folder = folder
         self._save = save_fn
         self._nbytes = nbytes_fn
-        self._open_lock = threading.Lock()   # the open shard: filled by put, closed by put or the tick
+        self._open_lock = threading.Lock()   # the open shard: filled by put, closed by put, flush or the tick
         self._pending: dict = {}            # the open shard
         self._size = 0
         self._since = time.monotonic()
-        self._closed: collections.deque = collections.deque()   # closed shards, oldest first
+        self._closed: collections.deque = collections.deque()   # (order, file number, shard), oldest first
+        self._order = 0                     # shards closed
+        self._numbered = 0                  # shard files named (closed shards holding a tensor)
+        self._listed = threading.Condition()    # index lines are appended in closing order
+        self._indexed = 0                   # closed shards done with (listed, or failed)
         self._wake = threading.Event()
-        self._lock = threading.Lock()       # held by the thread writing shards (in order)
         self._closing = False
         self._index = JsonLines(os.path.join(folder, "index.jsonl"))
-        self._shard_no = 0
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="dispatchprobe-writer", daemon=True)
         self._started = False
@@ -339,12 +358,16 @@ class TensorShardWriter:
         self.put(key, _View(base, offset, list(shape), list(stride)))
 
     def flush(self) -> None:
-        """Write everything queued so far (the rest as one shard), on this thread."""
+        """Write everything queued so far (the rest as one shard), on this thread and the
+        writer's; return once every shard closed until now is listed."""
         if self._started:
-            with self._lock:
-                with self._open_lock:
-                    self._close_open()
-                self._write_closed()
+            with self._open_lock:
+                self._close_open()
+                closed = self._order
+            self._write_closed()
+            with self._listed:
+                while self._indexed < closed:
+                    self._listed.wait()
         if self._error is not None:
             raise WriteFailed(self._error)
 
@@ -358,41 +381,66 @@ class TensorShardWriter:
         self._index.close()
 
     def _run(self) -> None:
+        if WRITER_NICE:
+            lower_priority(WRITER_NICE)
         while not self._closing:
             self._wake.wait(timeout=SHARD_SECONDS)
             self._wake.clear()              # before writing: a later close's wake-up is not lost
-            with self._lock:
-                if time.monotonic() - self._since >= SHARD_SECONDS:
-                    with self._open_lock:
-                        if time.monotonic() - self._since >= SHARD_SECONDS:
-                            self._close_open()
-                self._write_closed()
+            if time.monotonic() - self._since >= SHARD_SECONDS:
+                with self._open_lock:
+                    if time.monotonic() - self._since >= SHARD_SECONDS:
+                        self._close_open()
+            self._write_closed()
 
     def _close_open(self) -> None:
         """Close the open shard, if it holds anything.  Called with ``_open_lock`` held."""
-        if self._pending:
-            self._closed.append(self._pending)
+        pending = self._pending
+        if pending:
+            number = None
+            if self._size or any(type(v) is not _View for v in pending.values()):
+                number, self._numbered = self._numbered, self._numbered + 1
+            self._closed.append((self._order, number, pending))
+            self._order += 1
             self._pending, self._size = {}, 0
         self._since = time.monotonic()
 
     def _write_closed(self) -> None:
-        """Write the closed shards, oldest first.  Called with ``_lock`` held."""
+        """Write closed shards, oldest first, until none is left; each is listed in the index
+        once those closed before it are (another thread may be writing one of them)."""
         closed = self._closed
-        while closed:
-            pending = closed.popleft()
+        while True:
+            try:
+                order, number, pending = closed.popleft()
+            except IndexError:
+                return
+            line = None
             if self._error is None:        # after a failure nothing more is written
                 try:
-                    self._write_shard(pending)
+                    line = self._write_shard(number, pending)
                 except BaseException as exc:  # reported on the next put/flush, on the op thread
-                    self._error = str(exc) if isinstance(exc, WriteFailed) else f"{type(exc).__name__}: {exc}"
+                    self._fail(exc)
+            with self._listed:
+                while self._indexed != order:
+                    self._listed.wait()
+                if line is not None and self._error is None:
+                    try:
+                        self._index.append(line)
+                    except BaseException as exc:  # noqa: BLE001 - as a shard's failure
+                        self._fail(exc)
+                self._indexed += 1
+                self._listed.notify_all()
 
-    def _write_shard(self, pending: dict) -> None:
+    def _fail(self, exc: BaseException) -> None:
+        if self._error is None:
+            self._error = str(exc) if isinstance(exc, WriteFailed) else f"{type(exc).__name__}: {exc}"
+
+    def _write_shard(self, number: int | None, pending: dict) -> dict:
+        """Write one closed shard's file (if it holds tensors); its index line."""
         views = {k: v.fields() for k, v in pending.items() if type(v) is _View}
         tensors = {k: v for k, v in pending.items() if type(v) is not _View} if views else pending
         line: dict = {"shard": None, "keys": []}
         if tensors:
-            name = f"shard_{self._shard_no:05d}.safetensors"
-            self._shard_no += 1
+            name = f"shard_{number:05d}.safetensors"
             path = os.path.join(self.folder, name)
             tmp = path + ".tmp"
             try:
@@ -405,7 +453,7 @@ class TensorShardWriter:
             line = {"shard": name, "keys": list(tensors)}
         if views:
             line["views"] = views
-        self._index.append(line)
+        return line
 
 
 class _View(tuple):
