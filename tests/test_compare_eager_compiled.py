@@ -11,6 +11,8 @@ per attention kind), each call pairs with the one computing the same values."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pandas as pd
 import pytest
 import torch
@@ -157,3 +159,83 @@ def test_calls_made_in_another_order_pair_by_their_values(tmp_path):
         # each call's cos, sin and angles with the same values (the aten ops run as eager runs them)
         assert len(tables.drop_duplicates("seq")) == 6 and set(tables["status"]) == {"pass"}, tables
         assert (tables["max_abs_err"].astype(float) == 0).all(), tables[["seq", "op_a", "arg", "max_abs_err"]]
+
+
+# ---- a module made in forward and registered nowhere ------------------------------------------------
+class LossInForward(nn.Module):
+    """A projection whose loss module is made in ``forward`` (``loss_fct = CrossEntropyLoss()``, as
+    transformers' BERT, T5 and many more do): dynamo traces it without a module of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(16, 5)
+
+    def forward(self, x):
+        loss_fct = nn.CrossEntropyLoss()
+        return loss_fct(self.proj(x), torch.arange(x.shape[0]) % 5)
+
+
+def test_a_module_made_in_forward_records_in_its_callers_scope(tmp_path):
+    """Its ops are the caller's in eager as in the compiled graph, so the two runs pair them op by op."""
+    eager = _record(tmp_path / "eager", False, make=LossInForward)
+    compiled = _record(tmp_path / "compiled", True, make=LossInForward)
+    import json
+    scopes = {r["op"]: r["scope"] for r in map(json.loads, open(eager / "step0" / "rank0" / "ops.jsonl"))
+              if r["kind"] == "op" and r["stage"] == "forward"}
+    assert scopes["aten._log_softmax.default"] == scopes["aten.nll_loss_forward.default"] == "LossInForward", scopes
+    for a, b in ((eager, compiled), (compiled, eager)):
+        out = tmp_path / f"out_{a.name}"
+        res = CliRunner().invoke(main, ["compare", str(a), str(b), "-o", str(out)])
+        assert res.exit_code == 0 and "no forward divergence" in res.output, res.output
+        table = pd.read_csv(out / "compare.csv", keep_default_na=False)
+        loss = table[table["op_a"].isin(["aten._log_softmax.default", "aten.nll_loss_forward.default"])]
+        assert set(loss["scope"]) == {"LossInForward"} and set(loss["status"]) == {"pass"}, loss
+        assert len(loss.drop_duplicates("seq")) == 2, loss
+
+
+# ---- a parameter the optimizer moves apart from gradients at rounding level ------------------------------
+class KeyBiasAttention(nn.Module):
+    """Attention with a key bias, whose gradient is mathematically zero (softmax is shift-invariant):
+    each run's is rounding noise of its own, which AdamW turns into updates of the full step size."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(32, 32) for _ in range(4))
+
+    def forward(self, x):
+        s = self.q(x) @ self.k(x).transpose(-1, -2) / 4
+        return self.o(s.softmax(-1) @ self.v(x)).square().mean()
+
+
+def _two_adamw_steps(path, compiled: bool):
+    torch.manual_seed(0)
+    model = KeyBiasAttention()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    if compiled:
+        probe = probe_backend(task="statistics", dump_path=str(path))
+        run = torch.compile(model, backend=probe)
+    else:
+        probe, run = DispatchProbe(task="statistics", dump_path=str(path)), model
+    for step in range(2):
+        x = torch.randn(4, 16, 32, generator=torch.Generator().manual_seed(step))
+        with contextlib.nullcontext() if compiled else probe:
+            run(x).backward()
+        opt.step()
+        opt.zero_grad()
+        probe.step()
+    probe.close()
+    torch._dynamo.reset()
+    return path
+
+
+def test_a_parameter_moved_apart_by_the_optimizer_is_traced_to_it_not_to_a_decomposition(tmp_path):
+    """Step 0's records agree; the key bias differs at step 1.  The parameter records show its
+    gradient was made by records that agree: the optimizer step is named, not an op the compiled
+    graph's decomposition runs in one run only (its scaling ``mul``)."""
+    eager, compiled = _two_adamw_steps(tmp_path / "eager", False), _two_adamw_steps(tmp_path / "compiled", True)
+    for a, b in ((eager, compiled), (compiled, eager)):
+        res = CliRunner().invoke(main, ["compare", str(a), str(b)])
+        assert "first seen at aten.addmm.default [KeyBiasAttention.k] input.0" in res.output, res.output
+        assert "they come from its optimizer step: parameter k.bias differs after it" in res.output, res.output
+        assert "within what the records that made it allow" in res.output and "present only in run" not in \
+            res.output.split("unmatched records")[0], res.output

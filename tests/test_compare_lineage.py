@@ -131,8 +131,16 @@ def test_later_inputs_traced_to_the_step0_backward_op(tmp_path, scale):
     _, v = compare(a, b)
     fwd = v.forward or next(d for d in v.departures if d.stage == "forward")
     assert fwd.step == 1 and fwd.cause == "inputs", str(v)
-    assert fwd.came_from.startswith("they come from step 0: ") and "aten.mul.Tensor [_Mlp.fc1]" in fwd.came_from \
+    assert fwd.came_from.startswith("they come from step 0") and "aten.mul.Tensor [_Mlp.fc1]" in fwd.came_from \
         and "backward" in fwd.came_from and "present only in run A" in fwd.came_from, str(v)
+    # named as the source where the parameter records show the gradient it made differ as applied,
+    # else as a suspect beside the optimizer step (a one-run-only op may be a decomposition)
+    if scale == 1.5:
+        assert fwd.came_from.startswith("they come from step 0: aten.mul.Tensor") \
+            and "which made the gradient applied" in fwd.came_from \
+            and "its gradient as the optimizer applied it differs too" in fwd.came_from, str(v)
+    else:
+        assert "or from its optimizer step" in fwd.came_from, str(v)
     assert fwd.came_from in str(v)
     # the step-0 forward agrees bit for bit
     table, _ = compare(a / "step0" / "rank0", b / "step0" / "rank0")

@@ -301,6 +301,11 @@ class ModuleScopes:
 
     # ---- forward --------------------------------------------------------------------------------
     def enter(self, mod, args) -> None:
+        if self.forward_stack and mod not in self._names:
+            # made and called inside a module's forward, registered under none (transformers' loss
+            # modules, ``CrossEntropyLoss()`` in ``forward``): its ops are its caller's, as in the
+            # graphs torch.compile makes (no module there), so eager and compiled runs pair them
+            return
         name = self._name(mod)
         self._types[name] = type(mod).__name__
         self.forward_stack.append(name)
@@ -315,6 +320,8 @@ class ModuleScopes:
             self._hooks.append(register_multi_grad_hook(tensors, self._backward_leave_fn(name)))
 
     def leave(self, mod, args, output) -> None:
+        if mod not in self._names:       # entered without a scope of its own (see enter)
+            return
         name = self._name(mod)
         stack = self.forward_stack
         if name in stack:

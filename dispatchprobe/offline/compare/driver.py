@@ -519,8 +519,14 @@ def _leads_to(e, d):
 
 def _came_from(by_part: dict, unmatched: pd.DataFrame, parts: list, d, stepped=None) -> str:
     """Where the values differing at step ``d.step``'s start came from: the nearest earlier step
-    of the rank, its backward's own origin first (the gradients), else its forward's, else an op
-    of that step present in one run only (a gradient hook whose result no record reads)."""
+    of the rank, its backward's own origin first (the gradients), else its forward's.  Where that
+    step's paired records agree, the parameter records (``stepped``: :func:`.parallel.optimizer_step`)
+    say which parameter its optimizer step moved apart and which record made the gradient applied:
+    an op present in one run only is the source where it made that gradient (a gradient hook),
+    else the optimizer step is, its gradient made by records that agree (a normalising optimizer
+    turns gradients that agree within rounding, an attention key bias's, into updates that part).
+    Without them a one-run-only op is named as a suspect beside the optimizer step: such ops are
+    also one run's decompositions (a compiled graph's), which make no gradient of their own."""
     steps = {step for step, rank in parts if rank == d.rank}
     earlier = [step for step in steps if step < d.step]
     if not earlier:
@@ -532,18 +538,32 @@ def _came_from(by_part: dict, unmatched: pd.DataFrame, parts: list, d, stepped=N
             src = got.get((stage, departure))
             if src is not None and src.cause not in ("inherited",):
                 return f"they come from step {step}: {src.describe().splitlines()[0]}"
-    if len(unmatched):
-        um = unmatched[(unmatched["step"] == step) & (unmatched["rank"] == d.rank) & ~unmatched["is_cast"]
-                       & (unmatched["explained"] == "")]
-        if len(um):
-            u = um.assign(_bwd=um["stage"] != "backward").sort_values(["_bwd", "seq", "op", "scope", "call"]).iloc[0]
-            return (f"they come from step {step}: {u['op']} [{u['scope'] or '<top>'}] call {u['call']} "
-                    f"(#{u['seq']} in {u['stage']}), present only in run {u['side'].upper()}")
-    said = stepped(step, d.rank) if stepped is not None else ""
-    if said:     # the parameter records say which parameter the optimizer step moved apart
-        return f"step {step}'s op records agree; they come from its optimizer step: {said}"
+    um = unmatched[(unmatched["step"] == step) & (unmatched["rank"] == d.rank) & ~unmatched["is_cast"]
+                   & (unmatched["explained"] == "")] if len(unmatched) else unmatched
+    facts = stepped(step, d.rank) if stepped is not None else None
+    if facts is not None and facts.said:
+        for side, name in zip("ab", facts.made_by):
+            maker = um[(um["side"] == side) & (um["name"] == name)] if name is not None and len(um) else um.iloc[:0]
+            if len(maker):
+                return f"they come from step {step}: {_one_run_only(maker.iloc[0])}, which made the gradient applied; " \
+                       f"{facts.said}"
+        if facts.gradient_agrees is False and None not in facts.made_by:
+            return (f"step {step}'s op records agree; they come from its optimizer step: {facts.said}, within what "
+                    f"the records that made it allow (an optimizer normalising its updates, as Adam's, moves "
+                    f"parameters apart by such differences)")
+        return f"step {step}'s op records agree; they come from its optimizer step: {facts.said}"
+    if len(um):
+        u = um.assign(_bwd=um["stage"] != "backward").sort_values(["_bwd", "seq", "op", "scope", "call"]).iloc[0]
+        return (f"they come from step {step}, whose paired records agree: from an op present in one run only "
+                f"(first: {_one_run_only(u)}) or from its optimizer step")
     return (f"step {step}'s records agree: they come from the optimizer step or other code between the steps "
             "(not recorded)")
+
+
+def _one_run_only(u) -> str:
+    """An unmatched record's row, as the verdict names it."""
+    return (f"{u['op']} [{u['scope'] or '<top>'}] call {u['call']} (#{u['seq']} in {u['stage']}), "
+            f"present only in run {u['side'].upper()}")
 
 
 def _same_folder(run_a, run_b, jobs_list) -> bool:

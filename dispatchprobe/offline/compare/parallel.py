@@ -19,8 +19,10 @@ one run only by nature and are listed as communication.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import pandas as pd
@@ -493,14 +495,39 @@ def _index(parts: dict, name: str) -> int:
     return next(i for i, r in enumerate(recs) if r["name"] == name)
 
 
-def optimizer_step(run_a, run_b, step: int, rank: int, tensors: bool = True) -> str:
+class OptimizerStep(NamedTuple):
+    """What the parameter records say of a step's optimizer step (:func:`optimizer_step`)."""
+
+    said: str = ""                    # the first parameter that differs after it, and its gradient
+    gradient_agrees: bool | None = None     # None: no gradient recorded for it
+    made_by: tuple = (None, None)     # per run: the backward op record whose output is that gradient
+
+
+def _made_by(part, spec: dict | None) -> str | None:
+    """The name of the last backward op record of ``part`` with an output of ``spec``'s dtype, size
+    and statistics (statistics of equal values are equal; a view, not recorded, may reshape it):
+    the record that made a gradient."""
+    stats = (spec or {}).get("stats")
+    if not stats or spec.get("shape") is None:
+        return None
+    size, dtype = math.prod(spec["shape"]), spec.get("dtype")
+    found = None
+    for rec in part.records:
+        if rec.get("kind") == "op" and rec.get("stage") == "backward" and any(
+                o.get("stats") == stats and o.get("dtype") == dtype and math.prod(o.get("shape") or [0]) == size
+                for o in rec.get("outputs") or () if isinstance(o, dict) and o.get("shape") is not None):
+            found = rec.get("name")
+    return found
+
+
+def optimizer_step(run_a, run_b, step: int, rank: int, tensors: bool = True) -> OptimizerStep:
     """Two runs of the same parallelism whose op records of ``step`` agree but whose next step's
-    inputs differ: the first parameter whose value after that step's optimizer step differs, and
-    whether its gradient as the optimizer applied it agreed ("" without parameter records or
-    difference)."""
+    inputs differ: the first parameter whose value after that step's optimizer step differs,
+    whether its gradient as the optimizer applied it agreed, and which record made that gradient in
+    each run (an empty :class:`OptimizerStep` without parameter records or difference)."""
     pa, pb = run_a.parts.get((step, rank)), run_b.parts.get((step, rank))
     if pa is None or pb is None:
-        return ""
+        return OptimizerStep()
     qa, qb = param_specs({rank: pa}), param_specs({rank: pb})
     problems: list = []
     for key in [k for k in qa if k[0] == "value" and k in qb]:
@@ -512,13 +539,15 @@ def optimizer_step(run_a, run_b, step: int, rank: int, tensors: bool = True) -> 
         if got["status"] == V.PASS:
             continue
         grad = ("grad", key[1], key[2])
-        how = ""
+        how, agrees, made = "", None, (None, None)
         if grad in qa and grad in qb:
             ga, _ = assemble(qa[grad], {rank: pa}, tensors, problems)
             gb, _ = assemble(qb[grad], {rank: pb}, tensors, problems)
             if ga is not None and gb is not None and ga.shape == gb.shape:
                 g = score(ga, gb)
-                how = " while its gradient as the optimizer applied it agrees" if g["status"] == V.PASS else \
+                agrees = g["status"] == V.PASS
+                how = " while its gradient as the optimizer applied it agrees" if agrees else \
                     f"; its gradient as the optimizer applied it differs too ({g['reason']})"
-        return f"parameter {key[1]} differs after it ({got['reason']}){how}"
-    return ""
+                made = (_made_by(pa, qa[grad].get(rank)), _made_by(pb, qb[grad].get(rank)))
+        return OptimizerStep(f"parameter {key[1]} differs after it ({got['reason']}){how}", agrees, made)
+    return OptimizerStep()
