@@ -289,21 +289,6 @@ class JsonLines:
             self._fd = None
 
 
-WRITER_NICE = int(os.environ.get("DISPATCHPROBE_WRITER_NICE", "0"))
-
-
-def lower_priority(nice: int) -> None:
-    """Give the calling thread the scheduling weight of ``nice`` (Linux: a thread's own nice
-    value): the shard writer's copies into files then give way to the training's threads, whose
-    intra-op parallel ops would each wait for the one thread that lost its core, yet still get
-    their share of a busy machine (a hung step's shards are written on the writer's tick).
-    Nothing where the OS has no per-thread priority."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
-    except (AttributeError, OSError, ValueError):
-        pass
-
-
 class TensorShardWriter:
     """Background writer of safetensors shards.  ``save_fn(dict_of_tensors, path)`` serialises
     (the backend's ``save_shard``); ``nbytes_fn`` sizes a queued tensor.
@@ -381,8 +366,6 @@ class TensorShardWriter:
         self._index.close()
 
     def _run(self) -> None:
-        if WRITER_NICE:
-            lower_priority(WRITER_NICE)
         while not self._closing:
             self._wake.wait(timeout=SHARD_SECONDS)
             self._wake.clear()              # before writing: a later close's wake-up is not lost
