@@ -66,9 +66,10 @@ class TensorBackend(Protocol):
     def memory_alive(self, ref) -> bool: ...
     def storage_span(self, t: Tensor):
         """``(span_key, start, length, offset, stride, plain)`` to save shared memory once, or None."""
-    def snapshot(self, t: Tensor) -> Tensor:
-        """A private contiguous host copy taken now: a later in-place op must not change it."""
-    def span_snapshot(self, t: Tensor, start: int, length: int) -> Tensor: ...
+    def snapshot(self, t: Tensor):
+        """A private contiguous host copy taken now: a later in-place op must not change it.  Any
+        object the backend's ``save_shard`` and ``nbytes`` take (torch: a ``Snapshot``, no tensor)."""
+    def span_snapshot(self, t: Tensor, start: int, length: int): ...
     def save_shard(self, tensors: dict, path: str) -> None: ...   # one safetensors file, bytes unchanged
     def same_values(self, event) -> dict:
         """``{id(output): input}`` for outputs holding exactly an input's values (``clone``)."""
