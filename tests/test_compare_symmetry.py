@@ -71,3 +71,37 @@ def test_swapped_runs_name_the_same_origin(arch_runs, task):
         line = next(ln for ln in str(v).splitlines() if ln.startswith(("first forward", "no forward divergence;")))
         assert f"aten.mul.Tensor [{scope}]" in line and f"present only in run {side.upper()}" in line, str(v)
         assert f"no counterpart in run {'B' if side == 'a' else 'A'}" in line, str(v)
+
+
+def test_a_planted_change_inside_a_block_is_named_alike_both_ways_with_float64_reruns(tmp_path):
+    """One RMSNorm's eps changed (no op added: the values of one ``add`` differ) in a tiny Mistral, tensor
+    records: each op's own share is measured by float64 re-runs, whose tolerance is scaled by both runs'
+    values (not run B's alone, which made the backward's verdict depend on the order)."""
+    import copy
+
+    import torch
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from dispatchprobe import DispatchProbe
+    torch.manual_seed(0)
+    model = MistralForCausalLM(MistralConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                             intermediate_size=64, vocab_size=100, num_key_value_heads=2,
+                                             max_position_embeddings=64))
+    ids = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(1))
+    runs = {}
+    for name in ("planted", "clean"):
+        m = copy.deepcopy(model)
+        if name == "planted":
+            m.model.layers[1].post_attention_layernorm.variance_epsilon = 1e-2
+        probe = DispatchProbe(task="tensor", dump_path=str(tmp_path / name))
+        with probe:
+            m(input_ids=ids, labels=ids).loss.backward()
+        probe.close()
+        runs[name] = tmp_path / name
+    one, other = compare(runs["planted"], runs["clean"]).verdict, compare(runs["clean"], runs["planted"]).verdict
+    for stage in ("forward", "backward"):
+        a, b = _named(one, stage), _named(other, stage)
+        assert (a.cause, a.op, a.scope, a.seq) == (b.cause, b.op, b.scope, b.seq), (stage, str(one), str(other))
+    f = one.forward
+    assert (f.cause, f.op, f.scope) == ("op", "aten.add.Tensor", "MistralForCausalLM.model.layers.1.post_attention_layernorm"), str(one)
+    assert one.backward.cause == "inherited", str(one)

@@ -83,7 +83,8 @@ class Float64Rerun:
                 if (np.isfinite(oa) != np.isfinite(ob)).any() and (np.isfinite(ra) == np.isfinite(rb)).all():
                     return True   # inf/nan in one run only that its inputs do not explain
                 oa, ob, ra, rb = oa[ok], ob[ok], ra[ok], rb[ok]
-            scale = max(float(np.linalg.norm(rb)), float(np.linalg.norm(ob)), np.finfo(np.float64).tiny)
+            # both runs' sizes, so that the verdict is the same whichever run is A
+            scale = max(*(float(np.linalg.norm(x)) for x in (ra, rb, oa, ob)), np.finfo(np.float64).tiny)
             own = float(np.linalg.norm((oa - ob) - (ra - rb))) / scale
             rounding = min(float(np.linalg.norm(oa - ra)), float(np.linalg.norm(ob - rb))) / scale
             if own > 4 * rounding + ROUNDOFF.get(dtype, 2.0 ** -24):
