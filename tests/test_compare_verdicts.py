@@ -121,6 +121,8 @@ def test_case4_inputs_differ(runs):
         _, v = compare(a, b)
         assert v.forward.cause == "inputs" and v.inputs_differ, v
         assert v.forward.scope == "Net.mlp.0" and v.forward.seq <= 3, v
+        # no backward op named on statistics alone after inputs that differ
+        assert v.backward is None or not (v.backward.cause == "op" and v.backward.approximate), v
         res = _cli(a, b)
         assert res.exit_code == 2 and "the runs differ already at their inputs/parameters: first seen at" in res.output
         assert "no forward divergence" not in res.output and "no backward divergence" not in res.output
@@ -185,3 +187,22 @@ def test_undefined_values_are_not_judged(runs, tmp_path):
     res = CliRunner().invoke(main, ["compare", str(tmp_path / "changed"), str(src), "-o", str(tmp_path / "rep")])
     assert res.exit_code == 0, res.output
     assert NOT_JUDGED in (tmp_path / "rep" / "compare.csv").read_text()
+
+
+def test_other_data_leaves_a_statistics_backward_unjudged(tmp_path):
+    """Two runs of one tiny Llama on different batches, statistics records: the forward says the inputs
+    differ; the backward names no op on statistics alone (nll_loss's gradient has the same statistics
+    for any targets, so the op after it looks like the origin), whichever run is A."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    from compare_helpers import record_tiny, tiny_model
+    model, block, inputs = tiny_model("llama")
+    batches = {"a": inputs(0), "b": inputs(7)}       # drawn outside the probe: data, not a random op's draws
+    a = record_tiny(model, block, lambda step: batches["a"], tmp_path / "a", task="statistics", steps=1)
+    b = record_tiny(model, block, lambda step: batches["b"], tmp_path / "b", task="statistics", steps=1)
+    for x, y in ((a, b), (b, a)):
+        _, v = compare(x, y)
+        assert v.forward.cause == "inputs", str(v)
+        assert v.backward is not None and v.backward.cause == "after_inputs", str(v)
+        res = _cli(x, y)
+        assert res.exit_code == 2 and "backward: not judged" in res.output and "first backward divergence" \
+            not in res.output, res.output

@@ -536,7 +536,7 @@ def _came_from(by_part: dict, unmatched: pd.DataFrame, parts: list, d, stepped=N
     for stage in ("backward", "forward"):
         for departure in (False, True):
             src = got.get((stage, departure))
-            if src is not None and src.cause not in ("inherited",):
+            if src is not None and src.cause not in ("inherited", "after_random", "after_inputs"):
                 return f"they come from step {step}: {src.describe().splitlines()[0]}"
     um = unmatched[(unmatched["step"] == step) & (unmatched["rank"] == d.rank) & ~unmatched["is_cast"]
                    & (unmatched["explained"] == "")] if len(unmatched) else unmatched

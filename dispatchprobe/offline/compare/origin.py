@@ -495,7 +495,8 @@ def _random_draws(df: pd.DataFrame, divs: list, picks: list) -> None:
     random op (either run's, :func:`op_traits.is_random`) ``random``: its values depend on each run's
     generator (eager and compiled, or two devices, draw different numbers), so neither it nor
     what follows from it is a precision verdict; a backward with error rows after such a forward
-    divergence is ``after_random``."""
+    divergence is ``after_random``, and one decided on statistics alone after forward inputs that
+    differ already is ``after_inputs``."""
     ops_b = df["op_b"].to_numpy(object) if len(df) else None
     uid = df["uid"].to_numpy() if len(df) else None
     for div, pick in zip(divs, picks):
@@ -514,6 +515,14 @@ def _random_draws(df: pd.DataFrame, divs: list, picks: list) -> None:
         for div in divs:
             if div.stage == "backward" and div.errors:
                 div.cause, div.random_at, div.approximate = "after_random", forward.where(), False
+    # the runs' data or parameters differ: a backward op decided on statistics alone (a gradient's
+    # statistics need not move with its values: nll_loss's gradient has the same statistics for any
+    # targets) is not named as an origin
+    inputs = next((d for d in divs if d.stage == "forward" and d.cause == "inputs" and not d.departure), None)
+    if inputs is not None:
+        for div in divs:
+            if div.stage == "backward" and div.errors and div.approximate and div.cause in ("op", "unrecorded"):
+                div.cause, div.random_at, div.approximate = "after_inputs", inputs.where(), False
 
 
 def _why(row) -> str:

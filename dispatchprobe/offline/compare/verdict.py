@@ -29,7 +29,9 @@ class Divergence:
       depend on each run's generator, so a difference there and in what is computed from it is no
       precision verdict (``op``, ``unmatched`` or ``unrecorded`` at a random op);
     - ``after_random``: backward only: its error rows come after a forward ``random`` divergence
-      (``random_at``), computed from values that depend on the draws: not judged.
+      (``random_at``), computed from values that depend on the draws: not judged;
+    - ``after_inputs``: backward only: the forward's inputs differ already (``random_at``: where first
+      seen) and the backward op that would be named was decided on statistics alone: not judged.
     """
 
     stage: str
@@ -53,7 +55,7 @@ class Divergence:
     approximate: bool = False    # decided on statistics/recorded errors, not on a float64 re-run
     came_from: str = ""          # inputs differing at a later step: where the earlier step's difference entered
     other_op: str = ""           # the paired record's op in the other run, where it is another op
-    random_at: str = ""          # after_random: the forward random op's place (its where())
+    random_at: str = ""          # after_random/after_inputs: the forward's place (its where())
 
     def headline(self) -> str:
         if self.cause == "random":
@@ -83,6 +85,11 @@ class Divergence:
         elif self.cause == "after_random":
             lines = [f"{self.stage}: not judged: its {self.errors} error rows (first at {self.where()}) are computed "
                      f"from forward values that depend on the random op {self.random_at}"]
+        elif self.cause == "after_inputs":
+            lines = [f"{self.stage}: not judged: its {self.errors} error rows (first at {self.where()}) are computed "
+                     f"from inputs/parameters that differ already (first seen at {self.random_at}); on statistics "
+                     f"alone no {self.stage} op can be named (a gradient's statistics need not change with its "
+                     f"values): record tensors (task tensor) to judge it"]
         elif self.cause == "unmatched":
             lines = [f"{lead or self.headline()}: {self.where()}, present only in run {self.side.upper()}"
                      f"{'' if self.departure else ' (prime suspect)'}: {self.failed}"]
