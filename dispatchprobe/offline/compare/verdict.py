@@ -82,14 +82,13 @@ class Divergence:
             lines = [f"{lead or self.headline()}: {self.where()}: its values depend on the random numbers "
                      f"each run drew, so the runs cannot be compared value for value there or in what is computed "
                      f"from it; not a precision verdict ({self.failed}). {RANDOM_ADVICE}"]
-        elif self.cause == "after_random":
+        elif self.cause in ("after_random", "after_inputs"):
+            source = (f"forward values that depend on the random op {self.random_at}" if self.cause == "after_random"
+                      else f"inputs/parameters that differ already (first seen at {self.random_at}); on statistics "
+                           f"alone no {self.stage} op can be named (a gradient's statistics need not change with its "
+                           f"values): record tensors (task tensor) to judge it")
             lines = [f"{self.stage}: not judged: its {self.errors} error rows (first at {self.where()}) are computed "
-                     f"from forward values that depend on the random op {self.random_at}"]
-        elif self.cause == "after_inputs":
-            lines = [f"{self.stage}: not judged: its {self.errors} error rows (first at {self.where()}) are computed "
-                     f"from inputs/parameters that differ already (first seen at {self.random_at}); on statistics "
-                     f"alone no {self.stage} op can be named (a gradient's statistics need not change with its "
-                     f"values): record tensors (task tensor) to judge it"]
+                     f"from {source}"]
         elif self.cause == "unmatched":
             lines = [f"{lead or self.headline()}: {self.where()}, present only in run {self.side.upper()}"
                      f"{'' if self.departure else ' (prime suspect)'}: {self.failed}"]
