@@ -485,44 +485,40 @@ def trace(df: pd.DataFrame, a: Side, b: Side, pairs: list, rerun=None, same_kern
         # placed from the recorded errors, or from statistics (equal statistics do not make equal values)
         div.approximate = pick.cause == "op" and (pick.index in lineage.own_share.estimated or bool(
             unmeasured[(lineage.uid == pick.index) & (df["stage"].to_numpy(object) == stage)].any()))
+        _paired_op(df, div, pick)
         divs.append(div)
-    _random_draws(df, divs, [pick for _, pick, _ in picks])
+    _not_judged(divs)
     return origin_rows, divs
 
 
-def _random_draws(df: pd.DataFrame, divs: list, picks: list) -> None:
-    """Names the paired op of the other run where it is another op, and marks a divergence at a
-    random op (either run's, :func:`op_traits.is_random`) ``random``: its values depend on each run's
-    generator (eager and compiled, or two devices, draw different numbers), so neither it nor
-    what follows from it is a precision verdict; a backward with error rows after such a forward
-    divergence is ``after_random``, and one decided on statistics alone after forward inputs that
-    differ already is ``after_inputs``."""
-    ops_b = df["op_b"].to_numpy(object) if len(df) else None
-    uid = df["uid"].to_numpy() if len(df) else None
-    for div, pick in zip(divs, picks):
-        if div.cause not in ("op", "unmatched", "unrecorded"):
-            continue
-        ops = {div.op}
-        if div.cause != "unmatched" and div.side == "a" and ops_b is not None:
-            paired = set(ops_b[uid == pick.index].tolist()) - {div.op}
-            if len(paired) == 1:
-                div.other_op = paired.pop()
-                ops.add(div.other_op)
-        if any(op_traits.is_random(op) for op in ops):
+def _paired_op(df: pd.DataFrame, div, pick) -> None:
+    """Names in ``div`` the op of the other run's record paired with it, where it is another op (an
+    eager and a compiled run, two frameworks): the same pair is named whichever run is A."""
+    if div.cause in ("op", "random", "unrecorded") and div.side == "a" and len(df):
+        paired = set(df["op_b"].to_numpy(object)[df["uid"].to_numpy() == pick.index].tolist()) - {div.op}
+        if len(paired) == 1:
+            div.other_op = paired.pop()
+
+
+def _not_judged(divs: list) -> None:
+    """Marks the divergences that are no precision verdict.  One at a random op (either run's,
+    :func:`op_traits.is_random`) is ``random``: its values depend on each run's generator (eager and
+    compiled code, or two devices, draw different numbers).  A backward with error rows after such a
+    forward is ``after_random``; one decided on statistics alone after forward inputs that differ
+    already is ``after_inputs`` (a gradient's statistics need not move with its values: nll_loss's
+    gradient has the same statistics for any targets)."""
+    for div in divs:
+        if div.cause in ("op", "unmatched", "unrecorded") and any(
+                op_traits.is_random(op) for op in (div.op, div.other_op) if op):
             div.cause = "random"
-    forward = next((d for d in divs if d.stage == "forward" and d.cause == "random" and not d.departure), None)
-    if forward is not None:
+    for cause, after in (("random", "after_random"), ("inputs", "after_inputs")):
+        forward = next((d for d in divs if d.stage == "forward" and d.cause == cause and not d.departure), None)
+        if forward is None:
+            continue
         for div in divs:
-            if div.stage == "backward" and div.errors:
-                div.cause, div.random_at, div.approximate = "after_random", forward.where(), False
-    # the runs' data or parameters differ: a backward op decided on statistics alone (a gradient's
-    # statistics need not move with its values: nll_loss's gradient has the same statistics for any
-    # targets) is not named as an origin
-    inputs = next((d for d in divs if d.stage == "forward" and d.cause == "inputs" and not d.departure), None)
-    if inputs is not None:
-        for div in divs:
-            if div.stage == "backward" and div.errors and div.approximate and div.cause in ("op", "unrecorded"):
-                div.cause, div.random_at, div.approximate = "after_inputs", inputs.where(), False
+            if div.stage == "backward" and div.errors and (cause == "random" or div.approximate
+                                                           and div.cause in ("op", "unrecorded")):
+                div.cause, div.follows, div.approximate = after, forward.where(), False
 
 
 def _why(row) -> str:

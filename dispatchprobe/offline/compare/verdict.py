@@ -29,8 +29,8 @@ class Divergence:
       depend on each run's generator, so a difference there and in what is computed from it is no
       precision verdict (``op``, ``unmatched`` or ``unrecorded`` at a random op);
     - ``after_random``: backward only: its error rows come after a forward ``random`` divergence
-      (``random_at``), computed from values that depend on the draws: not judged;
-    - ``after_inputs``: backward only: the forward's inputs differ already (``random_at``: where first
+      (``follows``), computed from values that depend on the draws: not judged;
+    - ``after_inputs``: backward only: the forward's inputs differ already (``follows``: where first
       seen) and the backward op that would be named was decided on statistics alone: not judged.
     """
 
@@ -55,7 +55,7 @@ class Divergence:
     approximate: bool = False    # decided on statistics/recorded errors, not on a float64 re-run
     came_from: str = ""          # inputs differing at a later step: where the earlier step's difference entered
     other_op: str = ""           # the paired record's op in the other run, where it is another op
-    random_at: str = ""          # after_random/after_inputs: the forward's place (its where())
+    follows: str = ""            # after_random/after_inputs: where the forward difference it follows is
 
     def headline(self) -> str:
         if self.cause == "random":
@@ -83,8 +83,8 @@ class Divergence:
                      f"each run drew, so the runs cannot be compared value for value there or in what is computed "
                      f"from it; not a precision verdict ({self.failed}). {RANDOM_ADVICE}"]
         elif self.cause in ("after_random", "after_inputs"):
-            source = (f"forward values that depend on the random op {self.random_at}" if self.cause == "after_random"
-                      else f"inputs/parameters that differ already (first seen at {self.random_at}); on statistics "
+            source = (f"forward values that depend on the random op {self.follows}" if self.cause == "after_random"
+                      else f"inputs/parameters that differ already (first seen at {self.follows}); on statistics "
                            f"alone no {self.stage} op can be named (a gradient's statistics need not change with its "
                            f"values): record tensors (task tensor) to judge it")
             lines = [f"{self.stage}: not judged: its {self.errors} error rows (first at {self.where()}) are computed "
