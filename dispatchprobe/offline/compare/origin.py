@@ -31,11 +31,13 @@ from .verdict import Divergence
 
 class Root(NamedTuple):
     """Where a difference enters.  Sources compare in an order that does not depend on which run is
-    A: a difference of rounding size (``weak``) only where no larger one enters; then by position
-    in the stage (``at``, ``before``: a one-run-only op sits before the first paired record after
-    it in its own run), then by what it is (``tie``)."""
+    A: a difference of rounding size (``weak``) only where no larger one enters, and values zero up
+    to rounding (``NOISE``) only where nothing else does; then by position in the stage (``at``,
+    ``before``: a one-run-only op sits before the first paired record after it in its own run), then
+    by what it is (``tie``)."""
 
-    weak: bool      # an op's own difference no larger than a few roundings of its dtype
+    weak: int       # 0; ROUNDING: an op's own difference no larger than a few roundings of its dtype;
+                    # NOISE: a value zero up to rounding (it passed by the cancellation rule)
     at: int         # position in the stage (run A's order) of the paired record it is seen at, or for
                     # a one-run-only op of the first paired record of its stage after it
     before: int     # a one-run-only op: minus its distance (in its run) to that record; else 0
@@ -45,6 +47,8 @@ class Root(NamedTuple):
     arg: str        # the tensor, for the causes seen at a tensor (inputs, inherited, unrecorded)
     cause: str      # Divergence.cause
 
+
+ROUNDING, NOISE = 1, 2    # Root.weak: below a larger difference; below any other source
 
 # runs of other kernels (another framework, device kind or precision, compiled code) round differently
 # at every op: below this relative error their statistics-only rows count as equal (saved tensors
@@ -83,10 +87,13 @@ class OwnShare:
         self.recs_a, self.recs_b, self.pair_b, self.rerun = recs_a, recs_b, pair_b, rerun
         self.estimated: set = set()    # records with differing inputs decided by the recorded errors
 
-    def __call__(self, i: int, outs: list, ins: list, measure: bool = True, unmeasured: bool = False) -> int:
+    def __call__(self, i: int, outs: list, ins: list, measure: bool = True, unmeasured: bool = False,
+                 noise: bool = False) -> int:
         """``outs``/``ins``: the record's differing output/input rows; ``measure``: whether a float64
         re-run may decide (not where an earlier larger-than-rounding source is already found);
-        ``unmeasured``: an input without a row may differ (a one-run-only op made it)."""
+        ``unmeasured``: an input without a row may differ (a one-run-only op made it); ``noise``: an
+        input is zero up to rounding, whose difference relative to its own size (any) is what the
+        op's outputs carry, not the rounding-size one its row holds: only a re-run can judge them."""
         if not outs:
             return NONE
         if not ins:                  # inputs agree, outputs do not (or follow the input without a row)
@@ -110,6 +117,8 @@ class OwnShare:
                                    V.lower_precision(self.dtype_a[k], self.dtype_b[k])) for k in floats])
             if own is not None:
                 return STRONG if own else NONE
+        if noise:
+            return NONE
         self.estimated.add(i)
         return STRONG if out_err > self.amp * in_err else NONE
 
@@ -161,14 +170,18 @@ class Lineage:
         self.pair_b = {i: j for i, j, _ in pairs}
         self.pair_a = {j: i for i, j, _ in pairs}
         self.bad_rows = df["status"].to_numpy(object) == V.ERROR
-        self.off_rows = differs(df, 0.0 if exact else STATS_NOISE) if len(df) else np.zeros(0, bool)
         self.uid = df["uid"].to_numpy(np.int64)
         self.args = df["arg"].to_numpy(object)
         is_in = (df["io"] == "input").to_numpy()
+        # inputs that read a value zero up to rounding (scoring's cancellation rule): each is a source of
+        # noise for what is computed from it, however far below the floor its rescaled error sits
+        noise = df["cancelled"].to_numpy(bool) & is_in if "cancelled" in df.columns else np.zeros(len(df), bool)
+        self.off_rows = (differs(df, 0.0 if exact else STATS_NOISE) if len(df) else np.zeros(0, bool)) | noise
         # the differing outputs: (record of A, arg) -> row
         self.out_row = {(int(self.uid[k]), self.args[k]): k for k in np.flatnonzero(self.off_rows & ~is_in)}
         # plain lists: element access in the pass is many times cheaper than numpy's
         self.bad, self.off, self.is_in = self.bad_rows.tolist(), self.off_rows.tolist(), is_in.tolist()
+        self.noise = noise.tolist()
         self.spec = {"a": df["spec_a"].tolist(), "b": df["spec_b"].tolist()}   # id() of each row's specs
         self.spec_a, self.spec_b = self.spec["a"], self.spec["b"]
         self.src_a, self.src_b = a.flow.src.get, b.flow.src.get
@@ -268,7 +281,10 @@ class Lineage:
 
     def source(self, r: int, k: int, stage: str) -> tuple:
         """(own-stage root, inherited root) of input row ``k`` of paired record ``r``, whose value
-        differs, from both runs' producers of it."""
+        differs, from both runs' producers of it.  A value zero up to rounding is its own source,
+        whatever made it: it differs by the rounding of its terms only (``NOISE``)."""
+        if self.noise[k]:
+            return self.seen_at(r, self.args[k], "noise", NOISE), None
         src_a = self.src_a(self.spec_a[k])
         src_b = self.src_b(self.spec_b[k])
         weak = self._rounding(k)
@@ -419,7 +435,7 @@ class Lineage:
                 hidden = self.uncompared(i, s0, e0)
                 own = self.own_share(i, outs, ins + [k for k, _ in hidden if k is not None],
                                      found is None or found[0] is None or found[0].weak,
-                                     any(k is None for k, _ in hidden))
+                                     any(k is None for k, _ in hidden), any(self.noise[k] for k in ins))
                 # a one-run-only op whose output no row compares may or may not hand on a difference: it is
                 # a suspect only where the measured differing inputs (rows) with a source do not explain
                 # the outputs' difference (they differ no less than PASS_ON times less).  The second
@@ -438,9 +454,10 @@ class Lineage:
                     for kb, kh in srcs.values():
                         best, inh = _min(best, kb), _min(inh, kh)
                 self.best[i], self.inh[i] = best, inh
-            # the sources of its error rows (a stage with some), else of all its differing rows (a departure)
+            # the sources of its error rows (a stage with some), else of all its differing rows (a departure;
+            # an input zero up to rounding is none: only what is computed from it may depart)
             error = stage in err_stages
-            rows = [k for k in range(s0, e0) if bad[k]] if error else ins + outs
+            rows = [k for k in range(s0, e0) if bad[k]] if error else [k for k in ins if not self.noise[k]] + outs
             if rows:
                 eb = eh = None
                 if any(not is_in[k] for k in rows):
@@ -459,7 +476,9 @@ class Lineage:
             acc = stage_src.get((stage, "op", bool(errors))) or stage_src.get((stage, "module", bool(errors)))
             if acc is None:
                 continue
-            pick = acc[0] or acc[1] if errors else acc[0]   # a departure is a stage's own
+            # a departure is a stage's own; noise (values zero up to rounding) only where nothing else is
+            own = acc[0] if acc[0] is not None and acc[0].weak < NOISE else None
+            pick = (own or acc[1] or acc[0]) if errors else acc[0]
             if pick is None and errors:   # not reached: every differing value has a source; keep the verdict honest
                 k = int(np.flatnonzero(self.bad_rows & (stages == stage))[0])
                 pick = self.seen_at(int(uid[k]), self.args[k], "op")
@@ -560,7 +579,7 @@ def _describe(df, a: Side, b: Side, stage, pick: Root, errors, off) -> Divergenc
         scope = rec["scope"]
         inside = [m for m in scopes if scope == m or scope.startswith(m + ".")]
         module = max(inside, key=lambda m: m.count(".")) if inside else None
-    elif cause in ("inputs", "inherited"):
+    elif cause in ("inputs", "inherited", "noise"):
         rows = at[at["arg"] == arg]
         failed = "; ".join(_why(r) if r.reason else _size(r) for r in rows.itertuples()) or "values differ"
     else:   # unmatched: name the first failing (differing) record after it

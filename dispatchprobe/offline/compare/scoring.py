@@ -97,8 +97,8 @@ def score_pairs(df: pd.DataFrame, part_a: Part, part_b: Part, tensors: bool, pro
             for m in TENSOR_METRICS:
                 df.loc[df.index[rows], m] = mvals[m]
             error[rows] = np.where(np.isnan(rel_l2), error[rows], rel_l2)
-    _within_rounding(df, status, reason, error, sa, sb, records, judge_dtype)
-    return _with_columns(df, {"error": error, "status": status, "reason": reason}, arrays)
+    cancelled = _within_rounding(df, status, reason, error, sa, sb, records, judge_dtype)
+    return _with_columns(df, {"error": error, "status": status, "reason": reason, "cancelled": cancelled}, arrays)
 
 
 def _with_columns(df: pd.DataFrame, new: dict, arrays: dict | None = None) -> pd.DataFrame:
@@ -119,7 +119,7 @@ def _with_columns(df: pd.DataFrame, new: dict, arrays: dict | None = None) -> pd
     return out
 
 
-def _within_rounding(df: pd.DataFrame, status, reason, error, sa: dict, sb: dict, records, judge_dtype) -> None:
+def _within_rounding(df: pd.DataFrame, status, reason, error, sa: dict, sb: dict, records, judge_dtype) -> np.ndarray:
     """A value that an op made as a sum of terms (a reduction, an element-wise add or sub, a matrix
     product: :func:`~dispatchprobe.standards.rounding.terms_norm`) and that cancelled in both runs
     (its terms more than ``cancellation`` times its norm) passes when the runs differ by no more
@@ -132,10 +132,13 @@ def _within_rounding(df: pd.DataFrame, status, reason, error, sa: dict, sb: dict
     difference (norm, max, min, and the mean's times sqrt(n): each a lower bound of it).  Its
     ``error`` becomes that difference relative to the terms (the magnitude it is computed from), so
     lineage sees a rounding-size difference, not the noise's own relative error.
-    ``records``: ``(records of A, records of B, pairs, data flow source of A, of B)`` as aligned."""
+    ``records``: ``(records of A, records of B, pairs, data flow source of A, of B)`` as aligned.
+    Returns, per row, whether it passed so: lineage takes such a value as zero up to rounding, a
+    source of noise that what is computed from it may amplify (an optimizer's normalisation)."""
+    cancelled = np.zeros(len(df), bool)
     cand = np.flatnonzero((status != V.PASS) & (status != NOT_JUDGED))
     if not len(cand) or records is None:
-        return
+        return cancelled
     floats = {d: is_float(d) for d in set(judge_dtype[cand].tolist())}
     recs_a, recs_b, pairs, src_a, src_b = records
     pair_b = {i: j for i, j, _ in pairs}
@@ -150,19 +153,18 @@ def _within_rounding(df: pd.DataFrame, status, reason, error, sa: dict, sb: dict
             continue
         if io[r] == "output":
             i, j, out = int(uid[r]), pair_b.get(int(uid[r])), args[r]
-        else:                # an input: the value its producers made, where those pair with each other
-            ha, hb = src_a.get(int(spec_a[r])), src_b.get(int(spec_b[r]))
-            if ha is None or hb is None or ha[1] != hb[1]:
-                continue
-            i, j, out = ha[0], hb[0], ha[1]
-            if pair_b.get(i) != j:
-                continue
-        if j is None:
+        else:                # an input: the value its producers made
+            i, j, out = _producers(src_a.get(int(spec_a[r])), src_b.get(int(spec_b[r])), pair_b)
+        if i is None and j is None:
             continue
+        # a value one run's records did not make (compiled code the probe does not see: a graph's
+        # backward under plain inductor) has the other run's producer's terms for both
+        rec_a = recs_a[i] if i is not None else recs_b[j]
+        rec_b = recs_b[j] if j is not None else recs_a[i]
         # the terms first: most rows are no sum, or did not cancel (the bound is then never read)
         each = terms.get((i, j, out))
         if each is None:
-            ta, tb = R.terms_norm(recs_a[i], out), R.terms_norm(recs_b[j], out)
+            ta, tb = R.terms_norm(rec_a, out), R.terms_norm(rec_b, out)
             # a compiled graph may not read the input the terms are of (it computes from another value
             # equal to it): the paired op's terms in the other run stand for them
             each = terms[i, j, out] = (tb if ta is None else ta, ta if tb is None else tb)
@@ -171,7 +173,7 @@ def _within_rounding(df: pd.DataFrame, status, reason, error, sa: dict, sb: dict
         key = (i, j, out, judge_dtype[r])
         if key not in bounds:
             bounds[key] = [R.carried_bound(rec, out, judge_dtype[r], t)
-                           for rec, t in zip((recs_a[i], recs_b[j]), each)]
+                           for rec, t in zip((rec_a, rec_b), each)]
         sides = bounds[key]
         bound = sum(x for x, _ in sides)
         n = max(int(np.prod(shape_a[r])), 1)
@@ -181,11 +183,25 @@ def _within_rounding(df: pd.DataFrame, status, reason, error, sa: dict, sb: dict
             lower = [abs(sa[s][r] - sb[s][r]) * (math.sqrt(n) if s == "mean" else 1.0) for s in ("norm", "max", "min", "mean")]
             diff = max((d for d in lower if d == d), default=math.inf)
         if diff <= bound:
+            cancelled[r] = True
             status[r] = V.PASS
             error[r] = diff / max(t for _, t in sides)
-            made = "" if io[r] == "output" else f" ({recs_a[i]['op']} {out})"
+            made = "" if io[r] == "output" else f" ({rec_a['op']} {out})"
             reason[r] = (f"outputs{made} differ by {diff:.3g}, within the rounding bound of their terms "
                          f"({bound:.3g}; terms {max(t for _, t in sides):.3g}): the values cancel")
+    return cancelled
+
+
+def _producers(made_a, made_b, pair_b: dict) -> tuple:
+    """``(record of A, record of B, output)`` that made a value both runs read (their data flow's
+    sources ``made_a``, ``made_b``: (record, output) or None): both, where they pair and made the
+    same output; one, where the other run's records made it nowhere; else ``(None, None, None)``."""
+    if made_a is not None and made_b is not None:
+        same = made_a[1] == made_b[1] and pair_b.get(made_a[0]) == made_b[0]
+        return (made_a[0], made_b[0], made_a[1]) if same else (None, None, None)
+    if made_a is not None:
+        return made_a[0], None, made_a[1]
+    return (None, made_b[0], made_b[1]) if made_b is not None else (None, None, None)
 
 
 def pair_codes(xa, xb) -> tuple[np.ndarray, list]:

@@ -25,6 +25,10 @@ class Divergence:
     - ``inputs``: a value no recorded op produced (parameter, data) already differs (``arg``);
     - ``unrecorded``: an input differs although the op that produced it agreed;
     - ``inherited``: backward only: no backward op diverges by itself, its errors come from forward values;
+    - ``noise``: no op diverges by itself; the differences come from a value zero up to rounding (``arg``
+      of the record: a sum whose terms cancel, passed by the cancellation rule, as an attention key
+      bias's gradient), which what is computed from it carries at any relative size (an optimizer
+      normalising its updates amplifies it): no op after it is named;
     - ``random``: the first op where values differ draws random numbers (dropout, ``rand``...): its values
       depend on each run's generator, so a difference there and in what is computed from it is no
       precision verdict (``op``, ``unmatched`` or ``unrecorded`` at a random op);
@@ -82,6 +86,13 @@ class Divergence:
             lines = [f"{lead or self.headline()}: {self.where()}: its values depend on the random numbers "
                      f"each run drew, so the runs cannot be compared value for value there or in what is computed "
                      f"from it; not a precision verdict ({self.failed}). {RANDOM_ADVICE}"]
+        elif self.cause == "noise":
+            differing = f"its {self.errors} error rows" if self.errors else "its values that differ"
+            lines = [f"{self.stage}: no {self.stage} op diverges by itself; {differing} follow from values that are "
+                     f"zero up to rounding (first at {self.op} [{self.scope or '<top>'}] {self.arg}, #{self.seq} in "
+                     f"{self.stage}, step {self.step} rank {self.rank}: {self.failed}); what is computed from "
+                     f"rounding noise differs by any amount relative to its size (an optimizer normalising its "
+                     f"updates, as Adam's, amplifies it), so no op after it is named"]
         elif self.cause in ("after_random", "after_inputs"):
             source = (f"forward values that depend on the random op {self.follows}" if self.cause == "after_random"
                       else f"inputs/parameters that differ already (first seen at {self.follows}); on statistics "
