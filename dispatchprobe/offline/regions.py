@@ -20,6 +20,7 @@ import math
 
 from ..core import op_traits
 from ..records.format import walk
+from .views import ViewIndex
 
 _NONE = {"type": "none"}
 
@@ -198,18 +199,23 @@ def _readers(recs: list) -> dict:
 
 def producers(recs: list) -> list:
     """Per record, the records of its own stage that made its tensor inputs (a set): the data
-    flow :func:`fed_alike` checks a pair by."""
-    alias, made, out = _aliases(recs), {}, []
+    flow :func:`fed_alike` checks a pair by.  An input is found by saved-tensor key, else by dtype
+    and statistics (a reshape autograd made keeps them), else as a view no record shows of an
+    earlier output (an expand, a slice: :class:`.views.ViewIndex`)."""
+    alias, made, out, views = _aliases(recs), {}, [], ViewIndex()
     for i, r in enumerate(recs):
         got = set()
         for io, _, spec in walk(r):
             keys = [_resolve(k, alias) for k in _value_keys(spec)]
-            if io == "input":     # by saved-tensor key, else by dtype and statistics (a view autograd made)
+            if io == "input":
                 p = next((made[k] for k in keys if k in made), None)
+                if p is None and r["kind"] == "op":
+                    p = views.find(spec)
                 if p is not None and recs[p]["stage"] == r["stage"]:
                     got.add(p)
             else:
                 made.update((k, i) for k in keys)
+                views.add(spec, i)
         out.append(got)
     return out
 

@@ -137,6 +137,17 @@ class Side(NamedTuple):
     unobserved: frozenset = frozenset()
 
 
+# what a one-run-only cast of a value no record made passes on: that value, as it is (Lineage._cast_source)
+UNPRODUCED = "unproduced"
+
+
+def _keeps_values(dtype_in: str, dtype_out: str) -> bool:
+    """A cast from ``dtype_in`` to ``dtype_out`` keeps every value exactly (the same dtype, or a float
+    widened to float32 or float64)."""
+    rank_in, rank_out = V.precision_rank(dtype_in), V.precision_rank(dtype_out)
+    return dtype_in == dtype_out or (rank_in >= 0 and rank_out >= V.precision_rank("float32") and rank_out >= rank_in)
+
+
 def _min(x, y):
     return y if x is None else x if y is None else min(x, y)
 
@@ -272,6 +283,8 @@ class Lineage:
             if carried is not None and err <= PASS_ON * carried[0] and any(x is not None for x in carried[1]):
                 return carried[1]
             got = self.passes[side.name].get(p)
+            if got is UNPRODUCED:       # an exact cast of a value no record made: as if read directly
+                return None
             return got or ("agrees" if p in side.unobserved else (self.unmatched(side, p), None))
         pa = p if side is self.a else self.pair_a.get(p)
         if pa is not None and (pa, parg) in self.out_row:
@@ -285,8 +298,7 @@ class Lineage:
         whatever made it: it differs by the rounding of its terms only (``NOISE``)."""
         if self.noise[k]:
             return self.seen_at(r, self.args[k], "noise", NOISE), None
-        src_a = self.src_a(self.spec_a[k])
-        src_b = self.src_b(self.spec_b[k])
+        src_a, src_b = self.producers(self.spec_a[k], self.spec_b[k])
         weak = self._rounding(k)
         if src_a is None and src_b is None:    # no recorded op made it in either run
             return (None, self.seen_at(r, self.args[k], "inherited", weak)) if stage != "forward" else \
@@ -313,6 +325,28 @@ class Lineage:
             return self.seen_at(r, arg, "unrecorded", weak), None
         return self.seen_at(r, arg, "inputs", weak), None
 
+    def producer(self, side: Side, spec: int):
+        """(index, output arg) of the record of run ``side`` that made the value of input ``spec``
+        (its ``id``), or None.  One inferred through a view no record shows (:mod:`...views`) stands
+        where that record is present in one run only or its output differs too: a view of a value
+        that agrees cannot differ, so there the value was no view of it."""
+        src = (self.src_a if side is self.a else self.src_b)(spec)
+        if src is None or spec not in side.flow.viewed or src[0] in side.only:
+            return src
+        pa = src[0] if side is self.a else self.pair_a.get(src[0])
+        return src if pa is not None and (pa, src[1]) in self.out_row else None
+
+    def producers(self, spec_a: int, spec_b: int) -> tuple:
+        """Both runs' producers of one paired input (:meth:`producer`).  Where the two are paired
+        records of different pairs, a producer inferred through a view is dropped: the view of the
+        same value is found in both runs or in neither (the latest output that can hold a slice
+        need not be the one it was taken of)."""
+        src_a, src_b = self.producer(self.a, spec_a), self.producer(self.b, spec_b)
+        both_paired = src_a is not None and src_b is not None and src_a[0] in self.pair_b and src_b[0] in self.pair_a
+        if not both_paired or self.pair_b[src_a[0]] == src_b[0]:
+            return src_a, src_b
+        return (None if spec_a in self.a.flow.viewed else src_a), (None if spec_b in self.b.flow.viewed else src_b)
+
     def _rounding(self, k: int) -> bool:
         """Row ``k`` (a value no paired op made) differs by no more than a few roundings of its dtype:
         runs of other kernels (eager and compiled) round a view of a recorded value differently, which
@@ -337,13 +371,17 @@ class Lineage:
             for io, arg, sp in walk:
                 if io != "input" or id(sp) in compared or (overwritten and arg == "input.0"):
                     continue
-                src = side.flow.src.get(id(sp))
+                src = self.producer(side, id(sp))
                 if src is None:
                     continue
                 p = src[0]
                 if p in side.only:
                     got = self.passes[side.name].get(p)
-                    if side.recs[p]["stage"] == side.recs[rec]["stage"] and (got or p not in side.unobserved):
+                    stage = side.recs[rec]["stage"]
+                    if got is UNPRODUCED:    # an exact cast of a value no record made: read as it is
+                        got = (self.seen_at(i, arg, "inputs"), None) if stage == "forward" else \
+                            (None, self.seen_at(i, arg, "inherited"))
+                    if side.recs[p]["stage"] == stage and (got or p not in side.unobserved):
                         out[side.name, p] = None, got or (self.unmatched(side, p), None)
                     continue
                 pa = p if side is self.a else self.pair_a.get(p)
@@ -361,18 +399,24 @@ class Lineage:
         was given (their largest error and sources): a consumer whose input differs no more than that
         takes those sources instead (:meth:`_from_producer`)."""
         stage = side.recs[u]["stage"]
-        follow = op_traits.is_cast(side.recs[u]["op"]) or u in side.unobserved
+        cast = op_traits.is_cast(side.recs[u]["op"])
+        follow = cast or u in side.unobserved
         res = carried = None
         carried_err = 0.0
+        unproduced = False     # it reads a value no record of its stage made (a parameter, the batch)
         for io, _, spec in side.flow.walks[u]:
             if io != "input":
                 break
-            src = side.flow.src.get(id(spec))
+            src = self.producer(side, id(spec))
             if src is None or side.recs[src[0]]["stage"] != stage:
+                unproduced = True
                 continue
             p, parg = src
             if p in side.only:   # a chain of one-run-only ops: its first one
-                res = _merge(res, self.passes[side.name].get(p))
+                if (got := self.passes[side.name].get(p)) is UNPRODUCED:
+                    unproduced = True
+                else:
+                    res = _merge(res, got)
                 if (got := self.carried[side.name].get(p)) is not None:
                     carried_err, carried = max(carried_err, got[0]), _merge(carried, got[1])
                 continue
@@ -387,7 +431,27 @@ class Lineage:
             self.carried[side.name][u] = carried_err, carried
         if res is not None and (res[0] is not None or res[1] is not None):
             return res
-        return None if u in side.unobserved else (self.unmatched(side, u), None)
+        if u in side.unobserved:
+            return None
+        return self._cast_source(side, u, unproduced) if cast else (self.unmatched(side, u), None)
+
+    def _cast_source(self, side: Side, u: int, unproduced: bool):
+        """What a one-run-only cast ``u`` given no differing value hands on: never itself, a cast being
+        data movement (autocast's, a ``.float()`` the other run need not make).  One that keeps every
+        value (a widening or same-dtype cast) of a value no record made hands that value on as it is
+        (``UNPRODUCED``: where it differs, the runs' inputs/parameters do: a buffer the other run holds
+        in bfloat16).  Otherwise its values differ by its rounding at most: a rounding-size difference
+        entering at the paired op it feeds (the first paired record after it; where none follows in
+        its stage, the cast itself, as a rounding-size source)."""
+        rec = side.recs[u]
+        ins = [spec["dtype"] for io, _, spec in side.flow.walks[u] if io == "input"]
+        outs = [spec["dtype"] for io, _, spec in side.flow.walks[u] if io == "output"]
+        if unproduced and ins and outs and _keeps_values(ins[0], outs[0]):
+            return UNPRODUCED
+        at = self.place(side, u)[0]
+        if at >= len(self.a.recs) or self.a.recs[at]["stage"] != rec["stage"]:
+            return self.unmatched(side, u)._replace(weak=ROUNDING), None
+        return self.seen_at(at, "", "op", ROUNDING), None
 
     # ---- the pass ---------------------------------------------------------------------------------
     def trace(self) -> tuple[np.ndarray, list]:

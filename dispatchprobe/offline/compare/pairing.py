@@ -14,6 +14,7 @@ from ...core import op_traits
 from ...records.reader import Part, tensor_list
 from ...standards import verdicts as V
 from ..align import stats_distance
+from ..views import ViewIndex
 
 
 def _swap_commutative(ta: list, tb: list) -> list:
@@ -116,6 +117,8 @@ class DataFlow(NamedTuple):
                     # from, where that is below its own dtype's
     walks: list     # per record: its tensors, ``(io, arg, spec)`` (records.format.walk)
     undefined: set  # specs flagged ``undefined`` (uninitialised memory)
+    viewed: frozenset = frozenset()   # input specs whose producer is inferred: read through a view no
+                                      # record shows, of that producer's output (:mod:`..views`)
 
 
 def _signature(spec: dict):
@@ -144,6 +147,7 @@ def data_flow(recs: list, permuted: bool = False) -> DataFlow:
     lineage: dict = {}
     ranks: dict = {}
     undefined: set = set()
+    views, by_view_sig, viewed = ViewIndex(), {}, set()
     walks = [tensor_list(r) for r in recs]
     for i, r in enumerate(recs):
         for t in r.get("through", ()):   # a left-out layout op (translate.py): its output is its input
@@ -175,6 +179,10 @@ def data_flow(recs: list, permuted: bool = False) -> DataFlow:
                     hit = by_sig.get(sig) if sig is not None else None
                     if hit is None and by_range is not None and (key := _range(spec)) is not None:
                         hit = by_range.get(key)
+                    if hit is None and io == "input" and produces:
+                        hit = _through_view(spec, sig, views, by_view_sig)
+                        if hit is not None:
+                            viewed.add(id(spec))
                 if hit is not None and io == "input":
                     src[id(spec)] = hit[0], hit[1]
                 if own < 0:
@@ -198,7 +206,20 @@ def data_flow(recs: list, permuted: bool = False) -> DataFlow:
                     by_sig[sig] = entry
                 if by_range is not None and (key := _range(spec)) is not None:
                     by_range[key] = entry
-    return DataFlow(src, lineage, walks, undefined)
+                views.add(spec, entry)
+    return DataFlow(src, lineage, walks, undefined, frozenset(viewed))
+
+
+def _through_view(spec: dict, sig, views: ViewIndex, by_view_sig: dict):
+    """The producer entry of an input read through a view no record shows (an expand, a slice: its
+    statistics are not its producer's), else None.  A view read again (its backward reads what the
+    forward read) is the same value: found by its signature, not inferred a second time."""
+    hit = by_view_sig.get(sig) if sig is not None else None
+    if hit is None:
+        hit = views.find(spec)
+        if hit is not None and sig is not None:
+            by_view_sig[sig] = hit
+    return hit
 
 
 def _range(spec: dict):
