@@ -113,6 +113,7 @@ class ProbeSession:
         self.part: PartWriter | None = None
         self._calls: dict = defaultdict(int)
         self._manifest_written = False
+        self._manifest_notes: dict = {}    # run-level facts learnt while recording (note_in_manifest)
         self._active = False
         self.task = TASKS[self.config.task]
         self.recorder = Recorder(self.backend, save_tensors=self.task.saves_tensors,
@@ -519,7 +520,18 @@ class ProbeSession:
 
     def _manifest_info(self) -> dict:
         return dict(framework=self.backend.name, framework_version=self.backend.version,
-                    device=self.backend.accelerator(), config=self.config.to_dict(), extra={"rank": self.rank})
+                    device=self.backend.accelerator(), config=self.config.to_dict(),
+                    extra={"rank": self.rank, **self._manifest_notes})
+
+    def note_in_manifest(self, key: str, value) -> None:
+        """A fact about the whole run learnt while recording (what its records leave out), added to
+        ``manifest.json`` so that readers can say it: the manifest is written again where the fact
+        is new."""
+        if self._manifest_notes.get(key) == value:
+            return
+        self._manifest_notes[key] = value
+        if self._manifest_written and self.online is None:
+            write_manifest(self.run_dir, **self._manifest_info())
 
     def summary(self) -> dict:
         """What the task's checks counted over the whole run so far, e.g. ``{"task": "overflow",

@@ -9,6 +9,7 @@ import pandas as pd
 
 from ..records import part_summary
 from ..records.reader import Run
+from .coverage import graphs_note
 
 
 def summarize(run: Run, top: int = 10, stage: str | None = None) -> str:
@@ -29,6 +30,9 @@ def summarize(run: Run, top: int = 10, stage: str | None = None) -> str:
         cfg = m.get("config", {})
         lines.append(f"framework  {m.get('framework')} {m.get('framework_version')}  device {m.get('device')}  "
                      f"task {cfg.get('task')}  level {cfg.get('level')}")
+        graphs = graphs_note(m)
+        if graphs:
+            lines.append(f"compiled   {graphs}")
     steps = sorted({s for s, _ in run.parts})
     ranks = sorted({r for _, r in run.parts})
     lines.append(f"steps      {_ranges(steps)}   ranks {_ranges(ranks)}   "

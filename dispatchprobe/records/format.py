@@ -9,6 +9,8 @@ import json
 FORMAT_NAME = "dispatchprobe-records"
 FORMAT_VERSION = 1
 CLOSED_MARKER = "closed"     # an empty file the writer leaves in a step/rank folder it closed
+# manifest key: the eager probe saw compiled graphs run (torch.compile) that no probe_backend recorded
+UNRECORDED_GRAPHS = "compiled_graphs_unrecorded"
 
 
 def ended_marker(rank: int) -> str:

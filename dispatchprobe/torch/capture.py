@@ -15,6 +15,7 @@ import torch
 from . import tensor_backend as torch_backend
 from . import collectives, fused_stats, ops, tensor_kinds
 from ..core.config import ConfigError
+from ..records.format import UNRECORDED_GRAPHS
 from .dispatch_mode import OpFacts, ProbeMode
 from .internals.autograd import current_autograd_node, current_graph_task_id
 from .module_scopes import ModuleScopes
@@ -52,6 +53,10 @@ class DispatchProbe(TorchSession):
         self.collective_seq = collectives.Sequence()     # per process group, from the probe's start
         self.pending = collectives.Pending(self)         # collectives called, recorded once complete
         self.written_last: list = []     # (tensor, version) written by the last recorded op (count_write)
+        # ops of compiled graphs the mode passed on unrecorded, and whether a probe_backend graph
+        # recorded into this probe: graphs without one leave a note in the manifest (flush)
+        self.graph_ops = 0
+        self.graphs_recorded = False
 
     # ---- installation -------------------------------------------------------------------------
     def _install(self) -> None:
@@ -92,6 +97,10 @@ class DispatchProbe(TorchSession):
     def flush(self) -> None:
         # the step ends or the probe stops: the program has waited for its collectives
         self.pending.settle()
+        if self.graph_ops and not self.graphs_recorded:
+            # torch.compile without probe_backend: the records hold only the code around the graphs,
+            # which compare and show say rather than leaving a reader to guess at different models
+            self.note_in_manifest(UNRECORDED_GRAPHS, True)
         super().flush()
 
     def optimizer_stepped(self, optimizer) -> None:

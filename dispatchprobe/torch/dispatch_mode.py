@@ -82,6 +82,8 @@ class ProbeMode(TorchDispatchMode):
         if busy or not facts.wanted or in_compiled_code():
             out = func(*args, **kwargs)
             if not busy:
+                if facts.wanted:        # an op of a compiled graph (its records, if any, are probe_backend's)
+                    probe.graph_ops += 1
                 if facts.allocates_uninitialised:
                     probe.uninitialised.add(out)
                 elif probe.uninitialised or facts.writes_unseen:      # an op not recorded still writes memory

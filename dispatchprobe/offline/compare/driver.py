@@ -28,6 +28,7 @@ from .rerun import float64_rerun
 from .pairing import PairingShare, decomposed_scopes, explain_unobservable, data_flow, user_frames, pair_tensors, pairing_share
 from .scoring import score_pairs
 from .task_mismatch import NOT_RECORDED, explanation, flagged_only_side, tasks_note, unaligned_hint
+from ..coverage import unrecorded_graphs
 from .verdict import Result, RunsDoNotAlign, Verdict
 from .parallel import optimizer_step
 from .amplified import explain as amplified_noise
@@ -191,9 +192,9 @@ def _compare_parts(part_a: Part, part_b: Part, match: str, mapping: Mapping, ten
                         f"differently): {', '.join(sorted({f'{sc} ({st})' for st, sc in decomposed}))}")
     if recs_a and recs_b and not al.pairs:
         problems.append(f"step {step} rank {rank}: no record of {part_a.path} could be aligned with "
-                        f"{part_b.path} ({unaligned_hint(*manifests)})")
+                        f"{part_b.path} ({unaligned_hint(*manifests, short=True)})")
     elif len(unmatched) and (~unmatched["is_cast"] & (unmatched["explained"] == "")).any():
-        hint = f" ({unaligned_hint(*manifests)})" if len(unmatched) > 0.2 * (len(recs_a) + len(recs_b)) else ""
+        hint = f" ({unaligned_hint(*manifests, short=True)})" if len(unmatched) > 0.2 * (len(recs_a) + len(recs_b)) else ""
         problems.append(f"step {step} rank {rank}: {int((~unmatched['is_cast'] & (unmatched['explained'] == '')).sum())} of "
                         f"{len(recs_a) + len(recs_b)} records could not be aligned{hint}; listed in unmatched.csv")
     arrays: dict = {}
@@ -320,9 +321,9 @@ def compare(a, b, *, match: str = "fuzzy", mapping: str | Mapping | None = None,
     if is_grad_run(run_a) or is_grad_run(run_b):      # gradient directions per step and parameter
         return said_by_rank0(engine, lambda: grad_compare(run_a, run_b, out=out), _elsewhere)
     problems: list[str] = []
-    note = tasks_note(run_a.manifest, run_b.manifest)
-    if note:
-        problems.append(note)
+    for note in (tasks_note(run_a.manifest, run_b.manifest), unrecorded_graphs(run_a.manifest, run_b.manifest)):
+        if note:
+            problems.append(note)
     if len(run_a.parts) == 1 and len(run_b.parts) == 1:
         jobs_list = [(next(iter(run_a.parts)), next(iter(run_b.parts)))]
     elif _other_parallelism(run_a, run_b):

@@ -5,6 +5,8 @@ a 'could not be aligned' line names the tasks instead of guessing different mode
 
 from __future__ import annotations
 
+from ..coverage import unrecorded_graphs
+
 FLAGGED_ONLY = ("overflow", "free_benchmark")     # inline checks: records of the ops they flagged only
 NOT_RECORDED = "not recorded by the other run's task"
 
@@ -42,7 +44,12 @@ def tasks_note(manifest_a: dict, manifest_b: dict) -> str | None:
             + "; record both runs with one task to compare them whole")
 
 
-def unaligned_hint(manifest_a: dict, manifest_b: dict) -> str:
-    """The parenthesis of a 'could not be aligned' line."""
+def unaligned_hint(manifest_a: dict, manifest_b: dict, short: bool = False) -> str:
+    """The parenthesis of a 'could not be aligned' line: what the manifests say made the records
+    differ (compiled graphs not recorded, other tasks), else a guess; ``short``: a part's line,
+    beside the verdict's own warning line."""
+    graphs = unrecorded_graphs(manifest_a, manifest_b, short)
+    if graphs is not None:
+        return graphs
     return "different models or options?" if tasks_note(manifest_a, manifest_b) is None else \
         f"the runs used different tasks, A {task_of(manifest_a)} and B {task_of(manifest_b)}"

@@ -89,6 +89,7 @@ class ProbeBackend:
         run directory (so both capture paths share one record stream), else this backend's own."""
         for probe in reversed(STATE.active_probes):
             if probe.config.dump_path == self.config.dump_path:
+                probe.graphs_recorded = True
                 return probe
         session = self.session
         session.start()
