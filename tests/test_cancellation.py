@@ -204,6 +204,29 @@ def test_compare_add_off_beyond_its_operands_rounding(tmp_path, task):
     assert named[0] == named[1], named
 
 
+def _second_add_off(a, b, alpha=1):
+    """add, its second call (``fc2(h) + (h + back)``, which reads the noise) 1e-3 off; from sub and
+    mul so that it does not call itself."""
+    _second_add_off.calls += 1
+    exact = torch.sub(a, b, alpha=-alpha)
+    return torch.mul(exact, 1.001) if _second_add_off.calls == 2 else exact
+
+
+@pytest.mark.parametrize("task", ["tensor", "statistics"])
+def test_an_op_reading_noise_is_still_named_for_a_difference_of_its_own(tmp_path, task):
+    """The runs' ``h + back`` differ by noise (a last-bit change of the input), and the next add,
+    which reads it beside ``fc2(h)``, is 1e-3 off in one run: a difference far above what the noise
+    could carry, named at that add (``call 1``) whichever run is A, not passed off as amplified noise."""
+    a = _residual_run(tmp_path / "a", task=task)
+    _second_add_off.calls = 0
+    b = _residual_run(tmp_path / "b", 1 + 2.0 ** -20, plant=("add.Tensor", _second_add_off), task=task)
+    for x, y in ((a, b), (b, a)):
+        res = compare(x, y)
+        assert "within the rounding bound of their terms" in _cancelling_add(res.table)["reason"]
+        d = res.verdict.forward
+        assert d is not None and (d.cause, d.op, d.call) == ("op", "aten.add.Tensor", 1), str(res.verdict)
+
+
 def test_terms_norm_bounds_the_terms_from_the_records(tmp_path):
     """The magnitude each output element is summed from, bounded from one run's record alone (its inputs'
     norms, shapes and scalars): never below the true ||sum|terms|||, nor 1.7 times above it; coefficients

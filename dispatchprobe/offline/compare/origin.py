@@ -24,7 +24,7 @@ from ...standards.loader import is_float, standard
 from .columns import TENSOR_METRICS
 from .exact import otherwise_identical
 from .pairing import DataFlow, user_frames
-from .scoring import pair_codes
+from .scoring import distance_bound, pair_codes
 from .rerun import ROUNDOFF
 from .verdict import Divergence
 
@@ -86,14 +86,33 @@ class OwnShare:
         self.df = df
         self.recs_a, self.recs_b, self.pair_b, self.rerun = recs_a, recs_b, pair_b, rerun
         self.estimated: set = set()    # records with differing inputs decided by the recorded errors
+        self.sizes = None              # the columns _carries_noise reads, on first use
+
+    def _carries_noise(self, outs: list, noise: list) -> bool:
+        """Whether the outputs differ by no more than ``origin_amplification`` times the noise inputs'
+        own size (``‖a‖ + ‖b‖`` of each, which bounds their difference): a value zero up to rounding
+        differs by any amount relative to itself, which its row (relative to its terms) does not
+        show, so relative errors cannot say what an op reading it adds (AdamW's ``lerp_`` of a key
+        bias's gradient: 0.1 x the noise, as far off relatively); its absolute size can, for an op
+        that does not scale it up more than that (an optimizer's update, an add beside larger
+        operands: there a difference of the op's own is far larger than the noise and still named)."""
+        if self.sizes is None:       # the columns read once; a row's size computed where asked
+            df = self.df
+            self.sizes = (df["shape_a"].tolist(), df["rmse"].tolist() if "rmse" in df else [np.nan] * len(df),
+                          [df[f"{s}_diff"].tolist() for s in ("norm", "max", "min", "mean")],
+                          (df["norm_a"].abs() + df["norm_b"].abs()).tolist())
+        shapes, rmse, diffs, size = self.sizes
+
+        def far(k):
+            return distance_bound(rmse[k], max(int(np.prod(shapes[k])), 1), [d[k] for d in diffs])
+        return max(far(k) for k in outs) <= self.amp * sum(size[k] for k in noise)
 
     def __call__(self, i: int, outs: list, ins: list, measure: bool = True, unmeasured: bool = False,
-                 noise: bool = False) -> int:
+                 noise: tuple = ()) -> int:
         """``outs``/``ins``: the record's differing output/input rows; ``measure``: whether a float64
         re-run may decide (not where an earlier larger-than-rounding source is already found);
-        ``unmeasured``: an input without a row may differ (a one-run-only op made it); ``noise``: an
-        input is zero up to rounding, whose difference relative to its own size (any) is what the
-        op's outputs carry, not the rounding-size one its row holds: only a re-run can judge them."""
+        ``unmeasured``: an input without a row may differ (a one-run-only op made it); ``noise``: the
+        rows of ``ins`` that are zero up to rounding (:meth:`_carries_noise`)."""
         if not outs:
             return NONE
         if not ins:                  # inputs agree, outputs do not (or follow the input without a row)
@@ -118,7 +137,12 @@ class OwnShare:
             if own is not None:
                 return STRONG if own else NONE
         if noise:
-            return NONE
+            if self._carries_noise(outs, noise):
+                return NONE
+            ins = [k for k in ins if k not in noise]
+            if not ins:
+                return STRONG if any(self.err[k] > ROUNDINGS * self.unit[k] for k in outs) else WEAK
+            in_err = max(self.err[k] for k in ins)
         self.estimated.add(i)
         return STRONG if out_err > self.amp * in_err else NONE
 
@@ -499,7 +523,7 @@ class Lineage:
                 hidden = self.uncompared(i, s0, e0)
                 own = self.own_share(i, outs, ins + [k for k, _ in hidden if k is not None],
                                      found is None or found[0] is None or found[0].weak,
-                                     any(k is None for k, _ in hidden), any(self.noise[k] for k in ins))
+                                     any(k is None for k, _ in hidden), [k for k in ins if self.noise[k]])
                 # a one-run-only op whose output no row compares may or may not hand on a difference: it is
                 # a suspect only where the measured differing inputs (rows) with a source do not explain
                 # the outputs' difference (they differ no less than PASS_ON times less).  The second

@@ -177,11 +177,7 @@ def _within_rounding(df: pd.DataFrame, status, reason, error, sa: dict, sb: dict
         sides = bounds[key]
         bound = sum(x for x, _ in sides)
         n = max(int(np.prod(shape_a[r])), 1)
-        if np.isfinite(rmse[r]):
-            diff = rmse[r] * math.sqrt(n)
-        else:            # a missing statistic bounds nothing; none at all: not excused
-            lower = [abs(sa[s][r] - sb[s][r]) * (math.sqrt(n) if s == "mean" else 1.0) for s in ("norm", "max", "min", "mean")]
-            diff = max((d for d in lower if d == d), default=math.inf)
+        diff = distance_bound(rmse[r], n, [sa[s][r] - sb[s][r] for s in ("norm", "max", "min", "mean")])
         if diff <= bound:
             cancelled[r] = True
             status[r] = V.PASS
@@ -190,6 +186,17 @@ def _within_rounding(df: pd.DataFrame, status, reason, error, sa: dict, sb: dict
             reason[r] = (f"outputs{made} differ by {diff:.3g}, within the rounding bound of their terms "
                          f"({bound:.3g}; terms {max(t for _, t in sides):.3g}): the values cancel")
     return cancelled
+
+
+def distance_bound(rmse: float, n: int, diffs) -> float:
+    """How far apart a row's two values of ``n`` elements are, ``‖a-b‖``: ``rmse·√n`` where the
+    tensors were measured, else the largest difference of the statistics ``diffs`` (norm, max,
+    min, mean: each, the mean's times √n, a lower bound of it); a missing statistic bounds nothing,
+    none at all: inf."""
+    if math.isfinite(rmse):
+        return rmse * math.sqrt(n)
+    lower = [abs(d) * (math.sqrt(n) if s == "mean" else 1.0) for s, d in zip(("norm", "max", "min", "mean"), diffs)]
+    return max((d for d in lower if d == d), default=math.inf)
 
 
 def _producers(made_a, made_b, pair_b: dict) -> tuple:
