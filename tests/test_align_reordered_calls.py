@@ -103,3 +103,25 @@ def test_groups_sieved_at_once_pair_as_when_each_is_ranked(monkeypatch):
             m.setattr(A, "_movable", lambda recs_a, recs_b, groups: [None] * len(groups))
             ranked = align(a, b).pairs
         assert sieved == ranked
+
+
+def test_centred_means_keep_the_order():
+    """An optimizer's calls of one op and shape, one per parameter: AdamW's ``lerp_`` of four layer
+    norm bias gradients, whose means cancel to ~1e-10 of values ~1e-2 (an eager and a compiled
+    DistilBERT's numbers).  The runs' means differ by rounding noise, of any size relative to
+    themselves, their norms by 1e-8: by the means' relative differences crosswise pairs looked
+    more than twice as close (they paired each bias with another's).  Measured against the values'
+    size the noise decides nothing: each call pairs with its own, either run as A."""
+    def lerp(grad: tuple, out: tuple) -> dict:
+        return {"kind": "op", "stage": "forward", "scope": "", "op": "aten.lerp_.Scalar",
+                "inputs": [_spec(0.0, 0.0), _spec(*grad)], "outputs": [_spec(*out)]}
+    a = [lerp((1.127773e-10, 0.028737492), (1.43245e-11, 0.002873749)),
+         lerp((-2.91038e-11, 0.028694031), (-3.8654e-12, 0.002869403)),
+         lerp((5.63887e-11, 0.028646261), (4.0927e-12, 0.002864626)),
+         lerp((-9.0949e-12, 0.028602096), (2.2737e-12, 0.002860210))]
+    b = [lerp((2.91038e-11, 0.028737492), (4.5475e-12, 0.002873749)),
+         lerp((-1.09139e-11, 0.028694029), (4.5475e-12, 0.002869403)),
+         lerp((-3.09228e-11, 0.028646262), (-5.6843e-12, 0.002864626)),
+         lerp((8.00355e-11, 0.028602096), (8.4128e-12, 0.002860210))]
+    assert _pairs(a, b) == {i: i for i in range(len(a))}
+    assert _pairs(b, a) == {i: i for i in range(len(a))}

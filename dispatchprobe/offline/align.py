@@ -31,7 +31,7 @@ import yaml
 
 from ..core import op_traits
 from ..records.format import output_shapes
-from .regions import compare_regions, fed_alike, producers, region_spans, stat_terms, stats_distance  # noqa: F401
+from .regions import compare_regions, fed_alike, producers, region_spans, sized_mean, stat_terms, stats_distance  # noqa: F401
 
 # Above this many elements in a gap, the quadratic SequenceMatcher is replaced by in-order pairing.
 _MAX_GAP = 20000
@@ -498,7 +498,7 @@ def _stat_row(record: dict, io: str) -> tuple:
             st = spec["stats"]
             mean, norm = st["mean"], st["norm"]
             if type(mean) is float and type(norm) is float:
-                row += (mean, norm)
+                row += (sized_mean(mean, norm, spec.get("shape")), norm)
                 continue
         except (KeyError, TypeError, IndexError):
             pass
@@ -540,7 +540,7 @@ def _stat_columns(recs: list, idx, io: str) -> _Terms:
                 mean, norm = st["mean"], st["norm"]
                 if type(mean) is not float or type(norm) is not float:
                     raise TypeError
-                flat += (mean, norm)
+                flat += (sized_mean(mean, norm, spec.get("shape")), norm)
         except (KeyError, TypeError, IndexError):
             del flat[mark:]
             row, first, gaps = _stat_row(recs[i], io)

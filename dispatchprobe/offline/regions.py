@@ -26,16 +26,31 @@ _NONE = {"type": "none"}
 
 
 def stats_distance(sa: dict, sb: dict) -> float:
-    """How far apart two tensor specs' statistics are (relative differences of mean and norm; 0
-    where either lacks them): what pairs values when order cannot."""
+    """How far apart two tensor specs' statistics are (relative differences of mean, measured
+    against the values' size, and norm; 0 where either lacks them): what pairs values when order
+    cannot."""
     return terms_distance(stat_terms(sa), stat_terms(sb))
 
 
 def stat_terms(spec: dict) -> tuple:
-    """A spec's mean and norm as :func:`terms_distance` reads them (None where not a number): read
-    once per record where one record is measured against many."""
+    """A spec's mean (:func:`sized_mean`) and norm as :func:`terms_distance` reads them (None where
+    not a number): read once per record where one record is measured against many."""
     st = spec.get("stats") or {}
-    return tuple(x if isinstance(x := st.get(k), (int, float)) else None for k in ("mean", "norm"))
+    mean, norm = (x if isinstance(x := st.get(k), (int, float)) else None for k in ("mean", "norm"))
+    return sized_mean(mean, norm, spec.get("shape")), norm
+
+
+def sized_mean(mean, norm, shape) -> float | None:
+    """The mean shifted by twice the values' root mean square (``norm / sqrt(n)``), which bounds
+    its size, so the term lies between one and three of them.  Why: a mean whose terms cancel (a
+    centred gradient's, 1e-10 of values near 1e-2) differs between two runs by rounding noise that
+    is any size relative to the mean itself, and such noise decided which calls paired (an eager
+    and a compiled run's optimizer steps paired one bias with another); against the values' size it
+    is as small as it is.  Unchanged where not both floats or the size is unknown."""
+    if type(mean) is not float or type(norm) is not float or not isinstance(shape, (list, tuple)):
+        return mean
+    n = math.prod(shape)
+    return mean + 2.0 * norm / math.sqrt(n) if n > 0 else mean
 
 
 def terms_distance(ta: tuple, tb: tuple) -> float:
