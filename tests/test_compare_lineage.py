@@ -105,8 +105,9 @@ class _Mlp(nn.Module):
         return self.fc2(F.gelu(self.fc1(x)))
 
 
-def _two_steps(path, grad_scale: float | None, lr: float = 0.5):
-    """Two SGD steps; ``grad_scale``: fc1's weight gradient scaled in step 0's backward only."""
+def _two_steps(path, grad_scale: float | None, lr: float = 0.5, optimizer_inside: bool = False):
+    """Two SGD steps; ``grad_scale``: fc1's weight gradient scaled in step 0's backward only;
+    ``optimizer_inside``: the optimizer steps inside ``with probe:`` (its ops recorded)."""
     torch.manual_seed(0)
     model = _Mlp()
     opt = torch.optim.SGD(model.parameters(), lr=lr)
@@ -116,9 +117,12 @@ def _two_steps(path, grad_scale: float | None, lr: float = 0.5):
         g = torch.Generator().manual_seed(step)
         with probe:
             F.mse_loss(model(torch.randn(8, 16, generator=g)), torch.randn(8, 4, generator=g)).backward()
+            if optimizer_inside:
+                opt.step()
         if hook:
             hook.remove()
-        opt.step()
+        if not optimizer_inside:
+            opt.step()
         opt.zero_grad()
         probe.step()
     probe.close()
@@ -146,6 +150,20 @@ def test_later_inputs_traced_to_the_step0_backward_op(tmp_path, scale):
     table, _ = compare(a / "step0" / "rank0", b / "step0" / "rank0")
     assert (table[table.stage == "forward"].error == 0).all()
 
+
+
+def test_an_optimizer_inside_the_probe_follows_the_gradients(tmp_path):
+    """The optimizer inside the probe: its forward-staged ops read gradients the backward made
+    (here scaled by a gradient hook in one run), so their errors follow from backward values, not
+    from forward ones (the line said 'differing forward values'), either run as A."""
+    a = _two_steps(tmp_path / "planted", 1.5, optimizer_inside=True)
+    b = _two_steps(tmp_path / "clean", None, optimizer_inside=True)
+    for x, y in ((a, b), (b, a)):
+        _, v = compare(x, y)
+        assert v.forward is not None and v.forward.step == 0 and v.forward.cause == "inherited", str(v)
+        line = str(v).splitlines()[1]
+        assert line.startswith("forward: no forward op diverges by itself; its ") and \
+            "error rows follow from differing backward values (first at " in line, line
 
 
 def test_later_inputs_traced_to_the_optimizer_step(tmp_path):

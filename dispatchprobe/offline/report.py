@@ -344,7 +344,7 @@ def mark_label(d) -> str:
     if d.cause == "inputs":
         return f"{d.stage} inputs/parameters differ (first seen)" + (" within tolerance" if d.departure else "")
     if d.cause == "inherited":
-        return f"{d.stage} errors follow from forward values"
+        return f"{d.stage} errors follow from {d.inherited_from()} values"
     if d.cause == "noise":
         return f"{d.stage} differences follow from values zero up to rounding"
     if d.cause == "after_random":

@@ -511,7 +511,7 @@ def _leads_to(e, d):
     step's) come after it, and the values entering that step already differ."""
     where = f"{d.op} [{d.scope or '<top>'}]"
     why = (f"there the inputs/parameters differ, first seen at {where} {d.arg}" if d.cause == "inputs" else
-           "there they follow from differing forward values" if d.cause == "inherited" else f"they start at {where}"
+           f"there they follow from differing {d.inherited_from()} values" if d.cause == "inherited" else f"they start at {where}"
            + (" (approximate)" if d.approximate else ""))
     return replace(e, departure=False, errors=d.errors,
                    failed=f"{e.failed} (within tolerance at step {e.step}; the {d.errors} {d.stage} error rows of "

@@ -24,7 +24,9 @@ class Divergence:
     - ``unmatched``: an op present in one run only (``side``) between agreeing and differing records;
     - ``inputs``: a value no recorded op produced (parameter, data) already differs (``arg``);
     - ``unrecorded``: an input differs although the op that produced it agreed;
-    - ``inherited``: backward only: no backward op diverges by itself, its errors come from forward values;
+    - ``inherited``: no op of the stage diverges by itself, its errors come from values the other stage
+      made (:meth:`inherited_from`): a backward's from forward values, a forward's (an optimizer stepping
+      inside the probe) from gradients the backward made;
     - ``noise``: no op diverges by itself; the differences come from a value zero up to rounding (``arg``
       of the record: a sum whose terms cancel, passed by the cancellation rule, as an attention key
       bias's gradient), which what is computed from it carries at any relative size (an optimizer
@@ -61,6 +63,12 @@ class Divergence:
     other_op: str = ""           # the paired record's op in the other run, where it is another op
     follows: str = ""            # after_random/after_inputs: where the forward difference it follows is
 
+    def inherited_from(self) -> str:
+        """The stage an ``inherited`` divergence's values were made in: the forward for a backward; the
+        backward for a forward op reading a value made in another stage (an optimizer stepping inside
+        ``with probe:`` reads the gradients)."""
+        return "forward" if self.stage == "backward" else "backward"
+
     def headline(self) -> str:
         if self.cause == "random":
             return f"first {self.stage} difference, at a random op" + (" (within tolerance)" if self.departure else "")
@@ -80,7 +88,7 @@ class Divergence:
                      f"rank {self.rank}): {self.failed}"]
         elif self.cause == "inherited":
             lines = [f"{self.stage}: no {self.stage} op diverges by itself; its {self.errors} error rows follow from "
-                     f"differing forward values (first at {self.op} [{self.scope or '<top>'}] {self.arg}, "
+                     f"differing {self.inherited_from()} values (first at {self.op} [{self.scope or '<top>'}] {self.arg}, "
                      f"#{self.seq} in {self.stage}, step {self.step} rank {self.rank})"]
         elif self.cause == "random":
             lines = [f"{lead or self.headline()}: {self.where()}: its values depend on the random numbers "
