@@ -122,7 +122,7 @@ def _plain_facts(t: torch.Tensor, cls) -> tuple | None:
     look = shape, stride, dtype, device, t.requires_grad, cls is _PARAMETER or type(tensor_base(t)) is _PARAMETER
     ident = ptr, shape, stride, dtype, device, version
     n = t.numel()
-    if n and (t.is_contiguous() or _fills_block(t)):
+    if n and (t.is_contiguous() or _fills_block(shape, stride)):
         return ident, (ptr, n, dtype, device, version), look
     return ident, None, look
 
@@ -207,7 +207,7 @@ def _key_pair(t: torch.Tensor, ptr, shape, stride, dtype, device, version) -> tu
     young collection stops tracking them, so the cache's keys are never walked again."""
     ident = ptr, tuple(shape), stride, dtype, device, version
     n = t.numel()
-    if n and (t.is_contiguous() or _fills_block(t)):
+    if n and (t.is_contiguous() or _fills_block(shape, stride)):
         return ident, (ptr, n, dtype, device, version)
     return ident, None
 
@@ -391,13 +391,15 @@ def _memory_order(x: torch.Tensor) -> tuple[torch.Tensor, int]:
     return x.as_strided([k for _, k in kept], [s for s, _ in kept]), repeat
 
 
-def _fills_block(t: torch.Tensor) -> bool:
-    """Whether the elements of strided ``t`` fill one block of memory, without gap or overlap."""
+def _fills_block(shape, stride) -> bool:
+    """Whether strided elements of these sizes and strides (already read off the tensor) fill one
+    block of memory, without gap or overlap: a transposed weight's do, a slice's do not."""
     expected = 1
-    for stride, size in sorted((s, k) for s, k in zip(t.stride(), t.shape) if k != 1):
-        if stride != expected:
-            return False
-        expected *= size
+    for step, size in sorted(zip(stride, shape)):
+        if size != 1:
+            if step != expected:
+                return False
+            expected *= size
     return True
 
 
