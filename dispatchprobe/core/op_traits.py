@@ -67,6 +67,17 @@ UNMARKED_FILLS = {
 CAST = frozenset({"_to_copy", "to", "copy", "convert_element_type"})
 
 
+# Read only their tensor inputs' shape, dtype and device, never their values: what they make is a
+# constant of the program (``zeros_like(x)`` is zeros whatever x holds).  The ``_like``/``new_``
+# random ops are in RANDOM instead.
+METADATA_ONLY = frozenset({"zeros_like", "ones_like", "full_like", "new_zeros", "new_ones", "new_full",
+                           "empty_like", "new_empty", "new_empty_strided"})
+
+
+def reads_metadata_only(op: str) -> bool:
+    return base_name(op) in METADATA_ONLY
+
+
 def is_random(op: str) -> bool:
     return base_name(op) in RANDOM
 

@@ -253,7 +253,8 @@ def report_data(table: pd.DataFrame, verdict, metric: str) -> dict:
                          "side": d.side, "cause": d.cause, "text": text, "label": mark_label(d),
                          "departure": bool(d.departure),
                          # drawn quietly: a departure within tolerance, or values that differ by random draws
-                         "quiet": bool(d.departure) or d.cause in ("random", "after_random", "after_inputs", "noise")}
+                         "quiet": bool(d.departure) or d.cause in ("random", "after_random", "after_inputs", "noise",
+                                                                          "constant")}
     # ops embedded per node: failing, origin and divergence ops first, then in execution order
     div_keys = {tuple(v["key"]) for v in divs.values()}
     stacks, stack_ix = [], {}
@@ -347,6 +348,8 @@ def mark_label(d) -> str:
         return f"{d.stage} errors follow from {d.inherited_from()} values"
     if d.cause == "noise":
         return f"{d.stage} differences follow from values zero up to rounding"
+    if d.cause == "constant":
+        return f"{d.stage} differences follow from constants the programs make differently"
     if d.cause == "after_random":
         return f"{d.stage} not judged: follows a random op"
     if d.cause == "after_inputs":

@@ -31,12 +31,14 @@ from .verdict import Divergence
 
 class Root(NamedTuple):
     """Where a difference enters.  Sources compare in an order that does not depend on which run is
-    A: a difference of rounding size (``weak``) only where no larger one enters, and values zero up
-    to rounding (``NOISE``) only where nothing else does; then by position in the stage (``at``,
+    A: a difference of rounding size (``weak``) only where no larger one enters, constants the runs
+    make differently (``CONSTANT``) and values zero up to rounding (``NOISE``) only where nothing else
+    does; then by position in the stage (``at``,
     ``before``: a one-run-only op sits before the first paired record after it in its own run), then
     by what it is (``tie``)."""
 
     weak: int       # 0; ROUNDING: an op's own difference no larger than a few roundings of its dtype;
+                    # CONSTANT: a value made from the program's numbers (:meth:`Lineage.makes_constant`);
                     # NOISE: a value zero up to rounding (it passed by the cancellation rule)
     at: int         # position in the stage (run A's order) of the paired record it is seen at, or for
                     # a one-run-only op of the first paired record of its stage after it
@@ -48,7 +50,8 @@ class Root(NamedTuple):
     cause: str      # Divergence.cause
 
 
-ROUNDING, NOISE = 1, 2    # Root.weak: below a larger difference; below any other source
+# Root.weak: below a larger difference; below any computed one (a constant of the program); below any other source
+ROUNDING, CONSTANT, NOISE = 1, 2, 3
 
 # runs of other kernels (another framework, device kind or precision, compiled code) round differently
 # at every op: below this relative error their statistics-only rows count as equal (saved tensors
@@ -181,10 +184,14 @@ def _merge(x: tuple | None, y: tuple | None) -> tuple | None:
     return y if x is None else x if y is None else (_min(x[0], y[0]), _min(x[1], y[1]))
 
 
+COMPUTE, CAST, MAKER = 0, 1, 2     # one-run-only ops, as Lineage._loose sorts them
+
+
 def _between(loose: dict, stage: str, lo: int, hi: int):
-    """The first one-run-only op of ``stage`` strictly between records ``lo`` and ``hi`` (compute ops first)."""
-    for cast in (False, True):
-        cand = loose.get((stage, cast), ())
+    """The first one-run-only op of ``stage`` strictly between records ``lo`` and ``hi`` (compute ops
+    first, then casts, then constant makers)."""
+    for kind in (COMPUTE, CAST, MAKER):
+        cand = loose.get((stage, kind), ())
         k = bisect.bisect_right(cand, lo)
         if k < len(cand) and cand[k] < hi:
             return cand[k]
@@ -222,6 +229,7 @@ class Lineage:
         self.src_a, self.src_b = a.flow.src.get, b.flow.src.get
         self.own_share = OwnShare(df, a.recs, b.recs, self.pair_b, rerun)
         self.loose = {s.name: self._loose(s) for s in (a, b)}
+        self.makers = {n: {i for (_, kind), recs in lo.items() if kind == MAKER for i in recs} for n, lo in self.loose.items()}
         self.pairs = pairs
         self.anchors: dict = {}  # per run, built on first use (runs with one-run-only ops): see _anchors
         self.boundary = {i for i, _, how in pairs if how == "region boundary"}   # rows for the values entering too
@@ -234,16 +242,35 @@ class Lineage:
         self.carried: dict = {"a": {}, "b": {}}
 
     # ---- one-run-only ops and their place among the paired records -------------------------------
-    @staticmethod
-    def _loose(side: Side) -> dict:
-        """(stage, is a cast) -> sorted one-run-only op records a difference may start at (the
-        unobserved ones never)."""
+    def _loose(self, side: Side) -> dict:
+        """(stage, COMPUTE/CAST/MAKER) -> sorted one-run-only op records a difference may start at (the
+        unobserved ones never); constant makers apart, found only where no other op stands between."""
         out: dict = {}
         for i in sorted(side.only - side.unobserved):
             r = side.recs[i]
             if r["kind"] == "op":
-                out.setdefault((r["stage"], op_traits.is_cast(r["op"])), []).append(i)
+                kind = MAKER if self.makes_constant(side, i) else CAST if op_traits.is_cast(r["op"]) else COMPUTE
+                out.setdefault((r["stage"], kind), []).append(i)
         return out
+
+    @staticmethod
+    def makes_constant(side: Side, i: int) -> bool:
+        """Record ``i`` makes its outputs from the program's numbers alone: it reads no tensor's values
+        (``zeros``, ``full``, ``arange``, ``scalar_tensor``; ``fill_`` of memory it overwrites; ``zeros_like``
+        reading a shape).  Its outputs differ between runs only where the programs do (a
+        ``torch.finfo(dtype).min`` mask value of another dtype, another code path), never by a kernel's
+        precision: no suspect, a source ranked after every computed one.  A random op is not one."""
+        rec = side.recs[i]
+        if rec["kind"] != "op" or op_traits.is_random(rec["op"]):
+            return False
+        overwritten = op_traits.overwrites_first_input(rec["op"])
+        return not any(io == "input" and not (overwritten and arg == "input.0")
+                       for io, arg, _ in side.flow.walks[i]) or op_traits.reads_metadata_only(rec["op"])
+
+    def constant_pair(self, i: int) -> bool:
+        """Paired record ``i`` (A's index) makes a constant in both runs (:meth:`makes_constant`)."""
+        j = self.pair_b.get(i)
+        return j is not None and self.makes_constant(self.a, i) and self.makes_constant(self.b, j)
 
     def _anchors(self, side: Side, paired: list) -> dict:
         """stage -> (the side's paired records in order, their A index, their A position, the
@@ -281,9 +308,12 @@ class Lineage:
         return got
 
     def unmatched(self, side: Side, u: int) -> Root:
+        """One-run-only op ``u`` as a source: a suspect, or a constant the other run does not make."""
         _, at, dist = self.place(side, u)
         r = side.recs[u]
-        return Root(False, at, -dist, (r["op"], r["scope"], int(r["call"])), u, side.name, "", "unmatched")
+        constant = u in self.makers[side.name]
+        return Root(CONSTANT if constant else 0, at, -dist, (r["op"], r["scope"], int(r["call"])), u, side.name, "",
+                    "constant" if constant else "unmatched")
 
     def seen_at(self, r: int, arg: str, cause: str, weak: bool = False) -> Root:
         """A source seen at paired record ``r`` (A's index), tensor ``arg`` ("" for the op itself)."""
@@ -417,11 +447,13 @@ class Lineage:
         return list(out.values())
 
     def passed_on(self, side: Side, u: int) -> tuple | None:
-        """What one-run-only op ``u`` passes on: itself, unless a cast passes on its input's source,
-        or its input already fails.  A kernel the other run does not observe is never a suspect: it
+        """What one-run-only op ``u`` passes on: itself (a constant, where it makes one:
+        :meth:`makes_constant`), unless a cast passes on its input's source, or its input already fails.  A kernel the other run does not observe is never a suspect: it
         passes on its inputs' source, or nothing (None).  Notes in ``carried`` the differing values it
         was given (their largest error and sources): a consumer whose input differs no more than that
         takes those sources instead (:meth:`_from_producer`)."""
+        if u in self.makers[side.name]:    # what it reads, it reads for a shape at most
+            return self.unmatched(side, u), None
         stage = side.recs[u]["stage"]
         cast = op_traits.is_cast(side.recs[u]["op"])
         follow = cast or u in side.unobserved
@@ -535,7 +567,10 @@ class Lineage:
                 explained = bool(measured) and max(err[k] for k in outs) <= PASS_ON * max(err[k] for k in measured)
                 srcs.update((-1 - m, src) for m, (k, src) in enumerate(hidden)     # not rows: keys of their own
                             if k is not None or not explained)
-                if own:
+                if self.constant_pair(i):
+                    best = self.seen_at(i, "", "constant", CONSTANT)   # the programs differ, no kernel
+                    origin_rows[outs] = True
+                elif own:
                     best = self.seen_at(i, "", "op", own == WEAK)
                     origin_rows[outs] = True
                 else:
@@ -564,8 +599,8 @@ class Lineage:
             acc = stage_src.get((stage, "op", bool(errors))) or stage_src.get((stage, "module", bool(errors)))
             if acc is None:
                 continue
-            # a departure is a stage's own; noise (values zero up to rounding) only where nothing else is
-            own = acc[0] if acc[0] is not None and acc[0].weak < NOISE else None
+            # a departure is a stage's own; constants and noise (values zero up to rounding) only where nothing else is
+            own = acc[0] if acc[0] is not None and acc[0].weak < CONSTANT else None
             pick = (own or acc[1] or acc[0]) if errors else acc[0]
             if pick is None and errors:   # not reached: every differing value has a source; keep the verdict honest
                 k = int(np.flatnonzero(self.bad_rows & (stages == stage))[0])
@@ -647,6 +682,13 @@ def _size(row) -> str:
     return "differs within tolerance"
 
 
+def _constant_values(row) -> str:
+    """What a constant output holds in each run: its value, or its range where it holds several."""
+    def held(lo, hi):
+        return f"{lo:.6g}" if lo == hi else f"{lo:.6g} .. {hi:.6g}"
+    return f"{row.arg} is {held(row.min_a, row.max_a)} in run A, {held(row.min_b, row.max_b)} in run B"
+
+
 def _describe(df, a: Side, b: Side, stage, pick: Root, errors, off) -> Divergence:
     i, side, arg, cause = pick.index, pick.side, pick.arg, pick.cause
     run = a if side == "a" else b
@@ -670,6 +712,9 @@ def _describe(df, a: Side, b: Side, stage, pick: Root, errors, off) -> Divergenc
     elif cause in ("inputs", "inherited", "noise"):
         rows = at[at["arg"] == arg]
         failed = "; ".join(_why(r) if r.reason else _size(r) for r in rows.itertuples()) or "values differ"
+    elif cause == "constant":
+        rows = at[at["io"] == "output"]
+        failed = "; ".join(_constant_values(r) for r in rows.itertuples()) or f"made in run {side.upper()} only"
     else:   # unmatched: name the first failing (differing) record after it
         later = df[(df["stage"] == stage) & (df["status"] == V.ERROR if errors else off) & (df["seq"] >= pick.at)]
         nxt = later.iloc[0] if len(later) else None
