@@ -229,7 +229,9 @@ class Lineage:
         self.src_a, self.src_b = a.flow.src.get, b.flow.src.get
         self.own_share = OwnShare(df, a.recs, b.recs, self.pair_b, rerun)
         self.loose = {s.name: self._loose(s) for s in (a, b)}
-        self.makers = {n: {i for (_, kind), recs in lo.items() if kind == MAKER for i in recs} for n, lo in self.loose.items()}
+        # per run: its one-run-only ops that make a constant (makes_constant): sources ranked after computed ones
+        self.makers = {n: {i for (_, kind), recs in lo.items() if kind == MAKER for i in recs}
+                       for n, lo in self.loose.items()}
         self.pairs = pairs
         self.anchors: dict = {}  # per run, built on first use (runs with one-run-only ops): see _anchors
         self.boundary = {i for i, _, how in pairs if how == "region boundary"}   # rows for the values entering too
@@ -448,8 +450,9 @@ class Lineage:
 
     def passed_on(self, side: Side, u: int) -> tuple | None:
         """What one-run-only op ``u`` passes on: itself (a constant, where it makes one:
-        :meth:`makes_constant`), unless a cast passes on its input's source, or its input already fails.  A kernel the other run does not observe is never a suspect: it
-        passes on its inputs' source, or nothing (None).  Notes in ``carried`` the differing values it
+        :meth:`makes_constant`), unless a cast passes on its input's source, or its input already
+        fails.  A kernel the other run does not observe is never a suspect: it passes on its inputs'
+        source, or nothing (None).  Notes in ``carried`` the differing values it
         was given (their largest error and sources): a consumer whose input differs no more than that
         takes those sources instead (:meth:`_from_producer`)."""
         if u in self.makers[side.name]:    # what it reads, it reads for a shape at most
