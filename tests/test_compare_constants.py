@@ -132,3 +132,82 @@ def test_a_real_difference_beside_the_constant_is_named(tmp_path):
         div = v.forward or next((d for d in v.departures if d.stage == "forward"), None)
         assert div is not None and div.cause != "constant", str(v)
         assert div.op == "aten.mul.Tensor", str(v)
+
+
+class PaddedAttention(torch.nn.Module):
+    """One attention head over a padded batch, its additive mask made as transformers' older models
+    make it: ``inverted.masked_fill(inverted.bool(), torch.finfo(dtype).min)`` of the run's own dtype
+    (autocast's where it is on), so the fill differs between an fp32 and a bf16-autocast run while
+    the tensors it fills agree.  ``fill``: another number in its place (a program's own constant)."""
+
+    def __init__(self, fill=None):
+        super().__init__()
+        torch.manual_seed(0)
+        self.qkv = torch.nn.Linear(DIM, 3 * DIM)
+        self.out = torch.nn.Linear(DIM, DIM)
+        self.fill = fill
+
+    def forward(self, x, keep):
+        dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else x.dtype
+        inverted = 1.0 - keep[:, None, :].float()
+        mask = inverted.masked_fill(inverted.bool(), torch.finfo(dtype).min if self.fill is None else self.fill)
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        scores = q @ k.transpose(-1, -2) / DIM ** 0.5 + mask
+        return self.out(scores.softmax(-1) @ v)
+
+
+def _record_padded(path, task: str = "statistics", autocast: bool = False, fill=None):
+    """One forward (under bf16 autocast or not) and backward of :class:`PaddedAttention`, the last three
+    positions of each sequence padding."""
+    model = PaddedAttention(fill)
+    x = torch.randn(2, L, DIM, generator=torch.Generator().manual_seed(1))
+    keep = torch.ones(2, L, dtype=torch.long)
+    keep[:, -3:] = 0
+    probe = DispatchProbe(task=task, dump_path=str(path))
+    with probe:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = model(x, keep)
+        out.float().square().mean().backward()
+    probe.step()
+    probe.close()
+    return path
+
+
+def test_the_dtype_extremes_are_torchs():
+    """The extremes compare knows without importing torch are torch.finfo's, each dtype's."""
+    from dispatchprobe.offline.compare.origin import DTYPE_EXTREMES
+    dtypes = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+    finfo = {float(getattr(torch.finfo(d), end)) for d in dtypes for end in ("min", "max")}
+    assert set(DTYPE_EXTREMES) == finfo | {float("inf"), float("-inf")}
+
+
+@pytest.mark.parametrize("task", ["statistics", "tensor"])
+def test_a_dtype_extreme_given_to_an_op_is_a_constant(task, tmp_path):
+    """fp32 against bf16 autocast: masked_fill is given finfo(float32).min in one run and
+    finfo(bfloat16).min in the other, its tensor inputs agree, its output differs at the padding.
+    That is the programs' constant, not a kernel: the forward names no divergence, whichever run is A."""
+    fp32 = _record_padded(tmp_path / "fp32", task)
+    bf16 = _record_padded(tmp_path / "bf16", task, autocast=True)
+    lines = []
+    for v in _both_orders(fp32, bf16):
+        div = v.forward
+        assert div is not None and div.cause == "constant", str(v)
+        assert div.op == "aten.masked_fill.Scalar", str(v)
+        assert str(v).splitlines()[1].startswith("forward: no forward op diverges by itself"), str(v)
+        assert "-3.40282e+38" in div.failed and "-3.38953e+38" in div.failed, div.failed
+        named = [d for d in (v.forward, v.backward, *v.departures) if d is not None]
+        assert not any(d.op == "aten.masked_fill.Scalar" and d.cause == "op" for d in named), str(v)
+        lines.append((div.op, div.call, div.seq, div.errors))
+    assert lines[0] == lines[1], lines
+
+
+@pytest.mark.parametrize("fills", [(1e-3, 2e-3), (torch.finfo(torch.float32).min, -1e4)])
+def test_another_number_given_to_an_op_is_a_divergence(fills, tmp_path):
+    """A fill of 1e-3 against 2e-3, or finfo.min against -1e4, is not each run's dtype extreme: the
+    numbers are the programs' choice, and masked_fill is still named as where the runs part, both orders."""
+    one = _record_padded(tmp_path / "one", fill=fills[0])
+    other = _record_padded(tmp_path / "other", fill=fills[1])
+    for v in _both_orders(one, other):
+        div = v.forward
+        assert div is not None and div.cause == "op" and not div.departure, str(v)
+        assert div.op == "aten.masked_fill.Scalar", str(v)

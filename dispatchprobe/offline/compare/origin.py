@@ -18,6 +18,7 @@ import numpy as np
 import pandas as pd
 
 from ...core import op_traits
+from ...records.format import walk
 from ...records.reader import Part
 from ...standards import verdicts as V
 from ...standards.loader import is_float, standard
@@ -52,6 +53,11 @@ class Root(NamedTuple):
 
 # Root.weak: below a larger difference; below any computed one (a constant of the program); below any other source
 ROUNDING, CONSTANT, NOISE = 1, 2, 3
+
+# the largest finite value of each float dtype (torch.finfo(d).max of float64, float32, float16, bfloat16)
+FLOAT_MAXES = (1.7976931348623157e308, 3.4028234663852886e38, 65504.0, 3.3895313892515355e38)
+# a dtype's extremes as a program writes them, "the lowest value of my dtype" (finfo(d).min/max, +-inf)
+DTYPE_EXTREMES = frozenset([*FLOAT_MAXES, *(-m for m in FLOAT_MAXES), float("inf"), float("-inf")])
 
 # runs of other kernels (another framework, device kind or precision, compiled code) round differently
 # at every op: below this relative error their statistics-only rows count as equal (saved tensors
@@ -184,6 +190,20 @@ def _merge(x: tuple | None, y: tuple | None) -> tuple | None:
     return y if x is None else x if y is None else (_min(x[0], y[0]), _min(x[1], y[1]))
 
 
+def _numbers(record: dict) -> dict:
+    """arg -> recorded value of each number argument (int or float; inf/nan written as strings)."""
+    return {arg: spec.get("value") for _, arg, spec in walk(record, outputs=False, tensors_only=False)
+            if spec.get("type") in ("int", "float")}
+
+
+def _extreme(value) -> bool:
+    """A recorded number is a float dtype's extreme (:data:`DTYPE_EXTREMES`)."""
+    try:
+        return float(value) in DTYPE_EXTREMES
+    except (TypeError, ValueError):
+        return False
+
+
 COMPUTE, CAST, MAKER = 0, 1, 2     # one-run-only ops, as Lineage._loose sorts them
 
 
@@ -273,6 +293,21 @@ class Lineage:
         """Paired record ``i`` (A's index) makes a constant in both runs (:meth:`makes_constant`)."""
         j = self.pair_b.get(i)
         return j is not None and self.makes_constant(self.a, i) and self.makes_constant(self.b, j)
+
+    def extremes_differ(self, i: int) -> bool:
+        """Paired record ``i`` (A's index) is given another dtype's extreme in each run, and no other
+        number differs: ``masked_fill(mask, torch.finfo(dtype).min)``, a ``clamp`` to ``finfo.max`` in
+        runs of other dtypes (-3.40282e38 in float32, -3.38953e38 in bfloat16).  Where its tensor inputs
+        agree, its outputs differ as the programs' constants do, not by a kernel; any other number that
+        differs (a learning rate, an eps, an ``.item()``) leaves the op a suspect."""
+        j = self.pair_b.get(i)
+        if j is None:
+            return False
+        nums_a, nums_b = _numbers(self.a.recs[i]), _numbers(self.b.recs[j])
+        if nums_a.keys() != nums_b.keys():
+            return False
+        differing = [(x, nums_b[arg]) for arg, x in nums_a.items() if x != nums_b[arg]]
+        return bool(differing) and all(_extreme(x) and _extreme(y) for x, y in differing)
 
     def _anchors(self, side: Side, paired: list) -> dict:
         """stage -> (the side's paired records in order, their A index, their A position, the
@@ -570,7 +605,7 @@ class Lineage:
                 explained = bool(measured) and max(err[k] for k in outs) <= PASS_ON * max(err[k] for k in measured)
                 srcs.update((-1 - m, src) for m, (k, src) in enumerate(hidden)     # not rows: keys of their own
                             if k is not None or not explained)
-                if self.constant_pair(i):
+                if self.constant_pair(i) or (not ins and not hidden and self.extremes_differ(i)):
                     best = self.seen_at(i, "", "constant", CONSTANT)   # the programs differ, no kernel
                     origin_rows[outs] = True
                 elif own:

@@ -34,7 +34,9 @@ class Divergence:
     - ``constant``: no op diverges by itself; the differences come from a value made from the program's
       numbers, reading no tensor's values (``zeros``, ``full``, ``scalar_tensor``, ``arange``: a
       ``torch.finfo(dtype).min`` mask value in each run's dtype), in both runs or in one only
-      (``side``): the programs differ there, not a kernel's precision; no op after it is named;
+      (``side``), or by an op given each run's dtype extreme beside agreeing tensors
+      (``masked_fill(mask, torch.finfo(dtype).min)``): the programs differ there, not a kernel's
+      precision; no op after it is named;
     - ``random``: the first op where values differ draws random numbers (dropout, ``rand``...): its values
       depend on each run's generator, so a difference there and in what is computed from it is no
       precision verdict (``op``, ``unmatched`` or ``unrecorded`` at a random op);
@@ -108,10 +110,10 @@ class Divergence:
         elif self.cause == "constant":
             differing = f"its {self.errors} error rows" if self.errors else "its values that differ"
             lines = [f"{self.stage}: no {self.stage} op diverges by itself; {differing} follow from constants the "
-                     f"runs' programs make differently (first at {self.where()}: {self.failed}): an op reading no tensor's "
-                     f"values makes them from the program's numbers (a dtype-dependent value such as "
-                     f"torch.finfo(dtype).min, another code path), so they are no precision divergence and no op "
-                     f"after it is named"]
+                     f"runs' programs make differently (first at {self.where()}: {self.failed}): an op makes them "
+                     f"from the program's numbers (reading no tensor's values, or given a dtype-dependent number such "
+                     f"as torch.finfo(dtype).min beside agreeing tensors; another code path), so they are no precision "
+                     f"divergence and no op after it is named"]
         elif self.cause in ("after_random", "after_inputs"):
             source = (f"forward values that depend on the random op {self.follows}" if self.cause == "after_random"
                       else f"inputs/parameters that differ already (first seen at {self.follows}); on statistics "
