@@ -36,7 +36,9 @@ class Attention(nn.Module):
 
 
 def _record(path, compiled: bool, lr: float = 1e-3, plant: bool = False, task: str = "tensor",
-            steps: int = 2, optimizer=torch.optim.AdamW):
+            steps: int = 2, optimizer=torch.optim.AdamW, inside: bool = False):
+    if inside:
+        return _record_inside(path, compiled, lr, task, steps)
     torch.manual_seed(0)
     model = Attention()
     if plant:     # x1.001 on the head's output, an op in this run only
@@ -65,13 +67,38 @@ def _record(path, compiled: bool, lr: float = 1e-3, plant: bool = False, task: s
     return path
 
 
+def _record_inside(path, compiled: bool, lr: float, task: str, steps: int):
+    """The same steps with ``opt.step()`` inside ``with probe:``: AdamW's ops are records too."""
+    torch.manual_seed(0)
+    model = Attention()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, eps=1e-9)
+    probe = DispatchProbe(task=task, dump_path=str(path))
+    backend = probe_backend(task=task, dump_path=str(path)) if compiled else None
+    fn = torch.compile(model, backend=backend) if compiled else model
+    for s in range(steps):
+        x = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(s))
+        with probe:
+            fn(x).backward()
+            opt.step()
+            opt.zero_grad()
+        probe.step()
+    probe.close()
+    if compiled:
+        backend.close()
+        torch._dynamo.reset()
+    return path
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("amplified")
     return {"eager": _record(root / "eager", False), "compiled": _record(root / "compiled", True),
             "lr": _record(root / "lr", False, lr=2e-3),
             "rmsprop": _record(root / "rmsprop", False, optimizer=torch.optim.RMSprop),   # another optimizer
-            "planted": _record(root / "planted", False, plant=True)}
+            "planted": _record(root / "planted", False, plant=True),
+            "eager inside": _record(root / "eager_inside", False, inside=True),
+            "compiled inside": _record(root / "compiled_inside", True, inside=True),
+            "lr inside": _record(root / "lr_inside", False, lr=2e-3, inside=True)}
 
 
 @pytest.mark.parametrize("order", [("eager", "compiled"), ("compiled", "eager")])
@@ -115,3 +142,25 @@ def test_statistics_below_the_floor_are_said(tmp_path):
     assert 0 < n <= compared and line.endswith("statistics rows differ below 1e-06 (relative)"), line
     same = CliRunner().invoke(main, ["compare", str(eager), str(again)])
     assert same.exit_code == 0 and "\nthe runs agree\n" in same.output, same.output
+
+
+@pytest.mark.parametrize("order", [("eager inside", "compiled inside"), ("compiled inside", "eager inside")])
+def test_the_same_noise_with_the_optimizer_inside_the_probe_is_not_a_divergence(runs, order):
+    """With ``opt.step()`` inside ``with probe:`` the moved key bias is an output of AdamW's own ops
+    at step 0 already: the same verdict and exit code as with the step outside (it was 'forward: no
+    forward op diverges by itself; its 1 error rows follow from differing backward values (first at
+    aten.lerp_.Scalar [<top>] input.1 ...)', exit 2), either run as A."""
+    got = CliRunner().invoke(main, ["compare", str(runs[order[0]]), str(runs[order[1]])])
+    assert got.exit_code == 0, got.output
+    assert "parameter qkv.bias differs from step 0: its step 0 gradient is zero up to rounding" in got.output
+    assert "not a precision divergence" in got.output and "diverges by itself" not in got.output, got.output
+
+
+@pytest.mark.parametrize("order", [("lr inside", "compiled inside"), ("compiled inside", "lr inside")])
+def test_a_changed_learning_rate_inside_the_probe_is_still_named(runs, order):
+    """Another learning rate moves every parameter, the ones with real gradients too: AdamW's first op
+    that reads it is named, whichever run is A."""
+    got = CliRunner().invoke(main, ["compare", str(runs[order[0]]), str(runs[order[1]])])
+    assert got.exit_code == 2, got.output
+    assert "optimizer's normalisation amplified" not in got.output
+    assert "first forward divergence: aten.mul_.Tensor [<top>] call 0" in got.output, got.output

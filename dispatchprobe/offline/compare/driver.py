@@ -32,6 +32,7 @@ from ..coverage import unrecorded_graphs
 from .verdict import Result, RunsDoNotAlign, Verdict
 from .parallel import optimizer_step
 from .amplified import explain as amplified_noise
+from .amplified import said as amplified_lines
 
 
 # unmatched records run by the other framework where no probe sees them (pairing.explain_unobservable)
@@ -430,17 +431,17 @@ def _amplified(table: pd.DataFrame, divs: list, run_a, run_b) -> list:
     if not len(table) or "status" not in table.columns:
         return []
     bad = table.loc[table["status"] == "error", ["step", "rank"]]
-    lines: list = []
+    facts: dict = {}
     for step, rank in sorted({(int(s), int(r)) for s, r in bad.itertuples(index=False)}):
         got = amplified_noise(table, run_a, run_b, step, rank)
         if got is None:
             continue
-        rows, said = got
+        rows, found = got
         table.loc[rows, "status"] = "pass"
         table.loc[rows, "reason"] = "parameter moved apart by the optimizer amplifying cancelled gradient noise"
         divs[:] = [d for d in divs if (d.step, d.rank) != (step, rank) or d.departure]
-        lines += said
-    return lines
+        facts = {**found, **facts}       # each parameter said once, from the first step it differs
+    return amplified_lines(facts)
 
 
 def _other_parallelism(run_a, run_b) -> bool:
@@ -489,19 +490,23 @@ def _first(divs: list, unmatched: pd.DataFrame, parts: list, stepped=None) -> tu
     their first departure.  Inputs that differ at a later step are traced to the earlier step's origin,
     and a later step never outranks it: where a stage departed within tolerance at an earlier step than
     its first divergence, that departure is the stage's divergence (every value entering the later
-    step already differs, so its sources cannot be told from what the earlier step set off)."""
+    step already differs, so its sources cannot be told from what the earlier step set off), unless
+    the parameter records name the one-run-only op that made the gradient that moved them apart."""
     by_part: dict = {}
     for d in divs:
         by_part.setdefault((d.rank, d.step), {})[(d.stage, d.departure)] = d
     first: dict = {}
     early: dict = {}
+    made_gradient: set = set()     # divergences whose inputs a one-run-only op's gradient moved apart
     for d in sorted(divs, key=lambda d: (d.step, d.rank)):
         (early if d.departure else first).setdefault(d.stage, d)
         if d.cause == "inputs" and not d.came_from:
-            d.came_from = _came_from(by_part, unmatched, parts, d, stepped)
+            d.came_from, maker = _came_from(by_part, unmatched, parts, d, stepped)
+            if maker:
+                made_gradient.add(id(d))
     for stage, d in list(first.items()):
         e = early.get(stage)
-        if e is not None and e.step < d.step:
+        if e is not None and e.step < d.step and id(d) not in made_gradient:
             first[stage] = _leads_to(e, d)
     return first, [early[s] for s in ("forward", "backward") if s in early and s not in first]
 
@@ -518,47 +523,63 @@ def _leads_to(e, d):
                           f"step {d.step} rank {d.rank} come after it: {why})")
 
 
-def _came_from(by_part: dict, unmatched: pd.DataFrame, parts: list, d, stepped=None) -> str:
+def _came_from(by_part: dict, unmatched: pd.DataFrame, parts: list, d, stepped=None) -> tuple[str, bool]:
     """Where the values differing at step ``d.step``'s start came from: the nearest earlier step
-    of the rank, its backward's own origin first (the gradients), else its forward's.  Where that
+    of the rank, its backward's own origin first (the gradients), else its forward's; an op present in
+    one run only that made the gradient applied (a hook) comes before a difference within tolerance
+    (eager and compiled kernels round apart everywhere).  Where that
     step's paired records agree, the parameter records (``stepped``: :func:`.parallel.optimizer_step`)
     say which parameter its optimizer step moved apart and which record made the gradient applied:
     an op present in one run only is the source where it made that gradient (a gradient hook),
     else the optimizer step is, its gradient made by records that agree (a normalising optimizer
     turns gradients that agree within rounding, an attention key bias's, into updates that part).
     Without them a one-run-only op is named as a suspect beside the optimizer step: such ops are
-    also one run's decompositions (a compiled graph's), which make no gradient of their own."""
+    also one run's decompositions (a compiled graph's), which make no gradient of their own.  Returns
+    the line and whether it names an op that made the gradient applied."""
     steps = {step for step, rank in parts if rank == d.rank}
     earlier = [step for step in steps if step < d.step]
     if not earlier:
-        return ""
+        return "", False
     step = max(earlier)
     got = by_part.get((d.rank, step), {})
-    for stage in ("backward", "forward"):
-        for departure in (False, True):
-            src = got.get((stage, departure))
-            if src is not None and src.cause not in ("inherited", "after_random", "after_inputs"):
-                return f"they come from step {step}: {src.describe().splitlines()[0]}"
     um = unmatched[(unmatched["step"] == step) & (unmatched["rank"] == d.rank) & ~unmatched["is_cast"]
                    & (unmatched["explained"] == "")] if len(unmatched) else unmatched
-    facts = stepped(step, d.rank) if stepped is not None else None
+    facts = None
+    for departure in (False, True):
+        if departure:   # a gradient a one-run-only op made (a hook) before a difference within tolerance
+            facts = stepped(step, d.rank) if stepped is not None else None
+            maker = _gradient_maker(um, facts)
+            if maker is not None:
+                return f"they come from step {step}: {_one_run_only(maker)}, which made the gradient applied; " \
+                       f"{facts.said}", True
+        for stage in ("backward", "forward"):
+            src = got.get((stage, departure))
+            if src is not None and src.cause not in ("inherited", "after_random", "after_inputs"):
+                return f"they come from step {step}: {src.describe().splitlines()[0]}", False
     if facts is not None and facts.said:
-        for side, name in zip("ab", facts.made_by):
-            maker = um[(um["side"] == side) & (um["name"] == name)] if name is not None and len(um) else um.iloc[:0]
-            if len(maker):
-                return f"they come from step {step}: {_one_run_only(maker.iloc[0])}, which made the gradient applied; " \
-                       f"{facts.said}"
         if facts.gradient_agrees is False and None not in facts.made_by:
             return (f"step {step}'s op records agree; they come from its optimizer step: {facts.said}, within what "
                     f"the records that made it allow (an optimizer normalising its updates, as Adam's, moves "
-                    f"parameters apart by such differences)")
-        return f"step {step}'s op records agree; they come from its optimizer step: {facts.said}"
+                    f"parameters apart by such differences)"), False
+        return f"step {step}'s op records agree; they come from its optimizer step: {facts.said}", False
     if len(um):
         u = um.assign(_bwd=um["stage"] != "backward").sort_values(["_bwd", "seq", "op", "scope", "call"]).iloc[0]
         return (f"they come from step {step}, whose paired records agree: from an op present in one run only "
-                f"(first: {_one_run_only(u)}) or from its optimizer step")
+                f"(first: {_one_run_only(u)}) or from its optimizer step"), False
     return (f"step {step}'s records agree: they come from the optimizer step or other code between the steps "
-            "(not recorded)")
+            "(not recorded)"), False
+
+
+def _gradient_maker(unmatched: pd.DataFrame, facts):
+    """The one-run-only op (its ``unmatched`` row) that made the gradient the optimizer applied to the
+    first parameter that differs after the step (``facts``: :func:`.parallel.optimizer_step`), or None."""
+    if facts is None or not facts.said or not len(unmatched):
+        return None
+    for side, name in zip("ab", facts.made_by):
+        maker = unmatched[(unmatched["side"] == side) & (unmatched["name"] == name)] if name is not None else ()
+        if len(maker):
+            return maker.iloc[0]
+    return None
 
 
 def _one_run_only(u) -> str:

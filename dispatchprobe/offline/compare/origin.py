@@ -262,6 +262,7 @@ class Lineage:
         # one-run-only record -> (the largest error of the differing paired values it reads, directly or
         # through other one-run-only records; their (best, inherited) sources)
         self.carried: dict = {"a": {}, "b": {}}
+        self.feeds: dict = {}    # stage -> earliest own-stage source of its values another stage reads differing
 
     # ---- one-run-only ops and their place among the paired records -------------------------------
     def _loose(self, side: Side) -> dict:
@@ -368,6 +369,7 @@ class Lineage:
             return None
         p, parg = src
         if side.recs[p]["stage"] != stage:
+            self._feeds_other_stage(side, p, parg)
             return "stage"
         if p in side.only:
             carried = self.carried[side.name].get(p)
@@ -382,6 +384,23 @@ class Lineage:
             return self.best.get(pa), self.inh.get(pa)
         u = _between(self.loose[side.name], stage, p, consumer)
         return (self.unmatched(side, u), None) if u is not None else "agrees"
+
+    def _feeds_other_stage(self, side: Side, p: int, parg: str) -> None:
+        """Notes where a differing value made in one stage and read in another enters its own stage: a
+        gradient an optimizer stepping inside the probe reads (forward-staged) that no backward record
+        reads, as a gradient hook's (``p.register_hook(lambda g: g * 1.01)``): the backward's
+        verdict names that hook, not 'no backward divergence'.  Its producer is a one-run-only op (its
+        source: itself, or what it passes on) or a paired record whose output differs."""
+        stage = side.recs[p]["stage"]
+        if p in side.only:
+            got = self.passes[side.name].get(p)
+            root = None if got is UNPRODUCED or (got is None and p in side.unobserved) else \
+                got[0] if got is not None else self.unmatched(side, p)
+        else:
+            pa = p if side is self.a else self.pair_a.get(p)
+            root = self.best.get(pa) if pa is not None and (pa, parg) in self.out_row else None
+        if root is not None:
+            self.feeds[stage] = _min(self.feeds.get(stage), root)
 
     def source(self, r: int, k: int, stage: str) -> tuple:
         """(own-stage root, inherited root) of input row ``k`` of paired record ``r``, whose value
@@ -645,7 +664,23 @@ class Lineage:
                 pick = self.seen_at(int(uid[k]), self.args[k], "op")
             if pick is not None:
                 out.append((stage, pick, errors))
-        return origin_rows, out
+        return origin_rows, self._fed_stages(out)
+
+    def _fed_stages(self, picks: list) -> list:
+        """A stage without error rows whose values another stage's error rows inherit (:meth:`_feeds_other_stage`)
+        is where those rows' difference enters: its source, where larger than rounding, stands as that
+        stage's divergence (counting the rows it feeds), in place of a departure of its own."""
+        inheriting = {stage: errors for stage, pick, errors in picks if errors and pick.cause == "inherited"}
+        out = []
+        for stage in ("forward", "backward"):
+            other = "backward" if stage == "forward" else "forward"
+            mine = next((p for p in picks if p[0] == stage), None)
+            fed = self.feeds.get(stage)
+            if other in inheriting and fed is not None and not fed.weak and not (mine and mine[2]):
+                mine = (stage, fed, inheriting[other])
+            if mine is not None:
+                out.append(mine)
+        return out
 
 
 def trace(df: pd.DataFrame, a: Side, b: Side, pairs: list, rerun=None, same_kernels: bool = False
@@ -755,11 +790,14 @@ def _describe(df, a: Side, b: Side, stage, pick: Root, errors, off) -> Divergenc
         failed = "; ".join(_constant_values(r) for r in rows.itertuples()) or f"made in run {side.upper()} only"
     else:   # unmatched: name the first failing (differing) record after it
         later = df[(df["stage"] == stage) & (df["status"] == V.ERROR if errors else off) & (df["seq"] >= pick.at)]
+        if errors and not len(later):    # the error rows it makes are another stage's (Lineage._fed_stages)
+            later = df[(df["stage"] != stage) & (df["status"] == V.ERROR)]
         nxt = later.iloc[0] if len(later) else None
         what = "failing" if errors else "differing"
+        elsewhere = f" in {nxt['stage']}" if nxt is not None and nxt["stage"] != stage else ""
         failed = (f"no counterpart in run {other}; the first {what} record after it is "
-                  f"{nxt['op_a']} [{nxt['scope'] or '<top>'}] {nxt['arg']} (#{nxt['seq']})") if nxt is not None \
-            else f"no counterpart in run {other}"
+                  f"{nxt['op_a']} [{nxt['scope'] or '<top>'}] {nxt['arg']} (#{nxt['seq']}{elsewhere})") \
+            if nxt is not None else f"no counterpart in run {other}"
         rows = at.iloc[:0]
     row = rows.iloc[0] if len(rows) else None
     met = {m: row[m] for m in [*TENSOR_METRICS, "stats_err"] if row is not None and pd.notna(row[m])}
