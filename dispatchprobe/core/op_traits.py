@@ -78,12 +78,22 @@ def reads_metadata_only(op: str) -> bool:
     return base_name(op) in METADATA_ONLY
 
 
+# Add or subtract their operands element by element (torch's and MindSpore's names).  Two runs may
+# group the terms of one accumulation differently (autograd sums a gradient in two groups where a
+# cast splits the uses of a value), so their partial sums are no pair while the total is.
+ELEMENTWISE_SUM = frozenset({"add", "sub", "rsub", "Add", "Sub", "AddExt", "SubExt"})
+
+
 def is_random(op: str) -> bool:
     return base_name(op) in RANDOM
 
 
 def is_cast(op: str) -> bool:
     return base_name(op) in CAST
+
+
+def is_elementwise_sum(op: str) -> bool:
+    return base_name(op) in ELEMENTWISE_SUM
 
 
 def overwrites_first_input(op: str) -> bool:

@@ -23,7 +23,7 @@ from ..translate import Translation
 from .columns import (BOOL_FIELDS, FLOAT_FIELDS, HEAD_FIELDS, INT_FIELDS, ROW_FIELDS, TENSOR_FIELDS, TEXT_FIELDS,
                       COLUMNS, UNMATCHED_COLUMNS)
 from .exact import same_kernels
-from .origin import STATS_NOISE, Side, differs, trace
+from .origin import PARTIAL_SUMS, STATS_NOISE, Side, differs, trace
 from .rerun import float64_rerun
 from .pairing import PairingShare, decomposed_scopes, explain_unobservable, data_flow, user_frames, pair_tensors, pairing_share
 from .scoring import score_pairs
@@ -385,7 +385,8 @@ def _merge(results: list, run_a, run_b, jobs_list: list, problems: list, framewo
                       backward=first.get("backward"), counts=counts, unmatched=um, problems=problems,
                       parts=[k for k, _ in jobs_list], aligned=share,
                       same_run=_same_folder(run_a, run_b, jobs_list), departures=departures, pairing=pairing,
-                      explained=explained, below_floor=(below, STATS_NOISE))
+                      explained=explained, below_floor=(below, STATS_NOISE),
+                      partial_sums=int((table["reason"] == PARTIAL_SUMS).sum()) if len(table) else 0)
     # the reported columns, in order (the arrays as they are: a copy would hold the table twice)
     table = pd.DataFrame({c: table[c] for c in COLUMNS if c in table.columns}, copy=False)
     if out:

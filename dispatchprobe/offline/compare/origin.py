@@ -25,6 +25,7 @@ from ...standards.loader import is_float, standard
 from .columns import TENSOR_METRICS
 from .exact import otherwise_identical
 from .pairing import DataFlow, user_frames
+from .regroup import Regrouping
 from .scoring import distance_bound, pair_codes
 from .rerun import ROUNDOFF
 from .verdict import Divergence
@@ -235,6 +236,13 @@ class Lineage:
         self.uid = df["uid"].to_numpy(np.int64)
         self.args = df["arg"].to_numpy(object)
         is_in = (df["io"] == "input").to_numpy()
+        self.spec = {"a": df["spec_a"].tolist(), "b": df["spec_b"].tolist()}   # id() of each row's specs
+        self.spec_a, self.spec_b = self.spec["a"], self.spec["b"]
+        # rows that compare two partial sums of one accumulation the runs group differently (.regroup):
+        # no evidence of where a difference enters, so never error rows; what they hold is still followed
+        self.regroup = Regrouping(a, b, self.pair_b, self.pair_a)
+        self.partial_rows = self.regroup.partial_rows(self.uid, is_in, self.spec_a, self.spec_b)
+        self.bad_rows &= ~self.partial_rows
         # inputs that read a value zero up to rounding (scoring's cancellation rule): each is a source of
         # noise for what is computed from it, however far below the floor its rescaled error sits
         noise = df["cancelled"].to_numpy(bool) & is_in if "cancelled" in df.columns else np.zeros(len(df), bool)
@@ -244,8 +252,7 @@ class Lineage:
         # plain lists: element access in the pass is many times cheaper than numpy's
         self.bad, self.off, self.is_in = self.bad_rows.tolist(), self.off_rows.tolist(), is_in.tolist()
         self.noise = noise.tolist()
-        self.spec = {"a": df["spec_a"].tolist(), "b": df["spec_b"].tolist()}   # id() of each row's specs
-        self.spec_a, self.spec_b = self.spec["a"], self.spec["b"]
+        self.partial = self.partial_rows.tolist()
         self.src_a, self.src_b = a.flow.src.get, b.flow.src.get
         self.own_share = OwnShare(df, a.recs, b.recs, self.pair_b, rerun)
         self.loose = {s.name: self._loose(s) for s in (a, b)}
@@ -263,6 +270,12 @@ class Lineage:
         # through other one-run-only records; their (best, inherited) sources)
         self.carried: dict = {"a": {}, "b": {}}
         self.feeds: dict = {}    # stage -> earliest own-stage source of its values another stage reads differing
+        # sums the runs group differently (.regroup) -> the largest difference of the terms each was given
+        self.terms_err: dict = {}
+        # partial sums ((run, one-run-only record), or ("p", paired record)) -> the earliest one-run-only op
+        # other than a sum or cast (a hook scaling one group) among what they add up: the suspect where
+        # their total differs more than its terms
+        self.inside: dict = {}
 
     # ---- one-run-only ops and their place among the paired records -------------------------------
     def _loose(self, side: Side) -> dict:
@@ -358,13 +371,17 @@ class Lineage:
         return Root(weak, self.seq_a[r], 0, (arg, "", 0), r, "a", arg, cause)
 
     # ---- where one differing value comes from ----------------------------------------------------
-    def _from_producer(self, side: Side, src, consumer: int, stage: str, err: float = 0.0):
+    def _from_producer(self, side: Side, src, consumer: int, stage: str, err: float = 0.0,
+                       reach: float | None = None):
         """What run ``side``'s producer ``src`` (index, output arg) of a differing input of record
         ``consumer`` (of that run), off by ``err``, says: a (best, inherited) pair, "stage" (made in
         another stage), "agrees" (its output agrees and no one-run-only op stands between) or None
         (unknown).  A one-run-only producer that hands on no more than the difference it was given
         (``PASS_ON``) passes on that difference's sources (a compiled graph's gradient-accumulation
-        ``add``, a folded ``where``, carrying a difference the forward made)."""
+        ``add``, a folded ``where``, carrying a difference the forward made).  ``reach``: the
+        consumer is a sum the runs group differently (:mod:`.regroup`) and the row compares two
+        partial sums, which says nothing: a one-run-only producer hands on what reaches the total,
+        ``reach``."""
         if src is None:
             return None
         p, parg = src
@@ -373,8 +390,12 @@ class Lineage:
             return "stage"
         if p in side.only:
             carried = self.carried[side.name].get(p)
+            if reach is not None:
+                err = reach
             if carried is not None and err <= PASS_ON * carried[0] and any(x is not None for x in carried[1]):
                 return carried[1]
+            if (hook := self.inside.get((side.name, p))) is not None:
+                return hook, None
             got = self.passes[side.name].get(p)
             if got is UNPRODUCED:       # an exact cast of a value no record made: as if read directly
                 return None
@@ -402,10 +423,11 @@ class Lineage:
         if root is not None:
             self.feeds[stage] = _min(self.feeds.get(stage), root)
 
-    def source(self, r: int, k: int, stage: str) -> tuple:
+    def source(self, r: int, k: int, stage: str, reach: float | None = None) -> tuple:
         """(own-stage root, inherited root) of input row ``k`` of paired record ``r``, whose value
-        differs, from both runs' producers of it.  A value zero up to rounding is its own source,
-        whatever made it: it differs by the rounding of its terms only (``NOISE``)."""
+        differs, from both runs' producers of it; ``reach``: see :meth:`_from_producer`.  A value zero
+        up to rounding is its own source, whatever made it: it differs by the rounding of its terms
+        only (``NOISE``)."""
         if self.noise[k]:
             return self.seen_at(r, self.args[k], "noise", NOISE), None
         src_a, src_b = self.producers(self.spec_a[k], self.spec_b[k])
@@ -419,8 +441,8 @@ class Lineage:
             return self.best.get(src_a[0]), self.inh.get(src_a[0])
         jr = self.pair_b.get(r)
         err = self.own_share.err[k]
-        got_a = self._from_producer(self.a, src_a, r, stage, err)
-        got_b = self._from_producer(self.b, src_b, jr, stage, err) if jr is not None else None
+        got_a = self._from_producer(self.a, src_a, r, stage, err, reach)
+        got_b = self._from_producer(self.b, src_b, jr, stage, err, reach) if jr is not None else None
         found = [g for g in (got_a, got_b) if type(g) is tuple]
         if found:
             got = found[0] if len(found) == 1 else _merge(*found)
@@ -508,12 +530,14 @@ class Lineage:
         fails.  A kernel the other run does not observe is never a suspect: it passes on its inputs'
         source, or nothing (None).  Notes in ``carried`` the differing values it
         was given (their largest error and sources): a consumer whose input differs no more than that
-        takes those sources instead (:meth:`_from_producer`)."""
+        takes those sources instead (:meth:`_from_producer`).  A partial sum (:mod:`.regroup`) only
+        regroups its terms: it passes on their sources, and starts no chain of one-run-only ops."""
         if u in self.makers[side.name]:    # what it reads, it reads for a shape at most
             return self.unmatched(side, u), None
         stage = side.recs[u]["stage"]
         cast = op_traits.is_cast(side.recs[u]["op"])
-        follow = cast or u in side.unobserved
+        partial = self.regroup.partial[side.name]
+        follow = cast or u in side.unobserved or u in partial
         res = carried = None
         carried_err = 0.0
         unproduced = False     # it reads a value no record of its stage made (a parameter, the batch)
@@ -528,7 +552,7 @@ class Lineage:
             if p in side.only:   # a chain of one-run-only ops: its first one
                 if (got := self.passes[side.name].get(p)) is UNPRODUCED:
                     unproduced = True
-                else:
+                elif follow or p not in partial:
                     res = _merge(res, got)
                 if (got := self.carried[side.name].get(p)) is not None:
                     carried_err, carried = max(carried_err, got[0]), _merge(carried, got[1])
@@ -536,12 +560,14 @@ class Lineage:
             pa = p if side is self.a else self.pair_a.get(p)
             pk = self.out_row.get((pa, parg)) if pa is not None else None
             if pk is not None:
-                carried_err = max(carried_err, self.own_share.err[pk])
+                carried_err = max(carried_err, self.row_err(pa, pk))
                 carried = _merge(carried, (self.best.get(pa), self.inh.get(pa)))
-            if pk is not None and (follow or self.bad[pk]):
+            if pk is not None and (follow or self.bad[pk] and pa not in self.regroup.partial_out):
                 res = _merge(res, (self.best.get(pa), self.inh.get(pa)))
         if carried is not None:
             self.carried[side.name][u] = carried_err, carried
+        if u in partial:
+            self.inside[side.name, u] = self.inside_op(side, [id(sp) for io, _, sp in side.flow.walks[u] if io == "input"])
         if res is not None and (res[0] is not None or res[1] is not None):
             return res
         if u in side.unobserved:
@@ -565,6 +591,69 @@ class Lineage:
         if at >= len(self.a.recs) or self.a.recs[at]["stage"] != rec["stage"]:
             return self.unmatched(side, u)._replace(weak=ROUNDING), None
         return self.seen_at(at, "", "op", ROUNDING), None
+
+    # ---- sums the runs group differently (.regroup) ------------------------------------------------
+    def row_err(self, i: int, k: int) -> float:
+        """The difference output row ``k`` of paired record ``i`` hands on: its error, or where it
+        compares two partial sums, the largest difference of the terms they add up."""
+        return self.terms_err.get(i, 0.0) if i in self.regroup.partial_out else self.own_share.err[k]
+
+    def _given(self, side: Side, spec_id: int) -> float:
+        """The difference run ``side``'s producer of an input hands on: a one-run-only partial sum's
+        terms' (``carried``), a paired record's output row's (0.0 where it agrees)."""
+        src = self.regroup.producer(side, spec_id)
+        if src is None:
+            return 0.0
+        p, parg = src
+        if p in side.only:
+            got = self.carried[side.name].get(p)
+            return got[0] if got is not None else 0.0
+        pa = p if side is self.a else self.pair_a.get(p)
+        k = self.out_row.get((pa, parg)) if pa is not None else None
+        return self.row_err(pa, k) if k is not None else 0.0
+
+    def reaching(self, i: int, ins: list, outs: list) -> float:
+        """For paired record ``i``, a sum the runs group differently: what of its operands'
+        differences reaches the total, its outputs' error, or 0.0 where its output is a partial sum
+        too (the total is judged where it is read).  Notes in ``terms_err`` the largest difference
+        of the terms it was given: of its rows that compare one value, of the other rows' producers
+        (each run's: they compare two partial sums of the same terms, see :mod:`.regroup`)."""
+        err = self.own_share.err
+        self.terms_err[i] = max([err[k] if not self.partial[k] else
+                                 max(self._given(self.a, self.spec_a[k]), self._given(self.b, self.spec_b[k]))
+                                 for k in ins], default=0.0)
+        if i in self.regroup.partial_out:
+            return 0.0
+        return max((err[k] for k in outs), default=0.0)
+
+    def inside_op(self, side: Side, spec_ids: list) -> Root | None:
+        """The earliest one-run-only op other than a sum or cast (past casts) among the producers of
+        the inputs ``spec_ids`` of a partial sum of run ``side``, or inside the partial sums they are."""
+        found = None
+        for spec_id in spec_ids:
+            src = self.regroup.producer(side, spec_id)
+            if src is None:
+                continue
+            p = src[0]
+            if p in side.only:
+                got = self.inside.get((side.name, p)) if p in self.regroup.partial[side.name] else \
+                    None if p in side.unobserved else self.unmatched(side, p)
+            else:
+                got = self.inside.get(("p", p if side is self.a else self.pair_a.get(p)))
+            found = _min(found, got)
+        return found
+
+    def regrouped_own(self, i: int, reach: float, sources) -> int:
+        """Whether regrouped sum ``i`` is where a difference enters: its output is the total in both
+        runs, it differs ``origin_amplification`` times more than the terms it adds up, and no
+        one-run-only op among them (a hook scaling one group) is a source (estimated, as
+        :class:`OwnShare` estimates).  Its partial sums' rows say nothing either way."""
+        amp = self.own_share.amp
+        if i in self.regroup.partial_out or not reach > amp * self.terms_err.get(i, 0.0) or any(
+                r is not None and r.cause == "unmatched" for src in sources for r in src):
+            return NONE
+        self.own_share.estimated.add(i)
+        return STRONG
 
     # ---- the pass ---------------------------------------------------------------------------------
     def trace(self) -> tuple[np.ndarray, list]:
@@ -605,14 +694,25 @@ class Lineage:
             best = inh = None
             ins = [k for k in range(s0, e0) if is_in[k] and off[k]]
             outs = [k for k in range(s0, e0) if off[k] and not is_in[k]]
-            srcs = {k: self.source(i, k, stage) for k in ins}
+            # a sum the runs group differently: only its rows that compare one value are evidence, and its
+            # own difference is the total's against its terms' (its partial sums' rows say nothing of one)
+            regrouped = i in self.regroup.regrouped
+            reach = self.reaching(i, ins, outs) if regrouped else None
+            if regrouped:
+                j = self.pair_b.get(i)
+                self.inside["p", i] = _min(
+                    self.inside_op(a, [self.spec_a[k] for k in range(s0, e0) if self.partial[k] and is_in[k]]),
+                    self.inside_op(b, [self.spec_b[k] for k in range(s0, e0) if self.partial[k] and is_in[k]])
+                    if j is not None else None)
+            srcs = {k: self.source(i, k, stage, reach if self.partial[k] else None) for k in ins}
             if outs:
                 # a float64 re-run costs an op's replay twice: only while no larger source is known
                 found = stage_src.get((stage, rec["kind"], stage in err_stages))
                 hidden = self.uncompared(i, s0, e0)
-                own = self.own_share(i, outs, ins + [k for k, _ in hidden if k is not None],
-                                     found is None or found[0] is None or found[0].weak,
-                                     any(k is None for k, _ in hidden), [k for k in ins if self.noise[k]])
+                own = self.regrouped_own(i, reach, srcs.values()) if regrouped else self.own_share(
+                    i, outs, ins + [k for k, _ in hidden if k is not None],
+                    found is None or found[0] is None or found[0].weak,
+                    any(k is None for k, _ in hidden), [k for k in ins if self.noise[k]])
                 # a one-run-only op whose output no row compares may or may not hand on a difference: it is
                 # a suspect only where the measured differing inputs (rows) with a source do not explain
                 # the outputs' difference (they differ no less than PASS_ON times less).  The second
@@ -637,7 +737,8 @@ class Lineage:
             # the sources of its error rows (a stage with some), else of all its differing rows (a departure;
             # an input zero up to rounding is none: only what is computed from it may depart)
             error = stage in err_stages
-            rows = [k for k in range(s0, e0) if bad[k]] if error else [k for k in ins if not self.noise[k]] + outs
+            rows = [k for k in range(s0, e0) if bad[k]] if error else \
+                [k for k in ins + outs if not self.noise[k] and not self.partial[k]]
             if rows:
                 eb = eh = None
                 if any(not is_in[k] for k in rows):
@@ -693,10 +794,11 @@ def trace(df: pd.DataFrame, a: Side, b: Side, pairs: list, rerun=None, same_kern
                                                                  differs(df, 0.0))
     lineage = Lineage(df, a, b, pairs, rerun, exact)
     origin_rows, picks = lineage.trace()
+    _partial_sums_not_judged(df, lineage.partial_rows)
     divs = []
     unmeasured = (df["rel_l2_err"].isna() & (df["status"] != V.NOT_JUDGED)).to_numpy() if len(df) else np.zeros(0, bool)
     for stage, pick, errors in picks:
-        div = _describe(df, a, b, stage, pick, errors, lineage.off_rows)
+        div = _describe(df, a, b, stage, pick, errors, lineage.off_rows & ~lineage.partial_rows)
         # placed from the recorded errors, or from statistics (equal statistics do not make equal values)
         div.approximate = pick.cause == "op" and (pick.index in lineage.own_share.estimated or bool(
             unmeasured[(lineage.uid == pick.index) & (df["stage"].to_numpy(object) == stage)].any()))
@@ -704,6 +806,20 @@ def trace(df: pd.DataFrame, a: Side, b: Side, pairs: list, rerun=None, same_kern
         divs.append(div)
     _not_judged(divs)
     return origin_rows, divs
+
+
+PARTIAL_SUMS = ("partial sums the runs group differently: a row of a sum whose terms each run adds in other "
+                "groups (a sum in one run only), so its two values need not be one partial sum; the total "
+                "is compared where it is read")
+
+
+def _partial_sums_not_judged(df: pd.DataFrame, rows: np.ndarray) -> None:
+    """Marks in ``df`` the rows that compare two partial sums (:mod:`.regroup`) not judged, as
+    undefined values are: their difference says nothing of either run (the same terms summed in
+    other groups), so they count neither as errors nor towards a divergence."""
+    if rows.any():
+        df.loc[rows, "status"] = V.NOT_JUDGED
+        df.loc[rows, "reason"] = PARTIAL_SUMS
 
 
 def _paired_op(df: pd.DataFrame, div, pick) -> None:

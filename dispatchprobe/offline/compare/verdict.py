@@ -161,6 +161,7 @@ class Verdict:
     pairing: PairingShare = field(default_factory=PairingShare)   # how each run's op records were paired
     explained: list = field(default_factory=list)   # error rows passed as optimizer-amplified gradient noise
     below_floor: tuple = (0, 0.0)   # (statistics-only rows that differ below the floor, the floor)
+    partial_sums: int = 0        # of the rows not judged, those comparing two partial sums (.regroup)
 
     @property
     def departure(self) -> Divergence | None:
@@ -195,7 +196,10 @@ class Verdict:
     def __str__(self) -> str:
         counts = ", ".join(f"{k} {self.counts.get(k, 0)}" for k in ("pass", "warning", "error"))
         if self.counts.get(NOT_JUDGED):
-            counts += f", not judged {self.counts[NOT_JUDGED]} (undefined values)"
+            undefined, partial = self.counts[NOT_JUDGED] - self.partial_sums, self.partial_sums
+            why = f"{undefined} undefined values, {partial} partial sums the runs group differently" \
+                if undefined and partial else "partial sums the runs group differently" if partial else "undefined values"
+            counts += f", not judged {self.counts[NOT_JUDGED]} ({why})"
         steps, ranks = sorted({p[0] for p in self.parts}), sorted({p[1] for p in self.parts})
         where = f" (steps {_span(steps)} x ranks {_span(ranks)})" if len(self.parts) > 1 else ""
         lines = [f"compared {self.compared} tensors in {len(self.parts)} step/rank part(s){where}: {counts}"]
