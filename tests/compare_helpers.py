@@ -255,3 +255,29 @@ def record_tiny(model, block: str, inputs, path, *, plant: str | None = None, ta
         probe.step()
     probe.close()
     return path
+
+
+def train_attention_steps(model, opt, path, *, task: str, compiled: bool, steps: int, optimizer_inside: bool = True):
+    """``steps`` steps of a scalar-loss ``model`` on inputs of shape (2, 8, 16), seeded per step, recorded
+    into ``path`` (eager, or compiled with ``probe_backend`` into the same run); ``optimizer_inside``:
+    ``opt.step()`` inside ``with probe:`` (the optimizer's ops are records too)."""
+    from dispatchprobe import probe_backend
+    probe = DispatchProbe(task=task, dump_path=str(path))
+    backend = probe_backend(task=task, dump_path=str(path)) if compiled else None
+    fn = torch.compile(model, backend=backend) if compiled else model
+    for step in range(steps):
+        x = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(step))
+        with probe:
+            fn(x).backward()
+            if optimizer_inside:
+                opt.step()
+                opt.zero_grad()
+        if not optimizer_inside:
+            opt.step()
+            opt.zero_grad()
+        probe.step()
+    probe.close()
+    if compiled:
+        backend.close()
+        torch._dynamo.reset()
+    return path

@@ -17,6 +17,8 @@ from dispatchprobe import DispatchProbe
 from dispatchprobe.cli import main
 from dispatchprobe.torch.compile import probe_backend
 
+from compare_helpers import train_attention_steps
+
 pytestmark = pytest.mark.probe_backend
 
 
@@ -72,21 +74,7 @@ def _record_inside(path, compiled: bool, lr: float, task: str, steps: int):
     torch.manual_seed(0)
     model = Attention()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, eps=1e-9)
-    probe = DispatchProbe(task=task, dump_path=str(path))
-    backend = probe_backend(task=task, dump_path=str(path)) if compiled else None
-    fn = torch.compile(model, backend=backend) if compiled else model
-    for s in range(steps):
-        x = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(s))
-        with probe:
-            fn(x).backward()
-            opt.step()
-            opt.zero_grad()
-        probe.step()
-    probe.close()
-    if compiled:
-        backend.close()
-        torch._dynamo.reset()
-    return path
+    return train_attention_steps(model, opt, path, task=task, compiled=compiled, steps=steps)
 
 
 @pytest.fixture(scope="module")

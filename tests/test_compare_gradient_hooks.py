@@ -13,9 +13,8 @@ import torch
 from click.testing import CliRunner
 from torch import nn
 
-from dispatchprobe import DispatchProbe
 from dispatchprobe.cli import main
-from dispatchprobe.torch.compile import probe_backend
+from compare_helpers import train_attention_steps
 
 
 class Attention(nn.Module):
@@ -42,25 +41,7 @@ def _record(path, task: str, inside: bool, hook: str = "", compiled: bool = Fals
     elif hook == "module":
         model.head.register_full_backward_hook(lambda m, grad_in, grad_out: (grad_in[0] * 1.5,))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    probe = DispatchProbe(task=task, dump_path=str(path))
-    backend = probe_backend(task=task, dump_path=str(path)) if compiled else None
-    fn = torch.compile(model, backend=backend) if compiled else model
-    for step in range(2):
-        x = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(step))
-        with probe:
-            fn(x).backward()
-            if inside:
-                opt.step()
-                opt.zero_grad()
-        if not inside:
-            opt.step()
-            opt.zero_grad()
-        probe.step()
-    probe.close()
-    if compiled:
-        backend.close()
-        torch._dynamo.reset()
-    return path
+    return train_attention_steps(model, opt, path, task=task, compiled=compiled, steps=2, optimizer_inside=inside)
 
 
 @pytest.fixture(scope="module")

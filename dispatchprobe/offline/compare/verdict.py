@@ -86,6 +86,12 @@ class Divergence:
                 f"(#{self.seq} in {self.stage}{'' if self.side == 'a' else ' of run B'}, "
                 f"step {self.step} rank {self.rank})")
 
+    def _follows(self, source: str) -> str:
+        """The line of a stage whose differences all come from ``source``, something no op computed
+        wrongly (rounding noise, the programs' constants)."""
+        differing = f"its {self.errors} error rows" if self.errors else "its values that differ"
+        return f"{self.stage}: no {self.stage} op diverges by itself; {differing} follow from {source}"
+
     def describe(self, lead: str | None = None) -> str:
         """The terminal lines; ``lead`` replaces the opening words of an op's line."""
         if self.cause == "inputs":
@@ -101,19 +107,17 @@ class Divergence:
                      f"each run drew, so the runs cannot be compared value for value there or in what is computed "
                      f"from it; not a precision verdict ({self.failed}). {RANDOM_ADVICE}"]
         elif self.cause == "noise":
-            differing = f"its {self.errors} error rows" if self.errors else "its values that differ"
-            lines = [f"{self.stage}: no {self.stage} op diverges by itself; {differing} follow from values that are "
-                     f"zero up to rounding (first at {self.op} [{self.scope or '<top>'}] {self.arg}, #{self.seq} in "
-                     f"{self.stage}, step {self.step} rank {self.rank}: {self.failed}); what is computed from "
-                     f"rounding noise differs by any amount relative to its size (an optimizer normalising its "
-                     f"updates, as Adam's, amplifies it), so no op after it is named"]
+            lines = [self._follows(f"values that are zero up to rounding (first at {self.op} [{self.scope or '<top>'}] "
+                                   f"{self.arg}, #{self.seq} in {self.stage}, step {self.step} rank {self.rank}: "
+                                   f"{self.failed}); what is computed from rounding noise differs by any amount "
+                                   f"relative to its size (an optimizer normalising its updates, as Adam's, "
+                                   f"amplifies it), so no op after it is named")]
         elif self.cause == "constant":
-            differing = f"its {self.errors} error rows" if self.errors else "its values that differ"
-            lines = [f"{self.stage}: no {self.stage} op diverges by itself; {differing} follow from constants the "
-                     f"runs' programs make differently (first at {self.where()}: {self.failed}): an op makes them "
-                     f"from the program's numbers (reading no tensor's values, or given a dtype-dependent number such "
-                     f"as torch.finfo(dtype).min beside agreeing tensors; another code path), so they are no precision "
-                     f"divergence and no op after it is named"]
+            lines = [self._follows(f"constants the runs' programs make differently (first at {self.where()}: "
+                                   f"{self.failed}): an op makes them from the program's numbers (reading no tensor's "
+                                   f"values, or given a dtype-dependent number such as torch.finfo(dtype).min beside "
+                                   f"agreeing tensors; another code path), so they are no precision divergence and "
+                                   f"no op after it is named")]
         elif self.cause in ("after_random", "after_inputs"):
             source = (f"forward values that depend on the random op {self.follows}" if self.cause == "after_random"
                       else f"inputs/parameters that differ already (first seen at {self.follows}); on statistics "
