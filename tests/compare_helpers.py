@@ -257,17 +257,36 @@ def record_tiny(model, block: str, inputs, path, *, plant: str | None = None, ta
     return path
 
 
-def train_attention_steps(model, opt, path, *, task: str, compiled: bool, steps: int, optimizer_inside: bool = True):
-    """``steps`` steps of a scalar-loss ``model`` on inputs of shape (2, 8, 16), seeded per step, recorded
-    into ``path`` (eager, or compiled with ``probe_backend`` into the same run); ``optimizer_inside``:
+class FusedQKVAttention(nn.Module):
+    """One attention layer with a fused query/key/value projection (as GPT-NeoX's): the key third of
+    its bias has a gradient that cancels, the rest real gradients; then a head.  Eager and inductor
+    round its softmax apart."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(16, 48)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        w = (q @ k.transpose(-1, -2) / 4.0).softmax(-1)
+        return self.head(w @ v).square().mean()
+
+
+def train_attention_steps(model, opt, path, *, task: str, compiled: bool, steps: int, optimizer_inside: bool = True,
+                          shape: tuple = (2, 8, 16), eager_probe: bool = True):
+    """``steps`` steps of a scalar-loss ``model`` on inputs of ``shape``, seeded per step, recorded into
+    ``path``: eager, or compiled with ``probe_backend`` into the same run (``eager_probe=False``: the
+    backend alone records a compiled run whose optimizer steps outside); ``optimizer_inside``:
     ``opt.step()`` inside ``with probe:`` (the optimizer's ops are records too)."""
     from dispatchprobe import probe_backend
-    probe = DispatchProbe(task=task, dump_path=str(path))
     backend = probe_backend(task=task, dump_path=str(path)) if compiled else None
     fn = torch.compile(model, backend=backend) if compiled else model
+    probe = DispatchProbe(task=task, dump_path=str(path)) if eager_probe or optimizer_inside or not compiled \
+        else backend
     for step in range(steps):
-        x = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(step))
-        with probe:
+        x = torch.randn(*shape, generator=torch.Generator().manual_seed(step))
+        with contextlib.nullcontext() if probe is backend else probe:
             fn(x).backward()
             if optimizer_inside:
                 opt.step()
@@ -277,7 +296,7 @@ def train_attention_steps(model, opt, path, *, task: str, compiled: bool, steps:
             opt.zero_grad()
         probe.step()
     probe.close()
-    if compiled:
+    if backend is not None and backend is not probe:
         backend.close()
-        torch._dynamo.reset()
+    torch._dynamo.reset()
     return path

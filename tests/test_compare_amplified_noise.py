@@ -11,30 +11,18 @@ from __future__ import annotations
 import pytest
 import torch
 from click.testing import CliRunner
-from torch import nn
 
 from dispatchprobe import DispatchProbe
 from dispatchprobe.cli import main
 from dispatchprobe.torch.compile import probe_backend
 
-from compare_helpers import train_attention_steps
+from compare_helpers import FusedQKVAttention, train_attention_steps
 
 pytestmark = pytest.mark.probe_backend
 
 
-class Attention(nn.Module):
-    """One attention layer with a fused query/key/value projection (as GPT-NeoX's): the key third of
-    its bias has a gradient that cancels, the rest real gradients; then a head."""
-
-    def __init__(self):
-        super().__init__()
-        self.qkv = nn.Linear(16, 48)
-        self.head = nn.Linear(16, 4)
-
-    def forward(self, x):
-        q, k, v = self.qkv(x).chunk(3, dim=-1)
-        w = (q @ k.transpose(-1, -2) / 4.0).softmax(-1)
-        return self.head(w @ v).square().mean()
+class Attention(FusedQKVAttention):
+    """The model under its own name: record scopes start with it."""
 
 
 def _record(path, compiled: bool, lr: float = 1e-3, plant: bool = False, task: str = "tensor",

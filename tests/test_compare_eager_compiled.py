@@ -11,7 +11,6 @@ per attention kind), each call pairs with the one computing the same values."""
 
 from __future__ import annotations
 
-import contextlib
 
 import pandas as pd
 import pytest
@@ -22,6 +21,8 @@ from torch import nn
 from dispatchprobe import DispatchProbe
 from dispatchprobe.cli import main
 from dispatchprobe.torch.compile import probe_backend
+
+from compare_helpers import train_attention_steps
 
 pytestmark = pytest.mark.probe_backend    # below the torch it needs, the one-line refusal
 
@@ -213,25 +214,8 @@ def _two_adamw_steps(path, compiled: bool, optimizer_inside: bool = False, lr: f
     torch.manual_seed(0)
     model = KeyBiasAttention()
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    backend = probe_backend(task="statistics", dump_path=str(path)) if compiled else None
-    run = torch.compile(model, backend=backend) if compiled else model
-    probe = DispatchProbe(task="statistics", dump_path=str(path)) if optimizer_inside or not compiled else backend
-    for step in range(2):
-        x = torch.randn(4, 16, 32, generator=torch.Generator().manual_seed(step))
-        with contextlib.nullcontext() if probe is backend else probe:
-            run(x).backward()
-            if optimizer_inside:
-                opt.step()
-                opt.zero_grad()
-        if not optimizer_inside:
-            opt.step()
-            opt.zero_grad()
-        probe.step()
-    probe.close()
-    if backend is not None and backend is not probe:
-        backend.close()
-    torch._dynamo.reset()
-    return path
+    return train_attention_steps(model, opt, path, task="statistics", compiled=compiled, steps=2,
+                                 optimizer_inside=optimizer_inside, shape=(4, 16, 32), eager_probe=False)
 
 
 def test_a_parameter_moved_apart_by_the_optimizer_is_traced_to_it_not_to_a_decomposition(tmp_path):

@@ -11,24 +11,13 @@ from __future__ import annotations
 import pytest
 import torch
 from click.testing import CliRunner
-from torch import nn
 
 from dispatchprobe.cli import main
-from compare_helpers import train_attention_steps
+from compare_helpers import FusedQKVAttention, train_attention_steps
 
 
-class Attention(nn.Module):
-    """One attention layer and a head: eager and inductor round its softmax apart."""
-
-    def __init__(self):
-        super().__init__()
-        self.qkv = nn.Linear(16, 48)
-        self.head = nn.Linear(16, 4)
-
-    def forward(self, x):
-        q, k, v = self.qkv(x).chunk(3, dim=-1)
-        w = (q @ k.transpose(-1, -2) / 4.0).softmax(-1)
-        return self.head(w @ v).square().mean()
+class Attention(FusedQKVAttention):
+    """The model under its own name: record scopes start with it."""
 
 
 def _record(path, task: str, inside: bool, hook: str = "", compiled: bool = False):
