@@ -87,6 +87,11 @@ class OwnShare:
     def __init__(self, df, recs_a, recs_b, pair_b, rerun):
         self.amp = float(standard("compare_standards").get("origin_amplification", 10.0))
         self.err = np.nan_to_num(df["error"].to_numpy(np.float64), nan=0.0, posinf=np.inf).tolist()
+        # what an input hands on: a value passed by the cancellation rule (its error taken relative to
+        # its terms) differs as far as it does relative to itself, which an op reading it is measured by
+        own = df["error_own"].to_numpy(np.float64) if "error_own" in df.columns else None
+        self.err_in = self.err if own is None or np.isnan(own).all() else \
+            np.fmax(np.nan_to_num(own, nan=-np.inf, posinf=np.inf), self.err).tolist()
         self.dtype_a, self.dtype_b = df["dtype_a"].tolist(), df["dtype_b"].tolist()
         # per row: both floats; the unit roundoff of the lower precision (one lookup per dtype pair)
         codes, pairs = pair_codes(self.dtype_a, self.dtype_b)
@@ -132,7 +137,7 @@ class OwnShare:
         floats = [k for k in outs if self.floats[k]]
         if not floats:
             return NONE              # a discrete output (index, mask) follows any input difference
-        out_err, in_err = max(self.err[k] for k in floats), max(self.err[k] for k in ins)
+        out_err, in_err = max(self.err[k] for k in floats), max(self.err_in[k] for k in ins)
         if out_err <= ROUNDINGS * max(self.unit[k] for k in floats):
             return NONE              # a rounding-size output difference on differing inputs: nothing of its own
         j = self.pair_b.get(i)
@@ -152,7 +157,7 @@ class OwnShare:
             ins = [k for k in ins if k not in noise]
             if not ins:
                 return STRONG if any(self.err[k] > ROUNDINGS * self.unit[k] for k in outs) else WEAK
-            in_err = max(self.err[k] for k in ins)
+            in_err = max(self.err_in[k] for k in ins)
         self.estimated.add(i)
         return STRONG if out_err > self.amp * in_err else NONE
 

@@ -97,8 +97,9 @@ def score_pairs(df: pd.DataFrame, part_a: Part, part_b: Part, tensors: bool, pro
             for m in TENSOR_METRICS:
                 df.loc[df.index[rows], m] = mvals[m]
             error[rows] = np.where(np.isnan(rel_l2), error[rows], rel_l2)
-    cancelled = _within_rounding(df, status, reason, error, sa, sb, records, judge_dtype)
-    return _with_columns(df, {"error": error, "status": status, "reason": reason, "cancelled": cancelled}, arrays)
+    cancelled, error_own = _within_rounding(df, status, reason, error, sa, sb, records, judge_dtype)
+    return _with_columns(df, {"error": error, "status": status, "reason": reason, "cancelled": cancelled,
+                              "error_own": error_own}, arrays)
 
 
 def _with_columns(df: pd.DataFrame, new: dict, arrays: dict | None = None) -> pd.DataFrame:
@@ -133,12 +134,17 @@ def _within_rounding(df: pd.DataFrame, status, reason, error, sa: dict, sb: dict
     ``error`` becomes that difference relative to the terms (the magnitude it is computed from), so
     lineage sees a rounding-size difference, not the noise's own relative error.
     ``records``: ``(records of A, records of B, pairs, data flow source of A, of B)`` as aligned.
-    Returns, per row, whether it passed so: lineage takes such a value as zero up to rounding, a
-    source of noise that what is computed from it may amplify (an optimizer's normalisation)."""
+    Returns, per row, whether it passed so and is itself no larger than that rounding (its norm in
+    both runs within the bound): lineage takes such a value as zero up to rounding, a source of
+    noise that what is computed from it may amplify (an optimizer's normalisation); and, for every
+    row that passed so, its error relative to itself (NaN elsewhere): a value that only partly
+    cancelled (a matrix product whose terms are a few times its norm) is real, and an op reading it
+    is judged against how far it differs relative to itself, not to its terms."""
     cancelled = np.zeros(len(df), bool)
+    error_own = np.full(len(df), np.nan)
     cand = np.flatnonzero((status != V.PASS) & (status != NOT_JUDGED))
     if not len(cand) or records is None:
-        return cancelled
+        return cancelled, error_own
     floats = {d: is_float(d) for d in set(judge_dtype[cand].tolist())}
     recs_a, recs_b, pairs, src_a, src_b = records
     pair_b = {i: j for i, j, _ in pairs}
@@ -179,13 +185,14 @@ def _within_rounding(df: pd.DataFrame, status, reason, error, sa: dict, sb: dict
         n = max(int(np.prod(shape_a[r])), 1)
         diff = distance_bound(rmse[r], n, [sa[s][r] - sb[s][r] for s in ("norm", "max", "min", "mean")])
         if diff <= bound:
-            cancelled[r] = True
+            cancelled[r] = max(abs(sa["norm"][r]), abs(sb["norm"][r])) <= bound
+            error_own[r] = error[r]
             status[r] = V.PASS
             error[r] = diff / max(t for _, t in sides)
             made = "" if io[r] == "output" else f" ({rec_a['op']} {out})"
             reason[r] = (f"outputs{made} differ by {diff:.3g}, within the rounding bound of their terms "
                          f"({bound:.3g}; terms {max(t for _, t in sides):.3g}): the values cancel")
-    return cancelled
+    return cancelled, error_own
 
 
 def distance_bound(rmse: float, n: int, diffs) -> float:
