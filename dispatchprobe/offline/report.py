@@ -252,9 +252,7 @@ def report_data(table: pd.DataFrame, verdict, metric: str) -> dict:
         divs[d.stage] = {"node": n["id"], "op": d.op, "key": [d.step, d.rank, d.stage, d.kind, d.seq],
                          "side": d.side, "cause": d.cause, "text": text, "label": mark_label(d),
                          "departure": bool(d.departure),
-                         # drawn quietly: a departure within tolerance, or values that differ by random draws
-                         "quiet": bool(d.departure) or d.cause in ("random", "after_random", "after_inputs", "noise",
-                                                                          "constant")}
+                         "quiet": d.quiet}
     # ops embedded per node: failing, origin and divergence ops first, then in execution order
     div_keys = {tuple(v["key"]) for v in divs.values()}
     stacks, stack_ix = [], {}

@@ -13,6 +13,11 @@ from ...standards.verdicts import NOT_JUDGED
 from .pairing import PairingShare
 
 
+# causes whose line gives no precision verdict on an op: values drawn from random numbers, what is
+# computed from them or from inputs that differ already, rounding noise, the programs' constants
+NO_PRECISION_VERDICT = frozenset({"random", "after_random", "after_inputs", "noise", "constant"})
+
+
 @dataclass
 class Divergence:
     """Where one stage's error rows come from (``cause``); with ``departure``, where the first
@@ -68,6 +73,12 @@ class Divergence:
     came_from: str = ""          # inputs differing at a later step: where the earlier step's difference entered
     other_op: str = ""           # the paired record's op in the other run, where it is another op
     follows: str = ""            # after_random/after_inputs: where the forward difference it follows is
+
+    @property
+    def quiet(self) -> bool:
+        """Whether the line gives no precision verdict on an op (:data:`NO_PRECISION_VERDICT`), or is a
+        departure within tolerance: the report's pages draw such a mark quietly."""
+        return bool(self.departure) or self.cause in NO_PRECISION_VERDICT
 
     def inherited_from(self) -> str:
         """The stage an ``inherited`` divergence's values were made in: the forward for a backward; the
