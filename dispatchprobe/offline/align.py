@@ -30,7 +30,7 @@ import numpy as np
 import yaml
 
 from ..core import op_traits
-from ..records.format import output_shapes
+from ..records.format import output_shapes, walk
 from .regions import compare_regions, fed_alike, producers, region_spans, sized_mean, stat_terms, stats_distance  # noqa: F401
 
 # Above this many elements in a gap, the quadratic SequenceMatcher is replaced by in-order pairing.
@@ -170,6 +170,29 @@ def _sizes(record: dict) -> tuple:
     return tuple(math.prod(s) for s in output_shapes(record))
 
 
+def op_shapes(record: dict) -> tuple:
+    """The shapes alignment keys a record on: its outputs', or, for an op that returns no tensor (an
+    in-place foreach update, a fused optimizer step), those of the tensors it is given, marked as
+    such. Without them every such call of an op shares one empty key, and one optimizer's
+    step-count increment pairs with another implementation's epsilon add."""
+    shapes = output_shapes(record)
+    if shapes:
+        return shapes
+    given = tuple(tuple(spec["shape"]) for _, _, spec in walk(record, outputs=False))
+    return ("given", *given) if given else shapes
+
+
+def _ranks(record: dict) -> tuple:
+    return tuple(len(spec["shape"]) for _, _, spec in walk(record))
+
+
+def _same_ranks(ra: dict, rb: dict) -> bool:
+    """Calls of one op on other shapes (another batch or sequence length) keep each tensor's rank;
+    calls whose tensors differ in number or rank compute different things (an optimizer's
+    step-count increment on scalars and its epsilon add on the parameters' shapes)."""
+    return _ranks(ra) == _ranks(rb)
+
+
 def batched_shapes(record: dict) -> tuple:
     """Output shapes with the batch dimensions in front of the last two merged: two frameworks run
     one batched matmul over ``(2, 2, 4, 8)`` and over ``(4, 4, 8)``."""
@@ -202,7 +225,7 @@ def align_ops(recs_a: list, recs_b: list, ia: list, ib: list, mapping: Mapping, 
     on each side with the same output shapes stays a substituted kernel.  ``made``: each run's
     :func:`regions.producers` (``cross``): records pair by shape alone only where their inputs
     come from paired records alike."""
-    shapes = batched_shapes if cross else output_shapes
+    shapes = batched_shapes if cross else op_shapes
 
     def scope(r, m):
         return m.scope(r["scope"]) if m else r["scope"]
@@ -219,7 +242,7 @@ def align_ops(recs_a: list, recs_b: list, ia: list, ib: list, mapping: Mapping, 
     substituted = ("shapes", lambda r, m: (scope(r, m), op_traits.is_cast(op(r, m)), shapes(r)), None)
     keyers = (
         ("op+shapes", lambda r, m: (scope(r, m), op(r, m), shapes(r)), None),
-        ("op", lambda r, m: (scope(r, m), op(r, m)), same_size if cross else None),
+        ("op", lambda r, m: (scope(r, m), op(r, m)), same_size if cross else _same_ranks),
         # a substituted kernel (addmm for mm): same shapes, but a cast only ever pairs with a cast;
         # across frameworks only where the inputs come from paired records alike (else: a region)
         substituted,
