@@ -6,6 +6,10 @@
    transformer steps (task "tensor", level "L1"), when mindstudio-probe is importable.  Each
    msprobe dump runs in its own interpreter (its debugger is a process-wide singleton).
 
+``--phases``: where the statistics compare's time goes instead, CPU seconds per phase of one compare
+(each phase a module-level call of the driver, timed in place; "rest of the part" is the pair loop,
+the unmatched table and freeing the parsed records).
+
 4. with ``--long-steps N``: two identical N-step runs of ``show_speed.py``'s tiny transformers
    Llama (task statistics, about 295 records a step; the second a hard-linked copy), compared
    part by part: a long run's time and memory.
@@ -17,7 +21,7 @@ alternating ``--rounds`` times: an old and a new version side by side.  Time it 
 ``flock /tmp/bench.lock python benchmarks/compare_speed.py ...``.
 
     python benchmarks/compare_speed.py [--ops 100000] [--skip-tensor] [--long-steps 1000]
-                                       [--tree old=/tmp/old --tree new=. --rounds 2]
+                                       [--tree old=/tmp/old --tree new=. --rounds 2] [--phases]
 """
 
 from __future__ import annotations
@@ -146,6 +150,57 @@ def long_runs(tmp: str, steps: int) -> tuple[str, str]:
     return a, b
 
 
+# (module, name, phase) of the statistics compare, each timed where the driver calls it
+_PHASES = (("dispatchprobe.records.reader", "_read_jsonl", "parsing the records"),
+           ("dispatchprobe.offline.compare.driver", "align", "alignment"),
+           ("dispatchprobe.offline.compare.driver", "data_flow", "data flow"),
+           ("dispatchprobe.offline.compare.driver", "_table", "paired tensors' table"),
+           ("dispatchprobe.offline.compare.driver", "score_pairs", "scoring"),
+           ("dispatchprobe.offline.compare.driver", "trace", "origin trace"),
+           ("dispatchprobe.offline.compare.driver", "pairing_share", "pairing counts"),
+           ("dispatchprobe.offline.compare.driver", "_merge", "merging the parts"))
+
+# the child of --phases: CPU seconds of each phase (process time, so other work on the machine
+# inflates them less than wall time), of the part's compare (``_worker``) and of the whole call
+_PHASES_CHILD = """
+import importlib, time
+spent, in_part = {}, [0.0, False]     # in_part: the phases' seconds inside a part's compare, whether inside one
+def timed(mod, name, label):
+    inner = getattr(mod, name)
+    def call(*args, **kwargs):
+        start, outer = time.process_time(), in_part[1]
+        in_part[1] = outer or label == "part"
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            seconds = time.process_time() - start
+            spent[label] = spent.get(label, 0.0) + seconds
+            in_part[1] = outer
+            if outer:
+                in_part[0] += seconds
+    setattr(mod, name, call)
+for module, name, label in PHASES + (("dispatchprobe.offline.compare.driver", "_worker", "part"),):
+    timed(importlib.import_module(module), name, label)
+from dispatchprobe import compare
+start = time.process_time()
+compare(A, B)
+total = time.process_time() - start
+spent["rest of the part"] = spent.pop("part") - in_part[0]
+for label, seconds in spent.items():
+    print(f"PHASE {label}|{seconds:.2f}")
+print(f"PHASE whole call|{total:.2f}")
+"""
+
+
+def phase_rows(a: str, b: str) -> list:
+    """(phase, CPU seconds) of one statistics compare of ``a`` against ``b`` in a fresh interpreter."""
+    code = f"PHASES = {_PHASES!r}\nA, B = {a!r}, {b!r}\n" + _PHASES_CHILD
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tempfile.gettempdir())
+    if res.returncode:
+        raise SystemExit(f"--phases: compare failed: {res.stderr.strip().splitlines()[-1:]}")
+    return [tuple(line[6:].rsplit("|", 1)) for line in res.stdout.splitlines() if line.startswith("PHASE ")]
+
+
 def tree_rows(cases: list, trees: list, rounds: int) -> list:
     """Each case compared by each tree's dispatchprobe, the trees alternating ``rounds`` times; the
     rows name the tree."""
@@ -169,6 +224,8 @@ def main():
     ap.add_argument("--tree", action="append", default=[], metavar="LABEL=PATH",
                     help="compare with this tree's dispatchprobe (repeatable): the trees side by side, alternating")
     ap.add_argument("--rounds", type=int, default=1, help="--tree: rounds, the trees alternating")
+    ap.add_argument("--phases", action="store_true",
+                    help="instead of the table: CPU seconds per phase of the statistics compare")
     ap.add_argument("--msprobe-dump", help=argparse.SUPPRESS)
     ap.add_argument("--plant", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -185,6 +242,11 @@ def main():
         synthetic_run(b, args.ops, 2, 1e-4)
         gen = time.perf_counter() - t
         cases = [(f"statistics, {args.ops:,} ops x 3 tensors", a, b)]
+        if args.phases:
+            print(f"statistics, {args.ops:,} ops x 3 tensors: CPU seconds per phase")
+            for phase, seconds in phase_rows(a, b):
+                print(f"  {phase:28s} {float(seconds):6.2f}")
+            return
         if args.long_steps:
             la, lb = long_runs(tmp, args.long_steps)
             cases.append((f"statistics, {args.long_steps:,}-step Llama runs", la, lb))
