@@ -6,7 +6,8 @@
 
 Every run starts from the same weights and sees the same 8 samples per step; a rank of W takes
 its 8/W of them (tensor parallel: all of them).  RUN ``clean`` records as is; ``planted`` scales the output of ``up`` by 1.001
-(a forward hook), the planted change compare must name; ``stats`` records as ``clean`` with the
+(a forward hook), the planted change compare must name, and ``planted1`` on rank 1 only (one bad
+device); ``stats`` records as ``clean`` with the
 statistics task (no tensors saved); ``outside`` runs the optimizer outside the probe (its ops
 unrecorded) and ``optimizer`` does too, giving ``up``'s parameters a learning rate 1.1 times as
 large (a change no op record shows).
@@ -34,9 +35,9 @@ def build(kind: str):
 def train(kind: str, out: str, run: str, task: str = "tensor") -> None:
     model = build(kind)
     inner = model.module if kind == "ddp" else model
-    if run == "planted":
-        inner.up.register_forward_hook(lambda mod, args, output: output * 1.001)
     rank, world = (torch.distributed.get_rank(), torch.distributed.get_world_size()) if kind != "single" else (0, 1)
+    if run == "planted" or (run == "planted1" and rank == 1):
+        inner.up.register_forward_hook(lambda mod, args, output: output * 1.001)
     if run == "optimizer":     # up's parameters take a step 1.1 times as long
         up = {id(p) for p in inner.up.parameters()}
         opt = torch.optim.SGD([{"params": [p for p in model.parameters() if id(p) in up], "lr": 0.11},

@@ -35,7 +35,7 @@ def _record(kind: str, out: Path, *runs: str) -> None:
 def runs(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("parallel")
     _record("single", out / "single", "clean", "planted", "stats")
-    _record("ddp", out / "ddp", "clean", "planted", "stats", "outside", "optimizer")
+    _record("ddp", out / "ddp", "clean", "planted", "planted1", "stats", "outside", "optimizer")
     _record("tp", out / "tp", "clean")
     return out
 
@@ -107,6 +107,20 @@ def test_an_optimizer_step_that_moves_a_parameter_apart_is_named(runs):
     assert res.exit_code == 2, res.output
     assert ("step 0's op records agree; they come from its optimizer step: parameter up.weight differs after it"
             in res.output and "while its gradient as the optimizer applied it agrees" in res.output), res.output
+
+
+@pytest.mark.parametrize("a, b, side", [("ddp/clean", "ddp/planted1", "B"), ("ddp/planted1", "ddp/clean", "A")])
+def test_a_change_on_one_rank_is_named_on_that_rank(runs, a, b, side):
+    """One bad device: rank 1 alone scales up's output.  Rank 0's values differ only through the
+    gradient all-reduce (its forward line would say it follows from backward values, its backward
+    from the all-reduced bucket): the verdict names rank 1's op, in both stages, whichever run is A."""
+    res = CliRunner().invoke(main, ["compare", str(runs / a), str(runs / b)])
+    assert res.exit_code == 2, res.output
+    for stage in ("forward", "backward"):
+        line = next(line for line in res.output.splitlines() if line.startswith(f"first {stage} divergence"))
+        assert line.startswith(f"first {stage} divergence: aten.mul.Tensor [DistributedDataParallel.module.up]"), line
+        assert "step 0 rank 1" in line and f"present only in run {side} (prime suspect)" in line, line
+    assert "follow from differing" not in res.output, res.output
 
 
 @pytest.mark.parametrize("a, b, side", [("ddp/clean", "single/planted", "B"),

@@ -486,6 +486,12 @@ def _parallel_result(run_a, run_b, merged, out) -> Result:
     return Result(table, verdict)
 
 
+# causes that name no source in their own part: the stage's differences come from elsewhere (another
+# stage's values, a random draw, rounding noise, constants); a rank whose values differ only through a
+# collective's result says so, while the rank that made the difference names its op
+_NO_SOURCE = frozenset({"inherited", "after_random", "after_inputs", "noise", "constant"})
+
+
 def _first(divs: list, unmatched: pd.DataFrame, parts: list, stepped=None) -> tuple[dict, list]:
     """Per stage, the divergence of the first step/rank part that has one; for the stages with none,
     their first departure.  Inputs that differ at a later step are traced to the earlier step's origin,
@@ -499,7 +505,7 @@ def _first(divs: list, unmatched: pd.DataFrame, parts: list, stepped=None) -> tu
     first: dict = {}
     early: dict = {}
     made_gradient: set = set()     # divergences whose inputs a one-run-only op's gradient moved apart
-    for d in sorted(divs, key=lambda d: (d.step, d.rank)):
+    for d in sorted(divs, key=lambda d: (d.step, d.cause in _NO_SOURCE, d.rank)):
         (early if d.departure else first).setdefault(d.stage, d)
         if d.cause == "inputs" and not d.came_from:
             d.came_from, maker = _came_from(by_part, unmatched, parts, d, stepped)
