@@ -409,13 +409,15 @@ class ProbeSession:
             with self.writing():
                 self.recorder.fill(slot, record)
 
-    def on_module(self, type_name: str, scope: str, stage: str, inputs, outputs) -> None:
-        """A module boundary (level ``module``/``mix``): one module record, in the module tree."""
+    def on_module(self, type_name: str, scope: str, stage: str, inputs, outputs, recompute: bool = False) -> None:
+        """A module boundary (level ``module``/``mix``): one module record, in the module tree;
+        ``recompute``: a forward activation checkpointing re-runs in backward (marked so)."""
         if not self.record_modules or self.busy or not self.recording(stage, scope) \
                 or not self.selector.scope_selected(scope):
             return
         event = OpEvent("module", type_name, stage, scope, self.next_call(scope, stage),
-                        tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,), {}, outputs)
+                        tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,), {}, outputs,
+                        extra={"recompute": True} if recompute else None)
         self.busy = True
         try:
             with self._quiet(), self.writing():

@@ -136,10 +136,16 @@ class DispatchProbe(TorchSession):
                                                 bool(ops.unseen_writes(func)), ops.op_name(func).startswith(_COLLECTIVES))
         return facts
 
-    def where(self) -> tuple[str, str, str | None]:
-        """(stage, module scope, autograd node) of the op being called."""
-        if current_graph_task_id() != -1:
+    def where(self) -> tuple[str, str, str | None, bool]:
+        """(stage, module scope, autograd node, recomputed) of the op being called.  A forward op
+        activation checkpointing re-runs inside backward runs there (stage backward) but belongs to
+        the forward scope it re-runs, under no node of its own: ``recomputed``."""
+        task = current_graph_task_id()
+        if task != -1:
             node = current_autograd_node()
-            return "backward", self.scopes.backward_scope(node), node.name() if node is not None else None
+            recomputed = self.scopes.recomputed_scope(task, node)
+            if recomputed is not None:
+                return "backward", recomputed, None, True
+            return "backward", self.scopes.backward_scope(node), node.name() if node is not None else None, False
         forward = self.scopes.forward_stack
-        return "forward", forward[-1] if forward else "", None
+        return "forward", forward[-1] if forward else "", None, False

@@ -99,6 +99,9 @@ class ProbeMode(TorchDispatchMode):
         if facts.out_args and recorded:   # out=: a destination, its prior contents are no input
             seen_args, seen_kwargs, undefined = destinations(facts.out_args, seen_args, seen_kwargs, undefined)
         collective = recorded and facts.collective
+        extra = {"collective": called} if called else None
+        if where[3]:               # a forward op re-run by activation checkpointing
+            extra = {**(extra or {}), "recompute": True}
         if collective:
             seen_args, seen_kwargs = collectives.copy_overwritten(
                 func, seen_args, seen_kwargs, lambda t: probe.stand_in_for_written(t, False, torch_backend.clone))
@@ -114,15 +117,14 @@ class ProbeMode(TorchDispatchMode):
             replace_args(facts.counted_writes, args, kwargs, probe.count_write)
         if collective:            # outputs hold their values once the work completes: recorded then
             seen_args, seen_kwargs = collectives.named_groups(func, seen_args, seen_kwargs)
-            if probe.pending.defer(func, out, facts.name, where, seen_args, seen_kwargs, undefined,
-                                   {"collective": called} if called else None):
+            if probe.pending.defer(func, out, facts.name, where[:3], seen_args, seen_kwargs, undefined, extra):
                 return out
             collectives.settle(func, out)
-        stage, scope, grad_fn = where
+        stage, scope, grad_fn, _ = where
         # facts.wanted holds the op's selection, would_record the stage's and scope's
         replaced = probe.on_op(facts.name, stage, scope, seen_args, seen_kwargs, out, func=func, grad_fn=grad_fn,
                                stack=ops.user_stack, undefined=undefined,
-                               extra={"collective": called} if called else None, selected=True)
+                               extra=extra, selected=True)
         return out if replaced is None else replaced
 
 

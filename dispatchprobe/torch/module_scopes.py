@@ -20,7 +20,8 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 from . import collectives, hooks
 from .compiled_frames import in_compiled_code
 from .internals import autograd as torch_autograd
-from .internals.autograd import current_autograd_node, current_graph_task_id, next_sequence_nr, node_sequence_nr
+from .internals.autograd import (checkpoint_recomputing, current_autograd_node, current_graph_task_id, next_sequence_nr,
+                                 node_sequence_nr)
 from .internals.dispatch import tree_flatten
 from .process_state import STATE
 
@@ -194,6 +195,8 @@ class ModuleScopes:
     def __init__(self, probe: "DispatchProbe", root: torch.nn.Module | None):
         self.probe = probe
         self.forward_stack: list[str] = []
+        self._entered_in: list[int] = []     # per forward_stack entry: the graph task it was entered in (-1: none)
+        self._rerun_around: tuple = ()       # (graph task, node's number, scope): what a recompute's first module sits in
         self.backward_active: list[str] = []
         self._names: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._named: weakref.WeakSet = weakref.WeakSet()
@@ -216,9 +219,33 @@ class ModuleScopes:
 
     @property
     def current(self) -> str:
-        if current_graph_task_id() != -1:
-            return self.backward_scope(current_autograd_node())
+        task = current_graph_task_id()
+        if task != -1:
+            node = current_autograd_node()
+            recomputed = self.recomputed_scope(task, node)
+            return recomputed if recomputed is not None else self.backward_scope(node)
         return self.forward_stack[-1] if self.forward_stack else ""
+
+    def recomputed_scope(self, task: int, node) -> str | None:
+        """The forward scope activation checkpointing re-runs now inside backward ``task``, or None
+        (a backward op).  A module entered while ``task`` runs is such a re-run (torch.utils.checkpoint,
+        HF's gradient checkpointing, checkpoint_wrapper); a module entered before its backward began
+        is not (``torch.autograd.grad`` inside a forward: a gradient penalty).  A checkpointed
+        function entering no module is the scope of the node whose backward re-runs it."""
+        if self._entered_in and self._entered_in[-1] == task:
+            return self.forward_stack[-1]
+        if checkpoint_recomputing(node):
+            if self._rerun_around[:2] == (task, node_sequence_nr(node) if node is not None else None):
+                return self._rerun_around[2]     # between the re-run modules (a layer checkpointing its forward)
+            return self.backward_scope(node)
+        return None
+
+    def _new_nodes_scope(self) -> str | None:
+        """The scope of the nodes made from now on: the innermost forward scope; outside any, none
+        during backward (nodes made there, create_graph, belong to no forward scope), else the top."""
+        if self.forward_stack:
+            return self.forward_stack[-1]
+        return None if current_graph_task_id() != -1 else ""
 
     def backward_scope(self, node) -> str:
         """The scope of an op autograd runs now for ``node`` (None: between nodes): the forward
@@ -291,6 +318,7 @@ class ModuleScopes:
             hook.remove()
         self._hooks.clear()
         self.forward_stack.clear()
+        self._entered_in.clear()
 
     def release(self) -> None:
         """The probe is closed: the global hooks go when no probe holds them."""
@@ -308,7 +336,13 @@ class ModuleScopes:
             return
         name = self._name(mod)
         self._types[name] = type(mod).__name__
+        task = current_graph_task_id()
+        if task != -1 and not (self._entered_in and self._entered_in[-1] == task):
+            # the outermost module a recompute re-runs: its ops between modules belong to its parent
+            node = current_autograd_node()
+            self._rerun_around = (task, node_sequence_nr(node) if node is not None else None, name.rpartition(".")[0])
         self.forward_stack.append(name)
+        self._entered_in.append(task)
         self._mark(name)
         tensors = _needing_grad(args)
         if len(tensors) == 1:
@@ -323,10 +357,12 @@ class ModuleScopes:
         if mod not in self._names:       # entered without a scope of its own (see enter)
             return
         name = self._name(mod)
-        stack = self.forward_stack
+        stack, recomputed = self.forward_stack, False
         if name in stack:
-            del stack[len(stack) - 1 - stack[::-1].index(name)]
-        self._mark(stack[-1] if stack else "")
+            at = len(stack) - 1 - stack[::-1].index(name)
+            recomputed = self._entered_in[at] != -1 and self._entered_in[at] == current_graph_task_id()
+            del stack[at], self._entered_in[at]
+        self._mark(self._new_nodes_scope())
         tensors = _needing_grad(output)
         enter = self._backward_enter_fn(name)
         if len(tensors) == 1:
@@ -335,7 +371,9 @@ class ModuleScopes:
             self._hooks.append(_run_first(tensors[0].register_hook(lambda grad: enter(grad) and None)))
         elif tensors:
             self._hooks.append(_run_first(register_multi_grad_hook(tensors, enter)))
-        self.probe.on_module(self._types.get(name, type(mod).__name__), name, "forward", args, output)
+        # a module re-run by activation checkpointing: recorded where it runs, in backward, marked
+        self.probe.on_module(self._types.get(name, type(mod).__name__), name, "backward" if recomputed else "forward",
+                             args, output, recompute=recomputed)
 
     # ---- backward -------------------------------------------------------------------------------
     def _backward_enter_fn(self, name):

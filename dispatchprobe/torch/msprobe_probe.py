@@ -48,17 +48,17 @@ class MsprobeProbe(DispatchProbe):
                 return False
         return super().recording(stage, scope)
 
-    def on_module(self, type_name: str, scope: str, stage: str, inputs, outputs) -> None:
+    def on_module(self, type_name: str, scope: str, stage: str, inputs, outputs, recompute: bool = False) -> None:
         """After forward_backward_dump_end a module's backward is recorded when its forward ran
         in the window (msprobe's rule), wherever autograd runs its hooks."""
         if self.window is None:
             if stage == "forward":
                 self.window_modules.add(scope)
-            super().on_module(type_name, scope, stage, inputs, outputs)
+            super().on_module(type_name, scope, stage, inputs, outputs, recompute)
         elif stage == "backward" and scope in self.window_modules:
             self._module_backward = True
             try:
-                super().on_module(type_name, scope, stage, inputs, outputs)
+                super().on_module(type_name, scope, stage, inputs, outputs, recompute)
             finally:
                 self._module_backward = False
 

@@ -25,6 +25,7 @@ from .columns import (BOOL_FIELDS, FLOAT_FIELDS, HEAD_FIELDS, INT_FIELDS, ROW_FI
 from .exact import same_kernels
 from .origin import PARTIAL_SUMS, STATS_NOISE, Side, differs, trace
 from .rerun import float64_rerun
+from . import recompute
 from .pairing import PairingShare, decomposed_scopes, explain_unobservable, data_flow, user_frames, pair_tensors, pairing_share
 from .scoring import score_pairs
 from .task_mismatch import NOT_RECORDED, explanation, flagged_only_side, tasks_note, unaligned_hint
@@ -38,7 +39,7 @@ from .amplified import said as amplified_lines
 # unmatched records run by the other framework where no probe sees them (pairing.explain_unobservable)
 # and records inside a region compared at its boundary: a difference passes through them to the region's
 _UNOBSERVED = ("not observable in the other framework", "no counterpart in the other framework",
-               "inside a region compared at its boundary", NOT_RECORDED)
+               "inside a region compared at its boundary", NOT_RECORDED, recompute.RECOMPUTED)
 
 
 # a tensor's recorded statistics in the order the loop below takes them (one call for the six)
@@ -85,6 +86,8 @@ def _compare_parts(part_a: Part, part_b: Part, match: str, mapping: Mapping, ten
         inside = lambda r: r["kind"] == "op" and (r["stage"], r["scope"]) in decomposed   # noqa: E731
         set_aside = [[r for r in recs if inside(r)] for recs in (recs_a, recs_b)]
         recs_a, recs_b = ([r for r in recs if not inside(r)] for recs in (recs_a, recs_b))
+    # forward ops one run re-runs in backward (activation checkpointing): not judged, see .recompute
+    recs_a, recs_b, *rerun_only = recompute.set_aside(recs_a, recs_b)
     problems = list(part_a.problems) + list(part_b.problems)
     cross = any(translate)     # two frameworks: argument order and op order may differ, not the values
     al = align(recs_a, recs_b, match=match, mapping=mapping, by_stats=cross)
@@ -174,6 +177,8 @@ def _compare_parts(part_a: Part, part_b: Part, match: str, mapping: Mapping, ten
     for k, (side, i) in enumerate((side, i) for side, idx in (("a", al.only_a), ("b", al.only_b)) for i in idx):
         if (side, i) in al.inside:   # a region one run computes in a cell of its own: compared at its boundary
             explained[k] = f"inside a region compared at its boundary ({al.inside[side, i]})"
+        elif recompute.recomputed((recs_a if side == "a" else recs_b)[i]):
+            explained[k] = recompute.unpaired()
     manifests = (find_manifest(part_a.path)[1], find_manifest(part_b.path)[1])
     partial = flagged_only_side(*manifests)
     if partial:      # the other run's records an inline check does not make: no counterpart by design
@@ -185,6 +190,11 @@ def _compare_parts(part_a: Part, part_b: Part, match: str, mapping: Mapping, ten
                 rows.append((step, rank, side, r["stage"], r["kind"], -1, r["scope"], r["op"], r["name"], r["call"],
                              op_traits.is_cast(r["op"])))
                 explained.append(f"decomposed differently: compared at the boundary of {r['scope']}")
+    for side, recs in zip("ab", rerun_only):
+        for r in recs:
+            rows.append((step, rank, side, r["stage"], r["kind"], -1, r["scope"], r["op"], r["name"], r["call"],
+                         op_traits.is_cast(r["op"])))
+            explained.append(recompute.one_run_only(side))
     unmatched = pd.DataFrame(rows, columns=UNMATCHED_COLUMNS)
     unmatched["explained"] = explained
     unmatched = explain_unobservable(unmatched, translate, problems, step, rank, (recs_a, recs_b))

@@ -926,4 +926,4 @@ def _describe(df, a: Side, b: Side, stage, pick: Root, errors, off) -> Divergenc
     return Divergence(stage=stage, step=step, rank=rank, seq=int(run.seq[i]),
                       scope=rec["scope"], op=rec["op"], name=rec["name"], call=int(rec["call"]), kind=rec["kind"],
                       failed=failed, metrics=met, stack=list(frames), module=module, cause=cause, side=side,
-                      arg=arg, errors=errors, departure=not errors)
+                      arg=arg, errors=errors, departure=not errors, recomputed=bool(rec.get("recompute")))

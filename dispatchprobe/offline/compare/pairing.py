@@ -15,6 +15,7 @@ from ...records.reader import Part, tensor_list
 from ...standards import verdicts as V
 from ..align import stats_distance
 from ..views import ViewIndex
+from .recompute import RECOMPUTED, one_run_only
 
 
 def _swap_commutative(ta: list, tb: list) -> list:
@@ -252,6 +253,8 @@ def user_frames(part: Part, record: dict) -> list:
 # why an unmatched record was compared at a boundary instead (``explained``, set by the driver)
 _AT_BOUNDARY = ("inside a region compared at its boundary", "decomposed differently")
 _STAGES = ("forward", "backward")
+# the recomputed records one run only has (.recompute.one_run_only)
+_RERUN_ONLY = tuple(one_run_only(s) for s in "ab")
 
 
 @dataclass
@@ -292,6 +295,9 @@ class PairingShare:
                        + ", ".join(f"{name[s]} {n[s]['op']}/{n[s]['records']}" for s in "ab")
                        + "; only at a region/module boundary: "
                        + ", ".join(f"{s.upper()} {n[s]['boundary']}" for s in "ab") + f"; unpaired: {unpaired}")
+            out += [f"{stage}: {RECOMPUTED} in run {s.upper()} only: {self._count(s, stage, 'recomputed')} records, "
+                    f"not judged (its backward reads the forward values they reproduce, compared in the forward)"
+                    for s in "ab" if self._count(s, stage, "recomputed")]
         return out
 
     def frame(self) -> pd.DataFrame:
@@ -346,4 +352,5 @@ def pairing_share(pairs: list, recs_a: list, recs_b: list, unmatched: pd.DataFra
             else:
                 c["unpaired"] += 1
                 c["explained"] += bool(why)
+                c["recomputed"] += why.startswith(_RERUN_ONLY)
     return out

@@ -73,6 +73,7 @@ class Divergence:
     came_from: str = ""          # inputs differing at a later step: where the earlier step's difference entered
     other_op: str = ""           # the paired record's op in the other run, where it is another op
     follows: str = ""            # after_random/after_inputs: where the forward difference it follows is
+    recomputed: bool = False     # a forward op activation checkpointing re-ran in backward (both runs re-ran it)
 
     @property
     def quiet(self) -> bool:
@@ -93,8 +94,9 @@ class Divergence:
 
     def where(self) -> str:
         paired = f" (paired with {self.other_op} in run {'B' if self.side == 'a' else 'A'})" if self.other_op else ""
+        rerun = ", a forward op recomputed by activation checkpointing" if self.recomputed else ""
         return (f"{self.op}{paired} [{self.scope or '<top>'}] call {self.call} "
-                f"(#{self.seq} in {self.stage}{'' if self.side == 'a' else ' of run B'}, "
+                f"(#{self.seq} in {self.stage}{'' if self.side == 'a' else ' of run B'}{rerun}, "
                 f"step {self.step} rank {self.rank})")
 
     def _follows(self, source: str) -> str:

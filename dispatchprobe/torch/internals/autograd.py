@@ -9,7 +9,7 @@ import torch
 from torch.nn.modules import module as _module
 
 __all__ = ["current_graph_task_id", "current_autograd_node", "node_sequence_nr", "next_sequence_nr",
-           "queue_backward_callback", "ENGINE_RUN_CODE",
+           "checkpoint_recomputing", "queue_backward_callback", "ENGINE_RUN_CODE",
            "MODULE_CALL_CODES", "forward_hooks", "put_back_global_hooks", "take_out_global_hooks"]
 
 #: The id of the backward pass running on this thread, -1 outside backward.
@@ -34,6 +34,21 @@ def next_sequence_nr() -> int:
     """The sequence number the next autograd node made on this thread will get (nodes made
     before now have smaller ones; ``AccumulateGrad`` nodes have the largest 64-bit number)."""
     return torch._C._autograd._get_sequence_nr()
+
+
+_top_saved_tensors_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+
+def checkpoint_recomputing(node) -> bool:
+    """Whether ``torch.utils.checkpoint`` is re-running a forward now, inside backward: the
+    reentrant variant runs it in its own node's backward (``CheckpointFunctionBackward``), the
+    non-reentrant one while unpacking a saved tensor, under its ``_recomputation_hook`` saved-tensor
+    hooks.  For a checkpointed function that enters no module (modules' re-runs are told by
+    their scopes, see ``ModuleScopes.recomputed_scope``)."""
+    if node is not None and node.name() == "CheckpointFunctionBackward":
+        return True
+    hooks = _top_saved_tensors_hooks(True) if _top_saved_tensors_hooks is not None else None
+    return bool(hooks) and getattr(hooks[0], "__qualname__", "").startswith("_recomputation_hook.")
 
 
 def queue_backward_callback(fn) -> None:
