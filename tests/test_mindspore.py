@@ -439,3 +439,45 @@ def test_written_inputs_are_recorded_as_the_primitive_received_them(tmp_path, ta
     # MindSpore 2.10's CPU has no float64 BatchNorm for the benchmark: said, not silently absent
     why = r[r["Op"] == "BatchNorm"]["Message"].iloc[0]
     assert st[r["Op"] == "BatchNorm"].iloc[0] == "SKIP" and "no float64 BatchNorm kernel" in why
+
+
+class _DropoutNet(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.drop, self.head = mint.nn.Linear(8, 16), nn.Dropout(p=0.5), mint.nn.Linear(16, 1)
+
+    def construct(self, x):
+        return self.head(self.drop(mint.tanh(self.fc(x)))).mean()
+
+
+def _dropout_run(path, seed: int):
+    """One recorded step of a net whose Dropout primitive draws its mask from ``seed`` (the seed its
+    op is made with), the weights the same in every run."""
+    ms.set_seed(seed)
+    net = _DropoutNet()
+    net.set_train()
+    rng = np.random.default_rng(0)
+    for p in net.trainable_params():
+        p.set_data(ms.Tensor((rng.standard_normal(p.shape) * 0.3).astype(np.float32)))
+    x = ms.Tensor(rng.standard_normal((4, 8)).astype(np.float32))
+    grad_fn = ms.value_and_grad(net, None, net.trainable_params())
+    probe = DispatchProbe(task="statistics", dump_path=str(path))
+    with probe:
+        grad_fn(x)
+    probe.step()
+    probe.close()
+    return path
+
+
+def test_a_dropout_drawing_other_masks_is_a_random_op_not_a_divergence(tmp_path):
+    """MindSpore's random primitives are random ops to compare: two runs whose Dropout draws other
+    masks first differ at a random op (no precision verdict, exit 1), whichever run is A; the
+    backward is not judged."""
+    from click.testing import CliRunner
+    from dispatchprobe.cli import main
+    a, b = _dropout_run(tmp_path / "a", 0), _dropout_run(tmp_path / "b", 1)
+    for x, y in ((a, b), (b, a)):
+        got = CliRunner().invoke(main, ["compare", str(x), str(y)])
+        assert got.exit_code == 1, got.output
+        assert "first forward difference, at a random op: Dropout" in got.output, got.output
+        assert "first forward divergence" not in got.output and "backward: not judged" in got.output, got.output

@@ -20,7 +20,18 @@ RANDOM = frozenset({
     "rand_like", "randn", "randn_like", "randint", "randint_like", "randperm", "normal", "uniform", "random",
     "exponential", "geometric", "cauchy", "log_normal", "multinomial", "rrelu", "rrelu_with_noise", "poisson",
     "_fused_dropout", "_standard_gamma", "_sample_dirichlet", "binomial",
-    "_scaled_dot_product_flash_attention_for_cpu_dropout"})
+    "_scaled_dot_product_flash_attention_for_cpu_dropout",
+    # MindSpore's primitives (PyNative's pyboost ops and the older ones); DropoutDoMask applies a
+    # mask it is given and draws nothing
+    "Dropout", "Dropout2D", "Dropout3D", "DropoutExt", "Dropout2dExt", "FuncDropoutExt", "DropoutGenMask",
+    "DropoutGenMaskExt", "Bernoulli", "BernoulliExt", "InplaceBernoulliScalar", "InplaceBernoulliTensor",
+    "InplaceExponential", "InplaceNormal", "InplaceRandom", "InplaceUniform", "Multinomial", "MultinomialExt",
+    "MultinomialWithReplacement", "NormalFloatFloat", "NormalFloatTensor", "NormalTensorFloat", "NormalTensorTensor",
+    "RandExt", "RandInt", "RandIntLike", "RandLikeExt", "Randn", "RandnLike", "Randperm", "RandpermExt",
+    "RandpermV2", "UniformExt", "UniformInt", "UniformReal", "StandardNormal", "StandardLaplace", "TruncatedNormal",
+    "ParameterizedTruncatedNormal", "LogNormalReverse", "Cauchy", "Gamma", "RandomGamma", "Poisson",
+    "RandomPoisson", "RandomCategorical", "RandomChoiceWithMask", "RandomShuffle", "UniformCandidateSampler",
+    "LogUniformCandidateSampler"})
 
 # Hand out memory without writing it: its contents are undefined until an op writes them.
 UNINITIALISED = frozenset({"empty", "empty_like", "empty_strided", "empty_permuted", "new_empty",
