@@ -71,6 +71,15 @@ class _Workspace(threading.local):
             buf = self.arrays[key] = np.empty(_BLOCK, dtype=dtype)
         return buf[:n]
 
+    def filled(self, value: float, n: int) -> np.ndarray:
+        """``n`` float64 copies of ``value``: ``np.maximum(x, value)`` reads a scalar at a third of
+        the speed of an array (numpy 2.4)."""
+        key = ("filled", value)
+        buf = self.arrays.get(key)
+        if buf is None:
+            buf = self.arrays[key] = np.full(_BLOCK, value, dtype=np.float64)
+        return buf[:n]
+
 
 _WORK = _Workspace()
 
@@ -137,8 +146,8 @@ def _floor(b: Block) -> np.ndarray:
     if b.symmetric and b.scale is None and "mag" not in b.__dict__:
         out = np.abs(b.a, out=b.scratch("floor"))
         np.minimum(out, b.abs_e, out=out)
-        return np.maximum(out, small, out=out)
-    return np.maximum(b.mag, small, out=b.scratch("floor"))
+        return np.maximum(out, _WORK.filled(small, b.n), out=out)
+    return np.maximum(b.mag, _WORK.filled(small, b.n), out=b.scratch("floor"))
 
 
 class _Screen:
@@ -361,7 +370,9 @@ for _name, _title, _tol, _rank in (("one_hundredth", "One Hundredth", 1e-2, None
                     compare=_rank, larger_is_worse=False)
 register_metric("binary_mismatch", "Binary Mismatch Rate")
 # the mean *signed* relative error: a bias that rounding should not have
-register_metric("error_balance", "Error Balance", lambda b: np.sum(np.divide(b.diff, b.floor, out=b.scratch("balance", b.diff.dtype))).item(), lambda t, s: abs(t / s.n))
+register_metric("error_balance", "Error Balance",
+                lambda b: np.sum(np.divide(b.diff, b.floor, out=b.scratch("balance", b.diff.dtype))).item(),
+                lambda t, s: abs(t / s.n))
 register_metric("rmse", "RMSE", lambda b: b.ss_diff, lambda t, s: math.sqrt(t / s.n), compare=4)
 register_metric("small_value_error_rate", "Small Value Error Rate", _small_errors, _rate)
 register_metric("max_rel_err", "Max Rel Err", lambda b: float(b.rel.max()), combine=max, compare=3)
