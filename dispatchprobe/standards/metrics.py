@@ -19,6 +19,7 @@ real part of the inner product over the norms (the cosine of the (re, im) pairs)
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import threading
@@ -273,13 +274,14 @@ def compare_arrays(actual, expected, dtype: str | None = None, only=None, scale=
                                                      nan=0.0, posinf=0.0)
     rows = []                         # per block: each active metric's partial
     screen = _Screen(dtype, a_all.size, symmetric)
-    for start in range(0, a_all.size, _BLOCK):
-        block = screen.block(_widened(a_all[start:start + _BLOCK], "a", wide),
-                             _widened(e_all[start:start + _BLOCK], "e", wide),
-                             None if s_all is None else s_all[start:start + _BLOCK])
-        if block is not None:
-            rows.append([_detached(m.block(block)) for m in active])
-            del block                 # free its terms before the next block's
+    with _one_blas_thread:
+        for start in range(0, a_all.size, _BLOCK):
+            block = screen.block(_widened(a_all[start:start + _BLOCK], "a", wide),
+                                 _widened(e_all[start:start + _BLOCK], "e", wide),
+                                 None if s_all is None else s_all[start:start + _BLOCK])
+            if block is not None:
+                rows.append([_detached(m.block(block)) for m in active])
+                del block                 # free its terms before the next block's
     out = {m.name: m.finish(None, screen) for m in screened}
     if not rows:
         out.update((m.name, m.empty(screen) if m.empty else m.perfect) for m in active)
@@ -288,6 +290,61 @@ def compare_arrays(actual, expected, dtype: str | None = None, only=None, scale=
     for m, total in zip(active, totals):
         out[m.name] = m.finish(total, screen)
     return out
+
+
+class _OneBlasThread:
+    """numpy's BLAS limited to one thread while any thread computes metrics (restored after the
+    last).  Why: a block's sums of squares and inner products are BLAS dots, which OpenBLAS splits
+    over every core above 10,000 elements; each core's share is summed apart, so the metrics'
+    last digits depended on the machine's core count, and on a busy machine (or under ``-j``)
+    each split dot waited on its threads: milliseconds a dot instead of microseconds (the tensor
+    compare of a transformer step took 10-60 s instead of 2-3).  One thread: the same sums on any
+    core count."""
+
+    def __init__(self):
+        self.lock, self.users, self.limit = threading.Lock(), 0, None
+
+    def __enter__(self):
+        with self.lock:
+            if self.users == 0:
+                with _any_thread_may_set():
+                    self.limit = _blas_controller().limit(limits=1, user_api="blas")
+            self.users += 1
+
+    def __exit__(self, *exc):
+        with self.lock:
+            self.users -= 1
+            if self.users == 0:
+                with _any_thread_may_set():
+                    self.limit.restore_original_limits()
+                self.limit = None
+
+
+@functools.cache
+def _blas_controller():
+    """threadpoolctl's view of the loaded BLAS libraries (found once: a look costs ~1 ms)."""
+    from threadpoolctl import ThreadpoolController
+    return ThreadpoolController()
+
+
+@contextlib.contextmanager
+def _any_thread_may_set():
+    """threadpoolctl (3.6+) lets only the first thread that set OpenBLAS's threads set them again,
+    the others silently doing nothing; the first and the last thread computing metrics may differ
+    (``DISPATCHPROBE_THREADS``), so no thread keeps that right past one set (they take turns under
+    :class:`_OneBlasThread`'s lock)."""
+    from threadpoolctl import OpenBLASController
+    clear = getattr(OpenBLASController, "clear_controlling_thread", None)
+    if clear is not None:
+        clear(force=True)
+    try:
+        yield
+    finally:
+        if clear is not None:
+            clear(force=True)
+
+
+_one_blas_thread = _OneBlasThread()
 
 
 def _detached(partial):
