@@ -25,6 +25,7 @@ from .columns import (BOOL_FIELDS, FLOAT_FIELDS, HEAD_FIELDS, INT_FIELDS, ROW_FI
 from .exact import same_kernels
 from .origin import PARTIAL_SUMS, STATS_NOISE, Side, differs, trace
 from .rerun import float64_rerun
+from . import loss_scale
 from . import recompute
 from .pairing import PairingShare, decomposed_scopes, explain_unobservable, data_flow, user_frames, pair_tensors, pairing_share
 from .scoring import score_pairs
@@ -89,6 +90,10 @@ def _compare_parts(part_a: Part, part_b: Part, match: str, mapping: Mapping, ten
     # forward ops one run re-runs in backward (activation checkpointing): not judged, see .recompute
     recs_a, recs_b, *rerun_only = recompute.set_aside(recs_a, recs_b)
     problems = list(part_a.problems) + list(part_b.problems)
+    # a run scaling its loss (GradScaler): its gradients compared unscaled, see .loss_scale
+    recs_a, recs_b, scaling = loss_scale.unscaled(recs_a, recs_b) if not any(translate) else (recs_a, recs_b, None)
+    if scaling is not None and scaling.whole_backward:
+        problems.append(f"step {part_a.step} rank {part_a.rank}: {scaling.whole_backward}")
     cross = any(translate)     # two frameworks: argument order and op order may differ, not the values
     al = align(recs_a, recs_b, match=match, mapping=mapping, by_stats=cross)
     recs_a, recs_b = al.records(recs_a, "a"), al.records(recs_b, "b")   # a region's last record stands for it
@@ -177,6 +182,8 @@ def _compare_parts(part_a: Part, part_b: Part, match: str, mapping: Mapping, ten
     for k, (side, i) in enumerate((side, i) for side, idx in (("a", al.only_a), ("b", al.only_b)) for i in idx):
         if (side, i) in al.inside:   # a region one run computes in a cell of its own: compared at its boundary
             explained[k] = f"inside a region compared at its boundary ({al.inside[side, i]})"
+        elif scaling is not None and scaling.explains((recs_a if side == "a" else recs_b)[i]):
+            explained[k] = scaling.explanation(side)
         elif recompute.recomputed((recs_a if side == "a" else recs_b)[i]):
             explained[k] = recompute.unpaired()
     manifests = (find_manifest(part_a.path)[1], find_manifest(part_b.path)[1])
@@ -209,8 +216,10 @@ def _compare_parts(part_a: Part, part_b: Part, match: str, mapping: Mapping, ten
         problems.append(f"step {step} rank {rank}: {int((~unmatched['is_cast'] & (unmatched['explained'] == '')).sum())} of "
                         f"{len(recs_a) + len(recs_b)} records could not be aligned{hint}; listed in unmatched.csv")
     arrays: dict = {}
-    df = score_pairs(df, part_a, part_b, tensors, problems, (recs_a, recs_b, al.pairs, flow_a.src, flow_b.src),
-                     arrays)
+    df = score_pairs(df, *(scaling.parts(part_a, part_b) if scaling else (part_a, part_b)), tensors, problems,
+                     (recs_a, recs_b, al.pairs, flow_a.src, flow_b.src), arrays)
+    if scaling is not None:
+        df = scaling.judge(df, arrays)
     # compute records: counted per distinct op (a few over 100k records), casts left out
     compute = [_compute(Counter(map(_OP, recs))) for recs in (recs_a, recs_b)]
     paired = _compute(Counter(recs_a[i]["op"] for i, _, _ in al.pairs))
@@ -396,7 +405,8 @@ def _merge(results: list, run_a, run_b, jobs_list: list, problems: list, framewo
                       parts=[k for k, _ in jobs_list], aligned=share,
                       same_run=_same_folder(run_a, run_b, jobs_list), departures=departures, pairing=pairing,
                       explained=explained, below_floor=(below, STATS_NOISE),
-                      partial_sums=int((table["reason"] == PARTIAL_SUMS).sum()) if len(table) else 0)
+                      partial_sums=int((table["reason"] == PARTIAL_SUMS).sum()) if len(table) else 0,
+                      loss_scaled=loss_scale.not_judged(table))
     # the reported columns, in order (the arrays as they are: a copy would hold the table twice)
     table = pd.DataFrame({c: table[c] for c in COLUMNS if c in table.columns}, copy=False)
     if out:

@@ -30,6 +30,7 @@ import pandas as pd
 from ...records.format import walk
 from ...standards import metrics as M, statistics as S, verdicts as V
 from ...standards.loader import is_float
+from .loss_scale import gradients_alike
 
 COMMUNICATION = ("c10d.", "_c10d_functional.", "fsdp.", "profiler.")   # one run's own by nature
 TABLE_COLUMNS = ["step", "what", "name", "scope", "arg", "ranks_a", "ranks_b", "shape_a", "shape_b", "dtype_a",
@@ -544,7 +545,7 @@ def optimizer_step(run_a, run_b, step: int, rank: int, tensors: bool = True) -> 
             ga, _ = assemble(qa[grad], {rank: pa}, tensors, problems)
             gb, _ = assemble(qb[grad], {rank: pb}, tensors, problems)
             if ga is not None and gb is not None and ga.shape == gb.shape:
-                g = score(ga, gb)
+                g = score(*gradients_alike(ga, gb, pa, pb))     # a run scaling its loss: at one scale
                 agrees = g["status"] == V.PASS
                 how = " while its gradient as the optimizer applied it agrees" if agrees else \
                     f"; its gradient as the optimizer applied it differs too ({g['reason']})"

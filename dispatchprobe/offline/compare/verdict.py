@@ -179,6 +179,7 @@ class Verdict:
     explained: list = field(default_factory=list)   # error rows passed as optimizer-amplified gradient noise
     below_floor: tuple = (0, 0.0)   # (statistics-only rows that differ below the floor, the floor)
     partial_sums: int = 0        # of the rows not judged, those comparing two partial sums (.regroup)
+    loss_scaled: int = 0         # of the rows not judged, those the runs' loss scales leave undecided (.loss_scale)
 
     @property
     def departure(self) -> Divergence | None:
@@ -213,9 +214,11 @@ class Verdict:
     def __str__(self) -> str:
         counts = ", ".join(f"{k} {self.counts.get(k, 0)}" for k in ("pass", "warning", "error"))
         if self.counts.get(NOT_JUDGED):
-            undefined, partial = self.counts[NOT_JUDGED] - self.partial_sums, self.partial_sums
-            why = f"{undefined} undefined values, {partial} partial sums the runs group differently" \
-                if undefined and partial else "partial sums the runs group differently" if partial else "undefined values"
+            kinds = {"partial sums the runs group differently": self.partial_sums,
+                     "values the runs' loss scales leave undecided": self.loss_scaled}
+            kinds = {k: n for k, n in {"undefined values": self.counts[NOT_JUDGED] - sum(kinds.values()),
+                                       **kinds}.items() if n}
+            why = ", ".join(f"{n} {k}" for k, n in kinds.items()) if len(kinds) > 1 else next(iter(kinds), "")
             counts += f", not judged {self.counts[NOT_JUDGED]} ({why})"
         steps, ranks = sorted({p[0] for p in self.parts}), sorted({p[1] for p in self.parts})
         where = f" (steps {_span(steps)} x ranks {_span(ranks)})" if len(self.parts) > 1 else ""

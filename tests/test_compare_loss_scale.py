@@ -1,0 +1,182 @@
+"""A run that scales its loss (torch.amp.GradScaler, fp16 AMP's recipe) against one that does not,
+or scales it differently: every gradient differs by the scale, exactly, and no kernel is wrong.
+compare judges the forward as usual and the backward unscaled (no error row, no op named, the rows
+saying so); a wrong backward kernel in the scaled run is still named; runs scaled alike compare as
+before; the scaler's own ops (recorded with the optimizer inside the probe) are explained.  Both
+orders, statistics and tensor tasks."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from dispatchprobe import DispatchProbe
+from dispatchprobe.offline.compare import compare, loss_scale
+from dispatchprobe.offline.compare.parallel import optimizer_step
+from dispatchprobe.records.reader import load
+
+NOTE = "compared unscaled: run {}'s loss scale {}"
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int = 32):
+        super().__init__()
+        self.up, self.down, self.head = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim), nn.Linear(dim, 4)
+
+    def forward(self, x):
+        return self.head(x + self.down(F.silu(self.up(x))))
+
+
+def _wrong_silu_backward(grad, x):
+    s = torch.sigmoid(x)
+    return grad * s * (1 + x * (1 - s)) * 1.3
+
+
+def _record(path, task: str, scale: float | None = None, plant: bool = False, inside: bool = False,
+            lr: float = 1e-3):
+    """Two AdamW steps of the MLP; ``scale``: a GradScaler's initial scale (None: no scaler);
+    ``inside``: the scaler's step and update (or the optimizer's step) inside ``with probe:``."""
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    scaler = torch.amp.GradScaler("cpu", init_scale=scale) if scale else None
+    lib = torch.library.Library("aten", "IMPL") if plant else None
+    if plant:
+        with warnings.catch_warnings():       # torch warns that a CPU kernel is overridden: that is the point
+            warnings.simplefilter("ignore")
+            lib.impl("silu_backward", _wrong_silu_backward, "CPU")
+
+    def optimizer_step():
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        opt.zero_grad()
+    try:
+        probe = DispatchProbe(task=task, dump_path=str(path))
+        for step in range(2):
+            g = torch.Generator().manual_seed(step)
+            x, y = torch.randn(8, 16, 32, generator=g), torch.randn(8, 16, 4, generator=g)
+            with probe:
+                loss = F.mse_loss(model(x), y)
+                (scaler.scale(loss) if scaler is not None else loss).backward()
+                if inside:
+                    optimizer_step()
+            if not inside:
+                optimizer_step()
+            probe.step()
+        probe.close()
+    finally:
+        if lib is not None:
+            lib._destroy()
+    return path
+
+
+RUNS = {"fp32": {}, "scaled": {"scale": 2.0 ** 16}, "scaled_small": {"scale": 2.0 ** 8},
+        "scaled_wrong": {"scale": 2.0 ** 16, "plant": True},
+        "fp32_inside": {"inside": True}, "scaled_inside": {"scale": 2.0 ** 16, "inside": True},
+        "scaled_inside_again": {"scale": 2.0 ** 16, "inside": True}, "scaled_faster": {"scale": 2.0 ** 16, "lr": 2e-3},
+        "scaled_small_inside": {"scale": 2.0 ** 8, "inside": True}}
+
+
+@pytest.fixture(scope="module", params=["statistics", "tensor"])
+def runs(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(f"loss_scale_{request.param}")
+    return {name: _record(root / name, request.param, **kw) for name, kw in RUNS.items()}
+
+
+def _both_orders(runs, x, y):
+    for order in ((x, y), (y, x)):
+        table, v = compare(runs[order[0]], runs[order[1]])
+        yield order, table, v
+
+
+def _said(order, scaled_name: str, scale: int) -> str:
+    return NOTE.format("A" if order[0] == scaled_name else "B", scale)
+
+
+@pytest.mark.parametrize("other", ["scaled", "scaled_small"])
+def test_a_scaled_loss_is_no_divergence(runs, other):
+    for order, table, v in _both_orders(runs, "fp32", other):
+        assert v.passed and v.forward is None and v.backward is None, (order, str(v))
+        assert not (table["status"] == "error").any(), order
+        scale = int(RUNS[other]["scale"])
+        unscaled = table["reason"].str.contains(_said(order, other, scale), regex=False)
+        # the scaled loss the seed reads (forward) and every gradient value of the backward
+        assert unscaled[table["stage"] == "backward"].mean() > 0.5, order
+        assert (unscaled & (table["op_a"] == "aten.ones_like.default")).any(), order
+        # forward values the backward reads (saved tensors) carry no scale and are not divided
+        saved = (table["stage"] == "backward") & (table["op_a"] == "aten.silu_backward.default") \
+            & (table["arg"] == "input.1")
+        assert saved.any() and not unscaled[saved].any(), order
+
+
+@pytest.mark.parametrize("pair", [("scaled", "scaled_small"), ("scaled_inside", "scaled_small_inside")])
+def test_runs_scaled_differently_compare_at_the_ratio(runs, pair):
+    for order, table, v in _both_orders(runs, *pair):
+        assert v.passed and v.forward is None and v.backward is None, (order, str(v))
+        big, small = ("A", "B") if order[0] == pair[0] else ("B", "A")
+        scales = {big: 65536, small: 256}
+        said = f"run A's loss scale {scales['A']}, run B's loss scale {scales['B']}"
+        reasons = table["reason"].fillna("")
+        assert reasons.str.startswith(f"compared unscaled: {said}").any(), order
+        # the scaler's state (the scale the multiplies read, its reciprocal) differs by choice: not judged
+        state = table["status"] == "not judged"
+        assert state.any() and reasons[state].str.startswith(f"loss scaling: the scaler's state ({said})").all(), order
+        assert "values the runs' loss scales leave undecided" in str(v).splitlines()[0], order
+
+
+def test_a_wrong_backward_kernel_in_the_scaled_run_is_named(runs):
+    for order, _, v in _both_orders(runs, "fp32", "scaled_wrong"):
+        assert v.backward is not None and v.backward.cause == "op", (order, str(v))
+        assert (v.backward.op, v.backward.scope) == ("aten.silu_backward.default", "MLP"), (order, str(v))
+
+
+def test_runs_scaled_alike_are_compared_as_they_are(runs):
+    for order, table, v in _both_orders(runs, "scaled_inside", "scaled_inside_again"):
+        assert v.passed and v.forward is None and v.backward is None, (order, str(v))
+        assert not table["reason"].fillna("").str.contains("unscaled").any(), order
+        assert v.unmatched.empty or (v.unmatched["explained"] != "").all(), order
+
+
+def test_the_scalers_ops_inside_the_probe_are_explained(runs):
+    for order, table, v in _both_orders(runs, "fp32_inside", "scaled_inside"):
+        assert v.passed and v.forward is None and v.backward is None, (order, str(v))
+        assert not (table["status"] == "error").any(), order
+        scaled = "a" if order[0] == "scaled_inside" else "b"
+        mine = v.unmatched[v.unmatched["side"] == scaled]
+        assert {"aten._amp_foreach_non_finite_check_and_unscale_.default",
+                "aten._amp_update_scale_.default"} <= set(mine["op"]), order
+        assert mine["explained"].str.startswith("loss scaling: ").all(), (order, mine)
+        # the optimizer reads the gradients after the scaler unscaled them: compared as they are
+        adam = table[table["op_a"].str.contains("_foreach_|lerp|addcdiv", regex=True)]
+        assert len(adam) and not adam["reason"].fillna("").str.contains("unscaled").any(), order
+
+
+def test_parameter_gradients_recorded_before_unscaling_are_compared_unscaled(runs):
+    """The optimizer outside the probe: the parameter records hold the gradients as backward left
+    them (scaled).  A faster learning rate moves the parameters apart while the gradients agree."""
+    for order in (("fp32", "scaled_faster"), ("scaled_faster", "fp32")):
+        got = optimizer_step(load(str(runs[order[0]])), load(str(runs[order[1]])), 0, 0)
+        assert got.said and got.gradient_agrees is True, (order, got)
+
+
+def test_a_seed_not_scaled_by_the_multiply_leaves_the_backward_not_judged(runs):
+    """Where a backward op other than the multiply by the scale reads the scaled run's seed, which
+    values carry the scale cannot be told: the backward is not judged, the forward still is."""
+    plain, scaled = (load(str(runs[k])).parts[0, 0].records for k in ("fp32", "scaled"))
+    seed = next(i for i, r in enumerate(scaled) if r["op"] == "aten.ones_like.default")
+    twin = next(i for i, r in enumerate(scaled) if r["stage"] == "backward")
+    assert scaled[twin]["op"] == "aten.mul.Tensor" and scaled[seed]["stage"] == "forward"
+    changed = scaled[:twin] + [{**scaled[twin], "op": "aten.div.Tensor"}] + scaled[twin + 1:]
+    for order in ((plain, changed), (changed, plain)):
+        *_, found = loss_scale.unscaled(*order)
+        side = "A" if order[0] is changed else "B"
+        assert found.whole_backward.startswith(f"backward: not judged: run {side} multiplies its loss by 65536 "), \
+            found.whole_backward
+        assert not found.unscaled     # nothing divided
