@@ -95,6 +95,24 @@ def reads_metadata_only(op: str) -> bool:
 ELEMENTWISE_SUM = frozenset({"add", "sub", "rsub", "Add", "Sub", "AddExt", "SubExt"})
 
 
+# Output elements of one input, picked (rows of an embedding, a gather, the largest of a top-k, a slice):
+# the picked elements' statistics may move far more, or less, than the whole input's, so on statistics
+# alone such an op adds no difference of its own beside an input that differs (torch's and MindSpore's
+# names; slicing views where they are recorded).
+SELECTS = frozenset({
+    "embedding", "index_select", "gather", "take", "take_along_dim", "masked_select", "index", "topk",
+    "kthvalue", "sort", "max", "min", "amax", "amin", "median", "nanmedian", "mode", "slice", "select",
+    "narrow", "diagonal", "unfold", "as_strided", "slice_copy", "select_copy", "narrow_copy", "diagonal_copy",
+    "unfold_copy", "as_strided_copy",
+    "Embedding", "Gather", "GatherD", "GatherNd", "IndexSelect", "MaskedSelect", "TopK", "TopkExt", "Slice",
+    "StridedSlice", "SliceExt", "SelectExt", "Narrow", "ArgMaxWithValue", "ArgMinWithValue", "MaxDim", "MinDim",
+    "Sort", "SortExt"})
+
+
+def selects(op: str) -> bool:
+    return base_name(op) in SELECTS
+
+
 def is_random(op: str) -> bool:
     return base_name(op) in RANDOM
 

@@ -518,22 +518,24 @@ def _first(divs: list, unmatched: pd.DataFrame, parts: list, stepped=None) -> tu
     and a later step never outranks it: where a stage departed within tolerance at an earlier step than
     its first divergence, that departure is the stage's divergence (every value entering the later
     step already differs, so its sources cannot be told from what the earlier step set off), unless
-    the parameter records name the one-run-only op that made the gradient that moved them apart."""
+    the earlier step has a source beyond tolerance (a stage's error rows: a wrong backward kernel whose
+    gradients the optimizer applied) or the parameter records name the one-run-only op that made the
+    gradient that moved them apart."""
     by_part: dict = {}
     for d in divs:
         by_part.setdefault((d.rank, d.step), {})[(d.stage, d.departure)] = d
     first: dict = {}
     early: dict = {}
-    made_gradient: set = set()     # divergences whose inputs a one-run-only op's gradient moved apart
+    sourced: set = set()     # divergences whose inputs an earlier step's source beyond tolerance moved apart
     for d in sorted(divs, key=lambda d: (d.step, d.cause in _NO_SOURCE, d.rank)):
         (early if d.departure else first).setdefault(d.stage, d)
         if d.cause == "inputs" and not d.came_from:
-            d.came_from, maker = _came_from(by_part, unmatched, parts, d, stepped)
-            if maker:
-                made_gradient.add(id(d))
+            d.came_from, beyond = _came_from(by_part, unmatched, parts, d, stepped)
+            if beyond:
+                sourced.add(id(d))
     for stage, d in list(first.items()):
         e = early.get(stage)
-        if e is not None and e.step < d.step and id(d) not in made_gradient:
+        if e is not None and e.step < d.step and id(d) not in sourced:
             first[stage] = _leads_to(e, d)
     return first, [early[s] for s in ("forward", "backward") if s in early and s not in first]
 
@@ -562,7 +564,9 @@ def _came_from(by_part: dict, unmatched: pd.DataFrame, parts: list, d, stepped=N
     turns gradients that agree within rounding, an attention key bias's, into updates that part).
     Without them a one-run-only op is named as a suspect beside the optimizer step: such ops are
     also one run's decompositions (a compiled graph's), which make no gradient of their own.  Returns
-    the line and whether it names an op that made the gradient applied."""
+    the line and whether it names a source beyond tolerance (a divergence with error rows, or the
+    one-run-only op that made the gradient applied): such a source, not a difference within tolerance
+    of that step, is where the later step's inputs part."""
     steps = {step for step, rank in parts if rank == d.rank}
     earlier = [step for step in steps if step < d.step]
     if not earlier:
@@ -582,7 +586,7 @@ def _came_from(by_part: dict, unmatched: pd.DataFrame, parts: list, d, stepped=N
         for stage in ("backward", "forward"):
             src = got.get((stage, departure))
             if src is not None and src.cause not in ("inherited", "after_random", "after_inputs"):
-                return f"they come from step {step}: {src.describe().splitlines()[0]}", False
+                return f"they come from step {step}: {src.describe().splitlines()[0]}", not departure
     if facts is not None and facts.said:
         if facts.gradient_agrees is False and None not in facts.made_by:
             return (f"step {step}'s op records agree; they come from its optimizer step: {facts.said}, within what "

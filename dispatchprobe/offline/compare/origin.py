@@ -159,6 +159,8 @@ class OwnShare:
                 return STRONG if any(self.err[k] > ROUNDINGS * self.unit[k] for k in outs) else WEAK
             in_err = max(self.err_in[k] for k in ins)
         self.estimated.add(i)
+        if op_traits.selects(self.recs_a[i]["op"]):
+            return NONE              # picked elements of a differing input: their statistics bound nothing
         return STRONG if out_err > self.amp * in_err else NONE
 
 

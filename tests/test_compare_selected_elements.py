@@ -1,0 +1,79 @@
+"""An op that picks elements of an input (an embedding's rows, a gather, a top-k) is never named on
+statistics alone beside an input that differs: the picked elements' statistics may move far more than
+the whole input's (the rows an optimizer step changed are the rows the next step's batch reads).  A
+wrong backward kernel (``silu_backward`` 30% too large, in a tiny ``transformers`` Llama) moves step
+0's gradients and so step 1's parameters: the forward line says the inputs differ at step 1 and come
+from step 0's backward divergence, which the backward line names; neither the embedding nor a
+within-tolerance difference of step 0 takes its place, whichever run is A."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from dispatchprobe import DispatchProbe
+from dispatchprobe.cli import main
+
+transformers = pytest.importorskip("transformers")
+
+
+def _silu_backward_too_large(grad, x):
+    s = torch.sigmoid(x)
+    return grad * s * (1 + x * (1 - s)) * 1.3
+
+
+def _record(path, planted: bool, checkpointed: bool = False):
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    cfg._attn_implementation = "sdpa"
+    model = transformers.LlamaForCausalLM(cfg)
+    model.train()
+    if checkpointed:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    lib = None
+    if planted:
+        lib = torch.library.Library("aten", "IMPL")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            lib.impl("silu_backward", _silu_backward_too_large, "CPU")
+    probe = DispatchProbe(task="statistics", dump_path=str(path))
+    try:
+        for _ in range(2):
+            with probe:
+                model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad()
+            probe.step()
+        probe.close()
+    finally:
+        if lib is not None:
+            lib._destroy()
+    return path
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("selected")
+    return {name: _record(root / name, planted, checkpointed) for name, planted, checkpointed in
+            (("clean", False, False), ("planted", True, False), ("planted-checkpointed", True, True))}
+
+
+@pytest.mark.parametrize("planted", ["planted", "planted-checkpointed"])
+def test_a_backward_kernel_is_the_source_of_the_next_steps_inputs(runs, planted):
+    for a, b in ((runs[planted], runs["clean"]), (runs["clean"], runs[planted])):
+        got = CliRunner().invoke(main, ["compare", str(a), str(b)])
+        assert got.exit_code == 2, got.output
+        lines = got.output.splitlines()
+        assert any(line.startswith("first backward divergence: aten.silu_backward.default") for line in lines), \
+            got.output
+        assert "first forward divergence" not in got.output, got.output
+        forward = next(line for line in lines if line.startswith("the runs differ already at their inputs"))
+        assert "step 1 rank 0" in forward, got.output
+        assert "they come from step 0: first backward divergence: aten.silu_backward.default" in got.output, \
+            got.output
