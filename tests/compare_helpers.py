@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import warnings
 
 import torch
 from torch import nn
@@ -300,3 +301,37 @@ def train_attention_steps(model, opt, path, *, task: str, compiled: bool, steps:
         backend.close()
     torch._dynamo.reset()
     return path
+
+
+@contextlib.contextmanager
+def planted_kernel(op: str | None, kernel=None):
+    """``kernel`` as aten ``op``'s CPU kernel while the block runs (``op`` None: nothing planted):
+    a wrong kernel compare must name.  torch warns that a CPU kernel is overridden: that is the point."""
+    if op is None:
+        yield
+        return
+    lib = torch.library.Library("aten", "IMPL")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        lib.impl(op, kernel, "CPU")
+    try:
+        yield
+    finally:
+        lib._destroy()      # at once: a dropped Library lives until collected, its kernels with it
+
+
+def wrong_silu_backward(grad, x):
+    """silu's gradient, 30% too large."""
+    s = torch.sigmoid(x)
+    return grad * s * (1 + x * (1 - s)) * 1.3
+
+
+class SiluMLP(nn.Module):
+    """A residual silu MLP and a head (the silu's gradient is what a planted kernel changes)."""
+
+    def __init__(self, dim: int = 32):
+        super().__init__()
+        self.up, self.down, self.head = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim), nn.Linear(dim, 4)
+
+    def forward(self, x):
+        return self.head(x + self.down(F.silu(self.up(x))))

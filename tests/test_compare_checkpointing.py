@@ -8,10 +8,10 @@ tensor tasks; a ``torch.autograd.grad`` inside a forward (gradient penalty) is n
 from __future__ import annotations
 
 import json
-import warnings
 
 import pytest
 import torch
+from compare_helpers import planted_kernel, wrong_silu_backward
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
@@ -23,23 +23,12 @@ transformers = pytest.importorskip("transformers")
 
 PLANTS = {   # slightly wrong CPU kernels, overriding aten's
     "silu": lambda x: x * torch.sigmoid(x) * (1 + 1e-3 * torch.sign(x)),
-    "silu_backward": lambda g, x: g * torch.sigmoid(x) * (1 + x * (1 - torch.sigmoid(x))) * 1.3,
+    "silu_backward": wrong_silu_backward,
 }
 
 
-def _planted(plant: str | None):
-    if not plant:
-        return None
-    lib = torch.library.Library("aten", "IMPL")
-    with warnings.catch_warnings():       # torch warns that a CPU kernel is overridden: that is the point
-        warnings.simplefilter("ignore")
-        lib.impl(plant, PLANTS[plant], "CPU")
-    return lib
-
-
 def _record(path, model, step_fn, task: str = "statistics", plant: str | None = None):
-    lib = _planted(plant)
-    try:
+    with planted_kernel(plant, PLANTS.get(plant)):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         probe = DispatchProbe(task=task, dump_path=str(path))
         with probe:
@@ -47,9 +36,6 @@ def _record(path, model, step_fn, task: str = "statistics", plant: str | None = 
         opt.step()
         probe.step()
         probe.close()
-    finally:
-        if lib is not None:
-            lib._destroy()
     return path
 
 

@@ -7,11 +7,9 @@ orders, statistics and tensor tasks."""
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
-from torch import nn
+from compare_helpers import SiluMLP, planted_kernel, wrong_silu_backward
 from torch.nn import functional as F
 
 from dispatchprobe import DispatchProbe
@@ -22,33 +20,14 @@ from dispatchprobe.records.reader import load
 NOTE = "compared unscaled: run {}'s loss scale {}"
 
 
-class MLP(nn.Module):
-    def __init__(self, dim: int = 32):
-        super().__init__()
-        self.up, self.down, self.head = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim), nn.Linear(dim, 4)
-
-    def forward(self, x):
-        return self.head(x + self.down(F.silu(self.up(x))))
-
-
-def _wrong_silu_backward(grad, x):
-    s = torch.sigmoid(x)
-    return grad * s * (1 + x * (1 - s)) * 1.3
-
-
 def _record(path, task: str, scale: float | None = None, plant: bool = False, inside: bool = False,
             lr: float = 1e-3):
     """Two AdamW steps of the MLP; ``scale``: a GradScaler's initial scale (None: no scaler);
     ``inside``: the scaler's step and update (or the optimizer's step) inside ``with probe:``."""
     torch.manual_seed(0)
-    model = MLP()
+    model = SiluMLP()
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     scaler = torch.amp.GradScaler("cpu", init_scale=scale) if scale else None
-    lib = torch.library.Library("aten", "IMPL") if plant else None
-    if plant:
-        with warnings.catch_warnings():       # torch warns that a CPU kernel is overridden: that is the point
-            warnings.simplefilter("ignore")
-            lib.impl("silu_backward", _wrong_silu_backward, "CPU")
 
     def optimizer_step():
         if scaler is not None:
@@ -57,7 +36,7 @@ def _record(path, task: str, scale: float | None = None, plant: bool = False, in
         else:
             opt.step()
         opt.zero_grad()
-    try:
+    with planted_kernel("silu_backward" if plant else None, wrong_silu_backward):
         probe = DispatchProbe(task=task, dump_path=str(path))
         for step in range(2):
             g = torch.Generator().manual_seed(step)
@@ -71,9 +50,6 @@ def _record(path, task: str, scale: float | None = None, plant: bool = False, in
                 optimizer_step()
             probe.step()
         probe.close()
-    finally:
-        if lib is not None:
-            lib._destroy()
     return path
 
 
@@ -134,7 +110,7 @@ def test_runs_scaled_differently_compare_at_the_ratio(runs, pair):
 def test_a_wrong_backward_kernel_in_the_scaled_run_is_named(runs):
     for order, _, v in _both_orders(runs, "fp32", "scaled_wrong"):
         assert v.backward is not None and v.backward.cause == "op", (order, str(v))
-        assert (v.backward.op, v.backward.scope) == ("aten.silu_backward.default", "MLP"), (order, str(v))
+        assert (v.backward.op, v.backward.scope) == ("aten.silu_backward.default", "SiluMLP"), (order, str(v))
 
 
 def test_runs_scaled_alike_are_compared_as_they_are(runs):

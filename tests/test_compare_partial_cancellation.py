@@ -5,50 +5,26 @@ and without one no op is accused.  Both orders, statistics task."""
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
-from torch import nn
+from compare_helpers import SiluMLP, planted_kernel, wrong_silu_backward
 from torch.nn import functional as F
 
 from dispatchprobe import DispatchProbe
 from dispatchprobe.offline.compare import compare
 
 
-class MLP(nn.Module):
-    def __init__(self, dim: int = 32):
-        super().__init__()
-        self.up, self.down, self.head = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim), nn.Linear(dim, 4)
-
-    def forward(self, x):
-        return self.head(x + self.down(F.silu(self.up(x))))
-
-
-def _wrong_silu_backward(grad, x):
-    s = torch.sigmoid(x)
-    return grad * s * (1 + x * (1 - s)) * 1.3
-
-
 def _record(path, dtype, plant: bool = False):
     torch.manual_seed(0)
-    model = MLP().to(dtype)
+    model = SiluMLP().to(dtype)
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(8, 16, 32, generator=g), torch.randn(8, 16, 4, generator=g)
-    lib = torch.library.Library("aten", "IMPL") if plant else None
-    if plant:
-        with warnings.catch_warnings():       # torch warns that a CPU kernel is overridden: that is the point
-            warnings.simplefilter("ignore")
-            lib.impl("silu_backward", _wrong_silu_backward, "CPU")
-    try:
+    with planted_kernel("silu_backward" if plant else None, wrong_silu_backward):
         probe = DispatchProbe(task="statistics", dump_path=str(path))
         with probe:
             F.mse_loss(model(x.to(dtype)).float(), y).backward()
         probe.step()
         probe.close()
-    finally:
-        if lib is not None:
-            lib._destroy()
     return path
 
 
@@ -63,7 +39,7 @@ def runs(tmp_path_factory):
 def test_a_wrong_kernel_reading_a_partly_cancelled_value_is_named(runs, order):
     _, v = compare(*(runs[k] for k in order))
     assert v.backward is not None and v.backward.cause == "op", str(v)
-    assert (v.backward.op, v.backward.scope) == ("aten.silu_backward.default", "MLP"), str(v)
+    assert (v.backward.op, v.backward.scope) == ("aten.silu_backward.default", "SiluMLP"), str(v)
 
 
 @pytest.mark.parametrize("order", [("fp32", "bf16"), ("bf16", "fp32")])

@@ -8,21 +8,15 @@ within-tolerance difference of step 0 takes its place, whichever run is A."""
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 from click.testing import CliRunner
+from compare_helpers import planted_kernel, wrong_silu_backward
 
 from dispatchprobe import DispatchProbe
 from dispatchprobe.cli import main
 
 transformers = pytest.importorskip("transformers")
-
-
-def _silu_backward_too_large(grad, x):
-    s = torch.sigmoid(x)
-    return grad * s * (1 + x * (1 - s)) * 1.3
 
 
 def _record(path, planted: bool, checkpointed: bool = False):
@@ -36,14 +30,8 @@ def _record(path, planted: bool, checkpointed: bool = False):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
-    lib = None
-    if planted:
-        lib = torch.library.Library("aten", "IMPL")
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            lib.impl("silu_backward", _silu_backward_too_large, "CPU")
-    probe = DispatchProbe(task="statistics", dump_path=str(path))
-    try:
+    with planted_kernel("silu_backward" if planted else None, wrong_silu_backward):
+        probe = DispatchProbe(task="statistics", dump_path=str(path))
         for _ in range(2):
             with probe:
                 model(input_ids=ids, labels=ids).loss.backward()
@@ -51,9 +39,6 @@ def _record(path, planted: bool, checkpointed: bool = False):
             opt.zero_grad()
             probe.step()
         probe.close()
-    finally:
-        if lib is not None:
-            lib._destroy()
     return path
 
 
