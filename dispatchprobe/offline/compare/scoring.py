@@ -293,29 +293,34 @@ def _metrics_chunks(part_a, part_b, pairs, todo, out, problems, pool):
                     tb[p[1]] = part_b.tensor(p[1])
                 except RecordError:
                     pass
-        def one(p, ta=ta, tb=tb):
-            a, b = ta.get(p[0]), tb.get(p[1])
-            return None if a is None or b is None else _metrics_of(a, b, p[2])
-        # a tensor saved twice (an op's output and the next op's input) is measured once
+        # a value saved twice (an op's output and the next op's input, a view's base) is measured once:
+        # pairs alike in all _metrics_of reads share the first one's metrics
         same_a, same_b = same_content(ta), same_content(tb)
-        alike: dict = {}      # (A's tensor, B's tensor, judged dtype), first of their contents -> pairs
+        alike: dict = {}      # (A's content, B's content, judged dtype, same shapes, same bytes) -> pairs
         for p in chunk:
-            alike.setdefault((same_a.get(p[0], p[0]), same_b.get(p[1], p[1]), p[2]), []).append(p)
-        firsts = list(alike)
+            a, b = ta.get(p[0]), tb.get(p[1])
+            if a is not None and b is not None:
+                firsts = same_a.get(p[0], p[0]), same_b.get(p[1], p[1])
+                alike.setdefault((*firsts, p[2], a.shape == b.shape, _judged_same(a, b, p[2])), []).append(p)
+
+        def one(key, ta=ta, tb=tb):
+            first = alike[key][0]
+            return _metrics_of(ta[first[0]], tb[first[1]], first[2], same=key[-1])
+        keys = list(alike)
         # numpy releases the GIL in the element-wise passes: threads use every core
-        for first, res in zip(firsts, pool.map(one, firsts) if pool else map(one, firsts)):
-            if res is None:
-                continue
-            for p in alike[first]:
+        for key, res in zip(keys, pool.map(one, keys) if pool else map(one, keys)):
+            for p in alike[key]:
                 for k in todo[p]:
                     out[k] = res
         del ta, tb, one
 
 
 def same_content(tensors: dict) -> dict:
-    """{key: the first key whose tensor is bit for bit the same (dtype, shape, layout, every byte)} over
-    ``tensors`` (key -> array): a run saves one value under several keys (an op's output, the next
-    op's input), a third of a transformer step's elements, and its metrics are one computation.
+    """{key: the first key whose tensor has the same dtype and elements bit for bit in C order}
+    over ``tensors`` (key -> array): a run saves one value under several keys (an op's output and
+    the next op's input, a view and its base), a third of a transformer step's elements.  The
+    metrics read the elements flattened, so such tensors share theirs, whatever their shapes and
+    layouts (:func:`_metrics_of` reads only whether a pair's shapes agree and :func:`_judged_same`).
     Candidates are told by a few sampled elements, then compared in full."""
     firsts: dict = {}     # sample -> the first keys of the contents seen with it
     out = {}
@@ -330,27 +335,35 @@ def same_content(tensors: dict) -> dict:
 
 
 def _sample(x: np.ndarray) -> tuple:
-    """dtype, shape, contiguity and the bytes of five elements spread over ``x``: equal for equal
-    tensors.  Contiguity too: :func:`_same_bytes` tests a contiguous pair byte by byte and another by
-    value (-0.0 equal to 0.0), so a tensor shares its metrics only with tensors of its layout."""
+    """dtype, size and the bytes of five elements spread over ``x``: equal for equal tensors."""
     n = x.size
     picks = x.flat[[0, n // 5, n // 2, (4 * n) // 5, n - 1]].tobytes() if n else b""
-    return x.dtype.str, x.shape, bool(x.flags.c_contiguous), picks
+    return x.dtype.str, n, picks
 
 
 def _identical(x: np.ndarray, y: np.ndarray) -> bool:
-    """The same dtype, shape and bytes in element order (-0.0 is not 0.0, nan payloads count)."""
-    if x.dtype != y.dtype or x.shape != y.shape:
+    """The same dtype and elements bit for bit in C order (-0.0 is not 0.0, nan payloads count)."""
+    if x.dtype != y.dtype or x.size != y.size:
         return False
     if x.size == 0:
         return True
     return _equal_bytes(np.ascontiguousarray(x), np.ascontiguousarray(y))
 
 
-def _metrics_of(a: np.ndarray, b: np.ndarray, dtype: str):
+def _judged_same(a: np.ndarray, b: np.ndarray, dtype: str) -> bool | None:
+    """Whether :func:`_metrics_of` finds the pair identical (no metrics to compute); None where it
+    does not ask (a binary pair).  It depends on the pair's layout, not only its contents:
+    :func:`_same_bytes` compares a contiguous pair's bytes and another's values (-0.0 equal to 0.0)."""
+    if not is_float(dtype) or a.dtype.kind not in "fc" or b.dtype.kind not in "fc":
+        return None
+    return a.dtype == b.dtype and a.shape == b.shape and _same_bytes(a, b)
+
+
+def _metrics_of(a: np.ndarray, b: np.ndarray, dtype: str, same: bool | None = None):
+    """(metrics, kind) of one pair; ``same``: :func:`_judged_same` of the pair, where known."""
     if not is_float(dtype) or a.dtype.kind not in "fc" or b.dtype.kind not in "fc":
         return {"binary_mismatch": M.binary_mismatch(a, b), "elements": int(a.size)}, "binary"
-    if a.dtype == b.dtype and a.shape == b.shape and _same_bytes(a, b):
+    if same if same is not None else _judged_same(a, b, dtype):
         return {**PERFECT, "elements": int(a.size)}, "float"
     return M.compare_arrays(a, b, dtype, only=COMPUTED, symmetric=True), "float"
 
@@ -376,4 +389,5 @@ def _equal_bytes(x: np.ndarray, y: np.ndarray) -> bool:
         return False
     if bx.size % 8 == 0:
         bx, by = bx.view(np.uint64), by.view(np.uint64)
-    return bool(np.array_equal(bx, by))
+    # most unequal tensors differ early: their first 4 KB first
+    return bool(np.array_equal(bx[:512], by[:512]) and np.array_equal(bx, by))
