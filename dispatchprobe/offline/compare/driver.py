@@ -624,13 +624,18 @@ def _same_folder(run_a, run_b, jobs_list) -> bool:
     return all(os.path.realpath(run_a.parts[ka].path) == os.path.realpath(run_b.parts[kb].path) for ka, kb in jobs_list)
 
 
-def _run_tasks(tasks, jobs: int, progress: bool):
+def _progress_bar(total: int):
+    """tqdm's bar over the parts, or None without tqdm.  Imported only for a bar shown: importing
+    tqdm reads the installed packages' metadata, ~40 ms of a compare that shows no progress."""
     try:
         from tqdm import tqdm
     except ImportError:  # pragma: no cover
-        tqdm = None
-    bar = tqdm(total=len(tasks), desc="compare", unit="part", disable=not progress or tqdm is None,
-               leave=False) if tqdm else None
+        return None
+    return tqdm(total=total, desc="compare", unit="part", leave=False)
+
+
+def _run_tasks(tasks, jobs: int, progress: bool):
+    bar = _progress_bar(len(tasks)) if progress else None
     results = [None] * len(tasks)
     if jobs > 1 and len(tasks) > 1:
         with ProcessPoolExecutor(max_workers=min(jobs, len(tasks))) as pool:
