@@ -17,7 +17,9 @@ the unmatched table and freeing the parsed records).
 Every compare runs in a fresh interpreter: "seconds" is its whole wall time (imports included),
 "in-call" the compare call alone; peak RSS is the child's.  ``--tree LABEL=PATH`` (repeatable)
 compares with the dispatchprobe of each tree (``PYTHONPATH``) on the same runs, the trees
-alternating ``--rounds`` times: an old and a new version side by side.  Time it alone:
+alternating ``--rounds`` times: an old and a new version side by side.  The tensor case is also
+timed with torch imported before the call ("torch in"): its float64 re-runs import it, msprobe's
+compare imports it before its timer.  Time it alone:
 ``flock /tmp/bench.lock python benchmarks/compare_speed.py ...``.
 
     python benchmarks/compare_speed.py [--ops 100000] [--skip-tensor] [--long-steps 1000]
@@ -201,18 +203,21 @@ def phase_rows(a: str, b: str) -> list:
     return [tuple(line[6:].rsplit("|", 1)) for line in res.stdout.splitlines() if line.startswith("PHASE ")]
 
 
-def tree_rows(cases: list, trees: list, rounds: int) -> list:
+def tree_rows(cases: list, trees: list, rounds: int, preload: bool = False) -> list:
     """Each case compared by each tree's dispatchprobe, the trees alternating ``rounds`` times; the
-    rows name the tree."""
+    rows name the tree.  ``preload``: also each tree with torch imported before the timed call (the
+    tensor compare imports it for its float64 re-runs; msprobe's compare has it imported before)."""
     rows = []
     for _ in range(rounds):
         for case, a, b in cases:
             for label, path in trees:
-                dt, rss, out, call = timed_subprocess("from dispatchprobe import compare\n"
-                                                      + _timed(f"t, v = compare({a!r}, {b!r})"), tree=path)
-                if rss != rss:
-                    raise SystemExit(f"tree {label}: compare failed: {out}")
-                rows.append((case, f"dispatchprobe {label}", dt, call, rss))
+                for first in ("", "import torch\n") if preload else ("",):
+                    dt, rss, out, call = timed_subprocess(first + "from dispatchprobe import compare\n"
+                                                          + _timed(f"t, v = compare({a!r}, {b!r})"), tree=path)
+                    if rss != rss:
+                        raise SystemExit(f"tree {label}: compare failed: {out}")
+                    rows.append((case, f"dispatchprobe {label}".strip() + (", torch in" if first else ""), dt, call,
+                                 rss))
     return rows
 
 
@@ -263,21 +268,22 @@ def main():
             record(ta, model_kw=kw, batch=batch)
             record(tb, model_kw=kw, batch=batch, plant=True)
             size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(ta) for f in fs) / 2**20
-            dt, rss, _, call = timed_subprocess("from dispatchprobe import compare\n"
-                                                + _timed(f"t, v = compare({ta!r}, {tb!r})"))
-            rows.append((f"tensor, transformer step ({size:.0f} MB per run)", "dispatchprobe", dt, call, rss))
+            case = f"tensor, transformer step ({size:.0f} MB per run)"
+            # with --tree: each tree, and each with torch imported before the call ("torch in")
+            rows += tree_rows([(case, ta, tb)], [t.split("=", 1) for t in args.tree] or [("", None)],
+                              args.rounds if args.tree else 1, preload=True)
             ms_rows, ms_note = msprobe_rows(tmp, kw, batch)
             rows += ms_rows
             if ms_rows:
-                ours, theirs = rows[-2], rows[-1]
+                ours, theirs = next(r for r in rows if r[0] == case), rows[-1]
                 ms_note += (f"\ntensor compare speedup over msprobe: {theirs[2] / ours[2]:.1f}x wall, "
                             f"{theirs[3] / ours[3]:.1f}x in-call")
         else:
             ms_note = "tensor compare skipped"
     print(f"(synthetic runs generated in {gen:.1f} s)")
-    print(f"{'case':48s} {'tool':18s} {'seconds':>8s} {'in-call':>8s} {'peak RSS MB':>12s}")
+    print(f"{'case':48s} {'tool':28s} {'seconds':>8s} {'in-call':>8s} {'peak RSS MB':>12s}")
     for case, tool, dt, call, rss in rows:
-        print(f"{case:48s} {tool:18s} {dt:8.2f} {call:8.2f} {rss:12.0f}")
+        print(f"{case:48s} {tool:28s} {dt:8.2f} {call:8.2f} {rss:12.0f}")
     print(ms_note)
 
 
