@@ -5,7 +5,7 @@ eager run most records have no counterpart."""
 
 from __future__ import annotations
 
-from ..records.format import UNRECORDED_GRAPHS
+from ..records.format import UNRECORDED_GRAPHS, UNRECORDED_HIGHER_ORDER
 
 
 def graphs_note(manifest: dict) -> str | None:
@@ -26,3 +26,12 @@ def unrecorded_graphs(manifest_a: dict, manifest_b: dict, short: bool = False) -
         return ("both runs'" if len(sides) == 2 else f"run {sides[0]}'s") + " compiled graphs were not recorded"
     who = "both runs" if len(sides) == 2 else f"run {sides[0]}"
     return f"{who}: {graphs_note(manifest_a if sides[0] == 'A' else manifest_b)}"
+
+
+def higher_order_note(manifest: dict) -> str | None:
+    """The one-line account of higher-order ops the eager probe ran outside compiled code (None: none)."""
+    names = manifest.get(UNRECORDED_HIGHER_ORDER)
+    if not names:
+        return None
+    return (f"higher-order ops ran outside compiled code ({', '.join(names)}): the ops they run inside "
+            f"are not recorded")

@@ -11,6 +11,9 @@ FORMAT_VERSION = 1
 CLOSED_MARKER = "closed"     # an empty file the writer leaves in a step/rank folder it closed
 # manifest key: the eager probe saw compiled graphs run (torch.compile) that no probe_backend recorded
 UNRECORDED_GRAPHS = "compiled_graphs_unrecorded"
+# manifest key: the higher-order ops (torch.cond, a checkpoint's rng wrapper) run outside compiled code,
+# whose inner ops the eager probe does not see
+UNRECORDED_HIGHER_ORDER = "higher_order_ops_unrecorded"
 
 
 def ended_marker(rank: int) -> str:

@@ -15,8 +15,10 @@ import torch
 from . import tensor_backend as torch_backend
 from . import collectives, fused_stats, ops, tensor_kinds
 from ..core.config import ConfigError
-from ..records.format import UNRECORDED_GRAPHS
+from ..records.format import UNRECORDED_GRAPHS, UNRECORDED_HIGHER_ORDER
+from .compiled_frames import in_compiled_code
 from .dispatch_mode import OpFacts, ProbeMode
+from .internals.dispatch import HigherOrderOperator
 from .internals.autograd import current_autograd_node, current_graph_task_id
 from .module_scopes import ModuleScopes
 from .session import TorchSession
@@ -50,6 +52,7 @@ class DispatchProbe(TorchSession):
         self.scopes = ModuleScopes(self, model)
         self.uninitialised = Uninitialised()
         self._facts: dict[int, OpFacts] = {}
+        self._hops_unrecorded: set[str] = set()      # higher-order ops run outside compiled code
         self.collective_seq = collectives.Sequence()     # per process group, from the probe's start
         self.pending = collectives.Pending(self)         # collectives called, recorded once complete
         self.written_last: list = []     # (tensor, version) written by the last recorded op (count_write)
@@ -125,7 +128,17 @@ class DispatchProbe(TorchSession):
         return self._facts.get(id(func)) or self._learn(func)
 
     def _learn(self, func) -> OpFacts:
-        """Learns an overload's facts (keyed by ``id``: an overload's hash is a Python method)."""
+        """Learns an overload's facts (keyed by ``id``: an overload's hash is a Python method).  A
+        higher-order op is run, never recorded: the ops it runs inside pass below this mode.  Inside
+        compiled code that is every call of a graph's (``probe_backend`` records the graph); one
+        run outside it is noted in the manifest, which ``show`` says."""
+        if isinstance(func, HigherOrderOperator):
+            if not in_compiled_code():
+                self._hops_unrecorded.add(func.name())
+                self.note_in_manifest(UNRECORDED_HIGHER_ORDER, sorted(self._hops_unrecorded))
+            facts = self._facts[id(func)] = OpFacts(func, False, f"higher_order.{func.name()}", (), False, (), (),
+                                                    False, False)
+            return facts
         wanted = not ops.never_recorded(func) and self.selector.op_selected(ops.op_name(func))
         if not self.config.include_views and ops.is_alias(func):
             wanted = False

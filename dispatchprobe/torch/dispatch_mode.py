@@ -35,6 +35,10 @@ class ProbeMode(TorchDispatchMode):
     model eagerly); the calls compiled graphs make are not recorded: they are not the eager
     op granularity, and ``probe_backend`` records the graphs' own ops."""
 
+    # higher-order ops (a compiled graph's rng wrapper around activation checkpointing's random ops,
+    # torch.cond) reach the mode too, popped as for any op: they run, unrecorded (see capture._learn)
+    supports_higher_order_operators = True
+
     def __init__(self, probe: "DispatchProbe"):
         super().__init__()
         self.probe = probe

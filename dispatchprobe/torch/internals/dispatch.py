@@ -6,11 +6,11 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from torch._ops import OpOverload
+from torch._ops import HigherOrderOperator, OpOverload
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 
-__all__ = ["OpOverload", "TorchDispatchMode", "tree_flatten", "tree_leaves", "tree_map", "tree_unflatten",
+__all__ = ["HigherOrderOperator", "OpOverload", "TorchDispatchMode", "tree_flatten", "tree_leaves", "tree_map", "tree_unflatten",
            "autograd_on", "no_functorch", "op_schema", "schema_info", "set_grad_enabled"]
 
 #: Turns autograd on or off without ``torch.no_grad``'s decorator machinery (per op, a third of its cost).
