@@ -182,6 +182,25 @@ def op_shapes(record: dict) -> tuple:
     return ("given", *given) if given else shapes
 
 
+def output_kinds(record: dict) -> tuple:
+    """The kind of each output tensor's dtype (floating, integer, bool, complex): a kernel standing in
+    for another computes the same kind of value (``addmm`` for ``mm``, in any float dtype), so an
+    ``eq``'s mask never pairs with an ``arange``'s indices of the same shape."""
+    return tuple(_KINDS.get(spec.get("dtype"), None) or _kind(spec.get("dtype", ""))
+                 for _, _, spec in walk(record, inputs=False))
+
+
+_KINDS: dict = {}
+
+
+def _kind(dtype: str) -> str:
+    name = dtype.lower().rsplit(".", 1)[-1]
+    kind = "b" if name.startswith("bool") else "c" if name.startswith("complex") else \
+        "i" if name.startswith(("int", "uint", "long", "short")) else "f" if "float" in name or name == "half" else name
+    _KINDS[dtype] = kind
+    return kind
+
+
 def _ranks(record: dict) -> tuple:
     return tuple(len(spec["shape"]) for _, _, spec in walk(record))
 
@@ -239,7 +258,8 @@ def align_ops(recs_a: list, recs_b: list, ia: list, ib: list, mapping: Mapping, 
     def same_size(ra, rb):   # across frameworks (outputs may differ in number): a scaling of a scalar is no
         return _sizes(ra)[:1] == _sizes(rb)[:1]     # counterpart of one of a matrix
 
-    substituted = ("shapes", lambda r, m: (scope(r, m), op_traits.is_cast(op(r, m)), shapes(r)), None)
+    substituted = ("shapes", lambda r, m: (scope(r, m), op_traits.is_cast(op(r, m)), shapes(r), output_kinds(r)),
+                   None)
     keyers = (
         ("op+shapes", lambda r, m: (scope(r, m), op(r, m), shapes(r)), None),
         ("op", lambda r, m: (scope(r, m), op(r, m)), same_size if cross else _same_ranks),
