@@ -26,7 +26,7 @@ from .columns import TENSOR_METRICS
 from .exact import otherwise_identical
 from .pairing import DataFlow, user_frames
 from .regroup import Regrouping
-from .scoring import distance_bound, pair_codes
+from .scoring import _tolerances, distance_bound, pair_codes
 from .rerun import ROUNDOFF
 from .verdict import Divergence
 
@@ -84,7 +84,7 @@ PASS_ON = 1.25                  # outputs relatively no further off than this x 
 class OwnShare:
     """Decides, per paired record of run A, whether its op adds a difference of its own."""
 
-    def __init__(self, df, recs_a, recs_b, pair_b, rerun):
+    def __init__(self, df, recs_a, recs_b, pair_b, rerun, error_rows):
         self.amp = float(standard("compare_standards").get("origin_amplification", 10.0))
         self.err = np.nan_to_num(df["error"].to_numpy(np.float64), nan=0.0, posinf=np.inf).tolist()
         # what an input hands on: a value passed by the cancellation rule (its error taken relative to
@@ -102,6 +102,9 @@ class OwnShare:
         self.recs_a, self.recs_b, self.pair_b, self.rerun = recs_a, recs_b, pair_b, rerun
         self.estimated: set = set()    # records with differing inputs decided by the recorded errors
         self.sizes = None              # the columns _carries_noise reads, on first use
+        self.error_rows = error_rows
+        self.lines = None              # the columns estimate() reads, on first use (_lines)
+        self.unjudged: dict = {}       # stage -> the first record estimate() passed over there
 
     def _carries_noise(self, outs: list, noise: list) -> bool:
         """Whether the outputs differ by no more than ``origin_amplification`` times the noise inputs'
@@ -158,10 +161,46 @@ class OwnShare:
             if not ins:
                 return STRONG if any(self.err[k] > ROUNDINGS * self.unit[k] for k in outs) else WEAK
             in_err = max(self.err_in[k] for k in ins)
-        self.estimated.add(i)
         if op_traits.selects(self.recs_a[i]["op"]):
+            self.estimated.add(i)
             return NONE              # picked elements of a differing input: their statistics bound nothing
-        return STRONG if out_err > self.amp * in_err else NONE
+        return self.estimate(i, floats, ins, out_err, in_err)
+
+    def estimate(self, i: int, outs: list, ins: list, out_err: float, in_err: float) -> int:
+        """An op's own difference judged on the recorded errors alone (inputs that differ, no float64
+        re-run): its outputs off by ``out_err``, ``origin_amplification`` times further than its inputs.
+        A statistics difference is a lower bound of the values' difference (a norm, a mean, an extreme
+        average out or miss what differs element by element), so an input read by statistics only may
+        differ far more than its row says, and the op reading it looks like it amplifies.  Such an input
+        counts as off by at least a rounding of the precision its values were computed in, and such
+        evidence names an op only where one of its outputs crosses the error line; below it, in a stage
+        with error rows, the op is no source (its rows follow from its inputs) and is noted in
+        ``unjudged``.  A forward kernel off below the lower precision's resolution then names no
+        backward op after it, while a kernel off by far more than rounding still crosses the line."""
+        self.estimated.add(i)
+        if not out_err > self.amp * in_err:
+            return NONE
+        stats_only, judged_unit, error_row, error_stage = self.lines or self._lines()
+        bounded = [k for k in ins if stats_only[k]]
+        if not out_err > self.amp * max([in_err, *(judged_unit[k] for k in bounded)]):
+            return NONE
+        if bounded and error_stage[outs[0]] and not any(error_row[k] for k in outs):
+            self.unjudged.setdefault(self.recs_a[i]["stage"], i)
+            return NONE
+        return STRONG
+
+    def _lines(self) -> tuple:
+        """Per row: compared by statistics only; the unit roundoff of the precision its values are
+        judged at (the lowest they were computed in, scoring's); an error row; in a stage with some."""
+        df, error_rows = self.df, self.error_rows
+        judged = _tolerances(df, df["dtype_a"].to_numpy(object), df["dtype_b"].to_numpy(object))[0] \
+            if {"lineage_a", "lineage_b"} <= set(df.columns) else \
+            [V.lower_precision(x, y) for x, y in zip(self.dtype_a, self.dtype_b)]
+        stages = df["stage"].to_numpy(object)
+        self.lines = (df["rel_l2_err"].isna().tolist(),
+                      pd.Series(judged, dtype=object).map(ROUNDOFF).fillna(0.0).tolist(),
+                      error_rows.tolist(), np.isin(stages, np.unique(stages[error_rows])).tolist())
+        return self.lines
 
 
 class Side(NamedTuple):
@@ -261,7 +300,7 @@ class Lineage:
         self.noise = noise.tolist()
         self.partial = self.partial_rows.tolist()
         self.src_a, self.src_b = a.flow.src.get, b.flow.src.get
-        self.own_share = OwnShare(df, a.recs, b.recs, self.pair_b, rerun)
+        self.own_share = OwnShare(df, a.recs, b.recs, self.pair_b, rerun, self.bad_rows)
         self.loose = {s.name: self._loose(s) for s in (a, b)}
         # per run: its one-run-only ops that make a constant (makes_constant): sources ranked after computed ones
         self.makers = {n: {i for (_, kind), recs in lo.items() if kind == MAKER for i in recs}
@@ -650,17 +689,16 @@ class Lineage:
             found = _min(found, got)
         return found
 
-    def regrouped_own(self, i: int, reach: float, sources) -> int:
+    def regrouped_own(self, i: int, reach: float, sources, outs: list, ins: list) -> int:
         """Whether regrouped sum ``i`` is where a difference enters: its output is the total in both
         runs, it differs ``origin_amplification`` times more than the terms it adds up, and no
         one-run-only op among them (a hook scaling one group) is a source (estimated, as
-        :class:`OwnShare` estimates).  Its partial sums' rows say nothing either way."""
+        :class:`OwnShare` estimates, :meth:`OwnShare.estimate`).  Its partial sums' rows say nothing either way."""
         amp = self.own_share.amp
         if i in self.regroup.partial_out or not reach > amp * self.terms_err.get(i, 0.0) or any(
                 r is not None and r.cause == "unmatched" for src in sources for r in src):
             return NONE
-        self.own_share.estimated.add(i)
-        return STRONG
+        return self.own_share.estimate(i, outs, ins, reach, self.terms_err.get(i, 0.0))
 
     # ---- the pass ---------------------------------------------------------------------------------
     def trace(self) -> tuple[np.ndarray, list]:
@@ -716,7 +754,7 @@ class Lineage:
                 # a float64 re-run costs an op's replay twice: only while no larger source is known
                 found = stage_src.get((stage, rec["kind"], stage in err_stages))
                 hidden = self.uncompared(i, s0, e0)
-                own = self.regrouped_own(i, reach, srcs.values()) if regrouped else self.own_share(
+                own = self.regrouped_own(i, reach, srcs.values(), outs, ins) if regrouped else self.own_share(
                     i, outs, ins + [k for k, _ in hidden if k is not None],
                     found is None or found[0] is None or found[0].weak,
                     any(k is None for k, _ in hidden), [k for k in ins if self.noise[k]])
@@ -810,6 +848,7 @@ def trace(df: pd.DataFrame, a: Side, b: Side, pairs: list, rerun=None, same_kern
         div.approximate = pick.cause == "op" and (pick.index in lineage.own_share.estimated or bool(
             unmeasured[(lineage.uid == pick.index) & (df["stage"].to_numpy(object) == stage)].any()))
         _paired_op(df, div, pick)
+        div.unjudged = _unjudged(df, lineage, stage, pick) if errors else ""
         divs.append(div)
     _not_judged(divs)
     return origin_rows, divs
@@ -818,6 +857,22 @@ def trace(df: pd.DataFrame, a: Side, b: Side, pairs: list, rerun=None, same_kern
 PARTIAL_SUMS = ("partial sums the runs group differently: a row of a sum whose terms each run adds in other "
                 "groups (a sum in one run only), so its two values need not be one partial sum; the total "
                 "is compared where it is read")
+
+
+def _unjudged(df: pd.DataFrame, lineage: Lineage, stage: str, pick: Root) -> str:
+    """What the verdict says of the first op of ``stage`` whose own difference the recorded errors
+    could not judge (:meth:`OwnShare.estimate`), where no op at or before it is named instead."""
+    i = lineage.own_share.unjudged.get(stage)
+    if i is None or (pick.cause in ("op", "unmatched") and pick.at <= lineage.seq_a[i]):
+        return ""
+    rec = lineage.a.recs[i]
+    rows = df[(df["uid"] == i) & (df["stage"] == stage) & (df["io"] == "output")]
+    worst = rows.loc[rows["error"].idxmax()] if len(rows) and rows["error"].notna().any() else None
+    size = f"{worst['arg']} off by {worst['error']:.3g}, " if worst is not None else ""
+    return (f"{rec['op']} [{rec['scope'] or '<top>'}] call {int(rec['call'])} (#{int(lineage.seq_a[i])} in "
+            f"{stage}) reads inputs that differ already ({size}within tolerance) and looks like it amplifies "
+            f"them on statistics alone; a statistics difference is a lower bound of the values' difference, so "
+            f"whether it adds one of its own cannot be judged: record tensors (task tensor) to measure it")
 
 
 def _partial_sums_not_judged(df: pd.DataFrame, rows: np.ndarray) -> None:

@@ -74,6 +74,7 @@ class Divergence:
     other_op: str = ""           # the paired record's op in the other run, where it is another op
     follows: str = ""            # after_random/after_inputs: where the forward difference it follows is
     recomputed: bool = False     # a forward op activation checkpointing re-ran in backward (both runs re-ran it)
+    unjudged: str = ""           # an earlier op that looked like it amplified on statistics alone, below the error line
 
     @property
     def quiet(self) -> bool:
@@ -147,6 +148,8 @@ class Divergence:
                         if self.approximate else "")]
         if self.came_from:
             lines.append(f"  {self.came_from}")
+        if self.unjudged:
+            lines.append(f"  not named: {self.unjudged}")
         if self.module and self.module != self.scope:
             lines.append(f"  smallest module whose output differs: {self.module}")
         lines += [f"  at {frame}" for frame in self.stack[-4:]]
