@@ -26,7 +26,7 @@ from .columns import TENSOR_METRICS
 from .exact import otherwise_identical
 from .pairing import DataFlow, user_frames
 from .regroup import Regrouping
-from .scoring import _tolerances, distance_bound, pair_codes
+from .scoring import distance_bound, judging_precisions, pair_codes
 from .rerun import ROUNDOFF
 from .verdict import Divergence
 
@@ -193,7 +193,7 @@ class OwnShare:
         """Per row: compared by statistics only; the unit roundoff of the precision its values are
         judged at (the lowest they were computed in, scoring's); an error row; in a stage with some."""
         df, error_rows = self.df, self.error_rows
-        judged = _tolerances(df, df["dtype_a"].to_numpy(object), df["dtype_b"].to_numpy(object))[0] \
+        judged = judging_precisions(df, df["dtype_a"].to_numpy(object), df["dtype_b"].to_numpy(object))[0] \
             if {"lineage_a", "lineage_b"} <= set(df.columns) else \
             [V.lower_precision(x, y) for x, y in zip(self.dtype_a, self.dtype_b)]
         stages = df["stage"].to_numpy(object)

@@ -36,7 +36,7 @@ def score_pairs(df: pd.DataFrame, part_a: Part, part_b: Part, tensors: bool, pro
     new["stats_err"] = stats_err
     dtype_a = df["dtype_a"].to_numpy(object)
     dtype_b = df["dtype_b"].to_numpy(object)
-    judge_dtype, cross = _tolerances(df, dtype_a, dtype_b)
+    judge_dtype, cross = judging_precisions(df, dtype_a, dtype_b)
     nonfinite = ((df["nan_a"].fillna(0).to_numpy() != df["nan_b"].fillna(0).to_numpy())
                  | (df["inf_a"].fillna(0).to_numpy() != df["inf_b"].fillna(0).to_numpy()))
     status, reason = S.judge_stats_columns(stats_err, judge_dtype, nonfinite)
@@ -231,7 +231,7 @@ def pair_codes(xa, xb) -> tuple[np.ndarray, list]:
     return codes.astype(np.int64), [(ua[k // width], ub[k % width]) for k in keys.tolist()]
 
 
-def _tolerances(df: pd.DataFrame, dtype_a, dtype_b) -> tuple[np.ndarray, np.ndarray]:
+def judging_precisions(df: pd.DataFrame, dtype_a, dtype_b) -> tuple[np.ndarray, np.ndarray]:
     """Per row: the dtype whose tolerance applies and whether the pair is cross-precision.  A float
     pair is judged by the lowest precision among its two dtypes and the precisions its values were
     computed from (``DataFlow.lineage``); it is cross-precision when those differ between the runs
