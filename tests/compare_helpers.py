@@ -335,3 +335,35 @@ class SiluMLP(nn.Module):
 
     def forward(self, x):
         return self.head(x + self.down(F.silu(self.up(x))))
+
+
+def tiny_llama(checkpointed: bool = False) -> nn.Module:
+    """A tiny random-init ``transformers`` Llama (2 layers, hidden 64, vocab 128, sdpa attention) in
+    training mode, seeded alike every call; ``checkpointed``: HF's gradient checkpointing (non-reentrant)."""
+    import transformers as T
+    torch.manual_seed(0)
+    cfg = T.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    cfg._attn_implementation = "sdpa"
+    model = T.LlamaForCausalLM(cfg).train()
+    if checkpointed:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def record_adamw_steps(path, model: nn.Module, loss_fn, *, steps: int = 2, autocast: bool = False,
+                       plant: str | None = None, kernel=None):
+    """``steps`` AdamW steps (lr 1e-3, stepped outside ``with probe:``) of ``loss_fn(model)``, recorded
+    with the statistics task into ``path``; ``autocast``: bfloat16 CPU autocast around the step;
+    ``plant``/``kernel``: a wrong aten kernel (:func:`planted_kernel`) for the whole run."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    probe = DispatchProbe(task="statistics", dump_path=str(path))
+    with planted_kernel(plant, kernel):
+        for _ in range(steps):
+            with probe, (torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()):
+                loss_fn(model).backward()
+            opt.step()
+            opt.zero_grad()
+            probe.step()
+    probe.close()
+    return path

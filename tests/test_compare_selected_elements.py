@@ -11,35 +11,17 @@ from __future__ import annotations
 import pytest
 import torch
 from click.testing import CliRunner
-from compare_helpers import planted_kernel, wrong_silu_backward
+from compare_helpers import record_adamw_steps, tiny_llama, wrong_silu_backward
 
-from dispatchprobe import DispatchProbe
 from dispatchprobe.cli import main
 
 transformers = pytest.importorskip("transformers")
 
 
 def _record(path, planted: bool, checkpointed: bool = False):
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    cfg._attn_implementation = "sdpa"
-    model = transformers.LlamaForCausalLM(cfg)
-    model.train()
-    if checkpointed:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
-    with planted_kernel("silu_backward" if planted else None, wrong_silu_backward):
-        probe = DispatchProbe(task="statistics", dump_path=str(path))
-        for _ in range(2):
-            with probe:
-                model(input_ids=ids, labels=ids).loss.backward()
-            opt.step()
-            opt.zero_grad()
-            probe.step()
-        probe.close()
-    return path
+    return record_adamw_steps(path, tiny_llama(checkpointed), lambda m: m(input_ids=ids, labels=ids).loss,
+                              plant="silu_backward" if planted else None, kernel=wrong_silu_backward)
 
 
 @pytest.fixture(scope="module")

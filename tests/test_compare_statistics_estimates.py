@@ -8,15 +8,12 @@ while a silu backward planted 30% too large is still named; both orders alike.""
 
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
 import pandas as pd
 import pytest
 import torch
+from compare_helpers import record_adamw_steps, tiny_llama, wrong_silu_backward
 
-from compare_helpers import planted_kernel, wrong_silu_backward
-from dispatchprobe import DispatchProbe
 from dispatchprobe.offline.compare import compare
 from dispatchprobe.offline.compare.origin import NONE, STRONG, OwnShare
 
@@ -30,26 +27,11 @@ def silu_too_large(x):
 
 def record_llama(path, *, autocast: bool, plant: str | None = None, kernel=None, steps: int = 2):
     """Record ``steps`` AdamW steps of a tiny Llama on a padded batch, statistics task."""
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                   attention_dropout=0.0)
-    cfg._attn_implementation = "sdpa"
-    model = transformers.LlamaForCausalLM(cfg).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
     mask = torch.ones(2, 16, dtype=torch.long)
     mask[1, 10:] = 0
-    probe = DispatchProbe(task="statistics", dump_path=str(path))
-    with planted_kernel(plant, kernel):
-        for _ in range(steps):
-            with probe, (torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()):
-                model(input_ids=tokens, labels=tokens, attention_mask=mask).loss.backward()
-            opt.step()
-            opt.zero_grad()
-            probe.step()
-    probe.close()
-    return path
+    return record_adamw_steps(path, tiny_llama(), lambda m: m(input_ids=tokens, labels=tokens, attention_mask=mask).loss,
+                              steps=steps, autocast=autocast, plant=plant, kernel=kernel)
 
 
 @pytest.fixture(scope="module")
@@ -85,18 +67,10 @@ def record_t5(path, *, autocast: bool, steps: int = 2):
     cfg = transformers.T5Config(vocab_size=128, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2,
                                 num_heads=4, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0)
     model = transformers.T5ForConditionalGeneration(cfg).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(0)
     tokens, labels = torch.randint(1, 128, (2, 16), generator=gen), torch.randint(1, 128, (2, 8), generator=gen)
-    probe = DispatchProbe(task="statistics", dump_path=str(path))
-    for _ in range(steps):
-        with probe, (torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()):
-            model(input_ids=tokens, labels=labels).loss.backward()
-        opt.step()
-        opt.zero_grad()
-        probe.step()
-    probe.close()
-    return path
+    return record_adamw_steps(path, model, lambda m: m(input_ids=tokens, labels=labels).loss, steps=steps,
+                              autocast=autocast)
 
 
 @pytest.fixture(scope="module")
