@@ -11,7 +11,7 @@ import json
 
 import pytest
 import torch
-from compare_helpers import planted_kernel, wrong_silu_backward
+from compare_helpers import planted_kernel, tiny_llama, wrong_silu_backward
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
@@ -37,17 +37,6 @@ def _record(path, model, step_fn, task: str = "statistics", plant: str | None = 
         probe.step()
         probe.close()
     return path
-
-
-def _llama(checkpointed: bool):
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    cfg._attn_implementation = "sdpa"
-    model = transformers.LlamaForCausalLM(cfg).train()
-    if checkpointed:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return model
 
 
 def _llama_loss(model):
@@ -91,7 +80,7 @@ def llama(tmp_path_factory):
     root = tmp_path_factory.mktemp("llama_ac")
     runs = {"plain": (False, None), "gc": (True, None), "silu": (False, "silu"), "gc_silu": (True, "silu"),
             "gc_silu_backward": (True, "silu_backward"), "silu_backward": (False, "silu_backward")}
-    return {k: _record(root / k, _llama(gc), _llama_loss, plant=plant) for k, (gc, plant) in runs.items()}
+    return {k: _record(root / k, tiny_llama(gc), _llama_loss, plant=plant) for k, (gc, plant) in runs.items()}
 
 
 @pytest.fixture(scope="module")
