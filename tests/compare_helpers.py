@@ -367,3 +367,19 @@ def record_adamw_steps(path, model: nn.Module, loss_fn, *, steps: int = 2, autoc
             probe.step()
     probe.close()
     return path
+
+
+def record_mse_step(path, model: nn.Module, dtype, *, batch: tuple = (8, 16), width: int = 32,
+                    plant: str | None = None, kernel=None):
+    """One step of ``model`` in ``dtype`` recorded with the statistics task into ``path``: a seeded batch
+    of shape ``batch`` x ``width``, a float32 mean squared error against 4 targets, optionally with a
+    wrong aten kernel (:func:`planted_kernel`)."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(*batch, width, generator=g), torch.randn(*batch, 4, generator=g)
+    with planted_kernel(plant, kernel):
+        probe = DispatchProbe(task="statistics", dump_path=str(path))
+        with probe:
+            F.mse_loss(model(x.to(dtype)).float(), y).backward()
+        probe.step()
+        probe.close()
+    return path

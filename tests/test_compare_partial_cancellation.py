@@ -7,25 +7,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from compare_helpers import SiluMLP, planted_kernel, wrong_silu_backward
-from torch.nn import functional as F
+from compare_helpers import SiluMLP, record_mse_step, wrong_silu_backward
 
-from dispatchprobe import DispatchProbe
 from dispatchprobe.offline.compare import compare
 
 
 def _record(path, dtype, plant: bool = False):
     torch.manual_seed(0)
-    model = SiluMLP().to(dtype)
-    g = torch.Generator().manual_seed(0)
-    x, y = torch.randn(8, 16, 32, generator=g), torch.randn(8, 16, 4, generator=g)
-    with planted_kernel("silu_backward" if plant else None, wrong_silu_backward):
-        probe = DispatchProbe(task="statistics", dump_path=str(path))
-        with probe:
-            F.mse_loss(model(x.to(dtype)).float(), y).backward()
-        probe.step()
-        probe.close()
-    return path
+    return record_mse_step(path, SiluMLP().to(dtype), dtype, plant="silu_backward" if plant else None,
+                           kernel=wrong_silu_backward)
 
 
 @pytest.fixture(scope="module")

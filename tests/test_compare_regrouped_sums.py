@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 from click.testing import CliRunner
+from compare_helpers import record_mse_step
 from torch import nn
 from torch.nn import functional as F
 
-from dispatchprobe import DispatchProbe
 from dispatchprobe.cli import main
 from dispatchprobe.offline.compare import NOT_JUDGED, compare
 from dispatchprobe.offline.compare.origin import PARTIAL_SUMS
@@ -59,14 +59,7 @@ def _record(path, dtype, grad_scale=None):
     torch.manual_seed(0)
     model = Net().to(dtype)
     model.blocks[1].norm.grad_scale = grad_scale
-    probe = DispatchProbe(task="statistics", dump_path=str(path))
-    g = torch.Generator().manual_seed(0)
-    x, y = torch.randn(4, 8, 32, generator=g), torch.randn(4, 8, 4, generator=g)
-    with probe:
-        F.mse_loss(model(x.to(dtype)).float(), y).backward()
-    probe.step()
-    probe.close()
-    return path
+    return record_mse_step(path, model, dtype, batch=(4, 8))
 
 
 @pytest.fixture(scope="module")
