@@ -10,9 +10,11 @@
 (each phase a module-level call of the driver, timed in place; "rest of the part" is the pair loop,
 the unmatched table and freeing the parsed records).
 
-4. with ``--long-steps N``: two identical N-step runs of ``show_speed.py``'s tiny transformers
+4. with ``--long-steps N[,N...]``: two identical N-step runs of ``show_speed.py``'s tiny transformers
    Llama (task statistics, about 295 records a step; the second a hard-linked copy), compared
-   part by part: a long run's time and memory.
+   part by part: a long run's time and memory, twice: the Python call returning the whole table,
+   and as ``dispatchprobe compare A B -o DIR`` runs it ("reports, no table": the reports written,
+   ``keep_table=False``, whose memory should not grow with the run's length).
 
 Every compare runs in a fresh interpreter: "seconds" is its whole wall time (imports included),
 "in-call" the compare call alone; peak RSS is the child's.  ``--tree LABEL=PATH`` (repeatable)
@@ -22,7 +24,7 @@ timed with torch imported before the call ("torch in"): its float64 re-runs impo
 compare imports it before its timer.  Time it alone:
 ``flock /tmp/bench.lock python benchmarks/compare_speed.py ...``.
 
-    python benchmarks/compare_speed.py [--ops 100000] [--skip-tensor] [--long-steps 1000]
+    python benchmarks/compare_speed.py [--ops 100000] [--skip-tensor] [--long-steps 250,1000]
                                        [--tree old=/tmp/old --tree new=. --rounds 2] [--phases]
 """
 
@@ -31,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -84,6 +85,16 @@ def timed_subprocess(code: str, tree: str | None = None) -> tuple[float, float, 
 
 def _timed(call: str) -> str:
     return f"import time\n_t = time.perf_counter()\n{call}\nprint('CALL_SECONDS', time.perf_counter() - _t)"
+
+
+def _compare_code(a: str, b: str, report: str | None) -> str:
+    """The child's timed compare: the Python call (the table returned), or with ``report`` as the CLI
+    runs it (the reports written there, no table kept where the tree can leave it)."""
+    if report is None:
+        return "from dispatchprobe import compare\n" + _timed(f"t, v = compare({a!r}, {b!r})")
+    return ("import inspect\nfrom dispatchprobe import compare\n"
+            "_kw = {'keep_table': False} if 'keep_table' in inspect.signature(compare).parameters else {}\n"
+            + _timed(f"t, v = compare({a!r}, {b!r}, out={report!r}, **_kw)"))
 
 
 def msprobe_dump(out: str, plant: bool, model_kw: dict, batch: int) -> None:
@@ -143,7 +154,7 @@ def msprobe_rows(tmp: str, model_kw: dict, batch: int) -> tuple[list, str]:
 def long_runs(tmp: str, steps: int) -> tuple[str, str]:
     """Two identical ``steps``-step runs of show_speed.py's tiny Llama: one recorded (in a child),
     the other its hard-linked copy."""
-    a, b = os.path.join(tmp, "la"), os.path.join(tmp, "lb")
+    a, b = os.path.join(tmp, f"la{steps}"), os.path.join(tmp, f"lb{steps}")
     res = subprocess.run([sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "show_speed.py"),
                           "--record", a, "--steps", str(steps)], capture_output=True, text=True)
     if res.returncode:
@@ -209,11 +220,10 @@ def tree_rows(cases: list, trees: list, rounds: int, preload: bool = False) -> l
     tensor compare imports it for its float64 re-runs; msprobe's compare has it imported before)."""
     rows = []
     for _ in range(rounds):
-        for case, a, b in cases:
+        for case, a, b, report in cases:
             for label, path in trees:
                 for first in ("", "import torch\n") if preload else ("",):
-                    dt, rss, out, call = timed_subprocess(first + "from dispatchprobe import compare\n"
-                                                          + _timed(f"t, v = compare({a!r}, {b!r})"), tree=path)
+                    dt, rss, out, call = timed_subprocess(first + _compare_code(a, b, report), tree=path)
                     if rss != rss:
                         raise SystemExit(f"tree {label}: compare failed: {out}")
                     rows.append((case, f"dispatchprobe {label}".strip() + (", torch in" if first else ""), dt, call,
@@ -225,7 +235,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ops", type=int, default=100_000)
     ap.add_argument("--skip-tensor", action="store_true")
-    ap.add_argument("--long-steps", type=int, default=0, help="also compare two identical runs of this many steps")
+    ap.add_argument("--long-steps", default="", help="also compare two identical runs of this many steps (a comma list: "
+                    "several lengths)")
     ap.add_argument("--tree", action="append", default=[], metavar="LABEL=PATH",
                     help="compare with this tree's dispatchprobe (repeatable): the trees side by side, alternating")
     ap.add_argument("--rounds", type=int, default=1, help="--tree: rounds, the trees alternating")
@@ -246,21 +257,22 @@ def main():
         synthetic_run(a, args.ops, 1, 0.0)
         synthetic_run(b, args.ops, 2, 1e-4)
         gen = time.perf_counter() - t
-        cases = [(f"statistics, {args.ops:,} ops x 3 tensors", a, b)]
+        cases = [(f"statistics, {args.ops:,} ops x 3 tensors", a, b, None)]
         if args.phases:
             print(f"statistics, {args.ops:,} ops x 3 tensors: CPU seconds per phase")
             for phase, seconds in phase_rows(a, b):
                 print(f"  {phase:28s} {float(seconds):6.2f}")
             return
-        if args.long_steps:
-            la, lb = long_runs(tmp, args.long_steps)
-            cases.append((f"statistics, {args.long_steps:,}-step Llama runs", la, lb))
+        for steps in [int(n) for n in args.long_steps.split(",") if n]:
+            la, lb = long_runs(tmp, steps)
+            cases.append((f"statistics, {steps:,}-step Llama runs", la, lb, None))
+            cases.append((f"statistics, {steps:,}-step Llama runs, reports, no table", la, lb,
+                          os.path.join(tmp, f"report{steps}")))
         if args.tree:
             rows += tree_rows(cases, [t.split("=", 1) for t in args.tree], args.rounds)
         else:
-            for case, x, y in cases:
-                dt, rss, _, call = timed_subprocess("from dispatchprobe import compare\n"
-                                                    + _timed(f"t, v = compare({x!r}, {y!r})"))
+            for case, x, y, report in cases:
+                dt, rss, _, call = timed_subprocess(_compare_code(x, y, report))
                 rows.append((case, "dispatchprobe", dt, call, rss))
         if not args.skip_tensor:
             from compare_helpers import record
@@ -270,7 +282,7 @@ def main():
             size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(ta) for f in fs) / 2**20
             case = f"tensor, transformer step ({size:.0f} MB per run)"
             # with --tree: each tree, and each with torch imported before the call ("torch in")
-            rows += tree_rows([(case, ta, tb)], [t.split("=", 1) for t in args.tree] or [("", None)],
+            rows += tree_rows([(case, ta, tb, None)], [t.split("=", 1) for t in args.tree] or [("", None)],
                               args.rounds if args.tree else 1, preload=True)
             ms_rows, ms_note = msprobe_rows(tmp, kw, batch)
             rows += ms_rows
@@ -281,9 +293,9 @@ def main():
         else:
             ms_note = "tensor compare skipped"
     print(f"(synthetic runs generated in {gen:.1f} s)")
-    print(f"{'case':48s} {'tool':28s} {'seconds':>8s} {'in-call':>8s} {'peak RSS MB':>12s}")
+    print(f"{'case':64s} {'tool':28s} {'seconds':>8s} {'in-call':>8s} {'peak RSS MB':>12s}")
     for case, tool, dt, call, rss in rows:
-        print(f"{case:48s} {tool:28s} {dt:8.2f} {call:8.2f} {rss:12.0f}")
+        print(f"{case:64s} {tool:28s} {dt:8.2f} {call:8.2f} {rss:12.0f}")
     print(ms_note)
 
 

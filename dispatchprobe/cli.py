@@ -208,7 +208,7 @@ def compare(a, b, out, match, mapping, jobs, metric, stats_only):
     from .offline.compare import compare as run_compare
     try:
         _, verdict = run_compare(a, b, match=match, mapping=mapping, out=out, jobs=jobs, metric=metric,
-                                 progress=sys.stderr.isatty(), tensors=not stats_only)
+                                 progress=sys.stderr.isatty(), tensors=not stats_only, keep_table=False)
     except KeyboardInterrupt:
         click.echo("interrupted: no verdict" + (f"; the report in {out} is incomplete (each file in it is whole "
                                                  "or absent)" if out and os.path.isdir(out) else ""), err=True)

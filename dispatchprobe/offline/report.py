@@ -11,43 +11,82 @@ import html
 import math
 import os
 
-import numpy as np
 import pandas as pd
 
-from ..records.reader import RecordError, load
 from ..records.writer import atomic_write_text
-from ..standards import metrics as M
 from ..standards.loader import standard
-from ..standards.verdicts import ERROR, NOT_JUDGED, PASS, WARNING
-from ..records import nonfinite
-from .page_kit import (OPS_PER_NODE, cell, cells, col, fill, lines, meta_rows, num, scope_tree, up,
-                       verdict_levels)
+from .page_kit import OPS_PER_NODE, cells, col, fill, lines, meta_rows, num, scope_tree, up
+from .report_digest import (CHART_METRICS, COMPARE_LEVELS, OP_KEYS, ROW_COLS, ROW_METRICS, XLSX_MAX_ROWS, TableDigest,
+                            digest, parts_of)
 
-# columns a chart can show, and whether larger is worse: compare's metric columns and two of its own
-CHART_METRICS = M.derived(lambda: {**{m: M.METRICS[m].larger_is_worse for m in M.compare_columns()},
-                                   "error": True, "norm_rel_diff": True})
+
+class ReportWriter:
+    """compare's report files, written as the step/rank parts come: ``compare.csv`` appended part by
+    part (every row), the rest from a :class:`~.report_digest.TableDigest` of the parts once the
+    verdict is known (:meth:`finish`), so that no file needs the whole table held.  Each file is
+    whole or absent: written under a temporary name and renamed."""
+
+    def __init__(self, out: str, run_a: str | None = None, run_b: str | None = None, metric: str = "cosine"):
+        if metric not in CHART_METRICS:
+            raise ValueError(f"--metric must be one of {', '.join(CHART_METRICS)}, not {metric!r}")
+        os.makedirs(out, exist_ok=True)
+        self.out, self.metric = out, metric
+        self.digest = TableDigest(run_a, run_b)
+        self._csv = os.path.join(out, "compare.csv")
+        self._file = None
+        self._header: list | None = None
+
+    def add(self, table: pd.DataFrame, marks=()) -> None:
+        """One part's rows in the reported columns (``marks``: :meth:`TableDigest.add`)."""
+        self._append(table)
+        self.digest.add(table, marks)
+
+    def _append(self, table: pd.DataFrame) -> None:
+        if self._file is None:
+            self._file = open(self._csv + ".tmp", "w", newline="")
+            self._header = list(table.columns)
+            table.iloc[:0].to_csv(self._file, index=False)
+        elif not set(table.columns) <= set(self._header):   # a column no earlier part had: widen what is written
+            self._widen([c for c in table.columns if c not in self._header])
+        if len(table):
+            table.reindex(columns=self._header).to_csv(self._file, index=False, header=False)
+
+    def _widen(self, new: list) -> None:
+        self._file.close()
+        written = pd.read_csv(self._csv + ".tmp", dtype=str, keep_default_na=False)
+        self._header += new
+        written.reindex(columns=self._header, fill_value="").to_csv(self._csv + ".tmp", index=False)
+        self._file = open(self._csv + ".tmp", "a", newline="")
+
+    def finish(self, verdict, manifest_a: dict, manifest_b: dict, progress: bool = False) -> str:
+        """Close compare.csv and write unmatched.csv, pairing.csv, compare.xlsx and compare.html; returns
+        the folder.  ``progress``: a tqdm bar over the files (big runs spend seconds here)."""
+        from tqdm import tqdm
+        if self._file is None:
+            self._append(pd.DataFrame(columns=self.digest.columns))
+        self._file.close()
+        os.replace(self._csv + ".tmp", self._csv)
+        steps = [("unmatched.csv", lambda p: _write_csv(p, verdict.unmatched)),
+                 ("pairing.csv", lambda p: _write_csv(p, verdict.pairing.frame())),
+                 ("compare.xlsx", lambda p: _write_xlsx(p, self.digest, verdict)),
+                 ("compare.html", lambda p: atomic_write_text(p, _render_html(self.digest, verdict, manifest_a,
+                                                                               manifest_b, self.metric)))]
+        with tqdm(total=len(steps), desc="report", unit="file", disable=not progress, leave=False) as bar:
+            for name, write in steps:
+                bar.set_postfix_str(name)
+                write(os.path.join(self.out, name))
+                bar.update()
+        return os.path.abspath(self.out)
 
 
 def write_reports(out: str, table: pd.DataFrame, verdict, manifest_a: dict, manifest_b: dict,
                   metric: str = "cosine", progress: bool = False) -> str:
-    """Write compare.csv, unmatched.csv, pairing.csv, compare.xlsx, compare.html into ``out``; returns the folder.
-    ``progress``: a tqdm bar over the four files (big runs spend seconds here)."""
-    if metric not in CHART_METRICS:
-        raise ValueError(f"--metric must be one of {', '.join(CHART_METRICS)}, not {metric!r}")
-    os.makedirs(out, exist_ok=True)
-    from tqdm import tqdm
-    steps = [("compare.csv", lambda p: _write_csv(p, table)),
-             ("unmatched.csv", lambda p: _write_csv(p, verdict.unmatched)),
-             ("pairing.csv", lambda p: _write_csv(p, verdict.pairing.frame())),
-             ("compare.xlsx", lambda p: write_xlsx(p, table, verdict)),
-             ("compare.html", lambda p: atomic_write_text(p, render_html(table, verdict, manifest_a, manifest_b,
-                                                                          metric)))]
-    with tqdm(total=len(steps), desc="report", unit="file", disable=not progress, leave=False) as bar:
-        for name, write in steps:
-            bar.set_postfix_str(name)
-            write(os.path.join(out, name))
-            bar.update()
-    return os.path.abspath(out)
+    """Write compare.csv, unmatched.csv, pairing.csv, compare.xlsx, compare.html into ``out`` from a
+    whole table; returns the folder (compare itself feeds a :class:`ReportWriter` part by part)."""
+    writer = ReportWriter(out, getattr(verdict, "a", None), getattr(verdict, "b", None), metric)
+    for part in parts_of(table):
+        writer.add(part, _marked(verdict))
+    return writer.finish(verdict, manifest_a, manifest_b, progress)
 
 
 def _write_csv(path: str, df: pd.DataFrame) -> None:
@@ -56,26 +95,21 @@ def _write_csv(path: str, df: pd.DataFrame) -> None:
 
 
 # ---- spreadsheet ------------------------------------------------------------------------------------
-# Rows in the ``compare`` sheet: every row of runs up to XLSX_MAX_ROWS; of bigger ones the failing rows
-# (origin rows, then errors, then warnings, up to XLSX_MAX_ROWS), in execution order.  Why bounded: a
-# spreadsheet cell costs ~4 us to write (13k rows x 55 columns took 11 s); compare.csv keeps every row.
-XLSX_MAX_ROWS = 4000
-_RANK = {"error": 1, "warning": 2}
 _FILLS = {"origin": {"bg_color": "#C0392B", "font_color": "#FFFFFF", "bold": True},
           "error": {"bg_color": "#FFC7CE"}, "warning": {"bg_color": "#FFEB9C"}}
 
 
 def xlsx_rows(table: pd.DataFrame) -> pd.DataFrame:
-    """The rows of the ``compare`` sheet, in execution order."""
-    if len(table) <= XLSX_MAX_ROWS:
-        return table
-    rank = table["status"].map(_RANK).fillna(9).to_numpy()
-    rank = np.where(table["origin"].fillna(False).astype(bool).to_numpy() & (rank == 1), 0, rank)
-    order = np.argsort(rank, kind="stable")[:XLSX_MAX_ROWS]
-    return table.iloc[np.sort(order[rank[order] < 9])]
+    """The rows of the ``compare`` sheet of a whole table, in execution order (see XLSX_MAX_ROWS)."""
+    return digest(table).sheet_rows()
 
 
 def write_xlsx(path: str, table: pd.DataFrame, verdict) -> None:
+    """The spreadsheet of a whole table (:func:`_write_xlsx`)."""
+    _write_xlsx(path, _whole(table, verdict), verdict)
+
+
+def _write_xlsx(path: str, digest: TableDigest, verdict) -> None:
     """Sheets ``summary`` (the verdict, counts), ``compare`` (see XLSX_MAX_ROWS; origin rows bold on red,
     errors red, warnings yellow) and ``unmatched``; frozen header, autofilter, fitted widths."""
     import xlsxwriter
@@ -85,20 +119,20 @@ def write_xlsx(path: str, table: pd.DataFrame, verdict) -> None:
                                    "strings_to_formulas": False, "strings_to_urls": False})
     bold = wb.add_format({"bold": True})
     fills = {k: wb.add_format(v) for k, v in _FILLS.items()}
-    rows = xlsx_rows(table)
+    rows = digest.sheet_rows()
 
     ws = wb.add_worksheet("summary")
     ws.set_column(0, 0, 110)
     lines = str(verdict).splitlines()
-    shown = (f"sheet compare: all {len(table)} rows" if len(rows) == len(table) else
-             f"sheet compare: {len(rows)} failing rows of {len(table)} (origin rows, then errors, then warnings, "
+    shown = (f"sheet compare: all {digest.rows} rows" if len(rows) == digest.rows else
+             f"sheet compare: {len(rows)} failing rows of {digest.rows} (origin rows, then errors, then warnings, "
              f"at most {XLSX_MAX_ROWS}; every row is in compare.csv)")
     r = 0
     for line in lines + ["", shown, "", "rows by stage and status"]:
         ws.write_string(r, 0, line, bold if r == 0 else None)
         r += 1
-    if len(table):
-        counts = table.groupby(["stage", "status"]).size().unstack(fill_value=0)
+    if digest.rows:
+        counts = digest.stage_status()
         ws.write_row(r, 1, [str(c) for c in counts.columns], bold)
         r += 1
         for stage, vals in counts.iterrows():
@@ -131,106 +165,19 @@ def _sheet(ws, df: pd.DataFrame, bold, row_formats: list) -> None:
 # ---- HTML -------------------------------------------------------------------------------------------
 # The page embeds what it shows, not the table: per-module aggregates, chart points (one per op output),
 # and per module at most OPS_PER_NODE ops (failing and divergence ops first) with their tensor rows.
-MAX_CHART_PARTS = 64   # step/rank parts charted (the selector lists them)
 UNMATCHED_PER_NODE = 40
-HEATMAP_MODULES = 60
-# the explorer's levels by severity (templates/explorer.js): the verdict codes compare's rows carry
-COMPARE_LEVELS = verdict_levels([NOT_JUDGED, PASS, WARNING, ERROR])
-_SEVERITY = {lv["name"]: i for i, lv in enumerate(COMPARE_LEVELS)}
-_ROW_COLS = ["io", "arg", "dtype_a", "dtype_b", "shape_a", "shape_b"] + \
-    [f"{s}_{side}" for s in ("max", "min", "mean", "norm") for side in ("a", "b")] + \
-    ["nan_a", "nan_b", "inf_a", "inf_b", "checksum_match"]
-_ROW_METRICS = ["cosine", "max_abs_err", "max_rel_err", "rel_l2_err", "stats_err"]
 
 
-def chart_metric(table: pd.DataFrame, metric: str) -> str:
-    """``metric`` when the records have it (tensor records), else the statistics error, else ``error``."""
-    for m in (metric, "stats_err", "error"):
-        if m in table.columns and pd.to_numeric(table[m], errors="coerce").notna().any():
-            return m
-    return metric
-
-
-def _op_groups(table: pd.DataFrame, nf: pd.DataFrame) -> pd.DataFrame:
-    """One row per compared op/module call: key columns, worst status, origin, nan/inf worth a look
-    (``nf``: made from finite values or differing between the runs; ``nfm``: made, ``nfa``/``nfb``: in
-    run A/B; see nonfinite_rows), first row index."""
-    t = table.assign(_sev=table["status"].map(_SEVERITY).fillna(0).astype(int),
-                     _nf=nf["differ"].to_numpy() | nf["made_a"].to_numpy() | nf["made_b"].to_numpy(),
-                     _nfm=nf["made_a"].to_numpy() | nf["made_b"].to_numpy(), _nfa=nf["made_a"].to_numpy(),
-                     _nfb=nf["made_b"].to_numpy(),
-                     _org=table["origin"].fillna(False).astype(bool) & (table["status"] == "error"),
-                     _i=np.arange(len(table)))
-    keys = ["step", "rank", "stage", "kind", "seq"]
-    g = t.groupby(keys, sort=False).agg(scope=("scope", "first"), sev=("_sev", "max"), nf=("_nf", "any"),
-                                         nfm=("_nfm", "any"), nfa=("_nfa", "any"), nfb=("_nfb", "any"),
-                                         origin=("_org", "any"), first=("_i", "min"), n=("_i", "size"))
-    return g.reset_index().sort_values("first", kind="stable")
-
-
-def nonfinite_rows(table: pd.DataFrame, run_a: str | None, run_b: str | None) -> pd.DataFrame:
-    """Per row of ``table``: ``differ`` (the runs' nan/inf counts differ) and ``made_a``/``made_b`` (an
-    output that run A's / B's op made inf/nan in from finite values, as ``dispatchprobe show`` classifies it:
-    records/nonfinite.py).  The rest (a causal mask's -inf written from a constant, inf/nan carried from an
-    input, equal in both runs) is intended or a consequence, not badged.  The runs' records are read again
-    for the parts and records with nan/inf output only; a run that cannot be read is left unclassified."""
-    def count(c):
-        return pd.to_numeric(table[c], errors="coerce") if c in table.columns else pd.Series(np.nan, index=table.index)
-    nan_a, nan_b, inf_a, inf_b = (count(c) for c in ("nan_a", "nan_b", "inf_a", "inf_b"))
-    both = nan_a.notna() & nan_b.notna() & inf_a.notna() & inf_b.notna()
-    out = pd.DataFrame({"differ": (both & ((nan_a != nan_b) | (inf_a != inf_b))).to_numpy(bool)}, index=table.index)
-    is_out = (table["io"] == "output") if "io" in table.columns else pd.Series(False, index=table.index)
-    for side, path, held in (("a", run_a, (nan_a > 0) | (inf_a > 0)), ("b", run_b, (nan_b > 0) | (inf_b > 0))):
-        made = np.zeros(len(table), bool)
-        rows = table[is_out & held]
-        if len(rows) and path:
-            by_name, with_ops = _records_by_name(path, set(zip(rows["step"], rows["rank"])))
-            for i, key in enumerate(zip(rows["step"], rows["rank"], rows[f"name_{side}"])):
-                rec = by_name.get(key)
-                made[table.index.get_loc(rows.index[i])] = rec is not None and \
-                    nonfinite.origin(rec, key[:2] in with_ops) == nonfinite.MADE
-        out[f"made_{side}"] = made
-    return out
-
-
-def _records_by_name(path: str, parts: set) -> tuple[dict, set]:
-    """(step, rank, record name) -> record, of run ``path``'s ``parts`` (a run of one part stands for any:
-    compare pairs two single parts whatever their steps), and the parts whose ops are recorded (not only
-    modules); nothing when the run cannot be read."""
-    try:
-        run = load(path)
-    except (RecordError, OSError):
-        return {}, set()
-    out, with_ops = {}, set()
-    for step, rank in parts:
-        part = run.parts.get((int(step), int(rank)))
-        if part is None and len(run.parts) == 1:
-            part = next(iter(run.parts.values()))
-        if part is None:
-            continue
-        try:
-            records = part.records
-        except (RecordError, OSError, ValueError):
-            continue
-        out.update({(step, rank, r.get("name")): r for r in records})
-        if any(r.get("kind") == "op" for r in records):
-            with_ops.add((step, rank))
-    return out, with_ops
-
-
-def _tree(table: pd.DataFrame, ops: pd.DataFrame, verdict) -> tuple[list, dict]:
+def _tree(digest: TableDigest, verdict) -> tuple[list, dict]:
     """Module tree nodes (both runs' scopes) with subtree aggregates; returns (nodes, index by path)."""
     um = verdict.unmatched
-    paths = set(ops["scope"].fillna("").astype(str)) | set(um["scope"].fillna("").astype(str) if len(um) else [])
+    paths = set(digest.own) | set(um["scope"].fillna("").astype(str) if len(um) else [])
     nodes, index = scope_tree(paths, len(COMPARE_LEVELS), nf=0, nfm=0, ua=0, ub=0, um=[])
-    if len(ops):
-        agg = ops.assign(scope=ops["scope"].fillna("").astype(str)).groupby(["scope", "sev"]).size()
-        for (scope, sev), cnt in agg.items():
-            up(nodes, index[scope or "<top>"], lambda n: n["c"].__setitem__(int(sev), n["c"][int(sev)] + int(cnt)))
-        for field in ("nf", "nfm"):     # op calls with nan/inf worth a look, and those of them that made it
-            for scope, cnt in ops.groupby(ops["scope"].fillna("").astype(str))[field].sum().items():
-                if cnt:
-                    up(nodes, index[scope or "<top>"], lambda n: n.__setitem__(field, n[field] + int(cnt)))
+    for (scope, sev), cnt in digest.scope_sev.items():
+        up(nodes, index[scope or "<top>"], lambda n: n["c"].__setitem__(int(sev), n["c"][int(sev)] + int(cnt)))
+    for field, counts in (("nf", digest.scope_nf), ("nfm", digest.scope_nfm)):
+        for scope, cnt in counts.items():    # op calls with nan/inf worth a look, and those of them that made it
+            up(nodes, index[scope or "<top>"], lambda n: n.__setitem__(field, n[field] + int(cnt)))
     if len(um):
         comp = um[~um["is_cast"].astype(bool)]
         for (scope, side), cnt in comp.groupby([comp["scope"].fillna("").astype(str), "side"]).size().items():
@@ -240,11 +187,13 @@ def _tree(table: pd.DataFrame, ops: pd.DataFrame, verdict) -> tuple[list, dict]:
 
 
 def report_data(table: pd.DataFrame, verdict, metric: str) -> dict:
+    """What compare.html embeds (JSON) for a whole table (:func:`page_data`)."""
+    return page_data(_whole(table, verdict), verdict, metric)
+
+
+def page_data(digest: TableDigest, verdict, metric: str) -> dict:
     """What compare.html embeds (JSON): the tree, each node's ops (bounded), chart series, heatmap."""
-    ops = _op_groups(table, nonfinite_rows(table, getattr(verdict, "a", None), getattr(verdict, "b", None))) \
-        if len(table) else pd.DataFrame(columns=["step", "rank", "stage", "kind", "seq", "scope", "sev", "nf", "nfm",
-                                                 "nfa", "nfb", "origin", "first", "n"])
-    nodes, index = _tree(table, ops, verdict)
+    nodes, index = _tree(digest, verdict)
     divs = {}
     for d, text in verdict_marks(verdict):
         n = index.get(d.scope or "<top>") or index["<top>"]
@@ -257,23 +206,19 @@ def report_data(table: pd.DataFrame, verdict, metric: str) -> dict:
     div_keys = {tuple(v["key"]) for v in divs.values()}
     stacks, stack_ix = [], {}
     rows_out = []
-    row_cols = [c for c in _ROW_COLS + _ROW_METRICS if c in table.columns]
+    row_cols = [c for c in ROW_COLS + ROW_METRICS if c in digest.columns]
+    ops = digest.ops
     if len(ops):
-        ops = ops.assign(skey=ops["scope"].fillna("").astype(str),
-                         prio=-(ops["sev"] * 2 + ops["origin"].astype(int) * 4
-                                 + [10 * (k in div_keys) for k in zip(ops["step"], ops["rank"], ops["stage"],
-                                                                      ops["kind"], ops["seq"])]))
+        ops = ops.assign(prio=ops["prio"] - [10 * (k in div_keys) for k in zip(*(ops[c] for c in OP_KEYS))])
         chosen = (ops.sort_values(["prio", "first"], kind="stable").groupby("skey", sort=False)
                   .head(OPS_PER_NODE).sort_values("first", kind="stable"))
-        for scope, cnt in ops.groupby("skey").size().items():
+        for scope, cnt in digest.own.items():
             index[scope or "<top>"]["own"] = int(cnt)
-        keys = ["step", "rank", "stage", "kind", "seq"]
-        sub = table.reset_index(drop=True).merge(chosen[keys + ["first"]], on=keys, how="inner")
-        cols = {c: col(sub[c]) for c in row_cols + ["status", "reason", "origin"]}
+        sub = digest.op_rows[digest.op_rows["first"].isin(chosen["first"])]
+        cols = {c: col(sub[c]) for c in row_cols + ["status", "reason", "origin", "op_a", "op_b", "call_a"]}
         stack = sub["stack"].tolist() if "stack" in sub.columns else [None] * len(sub)
-        first_of = sub["first"].tolist()
         by_op = {}
-        for i, f in enumerate(first_of):
+        for i, f in enumerate(sub["first"].tolist()):
             by_op.setdefault(f, []).append(i)
         for r in chosen.itertuples(index=False):
             ix = by_op.get(r.first, [])
@@ -286,9 +231,8 @@ def report_data(table: pd.DataFrame, verdict, metric: str) -> dict:
                 st = stack_ix[st]
             else:
                 st = None
-            row0 = table.iloc[int(r.first)]
-            op = {"k": [int(r.step), int(r.rank), r.stage, r.kind, int(r.seq)], "op_a": cell(row0["op_a"]),
-                  "op_b": cell(row0["op_b"]), "call": num(row0["call_a"]), "sev": int(r.sev),
+            op = {"k": [int(r.step), int(r.rank), r.stage, r.kind, int(r.seq)], "op_a": cols["op_a"][t0],
+                  "op_b": cols["op_b"][t0], "call": num(sub["call_a"].iloc[t0]), "sev": int(r.sev),
                   "origin": bool(r.origin), "stack": st, "nf": _nf_note(r),
                   "rows": [[cols[c][i] for c in row_cols] + [cols["status"][i], cols["reason"][i],
                                                               bool(cols["origin"][i])] for i in ix]}
@@ -300,11 +244,9 @@ def report_data(table: pd.DataFrame, verdict, metric: str) -> dict:
             index[scope or "<top>"]["um"] = [[str(x.side), str(x.stage), str(x.kind), int(x.seq), str(x.op),
                                              num(x.call), bool(x.is_cast), int(x.step), int(x.rank)]
                                             for x in g.head(UNMATCHED_PER_NODE).itertuples(index=False)]
-    metric = chart_metric(table, metric)
-    metrics = [m for m in CHART_METRICS if m in table.columns and pd.to_numeric(table[m], errors="coerce").notna().any()]
-    if metric not in metrics:
-        metrics.insert(0, metric)
-    series, parts = _chart_series(table, metrics)
+    metric = digest.chart_metric(metric)
+    metrics = digest.chart_metrics(metric)
+    series, parts = digest.chart(metrics)
     first = next((d for d, _ in verdict_marks(verdict)), None)
     shown = f"{first.step}/{first.rank}" if first and f"{first.step}/{first.rank}" in series else \
         (next(iter(series)) if series else None)
@@ -314,7 +256,7 @@ def report_data(table: pd.DataFrame, verdict, metric: str) -> dict:
             "worse_high": {m: bool(CHART_METRICS.get(m, True)) for m in metrics}, "series": series,
             "axis": {m: chart_axis(m) for m in metrics},
             "parts": parts, "shown_part": shown, "n_parts": len(verdict.parts),
-            "heat": _heatmap(table, ops, metric) if len(verdict.parts) > 1 else None}
+            "heat": digest.heatmap(metric) if len(verdict.parts) > 1 else None}
 
 
 def verdict_marks(verdict) -> list:
@@ -377,70 +319,8 @@ def _nf_note(op) -> str | None:
     return "inf/nan differ between the runs" if op.nf else None
 
 
-def _chart_series(table: pd.DataFrame, metrics: list) -> tuple[dict, list]:
-    """Per step/rank part and stage: one point per op (its outputs' worst value of each metric)."""
-    t = table[(table["io"] == "output") & (table["kind"] == "op")] if len(table) else table
-    if not len(t):
-        return {}, []
-    t = t.assign(_sev=t["status"].map(_SEVERITY).fillna(0).astype(int),
-                 _org=t["origin"].fillna(False).astype(bool) & (t["status"] == "error"))
-    aggs = {m: (m, "max" if CHART_METRICS.get(m, True) else "min") for m in metrics}
-    g = t.groupby(["step", "rank", "stage", "seq"], sort=True).agg(
-        scope=("scope", "first"), op=("op_a", "first"), call=("call_a", "first"), sev=("_sev", "max"),
-        origin=("_org", "any"), **{f"m_{k}": v for k, v in aggs.items()}).reset_index()
-    parts = sorted({(int(a), int(b)) for a, b in zip(g["step"], g["rank"])})
-    listed = parts[:MAX_CHART_PARTS]
-    out = {}
-    for (step, rank, stage), s in g.groupby(["step", "rank", "stage"], sort=True):
-        if (int(step), int(rank)) not in listed:
-            continue
-        out.setdefault(f"{int(step)}/{int(rank)}", {})[stage] = {
-            "seq": s["seq"].astype(int).tolist(), "scope": col(s["scope"]), "op": col(s["op"]),
-            "call": col(s["call"]), "sev": s["sev"].tolist(), "origin": s["origin"].tolist(),
-            **{m: col(s[f"m_{m}"].astype(float)) for m in metrics}}
-    return out, [f"{s}/{r}" for s, r in parts]
-
-
-def _heatmap(table: pd.DataFrame, ops: pd.DataFrame, metric: str) -> dict | None:
-    """Steps/ranks x modules: each cell the worst verdict of the module's op outputs (``sev``, an index
-    into COMPARE_LEVELS: the colour), their worst ``metric`` and error/warning counts (the hover).  Scopes
-    are cut at the deepest level with at most HEATMAP_MODULES modules; ``<top>``: ops outside every module.
-    Colour follows the verdict, not the data's range: runs that pass are drawn pale however close."""
-    t = table[table["io"] == "output"]
-    if not len(t):
-        return None
-    scope = t["scope"].fillna("").astype(str)
-    split = scope.str.split(".")
-    depth = 1
-    for d in range(1, int(split.str.len().max()) + 1):
-        if split.str[:d].str.join(".").nunique() > HEATMAP_MODULES:
-            break
-        depth = d
-    mod = split.str[:depth].str.join(".").replace("", "<top>")
-    worse_high = bool(CHART_METRICS.get(metric, True))
-    v = pd.to_numeric(t[metric], errors="coerce") if metric in t.columns else pd.Series(np.nan, index=t.index)
-    g = pd.DataFrame({"part": t["step"].astype(str) + "/" + t["rank"].astype(str), "mod": mod, "v": v,
-                      "sev": t["status"].map(_SEVERITY).fillna(0).astype(int),
-                      "err": (t["status"] == ERROR).astype(int), "warn": (t["status"] == WARNING).astype(int)})
-    agg = g.groupby(["part", "mod"], sort=False).agg(v=("v", "max" if worse_high else "min"), sev=("sev", "max"),
-                                                      err=("err", "sum"), warn=("warn", "sum"))
-    mods = list(dict.fromkeys(mod.tolist()))
-    parts = sorted(agg.index.get_level_values(0).unique(), key=lambda p: tuple(int(x) for x in p.split("/")))
-
-    def grid(field, fill=None):
-        frame = agg[field].unstack().reindex(index=parts, columns=mods)
-        return [col(frame.loc[p].astype(float)) for p in parts] if fill is None else \
-            frame.fillna(fill).astype(int).to_numpy().tolist()
-    sev = [[None if x is None else int(x) for x in row] for row in grid("sev")]
-    return {"modules": mods, "parts": parts, "z": grid("v"), "sev": sev, "errors": grid("err", 0),
-            "warnings": grid("warn", 0), "metric": metric}
-
-
-def _suspicious(table: pd.DataFrame) -> tuple[str, str, int]:
-    sus = table[table["origin"] & (table["io"] == "output") & (table["status"] == "error")]
-    cols = ["step", "rank", "stage", "seq", "kind", "scope", "op_a", "op_b", "call_a", "arg", "dtype_a", "dtype_b",
-            "cosine", "max_abs_err", "max_rel_err", "rel_l2_err", "stats_err", "status", "reason"]
-    sus = sus[[c for c in cols if c in sus.columns]].head(2000)
+def _suspicious(digest: TableDigest) -> tuple[str, str, int]:
+    sus = digest.suspicious_rows()
     head = "".join(f'<th onclick="sortTable(this)">{html.escape(c)}</th>' for c in sus.columns)
     body = []
     for row in sus.itertuples(index=False):
@@ -454,17 +334,32 @@ def _suspicious(table: pd.DataFrame) -> tuple[str, str, int]:
 
 
 def render_html(table: pd.DataFrame, verdict, manifest_a: dict, manifest_b: dict, metric: str = "cosine") -> str:
+    """The page of a whole table (:func:`_render_html`)."""
+    return _render_html(_whole(table, verdict), verdict, manifest_a, manifest_b, metric)
+
+
+def _whole(table: pd.DataFrame, verdict) -> TableDigest:
+    """The digest of a whole table with its verdict."""
+    return digest(table, getattr(verdict, "a", None), getattr(verdict, "b", None), _marked(verdict))
+
+
+def _marked(verdict) -> set:
+    """The ops the page marks (:func:`verdict_marks`), as :meth:`TableDigest.add` takes them."""
+    return {(d.step, d.rank, d.stage, d.kind, d.seq) for d, _ in verdict_marks(verdict)}
+
+
+def _render_html(digest: TableDigest, verdict, manifest_a: dict, manifest_b: dict, metric: str = "cosine") -> str:
     from plotly.offline import get_plotlyjs
 
-    data = report_data(table, verdict, metric)
-    head, rows, n_sus = _suspicious(table)
+    data = page_data(digest, verdict, metric)
+    head, rows, n_sus = _suspicious(digest)
     meta = {"run A (under test)": verdict.a, "run B (benchmark)": verdict.b,
             "parts compared": ", ".join(f"step {s} rank {r}" for s, r in verdict.parts),
             "chart metric": data["metric"]}
     problems = "".join(f"<li>{html.escape(p)}</li>" for p in verdict.problems[:200])
     root = data["nodes"][0]["c"]
-    units = (f"The counts above are tensors (rows of compare.csv). The module tree counts ops (op and module "
-             f"calls, each at its worst tensor's verdict): "
+    units = ("The counts above are tensors (rows of compare.csv). The module tree counts ops (op and module "
+             "calls, each at its worst tensor's verdict): "
              + ", ".join(f"{root[i]} {lv['name']}" for i, lv in reversed(list(enumerate(COMPARE_LEVELS)))) + " ops.")
     return fill("compare.html", data, summary=lines(str(verdict).splitlines()), units=html.escape(units),
                  head=head, rows=rows,

@@ -8,7 +8,7 @@ import operator
 import os
 from collections import Counter
 from dataclasses import replace
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import ProcessPoolExecutor
 from typing import NamedTuple
 
 import numpy as np
@@ -322,14 +322,16 @@ def _translations(run_a, run_b, mapping: Mapping) -> tuple:
 
 
 def compare(a, b, *, match: str = "fuzzy", mapping: str | Mapping | None = None, out: str | None = None,
-            jobs: int = 1, progress: bool = False, tensors: bool = True, metric: str = "cosine") -> Result:
+            jobs: int = 1, progress: bool = False, tensors: bool = True, metric: str = "cosine",
+            keep_table: bool = True) -> Result:
     """Compare run (or step/rank folder) ``a`` (under test) against ``b`` (benchmark).
 
     Returns ``(table, verdict)``: one row per compared tensor (columns in docs/compare.md) and a
     :class:`Verdict`.  With ``out``, writes ``compare.csv``, ``compare.xlsx``, ``unmatched.csv``
     and ``compare.html`` there.  Raises :class:`RecordError` when nothing could be compared, and
     :class:`RunsDoNotAlign` (a ``RecordError``) when less than ``min_aligned`` of the smaller run's compute
-    records pair.
+    records pair.  ``keep_table=False``: the table returned is empty (the reports and the verdict are
+    the same), and compare holds one step/rank part's rows at a time however long the runs.
     """
     if match not in ("fuzzy", "exact"):
         raise ValueError(f"--match must be 'fuzzy' or 'exact', not {match!r}")
@@ -365,9 +367,10 @@ def compare(a, b, *, match: str = "fuzzy", mapping: str | Mapping | None = None,
     tasks = [(run_a.parts[ka].path, ka, run_b.parts[kb].path, kb, match, mapping, tensors, translate,
               fa if fa == fb else None, kernels) for ka, kb in jobs_list]
     # under a launcher each rank compares every world-th part with its -j workers; rank 0 merges
-    results = gathered(engine, tasks, lambda share: _run_tasks(share, jobs, progress))
+    results = gathered(engine, tasks, lambda share: _run_tasks(share, jobs, progress) if engine is None
+                       else list(_run_tasks(share, jobs, progress)))
     return said_by_rank0(engine, lambda: _merge(results, run_a, run_b, jobs_list, problems, (fa, fb), out, metric,
-                                                progress), _elsewhere)
+                                                progress, keep_table), _elsewhere)
 
 
 def _elsewhere(verdict) -> Result:
@@ -375,45 +378,58 @@ def _elsewhere(verdict) -> Result:
     return Result(pd.DataFrame(), verdict)
 
 
-def _merge(results: list, run_a, run_b, jobs_list: list, problems: list, frameworks: tuple, out, metric: str,
-           progress: bool) -> Result:
-    """One table and one verdict from the parts' results (in ``jobs_list`` order); the reports."""
-    tables, unmatched, divs, aligned = [], [], [], np.zeros(3, np.int64)
+def _merge(results, run_a, run_b, jobs_list: list, problems: list, frameworks: tuple, out, metric: str,
+           progress: bool, keep_table: bool = True) -> Result:
+    """One verdict from the parts' results (in ``jobs_list`` order), each part's table reported and
+    counted as it comes and then dropped (a :class:`~..report.ReportWriter` keeps what the reports
+    need), so memory is bounded by a part whatever the run's length; the whole table joined and
+    returned only with ``keep_table``."""
+    unmatched, divs, aligned = [], [], np.zeros(3, np.int64)
     pairing = PairingShare(frameworks)
-    for k, res in enumerate(results):
-        tables.append(res.rows if res.arrays is None else res.arrays)
-        results[k] = res._replace(rows=None, arrays=None)    # the tables are joined (and freed) below
+    tally, facts, earlier = _Tally(), {}, None
+    kept: list | None = [] if keep_table else None
+    writer = None
+    if out:
+        from ..report import ReportWriter
+        writer = ReportWriter(out, str(run_a.path), str(run_b.path), metric)
+    renamed = jobs_list[0][0] != jobs_list[0][1] and len(jobs_list) == 1   # one part of each, other step/rank
+    for res in _one_at_a_time(results):
+        table = res.rows if res.arrays is None else pd.DataFrame(res.arrays, copy=False)
+        if renamed and len(table):
+            table["step"], table["rank"] = jobs_list[0][0]
         unmatched.append(res.unmatched)
         problems.extend(res.problems)
-        divs.extend(res.divergences)
         aligned += res.aligned
         pairing.add(res.pairing)
-    table = _joined(tables) if tables else pd.DataFrame(columns=COLUMNS)
+        part_divs, found, earlier = _amplified(table, list(res.divergences), run_a, run_b, earlier)
+        facts = {**found, **facts}         # each parameter said once, from the first step it differs
+        divs.extend(part_divs)
+        tally.add(table)
+        # the reported columns, in order (the arrays as they are: a copy would hold the table twice)
+        table = pd.DataFrame({c: table[c] for c in COLUMNS if c in table.columns}, copy=False)
+        if writer is not None:
+            writer.add(table, [(d.step, d.rank, d.stage, d.kind, d.seq) for d in part_divs])
+        if kept is not None:
+            kept.append(table)
+        del table, res
     um = pd.concat(unmatched, ignore_index=True) if unmatched else pd.DataFrame(columns=UNMATCHED_COLUMNS + ["explained"])
     um["is_cast"] = um["is_cast"].astype(bool)
-    if jobs_list[0][0] != jobs_list[0][1] and len(jobs_list) == 1:
-        table["step"], table["rank"] = jobs_list[0][0]
-    explained = _amplified(table, divs, run_a, run_b)
     first, departures = _first(divs, um, [k for k, _ in jobs_list],
                                lambda step, rank: optimizer_step(run_a, run_b, step, rank))
-    counts = {k: int(v) for k, v in table["status"].value_counts().items()} if len(table) else {}
-    below = int((differs(table, 0.0) & ~differs(table)).sum()) if len(table) else 0   # statistics-only rows
     smaller = min(int(aligned[1]), int(aligned[2]))   # a truncated or shorter run is judged on what it has
     share = float(aligned[0]) / max(smaller, 1)
     verdict = Verdict(a=str(run_a.path), b=str(run_b.path), forward=first.get("forward"),
-                      backward=first.get("backward"), counts=counts, unmatched=um, problems=problems,
+                      backward=first.get("backward"), counts=dict(tally.counts), unmatched=um, problems=problems,
                       parts=[k for k, _ in jobs_list], aligned=share,
                       same_run=_same_folder(run_a, run_b, jobs_list), departures=departures, pairing=pairing,
-                      explained=explained, below_floor=(below, STATS_NOISE),
-                      partial_sums=int((table["reason"] == PARTIAL_SUMS).sum()) if len(table) else 0,
-                      loss_scaled=loss_scale.not_judged(table))
-    # the reported columns, in order (the arrays as they are: a copy would hold the table twice)
-    table = pd.DataFrame({c: table[c] for c in COLUMNS if c in table.columns}, copy=False)
-    if out:
-        from ..report import write_reports
-        verdict.report = write_reports(out, table, verdict, run_a.manifest, run_b.manifest, metric=metric,
-                                       progress=progress)
-    if not len(table):
+                      explained=amplified_lines(facts), below_floor=(tally.below, STATS_NOISE),
+                      partial_sums=tally.partial_sums, loss_scaled=tally.loss_scaled)
+    table = _joined(kept) if kept else pd.DataFrame(columns=COLUMNS)
+    if writer is not None:
+        if not tally.rows:
+            writer.add(pd.DataFrame(columns=list(table.columns) or COLUMNS))
+        verdict.report = writer.finish(verdict, run_a.manifest, run_b.manifest, progress)
+    if not tally.rows:
         why = problems[-1] if problems else "no tensor could be paired"
         raise RecordError(f"nothing could be compared: {why}"
                           + (f" (partial report: {verdict.report})" if verdict.report else ""))
@@ -426,43 +442,64 @@ def _merge(results: list, run_a, run_b, jobs_list: list, problems: list, framewo
     return Result(table, verdict)
 
 
+class _Tally:
+    """The verdict's counts of the table's rows, summed part by part."""
+
+    def __init__(self):
+        self.counts: Counter = Counter()
+        self.rows = self.below = self.partial_sums = self.loss_scaled = 0
+
+    def add(self, table: pd.DataFrame) -> None:
+        if not len(table):
+            return
+        self.rows += len(table)
+        self.counts.update({k: int(v) for k, v in table["status"].value_counts().items()})
+        self.below += int((differs(table, 0.0) & ~differs(table)).sum())   # statistics-only rows
+        self.partial_sums += int((table["reason"] == PARTIAL_SUMS).sum())
+        self.loss_scaled += loss_scale.not_judged(table)
+
+
 def _joined(tables: list) -> pd.DataFrame:
     """``pd.concat(tables, ignore_index=True)``; where every table has the same columns of the same
     numpy dtypes (what concat then keeps), joined a column at a time, each column's pieces freed
-    once joined: the parts and the whole are never both held in full (a long run's parts are most
-    of compare's memory).  A table is a frame or its columns' arrays (``PartResult.arrays``: no
-    column read back from a frame).  ``tables`` is emptied."""
-    def layout(t):
-        return (list(t), [a.dtype for a in t.values()]) if isinstance(t, dict) else (list(t.columns), list(t.dtypes))
-    columns, dtypes = layout(tables[0])
-    if not all(isinstance(d, np.dtype) for d in dtypes) or any(layout(t) != (columns, dtypes) for t in tables[1:]):
-        joined = pd.concat([pd.DataFrame(t, copy=False) if isinstance(t, dict) else t for t in tables],
-                           ignore_index=True)
+    once joined: the parts and the whole are never both held in full.  ``tables`` is emptied."""
+    columns, dtypes = list(tables[0].columns), list(tables[0].dtypes)
+    if not all(isinstance(d, np.dtype) for d in dtypes) or any((list(t.columns), list(t.dtypes)) != (columns, dtypes)
+                                                                for t in tables[1:]):
+        joined = pd.concat(tables, ignore_index=True)
         tables.clear()
         return joined
-    pieces = {name: [t[name] if isinstance(t, dict) else t[name].to_numpy() for t in tables] for name in columns}
+    pieces = {name: [t[name].to_numpy() for t in tables] for name in columns}
     tables.clear()
     return pd.DataFrame({name: np.concatenate(pieces.pop(name)) for name in columns}, copy=False)
 
 
-def _amplified(table: pd.DataFrame, divs: list, run_a, run_b) -> list:
-    """Parts whose error rows are only parameters moved apart by the optimizer amplifying cancelled
-    gradient noise (:mod:`.amplified`): those rows pass with the reason, the part's divergences go,
-    and the lines saying so are returned for the verdict."""
-    if not len(table) or "status" not in table.columns:
-        return []
-    bad = table.loc[table["status"] == "error", ["step", "rank"]]
-    facts: dict = {}
-    for step, rank in sorted({(int(s), int(r)) for s, r in bad.itertuples(index=False)}):
-        got = amplified_noise(table, run_a, run_b, step, rank)
-        if got is None:
-            continue
-        rows, found = got
-        table.loc[rows, "status"] = "pass"
-        table.loc[rows, "reason"] = "parameter moved apart by the optimizer amplifying cancelled gradient noise"
-        divs[:] = [d for d in divs if (d.step, d.rank) != (step, rank) or d.departure]
-        facts = {**found, **facts}       # each parameter said once, from the first step it differs
-    return amplified_lines(facts)
+# what the optimizer-amplified-noise rule reads of earlier parts: their backward outputs (saved tensors)
+_EARLIER = ["step", "rank", "stage", "io", "arg", "shape_a", "data_a", "data_b", "status", "name_a", "name_b"]
+
+
+def _amplified(table: pd.DataFrame, divs: list, run_a, run_b, earlier: pd.DataFrame | None) -> tuple:
+    """A part whose error rows are only parameters moved apart by the optimizer amplifying cancelled
+    gradient noise (:mod:`.amplified`): those rows pass with the reason and the part's divergences go.
+    The rule reads the earlier parts' backward outputs (``earlier``, kept only for runs with saved
+    tensors).  Returns (the part's divergences, the parameters said, the earlier rows with this part's)."""
+    if not len(table) or "data_a" not in table.columns:
+        return divs, {}, earlier
+    found: dict = {}
+    errors = table["status"] == "error"
+    if errors.any():
+        step, rank = int(table["step"].iloc[0]), int(table["rank"].iloc[0])
+        here = table if earlier is None else pd.concat([earlier.set_axis(pd.RangeIndex(-len(earlier), 0)), table])
+        got = amplified_noise(here, run_a, run_b, step, rank)
+        if got is not None:
+            rows, found = got
+            table.loc[rows, "status"] = "pass"
+            table.loc[rows, "reason"] = "parameter moved apart by the optimizer amplifying cancelled gradient noise"
+            divs = [d for d in divs if d.departure]
+    mine = table.loc[(table["stage"] == "backward") & (table["io"] == "output") & table["data_a"].notna(), _EARLIER]
+    if len(mine):
+        earlier = mine if earlier is None else pd.concat([earlier, mine], ignore_index=True)
+    return divs, found, earlier
 
 
 def _other_parallelism(run_a, run_b) -> bool:
@@ -634,22 +671,40 @@ def _progress_bar(total: int):
     return tqdm(total=total, desc="compare", unit="part", leave=False)
 
 
+def _one_at_a_time(results):
+    """The items of ``results`` (a list or an iterator), a list's each dropped from it as it is handed
+    on: the caller then holds one part's result at a time."""
+    if not isinstance(results, list):
+        yield from results
+        return
+    for k in range(len(results)):
+        res, results[k] = results[k], None
+        yield res
+
+
 def _run_tasks(tasks, jobs: int, progress: bool):
+    """The parts' results, in ``tasks``' order, each made when the caller asks for it (``-j``: at most
+    two per worker made ahead), so that a long run's parts are never all held at once."""
     bar = _progress_bar(len(tasks)) if progress else None
-    results = [None] * len(tasks)
-    if jobs > 1 and len(tasks) > 1:
-        with ProcessPoolExecutor(max_workers=min(jobs, len(tasks))) as pool:
-            futures = {pool.submit(_worker, t): k for k, t in enumerate(tasks)}
-            for fut in as_completed(futures):
-                results[futures[fut]] = fut.result()
+    try:
+        if jobs > 1 and len(tasks) > 1:
+            with ProcessPoolExecutor(max_workers=min(jobs, len(tasks))) as pool:
+                ahead = 2 * min(jobs, len(tasks))
+                futures = [pool.submit(_worker, t) for t in tasks[:ahead]]
+                for k in range(len(tasks)):
+                    if k + ahead < len(tasks):
+                        futures.append(pool.submit(_worker, tasks[k + ahead]))
+                    res, futures[k] = futures[k].result(), None
+                    if bar:
+                        bar.update()
+                    yield res
+        else:
+            texts: dict = {}    # the parts' tables share their strings and shapes (compare_parts)
+            for t in tasks:
+                res = _worker(t, texts)
                 if bar:
                     bar.update()
-    else:
-        texts: dict = {}    # the parts' tables share their strings and shapes (compare_parts)
-        for k, t in enumerate(tasks):
-            results[k] = _worker(t, texts)
-            if bar:
-                bar.update()
-    if bar:
-        bar.close()
-    return results
+                yield res
+    finally:
+        if bar:
+            bar.close()
