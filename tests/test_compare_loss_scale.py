@@ -1,9 +1,10 @@
-"""A run that scales its loss (torch.amp.GradScaler, fp16 AMP's recipe) against one that does not,
-or scales it differently: every gradient differs by the scale, exactly, and no kernel is wrong.
+"""A run that scales its loss (torch.amp.GradScaler, fp16 AMP's recipe; the scale as backward's seed;
+a Python-number scale as DeepSpeed's and Megatron's loss scalers apply it) against one that does
+not, or scales it differently: every gradient differs by the scale, exactly, and no kernel is wrong.
 compare judges the forward as usual and the backward unscaled (no error row, no op named, the rows
 saying so); a wrong backward kernel in the scaled run is still named; runs scaled alike compare as
-before; the scaler's own ops (recorded with the optimizer inside the probe) are explained.  Both
-orders, statistics and tensor tasks."""
+before; the scaler's own ops (recorded with the optimizer inside the probe) are explained; a scale
+that is no power of two leaves the backward not judged.  Both orders, statistics and tensor tasks."""
 
 from __future__ import annotations
 
@@ -156,3 +157,102 @@ def test_a_seed_not_scaled_by_the_multiply_leaves_the_backward_not_judged(runs):
         assert found.whole_backward.startswith(f"backward: not judged: run {side} multiplies its loss by 65536 "), \
             found.whole_backward
         assert not found.unscaled     # nothing divided
+
+
+# ---- the scale in the forms other stacks give it ----------------------------------------------------
+SCALE_MADE_OUTSIDE = torch.tensor(1024.0)      # a user's tensor: no record makes it
+
+
+def _scaled_backward(loss, form: str, scale: float) -> None:
+    """``loss``'s backward, scaled by ``scale`` as ``form`` says (``plain``: not scaled)."""
+    if form == "plain":
+        loss.backward()
+    elif form == "seed":                                  # the scale as backward's seed
+        loss.backward(torch.tensor(scale))
+    elif form == "grad_tensors":
+        torch.autograd.backward(loss, grad_tensors=torch.tensor(scale))
+    elif form == "full_seed":                             # a seed made inside the probe (aten.full)
+        loss.backward(torch.full((), scale))
+    elif form == "number":                                # DeepSpeed / Megatron: (loss.float() * scale).backward()
+        (loss.float() * scale).backward()
+    elif form == "mul_scalar":
+        torch.ops.aten.mul.Scalar(loss, scale).backward()
+    elif form == "tensor_made_outside":
+        (loss * SCALE_MADE_OUTSIDE).backward()
+    else:
+        raise ValueError(form)
+
+
+def _record_form(path, form: str, task: str = "statistics", scale: float = 1024.0, plant: bool = False,
+                 mean: bool = False):
+    """Two steps of the MLP's forward and backward, its loss scaled as ``form`` says; ``mean``: the
+    loss a mean of squares (backward's seed read through an expand no record shows), not ``mse_loss``."""
+    torch.manual_seed(0)
+    model = SiluMLP()
+    with planted_kernel("silu_backward" if plant else None, wrong_silu_backward):
+        probe = DispatchProbe(task=task, dump_path=str(path))
+        for step in range(2):
+            g = torch.Generator().manual_seed(step)
+            x, y = torch.randn(8, 16, 32, generator=g), torch.randn(8, 16, 4, generator=g)
+            with probe:
+                loss = (model(x) - y).pow(2).mean() if mean else F.mse_loss(model(x), y)
+                _scaled_backward(loss, form, scale)
+            model.zero_grad()
+            probe.step()
+        probe.close()
+    return path
+
+
+FORMS = ("seed", "grad_tensors", "full_seed", "number", "mul_scalar", "tensor_made_outside")
+
+
+@pytest.fixture(scope="module")
+def forms(tmp_path_factory):
+    root = tmp_path_factory.mktemp("loss_scale_forms")
+    runs = {"plain": _record_form(root / "plain", "plain"), "plain_mean": _record_form(root / "pm", "plain", mean=True),
+            "seed_mean": _record_form(root / "sm", "seed", mean=True),
+            "plain_tensor": _record_form(root / "pt", "plain", task="tensor"),
+            "seed_tensor": _record_form(root / "st", "seed", task="tensor")}
+    for form in FORMS:
+        runs[form] = _record_form(root / form, form)
+        runs[form + "_wrong"] = _record_form(root / f"{form}_wrong", form, plant=True)
+    for form in ("seed", "number"):
+        runs[form + "_1000"] = _record_form(root / f"{form}_1000", form, scale=1000.0)
+        runs[form + "_1000_wrong"] = _record_form(root / f"{form}_1000_wrong", form, scale=1000.0, plant=True)
+    return runs
+
+
+@pytest.mark.parametrize("pair", [("plain", f) for f in FORMS] + [("plain_mean", "seed_mean"),
+                                                                  ("plain_tensor", "seed_tensor")])
+def test_each_form_of_the_scale_is_compared_unscaled(forms, pair):
+    for order, table, v in _both_orders(forms, *pair):
+        assert v.passed and v.forward is None and v.backward is None, (order, str(v))
+        assert not (table["status"] == "error").any(), order
+        unscaled = table["reason"].str.contains(_said(order, pair[1], 1024), regex=False)
+        assert unscaled[table["stage"] == "backward"].mean() > 0.5, order
+        # the seed each run makes or is given, and the scaler's multiplies: explained, never a suspect
+        assert v.unmatched.empty or (v.unmatched["explained"].str.startswith("loss scaling: ")).all(), \
+            (order, v.unmatched)
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_a_wrong_backward_kernel_is_named_whatever_the_form(forms, form):
+    for order, _, v in _both_orders(forms, "plain", form + "_wrong"):
+        assert v.backward is not None and v.backward.cause == "op", (order, str(v))
+        assert (v.backward.op, v.backward.scope) == ("aten.silu_backward.default", "SiluMLP"), (order, str(v))
+
+
+@pytest.mark.parametrize("form", ["seed", "number"])
+@pytest.mark.parametrize("wrong", [False, True])
+def test_a_scale_no_power_of_two_leaves_the_backward_not_judged(forms, form, wrong):
+    """Divided by 1000 the gradients round: the backward is not judged, and no op is named, not even
+    a wrong kernel's (which the runs cannot show apart from the scale)."""
+    run = f"{form}_1000" + ("_wrong" if wrong else "")
+    for order, table, v in _both_orders(forms, "plain", run):
+        assert v.forward is None and v.backward is None, (order, str(v))
+        side = "A" if order[0] == run else "B"
+        assert f"backward: not judged: run {side} multiplies its loss by 1000 and" in str(v), (order, str(v))
+        backward = table[table["stage"] == "backward"]
+        assert (backward["status"] == "not judged").all(), order
+        assert backward["reason"].str.contains("no power of two", regex=False).all(), order
+        assert not (table["status"] == "error").any(), order

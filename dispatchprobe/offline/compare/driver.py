@@ -90,8 +90,8 @@ def _compare_parts(part_a: Part, part_b: Part, match: str, mapping: Mapping, ten
     # forward ops one run re-runs in backward (activation checkpointing): not judged, see .recompute
     recs_a, recs_b, *rerun_only = recompute.set_aside(recs_a, recs_b)
     problems = list(part_a.problems) + list(part_b.problems)
-    # a run scaling its loss (GradScaler): its gradients compared unscaled, see .loss_scale
-    recs_a, recs_b, scaling = loss_scale.unscaled(recs_a, recs_b) if not any(translate) else (recs_a, recs_b, None)
+    # a run scaling its loss (GradScaler, MindSpore's amp scalers): its gradients compared unscaled, see .loss_scale
+    recs_a, recs_b, scaling = loss_scale.unscaled(recs_a, recs_b, permuted=any(translate))
     if scaling is not None and scaling.whole_backward:
         problems.append(f"step {part_a.step} rank {part_a.rank}: {scaling.whole_backward}")
     cross = any(translate)     # two frameworks: argument order and op order may differ, not the values
