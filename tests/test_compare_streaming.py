@@ -43,8 +43,11 @@ def _files(folder) -> dict:
             for name in ("compare.csv", "unmatched.csv", "pairing.csv", "compare.html")}
 
 
+@pytest.mark.parametrize("chunk", [1, R.CHUNK_ROWS])
 @pytest.mark.parametrize("order", ["bad-clean", "clean-bad"])
-def test_reports_without_the_table_are_the_same(runs, tmp_path, order):
+def test_reports_without_the_table_are_the_same(runs, tmp_path, monkeypatch, order, chunk):
+    """The same reports whether the parts are digested one at a time or together."""
+    monkeypatch.setattr(R, "CHUNK_ROWS", chunk)
     a, b = runs if order == "clean-bad" else runs[::-1]
     table, kept = compare(a, b, out=str(tmp_path / "kept"))
     empty, streamed = compare(a, b, out=str(tmp_path / "streamed"), keep_table=False)
@@ -59,8 +62,10 @@ def test_reports_without_the_table_are_the_same(runs, tmp_path, order):
 
 def test_one_part_held_at_a_time(runs, tmp_path, monkeypatch):
     """Without the table, a part's rows are dropped once reported: when a part is reported, the
-    tables of the parts before it are gone (the sheet keeps whole parts only while the table fits it)."""
+    tables of the parts before it are gone (the sheet keeps whole parts only while the table fits it;
+    a chunk of one row: each part written and digested as it comes)."""
     monkeypatch.setattr(D, "XLSX_MAX_ROWS", 10)
+    monkeypatch.setattr(R, "CHUNK_ROWS", 1)
     alive, seen = [], []
     worker = driver._worker
 
@@ -88,7 +93,8 @@ def test_one_part_held_at_a_time(runs, tmp_path, monkeypatch):
 
 @pytest.fixture
 def small_bounds(monkeypatch):
-    """Bounds small enough that each selection drops rows of these runs."""
+    """Bounds small enough that each selection drops rows of these runs; each part digested alone."""
+    monkeypatch.setattr(R, "CHUNK_ROWS", 1)
     monkeypatch.setattr(D, "XLSX_MAX_ROWS", 40)
     monkeypatch.setattr(R, "XLSX_MAX_ROWS", 40)
     monkeypatch.setattr(D, "OPS_PER_NODE", 3)

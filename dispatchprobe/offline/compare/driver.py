@@ -485,6 +485,9 @@ def _amplified(table: pd.DataFrame, divs: list, run_a, run_b, earlier: pd.DataFr
     tensors).  Returns (the part's divergences, the parameters said, the earlier rows with this part's)."""
     if not len(table) or "data_a" not in table.columns:
         return divs, {}, earlier
+    saved = table["data_a"].notna().to_numpy()
+    if earlier is None and not saved.any():      # statistics only: nothing the rule can read
+        return divs, {}, earlier
     found: dict = {}
     errors = table["status"] == "error"
     if errors.any():
@@ -496,7 +499,7 @@ def _amplified(table: pd.DataFrame, divs: list, run_a, run_b, earlier: pd.DataFr
             table.loc[rows, "status"] = "pass"
             table.loc[rows, "reason"] = "parameter moved apart by the optimizer amplifying cancelled gradient noise"
             divs = [d for d in divs if d.departure]
-    mine = table.loc[(table["stage"] == "backward") & (table["io"] == "output") & table["data_a"].notna(), _EARLIER]
+    mine = table.loc[(table["stage"] == "backward").to_numpy() & (table["io"] == "output").to_numpy() & saved, _EARLIER]
     if len(mine):
         earlier = mine if earlier is None else pd.concat([earlier, mine], ignore_index=True)
     return divs, found, earlier
