@@ -218,7 +218,7 @@ def compare(a, b, out, match, mapping, jobs, metric, stats_only):
         named = [getattr(verdict, stage, None) for stage in ("forward", "backward")]     # none in a grad compare
         _say_repro([(a if d.side == "a" else b, d.name, d.step, d.rank) for d in named
                     if d is not None and d.cause == "op" and d.kind == "op" and not d.departure])
-    if getattr(verdict, "random_only", False):       # a grad compare's verdict has no random op
+    if getattr(verdict, "undecided", False):         # a grad compare's verdict has no random op or choice
         sys.exit(1)
     if not verdict.passed:
         sys.exit(2)

@@ -547,9 +547,9 @@ def _parallel_result(run_a, run_b, merged, out) -> Result:
 
 
 # causes that name no source in their own part: the stage's differences come from elsewhere (another
-# stage's values, a random draw, rounding noise, constants); a rank whose values differ only through a
-# collective's result says so, while the rank that made the difference names its op
-_NO_SOURCE = frozenset({"inherited", "after_random", "after_inputs", "noise", "constant"})
+# stage's values, a random draw or a discrete choice, rounding noise, constants); a rank whose values
+# differ only through a collective's result says so, while the rank that made the difference names its op
+_NO_SOURCE = frozenset({"inherited", "after_random", "after_inputs", "after_choice", "noise", "constant"})
 
 
 def _first(divs: list, unmatched: pd.DataFrame, parts: list, stepped=None) -> tuple[dict, list]:
@@ -625,7 +625,7 @@ def _came_from(by_part: dict, unmatched: pd.DataFrame, parts: list, d, stepped=N
                        f"{facts.said}", True
         for stage in ("backward", "forward"):
             src = got.get((stage, departure))
-            if src is not None and src.cause not in ("inherited", "after_random", "after_inputs"):
+            if src is not None and src.cause not in ("inherited", "after_random", "after_inputs", "after_choice"):
                 return f"they come from step {step}: {src.describe().splitlines()[0]}", not departure
     if facts is not None and facts.said:
         if facts.gradient_agrees is False and None not in facts.made_by:

@@ -22,6 +22,7 @@ from ...records.format import walk
 from ...records.reader import Part
 from ...standards import verdicts as V
 from ...standards.loader import is_float, standard
+from .choice import Choices
 from .columns import TENSOR_METRICS
 from .exact import otherwise_identical
 from .pairing import DataFlow, user_frames
@@ -39,7 +40,8 @@ class Root(NamedTuple):
     ``before``: a one-run-only op sits before the first paired record after it in its own run), then
     by what it is (``tie``)."""
 
-    weak: int       # 0; ROUNDING: an op's own difference no larger than a few roundings of its dtype;
+    weak: int       # 0; ROUNDING: an op's own difference no larger than a few roundings of its dtype
+                    # (or a discrete choice such a difference flipped, :mod:`.choice`);
                     # CONSTANT: a value made from the program's numbers (:meth:`Lineage.makes_constant`);
                     # NOISE: a value zero up to rounding (it passed by the cancellation rule)
     at: int         # position in the stage (run A's order) of the paired record it is seen at, or for
@@ -301,6 +303,8 @@ class Lineage:
         self.partial = self.partial_rows.tolist()
         self.src_a, self.src_b = a.flow.src.get, b.flow.src.get
         self.own_share = OwnShare(df, a.recs, b.recs, self.pair_b, rerun, self.bad_rows)
+        self.choices = Choices(df, a, b, {"off": self.off, "bad": self.bad, "is_in": self.is_in, "spec": self.spec,
+                                          "floats": self.own_share.floats}, self.pair_a)
         self.loose = {s.name: self._loose(s) for s in (a, b)}
         # per run: its one-run-only ops that make a constant (makes_constant): sources ranked after computed ones
         self.makers = {n: {i for (_, kind), recs in lo.items() if kind == MAKER for i in recs}
@@ -700,6 +704,29 @@ class Lineage:
             return NONE
         return self.own_share.estimate(i, outs, ins, reach, self.terms_err.get(i, 0.0))
 
+    # ---- discrete choices the runs made differently (.choice) ---------------------------------------
+    def choice_sources(self, i: int, ins: list, stage: str, followed: Root, reach) -> dict:
+        """The sources of the differing inputs of paired record ``i``, whose values follow the choice
+        ``followed``: an input carrying a choice, or a discrete one, has that choice as its source
+        (an index that differs beside values that follow a choice is no rounding's); another input only
+        where it is an error row (a difference beyond tolerance that came in by itself), its source as
+        always; a difference within tolerance beside it is no source (a choice moves values far more).
+        The record itself is never one: how far its outputs moved says nothing of its kernel.  Key -1
+        holds ``followed``, which the outputs follow even where the inputs carrying it agree on
+        statistics (a one-hot mask of other experts has the same statistics)."""
+        out = {-1: self.choices.as_source(followed, stage)}
+        for k in ins:
+            carried = self.choices.input_root(k)
+            if carried is None and self.choices.discrete[k]:
+                carried = followed      # an index beside the choice's values: rounding makes no other index
+            if carried is not None:
+                out[k] = self.choices.as_source(carried, stage)
+            elif self.bad[k]:
+                out[k] = self.source(i, k, stage, reach if self.partial[k] else None)
+            else:
+                out[k] = (None, None)
+        return out
+
     # ---- the pass ---------------------------------------------------------------------------------
     def trace(self) -> tuple[np.ndarray, list]:
         """(per row: is it an output where a difference enters; per stage at most one (root, error
@@ -733,7 +760,9 @@ class Lineage:
             if stage in settled:
                 continue
             if u in side.only:
-                self.passes[side.name][u] = self.passed_on(side, u)
+                chosen = self.choices.follows(side.name, u)
+                self.passes[side.name][u] = self.choices.as_source(chosen, stage) if chosen is not None \
+                    else self.passed_on(side, u)
                 continue
             s0, e0 = groups[i]
             best = inh = None
@@ -749,8 +778,25 @@ class Lineage:
                     self.inside_op(a, [self.spec_a[k] for k in range(s0, e0) if self.partial[k] and is_in[k]]),
                     self.inside_op(b, [self.spec_b[k] for k in range(s0, e0) if self.partial[k] and is_in[k]])
                     if j is not None else None)
-            srcs = {k: self.source(i, k, stage, reach if self.partial[k] else None) for k in ins}
-            if outs:
+            followed = self.choices.followed(i, self.pair_b.get(i))
+            flipped: list = []
+            if followed is not None:     # its values follow a discrete choice the runs made differently
+                srcs = self.choice_sources(i, ins, stage, followed, reach)
+                if outs:
+                    for kb, kh in srcs.values():
+                        best, inh = _min(best, kb), _min(inh, kh)
+                    self.best[i], self.inh[i] = best, inh
+            else:
+                srcs = {k: self.source(i, k, stage, reach if self.partial[k] else None) for k in ins}
+                flipped = self.choices.flipped(i, range(s0, e0))
+                if flipped:
+                    choice = self.seen_at(i, self.args[flipped[0]], "choice", ROUNDING)
+                    self.choices.record(i, self.pair_b.get(i), choice, [self.args[k] for k in flipped])
+                    origin_rows[flipped] = True
+                    outs = [k for k in outs if k not in flipped]    # the rest are judged as any op's outputs
+                    if not outs:
+                        self.best[i] = choice
+            if outs and followed is None:
                 # a float64 re-run costs an op's replay twice: only while no larger source is known
                 found = stage_src.get((stage, rec["kind"], stage in err_stages))
                 hidden = self.uncompared(i, s0, e0)
@@ -786,11 +832,11 @@ class Lineage:
                 [k for k in ins + outs if not self.noise[k] and not self.partial[k]]
             if rows:
                 eb = eh = None
-                if any(not is_in[k] for k in rows):
+                if any(not is_in[k] and k not in flipped for k in rows):
                     eb, eh = best, inh
                 for k in rows:
-                    if is_in[k]:
-                        kb, kh = srcs[k]
+                    if is_in[k] or k in flipped:
+                        kb, kh = srcs[k] if is_in[k] else (choice, None)
                         eb, eh = _min(eb, kb), _min(eh, kh)
                 acc = stage_src.setdefault((stage, rec["kind"], error), [None, None])
                 acc[0], acc[1] = _min(acc[0], eb), _min(acc[1], eh)
@@ -844,6 +890,8 @@ def trace(df: pd.DataFrame, a: Side, b: Side, pairs: list, rerun=None, same_kern
     unmeasured = (df["rel_l2_err"].isna() & (df["status"] != V.NOT_JUDGED)).to_numpy() if len(df) else np.zeros(0, bool)
     for stage, pick, errors in picks:
         div = _describe(df, a, b, stage, pick, errors, lineage.off_rows & ~lineage.partial_rows)
+        if pick.cause == "choice" and a.recs[pick.index]["stage"] != stage:
+            div = _after_choice(div, a, pick)
         # placed from the recorded errors, or from statistics (equal statistics do not make equal values)
         div.approximate = pick.cause == "op" and (pick.index in lineage.own_share.estimated or bool(
             unmeasured[(lineage.uid == pick.index) & (df["stage"].to_numpy(object) == stage)].any()))
@@ -940,6 +988,25 @@ def _constant_values(row) -> str:
     return f"{row.arg} is {held(row.min_a, row.max_a)} in run A, {held(row.min_b, row.max_b)} in run B"
 
 
+def _after_choice(div: Divergence, a: Side, pick: Root) -> Divergence:
+    """A stage whose differences follow a choice made in the other stage (a backward reading the
+    forward's routed values): ``after_choice``, naming the choice."""
+    rec = a.recs[pick.index]
+    div.cause, div.follows, div.approximate = "after_choice", (
+        f"{rec['op']} [{rec['scope'] or '<top>'}] call {int(rec['call'])} {pick.arg} (#{int(a.seq[pick.index])} in "
+        f"{rec['stage']}, step {div.step} rank {div.rank})"), False
+    div.failed, div.metrics, div.module = "", {}, None
+    return div
+
+
+def _chose_from(df: pd.DataFrame, i: int, stage: str) -> str:
+    """How far the float values choice record ``i`` chose from differ (each input row)."""
+    rows = df[(df["uid"] == i) & (df["stage"] == stage) & (df["io"] == "input")]
+    floats = [r for r in rows.itertuples() if is_float(r.dtype_a) and is_float(r.dtype_b)]
+    return "; ".join(f"{r.arg}: {_size(r) if r.status != V.ERROR else _why(r)}" if r.error > 0 else
+                     f"{r.arg}: equal" for r in floats)
+
+
 def _describe(df, a: Side, b: Side, stage, pick: Root, errors, off) -> Divergence:
     i, side, arg, cause = pick.index, pick.side, pick.arg, pick.cause
     run = a if side == "a" else b
@@ -963,6 +1030,11 @@ def _describe(df, a: Side, b: Side, stage, pick: Root, errors, off) -> Divergenc
     elif cause in ("inputs", "inherited", "noise"):
         rows = at[at["arg"] == arg]
         failed = "; ".join(_why(r) if r.reason else _size(r) for r in rows.itertuples()) or "values differ"
+    elif cause == "choice":
+        rows = at[at["arg"] == arg]
+        failed = "; ".join(f"{r.arg}: {_why(r) if r.reason else _size(r)}" for r in rows.itertuples()) \
+            or f"{arg} differs"
+        failed += f"; the values it chose from agree within tolerance ({_chose_from(df, i, stage)})"
     elif cause == "constant":
         rows = at[at["io"] == "output"]
         failed = "; ".join(_constant_values(r) for r in rows.itertuples()) or f"made in run {side.upper()} only"

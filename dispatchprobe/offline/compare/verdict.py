@@ -14,8 +14,13 @@ from .pairing import PairingShare
 
 
 # causes whose line gives no precision verdict on an op: values drawn from random numbers, what is
-# computed from them or from inputs that differ already, rounding noise, the programs' constants
-NO_PRECISION_VERDICT = frozenset({"random", "after_random", "after_inputs", "noise", "constant"})
+# computed from them or from inputs that differ already, rounding noise, the programs' constants, a
+# discrete choice the runs made differently and what is computed from it
+NO_PRECISION_VERDICT = frozenset({"random", "after_random", "after_inputs", "noise", "constant", "choice",
+                                  "after_choice"})
+# the first causes of those whose later values compare cannot judge (exit code 1), and the causes of
+# the stage after them
+UNDECIDED = {"random": ("after_random",), "choice": ("after_choice", "inherited")}
 
 
 @dataclass
@@ -45,6 +50,13 @@ class Divergence:
     - ``random``: the first op where values differ draws random numbers (dropout, ``rand``...): its values
       depend on each run's generator, so a difference there and in what is computed from it is no
       precision verdict (``op``, ``unmatched`` or ``unrecorded`` at a random op);
+    - ``choice``: the first values that differ are a discrete answer (``topk``'s indices, a mask, an
+      ``argmax``; ``arg``) an op gave from float values that agree within tolerance: a near-tie the
+      runs' rounding resolved apart (a router sending a token to another expert), no kernel wrong;
+      what is computed from that answer differs by far more than rounding and is not judged
+      (:mod:`.choice`);
+    - ``after_choice``: a stage whose error rows follow a ``choice`` made in the other stage
+      (``follows``): not judged;
     - ``after_random``: backward only: its error rows come after a forward ``random`` divergence
       (``follows``), computed from values that depend on the draws: not judged;
     - ``after_inputs``: backward only: the forward's inputs differ already (``follows``: where first
@@ -91,6 +103,10 @@ class Divergence:
     def headline(self) -> str:
         if self.cause == "random":
             return f"first {self.stage} difference, at a random op" + (" (within tolerance)" if self.departure else "")
+        if self.cause == "choice":
+            return f"first {self.stage} difference, at a discrete choice"
+        if self.cause == "after_choice":
+            return f"{self.stage} not judged: follows a discrete choice"
         return f"first {self.stage} departure (within tolerance)" if self.departure else f"first {self.stage} divergence"
 
     def where(self) -> str:
@@ -120,6 +136,15 @@ class Divergence:
             lines = [f"{lead or self.headline()}: {self.where()}: its values depend on the random numbers "
                      f"each run drew, so the runs cannot be compared value for value there or in what is computed "
                      f"from it; not a precision verdict ({self.failed}). {RANDOM_ADVICE}"]
+        elif self.cause == "choice":
+            computed = f"the {self.errors} error rows computed from it" if self.errors else "what is computed from it"
+            lines = [f"{lead or self.headline()}: {self.where()}: {self.failed}. A near-tie the runs' rounding "
+                     f"resolved apart gives another discrete answer (a router picking another expert), no kernel "
+                     f"wrong; {computed} differ by that choice, not by precision: not judged (not a precision "
+                     f"verdict). {CHOICE_ADVICE}"]
+        elif self.cause == "after_choice":
+            lines = [f"{self.stage}: not judged: its {self.errors} error rows are computed from values that follow "
+                     f"the discrete choice {self.follows}, which the runs made differently"]
         elif self.cause == "noise":
             lines = [self._follows(f"values that are zero up to rounding (first at {self.op} [{self.scope or '<top>'}] "
                                    f"{self.arg}, #{self.seq} in {self.stage}, step {self.step} rank {self.rank}: "
@@ -160,6 +185,10 @@ RANDOM_ADVICE = ("To compare past it, record both runs seeded alike with dropout
                  "(dispatchprobe.seed_all(seed, rm_dropout=True)); compiled code draws from inductor's own "
                  "generator unless torch._inductor.config.fallback_random = True, and each device type has "
                  "generators of its own.")
+
+
+CHOICE_ADVICE = ("To judge past it, compare runs that choose alike: the same precision up to that op, or one "
+                 "run's choice forced on the other in the model's code (a router's indices saved and reused).")
 
 
 @dataclass
@@ -209,6 +238,17 @@ class Verdict:
         no precision verdict, what compare cannot judge (exit code 1)."""
         divs = [d for d in (self.forward, self.backward) if d is not None]
         return not self.passed and bool(divs) and all(d.cause in ("random", "after_random") for d in divs)
+
+    @property
+    def undecided(self) -> bool:
+        """Whether every error row comes at or after a point compare cannot judge past (exit code 1): a
+        random op where the runs' values first differ, or a discrete choice the runs made differently
+        (:data:`UNDECIDED`): the first stage's divergence is such a point and the backward's, if any,
+        follows it."""
+        divs = [d for d in (self.forward, self.backward) if d is not None]
+        if self.passed or not divs or divs[0].cause not in UNDECIDED:
+            return self.random_only
+        return all(d.cause in (divs[0].cause, *UNDECIDED[divs[0].cause]) for d in divs[1:])
 
     @property
     def compared(self) -> int:
