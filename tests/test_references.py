@@ -8,7 +8,7 @@ import torch
 
 from dispatchprobe import DispatchProbe
 from dispatchprobe.offline.run_ut import run_ut
-from dispatchprobe.torch.references import REFERENCES, grouped_mm, register_reference
+from dispatchprobe.torch.references import REFERENCES, grouped_mm, grouped_mm_written, register_reference
 
 transformers = pytest.importorskip("transformers")
 
@@ -64,6 +64,60 @@ def test_wrong_grouped_mm_kernel_is_an_error(moe_run, tmp_path):
     # a gradient whose values are all below the absolute-error floor passes even 5 % off
     assert (experts["Status"] == "error").sum() >= len(experts) - 2, experts[["Status", "Message"]]
     assert not (r[r["Op"] == "aten.mm.default"][["Forward Test Success", "Backward Test Success"]] == "error").any().any()
+
+
+def unwritten_rows_kernel(scale):
+    """A CPU ``_grouped_mm`` that computes its groups ``scale`` x the right value and leaves what
+    lies outside every group as uninitialised memory may hold it (1e30): within its contract."""
+    def kernel(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
+        out = grouped_mm(mat_a.double(), mat_b.double(), offs) * scale
+        written = grouped_mm_written(mat_a, mat_b, offs).get("output.0")
+        if written is not None:
+            out[~written] = 1e30
+        return out.to(out_dtype or mat_a.dtype)
+    return kernel
+
+
+@pytest.fixture
+def kernel_of(request):
+    """Installs ``unwritten_rows_kernel(scale)`` as aten's CPU ``_grouped_mm`` for the test."""
+    libs = []
+
+    def install(scale):
+        lib = torch.library.Library("aten", "IMPL")
+        lib.impl("_grouped_mm", unwritten_rows_kernel(scale), "CPU")
+        libs.append(lib)
+    yield install
+    for lib in libs:
+        lib._destroy()
+
+
+def record_experts(path, task):
+    """Experts whose tokens end before the last row (offsets 2, 5, 7 of 10 rows)."""
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(10, 8, generator=g), torch.randn(3, 8, 12, generator=g)
+    probe = DispatchProbe(task=task, dump_path=str(path), list=["_grouped_mm"])
+    with probe:
+        torch.ops.aten._grouped_mm(a, b, torch.tensor([2, 5, 7], dtype=torch.int32))
+    probe.step()
+    probe.close()
+    return str(path)
+
+
+@pytest.mark.parametrize("task, random", [("tensor", False), ("statistics", True)])
+def test_rows_outside_every_group_are_not_judged(kernel_of, tmp_path, task, random):
+    """Rows past the last offset are uninitialised memory: a right kernel passes on the rows it
+    wrote (with --random too, whose offsets are drawn unsorted); one 5 % off there is an error."""
+    kernel_of(1.0)
+    run = record_experts(tmp_path / "run", task)
+    r = run_ut(run, tmp_path / "ut", random=random).results
+    row = grouped(r).iloc[0]
+    assert row["Status"] == "pass", row["Message"]
+    if not random:
+        assert "output.0: 36 of 120 elements not judged: outside every group of offs" in row["Message"]
+    kernel_of(1.05)
+    row = grouped(run_ut(run, tmp_path / "ut_wrong", random=random).results).iloc[0]
+    assert row["Status"] == "error", row["Message"]
 
 
 @pytest.mark.parametrize("a_shape, b_shape, offs", [

@@ -21,6 +21,9 @@ from typing import Callable
 import torch
 
 REFERENCES: dict[str, Callable] = {}
+# op -> (function of the op's arguments giving {output name: bool tensor of the elements it writes},
+# where the others lie): ops that leave part of an output uninitialised
+DEFINED: dict[str, tuple[Callable, str]] = {}
 
 
 def register_reference(op: str) -> Callable:
@@ -41,6 +44,32 @@ def register_reference(op: str) -> Callable:
 def reference(op: str, func) -> Callable:
     """What run-ut's benchmark runs for ``op``: its registered reference, else the op itself."""
     return REFERENCES.get(op, func)
+
+
+def register_defined(op: str, where: str) -> Callable:
+    """Decorator: ``fn(*args, **kwargs)`` (the op's benchmark arguments) returns ``{output name:
+    bool tensor}``, the elements ``op`` writes; ``where`` says where the others lie.  Why: an op
+    may leave part of its output uninitialised (``_grouped_mm``'s rows past the last group), and
+    run-ut must judge only the written part, never memory's leftovers against the benchmark."""
+    if op.count(".") != 2:
+        raise ValueError(f"register_defined: {op!r} is not a 'namespace.name.overload' op name")
+
+    def register(fn: Callable) -> Callable:
+        if op in DEFINED:
+            raise ValueError(f"register_defined: {op} already says which elements it writes")
+        DEFINED[op] = (fn, where)
+        return fn
+    return register
+
+
+def defined_elements(op: str, args, kwargs) -> tuple[dict[str, torch.Tensor], str]:
+    """({output name: bool mask of the elements ``op`` writes}, where the others lie); empty
+    where the op writes every element of its outputs (or says nothing of it)."""
+    hit = DEFINED.get(op)
+    if hit is None:
+        return {}, ""
+    fn, where = hit
+    return {name: mask for name, mask in fn(*args, **kwargs).items() if not bool(mask.all())}, where
 
 
 def _bounds(offs: torch.Tensor) -> list[tuple[int, int]]:
@@ -72,3 +101,20 @@ def grouped_mm(mat_a, mat_b, offs=None, bias=None, out_dtype=None):  # noqa: ARG
     if bias is not None:       # torch's kernels take no bias yet: its layout is not defined
         raise NotImplementedError("a float64 reference of _grouped_mm with bias")
     return out
+
+
+@register_defined("aten._grouped_mm.default", "outside every group of offs")
+def grouped_mm_written(mat_a, mat_b, offs=None, bias=None, out_dtype=None):  # noqa: ARG001
+    """The rows (2-D x 3-D) or columns (3-D x 2-D) of the output inside some group of ``offs``:
+    the kernel writes only those; past the last offset its output is uninitialised memory (seen
+    with offsets that end before the last row: values up to 1e35 there)."""
+    a2, b2 = mat_a.dim() == 2, mat_b.dim() == 2
+    if offs is None or a2 == b2:          # batched, or the shared dimension split: all written
+        return {}
+    length = mat_a.shape[0] if a2 else mat_b.shape[1]
+    inside = torch.zeros(length, dtype=torch.bool)
+    for s, e in _bounds(offs):
+        inside[max(s, 0):max(e, 0)] = True
+    shape = (mat_a.shape[0], mat_b.shape[-1]) if a2 else (mat_a.shape[1], mat_b.shape[1])
+    mask = inside[:, None].expand(shape) if a2 else inside[None, :].expand(shape)
+    return {"output.0": mask.contiguous()}

@@ -336,6 +336,11 @@ def replay(record: dict, source: TensorSource | None, device: torch.device, rand
         bench = references.reference(record["op"], func)     # ops without a float64 kernel
         bench_out, widened = _bench(bench, builder, written)
         bench_leaves = _flat_outputs(bench_out)
+        keep = set() if widened else written
+        masks = _written_elements(record["op"], builder, keep)
+    unwritten = [f"{name}: {int((~m).sum())} of {m.size} elements not judged: {masks.where}, the op leaves them "
+                 "undefined" for name, m in masks.items()]
+    result.note = "; ".join(x for x in (result.note, *unwritten) if x)
     if not compiled:
         if len(bench_leaves) != len(dev_leaves):
             raise ReplayError(f"device gave {len(dev_leaves)} outputs, benchmark {len(bench_leaves)}")
@@ -345,8 +350,8 @@ def replay(record: dict, source: TensorSource | None, device: torch.device, rand
                 continue
             if d is None or b is None:
                 raise ReplayError(f"{name}: device gave {type(d).__name__}, benchmark {type(b).__name__}")
-            result.outputs.append(Output(name, to_numpy(d), to_numpy(b), dtype_name(d.dtype), dtype_name(b.dtype),
-                                         tuple(d.shape)))
+            result.outputs.append(Output(name, _written(to_numpy(d), masks, name), _written(to_numpy(b), masks, name),
+                                         dtype_name(d.dtype), dtype_name(b.dtype), tuple(d.shape)))
             if keep_data:
                 result.data[f"{name}.device"], result.data[f"{name}.bench"] = d, b
     bench_by_name = dict(bench_leaves)
@@ -358,15 +363,43 @@ def replay(record: dict, source: TensorSource | None, device: torch.device, rand
             result.note = "; ".join(x for x in (result.note, f"recorded {name} not judged: shape {list(r.shape)}, "
                                                 f"{list(b.shape)} in the benchmark") if x)
             continue
-        result.recorded.append(Output(name, to_numpy(r), to_numpy(b), dtype_name(r.dtype), dtype_name(b.dtype),
-                                      tuple(r.shape)))
+        result.recorded.append(Output(name, _written(to_numpy(r), masks, name), _written(to_numpy(b), masks, name),
+                                      dtype_name(r.dtype), dtype_name(b.dtype), tuple(r.shape)))
         if keep_data:
             result.data[f"{name}.recorded"], result.data[f"{name}.bench"] = r, b
-    keep = set() if widened else written
-    result.terms = lambda kind="magnitude": _run_floats(
-        bench, builder.call(torch.device("cpu"), True, keep, abs if kind == "magnitude" else _one))
-    result.spread = lambda: _spread(bench, builder, keep, bench_leaves)
+    result.terms = lambda kind="magnitude": _written_only(_run_floats(
+        bench, builder.call(torch.device("cpu"), True, keep, abs if kind == "magnitude" else _one)), masks)
+    result.spread = lambda: _written_only(_spread(bench, builder, keep, bench_leaves), masks)
     return result
+
+
+class WrittenMasks(dict):
+    """{output name: numpy bool mask of the elements the op writes}, for the outputs it leaves
+    partly undefined; ``where`` says where the others lie (``references.register_defined``)."""
+
+    def __init__(self, masks: dict, where: str = ""):
+        super().__init__(masks)
+        self.where = where
+
+
+def _written_elements(op: str, builder: CallBuilder, written: set) -> WrittenMasks:
+    """The masks of the elements ``op`` writes, from its benchmark arguments; empty for ops that
+    write every element.  Why: the rest is uninitialised memory, which no benchmark can match."""
+    if op not in references.DEFINED:
+        return WrittenMasks({})
+    args, kwargs = builder.call(torch.device("cpu"), True, written)
+    masks, where = references.defined_elements(op, args, kwargs)
+    return WrittenMasks({name: m.numpy() for name, m in masks.items()}, where)
+
+
+def _written(array: np.ndarray, masks: WrittenMasks, name: str) -> np.ndarray:
+    """The elements of output ``name`` the op wrote (all of them unless ``masks`` says otherwise)."""
+    mask = masks.get(name)
+    return array if mask is None or np.shape(mask) != np.shape(array) else array[mask]
+
+
+def _written_only(arrays: dict, masks: WrittenMasks) -> dict:
+    return {name: _written(a, masks, name) for name, a in arrays.items()}
 
 
 def _recorded_outputs(record: dict, builder: CallBuilder, written: set) -> tuple[list, list]:
