@@ -17,20 +17,14 @@ from ..records.writer import atomic_write_text
 from ..standards.loader import standard
 from .page_kit import OPS_PER_NODE, cells, col, fill, lines, meta_rows, num, scope_tree, up
 from .report_digest import (CHART_METRICS, COMPARE_LEVELS, OP_KEYS, ROW_COLS, ROW_METRICS, XLSX_MAX_ROWS, TableDigest,
-                            digest, parts_of)
-
-
-# rows gathered from the parts before they are written and digested: each pandas pass over them has a
-# fixed cost (a 1,000-step run's parts are some 600 rows each), and this many rows are some 70 MB
-CHUNK_ROWS = 50_000
+                            digest)
 
 
 class ReportWriter:
-    """compare's report files, written as the step/rank parts come: ``compare.csv`` appended a chunk
-    of parts at a time (every row), the rest from a :class:`~.report_digest.TableDigest` of the
-    chunks once the verdict is known (:meth:`finish`), so that no file needs the whole table held:
-    memory is bounded by a chunk of ``CHUNK_ROWS`` rows (or one part, where larger) whatever the
-    run's length.  Each file is whole or absent: written under a temporary name and renamed."""
+    """compare's report files, written as the table comes, a chunk of step/rank parts at a time:
+    ``compare.csv`` appended (every row), the rest from a :class:`~.report_digest.TableDigest` of
+    the chunks once the verdict is known (:meth:`finish`), so that no file needs the whole table
+    held.  Each file is whole or absent: written under a temporary name and renamed."""
 
     def __init__(self, out: str, run_a: str | None = None, run_b: str | None = None, metric: str = "cosine"):
         if metric not in CHART_METRICS:
@@ -41,26 +35,12 @@ class ReportWriter:
         self._csv = os.path.join(out, "compare.csv")
         self._file = None
         self._header: list | None = None
-        self._pending: list = []
-        self._pending_rows = 0
-        self._marks: set = set()
 
     def add(self, table: pd.DataFrame, marks=()) -> None:
-        """One part's rows in the reported columns (``marks``: :meth:`TableDigest.add`), in execution order."""
-        self._pending.append(table)
-        self._pending_rows += len(table)
-        self._marks.update(marks)
-        if self._pending_rows >= CHUNK_ROWS:
-            self._flush()
-
-    def _flush(self) -> None:
-        if not self._pending:
-            return
-        chunk = self._pending[0] if len(self._pending) == 1 else pd.concat(self._pending, ignore_index=True)
-        self._pending, self._pending_rows = [], 0
-        self._append(chunk)
-        self.digest.add(chunk, self._marks)
-        self._marks = set()
+        """The next rows (whole step/rank parts, in execution order, the reported columns; ``marks``:
+        :meth:`TableDigest.add`)."""
+        self._append(table)
+        self.digest.add(table, marks)
 
     def _append(self, table: pd.DataFrame) -> None:
         if self._file is None:
@@ -83,7 +63,6 @@ class ReportWriter:
         """Close compare.csv and write unmatched.csv, pairing.csv, compare.xlsx and compare.html; returns
         the folder.  ``progress``: a tqdm bar over the files (big runs spend seconds here)."""
         from tqdm import tqdm
-        self._flush()
         if self._file is None:
             self._append(pd.DataFrame(columns=self.digest.columns))
         self._file.close()
@@ -106,8 +85,7 @@ def write_reports(out: str, table: pd.DataFrame, verdict, manifest_a: dict, mani
     """Write compare.csv, unmatched.csv, pairing.csv, compare.xlsx, compare.html into ``out`` from a
     whole table; returns the folder (compare itself feeds a :class:`ReportWriter` part by part)."""
     writer = ReportWriter(out, getattr(verdict, "a", None), getattr(verdict, "b", None), metric)
-    for part in parts_of(table):
-        writer.add(part, _marked(verdict))
+    writer.add(table, _marked(verdict))
     return writer.finish(verdict, manifest_a, manifest_b, progress)
 
 

@@ -243,20 +243,10 @@ class TableDigest:
                 "warnings": grid("warn", 0), "metric": metric}
 
 
-def parts_of(table: pd.DataFrame) -> list:
-    """A whole table's step/rank parts, in order (its rows are grouped by part)."""
-    if not len(table) or "step" not in table.columns:
-        return [table]
-    key = (table["step"].astype(str) + "/" + table["rank"].astype(str)).to_numpy()
-    starts = np.flatnonzero(np.r_[True, key[1:] != key[:-1]])
-    return [table.iloc[a:b] for a, b in zip(starts, list(starts[1:]) + [len(table)])]
-
-
 def digest(table: pd.DataFrame, run_a: str | None = None, run_b: str | None = None, marks=()) -> TableDigest:
-    """The digest of a whole table, its step/rank parts fed in order (``marks``: :meth:`TableDigest.add`'s)."""
+    """The digest of a whole table (``marks``: :meth:`TableDigest.add`'s)."""
     d = TableDigest(run_a, run_b)
-    for part in parts_of(table):
-        d.add(part, marks)
+    d.add(table, marks)
     return d
 
 

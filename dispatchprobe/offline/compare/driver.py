@@ -378,12 +378,17 @@ def _elsewhere(verdict) -> Result:
     return Result(pd.DataFrame(), verdict)
 
 
+# rows gathered from the parts before they are counted, reported and dropped: each pandas pass over a
+# table has a fixed cost (a 1,000-step run's parts are some 600 rows each); this many rows are ~70 MB
+CHUNK_ROWS = 50_000
+
+
 def _merge(results, run_a, run_b, jobs_list: list, problems: list, frameworks: tuple, out, metric: str,
            progress: bool, keep_table: bool = True) -> Result:
-    """One verdict from the parts' results (in ``jobs_list`` order), each part's table reported and
-    counted as it comes and then dropped (a :class:`~..report.ReportWriter` keeps what the reports
-    need), so memory is bounded by a part whatever the run's length; the whole table joined and
-    returned only with ``keep_table``."""
+    """One verdict from the parts' results (in ``jobs_list`` order), their tables counted and reported
+    a chunk of ``CHUNK_ROWS`` rows at a time (or one part, where larger) and then dropped (a
+    :class:`~..report.ReportWriter` keeps what the reports need), so memory is bounded by a chunk
+    whatever the run's length; the whole table joined and returned only with ``keep_table``."""
     unmatched, divs, aligned = [], [], np.zeros(3, np.int64)
     pairing = PairingShare(frameworks)
     tally, facts, earlier = _Tally(), {}, None
@@ -392,7 +397,24 @@ def _merge(results, run_a, run_b, jobs_list: list, problems: list, frameworks: t
     if out:
         from ..report import ReportWriter
         writer = ReportWriter(out, str(run_a.path), str(run_b.path), metric)
+    chunk: list = []
+    marks: set = set()
+
+    def flush():
+        if not chunk:
+            return
+        table = chunk[0] if len(chunk) == 1 else pd.concat(chunk, ignore_index=True)
+        chunk.clear()
+        tally.add(table)
+        # the reported columns, in order (the arrays as they are: a copy would hold the table twice)
+        table = pd.DataFrame({c: table[c] for c in COLUMNS if c in table.columns}, copy=False)
+        if writer is not None:
+            writer.add(table, set(marks))
+        marks.clear()
+        if kept is not None:
+            kept.append(table)
     renamed = jobs_list[0][0] != jobs_list[0][1] and len(jobs_list) == 1   # one part of each, other step/rank
+    rows = 0
     for res in _one_at_a_time(results):
         table = res.rows if res.arrays is None else pd.DataFrame(res.arrays, copy=False)
         if renamed and len(table):
@@ -404,14 +426,15 @@ def _merge(results, run_a, run_b, jobs_list: list, problems: list, frameworks: t
         part_divs, found, earlier = _amplified(table, list(res.divergences), run_a, run_b, earlier)
         facts = {**found, **facts}         # each parameter said once, from the first step it differs
         divs.extend(part_divs)
-        tally.add(table)
-        # the reported columns, in order (the arrays as they are: a copy would hold the table twice)
-        table = pd.DataFrame({c: table[c] for c in COLUMNS if c in table.columns}, copy=False)
-        if writer is not None:
-            writer.add(table, [(d.step, d.rank, d.stage, d.kind, d.seq) for d in part_divs])
-        if kept is not None:
-            kept.append(table)
+        marks.update((d.step, d.rank, d.stage, d.kind, d.seq) for d in part_divs)
+        if len(table):
+            chunk.append(table)
+            rows += len(table)
         del table, res
+        if rows >= CHUNK_ROWS:
+            flush()
+            rows = 0
+    flush()
     um = pd.concat(unmatched, ignore_index=True) if unmatched else pd.DataFrame(columns=UNMATCHED_COLUMNS + ["explained"])
     um["is_cast"] = um["is_cast"].astype(bool)
     first, departures = _first(divs, um, [k for k, _ in jobs_list],
