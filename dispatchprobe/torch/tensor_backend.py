@@ -115,7 +115,7 @@ def _plain_facts(t: torch.Tensor, cls) -> tuple | None:
         version = tensor_kinds.version(t) if _unseen_writes else tensor_version(t)
     except (RuntimeError, NotImplementedError):
         return None
-    if not ptr or t.layout is not _STRIDED:
+    if not ptr or t.layout is not _STRIDED or t.is_conj() or t.is_neg():   # bits: the general path
         return None
     dtype, device, shape, stride = t.dtype, t.device, tuple(t.shape), t.stride()
     # a parameter, or a view of one (_base: None)
@@ -205,11 +205,20 @@ def _key_pair(t: torch.Tensor, ptr, shape, stride, dtype, device, version) -> tu
     """(identity, dense key) from the attributes already read: the dense key only where the
     view's elements fill one block of memory.  Plain tuples (not ``torch.Size``): CPython's first
     young collection stops tracking them, so the cache's keys are never walked again."""
-    ident = ptr, tuple(shape), stride, dtype, device, version
+    ident = _shown(t, ptr), tuple(shape), stride, dtype, device, version
     n = t.numel()
     if n and (t.is_contiguous() or _fills_block(shape, stride)):
-        return ident, (ptr, n, dtype, device, version)
+        return ident, (ident[0], n, dtype, device, version)
     return ident, None
+
+
+def _shown(t: torch.Tensor, ptr: int):
+    """The memory's address, tagged where ``t`` shows it conjugated or negated (torch's lazy conj
+    and neg bits): such a view shows other values than its base from the same bytes, so it must
+    share neither the base's cache entry nor its saved copy (hfft2's c2r input was saved as the
+    unconjugated c2c output, and run-ut judged its right output an error)."""
+    conj, neg = t.is_conj(), t.is_neg()
+    return (ptr, conj, neg) if conj or neg else ptr
 
 
 def tensor_stats(tensors: list[torch.Tensor], keys: list | None = None) -> list[dict | None]:
@@ -333,6 +342,8 @@ def _native_desc(key) -> tuple | None:
     code, number of dimensions, sizes, strides) and its element count; None where it is not a
     host tensor in memory of a dtype the library reads."""
     ptr, shape, stride, dtype, device, _ = key
+    if type(ptr) is not int:        # shown conjugated or negated (_shown): its bytes are not its values
+        return None
     code = _NATIVE_CODES.get(dtype)
     n = math.prod(shape)
     on_host = _ON_HOST.get(device)
@@ -815,8 +826,8 @@ def storage_span(t: torch.Tensor):
     (the whole storage when ``t`` covers most of it, so sibling views such as q/k/v share one
     copy) and ``t``'s offset and stride in it; ``plain``: ``t`` is exactly the span, contiguous.
     None when ``t`` touches a small part of a large storage (saved as its own compact copy)."""
-    if t.numel() == 0 or not tensor_kinds.readable(t):
-        return None
+    if t.numel() == 0 or not tensor_kinds.readable(t) or t.is_conj() or t.is_neg():
+        return None         # its bytes are not its values (lazy conj/neg): a compact copy of its own
     try:
         storage = t.untyped_storage()
         ptr, nbytes = storage.data_ptr(), storage.nbytes()
