@@ -30,7 +30,7 @@ from . import recompute
 from .pairing import PairingShare, decomposed_scopes, explain_unobservable, data_flow, user_frames, pair_tensors, pairing_share
 from .scoring import score_pairs
 from .task_mismatch import NOT_RECORDED, explanation, flagged_only_side, tasks_note, unaligned_hint
-from ..coverage import unrecorded_graphs
+from ..coverage import graphs_note, unrecorded_graphs
 from .verdict import Result, RunsDoNotAlign, Verdict
 from .parallel import optimizer_step
 from .amplified import explain as amplified_noise
@@ -439,8 +439,8 @@ def _merge(results, run_a, run_b, jobs_list: list, problems: list, frameworks: t
     um["is_cast"] = um["is_cast"].astype(bool)
     first, departures = _first(divs, um, [k for k, _ in jobs_list],
                                lambda step, rank: optimizer_step(run_a, run_b, step, rank))
-    smaller = min(int(aligned[1]), int(aligned[2]))   # a truncated or shorter run is judged on what it has
-    share = float(aligned[0]) / max(smaller, 1)
+    whole, which = _aligned_against(aligned, run_a, run_b)
+    share = float(aligned[0]) / max(whole, 1)
     verdict = Verdict(a=str(run_a.path), b=str(run_b.path), forward=first.get("forward"),
                       backward=first.get("backward"), counts=dict(tally.counts), unmatched=um, problems=problems,
                       parts=[k for k, _ in jobs_list], aligned=share,
@@ -458,11 +458,25 @@ def _merge(results, run_a, run_b, jobs_list: list, problems: list, frameworks: t
                           + (f" (partial report: {verdict.report})" if verdict.report else ""))
     need = float(standard("compare_standards").get("min_aligned", 0.5))
     if share < need:
-        raise RunsDoNotAlign(f"the runs do not align: {smaller - int(aligned[0])} of the smaller run's {smaller} "
+        raise RunsDoNotAlign(f"the runs do not align: {whole - int(aligned[0])} of {which} {whole} "
                              f"compute records could not be aligned ({unaligned_hint(run_a.manifest, run_b.manifest)})"
                              + (f" (partial report: {verdict.report})" if verdict.report else ""),
                              Result(table, verdict))
     return Result(table, verdict)
+
+
+def _aligned_against(aligned, run_a, run_b) -> tuple[int, str]:
+    """(compute records the paired share is taken of, whose): the smaller run's, so that a truncated or
+    shorter run is judged on what it has; but where one run's compiled graphs were not recorded
+    (``torch.compile`` without ``probe_backend``) its records are not the work it did, only the code
+    around its graphs, and the share is of the other run's (else a model compiled whole pairs its
+    loss and "agrees" with nothing else compared)."""
+    unrecorded = [bool(graphs_note(r.manifest)) for r in (run_a, run_b)]
+    if unrecorded == [True, False]:
+        return int(aligned[2]), "run B's"
+    if unrecorded == [False, True]:
+        return int(aligned[1]), "run A's"
+    return min(int(aligned[1]), int(aligned[2])), "the smaller run's"
 
 
 class _Tally:
