@@ -37,18 +37,26 @@ def _record(path, task: str, scale: float | None = None, plant: bool = False, in
         else:
             opt.step()
         opt.zero_grad()
+
+    def backward(loss):
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+        if inside:
+            optimizer_step()
+    return _two_steps(path, model, task, plant, backward, (lambda: None) if inside else optimizer_step)
+
+
+def _two_steps(path, model, task: str, plant: bool, backward, after, mean: bool = False):
+    """Two seeded steps of ``model`` recorded into ``path``: ``backward(loss)`` inside ``with probe:``,
+    ``after()`` outside it; ``plant``: a wrong silu_backward kernel; ``mean``: the loss a mean of
+    squares (backward's seed read through an expand no record shows), not ``mse_loss``."""
     with planted_kernel("silu_backward" if plant else None, wrong_silu_backward):
         probe = DispatchProbe(task=task, dump_path=str(path))
         for step in range(2):
             g = torch.Generator().manual_seed(step)
             x, y = torch.randn(8, 16, 32, generator=g), torch.randn(8, 16, 4, generator=g)
             with probe:
-                loss = F.mse_loss(model(x), y)
-                (scaler.scale(loss) if scaler is not None else loss).backward()
-                if inside:
-                    optimizer_step()
-            if not inside:
-                optimizer_step()
+                backward((model(x) - y).pow(2).mean() if mean else F.mse_loss(model(x), y))
+            after()
             probe.step()
         probe.close()
     return path
@@ -189,18 +197,8 @@ def _record_form(path, form: str, task: str = "statistics", scale: float = 1024.
     loss a mean of squares (backward's seed read through an expand no record shows), not ``mse_loss``."""
     torch.manual_seed(0)
     model = SiluMLP()
-    with planted_kernel("silu_backward" if plant else None, wrong_silu_backward):
-        probe = DispatchProbe(task=task, dump_path=str(path))
-        for step in range(2):
-            g = torch.Generator().manual_seed(step)
-            x, y = torch.randn(8, 16, 32, generator=g), torch.randn(8, 16, 4, generator=g)
-            with probe:
-                loss = (model(x) - y).pow(2).mean() if mean else F.mse_loss(model(x), y)
-                _scaled_backward(loss, form, scale)
-            model.zero_grad()
-            probe.step()
-        probe.close()
-    return path
+    return _two_steps(path, model, task, plant, lambda loss: _scaled_backward(loss, form, scale), model.zero_grad,
+                      mean)
 
 
 FORMS = ("seed", "grad_tensors", "full_seed", "number", "mul_scalar", "tensor_made_outside")
