@@ -8,7 +8,7 @@ import torch
 
 from dispatchprobe import DispatchProbe
 from dispatchprobe.offline.run_ut import run_ut
-from dispatchprobe.torch.references import REFERENCES, grouped_mm, grouped_mm_written, register_reference
+from dispatchprobe.torch.references import REFERENCES, TERMS, grouped_mm, grouped_mm_written, register_reference
 
 transformers = pytest.importorskip("transformers")
 
@@ -142,3 +142,36 @@ def test_registry_refuses_duplicates_and_bad_names():
         register_reference("aten._grouped_mm.default")(lambda *a: None)
     with pytest.raises(ValueError, match="not a 'namespace.name.overload'"):
         register_reference("grouped_mm")
+
+
+def record_layer_norm(path, row_mean):
+    """One bf16 layer norm forward and backward, rows offset by ``row_mean`` standard deviations,
+    gradients O(1) (errors above msprobe's absolute 0.001 shortcut)."""
+    torch.manual_seed(0)
+    norm = torch.nn.LayerNorm(256).to(torch.bfloat16)
+    x = (torch.randn(64, 256) + row_mean * torch.randn(64, 1)).bfloat16().requires_grad_()
+    weight = torch.randn(64, 256)
+    probe = DispatchProbe(task="tensor", dump_path=str(path), list=["native_layer_norm"])
+    with probe:
+        (norm(x).float() * weight).sum().backward()
+    probe.step()
+    probe.close()
+    return str(path)
+
+
+@pytest.mark.parametrize("row_mean", [0.0, 3.0])
+def test_bf16_layer_norm_gradients_judged_against_their_terms(tmp_path, row_mean):
+    """torch's CPU kernel forms the weight and bias gradients' terms in bf16: errors of a few
+    eps(bf16) of sum |g| |x_hat| are rounding, whatever the rows' mean (the op run on |inputs|
+    would give (|x| - |mean|) * rstd, too small a bound)."""
+    res = run_ut(record_layer_norm(tmp_path / "run", row_mean), tmp_path / "ut")
+    rows = res.results[res.results["Op"] == "aten.native_layer_norm_backward.default"]
+    assert len(rows) == 1 and (rows["Backward Test Success"] != "error").all(), rows["Message"].tolist()
+
+
+def test_layer_norm_terms_are_the_magnitudes_summed():
+    g, x = torch.randn(4, 3, 8, dtype=torch.float64), torch.randn(4, 3, 8, dtype=torch.float64) + 5
+    mean, rstd = x.mean(-1, keepdim=True), x.var(-1, unbiased=False, keepdim=True).rsqrt()
+    _, w_terms, b_terms = TERMS["aten.native_layer_norm_backward.default"](g, x, [8], mean, rstd, None, None, None)
+    assert torch.allclose(w_terms, (g * (x - mean) * rstd).abs().sum((0, 1)))
+    assert torch.allclose(b_terms, g.abs().sum((0, 1)))

@@ -18,6 +18,7 @@ from dispatchprobe import DispatchProbe
 from dispatchprobe.models import TinyTransformer, lm_batch, lm_loss
 from dispatchprobe.offline.precision_compare import precision_compare
 from dispatchprobe.offline.run_ut import TIMING_COLUMNS, run_ut
+from dispatchprobe.standards.verdicts import judge, judge_benchmark, judge_compare, shortcut_limit
 
 
 def record(path, dtype=torch.float32, task="tensor"):
@@ -109,6 +110,63 @@ def test_planted_kernel_flagged_clean_ops_pass(runs, tmp_path, planted_gelu, dty
     d = res.details
     assert {"Cosine", "Max Abs Err", "ULP Mean", "Status", "Bench Dtype", "Device Dtype"} <= set(d.columns)
     assert (d[d["Output"] != ""]["Bench Dtype"] == "float64").mean() > 0.8   # dtype arguments keep theirs
+
+
+def gelu_backward_30_percent_high(grad, x, approximate="none"):
+    """gelu's gradient 30 % too large in fp32/bf16, right in float64 (the benchmark).  The model's
+    gelu gradients are below 1e-3: every error is under msprobe's absolute 0.001 shortcut."""
+    y = x.double()
+    exact = grad.double() * (0.5 * (1 + torch.erf(y / math.sqrt(2))) + y * torch.exp(-0.5 * y * y) / math.sqrt(2 * math.pi))
+    return (exact if x.dtype == torch.float64 else exact * 1.3).to(x.dtype)
+
+
+@pytest.fixture
+def planted_gelu_backward():
+    lib = torch.library.Library("aten", "IMPL")
+    lib.impl("gelu_backward", gelu_backward_30_percent_high, "CPU")
+    try:
+        yield
+    finally:
+        lib._destroy()
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_small_magnitude_planted_kernel_flagged(runs, tmp_path, planted_gelu_backward, dtype):
+    """A wrong kernel whose outputs are small is an error: the absolute-error shortcut is scaled by
+    the benchmark's magnitude, and clean ops stay free of errors."""
+    res = run_ut(runs[dtype], tmp_path / "bad")
+    st, op = status(res.results), res.results["Op"]
+    bad = op == "aten.gelu_backward.default"
+    assert bad.sum() == 2 and (st[bad] == "error").all(), _diagnosis(res, bad)
+    assert not (st[~bad] == "error").any(), _diagnosis(res, (st == "error") & ~bad)
+    max_abs = res.details.loc[res.details["API Name"].str.startswith("aten.gelu_backward"), "Max Abs Err"].astype(float)
+    assert 0 < max_abs.max() < 1e-3       # what the unscaled shortcut passed
+
+
+def test_absolute_shortcut_scales_with_magnitude_down_to_the_smallest_normal():
+    """One rule for run-ut and compare: the 0.001 shortcut times the expected magnitude below 1,
+    never below the dtype's smallest normal (an output that underflows to zero is not an error)."""
+    assert shortcut_limit("float32", 7e-4) == pytest.approx(7e-7)
+    assert shortcut_limit("float32", 5.0) == shortcut_limit("float32", None) == 0.001
+    assert shortcut_limit("float16", 1e-3) == 2.0 ** -14
+    wrong = {"cosine": 1.0, "max_abs_err": 2.2e-4, "one_hundredth": 0.2, "one_thousandth": 0.0,
+             "one_ten_thousandth": 0.0}
+    assert judge_benchmark(wrong, "float32")[0] == "pass"          # msprobe's absolute shortcut
+    assert judge_benchmark(wrong, "float32", magnitude=7e-4)[0] == "error"
+    assert judge_compare(wrong, "float32", 7e-4) == judge_benchmark(wrong, "float32", magnitude=7e-4)
+    flushed = {"cosine": float("nan"), "max_abs_err": 9.5e-41, "one_hundredth": 0.0, "one_thousandth": 0.0,
+               "one_ten_thousandth": 0.0}
+    assert judge_benchmark(flushed, "float32", magnitude=9.5e-41) == ("pass", "")
+    flushed["max_abs_err"] = 1e-37
+    assert judge_benchmark(flushed, "float32", magnitude=1e-37)[0] == "error"
+
+
+def test_mixed_precision_output_judged_at_its_lowest_input_precision():
+    """An fp32 output computed from bf16 inputs is held to bf16's tiers (as compare judges it)."""
+    m = {"cosine": 1.0, "max_abs_err": 0.05, "one_hundredth": 0.995, "one_thousandth": 0.5,
+         "one_ten_thousandth": 0.1}
+    assert judge("benchmark", m, "float32", input_dtypes=["float32"])[0] == "error"
+    assert judge("benchmark", m, "float32", input_dtypes=["bfloat16", "float32", "int64"])[0] == "warning"
 
 
 def test_parallel_workers_save_error_data(runs, tmp_path, planted_gelu):

@@ -28,9 +28,9 @@ from ..core import op_traits
 from ..records.format import walk
 from ..records.reader import Part, Run, load
 from ..records.writer import atomic_write_text, write_safetensors
-from ..standards.loader import per_dtype, standard
+from ..standards.loader import per_dtype, short_dtype, standard
 from ..standards.metrics import FLOAT_LAYOUT
-from ..standards.verdicts import category, component_dtype, output_trait
+from ..standards.verdicts import category, component_dtype, judging_precision, output_trait, smallest_normal
 from .replayer import replayer_for
 
 _TEMPLATES = os.path.join(os.path.dirname(__file__), "templates")
@@ -277,11 +277,14 @@ def _judged_dtype(rec: dict) -> str:
 
 def _script(run: Run, part: Part, rec: dict, preludes: list, framework: str, form: dict, recorded: dict) -> str:
     dtype = component_dtype(_judged_dtype(rec))
+    judged_at = short_dtype(judging_precision(dtype, [spec["dtype"] for _, _, spec in walk(rec, outputs=False)
+                                                      if spec.get("dtype")]))
     mantissa, min_exponent = FLOAT_LAYOUT.get(dtype, FLOAT_LAYOUT["float32"])
     bench, thr = standard()["benchmark"], standard("api_precision_standard")["thresholds"]
     rule = {"category": category(rec["op"]), "dtype": dtype,
-            "cosine_min": bench["cosine_min"], "max_abs_pass": bench["max_abs_pass"],
-            "tiers": [float(t) for t in per_dtype("benchmark.tiers", dtype)],
+            "cosine_min": bench["cosine_min"], "max_abs_pass": bench["max_abs_pass"], "judged_at": judged_at,
+            "smallest_normal": smallest_normal(judged_at),
+            "tiers": [float(t) for t in per_dtype("benchmark.tiers", judged_at)],
             "small_value": float(per_dtype("small_value", dtype)),
             "small_value_atol": float(per_dtype("small_value_atol", dtype)),
             "relative_limit": float(per_dtype("free_benchmark_threshold", dtype)),

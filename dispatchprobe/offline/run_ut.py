@@ -27,11 +27,12 @@ import pandas as pd
 
 from ..standards.loader import is_float
 from ..standards.metrics import binary_mismatch, columns, compare_arrays, derived
-from ..records.format import call_signature
+from ..records.format import call_signature, walk
 from ..records.reader import Run, load
 from ..standards.verdicts import (ERROR, NOT_JUDGED, PASS, SKIP, WARNING, cancelled_scale, category, component_dtype,
-                                  direction_readable, is_reduction_output, is_staged, judge, judge_benchmark,
-                                  output_category, output_trait, unique_form, within_terms, worst)
+                                  direction_readable, expected_magnitude, is_staged, judge, judge_benchmark,
+                                  judging_precision, output_category, output_trait, reduction_kind, unique_form,
+                                  within_terms, worst)
 from ..records.writer import atomic_write_text, write_csv
 from .replayer import Distributed, Replayer, ReplayError, Skip, replayer_for
 
@@ -147,14 +148,14 @@ def check_op(step: int, rank: int, index: int, rec: dict | None = None,
             source = st.source((step, rank))
         rep = st.replayer.replay(rec, None if opts.get("random") else source, st.device,
                                  random=opts.get("random", False), keep_data=opts.get("save_error_data", False))
-        unjudged = []
+        unjudged, in_dtypes = [], input_dtypes(rec)
         inlined = (rec.get("compiled") or {}).get("inlined")
         for label, outs in ((REPLAY, rep.outputs), (RECORDED, rep.recorded)):
             if not outs:
                 continue
             judged.append(label)
             view = dataclasses.replace(rep, outputs=outs)
-            for out, (m, verdict, reason, shape) in zip(outs, judge_outputs(rec["op"], cat, view)):
+            for out, (m, verdict, reason, shape) in zip(outs, judge_outputs(rec["op"], cat, view, in_dtypes)):
                 if label == RECORDED and inlined and verdict not in (PASS, SKIP) \
                         and output_category(cat, out.device_dtype) == "binary":
                     verdict, reason = SKIP, inlined_reason(out.name, inlined, reason)
@@ -204,14 +205,22 @@ def inlined_reason(name: str, inlined: list, found: str) -> str:
             "recorded value is the probe's own computation of it, which may round differently")
 
 
-def judge_outputs(op: str, cat: str, rep) -> list[tuple[dict, str, str, tuple]]:
+def input_dtypes(rec: dict) -> list[str]:
+    """The dtypes of a record's input tensors: the benchmark rule judges at their lowest float
+    precision (:func:`~dispatchprobe.standards.verdicts.judging_precision`)."""
+    return [spec["dtype"] for _, _, spec in walk(rec, outputs=False) if spec.get("dtype")]
+
+
+def judge_outputs(op: str, cat: str, rep, in_dtypes=()) -> list[tuple[dict, str, str, tuple]]:
     """(metrics, verdict, reason, shape judged) of each output of a replayed op, by its traits
     (``api_precision_standard.yaml``): undefined outputs are SKIP; non-unique ones are judged by
     their unique form.  An output that is not a pass at first is judged again (the detail row
     keeps the first metrics): a reduction's errors within the rounding bound of its terms are
     discounted, and relative errors are measured against the magnitude each element is computed
     from (the benchmark's spread) where its value cancelled; when that leaves the cosine unable to
-    tell a wrong output from tolerated rounding (the output is noise around zero), it is not read."""
+    tell a wrong output from tolerated rounding (the output is noise around zero), it is not read.
+    The absolute-error shortcut is scaled by the benchmark's magnitude (and its spread's, where
+    elements cancelled); ``in_dtypes``: the op's input dtypes (:func:`input_dtypes`)."""
     by_name = {o.name: o for o in rep.outputs}
     ordered = [by_name.get(f"output.{i}") for i in range(len(rep.outputs))]
     terms, counts, spread, judged = None, None, None, []
@@ -229,12 +238,13 @@ def judge_outputs(op: str, cat: str, rep) -> list[tuple[dict, str, str, tuple]]:
             except (ValueError, np.linalg.LinAlgError) as exc:   # non-finite vectors: judged as they are
                 d, b, note = out.device, out.bench, f"no unique form ({exc})"
         m = output_metrics(d, b, out.device_dtype, cat)
-        verdict, reason = judge(cat, m, out.device_dtype)
+        verdict, reason = judge(cat, m, out.device_dtype, magnitude=expected_magnitude(b), input_dtypes=in_dtypes)
         first = verdict, reason
         if verdict != PASS and not trait and output_category(cat, out.device_dtype) != "binary" \
                 and np.asarray(d).dtype.kind in "fc":
             notes = []
-            if is_reduction_output(op, out.name) and rep.terms is not None:
+            kind = reduction_kind(op, out.name)
+            if kind and rep.terms is not None:
                 terms = rep.terms() if terms is None else terms
                 t = terms.get(out.name)
                 k = None
@@ -242,7 +252,8 @@ def judge_outputs(op: str, cat: str, rep) -> list[tuple[dict, str, str, tuple]]:
                     counts = rep.terms("count") if counts is None else counts
                     k = counts.get(out.name)
                 if t is not None and np.shape(t) == np.shape(b):
-                    d = within_terms(d, b, t, out.device_dtype, op, k if np.shape(k) == np.shape(b) else None)
+                    d = within_terms(d, b, t, judging_precision(out.device_dtype, in_dtypes), kind,
+                                     k if np.shape(k) == np.shape(b) else None)
                     notes.append("errors within the rounding bound of its terms discounted")
             scale, direction = None, True
             if rep.spread is not None:
@@ -259,7 +270,7 @@ def judge_outputs(op: str, cat: str, rep) -> list[tuple[dict, str, str, tuple]]:
                     scale = None
             if notes:
                 verdict, reason = judge(cat, output_metrics(d, b, out.device_dtype, cat, scale), out.device_dtype,
-                                        direction)
+                                        direction, expected_magnitude(b, scale), in_dtypes)
                 if verdict != first[0] or not direction:
                     note = f"{first[0]} ({first[1]}) -> {verdict}: {', '.join(notes)}"
         judged.append((m, verdict, "; ".join(x for x in (reason, note) if x), np.shape(d)))

@@ -6,7 +6,7 @@ computed; compare, which has the two runs' values but no float64 benchmark, hold
 an output that is a sum of terms (a reduction, an element-wise add or sub, a matrix product) and
 cancelled to the same bound carried to the L2 norm, from each run's record (:func:`carried_bound`).
 Numbers in ``data/api_precision_standard.yaml`` (``thresholds.reduction_slack``, ``staged_slack``,
-``cancellation``)."""
+``rounded_terms_slack``, ``cancellation``)."""
 
 from __future__ import annotations
 
@@ -36,15 +36,18 @@ def _thresholds() -> dict:
     return standard("api_precision_standard")["thresholds"]
 
 
-def term_bound(terms, dtype: str, staged: bool = False, counts=None) -> np.ndarray:
+def term_bound(terms, dtype: str, kind: str = "reduction", counts=None) -> np.ndarray:
     """Per element, the rounding error a correct kernel may make: ``reduction_slack * eps * terms``
     (``terms``: sum |x| of the element's terms) with float32's eps for half types (correct kernels
-    accumulate them in float32); a staged reduction (accumulating into its stored result) rounds
-    each partial sum to ``dtype``: ``staged_slack * eps(dtype) * terms * (1 - 1/counts)``."""
+    accumulate them in float32); ``kind`` ``"staged"`` (accumulating into its stored result) rounds
+    each partial sum to ``dtype``: ``staged_slack * eps(dtype) * terms * (1 - 1/counts)``;
+    ``"rounded_terms"`` forms each term in ``dtype``: ``rounded_terms_slack * eps(dtype) * terms``."""
     thr = _thresholds()
     dtype = short_dtype(dtype)
     terms = np.abs(np.asarray(terms)).astype(np.float64)
-    if staged:
+    if kind == "rounded_terms":
+        return thr["rounded_terms_slack"] * EPS.get(dtype, EPS["float32"]) * terms
+    if kind == "staged":
         bound = thr["staged_slack"] * EPS.get(dtype, EPS["float32"]) * terms
         if counts is not None:
             bound = bound * (1 - 1 / np.maximum(np.abs(np.asarray(counts)).astype(np.float64), 1))

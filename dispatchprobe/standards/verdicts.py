@@ -14,6 +14,7 @@ import numpy as np
 from ..records.format import base_name
 from . import rounding
 from .loader import is_float, per_dtype, short_dtype, standard
+from .metrics import FLOAT_LAYOUT
 
 PASS, WARNING, ERROR = "pass", "warning", "error"
 NOT_JUDGED = "not judged"   # status of a compared value that is undefined (uninitialised memory)
@@ -50,11 +51,40 @@ def lower_precision(dtype_a: str, dtype_b: str) -> str:
 
 
 # ---- the benchmark rule (run-ut and compare) --------------------------------------------------
-def judge_benchmark(metrics: dict, dtype: str, rule: str = "benchmark", direction: bool = True) -> tuple[str, str]:
+def smallest_normal(dtype: str) -> float:
+    """The smallest positive normal value of ``dtype`` (float32's for dtypes it does not know)."""
+    layout = FLOAT_LAYOUT.get(short_dtype(component_dtype(dtype)), FLOAT_LAYOUT["float32"])
+    return 2.0 ** layout[1]
+
+
+def shortcut_limit(dtype: str, magnitude: float | None, rule: str = "benchmark") -> float:
+    """The max abs error below which a benchmark output passes without its tiers being read.
+    msprobe's ``max_abs_pass`` is absolute: a gradient of O(1e-3) that is 30 % wrong would pass it,
+    so it is scaled by the expected output's ``magnitude`` (``max |value|``) when that is below 1.
+    Never below ``dtype``'s smallest normal: values under it underflow (an output flushed to zero),
+    and carry no relative precision to judge.  ``magnitude`` None or 0: unscaled."""
+    limit = float(standard()[rule]["max_abs_pass"])
+    if magnitude is not None and math.isfinite(magnitude) and 0.0 < magnitude < 1.0:
+        limit *= magnitude
+    return max(limit, smallest_normal(dtype))
+
+
+def expected_magnitude(bench, spread=None) -> float:
+    """``max |value|`` over the finite elements of the expected output (0 when none is finite),
+    and over ``spread`` where given: an element that cancelled is as large as its terms."""
+    mags = [np.abs(np.asarray(x)) for x in (bench, spread) if x is not None]
+    finite = [m[np.isfinite(m)] for m in mags]
+    return max((float(m.max()) for m in finite if m.size), default=0.0)
+
+
+def judge_benchmark(metrics: dict, dtype: str, rule: str = "benchmark", direction: bool = True,
+                    magnitude: float | None = None) -> tuple[str, str]:
     """``(verdict, reason)`` of one output by the per-output rule (cosine, max abs error, then the
     hundredth/thousandth ratios).  ``rule``: ``benchmark``, or ``mindspore_benchmark`` (cosine and
-    max-abs only).  ``direction=False`` (:func:`direction_readable`): the ratios alone decide; the
-    cosine and the absolute-error shortcut, which only the cosine keeps honest, are not read."""
+    max-abs only).  ``magnitude``: the expected output's, which scales the absolute-error shortcut
+    (:func:`shortcut_limit`; None: msprobe's absolute one).  ``direction=False``
+    (:func:`direction_readable`): the ratios alone decide; the cosine and the absolute-error
+    shortcut, which only the cosine keeps honest, are not read."""
     std = standard()[rule]
     if metrics.get("inf_nan_mismatch"):
         return ERROR, f"{metrics['inf_nan_mismatch']} inf/nan mismatches"
@@ -63,12 +93,14 @@ def judge_benchmark(metrics: dict, dtype: str, rule: str = "benchmark", directio
     cos = metrics.get("cosine")
     if cos is not None and not math.isnan(cos) and cos <= std["cosine_min"]:
         return ERROR, f"cosine {cos:.6f} <= {std['cosine_min']}"
-    if cos is not None and math.isnan(cos) and metrics.get("max_abs_err", 0) >= std["max_abs_pass"]:
-        return ERROR, "one side is all zeros"
-    if metrics.get("max_abs_err", 0.0) < std["max_abs_pass"]:
+    limit = shortcut_limit(dtype, magnitude, rule)
+    max_abs = metrics.get("max_abs_err", 0.0)
+    if cos is not None and math.isnan(cos) and max_abs >= limit:
+        return ERROR, f"one side is all zeros (max abs error {max_abs:.3g} >= {limit:.3g})"
+    if max_abs < limit:
         return PASS, ""
     if rule != "benchmark":
-        return ERROR, f"max abs error {metrics['max_abs_err']:.3g} >= {std['max_abs_pass']}"
+        return ERROR, f"max abs error {max_abs:.3g} >= {limit:.3g}"
     return _tiers(metrics, dtype)
 
 
@@ -82,17 +114,9 @@ def _tiers(metrics: dict, dtype: str) -> tuple[str, str]:
 
 # ---- compare -------------------------------------------------------------------------------------
 def judge_compare(metrics: dict, dtype: str, scale: float) -> tuple[str, str]:
-    """:func:`judge_benchmark` with its absolute-error shortcut (``max_abs_err < max_abs_pass``)
-    scaled by ``scale`` (``max(|max|, |min|)`` of the expected tensor) when that is below 1:
-    gradients are often O(1e-4), and one with 10 % relative error would pass on absolute error."""
-    factor = min(1.0, scale) if scale and math.isfinite(scale) else 1.0
-    scaled = dict(metrics)
-    if factor < 1.0 and factor > 0.0:
-        scaled["max_abs_err"] = metrics.get("max_abs_err", 0.0) / factor
-    verdict, reason = judge_benchmark(scaled, dtype)
-    if reason.startswith("max abs"):
-        reason = f"max abs error {metrics['max_abs_err']:.3g} >= {standard()['benchmark']['max_abs_pass']} x {factor:.3g}"
-    return verdict, reason
+    """:func:`judge_benchmark` with its absolute-error shortcut scaled by ``scale`` (``max(|max|,
+    |min|)`` of the expected tensor; :func:`shortcut_limit`, the rule run-ut judges by too)."""
+    return judge_benchmark(metrics, dtype, magnitude=scale)
 
 
 def judge_cross_precision(metrics: dict, dtype: str) -> tuple[str, str]:
@@ -159,11 +183,16 @@ def is_reduction(op: str) -> bool:
     return _reduction_kind(op) is not None
 
 
-def is_reduction_output(op: str, output: str) -> bool:
-    """``output`` of ``op`` is a reduction: the op is one (:func:`is_reduction`), or the output is
-    listed in ``reduction_outputs`` (a normalisation's mean)."""
-    return is_reduction(op) or output in (_lookup(standard("api_precision_standard").get("reduction_outputs") or {},
-                                                  op) or ())
+def reduction_kind(op: str, output: str) -> str | None:
+    """How ``output`` of ``op`` rounds as a sum of terms (:func:`.rounding.term_bound`):
+    ``"rounded_terms"`` (``rounded_term_outputs``), ``"staged"`` (:func:`is_staged`),
+    ``"reduction"`` (:func:`is_reduction`, ``reduction_outputs``), or None: not a sum of terms."""
+    data = standard("api_precision_standard")
+    if output in (_lookup(data.get("rounded_term_outputs") or {}, op) or ()):
+        return "rounded_terms"
+    if output in (_lookup(data.get("reduction_outputs") or {}, op) or ()):
+        return "reduction"
+    return _reduction_kind(op)
 
 
 def is_staged(op: str) -> bool:
@@ -257,16 +286,20 @@ def direction_readable(bench, scale, dtype: str) -> bool:
     return tolerated < float(np.vdot(b, b)) * (1.0 / (cos_min * cos_min) - 1.0)
 
 
-def within_terms(device, bench, terms, dtype: str, op: str = "", counts=None):
+def within_terms(device, bench, terms, dtype: str, kind: str = "reduction", counts=None):
     """``device`` with each element's error reduced by the rounding bound of its terms (``terms``:
-    the op on the inputs' absolute values, i.e. sum |x|; :mod:`.rounding`, the one bound)."""
-    bound = rounding.term_bound(terms, component_dtype(dtype), _reduction_kind(op) == "staged", counts)
+    the op on the inputs' absolute values, i.e. sum |x|; :mod:`.rounding`, the one bound);
+    ``kind``: :func:`reduction_kind`; ``counts``: a staged element's number of terms."""
+    bound = rounding.term_bound(terms, component_dtype(dtype), kind, counts)
     return rounding.discount(device, bench, bound)
 
 
-def judge(cat: str, metrics: dict, dtype: str, direction: bool = True) -> tuple[str, str]:
+def judge(cat: str, metrics: dict, dtype: str, direction: bool = True, magnitude: float | None = None,
+          input_dtypes=()) -> tuple[str, str]:
     """(verdict, reason) of one output of ``dtype`` (the device dtype) by category ``cat``;
-    ``direction``: whether the cosine is read (:func:`direction_readable`)."""
+    ``direction``: whether the cosine is read (:func:`direction_readable`); ``magnitude``: the
+    expected output's (:func:`expected_magnitude`); ``input_dtypes``: the op's input dtypes, whose
+    lowest float precision the benchmark rule judges at (:func:`judging_precision`)."""
     cat = output_category(cat, dtype)
     dtype = component_dtype(dtype)
     if cat == "binary":
@@ -283,7 +316,17 @@ def judge(cat: str, metrics: dict, dtype: str, direction: bool = True) -> tuple[
         return _judge_ulp(metrics, dtype, None)
     if cat == "thousandth":
         return _judge_thousandth(metrics, dtype)
-    return judge_benchmark(metrics, dtype, direction=direction)
+    return judge_benchmark(metrics, judging_precision(dtype, input_dtypes), direction=direction, magnitude=magnitude)
+
+
+def judging_precision(dtype: str, input_dtypes=()) -> str:
+    """The float dtype whose benchmark tolerances judge an output of ``dtype``: the lowest precision
+    among it and the op's float inputs, as compare judges (``scoring.judging_precisions``): an
+    fp32 layer-norm gradient computed from bf16 inputs under autocast carries bf16's rounding."""
+    if precision_rank(dtype) < 0:
+        return dtype
+    floats = [d for d in input_dtypes if precision_rank(component_dtype(d)) >= 0]
+    return min([dtype, *map(component_dtype, floats)], key=precision_rank)
 
 
 def _judge_thousandth(metrics: dict, dtype: str) -> tuple[str, str]:

@@ -24,6 +24,9 @@ REFERENCES: dict[str, Callable] = {}
 # op -> (function of the op's arguments giving {output name: bool tensor of the elements it writes},
 # where the others lie): ops that leave part of an output uninitialised
 DEFINED: dict[str, tuple[Callable, str]] = {}
+# op -> function of the op's float64 arguments giving its outputs' sums of |terms|: ops whose
+# run on |inputs| does not give them (layer norm's x_hat = (x - mean) * rstd)
+TERMS: dict[str, Callable] = {}
 
 
 def register_reference(op: str) -> Callable:
@@ -70,6 +73,34 @@ def defined_elements(op: str, args, kwargs) -> tuple[dict[str, torch.Tensor], st
         return {}, ""
     fn, where = hit
     return {name: mask for name, mask in fn(*args, **kwargs).items() if not bool(mask.all())}, where
+
+
+def register_terms(op: str) -> Callable:
+    """Decorator: ``fn(*args, **kwargs)`` (the op's float64 benchmark arguments) returns, shaped
+    as the op's outputs, each element's sum of |terms|, which run-ut's rounding bound for sums is
+    relative to.  Why: by default the op is run on the inputs' absolute values, which gives that
+    sum only where each term is a product of inputs; an op that subtracts inputs inside a term
+    would get too small a bound, and its correct rounding would be called an error."""
+    if op.count(".") != 2:
+        raise ValueError(f"register_terms: {op!r} is not a 'namespace.name.overload' op name")
+
+    def register(fn: Callable) -> Callable:
+        if op in TERMS:
+            raise ValueError(f"register_terms: {op} already has a function of its terms")
+        TERMS[op] = fn
+        return fn
+    return register
+
+
+@register_terms("aten.native_layer_norm_backward.default")
+def layer_norm_backward_terms(grad_out, input, normalized_shape, mean, rstd, weight, bias,  # noqa: ARG001
+                              output_mask):  # noqa: ARG001
+    """The weight gradient sums g * x_hat over the leading dimensions, the bias gradient g: their
+    terms' magnitudes |g| * |x - mean| * rstd and |g| (the input gradient is no such sum: None)."""
+    lead = tuple(range(grad_out.dim() - len(normalized_shape)))
+    g = grad_out.abs()
+    x_hat = ((input - mean) * rstd).abs()
+    return None, (g * x_hat).sum(lead), g.sum(lead)
 
 
 def _bounds(offs: torch.Tensor) -> list[tuple[int, int]]:

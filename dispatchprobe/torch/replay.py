@@ -367,8 +367,7 @@ def replay(record: dict, source: TensorSource | None, device: torch.device, rand
                                       dtype_name(r.dtype), dtype_name(b.dtype), tuple(r.shape)))
         if keep_data:
             result.data[f"{name}.recorded"], result.data[f"{name}.bench"] = r, b
-    result.terms = lambda kind="magnitude": _written_only(_run_floats(
-        bench, builder.call(torch.device("cpu"), True, keep, abs if kind == "magnitude" else _one)), masks)
+    result.terms = lambda kind="magnitude": _written_only(_terms(record["op"], bench, builder, keep, kind), masks)
     result.spread = lambda: _written_only(_spread(bench, builder, keep, bench_leaves), masks)
     return result
 
@@ -475,6 +474,16 @@ def _run_floats(func, call) -> dict:
             return {}
     return {name: to_numpy(v) for name, v in _flat_outputs(out)
             if isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex())}
+
+
+def _terms(op: str, bench, builder: CallBuilder, keep: set, kind: str) -> dict:
+    """{output name: array}: each element's sum of |terms| (``kind`` ``"magnitude"``: the op's
+    registered function of them, ``references.register_terms``, else the benchmark on |inputs|)
+    or its number of terms (``"count"``: the benchmark on ones)."""
+    cpu = torch.device("cpu")
+    if kind == "magnitude" and op in references.TERMS:
+        return _run_floats(references.TERMS[op], builder.call(cpu, True, keep))
+    return _run_floats(bench, builder.call(cpu, True, keep, abs if kind == "magnitude" else _one))
 
 
 def _one(x):

@@ -79,9 +79,10 @@ def judge(d, b, exact):
                 else "error"), text
     if not math.isnan(cosine) and cosine <= RULE["cosine_min"]:
         return "error", text
-    if math.isnan(cosine) and max_abs >= RULE["max_abs_pass"]:
-        return "error", text + " (one side is all zeros)"
-    if max_abs < RULE["max_abs_pass"]:
+    limit = shortcut_limit(float(mag.max()) if n else 0.0)
+    if math.isnan(cosine) and max_abs >= limit:
+        return "error", text + f" (one side is all zeros; max abs error >= {limit:.3g})"
+    if max_abs < limit:
         return "pass", text
     for (tol, s), verdict in zip(shares.items(), ("error", "warning")):
         if s < 1 - tol:
@@ -89,7 +90,15 @@ def judge(d, b, exact):
     return "pass", text
 
 
-_RULE_KEYS = {"benchmark": ("cosine_min", "max_abs_pass", "tiers"), "ulp": ("ulp_threshold", "ulp"), "binary": (),
+def shortcut_limit(magnitude):
+    """The max abs error below which a benchmark output passes, as run-ut's (verdicts.shortcut_limit):
+    max_abs_pass scaled by the float64 output's magnitude below 1, never below the smallest normal."""
+    limit = RULE["max_abs_pass"] * (magnitude if 0.0 < magnitude < 1.0 else 1.0)
+    return max(limit, RULE["smallest_normal"])
+
+
+_RULE_KEYS = {"benchmark": ("cosine_min", "max_abs_pass", "smallest_normal", "tiers"), "ulp": ("ulp_threshold", "ulp"),
+              "binary": (),
               "absolute_threshold": ("small_value", "small_value_atol", "relative_limit"),
               "thousandth": ("thousandth_min", "thousandth_tolerance")}
 
@@ -97,7 +106,9 @@ _RULE_KEYS = {"benchmark": ("cosine_min", "max_abs_pass", "tiers"), "ulp": ("ulp
 def rule_text():
     """The rule and the thresholds it used, for the verdict line."""
     used = {k: RULE[k] for k in _RULE_KEYS.get(RULE["category"], _RULE_KEYS["benchmark"])}
-    return f"run-ut's {RULE['category']} rule for {RULE['dtype']}: {json.dumps(used)}"
+    judged_at = f" (judged at {RULE['judged_at']}, its lowest-precision float input)" \
+        if RULE["category"] == "benchmark" and RULE["judged_at"] != RULE["dtype"] else ""
+    return f"run-ut's {RULE['category']} rule for {RULE['dtype']}{judged_at}: {json.dumps(used)}"
 
 
 def main():
