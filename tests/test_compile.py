@@ -741,6 +741,54 @@ def test_probe_backend_alone_scopes_across_graph_breaks(tmp_path):
     assert "the runs agree" in str(verdict)
 
 
+class _DataDependent(torch.nn.Module):
+    """``nonzero`` inside a submodule: dynamo breaks the graph there and runs it eagerly, inside the
+    submodule's call."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.lin2 = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.lin(x)
+        rows = torch.nonzero(y[:, 0] > 0).squeeze(1)
+        return self.lin2(y.index_add(0, rows, torch.ones(rows.numel(), 8))).tanh()
+
+
+class _Wraps(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.pre, self.block, self.post = torch.nn.Linear(8, 8), _DataDependent(), torch.nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.post(self.block(self.pre(x).relu()))
+
+
+def test_an_op_a_graph_break_runs_is_scoped_as_eager_scopes_it(tmp_path):
+    """The eager probe around a model compiled with probe_backend: the op a graph break runs
+    eagerly is filed under the module it runs in (the hooks of modules dynamo runs do not say it),
+    as the eager run files it, so the runs align and agree (both orders)."""
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(1))
+    for name, compiled in (("eager", False), ("compiled", True)):
+        torch.manual_seed(0)
+        model = _Wraps()
+        step = torch.compile(model, backend=probe_backend(task="statistics", dump_path=str(tmp_path / name),
+                                                          inner="aot_eager")) if compiled else model
+        probe = DispatchProbe(task="statistics", dump_path=str(tmp_path / name))
+        for _ in range(2):
+            with probe:
+                step(x).square().mean().backward()
+            probe.step()
+        probe.close()
+    eager, got = _scopes(tmp_path / "eager", False), _scopes(tmp_path / "compiled", False)
+    assert ("aten.nonzero.default", "_Wraps.block", "forward") in got
+    assert ("aten.nonzero.default", "_Wraps.block", "forward") in eager
+    assert not any(scope.startswith("OptimizedModule") for _, scope, _ in got)
+    for a, b in (("eager", "compiled"), ("compiled", "eager")):
+        _, verdict = compare(str(tmp_path / a), str(tmp_path / b))
+        assert verdict.passed and verdict.aligned > 0.9, str(verdict)
+
+
 def test_steps_follow_the_optimizer_in_both_capture_paths(tmp_path):
     """Three training steps, no step() call anywhere: the eager probe and probe_backend alone
     each write step0..step2 (the optimizer's steps), and compare pairs every step."""

@@ -258,8 +258,8 @@ def align_ops(recs_a: list, recs_b: list, ia: list, ib: list, mapping: Mapping, 
     def same_size(ra, rb):   # across frameworks (outputs may differ in number): a scaling of a scalar is no
         return _sizes(ra)[:1] == _sizes(rb)[:1]     # counterpart of one of a matrix
 
-    substituted = ("shapes", lambda r, m: (scope(r, m), op_traits.is_cast(op(r, m)), shapes(r), output_kinds(r)),
-                   None)
+    substituted = ("shapes", lambda r, m: (scope(r, m), op_traits.is_cast(op(r, m)), _writes_in_place(r), shapes(r),
+                                        output_kinds(r)), None)
     keyers = (
         ("op+shapes", lambda r, m: (scope(r, m), op(r, m), shapes(r)), None),
         ("op", lambda r, m: (scope(r, m), op(r, m)), same_size if cross else _same_ranks),
@@ -304,6 +304,13 @@ def align_ops(recs_a: list, recs_b: list, ia: list, ib: list, mapping: Mapping, 
     only_a = [i for ga, _ in gaps for i in ga] + [i for ga, _ in spans for i in ga]
     only_b = [i for _, gb in gaps for i in gb] + [i for _, gb in spans for i in gb]
     return Alignment(pairs, only_a, only_b, spans=spans)
+
+
+def _writes_in_place(r: dict) -> bool:
+    """Whether an aten record's op writes into its first input (``add_``): no kernel substituted for a
+    computing op (autograd accumulating a gradient, ``add_``, is no ``mm``, whatever the shapes)."""
+    parts = r["op"].split(".")
+    return len(parts) >= 3 and parts[0] == "aten" and parts[1].endswith("_")
 
 
 def _sibling(r: dict) -> tuple:

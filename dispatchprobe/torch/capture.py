@@ -161,4 +161,7 @@ class DispatchProbe(TorchSession):
                 return "backward", recomputed, None, True
             return "backward", self.scopes.backward_scope(node), node.name() if node is not None else None, False
         forward = self.scopes.forward_stack
-        return "forward", forward[-1] if forward else "", None, False
+        if not forward:
+            return "forward", "", None, False
+        top = forward[-1]        # inside a compiled module: where its graph break runs the op
+        return "forward", top if top not in self.scopes.wrappers else self.scopes.running_module(top), None, False

@@ -9,6 +9,7 @@ records and for what runs outside any node of a forward (end-of-backward callbac
 from __future__ import annotations
 
 import re
+import sys
 from bisect import bisect_right
 import warnings
 import weakref
@@ -19,11 +20,14 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 
 from . import collectives, hooks
 from .compiled_frames import in_compiled_code
+from .internals.dynamo import is_optimized_module
 from .internals import autograd as torch_autograd
 from .internals.autograd import (checkpoint_recomputing, current_autograd_node, current_graph_task_id, next_sequence_nr,
                                  node_sequence_nr)
 from .internals.dispatch import tree_flatten
 from .process_state import STATE
+
+_MODULE_CALLS = frozenset(torch_autograd.MODULE_CALL_CODES)
 
 
 class ModuleHooks:
@@ -202,6 +206,7 @@ class ModuleScopes:
         self._named: weakref.WeakSet = weakref.WeakSet()
         self.named_any = False           # once set, stays: the modules named may all be gone
         self._types: dict[str, str] = {}
+        self.wrappers: set[str] = set()   # names of compiled modules (see running_module)
         self._grad_out: dict = {}
         self._left_early: dict = {}      # backward exits seen before their module entered
         self._hooks: list = []           # tensor hooks of this entry's backward
@@ -224,7 +229,26 @@ class ModuleScopes:
             node = current_autograd_node()
             recomputed = self.recomputed_scope(task, node)
             return recomputed if recomputed is not None else self.backward_scope(node)
-        return self.forward_stack[-1] if self.forward_stack else ""
+        if not self.forward_stack:
+            return ""
+        top = self.forward_stack[-1]
+        return self.running_module(top) if top in self.wrappers else top
+
+    def running_module(self, wrapper: str) -> str:
+        """The innermost module whose call is on the Python stack inside compiled module ``wrapper``
+        (``torch.compile(model)``).  An op a graph break runs eagerly runs inside its modules' real
+        calls, but their hooks do not scope it: called from code dynamo runs, the hooks are compiled
+        (as they are traced: to nothing).  So the stack says where the op is, as eager names it."""
+        f = sys._getframe(2)
+        while f is not None:
+            if f.f_code in _MODULE_CALLS:
+                m = f.f_locals.get("self")
+                if is_optimized_module(m):
+                    break
+                if isinstance(m, torch.nn.Module) and m in self._names:
+                    return self._names[m]
+            f = f.f_back
+        return wrapper
 
     def recomputed_scope(self, task: int, node) -> str | None:
         """The forward scope activation checkpointing re-runs now inside backward ``task``, or None
@@ -292,6 +316,11 @@ class ModuleScopes:
 
     def _name(self, mod) -> str:
         name = self._names.get(mod)
+        if name is None and is_optimized_module(mod):
+            # torch.compile's wrapper: named as the module it wraps, as compiled graphs name their ops
+            name = self._names[mod] = self._name(mod._orig_mod)
+            self.wrappers.add(name)
+            return name
         if name is None:
             name = self._names[mod] = type(mod).__name__
             self.named_any = True
