@@ -20,7 +20,7 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 
 from . import collectives, hooks
 from .compiled_frames import in_compiled_code
-from .internals.dynamo import is_optimized_module
+from .internals.dynamo import is_optimized_module, wrapped_module
 from .internals import autograd as torch_autograd
 from .internals.autograd import (checkpoint_recomputing, current_autograd_node, current_graph_task_id, next_sequence_nr,
                                  node_sequence_nr)
@@ -318,7 +318,7 @@ class ModuleScopes:
         name = self._names.get(mod)
         if name is None and is_optimized_module(mod):
             # torch.compile's wrapper: named as the module it wraps, as compiled graphs name their ops
-            name = self._names[mod] = self._name(mod._orig_mod)
+            name = self._names[mod] = self._name(wrapped_module(mod))
             self.wrappers.add(name)
             return name
         if name is None:

@@ -11,7 +11,7 @@ import sys
 
 import torch
 
-__all__ = ["AOT_RUNTIME_MODULE", "AOT_RUNTIME_FILE", "FRAMES", "frame_controls", "frame_callback", "call_outside_dynamo", "never_compiled", "is_optimized_module",
+__all__ = ["AOT_RUNTIME_MODULE", "AOT_RUNTIME_FILE", "FRAMES", "frame_controls", "frame_callback", "call_outside_dynamo", "never_compiled", "is_optimized_module", "wrapped_module",
            "traced_frame_locals", "clear_output_strides", "functorch_config"]
 
 
@@ -62,6 +62,11 @@ def is_optimized_module(m) -> bool:
     """Whether ``m`` is the wrapper ``torch.compile(module)`` returns (dynamo imported only if it is)."""
     dynamo = sys.modules.get("torch._dynamo.eval_frame")
     return dynamo is not None and isinstance(m, dynamo.OptimizedModule)
+
+
+def wrapped_module(m):
+    """The module ``torch.compile(module)``'s wrapper ``m`` calls (:func:`is_optimized_module`)."""
+    return m._orig_mod
 
 
 def traced_frame_locals() -> dict:
