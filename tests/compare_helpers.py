@@ -352,12 +352,12 @@ def tiny_llama(checkpointed: bool = False) -> nn.Module:
 
 
 def record_adamw_steps(path, model: nn.Module, loss_fn, *, steps: int = 2, autocast: bool = False,
-                       plant: str | None = None, kernel=None):
+                       plant: str | None = None, kernel=None, task: str = "statistics"):
     """``steps`` AdamW steps (lr 1e-3, stepped outside ``with probe:``) of ``loss_fn(model)``, recorded
-    with the statistics task into ``path``; ``autocast``: bfloat16 CPU autocast around the step;
+    with ``task`` into ``path``; ``autocast``: bfloat16 CPU autocast around the step;
     ``plant``/``kernel``: a wrong aten kernel (:func:`planted_kernel`) for the whole run."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    probe = DispatchProbe(task="statistics", dump_path=str(path))
+    probe = DispatchProbe(task=task, dump_path=str(path))
     with planted_kernel(plant, kernel):
         for _ in range(steps):
             with probe, (torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()):

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from click.testing import CliRunner
 from torch import nn
 
-from dispatchprobe import DispatchProbe
+from compare_helpers import record_adamw_steps
 from dispatchprobe.cli import main
 from dispatchprobe.offline.compare import compare
 
@@ -79,20 +79,11 @@ def record(path, *, autocast: bool = False, plant: str = "", task: str = "statis
     """Two AdamW steps of :class:`TinyMoE` (weights and batch from seed 0)."""
     torch.manual_seed(0)
     model = TinyMoE()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(0)
     x, target = torch.randn(4, 16, DIM, generator=g), torch.randn(4, 16, 4, generator=g)
-    probe = DispatchProbe(task=task, dump_path=str(path))
     with planted(plant) if plant else contextlib.nullcontext():
-        for _ in range(2):
-            with probe, torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-                loss = F.mse_loss(model(x).float(), target)
-                loss.backward()
-            opt.step()
-            opt.zero_grad()
-            probe.step()
-    probe.close()
-    return path
+        return record_adamw_steps(path, model, lambda m: F.mse_loss(m(x).float(), target), autocast=autocast,
+                                  task=task)
 
 
 @pytest.fixture(scope="module")
