@@ -143,12 +143,35 @@ def test_small_magnitude_planted_kernel_flagged(runs, tmp_path, planted_gelu_bac
     assert 0 < max_abs.max() < 1e-3       # what the unscaled shortcut passed
 
 
+def test_small_float16_outputs_not_passed_by_the_shortcut(tmp_path, planted_gelu_backward):
+    """float16 gradients of O(1e-4) made 30 % too large: their errors (2e-5) are under fp16's smallest
+    normal (6.1e-5) but above the absolute tolerance of small values (1e-5), so the shortcut does
+    not pass them; the tiers, relative to fp16's small value 1e-3, see them."""
+    torch.manual_seed(0)
+    model = TinyTransformer().to(torch.float16)
+    probe = DispatchProbe(task="tensor", dump_path=str(tmp_path / "f16"), model=model)
+    tokens, targets = lm_batch()
+    with probe:
+        (lm_loss(model, tokens, targets) * 0.1).backward()
+    probe.step()
+    probe.close()
+    res = run_ut(str(tmp_path / "f16"), tmp_path / "bad")
+    st, op = status(res.results), res.results["Op"]
+    bad = op == "aten.gelu_backward.default"
+    assert bad.sum() == 2 and (st[bad] != "pass").all(), _diagnosis(res, bad)
+    assert not (st[~bad] == "error").any(), _diagnosis(res, (st == "error") & ~bad)
+    max_abs = res.details.loc[res.details["API Name"].str.startswith("aten.gelu_backward"), "Max Abs Err"].astype(float)
+    assert 1e-5 < max_abs.max() < 2.0 ** -14    # under the smallest normal, over small values' tolerance
+
+
 def test_absolute_shortcut_scales_with_magnitude_down_to_the_smallest_normal():
     """One rule for run-ut and compare: the 0.001 shortcut times the expected magnitude below 1,
-    never below the dtype's smallest normal (an output that underflows to zero is not an error)."""
+    never below the dtype's smallest normal (an output that underflows to zero is not an error)
+    nor above the absolute tolerance of small values."""
     assert shortcut_limit("float32", 7e-4) == pytest.approx(7e-7)
     assert shortcut_limit("float32", 5.0) == shortcut_limit("float32", None) == 0.001
-    assert shortcut_limit("float16", 1e-3) == 2.0 ** -14
+    assert shortcut_limit("float16", 1e-3) == 1e-5         # small values' absolute tolerance (under 2**-14)
+    assert shortcut_limit("bfloat16", 1e-36) == 2.0 ** -126
     wrong = {"cosine": 1.0, "max_abs_err": 2.2e-4, "one_hundredth": 0.2, "one_thousandth": 0.0,
              "one_ten_thousandth": 0.0}
     assert judge_benchmark(wrong, "float32")[0] == "pass"          # msprobe's absolute shortcut

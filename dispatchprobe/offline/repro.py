@@ -30,7 +30,7 @@ from ..records.reader import Part, Run, load
 from ..records.writer import atomic_write_text, write_safetensors
 from ..standards.loader import per_dtype, short_dtype, standard
 from ..standards.metrics import FLOAT_LAYOUT
-from ..standards.verdicts import category, component_dtype, judging_precision, output_trait, smallest_normal
+from ..standards.verdicts import category, component_dtype, judging_precision, output_trait, shortcut_floor
 from .replayer import replayer_for
 
 _TEMPLATES = os.path.join(os.path.dirname(__file__), "templates")
@@ -283,7 +283,7 @@ def _script(run: Run, part: Part, rec: dict, preludes: list, framework: str, for
     bench, thr = standard()["benchmark"], standard("api_precision_standard")["thresholds"]
     rule = {"category": category(rec["op"]), "dtype": dtype,
             "cosine_min": bench["cosine_min"], "max_abs_pass": bench["max_abs_pass"], "judged_at": judged_at,
-            "smallest_normal": smallest_normal(judged_at),
+            "shortcut_floor": shortcut_floor(judged_at),
             "tiers": [float(t) for t in per_dtype("benchmark.tiers", judged_at)],
             "small_value": float(per_dtype("small_value", dtype)),
             "small_value_atol": float(per_dtype("small_value_atol", dtype)),

@@ -57,16 +57,24 @@ def smallest_normal(dtype: str) -> float:
     return 2.0 ** layout[1]
 
 
+def shortcut_floor(dtype: str) -> float:
+    """The lowest :func:`shortcut_limit` of ``dtype``: its smallest normal (values under it underflow,
+    an output flushed to zero, and carry no relative precision to judge), but never above the
+    absolute tolerance the standard gives small values (``small_value_atol``: fp16's smallest
+    normal, 6.1e-5, is six times its 1e-5), so the shortcut passes no error the small-value rule
+    would reject."""
+    return min(smallest_normal(dtype), float(per_dtype("small_value_atol", dtype)))
+
+
 def shortcut_limit(dtype: str, magnitude: float | None, rule: str = "benchmark") -> float:
     """The max abs error below which a benchmark output passes without its tiers being read.
     msprobe's ``max_abs_pass`` is absolute: a gradient of O(1e-3) that is 30 % wrong would pass it,
     so it is scaled by the expected output's ``magnitude`` (``max |value|``) when that is below 1.
-    Never below ``dtype``'s smallest normal: values under it underflow (an output flushed to zero),
-    and carry no relative precision to judge.  ``magnitude`` None or 0: unscaled."""
+    Never below :func:`shortcut_floor`.  ``magnitude`` None or 0: unscaled."""
     limit = float(standard()[rule]["max_abs_pass"])
     if magnitude is not None and math.isfinite(magnitude) and 0.0 < magnitude < 1.0:
         limit *= magnitude
-    return max(limit, smallest_normal(dtype))
+    return max(limit, shortcut_floor(dtype))
 
 
 def expected_magnitude(bench, spread=None) -> float:

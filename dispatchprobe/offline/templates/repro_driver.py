@@ -92,12 +92,13 @@ def judge(d, b, exact):
 
 def shortcut_limit(magnitude):
     """The max abs error below which a benchmark output passes, as run-ut's (verdicts.shortcut_limit):
-    max_abs_pass scaled by the float64 output's magnitude below 1, never below the smallest normal."""
+    max_abs_pass scaled by the float64 output's magnitude below 1, never below the dtype's floor
+    (its smallest normal, or small values' absolute tolerance where lower: verdicts.shortcut_floor)."""
     limit = RULE["max_abs_pass"] * (magnitude if 0.0 < magnitude < 1.0 else 1.0)
-    return max(limit, RULE["smallest_normal"])
+    return max(limit, RULE["shortcut_floor"])
 
 
-_RULE_KEYS = {"benchmark": ("cosine_min", "max_abs_pass", "smallest_normal", "tiers"), "ulp": ("ulp_threshold", "ulp"),
+_RULE_KEYS = {"benchmark": ("cosine_min", "max_abs_pass", "shortcut_floor", "tiers"), "ulp": ("ulp_threshold", "ulp"),
               "binary": (),
               "absolute_threshold": ("small_value", "small_value_atol", "relative_limit"),
               "thousandth": ("thousandth_min", "thousandth_tolerance")}
