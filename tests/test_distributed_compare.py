@@ -168,6 +168,31 @@ def test_fsdp2_agrees_with_one_process(fsdp_runs):
     assert (table[table["what"] == "value"]["shape_a"].map(tuple) == table[table["what"] == "value"]["shape_b"].map(tuple)).all()
 
 
+@pytest.mark.fsdp2
+@pytest.mark.parametrize("a, b", [("ddp", "fsdp"), ("fsdp", "ddp")])
+def test_ddp_and_fsdp2_of_the_same_ranks_are_compared_on_what_both_hold(fsdp_runs, a, b):
+    """2-rank DDP against 2-rank FSDP2 of one model and global batch: the rank counts agree but the
+    ranks hold other pieces of the parameters (whole replicas against shards), so their ops do not
+    pair one to one; compared across parallelism, rank with rank for the activations, whichever run
+    is A (rank by rank they once 'differed already at their inputs', exit 2, on a clean pair)."""
+    runs = fsdp_runs
+    table, verdict = compare(runs / a / "clean", runs / b / "clean")
+    assert verdict.passed, str(verdict)
+    assert "run A has 2 ranks (0, 1), run B 2 ranks (0, 1) holding other pieces of the parameters (parameter " \
+           "up.weight on rank 0: " in str(verdict), str(verdict)
+    forward = table[table["what"] == "forward"]
+    assert len(forward) and forward["how_a"].str.endswith("(rank by rank)").all(), forward
+    assert len(table[table["what"] == "loss"]) == 2 and len(table[table["what"] == "grad"]) == 8
+    # a change on rank 1 alone (up's output x1.001 there, a forward hook) is named on that rank
+    planted = ("ddp/planted1", "fsdp/clean") if a == "ddp" else ("fsdp/clean", "ddp/planted1")
+    res = CliRunner().invoke(main, ["compare", *(str(runs / p) for p in planted)])
+    assert res.exit_code == 2, res.output
+    assert "the runs part at step 0 forward op aten.relu.default.0.forward [<root>] output.0 on rank 1 (error: " \
+           in res.output, res.output
+    side = "A" if a == "ddp" else "B"
+    assert f"prime suspect): aten.mul.Tensor.0.forward [up] in run {side} only" in res.output, res.output
+
+
 def _torchrun(*args: str) -> subprocess.CompletedProcess:
     """``torchrun --nproc-per-node 2 -m dispatchprobe ARGS`` (gloo on loopback)."""
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",

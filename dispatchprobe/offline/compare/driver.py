@@ -32,7 +32,7 @@ from .scoring import score_pairs
 from .task_mismatch import NOT_RECORDED, explanation, flagged_only_side, tasks_note, unaligned_hint
 from ..coverage import graphs_note, unrecorded_graphs
 from .verdict import Result, RunsDoNotAlign, Verdict
-from .parallel import optimizer_step
+from .parallel import layout_difference, optimizer_step
 from .amplified import explain as amplified_noise
 from .amplified import said as amplified_lines
 
@@ -544,10 +544,11 @@ def _amplified(table: pd.DataFrame, divs: list, run_a, run_b, earlier: pd.DataFr
 
 def _other_parallelism(run_a, run_b) -> bool:
     """Whether the runs' rank counts differ for their parallelism, not for a ``rank`` filter (a run
-    that recorded some ranks of a run like the other is compared rank by rank)."""
+    that recorded some ranks of a run like the other is compared rank by rank), or their ranks hold
+    the parameters in other pieces (DDP against FSDP2: :func:`.parallel.layout_difference`)."""
     ranks = [{k[1] for k in r.parts} for r in (run_a, run_b)]
     if len(ranks[0]) == len(ranks[1]):
-        return False
+        return bool(layout_difference(run_a, run_b))
     small = 0 if len(ranks[0]) < len(ranks[1]) else 1
     filtered = ((run_a, run_b)[small].manifest.get("config") or {}).get("rank")
     return not (filtered and ranks[small] <= ranks[1 - small])

@@ -37,6 +37,7 @@ TABLE_COLUMNS = ["step", "what", "name", "scope", "arg", "ranks_a", "ranks_b", "
                  "dtype_b", "how_a", "how_b", "cosine", "max_abs_err", "rel_l2_err", "stats_err", "status", "reason",
                  "after_one_run_only"]
 _WRAPPERS = ("module.", "_orig_mod.")
+RANK_BY_RANK = "(rank by rank)"      # how a value paired rank with rank is assembled: "rank 1 (rank by rank)"
 _SHARD = re.compile(r"^(?:S\((\d+)\)|Shard\(dim=(\d+)\))$")
 
 
@@ -85,6 +86,7 @@ class ParallelVerdict:
     unpaired: list = field(default_factory=list)    # lines: what could not be paired
     problems: list = field(default_factory=list)
     report: str | None = None
+    layout: str = ""            # runs of the same ranks: how their parameters' pieces differ
 
     @property
     def passed(self) -> bool:
@@ -96,7 +98,8 @@ class ParallelVerdict:
 
     def __str__(self) -> str:
         counts = ", ".join(f"{k} {self.counts.get(k, 0)}" for k in (V.PASS, V.WARNING, V.ERROR))
-        lines = [f"different parallelism: run A has {_ranks(self.ranks_a)}, run B {_ranks(self.ranks_b)}; compared "
+        held = f" holding other pieces of the parameters ({self.layout})" if self.layout else ""
+        lines = [f"different parallelism: run A has {_ranks(self.ranks_a)}, run B {_ranks(self.ranks_b)}{held}; compared "
                  f"what both hold (loss, forward ops assembled over ranks, parameter gradients after reduction, "
                  f"parameters after each step) over {len(self.steps)} step(s): {counts}"]
         p = self.parted
@@ -130,7 +133,9 @@ def _describe(row: dict) -> str:
     if row["what"] == "loss":
         return f"the loss ({row['name']})"
     if row["what"] == "forward":
-        return f"forward op {row['name']} [{row['scope'] or '<root>'}] {row['arg']}"
+        how = str(row.get("how_a") or "")
+        on = f" on {how.partition(' (')[0]}" if how.endswith(RANK_BY_RANK) else ""
+        return f"forward op {row['name']} [{row['scope'] or '<root>'}] {row['arg']}{on}"
     return f"{'gradient' if row['what'] == 'grad' else 'value after the step'} of parameter {row['name']}"
 
 
@@ -220,14 +225,45 @@ def _replicas(items: list) -> bool:
     return all(it[2] == items[0][2] for it in items[1:])
 
 
+def _items(specs: dict, parts: dict, tensors: bool, problems: list) -> dict:
+    """rank -> (shape, dtype, stats, array or None) of each rank's spec of one value."""
+    return {r: (tuple(specs[r]["shape"]), specs[r]["dtype"], specs[r].get("stats"),
+                _read(parts[r], specs[r], tensors, problems)) for r in sorted(specs)}
+
+
+def rank_by_rank(sa: dict, sb: dict, pa: dict, pb: dict, tensors: bool, problems: list,
+                 reduction: str | None) -> tuple[list, str]:
+    """Pairs of one value, rank with rank, where both runs hold it on the same ranks in the same
+    shapes: runs of the same ranks whose parameters are cut otherwise (DDP against FSDP2), each
+    rank computing on its share of the batch in both (a full ``mean``/``sum``: one pair, averaged/
+    summed over the ranks).  Each rank's pair is judged on its own, as compare judges runs of one
+    parallelism, so a change on one rank is not diluted by the others' agreeing shares.  Pieces
+    that are one value on every rank in one run and not in the other mean something else in each
+    (a replica against a share): not paired.  Returns ([(value of A, value of B)], why not);
+    ([], "") where this does not apply."""
+    if sorted(sa) != sorted(sb) or len(sa) < 2 or any(s.get("dtensor") for s in (*sa.values(), *sb.values())):
+        return [], ""
+    ia, ib = _items(sa, pa, tensors, problems), _items(sb, pb, tensors, problems)
+    if any(ia[r][0] != ib[r][0] for r in ia):
+        return [], ""
+    if _replicas(list(ia.values())) != _replicas(list(ib.values())):
+        return [], "equal on every rank in one run and not in the other (a replica against each rank's share)"
+    if ia[min(ia)][0] == ():
+        if reduction not in ("mean", "sum"):
+            return [], ""
+        (va, why_a), (vb, why_b) = (assemble(s, p, tensors, problems, (), reduction) for s, p in ((sa, pa), (sb, pb)))
+        return ([(va, vb)] if va is not None and vb is not None else []), why_a or why_b
+    return [(Value(*ia[r], how=f"rank {r} {RANK_BY_RANK}"), Value(*ib[r], how=f"rank {r} {RANK_BY_RANK}"))
+            for r in sorted(ia)], ""
+
+
 def assemble(specs: dict, parts: dict, tensors: bool, problems: list, target: tuple | None = None,
              reduction: str | None = None) -> tuple[Value | None, str]:
     """One value from each rank's spec of it (``specs``: rank -> spec), shaped like ``target``
     where the ranks split it; returns (value, why not)."""
     ranks = sorted(specs)
     first = specs[ranks[0]]
-    items = {r: (tuple(specs[r]["shape"]), specs[r]["dtype"], specs[r].get("stats"),
-                 _read(parts[r], specs[r], tensors, problems)) for r in ranks}
+    items = _items(specs, parts, tensors, problems)
     meta = first.get("dtensor")
     if meta:
         if any(str(p).startswith(("P", "_Partial")) for p in meta.get("placements") or ()):
@@ -332,12 +368,22 @@ def _model_forward(records: list) -> list:
 
 
 def _forward(parts: dict) -> tuple[dict, list, dict]:
-    """name -> {rank: record} of the forward op records every rank holds, the lowest rank's names
-    in order, and its scopes by name."""
+    """name -> {rank: record} of the forward op records every rank holds; every rank's names in
+    order (the lowest rank's, each name some higher rank holds alone placed after the name before
+    it there: an op one rank alone runs is an op of one run only, the prime suspect of a change on
+    that rank), and their scopes by name."""
     by_rank = {r: {rec["name"]: rec for rec in _model_forward(p.records)} for r, p in parts.items()}
     first = by_rank[min(parts)]
     common = {n: {r: by_rank[r][n] for r in parts} for n in first if all(n in by_rank[r] for r in parts)}
-    return common, list(first), {n: rec["scope"] for n, rec in first.items()}
+    order, scopes = list(first), {n: rec["scope"] for n, rec in first.items()}
+    for r in sorted(parts)[1:]:
+        before = None
+        for n, rec in by_rank[r].items():
+            if n not in scopes:
+                order.insert(order.index(before) + 1 if before is not None else 0, n)
+                scopes[n] = rec["scope"]
+            before = n
+    return common, order, scopes
 
 
 def param_specs(parts: dict) -> dict:
@@ -351,8 +397,43 @@ def param_specs(parts: dict) -> dict:
     return out
 
 
+def _layout(spec: dict) -> tuple:
+    """How a parameter record's tensor sits on a rank: its whole shape, the part this rank holds
+    and the DTensor placements that cut it (none: the whole tensor, a replica)."""
+    meta = spec.get("dtensor") or {}
+    return (tuple(spec.get("shape") or ()), tuple(meta.get("local_shape") or spec.get("shape") or ()),
+            tuple(map(str, meta.get("placements") or ())))
+
+
+def _describe_layout(layout: tuple) -> str:
+    whole, local, placements = layout
+    return f"{', '.join(placements)}, {list(local)} of {list(whole)} on a rank" if placements else \
+        f"whole ({list(whole)}) on every rank"
+
+
+def layout_difference(run_a, run_b) -> str:
+    """Why two runs of the same ranks hold their parameters in other pieces (DDP's whole replicas
+    against FSDP2's or tensor parallelism's shards), or "" where each rank holds the same pieces:
+    then a rank's ops compute on the same values in both runs and pair one to one; otherwise they
+    do not (FSDP2 gathers and reduce-scatters what DDP all-reduces), and only what both hold once
+    assembled from the ranks compares.  Read from the parameter records of the first step both
+    runs hold; runs without them are taken as laid out alike."""
+    common = sorted(set(run_a.parts) & set(run_b.parts))
+    if not common:
+        return ""
+    step = common[0][0]
+    for rank in sorted(r for s, r in common if s == step):
+        specs_a, specs_b = (param_specs({rank: run.parts[step, rank]}) for run in (run_a, run_b))
+        for key in [k for k in specs_a if k in specs_b]:
+            la, lb = _layout(specs_a[key][rank]), _layout(specs_b[key][rank])
+            if la != lb:
+                return (f"parameter {key[1]} on rank {rank}: {_describe_layout(la)} in run A, "
+                        f"{_describe_layout(lb)} in run B")
+    return ""
+
+
 def compare_parallelism(run_a, run_b, tensors: bool = True, steps: list | None = None) -> list:
-    """Compare ``run_a`` with ``run_b`` (loaded runs whose ranks differ) on what both hold, step by
+    """Compare ``run_a`` with ``run_b`` (loaded runs of other ranks or parameter layouts) on what both hold, step by
     step: ``(step, rows, unpaired, problems)`` for each of ``steps`` (default: every step both
     hold), for :func:`merge_steps`."""
     if steps is None:
@@ -395,7 +476,8 @@ def merge_steps(run_a, run_b, steps: list) -> tuple[pd.DataFrame, ParallelVerdic
         moved = table[(table["status"] == V.PASS) & (table["rel_l2_err"].fillna(1.0) != 0.0)]
         departure = moved.iloc[0].to_dict() if len(moved) else None
     verdict = ParallelVerdict(str(run_a.path), str(run_b.path), ranks_a, ranks_b, [s[0] for s in steps], counts,
-                              first, parted, departure, unpaired, problems)
+                              first, parted, departure, unpaired, problems,
+                              layout=layout_difference(run_a, run_b) if ranks_a == ranks_b else "")
     return table, verdict
 
 
@@ -407,6 +489,13 @@ def _step_rows(step: int, pa: dict, pb: dict, tensors: bool, problems: list, unp
         rows.append({"step": step, "what": what, "name": name, "scope": scope, "arg": arg, "ranks_a": ra,
                      "ranks_b": rb, "shape_a": list(va.shape), "shape_b": list(vb.shape), "dtype_a": va.dtype,
                      "dtype_b": vb.dtype, "how_a": va.how, "how_b": vb.how, **score(va, vb)})
+
+    def add_worst(what, name, scope, arg, pairs):
+        """One row for pairs judged rank by rank: the worst rank's (status, then error; the lowest rank on a tie)."""
+        scored = [(va, vb, score(va, vb)) for va, vb in pairs]
+        order = {V.ERROR: 0, V.WARNING: 1, V.PASS: 2}
+        va, vb, _ = min(scored, key=lambda x: (order.get(x[2]["status"], 3), -np.nan_to_num(x[2]["rel_l2_err"], nan=0.0)))
+        add(what, name, scope, arg, va, vb)
 
     # the loss and the forward ops
     fa, order_a, scopes_a = _forward(pa)
@@ -428,8 +517,15 @@ def _step_rows(step: int, pa: dict, pb: dict, tensors: bool, problems: list, unp
                 continue
             tb = tuple(sb[min(sb)]["shape"]) if len(sb) == 1 else None
             ta = tuple(sa[min(sa)]["shape"]) if len(sa) == 1 else None
-            va, why_a = assemble(sa, pa, tensors, problems, tb, reduction)
-            vb, why_b = assemble(sb, pb, tensors, problems, ta, reduction)
+            pairs, why_a = rank_by_rank(sa, sb, pa, pb, tensors, problems, reduction)
+            if pairs:
+                add_worst("loss" if name in loss else "forward", name, scope, arg, pairs)
+                continue
+            va = vb = None
+            why_b = ""
+            if not why_a:
+                va, why_a = assemble(sa, pa, tensors, problems, tb, reduction)
+                vb, why_b = assemble(sb, pb, tensors, problems, ta, reduction)
             if va is None or vb is None or int(np.prod(va.shape)) != int(np.prod(vb.shape)):
                 if arg == "output.0" and (why_a or why_b):
                     why = "; ".join(sorted({why_a, why_b} - {""}))
