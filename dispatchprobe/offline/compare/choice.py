@@ -16,6 +16,17 @@ from ...standards import verdicts as V
 from ..views import LOOK_BACK, STATS_TOLERANCE
 from ...standards.loader import is_float
 
+# the reasons of the rows a choice leaves unjudged (:meth:`Choices.unjudged_rows`): they count apart in the
+# summary (``_Tally``) and read as "not judged", never as an error the verdict does not claim
+CHOICE_MADE = "a discrete choice the runs made differently, from values that agree within tolerance: not judged"
+AFTER_CHOICE = "follows a discrete choice the runs made differently"
+
+
+def is_choice_reason(reasons: pd.Series) -> pd.Series:
+    """Per row: its reason is one a discrete choice gives (:data:`CHOICE_MADE`, :data:`AFTER_CHOICE`)."""
+    text = reasons.astype(str)
+    return text.str.startswith(AFTER_CHOICE) | (text == CHOICE_MADE)
+
 
 class Choices:
     """Per run, the records whose values follow a choice the runs made differently, each with the
@@ -158,6 +169,30 @@ class Choices:
                     and bst["norm"] * (1 + STATS_TOLERANCE) >= st["norm"]:
                 return u, arg
         return None
+
+    def unjudged_rows(self, uid, args, pair_b: dict, where) -> tuple[list, dict]:
+        """The rows (indexes into ``df``) whose verdict a choice takes: its discrete outputs that differ
+        (``CHOICE_MADE``) and every error or warning row of a record whose values follow a choice,
+        in either run (``AFTER_CHOICE``, naming it by ``where(root)``); the choice record's other rows
+        are its own (the values it chose from, its float outputs).  Returns (choice rows, {row: reason})."""
+        if not (self.root["a"] or self.root["b"]) or not len(self.df):
+            return [], {}
+        status = self.df["status"].to_numpy(object)
+        judged = np.flatnonzero((status == V.ERROR) | (status == V.WARNING))
+        made, reasons, said = [], {}, {}
+        for k in judged.tolist():
+            i = int(uid[k])
+            if i in self.chosen["a"]:
+                if args[k] in self.chosen["a"][i] and not self.is_in[k]:
+                    made.append(k)
+                    reasons[k] = CHOICE_MADE
+                continue
+            root = self.followed(i, pair_b.get(i))
+            if root is not None:
+                if root not in said:
+                    said[root] = f"{AFTER_CHOICE}, {where(root)}: not judged"
+                reasons[k] = said[root]
+        return made, reasons
 
     def input_root(self, k: int):
         """The choice input row ``k`` carries, from either run's producer of it (the link :meth:`spread`

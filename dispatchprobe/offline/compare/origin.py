@@ -899,7 +899,31 @@ def trace(df: pd.DataFrame, a: Side, b: Side, pairs: list, rerun=None, same_kern
         div.unjudged = _unjudged(df, lineage, stage, pick) if errors else ""
         divs.append(div)
     _not_judged(divs)
+    _choice_rows_not_judged(df, lineage, origin_rows)
     return origin_rows, divs
+
+
+def _choice_rows_not_judged(df: pd.DataFrame, lineage: Lineage, origin_rows: np.ndarray) -> None:
+    """Marks in ``df`` the rows a discrete choice the runs made differently leaves unjudged
+    (:meth:`.choice.Choices.unjudged_rows`) ``not judged``, with the choice named: the verdict judges
+    nothing past it, so no row, count, sheet or page may call them errors.  The choice's own rows
+    are no origin of an error (the verdict names them as the choice)."""
+    made, reasons = lineage.choices.unjudged_rows(lineage.uid, lineage.args, lineage.pair_b,
+                                              lambda root: _choice_where(lineage, root))
+    if reasons:
+        rows = list(reasons)
+        df.loc[rows, "status"] = V.NOT_JUDGED
+        df.loc[rows, "reason"] = [reasons[k] for k in rows]
+        origin_rows[made] = False
+
+
+def _choice_where(lineage: Lineage, root: Root) -> str:
+    """A choice as a row's reason names it: op, scope, call, the discrete output, its place in its run."""
+    side = lineage.a if root.side == "a" else lineage.b
+    rec = side.recs[root.index]
+    run = "" if root.side == "a" else " of run B"
+    return (f"{rec['op']} [{rec['scope'] or '<top>'}] call {int(rec['call'])} {root.arg} "
+            f"(#{int(side.seq[root.index])} in {rec['stage']}{run})")
 
 
 PARTIAL_SUMS = ("partial sums the runs group differently: a row of a sum whose terms each run adds in other "

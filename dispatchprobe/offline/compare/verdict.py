@@ -212,6 +212,7 @@ class Verdict:
     below_floor: tuple = (0, 0.0)   # (statistics-only rows that differ below the floor, the floor)
     partial_sums: int = 0        # of the rows not judged, those comparing two partial sums (.regroup)
     loss_scaled: int = 0         # of the rows not judged, those the runs' loss scales leave undecided (.loss_scale)
+    after_choice: int = 0        # of the rows not judged, those a discrete choice the runs made differently leaves (.choice)
 
     @property
     def departure(self) -> Divergence | None:
@@ -220,7 +221,8 @@ class Verdict:
 
     @property
     def passed(self) -> bool:
-        return self.counts.get("error", 0) == 0
+        """No error row and no divergence: the rows past a discrete choice are not judged, not passed."""
+        return self.counts.get("error", 0) == 0 and self.forward is None and self.backward is None
 
     @property
     def damaged(self) -> list:
@@ -258,7 +260,8 @@ class Verdict:
         counts = ", ".join(f"{k} {self.counts.get(k, 0)}" for k in ("pass", "warning", "error"))
         if self.counts.get(NOT_JUDGED):
             kinds = {"partial sums the runs group differently": self.partial_sums,
-                     "values the runs' loss scales leave undecided": self.loss_scaled}
+                     "values the runs' loss scales leave undecided": self.loss_scaled,
+                     "values a discrete choice the runs made differently decides": self.after_choice}
             kinds = {k: n for k, n in {"undefined values": self.counts[NOT_JUDGED] - sum(kinds.values()),
                                        **kinds}.items() if n}
             why = ", ".join(f"{n} {k}" for k, n in kinds.items()) if len(kinds) > 1 else next(iter(kinds), "")
