@@ -241,7 +241,7 @@ def run(func, args, kwargs, device_type: str = "cpu", tf32: bool = False):
     return func(*args, **kwargs)
 
 
-def input_grads(func, args, kwargs, grad_outs, generator, device_type: str, fixup=None):
+def input_grads(func, args, kwargs, grad_outs, generator, device_type: str, fixup=None, perturb=None, training_call=None):
     """Not available: a gradient taken inside the dispatch handler breaks the user's own
     ``value_and_grad`` (the session refuses ``fuzz_stage: backward``)."""
     return None
@@ -304,6 +304,11 @@ def noise_source(seed: int) -> _Noise:
 
 def bit_noise(t):
     return tensor(hn.bit_noise(host(t), dtype_of(t)), dtype_of(t))
+
+
+def saturated(t):
+    limit = _MAX[dtype_of(t)]
+    return tensor(np.clip(host(t), -limit, limit), dtype_of(t))
 
 
 def change_value_plan(func, args, kwargs):

@@ -57,11 +57,16 @@ def one_step(path, dtype, mode, model=None, defer=False, **kw):
     return handler, fb_rows(path)
 
 
+@pytest.mark.parametrize("stage", ["forward", "backward"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("mode", ["add_noise", "bit_noise", "change_value", "no_change", "to_cpu"])
-def test_no_false_positives_on_clean_step(tmp_path, dtype, mode):
-    handler, rows = one_step(tmp_path, dtype, mode)
-    assert handler.checked > 40
+def test_no_false_positives_on_clean_step(tmp_path, dtype, mode, stage):
+    """fuzz_stage="backward" flagged 13 of 13 change_value checks (gradients taken with respect to the
+    swapped copies, so permuted) and float32 GEMMs under the noise modes (the gradients were computed
+    in bfloat16: autocast's CPU keys were live inside the handler's autograd)."""
+    handler, rows = one_step(tmp_path, dtype, mode, fuzz_stage=stage)
+    assert handler.checked > (12 if stage == "backward" and mode == "change_value" else 40)
+    assert handler.skipped == 0
     assert rows == [], [(r["api_name"], r["max_rel"]) for r in rows]
 
 
@@ -270,6 +275,101 @@ def test_rerun_escapes_enclosing_autocast_and_is_plain_without_it():
         assert mm(a, b).dtype == torch.bfloat16            # what autocast would do to the re-run
         assert perturb.run(mm, (a, b), {}).dtype == torch.float32
     assert torch.equal(perturb.run(mm, (a, b), {}), a @ b)
+
+
+def test_gradient_reruns_keep_their_dtypes():
+    """Inside ``__torch_dispatch__`` torch excludes the autocast keys; ``autograd_on`` used to
+    re-include them, so a float32 ``mm`` differentiated by the backward-stage check ran in
+    bfloat16 (autocast's CPU default) although no autocast region was open."""
+    from dispatchprobe.torch.internals.dispatch import autograd_on
+    a = torch.randn(8, 8, requires_grad=True)
+    with autograd_on():
+        out = torch.mm(a, a)
+    assert out.dtype == torch.float32
+    (grad,) = torch.autograd.grad(out, a, torch.ones_like(out))
+    assert torch.allclose(grad, torch.ones(8, 8) @ a.detach().T + a.detach().T @ torch.ones(8, 8), rtol=1e-6)
+
+
+class MaskedAttention(nn.Module):
+    """Attention with an additive float mask (as transformers passes it), which autograd refuses
+    to differentiate through the CPU flash kernel."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(16, 48)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).view(2, 8, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        mask = torch.zeros(2, 1, 8, 8).masked_fill(torch.ones(8, 8, dtype=torch.bool).triu(1), float("-inf"))
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def test_backward_stage_differentiates_what_training_differentiates(tmp_path):
+    """The backward-stage check takes gradients only of the inputs the training differentiates:
+    with the mask made a leaf too, every attention call raised and went uncounted into ``skipped``."""
+    torch.manual_seed(0)
+    model = MaskedAttention()
+    p = probe(tmp_path, "no_change", model=model, fuzz_stage="backward")
+    with p:
+        model(torch.randn(2, 8, 16)).sum().backward()
+    p.close()
+    summary = p.handlers[0].summary()
+    assert summary["skipped"] == 0 and summary["checked"] >= 2 and fb_rows(tmp_path) == []
+
+
+class ExpertCounts(nn.Module):
+    """Tokens per expert as Mixtral counts them: ``histc`` of the chosen experts' indices as floats."""
+
+    def __init__(self):
+        super().__init__()
+        self.router = nn.Linear(16, 4)
+
+    def forward(self, x):
+        chosen = self.router(x).topk(2, dim=-1).indices
+        counts = torch.histc(chosen.float(), bins=4, min=0, max=3)
+        return (self.router(x).softmax(-1) * counts).sum()
+
+
+@pytest.mark.parametrize("mode", ["add_noise", "bit_noise"])
+def test_step_functions_are_not_judged_under_noise(tmp_path, mode):
+    """An index 3.0 nudged to 3.0000002 leaves ``histc``'s range: a whole count moves (max_rel
+    0.06-1.0 on Mixtral) though nothing lost precision.  Such ops are counted, not judged."""
+    torch.manual_seed(0)
+    model = ExpertCounts()
+    p = probe(tmp_path, mode, model=model)
+    with p:
+        model(torch.randn(64, 16)).backward()
+    p.close()
+    summary = p.handlers[0].summary()
+    assert summary["not_judged"] == 1 and summary["checked"] > 5
+    assert fb_rows(tmp_path) == []
+
+
+class ExtendedMask(nn.Module):
+    """T5's and BERT's additive attention mask: (1 - mask) * finfo(dtype).min added to the scores."""
+
+    def forward(self, x):
+        keep = torch.ones(x.shape[0], x.shape[0], dtype=x.dtype).tril()
+        scores = x @ x.T + (1.0 - keep) * torch.finfo(x.dtype).min
+        return scores.softmax(-1) @ x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_noise_never_pushes_a_finite_mask_to_inf(tmp_path, dtype):
+    """finfo.min times 1 + eps is -inf: every op reading the mask (T5: the add, clone and where of
+    each attention layer, 19 flags on a clean fp32 step) was flagged with max_rel inf."""
+    torch.manual_seed(0)
+    model = ExtendedMask()
+    p = probe(tmp_path, "add_noise", model=model)
+    with p:
+        model(torch.randn(16, 8).to(dtype)).float().sum()
+    p.close()
+    assert p.handlers[0].checked >= 4 and fb_rows(tmp_path) == []
+    from dispatchprobe.torch import perturb
+    mask = torch.full((4096,), torch.finfo(dtype).min, dtype=dtype)
+    mask[::2] = float("-inf")                      # inf stays inf, finfo.min stays finite
+    noisy = perturb.noise_source(0).apply(mask)
+    assert torch.equal(torch.isinf(noisy), torch.isinf(mask))
 
 
 def test_tf32_only_for_cuda_reruns_of_all_16bit_ops(tmp_path):

@@ -34,6 +34,14 @@ class OpEvent:
         kept.outputs = outputs
         return kept
 
+    def with_call(self, args, kwargs) -> "OpEvent":
+        """A shallow copy called with ``args``/``kwargs`` instead (a perturbation re-planned on
+        the differentiated copies of the inputs)."""
+        moved = object.__new__(OpEvent)
+        moved.__dict__.update(self.__dict__)
+        moved.args, moved.kwargs = args, kwargs
+        return moved
+
     @property
     def name(self) -> str:
         return record_name(self.kind, self.op, self.scope, self.stage, self.call)

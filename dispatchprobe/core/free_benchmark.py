@@ -26,6 +26,7 @@ import warnings
 from collections import defaultdict
 
 from ..standards.loader import per_dtype
+from . import op_traits
 from .events import Handler, OpEvent
 from .perturbations import PERTURBATIONS
 
@@ -54,6 +55,7 @@ class FreeBenchmarkHandler(Handler):
         self._suspects: set[str] = set()             # ops flagged during preheat
         self.checked = self.flagged = self.skipped = 0
         self.not_widened = 0                         # improve_precision: float32-only ops left alone
+        self.not_judged = 0                          # calls whose change under this perturbation measures nothing
         self._told_float32 = False
         self._limits: dict = {}                      # (output dtype, input dtypes) -> limit
         self.wider = _WIDER_FLOAT32 if cfg.widen_float32 else _WIDER
@@ -84,6 +86,9 @@ class FreeBenchmarkHandler(Handler):
             return None
         ins = b.float_tensors((event.args, event.kwargs))
         if not ins or not self._sample(event):
+            return None
+        if self.perturbation.noise and op_traits.steps(event.op):
+            self.not_judged += 1        # nudged inputs move a step function's output by whole steps
             return None
         self.scratch.reset()
         try:
@@ -150,7 +155,12 @@ class FreeBenchmarkHandler(Handler):
         if base is None:
             return
         grads, grad_outs = base
-        other = b.input_grads(event.func, p_args, p_kwargs, grad_outs, self.gen, device, fixup)
+        if self.perturbation.reorders:      # perturbed inside the differentiated call (see the flag)
+            other = b.input_grads(event.func, event.args, event.kwargs, grad_outs, self.gen, device,
+                                  perturb=lambda a, k: self.perturbation.fn(self, event.with_call(a, k), ins))
+        else:                               # the same inputs differentiated as in the base call
+            other = b.input_grads(event.func, p_args, p_kwargs, grad_outs, self.gen, device, fixup,
+                                  training_call=(event.args, event.kwargs))
         if other is None:
             return
         self.checked += 1
@@ -176,6 +186,7 @@ class FreeBenchmarkHandler(Handler):
             for index, a, e, limit in pairs:
                 small = _small(b.dtype_of(a))
                 if not b.surely_within(a, e, limit, small, self.scratch):
+                    a, e = self._at_range_edge(a, e)
                     measured.append((index, limit, *b.read(b.changes([a], [e], small))[0]))
             self._report_worst(event, stage, measured)
             return
@@ -214,8 +225,8 @@ class FreeBenchmarkHandler(Handler):
         smalls = list(pairs)
         cleared = iter(b.read(b.concat([b.within_limits(*pairs[small], small) for small in smalls])))
         todo = {small: [k for k in range(len(pairs[small][0])) if not next(cleared)] for small in smalls}
-        parts = [b.changes([pairs[s][0][k] for k in todo[s]], [pairs[s][1][k] for k in todo[s]], s)
-                 for s in smalls if todo[s]]
+        edged = {s: [self._at_range_edge(pairs[s][0][k], pairs[s][1][k]) for k in todo[s]] for s in smalls}
+        parts = [b.changes([a for a, _ in edged[s]], [e for _, e in edged[s]], s) for s in smalls if todo[s]]
         measured = iter(b.read(b.concat(parts)) if parts else [])
         values: list = []
         for small in smalls:
@@ -228,6 +239,15 @@ class FreeBenchmarkHandler(Handler):
             self._report_worst(event, stage, [(index, limit, *values[base[small] + k])
                                               for index, limit, small, k in slots],
                                stale=b.versions(ins) != seen)
+
+    def _at_range_edge(self, a, e):
+        """The pair to measure.  Under the noise modes both sides saturated at the dtype's finite
+        range: an output within an eps of the range's edge (a mask constant ``finfo.min`` scaled or
+        shifted) goes to inf when its inputs are nudged, which is no amplification of the nudge,
+        while an output far from the edge that overflows still measures huge."""
+        if not self.perturbation.noise:
+            return a, e
+        return self.backend.saturated(a), self.backend.saturated(e)
 
     def _report_worst(self, event: OpEvent, stage: str, measured, stale: bool = False) -> None:
         over = [m for m in measured if m[2] > m[1]]
@@ -284,7 +304,7 @@ class FreeBenchmarkHandler(Handler):
 
     def summary(self) -> dict:
         return {"checked": self.checked, "flagged": self.flagged, "skipped": self.skipped,
-                "not_widened": self.not_widened}
+                "not_widened": self.not_widened, "not_judged": self.not_judged}
 
     def close(self) -> None:
         self._pending, self._pairs, self._pending_bytes = [], {}, 0

@@ -63,7 +63,8 @@ class NoiseSource:
         e = float(np.finfo(x.dtype).eps)
         u = self.rng.uniform(-1.0, 1.0, size=x.shape).astype(wide)
         factor = 1 + np.where(_noisy(x, dtype), u * e, 0).astype(wide)
-        return (x.astype(wide) * factor).astype(x.dtype)
+        noisy = (x.astype(wide) * factor).astype(x.dtype)
+        return np.where(np.isinf(noisy), x, noisy)     # a finite value at the range's edge stays finite
 
 
 def swap_first_last(x: np.ndarray, axis: int) -> np.ndarray:

@@ -113,6 +113,24 @@ def selects(op: str) -> bool:
     return base_name(op) in SELECTS
 
 
+# Jump where their float input crosses a threshold: piecewise constant (rounding, sign, counting into
+# bins) or cut at every multiple of a divisor.  An input one ulp from a jump moves the output by a
+# whole step, so how far their output moves when their inputs are nudged measures where the inputs
+# lie, not precision (Mixtral counts tokens per expert with ``histc`` of the expert indices cast to
+# float: 3.0 nudged above ``max=3`` leaves the histogram).  torch's and MindSpore's names.
+STEPS = frozenset({
+    "floor", "ceil", "round", "trunc", "fix", "sign", "sgn", "signbit", "heaviside", "frac", "fmod", "remainder",
+    "floor_divide", "histc", "histogram", "histogramdd", "_histogramdd_from_bin_cts", "_histogramdd_from_bin_tensors",
+    "bucketize", "searchsorted",
+    "Floor", "Ceil", "Round", "Trunc", "Sign", "FloorDiv", "FloorMod", "Mod", "TruncateDiv", "TruncateMod",
+    "Heaviside", "Histc", "HistcExt", "Bucketize", "SearchSorted"})
+
+
+def steps(op: str) -> bool:
+    """The op's output jumps where its float input crosses a threshold (:data:`STEPS`)."""
+    return base_name(op) in STEPS
+
+
 def is_random(op: str) -> bool:
     return base_name(op) in RANDOM
 

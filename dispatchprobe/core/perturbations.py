@@ -22,6 +22,10 @@ class Perturbation:
     fixable: bool = False              # handler_type="fix" may substitute the re-run's outputs
     noise: bool = False                # the inputs moved by ~eps: only amplification is a finding
     device: str = "same"               # "cpu": the re-run goes to the CPU (fuzz_device="cpu")
+    # Moves elements between positions (differentiably): with fuzz_stage="backward" it is applied
+    # inside the differentiated call, so each input gradient comes back in its input's own layout
+    # (a gradient taken with respect to the moved copy is permuted: every element "differs").
+    reorders: bool = False
 
 
 PERTURBATIONS: dict[str, Perturbation] = {}
@@ -64,7 +68,7 @@ def no_change(check, event, inputs):
     return event.args, event.kwargs, None
 
 
-@register_perturbation("change_value")
+@register_perturbation("change_value", reorders=True)
 def change_value(check, event, inputs):
     """First and last entries along the reduced dimension exchanged in every reduced operand
     (mm/bmm/addmm, sum/mean/amax/..., softmax/log_softmax/cumsum; other ops are skipped): the

@@ -95,8 +95,12 @@ class TensorBackend(Protocol):
     def protect_written(self, func, args, kwargs, original_args, original_kwargs) -> tuple[tuple, dict]:
         """Private copies of the training's tensors the op writes: a re-run never writes into them."""
     def run(self, func, args, kwargs, device_type: str = "cpu", tf32: bool = False): ...  # outside autocast
-    def input_grads(self, func, args, kwargs, grad_outs, generator, device_type: str, fixup=None):
-        """``(gradients of the floating inputs, output gradients used)`` of one call, or None."""
+    def input_grads(self, func, args, kwargs, grad_outs, generator, device_type: str, fixup=None,
+                    perturb=None, training_call=None):
+        """``(gradients of the floating inputs, output gradients used)`` of one call, or None.
+        ``perturb(args, kwargs) -> (args, kwargs, fixup)`` is applied to the differentiated
+        inputs with autograd on (a reordering perturbation: gradients in the inputs' layout);
+        ``training_call`` (the training's ``(args, kwargs)``) says which inputs it differentiates."""
     def replacement(self, original, result): ...             # fix: re-run outputs in the original's dtype/layout
 
     # ---- inline checks: numbers on the device, read back in batches ---------------------------
@@ -115,6 +119,7 @@ class TensorBackend(Protocol):
     def generator(self, seed: int): ...                     # private: never the global RNG
     def noise_source(self, seed: int): ...                  # .apply(t): x * (1 + u * eps), own generator
     def bit_noise(self, t: Tensor) -> Tensor: ...
+    def saturated(self, t: Tensor) -> Tensor: ...            # a copy with +-inf at its dtype's finite max
     def change_value_plan(self, func, args, kwargs): ...    # (args, output fix-up) or None
     def scratch(self): ...                                  # reusable host memory, .reset() per op
     def surely_within(self, actual: Tensor, expected: Tensor, limit: float, small: float, scratch=None) -> bool:

@@ -106,6 +106,7 @@ _CHECK_NOTES = {
     "scale collapse": "loss scale collapsing (steps skipped in a row)",
     "skipped": "skipped",
     "not_widened": "other op calls left unchecked (float32 inputs only: improve_precision re-runs 16-bit ones)",
+    "not_judged": "op calls not judged (a step function such as histc or floor: noise measures nothing there)",
 }
 
 

@@ -460,17 +460,38 @@ class NoiseSource:
             factor.mul_(deltas[off:off + part.numel()]).add_(1.0)
             chunks.append(factor.mul_(part))
         out = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
-        return out.to(x.dtype).view(x.shape)
+        return _never_overflowed(out.to(x.dtype).view(x.shape), x)
+
+
+def _never_overflowed(noisy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``noisy`` with ``x``'s own value wherever the noise pushed a finite value past the dtype's
+    range: a mask filled with ``finfo.min`` (T5, BERT) times 1 + eps is -inf, and every op reading
+    it would be flagged for an inf the training never had.  (x is kept where it was inf itself: the
+    noise leaves inf alone.)  On CPU one min/max pass decides whether anything is inf; on an
+    accelerator the select runs unconditionally, sparing a host sync per tensor."""
+    if noisy.device.type == "cpu":
+        lo, hi = torch.aminmax(noisy)
+        if math.isfinite(lo) and math.isfinite(hi):
+            return noisy
+    return torch.where(torch.isinf(noisy), x, noisy)
+
+
+def saturated(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` with +-inf replaced by its dtype's largest finite value (nan stays nan)."""
+    info = torch.finfo(t.dtype)
+    return t.clamp(min=info.min, max=info.max)
 
 
 def swap_first_last(t: torch.Tensor, dim: int) -> torch.Tensor:
-    """A copy with the first and last slices along ``dim`` exchanged."""
+    """A copy with the first and last slices along ``dim`` exchanged.  Differentiable (no
+    ``detach``): with autograd on, gradients flow back to ``t`` in its own layout; the handlers'
+    no_grad keeps it out of any graph otherwise."""
     n = t.shape[dim]
     if n < 2:
-        return t.detach().clone()
+        return t.clone()
     idx = torch.arange(n, device=t.device)
     idx[0], idx[-1] = n - 1, 0
-    return t.detach().index_select(dim, idx)
+    return t.index_select(dim, idx)
 
 
 # ops that reduce along dims named by the ``dim`` argument (output invariant under a swap) and
@@ -573,19 +594,39 @@ def replacement(original, result):
     return nested_values.pair_outputs(original, result, lambda t: isinstance(t, torch.Tensor), one)
 
 
-def input_grads(func, args, kwargs, grad_outs, gen, device, fixup=None):
-    """Gradients of the op's float inputs for the given (or fresh seeded random) output grads."""
+def differentiated_inputs(flat: list, training_flat: list) -> list[int]:
+    """Positions in ``flat`` (a call's flattened arguments) to differentiate: the float inputs
+    the training differentiates (``requires_grad`` in ``training_flat``, the training's own call,
+    flattened alike), so an input autograd refuses to differentiate (an attention mask passed to
+    ``_scaled_dot_product_flash_attention_for_cpu``) no longer costs the whole check; every float
+    input where the training's call says nothing (no input requires grad: an op inside a compiled
+    graph, which runs under no_grad)."""
+    floats = [i for i, v in enumerate(flat) if isinstance(v, torch.Tensor) and v.dtype in FLOATS and v.numel() > 0]
+    if len(training_flat) != len(flat):
+        return floats
+    trained = [i for i in floats if isinstance(training_flat[i], torch.Tensor) and training_flat[i].requires_grad]
+    return trained or floats
+
+
+def input_grads(func, args, kwargs, grad_outs, gen, device, fixup=None, perturb=None, training_call=None):
+    """Gradients of the op's float inputs for the given (or fresh seeded random) output grads.
+    ``perturb`` (``(args, kwargs) -> (args, kwargs, fixup)``) runs on the differentiated inputs
+    with autograd on, so a perturbation that moves elements (``change_value``'s swap) hands back
+    gradients in the inputs' own layout, comparable element by element with the unperturbed ones.
+    ``training_call`` (the training's ``(args, kwargs)``; default ``args, kwargs``) says which
+    inputs to differentiate: :func:`differentiated_inputs`."""
     flat, spec = tree_flatten((tuple(args), dict(kwargs)))
-    leaves, idx = [], []
-    for i, v in enumerate(flat):
-        if isinstance(v, torch.Tensor) and v.dtype in FLOATS and v.numel() > 0:
-            flat[i] = v.detach().clone().requires_grad_(True)
-            leaves.append(flat[i])
-            idx.append(i)
+    leaves = []
+    training_flat = flat if training_call is None else tree_flatten((tuple(training_call[0]), dict(training_call[1])))[0]
+    for i in differentiated_inputs(flat, training_flat):
+        flat[i] = flat[i].detach().clone().requires_grad_(True)
+        leaves.append(flat[i])
     if not leaves:
         return None
     a, k = tree_unflatten(flat, spec)
     with autograd_on():
+        if perturb is not None:
+            a, k, fixup = perturb(a, k)
         out = run(func, a, k, device)
         if fixup is not None:
             out = fixup(out)

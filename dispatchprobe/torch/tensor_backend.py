@@ -890,5 +890,5 @@ from .ops import is_random, returns_alias, user_stack  # noqa: E402,F401
 from .perturb import (  # noqa: E402,F401
     all_finite, bit_noise, cast_args, change_value_plan, changes, clone, concat, detach, device_type,
     dtype_max, eps, float_outputs, float_tensors, generator, input_grads, map_floats, max_abs_finite,
-    noise_source, nonfinite_counts, on_host, protect_written, read, replacement, run, scratch, sq_norm,
+    noise_source, nonfinite_counts, on_host, protect_written, read, replacement, run, saturated, scratch, sq_norm,
     surely_within, swap_tensors, to_device_of, versions, within_limits)

@@ -31,11 +31,28 @@ def schema_info(schema):
     return torch._C._SchemaInfo(schema)
 
 
+def _python_and_autocast_keys():
+    """The Python key and every autocast key this torch knows (``AutocastCPU``, ``AutocastCUDA``, ...)."""
+    keys = torch._C.DispatchKeySet(torch._C.DispatchKey.Python)
+    for name in torch._C.DispatchKey.__members__:
+        if name.startswith("Autocast"):
+            keys = keys.add(getattr(torch._C.DispatchKey, name))
+    return keys
+
+
+#: Excluded inside :func:`autograd_on`: the Python key (no re-entry into the dispatch mode) and the
+#: autocast keys.  Outside any autocast region torch keeps the autocast keys excluded; with them
+#: active an ``mm`` on float32 runs in bfloat16 on CPU (autocast's CPU default) whatever
+#: ``torch.is_autocast_enabled()`` says.
+_EXCLUDED_WITH_AUTOGRAD = _python_and_autocast_keys()
+
+
 @contextlib.contextmanager
 def autograd_on():
     """Autograd back on inside ``__torch_dispatch__`` (which runs with the autograd keys
-    excluded), so a handler can differentiate a re-run.  Only the Python key stays excluded."""
+    excluded), so a handler can differentiate a re-run.  The Python key stays excluded, and the
+    autocast keys too: a re-run computes in the dtypes it is given, never recast (a free-benchmark
+    gradient check of a float32 ``mm`` was silently run in bfloat16)."""
     keys = torch._C._dispatch_tls_local_include_set()
-    with torch._C._ForceDispatchKeyGuard(keys, torch._C.DispatchKeySet(torch._C.DispatchKey.Python)), \
-            torch.enable_grad():
+    with torch._C._ForceDispatchKeyGuard(keys, _EXCLUDED_WITH_AUTOGRAD), torch.enable_grad():
         yield
