@@ -7,7 +7,9 @@
 Every run starts from the same weights and sees the same 8 samples per step; a rank of W takes
 its 8/W of them (tensor parallel: all of them).  RUN ``clean`` records as is; ``planted`` scales the output of ``up`` by 1.001
 (a forward hook), the planted change compare must name, and ``planted1`` on rank 1 only (one bad
-device); ``stats`` records as ``clean`` with the
+device); ``kernel1`` gives rank 1 a wrong relu kernel (``torch.library`` overrides aten::relu on CPU
+with relu x1.05 for that run: no op of its own, rank 0 sees it only through the collectives);
+``stats`` records as ``clean`` with the
 statistics task (no tensors saved); ``outside`` runs the optimizer outside the probe (its ops
 unrecorded) and ``optimizer`` does too, giving ``up``'s parameters a learning rate 1.1 times as
 large (a change no op record shows).
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 
 import torch
 
@@ -32,7 +35,26 @@ def build(kind: str):
     return parallelize(MLP(), kind)
 
 
+def wrong_relu_kernel() -> torch.library.Library:
+    """aten::relu on CPU replaced by relu x1.05 until the library returned is destroyed."""
+    lib = torch.library.Library("aten", "IMPL")
+    with warnings.catch_warnings():       # torch warns that a registered kernel is overridden: the point
+        warnings.simplefilter("ignore", UserWarning)
+        lib.impl("relu", lambda x: torch.clamp_min(x, 0) * 1.05, "CPU")
+    return lib
+
+
 def train(kind: str, out: str, run: str, task: str = "tensor") -> None:
+    rank = torch.distributed.get_rank() if kind != "single" else 0
+    kernel = wrong_relu_kernel() if run == "kernel1" and rank == 1 else None
+    try:
+        _train(kind, out, run, task)
+    finally:
+        if kernel is not None:
+            kernel._destroy()
+
+
+def _train(kind: str, out: str, run: str, task: str) -> None:
     model = build(kind)
     inner = model.module if kind == "ddp" else model
     rank, world = (torch.distributed.get_rank(), torch.distributed.get_world_size()) if kind != "single" else (0, 1)

@@ -104,8 +104,10 @@ def test_fsdp2(tmp_path):
 
 
 def _all_gathers_hold_the_full_parameters(out: Path, rank: int) -> None:
-    """FSDP fills its all-gather buffers inside custom ops whose schemas mark no write: they are
-    recorded with values (not as uninitialised memory), and those are the unsharded parameters."""
+    """FSDP fills its all-gather buffers inside custom ops whose schemas mark no write: the
+    all-gather's result is recorded with values (not as uninitialised memory), and those are the
+    unsharded parameters.  The buffer it is given is a destination, as an ``out=`` argument: its prior
+    contents are no input (undefined), the values it receives are the collective's output."""
     from dispatchprobe import load
     from parallel_models import RootMLP
     torch.manual_seed(0)
@@ -122,7 +124,7 @@ def _all_gathers_hold_the_full_parameters(out: Path, rank: int) -> None:
         shards = [torch.cat([w.flatten(), b]) for w, b in zip(layer.weight.detach().chunk(2), layer.bias.detach().chunk(2))]
         full = torch.cat(shards).double()
         stats = gathered["stats"]
-        assert "undefined" not in gathered and rec["inputs"][0]["stats"] == stats
+        assert "undefined" not in gathered and rec["inputs"][0].get("undefined") is True
         assert stats["max"] == full.max().item() and stats["min"] == full.min().item()
         assert stats["mean"] == pytest.approx(full.mean().item(), rel=1e-6)
         assert stats["norm"] == pytest.approx(full.norm().item(), rel=1e-6)

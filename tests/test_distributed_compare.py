@@ -35,7 +35,7 @@ def _record(kind: str, out: Path, *runs: str) -> None:
 def runs(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("parallel")
     _record("single", out / "single", "clean", "planted", "stats")
-    _record("ddp", out / "ddp", "clean", "planted", "planted1", "stats", "outside", "optimizer")
+    _record("ddp", out / "ddp", "clean", "planted", "planted1", "kernel1", "stats", "outside", "optimizer")
     _record("tp", out / "tp", "clean")
     return out
 
@@ -43,7 +43,7 @@ def runs(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def fsdp_runs(runs) -> Path:
     """``runs`` with a clean FSDP2 run (its own fixture: torch 2.5's FSDP2 does not run on CPU)."""
-    _record("fsdp", runs / "fsdp", "clean")
+    _record("fsdp", runs / "fsdp", "clean", "kernel1")
     return runs
 
 
@@ -121,6 +121,27 @@ def test_a_change_on_one_rank_is_named_on_that_rank(runs, a, b, side):
         assert line.startswith(f"first {stage} divergence: aten.mul.Tensor [DistributedDataParallel.module.up]"), line
         assert "step 0 rank 1" in line and f"present only in run {side} (prime suspect)" in line, line
     assert "follow from differing" not in res.output, res.output
+
+
+@pytest.mark.parametrize("kind", ["ddp", pytest.param("fsdp", marks=pytest.mark.fsdp2)])
+def test_a_wrong_kernel_on_one_rank_is_named_on_that_rank(kind, request):
+    """Rank 1 alone runs a wrong relu kernel (x1.05, torch.library on CPU: no op of its own).  Rank 0
+    sees it only through the collectives: DDP's all-reduce and FSDP2's reduce-scatter give it
+    gradients that differ while what rank 0 gave them agrees -- values received from rank 1, not a
+    divergence of rank 0's (a reduce-scatter's output buffer, measured as it left it, once made that
+    an input no op made differing; FSDP2 hands its gradients on as views no record shows).  The
+    verdict names rank 1's relu, and no collective, in both orders."""
+    runs = request.getfixturevalue("fsdp_runs" if kind == "fsdp" else "runs")
+    for a, b in ((f"{kind}/kernel1", f"{kind}/clean"), (f"{kind}/clean", f"{kind}/kernel1")):
+        res = CliRunner().invoke(main, ["compare", str(runs / a), str(runs / b)])
+        assert res.exit_code == 2, res.output
+        lines = res.output.splitlines()
+        forward = next(line for line in lines if line.startswith("first forward divergence"))
+        assert forward.startswith("first forward divergence: aten.relu.default [") and "step 0 rank 1)" in forward, \
+            res.output
+        backward = next(line for line in lines if line.startswith(("first backward", "backward:")))
+        assert "c10d." not in backward and "step 0 rank 1)" in backward, res.output
+        assert "differ already at their inputs" not in res.output, res.output
 
 
 @pytest.mark.parametrize("a, b, side", [("ddp/clean", "single/planted", "B"),

@@ -75,4 +75,13 @@ def role(op: str) -> Role | None:
     return ROLES.get(key) or (Role("other", None, None) if key.split(".")[0] in NAMESPACES else None)
 
 
+def brings_values(op: str) -> bool:
+    """Whether ``op`` is a collective whose result holds values other ranks gave (all-reduce,
+    all-gather, reduce-scatter, broadcast, all-to-all, scatter, receive): where its result differs
+    while what this rank gave agrees, the difference came from another rank, not from this rank's
+    kernels."""
+    r = role(op)
+    return r is not None and r.result is not None
+
+
 NAMESPACES = frozenset({"c10d", "_c10d_functional", "_c10d_functional_autograd", "c10d_functional"})

@@ -286,6 +286,8 @@ def mark_label(d) -> str:
         return f"{d.stage} inputs/parameters differ (first seen)" + (" within tolerance" if d.departure else "")
     if d.cause == "inherited":
         return f"{d.stage} errors follow from {d.inherited_from()} values"
+    if d.cause == "received":
+        return f"{d.stage} differences received from other ranks"
     if d.cause == "noise":
         return f"{d.stage} differences follow from values zero up to rounding"
     if d.cause == "constant":

@@ -59,9 +59,14 @@ def reads_written(func) -> tuple:
 
 @functools.cache
 def out_args(func) -> tuple:
-    """(position, name) of the op's ``out=`` arguments: memory it writes without reading (DDP's
-    gradient bucket views hold stale values there), so their prior contents are never an input."""
-    return tuple((i, a.name) for i, a in enumerate(op_schema(func).arguments) if a.is_out)
+    """(position, name) of the op's destinations: its ``out=`` arguments and the output buffers a
+    collective fills (:data:`~dispatchprobe.core.op_traits.UNMARKED_FILLS`: an all-gather's or a
+    reduce-scatter's ``output_tensor``).  Memory it writes without reading (DDP's gradient bucket
+    views hold stale values there), so their prior contents are never an input: a collective's
+    buffer measured as the collective left it would be an input that already holds the result, and
+    a result that differs (another rank's values) would look like an input no op made differing."""
+    fills = op_traits.UNMARKED_FILLS.get(base(func), ())
+    return tuple((i, a.name) for i, a in enumerate(op_schema(func).arguments) if a.is_out or a.name in fills)
 
 
 @functools.cache

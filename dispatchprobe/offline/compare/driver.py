@@ -624,6 +624,17 @@ def _parallel_result(run_a, run_b, merged, out) -> Result:
 _NO_SOURCE = frozenset({"inherited", "after_random", "after_inputs", "after_choice", "noise", "constant"})
 
 
+def _source_tier(d, received: set) -> int:
+    """How a step/rank part's divergence ranks among the ranks' of its step: 0 names a source in its
+    own part; 1 follows from elsewhere in the part (:data:`_NO_SOURCE`); 2 came from other ranks --
+    values a collective received (cause ``received``), or inputs no recorded op made and no earlier
+    step explains in a part that received differing values (``received``: its (rank, step); FSDP2
+    hands each gradient on as a view of the reduce-scatter's flat result, which no record shows)."""
+    if d.cause == "received" or (d.cause == "inputs" and not d.came_from and (d.rank, d.step) in received):
+        return 2
+    return int(d.cause in _NO_SOURCE)
+
+
 def _first(divs: list, unmatched: pd.DataFrame, parts: list, stepped=None) -> tuple[dict, list]:
     """Per stage, the divergence of the first step/rank part that has one; for the stages with none,
     their first departure.  Inputs that differ at a later step are traced to the earlier step's origin,
@@ -639,12 +650,14 @@ def _first(divs: list, unmatched: pd.DataFrame, parts: list, stepped=None) -> tu
     first: dict = {}
     early: dict = {}
     sourced: set = set()     # divergences whose inputs an earlier step's source beyond tolerance moved apart
-    for d in sorted(divs, key=lambda d: (d.step, d.cause in _NO_SOURCE, d.rank)):
-        (early if d.departure else first).setdefault(d.stage, d)
+    for d in sorted(divs, key=lambda d: (d.step, d.rank)):
         if d.cause == "inputs" and not d.came_from:
             d.came_from, beyond = _came_from(by_part, unmatched, parts, d, stepped)
             if beyond:
                 sourced.add(id(d))
+    received = {(d.rank, d.step) for d in divs if d.cause == "received"}
+    for d in sorted(divs, key=lambda d: (d.step, _source_tier(d, received), d.rank)):
+        (early if d.departure else first).setdefault(d.stage, d)
     for stage, d in list(first.items()):
         e = early.get(stage)
         if e is not None and e.step < d.step and id(d) not in sourced:
@@ -657,7 +670,8 @@ def _leads_to(e, d):
     step's) come after it, and the values entering that step already differ."""
     where = f"{d.op} [{d.scope or '<top>'}]"
     why = (f"there the inputs/parameters differ, first seen at {where} {d.arg}" if d.cause == "inputs" else
-           f"there they follow from differing {d.inherited_from()} values" if d.cause == "inherited" else f"they start at {where}"
+           f"there they follow from differing {d.inherited_from()} values" if d.cause == "inherited" else
+           f"there they come from other ranks through {where}" if d.cause == "received" else f"they start at {where}"
            + (" (approximate)" if d.approximate else ""))
     return replace(e, departure=False, errors=d.errors,
                    failed=f"{e.failed} (within tolerance at step {e.step}; the {d.errors} {d.stage} error rows of "

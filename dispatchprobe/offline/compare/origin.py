@@ -18,6 +18,7 @@ import numpy as np
 import pandas as pd
 
 from ...core import op_traits
+from ...core.collective_roles import brings_values
 from ...records.format import walk
 from ...records.reader import Part
 from ...standards import verdicts as V
@@ -818,8 +819,8 @@ class Lineage:
                 if self.constant_pair(i) or (not ins and not hidden and self.extremes_differ(i)):
                     best = self.seen_at(i, "", "constant", CONSTANT)   # the programs differ, no kernel
                     origin_rows[outs] = True
-                elif own:
-                    best = self.seen_at(i, "", "op", own == WEAK)
+                elif own:      # a collective's own difference is what the other ranks gave it
+                    best = self.seen_at(i, "", "received" if brings_values(rec["op"]) else "op", own == WEAK)
                     origin_rows[outs] = True
                 else:
                     for kb, kh in srcs.values():
@@ -1039,8 +1040,8 @@ def _describe(df, a: Side, b: Side, stage, pick: Root, errors, off) -> Divergenc
     at = df[(df["uid"] == i) & (df["stage"] == stage) & off] if side == "a" else df.iloc[:0]
     step, rank = int(df["step"].iat[0]), int(df["rank"].iat[0])
     module = None
-    if cause in ("op", "unrecorded"):
-        rows = at[at["io"] == "output"] if cause == "op" else at[at["arg"] == arg]
+    if cause in ("op", "unrecorded", "received"):
+        rows = at[at["io"] == "output"] if cause != "unrecorded" else at[at["arg"] == arg]
         failed = "; ".join(f"{r.arg}: {_why(r) if r.reason else _size(r)}" for r in rows.itertuples()) \
             or "outputs differ"
         if cause == "op" and errors and (rows["status"] != V.ERROR).all():

@@ -34,6 +34,9 @@ class Divergence:
     - ``unmatched``: an op present in one run only (``side``) between agreeing and differing records;
     - ``inputs``: a value no recorded op produced (parameter, data) already differs (``arg``);
     - ``unrecorded``: an input differs although the op that produced it agreed;
+    - ``received``: a collective whose result differs while what this rank gave it agrees: the
+      difference came from another rank of its group (whose own line names the op that made it),
+      not from this rank's kernels;
     - ``inherited``: no op of the stage diverges by itself, its errors come from values the other stage
       made (:meth:`inherited_from`): a backward's from forward values, a forward's (an optimizer stepping
       inside the probe) from gradients the backward made;
@@ -164,6 +167,11 @@ class Divergence:
                            f"values): record tensors (task tensor) to judge it")
             lines = [f"{self.stage}: not judged: its {self.errors} error rows (first at {self.where()}) are computed "
                      f"from {source}"]
+        elif self.cause == "received":
+            differing = f"its {self.errors} error rows" if self.errors else "its values that differ (within tolerance)"
+            lines = [f"{self.stage}: no {self.stage} op of rank {self.rank} diverges by itself; {differing} follow "
+                     f"from values other ranks gave it through the collective {self.where()}, while what rank "
+                     f"{self.rank} gave it agrees: {self.failed}"]
         elif self.cause == "unmatched":
             lines = [f"{lead or self.headline()}: {self.where()}, present only in run {self.side.upper()}"
                      f"{'' if self.departure else ' (prime suspect)'}: {self.failed}"]
