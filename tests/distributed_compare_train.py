@@ -9,7 +9,8 @@ its 8/W of them (tensor parallel: all of them).  RUN ``clean`` records as is; ``
 (a forward hook), the planted change compare must name, and ``planted1`` on rank 1 only (one bad
 device); ``kernel1`` gives rank 1 a wrong relu kernel (``torch.library`` overrides aten::relu on CPU
 with relu x1.05 for that run: no op of its own, rank 0 sees it only through the collectives);
-``stats`` records as ``clean`` with the
+``mixed`` trains an MLP after a layer with buffers (DDP's own ``cat`` before the model's) and a
+row index made from the batch's size; ``stats`` records as ``clean`` with the
 statistics task (no tensors saved); ``outside`` runs the optimizer outside the probe (its ops
 unrecorded) and ``optimizer`` does too, giving ``up``'s parameters a learning rate 1.1 times as
 large (a change no op record shows).
@@ -22,17 +23,43 @@ import sys
 import warnings
 
 import torch
+from torch import nn
 
 from dispatchprobe import DispatchProbe
+
 from parallel_models import MLP, parallelize, run_and_end
 
 STEPS = 2
 BATCH = 8
 
 
-def build(kind: str):
+class Mix(nn.Module):
+    """Scales and shifts half the features each by buffers (DDP broadcasts buffers before each
+    forward: a ``cat`` of its own at the root), then adds a parity of the row index, made from the
+    batch's size (``arange``: each rank its own share's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("gain", torch.linspace(0.5, 1.5, 4))
+        self.register_buffer("shift", torch.linspace(-0.1, 0.1, 4))
+
+    def forward(self, x):
+        parity = (torch.arange(x.shape[0]) % 2).to(x.dtype)[:, None]
+        return torch.cat([x[:, :4] * self.gain, x[:, 4:] + self.shift], dim=1) + 1e-3 * parity
+
+
+class MixMLP(MLP):
+    def __init__(self):
+        super().__init__()
+        self.mix = Mix()
+
+    def forward(self, x):
+        return super().forward(self.mix(x))
+
+
+def build(kind: str, run: str = "clean"):
     torch.manual_seed(0)
-    return parallelize(MLP(), kind)
+    return parallelize(MixMLP() if run == "mixed" else MLP(), kind)
 
 
 def wrong_relu_kernel() -> torch.library.Library:
@@ -55,7 +82,7 @@ def train(kind: str, out: str, run: str, task: str = "tensor") -> None:
 
 
 def _train(kind: str, out: str, run: str, task: str) -> None:
-    model = build(kind)
+    model = build(kind, run)
     inner = model.module if kind == "ddp" else model
     rank, world = (torch.distributed.get_rank(), torch.distributed.get_world_size()) if kind != "single" else (0, 1)
     if run == "planted" or (run == "planted1" and rank == 1):

@@ -34,8 +34,8 @@ def _record(kind: str, out: Path, *runs: str) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("parallel")
-    _record("single", out / "single", "clean", "planted", "stats")
-    _record("ddp", out / "ddp", "clean", "planted", "planted1", "kernel1", "stats", "outside", "optimizer")
+    _record("single", out / "single", "clean", "planted", "stats", "mixed")
+    _record("ddp", out / "ddp", "clean", "planted", "planted1", "kernel1", "stats", "outside", "optimizer", "mixed")
     _record("tp", out / "tp", "clean")
     return out
 
@@ -75,6 +75,20 @@ def test_ddp_agrees_with_one_process(runs, tmp_path):
         up = rows[(rows["what"] == "forward") & (rows["scope"] == "up")]
         assert up["how_a"].iloc[0] == "concatenated over ranks 0-1 (dim 0)" and up["shape_a"].iloc[0] == [8, 16]
     assert (tmp_path / "cmp" / "compare.csv").is_file()
+
+
+@pytest.mark.parametrize("a, b", [("ddp/mixed", "single/mixed"), ("single/mixed", "ddp/mixed")])
+def test_ops_counted_per_module_and_each_ranks_own_numbers_are_not_laid_side_by_side(runs, a, b):
+    """DDP's own ``cat`` of its buffers at the root comes before the model's ``cat`` in ``mix``:
+    counted per module, the model's still pairs with the one process's (counted over the whole
+    step it was 'cat 1' against 'cat 0').  ``arange(batch)`` is each rank's own 0..3, not a quarter
+    of the one process's 0..7: not laid side by side (which made a clean pair err), said unpaired."""
+    table, verdict = compare(runs / a, runs / b)
+    assert verdict.passed, str(verdict)
+    cat = table[(table["name"] == "aten.cat.default.0.forward") & (table["scope"] == "mix")]
+    assert len(cat) == 2 and (cat["status"] == "pass").all(), cat
+    assert any("forward op aten.arange.default.0.forward [mix]: made from the program's numbers on each rank"
+               in u for u in verdict.unpaired), verdict.unpaired
 
 
 def test_statistics_runs_agree_across_parallelism(runs):

@@ -1,13 +1,13 @@
 """Compare two runs of different parallelism (1 process vs 2-rank DDP or FSDP2 of one model and
-global batch): what both hold, assembled from the ranks, step by step.
+global batch, or 2-rank DDP vs 2-rank FSDP2): what both hold, assembled from the ranks, step by step.
 
 - the loss: the last forward op with a 0-dim float output before backward, averaged over the
   data-parallel ranks (each rank's mean over its share of the batch);
-- the forward ops, paired by record name (op and call index): an activation split over ranks
-  along one dimension is concatenated back (the batch of data parallelism, the column shards of a
-  column-wise tensor-parallel layer), a replicated value taken from the lowest rank, an
+- the forward ops, paired by module, op and call index within the module: an activation split
+  over ranks along one dimension is concatenated back (the batch of data parallelism, the column
+  shards of a column-wise tensor-parallel layer), a replicated value taken from the lowest rank, an
   FSDP2/DTensor shard gathered by its placements, a full reduction averaged (``mean``) or summed
-  (``sum``) over the ranks;
+  (``sum``) over the ranks; runs of the same ranks pair rank with rank;
 - each parameter's gradient as the optimizer read it (after DDP's all-reduce, FSDP's
   reduce-scatter: shards gathered) and its value after the step (the parameter records,
   ``params.jsonl``), paired by name (``module.`` of DDP and ``_orig_mod.`` of torch.compile left out).
@@ -367,23 +367,45 @@ def _model_forward(records: list) -> list:
     return out
 
 
-def _forward(parts: dict) -> tuple[dict, list, dict]:
-    """name -> {rank: record} of the forward op records every rank holds; every rank's names in
-    order (the lowest rank's, each name some higher rank holds alone placed after the name before
-    it there: an op one rank alone runs is an op of one run only, the prime suspect of a change on
-    that rank), and their scopes by name."""
-    by_rank = {r: {rec["name"]: rec for rec in _model_forward(p.records)} for r, p in parts.items()}
+def _keyed(records: list) -> dict:
+    """The records by pairing key, in order: (module path, the name the record has counting its calls
+    within that module only: ``aten.cat.default.1.forward``).  Counted per module, an op the other
+    run lacks elsewhere (DDP's own ``cat`` of its buffers at the root, before the model runs) moves
+    no other module's names, so the same op of the same module pairs across the runs."""
+    calls: dict = {}
+    out = {}
+    for rec in records:
+        path = module_path(rec["scope"])
+        k = calls[path, rec["op"]] = calls.get((path, rec["op"]), -1) + 1
+        out[path, f"{rec['op']}.{k}.{rec['stage']}"] = rec
+    return out
+
+
+def _forward(parts: dict) -> tuple[dict, list]:
+    """key -> {rank: record} of the forward op records every rank holds (keys: :func:`_keyed`), and
+    every rank's keys in order (the lowest rank's, each key some higher rank holds alone placed after
+    the key before it there: an op one rank alone runs is an op of one run only, the prime suspect of
+    a change on that rank)."""
+    by_rank = {r: _keyed(_model_forward(p.records)) for r, p in parts.items()}
     first = by_rank[min(parts)]
     common = {n: {r: by_rank[r][n] for r in parts} for n in first if all(n in by_rank[r] for r in parts)}
-    order, scopes = list(first), {n: rec["scope"] for n, rec in first.items()}
+    order = list(first)
+    seen = set(order)
     for r in sorted(parts)[1:]:
         before = None
-        for n, rec in by_rank[r].items():
-            if n not in scopes:
+        for n in by_rank[r]:
+            if n not in seen:
                 order.insert(order.index(before) + 1 if before is not None else 0, n)
-                scopes[n] = rec["scope"]
+                seen.add(n)
             before = n
-    return common, order, scopes
+    return common, order
+
+
+def _made_from_numbers(records: dict) -> bool:
+    """Whether an op reads no tensor on any rank (``arange``, ``zeros``, ``full``): each rank makes
+    its value from the program's numbers (``arange(batch)`` of its own share), never a share of a
+    whole to lay side by side."""
+    return not any(walk(rec, outputs=False) for rec in records.values())
 
 
 def param_specs(parts: dict) -> dict:
@@ -498,11 +520,15 @@ def _step_rows(step: int, pa: dict, pb: dict, tensors: bool, problems: list, unp
         add(what, name, scope, arg, va, vb)
 
     # the loss and the forward ops
-    fa, order_a, scopes_a = _forward(pa)
-    fb, order_b, scopes_b = _forward(pb)
+    fa, order_a = _forward(pa)
+    fb, order_b = _forward(pb)
     loss = {_loss_name(pa[min(pa)].records), _loss_name(pb[min(pb)].records)} - {None}
-    for name in _in_both_orders(order_a, order_b, [n for n in order_a if n in fa and n in fb]):
-        rec_a, rec_b = fa[name], fb[name]
+    paired = set()
+    for key in _in_both_orders(order_a, order_b, [n for n in order_a if n in fa and n in fb]):
+        rec_a, rec_b = fa[key], fb[key]
+        name = key[1]
+        what = "loss" if {rec_a[min(rec_a)]["name"], rec_b[min(rec_b)]["name"]} & loss else "forward"
+        constant = _made_from_numbers(rec_a) or _made_from_numbers(rec_b)
         scope = max(module_path(rec_a[min(rec_a)]["scope"]), module_path(rec_b[min(rec_b)]["scope"]),
                     key=lambda sc: (sc.count("."), sc))    # the deeper where the runs' scopes differ
         parts_of_op = rec_a[min(rec_a)]["op"].split(".")
@@ -515,40 +541,48 @@ def _step_rows(step: int, pa: dict, pb: dict, tensors: bool, problems: list, unp
             if len(sa) != len(walks_a) or len(sb) != len(walks_b) or any(
                     "stats" not in s and "data" not in s for s in (*sa.values(), *sb.values())):
                 continue
-            tb = tuple(sb[min(sb)]["shape"]) if len(sb) == 1 else None
-            ta = tuple(sa[min(sa)]["shape"]) if len(sa) == 1 else None
+            tb = tuple(sb[min(sb)]["shape"]) if len(sb) == 1 and not constant else None
+            ta = tuple(sa[min(sa)]["shape"]) if len(sa) == 1 and not constant else None
             pairs, why_a = rank_by_rank(sa, sb, pa, pb, tensors, problems, reduction)
             if pairs:
-                add_worst("loss" if name in loss else "forward", name, scope, arg, pairs)
+                add_worst(what, name, scope, arg, pairs)
+                rows[-1]["key"] = key
+                paired.add(key)
                 continue
             va = vb = None
             why_b = ""
             if not why_a:
                 va, why_a = assemble(sa, pa, tensors, problems, tb, reduction)
                 vb, why_b = assemble(sb, pb, tensors, problems, ta, reduction)
+            if va is not None and vb is not None and int(np.prod(va.shape)) != int(np.prod(vb.shape)) and constant:
+                why_a = (f"made from the program's numbers on each rank (reads no tensor), shapes {list(va.shape)} "
+                         f"and {list(vb.shape)}: a rank's own value, not a share of a whole")
             if va is None or vb is None or int(np.prod(va.shape)) != int(np.prod(vb.shape)):
                 if arg == "output.0" and (why_a or why_b):
                     why = "; ".join(sorted({why_a, why_b} - {""}))
                     unpaired.append(f"step {step} forward op {name} [{scope or '<root>'}]: {why}")
                 continue
-            add("loss" if name in loss else "forward", name, scope, arg, va, vb)
+            add(what, name, scope, arg, va, vb)
+            rows[-1]["key"] = key
+            paired.add(key)
     only = {}
-    for side, order, other, scopes in (("a", order_a, fb, scopes_a), ("b", order_b, fa, scopes_b)):
-        names = [n for n in order if n not in other and not n.startswith(COMMUNICATION)]
-        only[side] = names
-        if names:
-            unpaired.append(f"step {step}: {len(names)} forward op(s) in run {side.upper()} only (first: {names[0]} "
-                            f"[{module_path(scopes[names[0]]) or '<root>'}])")
-    paired = {r["name"] for r in rows}
+    for side, order, other in (("a", order_a, fb), ("b", order_b, fa)):
+        keys = [n for n in order if n not in other and not n[1].startswith(COMMUNICATION)]
+        only[side] = keys
+        if keys:
+            unpaired.append(f"step {step}: {len(keys)} forward op(s) in run {side.upper()} only (first: {keys[0][1]} "
+                            f"[{keys[0][0] or '<root>'}])")
     for r in rows:     # per paired row: the ops of one run only just before it (since the previous pair)
+        key = r.pop("key", None)
         r["after_one_run_only"] = []
-        for side, order, other, scopes in (("a", order_a, fb, scopes_a), ("b", order_b, fa, scopes_b)):
-            if r["name"] not in order:
+        for side, order in (("a", order_a), ("b", order_b)):
+            if key not in order:
                 continue
-            k = order.index(r["name"]) - 1
+            k = order.index(key) - 1
             while k >= 0 and order[k] not in paired:
                 if order[k] in only[side]:
-                    r["after_one_run_only"].append((order.index(r["name"]) - k, f"{order[k]} [{module_path(scopes[order[k]]) or '<root>'}] in run {side.upper()} only"))
+                    r["after_one_run_only"].append((order.index(key) - k, f"{order[k][1]} [{order[k][0] or '<root>'}] "
+                                                                          f"in run {side.upper()} only"))
                 k -= 1
         # nearest first in either run, then by name: the same list whichever run is A
         r["after_one_run_only"] = [text for _, text in sorted(r["after_one_run_only"])]
