@@ -18,6 +18,7 @@ from dispatchprobe import DispatchProbe, seed_all
 from dispatchprobe.cli import main
 from dispatchprobe.core import op_traits
 from dispatchprobe.offline.compare import compare
+from dispatchprobe.offline.compare.choice import AFTER, MADE
 
 sys.path.insert(0, os.path.dirname(__file__))
 from compare_helpers import scaled_gelu  # noqa: E402
@@ -102,6 +103,16 @@ def test_the_page_marks_a_random_op_quietly_in_the_terminal_words(tmp_path):
     assert all(d["text"] in str(v).splitlines() for d in data["divs"].values())
     assert data["divs"]["forward"]["label"] == "first forward difference, at a random op"
     assert "divergence" not in " ".join(d["label"] for d in data["divs"].values())
+    # no row, count or op on the page says more than the verdict: the dropouts' draws and what is
+    # computed from them are not judged, none an error's origin
+    assert not (table["status"] == "error").any() and not table["origin"].any()
+    drawn = table[table["reason"] == MADE["random"]]
+    assert len(drawn) and drawn["op_a"].map(op_traits.is_random).all()
+    after = table[table["reason"].str.startswith(AFTER["random"])]
+    assert len(after) and (after["status"] == "not judged").all() and set(after["stage"]) == {"forward", "backward"}
+    assert v.after_random == len(drawn) + len(after) and "values a random op's draws decide" in str(v)
+    error = [lv["name"] for lv in data["levels"]].index("error")
+    assert not any(op["origin"] or op["sev"] == error for op in data["ops"])
 
 
 def test_the_same_draws_agree_and_rm_dropout_makes_runs_comparable(tmp_path, functional_restored):

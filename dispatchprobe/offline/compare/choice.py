@@ -16,16 +16,25 @@ from ...standards import verdicts as V
 from ..views import LOOK_BACK, STATS_TOLERANCE
 from ...standards.loader import is_float
 
-# the reasons of the rows a choice leaves unjudged (:meth:`Choices.unjudged_rows`): they count apart in the
-# summary (``_Tally``) and read as "not judged", never as an error the verdict does not claim
-CHOICE_MADE = "a discrete choice the runs made differently, from values that agree within tolerance: not judged"
-AFTER_CHOICE = "follows a discrete choice the runs made differently"
+# the reasons of the rows a choice (or a random op whose draws differ) leaves unjudged
+# (:meth:`Choices.unjudged_rows`), per the root's cause: its own differing outputs, and what follows it.
+# They count apart in the summary (``_Tally``) and read as "not judged", never as an error the verdict
+# does not claim
+MADE = {"choice": "a discrete choice the runs made differently, from values that agree within tolerance: not judged",
+        "random": "a random op whose draws differ between the runs (each run's generator): not judged"}
+AFTER = {"choice": "follows a discrete choice the runs made differently",
+         "random": "follows a random op whose draws differ between the runs"}
+CHOICE_MADE, AFTER_CHOICE = MADE["choice"], AFTER["choice"]
 
 
-def is_choice_reason(reasons: pd.Series) -> pd.Series:
-    """Per row: its reason is one a discrete choice gives (:data:`CHOICE_MADE`, :data:`AFTER_CHOICE`)."""
+def undecided_kind(reasons: pd.Series) -> pd.Series:
+    """Per row: ``"choice"`` or ``"random"`` where its reason is one :data:`MADE`/:data:`AFTER` gives
+    for it, else None."""
     text = reasons.astype(str)
-    return text.str.startswith(AFTER_CHOICE) | (text == CHOICE_MADE)
+    out = pd.Series([None] * len(text), index=text.index, dtype=object)
+    for kind in ("choice", "random"):
+        out[text.str.startswith(AFTER[kind]) | (text == MADE[kind])] = kind
+    return out
 
 
 class Choices:
@@ -172,9 +181,11 @@ class Choices:
 
     def unjudged_rows(self, uid, args, pair_b: dict, where) -> tuple[list, dict]:
         """The rows (indexes into ``df``) whose verdict a choice takes: its discrete outputs that differ
-        (``CHOICE_MADE``) and every error or warning row of a record whose values follow a choice,
-        in either run (``AFTER_CHOICE``, naming it by ``where(root)``); the choice record's other rows
-        are its own (the values it chose from, its float outputs).  Returns (choice rows, {row: reason})."""
+        (:data:`MADE`) and every error or warning row of a record whose values follow a choice, in
+        either run (:data:`AFTER`, naming it by ``where(root)``); the choice record's other rows are its
+        own (the values it chose from, its float outputs).  A random op whose draws differ
+        (:meth:`record` with a root of cause ``"random"``) is such a root too.  Returns (the roots'
+        own rows, {row: reason})."""
         if not (self.root["a"] or self.root["b"]) or not len(self.df):
             return [], {}
         status = self.df["status"].to_numpy(object)
@@ -185,12 +196,12 @@ class Choices:
             if i in self.chosen["a"]:
                 if args[k] in self.chosen["a"][i] and not self.is_in[k]:
                     made.append(k)
-                    reasons[k] = CHOICE_MADE
+                    reasons[k] = MADE[_kind(self.root["a"][i])]
                 continue
             root = self.followed(i, pair_b.get(i))
             if root is not None:
                 if root not in said:
-                    said[root] = f"{AFTER_CHOICE}, {where(root)}: not judged"
+                    said[root] = f"{AFTER[_kind(root)]}, {where(root)}: not judged"
                 reasons[k] = said[root]
         return made, reasons
 
@@ -208,6 +219,11 @@ class Choices:
         """A choice as (own-stage, inherited) source of a value of ``stage``: its own stage's, or handed
         on from the stage it was made in (a backward reading the forward's routed values)."""
         return (root, None) if self.sides["a"].recs[root.index]["stage"] == stage else (None, root)
+
+
+def _kind(root) -> str:
+    """A root's kind of undecided point: ``"random"`` (a random op's draws) or ``"choice"``."""
+    return "random" if root.cause == "random" else "choice"
 
 
 def _discrete(dtypes: pd.Series) -> np.ndarray:

@@ -23,7 +23,7 @@ from ..launcher import engine_for, gathered, said_by_rank0
 from ..translate import Translation
 from .columns import (BOOL_FIELDS, FLOAT_FIELDS, HEAD_FIELDS, INT_FIELDS, ROW_FIELDS, TENSOR_FIELDS, TEXT_FIELDS,
                       COLUMNS, UNMATCHED_COLUMNS)
-from .choice import AFTER_CHOICE, is_choice_reason
+from .choice import AFTER, undecided_kind
 from .exact import same_kernels
 from .origin import PARTIAL_SUMS, STATS_NOISE, Side, differs, trace
 from .rerun import float64_rerun
@@ -394,7 +394,8 @@ def _merge(results, run_a, run_b, jobs_list: list, problems: list, frameworks: t
     unmatched, divs, aligned = [], [], np.zeros(3, np.int64)
     pairing = PairingShare(frameworks)
     tally, facts, earlier = _Tally(), {}, None
-    chosen: dict = {}        # rank -> (step, the choice) of its first discrete choice the runs made differently
+    chosen: dict = {}        # rank -> (step, the point, "choice" or "random") of its first point compare cannot
+                             # judge past: a discrete choice the runs made differently, a random op's draws
     kept: list | None = [] if keep_table else None
     writer = None
     if out:
@@ -429,10 +430,11 @@ def _merge(results, run_a, run_b, jobs_list: list, problems: list, frameworks: t
         table, part_divs = _past_choice(table, list(res.divergences), chosen)
         part_divs, found, earlier = _amplified(table, part_divs, run_a, run_b, earlier)
         for d in part_divs:
-            if not d.departure and d.cause in ("choice", "after_choice"):
-                chosen.setdefault(d.rank, (d.step, d.follows if d.cause == "after_choice" else
+            if not d.departure and d.cause in _UNDECIDED_AT:
+                chosen.setdefault(d.rank, (d.step, d.follows if d.cause.startswith("after_") else
                                            f"{d.op} [{d.scope or '<top>'}] call {d.call} {d.arg} "
-                                           f"(#{d.seq} in {d.stage}, step {d.step} rank {d.rank})"))
+                                           f"(#{d.seq} in {d.stage}, step {d.step} rank {d.rank})",
+                                           _UNDECIDED_AT[d.cause]))
         facts = {**found, **facts}         # each parameter said once, from the first step it differs
         divs.extend(part_divs)
         marks.update((d.step, d.rank, d.stage, d.kind, d.seq) for d in part_divs)
@@ -456,7 +458,7 @@ def _merge(results, run_a, run_b, jobs_list: list, problems: list, frameworks: t
                       same_run=_same_folder(run_a, run_b, jobs_list), departures=departures, pairing=pairing,
                       explained=amplified_lines(facts), below_floor=(tally.below, STATS_NOISE),
                       partial_sums=tally.partial_sums, loss_scaled=tally.loss_scaled,
-                      after_choice=tally.after_choice)
+                      after_choice=tally.after_choice, after_random=tally.after_random)
     table = _joined(kept) if kept else pd.DataFrame(columns=COLUMNS)
     if writer is not None:
         if not tally.rows:
@@ -489,11 +491,16 @@ def _aligned_against(aligned, run_a, run_b) -> tuple[int, str]:
     return min(int(aligned[1]), int(aligned[2])), "the smaller run's"
 
 
+# the divergence causes of a point compare cannot judge past (Verdict.undecided), and their kind
+_UNDECIDED_AT = {"choice": "choice", "after_choice": "choice", "random": "random", "after_random": "random"}
+
+
 def _past_choice(table: pd.DataFrame, divs: list, chosen: dict) -> tuple:
-    """A part of a later step of a rank that made a discrete choice differently in an earlier step
-    (``chosen``): its values come from parameters that choice moved apart, so its error and warning
-    rows are not judged (naming the choice) and its divergences follow it, as the verdict says of
-    everything past a choice.  Other parts are returned as they are."""
+    """A part of a later step of a rank whose earlier step made a discrete choice differently, or drew
+    other random numbers, where the runs' values first differed (``chosen``): its values come from
+    parameters that point moved apart, so its error and warning rows are not judged (naming it) and
+    its divergences follow it, as the verdict says of everything past it.  Other parts are returned
+    as they are."""
     if not len(table) or not chosen:
         return table, divs
     step, rank = int(table["step"].iat[0]), int(table["rank"].iat[0])
@@ -504,10 +511,10 @@ def _past_choice(table: pd.DataFrame, divs: list, chosen: dict) -> tuple:
     rows = (status == V.ERROR) | (status == V.WARNING)
     if rows.any():
         table.loc[rows, "status"] = V.NOT_JUDGED
-        table.loc[rows, "reason"] = f"{AFTER_CHOICE} at step {made[0]}, {made[1]}: not judged"
+        table.loc[rows, "reason"] = f"{AFTER[made[2]]} at step {made[0]}, {made[1]}: not judged"
         if "origin" in table.columns:
             table.loc[rows, "origin"] = False
-    return table, [d if d.departure else replace(d, cause="after_choice", follows=made[1], approximate=False,
+    return table, [d if d.departure else replace(d, cause=f"after_{made[2]}", follows=made[1], approximate=False,
                                                  failed="", metrics={}, module=None) for d in divs]
 
 
@@ -516,7 +523,7 @@ class _Tally:
 
     def __init__(self):
         self.counts: Counter = Counter()
-        self.rows = self.below = self.partial_sums = self.loss_scaled = self.after_choice = 0
+        self.rows = self.below = self.partial_sums = self.loss_scaled = self.after_choice = self.after_random = 0
 
     def add(self, table: pd.DataFrame) -> None:
         if not len(table):
@@ -526,7 +533,10 @@ class _Tally:
         self.below += int((differs(table, 0.0) & ~differs(table)).sum())   # statistics-only rows
         self.partial_sums += int((table["reason"] == PARTIAL_SUMS).sum())
         unjudged = table["reason"][table["status"].to_numpy(object) == V.NOT_JUDGED]
-        self.after_choice += int(is_choice_reason(unjudged).sum()) if len(unjudged) else 0
+        if len(unjudged):
+            kinds = undecided_kind(unjudged)
+            self.after_choice += int((kinds == "choice").sum())
+            self.after_random += int((kinds == "random").sum())
         self.loss_scaled += loss_scale.not_judged(table)
 
 

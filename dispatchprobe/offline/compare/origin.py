@@ -887,7 +887,7 @@ def trace(df: pd.DataFrame, a: Side, b: Side, pairs: list, rerun=None, same_kern
     lineage = Lineage(df, a, b, pairs, rerun, exact)
     origin_rows, picks = lineage.trace()
     _partial_sums_not_judged(df, lineage.partial_rows)
-    divs = []
+    divs, roots = [], []
     unmeasured = (df["rel_l2_err"].isna() & (df["status"] != V.NOT_JUDGED)).to_numpy() if len(df) else np.zeros(0, bool)
     for stage, pick, errors in picks:
         div = _describe(df, a, b, stage, pick, errors, lineage.off_rows & ~lineage.partial_rows)
@@ -899,7 +899,10 @@ def trace(df: pd.DataFrame, a: Side, b: Side, pairs: list, rerun=None, same_kern
         _paired_op(df, div, pick)
         div.unjudged = _unjudged(df, lineage, stage, pick) if errors else ""
         divs.append(div)
+        roots.append(pick)
     _not_judged(divs)
+    if any(div.cause == "random" and not div.departure for div in divs):
+        _follow_random(df, lineage, [pick for div, pick in zip(divs, roots) if div.cause == "random"])
     _choice_rows_not_judged(df, lineage, origin_rows)
     return origin_rows, divs
 
@@ -907,15 +910,36 @@ def trace(df: pd.DataFrame, a: Side, b: Side, pairs: list, rerun=None, same_kern
 def _choice_rows_not_judged(df: pd.DataFrame, lineage: Lineage, origin_rows: np.ndarray) -> None:
     """Marks in ``df`` the rows a discrete choice the runs made differently leaves unjudged
     (:meth:`.choice.Choices.unjudged_rows`) ``not judged``, with the choice named: the verdict judges
-    nothing past it, so no row, count, sheet or page may call them errors.  The choice's own rows
-    are no origin of an error (the verdict names them as the choice)."""
-    made, reasons = lineage.choices.unjudged_rows(lineage.uid, lineage.args, lineage.pair_b,
+    nothing past it, so no row, count, sheet or page may call them errors, nor any of them the origin
+    of one (the verdict names the choice).  A random op whose draws differ is followed alike
+    (:func:`_follow_random`)."""
+    _, reasons = lineage.choices.unjudged_rows(lineage.uid, lineage.args, lineage.pair_b,
                                               lambda root: _choice_where(lineage, root))
     if reasons:
         rows = list(reasons)
         df.loc[rows, "status"] = V.NOT_JUDGED
         df.loc[rows, "reason"] = [reasons[k] for k in rows]
-        origin_rows[made] = False
+        origin_rows[rows] = False
+
+
+def _follow_random(df: pd.DataFrame, lineage: Lineage, picks: list) -> None:
+    """Where the runs' values first differ at a random op (``picks``: the verdict's), every random op
+    whose draws differ (that one, the part's later dropouts) is followed by data flow as a discrete
+    choice is (:meth:`.choice.Choices.record`), so that its differing outputs and what is computed
+    from them are not judged, as the verdict says (:func:`_choice_rows_not_judged`)."""
+    is_in = np.asarray(lineage.is_in, bool)
+    for pick in picks:       # the verdict's, which may be one run's own op
+        if pick.side == "b" and pick.index not in lineage.pair_a:
+            args = [arg for _, arg, _ in walk(lineage.b.recs[pick.index], inputs=False)]
+            lineage.choices.record(None, pick.index, pick._replace(cause="random"), args)
+        elif pick.side == "a" and pick.index not in lineage.pair_b:
+            args = [arg for _, arg, _ in walk(lineage.a.recs[pick.index], inputs=False)]
+            lineage.choices.record(pick.index, None, pick._replace(cause="random"), args)
+    drew = lineage.off_rows & ~is_in
+    for i in sorted(set(lineage.uid[drew].tolist())):      # paired random ops whose outputs differ
+        if op_traits.is_random(lineage.a.recs[i]["op"]):
+            args = [lineage.args[k] for k in np.flatnonzero(drew & (lineage.uid == i)).tolist()]
+            lineage.choices.record(i, lineage.pair_b.get(i), lineage.seen_at(i, args[0], "random"), args)
 
 
 def _choice_where(lineage: Lineage, root: Root) -> str:

@@ -221,6 +221,7 @@ class Verdict:
     partial_sums: int = 0        # of the rows not judged, those comparing two partial sums (.regroup)
     loss_scaled: int = 0         # of the rows not judged, those the runs' loss scales leave undecided (.loss_scale)
     after_choice: int = 0        # of the rows not judged, those a discrete choice the runs made differently leaves (.choice)
+    after_random: int = 0        # of the rows not judged, those a random op whose draws differ leaves (.choice)
 
     @property
     def departure(self) -> Divergence | None:
@@ -269,7 +270,8 @@ class Verdict:
         if self.counts.get(NOT_JUDGED):
             kinds = {"partial sums the runs group differently": self.partial_sums,
                      "values the runs' loss scales leave undecided": self.loss_scaled,
-                     "values a discrete choice the runs made differently decides": self.after_choice}
+                     "values a discrete choice the runs made differently decides": self.after_choice,
+                     "values a random op's draws decide": self.after_random}
             kinds = {k: n for k, n in {"undefined values": self.counts[NOT_JUDGED] - sum(kinds.values()),
                                        **kinds}.items() if n}
             why = ", ".join(f"{n} {k}" for k, n in kinds.items()) if len(kinds) > 1 else next(iter(kinds), "")
