@@ -71,9 +71,19 @@ STATS_NOISE = 1e-6
 
 def differs(df: pd.DataFrame, floor: float = STATS_NOISE) -> np.ndarray:
     """Per row: do the runs' values differ at all (below the threshold too)?  Statistics-only rows by
-    more than ``floor``.  Undefined values never do."""
+    more than ``floor``.  Undefined values never do.  A sum that partly cancelled (its ``error`` taken
+    relative to its terms by the cancellation rule) differs as far as it does relative to itself, as
+    the records reading it measure it: relative to its terms it fell below the floor, and the op
+    reading it, its inputs taken as equal, was named where a forward kernel 10% off made the
+    difference (the RMSNorm's backward multiply by its weight of ones, runs of two torch versions).
+    One zero up to rounding (``cancelled``) differs by any amount relative to itself: its own stays."""
     status = df["status"].to_numpy(object)
     err = df["error"].to_numpy(np.float64)
+    if "error_own" in df.columns:
+        own = df["error_own"].to_numpy(np.float64)
+        if "cancelled" in df.columns:
+            own = np.where(df["cancelled"].to_numpy(bool), np.nan, own)
+        err = np.fmax(err, own)
     measured = df["rel_l2_err"].notna().to_numpy()
     out = np.where(measured, err > 0, err > floor) | (status == V.ERROR) | (status == V.WARNING) | (df["checksum_match"] == "unequal").to_numpy()
     return out & (status != V.NOT_JUDGED)
@@ -491,7 +501,7 @@ class Lineage:
                 and src_a in self.out_row and self.a.recs[src_a[0]]["stage"] == stage:
             return self.best.get(src_a[0]), self.inh.get(src_a[0])
         jr = self.pair_b.get(r)
-        err = self.own_share.err[k]
+        err = self.own_share.err_in[k]
         got_a = self._from_producer(self.a, src_a, r, stage, err, reach)
         got_b = self._from_producer(self.b, src_b, jr, stage, err, reach) if jr is not None else None
         found = [g for g in (got_a, got_b) if type(g) is tuple]
@@ -611,7 +621,7 @@ class Lineage:
             pa = p if side is self.a else self.pair_a.get(p)
             pk = self.out_row.get((pa, parg)) if pa is not None else None
             if pk is not None:
-                carried_err = max(carried_err, self.row_err(pa, pk))
+                carried_err = max(carried_err, self.handed_on(pa, pk))
                 carried = _merge(carried, (self.best.get(pa), self.inh.get(pa)))
             if pk is not None and (follow or self.bad[pk] and pa not in self.regroup.partial_out):
                 res = _merge(res, (self.best.get(pa), self.inh.get(pa)))
@@ -642,6 +652,15 @@ class Lineage:
         if at >= len(self.a.recs) or self.a.recs[at]["stage"] != rec["stage"]:
             return self.unmatched(side, u)._replace(weak=ROUNDING), None
         return self.seen_at(at, "", "op", ROUNDING), None
+
+    def handed_on(self, i: int, k: int) -> float:
+        """The difference output row ``k`` of paired record ``i`` hands on to what reads it, measured as
+        the reader's input row measures it (:attr:`OwnShare.err_in`: relative to the value itself, also
+        where the cancellation rule took the output's error relative to its terms).  Why: a one-run-only
+        op passing a matrix product's gradient on unchanged (torch 2.5's ``slice_backward`` of a full
+        slice, which 2.13 does not run) was judged to add a difference of its own, its input's error
+        taken relative to the product's terms and its output's relative to itself."""
+        return self.terms_err.get(i, 0.0) if i in self.regroup.partial_out else self.own_share.err_in[k]
 
     # ---- sums the runs group differently (.regroup) ------------------------------------------------
     def row_err(self, i: int, k: int) -> float:

@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pandas as pd
 
+from ...core import op_traits
 from ...records.reader import Part, RecordError
 from ...standards import metrics as M, rounding as R, statistics as S, verdicts as V
 from ...standards.loader import is_float
@@ -157,8 +158,11 @@ def _within_rounding(df: pd.DataFrame, status, reason, error, sa: dict, sb: dict
     for r in cand.tolist():
         if not floats[judge_dtype[r]]:     # integers do not round: any difference is one
             continue
-        if io[r] == "output":
+        if io[r] == "output" and not _kept_cast(recs_a[int(uid[r])], recs_b[pair_b.get(int(uid[r]))]):
             i, j, out = int(uid[r]), pair_b.get(int(uid[r])), args[r]
+        elif io[r] == "output":  # a cast keeping every value: the value its input's producers made
+            i, j, out = _producers(src_a.get(id(recs_a[int(uid[r])]["inputs"][0])),
+                                   src_b.get(id(recs_b[pair_b[int(uid[r])]]["inputs"][0])), pair_b)
         else:                # an input: the value its producers made
             i, j, out = _producers(src_a.get(int(spec_a[r])), src_b.get(int(spec_b[r])), pair_b)
         if i is None and j is None:
@@ -204,6 +208,27 @@ def distance_bound(rmse: float, n: int, diffs) -> float:
         return rmse * math.sqrt(n)
     lower = [abs(d) * (math.sqrt(n) if s == "mean" else 1.0) for s, d in zip(("norm", "max", "min", "mean"), diffs)]
     return max((d for d in lower if d == d), default=math.inf)
+
+
+def _kept_cast(rec_a: dict, rec_b: dict | None) -> bool:
+    """Both paired records are casts that keep every value of their tensor input (the same float dtype,
+    or a float widened): their output is the value they read, judged as that value is.  Why: a bf16
+    autocast run's key-bias gradient, a sum that cancelled, passed as autograd's ``sum`` made it and
+    failed as its float32 copy for the parameter (cosine 0.91 between two torch versions' bf16 runs)."""
+    return rec_b is not None and all(_keeps_values(rec) for rec in (rec_a, rec_b))
+
+
+_WIDER = {"float16": 1, "bfloat16": 1, "float32": 2, "float64": 3}
+
+
+def _keeps_values(rec: dict) -> bool:
+    if not op_traits.is_cast(rec["op"]):
+        return False
+    ins, outs = rec.get("inputs") or (), rec.get("outputs") or ()
+    if not ins or not outs or not all(isinstance(x, dict) and x.get("type") == "tensor" for x in (ins[0], outs[0])):
+        return False
+    d_in, d_out = ins[0].get("dtype"), outs[0].get("dtype")
+    return d_in == d_out or (d_in in _WIDER and d_out in _WIDER and _WIDER[d_out] > _WIDER[d_in])
 
 
 def _producers(made_a, made_b, pair_b: dict) -> tuple:
