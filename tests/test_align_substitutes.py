@@ -6,7 +6,15 @@ compare then judged as the first forward divergence, 'error 1 (bool)')."""
 
 from __future__ import annotations
 
+import pytest
+import torch
+from click.testing import CliRunner
+
+from dispatchprobe import DispatchProbe
+from dispatchprobe.cli import main
+from dispatchprobe.models import TinyTransformer, lm_batch, lm_loss
 from dispatchprobe.offline.align import Mapping, align_ops
+from dispatchprobe.torch.compile import probe_backend
 
 
 def _rec(op: str, dtype: str, shape: list) -> dict:
@@ -34,3 +42,57 @@ def test_a_float_kernel_still_stands_in_for_another_in_another_float_dtype():
     recs_b = [around[0], _rec("aten.mm.default", "bfloat16", [4, 8]), around[1]]
     for a, b in ((recs_a, recs_b), (recs_b, recs_a)):
         assert _pairs(a, b) == {(0, 0), (1, 1), (2, 2)}
+
+
+def _valued(op: str, shape: list, mean: float, norm: float) -> dict:
+    rec = _rec(op, "float32", shape)
+    rec["outputs"][0]["stats"] = {"max": 1.0, "min": -1.0, "mean": mean, "norm": norm, "nan": 0, "inf": 0}
+    rec["stage"] = "backward"
+    return rec
+
+
+def test_one_kernel_standing_for_several_pieces_pairs_with_the_whole_value():
+    """Eager's ``stack`` (the backward of ``unbind``) against a compiled graph's three ``select_backward``
+    and the ``add`` of them, all of one output shape: ``stack`` pairs with the last ``add``, which holds
+    its values, not with the first piece (a third of them), whichever run is A."""
+    shape = [3, 2, 8]
+    around = _valued("aten.bmm.default", [2, 8], 0.1, 2.0), _valued("aten.clone.default", shape, 0.05, 3.0)
+    recs_a = [around[0], _valued("aten.stack.default", shape, 0.05, 3.0), around[1]]
+    pieces = [_valued("aten.select_backward.default", shape, 0.02, 1.7),
+              _valued("aten.select_backward.default", shape, 0.01, 1.8),
+              _valued("aten.add.Tensor", shape, 0.03, 2.5),
+              _valued("aten.select_backward.default", shape, 0.02, 1.7),
+              _valued("aten.add.Tensor", shape, 0.05, 3.0)]
+    recs_b = [around[0], *pieces, around[1]]
+    assert _pairs(recs_a, recs_b) == {(0, 0), (1, 5), (2, 6)}
+    assert _pairs(recs_b, recs_a) == {(0, 0), (5, 1), (6, 2)}
+
+
+@pytest.mark.probe_backend
+def test_eager_and_compiled_unbind_attention_agree(tmp_path):
+    """End to end: one AdamW step of the built-in tiny transformer (its attention unbinds q, k, v), eager
+    against ``probe_backend``, statistics: the runs agree in either order (the eager ``stack`` used to
+    pair with the graph's first ``select_backward``: 'first backward divergence', exit 2)."""
+    tokens, targets = lm_batch()
+    runs = []
+    for name, compiled in (("eager", False), ("compiled", True)):
+        torch.manual_seed(0)
+        model = TinyTransformer(dropout=0.0)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        backend = probe_backend(task="statistics", dump_path=str(tmp_path / name), inner="aot_eager") if compiled \
+            else None
+        probe = DispatchProbe(task="statistics", dump_path=str(tmp_path / name))
+        step = torch.compile(model, backend=backend) if compiled else model
+        with probe:
+            lm_loss(step, tokens, targets).backward()
+        opt.step()
+        probe.close()
+        if compiled:
+            backend.close()
+            torch._dynamo.reset()
+        runs.append(tmp_path / name)
+    eager, compiled = runs
+    for a, b in ((eager, compiled), (compiled, eager)):
+        result = CliRunner().invoke(main, ["compare", str(a), str(b)])
+        assert result.exit_code == 0, result.output
+        assert "stack" not in result.output.splitlines()[2]

@@ -147,6 +147,38 @@ def _lone(found: list, recs_a: list, recs_b: list, ga: list, gb: list, scope, ma
     return [p for p in found if na[scope(recs_a[p[0]], mapping)] == 1 and nb[recs_b[p[1]]["scope"]] == 1]
 
 
+def _closest_stand_in(found: list, ka: list, kb: list, ga: list, gb: list, recs_a: list, recs_b: list) -> bool:
+    """Re-pairs, in place, a pair of the shapes-only pass whose key one record of one run's gap holds
+    and several of the other's: the one record pairs with the one of those whose outputs' statistics
+    are closest, the ordered pair kept on a tie and no pair moved across another.  Why: a kernel of
+    one run stands for several records of the other (eager's ``stack``, the backward of ``unbind``,
+    for a compiled graph's three ``select_backward`` and the ``add`` of them, all of one shape), and
+    the order pairs it with the first piece, whose values are a third of it, instead of the record
+    holding the whole value.  True if any pair moved."""
+    count_a, count_b = Counter(ka), Counter(kb)
+    key_a, key_b = dict(zip(ga, ka)), dict(zip(gb, kb))
+    at_a, at_b = {i: n for n, i in enumerate(ga)}, {j: n for n, j in enumerate(gb)}
+    moved = False
+    for n, (x, y, how) in enumerate(found):
+        k = key_a[x]
+        if count_a[k] == 1 and count_b[k] > 1:
+            cands = [j for j in gb if key_b[j] == k]
+            best = min(cands, key=lambda j: (_output_distance(recs_a[x], recs_b[j]), j != y, abs(at_b[j] - at_b[y])))
+            new = (x, best)
+        elif count_b[k] == 1 and count_a[k] > 1:
+            cands = [i for i in ga if key_a[i] == k]
+            best = min(cands, key=lambda i: (_output_distance(recs_a[i], recs_b[y]), i != x, abs(at_a[i] - at_a[x])))
+            new = (best, y)
+        else:
+            continue
+        if new == (x, y) or any((at_a[p] - at_a[new[0]]) * (at_b[q] - at_b[new[1]]) <= 0
+                                for m, (p, q, _) in enumerate(found) if m != n):
+            continue       # unchanged, or it would cross (or meet) another pair: the order stands
+        found[n] = (*new, how)
+        moved = True
+    return moved
+
+
 def _between_pairs(ga: list, gb: list, found: list) -> list:
     """The gaps of ``ga``/``gb`` (record indices in order) left between ``found``'s pairs (in order)."""
     gaps, a0, b0 = [], 0, 0
@@ -282,6 +314,8 @@ def align_ops(recs_a: list, recs_b: list, ia: list, ib: list, mapping: Mapping, 
             kb = [key(recs_b[i], none) for i in gb]
             found: list = []
             split = _match_blocks(ka, kb, ga, gb, how, found)
+            if key is substituted[1] and not cross and _closest_stand_in(found, ka, kb, ga, gb, recs_a, recs_b):
+                split = _between_pairs(ga, gb, found)
             if accept is not None or (cross and how == "shapes"):   # pairs the key alone cannot rule out
                 kept = [p for p in found if accept is None or accept(recs_a[p[0]], recs_b[p[1]])]
                 if cross and how == "shapes":      # go back where they sit
