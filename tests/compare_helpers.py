@@ -275,16 +275,17 @@ class FusedQKVAttention(nn.Module):
 
 
 def train_attention_steps(model, opt, path, *, task: str, compiled: bool, steps: int, optimizer_inside: bool = True,
-                          shape: tuple = (2, 8, 16), eager_probe: bool = True):
+                          shape: tuple = (2, 8, 16), eager_probe: bool = True, parameters: bool = True):
     """``steps`` steps of a scalar-loss ``model`` on inputs of ``shape``, seeded per step, recorded into
     ``path``: eager, or compiled with ``probe_backend`` into the same run (``eager_probe=False``: the
     backend alone records a compiled run whose optimizer steps outside); ``optimizer_inside``:
-    ``opt.step()`` inside ``with probe:`` (the optimizer's ops are records too)."""
+    ``opt.step()`` inside ``with probe:`` (the optimizer's ops are records too); ``parameters``:
+    whether the parameter records are written."""
     from dispatchprobe import probe_backend
-    backend = probe_backend(task=task, dump_path=str(path)) if compiled else None
+    backend = probe_backend(task=task, dump_path=str(path), parameters=parameters) if compiled else None
     fn = torch.compile(model, backend=backend) if compiled else model
-    probe = DispatchProbe(task=task, dump_path=str(path)) if eager_probe or optimizer_inside or not compiled \
-        else backend
+    probe = DispatchProbe(task=task, dump_path=str(path), parameters=parameters) \
+        if eager_probe or optimizer_inside or not compiled else backend
     for step in range(steps):
         x = torch.randn(*shape, generator=torch.Generator().manual_seed(step))
         with contextlib.nullcontext() if probe is backend else probe:

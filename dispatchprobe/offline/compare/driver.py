@@ -35,7 +35,7 @@ from .task_mismatch import NOT_RECORDED, explanation, flagged_only_side, tasks_n
 from ..coverage import graphs_note, unrecorded_graphs
 from .verdict import Result, RunsDoNotAlign, Verdict
 from .parallel import layout_difference, optimizer_step
-from .amplified import explain as amplified_noise
+from .amplified import Trail as AmplifiedTrail
 from .amplified import said as amplified_lines
 
 
@@ -555,35 +555,24 @@ def _joined(tables: list) -> pd.DataFrame:
     return pd.DataFrame({name: np.concatenate(pieces.pop(name)) for name in columns}, copy=False)
 
 
-# what the optimizer-amplified-noise rule reads of earlier parts: their backward outputs (saved tensors)
-_EARLIER = ["step", "rank", "stage", "io", "arg", "shape_a", "data_a", "data_b", "status", "name_a", "name_b"]
-
-
-def _amplified(table: pd.DataFrame, divs: list, run_a, run_b, earlier: pd.DataFrame | None) -> tuple:
+def _amplified(table: pd.DataFrame, divs: list, run_a, run_b, trail: AmplifiedTrail | None) -> tuple:
     """A part whose error rows are only parameters moved apart by the optimizer amplifying cancelled
     gradient noise (:mod:`.amplified`): those rows pass with the reason and the part's divergences go.
-    The rule reads the earlier parts' backward outputs (``earlier``, kept only for runs with saved
-    tensors).  Returns (the part's divergences, the parameters said, the earlier rows with this part's)."""
-    if not len(table) or "data_a" not in table.columns:
-        return divs, {}, earlier
-    saved = table["data_a"].notna().to_numpy()
-    if earlier is None and not saved.any():      # statistics only: nothing the rule can read
-        return divs, {}, earlier
+    The rule reads what ``trail`` kept of the earlier parts (made at the first part).  Returns (the
+    part's divergences, the parameters said, the trail with this part's)."""
+    if not len(table):
+        return divs, {}, trail
+    trail = trail if trail is not None else AmplifiedTrail(run_a, run_b)
     found: dict = {}
-    errors = table["status"] == "error"
-    if errors.any():
-        step, rank = int(table["step"].iloc[0]), int(table["rank"].iloc[0])
-        here = table if earlier is None else pd.concat([earlier.set_axis(pd.RangeIndex(-len(earlier), 0)), table])
-        got = amplified_noise(here, run_a, run_b, step, rank)
+    if (table["status"] == "error").any():
+        got = trail.explain(table)
         if got is not None:
             rows, found = got
             table.loc[rows, "status"] = "pass"
             table.loc[rows, "reason"] = "parameter moved apart by the optimizer amplifying cancelled gradient noise"
             divs = [d for d in divs if d.departure]
-    mine = table.loc[(table["stage"] == "backward").to_numpy() & (table["io"] == "output").to_numpy() & saved, _EARLIER]
-    if len(mine):
-        earlier = mine if earlier is None else pd.concat([earlier, mine], ignore_index=True)
-    return divs, found, earlier
+    trail.keep(table)
+    return divs, found, trail
 
 
 def _other_parallelism(run_a, run_b) -> bool:
