@@ -22,7 +22,7 @@ from compare_helpers import record_adamw_steps
 from html_check import page_data
 from dispatchprobe.cli import main
 from dispatchprobe.offline.compare import compare
-from dispatchprobe.offline.compare.choice import AFTER_CHOICE, CHOICE_MADE
+from dispatchprobe.offline.compare.choice import AFTER, MADE
 
 sys.path.insert(0, os.path.dirname(__file__))
 
@@ -123,8 +123,8 @@ def test_a_router_choice_rounded_apart_is_not_judged(runs, task, swap):
     # no row says more than the verdict: the choice and what follows it are not judged, naming it
     choice = table[(table["op_a"] == "aten.topk.default") & (table["arg"] == "output.1") & (table["stats_err"] > 0.001)]
     assert (choice["status"] == "not judged").all() and not choice["origin"].any()
-    assert (choice["reason"] == CHOICE_MADE).all()
-    after = table[table["reason"].str.startswith(AFTER_CHOICE)]
+    assert (choice["reason"] == MADE["choice"]).all()
+    after = table[table["reason"].str.startswith(AFTER["choice"])]
     assert len(after) and (after["status"] == "not judged").all()
     assert after["reason"].str.contains("aten.topk.default").all()
     assert set(after["step"]) == {0, 1}         # the routed values, then the parameters they moved apart

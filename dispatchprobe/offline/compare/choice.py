@@ -24,7 +24,6 @@ MADE = {"choice": "a discrete choice the runs made differently, from values that
         "random": "a random op whose draws differ between the runs (each run's generator): not judged"}
 AFTER = {"choice": "follows a discrete choice the runs made differently",
          "random": "follows a random op whose draws differ between the runs"}
-CHOICE_MADE, AFTER_CHOICE = MADE["choice"], AFTER["choice"]
 
 
 def undecided_kind(reasons: pd.Series) -> pd.Series:
@@ -179,23 +178,21 @@ class Choices:
                 return u, arg
         return None
 
-    def unjudged_rows(self, uid, args, pair_b: dict, where) -> tuple[list, dict]:
+    def unjudged_rows(self, uid, args, pair_b: dict, where) -> dict:
         """The rows (indexes into ``df``) whose verdict a choice takes: its discrete outputs that differ
         (:data:`MADE`) and every error or warning row of a record whose values follow a choice, in
         either run (:data:`AFTER`, naming it by ``where(root)``); the choice record's other rows are its
         own (the values it chose from, its float outputs).  A random op whose draws differ
-        (:meth:`record` with a root of cause ``"random"``) is such a root too.  Returns (the roots'
-        own rows, {row: reason})."""
+        (:meth:`record` with a root of cause ``"random"``) is such a root too.  Returns {row: reason}."""
         if not (self.root["a"] or self.root["b"]) or not len(self.df):
-            return [], {}
+            return {}
         status = self.df["status"].to_numpy(object)
         judged = np.flatnonzero((status == V.ERROR) | (status == V.WARNING))
-        made, reasons, said = [], {}, {}
+        reasons, said = {}, {}
         for k in judged.tolist():
             i = int(uid[k])
             if i in self.chosen["a"]:
                 if args[k] in self.chosen["a"][i] and not self.is_in[k]:
-                    made.append(k)
                     reasons[k] = MADE[_kind(self.root["a"][i])]
                 continue
             root = self.followed(i, pair_b.get(i))
@@ -203,7 +200,7 @@ class Choices:
                 if root not in said:
                     said[root] = f"{AFTER[_kind(root)]}, {where(root)}: not judged"
                 reasons[k] = said[root]
-        return made, reasons
+        return reasons
 
     def input_root(self, k: int):
         """The choice input row ``k`` carries, from either run's producer of it (the link :meth:`spread`

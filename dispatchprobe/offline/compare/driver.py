@@ -427,7 +427,7 @@ def _merge(results, run_a, run_b, jobs_list: list, problems: list, frameworks: t
         problems.extend(res.problems)
         aligned += res.aligned
         pairing.add(res.pairing)
-        table, part_divs = _past_choice(table, list(res.divergences), chosen)
+        table, part_divs = _past_undecided(table, list(res.divergences), chosen)
         part_divs, found, earlier = _amplified(table, part_divs, run_a, run_b, earlier)
         for d in part_divs:
             if not d.departure and d.cause in _UNDECIDED_AT:
@@ -495,7 +495,7 @@ def _aligned_against(aligned, run_a, run_b) -> tuple[int, str]:
 _UNDECIDED_AT = {"choice": "choice", "after_choice": "choice", "random": "random", "after_random": "random"}
 
 
-def _past_choice(table: pd.DataFrame, divs: list, chosen: dict) -> tuple:
+def _past_undecided(table: pd.DataFrame, divs: list, chosen: dict) -> tuple:
     """A part of a later step of a rank whose earlier step made a discrete choice differently, or drew
     other random numbers, where the runs' values first differed (``chosen``): its values come from
     parameters that point moved apart, so its error and warning rows are not judged (naming it) and

@@ -921,7 +921,7 @@ def trace(df: pd.DataFrame, a: Side, b: Side, pairs: list, rerun=None, same_kern
         roots.append(pick)
     _not_judged(divs)
     if any(div.cause == "random" and not div.departure for div in divs):
-        _follow_random(df, lineage, [pick for div, pick in zip(divs, roots) if div.cause == "random"])
+        _follow_random(lineage, [pick for div, pick in zip(divs, roots) if div.cause == "random"])
     _choice_rows_not_judged(df, lineage, origin_rows)
     return origin_rows, divs
 
@@ -932,7 +932,7 @@ def _choice_rows_not_judged(df: pd.DataFrame, lineage: Lineage, origin_rows: np.
     nothing past it, so no row, count, sheet or page may call them errors, nor any of them the origin
     of one (the verdict names the choice).  A random op whose draws differ is followed alike
     (:func:`_follow_random`)."""
-    _, reasons = lineage.choices.unjudged_rows(lineage.uid, lineage.args, lineage.pair_b,
+    reasons = lineage.choices.unjudged_rows(lineage.uid, lineage.args, lineage.pair_b,
                                               lambda root: _choice_where(lineage, root))
     if reasons:
         rows = list(reasons)
@@ -941,7 +941,7 @@ def _choice_rows_not_judged(df: pd.DataFrame, lineage: Lineage, origin_rows: np.
         origin_rows[rows] = False
 
 
-def _follow_random(df: pd.DataFrame, lineage: Lineage, picks: list) -> None:
+def _follow_random(lineage: Lineage, picks: list) -> None:
     """Where the runs' values first differ at a random op (``picks``: the verdict's), every random op
     whose draws differ (that one, the part's later dropouts) is followed by data flow as a discrete
     choice is (:meth:`.choice.Choices.record`), so that its differing outputs and what is computed
