@@ -73,10 +73,9 @@ def differs(df: pd.DataFrame, floor: float = STATS_NOISE) -> np.ndarray:
     """Per row: do the runs' values differ at all (below the threshold too)?  Statistics-only rows by
     more than ``floor``.  Undefined values never do.  A sum that partly cancelled (its ``error`` taken
     relative to its terms by the cancellation rule) differs as far as it does relative to itself, as
-    the records reading it measure it: relative to its terms it fell below the floor, and the op
-    reading it, its inputs taken as equal, was named where a forward kernel 10% off made the
-    difference (the RMSNorm's backward multiply by its weight of ones, runs of two torch versions).
-    One zero up to rounding (``cancelled``) differs by any amount relative to itself: its own stays."""
+    the records reading it measure it: relative to its terms it may fall below the floor, and the op
+    reading it would then seem to make a difference its inputs already carry.  One zero up to
+    rounding (``cancelled``) differs by any amount relative to itself: its own error stays."""
     status = df["status"].to_numpy(object)
     err = df["error"].to_numpy(np.float64)
     if "error_own" in df.columns:
@@ -657,9 +656,9 @@ class Lineage:
         """The difference output row ``k`` of paired record ``i`` hands on to what reads it, measured as
         the reader's input row measures it (:attr:`OwnShare.err_in`: relative to the value itself, also
         where the cancellation rule took the output's error relative to its terms).  Why: a one-run-only
-        op passing a matrix product's gradient on unchanged (torch 2.5's ``slice_backward`` of a full
-        slice, which 2.13 does not run) was judged to add a difference of its own, its input's error
-        taken relative to the product's terms and its output's relative to itself."""
+        op passing a matrix product's gradient on unchanged (one torch version's ``slice_backward`` of
+        a full slice) would otherwise seem to add a difference of its own, its input's error taken
+        relative to the product's terms and its output's relative to itself."""
         return self.terms_err.get(i, 0.0) if i in self.regroup.partial_out else self.own_share.err_in[k]
 
     # ---- sums the runs group differently (.regroup) ------------------------------------------------

@@ -51,8 +51,8 @@ _EXCLUDED_WITH_AUTOGRAD = _python_and_autocast_keys()
 def autograd_on():
     """Autograd back on inside ``__torch_dispatch__`` (which runs with the autograd keys
     excluded), so a handler can differentiate a re-run.  The Python key stays excluded, and the
-    autocast keys too: a re-run computes in the dtypes it is given, never recast (a free-benchmark
-    gradient check of a float32 ``mm`` was silently run in bfloat16)."""
+    autocast keys too: a re-run computes in the dtypes it is given, never recast (inside an autocast
+    region a free-benchmark gradient check of a float32 ``mm`` would run in bfloat16)."""
     keys = torch._C._dispatch_tls_local_include_set()
     with torch._C._ForceDispatchKeyGuard(keys, _EXCLUDED_WITH_AUTOGRAD), torch.enable_grad():
         yield
