@@ -145,6 +145,13 @@ def test_no_error_row_past_a_choice_on_the_page(runs, tmp_path):
     error = [lv["name"] for lv in data["levels"]].index("error")
     assert data["ops"] and not any(op["origin"] or op["sev"] == error for op in data["ops"])
     assert not any(node["c"][error] for node in data["nodes"])       # no module counts an error op
+    # a module holding an op past the choice is never drawn as agreeing: its dot is "not judged" or worse
+    names = [lv["name"] for lv in data["levels"]]
+    unjudged = [n for n in data["nodes"] if n["c"][names.index("not judged")]]
+    assert any(n["name"] == "head" for n in unjudged), [n["name"] for n in unjudged]
+    for node in unjudged:
+        worst = max(i for i, c in enumerate(node["c"]) if c)
+        assert names[worst] != "pass", (node["name"], node["c"])
 
 
 @pytest.mark.parametrize("swap", [False, True])

@@ -7,6 +7,7 @@ import sys
 
 import html
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -208,7 +209,7 @@ def two_steps(tmp_path_factory):
 def test_heatmap_darker_is_worse(two_steps, tmp_path, metric):
     """The heat map's cell of the planted module (an error) is drawn darker than the best-agreeing one
     (a pass, pale), whichever metric is charted; no axis label is cut."""
-    from dispatchprobe.offline.report import write_reports
+    from dispatchprobe.offline.report import COMPARE_LEVELS, write_reports
     table, verdict = two_steps
     out = tmp_path / "out"
     write_reports(str(out), table, verdict, {}, {}, metric=metric)
@@ -216,7 +217,9 @@ def test_heatmap_darker_is_worse(two_steps, tmp_path, metric):
     heat = res["heat"]
     assert heat["worst"]["module"] == "TinyTransformer.layers.1.attn", heat
     assert heat["worst"]["lum"] < heat["best"]["lum"] - 100, heat      # darker is worse
-    assert heat["worst"]["sev"] == 3 and heat["best"]["sev"] == 1 and heat["best"]["lum"] > 200, heat
+    names = [lv["name"] for lv in COMPARE_LEVELS]
+    assert names[heat["worst"]["sev"]] == "error" and names[heat["best"]["sev"]] == "pass", heat
+    assert heat["best"]["lum"] > 200, heat
     assert "<top>" in heat["modules"]
     assert not cut_labels(res), cut_labels(res)
     assert_fits(res)
@@ -285,7 +288,8 @@ def test_agreement_within_tolerance_is_not_shouted(within_tolerance, tmp_path, w
     assert marked == ["first forward departure (within tolerance): aten.gelu.default"], res["annotations"]
     heat = res["heat"]
     assert heat and len(heat["cells"]) == 2 * len(heat["modules"]), heat
-    assert all(c["sev"] == 1 for c in heat["cells"]), heat["cells"][:3]
+    passing = [lv["name"] for lv in _levels(out)].index("pass")
+    assert all(c["sev"] == passing for c in heat["cells"]), heat["cells"][:3]
     pale = rgb(next(lv["fill"] for lv in _levels(out) if lv["name"] == "pass"))
     assert all(max(abs(x - y) for x, y in zip(c["rgb"], pale)) <= 8 and c["lum"] > 200 for c in heat["cells"]), \
         heat["worst"]
@@ -297,3 +301,21 @@ def test_agreement_within_tolerance_is_not_shouted(within_tolerance, tmp_path, w
 def _levels(out) -> list:
     from html_check import page_data
     return page_data((out / "compare.html").read_text())["levels"]
+
+
+def test_an_uninitialised_buffer_leaves_an_op_at_its_other_rows_level():
+    """An op's uninitialised buffer has nothing to judge: it leaves the op at its other rows' level (an
+    ``index_put_`` into ``empty`` still passes); an op with nothing else, or one with a row the rules could
+    not judge (past a discrete choice), is "not judged", which outranks pass on the page."""
+    from dispatchprobe.offline.report_digest import COMPARE_LEVELS, op_groups
+    from dispatchprobe.standards.verdicts import UNDEFINED_CONTENTS
+    rows = [(0, "pass", ""), (0, "not judged", f"{UNDEFINED_CONTENTS} in both runs"),
+            (1, "not judged", f"{UNDEFINED_CONTENTS} in run A"),
+            (2, "pass", ""), (2, "not judged", "follows a discrete choice the runs made differently"),
+            (3, "warning", ""), (3, "not judged", "follows a discrete choice the runs made differently")]
+    table = pd.DataFrame({"step": 0, "rank": 0, "stage": "forward", "kind": "op", "seq": [r[0] for r in rows],
+                          "scope": "m", "status": [r[1] for r in rows], "reason": [r[2] for r in rows],
+                          "origin": False})
+    nf = pd.DataFrame({k: np.zeros(len(rows), bool) for k in ("differ", "made_a", "made_b")})
+    names = [lv["name"] for lv in COMPARE_LEVELS]
+    assert [names[s] for s in op_groups(table, nf)["sev"]] == ["pass", "not judged", "not judged", "warning"]

@@ -19,7 +19,7 @@ import pandas as pd
 from ..records import nonfinite
 from ..records.reader import RecordError, load
 from ..standards import metrics as M
-from ..standards.verdicts import ERROR, NOT_JUDGED, PASS, WARNING
+from ..standards.verdicts import ERROR, NOT_JUDGED, OUT_PRIOR_CONTENTS, PASS, UNDEFINED_CONTENTS, WARNING
 from .page_kit import OPS_PER_NODE, col, verdict_levels
 
 # columns a chart can show, and whether larger is worse: compare's metric columns and two of its own
@@ -32,9 +32,11 @@ HEATMAP_MODULES = 60
 # spreadsheet cell costs ~4 us to write (13k rows x 55 columns took 11 s); compare.csv keeps every row.
 XLSX_MAX_ROWS = 4000
 MAX_SUSPICIOUS = 2000  # origin rows listed in the page's table
-# the explorer's levels by severity (templates/explorer.js): the verdict codes compare's rows carry
-COMPARE_LEVELS = verdict_levels([NOT_JUDGED, PASS, WARNING, ERROR])
+# the explorer's levels by severity (templates/explorer.js): the verdict codes compare's rows carry.  "not
+# judged" ranks above pass: a module holding an op the rules could not judge is not shown as agreeing.
+COMPARE_LEVELS = verdict_levels([PASS, NOT_JUDGED, WARNING, ERROR])
 SEVERITY = {lv["name"]: i for i, lv in enumerate(COMPARE_LEVELS)}
+_EMPTY = -1   # a row with nothing in it to judge (uninitialised memory): lifts no op above its other rows
 ROW_COLS = ["io", "arg", "dtype_a", "dtype_b", "shape_a", "shape_b"] + \
     [f"{s}_{side}" for s in ("max", "min", "mean", "norm") for side in ("a", "b")] + \
     ["nan_a", "nan_b", "inf_a", "inf_b", "checksum_match"]
@@ -44,6 +46,24 @@ SUSPICIOUS_COLS = ["step", "rank", "stage", "seq", "kind", "scope", "op_a", "op_
                    "dtype_b", "cosine", "max_abs_err", "max_rel_err", "rel_l2_err", "stats_err", "status", "reason"]
 _SHEET_RANK = {"error": 1, "warning": 2}
 _OP_COLUMNS = OP_KEYS + ["scope", "sev", "nf", "nfm", "nfa", "nfb", "origin", "first", "n"]
+
+
+def row_severity(table: pd.DataFrame) -> np.ndarray:
+    """Each row's level (an index into COMPARE_LEVELS), or ``_EMPTY`` for a value with nothing in it to
+    judge: an op's uninitialised buffer says nothing of the runs, so it leaves the op at its other rows'
+    level; an op with only such rows is "not judged" (:func:`shown_severity`)."""
+    status = table["status"]
+    sev = status.map(SEVERITY).fillna(SEVERITY[NOT_JUDGED]).to_numpy(dtype=np.int64, copy=True)
+    if "reason" in table.columns:
+        empty = (status == NOT_JUDGED) & table["reason"].astype(str).str.startswith(
+            (UNDEFINED_CONTENTS, OUT_PRIOR_CONTENTS))
+        sev[empty.to_numpy()] = _EMPTY
+    return sev
+
+
+def shown_severity(sev):
+    """Aggregated row levels as the page shows them: an op or module with only empty values is not judged."""
+    return np.where(np.asarray(sev) == _EMPTY, SEVERITY[NOT_JUDGED], sev)
 
 
 def chartable() -> list:
@@ -168,12 +188,13 @@ class TableDigest:
         for s, first in zip(scope, t.index):
             self.scope_first.setdefault(s, first)
         g = pd.DataFrame({"part": t["step"].astype(str) + "/" + t["rank"].astype(str), "scope": scope,
-                          "sev": t["status"].map(SEVERITY).fillna(0).astype(int),
+                          "sev": row_severity(t),
                           "err": (t["status"] == ERROR).astype(int), "warn": (t["status"] == WARNING).astype(int),
                           **{f"v_{m}": pd.to_numeric(t[m], errors="coerce") for m in chartable() if m in t.columns}})
         aggs = {"sev": "max", "err": "sum", "warn": "sum",
                 **{c: ("max" if worse_high(c[2:]) else "min") for c in g.columns if c.startswith("v_")}}
-        self.cells.append(g.groupby(["part", "scope"], sort=False).agg(aggs))
+        cells = g.groupby(["part", "scope"], sort=False).agg(aggs)
+        self.cells.append(cells.assign(sev=shown_severity(cells["sev"])))
 
     # ---- reading ------------------------------------------------------------------------------------
     def sheet_rows(self) -> pd.DataFrame:
@@ -254,7 +275,7 @@ def op_groups(table: pd.DataFrame, nf: pd.DataFrame) -> pd.DataFrame:
     """One row per compared op/module call: key columns, worst status, origin, nan/inf worth a look
     (``nf``: made from finite values or differing between the runs; ``nfm``: made, ``nfa``/``nfb``: in
     run A/B; see nonfinite_rows), first row index (the table's index)."""
-    t = table.assign(_sev=table["status"].map(SEVERITY).fillna(0).astype(int),
+    t = table.assign(_sev=row_severity(table),
                      _nf=nf["differ"].to_numpy() | nf["made_a"].to_numpy() | nf["made_b"].to_numpy(),
                      _nfm=nf["made_a"].to_numpy() | nf["made_b"].to_numpy(), _nfa=nf["made_a"].to_numpy(),
                      _nfb=nf["made_b"].to_numpy(),
@@ -263,6 +284,7 @@ def op_groups(table: pd.DataFrame, nf: pd.DataFrame) -> pd.DataFrame:
     g = t.groupby(OP_KEYS, sort=False).agg(scope=("scope", "first"), sev=("_sev", "max"), nf=("_nf", "any"),
                                             nfm=("_nfm", "any"), nfa=("_nfa", "any"), nfb=("_nfb", "any"),
                                             origin=("_org", "any"), first=("_i", "min"), n=("_i", "size"))
+    g["sev"] = shown_severity(g["sev"])
     return g.reset_index().sort_values("first", kind="stable")
 
 
@@ -319,12 +341,13 @@ def _records_by_name(path: str, parts: set) -> tuple[dict, set]:
 def chart_series(t: pd.DataFrame, metrics: list) -> dict:
     """Per step/rank part and stage of the op output rows ``t``: one point per op (its outputs' worst
     value of each of ``metrics``, as ``m_<metric>``)."""
-    t = t.assign(_sev=t["status"].map(SEVERITY).fillna(0).astype(int),
+    t = t.assign(_sev=row_severity(t),
                  _org=t["origin"].fillna(False).astype(bool) & (t["status"] == "error"))
     aggs = {m: (m, "max" if worse_high(m) else "min") for m in metrics}
     g = t.groupby(["step", "rank", "stage", "seq"], sort=True).agg(
         scope=("scope", "first"), op=("op_a", "first"), call=("call_a", "first"), sev=("_sev", "max"),
         origin=("_org", "any"), **{f"m_{k}": v for k, v in aggs.items()}).reset_index()
+    g["sev"] = shown_severity(g["sev"])
     out: dict = {}
     for (step, rank, stage), s in g.groupby(["step", "rank", "stage"], sort=True):
         out.setdefault(f"{int(step)}/{int(rank)}", {})[stage] = {

@@ -17,7 +17,10 @@ from .loader import is_float, per_dtype, short_dtype, standard
 from .metrics import FLOAT_LAYOUT
 
 PASS, WARNING, ERROR = "pass", "warning", "error"
-NOT_JUDGED = "not judged"   # status of a compared value that is undefined (uninitialised memory)
+NOT_JUDGED = "not judged"   # status of a compared value the rules cannot judge (reason says why)
+# reasons of a value with nothing in it to judge (not a verdict the rules could not reach)
+UNDEFINED_CONTENTS = "undefined contents (uninitialised memory)"
+OUT_PRIOR_CONTENTS = "prior contents of an out= argument (not an input)"
 SKIP = "SKIP"
 CATEGORIES = ("benchmark", "absolute_threshold", "ulp", "binary", "thousandth")
 _TIERS = {0.01: "one_hundredth", 0.001: "one_thousandth", 0.0001: "one_ten_thousandth"}

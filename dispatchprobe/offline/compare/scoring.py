@@ -55,8 +55,8 @@ def score_pairs(df: pd.DataFrame, part_a: Part, part_b: Part, tensors: bool, pro
         status[undef] = NOT_JUDGED
         which = np.where(undef_a & undef_b, "both runs", np.where(undef_a, "run A", "run B"))
         dest = df["arg"].to_numpy(object)[undef] == "input.out"
-        reason[undef] = [f"prior contents of an out= argument (not an input) in {w}" if d else
-                         f"undefined contents (uninitialised memory) in {w}" for w, d in zip(which[undef], dest)]
+        reason[undef] = [f"{V.OUT_PRIOR_CONTENTS if d else V.UNDEFINED_CONTENTS} in {w}"
+                         for w, d in zip(which[undef], dest)]
         stats_err[undef] = np.nan      # (the array in new)
     error = stats_err.copy()
     for m in TENSOR_METRICS:
