@@ -277,11 +277,14 @@ def test_ranks_under_torchrun_writes_the_one_process_report(runs, tmp_path):
 
 def test_tensor_parallel_agrees_with_one_process(runs):
     """ColwiseParallel up, RowwiseParallel down: parameters and gradients gathered from their
-    shards; the local ops' column shards and partial sums are said not to pair."""
+    shards; the local ops' column shards side by side, the row-wise layer's partial sums (its output
+    before the all-reduce) added up."""
     table, verdict = compare(runs / "tp" / "clean", runs / "single" / "clean")
     assert verdict.passed, str(verdict)
     grads = table[table["what"] == "grad"]
     assert set(grads["name"]) == {"up.weight", "up.bias", "down.weight", "down.bias"}
     assert set(grads[grads["name"] != "down.bias"]["how_a"]) == {"gathered (Shard(dim=0))", "gathered (Shard(dim=1))"}
-    assert any("not equal on them (a partial result of tensor parallelism" in u for u in verdict.unpaired)
+    down = table[(table["what"] == "forward") & (table["scope"] == "down") & (table["name"] == "aten.addmm.default.0.forward")]
+    assert list(down["how_a"]) == ["summed over ranks 0-1"] * 2 and set(down["status"]) == {"pass"}, down
+    assert not [u for u in verdict.unpaired if "forward op aten" in u], verdict.unpaired
     assert len(table[table["what"] == "loss"]) == 2

@@ -30,7 +30,9 @@ import pandas as pd
 from ...records.format import walk
 from ...standards import metrics as M, statistics as S, verdicts as V
 from ...standards.loader import is_float
+from ..ranks.groups import data_shares, group_of
 from .loss_scale import gradients_alike
+from .pairing import data_flow
 
 COMMUNICATION = ("c10d.", "_c10d_functional.", "fsdp.", "profiler.")   # one run's own by nature
 TABLE_COLUMNS = ["step", "what", "name", "scope", "arg", "ranks_a", "ranks_b", "shape_a", "shape_b", "dtype_a",
@@ -133,8 +135,9 @@ def _describe(row: dict) -> str:
     if row["what"] == "loss":
         return f"the loss ({row['name']})"
     if row["what"] == "forward":
-        how = str(row.get("how_a") or "")
-        on = f" on {how.partition(' (')[0]}" if how.endswith(RANK_BY_RANK) else ""
+        how = next((h for h in (str(row.get("how_a") or ""), str(row.get("how_b") or "")) if TP_PEERS_DIFFER in h),
+                   str(row.get("how_a") or ""))
+        on = f" on {how.partition(' (')[0]}" if how.endswith(RANK_BY_RANK) or TP_PEERS_DIFFER in how else ""
         return f"forward op {row['name']} [{row['scope'] or '<root>'}] {row['arg']}{on}"
     return f"{'gradient' if row['what'] == 'grad' else 'value after the step'} of parameter {row['name']}"
 
@@ -307,6 +310,213 @@ def _split_dim(shapes: list, target: tuple) -> int | None:
             if all(len(s) == len(target) and s[:d] + s[d + 1:] == target[:d] + target[d + 1:] for s in shapes)
             and sum(s[d] for s in shapes) == target[d]]
     return fits[0] if len(fits) == 1 else None
+
+
+# ---- a data-parallel x tensor-parallel mesh ----------------------------------------------------------
+TP_PEERS_DIFFER = "(its tensor-parallel peers differ)"   # how: "rank 1 (its tensor-parallel peers differ): ..."
+
+
+@dataclass
+class Mesh:
+    """How one run's ranks share the work: ``shares``, the ranks of each share of the batch in
+    data-parallel order (the members of one tensor-parallel group together); ``partial``, per rank,
+    id(output spec) -> the spec of the all-reduce that sums it (:func:`partial_sums`);
+    ``batch_dim``, the dimension the shares split, learnt from the first value each share holds
+    whole (replicated over its tensor-parallel group): it tells column shards of the batch's shares
+    from the other way round where both would make the other run's shape."""
+
+    shares: list
+    partial: dict
+    batch_dim: int | None = None
+
+
+def mesh_of(parts: dict) -> Mesh | None:
+    """The mesh of a step's parts, or None where no two ranks compute on the same share (no
+    tensor parallelism: each rank's value is its own share or a replica, as :func:`assemble` reads)."""
+    shares = data_shares({r: p.records for r, p in parts.items()})
+    if all(len(share) == 1 for share in shares):
+        return None
+    return Mesh(shares, {r: partial_sums(p.records) for r, p in parts.items()})
+
+
+def partial_sums(records: list) -> dict:
+    """id(output spec) -> the all-reduce's output spec, for each forward value a forward all-reduce
+    (SUM, over several ranks) takes as its input: a partial result of tensor parallelism (a
+    row-wise layer's output), recorded before the all-reduce sums it."""
+    forward = _model_forward(records)
+    flow = data_flow(forward)
+    out = {}
+    for i, rec in enumerate(forward):
+        info = rec.get("collective") or {}
+        if info.get("kind") != "all_reduce" or info.get("reduce_op") != "SUM" or len(group_of(rec)) < 2:
+            continue
+        given = [spec for io, _, spec in flow.walks[i] if io == "input"]
+        results = [spec for io, _, spec in flow.walks[i] if io == "output"]
+        for spec, result in zip(given, results):
+            src = flow.src.get(id(spec))
+            if src is None:
+                continue
+            made = {arg: s for io, arg, s in flow.walks[src[0]] if io == "output"}.get(src[1])
+            if made is not None:
+                out[id(made)] = result
+    return out
+
+
+def _peers_given_equal(records: dict, share: list, tensors: bool, parts: dict, problems: list) -> bool:
+    """Whether the members of one share ran the op on equal tensor inputs (so its outputs must be
+    equal too): the premise for judging peers whose outputs differ one by one."""
+    walks = {r: [s for _, _, s in walk(records[r], outputs=False)] for r in share}
+    if len({len(w) for w in walks.values()}) != 1:
+        return False
+    for k in range(len(walks[share[0]])):
+        specs = {r: walks[r][k] for r in share}
+        if any("stats" not in s and "data" not in s for s in specs.values()):
+            return False
+        items = _items(specs, parts, tensors, problems)
+        if len({it[0] for it in items.values()}) != 1 or not _replicas(list(items.values())):
+            return False
+    return True
+
+
+def _summed(share: list, items: dict, specs: dict, mesh: Mesh) -> tuple:
+    """One share's partial sums added up: the arrays where saved, else the all-reduce's result (its
+    statistics: those of the sum, which the parts' statistics do not give)."""
+    arrays = [items[r][3] for r in share]
+    result = mesh.partial[share[0]][id(specs[share[0]])]
+    array = None
+    if all(a is not None for a in arrays):
+        array = np.sum([np.asarray(a, np.float64) for a in arrays], axis=0).astype(arrays[0].dtype)
+    return (items[share[0]][0], items[share[0]][1], result.get("stats"), array)
+
+
+def _join_share(share: list, items: dict, specs: dict, records: dict, mesh: Mesh, dim: int | None,
+                tensors: bool, parts: dict, problems: list):
+    """The pieces of one share joined: ``dim`` None, the whole on each member (one value; partial
+    sums added; peers that ran the op on equal inputs yet differ: each member's, to judge one by
+    one), else side by side along ``dim`` (column shards).  Returns (variants, how) or None."""
+    own = [items[r] for r in share]
+    if dim is not None:      # column shards: pieces, never equal values side by side
+        if len(share) == 1 or any(len(it[0]) <= dim for it in own) or _replicas(own):
+            return None
+        v = _concat(own, dim, "")
+        return ([(v.shape, v.dtype, v.stats, v.array)], f"side by side (dim {dim})")
+    if len({it[0] for it in own}) != 1:
+        return None
+    if len(share) == 1 or _replicas(own):
+        return [own[0]], "equal"
+    if all(id(specs[r]) in mesh.partial[r] for r in share):
+        return [_summed(share, items, specs, mesh)], "summed"
+    if _peers_given_equal(records, share, tensors, parts, problems):
+        return own, "differ"
+    return None
+
+
+def assemble_on_mesh(specs: dict, records: dict, parts: dict, mesh: Mesh, tensors: bool, problems: list,
+                     target: tuple | None, reduction: str | None) -> tuple[list, str]:
+    """The whole value from the ranks of a data-parallel x tensor-parallel mesh, shaped like
+    ``target`` (the other run's): each share's pieces joined first (replicas taken once, column
+    shards side by side, partial sums added), then the shares as the batch's split.  Where the
+    members of a share ran an op on equal inputs and still differ, one whole value per member
+    index, so that each is judged and the one that parts names its rank.  Returns ([value], why
+    not); DTensors and runs without ``target`` go through :func:`assemble`."""
+    if target is None or any(s.get("dtensor") for s in specs.values()):
+        v, why = assemble(specs, parts, tensors, problems, target, reduction)
+        return ([v] if v is not None else []), why
+    items = _items(specs, parts, tensors, problems)
+    fits = []
+    for dim in (None, *range(len(target))):
+        joined = [_join_share(share, items, specs, records, mesh, dim, tensors, parts, problems)
+                  for share in mesh.shares]
+        if any(j is None for j in joined):
+            continue
+        how = _shares_fit([j[0][0][0] for j in joined], tuple(target), reduction)
+        if how is not None:
+            fits.append((joined, how))
+    if len(fits) > 1 and mesh.batch_dim is not None:
+        fits = [f for f in fits if f[1] == f"concatenated (dim {mesh.batch_dim})"]
+    if len(fits) != 1:
+        shapes = [[list(items[r][0]) for r in share] for share in mesh.shares]
+        apart = "" if fits else _peers_apart(mesh, items, specs, records, tensors, parts, problems)
+        return [], apart or (f"pieces {shapes} on the shares of the batch (tensor-parallel groups {mesh.shares}) "
+                             f"{'do not make' if not fits else 'make in more than one way'} {list(target)}")
+    joined, fit = fits[0]
+    if mesh.batch_dim is None and fit.startswith("concatenated") and all(len(v) == 1 for v, _ in joined) and \
+            {kind for _, kind in joined} <= {"equal"}:
+        mesh.batch_dim = int(fit.rpartition(" ")[2].rstrip(")"))
+    values, why = [], ""
+    for t in range(max(len(variants) for variants, _ in joined)):
+        chosen = [variants[t] if len(variants) > 1 else variants[0] for variants, _ in joined]
+        named = [share[t] for share, (variants, _) in zip(mesh.shares, joined) if len(variants) > 1]
+        how = _how_joined(mesh.shares, joined, fit)
+        if named:
+            how = f"rank {', '.join(map(str, named))} {TP_PEERS_DIFFER}: {how}"
+        v, why = _join_shares(chosen, fit, reduction, how)
+        if v is not None:
+            values.append(v)
+    if not values:
+        return [], _peers_apart(mesh, items, specs, records, tensors, parts, problems) or why
+    return values, ""
+
+
+def _how_joined(shares: list, joined: list, fit: str) -> str:
+    """How a value was assembled: one share (tensor parallelism alone) as :func:`assemble` says it
+    (``concatenated over ranks 0-1 (dim 1)``, ``rank 0``), several as the shares' split and how each
+    share's pieces joined."""
+    kinds = sorted({kind for _, kind in joined} - {"differ"})
+    if len(shares) > 1:
+        return f"{fit} over shares {shares}, each {' / '.join(kinds) or 'a rank'}"
+    share, kind = shares[0], (kinds or ["differ"])[0]
+    span = f"ranks {share[0]}-{share[-1]}"
+    if kind.startswith("side by side"):
+        return f"concatenated over {span} ({kind.partition('(')[2]}"
+    return f"summed over {span}" if kind == "summed" else f"rank {share[0]}" if kind == "equal" else span
+
+
+def _peers_apart(mesh: Mesh, items: dict, specs: dict, records: dict, tensors: bool, parts: dict,
+                 problems: list) -> str:
+    """Why a value the members of a share hold in one shape cannot be joined, where they hold it
+    unequal, do not sum it by an all-reduce and ran its op on unequal inputs (a difference
+    upstream, or a split no record shows): "" where no share is so."""
+    for share in mesh.shares:
+        own = [items[r] for r in share]
+        if len(share) > 1 and len({it[0] for it in own}) == 1 and not _replicas(own) and \
+                not all(id(specs[r]) in mesh.partial[r] for r in share) and \
+                not _peers_given_equal(records, share, tensors, parts, problems):
+            return (f"unequal on the ranks {share} of one tensor-parallel group, which ran it on unequal inputs "
+                    "(a difference before it, or pieces no all-reduce sums): no whole value to pair")
+    return ""
+
+
+def _shares_fit(shapes: list, target: tuple, reduction: str | None) -> str | None:
+    """How the shares' values make ``target``: one share, equal on every share, concatenated along
+    one dimension (the batch), a full mean/sum over the shares; None where they do not."""
+    if all(s == target for s in shapes):
+        if target == () and len(shapes) > 1 and reduction in ("mean", "sum"):
+            return reduction
+        return "one share" if len(shapes) == 1 else "equal"
+    dim = _split_dim(shapes, target) if len(shapes) > 1 else None
+    return None if dim is None else f"concatenated (dim {dim})"
+
+
+def _join_shares(chosen: list, fit: str, reduction: str | None, how: str) -> tuple[Value | None, str]:
+    if fit.startswith("concatenated"):
+        return _concat(chosen, int(fit.rpartition(" ")[2].rstrip(")")), how), ""
+    if fit == "one share":
+        return Value(*chosen[0], how=how), ""
+    if fit == "equal":
+        if not _replicas(chosen):
+            return None, "of the same shape on every share of the batch but not equal on them (each share's own data)"
+        return Value(*chosen[0], how=how), ""
+    means = [it[2]["mean"] if it[2] else None for it in chosen]
+    if any(m is None for m in means):
+        return None, "a reduction whose statistics are missing on a share"
+    k = len(chosen) if reduction == "mean" else 1
+    arrays = [it[3] for it in chosen]
+    array = np.asarray(sum(np.asarray(a, np.float64) for a in arrays) / k) if all(
+        a is not None for a in arrays) else None
+    x = sum(means) / k
+    st = {"max": x, "min": x, "mean": x, "norm": abs(x), "nan": int(np.isnan(x)), "inf": int(np.isinf(x))}
+    return Value((), chosen[0][1], st, array, how), ""
 
 
 # ---- scoring one pair -----------------------------------------------------------------------------------
@@ -522,6 +732,7 @@ def _step_rows(step: int, pa: dict, pb: dict, tensors: bool, problems: list, unp
     # the loss and the forward ops
     fa, order_a = _forward(pa)
     fb, order_b = _forward(pb)
+    mesh_a, mesh_b = mesh_of(pa), mesh_of(pb)
     loss = {_loss_name(pa[min(pa)].records), _loss_name(pb[min(pb)].records)} - {None}
     paired = set()
     for key in _in_both_orders(order_a, order_b, [n for n in order_a if n in fa and n in fb]):
@@ -548,6 +759,16 @@ def _step_rows(step: int, pa: dict, pb: dict, tensors: bool, problems: list, unp
                 add_worst(what, name, scope, arg, pairs)
                 rows[-1]["key"] = key
                 paired.add(key)
+                continue
+            if mesh_a or mesh_b:
+                pairs, why = _mesh_pairs((sa, rec_a, pa, mesh_a, tb), (sb, rec_b, pb, mesh_b, ta), tensors, problems,
+                                         reduction)
+                if pairs:
+                    add_worst(what, name, scope, arg, pairs)
+                    rows[-1]["key"] = key
+                    paired.add(key)
+                elif arg == "output.0" and why:
+                    unpaired.append(f"step {step} forward op {name} [{scope or '<root>'}]: {why}")
                 continue
             va = vb = None
             why_b = ""
@@ -608,6 +829,24 @@ def _step_rows(step: int, pa: dict, pb: dict, tensors: bool, problems: list, unp
                 continue
             add(what, key[1], key[1].rpartition(".")[0], "value" if what == "value" else "grad", va, vb)
     return rows
+
+
+def _mesh_pairs(side_a: tuple, side_b: tuple, tensors: bool, problems: list, reduction: str | None) -> tuple[list, str]:
+    """The pairs of one forward value where a run is a data-parallel x tensor-parallel mesh (each
+    side: specs, records and parts by rank, its :class:`Mesh` or None, the other run's shape):
+    every whole value of one run against every whole value of the other ([], why not)."""
+    values = []
+    for specs, records, parts, mesh, target in (side_a, side_b):
+        if mesh is None:
+            v, why = assemble(specs, parts, tensors, problems, target, reduction)
+            got = [v] if v is not None else []
+        else:
+            got, why = assemble_on_mesh(specs, records, parts, mesh, tensors, problems, target, reduction)
+        if not got:
+            return [], why
+        values.append(got)
+    pairs = [(va, vb) for va in values[0] for vb in values[1] if math.prod(va.shape) == math.prod(vb.shape)]
+    return pairs, "" if pairs else f"shapes {list(values[0][0].shape)} and {list(values[1][0].shape)}"
 
 
 def _in_both_orders(order_a: list, order_b: list, items: list) -> list:

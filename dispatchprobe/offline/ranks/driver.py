@@ -17,7 +17,7 @@ from ..launcher import engine_for, gathered, said_by_rank0
 from ...standards import verdicts as V
 from .collectives import calls_of, check_call
 from .inf_nan import describe, first_nonfinite
-from .groups import replicas
+from .groups import data_shares, replicas
 from .replicas import find_drifts
 from .values import Values
 
@@ -34,6 +34,8 @@ class StepResult(NamedTuple):
     compared: int           # replicated values compared
     missing: list           # "why it cannot judge" lines
     unnumbered: int = 0     # collective records without a sequence number (an earlier record format)
+    apart: int = 0          # ops a rank ran on other pieces than its tensor-parallel peers: not judged
+    tp_groups: list = []    # the tensor-parallel groups (ranks computing on one share of the batch)
 
 
 def check_parts(run: Run | str, parts, *, tensors: bool = True, progress: bool = False) -> list[StepResult]:
@@ -84,11 +86,12 @@ def check_step(run: Run, step: int, ranks: list, *, tensors: bool = True) -> Ste
     for r in sorted({r for g in held.values() for r in g} - set(ranks) - absent):
         missing.append(_absent(run, step, r, f"its replicas {sorted(next(g for g in held.values() if r in g))} "
                                              "are compared without it"))
-    drifts, compared = find_drifts(records, values, {r: parts[r].params for r in ranks}, held)
+    peers = {r: frozenset(share) for share in data_shares(records) for r in share}
+    drifts, compared, apart = find_drifts(records, values, {r: parts[r].params for r in ranks}, held, peers=peers)
     for d in drifts:
         rows.append(_row(step, "replica", DIFFERS, d.ranks[0], d.ranks, d.record, d.index, arg=d.arg, size=d.size,
                          detail=f"{d.what} {d.arg} differs on rank {', '.join(map(str, d.ranks))} from rank "
-                                f"{d.reference}: {d.detail}; {d.context}; held equal by ranks "
+                                f"{d.reference}: {d.detail}{_no_majority(d)}; {d.context}; held equal by ranks "
                                 + ", ".join(map(str, d.group))))
     # 3. inf/nan: where they started
     firsts = [f for f in (first_nonfinite(r, records[r]) for r in ranks) if f is not None]
@@ -99,7 +102,17 @@ def check_step(run: Run, step: int, ranks: list, *, tensors: bool = True) -> Ste
                          group=info.get("group", ""), seq=info.get("seq"), kind=info.get("kind", "")))
     unnumbered = sum(1 for r in ranks for rec in records[r]
                      if "collective" not in rec and rec.get("kind") == "op" and role(rec["op"]) is not None)
-    return StepResult(step, list(ranks), rows, compared, missing, unnumbered)
+    shares = [share for share in data_shares(records) if len(share) > 1]
+    return StepResult(step, list(ranks), rows, compared, missing, unnumbered, apart, shares)
+
+
+def _no_majority(drift) -> str:
+    """Where the ranks that differ are as many as those that agree with the reference (two
+    tensor-parallel peers: one against one), which is wrong the ranks alone cannot tell."""
+    if len(drift.group) - len(drift.ranks) > len(drift.ranks):
+        return ""
+    return (f" (no majority: rank {drift.reference} is the reference as the lowest rank, not as the right one; "
+            "compare against another run to tell which is wrong)")
 
 
 def _absent(run: Run, step: int, rank: int, consequence: str) -> str:
@@ -149,6 +162,7 @@ def merge(results: list[StepResult], run_ranks=None) -> tuple[pd.DataFrame, Rank
                + (f"{compared} replicated values compared, {len(drifts)} drift(s)" if compared else
                   "no replicas to compare (no gradient was reduced over a data-parallel group, and no other value "
                   "is held equal across ranks)"))
+    summary += _tensor_parallel_note(results)
     finding = _first_finding(table)
     if finding:
         lines = [finding, summary]
@@ -170,6 +184,18 @@ def merge(results: list[StepResult], run_ranks=None) -> tuple[pd.DataFrame, Rank
                "`scope` still count, but are not recorded)")
         return table, RanksVerdict([f"cannot judge: {why}", summary], 1)
     return table, RanksVerdict([f"the ranks agree: {summary}"], 0)
+
+
+def _tensor_parallel_note(results: list) -> str:
+    """What the checks leave to a compare where tensor parallelism splits the work: the ops each
+    rank ran on its own pieces (column shards, partial sums), which no other rank holds."""
+    groups = sorted({tuple(g) for res in results for g in res.tp_groups})
+    if not groups:
+        return ""
+    apart = sum(res.apart for res in results)
+    return (f"; tensor-parallel groups {', '.join(str(list(g)) for g in groups)}: ops their members ran on equal "
+            f"inputs compared across them, {apart} op(s) a rank ran on its own pieces (column shards, partial sums) "
+            "not judged here (compare the run with a run of other parallelism to judge those)")
 
 
 def _first_finding(table: pd.DataFrame) -> str | None:

@@ -42,6 +42,48 @@ def data_parallel_groups(records: list) -> set[frozenset]:
     return {g for g in backward - forward if len(g) > 1}
 
 
+def tensor_parallel_groups(records: list) -> set[frozenset]:
+    """The groups over which one rank's forward reduces (all-reduce, reduce-scatter): tensor
+    parallelism summing the partial results of one split computation.  Its ranks compute on the
+    same share of the batch: the layer's input is replicated over the group, its weights are not."""
+    return {group_of(r) for r in records if (r.get("collective") or {}).get("kind") in REDUCING
+            and r.get("stage") == "forward" and len(group_of(r)) > 1}
+
+
+def data_shares(records: dict[int, list]) -> list[list[int]]:
+    """The ranks grouped by the share of the batch they compute on, in data-parallel order: the
+    members of one tensor-parallel group together (in group order), every other rank alone.  The
+    shares are ordered by their members' index in their data-parallel groups (the batch's split),
+    the lowest rank breaking ties, so that pieces laid side by side follow the batch."""
+    parent: dict[int, int] = {r: r for r in records}
+
+    def find(r):
+        while parent.setdefault(r, r) != r:
+            r = parent[r]
+        return r
+    for recs in records.values():
+        for group in tensor_parallel_groups(recs):
+            first, *rest = sorted(group)
+            for r in rest:
+                parent[find(r)] = find(first)
+    shares: dict[int, list] = {}
+    for r in sorted(records):
+        shares.setdefault(find(r), []).append(r)
+    position = {r: _data_parallel_index(records[r]) for r in records}
+    return sorted(shares.values(), key=lambda share: (min(position[r] for r in share), share[0]))
+
+
+def _data_parallel_index(records: list) -> int:
+    """This rank's index in its data-parallel group (the share of the batch it holds); 0 without one."""
+    reduced_over = data_parallel_groups(records)
+    for r in records:
+        info = r.get("collective") or {}
+        if info.get("kind") in REDUCING and r.get("stage") == "backward" and group_of(r) in reduced_over:
+            group = next(v for v in r["inputs"] if v.get("type") == "process_group")
+            return int(group.get("group_rank") or 0)
+    return 0
+
+
 def replicas(records: dict[int, list]) -> dict[int, frozenset]:
     """rank -> the ranks that hold the same parameters as it (itself included; ranks named by
     the groups whose records are not in ``records`` too), for ranks that have replicas."""

@@ -97,15 +97,22 @@ class _Rank:
 
 
 def find_drifts(ranks: dict[int, list], values: Values, params: dict[int, list] | None = None,
-                replicas: dict[int, frozenset] | None = None, limit: int = 20) -> tuple[list[Drift], int]:
+                replicas: dict[int, frozenset] | None = None, limit: int = 20,
+                peers: dict[int, frozenset] | None = None) -> tuple[list[Drift], int, int]:
     """The replica drifts among ``ranks`` (rank -> its records of one step; ``params``: rank -> its
-    parameter records; ``replicas``: rank -> the ranks holding its parameters, :func:`.groups.replicas`),
-    in record order, and how many replicated values were compared."""
+    parameter records; ``replicas``: rank -> the ranks holding its parameters, :func:`.groups.replicas`;
+    ``peers``: rank -> the ranks computing on its share of the batch, its tensor-parallel group),
+    in record order, how many replicated values were compared, and how many ops a rank ran on
+    other pieces than its tensor-parallel peers (the most on any rank): not judged across ranks."""
     present = frozenset(ranks)
     state = {r: _Rank(r, ranks[r]) for r in sorted(ranks)}
     replicas = {r: s & present for r, s in (replicas or {}).items()}
-    claims = {r: _claims(state[r], state, replicas.get(r, frozenset()), (params or {}).get(r) or [], present)
-              for r in state}
+    claims, apart = {}, 0
+    for r in state:
+        by_peers, unequal = _peer_claims(state[r], state, (peers or {}).get(r, frozenset()) & present, values)
+        claims[r] = _claims(state[r], state, replicas.get(r, frozenset()), (params or {}).get(r) or [], present) \
+            + by_peers
+        apart = max(apart, unequal)
     holders: dict = {}
     for r, mine in claims.items():
         for c in mine:
@@ -127,7 +134,7 @@ def find_drifts(ranks: dict[int, list], values: Values, params: dict[int, list] 
             if found:
                 tainted.add(c.key)
                 drifts.append(_drift(c, found, sorted(members)))
-    return sorted(drifts, key=lambda d: d.index)[:limit], compared
+    return sorted(drifts, key=lambda d: d.index)[:limit], compared, apart
 
 
 def _claims(me: _Rank, state: dict, mine: frozenset, params: list, present: frozenset) -> list[_Claim]:
@@ -202,6 +209,54 @@ def _claims(me: _Rank, state: dict, mine: frozenset, params: list, present: froz
                           rec["scope"], spec, "gradient (as the optimizer applies it)" if grad else
                           "parameter after the step", (), context))
     return out
+
+
+def _peer_claims(me: _Rank, state: dict, peers: frozenset, values: Values) -> list[_Claim]:
+    """Tensor-parallel peers hold different pieces of the layers' weights, so no value of theirs is
+    a replica by rule; but an op they run on equal tensor inputs with the same number arguments
+    must give equal outputs (a wrong kernel on one of them is a drift).  One claim per output of
+    each such op, on the ranks whose inputs equal this rank's (an equivalence: every member of
+    the set computes the same set); random ops and collectives are left out.  Also returns how
+    many ops ran on inputs no peer shares (column shards, partial sums): not judged here."""
+    if len(peers) < 2:
+        return [], 0
+    out, unequal, last_collective = [], 0, ""
+    for i, rec in enumerate(me.records):
+        if rec.get("kind") != "op" or is_random(rec["op"]):
+            continue
+        if rec.get("collective"):
+            info = rec["collective"]
+            last_collective = (f"{rec['op']} #{info.get('seq')} on group {info.get('group')} "
+                               f"[{rec.get('scope') or '<top>'}]")
+            continue
+        given = [spec for io, _, spec in me.flow.walks[i] if io == "input"]
+        on = frozenset(r for r in peers if r == me.rank or _given_alike(me, i, given, state[r], values))
+        if len(on) < 2:
+            unequal += 1
+            continue
+        out += [_Claim((rec["name"], "output", arg, on), i, rec, arg, spec,
+                       "computed by tensor-parallel peers from equal inputs", (), (last_collective, []))
+                for io, arg, spec in me.flow.walks[i] if io == "output"]
+    return out, unequal
+
+
+def _given_alike(me: _Rank, i: int, given: list, other: _Rank, values: Values) -> bool:
+    """Whether ``other`` ran record ``i``'s op with the same number arguments on tensor inputs equal
+    to this rank's (bytes where saved, else statistics, which equal values share)."""
+    j = other.by_name.get(me.records[i]["name"])
+    if j is None or repr(_numbers(other.records[j])) != repr(_numbers(me.records[i])):
+        return False
+    theirs = [spec for io, _, spec in other.flow.walks[j] if io == "input"]
+    if len(theirs) != len(given):
+        return False
+    for mine, spec in zip(given, theirs):
+        if not (judged(mine) and judged(spec)) or mine.get("shape") != spec.get("shape") or \
+                mine.get("dtype") != spec.get("dtype"):
+            return False
+        a, b = values.array(me.rank, mine), values.array(other.rank, spec)
+        if not (same_arrays(a, b) if a is not None and b is not None else same_stats(stats_of(mine), stats_of(spec))):
+            return False
+    return True
 
 
 def _drift(claim: _Claim, found, group: list) -> Drift:

@@ -1,0 +1,88 @@
+""":class:`InputMLP` trained on one global batch as 1 process or on a 2x2 mesh (FSDP2 over ``dp``,
+tensor parallelism over ``tp``: ``block.up`` column-wise, ``block.down`` row-wise), recorded for
+``test_compare_mesh.py``:
+
+    python mesh_compare_train.py single OUT [RUN ...]
+    torchrun --nproc-per-node 4 mesh_compare_train.py fsdp_tp OUT [RUN ...]
+
+Every run starts from the same weights and sees the same 8 samples per step; the two ranks of one
+tensor-parallel group take the same half of them.  RUN ``clean`` records as is; ``tanh1`` gives
+rank 1 alone a wrong tanh kernel (``torch.library`` overrides aten::tanh on CPU with tanh x1.01), in
+the layer before the tensor-parallel block, where rank 1 and its tensor-parallel peer rank 0 compute
+on equal inputs.  Each run is recorded with the statistics and the tensor task
+(``OUT/RUN/{statistics,tensor}``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from dispatchprobe import DispatchProbe
+
+from parallel_models import MESHES, InputMLP, parallelize_nd, run_and_end
+
+STEPS = 2
+BATCH = 8
+
+
+def wrong_tanh_kernel() -> torch.library.Library:
+    """aten::tanh on CPU replaced by tanh x1.01 until the library returned is destroyed."""
+    lib = torch.library.Library("aten", "IMPL")
+    with warnings.catch_warnings():       # torch warns that a registered kernel is overridden: the point
+        warnings.simplefilter("ignore", UserWarning)
+        lib.impl("tanh", lambda x: (1 - 2 / (torch.exp(2 * x) + 1)) * 1.01, "CPU")
+    return lib
+
+
+def build(kind: str):
+    """The model and the share of the batch this process takes: (model, index, count)."""
+    torch.manual_seed(0)
+    if kind == "single":
+        return InputMLP(), 0, 1
+    from torch.distributed.device_mesh import init_device_mesh
+    shape, names = MESHES[kind]
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    return parallelize_nd(InputMLP(), kind, mesh), mesh["dp"].get_local_rank(), mesh["dp"].size()
+
+
+def train(kind: str, out: str, run: str, task: str) -> None:
+    rank = dist.get_rank() if kind != "single" else 0
+    kernel = wrong_tanh_kernel() if run == "tanh1" and rank == 1 else None
+    try:
+        model, share, shares = build(kind)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        gen = torch.Generator().manual_seed(1)
+        probe = DispatchProbe(task=task, dump_path=os.path.join(out, run, task))
+        size = BATCH // shares
+        for _ in range(STEPS):
+            x = torch.randn(BATCH, 8, generator=gen)[share * size:(share + 1) * size]
+            probe.start()
+            model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            probe.step()
+        probe.close()
+    finally:
+        if kernel is not None:
+            kernel._destroy()
+
+
+def main() -> None:
+    kind, out = sys.argv[1], sys.argv[2]
+    if kind != "single":
+        dist.init_process_group("gloo")
+    for run in sys.argv[3:] or ("clean",):
+        for task in ("statistics", "tensor"):
+            train(kind, out, run, task)
+    if kind != "single":
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    run_and_end(main)

@@ -1,0 +1,101 @@
+"""A data-parallel x tensor-parallel mesh (4 gloo ranks: FSDP2 over ``dp`` x DTensor tensor
+parallelism over ``tp``, ``torchrun``, loopback; ``mesh_compare_train.py``) against one process of
+the same model and global batch.  compare pairs every forward op: the ranks of one tensor-parallel
+group hold one share of the batch (replicas taken once, column shards side by side, a row-wise
+layer's partial sums added), the shares concatenated along the batch.  A wrong tanh kernel on rank
+1 alone, before the tensor-parallel block, is named with its rank by compare (in both orders) and
+by ``ranks`` (rank 1 and its tensor-parallel peer rank 0 ran tanh on equal inputs); a clean run
+passes both, ``ranks`` saying what tensor parallelism leaves it unable to judge."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+from click.testing import CliRunner
+
+from dispatchprobe.cli import main
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not built")
+SCRIPT = Path(__file__).with_name("mesh_compare_train.py")
+TASKS = ("statistics", "tensor")
+FORWARD = {("pre", "aten.addmm.default.0.forward"): "each equal",
+           ("", "aten.tanh.default.0.forward"): "each equal",
+           ("block.up", "aten.addmm.default.0.forward"): "each side by side (dim 1)",
+           ("block", "aten.relu.default.0.forward"): "each side by side (dim 1)",
+           ("block.down", "aten.addmm.default.0.forward"): "each summed",
+           ("", "aten.pow.Tensor_Scalar.0.forward"): "each equal"}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("mesh")
+    # FSDP2 warns that a row-wise parallel layer returns a view (its output is the local tensor)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "error::UserWarning,ignore:FSDP2-wrapped module"}
+    for launch, kind, plants in (([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                                   "4"], "fsdp_tp", ("clean", "tanh1")), ([sys.executable], "single", ("clean",))):
+        proc = subprocess.run([*launch, str(SCRIPT), kind, str(out / kind), *plants], capture_output=True, text=True,
+                              timeout=600, env=env)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+    return out
+
+
+def compare(a: Path, b: Path, out: Path) -> tuple[int, list[str], pd.DataFrame]:
+    res = CliRunner().invoke(main, ["compare", str(a), str(b), "-o", str(out)])
+    return res.exit_code, res.output.splitlines(), pd.read_csv(out / "compare.csv")
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_clean_mesh_pairs_every_forward_op_with_one_process(runs, task, tmp_path):
+    mesh, single = runs / "fsdp_tp" / "clean" / task, runs / "single" / "clean" / task
+    for a, b, side in ((mesh, single, "a"), (single, mesh, "b")):
+        code, lines, table = compare(a, b, tmp_path / side)
+        assert code == 0 and lines[1].startswith("the runs agree"), lines
+        forward = table[table["what"] == "forward"]
+        for step in (0, 1):
+            rows = forward[forward["step"] == step]
+            how = {(str(sc) if sc == sc else "", n): h for sc, n, h in zip(rows["scope"], rows["name"], rows[f"how_{side}"])}
+            assert set(how) == set(FORWARD), how
+            for key, joined in FORWARD.items():
+                assert how[key] == f"concatenated (dim 0) over shares [[0, 1], [2, 3]], {joined}", (key, how[key])
+        assert set(table["status"]) == {"pass"}, table[table["status"] != "pass"]
+        # what stays unpaired is RowwiseParallel's own op (its bias divided over the group), never a forward value
+        assert [x for x in lines if x.startswith("not paired:") and "forward op(s) in run" not in x] == [], lines
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_wrong_kernel_on_one_tensor_parallel_rank_is_named_with_its_rank(runs, task, tmp_path):
+    mesh, single = runs / "fsdp_tp" / "tanh1" / task, runs / "single" / "clean" / task
+    for a, b, side in ((mesh, single, "a"), (single, mesh, "b")):
+        code, lines, table = compare(a, b, tmp_path / side)
+        assert code == 2, lines
+        assert lines[1].startswith("the runs part at step 0 forward op aten.tanh.default.0.forward [<root>] output.0 "
+                                   "on rank 1 (error: "), lines
+        tanh = table[(table["step"] == 0) & (table["name"] == "aten.tanh.default.0.forward")].iloc[0]
+        assert tanh[f"how_{side}"].startswith("rank 1 (its tensor-parallel peers differ): "), tanh
+        before = table[(table["step"] == 0) & (table["scope"] == "pre") & (table["what"] == "forward")].iloc[0]
+        assert before["status"] == "pass", before
+
+
+def ranks(run: Path) -> tuple[int, list[str]]:
+    res = CliRunner().invoke(main, ["ranks", str(run)])
+    return res.exit_code, res.output.splitlines()
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_ranks_judges_tensor_parallel_peers_on_equal_inputs(runs, task):
+    code, lines = ranks(runs / "fsdp_tp" / "clean" / task)
+    assert code == 0 and lines[0].startswith("the ranks agree: "), lines
+    assert "tensor-parallel groups [0, 1], [2, 3]: ops their members ran on equal inputs compared across them, " \
+           in lines[0] and "not judged here (compare the run with a run of other parallelism" in lines[0], lines
+    code, lines = ranks(runs / "fsdp_tp" / "tanh1" / task)
+    assert code == 2, lines
+    assert lines[0].startswith("replica drift on rank 1: aten.tanh.default [FSDPInputMLP] (step 0, forward): computed "
+                               "by tensor-parallel peers from equal inputs output.0 differs on rank 1 from rank 0: "), lines
+    assert "(no majority: rank 0 is the reference as the lowest rank, not as the right one" in lines[0], lines
+    assert lines[0].endswith("held equal by ranks 0, 1"), lines
