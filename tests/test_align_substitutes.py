@@ -96,3 +96,46 @@ def test_eager_and_compiled_unbind_attention_agree(tmp_path):
         result = CliRunner().invoke(main, ["compare", str(a), str(b)])
         assert result.exit_code == 0, result.output
         assert "stack" not in result.output.splitlines()[2]
+
+
+def _one_step(path, compiled: bool, task: str, wrong_stack: bool):
+    """One AdamW step of the built-in tiny transformer, eager or under ``probe_backend`` (aot_eager);
+    ``wrong_stack``: aten::stack's CPU kernel 1% too large (eager's backward of ``unbind``)."""
+    torch.manual_seed(0)
+    model = TinyTransformer(dropout=0.0)
+    tokens, targets = lm_batch()
+    lib = torch.library.Library("aten", "IMPL")
+    if wrong_stack:
+        lib.impl("stack", lambda ts, dim=0: torch.cat([t.unsqueeze(dim) for t in ts], dim) * 1.01, "CPU")
+    try:
+        backend = probe_backend(task=task, dump_path=str(path), inner="aot_eager") if compiled else None
+        probe = DispatchProbe(task=task, dump_path=str(path))
+        step = torch.compile(model, backend=backend) if compiled else model
+        with probe:
+            lm_loss(step, tokens, targets).backward()
+        probe.close()
+        if compiled:
+            backend.close()
+            torch._dynamo.reset()
+    finally:
+        lib._destroy()
+    return path
+
+
+@pytest.mark.probe_backend
+def test_a_wrong_stack_against_a_compiled_graphs_pieces_is_named_with_its_region(tmp_path):
+    """Eager's ``stack`` planted 1% wrong against a compiled graph's three ``select_backward`` and two
+    ``add`` of one value: the verdict used to name the graph's first ``select_backward`` (present only in
+    the compiled run, reading gradients that agree) as the prime suspect.  Either run's ops there may hold
+    the wrong kernel, and statistics do not tell which: both orders name the value's region, the stack and
+    the compiled run's pieces with it, and no op of the compiled run as a suspect (the kinds of wrong
+    kernel and tensor records: tests/test_compare_stand_in_region.py)."""
+    eager = _one_step(tmp_path / "eager", False, "statistics", wrong_stack=True)
+    compiled = _one_step(tmp_path / "compiled", True, "statistics", wrong_stack=False)
+    for a, b in ((eager, compiled), (compiled, eager)):
+        result = CliRunner().invoke(main, ["compare", str(a), str(b)])
+        assert result.exit_code == 2, result.output
+        line = next(x for x in result.output.splitlines() if x.startswith("first backward divergence"))
+        assert "prime suspect" not in line and "aten.stack.default" in line, result.output
+        assert "run A: aten.stack.default;" in line if a == eager else "run B: aten.stack.default)" in line, line
+        assert "aten.select_backward.default x3, aten.add.Tensor x2" in line, line

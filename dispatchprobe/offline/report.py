@@ -273,7 +273,7 @@ def verdict_marks(verdict) -> list:
             marks.append((early[stage], f"no {stage} divergence; " + early[stage].describe().splitlines()[0]))
     d = verdict.departure
     if verdict.passed and d is not None and not verdict.damaged and not verdict.same_run:
-        line = d.describe("the runs agree within tolerance; first departure") if d.cause in ("op", "unmatched") \
+        line = d.describe("the runs agree within tolerance; first departure") if d.cause in ("op", "unmatched", "region") \
             else "the runs agree within tolerance; first departure: " + d.describe()
         marks.append((d, line.splitlines()[0]))
     return marks

@@ -155,15 +155,10 @@ class OwnShare:
         out_err, in_err = max(self.err[k] for k in floats), max(self.err_in[k] for k in ins)
         if out_err <= ROUNDINGS * max(self.unit[k] for k in floats):
             return NONE              # a rounding-size output difference on differing inputs: nothing of its own
-        j = self.pair_b.get(i)
         # re-run an op whose output is relatively further off than its inputs (an amplifier, or an error
         # of its own): one that passes its inputs' difference on no larger adds nothing measurable
-        if measure and self.rerun is not None and j is not None and out_err > PASS_ON * in_err:
-            if not hasattr(self, "args"):
-                self.args, self.data_a, self.data_b = (self.df[c].tolist() for c in ("arg", "data_a", "data_b"))
-            own = self.rerun.own(self.recs_a[i], self.recs_b[j],
-                                 [(self.args[k], self.data_a[k], self.data_b[k],
-                                   V.lower_precision(self.dtype_a[k], self.dtype_b[k])) for k in floats])
+        if measure and out_err > PASS_ON * in_err:
+            own = self.measured(i, floats)
             if own is not None:
                 return STRONG if own else NONE
         if noise:
@@ -177,6 +172,19 @@ class OwnShare:
             self.estimated.add(i)
             return NONE              # picked elements of a differing input: their statistics bound nothing
         return self.estimate(i, floats, ins, out_err, in_err)
+
+    def measured(self, i: int, outs: list) -> bool | None:
+        """Whether paired record ``i``'s float output rows ``outs`` differ by more than both runs' recorded
+        inputs carry through it, by a float64 re-run of each run's record (:mod:`.rerun`); None where
+        it cannot be re-run (no saved tensors, no framework, the budget spent)."""
+        j = self.pair_b.get(i)
+        if self.rerun is None or j is None or not outs:
+            return None
+        if not hasattr(self, "args"):
+            self.args, self.data_a, self.data_b = (self.df[c].tolist() for c in ("arg", "data_a", "data_b"))
+        return self.rerun.own(self.recs_a[i], self.recs_b[j],
+                              [(self.args[k], self.data_a[k], self.data_b[k],
+                                V.lower_precision(self.dtype_a[k], self.dtype_b[k])) for k in outs])
 
     def estimate(self, i: int, outs: list, ins: list, out_err: float, in_err: float) -> int:
         """An op's own difference judged on the recorded errors alone (inputs that differ, no float64
@@ -320,6 +328,8 @@ class Lineage:
         self.makers = {n: {i for (_, kind), recs in lo.items() if kind == MAKER for i in recs}
                        for n, lo in self.loose.items()}
         self.pairs = pairs
+        # paired records where one run's kernel stands in for another's (``shapes``: other ops of one shape)
+        self.stand_ins = {i for i, _, how in pairs if how == "shapes"}
         self.anchors: dict = {}  # per run, built on first use (runs with one-run-only ops): see _anchors
         self.boundary = {i for i, _, how in pairs if how == "region boundary"}   # rows for the values entering too
         self.places: dict = {}
@@ -661,6 +671,46 @@ class Lineage:
         relative to the product's terms and its output's relative to itself."""
         return self.terms_err.get(i, 0.0) if i in self.regroup.partial_out else self.own_share.err_in[k]
 
+    # ---- a value the runs compute with other ops from values that agree ----------------------------
+    def feeds_region(self, root: Root | None, i: int) -> bool:
+        """``root`` is a one-run-only op larger than rounding in the gap just before paired record ``i``
+        (the first paired record after it in its run is ``i``): the other run's share of a value
+        computed with other ops."""
+        return root is not None and root.cause == "unmatched" and not root.weak and \
+            self.place(self.a if root.side == "a" else self.b, root.index)[0] == i
+
+    def region(self, i: int, hidden: list, outs: list) -> str | None:
+        """Paired record ``i`` is one run's kernel standing in for another's (other ops of one shape:
+        eager's ``stack``, the backward of ``unbind``, for a compiled graph's ``select_backward`` pieces
+        and the ``add`` of them), one-run-only ops just before it made what it reads from values that
+        agree (``hidden``: :meth:`uncompared`), and its outputs differ: the runs compute that value
+        with other ops, so the difference enters in one of them, either run's, and naming the
+        one-run-only op would blame one run's share for a kernel the other run's may hold.  A float64
+        re-run of the stand-in's two records decides where it can: "op" (its own kernels are off: the
+        pair is the source) or "feeders" (they are right: the one-run-only ops stay the suspects);
+        unmeasured (statistics, a record that cannot be re-run), "region": the source is the region
+        (cause ``region``, :meth:`region_ops`).  None where ``i`` is no such stand-in."""
+        if i not in self.stand_ins or not any(k is None and self.feeds_region(src[0], i) for k, src in hidden):
+            return None
+        own = self.own_share.measured(i, [k for k in outs if self.own_share.floats[k]])
+        return "region" if own is None else "op" if own else "feeders"
+
+    def region_ops(self, i: int) -> dict:
+        """Run name -> the ops each run computes region ``i``'s value with (:meth:`region`): the paired
+        record and the one-run-only ops just before it that it reads, directly or through one another."""
+        out = {}
+        for side, rec in ((self.a, i), (self.b, self.pair_b.get(i))):
+            found, todo = [rec], [rec]
+            while todo:
+                for io, _, spec in side.flow.walks[todo.pop()]:
+                    src = self.producer(side, id(spec)) if io == "input" else None
+                    if src is not None and src[0] in side.only and src[0] not in found and \
+                            self.place(side, src[0])[0] == i:
+                        found.append(src[0])
+                        todo.append(src[0])
+            out[side.name] = [side.recs[k]["op"] for k in sorted(found)]
+        return out
+
     # ---- sums the runs group differently (.regroup) ------------------------------------------------
     def row_err(self, i: int, k: int) -> float:
         """The difference output row ``k`` of paired record ``i`` hands on: its error, or where it
@@ -819,10 +869,6 @@ class Lineage:
                 # a float64 re-run costs an op's replay twice: only while no larger source is known
                 found = stage_src.get((stage, rec["kind"], stage in err_stages))
                 hidden = self.uncompared(i, s0, e0)
-                own = self.regrouped_own(i, reach, srcs.values(), outs, ins) if regrouped else self.own_share(
-                    i, outs, ins + [k for k, _ in hidden if k is not None],
-                    found is None or found[0] is None or found[0].weak,
-                    any(k is None for k, _ in hidden), [k for k in ins if self.noise[k]])
                 # a one-run-only op whose output no row compares may or may not hand on a difference: it is
                 # a suspect only where the measured differing inputs (rows) with a source do not explain
                 # the outputs' difference (they differ no less than PASS_ON times less).  The second
@@ -832,7 +878,17 @@ class Lineage:
                 measured = [k for k, src in [*((k, srcs[k]) for k in ins), *((k, s) for k, s in hidden if k is not None)]
                             if any(r is not None and not r.weak for r in src)]
                 explained = bool(measured) and max(err[k] for k in outs) <= PASS_ON * max(err[k] for k in measured)
-                srcs.update((-1 - m, src) for m, (k, src) in enumerate(hidden)     # not rows: keys of their own
+                region = None if explained or regrouped else self.region(i, hidden, outs)
+                if region is not None:   # a value the runs compute with other ops: the region decides
+                    own = STRONG if region == "op" else NONE
+                else:
+                    own = self.regrouped_own(i, reach, srcs.values(), outs, ins) if regrouped else self.own_share(
+                        i, outs, ins + [k for k, _ in hidden if k is not None],
+                        found is None or found[0] is None or found[0].weak,
+                        any(k is None for k, _ in hidden), [k for k in ins if self.noise[k]])
+                inside = self.seen_at(i, "", "region") if region == "region" else None
+                srcs.update((-1 - m, (inside, None) if inside is not None and self.feeds_region(src[0], i) else src)
+                            for m, (k, src) in enumerate(hidden)     # not rows: keys of their own
                             if k is not None or not explained)
                 if self.constant_pair(i) or (not ins and not hidden and self.extremes_differ(i)):
                     best = self.seen_at(i, "", "constant", CONSTANT)   # the programs differ, no kernel
@@ -843,6 +899,8 @@ class Lineage:
                 else:
                     for kb, kh in srcs.values():
                         best, inh = _min(best, kb), _min(inh, kh)
+                    if inside is not None and best is inside:
+                        origin_rows[outs] = True
                 self.best[i], self.inh[i] = best, inh
             # the sources of its error rows (a stage with some), else of all its differing rows (a departure;
             # an input zero up to rounding is none: only what is computed from it may depart)
@@ -912,9 +970,11 @@ def trace(df: pd.DataFrame, a: Side, b: Side, pairs: list, rerun=None, same_kern
         if pick.cause == "choice" and a.recs[pick.index]["stage"] != stage:
             div = _after_choice(div, a, pick)
         # placed from the recorded errors, or from statistics (equal statistics do not make equal values)
-        div.approximate = pick.cause == "op" and (pick.index in lineage.own_share.estimated or bool(
+        div.approximate = pick.cause in ("op", "region") and (pick.index in lineage.own_share.estimated or bool(
             unmeasured[(lineage.uid == pick.index) & (df["stage"].to_numpy(object) == stage)].any()))
         _paired_op(df, div, pick)
+        if pick.cause == "region":
+            div.region = lineage.region_ops(pick.index)
         div.unjudged = _unjudged(df, lineage, stage, pick) if errors else ""
         divs.append(div)
         roots.append(pick)
@@ -1002,7 +1062,7 @@ def _partial_sums_not_judged(df: pd.DataFrame, rows: np.ndarray) -> None:
 def _paired_op(df: pd.DataFrame, div, pick) -> None:
     """Names in ``div`` the op of the other run's record paired with it, where it is another op (an
     eager and a compiled run, two frameworks): the same pair is named whichever run is A."""
-    if div.cause in ("op", "random", "unrecorded") and div.side == "a" and len(df):
+    if div.cause in ("op", "random", "unrecorded", "region") and div.side == "a" and len(df):
         paired = set(df["op_b"].to_numpy(object)[df["uid"].to_numpy() == pick.index].tolist()) - {div.op}
         if len(paired) == 1:
             div.other_op = paired.pop()
@@ -1082,7 +1142,7 @@ def _describe(df, a: Side, b: Side, stage, pick: Root, errors, off) -> Divergenc
     at = df[(df["uid"] == i) & (df["stage"] == stage) & off] if side == "a" else df.iloc[:0]
     step, rank = int(df["step"].iat[0]), int(df["rank"].iat[0])
     module = None
-    if cause in ("op", "unrecorded", "received"):
+    if cause in ("op", "unrecorded", "received", "region"):
         rows = at[at["io"] == "output"] if cause != "unrecorded" else at[at["arg"] == arg]
         failed = "; ".join(f"{r.arg}: {_why(r) if r.reason else _size(r)}" for r in rows.itertuples()) \
             or "outputs differ"

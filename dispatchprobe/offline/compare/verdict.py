@@ -32,6 +32,8 @@ class Divergence:
       while its inputs agree, or by more than its inputs' differences carried through it (measured
       in float64 on both runs' inputs; ``approximate`` when estimated from the recorded errors);
     - ``unmatched``: an op present in one run only (``side``) between agreeing and differing records;
+    - ``region``: a value the runs compute with other ops (``region``: each run's), from values that
+      agree, differs: the difference enters in one of those ops, and the records cannot tell which;
     - ``inputs``: a value no recorded op produced (parameter, data) already differs (``arg``);
     - ``unrecorded``: an input differs although the op that produced it agreed;
     - ``received``: a collective whose result differs while what this rank gave it agrees: the
@@ -90,6 +92,7 @@ class Divergence:
     follows: str = ""            # after_random/after_inputs: where the forward difference it follows is
     recomputed: bool = False     # a forward op activation checkpointing re-ran in backward (both runs re-ran it)
     unjudged: str = ""           # an earlier op that looked like it amplified on statistics alone, below the error line
+    region: dict = field(default_factory=dict)   # cause region: run ("a"/"b") -> the ops it computes the value with
 
     @property
     def quiet(self) -> bool:
@@ -118,6 +121,16 @@ class Divergence:
         return (f"{self.op}{paired} [{self.scope or '<top>'}] call {self.call} "
                 f"(#{self.seq} in {self.stage}{'' if self.side == 'a' else ' of run B'}{rerun}, "
                 f"step {self.step} rank {self.rank})")
+
+    def region_words(self) -> str:
+        """What a ``region`` line says of the ops each run computes the value with: which of them makes
+        the difference is not known, and the line says so rather than blame one run's share."""
+        def ops(names: list) -> str:
+            counts = {n: names.count(n) for n in dict.fromkeys(names)}
+            return ", ".join(f"{k} x{n}" if n > 1 else k for k, n in counts.items())
+        return (f"the runs compute this value with other ops (run A: {ops(self.region.get('a', []))}; run B: "
+                f"{ops(self.region.get('b', []))}) from values that agree up to rounding, so the difference enters in one of "
+                f"them, and the records cannot tell which")
 
     def _follows(self, source: str) -> str:
         """The line of a stage whose differences all come from ``source``, something no op computed
@@ -175,6 +188,10 @@ class Divergence:
         elif self.cause == "unmatched":
             lines = [f"{lead or self.headline()}: {self.where()}, present only in run {self.side.upper()}"
                      f"{'' if self.departure else ' (prime suspect)'}: {self.failed}"]
+        elif self.cause == "region":
+            lines = [f"{lead or self.headline()}: {self.where()}: {self.failed}; {self.region_words()}"
+                     + (" (origin approximate: estimated from the recorded errors, no float64 re-run)"
+                        if self.approximate else "")]
         else:
             lines = [f"{lead or self.headline()}: {self.where()}: {self.failed}"
                      + (" (origin approximate: estimated from the recorded errors, no float64 re-run)"
@@ -293,7 +310,7 @@ class Verdict:
             lines.append(f"the runs agree: A and B are the same records ({self.a}); compare it with another run")
         elif self.passed and self.departure is not None:
             d = self.departure
-            lines.append(d.describe("the runs agree within tolerance; first departure") if d.cause in ("op", "unmatched")
+            lines.append(d.describe("the runs agree within tolerance; first departure") if d.cause in ("op", "unmatched", "region")
                          else "the runs agree within tolerance; first departure: " + d.describe())
         elif self.passed and self.below_floor[0]:
             lines.append(f"the runs agree within the floor: {self.below_floor[0]} statistics rows differ below "
