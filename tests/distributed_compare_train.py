@@ -11,7 +11,8 @@ device); ``kernel1`` gives rank 1 a wrong relu kernel (``torch.library`` overrid
 with relu x1.05 for that run: no op of its own, rank 0 sees it only through the collectives);
 ``mixed`` trains an MLP after a layer with buffers (DDP's own ``cat`` before the model's) and a
 row index made from the batch's size; ``stats`` records as ``clean`` with the
-statistics task (no tensors saved); ``outside`` runs the optimizer outside the probe (its ops
+statistics task (no tensors saved), ``bf16`` too with FSDP2 computing in bfloat16 and reducing the
+gradients in float32 (``MixedPrecisionPolicy``); ``outside`` runs the optimizer outside the probe (its ops
 unrecorded) and ``optimizer`` does too, giving ``up``'s parameters a learning rate 1.1 times as
 large (a change no op record shows).
 """
@@ -59,7 +60,12 @@ class MixMLP(MLP):
 
 def build(kind: str, run: str = "clean"):
     torch.manual_seed(0)
-    return parallelize(MixMLP() if run == "mixed" else MLP(), kind)
+    model = MixMLP() if run == "mixed" else MLP()
+    if run == "bf16":
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+        return parallelize(model, kind, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                                       reduce_dtype=torch.float32))
+    return parallelize(model, kind)
 
 
 def wrong_relu_kernel() -> torch.library.Library:
@@ -115,7 +121,7 @@ def main() -> None:
     if kind != "single":
         torch.distributed.init_process_group("gloo")
     for run in sys.argv[3:] or ("clean",):
-        train(kind, out, run, task="statistics" if run == "stats" else "tensor")
+        train(kind, out, run, task="statistics" if run in ("stats", "bf16") else "tensor")
     if kind != "single":
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()

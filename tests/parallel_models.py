@@ -42,10 +42,10 @@ def fsdp2():
     return fully_shard
 
 
-def parallelize(model: nn.Module, kind: str, mesh=None) -> nn.Module:
-    """``model`` under DDP (``ddp``), FSDP2 (``fsdp``: each layer and the root) or tensor parallelism
-    (``tp``: up column-wise, down row-wise) over ``mesh`` (default: every rank); any other kind
-    leaves it as it is (one process)."""
+def parallelize(model: nn.Module, kind: str, mesh=None, **shard_options) -> nn.Module:
+    """``model`` under DDP (``ddp``), FSDP2 (``fsdp``: each layer and the root, ``shard_options``
+    given to each ``fully_shard``: a ``mp_policy``) or tensor parallelism (``tp``: up column-wise,
+    down row-wise) over ``mesh`` (default: every rank); any other kind leaves it as it is (one process)."""
     if kind == "ddp":
         return nn.parallel.DistributedDataParallel(model)
     if kind in ("fsdp", "tp") and mesh is None:
@@ -53,9 +53,9 @@ def parallelize(model: nn.Module, kind: str, mesh=None) -> nn.Module:
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     if kind == "fsdp":
         fully_shard = fsdp2()
-        fully_shard(model.up, mesh=mesh)
-        fully_shard(model.down, mesh=mesh)
-        return fully_shard(model, mesh=mesh)
+        fully_shard(model.up, mesh=mesh, **shard_options)
+        fully_shard(model.down, mesh=mesh, **shard_options)
+        return fully_shard(model, mesh=mesh, **shard_options)
     if kind == "tp":
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
         return parallelize_module(model, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})

@@ -43,7 +43,7 @@ def runs(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def fsdp_runs(runs) -> Path:
     """``runs`` with a clean FSDP2 run (its own fixture: torch 2.5's FSDP2 does not run on CPU)."""
-    _record("fsdp", runs / "fsdp", "clean", "kernel1")
+    _record("fsdp", runs / "fsdp", "clean", "kernel1", "stats", "bf16")
     return runs
 
 
@@ -201,6 +201,29 @@ def test_fsdp2_agrees_with_one_process(fsdp_runs):
     grads = table[table["what"] == "grad"]
     assert len(grads) == 8 and grads["how_a"].eq("gathered (Shard(dim=0))").all()
     assert (table[table["what"] == "value"]["shape_a"].map(tuple) == table[table["what"] == "value"]["shape_b"].map(tuple)).all()
+
+
+@pytest.mark.fsdp2
+def test_fsdp2_in_bfloat16_against_float32_follows_the_gradients_through_the_reduce_scatter(fsdp_runs):
+    """FSDP2 computing in bfloat16 (``MixedPrecisionPolicy``, gradients reduced in float32) against
+    float32 FSDP2, statistics: the optimizer reads each gradient as a contiguous view of its
+    reduce-scatter's flat result, which no record shows, and the reduce-scatter reads the flat
+    buffer ``chunk_cat`` wrote, which its record once left out.  Both had no producer, so the
+    float32 gradients, computed from bfloat16 ones, were judged as float32 values that 'differ
+    already at their inputs' (exit 2).  Followed through both, they carry bfloat16's rounding and
+    are judged at it: the runs agree within tolerance, with the bfloat16 difference as warnings,
+    whichever run is A."""
+    runs = fsdp_runs
+    verdicts = [compare(runs / "fsdp" / a, runs / "fsdp" / b)[1] for a, b in (("bf16", "stats"), ("stats", "bf16"))]
+    for verdict in verdicts:
+        assert "differ already at their inputs" not in str(verdict), str(verdict)
+        assert verdict.passed and verdict.counts["warning"] > 0, str(verdict)
+    assert verdicts[0].counts == verdicts[1].counts
+    table, _ = compare(runs / "fsdp" / "bf16", runs / "fsdp" / "stats")
+    # the SGD step's gradient (add_'s input.1) is judged at bfloat16: it was computed from bfloat16 values
+    grads = table[(table["op_a"] == "aten.add_.Tensor") & (table["arg"] == "input.1") & (table["dtype_a"] == "float32")]
+    assert len(grads) and grads["status"].isin(["pass", "warning"]).all(), grads[["status", "reason"]]
+    assert grads["reason"].dropna().str.endswith("(bfloat16)").all(), grads["reason"]
 
 
 @pytest.mark.fsdp2

@@ -14,12 +14,22 @@ its span, and with statistics it can come from (for an expand of a whole value, 
 maximum and minimum, the same mean and the norm times the root of the repeats; for a part: a range
 within the value's, a norm no larger and no more nan/inf).  A part is inferred, not proven: what
 reads the link checks it (a view of a value that agrees cannot differ).  The look-up runs only for
-an input found neither by saved-tensor key nor by dtype and statistics whose layout is a view's."""
+an input found neither by saved-tensor key nor by dtype and statistics whose layout is a view's, or
+that may be a contiguous piece of a collective's flat buffer (below).
+
+A collective's result is a flat buffer that frameworks hand out in contiguous pieces: FSDP2 gives the
+optimizer each gradient as a view into its reduce-scatter's output, DDP's ``gradient_as_bucket_view``
+each gradient as a view into its all-reduced bucket.  Such a piece has a plain contiguous layout, so
+nothing in its record says it is a view; :meth:`ViewIndex.holders` lists the recent collective
+results that can hold it (:func:`flat_buffer`), never every output, where a small value's statistics
+fit inside many an unrelated larger one's."""
 
 from __future__ import annotations
 
 import math
 from typing import NamedTuple
+
+from ..core.collective_roles import role
 
 # how far a pure expand's mean and norm may be from its base's (both summed in float32, in another order)
 STATS_TOLERANCE = 1e-5
@@ -102,6 +112,13 @@ def can_view(view: _Stats, lay: Layout, base: _Stats, base_lay: Layout, whole: b
     return distinct < base_lay.numel and norm <= base.norm * (1 + STATS_TOLERANCE)
 
 
+def flat_buffer(record: dict, arg: str) -> bool:
+    """Output ``arg`` of ``record`` is a collective's result (``output.0`` of an all-reduce, an
+    all-gather, a reduce-scatter, ...): a flat buffer frameworks hand out in contiguous pieces."""
+    got = role(record.get("op", "")) if record.get("kind") == "op" else None
+    return got is not None and got.result is not None and arg.startswith(got.result)
+
+
 class ViewIndex:
     """The outputs made so far by dtype and device, to find the value an unrecorded view was taken of.
     Adding an output costs one append; an output's layout and statistics are read the first time a
@@ -109,10 +126,16 @@ class ViewIndex:
 
     def __init__(self):
         self.outputs: dict = {}    # (dtype, device) -> [[spec, entry, (stats, layout) once read]], in order
+        self.flat: dict = {}       # the same, of the collectives' results only (:func:`flat_buffer`)
 
-    def add(self, spec: dict, entry) -> None:
-        """Output ``spec`` was made (``entry``: what the caller's data flow says of its producer)."""
-        self.outputs.setdefault((spec.get("dtype"), spec.get("device")), []).append([spec, entry, None])
+    def add(self, spec: dict, entry, flat: bool = False) -> None:
+        """Output ``spec`` was made (``entry``: what the caller's data flow says of its producer);
+        ``flat``: it is a collective's result, whose contiguous pieces are looked for too."""
+        item = [spec, entry, None]
+        key = (spec.get("dtype"), spec.get("device"))
+        self.outputs.setdefault(key, []).append(item)
+        if flat:
+            self.flat.setdefault(key, []).append(item)
 
     def find(self, spec: dict):
         """The entry of the latest output input ``spec`` can be an unrecorded view of, or None (its
@@ -125,9 +148,27 @@ class ViewIndex:
         recent = self.outputs.get((spec.get("dtype"), spec.get("device")), [])[-LOOK_BACK:]
         for whole in (True, False) if lay.repeats > 1 else (False,):
             for item in reversed(recent):
-                if item[2] is None:
-                    item[2] = _stats(item[0]), layout(item[0])
-                base_st, base_lay = item[2]
-                if base_st is not None and base_lay is not None and can_view(st, lay, base_st, base_lay, whole):
+                if _holds(item, st, lay, whole):
                     return item[1]
         return None
+
+    def holders(self, spec: dict) -> list:
+        """The entries of the recent collective results a value of no view's layout can be a
+        contiguous piece of, latest first.  Statistics alone leave several (a gradient's values fit
+        inside its neighbours' buffers too), so none of them is its producer by itself: a caller
+        comparing two runs keeps the one both runs find at the same collective
+        (``compare.origin.Lineage.common_piece``)."""
+        recent = self.flat.get((spec.get("dtype"), spec.get("device")), [])[-LOOK_BACK:]
+        lay = layout(spec) if recent else None
+        if lay is None or is_view(lay) or (st := _stats(spec)) is None:
+            return []
+        return [item[1] for item in reversed(recent) if _holds(item, st, lay, False)]
+
+
+def _holds(item: list, st: _Stats, lay: Layout, whole: bool) -> bool:
+    """Whether indexed output ``item`` can hold a value of statistics ``st`` and layout ``lay``
+    (:func:`can_view`); its own statistics and layout read on first use."""
+    if item[2] is None:
+        item[2] = _stats(item[0]), layout(item[0])
+    base_st, base_lay = item[2]
+    return base_st is not None and base_lay is not None and can_view(st, lay, base_st, base_lay, whole)

@@ -125,11 +125,13 @@ class ProbeMode(TorchDispatchMode):
                 return out
             collectives.settle(func, out)
         stage, scope, grad_fn, _ = where
+        # an op returning nothing holds its results in its destinations: its record's outputs
+        results = ops.destination_values(func, args, kwargs) if out is None and facts.out_args else out
         # facts.wanted holds the op's selection, would_record the stage's and scope's
-        replaced = probe.on_op(facts.name, stage, scope, seen_args, seen_kwargs, out, func=func, grad_fn=grad_fn,
+        replaced = probe.on_op(facts.name, stage, scope, seen_args, seen_kwargs, results, func=func, grad_fn=grad_fn,
                                stack=ops.user_stack, undefined=undefined,
                                extra=extra, selected=True)
-        return out if replaced is None else replaced
+        return out if replaced is None or results is not out else replaced
 
 
 

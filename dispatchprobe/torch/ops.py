@@ -70,6 +70,29 @@ def out_args(func) -> tuple:
 
 
 @functools.cache
+def unreturned_destinations(func) -> tuple:
+    """:func:`out_args` of an op that returns nothing (FSDP2's ``chunk_cat`` writing the flat buffer
+    its reduce-scatter reads, ``split_with_sizes_copy`` writing the gathered parameters): what it
+    wrote there is its result, which its record's outputs hold.  Without them the value the next op
+    reads has no producer, and a compare would say the runs differ at their inputs."""
+    return out_args(func) if not op_schema(func).returns else ()
+
+
+def destination_values(func, args, kwargs):
+    """The values an op returning nothing wrote into its destinations
+    (:func:`unreturned_destinations`): one tensor or list, or a tuple of several, each an alias of
+    the destination (the destination itself stands, undefined, for its prior contents among the
+    inputs); None for an op that has none."""
+    def alias(v):
+        if isinstance(v, (list, tuple)):
+            return [alias(x) for x in v]
+        return v.detach() if isinstance(v, torch.Tensor) else v
+
+    got = tuple(alias(args[i] if i < len(args) else kwargs.get(name)) for i, name in unreturned_destinations(func))
+    return None if not got else got[0] if len(got) == 1 else got
+
+
+@functools.cache
 def overwritten_args(func) -> tuple:
     """(position, name) of the arguments an overwrite-only op (``fill_``, ``copy_``) writes:
     every element, none read."""

@@ -542,12 +542,29 @@ class Lineage:
         """Both runs' producers of one paired input (:meth:`producer`).  Where the two are paired
         records of different pairs, a producer inferred through a view is dropped: the view of the
         same value is found in both runs or in neither (the latest output that can hold a slice
-        need not be the one it was taken of)."""
+        need not be the one it was taken of).  A contiguous piece of a collective's result stands
+        only where both runs find it at one pair (:meth:`common_piece`)."""
         src_a, src_b = self.producer(self.a, spec_a), self.producer(self.b, spec_b)
+        if src_a is None and src_b is None:
+            return self.common_piece(spec_a, spec_b)
         both_paired = src_a is not None and src_b is not None and src_a[0] in self.pair_b and src_b[0] in self.pair_a
         if not both_paired or self.pair_b[src_a[0]] == src_b[0]:
             return src_a, src_b
         return (None if spec_a in self.a.flow.viewed else src_a), (None if spec_b in self.b.flow.viewed else src_b)
+
+    def common_piece(self, spec_a: int, spec_b: int) -> tuple:
+        """Both runs' producers of a value read as a contiguous piece of a collective's result: the
+        latest paired collective whose result can hold it in both runs and differs (a piece of a
+        result that agrees cannot differ); else (None, None).  Why: statistics leave several
+        results able to hold a piece (an FSDP2 gradient fits inside the float32 parameters a later
+        all-gather brings back, which a bfloat16 run's all-gather does not hold), and only the one
+        both runs find is the one it was taken of, as far as the records can tell."""
+        held_b = set(self.b.flow.pieces.get(spec_b, ()))
+        for src in self.a.flow.pieces.get(spec_a, ()):
+            other = self.pair_b.get(src[0])
+            if other is not None and (other, src[1]) in held_b and src in self.out_row:
+                return src, (other, src[1])
+        return None, None
 
     def _rounding(self, k: int) -> bool:
         """Row ``k`` (a value no paired op made) differs by no more than a few roundings of its dtype:

@@ -14,7 +14,7 @@ from ...core import op_traits
 from ...records.reader import Part, tensor_list
 from ...standards import verdicts as V
 from ..align import stats_distance
-from ..views import ViewIndex
+from ..views import ViewIndex, flat_buffer
 from .recompute import RECOMPUTED, one_run_only
 
 
@@ -120,6 +120,9 @@ class DataFlow(NamedTuple):
     undefined: set  # specs flagged ``undefined`` (uninitialised memory)
     viewed: frozenset = frozenset()   # input specs whose producer is inferred: read through a view no
                                       # record shows, of that producer's output (:mod:`..views`)
+    pieces: dict = {}   # input specs found by none of these that a collective's result can hold as a
+                        # contiguous piece -> every such (index, output arg), latest first
+                        # (views.ViewIndex.holders): no producer by itself (origin.Lineage.common_piece)
 
 
 def _signature(spec: dict):
@@ -148,7 +151,7 @@ def data_flow(recs: list, permuted: bool = False) -> DataFlow:
     lineage: dict = {}
     ranks: dict = {}
     undefined: set = set()
-    views, by_view_sig, viewed = ViewIndex(), {}, set()
+    views, by_view_sig, viewed, pieces = ViewIndex(), {}, set(), {}
     walks = [tensor_list(r) for r in recs]
     for i, r in enumerate(recs):
         for t in r.get("through", ()):   # a left-out layout op (translate.py): its output is its input
@@ -175,6 +178,7 @@ def data_flow(recs: list, permuted: bool = False) -> DataFlow:
                 undefined.add(id(spec))
             if io == "input" or not produces:
                 hit = by_data.get(data) if data is not None else None
+                carried = None      # a collective's piece: the precision every result holding it carries
                 if hit is None:
                     sig = _signature(spec)
                     hit = by_sig.get(sig) if sig is not None else None
@@ -184,11 +188,16 @@ def data_flow(recs: list, permuted: bool = False) -> DataFlow:
                         hit = _through_view(spec, sig, views, by_view_sig)
                         if hit is not None:
                             viewed.add(id(spec))
+                        elif holders := views.holders(spec):
+                            pieces[id(spec)] = [(e[0], e[1]) for e in holders]
+                            carried = _carried_by_all(holders)
                 if hit is not None and io == "input":
                     src[id(spec)] = hit[0], hit[1]
                 if own < 0:
                     continue
                 rk = own if hit is None or hit[2] is None else min(own, hit[2])
+                if carried is not None:
+                    rk = min(rk, carried)
                 if io == "output" and hit is None and low is not None:
                     rk = min(rk, low)
                 if rk < own:
@@ -207,8 +216,17 @@ def data_flow(recs: list, permuted: bool = False) -> DataFlow:
                     by_sig[sig] = entry
                 if by_range is not None and (key := _range(spec)) is not None:
                     by_range[key] = entry
-                views.add(spec, entry)
-    return DataFlow(src, lineage, walks, undefined, frozenset(viewed))
+                views.add(spec, entry, flat_buffer(r, arg))
+    return DataFlow(src, lineage, walks, undefined, frozenset(viewed), pieces)
+
+
+def _carried_by_all(holders: list) -> int | None:
+    """The precision rank a contiguous piece of a collective's result carries whichever of the
+    results that can hold it (``holders``' entries) it was taken of: the highest among them (a
+    float32 gradient of a bfloat16 forward, FSDP2's reduce-scatter output, carries bfloat16's
+    rounding only where every candidate does), None where one is no float."""
+    ranks = [e[2] for e in holders]
+    return None if any(r is None for r in ranks) else max(ranks)
 
 
 def _through_view(spec: dict, sig, views: ViewIndex, by_view_sig: dict):
