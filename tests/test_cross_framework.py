@@ -572,3 +572,68 @@ def test_regions_are_the_same_whichever_run_is_a(outside_runs, run):
         {({"a": "b", "b": "a"}[s], i): r["op"] for (s, i), r in other.regions.items()}
     assert (one.only_a, one.only_b) == (other.only_b, other.only_a)
     assert sum(how == "region boundary" for *_, how in one.pairs) == 2      # the loss, forward and backward
+
+
+# ---- training steps with the optimizer inside the probe: MindSpore's Adam primitive per parameter
+# against PyTorch's Adam ops, both at top level after the backward, the loss before it --------------
+@pytest.fixture(scope="module")
+def optimizer_runs(tmp_path_factory):
+    """Two Adam steps of :class:`SmallNet` each, the loss outside the model, ``opt.step()`` inside
+    ``with probe:`` (statistics task).  Planted: MindSpore's dense output x1.01 (a forward hook)."""
+    root = tmp_path_factory.mktemp("optimizer_inside")
+    rng = np.random.RandomState(0)
+    batches = [(rng.randn(4, 3, 4, 4).astype(np.float32), rng.randint(0, 5, 4)) for _ in range(2)]
+    for name in ("ms", "ms_fc"):
+        ms.set_seed(0)
+        net = SmallNet()
+        if name == "ms":
+            twin = torch_small(net)
+        else:
+            net.fc.register_forward_hook(lambda cell, inputs, out: out * 1.01)
+        ce, opt = nn.CrossEntropyLoss(), nn.Adam(net.trainable_params(), learning_rate=1e-2)
+        grad_fn = ms.value_and_grad(lambda x, y: ce(net(x), y), None, net.trainable_params())
+        probe = DispatchProbe(task="statistics", dump_path=str(root / name), model=net)
+        for x, y in batches:
+            with probe:
+                _, grads = grad_fn(ms.Tensor(x), ms.Tensor(y.astype(np.int32)))
+                opt(grads)
+            probe.step()
+        with pytest.warns(RuntimeWarning, match="not .fully. recorded"):
+            probe.close()
+    opt = torch.optim.Adam(twin.parameters(), lr=1e-2, foreach=False)
+    probe = TorchProbe(task="statistics", dump_path=str(root / "torch"), model=twin)
+    for x, y in batches:
+        with probe:
+            torch.nn.functional.cross_entropy(twin(torch.from_numpy(x)), torch.from_numpy(y).long()).backward()
+            opt.step()
+            opt.zero_grad()
+        probe.step()
+    probe.close()
+    return root
+
+
+@pytest.mark.parametrize("order", ["ms-torch", "torch-ms"])
+def test_optimizer_inside_the_probe_is_a_region_of_its_own(optimizer_runs, order):
+    """The loss (before the backward) and the optimizer step (after it) are two regions, never one,
+    and the step's scalars pair with none (was: one region swallowing the loss, 'the runs do not
+    align', exit 1; then MindSpore's beta power 0.999 paired with a PyTorch step count 1.0 and named
+    as the first forward divergence)."""
+    a, b = ("ms", "torch") if order == "ms-torch" else ("torch", "ms")
+    table, verdict = compare(str(optimizer_runs / a), str(optimizer_runs / b))
+    assert verdict.passed and verdict.forward is None and verdict.backward is None, str(verdict)
+    region = table[(table["match"] == "region boundary") & (table["stage"] == "forward")]
+    torch_op, ms_op = (region["op_a"], region["op_b"]) if a == "torch" else (region["op_b"], region["op_a"])
+    assert torch_op.str.contains("nll_loss_forward").any(), region[["step", "op_a", "op_b"]]
+    optimizer = region[ms_op.str.endswith("Adam)")]
+    assert set(optimizer["step"]) == {0, 1} and (optimizer["status"] == "pass").all(), optimizer
+    assert (optimizer["shape_a"] != ()).all()      # the parameters and gradients, no state scalar
+
+
+@pytest.mark.parametrize("planted_is_a", [True, False])
+def test_change_beside_an_optimizer_inside_the_probe_is_named(optimizer_runs, planted_is_a):
+    a, b = ("ms_fc", "torch") if planted_is_a else ("torch", "ms_fc")
+    _, verdict = compare(str(optimizer_runs / a), str(optimizer_runs / b))
+    first = verdict.forward
+    assert first is not None and (first.scope, first.op, first.cause) == ("SmallNet.fc", "aten.mul.Tensor", "unmatched"), \
+        str(verdict)
+    assert first.side == ("a" if planted_is_a else "b") and first.step == 0, str(verdict)

@@ -31,7 +31,8 @@ import yaml
 
 from ..core import op_traits
 from ..records.format import output_shapes, walk
-from .regions import compare_regions, fed_alike, producers, region_spans, sized_mean, stat_terms, stats_distance  # noqa: F401
+from .regions import (by_phase, compare_regions, fed_alike, phases, producers, region_spans, sized_mean,  # noqa: F401
+                      stat_terms, stats_distance)
 
 # Above this many elements in a gap, the quadratic SequenceMatcher is replaced by in-order pairing.
 _MAX_GAP = 20000
@@ -303,7 +304,7 @@ def align_ops(recs_a: list, recs_b: list, ia: list, ib: list, mapping: Mapping, 
     )
     none = Mapping()
     pairs: list = []
-    gaps = [(ia, ib)]
+    gaps = by_phase(recs_a, recs_b, [(ia, ib)]) if cross else [(ia, ib)]
     for how, key, accept in keyers:
         next_gaps = []
         for ga, gb in gaps:
@@ -726,17 +727,19 @@ def _closeness_many(recs_a: list, recs_b: list, groups: list):
 
 def _pair_leftovers(recs_a: list, recs_b: list, gaps: list, key, mapping: Mapping, pairs: list) -> list:
     """Records no ordered pass could pair, paired by equal ``(scope, op, shapes)`` wherever they sit
-    in the stage, the closest statistics first: two frameworks' autodiff may run a stage's
-    independent ops in other orders (attention's four backward matmuls).  Returns the gaps less
-    what paired."""
+    in the stage's phase (:func:`regions.by_phase`), the closest statistics first: two frameworks'
+    autodiff may run a stage's independent ops in other orders (attention's four backward matmuls),
+    never a loss's op on one side of the backward with an optimizer's on the other.  Returns the gaps
+    less what paired."""
     left_a = [i for ga, _ in gaps for i in ga]
     left_b = [j for _, gb in gaps for j in gb]
+    phase_a, phase_b = phases(recs_a), phases(recs_b)
     by_key: dict = {}
     for j in left_b:
-        by_key.setdefault(key(recs_b[j], Mapping()), []).append(j)
+        by_key.setdefault((phase_b[j], key(recs_b[j], Mapping())), []).append(j)
     cands = []
     for i in left_a:
-        for j in by_key.get(key(recs_a[i], mapping), ()):
+        for j in by_key.get((phase_a[i], key(recs_a[i], mapping)), ()):
             # ties go by the two positions together, the same whichever run is A
             cands.append((_output_distance(recs_a[i], recs_b[j]), i + j, abs(i - j), i, j))
     used_a, used_b = set(), set()

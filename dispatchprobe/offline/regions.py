@@ -90,7 +90,7 @@ def region_spans(recs_a: list, recs_b: list, gaps: list, key, mapping, pairs: li
     paired_b = {j for _, j, _ in pairs}
     none = type(mapping)()
     left, spans = [], []
-    for ga, gb in gaps:
+    for ga, gb in by_phase(recs_a, recs_b, gaps):
         if not (_computes(recs_a, ga) and _computes(recs_b, gb)):
             left.append((ga, gb))
             continue
@@ -107,6 +107,37 @@ def region_spans(recs_a: list, recs_b: list, gaps: list, key, mapping, pairs: li
         else:
             left.append((ga, gb))
     return left, spans
+
+
+def by_phase(recs_a: list, recs_b: list, gaps: list) -> list:
+    """``gaps`` split at the backward: the loss a step computes before its backward and the optimizer
+    step after it sit in one gap of the forward stage (both at top level), yet are no one region (a
+    MindSpore ``Adam`` primitive per parameter against PyTorch's Adam ops would swallow the loss).
+    The pieces pair by phase (:func:`phases`); a phase one run alone has stays unpaired."""
+    phase_a, phase_b = phases(recs_a), phases(recs_b)
+    out = []
+    for ga, gb in gaps:
+        pa, pb = _group(ga, phase_a), _group(gb, phase_b)
+        if len(pa) < 2 and len(pb) < 2 and pa.keys() == pb.keys():
+            out.append((ga, gb))
+            continue
+        out.extend((pa.get(k, []), pb.get(k, [])) for k in sorted(pa.keys() | pb.keys()))
+    return out
+
+
+def phases(recs: list) -> list:
+    """Each record's phase: 0 before the part's first backward op, 1 from it on.  Only that first
+    one counts: a compiled graph runs its optimizer kernels as soon as each gradient is ready, between
+    backward kernels, where an eager run's follow the whole backward."""
+    first = next((i for i, r in enumerate(recs) if r["kind"] == "op" and r["stage"] == "backward"), len(recs))
+    return [0] * first + [1] * (len(recs) - first)
+
+
+def _group(idx: list, phases: list) -> dict:
+    out: dict = {}
+    for i in idx:
+        out.setdefault(phases[i], []).append(i)
+    return out
 
 
 def _computes(recs: list, idx: list) -> bool:
@@ -159,10 +190,12 @@ def _entering(recs: list, idx: list) -> list:
     return out
 
 
-def _region_inputs(xa: list, xb: list, most: float = 0.05) -> list:
+def _region_inputs(xa: list, xb: list, most: float = 0.05, most_scalar: float = 1e-6) -> list:
     """Two regions' entering values paired by size and closest statistics (at most ``most`` apart:
     a value one framework's region reads and the other's does not, such as a softmax where the other
-    reads a log-softmax, stays out); in A's order."""
+    reads a log-softmax, stays out); in A's order.  A single number says nothing of what it is, so
+    it pairs only with an equal one (``most_scalar``): an optimizer's state scalars (MindSpore's
+    beta powers, 0.999, PyTorch's step counts, 1.0) are no counterparts, however close."""
     def numel(s):
         return math.prod(s.get("shape") or ())
 
@@ -172,7 +205,7 @@ def _region_inputs(xa: list, xb: list, most: float = 0.05) -> list:
                    if numel(sa) == numel(sb) and whole(sa) == whole(sb))
     used_a, used_b, out = set(), set(), []
     for d, _, x, y in cands:
-        if d <= most and x not in used_a and y not in used_b:
+        if d <= (most if numel(xa[x]) > 1 else most_scalar) and x not in used_a and y not in used_b:
             used_a.add(x)
             used_b.add(y)
             out.append((x, xa[x], xb[y]))
@@ -255,9 +288,11 @@ def _leaving(recs: list, group: list, readers: dict) -> list:
     """[(spec, readers outside the region, position among the region's results or None)] of the
     values region ``group`` makes that a record outside it reads later (its own stage's or the
     next), and of its last record's outputs (the region's result); in the order they are made.
-    Values are told apart by saved-tensor key, else by dtype and statistics."""
+    Values are told apart by saved-tensor key, else by dtype and statistics.  The result is the last
+    record's that computes from values, not a constant of their shape after it (autograd's
+    ``ones_like`` seed of the backward, which one run records in the forward and the other not)."""
     inside, at, out = set(group), {}, []
-    last = group[-1]
+    last = next((i for i in reversed(group) if not op_traits.reads_metadata_only(recs[i]["op"])), group[-1])
     for i in group:
         for n, (_, _, spec) in enumerate(walk(recs[i], inputs=False)):
             k = _key(spec)

@@ -222,8 +222,12 @@ def _compare_parts(part_a: Part, part_b: Part, match: str, mapping: Mapping, ten
                      (recs_a, recs_b, al.pairs, flow_a.src, flow_b.src), arrays)
     if scaling is not None:
         df = scaling.judge(df, arrays)
-    # compute records: counted per distinct op (a few over 100k records), casts left out
-    compute = [_compute(Counter(map(_OP, recs))) for recs in (recs_a, recs_b)]
+    # compute records: counted per distinct op (a few over 100k records), casts left out; those inside a
+    # region outside every module (a loss function, an optimizer step, which two frameworks compute with
+    # other ops) are compared at its boundary, as a decomposed module's are: neither aligned nor not
+    at_top = [Counter(recs[i]["op"] for (s, i), scope in al.inside.items() if s == side and scope == "<top>")
+              for side, recs in (("a", recs_a), ("b", recs_b))]
+    compute = [_compute(Counter(map(_OP, recs)) - top) for recs, top in zip((recs_a, recs_b), at_top)]
     paired = _compute(Counter(recs_a[i]["op"] for i, _, _ in al.pairs))
     rerun = float64_rerun(framework, part_a, part_b) if tensors and framework and not any(translate) else None
     if rerun is not None:   # re-runs read at most 1/64 of what the metrics read (compare's speed)
