@@ -1,8 +1,9 @@
 """A data-parallel x tensor-parallel mesh (4 gloo ranks: FSDP2 over ``dp`` x DTensor tensor
 parallelism over ``tp``, ``torchrun``, loopback; ``mesh_compare_train.py``) against one process of
-the same model and global batch.  compare pairs every forward op: the ranks of one tensor-parallel
-group hold one share of the batch (replicas taken once, column shards side by side, a row-wise
-layer's partial sums added), the shares concatenated along the batch.  A wrong tanh kernel on rank
+the same model and global batch.  compare pairs every forward op and the backward ops but the
+weights' gradients before their reduction: the ranks of one tensor-parallel group hold one share
+of the batch (replicas taken once, column shards side by side, partial sums added), the shares
+concatenated along the batch, a gradient divided by the 2 shares whose losses are means.  A wrong tanh kernel on rank
 1 alone, before the tensor-parallel block, is named with its rank by compare (in both orders) and
 by ``ranks`` (rank 1 and its tensor-parallel peer rank 0 ran tanh on equal inputs); a clean run
 passes both, ``ranks`` saying what tensor parallelism leaves it unable to judge."""
@@ -30,6 +31,10 @@ FORWARD = {("pre", "aten.addmm.default.0.forward"): "each equal",
            ("block", "aten.relu.default.0.forward"): "each side by side (dim 1)",
            ("block.down", "aten.addmm.default.0.forward"): "each summed",
            ("", "aten.pow.Tensor_Scalar.0.forward"): "each equal"}
+BACKWARD = {("block.down", "aten.mm.default.0.backward"): "each side by side (dim 1)",   # down's input gradient
+            ("block", "aten.threshold_backward.default.0.backward"): "each side by side (dim 1)",
+            ("block.up", "aten.mm.default.0.backward"): "each summed",        # up's input gradient, before its all-reduce
+            ("", "aten.tanh_backward.default.0.backward"): "each equal"}
 
 
 @pytest.fixture(scope="module")
@@ -63,9 +68,18 @@ def test_clean_mesh_pairs_every_forward_op_with_one_process(runs, task, tmp_path
             assert set(how) == set(FORWARD), how
             for key, joined in FORWARD.items():
                 assert how[key] == f"concatenated (dim 0) over shares [[0, 1], [2, 3]], {joined}", (key, how[key])
+        backward = table[(table["what"] == "backward") & (table["step"] == 0)]
+        how = {(str(sc) if sc == sc else "", n): h for sc, n, h in zip(backward["scope"], backward["name"],
+                                                                      backward[f"how_{side}"])}
+        for key, joined in BACKWARD.items():
+            assert how[key] == (f"concatenated (dim 0) over shares [[0, 1], [2, 3]], {joined}, divided by 2 (a mean "
+                                "over each of 2 shares)"), (key, how)
         assert set(table["status"]) == {"pass"}, table[table["status"] != "pass"]
-        # what stays unpaired is RowwiseParallel's own op (its bias divided over the group), never a forward value
-        assert [x for x in lines if x.startswith("not paired:") and "forward op(s) in run" not in x] == [], lines
+        # what stays unpaired: RowwiseParallel's own op (its bias divided over the group) and the weights'
+        # gradients before their reduction over the data-parallel group, never a forward value
+        unpaired = [x for x in lines if x.startswith("not paired:") and "forward op(s) in run" not in x]
+        assert unpaired and all(" backward op aten." in x and "each share's own sum over its part of the batch (a "
+                                "weight's gradient before its reduction" in x for x in unpaired if "more" not in x), lines
 
 
 @pytest.mark.parametrize("task", TASKS)

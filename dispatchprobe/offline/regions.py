@@ -362,7 +362,10 @@ def _region_record(recs: list, group: list, inputs: list, outputs: list) -> dict
     """The record standing for region ``group``: its last record with the region's boundary values."""
     ops = [recs[i]["op"] for i in group]
     op = f"region({ops[0]})" if len(ops) == 1 else f"region({len(ops)} ops: {ops[0]} .. {ops[-1]})"
-    new = dict(recs[group[-1]], op=op, scope=_common_scope(recs[i]["scope"] for i in group),
+    # where it sits: its computing records' modules (a cast of its input at top level, PyTorch's
+    # ``.long()`` of the token ids before an embedding, does not move it out of the embedding)
+    computing = [i for i in group if not op_traits.is_cast(recs[i]["op"])] or group
+    new = dict(recs[group[-1]], op=op, scope=_common_scope(recs[i]["scope"] for i in computing),
                inputs=inputs, outputs=outputs, kwargs={}, region=[recs[i]["name"] for i in group])
     new.pop("fused", None)
     return new

@@ -1,5 +1,6 @@
-"""Compare two runs of different parallelism (1 process vs 2-rank DDP or FSDP2 of one model and
-global batch, or 2-rank DDP vs 2-rank FSDP2): what both hold, assembled from the ranks, step by step.
+"""Compare two runs of different parallelism (1 process vs DDP, FSDP2 or FSDP2 x tensor
+parallelism of one model and global batch, or 2-rank DDP vs 2-rank FSDP2): what both hold,
+assembled from the ranks, step by step.
 
 - the loss: the last forward op with a 0-dim float output before backward, averaged over the
   data-parallel ranks (each rank's mean over its share of the batch);
@@ -7,14 +8,16 @@ global batch, or 2-rank DDP vs 2-rank FSDP2): what both hold, assembled from the
   over ranks along one dimension is concatenated back (the batch of data parallelism, the column
   shards of a column-wise tensor-parallel layer), a replicated value taken from the lowest rank, an
   FSDP2/DTensor shard gathered by its placements, a full reduction averaged (``mean``) or summed
-  (``sum``) over the ranks; runs of the same ranks pair rank with rank;
+  (``sum``) over the ranks; runs of the same ranks pair rank with rank; on a data-parallel x
+  tensor-parallel mesh each tensor-parallel group's pieces are joined first (:class:`Mesh`);
+- the backward ops, paired and assembled as the forward ops, a value computed from the loss's
+  gradient divided by the number of shares each computing a mean over its share; a weight's
+  gradient before its reduction (each share's own sum) is not paired, the parameter gradients are;
 - each parameter's gradient as the optimizer read it (after DDP's all-reduce, FSDP's
   reduce-scatter: shards gathered) and its value after the step (the parameter records,
   ``params.jsonl``), paired by name (``module.`` of DDP and ``_orig_mod.`` of torch.compile left out).
 
-Backward ops are not paired: a rank's backward values are its share of the batch's gradient
-before reduction; the parameter gradients after it are.  Collectives and FSDP's own ops exist in
-one run only by nature and are listed as communication.
+Collectives and FSDP's own ops exist in one run only by nature and are listed as communication.
 """
 
 from __future__ import annotations
@@ -102,7 +105,7 @@ class ParallelVerdict:
         counts = ", ".join(f"{k} {self.counts.get(k, 0)}" for k in (V.PASS, V.WARNING, V.ERROR))
         held = f" holding other pieces of the parameters ({self.layout})" if self.layout else ""
         lines = [f"different parallelism: run A has {_ranks(self.ranks_a)}, run B {_ranks(self.ranks_b)}{held}; compared "
-                 f"what both hold (loss, forward ops assembled over ranks, parameter gradients after reduction, "
+                 f"what both hold (loss, forward and backward ops assembled over ranks, parameter gradients after reduction, "
                  f"parameters after each step) over {len(self.steps)} step(s): {counts}"]
         p = self.parted
         if p:
@@ -134,11 +137,11 @@ def _ranks(ranks: list) -> str:
 def _describe(row: dict) -> str:
     if row["what"] == "loss":
         return f"the loss ({row['name']})"
-    if row["what"] == "forward":
+    if row["what"] in ("forward", "backward"):
         how = next((h for h in (str(row.get("how_a") or ""), str(row.get("how_b") or "")) if TP_PEERS_DIFFER in h),
                    str(row.get("how_a") or ""))
         on = f" on {how.partition(' (')[0]}" if how.endswith(RANK_BY_RANK) or TP_PEERS_DIFFER in how else ""
-        return f"forward op {row['name']} [{row['scope'] or '<root>'}] {row['arg']}{on}"
+        return f"{row['what']} op {row['name']} [{row['scope'] or '<root>'}] {row['arg']}{on}"
     return f"{'gradient' if row['what'] == 'grad' else 'value after the step'} of parameter {row['name']}"
 
 
@@ -340,10 +343,11 @@ def mesh_of(parts: dict) -> Mesh | None:
 
 
 def partial_sums(records: list) -> dict:
-    """id(output spec) -> the all-reduce's output spec, for each forward value a forward all-reduce
-    (SUM, over several ranks) takes as its input: a partial result of tensor parallelism (a
-    row-wise layer's output), recorded before the all-reduce sums it."""
-    forward = _model_forward(records)
+    """id(output spec) -> the all-reduce's output spec, for each value of the model's forward and
+    backward an all-reduce (SUM, over several ranks) takes as its input: a partial result of tensor
+    parallelism (a row-wise layer's output, a column-wise layer's input gradient), recorded before
+    the all-reduce sums it."""
+    forward = _model_forward(records) + _model_backward(records)
     flow = data_flow(forward)
     out = {}
     for i, rec in enumerate(forward):
@@ -412,13 +416,15 @@ def _join_share(share: list, items: dict, specs: dict, records: dict, mesh: Mesh
 
 
 def assemble_on_mesh(specs: dict, records: dict, parts: dict, mesh: Mesh, tensors: bool, problems: list,
-                     target: tuple | None, reduction: str | None) -> tuple[list, str]:
+                     target: tuple | None, reduction: str | None, stage: str = "forward") -> tuple[list, str]:
     """The whole value from the ranks of a data-parallel x tensor-parallel mesh, shaped like
     ``target`` (the other run's): each share's pieces joined first (replicas taken once, column
     shards side by side, partial sums added), then the shares as the batch's split.  Where the
     members of a share ran an op on equal inputs and still differ, one whole value per member
-    index, so that each is judged and the one that parts names its rank.  Returns ([value], why
-    not); DTensors and runs without ``target`` go through :func:`assemble`."""
+    index, so that each is judged and the one that parts names its rank.  In the backward, a value
+    of one shape on every share that the shares hold unequal is each share's sum over its part of
+    the batch (a weight's gradient before the data-parallel reduction), said so.  Returns ([value],
+    why not); DTensors and runs without ``target`` go through :func:`assemble`."""
     if target is None or any(s.get("dtensor") for s in specs.values()):
         v, why = assemble(specs, parts, tensors, problems, target, reduction)
         return ([v] if v is not None else []), why
@@ -453,6 +459,9 @@ def assemble_on_mesh(specs: dict, records: dict, parts: dict, mesh: Mesh, tensor
         v, why = _join_shares(chosen, fit, reduction, how)
         if v is not None:
             values.append(v)
+    if not values and stage == "backward" and fit == "equal":
+        return [], ("each share's own sum over its part of the batch (a weight's gradient before its reduction "
+                    "over the data-parallel group): the parameter gradients compare it after")
     if not values:
         return [], _peers_apart(mesh, items, specs, records, tensors, parts, problems) or why
     return values, ""
@@ -786,6 +795,13 @@ def _step_rows(step: int, pa: dict, pb: dict, tensors: bool, problems: list, unp
             add(what, name, scope, arg, va, vb)
             rows[-1]["key"] = key
             paired.add(key)
+    for key, arg, pairs, why in _backward_pairs(pa, pb, mesh_a, mesh_b, tensors, problems):
+        rec = next(iter(_backward(pa)[0][key].values()))
+        scope = module_path(rec["scope"])
+        if pairs:
+            add_worst("backward", key[1], scope, arg, pairs)
+        elif arg == "output.0" and why:
+            unpaired.append(f"step {step} backward op {key[1]} [{scope or '<root>'}]: {why}")
     only = {}
     for side, order, other in (("a", order_a, fb), ("b", order_b, fa)):
         keys = [n for n in order if n not in other and not n[1].startswith(COMMUNICATION)]
@@ -831,22 +847,121 @@ def _step_rows(step: int, pa: dict, pb: dict, tensors: bool, problems: list, unp
     return rows
 
 
-def _mesh_pairs(side_a: tuple, side_b: tuple, tensors: bool, problems: list, reduction: str | None) -> tuple[list, str]:
-    """The pairs of one forward value where a run is a data-parallel x tensor-parallel mesh (each
-    side: specs, records and parts by rank, its :class:`Mesh` or None, the other run's shape):
-    every whole value of one run against every whole value of the other ([], why not)."""
+def _mesh_pairs(side_a: tuple, side_b: tuple, tensors: bool, problems: list, reduction: str | None,
+                stage: str = "forward") -> tuple[list, str]:
+    """The pairs of one value where a run is a data-parallel x tensor-parallel mesh (each side:
+    specs, records and parts by rank, its :class:`Mesh` or None, the other run's shape): every
+    whole value of one run against every whole value of the other ([], why not)."""
     values = []
     for specs, records, parts, mesh, target in (side_a, side_b):
         if mesh is None:
             v, why = assemble(specs, parts, tensors, problems, target, reduction)
             got = [v] if v is not None else []
         else:
-            got, why = assemble_on_mesh(specs, records, parts, mesh, tensors, problems, target, reduction)
+            got, why = assemble_on_mesh(specs, records, parts, mesh, tensors, problems, target, reduction, stage)
         if not got:
             return [], why
         values.append(got)
     pairs = [(va, vb) for va in values[0] for vb in values[1] if math.prod(va.shape) == math.prod(vb.shape)]
     return pairs, "" if pairs else f"shapes {list(values[0][0].shape)} and {list(values[1][0].shape)}"
+
+
+def _model_backward(records: list) -> list:
+    """The backward op records of the model: from the first backward record to the last (the
+    optimizer's ops come after them)."""
+    stages = [r.get("stage") for r in records]
+    if "backward" not in stages:
+        return []
+    first, last = stages.index("backward"), len(stages) - 1 - stages[::-1].index("backward")
+    return [r for r in records[first:last + 1] if r.get("kind") == "op" and r.get("stage") == "backward"]
+
+
+def _backward(parts: dict) -> tuple[dict, list]:
+    """key -> {rank: record} of the backward op records every rank holds, and the lowest rank's keys
+    in order (as :func:`_forward`)."""
+    by_rank = {r: _keyed(_model_backward(p.records)) for r, p in parts.items()}
+    first = by_rank[min(parts)]
+    return {n: {r: by_rank[r][n] for r in parts} for n in first if all(n in by_rank[r] for r in parts)}, list(first)
+
+
+def backward_scale(parts: dict, mesh: Mesh | None) -> int | None:
+    """How many times a run's backward values are the whole batch's: each share's loss a mean over
+    its share of the batch, the gradient of that mean is the number of shares times the whole
+    batch's mean's (1 for one process); None where the loss is not such a mean (its scale unknown)."""
+    shares = len(mesh.shares) if mesh else len(parts)
+    if shares == 1:
+        return 1
+    records = parts[min(parts)].records
+    loss = _loss_name(records)
+    op = next((r["op"] for r in records if r.get("name") == loss), None)
+    return shares if op == "aten.mean.default" else None
+
+
+def gradient_outputs(records: list) -> set:
+    """(record name, output arg) of the backward values computed from the loss's gradient: the
+    outputs of the first backward op of the model (autograd starts at the loss, whose gradient it
+    reads: the seed, expanded by a view no record shows), then of every backward op reading such
+    an output.  Only these carry the loss's scale; a backward op on forward values alone
+    (``pow(x, 1)`` of a square's gradient) does not."""
+    forward, backward = _model_forward(records), _model_backward(records)
+    ops = forward + backward
+    flow = data_flow(ops)
+    first = next((i for i in range(len(forward), len(ops)) if not ops[i]["op"].startswith(COMMUNICATION)), None)
+    out: set = set()
+    for i in range(len(forward), len(ops)):
+        sources = [flow.src.get(id(spec)) for io, _, spec in flow.walks[i] if io == "input"]
+        if i == first or any(src is not None and (ops[src[0]]["name"], src[1]) in out for src in sources):
+            out.update((ops[i]["name"], arg) for io, arg, _ in flow.walks[i] if io == "output")
+    return out
+
+
+def _scaled(v: Value, k: int) -> Value:
+    """``v`` divided by ``k`` (its statistics too: max, min, mean and norm scale alike)."""
+    if k == 1:
+        return v
+    stats = {key: (x / k if key in ("max", "min", "mean", "norm") and x is not None else x)
+             for key, x in v.stats.items()} if v.stats else v.stats
+    array = None if v.array is None else (np.asarray(v.array) / k).astype(np.asarray(v.array).dtype)
+    return Value(v.shape, v.dtype, stats, array, f"{v.how}, divided by {k} (a mean over each of {k} shares)")
+
+
+def _backward_pairs(pa: dict, pb: dict, mesh_a: Mesh | None, mesh_b: Mesh | None, tensors: bool, problems: list):
+    """(key, arg, pairs, why not) of the backward ops both runs hold, paired by module, op and call
+    index within the module as the forward ops, each value assembled as they are (a gradient of
+    activations split as they are, a share's partial sum over tensor parallelism added up) and
+    divided by its run's :func:`backward_scale`.  A weight's gradient before its reduction over the
+    data-parallel group is each share's own sum: not paired (the parameter gradients are)."""
+    ka, kb = backward_scale(pa, mesh_a), backward_scale(pb, mesh_b)
+    (ba, order_a), (bb, order_b) = _backward(pa), _backward(pb)
+    grads_a, grads_b = gradient_outputs(pa[min(pa)].records), gradient_outputs(pb[min(pb)].records)
+    for key in _in_both_orders(order_a, order_b, [n for n in order_a if n in ba and n in bb]):
+        if key[1].startswith(COMMUNICATION):
+            continue
+        rec_a, rec_b = ba[key], bb[key]
+        walks_a = {r: {arg: s for _, arg, s in walk(rec, inputs=False)} for r, rec in rec_a.items()}
+        walks_b = {r: {arg: s for _, arg, s in walk(rec, inputs=False)} for r, rec in rec_b.items()}
+        for arg in walks_a[min(walks_a)]:
+            sa = {r: w[arg] for r, w in walks_a.items() if arg in w}
+            sb = {r: w[arg] for r, w in walks_b.items() if arg in w}
+            if len(sa) != len(walks_a) or len(sb) != len(walks_b) or any(
+                    "stats" not in x and "data" not in x for x in (*sa.values(), *sb.values())):
+                continue
+            seeded = {(rec_a[min(rec_a)]["name"], arg) in grads_a, (rec_b[min(rec_b)]["name"], arg) in grads_b}
+            if len(seeded) > 1:
+                yield key, arg, [], "computed from the loss's gradient in one run only"
+                continue
+            if seeded == {True} and (ka is None or kb is None):
+                yield key, arg, [], ("the loss is not a mean over each share of the batch: the scale of its "
+                                     "gradients across the runs is unknown")
+                continue
+            scale_a, scale_b = (ka, kb) if seeded == {True} else (1, 1)
+            pairs, why = rank_by_rank(sa, sb, pa, pb, tensors, problems, None)
+            if not pairs and not why:
+                tb = tuple(sb[min(sb)]["shape"]) if len(sb) == 1 else None
+                ta = tuple(sa[min(sa)]["shape"]) if len(sa) == 1 else None
+                pairs, why = _mesh_pairs((sa, rec_a, pa, mesh_a, tb), (sb, rec_b, pb, mesh_b, ta), tensors,
+                                         problems, None, "backward")
+            yield key, arg, [(_scaled(va, scale_a), _scaled(vb, scale_b)) for va, vb in pairs], why
 
 
 def _in_both_orders(order_a: list, order_b: list, items: list) -> list:

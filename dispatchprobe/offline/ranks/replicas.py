@@ -242,7 +242,8 @@ def _peer_claims(me: _Rank, state: dict, peers: frozenset, values: Values) -> li
 
 def _given_alike(me: _Rank, i: int, given: list, other: _Rank, values: Values) -> bool:
     """Whether ``other`` ran record ``i``'s op with the same number arguments on tensor inputs equal
-    to this rank's (bytes where saved, else statistics, which equal values share)."""
+    to this rank's (statistics first: equal values share them, so differing ones settle it without
+    reading a tensor; then bytes where saved)."""
     j = other.by_name.get(me.records[i]["name"])
     if j is None or repr(_numbers(other.records[j])) != repr(_numbers(me.records[i])):
         return False
@@ -252,6 +253,8 @@ def _given_alike(me: _Rank, i: int, given: list, other: _Rank, values: Values) -
     for mine, spec in zip(given, theirs):
         if not (judged(mine) and judged(spec)) or mine.get("shape") != spec.get("shape") or \
                 mine.get("dtype") != spec.get("dtype"):
+            return False
+        if mine.get("stats") and spec.get("stats") and not same_stats(stats_of(mine), stats_of(spec)):
             return False
         a, b = values.array(me.rank, mine), values.array(other.rank, spec)
         if not (same_arrays(a, b) if a is not None and b is not None else same_stats(stats_of(mine), stats_of(spec))):
