@@ -17,6 +17,7 @@ import mindspore as ms
 import numpy as np
 
 from dispatchprobe.core.recorder import Measured
+from dispatchprobe.records.format import UNRECORDED_GRAPH_STEPS
 
 from . import tensor_backend as ms_backend
 from . import graph_dump, graph_ir, ops
@@ -42,6 +43,7 @@ class GraphCapture:
         self.left_out: set[str] = set()    # kernels the dump filter kept out that the read filter selects
         self.kernels = 0                   # kernels read from the dump (whole run)
         self.unmatched = 0                 # kernels whose files disagreed with the graph's IR (not recorded)
+        self.unrecorded_steps: dict = {}   # step -> why its graph kernels were not recorded (the manifest says it)
         # a kernel of the model's own computation came from a graph (the manifest says so): one in
         # a cell of the model or in backward, not an optimizer update PyNative runs as a graph
         self.recorded = False
@@ -73,9 +75,11 @@ class GraphCapture:
         if unmatched:           # the files cannot be told apart reliably: nothing recorded rather than wrong records
             self.folder.release(os.path.join(self.keep, f"step{session.step_no}") if self.keep else None)
             self.unmatched += len(unmatched)
-            warnings.warn(f"dispatchprobe_ms: MindSpore's dump of step {session.step_no} could not be matched to "
-                          f"the graph's kernels ({len(unmatched)} of {len(kernels)} kernels' files disagree with the "
-                          f"graph's dtypes or shapes, first {unmatched[0].scope}): the step's graph kernels are not "
+            why = (f"MindSpore's dump could not be matched to the graph's kernels ({len(unmatched)} of {len(kernels)} "
+                   f"kernels' files disagree with the graph's dtypes or shapes, first {unmatched[0].scope})")
+            self.unrecorded_steps[str(session.step_no)] = why
+            session.note_in_manifest(UNRECORDED_GRAPH_STEPS, dict(self.unrecorded_steps))
+            warnings.warn(f"dispatchprobe_ms: step {session.step_no}: {why}: the step's graph kernels are not "
                           "recorded", RuntimeWarning, stacklevel=4)
             return
         if self.filtered:

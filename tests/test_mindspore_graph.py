@@ -385,3 +385,26 @@ def test_a_pynative_probe_made_after_the_first_compile_says_graphs_go_unrecorded
         assert len(said) == 1 and "create the probe before the first GRAPH_MODE or @jit call" in said[0], said
     else:                   # made in time: the @jit call inside the probe is recorded, nothing said
         assert not said and '"graph_kernel"' in (tmp_path / "run" / "step0" / "rank0" / "ops.jsonl").read_text()
+
+
+def test_steps_whose_kernels_the_dump_cannot_attribute_are_said_not_recorded(tmp_path, runs):
+    """A cross-entropy loss in a GRAPH_MODE train step: MindSpore's dump numbers its expanded
+    kernels apart from the graph's IR, so no file may become a record.  The manifest says which
+    steps and why; `load`, `show` and compare say it instead of 'no records yet'."""
+    from click.testing import CliRunner
+
+    from dispatchprobe import compare, load
+    from dispatchprobe.cli import main
+    from dispatchprobe.records.reader import RecordError
+    out = train(tmp_path / "ce", "graph", "--task", "statistics", "--config", json.dumps({"loss": "cross_entropy"}))
+    run = out / "run"
+    unrecorded = json.loads((run / "manifest.json").read_text())["graph_steps_unrecorded"]
+    assert set(unrecorded) == {"0", "1"} and all("could not be matched" in why for why in unrecorded.values())
+    said = "the graph kernels of steps 0, 1 were not recorded: MindSpore's dump could not be matched"
+    with pytest.raises(RecordError, match=said):
+        load(str(run))
+    for a, b in ((run, runs["pynative"] / "run"), (runs["pynative"] / "run", run)):
+        with pytest.raises(RecordError, match=said):
+            compare(str(a), str(b))
+    result = CliRunner().invoke(main, ["show", str(run)])
+    assert result.exit_code != 0 and said in result.output, result.output

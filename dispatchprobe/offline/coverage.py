@@ -5,7 +5,7 @@ eager run most records have no counterpart."""
 
 from __future__ import annotations
 
-from ..records.format import UNRECORDED_GRAPHS, UNRECORDED_HIGHER_ORDER
+from ..records.format import UNRECORDED_GRAPHS, UNRECORDED_HIGHER_ORDER, unrecorded_steps_note  # noqa: F401
 
 
 def graphs_note(manifest: dict) -> str | None:

@@ -9,7 +9,7 @@ import pandas as pd
 
 from ..records import part_summary
 from ..records.reader import Run
-from .coverage import graphs_note, higher_order_note
+from .coverage import graphs_note, higher_order_note, unrecorded_steps_note
 
 
 def summarize(run: Run, top: int = 10, stage: str | None = None) -> str:
@@ -36,6 +36,8 @@ def summarize(run: Run, top: int = 10, stage: str | None = None) -> str:
         hops = higher_order_note(m)
         if hops:
             lines.append(f"unrecorded {hops}")
+        if unrecorded := unrecorded_steps_note(m):
+            lines.append(f"unrecorded {unrecorded}")
     steps = sorted({s for s, _ in run.parts})
     ranks = sorted({r for _, r in run.parts})
     lines.append(f"steps      {_ranges(steps)}   ranks {_ranges(ranks)}   "

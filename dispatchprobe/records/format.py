@@ -14,6 +14,19 @@ UNRECORDED_GRAPHS = "compiled_graphs_unrecorded"
 # manifest key: the higher-order ops (torch.cond, a checkpoint's rng wrapper) run outside compiled code,
 # whose inner ops the eager probe does not see
 UNRECORDED_HIGHER_ORDER = "higher_order_ops_unrecorded"
+# manifest key: steps whose compiled-graph kernels were left unrecorded ({"step": why}): MindSpore's dump
+# could not be matched to the graph's kernels, and a file given to the wrong kernel must not be its record
+UNRECORDED_GRAPH_STEPS = "graph_steps_unrecorded"
+
+
+def unrecorded_steps_note(manifest: dict) -> str | None:
+    """The one-line account of the steps whose graph kernels were not recorded (None: none)."""
+    steps = manifest.get(UNRECORDED_GRAPH_STEPS)
+    if not steps:
+        return None
+    first = min(steps, key=int)
+    return (f"the graph kernels of step{'s' if len(steps) > 1 else ''} {', '.join(sorted(steps, key=int))} were "
+            f"not recorded: {steps[first]}")
 
 
 def ended_marker(rank: int) -> str:

@@ -20,7 +20,7 @@ from functools import cached_property
 import numpy as np
 import pandas as pd
 
-from .format import CLOSED_MARKER, FORMAT_NAME, FORMAT_VERSION, walk
+from .format import CLOSED_MARKER, FORMAT_NAME, FORMAT_VERSION, unrecorded_steps_note, walk
 
 
 class RecordError(Exception):
@@ -452,6 +452,8 @@ def load(path: str | os.PathLike) -> Run:
                     key = (int(step_m.group(1)), int(rank_m.group(1)))
                     parts[key] = Part(folder, *key, marks_closed=marks)
     if not parts:
+        if manifest and (unrecorded := unrecorded_steps_note(manifest)):
+            raise RecordError(f"{path}: no step holds records: {unrecorded}")
         if manifest and glob.glob(os.path.join(glob.escape(path), "step*", "rank*")):
             raise RecordError(f"{path}: the run started but its steps hold no records yet: an inline check that "
                               "flagged nothing writes its counts when the step closes (probe.step() or probe.close())")

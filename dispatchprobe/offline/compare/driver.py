@@ -32,7 +32,7 @@ from . import recompute
 from .pairing import PairingShare, decomposed_scopes, explain_unobservable, data_flow, user_frames, pair_tensors, pairing_share
 from .scoring import score_pairs
 from .task_mismatch import NOT_RECORDED, explanation, flagged_only_side, tasks_note, unaligned_hint
-from ..coverage import graphs_note, unrecorded_graphs
+from ..coverage import graphs_note, unrecorded_graphs, unrecorded_steps_note
 from .verdict import Result, RunsDoNotAlign, Verdict
 from .parallel import layout_difference, optimizer_step
 from .amplified import Trail as AmplifiedTrail
@@ -349,7 +349,9 @@ def compare(a, b, *, match: str = "fuzzy", mapping: str | Mapping | None = None,
     if is_grad_run(run_a) or is_grad_run(run_b):      # gradient directions per step and parameter
         return said_by_rank0(engine, lambda: grad_compare(run_a, run_b, out=out), _elsewhere)
     problems: list[str] = []
-    for note in (tasks_note(run_a.manifest, run_b.manifest), unrecorded_graphs(run_a.manifest, run_b.manifest)):
+    for note in (tasks_note(run_a.manifest, run_b.manifest), unrecorded_graphs(run_a.manifest, run_b.manifest),
+                 *(f"run {side}: {n}" for side, run in (("A", run_a), ("B", run_b))
+                   if (n := unrecorded_steps_note(run.manifest)))):
         if note:
             problems.append(note)
     if len(run_a.parts) == 1 and len(run_b.parts) == 1:
