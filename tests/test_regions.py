@@ -54,3 +54,16 @@ def test_the_result_is_not_a_constant_of_its_shape_after_it():
     leaving = _leaving(recs, [0, 1], _readers(recs))
     results = [s for s, _, n in leaving if n is not None]
     assert results == [loss]
+
+
+def test_a_region_drawing_random_numbers_is_random_by_its_label():
+    """One framework's dropout primitive is the other's bernoulli_ + div + mul: either run's region
+    label says it draws, wherever the drawing op sits in it."""
+    from dispatchprobe.core.op_traits import is_random, region_label
+    assert is_random(region_label(["Dropout"]))
+    assert is_random(region_label(["aten.bernoulli_.float", "aten.div_.Scalar", "aten.mul.Tensor"]))
+    middle = region_label(["aten.empty_like.default", "aten.bernoulli_.float", "aten.mul.Tensor"])
+    assert middle == "region(3 ops: aten.empty_like.default .. aten.bernoulli_.float .. aten.mul.Tensor)"
+    assert is_random(middle)
+    assert not is_random(region_label(["ReduceMax", "aten.sub.Tensor", "aten.exp.default"]))
+    assert region_label(["ReduceMax", "aten.exp.default"]) == "region(2 ops: ReduceMax .. aten.exp.default)"

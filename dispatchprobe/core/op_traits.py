@@ -132,7 +132,28 @@ def steps(op: str) -> bool:
 
 
 def is_random(op: str) -> bool:
+    """The op draws random numbers; a region's label (``region(3 ops: aten.bernoulli_.float .. aten.mul.Tensor)``,
+    ``region(Dropout)``: the ops two frameworks compute one value with) where it names such an op."""
+    if op.startswith(REGION_LABEL):
+        return any(base_name(o) in RANDOM for o in region_label_ops(op))
     return base_name(op) in RANDOM
+
+
+REGION_LABEL = "region("
+
+
+def region_label(ops: list) -> str:
+    """The label of a region computed with ``ops``: its first and last, and every random op between
+    (what :func:`is_random` reads of it)."""
+    if len(ops) == 1:
+        return f"{REGION_LABEL}{ops[0]})"
+    named = [ops[0], *(o for o in ops[1:-1] if base_name(o) in RANDOM), ops[-1]]
+    return f"{REGION_LABEL}{len(ops)} ops: {' .. '.join(named)})"
+
+
+def region_label_ops(label: str) -> list:
+    inner = label[len(REGION_LABEL):-1]
+    return inner.split(": ", 1)[-1].split(" .. ")
 
 
 def is_cast(op: str) -> bool:

@@ -360,8 +360,7 @@ def _common_scope(scopes) -> str:
 
 def _region_record(recs: list, group: list, inputs: list, outputs: list) -> dict:
     """The record standing for region ``group``: its last record with the region's boundary values."""
-    ops = [recs[i]["op"] for i in group]
-    op = f"region({ops[0]})" if len(ops) == 1 else f"region({len(ops)} ops: {ops[0]} .. {ops[-1]})"
+    op = op_traits.region_label([recs[i]["op"] for i in group])
     # where it sits: its computing records' modules (a cast of its input at top level, PyTorch's
     # ``.long()`` of the token ids before an embedding, does not move it out of the embedding)
     computing = [i for i in group if not op_traits.is_cast(recs[i]["op"])] or group

@@ -1032,7 +1032,8 @@ def _follow_random(lineage: Lineage, picks: list) -> None:
             lineage.choices.record(pick.index, None, pick._replace(cause="random"), args)
     drew = lineage.off_rows & ~is_in
     for i in sorted(set(lineage.uid[drew].tolist())):      # paired random ops whose outputs differ
-        if op_traits.is_random(lineage.a.recs[i]["op"]):
+        j = lineage.pair_b.get(i)     # either run's: one framework's dropout is the other's region of ops
+        if op_traits.is_random(lineage.a.recs[i]["op"]) or (j is not None and op_traits.is_random(lineage.b.recs[j]["op"])):
             args = [lineage.args[k] for k in np.flatnonzero(drew & (lineage.uid == i)).tolist()]
             lineage.choices.record(i, lineage.pair_b.get(i), lineage.seen_at(i, args[0], "random"), args)
 
