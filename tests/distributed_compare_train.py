@@ -12,7 +12,7 @@ with relu x1.05 for that run: no op of its own, rank 0 sees it only through the 
 ``mixed`` trains an MLP after a layer with buffers (DDP's own ``cat`` before the model's) and a
 row index made from the batch's size; ``stats`` records as ``clean`` with the
 statistics task (no tensors saved), ``bf16`` too with FSDP2 computing in bfloat16 and reducing the
-gradients in float32 (``MixedPrecisionPolicy``); ``outside`` runs the optimizer outside the probe (its ops
+gradients in float32 (``MixedPrecisionPolicy``), ``bf16kernel1`` as ``bf16`` with ``kernel1``'s relu; ``outside`` runs the optimizer outside the probe (its ops
 unrecorded) and ``optimizer`` does too, giving ``up``'s parameters a learning rate 1.1 times as
 large (a change no op record shows).
 """
@@ -61,7 +61,7 @@ class MixMLP(MLP):
 def build(kind: str, run: str = "clean"):
     torch.manual_seed(0)
     model = MixMLP() if run == "mixed" else MLP()
-    if run == "bf16":
+    if run.startswith("bf16"):
         from torch.distributed.fsdp import MixedPrecisionPolicy
         return parallelize(model, kind, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                                                        reduce_dtype=torch.float32))
@@ -79,7 +79,7 @@ def wrong_relu_kernel() -> torch.library.Library:
 
 def train(kind: str, out: str, run: str, task: str = "tensor") -> None:
     rank = torch.distributed.get_rank() if kind != "single" else 0
-    kernel = wrong_relu_kernel() if run == "kernel1" and rank == 1 else None
+    kernel = wrong_relu_kernel() if run in ("kernel1", "bf16kernel1") and rank == 1 else None
     try:
         _train(kind, out, run, task)
     finally:
@@ -121,7 +121,7 @@ def main() -> None:
     if kind != "single":
         torch.distributed.init_process_group("gloo")
     for run in sys.argv[3:] or ("clean",):
-        train(kind, out, run, task="statistics" if run in ("stats", "bf16") else "tensor")
+        train(kind, out, run, task="statistics" if run in ("stats", "bf16", "bf16kernel1") else "tensor")
     if kind != "single":
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()

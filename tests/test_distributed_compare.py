@@ -43,7 +43,7 @@ def runs(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def fsdp_runs(runs) -> Path:
     """``runs`` with a clean FSDP2 run (its own fixture: torch 2.5's FSDP2 does not run on CPU)."""
-    _record("fsdp", runs / "fsdp", "clean", "kernel1", "stats", "bf16")
+    _record("fsdp", runs / "fsdp", "clean", "kernel1", "stats", "bf16", "bf16kernel1")
     return runs
 
 
@@ -137,16 +137,19 @@ def test_a_change_on_one_rank_is_named_on_that_rank(runs, a, b, side):
     assert "follow from differing" not in res.output, res.output
 
 
-@pytest.mark.parametrize("kind", ["ddp", pytest.param("fsdp", marks=pytest.mark.fsdp2)])
-def test_a_wrong_kernel_on_one_rank_is_named_on_that_rank(kind, request):
+@pytest.mark.parametrize("kind, planted, clean", [("ddp", "kernel1", "clean"),
+                                                   pytest.param("fsdp", "kernel1", "clean", marks=pytest.mark.fsdp2),
+                                                   pytest.param("fsdp", "bf16kernel1", "bf16", marks=pytest.mark.fsdp2)])
+def test_a_wrong_kernel_on_one_rank_is_named_on_that_rank(kind, planted, clean, request):
     """Rank 1 alone runs a wrong relu kernel (x1.05, torch.library on CPU: no op of its own).  Rank 0
     sees it only through the collectives: DDP's all-reduce and FSDP2's reduce-scatter give it
     gradients that differ while what rank 0 gave them agrees -- values received from rank 1, not a
     divergence of rank 0's (a reduce-scatter's output buffer, measured as it left it, once made that
     an input no op made differing; FSDP2 hands its gradients on as views no record shows).  The
-    verdict names rank 1's relu, and no collective, in both orders."""
+    verdict names rank 1's relu, and no collective, in both orders; under FSDP2 in bfloat16 too,
+    where the optimizer's float32 gradients once 'differed already at their inputs'."""
     runs = request.getfixturevalue("fsdp_runs" if kind == "fsdp" else "runs")
-    for a, b in ((f"{kind}/kernel1", f"{kind}/clean"), (f"{kind}/clean", f"{kind}/kernel1")):
+    for a, b in ((f"{kind}/{planted}", f"{kind}/{clean}"), (f"{kind}/{clean}", f"{kind}/{planted}")):
         res = CliRunner().invoke(main, ["compare", str(runs / a), str(runs / b)])
         assert res.exit_code == 2, res.output
         lines = res.output.splitlines()
