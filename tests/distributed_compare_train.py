@@ -12,9 +12,10 @@ with relu x1.05 for that run: no op of its own, rank 0 sees it only through the 
 ``mixed`` trains an MLP after a layer with buffers (DDP's own ``cat`` before the model's) and a
 row index made from the batch's size; ``stats`` records as ``clean`` with the
 statistics task (no tensors saved), ``bf16`` too with FSDP2 computing in bfloat16 and reducing the
-gradients in float32 (``MixedPrecisionPolicy``), ``bf16kernel1`` as ``bf16`` with ``kernel1``'s relu; ``outside`` runs the optimizer outside the probe (its ops
-unrecorded) and ``optimizer`` does too, giving ``up``'s parameters a learning rate 1.1 times as
-large (a change no op record shows).
+gradients in float32 (``MixedPrecisionPolicy``), ``bf16kernel1`` as ``bf16`` with ``kernel1``'s
+relu; ``outside`` runs the optimizer outside the probe (its ops unrecorded) and ``optimizer``
+does too, giving ``up``'s parameters a learning rate 1.1 times as large (a change no op record
+shows).
 """
 
 from __future__ import annotations
