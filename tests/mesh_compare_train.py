@@ -9,7 +9,8 @@ Every run starts from the same weights and sees the same 8 samples per step; the
 tensor-parallel group take the same half of them.  RUN ``clean`` records as is; ``tanh1`` gives
 rank 1 alone a wrong tanh kernel (``torch.library`` overrides aten::tanh on CPU with tanh x1.01), in
 the layer before the tensor-parallel block, where rank 1 and its tensor-parallel peer rank 0 compute
-on equal inputs.  Each run is recorded with the statistics and the tensor task
+on equal inputs; ``relu1`` a wrong relu (x1.01) on rank 1 alone, inside the block, where each rank
+computes its own columns.  Each run is recorded with the statistics and the tensor task
 (``OUT/RUN/{statistics,tensor}``).
 """
 
@@ -30,12 +31,17 @@ STEPS = 2
 BATCH = 8
 
 
-def wrong_tanh_kernel() -> torch.library.Library:
-    """aten::tanh on CPU replaced by tanh x1.01 until the library returned is destroyed."""
+WRONG_KERNELS = {"tanh1": ("tanh", lambda x: (1 - 2 / (torch.exp(2 * x) + 1)) * 1.01),
+                 "relu1": ("relu", lambda x: torch.clamp_min(x, 0) * 1.01)}
+
+
+def wrong_kernel(run: str) -> torch.library.Library:
+    """The op of ``run`` on CPU replaced by its result x1.01 until the library returned is destroyed."""
+    op, kernel = WRONG_KERNELS[run]
     lib = torch.library.Library("aten", "IMPL")
     with warnings.catch_warnings():       # torch warns that a registered kernel is overridden: the point
         warnings.simplefilter("ignore", UserWarning)
-        lib.impl("tanh", lambda x: (1 - 2 / (torch.exp(2 * x) + 1)) * 1.01, "CPU")
+        lib.impl(op, kernel, "CPU")
     return lib
 
 
@@ -52,7 +58,7 @@ def build(kind: str):
 
 def train(kind: str, out: str, run: str, task: str) -> None:
     rank = dist.get_rank() if kind != "single" else 0
-    kernel = wrong_tanh_kernel() if run == "tanh1" and rank == 1 else None
+    kernel = wrong_kernel(run) if run in WRONG_KERNELS and rank == 1 else None
     try:
         model, share, shares = build(kind)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -5,8 +5,9 @@ weights' gradients before their reduction: the ranks of one tensor-parallel grou
 of the batch (replicas taken once, column shards side by side, partial sums added), the shares
 concatenated along the batch, a gradient divided by the 2 shares whose losses are means.  A wrong tanh kernel on rank
 1 alone, before the tensor-parallel block, is named with its rank by compare (in both orders) and
-by ``ranks`` (rank 1 and its tensor-parallel peer rank 0 ran tanh on equal inputs); a clean run
-passes both, ``ranks`` saying what tensor parallelism leaves it unable to judge."""
+by ``ranks`` (rank 1 and its tensor-parallel peer rank 0 ran tanh on equal inputs); a wrong relu
+on rank 1 inside the block's column shards is named at relu, on rank 1 where tensors are saved; a
+clean run passes both, ``ranks`` saying what tensor parallelism leaves it unable to judge."""
 
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ def runs(tmp_path_factory) -> Path:
     # FSDP2 warns that a row-wise parallel layer returns a view (its output is the local tensor)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "error::UserWarning,ignore:FSDP2-wrapped module"}
     for launch, kind, plants in (([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                                   "4"], "fsdp_tp", ("clean", "tanh1")), ([sys.executable], "single", ("clean",))):
+                                   "4"], "fsdp_tp", ("clean", "tanh1", "relu1")), ([sys.executable], "single", ("clean",))):
         proc = subprocess.run([*launch, str(SCRIPT), kind, str(out / kind), *plants], capture_output=True, text=True,
                               timeout=600, env=env)
         assert proc.returncode == 0, proc.stderr[-4000:]
@@ -94,6 +95,20 @@ def test_wrong_kernel_on_one_tensor_parallel_rank_is_named_with_its_rank(runs, t
         assert tanh[f"how_{side}"].startswith("rank 1 (its tensor-parallel peers differ): "), tanh
         before = table[(table["step"] == 0) & (table["scope"] == "pre") & (table["what"] == "forward")].iloc[0]
         assert before["status"] == "pass", before
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_wrong_kernel_inside_column_shards_is_placed_in_its_rank_where_tensors_are_saved(runs, task, tmp_path):
+    """relu x1.01 on rank 1, whose pieces are its own columns of the block's activation: the whole
+    value errs at relu; saved tensors place the difference in rank 1's columns, statistics cannot
+    (the verdict names the op alone)."""
+    mesh, single = runs / "fsdp_tp" / "relu1" / task, runs / "single" / "clean" / task
+    on = " on rank 1" if task == "tensor" else ""
+    for a, b, side in ((mesh, single, "a"), (single, mesh, "b")):
+        code, lines, _ = compare(a, b, tmp_path / side)
+        assert code == 2, lines
+        assert lines[1].startswith(f"the runs part at step 0 forward op aten.relu.default.0.forward [block] "
+                                   f"output.0{on} (error: "), lines
 
 
 def ranks(run: Path) -> tuple[int, list[str]]:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 import numpy as np
@@ -73,6 +73,7 @@ class Value:
     stats: dict | None
     array: np.ndarray | None = None
     how: str = ""               # "rank 0", "concatenated over ranks 0-1 (dim 0)", "gathered (S(0))", ...
+    owners: np.ndarray | None = None    # per element of ``array``, the one rank that computed it (-1: several)
 
 
 @dataclass
@@ -141,6 +142,8 @@ def _describe(row: dict) -> str:
         how = next((h for h in (str(row.get("how_a") or ""), str(row.get("how_b") or "")) if TP_PEERS_DIFFER in h),
                    str(row.get("how_a") or ""))
         on = f" on {how.partition(' (')[0]}" if how.endswith(RANK_BY_RANK) or TP_PEERS_DIFFER in how else ""
+        at_fault = [m.group(1) for h in (row.get("how_a"), row.get("how_b")) if (m := _AT_FAULT.search(str(h or "")))]
+        on = on or (f" on rank {at_fault[0]}" if at_fault else "")
         return f"{row['what']} op {row['name']} [{row['scope'] or '<root>'}] {row['arg']}{on}"
     return f"{'gradient' if row['what'] == 'grad' else 'value after the step'} of parameter {row['name']}"
 
@@ -317,6 +320,7 @@ def _split_dim(shapes: list, target: tuple) -> int | None:
 
 # ---- a data-parallel x tensor-parallel mesh ----------------------------------------------------------
 TP_PEERS_DIFFER = "(its tensor-parallel peers differ)"   # how: "rank 1 (its tensor-parallel peers differ): ..."
+_AT_FAULT = re.compile(r"the difference lies in rank (\d+)'s piece")
 
 
 @dataclass
@@ -458,6 +462,8 @@ def assemble_on_mesh(specs: dict, records: dict, parts: dict, mesh: Mesh, tensor
             how = f"rank {', '.join(map(str, named))} {TP_PEERS_DIFFER}: {how}"
         v, why = _join_shares(chosen, fit, reduction, how)
         if v is not None:
+            if v.array is not None:
+                v.owners = _owners(mesh.shares, joined, items, fit, t)
             values.append(v)
     if not values and stage == "backward" and fit == "equal":
         return [], ("each share's own sum over its part of the batch (a weight's gradient before its reduction "
@@ -465,6 +471,43 @@ def assemble_on_mesh(specs: dict, records: dict, parts: dict, mesh: Mesh, tensor
     if not values:
         return [], _peers_apart(mesh, items, specs, records, tensors, parts, problems) or why
     return values, ""
+
+
+def _owners(shares: list, joined: list, items: dict, fit: str, t: int) -> np.ndarray | None:
+    """Per element of a value assembled on a mesh, the one rank that computed it (-1 where several
+    did: a replica, a sum), so that a difference found in the whole can be placed in one rank's
+    piece (a wrong kernel on one rank inside column shards); None where the shares are not laid
+    side by side."""
+    pieces = []
+    for share, (variants, kind) in zip(shares, joined):
+        if kind.startswith("side by side"):
+            dim = int(kind.rpartition(" ")[2].rstrip(")"))
+            pieces.append(np.concatenate([np.full(items[r][0], r) for r in share], axis=dim))
+        else:
+            one = share[t] if kind == "differ" else share[0] if len(share) == 1 else -1
+            pieces.append(np.full(variants[0][0], one))
+    if fit.startswith("concatenated"):
+        return np.concatenate(pieces, axis=int(fit.rpartition(" ")[2].rstrip(")")))
+    return pieces[0] if fit == "one share" else None
+
+
+def _piece_at_fault(a: Value, b: Value) -> int | None:
+    """The one rank whose piece holds the largest differences (every element within half the largest
+    difference), where one run's value was laid out from the ranks' pieces; None where several
+    ranks' pieces share them (a difference from upstream) or nothing places them."""
+    owners = a.owners if a.owners is not None else b.owners
+    if owners is None or a.array is None or b.array is None or a.array.size != owners.size or \
+            b.array.size != owners.size:
+        return None
+    with np.errstate(invalid="ignore", over="ignore"):
+        diff = np.abs(np.asarray(a.array, np.float64).reshape(owners.shape)
+                      - np.asarray(b.array, np.float64).reshape(owners.shape))
+    diff = np.nan_to_num(diff, nan=np.inf)
+    top = float(diff.max()) if diff.size else 0.0
+    if not top > 0:
+        return None
+    at = np.unique(owners[diff >= top / 2])
+    return int(at[0]) if len(at) == 1 and at[0] >= 0 else None
 
 
 def _how_joined(shares: list, joined: list, fit: str) -> str:
@@ -735,7 +778,11 @@ def _step_rows(step: int, pa: dict, pb: dict, tensors: bool, problems: list, unp
         """One row for pairs judged rank by rank: the worst rank's (status, then error; the lowest rank on a tie)."""
         scored = [(va, vb, score(va, vb)) for va, vb in pairs]
         order = {V.ERROR: 0, V.WARNING: 1, V.PASS: 2}
-        va, vb, _ = min(scored, key=lambda x: (order.get(x[2]["status"], 3), -np.nan_to_num(x[2]["rel_l2_err"], nan=0.0)))
+        va, vb, got = min(scored, key=lambda x: (order.get(x[2]["status"], 3), -np.nan_to_num(x[2]["rel_l2_err"], nan=0.0)))
+        rank = _piece_at_fault(va, vb) if got["status"] in (V.ERROR, V.WARNING) else None
+        if rank is not None and TP_PEERS_DIFFER not in va.how + vb.how:
+            fault = f" (the difference lies in rank {rank}'s piece)"
+            va, vb = (replace(v, how=v.how + fault) if v.owners is not None else v for v in (va, vb))
         add(what, name, scope, arg, va, vb)
 
     # the loss and the forward ops
@@ -922,7 +969,8 @@ def _scaled(v: Value, k: int) -> Value:
     stats = {key: (x / k if key in ("max", "min", "mean", "norm") and x is not None else x)
              for key, x in v.stats.items()} if v.stats else v.stats
     array = None if v.array is None else (np.asarray(v.array) / k).astype(np.asarray(v.array).dtype)
-    return Value(v.shape, v.dtype, stats, array, f"{v.how}, divided by {k} (a mean over each of {k} shares)")
+    return Value(v.shape, v.dtype, stats, array, f"{v.how}, divided by {k} (a mean over each of {k} shares)",
+                 v.owners)
 
 
 def _backward_pairs(pa: dict, pb: dict, mesh_a: Mesh | None, mesh_b: Mesh | None, tensors: bool, problems: list):
