@@ -159,4 +159,4 @@ def test_summary_is_public(tmp_path):
         torch.ones(3).exp()                 # two op calls: ones, exp
     probe.close()
     assert probe.summary() == {"task": "overflow", "checked": 2, "flagged": 0, "critical": 0, "propagated": 0,
-                               "suspicious growth": 0, "expected": 0, "scale collapse": 0}
+                               "suspicious growth": 0, "expected": 0, "scale collapse": 0, "discarded": 0}

@@ -193,7 +193,7 @@ def test_suspicious_growth_classified(tmp_path):
     assert 999 < float(r["growth"]) < 1001      # |1000 h| / |h|
     summary = json.loads((tmp_path / "step0" / "rank0" / "overflow.json").read_text())
     assert summary["counts"] == {"critical": 0, "propagated": 0, "suspicious growth": 1, "expected": 0,
-                                 "scale collapse": 0}
+                                 "scale collapse": 0, "discarded": 0}
     assert summary["first_critical"] is None
     rec = [json.loads(l) for l in open(tmp_path / "step0" / "rank0" / "ops.jsonl")][0]
     assert rec["overflow"]["class"] == "suspicious growth"

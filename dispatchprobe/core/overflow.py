@@ -19,6 +19,19 @@ what became of it (:class:`LossScaleWatch`): ``expected`` when the step was skip
 ``found_inf`` was set, or its scale backed off), else critical (``not caught``: the optimizer
 stepped, or nothing skipped the step).  ``_SKIPS_IN_A_ROW`` skipped steps in a row are a
 ``scale collapse`` row, counted like a critical op.
+
+An inf/nan is an overflow only where the program uses it: T5's relative-position buckets take
+``log(0)`` on purpose and cast the ``-inf`` to integers that ``torch.where`` then replaces.  An
+op autograd differentiates (a floating input requires grad) computes the training's own values:
+one that makes or carries an inf/nan reports it at once, as ever.  Any other critical op is first
+*held* (:class:`HeldOverflow`) while the memories carrying its inf/nan (its outputs, and the
+outputs of ops that kept them) are followed by address (:class:`Carriers`); an op autograd
+differentiates that reads them puts it in use at once.  At each check point (the end of the ``with`` block, an optimizer or the loss scaler about to read the
+gradients) a held overflow whose carriers still live is in use: reported at the op that made it,
+as critical.  One whose carriers were all freed after an op masked, clamped, compared or cast
+them to integers is counted ``discarded`` and listed in ``overflow.json``, never raised; one
+freed unread is reported (``.item()`` reads a value with no op the probe is given).  Only with
+``check_mode="both"``, where every op that can read the value is checked.
 """
 
 from __future__ import annotations
@@ -37,6 +50,7 @@ _GROWTH = 100.0        # output/input norm ratio above which a finite op is "sus
 _WINDOW = 256          # accelerator: ops between host reads of the finiteness flags
 _MAX_LIGHT = 100       # propagated / growth records kept per step (the rest are only counted)
 _SKIPS_IN_A_ROW = 20   # steps skipped by the loss scaler in a row: the scale keeps collapsing
+_READERS_NOTED = 4     # ops named per discarded overflow as having read its values
 
 _TO_FLOAT64 = {"float16": "float64", "bfloat16": "float64", "float32": "float64"}
 CSV_COLUMNS = ("step", "rank", "id", "class", "stage", "op", "name", "scope", "grad_fn", "call", "dtype",
@@ -59,7 +73,7 @@ class OverflowHandler(Handler):
         self.found = 0                       # critical overflows so far (whole run)
         self.rows: list[dict] = []
         self.counts = {"critical": 0, "propagated": 0, "suspicious growth": 0, "expected": 0,
-                       "scale collapse": 0}   # this step's (overflow.json)
+                       "scale collapse": 0, "discarded": 0}   # this step's (overflow.json)
         self.totals = dict(self.counts)      # the whole run's, for summary()
         self._cache: dict = {}               # identity -> (memory ref, squared norm tensor)
         self._pending: list = []             # accelerator: (event, outs, ins, norms on device)
@@ -71,11 +85,17 @@ class OverflowHandler(Handler):
         self.loss_scale = LossScaleWatch(self.backend)
         self.skips_in_a_row = _SKIPS_IN_A_ROW
         self._held: list = []                # backward critical ops waiting for the step's loss-scale verdict
+        self.hold_unused = self.stages == {"forward", "backward"}   # every reader of a value is checked
+        self._unused: list[HeldOverflow] = []   # critical ops not yet seen in use, in the order they ran
+        self._carriers = Carriers(self.backend)
+        self._passed_on_held = 0             # propagated rows waiting with them (at most _MAX_LIGHT)
+        self.discarded: list[dict] = []      # this part's discarded overflows (overflow.json)
 
     # ---- per op ---------------------------------------------------------------------------------
     def on_op(self, event: OpEvent):
         if event.kind == "op" and self.loss_scale.sees(event):
             self._resolve()          # ops still on the device are judged (and held) before the verdict
+            self._decide_unused()    # the scaler reads the gradients: what they carry is in use
             self._settle()
             self._raise_if_stopped()
             return None
@@ -84,6 +104,8 @@ class OverflowHandler(Handler):
         b = self.backend
         outs = b.float_outputs(event.outputs)
         if not outs:
+            if self.hold_unused:
+                self._reader_seen(event)
             return None
         ins = b.float_tensors((event.args, event.kwargs))
         norms = self._norms(outs, ins)
@@ -116,6 +138,7 @@ class OverflowHandler(Handler):
         """An optimizer is about to step (the framework's global pre-hook): a step the loss scaler
         skipped never gets here, so what is still held was not caught."""
         self._resolve()
+        self._decide_unused()
         self.loss_scale.stepped = True
         self._settle()
         if self._dirty:
@@ -129,6 +152,7 @@ class OverflowHandler(Handler):
             self.loss_scale.use_scale(scale)
         if found_inf is not None:
             self._resolve()
+            self._decide_unused()
             self.loss_scale.checked(found_inf)
             self._settle()
             if self._dirty:
@@ -138,6 +162,7 @@ class OverflowHandler(Handler):
     def boundary(self) -> None:
         """The user's code ran outside the probe (the next region starts, or the part closes):
         decide what is still held from the loss scale's state, then start the next step's watch."""
+        self._decide_unused()
         self._settle(final=True)
         self.loss_scale.next_step()
         if self._dirty:
@@ -174,6 +199,7 @@ class OverflowHandler(Handler):
         """End of a region: resolve what is pending on the device (may raise), write the summary."""
         try:
             self._resolve()
+            self._decide_unused()
         finally:
             if self._dirty:
                 self._write_summary()
@@ -189,6 +215,9 @@ class OverflowHandler(Handler):
         values = self.backend.read([n for p in pending for n in p[3]])
         pos = 0
         for event, outs, ins, norms, seen in pending:
+            if outs is None:      # a reader with no floating output (_reader_seen): ``event`` names it
+                self._note_readers(event, ins)
+                continue
             n = len(norms)
             self._judge(event, outs, ins, values[pos:pos + n], stale=self.backend.versions(ins) != seen)
             pos += n
@@ -232,35 +261,73 @@ class OverflowHandler(Handler):
         out_sq, in_sq = sq_norms[:k], sq_norms[k:]
         finite = self.backend.all_finite
         out_bad = [not math.isfinite(v) and not finite(t) for (_, t), v in zip(outs, out_sq)]
+        if any(out_bad) or self._unused:
+            bad_ins = [t for t, v in zip(ins, in_sq) if not math.isfinite(v) and (stale or not finite(t))]
         if any(out_bad):
-            # a non-finite Python scalar argument (masked_fill(mask, -inf), full(inf)) is a
-            # deliberate inf given to the op, not one it created
-            in_bad = any(not math.isfinite(v) and (stale or not finite(t)) for t, v in zip(ins, in_sq))
-            if in_bad:
-                self._flag(event, outs, "propagated", stale=stale)
-            elif has_nonfinite_scalar((event.args, event.kwargs)):
-                self._flag(event, outs, "propagated", record=False)
-            else:
-                self._flag(event, outs, "critical", stale=stale)
+            self._judge_nonfinite(event, outs, ins, out_bad, bad_ins, stale)
             return
+        if self._unused and bad_ins:
+            self._note_readers(self._reader_name(event), bad_ins)
         if in_sq and out_sq:
             out_n = math.sqrt(max(min(v, 1e300) for v in out_sq))
             in_n = math.sqrt(max(min(v, 1e300) for v in in_sq))
             if in_n > 0 and out_n > _GROWTH * in_n and math.isfinite(out_n):
                 self._flag(event, outs, "suspicious growth", growth=out_n / in_n, stale=stale)
 
+    def _judge_nonfinite(self, event, outs, ins, out_bad, bad_ins, stale: bool) -> None:
+        """An op whose outputs hold inf/nan: it made them (critical), carried a held overflow's on
+        (its row waits with it), or propagated others' (a non-finite input or Python scalar)."""
+        carried = [t for (_, t), bad in zip(outs, out_bad) if bad]
+        held, untracked = self._carriers.held_by(bad_ins)
+        if held and self._differentiated(event, ins):
+            self._use_now(held)                    # into the training's own values: in use
+            held = []
+        if held:
+            self._carriers.add(carried, held)      # the inf/nan goes on: its carriers with it
+        # a non-finite Python scalar argument (masked_fill(mask, -inf), full(inf)) is a
+        # deliberate inf given to the op, not one it created
+        scalar = has_nonfinite_scalar((event.args, event.kwargs))
+        if bad_ins and held and not untracked and not scalar:
+            self._pass_on(event, outs, held[0], stale)
+        elif bad_ins:
+            self._flag(event, outs, "propagated", stale=stale)
+        elif scalar:
+            self._flag(event, outs, "propagated", record=False)
+        else:
+            self._flag(event, outs, "critical", stale=stale, carried=carried, ins=ins)
+
     def _flag(self, event: OpEvent, outs, klass: str, growth: float | None = None, record: bool = True,
-              stale: bool = False) -> None:
+              stale: bool = False, carried=(), ins=()) -> None:
         """One summary row and, unless ``record`` is False, one op record for a flagged op.
         ``record=False``: the only non-finite input is a Python scalar (``masked_fill(mask, -inf)``
-        in every attention layer): its record's statistics would cost more than the check."""
+        in every attention layer): its record's statistics would cost more than the check.
+        A critical op may be held until its inf/nan (in ``carried``, its non-finite outputs) is in use."""
         critical = klass == "critical"
-        if not critical:              # critical ops count when emitted (held ones may turn out expected)
-            self.counts[klass] += 1
-            self.totals[klass] += 1
-            self._dirty = True
-            if self.counts[klass] > _MAX_LIGHT:
+        # critical ops count when emitted (held ones may turn out expected or discarded)
+        if not critical and not self._count_light(klass):
+            return
+        flagged = self._flagged(event, outs, klass, growth, record, stale)
+        if critical and self._holdable(event, ins):
+            held = HeldOverflow(flagged, event.stage)
+            if self._carriers.add(carried, [held]):      # else nothing to follow: reported now
+                self._unused.append(held)
                 return
+        if critical:
+            self._route(flagged, event.stage)
+        else:
+            self._emit(*flagged[:2], klass, flagged[2])
+
+    def _count_light(self, klass: str) -> bool:
+        """Count a propagated or growth op; False past ``_MAX_LIGHT`` a step (counted, not listed)."""
+        self.counts[klass] += 1
+        self.totals[klass] += 1
+        self._dirty = True
+        return self.counts[klass] <= _MAX_LIGHT
+
+    def _flagged(self, event: OpEvent, outs, klass: str, growth, record: bool, stale: bool) -> tuple:
+        """``(record or None, summary row, verdict)`` of a flagged op, built now: its inputs may be
+        overwritten before it is reported."""
+        critical = klass == "critical"
         if critical and event.stack is None and event.stage == "forward":
             event.stack = self.backend.user_stack()
         nan = inf = 0
@@ -292,10 +359,111 @@ class OverflowHandler(Handler):
             "float64_max_abs": info.get("float64_max_abs", ""), "dtype_max": info.get("dtype_max", ""),
             "exceeds_dtype_range": info.get("exceeds_dtype_range", ""), "loss_scale": "",
             "stack": " <- ".join(reversed(event.stack[-3:])) if event.stack else ""}
-        if critical and event.stage == "backward" and self.loss_scale.active():
-            self._held.append((rec, row, info))
+        return rec, row, info
+
+    def _route(self, flagged: tuple, stage: str) -> None:
+        """A critical op in use: reported, or held for the step's loss-scale verdict (backward)."""
+        if stage == "backward" and self.loss_scale.active():
+            self._held.append(flagged)
+        else:
+            self._emit(flagged[0], flagged[1], "critical", flagged[2])
+
+    # ---- inf/nan not yet seen in use ---------------------------------------------------------------
+    def _holdable(self, event: OpEvent, ins) -> bool:
+        """Whether a critical op may wait to be seen in use: not where every reader of its values
+        cannot be checked (one stage only), not in the training's differentiated values, and not
+        in a compiled graph's eager re-run (its values are copies: their lifetime says nothing)."""
+        if not self.hold_unused or (event.extra or {}).get("compiled", {}).get("rerun"):
+            return False
+        return not self._differentiated(event, ins)
+
+    def _differentiated(self, event: OpEvent, ins) -> bool:
+        """A forward op autograd differentiates (a floating input requires grad): its values are
+        the training's own, which backward reads or differentiates through."""
+        meta = self.backend.tensor_meta
+        return event.stage == "forward" and any(meta(t).get("requires_grad") for t in ins)
+
+    def _use_now(self, held: list) -> None:
+        """Held overflows whose values an op just put in use: reported before that op's own row."""
+        for h in held:
+            self._unused.remove(h)
+            self._use(h)
+
+    def _pass_on(self, event: OpEvent, outs, held: HeldOverflow, stale: bool) -> None:
+        """An op that only carried a held overflow's inf/nan on: its propagated row waits with it
+        (no more rows wait than a step lists)."""
+        if self._passed_on_held >= _MAX_LIGHT:
+            held.passed_on_beyond += 1
             return
-        self._emit(rec, row, klass, info)
+        self._passed_on_held += 1
+        held.passed_on.append(self._flagged(event, outs, "propagated", None, True, stale))
+
+    def _reader_seen(self, event: OpEvent) -> None:
+        """An op with no floating output (a cast to integers, a compare) may read a held overflow's
+        values, which end there.  Noted in op order: after the ops still pending on the device."""
+        if not self._pending and not self._unused:
+            return
+        ins = self.backend.float_tensors((event.args, event.kwargs))
+        if not ins:
+            return
+        if self._pending:
+            self._pending.append((self._reader_name(event), None, ins, [], None))
+        else:
+            self._note_readers(self._reader_name(event), ins)
+
+    def _reader_name(self, event: OpEvent) -> str:
+        """The op and the dtype it made of the values: ``aten._to_copy.default -> int64``."""
+        out = event.outputs[0] if isinstance(event.outputs, (tuple, list)) and event.outputs else event.outputs
+        return f"{event.op} -> {self.backend.dtype_of(out)}" if self.backend.is_tensor(out) else event.op
+
+    def _note_readers(self, how: str, tensors) -> None:
+        """``how`` read a held overflow's values in ``tensors`` and kept no inf/nan (masked, cast,
+        compared): the overflow may be discarded, and is named so if it is."""
+        held, _ = self._carriers.held_by(tensors)
+        for h in held:
+            h.read = True
+            if how not in h.readers and len(h.readers) < _READERS_NOTED:
+                h.readers.append(how)
+
+    def _decide_unused(self) -> None:
+        """A check point: the program's own code, an optimizer or the loss scaler reads what the
+        step made.  A held overflow whose carriers live is in use; one whose carriers were all
+        freed after an op masked, clamped, compared or cast them to integers was discarded.  One
+        freed with no such reader is reported: it may have been read where no op shows it
+        (``.item()`` is no op the probe is given)."""
+        if not self._unused:
+            return
+        unused, self._unused = self._unused, []
+        alive = self._carriers.holders_alive()
+        self._carriers.clear()
+        self._passed_on_held = 0
+        for held in unused:
+            if id(held) in alive or not held.read:
+                self._use(held)
+            else:
+                self._discard(held)
+
+    def _use(self, held: HeldOverflow) -> None:
+        """Report a held overflow at the op that made it, then the ops that carried it on."""
+        held.state = "used"
+        self._route(held.flagged, held.stage)
+        for rec, row, info in held.passed_on:
+            if self._count_light("propagated"):
+                self._emit(rec, row, "propagated", info)
+        for _ in range(held.passed_on_beyond):
+            self._count_light("propagated")
+
+    def _discard(self, held: HeldOverflow) -> None:
+        """Count a held overflow whose values were never used; overflow.json lists it."""
+        held.state = "discarded"
+        self.counts["discarded"] += 1
+        self.totals["discarded"] += 1
+        self._dirty = True
+        if len(self.discarded) < _MAX_LIGHT:
+            row = held.flagged[1]
+            self.discarded.append({k: row[k] for k in ("step", "rank", "stage", "op", "name", "scope", "call",
+                                                       "dtype", "nan", "inf")}
+                                  | {"read_by": list(held.readers)})
 
     def _emit(self, rec: dict | None, row: dict, klass: str, info: dict | None) -> None:
         """Write a flagged op's record and summary row; critical ones count toward ``overflow_nums``."""
@@ -345,6 +513,7 @@ class OverflowHandler(Handler):
     # ---- summary files ---------------------------------------------------------------------------------
     def start_part(self) -> None:
         self.rows = []
+        self.discarded = []
         self.counts = {k: 0 for k in self.counts}
         self._cache.clear()
 
@@ -358,7 +527,7 @@ class OverflowHandler(Handler):
         atomic_write_text(os.path.join(folder, "overflow.csv"), buf.getvalue())
         summary = {"step": self.session.step_no, "rank": self.session.rank, "counts": self.counts,
                    "first_critical": next((r for r in self.rows if r["class"] == "critical"), None),
-                   "rows": self.rows}
+                   "rows": self.rows, "discarded": self.discarded}
         atomic_write_text(os.path.join(folder, "overflow.json"), json.dumps(summary, indent=1, default=str))
 
     def summary(self) -> dict:
@@ -367,6 +536,73 @@ class OverflowHandler(Handler):
     def close(self) -> None:
         self._pending = []
         self._held = []
+        self._unused = []
+        self._carriers.clear()
+        self._passed_on_held = 0
+
+
+class HeldOverflow:
+    """A critical op not yet seen in use: its record, row and verdict (built when it ran), the
+    propagated ops that carried its inf/nan on (reported with it), and the ops that read its
+    values and kept none (named if it turns out discarded)."""
+
+    __slots__ = ("flagged", "stage", "passed_on", "passed_on_beyond", "read", "readers", "state")
+
+    def __init__(self, flagged: tuple, stage: str):
+        self.flagged, self.stage = flagged, stage
+        self.passed_on: list = []
+        self.passed_on_beyond = 0          # passed-on ops past the cap: counted, not listed
+        self.read = False                  # an op read its values and kept no inf/nan
+        self.readers: list[str] = []       # the first few such ops, named
+        self.state = "held"                # then "used" or "discarded"
+
+
+class Carriers:
+    """The memories that hold a held overflow's inf/nan, by address (shared by every view of a
+    memory, so a slice or reshape of a carrier is found too).  Weak references only: following
+    a value neither copies it nor keeps it alive, so its death says the program let it go."""
+
+    def __init__(self, backend):
+        self.backend = backend
+        self._by_address: dict = {}        # address -> (memory ref, [HeldOverflow])
+
+    def add(self, tensors, held: list) -> bool:
+        """``tensors`` carry ``held`` from now on; False where none of them can be followed."""
+        b, followed = self.backend, False
+        for t in tensors:
+            ref = b.memory_ref(t)
+            if ref is None:
+                continue
+            address = b.memory_address(ref)
+            entry = self._by_address.get(address)
+            if entry is not None and b.memory_alive(entry[0]):
+                entry[1].extend(h for h in held if h not in entry[1])
+            else:
+                self._by_address[address] = (ref, list(held))
+            followed = True
+        return followed
+
+    def held_by(self, tensors) -> tuple[list, bool]:
+        """The still-held overflows whose inf/nan ``tensors`` hold, and whether any of those tensors
+        holds inf/nan from elsewhere (no held overflow's carrier)."""
+        if not self._by_address:
+            return [], bool(tensors)
+        b, found, untracked = self.backend, [], False
+        for t in tensors:
+            ref = b.memory_ref(t)
+            entry = self._by_address.get(b.memory_address(ref)) if ref is not None else None
+            live = [h for h in entry[1] if h.state == "held"] if entry and b.memory_alive(entry[0]) else []
+            untracked = untracked or not live
+            found.extend(h for h in live if h not in found)
+        return found, untracked
+
+    def holders_alive(self) -> set:
+        """``id`` of every overflow some living memory still carries."""
+        alive = self.backend.memory_alive
+        return {id(h) for ref, held in self._by_address.values() if alive(ref) for h in held}
+
+    def clear(self) -> None:
+        self._by_address.clear()
 
 
 class LossScaleWatch:

@@ -64,6 +64,9 @@ class TensorBackend(Protocol):
         """``(ref, value)`` as the recorder caches it; where the framework can, kept out of
         Python's cyclic garbage collector (its parts hold no cycles)."""
     def memory_alive(self, ref) -> bool: ...
+    def memory_address(self, ref) -> int:
+        """The address of the memory :meth:`memory_ref` saw: shared by every view of that memory,
+        and no other memory's while :meth:`memory_alive` (the overflow check follows values by it)."""
     def storage_span(self, t: Tensor):
         """``(span_key, start, length, offset, stride, plain)`` to save shared memory once, or None."""
     def snapshot(self, t: Tensor):

@@ -106,6 +106,8 @@ _CHECK_NOTES = {
     "suspicious growth": "suspicious growth",
     "expected": "expected (backward overflows in steps the loss scaler skipped; not counted as flagged)",
     "scale collapse": "loss scale collapsing (steps skipped in a row)",
+    "discarded": "discarded inf/nan (masked, clamped, compared or cast to integers before any use; "
+                 "listed in overflow.json, not counted as flagged)",
     "skipped": "skipped",
     "not_widened": "other op calls left unchecked (float32 inputs only: improve_precision re-runs 16-bit ones)",
     "not_judged": "op calls not judged (a step function such as histc or floor: noise measures nothing there)",

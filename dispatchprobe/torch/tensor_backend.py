@@ -783,6 +783,11 @@ def memory_alive(ref) -> bool:
     return not _expired(ref.cdata) and storage_from_weak(ref.cdata).data_ptr() == ref.ptr
 
 
+def memory_address(ref) -> int:
+    """The address of the memory :func:`memory_ref` saw (every view of one storage shares it)."""
+    return ref.ptr
+
+
 def _storage_objects_kept() -> bool:
     """Whether this torch keeps a storage's Python object alive exactly as long as the storage."""
     t = torch.empty(1)
