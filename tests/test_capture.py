@@ -303,6 +303,22 @@ def test_uninitialised_memory_is_recorded_undefined(tmp_path):
     assert "undefined" not in after and after["stats"]["max"] == 10
 
 
+@pytest.mark.parametrize("task", ["statistics", "tensor"])
+def test_an_out_argument_into_uninitialised_memory_holds_the_result(tmp_path, task):
+    """``torch.add(x, y, out=torch.empty(...))``: the destination's prior contents are undefined (not
+    an input), the op's output, the same tensor, holds the sum and is judged (was: undefined too,
+    so a wrong kernel writing there could never be named)."""
+    probe = DispatchProbe(task=task, dump_path=str(tmp_path))
+    with probe:
+        buf = torch.empty(4)
+        torch.add(torch.ones(4), torch.arange(4.0), out=buf)
+    probe.close()
+    rec = next(r for r in load(tmp_path).parts[(0, 0)].records if r["op"] == "aten.add.out")
+    assert rec["kwargs"]["out"]["undefined"] is True
+    out = rec["outputs"][0]
+    assert "undefined" not in out and out["stats"]["max"] == 4 and out["stats"]["min"] == 1
+
+
 def test_partly_written_memory_stays_undefined(tmp_path):
     """A write defines the bytes it wrote: the written half of a buffer has values, the whole
     buffer stays undefined until the other half is written too."""

@@ -28,12 +28,14 @@ def replace_args(positions, args, kwargs, replace):
 
 def destinations(outs, args, kwargs, undefined: set | None):
     """``out=`` arguments recorded as undefined (shape and dtype only, never judged, replayed as
-    zeros): aliases stand in for them, so the op's output, the same tensor, keeps its values."""
+    zeros): aliases stand in for them, so the op's output, the same tensor, keeps its values, which
+    are defined once the op wrote them, uninitialised memory (``torch.empty``) as it was or not."""
     undefined = set() if undefined is None else undefined
 
     def alias(t):
         new = t.detach()
         undefined.add(id(new))
+        undefined.discard(id(t))
         return new
 
     return (*replace_args(outs, args, kwargs, alias), undefined)
