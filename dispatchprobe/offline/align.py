@@ -126,15 +126,26 @@ def _match_blocks(ka: list, kb: list, ia: list, ib: list, how: str, pairs: list)
     if len(ka_mid) + len(kb_mid) > _MAX_GAP:
         return [(ia_mid, ib_mid)]
     gaps = []
-    sm = difflib.SequenceMatcher(None, ka_mid, kb_mid, autojunk=False)
     a0 = b0 = 0
-    for blk in sm.get_matching_blocks():
+    for blk in _common_blocks(ka_mid, kb_mid):
         if blk.a > a0 or blk.b > b0:
             gaps.append((ia_mid[a0:blk.a], ib_mid[b0:blk.b]))
         for k in range(blk.size):
             pairs.append((ia_mid[blk.a + k], ib_mid[blk.b + k], how))
         a0, b0 = blk.a + blk.size, blk.b + blk.size
     return gaps
+
+
+def _common_blocks(ka: list, kb: list) -> list:
+    """difflib's matching blocks of two key sequences, the same whichever is given first: where equal
+    keys could pair several ways (two frameworks running a backward's two ``bmm`` in other orders),
+    difflib picks by its first argument, so the two sequences go to it in one fixed order (by their
+    text) and the blocks come back mirrored; else the pairs, and the verdict, changed with the runs'
+    order."""
+    if repr(ka) <= repr(kb):
+        return difflib.SequenceMatcher(None, ka, kb, autojunk=False).get_matching_blocks()
+    return [difflib.Match(b.b, b.a, b.size)
+            for b in difflib.SequenceMatcher(None, kb, ka, autojunk=False).get_matching_blocks()]
 
 
 def _lone(found: list, recs_a: list, recs_b: list, ga: list, gb: list, scope, mapping: Mapping) -> list:
