@@ -148,6 +148,13 @@ def memory_alive(ref) -> bool:
     return ref is not None and ref() is not None
 
 
+def memory_address(ref) -> int:
+    """The tensor's identity while it lives (the ref is to the tensor: a MindSpore view is a tensor of
+    its own, followed through the op that made it)."""
+    t = ref()
+    return id(t) if t is not None else -1
+
+
 def cache_entry(ref, value) -> tuple:
     return (ref, value)
 
