@@ -55,22 +55,10 @@ def data_shares(records: dict[int, list]) -> list[list[int]]:
     members of one tensor-parallel group together (in group order), every other rank alone.  The
     shares are ordered by their members' index in their data-parallel groups (the batch's split),
     the lowest rank breaking ties, so that pieces laid side by side follow the batch."""
-    parent: dict[int, int] = {r: r for r in records}
-
-    def find(r):
-        while parent.setdefault(r, r) != r:
-            r = parent[r]
-        return r
-    for recs in records.values():
-        for group in tensor_parallel_groups(recs):
-            first, *rest = sorted(group)
-            for r in rest:
-                parent[find(r)] = find(first)
-    shares: dict[int, list] = {}
-    for r in sorted(records):
-        shares.setdefault(find(r), []).append(r)
+    joined = _components((g for recs in records.values() for g in tensor_parallel_groups(recs)), records)
+    shares = [share for c in joined if (share := [r for r in c if r in records])]
     position = {r: _data_parallel_index(records[r]) for r in records}
-    return sorted(shares.values(), key=lambda share: (min(position[r] for r in share), share[0]))
+    return sorted(shares, key=lambda share: (min(position[r] for r in share), share[0]))
 
 
 def _data_parallel_index(records: list) -> int:
@@ -87,22 +75,28 @@ def _data_parallel_index(records: list) -> int:
 def replicas(records: dict[int, list]) -> dict[int, frozenset]:
     """rank -> the ranks that hold the same parameters as it (itself included; ranks named by
     the groups whose records are not in ``records`` too), for ranks that have replicas."""
-    parent: dict[int, int] = {}
+    joined = _components(g for recs in records.values() for g in data_parallel_groups(recs))
+    return {r: frozenset(c) for c in joined if len(c) > 1 for r in c}
+
+
+def _components(groups, ranks=()) -> list[list[int]]:
+    """The ranks of ``ranks`` and of ``groups`` (iterables of ranks) joined wherever a group holds
+    them together (union-find): each component's ranks in order."""
+    parent: dict[int, int] = {r: r for r in ranks}
 
     def find(r):
         while parent.setdefault(r, r) != r:
             parent[r] = parent[parent[r]]
             r = parent[r]
         return r
-    for recs in records.values():
-        for group in data_parallel_groups(recs):
-            first, *rest = sorted(group)
-            for r in rest:
-                parent[find(r)] = find(first)
-    members: dict[int, set] = {}
-    for r in list(parent):
-        members.setdefault(find(r), set()).add(r)
-    return {r: frozenset(m) for m in members.values() if len(m) > 1 for r in m}
+    for group in groups:
+        first, *rest = sorted(group)
+        for r in rest:
+            parent[find(r)] = find(first)
+    members: dict[int, list] = {}
+    for r in sorted(parent):
+        members.setdefault(find(r), []).append(r)
+    return list(members.values())
 
 
 def shard_holders(dtensor: dict, rank: int) -> frozenset:
