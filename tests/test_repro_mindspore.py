@@ -188,7 +188,9 @@ def test_overflow_demo_finds_an_overflow_and_its_repro_shows_it(tmp_path):
     out = tmp_path / "ovf"
     demo = CliRunner().invoke(main, ["demo", "--framework", "mindspore", "--task", "overflow", "-o", str(out)])
     assert demo.exit_code == 0, demo.output
-    assert "overflow: 1 op calls checked, 1 flagged" in demo.output and "none flagged" not in demo.output
+    # MindSpore's op outputs carry no requires_grad, so the op is held to the end of the step (it
+    # could have been discarded) and the step runs on: one flagged, the rest propagated from it
+    assert re.search(r"overflow: \d+ op calls checked, 1 flagged", demo.output) and "none flagged" not in demo.output
     summary = json.loads((out / "step0" / "rank0" / "overflow.json").read_text())
     first = summary["first_critical"]
     assert (first["op"], first["scope"], first["dtype"], first["replay"]) == ("MatMul", "TinyNet.fc1", "float16",
