@@ -138,11 +138,12 @@ class OwnShare:
         return max(far(k) for k in outs) <= self.amp * sum(size[k] for k in noise)
 
     def __call__(self, i: int, outs: list, ins: list, measure: bool = True, unmeasured: bool = False,
-                 noise: tuple = ()) -> int:
+                 noise: tuple = (), carried: bool = False) -> int:
         """``outs``/``ins``: the record's differing output/input rows; ``measure``: whether a float64
         re-run may decide (not where an earlier larger-than-rounding source is already found);
         ``unmeasured``: an input without a row may differ (a one-run-only op made it); ``noise``: the
-        rows of ``ins`` that are zero up to rounding (:meth:`_carries_noise`)."""
+        rows of ``ins`` that are zero up to rounding (:meth:`_carries_noise`); ``carried``: an input's
+        difference comes from a larger-than-rounding source before it (:meth:`estimate`)."""
         if not outs:
             return NONE
         if not ins:                  # inputs agree, outputs do not (or follow the input without a row)
@@ -171,7 +172,7 @@ class OwnShare:
         if op_traits.selects(self.recs_a[i]["op"]):
             self.estimated.add(i)
             return NONE              # picked elements of a differing input: their statistics bound nothing
-        return self.estimate(i, floats, ins, out_err, in_err)
+        return self.estimate(i, floats, ins, out_err, in_err, carried)
 
     def measured(self, i: int, outs: list) -> bool | None:
         """Whether paired record ``i``'s float output rows ``outs`` differ by more than both runs' recorded
@@ -186,17 +187,19 @@ class OwnShare:
                               [(self.args[k], self.data_a[k], self.data_b[k],
                                 V.lower_precision(self.dtype_a[k], self.dtype_b[k])) for k in outs])
 
-    def estimate(self, i: int, outs: list, ins: list, out_err: float, in_err: float) -> int:
+    def estimate(self, i: int, outs: list, ins: list, out_err: float, in_err: float, carried: bool = False) -> int:
         """An op's own difference judged on the recorded errors alone (inputs that differ, no float64
         re-run): its outputs off by ``out_err``, ``origin_amplification`` times further than its inputs.
         A statistics difference is a lower bound of the values' difference (a norm, a mean, an extreme
         average out or miss what differs element by element), so an input read by statistics only may
         differ far more than its row says, and the op reading it looks like it amplifies.  Such an input
         counts as off by at least a rounding of the precision its values were computed in, and such
-        evidence names an op only where one of its outputs crosses the error line; below it, in a stage
-        with error rows, the op is no source (its rows follow from its inputs) and is noted in
-        ``unjudged``.  A forward kernel off below the lower precision's resolution then names no
-        backward op after it, while a kernel off by far more than rounding still crosses the line."""
+        evidence names an op only where one of its outputs crosses the error line and its inputs differ
+        by rounding only (``carried`` false: no source larger than rounding made their difference);
+        otherwise, in a stage with error rows, the op is no source (its rows follow from its inputs) and
+        is noted in ``unjudged``.  A forward kernel off below the lower precision's resolution then names
+        no backward op after it, a kernel off by far more than rounding still crosses the line, and a
+        layer norm's backward reading forward values a wrong gelu moved is not named for them."""
         self.estimated.add(i)
         if not out_err > self.amp * in_err:
             return NONE
@@ -204,10 +207,21 @@ class OwnShare:
         bounded = [k for k in ins if stats_only[k]]
         if not out_err > self.amp * max([in_err, *(judged_unit[k] for k in bounded)]):
             return NONE
-        if bounded and error_stage[outs[0]] and not any(error_row[k] for k in outs):
+        if bounded and error_stage[outs[0]] and (carried or not any(error_row[k] for k in outs)):
             self.unjudged.setdefault(self.recs_a[i]["stage"], i)
             return NONE
         return STRONG
+
+    def statistics_only(self, k: int) -> bool:
+        """Row ``k`` is compared by statistics only (no saved tensors on either side)."""
+        return (self.lines or self._lines())[0][k]
+
+    def beyond_rounding(self, k: int) -> bool:
+        """Input row ``k`` differs by more than a few roundings (:data:`ROUNDINGS`) of the lowest
+        precision its values were computed in: a float32 gradient of a bfloat16-autocast run differs
+        from a float32 run's by bfloat16's rounding, which no wrong kernel need explain."""
+        unit = (self.lines or self._lines())[1][k]
+        return self.err_in[k] > ROUNDINGS * max(self.unit[k], unit)
 
     def _lines(self) -> tuple:
         """Per row: compared by statistics only; the unit roundoff of the precision its values are
@@ -628,12 +642,14 @@ class Lineage:
         res = carried = None
         carried_err = 0.0
         unproduced = False     # it reads a value no record of its stage made (a parameter, the batch)
-        for io, _, spec in side.flow.walks[u]:
+        for io, arg, spec in side.flow.walks[u]:
             if io != "input":
                 break
             src = self.producer(side, id(spec))
             if src is None or side.recs[src[0]]["stage"] != stage:
                 unproduced = True
+                if src is not None and self.given_differing(side, src):   # a forward value read in backward
+                    res = _merge(res, (None, self.unmatched(side, u)._replace(cause="inherited", arg=arg)))
                 continue
             p, parg = src
             if p in side.only:   # a chain of one-run-only ops: its first one
@@ -660,6 +676,28 @@ class Lineage:
         if u in side.unobserved:
             return None
         return self._cast_source(side, u, unproduced) if cast else (self.unmatched(side, u), None)
+
+    def carries_source(self, k: int, src: tuple) -> bool:
+        """Differing input row ``k`` carries a difference made before it: its (own-stage, inherited)
+        sources ``src`` hold one larger than rounding, and it differs by more than its precision's
+        rounding (:meth:`OwnShare.beyond_rounding`)."""
+        return any(r is not None and not r.weak for r in src) and self.own_share.beyond_rounding(k)
+
+    def given_differing(self, side: Side, src: tuple) -> bool:
+        """A one-run-only op of run ``side`` is given, from the other stage, a difference it passes on
+        rather than makes: the output ``src`` (index, arg) of a paired record of the forward it reads
+        fails, or differs on statistics alone from a source larger than rounding (a wrong forward
+        kernel).  Why: how far what it hands on differs is measured against what its own stage gave
+        it (``carried``), which misses a forward value's difference entering it directly, and a
+        statistics difference bounds nothing of it (eager's recomputed router ``div`` in a Mixtral's
+        backward after a wrong forward silu): it is no suspect, that value's source is."""
+        p, parg = src
+        pa = p if side is self.a else self.pair_a.get(p)
+        k = self.out_row.get((pa, parg)) if pa is not None else None
+        if k is None:
+            return False
+        return self.bad[k] or (self.own_share.statistics_only(k) and
+                               self.carries_source(k, (self.best.get(pa), self.inh.get(pa))))
 
     def _cast_source(self, side: Side, u: int, unproduced: bool):
         """What a one-run-only cast ``u`` given no differing value hands on: never itself, a cast being
@@ -902,7 +940,9 @@ class Lineage:
                     own = self.regrouped_own(i, reach, srcs.values(), outs, ins) if regrouped else self.own_share(
                         i, outs, ins + [k for k, _ in hidden if k is not None],
                         found is None or found[0] is None or found[0].weak,
-                        any(k is None for k, _ in hidden), [k for k in ins if self.noise[k]])
+                        any(k is None for k, _ in hidden), [k for k in ins if self.noise[k]],
+                        any(self.carries_source(k, src) for k, src in [*((k, srcs[k]) for k in ins),
+                                                                        *((k, s) for k, s in hidden if k is not None)]))
                 inside = self.seen_at(i, "", "region") if region == "region" else None
                 srcs.update((-1 - m, (inside, None) if inside is not None and self.feeds_region(src[0], i) else src)
                             for m, (k, src) in enumerate(hidden)     # not rows: keys of their own
@@ -1056,14 +1096,15 @@ def _unjudged(df: pd.DataFrame, lineage: Lineage, stage: str, pick: Root) -> str
     """What the verdict says of the first op of ``stage`` whose own difference the recorded errors
     could not judge (:meth:`OwnShare.estimate`), where no op at or before it is named instead."""
     i = lineage.own_share.unjudged.get(stage)
-    if i is None or (pick.cause in ("op", "unmatched") and pick.at <= lineage.seq_a[i]):
+    if i is None or (pick.cause in ("op", "unmatched", "region", "inputs", "unrecorded") and pick.at <= lineage.seq_a[i]):
         return ""
     rec = lineage.a.recs[i]
     rows = df[(df["uid"] == i) & (df["stage"] == stage) & (df["io"] == "output")]
     worst = rows.loc[rows["error"].idxmax()] if len(rows) and rows["error"].notna().any() else None
     size = f"{worst['arg']} off by {worst['error']:.3g}, " if worst is not None else ""
+    line = "past the error line" if worst is not None and worst["status"] == V.ERROR else "within tolerance"
     return (f"{rec['op']} [{rec['scope'] or '<top>'}] call {int(rec['call'])} (#{int(lineage.seq_a[i])} in "
-            f"{stage}) reads inputs that differ already ({size}within tolerance) and looks like it amplifies "
+            f"{stage}) reads inputs that differ already ({size}{line}) and looks like it amplifies "
             f"them on statistics alone; a statistics difference is a lower bound of the values' difference, so "
             f"whether it adds one of its own cannot be judged: record tensors (task tensor) to measure it")
 
@@ -1091,8 +1132,9 @@ def _not_judged(divs: list) -> None:
     :func:`op_traits.is_random`) is ``random``: its values depend on each run's generator (eager and
     compiled code, or two devices, draw different numbers).  A backward with error rows after such a
     forward is ``after_random``; one decided on statistics alone after forward inputs that differ
-    already is ``after_inputs`` (a gradient's statistics need not move with its values: nll_loss's
-    gradient has the same statistics for any targets)."""
+    already, or whose op statistics could not judge (``unjudged``), is ``after_inputs`` (a gradient's
+    statistics need not move with its values: nll_loss's gradient has the same statistics for any
+    targets)."""
     for div in divs:
         if div.cause in ("op", "unmatched", "unrecorded") and any(
                 op_traits.is_random(op) for op in (div.op, div.other_op) if op):
@@ -1102,8 +1144,9 @@ def _not_judged(divs: list) -> None:
         if forward is None:
             continue
         for div in divs:
-            if div.stage == "backward" and div.errors and (cause == "random" or div.approximate
-                                                           and div.cause in ("op", "unrecorded")):
+            # on statistics, a backward op that would be named, or was passed over (not named: unjudged)
+            if div.stage == "backward" and div.errors and (cause == "random" or div.approximate and div.cause in (
+                    "op", "unrecorded") or cause == "inputs" and div.cause == "inherited" and div.unjudged):
                 div.cause, div.follows, div.approximate = after, forward.where(), False
 
 
