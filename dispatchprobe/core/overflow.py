@@ -23,7 +23,7 @@ stepped, or nothing skipped the step).  ``_SKIPS_IN_A_ROW`` skipped steps in a r
 An inf/nan is an overflow only where the program uses it: T5's relative-position buckets take
 ``log(0)`` on purpose and cast the ``-inf`` to integers that ``torch.where`` then replaces.  An
 op autograd differentiates (a floating input requires grad) computes the training's own values:
-one that makes or carries an inf/nan reports it at once, as ever.  Any other critical op is first
+one that makes or carries an inf/nan reports it at once.  Any other critical op is first
 *held* (:class:`HeldOverflow`) while the memories carrying its inf/nan (its outputs, and the
 outputs of ops that kept them) are followed by address (:class:`Carriers`); an op autograd
 differentiates that reads them puts it in use at once.  At each check point (the end of the ``with`` block, an optimizer or the loss scaler about to read the

@@ -800,14 +800,7 @@ def _step_rows(step: int, pa: dict, pb: dict, tensors: bool, problems: list, unp
                     key=lambda sc: (sc.count("."), sc))    # the deeper where the runs' scopes differ
         parts_of_op = rec_a[min(rec_a)]["op"].split(".")
         reduction = parts_of_op[1] if len(parts_of_op) > 1 else None
-        walks_a = {r: {arg: s for io, arg, s in walk(rec, inputs=False)} for r, rec in rec_a.items()}
-        walks_b = {r: {arg: s for io, arg, s in walk(rec, inputs=False)} for r, rec in rec_b.items()}
-        for arg in walks_a[min(walks_a)]:
-            sa = {r: w[arg] for r, w in walks_a.items() if arg in w}
-            sb = {r: w[arg] for r, w in walks_b.items() if arg in w}
-            if len(sa) != len(walks_a) or len(sb) != len(walks_b) or any(
-                    "stats" not in s and "data" not in s for s in (*sa.values(), *sb.values())):
-                continue
+        for arg, sa, sb in _outputs_on_every_rank(rec_a, rec_b):
             tb = tuple(sb[min(sb)]["shape"]) if len(sb) == 1 and not constant else None
             ta = tuple(sa[min(sa)]["shape"]) if len(sa) == 1 and not constant else None
             pairs, why_a = rank_by_rank(sa, sb, pa, pb, tensors, problems, reduction)
@@ -986,14 +979,7 @@ def _backward_pairs(pa: dict, pb: dict, mesh_a: Mesh | None, mesh_b: Mesh | None
         if key[1].startswith(COMMUNICATION):
             continue
         rec_a, rec_b = ba[key], bb[key]
-        walks_a = {r: {arg: s for _, arg, s in walk(rec, inputs=False)} for r, rec in rec_a.items()}
-        walks_b = {r: {arg: s for _, arg, s in walk(rec, inputs=False)} for r, rec in rec_b.items()}
-        for arg in walks_a[min(walks_a)]:
-            sa = {r: w[arg] for r, w in walks_a.items() if arg in w}
-            sb = {r: w[arg] for r, w in walks_b.items() if arg in w}
-            if len(sa) != len(walks_a) or len(sb) != len(walks_b) or any(
-                    "stats" not in x and "data" not in x for x in (*sa.values(), *sb.values())):
-                continue
+        for arg, sa, sb in _outputs_on_every_rank(rec_a, rec_b):
             seeded = {(rec_a[min(rec_a)]["name"], arg) in grads_a, (rec_b[min(rec_b)]["name"], arg) in grads_b}
             if len(seeded) > 1:
                 yield key, arg, [], "computed from the loss's gradient in one run only"
@@ -1084,3 +1070,16 @@ def optimizer_step(run_a, run_b, step: int, rank: int, tensors: bool = True) -> 
                 made = (_made_by(pa, qa[grad].get(rank)), _made_by(pb, qb[grad].get(rank)))
         return OptimizerStep(f"parameter {key[1]} differs after it ({got['reason']}){how}", agrees, made)
     return OptimizerStep()
+
+
+def _outputs_on_every_rank(rec_a: dict, rec_b: dict):
+    """``(arg, {rank: spec} of run A, of run B)`` per output of one op's records (rank -> record in
+    each run) that every rank of both runs recorded with values (statistics or a saved tensor)."""
+    walks_a = {r: {arg: s for _, arg, s in walk(rec, inputs=False)} for r, rec in rec_a.items()}
+    walks_b = {r: {arg: s for _, arg, s in walk(rec, inputs=False)} for r, rec in rec_b.items()}
+    for arg in walks_a[min(walks_a)]:
+        sa = {r: w[arg] for r, w in walks_a.items() if arg in w}
+        sb = {r: w[arg] for r, w in walks_b.items() if arg in w}
+        if len(sa) == len(walks_a) and len(sb) == len(walks_b) and all(
+                "stats" in x or "data" in x for x in (*sa.values(), *sb.values())):
+            yield arg, sa, sb
