@@ -56,7 +56,7 @@ def test_run_ut_page_beside_the_csvs_and_rewritten_on_resume(gelu_run):
     assert "incomplete" not in page and not re.search(r'<(script|link|img)[^>]+(src|href)="', page)
     data = page_data(open(res.report_html).read())
     root = next(n for n in data["nodes"] if n["parent"] is None)
-    assert root["c"] == [0, len(res.results) - 2, 0, 2]          # SKIP, pass, warning, error
+    assert root["c"] == [len(res.results) - 2, 0, 0, 2]          # pass, not judged, warning, error
     assert [n["path"] for n in data["nodes"] if any(data["ops"][i]["sev"] == 3 for i in n["ops"])] == GELU_SCOPES
     assert {data["nodes"][i]["path"] for i in data["expand"]} == set(GELU_SCOPES)
     fwd = data["marks"]["forward"]
@@ -65,6 +65,38 @@ def test_run_ut_page_beside_the_csvs_and_rewritten_on_resume(gelu_run):
     assert gelu["op"] == "aten.gelu.default.0.forward" and gelu["cells"][0] == "error"
     cosine = data["row_cols"].index("Cosine")
     assert gelu["rows"][0][0] == "output.0" and isinstance(gelu["rows"][0][cosine], float)
+
+
+def _run_ut_tables(ops):
+    """run-ut's two tables for ``ops`` [(scope, forward status)], one output row each."""
+    results = pd.DataFrame([{"Step": 0, "Rank": 0, "API Name": f"aten.op.{i}.forward", "Op": "aten.op", "Stage": "forward",
+                             "Scope": scope, "Category": "benchmark", "Judged": "replay",
+                             "Forward Test Success": status, "Backward Test Success": "", "Message": "",
+                             "Elapsed (s)": "0.1"} for i, (scope, status) in enumerate(ops)])
+    details = pd.DataFrame([{"Step": 0, "Rank": 0, "API Name": f"aten.op.{i}.forward", "Output": "output.0",
+                             "Device Dtype": "torch.float32", "Bench Dtype": "torch.float64", "Shape": "[4]",
+                             "Cosine": "" if status == "SKIP" else "1.0", "Status": status, "Message": ""}
+                            for i, (_, status) in enumerate(ops)])
+    return results, details
+
+
+def _worst_level(data, path) -> str:
+    """The level the explorer colours a node with: its worst level holding an op (explorer.js worst())."""
+    n = node(data, path)
+    return next(data["levels"][i]["name"] for i in reversed(range(len(n["c"]))) if n["c"][i])
+
+
+def test_run_ut_page_never_shows_a_module_with_a_skipped_op_as_passing():
+    """A module holding an op run-ut could not judge (SKIP) is "not judged", above pass, as on compare's
+    page: one ranking for both pages, so a page never says more than the verdict."""
+    from dispatchprobe.offline.report_digest import COMPARE_LEVELS
+    from dispatchprobe.offline.run_ut_page import run_ut_html
+    results, details = _run_ut_tables([("M.a", "pass"), ("M.a", "SKIP"), ("M.b", "pass"), ("M.c", "")])
+    data = page_data(run_ut_html(results, details, summary=[], records="rec", manifest={}, result_csv="r.csv"))
+    assert data["levels"] == COMPARE_LEVELS
+    assert _worst_level(data, "M.a") == "not judged" and _worst_level(data, "M.b") == "pass"
+    assert _worst_level(data, "M.c") == "not judged"          # a status no rule gave is no pass either
+    assert _worst_level(data, "M") == "not judged"
 
 
 def test_run_ut_page_of_an_interrupted_run_says_so(gelu_run):

@@ -1,6 +1,6 @@
 """The page kit every HTML report is built with: the module tree (``scope_tree``, ``up``), the
 op pages (``ops_page``: run-ut, overflow, free benchmark), the colours of the verdict codes
-(``verdict_levels``), template filling and cell formatting.
+(``verdict_levels``) and their one ranking (``VERDICT_LEVELS``, ``verdict_severity``), template filling and cell formatting.
 No torch (docs/architecture.md: the offline side reads only records)."""
 
 from __future__ import annotations
@@ -28,6 +28,20 @@ def verdict_levels(codes) -> list:
     name (the code as the terminal and the CSVs say it), short count label, colour and heat-map fill."""
     return [{"name": c, "short": _VERDICT_STYLE[c][2], "color": _VERDICT_STYLE[c][0], "fill": _VERDICT_STYLE[c][1]}
             for c in codes]
+
+
+# ---- ranking: every page that shows verdicts ranks them so, from the best to the worst ------------------
+# "not judged" ranks above pass: a page never says more than the verdict, so a module holding an op the
+# rules could not judge (compare's "not judged", run-ut's SKIP) is never drawn as agreeing.
+VERDICT_LEVELS = verdict_levels([PASS, NOT_JUDGED, WARNING, ERROR])
+VERDICT_SEVERITY = {lv["name"]: i for i, lv in enumerate(VERDICT_LEVELS)}
+_STATUS_LEVEL = {**VERDICT_SEVERITY, SKIP: VERDICT_SEVERITY[NOT_JUDGED]}    # SKIP: run-ut's CSV word for it
+
+
+def verdict_severity(status: pd.Series) -> np.ndarray:
+    """Each verdict's level (an index into VERDICT_LEVELS); a status no rule gave (empty, unknown) is
+    not judged, never a pass."""
+    return status.map(_STATUS_LEVEL).fillna(VERDICT_SEVERITY[NOT_JUDGED]).to_numpy(dtype=np.int64, copy=True)
 
 
 def num(v):

@@ -19,8 +19,8 @@ import pandas as pd
 from ..records import nonfinite
 from ..records.reader import RecordError, load
 from ..standards import metrics as M
-from ..standards.verdicts import ERROR, NOT_JUDGED, OUT_PRIOR_CONTENTS, PASS, UNDEFINED_CONTENTS, WARNING
-from .page_kit import OPS_PER_NODE, col, verdict_levels
+from ..standards.verdicts import ERROR, NOT_JUDGED, OUT_PRIOR_CONTENTS, UNDEFINED_CONTENTS, WARNING
+from .page_kit import OPS_PER_NODE, VERDICT_LEVELS, VERDICT_SEVERITY, col, verdict_severity
 
 # columns a chart can show, and whether larger is worse: compare's metric columns and two of its own
 CHART_METRICS = M.derived(lambda: {**{m: M.METRICS[m].larger_is_worse for m in M.compare_columns()},
@@ -32,10 +32,10 @@ HEATMAP_MODULES = 60
 # spreadsheet cell costs ~4 us to write (13k rows x 55 columns took 11 s); compare.csv keeps every row.
 XLSX_MAX_ROWS = 4000
 MAX_SUSPICIOUS = 2000  # origin rows listed in the page's table
-# the explorer's levels by severity (templates/explorer.js): the verdict codes compare's rows carry.  "not
-# judged" ranks above pass: a module holding an op the rules could not judge is not shown as agreeing.
-COMPARE_LEVELS = verdict_levels([PASS, NOT_JUDGED, WARNING, ERROR])
-SEVERITY = {lv["name"]: i for i, lv in enumerate(COMPARE_LEVELS)}
+# the explorer's levels by severity (templates/explorer.js): the verdict codes compare's rows carry, ranked
+# as on every page (page_kit.VERDICT_LEVELS: "not judged" above pass)
+COMPARE_LEVELS = VERDICT_LEVELS
+SEVERITY = VERDICT_SEVERITY
 _EMPTY = -1   # a row with nothing in it to judge (uninitialised memory): lifts no op above its other rows
 ROW_COLS = ["io", "arg", "dtype_a", "dtype_b", "shape_a", "shape_b"] + \
     [f"{s}_{side}" for s in ("max", "min", "mean", "norm") for side in ("a", "b")] + \
@@ -53,7 +53,7 @@ def row_severity(table: pd.DataFrame) -> np.ndarray:
     judge: an op's uninitialised buffer says nothing of the runs, so it leaves the op at its other rows'
     level; an op with only such rows is "not judged" (:func:`shown_severity`)."""
     status = table["status"]
-    sev = status.map(SEVERITY).fillna(SEVERITY[NOT_JUDGED]).to_numpy(dtype=np.int64, copy=True)
+    sev = verdict_severity(status)
     if "reason" in table.columns:
         empty = (status == NOT_JUDGED) & table["reason"].astype(str).str.startswith(
             (UNDEFINED_CONTENTS, OUT_PRIOR_CONTENTS))

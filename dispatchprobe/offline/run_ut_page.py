@@ -8,14 +8,12 @@ import numpy as np
 import pandas as pd
 
 from ..standards import metrics as M
-from ..standards.verdicts import ERROR, NOT_JUDGED, PASS, SKIP, WARNING
-from .page_kit import ops_page, text_number, verdict_levels
+from ..standards.verdicts import NOT_JUDGED, SKIP
+from .page_kit import VERDICT_LEVELS, ops_page, text_number, verdict_severity
 
-# run-ut statuses as levels, coloured as every page colours a verdict; the CSVs' SKIP (not replayed, its
-# replay raised, or nothing compared) reads "not judged" on the page, as in compare's
-RUN_UT_LEVELS = verdict_levels([NOT_JUDGED, PASS, WARNING, ERROR])
+# run-ut statuses as levels, ranked and coloured as on every page (page_kit.VERDICT_LEVELS: "not judged"
+# above pass); the CSVs' SKIP (not replayed, its replay raised, or nothing compared) reads "not judged"
 _SHOWN = {SKIP: NOT_JUDGED}      # CSV status -> the level's name
-_RUN_UT_SEVERITY = {lv["name"]: i for i, lv in enumerate(RUN_UT_LEVELS)}
 
 
 def run_ut_html(results: pd.DataFrame, details: pd.DataFrame, *, summary: list, records: str, manifest: dict,
@@ -26,7 +24,7 @@ def run_ut_html(results: pd.DataFrame, details: pd.DataFrame, *, summary: list, 
     status = fwd.where(fwd != "", bwd).replace(_SHOWN)
     ops = pd.DataFrame({"step": results["Step"].astype(int), "rank": results["Rank"].astype(int),
                         "stage": results["Stage"], "scope": results["Scope"], "op": results["API Name"],
-                        "sev": status.map(_RUN_UT_SEVERITY).fillna(0).astype(int), "mark": status == "error",
+                        "sev": verdict_severity(status), "mark": status == "error",
                         "status": status, "Category": results["Category"], "Message": results["Message"],
                         "Elapsed (s)": pd.to_numeric(results["Elapsed (s)"], errors="coerce")})
     METRIC_COLUMNS = M.columns()          # run-ut's details columns, from the metric registry
@@ -59,7 +57,7 @@ def run_ut_html(results: pd.DataFrame, details: pd.DataFrame, *, summary: list, 
         return out
 
     return ops_page(ops, title="dispatchprobe run-ut", tree_heading="Replayed ops by module", summary=summary,
-                    levels=RUN_UT_LEVELS, mark="first {stage} error", rows_of=rows_of, message_col="Message", flags=flags,
+                    levels=VERDICT_LEVELS, mark="first {stage} error", rows_of=rows_of, message_col="Message", flags=flags,
                     op_cols=["status", "Category", "Message", "Elapsed (s)"], row_cols=row_cols,
                     meta={"records": records, "results": result_csv}, manifest=manifest,
                     full_table=os.path.basename(result_csv),
