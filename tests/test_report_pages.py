@@ -347,3 +347,63 @@ def test_grad_page_colours_what_the_verdict_flags(tmp_path):
     assert all(luminance(x["bg"]) > 215 and not is_red(x["bg"]) for x in cells if not x["flag"]), \
         [x for x in cells if not x["flag"]]
     assert all(luminance(x["bg"]) < 90 and luminance(x["color"]) > 200 for x in flagged), flagged
+
+
+def _page_cells(page) -> dict:
+    """The grad compare page's heat-map cells as written: (parameter, step) -> background."""
+    cells = re.findall(r'<td class="s[^"]*" style="background:([^"]+)" title="([^"]+?) step (\d+):', page.read_text())
+    return {(param, int(step)): bg for bg, param, step in cells}
+
+
+@pytest.mark.parametrize("order", ["ab", "ba"])
+def test_grad_page_at_l0_draws_checksums_as_the_verdict_says(tmp_path, order):
+    """Level L0 (checksums, no similarity): an unequal checksum (flagged) is drawn in the error's fill and an
+    equal one white, in both run orders."""
+    from dispatchprobe import compare
+    from dispatchprobe.offline.page_kit import VERDICT_LEVELS
+    from test_grad_probe import _l0_run
+    error = next(lv["fill"] for lv in VERDICT_LEVELS if lv["name"] == "error")
+    for name, kw in (("a", {}), ("c", {"nudge_from": 1})):
+        _l0_run(tmp_path / name, **kw)
+    a, b = (tmp_path / "a", tmp_path / "c")[::1 if order == "ab" else -1]
+    table, verdict = compare(a, b, out=str(tmp_path / "out"))
+    cells = _page_cells(tmp_path / "out" / "grad_compare.html")
+    rows = table[table["param"] != "summary"]
+    assert not verdict.passed and set(rows["checksum"]) == {"equal", "unequal"} and len(cells) == len(table)
+    for param, step, checksum in zip(rows["param"], rows["step"], rows["checksum"]):
+        want = error if checksum == "unequal" else "hsl(50, 90%, 100%)"
+        assert cells[(param, int(step))] == want, (param, step, checksum)
+
+
+def test_grad_page_draws_a_gradient_nothing_compared_as_not_judged(tmp_path):
+    """A cell without a similarity or an equal checksum (shapes that differ, checksums of other kinds) is
+    "not judged"'s grey, as on compare's page: never the white of a similarity of 1."""
+    from types import SimpleNamespace
+    from dispatchprobe.offline.grad_compare import COLUMNS
+    from dispatchprobe.offline.grad_page import heat_map_page
+    from dispatchprobe.offline.page_kit import VERDICT_LEVELS
+    fills = {lv["name"]: lv["fill"] for lv in VERDICT_LEVELS}
+    rows = [{"step": 0, "param": p, "similarity": sim, "flag": "", "checksum": ck}
+            for p, sim, ck in (("w", 1.0, ""), ("b", math.nan, ""), ("c", math.nan, "not comparable"))]
+    table = pd.DataFrame(rows).reindex(columns=COLUMNS).fillna({"flag": "", "checksum": "", "param_b": ""})
+    page = tmp_path / "g.html"
+    page.write_text(heat_map_page(table, SimpleNamespace(a="A", b="B"), {}, {}))
+    cells = _page_cells(page)
+    assert cells[("w", 0)] == "hsl(50, 90%, 100%)"
+    assert cells[("b", 0)] == cells[("c", 0)] == fills["not judged"], cells
+
+
+def test_free_benchmark_page_says_the_op_calls_it_did_not_judge():
+    """The page's heading counts the op calls the free benchmark could not judge (step functions), as
+    ``show`` does: "no op moved past its limit" is said of the judged ones only."""
+    from types import SimpleNamespace
+    from dispatchprobe.offline.check_pages import free_benchmark_summary
+    from dispatchprobe.offline.summary import checks_line
+    checks = {"task": "free_benchmark", "checked": 5, "flagged": 0, "not_judged": 3}
+    run = SimpleNamespace(parts={(0, 0): SimpleNamespace(checks=checks)}, manifest={})
+    rows = pd.DataFrame(columns=["pert_mode", "sev", "stage", "x limit"])
+    heading = free_benchmark_summary(run, rows)
+    shown = checks_line([checks])
+    said = "3 op calls not judged"
+    assert said in shown and any(line.startswith(said) for line in heading), heading
+    assert "no op moved past its limit of those judged" in heading, heading

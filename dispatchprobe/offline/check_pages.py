@@ -9,6 +9,7 @@ import numpy as np
 import pandas as pd
 
 from .page_kit import cell, ops_page
+from .summary import CHECK_NOTES
 
 # ---- inline-check runs (overflow, free_benchmark) as the module tree: one renderer, a mode per task ------
 _TENSOR_COLS = ["io", "arg", "dtype", "shape", "max", "min", "mean", "norm", "nan", "inf"]
@@ -132,7 +133,9 @@ def free_benchmark_summary(run, rows: pd.DataFrame) -> list[str]:
     if len(rows) > 1:
         lines.append("largest excess: " + say(rows.iloc[int(np.nanargmax(rows["x limit"].fillna(np.inf).to_numpy()))]))
     if not len(rows):
-        lines.append("no op moved past its limit")
+        lines.append("no op moved past its limit" + (" of those judged" if counts.get("not_judged") else ""))
+    if counts.get("not_judged"):      # as `show` says them: a page says no more than the check did
+        lines.append(f"{counts['not_judged']} {CHECK_NOTES['not_judged']}")
     if counts.get("not_widened"):
         lines.append(f"{counts['not_widened']} float32-only op calls not re-run (improve_precision widens 16-bit ops; "
                      "set free_benchmark.widen_float32 to check float32 ops against float64)")

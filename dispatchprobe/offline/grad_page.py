@@ -10,19 +10,23 @@ import math
 import pandas as pd
 
 from ..standards.loader import standard
-from ..standards.verdicts import ERROR
-from .page_kit import fill, lines, meta_rows, num, verdict_levels
+from ..standards.verdicts import ERROR, NOT_JUDGED
+from .page_kit import VERDICT_LEVELS, VERDICT_SEVERITY, fill, lines, meta_rows, num
 
-_FLAGGED = verdict_levels([ERROR])[0]["fill"]      # the error's heat fill, as on compare's page
+# the heat fills of compare's page: an error's, and "not judged"'s (grey, never the white of agreement)
+_FLAGGED, _NOT_JUDGED = (VERDICT_LEVELS[VERDICT_SEVERITY[v]]["fill"] for v in (ERROR, NOT_JUDGED))
+_AGREE = "hsl(50, 90%, 100%)"                        # a similarity of 1 (white)
 
 
-def _colour(sim, flagged: bool) -> str:
+def _colour(sim, flagged: bool, checksum: str = "") -> str:
     """A flagged cell in the error's fill; any other pale, white at 1 to light yellow at the first
-    step's limit and below: a lower similarity the rule does not flag is a hint, never drawn as a fault."""
-    if sim != sim:
-        return "#eee"
+    step's limit and below: a lower similarity the rule does not flag is a hint, never drawn as a fault.
+    Without a similarity (L0: checksums only) an equal checksum is white; a gradient nothing compared
+    (checksums not comparable, shapes that differ) is "not judged"'s grey, never drawn as agreeing."""
     if flagged:
         return _FLAGGED
+    if sim != sim:
+        return _AGREE if checksum == "equal" else _NOT_JUDGED
     lim = standard("compare_standards")["grad_probe"]["first_step_min"]
     low = min(max((1.0 - sim) / (1.0 - lim), 0.0), 1.0)
     return f"hsl(50, 90%, {100 - 12 * low:.0f}%)"
@@ -31,6 +35,8 @@ def _colour(sim, flagged: bool) -> str:
 def _cell(row) -> str:
     sim = row["similarity"]
     tip = f"{row['param']} step {row['step']}: similarity {sim:.6f}"
+    if row.get("checksum"):
+        tip += f", checksum {row['checksum']}"
     if row["param"] != "summary":
         tip += f"\nnorm A {row['norm_a']} B {row['norm_b']}\nmax A {row['max_a']} B {row['max_b']}" \
                f"\nmin A {row['min_a']} B {row['min_b']}"
@@ -38,7 +44,7 @@ def _cell(row) -> str:
             tip += f"\nflagged: {row['flag']}"
     text = "" if sim != sim else f"{sim:.4f}"
     cls = "s flag" if row["flag"] else "s"
-    bg = _colour(sim, bool(row["flag"]))
+    bg = _colour(sim, bool(row["flag"]), str(row.get("checksum") or ""))
     return f'<td class="{cls}" style="background:{bg}" title="{html.escape(tip)}">{text}</td>'
 
 

@@ -101,7 +101,7 @@ def _op_calls(digests: dict, stage: str | None) -> pd.Series:
 
 
 # what an inline check's counts mean, for the one line that the demo and `show` both print
-_CHECK_NOTES = {
+CHECK_NOTES = {
     "propagated": "propagated inf/nan (from an input or a constant such as a -inf mask; listed in overflow.csv)",
     "suspicious growth": "suspicious growth",
     "expected": "expected (backward overflows in steps the loss scaler skipped; not counted as flagged)",
@@ -124,7 +124,7 @@ def checks_line(checks: list[dict]) -> str:
             if isinstance(v, int) and not isinstance(v, bool):
                 total[k] = total.get(k, 0) + v
     line = f"{task}: {total.get('checked', 0)} op calls checked, {total.get('flagged', 0) or 'none'} flagged"
-    others = [f"{total[k]} {note}" for k, note in _CHECK_NOTES.items() if total.get(k)]
+    others = [f"{total[k]} {note}" for k, note in CHECK_NOTES.items() if total.get(k)]
     if others:
         line += "; " + ", ".join(others)
     elif not total.get("flagged"):
