@@ -305,9 +305,10 @@ def _write(out: str, table: pd.DataFrame, verdict: GradVerdict, run_a: Run, run_
     """grad_compare.csv (one row per step and parameter), similarities.csv (msprobe's layout:
     parameters x steps, with the summary row) and grad_compare.html (the heat map)."""
     from ..records.writer import atomic_write_text
+    from .frame_csv import csv_text
     from .grad_page import heat_map_page
     os.makedirs(out, exist_ok=True)
-    atomic_write_text(os.path.join(out, "grad_compare.csv"), table.to_csv(index=False))
+    atomic_write_text(os.path.join(out, "grad_compare.csv"), csv_text(table))
     wide = table.pivot(index="param", columns="step", values="similarity")
     order = list(dict.fromkeys(table["param"]))
     wide = wide.loc[order]

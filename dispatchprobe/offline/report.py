@@ -15,6 +15,7 @@ import pandas as pd
 
 from ..records.writer import atomic_write_text
 from ..standards.loader import standard
+from .frame_csv import csv_pieces, csv_text
 from .page_kit import OPS_PER_NODE, cells, col, fill, lines, meta_rows, num, scope_tree, up
 from .report_digest import (CHART_METRICS, COMPARE_LEVELS, OP_KEYS, ROW_COLS, ROW_METRICS, XLSX_MAX_ROWS, TableDigest,
                             digest)
@@ -44,20 +45,21 @@ class ReportWriter:
 
     def _append(self, table: pd.DataFrame) -> None:
         if self._file is None:
-            self._file = open(self._csv + ".tmp", "w", newline="")
+            self._file = open(self._csv + ".tmp", "w", newline="", encoding="utf-8")
             self._header = list(table.columns)
-            table.iloc[:0].to_csv(self._file, index=False)
+            self._file.write(csv_text(table.iloc[:0]))
         elif not set(table.columns) <= set(self._header):   # a column no earlier part had: widen what is written
             self._widen([c for c in table.columns if c not in self._header])
         if len(table):
-            table.reindex(columns=self._header).to_csv(self._file, index=False, header=False)
+            self._file.writelines(csv_pieces(table.reindex(columns=self._header), header=False))
 
     def _widen(self, new: list) -> None:
         self._file.close()
         written = pd.read_csv(self._csv + ".tmp", dtype=str, keep_default_na=False)
         self._header += new
-        written.reindex(columns=self._header, fill_value="").to_csv(self._csv + ".tmp", index=False)
-        self._file = open(self._csv + ".tmp", "a", newline="")
+        with open(self._csv + ".tmp", "w", newline="", encoding="utf-8") as f:
+            f.write(csv_text(written.reindex(columns=self._header, fill_value="")))
+        self._file = open(self._csv + ".tmp", "a", newline="", encoding="utf-8")
 
     def finish(self, verdict, manifest_a: dict, manifest_b: dict, progress: bool = False) -> str:
         """Close compare.csv and write unmatched.csv, pairing.csv, compare.xlsx and compare.html; returns
@@ -90,8 +92,7 @@ def write_reports(out: str, table: pd.DataFrame, verdict, manifest_a: dict, mani
 
 
 def _write_csv(path: str, df: pd.DataFrame) -> None:
-    df.to_csv(path + ".tmp", index=False)
-    os.replace(path + ".tmp", path)
+    atomic_write_text(path, csv_text(df))
 
 
 # ---- spreadsheet ------------------------------------------------------------------------------------
@@ -290,6 +291,8 @@ def mark_label(d) -> str:
         return f"{d.stage} differences received from other ranks"
     if d.cause == "noise":
         return f"{d.stage} differences follow from values zero up to rounding"
+    if d.cause == "rounding":
+        return f"{d.stage} errors grew from differences of rounding size"
     if d.cause == "constant":
         return f"{d.stage} differences follow from constants the programs make differently"
     if d.cause == "after_random":

@@ -613,9 +613,10 @@ def _parallel_result(run_a, run_b, merged, out) -> Result:
     table, verdict = merged
     if out:
         from ...records.writer import atomic_write_text
+        from ..frame_csv import csv_text
         os.makedirs(out, exist_ok=True)
         path = os.path.join(out, "compare.csv")
-        atomic_write_text(path, table.to_csv(index=False))
+        atomic_write_text(path, csv_text(table))
         verdict.report = path
     if not len(table):
         raise RecordError(f"nothing could be compared across the parallelism of {run_a.path} and {run_b.path}: "
@@ -626,7 +627,7 @@ def _parallel_result(run_a, run_b, merged, out) -> Result:
 # causes that name no source in their own part: the stage's differences come from elsewhere (another
 # stage's values, a random draw or a discrete choice, rounding noise, constants); a rank whose values
 # differ only through a collective's result says so, while the rank that made the difference names its op
-_NO_SOURCE = frozenset({"inherited", "after_random", "after_inputs", "after_choice", "noise", "constant"})
+_NO_SOURCE = frozenset({"inherited", "after_random", "after_inputs", "after_choice", "noise", "constant", "rounding"})
 
 
 def _source_tier(d, received: set) -> int:
@@ -665,7 +666,9 @@ def _first(divs: list, unmatched: pd.DataFrame, parts: list, stepped=None) -> tu
         (early if d.departure else first).setdefault(d.stage, d)
     for stage, d in list(first.items()):
         e = early.get(stage)
-        if e is not None and e.step < d.step and id(d) not in sourced:
+        if d.cause == "rounding":
+            first[stage] = _parted_before(divs, d)
+        elif e is not None and e.step < d.step and id(d) not in sourced:
             first[stage] = _leads_to(e, d)
     return first, [early[s] for s in ("forward", "backward") if s in early and s not in first]
 
@@ -676,11 +679,26 @@ def _leads_to(e, d):
     where = f"{d.op} [{d.scope or '<top>'}]"
     why = (f"there the inputs/parameters differ, first seen at {where} {d.arg}" if d.cause == "inputs" else
            f"there they follow from differing {d.inherited_from()} values" if d.cause == "inherited" else
-           f"there they come from other ranks through {where}" if d.cause == "received" else f"they start at {where}"
+           f"there they come from other ranks through {where}" if d.cause == "received" else
+           f"there they grew from differences of rounding size" if d.cause == "rounding" else f"they start at {where}"
            + (" (approximate)" if d.approximate else ""))
     return replace(e, departure=False, errors=d.errors,
                    failed=f"{e.failed} (within tolerance at step {e.step}; the {d.errors} {d.stage} error rows of "
                           f"step {d.step} rank {d.rank} come after it: {why})")
+
+
+def _parted_before(divs: list, d):
+    """A stage whose error rows grew from differences of rounding size (cause ``rounding``) at a later
+    step than the runs first parted: that step's values came from the earlier steps' updates, so the
+    line names the first step and place where any value differs (any stage, any rank), not only
+    where this step's difference enters."""
+    earlier = [e for e in divs if e.step < d.step]
+    if not earlier:
+        return d
+    e = min(earlier, key=lambda e: (e.step, e.rank, e.stage != "forward", e.seq))
+    at = e.follows if e.cause == "rounding" else e.where()
+    return replace(d, came_from=f"the runs part first at step {e.step}, at {at}; each step's update carries the "
+                                f"difference into the next step's values")
 
 
 def _came_from(by_part: dict, unmatched: pd.DataFrame, parts: list, d, stepped=None) -> tuple[str, bool]:

@@ -237,8 +237,9 @@ def _report(run, results: list, out: str | None):
     verdict.problems = run.problems + [line for part in run.parts.values() for line in part.damaged_shards()]
     if out:
         from ...records.writer import atomic_write_text
+        from ..frame_csv import csv_text
         from .page import ranks_html
         os.makedirs(out, exist_ok=True)
-        atomic_write_text(os.path.join(out, "ranks.csv"), table.to_csv(index=False))
+        atomic_write_text(os.path.join(out, "ranks.csv"), csv_text(table))
         atomic_write_text(os.path.join(out, "ranks.html"), ranks_html(run, table, verdict))
     return table, verdict
