@@ -20,7 +20,7 @@ from dispatchprobe.core.recorder import Measured
 from dispatchprobe.records.format import UNRECORDED_GRAPH_STEPS
 
 from . import tensor_backend as ms_backend
-from . import graph_dump, graph_ir, ops
+from . import graph_dump, graph_ir, graph_pairing, ops
 from .graph_scopes import GraphScopes, dump_kernels, stage_of
 
 _NUMPY = {"Int64": np.int64, "Int32": np.int32, "Int8": np.int8, "UInt8": np.uint8, "Bool": np.bool_,
@@ -71,12 +71,14 @@ class GraphCapture:
         kernels = self.folder.take()
         self.kernels += len(kernels)
         session = self.session
-        unmatched = [k for k in kernels if not _matches_ir(k)]
+        unmatched = [k for k in kernels if k.unpaired or not graph_pairing.files_agree(k, k.node)]
         if unmatched:           # the files cannot be told apart reliably: nothing recorded rather than wrong records
             self.folder.release(os.path.join(self.keep, f"step{session.step_no}") if self.keep else None)
             self.unmatched += len(unmatched)
-            why = (f"MindSpore's dump could not be matched to the graph's kernels ({len(unmatched)} of {len(kernels)} "
-                   f"kernels' files disagree with the graph's dtypes or shapes, first {unmatched[0].scope})")
+            first = next((k for k in unmatched if k.unpaired), unmatched[0])
+            why = f"MindSpore's dump could not be matched to the graph's kernels ({len(unmatched)} of {len(kernels)} " + \
+                (f"kernels' files not told apart, first {first.scope}: {first.unpaired})" if first.unpaired else
+                 f"kernels' files disagree with the graph's dtypes or shapes, first {first.scope})")
             self.unrecorded_steps[str(session.step_no)] = why
             session.note_in_manifest(UNRECORDED_GRAPH_STEPS, dict(self.unrecorded_steps))
             warnings.warn(f"dispatchprobe_ms: step {session.step_no}: {why}: the step's graph kernels are not "
@@ -139,35 +141,6 @@ class GraphCapture:
             also = " (PyNative primitives are recorded; graphs=False records only them, without this warning)" \
                 if pynative else ""
             warnings.warn(f"dispatchprobe_ms: {self.why_not}{also}", RuntimeWarning, stacklevel=3)
-
-
-def _matches_ir(kernel) -> bool:
-    """Whether the kernel's files have the dtypes and element counts the graph's IR gives its
-    inputs and outputs (where it gives them): MindSpore numbers kernels differently in file names
-    and execution order in some graphs (control flow), and a file matched to the wrong kernel must
-    not become its record."""
-    node = kernel.node
-    if node is None:
-        return True
-    for files, shapes, dtypes in ((kernel.inputs, node.inputs, node.input_dtypes),
-                                  (kernel.outputs, node.outputs, node.output_dtypes)):
-        for i, path in files.items():
-            if i >= len(shapes) or shapes[i] is None or dtypes[i] is None:
-                continue
-            dumped = graph_dump.parse_name(os.path.basename(path))
-            if dumped is not None and dumped[5].lower() != dtypes[i].lower():
-                return False
-            if int(np.prod(shapes[i])) != _numel(path):
-                return False
-    return True
-
-
-def _numel(path: str) -> int:
-    """The element count of a .npy file, from its header (the data is not read)."""
-    with open(path, "rb") as f:
-        version = np.lib.format.read_magic(f)
-        shape = np.lib.format._read_array_header(f, version)[0]
-    return int(np.prod(shape))
 
 
 def _stages(kernels: list) -> list[str]:

@@ -39,7 +39,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field
 
-from . import graph_ir
+from . import graph_ir, graph_pairing
 
 ENV = "MINDSPORE_DUMP_CONFIG"
 ON, OFF = 2 ** 32 - 1, 2 ** 32 - 2      # dump iterations: the one the config selects, one it does not
@@ -66,6 +66,7 @@ class Kernel:
     first: int = 0                        # earliest timestamp of its files
     node: object = None                   # what the graph's IR says of it (graph_ir.Node), or None
     stage: str | None = None              # from the execution order; None: not known there
+    unpaired: str = ""                    # why its files cannot be told to be this kernel's (graph_pairing)
 
 
 def enable(kernels: list[str] = ()) -> tuple["DumpFolder | None", str]:
@@ -227,6 +228,7 @@ class DumpFolder:
         for slots in calls.values():
             for n, k in enumerate(slots):
                 runs.setdefault(n, []).append(k)
+        runs = {n: graph_pairing.repair(kernels, nodes, order, stages) for n, kernels in runs.items()}
         return [sorted(kernels, key=lambda k: (order[k.scope.replace("/", "_")][0], k.first))
                 for _, kernels in sorted(runs.items())]
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 _FULLNAME = re.compile(r"# Fullname with scope: \((.*)\)$")
 _FRAME = re.compile(r"# In file (.+?):(\d+)(?:~\d+)?, (\d+)~(\d+)/(.*)/$")
 _ITEM = re.compile(r"<Tensor\[(\w+)\], \(([\d, ]*)\)>|<[^<>]*>")
-_NODE = re.compile(r"^%\S+ = (?:PrimFunc_)?(\w+)\((.*?)\)(?: \{instance name: [^}]*\})?(?: primitive_attrs: \{(.*?)\})?(?: cnode_attrs|$)")
+_NODE = re.compile(r"^(%[^\s(]+)\S* = (?:PrimFunc_)?(\w+)\((.*?)\)(?: \{instance name: [^}]*\})?(?: primitive_attrs: \{(.*?)\})?(?: cnode_attrs|$)")
 _CONST_TENSOR = re.compile(r"Tensor\(shape=\[[\d, ]*\], dtype=(\w+), value=\[?([-\d. e+]*)\]?\)$")
 _NUMBER = re.compile(r"^(I8|I16|I32|I64|U8|U16|U32|U64|F16|F32|F64|Bool)\((.*)\)$")
 
@@ -35,6 +35,7 @@ class Node:
     args: list = field(default_factory=list)         # each argument's text: "%3" (a value) or a constant
     attrs: dict = field(default_factory=dict)        # primitive_attrs, as Python values
     op: str = ""                                     # the primitive (``MatMul``)
+    ref: str = ""                                    # how other nodes' arguments name its value ("%49")
 
 
 @functools.lru_cache(maxsize=32)
@@ -63,9 +64,9 @@ def read(path: str, mtime: float = 0.0) -> dict[str, Node]:
             if signature:
                 (current.inputs, current.input_dtypes), (current.outputs, current.output_dtypes) = _shapes(signature)
             if node is not None:
-                current.op = node.group(1)
-                current.args = _split(node.group(2))
-                current.attrs = {k: constant(v) for k, _, v in (a.partition(": ") for a in _split(node.group(3) or ""))}
+                current.ref, current.op = node.group(1), node.group(2)
+                current.args = _split(node.group(3))
+                current.attrs = {k: constant(v) for k, _, v in (a.partition(": ") for a in _split(node.group(4) or ""))}
             signature = node = None
             continue
         frame = _FRAME.match(text)
@@ -128,7 +129,10 @@ def constant(text: str):
         return tuple(items) if text[0] == "(" else items
     m = _CONST_TENSOR.match(text)
     if m:
-        return ("tensor", m.group(1), [float(v) for v in m.group(2).split()])
+        try:
+            return ("tensor", m.group(1), [float(v) for v in m.group(2).split()])
+        except ValueError:      # a long tensor the IR prints cut ("[0 0 ... 0]"): its values are not there
+            return None
     if re.fullmatch(r"-?\d+", text):
         return int(text)
     return None
