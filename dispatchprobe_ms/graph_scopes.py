@@ -9,7 +9,9 @@ model (the loss cell, the optimizer) have no scope, as in PyNative.
 
 An ``@ms.jit`` function's kernels are all named ``Default/...``: their cells are read from the
 kernel's source trace in the graph's IR instead: from the frame of the model's ``construct``,
-each call ``self.fc(...)`` that enters a ``construct`` is one level (``Net.fc``).
+each call ``self.fc(...)`` that enters a ``construct`` is one level (``Net.fc``).  The trace comes
+first wherever it says something: a kernel traced through cells' ``construct``s but never the
+model's is outside it, whatever cell its name gives.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ class GraphScopes:
         self.cells = {path: type(cell).__name__ for path, cell in model.cells_and_names()} if model is not None else {}
         self._memo: dict[str, tuple[str, str]] = {}
         self._construct = _where(type(model).construct) if model is not None else None
+        self._traces_enter_model = False     # a kernel's trace went through the model's construct
 
     def __call__(self, full_name: str, frames=()) -> tuple[str, str]:
         """(stage, scope) of the kernel named ``full_name``, whose IR source trace is ``frames``."""
@@ -34,19 +37,25 @@ class GraphScopes:
             parts = full_name.split("/")
             stage = stage_of(full_name)
             # the trace first: MindSpore's names merge the scopes of kernels it merged (the conv's
-            # BiasAddGrad named after the dense's), and a jit function's names hold no cell
-            scope = self._traced(frames) or self._scope(parts[:-1])
+            # BiasAddGrad named after the dense's, a loss's division gradient after the first cell
+            # that divided), and a jit function's names hold no cell
+            traced = self._traced(frames)
+            scope = traced if traced is not None else self._scope(parts[:-1])
             hit = self._memo[full_name] = stage, scope
         return hit
 
-    def _traced(self, frames) -> str:
-        """The scope the source trace gives: the cells entered below the model's ``construct``."""
+    def _traced(self, frames) -> str | None:
+        """The scope the source trace gives: the cells entered below the model's ``construct``; ""
+        (outside the model, as PyNative scopes it) for a trace through cells' ``construct`` that never
+        enters the model's, once traces are seen to enter it; None where the trace cannot say."""
         if self.root is None or self._construct is None or not frames:
-            return ""
+            return None
         start = next((i for i, (file, line, code, _) in enumerate(frames)
                       if (file, line) == self._construct and code.lstrip().startswith("def ")), None)
         if start is None:
-            return ""
+            through_cells = any(code.lstrip().startswith("def construct(") for _, _, code, _ in frames)
+            return "" if through_cells and self._traces_enter_model else None
+        self._traces_enter_model = True
         path = ""
         for (_, _, _, called), (_, _, code, _) in zip(frames[start + 1:], frames[start + 2:]):
             m = _CALL.match(called)
