@@ -766,6 +766,34 @@ class Lineage:
             out[side.name] = [side.recs[k]["op"] for k in sorted(found)]
         return out
 
+    def computed_otherwise(self, side: Side, u: int) -> dict:
+        """Run name -> the ops of the span one-run-only op ``u`` sits in, where the other run also holds
+        compute ops of its own between the same two paired records: both runs compute that stretch with
+        other ops (two torch versions' attention, a fused kernel against its pieces), so ``u`` is no
+        extra op of one run and is not judged alone (:meth:`region_ops` is the same for a stand-in
+        kernel).  Empty where the other run holds none there: ``u`` is an op one run adds."""
+        other = self.b if side is self.a else self.a
+        stage = side.recs[u]["stage"]
+        self.place(side, u)                       # the paired records of each run, in order (:meth:`_anchors`)
+        idx, a_idx = self.anchors[side.name][stage][:2]
+        n = bisect.bisect_right(idx, u)
+        before, after = (a_idx[n - 1] if n else None), (a_idx[n] if n < len(a_idx) else None)
+        mine = self._loose_between(side, stage, before, after)
+        theirs = self._loose_between(other, stage, before, after)
+        if not theirs:
+            return {}
+        return {side.name: [side.recs[k]["op"] for k in mine], other.name: [other.recs[k]["op"] for k in theirs]}
+
+    def _loose_between(self, side: Side, stage: str, before, after) -> list:
+        """Run ``side``'s one-run-only compute records of ``stage`` between paired records ``before``
+        and ``after`` (A indices; None: the stage's start or end)."""
+        to_side = (lambda k: k) if side is self.a else self.pair_b.get
+        lo = -1 if before is None else to_side(before)
+        hi = len(side.recs) if after is None else to_side(after)
+        if lo is None or hi is None:
+            return []
+        return [k for k in self.loose[side.name].get((stage, COMPUTE), ()) if lo < k < hi]
+
     # ---- sums the runs group differently (.regroup) ------------------------------------------------
     def row_err(self, i: int, k: int) -> float:
         """The difference output row ``k`` of paired record ``i`` hands on: its error, or where it
@@ -1032,6 +1060,8 @@ def trace(df: pd.DataFrame, a: Side, b: Side, pairs: list, rerun=None, same_kern
         _paired_op(df, div, pick)
         if pick.cause == "region":
             div.region = lineage.region_ops(pick.index)
+        elif pick.cause == "unmatched" and (span := lineage.computed_otherwise(a if pick.side == "a" else b, pick.index)):
+            div.cause, div.region = "region", span
         div.unjudged = _unjudged(df, lineage, stage, pick) if errors else ""
         divs.append(div)
         roots.append(pick)
