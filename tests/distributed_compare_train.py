@@ -15,7 +15,9 @@ statistics task (no tensors saved), ``bf16`` too with FSDP2 computing in bfloat1
 gradients in float32 (``MixedPrecisionPolicy``), ``bf16kernel1`` as ``bf16`` with ``kernel1``'s
 relu; ``outside`` runs the optimizer outside the probe (its ops unrecorded) and ``optimizer``
 does too, giving ``up``'s parameters a learning rate 1.1 times as large (a change no op record
-shows).
+shows).  ``uneven`` (tensors), ``unevenstats`` (statistics) and ``unevenkernel1`` (``kernel1``'s
+relu) take a global batch of 5 samples, split 3 and 2 over 2 ranks: DDP averages the shares'
+gradients alike, so the parameters' gradients are not one process's by design.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from parallel_models import MLP, parallelize, run_and_end
 
 STEPS = 2
 BATCH = 8
+UNEVEN = (3, 2)     # the shares of the ``uneven`` runs' global batch, rank by rank
 
 
 class Mix(nn.Module):
@@ -80,7 +83,7 @@ def wrong_relu_kernel() -> torch.library.Library:
 
 def train(kind: str, out: str, run: str, task: str = "tensor") -> None:
     rank = torch.distributed.get_rank() if kind != "single" else 0
-    kernel = wrong_relu_kernel() if run in ("kernel1", "bf16kernel1") and rank == 1 else None
+    kernel = wrong_relu_kernel() if run in ("kernel1", "bf16kernel1", "unevenkernel1") and rank == 1 else None
     try:
         _train(kind, out, run, task)
     finally:
@@ -102,10 +105,9 @@ def _train(kind: str, out: str, run: str, task: str) -> None:
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
     gen = torch.Generator().manual_seed(1)
     probe = DispatchProbe(task=task, dump_path=os.path.join(out, run))
-    share = BATCH // world if kind != "tp" else BATCH      # tensor parallel: every rank the whole batch
     for _ in range(STEPS):
-        x = torch.randn(BATCH, 8, generator=gen)
-        x = x if kind == "tp" else x[rank * share:(rank + 1) * share]
+        sizes = UNEVEN if run.startswith("uneven") else (BATCH // world,) * world
+        x = _share(torch.randn(sum(sizes), 8, generator=gen), kind, rank, sizes)
         probe.start()
         loss = model(x).pow(2).mean()
         loss.backward()
@@ -117,12 +119,20 @@ def _train(kind: str, out: str, run: str, task: str) -> None:
     probe.close()
 
 
+def _share(batch: torch.Tensor, kind: str, rank: int, sizes: tuple) -> torch.Tensor:
+    """This rank's share of the global batch (``sizes``: the shares, rank by rank): all of it for
+    one process and for tensor parallelism."""
+    if kind in ("single", "tp"):
+        return batch
+    return batch[sum(sizes[:rank]):sum(sizes[:rank + 1])]
+
+
 def main() -> None:
     kind, out = sys.argv[1], sys.argv[2]
     if kind != "single":
         torch.distributed.init_process_group("gloo")
     for run in sys.argv[3:] or ("clean",):
-        train(kind, out, run, task="statistics" if run in ("stats", "bf16", "bf16kernel1") else "tensor")
+        train(kind, out, run, task="statistics" if run in ("stats", "bf16", "bf16kernel1", "unevenstats") else "tensor")
     if kind != "single":
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()

@@ -314,3 +314,45 @@ def test_tensor_parallel_agrees_with_one_process(runs):
     assert list(down["how_a"]) == ["summed over ranks 0-1"] * 2 and set(down["status"]) == {"pass"}, down
     assert not [u for u in verdict.unpaired if "forward op aten" in u], verdict.unpaired
     assert len(table[table["what"] == "loss"]) == 2
+
+
+@pytest.fixture(scope="module")
+def uneven_runs(tmp_path_factory) -> Path:
+    """One process and 2-rank DDP on a global batch of 5, split 3 and 2 over the ranks."""
+    out = tmp_path_factory.mktemp("uneven")
+    _record("single", out / "single", "uneven", "unevenstats")
+    _record("ddp", out / "ddp", "uneven", "unevenstats", "unevenkernel1")
+    return out
+
+
+@pytest.mark.parametrize("run", ["uneven", "unevenstats"])
+@pytest.mark.parametrize("ddp_is_a", [True, False])
+def test_unequal_shares_are_weighed_by_their_size_and_their_reduction_not_judged(uneven_runs, run, ddp_is_a):
+    """Shares of 3 and 2 samples: the loss is the shares' means weighed by their sizes and each
+    share's gradient pieces are taken times its part of the batch (3/5, 2/5), so both pass against
+    one process; DDP's average of the shares' gradients weighs the samples otherwise by design, so
+    the parameters' gradients and values, and every later step, are not judged (no divergence
+    claimed), whichever run is A."""
+    a, b = uneven_runs / "ddp" / run, uneven_runs / "single" / run
+    table, verdict = compare(*((a, b) if ddp_is_a else (b, a)))
+    assert verdict.passed and verdict.parted is None, str(verdict)
+    step0 = table[table["step"] == 0]
+    judged = step0[step0["what"].isin(["loss", "forward", "backward"])]
+    assert set(judged["status"]) == {"pass"} and set(judged["what"]) == {"loss", "forward", "backward"}, judged
+    how = table[table["what"] == "backward"][["how_a", "how_b"]].stack()
+    assert how.str.contains("times its part of the batch (0.6, 0.4 by rank)", regex=False).any(), how
+    params = step0[step0["what"].isin(["grad", "value"])]
+    assert len(params) and set(params["status"]) == {"not judged"}, params
+    assert params["reason"].str.startswith("unequal shares of the batch").all(), params["reason"]
+    later = table[table["step"] > 0]
+    assert len(later) and set(later["status"]) == {"not judged"}, later
+    assert "not judged" in str(verdict) and "unequal shares" in str(verdict), str(verdict)
+
+
+@pytest.mark.parametrize("ddp_is_a", [True, False])
+def test_a_wrong_kernel_on_one_rank_of_unequal_shares_is_named(uneven_runs, ddp_is_a):
+    """relu x1.05 on rank 1 (2 of the 5 samples) is named at relu, whichever run is A."""
+    a, b = uneven_runs / "ddp" / "unevenkernel1", uneven_runs / "single" / "uneven"
+    _, verdict = compare(*((a, b) if ddp_is_a else (b, a)))
+    assert not verdict.passed and verdict.parted["step"] == 0, str(verdict)
+    assert verdict.parted["name"] == "aten.relu.default.0.forward", str(verdict)

@@ -43,6 +43,7 @@ TABLE_COLUMNS = ["step", "what", "name", "scope", "arg", "ranks_a", "ranks_b", "
                  "after_one_run_only"]
 _WRAPPERS = ("module.", "_orig_mod.")
 RANK_BY_RANK = "(rank by rank)"      # how a value paired rank with rank is assembled: "rank 1 (rank by rank)"
+UNEQUAL_SHARES = "unequal shares"    # reason of the parameter rows of runs that weigh the batch otherwise
 _SHARD = re.compile(r"^(?:S\((\d+)\)|Shard\(dim=(\d+)\))$")
 
 
@@ -76,6 +77,21 @@ class Value:
     owners: np.ndarray | None = None    # per element of ``array``, the one rank that computed it (-1: several)
 
 
+class Weights(NamedTuple):
+    """How one run's ranks' pieces of a value weigh in the whole batch's, where the shares of the
+    batch are unequal (3 and 2 of 5 samples): a full mean over the ranks weighs each rank's mean by
+    the elements it averaged, and a gradient computed from a share's mean loss is that share's part
+    of the batch times the whole batch's mean's gradient per element.  None: weigh the ranks alike."""
+
+    averaged: dict | None = None    # rank -> the number of elements a full mean on it averages
+    factors: dict | None = None     # rank -> what its gradient pieces are multiplied by (its share's part)
+
+
+ALIKE = Weights()       # every rank weighs alike (equal shares, one process, or a value no share's mean scales)
+_PARTIAL_WITHOUT_TENSORS = ("a DTensor with a Partial placement (a sum not yet taken) recorded without its tensors: "
+                            "statistics do not give the sum's")
+
+
 @dataclass
 class ParallelVerdict:
     """What the compare of two runs of different parallelism concluded (``str()``: the terminal lines)."""
@@ -93,6 +109,7 @@ class ParallelVerdict:
     problems: list = field(default_factory=list)
     report: str | None = None
     layout: str = ""            # runs of the same ranks: how their parameters' pieces differ
+    unjudged: dict | None = None    # the first row not judged (unequal shares of the batch, ...)
 
     @property
     def passed(self) -> bool:
@@ -104,6 +121,8 @@ class ParallelVerdict:
 
     def __str__(self) -> str:
         counts = ", ".join(f"{k} {self.counts.get(k, 0)}" for k in (V.PASS, V.WARNING, V.ERROR))
+        if self.counts.get(V.NOT_JUDGED):
+            counts += f", {V.NOT_JUDGED} {self.counts[V.NOT_JUDGED]}"
         held = f" holding other pieces of the parameters ({self.layout})" if self.layout else ""
         lines = [f"different parallelism: run A has {_ranks(self.ranks_a)}, run B {_ranks(self.ranks_b)}{held}; compared "
                  f"what both hold (loss, forward and backward ops assembled over ranks, parameter gradients after reduction, "
@@ -119,9 +138,14 @@ class ParallelVerdict:
             lines.append(f"first error: step {f['step']} {_describe(f)}: {f['reason']}")
         if not p:
             d = self.departure
-            lines.append("the runs agree" if d is None else
-                         f"the runs agree within tolerance; first departure: step {d['step']} {_describe(d)} "
+            agree = "the runs agree on what was judged" if self.unjudged else "the runs agree"
+            lines.append(agree if d is None else
+                         f"{agree} within tolerance; first departure: step {d['step']} {_describe(d)} "
                          f"(relative error {d['rel_l2_err']:.3g})")
+        if self.unjudged:
+            u = self.unjudged
+            lines.append(f"not judged ({self.counts.get(V.NOT_JUDGED, 0)} rows), the first at step {u['step']} "
+                         f"{_describe(u)}: {u['reason']}")
         lines += [f"not paired: {u}" for u in self.unpaired[:8]]
         if len(self.unpaired) > 8:
             lines.append(f"not paired: ... {len(self.unpaired) - 8} more")
@@ -199,11 +223,24 @@ def _gather_dtensor(items: dict, meta: dict) -> Value | None:
             return (v.shape, v.dtype, v.stats, v.array)
         if str(p).startswith(("R", "Replicate")):
             return subs[0]
-        return None     # Partial: a sum not yet taken
+        return _partial_taken(subs, str(p))
     got = build(meta.get("mesh"), 0)
     if got is None:
         return None
     return Value(tuple(got[0]), got[1], got[2], got[3], f"gathered ({', '.join(map(str, placements))})")
+
+
+def _partial_taken(subs: list, placement: str) -> tuple | None:
+    """The value the pieces of a Partial placement stand for (``Partial(sum)``: their sum, ``avg``:
+    their mean), from their arrays: their statistics do not give the sum's (None without arrays,
+    or for another reduction)."""
+    arrays = [s[3] for s in subs]
+    how = placement.partition("(")[2].rstrip(")")
+    if any(a is None for a in arrays) or how not in ("sum", "avg"):
+        return None
+    total = np.sum([np.asarray(a, np.float64) for a in arrays], axis=0) / (len(arrays) if how == "avg" else 1)
+    total = total.astype(arrays[0].dtype)
+    return subs[0][0], subs[0][1], S.record(total, np), total
 
 
 def _place(items: dict, offsets: dict, shape: tuple, meta: dict) -> Value | None:
@@ -234,14 +271,28 @@ def _replicas(items: list) -> bool:
     return all(it[2] == items[0][2] for it in items[1:])
 
 
-def _items(specs: dict, parts: dict, tensors: bool, problems: list) -> dict:
-    """rank -> (shape, dtype, stats, array or None) of each rank's spec of one value."""
-    return {r: (tuple(specs[r]["shape"]), specs[r]["dtype"], specs[r].get("stats"),
-                _read(parts[r], specs[r], tensors, problems)) for r in sorted(specs)}
+def _items(specs: dict, parts: dict, tensors: bool, problems: list, factors: dict | None = None) -> dict:
+    """rank -> (shape, dtype, stats, array or None) of each rank's spec of one value, times
+    ``factors[rank]`` where given (a gradient brought to the whole batch's scale by its share's
+    part of the batch: each piece by its own rank's factor, before pieces are joined)."""
+    return {r: _times((tuple(specs[r]["shape"]), specs[r]["dtype"], specs[r].get("stats"),
+                       _read(parts[r], specs[r], tensors, problems)), (factors or {}).get(r, 1))
+            for r in sorted(specs)}
+
+
+def _times(item: tuple, k: float) -> tuple:
+    """An item (shape, dtype, stats, array) times a positive ``k`` (max, min, mean and norm scale alike)."""
+    if k == 1:
+        return item
+    shape, dtype, stats, array = item
+    stats = {key: (x * k if key in ("max", "min", "mean", "norm") and x is not None else x)
+             for key, x in stats.items()} if stats else stats
+    array = None if array is None else (np.asarray(array, np.float64) * k).astype(np.asarray(array).dtype)
+    return shape, dtype, stats, array
 
 
 def rank_by_rank(sa: dict, sb: dict, pa: dict, pb: dict, tensors: bool, problems: list,
-                 reduction: str | None) -> tuple[list, str]:
+                 reduction: str | None, weights: tuple = (ALIKE, ALIKE)) -> tuple[list, str]:
     """Pairs of one value, rank with rank, where both runs hold it on the same ranks in the same
     shapes: runs of the same ranks whose parameters are cut otherwise (DDP against FSDP2), each
     rank computing on its share of the batch in both (a full ``mean``/``sum``: one pair, averaged/
@@ -252,7 +303,7 @@ def rank_by_rank(sa: dict, sb: dict, pa: dict, pb: dict, tensors: bool, problems
     ([], "") where this does not apply."""
     if sorted(sa) != sorted(sb) or len(sa) < 2 or any(s.get("dtensor") for s in (*sa.values(), *sb.values())):
         return [], ""
-    ia, ib = _items(sa, pa, tensors, problems), _items(sb, pb, tensors, problems)
+    ia, ib = (_items(s, p, tensors, problems, w.factors) for s, p, w in ((sa, pa, weights[0]), (sb, pb, weights[1])))
     if any(ia[r][0] != ib[r][0] for r in ia):
         return [], ""
     if _replicas(list(ia.values())) != _replicas(list(ib.values())):
@@ -260,24 +311,27 @@ def rank_by_rank(sa: dict, sb: dict, pa: dict, pb: dict, tensors: bool, problems
     if ia[min(ia)][0] == ():
         if reduction not in ("mean", "sum"):
             return [], ""
-        (va, why_a), (vb, why_b) = (assemble(s, p, tensors, problems, (), reduction) for s, p in ((sa, pa), (sb, pb)))
+        (va, why_a), (vb, why_b) = (assemble(s, p, tensors, problems, (), reduction, w)
+                                    for s, p, w in ((sa, pa, weights[0]), (sb, pb, weights[1])))
         return ([(va, vb)] if va is not None and vb is not None else []), why_a or why_b
     return [(Value(*ia[r], how=f"rank {r} {RANK_BY_RANK}"), Value(*ib[r], how=f"rank {r} {RANK_BY_RANK}"))
             for r in sorted(ia)], ""
 
 
 def assemble(specs: dict, parts: dict, tensors: bool, problems: list, target: tuple | None = None,
-             reduction: str | None = None) -> tuple[Value | None, str]:
+             reduction: str | None = None, weights: Weights = ALIKE) -> tuple[Value | None, str]:
     """One value from each rank's spec of it (``specs``: rank -> spec), shaped like ``target``
-    where the ranks split it; returns (value, why not)."""
+    where the ranks split it, each rank's piece weighed by ``weights``; returns (value, why not)."""
     ranks = sorted(specs)
     first = specs[ranks[0]]
-    items = _items(specs, parts, tensors, problems)
+    items = _items(specs, parts, tensors, problems, weights.factors)
     meta = first.get("dtensor")
     if meta:
-        if any(str(p).startswith(("P", "_Partial")) for p in meta.get("placements") or ()):
-            return None, "a DTensor with a Partial placement (a sum not yet taken)"
+        partial = any(str(p).startswith(("P", "_Partial")) for p in meta.get("placements") or ())
         local = {r: (tuple(specs[r]["dtensor"].get("local_shape") or specs[r]["shape"]), *items[r][1:]) for r in ranks}
+        if partial:     # the ranks' pieces summed, not placed (they sit at one offset)
+            v = _gather_dtensor(local, meta)
+            return (v, "") if v is not None else (None, _PARTIAL_WITHOUT_TENSORS)
         if all("offset" in specs[r]["dtensor"] for r in ranks):
             v = _place(local, {r: specs[r]["dtensor"]["offset"] for r in ranks}, tuple(first["shape"]), meta)
         else:
@@ -290,17 +344,9 @@ def assemble(specs: dict, parts: dict, tensors: bool, problems: list, target: tu
                           f"parallelism, or each rank's own data)")
         return Value(shape, *items[ranks[0]][1:], how=f"rank {ranks[0]}"), ""
     if shape == () and reduction in ("mean", "sum"):
-        vals = [it[3] for it in items.values()]
-        means = [it[2]["mean"] if it[2] else None for it in items.values()]
-        if all(v is not None for v in vals):
-            arr = np.asarray(sum(np.asarray(v, np.float64) for v in vals) / (len(vals) if reduction == "mean" else 1))
-        else:
-            arr = None
-        if any(m is None for m in means):
-            return None, "a reduction whose statistics are missing on a rank"
-        x = sum(means) / (len(means) if reduction == "mean" else 1)
-        st = {"max": x, "min": x, "mean": x, "norm": abs(x), "nan": int(np.isnan(x)), "inf": int(np.isinf(x))}
-        return Value((), items[ranks[0]][1], st, arr, f"{reduction} over ranks {ranks[0]}-{ranks[-1]}"), ""
+        v, why = _reduced([items[r] for r in ranks], reduction, [(weights.averaged or {}).get(r) for r in ranks],
+                          f"{reduction} over ranks {ranks[0]}-{ranks[-1]}")
+        return (v, "") if v is not None else (None, f"{why} on a rank")
     dim = _split_dim([items[r][0] for r in ranks], tuple(target))
     if dim is not None:
         how = f"concatenated over ranks {ranks[0]}-{ranks[-1]} (dim {dim})"
@@ -347,27 +393,43 @@ def mesh_of(parts: dict) -> Mesh | None:
 
 
 def partial_sums(records: list) -> dict:
-    """id(output spec) -> the all-reduce's output spec, for each value of the model's forward and
-    backward an all-reduce (SUM, over several ranks) takes as its input: a partial result of tensor
-    parallelism (a row-wise layer's output, a column-wise layer's input gradient), recorded before
-    the all-reduce sums it."""
+    """id(output spec) -> the spec of the collective's result that sums it, for each value of the
+    model's forward and backward that an all-reduce (SUM, over several ranks) takes as its input,
+    or that a reduce-scatter (SUM) takes laid out in pieces along a dimension other than the first
+    (a ``cat`` of its chunks: sequence parallelism's row-wise output back to sequence shards, a
+    column-wise layer's input gradient): a partial result of tensor parallelism, recorded before
+    the collective sums it (the reduce-scatter's result: this rank's piece of the sum)."""
     forward = _model_forward(records) + _model_backward(records)
     flow = data_flow(forward)
     out = {}
     for i, rec in enumerate(forward):
         info = rec.get("collective") or {}
-        if info.get("kind") != "all_reduce" or info.get("reduce_op") != "SUM" or len(group_of(rec)) < 2:
+        if info.get("kind") not in ("all_reduce", "reduce_scatter") or info.get("reduce_op") != "SUM" or \
+                len(group_of(rec)) < 2:
             continue
         given = [spec for io, _, spec in flow.walks[i] if io == "input"]
         results = [spec for io, _, spec in flow.walks[i] if io == "output"]
         for spec, result in zip(given, results):
             src = flow.src.get(id(spec))
+            if src is not None and info["kind"] == "reduce_scatter":
+                src = _chunks_of(forward, flow, src)
             if src is None:
                 continue
             made = {arg: s for io, arg, s in flow.walks[src[0]] if io == "output"}.get(src[1])
             if made is not None:
                 out[id(made)] = result
     return out
+
+
+def _chunks_of(ops: list, flow, src: tuple) -> tuple | None:
+    """The (index, output arg) of the one value a ``cat`` at ``src`` lays out, every input of it a
+    chunk of that value (DTensor's redistribution of a partial sum to a shard along dimension d > 0:
+    chunks along d stacked for the reduce-scatter); None where ``src`` is no such ``cat`` (FSDP2's
+    reduce-scatter of several gradients packed together: no one partial value)."""
+    if not ops[src[0]]["op"].startswith("aten.cat."):
+        return None
+    sources = {flow.src.get(id(spec)) for io, _, spec in flow.walks[src[0]] if io == "input"}
+    return next(iter(sources)) if len(sources) == 1 and None not in sources else None
 
 
 def _peers_given_equal(records: dict, share: list, tensors: bool, parts: dict, problems: list) -> bool:
@@ -386,19 +448,23 @@ def _peers_given_equal(records: dict, share: list, tensors: bool, parts: dict, p
     return True
 
 
-def _summed(share: list, items: dict, specs: dict, mesh: Mesh) -> tuple:
-    """One share's partial sums added up: the arrays where saved, else the all-reduce's result (its
-    statistics: those of the sum, which the parts' statistics do not give)."""
+def _summed(share: list, items: dict, specs: dict, mesh: Mesh, factor: float = 1) -> tuple:
+    """One share's partial sums added up: the arrays where saved, else the collective's result (its
+    statistics: those of the sum, which the parts' statistics do not give; a reduce-scatter's
+    pieces of the sum combined), times ``factor`` as the parts (:func:`_items`)."""
     arrays = [items[r][3] for r in share]
-    result = mesh.partial[share[0]][id(specs[share[0]])]
+    results = [mesh.partial[r][id(specs[r])] for r in share]
+    stats = results[0].get("stats")
+    if results[0].get("shape") != specs[share[0]].get("shape"):     # a reduce-scatter: each member a piece
+        stats = _combine_stats([res.get("stats") for res in results], [math.prod(res["shape"]) for res in results])
     array = None
     if all(a is not None for a in arrays):
         array = np.sum([np.asarray(a, np.float64) for a in arrays], axis=0).astype(arrays[0].dtype)
-    return (items[share[0]][0], items[share[0]][1], result.get("stats"), array)
+    return (items[share[0]][0], items[share[0]][1], _times((None, None, stats, None), factor)[2], array)
 
 
 def _join_share(share: list, items: dict, specs: dict, records: dict, mesh: Mesh, dim: int | None,
-                tensors: bool, parts: dict, problems: list):
+                tensors: bool, parts: dict, problems: list, factors: dict | None = None):
     """The pieces of one share joined: ``dim`` None, the whole on each member (one value; partial
     sums added; peers that ran the op on equal inputs yet differ: each member's, to judge one by
     one), else side by side along ``dim`` (column shards).  Returns (variants, how) or None."""
@@ -413,14 +479,15 @@ def _join_share(share: list, items: dict, specs: dict, records: dict, mesh: Mesh
     if len(share) == 1 or _replicas(own):
         return [own[0]], "equal"
     if all(id(specs[r]) in mesh.partial[r] for r in share):
-        return [_summed(share, items, specs, mesh)], "summed"
+        return [_summed(share, items, specs, mesh, (factors or {}).get(share[0], 1))], "summed"
     if _peers_given_equal(records, share, tensors, parts, problems):
         return own, "differ"
     return None
 
 
 def assemble_on_mesh(specs: dict, records: dict, parts: dict, mesh: Mesh, tensors: bool, problems: list,
-                     target: tuple | None, reduction: str | None, stage: str = "forward") -> tuple[list, str]:
+                     target: tuple | None, reduction: str | None, stage: str = "forward",
+                     weights: Weights = ALIKE) -> tuple[list, str]:
     """The whole value from the ranks of a data-parallel x tensor-parallel mesh, shaped like
     ``target`` (the other run's): each share's pieces joined first (replicas taken once, column
     shards side by side, partial sums added), then the shares as the batch's split.  Where the
@@ -430,12 +497,12 @@ def assemble_on_mesh(specs: dict, records: dict, parts: dict, mesh: Mesh, tensor
     the batch (a weight's gradient before the data-parallel reduction), said so.  Returns ([value],
     why not); DTensors and runs without ``target`` go through :func:`assemble`."""
     if target is None or any(s.get("dtensor") for s in specs.values()):
-        v, why = assemble(specs, parts, tensors, problems, target, reduction)
+        v, why = assemble(specs, parts, tensors, problems, target, reduction, weights)
         return ([v] if v is not None else []), why
-    items = _items(specs, parts, tensors, problems)
+    items = _items(specs, parts, tensors, problems, weights.factors)
     fits = []
     for dim in (None, *range(len(target))):
-        joined = [_join_share(share, items, specs, records, mesh, dim, tensors, parts, problems)
+        joined = [_join_share(share, items, specs, records, mesh, dim, tensors, parts, problems, weights.factors)
                   for share in mesh.shares]
         if any(j is None for j in joined):
             continue
@@ -460,7 +527,8 @@ def assemble_on_mesh(specs: dict, records: dict, parts: dict, mesh: Mesh, tensor
         how = _how_joined(mesh.shares, joined, fit)
         if named:
             how = f"rank {', '.join(map(str, named))} {TP_PEERS_DIFFER}: {how}"
-        v, why = _join_shares(chosen, fit, reduction, how)
+        v, why = _join_shares(chosen, fit, reduction, how,
+                              [(weights.averaged or {}).get(share[0]) for share in mesh.shares])
         if v is not None:
             if v.array is not None:
                 v.owners = _owners(mesh.shares, joined, items, fit, t)
@@ -550,7 +618,7 @@ def _shares_fit(shapes: list, target: tuple, reduction: str | None) -> str | Non
     return None if dim is None else f"concatenated (dim {dim})"
 
 
-def _join_shares(chosen: list, fit: str, reduction: str | None, how: str) -> tuple[Value | None, str]:
+def _join_shares(chosen: list, fit: str, reduction: str | None, how: str, averaged: list) -> tuple[Value | None, str]:
     if fit.startswith("concatenated"):
         return _concat(chosen, int(fit.rpartition(" ")[2].rstrip(")")), how), ""
     if fit == "one share":
@@ -559,16 +627,30 @@ def _join_shares(chosen: list, fit: str, reduction: str | None, how: str) -> tup
         if not _replicas(chosen):
             return None, "of the same shape on every share of the batch but not equal on them (each share's own data)"
         return Value(*chosen[0], how=how), ""
-    means = [it[2]["mean"] if it[2] else None for it in chosen]
+    v, why = _reduced(chosen, reduction, averaged, how)
+    return (v, "") if v is not None else (None, f"{why} on a share")
+
+
+def _reduced(items: list, reduction: str, averaged: list, how: str) -> tuple[Value | None, str]:
+    """A full ``sum``/``mean`` over the ranks (or shares) from each one's 0-dim result: the sum of
+    sums; the mean of means weighed by the elements each averaged (``averaged``, where every one
+    says), since a share of 3 samples and one of 2 make the whole batch's mean only so weighed,
+    else alike.  Returns (value, why not)."""
+    means = [it[2]["mean"] if it[2] else None for it in items]
     if any(m is None for m in means):
-        return None, "a reduction whose statistics are missing on a share"
-    k = len(chosen) if reduction == "mean" else 1
-    arrays = [it[3] for it in chosen]
-    array = np.asarray(sum(np.asarray(a, np.float64) for a in arrays) / k) if all(
+        return None, "a reduction whose statistics are missing"
+    if reduction == "sum":
+        weights = [1.0] * len(items)
+    elif all(averaged):
+        weights = [n / sum(averaged) for n in averaged]
+    else:
+        weights = [1.0 / len(items)] * len(items)
+    arrays = [it[3] for it in items]
+    array = np.asarray(sum(w * np.asarray(a, np.float64) for w, a in zip(weights, arrays))) if all(
         a is not None for a in arrays) else None
-    x = sum(means) / k
+    x = sum(w * m for w, m in zip(weights, means))
     st = {"max": x, "min": x, "mean": x, "norm": abs(x), "nan": int(np.isnan(x)), "inf": int(np.isinf(x))}
-    return Value((), chosen[0][1], st, array, how), ""
+    return Value((), items[0][1], st, array, how), ""
 
 
 # ---- scoring one pair -----------------------------------------------------------------------------------
@@ -663,6 +745,18 @@ def _forward(parts: dict) -> tuple[dict, list]:
     return common, order
 
 
+def _averaged(records: dict) -> dict | None:
+    """rank -> the number of elements of an op's first tensor input on that rank (what a full
+    ``mean`` averages there, to weigh each rank's mean by), or None where a rank's record holds none."""
+    sizes = {}
+    for r, rec in records.items():
+        given = walk(rec, outputs=False)
+        if not given or given[0][2].get("shape") is None:
+            return None
+        sizes[r] = math.prod(given[0][2]["shape"])
+    return sizes
+
+
 def _made_from_numbers(records: dict) -> bool:
     """Whether an op reads no tensor on any rank (``arange``, ``zeros``, ``full``): each rank makes
     its value from the program's numbers (``arange(batch)`` of its own share), never a share of a
@@ -718,7 +812,7 @@ def layout_difference(run_a, run_b) -> str:
 
 def compare_parallelism(run_a, run_b, tensors: bool = True, steps: list | None = None) -> list:
     """Compare ``run_a`` with ``run_b`` (loaded runs of other ranks or parameter layouts) on what both hold, step by
-    step: ``(step, rows, unpaired, problems)`` for each of ``steps`` (default: every step both
+    step: ``(step, rows, unpaired, problems, weighed apart)`` (:func:`weighed_apart`) for each of ``steps`` (default: every step both
     hold), for :func:`merge_steps`."""
     if steps is None:
         steps = sorted({k[0] for k in run_a.parts} & {k[0] for k in run_b.parts})
@@ -728,10 +822,10 @@ def compare_parallelism(run_a, run_b, tensors: bool = True, steps: list | None =
         pb = {k[1]: p for k, p in run_b.parts.items() if k[0] == step}
         problems: list = []
         unpaired: list = []
-        rows = _step_rows(step, pa, pb, tensors, problems, unpaired)
+        rows, apart = _step_rows(step, pa, pb, tensors, problems, unpaired)
         for p in (*pa.values(), *pb.values()):
             problems.extend(x for x in p.problems if x not in problems)
-        out.append((step, rows, unpaired, problems))
+        out.append((step, rows, unpaired, problems, apart))
     return out
 
 
@@ -744,14 +838,15 @@ def merge_steps(run_a, run_b, steps: list) -> tuple[pd.DataFrame, ParallelVerdic
     unpaired = [f"steps {sorted(steps_a ^ steps_b)} are in one run only"] if steps_a != steps_b else []
     problems: list = []
     rows: list = []
-    for _, r, u, p in steps:
+    for _, r, u, p, _ in steps:
         rows += r
         unpaired += u
         problems += [x for x in p if x not in problems]
+    _after_update_weighed_apart(rows, [(s[0], s[4]) for s in steps if s[4]])
     table = pd.DataFrame(rows, columns=TABLE_COLUMNS)
     table["after_one_run_only"] = ["; ".join(x) if isinstance(x, list) else "" for x in table["after_one_run_only"]]
     counts = {k: int(v) for k, v in table["status"].value_counts().items()} if len(table) else {}
-    first = parted = departure = None
+    first = parted = departure = unjudged = None
     if len(table):
         bad = table[table["status"] == V.ERROR]
         first = bad.iloc[0].to_dict() if len(bad) else None
@@ -759,13 +854,31 @@ def merge_steps(run_a, run_b, steps: list) -> tuple[pd.DataFrame, ParallelVerdic
         parted = off.iloc[0].to_dict() if len(off) else None
         moved = table[(table["status"] == V.PASS) & (table["rel_l2_err"].fillna(1.0) != 0.0)]
         departure = moved.iloc[0].to_dict() if len(moved) else None
+        unjudged = table[table["status"] == V.NOT_JUDGED]
+        unjudged = unjudged.iloc[0].to_dict() if len(unjudged) else None
     verdict = ParallelVerdict(str(run_a.path), str(run_b.path), ranks_a, ranks_b, [s[0] for s in steps], counts,
                               first, parted, departure, unpaired, problems,
-                              layout=layout_difference(run_a, run_b) if ranks_a == ranks_b else "")
+                              layout=layout_difference(run_a, run_b) if ranks_a == ranks_b else "", unjudged=unjudged)
     return table, verdict
 
 
-def _step_rows(step: int, pa: dict, pb: dict, tensors: bool, problems: list, unpaired: list) -> list:
+def _after_update_weighed_apart(rows: list, apart: list) -> None:
+    """The rows of the steps after the first whose update the runs weigh otherwise (``apart``:
+    (step, why) of the steps :func:`weighed_apart` says so of) marked not judged: those steps start
+    from parameters that differ by the program's design, so a difference there is no divergence to
+    name (with or without parameter records to show it)."""
+    if not apart:
+        return
+    first = min(step for step, _ in apart)
+    for r in rows:
+        if r["step"] > first and r["status"] != V.NOT_JUDGED:
+            r.update(status=V.NOT_JUDGED, reason=f"after step {first}'s update, which the runs weigh otherwise "
+                                                 f"({UNEQUAL_SHARES} of the batch): its parameters differ by design")
+
+
+def _step_rows(step: int, pa: dict, pb: dict, tensors: bool, problems: list, unpaired: list) -> tuple[list, str]:
+    """The rows of one step (loss, forward, backward, parameters) and why the runs weigh its
+    update otherwise ("" where they do not: :func:`weighed_apart`)."""
     rows = []
     ra, rb = ",".join(map(str, sorted(pa))), ",".join(map(str, sorted(pb)))
 
@@ -800,18 +913,19 @@ def _step_rows(step: int, pa: dict, pb: dict, tensors: bool, problems: list, unp
                     key=lambda sc: (sc.count("."), sc))    # the deeper where the runs' scopes differ
         parts_of_op = rec_a[min(rec_a)]["op"].split(".")
         reduction = parts_of_op[1] if len(parts_of_op) > 1 else None
+        wa, wb = Weights(averaged=_averaged(rec_a)), Weights(averaged=_averaged(rec_b))
         for arg, sa, sb in _outputs_on_every_rank(rec_a, rec_b):
             tb = tuple(sb[min(sb)]["shape"]) if len(sb) == 1 and not constant else None
             ta = tuple(sa[min(sa)]["shape"]) if len(sa) == 1 and not constant else None
-            pairs, why_a = rank_by_rank(sa, sb, pa, pb, tensors, problems, reduction)
+            pairs, why_a = rank_by_rank(sa, sb, pa, pb, tensors, problems, reduction, (wa, wb))
             if pairs:
                 add_worst(what, name, scope, arg, pairs)
                 rows[-1]["key"] = key
                 paired.add(key)
                 continue
             if mesh_a or mesh_b:
-                pairs, why = _mesh_pairs((sa, rec_a, pa, mesh_a, tb), (sb, rec_b, pb, mesh_b, ta), tensors, problems,
-                                         reduction)
+                pairs, why = _mesh_pairs((sa, rec_a, pa, mesh_a, tb, wa), (sb, rec_b, pb, mesh_b, ta, wb), tensors,
+                                         problems, reduction)
                 if pairs:
                     add_worst(what, name, scope, arg, pairs)
                     rows[-1]["key"] = key
@@ -822,8 +936,8 @@ def _step_rows(step: int, pa: dict, pb: dict, tensors: bool, problems: list, unp
             va = vb = None
             why_b = ""
             if not why_a:
-                va, why_a = assemble(sa, pa, tensors, problems, tb, reduction)
-                vb, why_b = assemble(sb, pb, tensors, problems, ta, reduction)
+                va, why_a = assemble(sa, pa, tensors, problems, tb, reduction, wa)
+                vb, why_b = assemble(sb, pb, tensors, problems, ta, reduction, wb)
             if va is not None and vb is not None and int(np.prod(va.shape)) != int(np.prod(vb.shape)) and constant:
                 why_a = (f"made from the program's numbers on each rank (reads no tensor), shapes {list(va.shape)} "
                          f"and {list(vb.shape)}: a rank's own value, not a share of a whole")
@@ -866,6 +980,7 @@ def _step_rows(step: int, pa: dict, pb: dict, tensors: bool, problems: list, unp
 
     # parameters: gradients as the optimizer read them, values after its step
     qa, qb = param_specs(pa), param_specs(pb)
+    apart = weighed_apart(pa, mesh_a, pb, mesh_b)
     if not qa or not qb:
         unpaired.append(f"step {step}: no parameter records in run {'A and B' if not qa and not qb else 'A' if not qa else 'B'} (record with the "
                         "statistics or tensor task and parameters: true; the optimizer must step while the probe records)")
@@ -884,21 +999,44 @@ def _step_rows(step: int, pa: dict, pb: dict, tensors: bool, problems: list, unp
                 unpaired.append(f"step {step}: parameter {key[1]} ({what}): shapes {list(va.shape)} and {list(vb.shape)}")
                 continue
             add(what, key[1], key[1].rpartition(".")[0], "value" if what == "value" else "grad", va, vb)
-    return rows
+            if apart:
+                rows[-1].update(status=V.NOT_JUDGED, reason=apart)
+    return rows, apart
+
+
+def weighed_apart(pa: dict, mesh_a: Mesh | None, pb: dict, mesh_b: Mesh | None) -> str:
+    """Why the runs' parameter gradients weigh the batch's samples otherwise, or "": a data-parallel
+    reduction averages the shares' gradients alike, each the gradient of its share's mean, which is
+    the whole batch's mean's only where the shares are equal; with shares of 3 and 2 samples it
+    weighs each sample of the smaller share more, by design, so neither the gradients nor the
+    parameters after the step can be held to one process's (or to other shares')."""
+    sizes = share_sizes(pa, mesh_a), share_sizes(pb, mesh_b)
+    if None in sizes:
+        return ""
+    weighs = [tuple(s) if len(set(s)) > 1 else "alike" for s in sizes]
+    if weighs[0] == weighs[1]:
+        return ""
+    said = [f"run {side} averages {' and '.join(map(str, s))} elements on its {len(s)} shares" if w != "alike" else
+            f"run {side} {'one mean over' if len(s) == 1 else 'equal shares of'} {sum(s)} elements"
+            for side, s, w in zip("AB", sizes, weighs)]
+    return (f"{UNEQUAL_SHARES} of the batch ({said[0]}, {said[1]}): a data-parallel reduction averages the shares' "
+            "gradients alike, which weighs the samples of unequal shares otherwise than the whole batch's mean")
 
 
 def _mesh_pairs(side_a: tuple, side_b: tuple, tensors: bool, problems: list, reduction: str | None,
                 stage: str = "forward") -> tuple[list, str]:
     """The pairs of one value where a run is a data-parallel x tensor-parallel mesh (each side:
-    specs, records and parts by rank, its :class:`Mesh` or None, the other run's shape): every
+    specs, records and parts by rank, its :class:`Mesh` or None, the other run's shape, its
+    :class:`Weights`): every
     whole value of one run against every whole value of the other ([], why not)."""
     values = []
-    for specs, records, parts, mesh, target in (side_a, side_b):
+    for specs, records, parts, mesh, target, weights in (side_a, side_b):
         if mesh is None:
-            v, why = assemble(specs, parts, tensors, problems, target, reduction)
+            v, why = assemble(specs, parts, tensors, problems, target, reduction, weights)
             got = [v] if v is not None else []
         else:
-            got, why = assemble_on_mesh(specs, records, parts, mesh, tensors, problems, target, reduction, stage)
+            got, why = assemble_on_mesh(specs, records, parts, mesh, tensors, problems, target, reduction, stage,
+                                        weights)
         if not got:
             return [], why
         values.append(got)
@@ -924,17 +1062,35 @@ def _backward(parts: dict) -> tuple[dict, list]:
     return {n: {r: by_rank[r][n] for r in parts} for n in first if all(n in by_rank[r] for r in parts)}, list(first)
 
 
-def backward_scale(parts: dict, mesh: Mesh | None) -> int | None:
-    """How many times a run's backward values are the whole batch's: each share's loss a mean over
-    its share of the batch, the gradient of that mean is the number of shares times the whole
-    batch's mean's (1 for one process); None where the loss is not such a mean (its scale unknown)."""
-    shares = len(mesh.shares) if mesh else len(parts)
-    if shares == 1:
-        return 1
-    records = parts[min(parts)].records
-    loss = _loss_name(records)
-    op = next((r["op"] for r in records if r.get("name") == loss), None)
-    return shares if op == "aten.mean.default" else None
+def share_sizes(parts: dict, mesh: Mesh | None) -> list | None:
+    """The number of elements each share of the batch's loss averages, in data-parallel order
+    (read from the loss's input on the share's lowest rank: 3 and 2 rows of a batch of 5 split
+    over 2 ranks); None where a share's loss is not a full ``mean`` (its weight unknown)."""
+    sizes = []
+    for share in mesh.shares if mesh else [[r] for r in sorted(parts)]:
+        records = parts[share[0]].records
+        loss = _loss_name(records)
+        rec = next((r for r in records if r.get("name") == loss), None)
+        given = [spec for _, _, spec in walk(rec, outputs=False)] if rec else []
+        if rec is None or rec["op"] != "aten.mean.default" or not given or given[0].get("shape") is None:
+            return None
+        sizes.append(math.prod(given[0]["shape"]))
+    return sizes
+
+
+def gradient_factors(parts: dict, mesh: Mesh | None) -> dict | None:
+    """rank -> what a run's backward values computed from the loss's gradient are multiplied by to
+    be the whole batch's: each share's loss a mean over its n of the batch's N elements, its
+    gradient per element is N/n times the whole batch's mean's, so each rank's piece is taken
+    n/N times (1/2 on 2 equal shares, 3/5 and 2/5 on shares of 3 and 2; 1 for one process);
+    None where a share's loss is not such a mean (the scale unknown)."""
+    shares = mesh.shares if mesh else [[r] for r in sorted(parts)]
+    if len(shares) == 1:
+        return {r: 1 for r in parts}
+    sizes = share_sizes(parts, mesh)
+    if sizes is None:
+        return None
+    return {r: n / sum(sizes) for share, n in zip(shares, sizes) for r in share}
 
 
 def gradient_outputs(records: list) -> set:
@@ -955,24 +1111,26 @@ def gradient_outputs(records: list) -> set:
     return out
 
 
-def _scaled(v: Value, k: int) -> Value:
-    """``v`` divided by ``k`` (its statistics too: max, min, mean and norm scale alike)."""
-    if k == 1:
+def _said_scaled(v: Value, factors: dict) -> Value:
+    """``v`` (its pieces taken times ``factors``: :func:`gradient_factors`) with its ``how`` saying so."""
+    parts = sorted(set(factors.values()))
+    if set(parts) <= {1}:
         return v
-    stats = {key: (x / k if key in ("max", "min", "mean", "norm") and x is not None else x)
-             for key, x in v.stats.items()} if v.stats else v.stats
-    array = None if v.array is None else (np.asarray(v.array) / k).astype(np.asarray(v.array).dtype)
-    return Value(v.shape, v.dtype, stats, array, f"{v.how}, divided by {k} (a mean over each of {k} shares)",
-                 v.owners)
+    if len(parts) == 1:
+        k = round(1 / parts[0])
+        return replace(v, how=f"{v.how}, divided by {k} (a mean over each of {k} shares)")
+    return replace(v, how=f"{v.how}, each share's piece times its part of the batch "
+                          f"({', '.join(f'{factors[r]:.3g}' for r in sorted(factors))} by rank)")
 
 
 def _backward_pairs(pa: dict, pb: dict, mesh_a: Mesh | None, mesh_b: Mesh | None, tensors: bool, problems: list):
     """(key, arg, pairs, why not) of the backward ops both runs hold, paired by module, op and call
     index within the module as the forward ops, each value assembled as they are (a gradient of
-    activations split as they are, a share's partial sum over tensor parallelism added up) and
-    divided by its run's :func:`backward_scale`.  A weight's gradient before its reduction over the
-    data-parallel group is each share's own sum: not paired (the parameter gradients are)."""
-    ka, kb = backward_scale(pa, mesh_a), backward_scale(pb, mesh_b)
+    activations split as they are, a share's partial sum over tensor parallelism added up), each
+    rank's piece of a value computed from the loss's gradient taken times its run's
+    :func:`gradient_factors`.  A weight's gradient before its reduction over the data-parallel
+    group is each share's own sum: not paired (the parameter gradients are)."""
+    ka, kb = gradient_factors(pa, mesh_a), gradient_factors(pb, mesh_b)
     (ba, order_a), (bb, order_b) = _backward(pa), _backward(pb)
     grads_a, grads_b = gradient_outputs(pa[min(pa)].records), gradient_outputs(pb[min(pb)].records)
     for key in _in_both_orders(order_a, order_b, [n for n in order_a if n in ba and n in bb]):
@@ -988,14 +1146,15 @@ def _backward_pairs(pa: dict, pb: dict, mesh_a: Mesh | None, mesh_b: Mesh | None
                 yield key, arg, [], ("the loss is not a mean over each share of the batch: the scale of its "
                                      "gradients across the runs is unknown")
                 continue
-            scale_a, scale_b = (ka, kb) if seeded == {True} else (1, 1)
-            pairs, why = rank_by_rank(sa, sb, pa, pb, tensors, problems, None)
+            wa, wb = (Weights(factors=ka), Weights(factors=kb)) if seeded == {True} else (ALIKE, ALIKE)
+            pairs, why = rank_by_rank(sa, sb, pa, pb, tensors, problems, None, (wa, wb))
             if not pairs and not why:
                 tb = tuple(sb[min(sb)]["shape"]) if len(sb) == 1 else None
                 ta = tuple(sa[min(sa)]["shape"]) if len(sa) == 1 else None
-                pairs, why = _mesh_pairs((sa, rec_a, pa, mesh_a, tb), (sb, rec_b, pb, mesh_b, ta), tensors,
+                pairs, why = _mesh_pairs((sa, rec_a, pa, mesh_a, tb, wa), (sb, rec_b, pb, mesh_b, ta, wb), tensors,
                                          problems, None, "backward")
-            yield key, arg, [(_scaled(va, scale_a), _scaled(vb, scale_b)) for va, vb in pairs], why
+            yield key, arg, [(_said_scaled(va, wa.factors or {}), _said_scaled(vb, wb.factors or {}))
+                             for va, vb in pairs], why
 
 
 def _in_both_orders(order_a: list, order_b: list, items: list) -> list:

@@ -188,13 +188,13 @@ def merge(results: list[StepResult], run_ranks=None) -> tuple[pd.DataFrame, Rank
 
 def _tensor_parallel_note(results: list) -> str:
     """What the checks leave to a compare where tensor parallelism splits the work: the ops each
-    rank ran on its own pieces (column shards, partial sums), which no other rank holds."""
+    rank ran on its own pieces (column or sequence shards, partial sums), which no other rank holds."""
     groups = sorted({tuple(g) for res in results for g in res.tp_groups})
     if not groups:
         return ""
     apart = sum(res.apart for res in results)
     return (f"; tensor-parallel groups {', '.join(str(list(g)) for g in groups)}: ops their members ran on equal "
-            f"inputs compared across them, {apart} op(s) a rank ran on its own pieces (column shards, partial sums) "
+            f"inputs compared across them, {apart} op(s) a rank ran on its own pieces (column or sequence shards, partial sums) "
             "not judged here (compare the run with a run of other parallelism to judge those)")
 
 
