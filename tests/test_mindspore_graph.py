@@ -410,3 +410,26 @@ def test_kernels_the_dump_numbers_apart_are_paired_by_evidence(cross_entropy_run
     assert verdict.forward is None, str(verdict)
     loss = table[(table["scope"] == "") & table["op_a"].isin(["ReduceSum", "Mul", "Div", "Log", "Exp"])]
     assert len(loss) and (loss["status"] == "pass").all(), loss[["step", "stage", "op_a", "arg", "status"]]
+
+
+@pytest.fixture(scope="module")
+def cross_entropy_pynative(tmp_path_factory):
+    flags = ("--task", "statistics", "--config", json.dumps({"loss": "cross_entropy"}))
+    return train(tmp_path_factory.mktemp("ms_ce_pynative") / "pynative", "pynative", *flags) / "run"
+
+
+@pytest.mark.parametrize("order", ["graph-pynative", "pynative-graph"])
+def test_a_loss_the_graph_runs_in_another_order_compares_clean_against_pynative(
+        cross_entropy_runs, cross_entropy_pynative, order):
+    """The GRAPH_MODE step runs the cross-entropy's MaskedFill calls (on the int64 labels, on float
+    values) in another order than PyNative, and the backward kernels that need no loss before the
+    loss's last kernels: paired by dtype kind and by the data flow of the forward, every call meets
+    its own, and the verdict is the same either order (it named a MaskedFill with the graph run as A,
+    the fc's BiasAdd with it as B)."""
+    from dispatchprobe import compare
+    runs = {"graph": cross_entropy_runs["graph"], "pynative": cross_entropy_pynative}
+    a, b = (runs[m] for m in order.split("-"))
+    table, verdict = compare(str(a), str(b))
+    assert verdict.passed and verdict.forward is None and verdict.backward is None, str(verdict)
+    fills = table[(table["op_a"] == "MaskedFill") & (table["op_b"] == "MaskedFill")]
+    assert len(fills) >= 2 * 2 * 4 and (fills["status"] == "pass").all(), fills[["step", "arg", "status"]]

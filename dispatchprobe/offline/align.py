@@ -262,6 +262,15 @@ def batched_shapes(record: dict) -> tuple:
     return tuple((math.prod(s[:-2]), *s[-2:]) if len(s) > 3 else s for s in output_shapes(record))
 
 
+def _cross_shapes(record: dict) -> tuple:
+    """What the passes across frameworks key a record's outputs on: :func:`batched_shapes` and the
+    kind of each output's dtype.  A call on integers is no counterpart of one on floats of the same
+    shape: a MindSpore graph runs a loss's ``MaskedFill`` on the int64 labels and on float values in
+    another order than PyNative, and shapes alone paired them across (then re-paired by statistics
+    to another call, the verdict naming a different suspect with the runs swapped)."""
+    return batched_shapes(record), output_kinds(record)
+
+
 def functional(op: str) -> str:
     """An in-place op's name as its functional variant's (``aten.div_.Tensor`` -> ``aten.div.Tensor``):
     a compiled graph computes an eager ``div_`` as ``div`` (functionalization), the same values.
@@ -288,7 +297,7 @@ def align_ops(recs_a: list, recs_b: list, ia: list, ib: list, mapping: Mapping, 
     on each side with the same output shapes stays a substituted kernel.  ``made``: each run's
     :func:`regions.producers` (``cross``): records pair by shape alone only where their inputs
     come from paired records alike."""
-    shapes = batched_shapes if cross else op_shapes
+    shapes = _cross_shapes if cross else op_shapes
 
     def scope(r, m):
         return m.scope(r["scope"]) if m else r["scope"]
@@ -300,7 +309,8 @@ def align_ops(recs_a: list, recs_b: list, ia: list, ib: list, mapping: Mapping, 
         return _nested(scope(ra, mapping), rb["scope"])
 
     def same_size(ra, rb):   # across frameworks (outputs may differ in number): a scaling of a scalar is no
-        return _sizes(ra)[:1] == _sizes(rb)[:1]     # counterpart of one of a matrix
+        return _sizes(ra)[:1] == _sizes(rb)[:1] and output_kinds(ra)[:1] == output_kinds(rb)[:1]   # counterpart
+        # of one of a matrix, nor one on integers of one on floats
 
     substituted = ("shapes", lambda r, m: (scope(r, m), op_traits.is_cast(op(r, m)), _writes_in_place(r), shapes(r),
                                         output_kinds(r)), None)
@@ -799,12 +809,12 @@ _MAX_GROUP = 64
 
 def pair_runs_by_stats(pairs: list, recs_a: list, recs_b: list) -> list:
     """Pairs whose records share kind, stage, scope, op and output shapes (batch dimensions merged)
-    are re-paired among themselves by closest output statistics, the order breaking ties: two
+    and dtype kinds are re-paired among themselves by closest output statistics, the order breaking ties: two
     frameworks may run equal ops in other orders (the two backward ``mul`` of a product, attention's
     backward matmuls).  A key with more than ``_MAX_GROUP`` pairs is re-paired within runs of
     consecutive pairs only."""
     def key(r):
-        return r["kind"], r["stage"], r["scope"], r["op"], batched_shapes(r)
+        return r["kind"], r["stage"], r["scope"], r["op"], _cross_shapes(r)
     out, groups = [], {}
     for p in sorted(pairs):
         ka = key(recs_a[p[0]])

@@ -128,9 +128,33 @@ def by_phase(recs_a: list, recs_b: list, gaps: list) -> list:
 def phases(recs: list) -> list:
     """Each record's phase: 0 before the part's first backward op, 1 from it on.  Only that first
     one counts: a compiled graph runs its optimizer kernels as soon as each gradient is ready, between
-    backward kernels, where an eager run's follow the whole backward."""
+    backward kernels, where an eager run's follow the whole backward.  A forward op after it that
+    goes on computing the forward (it reads values of phase 0's forward records, none of the
+    backward's, and writes no input in place as an optimizer's state update does) stays in phase 0:
+    a MindSpore graph runs backward kernels that need no loss before the loss's last kernels, which
+    would else be no counterparts of the other run's."""
     first = next((i for i, r in enumerate(recs) if r["kind"] == "op" and r["stage"] == "backward"), len(recs))
-    return [0] * first + [1] * (len(recs) - first)
+    out = [0] * first + [1] * (len(recs) - first)
+    if first == len(recs):
+        return out
+    alias, made = _aliases(recs), {}     # value key -> the phase its maker's value belongs to
+    for i, r in enumerate(recs):
+        if i >= first and r["kind"] == "op" and r["stage"] == "forward" and _continues_forward(r, made, alias):
+            out[i] = 0
+        later = 1 if r["stage"] == "backward" else out[i]
+        for _, _, spec in walk(r, inputs=False):
+            made.update((_resolve(k, alias), later) for k in _value_keys(spec))
+    return out
+
+
+def _continues_forward(record: dict, made: dict, alias: dict) -> bool:
+    """Whether ``record`` reads a value a phase-0 forward record made and none of a later phase, and
+    is no in-place aten op (``step += 1``: its scalar's statistics may equal a forward value's)."""
+    parts = record["op"].split(".")
+    if len(parts) >= 3 and parts[0] == "aten" and parts[1].endswith("_"):
+        return False
+    read = {made.get(_resolve(k, alias)) for _, _, spec in walk(record, outputs=False) for k in _value_keys(spec)}
+    return 0 in read and 1 not in read
 
 
 def _group(idx: list, phases: list) -> dict:
