@@ -160,6 +160,16 @@ def is_cast(op: str) -> bool:
     return base_name(op) in CAST
 
 
+# Namespaces of the marks a program sets for profilers (``record_function``'s enter and exit, which
+# FSDP2 and the optimizers set around their work): they compute nothing, so compare never names one
+# as where a difference enters, nor places there a difference that enters elsewhere.
+ANNOTATION_NAMESPACES = ("profiler.",)
+
+
+def is_annotation(op: str) -> bool:
+    return op.startswith(ANNOTATION_NAMESPACES)
+
+
 def is_elementwise_sum(op: str) -> bool:
     return base_name(op) in ELEMENTWISE_SUM
 

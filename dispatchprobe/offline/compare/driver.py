@@ -679,8 +679,7 @@ def _leads_to(e, d):
     where = f"{d.op} [{d.scope or '<top>'}]"
     why = (f"there the inputs/parameters differ, first seen at {where} {d.arg}" if d.cause == "inputs" else
            f"there they follow from differing {d.inherited_from()} values" if d.cause == "inherited" else
-           f"there they come from other ranks through {where}" if d.cause == "received" else
-           f"there they grew from differences of rounding size" if d.cause == "rounding" else f"they start at {where}"
+           f"there they come from other ranks through {where}" if d.cause == "received" else f"they start at {where}"
            + (" (approximate)" if d.approximate else ""))
     return replace(e, departure=False, errors=d.errors,
                    failed=f"{e.failed} (within tolerance at step {e.step}; the {d.errors} {d.stage} error rows of "

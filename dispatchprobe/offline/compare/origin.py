@@ -360,15 +360,18 @@ class Lineage:
         # other than a sum or cast (a hook scaling one group) among what they add up: the suspect where
         # their total differs more than its terms
         self.inside: dict = {}
+        # stage -> where the rounding-size differences its error rows grew from enter (cause rounding: _unwound)
+        self.grown: dict = {}
 
     # ---- one-run-only ops and their place among the paired records -------------------------------
     def _loose(self, side: Side) -> dict:
         """(stage, COMPUTE/CAST/MAKER) -> sorted one-run-only op records a difference may start at (the
-        unobserved ones never); constant makers apart, found only where no other op stands between."""
+        unobserved ones and a profiler's marks never); constant makers apart, found only where no other
+        op stands between."""
         out: dict = {}
         for i in sorted(side.only - side.unobserved):
             r = side.recs[i]
-            if r["kind"] == "op":
+            if r["kind"] == "op" and not op_traits.is_annotation(r["op"]):
                 kind = MAKER if self.makes_constant(side, i) else CAST if op_traits.is_cast(r["op"]) else COMPUTE
                 out.setdefault((r["stage"], kind), []).append(i)
         return out
@@ -409,10 +412,13 @@ class Lineage:
 
     def _anchors(self, side: Side, paired: list) -> dict:
         """stage -> (the side's paired records in order, their A index, their A position, the
-        stage's record count in this run)."""
+        stage's record count in this run).  A profiler's marks are no anchors: a one-run-only cast
+        just before ``record_function``'s enter hands its difference to the computation after it."""
         out: dict = {}
         to_a = (lambda i: i) if side.name == "a" else self.pair_a.__getitem__
         for i in paired:
+            if op_traits.is_annotation(side.recs[i]["op"]):
+                continue
             idx, a_idx, a_seq = out.setdefault(side.recs[i]["stage"], ([], [], []))[:3]
             k = to_a(i)
             idx.append(i)
@@ -1034,7 +1040,84 @@ class Lineage:
                 mine = (stage, fed, inheriting[other])
             if mine is not None:
                 out.append(mine)
-        return out
+        return self._unwound(out)
+
+    def _unwound(self, picks: list) -> list:
+        """The picks with no stage inheriting from a stage that inherits back.  The forward holds the
+        model's ops and an optimizer stepping inside the probe: its error rows may inherit from the
+        gradients the backward made from forward values, and 'each from the other' names no source.
+        Where the other stage names none larger than rounding, the chain is followed to its start,
+        the values each stage hands the other (``feeds``): one larger than rounding is named by the
+        stage it is in, which the other inherits from; else the error rows grew from differences of
+        rounding size, a precision the runs differ in (cause ``rounding``; where those enter:
+        ``grown``), and no op is named."""
+        picked = {p[0]: p for p in picks}
+        by_stage = dict(picked)
+        for stage, pick, errors in picks:
+            if errors and self._precision_only(pick):
+                self.grown[stage] = pick
+                by_stage[stage] = (stage, pick._replace(cause="rounding"), errors)
+        for stage in [s for s, p, errors in picks if errors and p.cause == "inherited"]:
+            other = "backward" if stage == "forward" else "forward"
+            theirs = picked.get(other)
+            if theirs is not None and not (theirs[2] and (theirs[1].cause == "inherited" or self._precision_only(theirs[1]))):
+                continue       # the other stage names where its values part (a departure: within tolerance)
+            fed = [(s, self.feeds[s]) for s in (other, stage) if self.feeds.get(s) is not None]
+            strong = [(s, root) for s, root in fed if not root.weak]
+            if strong:         # the stage holding it names it (a stage without error rows: _fed_stages did)
+                owner, root = strong[0]
+                if owner == stage or theirs is not None and theirs[2]:
+                    by_stage[owner] = (owner, root, by_stage[owner][2])
+                continue
+            start = self.feeds.get("forward") or self.feeds.get("backward")
+            if start is not None and self._precision_only(start):
+                self.grown[stage] = start
+                by_stage[stage] = (stage, by_stage[stage][1]._replace(cause="rounding"), by_stage[stage][2])
+        return [by_stage[s] for s in ("forward", "backward") if s in by_stage]
+
+    def _precision_only(self, root: Root) -> bool:
+        """``root`` is a difference of rounding size (an op's own within a few roundings of its dtype,
+        a cast's, inputs that differ by so much), picked where no larger one enters, where the runs
+        compute in other precisions (:meth:`precisions`): error rows it is the source of grew from
+        the rounding of the lower one, and no op is named for them.  Where the runs' dtypes agree
+        such a difference is an op's own (a kernel off by less than a few roundings) and stays named."""
+        return root.weak == ROUNDING and root.cause in ("op", "unmatched", "inputs", "unrecorded") and \
+            self.precisions(root) is not None
+
+    def precisions(self, root: Root) -> tuple | None:
+        """(run A's, run B's) float dtype where the runs differ in precision at ``root``: a one-run-only
+        op that makes values of another float dtype than it reads (a cast), or a paired record (the
+        tensor ``arg``, where given) whose two runs hold other float dtypes; else None."""
+        side = self.a if root.side == "a" else self.b
+        if root.index in side.only:
+            dtypes = {io: sorted({spec["dtype"] for kind, _, spec in side.flow.walks[root.index]
+                                  if kind == io and is_float(spec.get("dtype", ""))}) for io in ("input", "output")}
+            if not dtypes["input"] or not dtypes["output"] or dtypes["input"] == dtypes["output"]:
+                return None
+            made = ("/".join(dtypes["input"]), "/".join(dtypes["output"]))
+            return made if side is self.b else made[::-1]
+        i = root.index if side is self.a else self.pair_a.get(root.index)
+        rows = (self.uid == i) & (self.df["stage"].to_numpy(object) == side.recs[root.index]["stage"])
+        if root.arg:
+            rows &= self.args == root.arg
+        dtype_a, dtype_b = (self.df[c].to_numpy(object)[rows] for c in ("dtype_a", "dtype_b"))
+        mixed = sorted({(x, y) for x, y in zip(dtype_a, dtype_b) if x != y and is_float(x) and is_float(y)})
+        return mixed[0] if mixed else None
+
+    def grown_where(self, df: pd.DataFrame, stage: str) -> str:
+        """Where the rounding-size differences a ``rounding`` stage's error rows grew from enter
+        (:meth:`_unwound`), and the precisions the runs compute in there, where they differ."""
+        root = self.grown[stage]
+        side = self.a if root.side == "a" else self.b
+        rec = side.recs[root.index]
+        where = (f"{rec['op']} [{rec['scope'] or '<top>'}] call {int(rec['call'])} {root.arg + ' ' if root.arg else ''}"
+                 f"(#{int(side.seq[root.index])} in {rec['stage']}{'' if side is self.a else ' of run B'}, "
+                 f"step {int(df['step'].iat[0])} rank {int(df['rank'].iat[0])})")
+        dtype_a, dtype_b = self.precisions(root)
+        if root.index in side.only:
+            made, read = (dtype_a, dtype_b) if side is self.a else (dtype_b, dtype_a)
+            return f"{where}, present only in run {root.side.upper()}, which makes {made} values of {read} ones"
+        return f"{where}, where run A computes in {dtype_a} and run B in {dtype_b}"
 
 
 def trace(df: pd.DataFrame, a: Side, b: Side, pairs: list, rerun=None, same_kernels: bool = False
@@ -1058,6 +1141,8 @@ def trace(df: pd.DataFrame, a: Side, b: Side, pairs: list, rerun=None, same_kern
         div.approximate = pick.cause in ("op", "region") and (pick.index in lineage.own_share.estimated or bool(
             unmeasured[(lineage.uid == pick.index) & (df["stage"].to_numpy(object) == stage)].any()))
         _paired_op(df, div, pick)
+        if pick.cause == "rounding":
+            div.follows = lineage.grown_where(df, stage)
         if pick.cause == "region":
             div.region = lineage.region_ops(pick.index)
         elif pick.cause == "unmatched" and (span := lineage.computed_otherwise(a if pick.side == "a" else b, pick.index)):
@@ -1245,7 +1330,7 @@ def _describe(df, a: Side, b: Side, stage, pick: Root, errors, off) -> Divergenc
         scope = rec["scope"]
         inside = [m for m in scopes if scope == m or scope.startswith(m + ".")]
         module = max(inside, key=lambda m: m.count(".")) if inside else None
-    elif cause in ("inputs", "inherited", "noise"):
+    elif cause in ("inputs", "inherited", "noise", "rounding"):
         rows = at[at["arg"] == arg]
         failed = "; ".join(_why(r) if r.reason else _size(r) for r in rows.itertuples()) or "values differ"
     elif cause == "choice":

@@ -17,7 +17,7 @@ from .pairing import PairingShare
 # computed from them or from inputs that differ already, rounding noise, the programs' constants, a
 # discrete choice the runs made differently and what is computed from it
 NO_PRECISION_VERDICT = frozenset({"random", "after_random", "after_inputs", "noise", "constant", "choice",
-                                  "after_choice"})
+                                  "after_choice", "rounding"})
 # the first causes of those whose later values compare cannot judge (exit code 1), and the causes of
 # the stage after them
 UNDECIDED = {"random": ("after_random",), "choice": ("after_choice", "inherited")}
@@ -42,6 +42,12 @@ class Divergence:
     - ``inherited``: no op of the stage diverges by itself, its errors come from values the other stage
       made (:meth:`inherited_from`): a backward's from forward values, a forward's (an optimizer stepping
       inside the probe) from gradients the backward made;
+    - ``rounding``: no op adds a difference larger than a few roundings, and where the stage's error
+      rows start (in the stage, or followed through the other stage and back: the forward's
+      optimizer reads gradients the backward made from forward values) the runs compute in other
+      precisions: the errors grew from the lower precision's rounding (``follows``: where it first
+      enters; ``came_from``: the step the runs part at, where earlier) over the stages and the
+      steps' updates.  No op is named: one off by less than a few roundings is not told apart;
     - ``noise``: no op diverges by itself; the differences come from a value zero up to rounding (``arg``
       of the record: a sum whose terms cancel, passed by the cancellation rule, as an attention key
       bias's gradient), which what is computed from it carries at any relative size (an optimizer
@@ -148,6 +154,12 @@ class Divergence:
             lines = [f"{self.stage}: no {self.stage} op diverges by itself; its {self.errors} error rows follow from "
                      f"differing {self.inherited_from()} values (first at {self.op} [{self.scope or '<top>'}] {self.arg}, "
                      f"#{self.seq} in {self.stage}, step {self.step} rank {self.rank})"]
+        elif self.cause == "rounding":
+            lines = [f"{self.stage}: no op diverges by more than rounding; its {self.errors} error rows (step "
+                     f"{self.step} rank {self.rank}) grew from differences of rounding size where the runs compute "
+                     f"in other precisions, first at {self.follows}; judged at the lower precision's rounding, no op "
+                     f"is named (one off by less than a few of its roundings is not told apart from them: compare "
+                     f"runs of one precision to judge kernels)"]
         elif self.cause == "random":
             lines = [f"{lead or self.headline()}: {self.where()}: its values depend on the random numbers "
                      f"each run drew, so the runs cannot be compared value for value there or in what is computed "
