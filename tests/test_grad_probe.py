@@ -497,3 +497,37 @@ def test_step_files_written_off_the_training_thread_are_all_there_at_close_and_a
     probe.close()                       # the last step's files are written before close returns
     last = dispatchprobe.load(tmp_path / "h").part(2, 0)
     assert len(last.grads) == 4 and all(read_signs(last, r).size == r["numel"] for r in last.grads)
+
+
+def _as_shard(run, param: str, rows: int, offset: int) -> None:
+    """Rewrite ``run``'s records of ``param`` as a Shard(dim=0) piece of ``rows`` rows at ``offset``
+    (the first ``rows`` rows' signs): a run that recorded one rank's shard of it."""
+    for path in Path(run).glob("step*/rank0/grads.jsonl"):
+        recs = [json.loads(line) for line in path.read_text().splitlines()]
+        for r in recs:
+            if r["param"] == param:
+                r["dtensor"] = {"placements": ["Shard(dim=0)"], "offset": [offset, 0],
+                                "local_shape": [rows, *r["shape"][1:]]}
+        path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+
+
+@pytest.mark.parametrize("order", ["ab", "ba"])
+def test_a_parameter_no_element_of_which_both_runs_know_is_not_compared_and_the_verdict_says_so(tmp_path, order):
+    """Run A holds rows 0..15 of 0.weight, run B rows 16..31: nothing of it is compared.  Its similarity
+    is no number (was 0.0, flagged as a divergence), and the verdict counts it as not compared
+    instead of saying the runs agree (either order)."""
+    for name, offset in (("a", 0), ("b", 16)):
+        _mlp_run(tmp_path / name, "L1")
+        _as_shard(tmp_path / name, "0.weight", 16, offset)
+    first, second = (tmp_path / order[0], tmp_path / order[1])
+    table, verdict = dispatchprobe.compare(first, second)
+    weight = table[table["param"] == "0.weight"]
+    assert weight["similarity"].isna().all() and (weight["flag"] == "").all(), weight
+    others = table[~table["param"].isin(["0.weight", "summary"])]
+    assert len(others) == 3 * 2 and (others["similarity"] == 1.0).all()
+    said = str(verdict)
+    assert verdict.passed and verdict.not_compared == ["0.weight"], said
+    assert "agree" not in said and "1 parameter(s) not compared" in said, said
+    assert "step 0: 0.weight: no element of it is known in both runs" in said, said
+    res = CliRunner().invoke(main, ["compare", str(first), str(second)])
+    assert "1 parameter(s) not compared" in res.output and "agree" not in res.output, res.output

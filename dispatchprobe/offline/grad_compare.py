@@ -130,6 +130,7 @@ class GradVerdict:
     report: str | None = None
     damaged: list = field(default_factory=list)
     checksums: dict | None = None              # level L0: gradients whose checksums were equal, unequal, ...
+    not_compared: list = field(default_factory=list)   # parameters left out at one step or more (warnings say why)
 
     @property
     def passed(self) -> bool:
@@ -149,7 +150,11 @@ class GradVerdict:
                     + (" ..." if len(hits) > 3 else "")
             sim = self.overall[step]
             lines.append(f"{step:>4}  {'n/a' if sim != sim else f'{sim:.4f}':>6}{mark}")
-        if self.first is None:
+        if self.first is None and self.not_compared:
+            lines.append(f"no divergence among the compared gradients (direction similarity >= "
+                         f"{rule['first_step_min']} at the first step, drops of no more than {rule['max_drop']})"
+                         + self._not_compared_line())
+        elif self.first is None:
             lines.append(f"agree: every parameter's direction similarity is >= {rule['first_step_min']} at the first "
                          f"step and drops by no more than {rule['max_drop']} from step to step")
         else:
@@ -161,6 +166,13 @@ class GradVerdict:
             lines.append(f"report: {self.report}")
         return "\n".join(lines)
 
+    def _not_compared_line(self) -> str:
+        """The parameters a partial compare leaves out: counted where the verdict is given, since
+        "agree" about them would be a judgement nothing made (the warnings say why each is out)."""
+        names = ", ".join(self.not_compared[:3]) + (" ..." if len(self.not_compared) > 3 else "")
+        return f"; {len(self.not_compared)} parameter(s) not compared at one step or more ({names}): not judged, " \
+               "see the warnings"
+
     def _checksum_summary(self, lines: list) -> str:
         """Level L0: the records hold checksums, not directions: equal bytes or not, per gradient."""
         c = self.checksums
@@ -168,7 +180,9 @@ class GradVerdict:
         lines.append(f"level L0 (no gradient directions): checksums of {compared} gradient(s) compared over the steps: "
                      f"{c['equal']} equal, {c['unequal']} unequal" +
                      (f", {c['not comparable']} not comparable" if c["not comparable"] else ""))
-        if self.first is None:
+        if self.first is None and self.not_compared:
+            lines.append("no difference among the compared gradients (equal checksums)" + self._not_compared_line())
+        elif self.first is None:
             lines.append("agree: every compared gradient has the same bytes in both runs (equal checksums)")
         else:
             f = self.first
@@ -230,7 +244,11 @@ def grad_compare(run_a: Run, run_b: Run, out: str | None = None):
                 same = sa[0] == sb[0]
                 row["same"], row["total"] = (int(same.sum()), same.size) if known is None else \
                     (int(same[known].sum()), int(known.sum()))
-                row["similarity"] = row["same"] / row["total"] if row["total"] else 0.0
+                if row["total"]:
+                    row["similarity"] = row["same"] / row["total"]
+                else:       # no element known in both runs: nothing compared, no similarity (not 0)
+                    problems.append(f"step {step}: {name_a}: no element of it is known in both runs (each recorded "
+                                    "other shards of it); not compared")
             rows.append(row)
     problems += [f"{n}: only in run {side} (from step {step}), or no parameter of its shape to pair with; not compared"
                  for (side, n), step in unpaired.items()]
@@ -247,14 +265,24 @@ def grad_compare(run_a: Run, run_b: Run, out: str | None = None):
     summary = pd.DataFrame([{"step": s, "param": SUMMARY, "numel": int(table.loc[table["step"] == s, "total"].sum()),
                              "similarity": overall[s], "flag": "", "checksum": ""} for s in steps])
     params = table["param"].nunique()
+    skipped = _not_compared(table, by_checksum) + [n for _, n in unpaired]
     table = pd.concat([table, summary], ignore_index=True)
     table = table[COLUMNS]
     verdict = GradVerdict(a=str(run_a.path), b=str(run_b.path), steps=steps, params=params, overall=overall,
                           first=flagged[0] if flagged else None, flagged=flagged, problems=problems,
-                          checksums=_checksum_counts(table) if by_checksum else None)
+                          checksums=_checksum_counts(table) if by_checksum else None,
+                          not_compared=list(dict.fromkeys(skipped)))
     if out:
         verdict.report = _write(out, table, verdict, run_a, run_b)
     return Result(table, verdict)
+
+
+def _not_compared(table: pd.DataFrame, by_checksum: bool) -> list:
+    """The parameters (table order) with a step at which nothing was compared: no direction
+    similarity, or at L0 no checksums of one kind both runs hold."""
+    rows = table[table["param"] != SUMMARY]
+    left = ~rows["checksum"].isin(["equal", "unequal"]) if by_checksum else rows["similarity"].isna()
+    return list(dict.fromkeys(rows.loc[left, "param"]))
 
 
 def _weighted(rows: pd.DataFrame) -> float:
