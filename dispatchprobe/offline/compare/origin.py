@@ -288,15 +288,25 @@ def _extreme(value) -> bool:
 COMPUTE, CAST, MAKER = 0, 1, 2     # one-run-only ops, as Lineage._loose sorts them
 
 
-def _between(loose: dict, stage: str, lo: int, hi: int):
+def _between(loose: dict, stage: str, lo: int, hi: int, fits=None):
     """The first one-run-only op of ``stage`` strictly between records ``lo`` and ``hi`` (compute ops
-    first, then casts, then constant makers)."""
+    first, then casts, then constant makers) for which ``fits`` (index -> bool) holds, where given."""
     for kind in (COMPUTE, CAST, MAKER):
         cand = loose.get((stage, kind), ())
         k = bisect.bisect_right(cand, lo)
-        if k < len(cand) and cand[k] < hi:
-            return cand[k]
+        while k < len(cand) and cand[k] < hi:
+            if fits is None or fits(cand[k]):
+                return cand[k]
+            k += 1
     return None
+
+
+def _writes_dtype(side, u: int, dtype) -> bool:
+    """One-run-only record ``u`` of run ``side`` makes a value of ``dtype``, or writes into one in
+    place: it can be what changed a value of that dtype between its producer and its reader."""
+    overwrites = op_traits.overwrites_first_input(side.recs[u]["op"]) or side.recs[u]["op"].split(".")[1].endswith("_")
+    return any(spec.get("dtype") == dtype for io, arg, spec in side.flow.walks[u]
+               if io == "output" or (overwrites and arg == "input.0"))
 
 
 class Lineage:
@@ -493,7 +503,11 @@ class Lineage:
         pa = p if side is self.a else self.pair_a.get(p)
         if pa is not None and (pa, parg) in self.out_row:
             return self.best.get(pa), self.inh.get(pa)
-        u = _between(self.loose[side.name], stage, p, consumer)
+        # an op between them changed it in place, or the link is a view no record shows: an op making
+        # or writing a value of another dtype (a float rotary table beside a boolean mask) did not
+        made = next((spec.get("dtype") for io, arg, spec in side.flow.walks[p] if io == "output" and arg == parg), None)
+        u = _between(self.loose[side.name], stage, p, consumer,
+                     None if made is None else lambda k: _writes_dtype(side, k, made))
         return (self.unmatched(side, u), None) if u is not None else "agrees"
 
     def _feeds_other_stage(self, side: Side, p: int, parg: str) -> None:
