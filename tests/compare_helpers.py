@@ -96,15 +96,22 @@ class Net(nn.Module):
 
 
 @contextlib.contextmanager
-def scaled_gelu(err: float):
-    """aten::gelu on CPU replaced by a kernel whose output is ``1 + err`` times too large."""
+def planted(kernels: dict):
+    """aten ops on CPU replaced by the given kernels (op name -> function) while the block runs."""
     lib = torch.library.Library("aten", "IMPL")
-    lib.impl("gelu", lambda x, approximate="none": 0.5 * x * (1 + torch.erf(x * 0.7071067811865476)) * (1 + err),
-             "CPU")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")      # overriding a kernel that already has one for CPU
+        for name, fn in kernels.items():
+            lib.impl(name, fn, "CPU")
     try:
         yield
     finally:
         lib._destroy()      # at once: a dropped Library lives until collected, its kernels with it
+
+
+def scaled_gelu(err: float):
+    """aten::gelu on CPU replaced by a kernel whose output is ``1 + err`` times too large."""
+    return planted({"gelu": lambda x, approximate="none": 0.5 * x * (1 + torch.erf(x * 0.7071067811865476)) * (1 + err)})
 
 
 def in_bfloat16(module: nn.Module) -> None:

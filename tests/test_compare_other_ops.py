@@ -8,7 +8,6 @@ prime suspect.  Now the line names the stretch with both runs' ops, in either or
 from __future__ import annotations
 
 import math
-import warnings
 
 import pytest
 import torch
@@ -18,6 +17,8 @@ from torch.nn import functional as F
 from dispatchprobe import DispatchProbe
 from dispatchprobe.offline.compare.driver import compare_parts
 from dispatchprobe.records.reader import load
+
+from compare_helpers import planted
 
 
 class _Attention(nn.Module):
@@ -43,18 +44,11 @@ def _wrong_softmax(x, dim, half_to_float):
 def _record(path, fused: bool, wrong: bool = False):
     torch.manual_seed(0)
     model, x = _Attention(fused), torch.randn(2, 8, 16)
-    lib = torch.library.Library("aten", "IMPL")
-    if wrong:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            lib.impl("_softmax", _wrong_softmax, "CPU")
-    try:
+    with planted({"_softmax": _wrong_softmax} if wrong else {}):
         probe = DispatchProbe(task="statistics", dump_path=str(path))
         with probe:
             model(x).square().mean().backward()
         probe.close()
-    finally:
-        lib._destroy()
     return load(path).part(0, 0)
 
 

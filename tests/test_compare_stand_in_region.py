@@ -8,7 +8,6 @@ records tells which side holds the wrong kernel."""
 
 from __future__ import annotations
 
-import warnings
 
 import pytest
 import torch
@@ -18,6 +17,8 @@ from torch.nn import functional as F
 from dispatchprobe import DispatchProbe
 from dispatchprobe.offline.compare.driver import compare_parts
 from dispatchprobe.records.reader import load
+
+from compare_helpers import planted
 
 
 class _Attention(nn.Module):
@@ -51,18 +52,11 @@ def _record(path, task: str, split: str, wrong: str = ""):
     aten kernel 1% too large on CPU."""
     torch.manual_seed(0)
     model, x = _Attention(split), torch.randn(2, 8, 16)
-    lib = torch.library.Library("aten", "IMPL")
-    if wrong:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            lib.impl(wrong, WRONG[wrong], "CPU")
-    try:
+    with planted({wrong: WRONG[wrong]} if wrong else {}):
         probe = DispatchProbe(task=task, dump_path=str(path))
         with probe:
             model(x).square().mean().backward()
         probe.close()
-    finally:
-        lib._destroy()
     return load(path).part(0, 0)
 
 
