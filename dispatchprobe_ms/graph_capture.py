@@ -104,8 +104,7 @@ class GraphCapture:
             attrs = ops.constructor_attrs(k.type, node.attrs) if node is not None else {}
             outs = [_value(_load(k.outputs, i, shapes[1]), False) for i in range(_count(k.outputs))]
             outputs = outs[0] if len(outs) == 1 else tuple(outs)
-            unwritten = ops.unwritten_outputs(k.type, ms_backend.accelerator())
-            undefined = {id(o) for i, o in enumerate(outs) if i in unwritten and o is not None} or None
+            undefined = _undefined(k.type, node, inputs, outs, ms_backend.accelerator())
             if not self.recorded and (scope or stage == "backward"):
                 self.recorded = True
                 session.graph_kernels_recorded()
@@ -141,6 +140,19 @@ class GraphCapture:
             also = " (PyNative primitives are recorded; graphs=False records only them, without this warning)" \
                 if pynative else ""
             warnings.warn(f"dispatchprobe_ms: {self.why_not}{also}", RuntimeWarning, stacklevel=3)
+
+
+def _undefined(kind: str, node, inputs: tuple, outputs: list, device: str) -> set | None:
+    """Ids of a kernel's values holding memory no kernel wrote: its own outputs it leaves unwritten
+    on ``device``, and the inputs the graph's IR says are such an output of another kernel
+    (BatchNormGrad's input 5, BatchNorm's output 2 on the CPU).  Recorded as ``undefined``, never
+    judged as values: the dump holds whatever the memory held."""
+    unwritten = ops.unwritten_outputs(kind, device)
+    ids = {id(o) for i, o in enumerate(outputs) if i in unwritten and o is not None}
+    for i, source in enumerate(node.sources if node is not None else ()):
+        if source is not None and i < len(inputs) and source[1] in ops.unwritten_outputs(source[0], device):
+            ids.add(id(inputs[i]))
+    return ids or None
 
 
 def _stages(kernels: list) -> list[str]:

@@ -36,6 +36,7 @@ class Node:
     attrs: dict = field(default_factory=dict)        # primitive_attrs, as Python values
     op: str = ""                                     # the primitive (``MatMul``)
     ref: str = ""                                    # how other nodes' arguments name its value ("%49")
+    sources: list = field(default_factory=list)      # per argument: (primitive, output position) that made it, or None
 
 
 @functools.lru_cache(maxsize=32)
@@ -76,7 +77,31 @@ def read(path: str, mtime: float = 0.0) -> dict[str, Node]:
             continue
         if not text.startswith((": ", "#")):
             current, signature, node = None, None, None
+    _link_sources(nodes)
     return nodes
+
+
+def _link_sources(nodes: dict) -> None:
+    """Set each node's ``sources``: which primitive's which output each argument is, a
+    ``TupleGetItem(%6, I64(2))`` followed to output 2 of ``%6``.  Why: a kernel may leave an output
+    unwritten on a device (BatchNorm's 1 and 2 on the CPU), and the kernel that reads it reads
+    undefined memory, which only the graph can tell.  A name two nodes share says nothing (None)."""
+    by_ref: dict = {}
+    for n in nodes.values():
+        if n.ref:
+            by_ref[n.ref] = None if n.ref in by_ref else n
+    for n in nodes.values():
+        n.sources = [_source(arg, by_ref) for arg in n.args]
+
+
+def _source(arg: str, by_ref: dict) -> tuple | None:
+    made = by_ref.get(arg.strip())
+    if made is None:
+        return None
+    if made.op == "TupleGetItem" and len(made.args) == 2:
+        tuple_of, index = by_ref.get(made.args[0].strip()), constant(made.args[1])
+        return (tuple_of.op, index) if tuple_of is not None and isinstance(index, int) else None
+    return made.op, 0
 
 
 def _shapes(signature: str) -> tuple[tuple[list, list], tuple[list, list]]:
