@@ -2,13 +2,16 @@
 have changed that value: it makes or writes in place a value of the value's dtype.  Two transformers
 versions build an attention mask apart (one inverts it with ``logical_not`` and swaps ``where``'s
 branches) while one of them also runs a rotary-table ``mul`` in between: compare named that float
-``mul`` as the prime suspect for a boolean mask it never touched."""
+``mul`` as the prime suspect for a boolean mask it never touched, and then the ``logical_not``, for
+runs that agree at ``where``'s output (see :mod:`dispatchprobe.offline.compare.rewired`)."""
 
 from __future__ import annotations
 
+import pandas as pd
 import torch
 
 from dispatchprobe import DispatchProbe
+from dispatchprobe.offline.compare import NOT_JUDGED
 from dispatchprobe.offline.compare.driver import compare_parts
 from dispatchprobe.records.reader import load
 
@@ -30,10 +33,15 @@ def _record(path, inverted: bool):
 
 
 def test_an_op_of_another_dtype_between_is_not_named(tmp_path):
+    """Neither the float ``mul`` nor the ``logical_not`` is named: ``where``'s output agrees, and its
+    input rows (the mask against its negation, the branches swapped) compare values the programs
+    wire otherwise, so they are not judged and the runs agree, whichever run is A."""
     plain, inverted = _record(tmp_path / "plain", False), _record(tmp_path / "inverted", True)
     for a, b in ((plain, inverted), (inverted, plain)):
-        divs = [d for d in compare_parts(a, b).divergences if d is not None]
-        assert divs, "the where's mask differs between the runs"
-        for d in divs:
-            assert d.op != "aten.mul.Tensor", d.describe()
-            assert d.op == "aten.logical_not.default", d.describe()
+        result = compare_parts(a, b)
+        divs = [d for d in result.divergences if d is not None]
+        assert not divs, [d.describe() for d in divs]
+        rows = pd.DataFrame(result.rows) if not isinstance(result.rows, pd.DataFrame) else result.rows
+        where = rows[(rows["op_a"] == "aten.where.self") & (rows["io"] == "input")]
+        assert len(where) == 3 and (where["status"] == NOT_JUDGED).all(), where[["arg", "status"]]
+        assert (rows["status"] != "error").all()

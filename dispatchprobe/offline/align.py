@@ -373,6 +373,18 @@ def _sibling(r: dict) -> tuple:
     return r["scope"], functional(r["op"]), output_shapes(r)
 
 
+def _relative_gaps(va: np.ndarray, vb: np.ndarray) -> np.ndarray:
+    """:func:`regions.relative_gap` of arrays ``va`` and ``vb`` (broadcast), the same value bit for
+    bit: equal infinities 0 apart, an infinity and any other number 1 apart, nan staying nan."""
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        rel = np.abs(va - vb) / (np.abs(va) + np.abs(vb) + 1e-30)
+    odd = np.isnan(rel)
+    if odd.any():
+        limits = odd & ~np.isnan(va) & ~np.isnan(vb)
+        rel = np.where(limits, (va != vb).astype(float), rel)
+    return rel
+
+
 def _closeness(recs_a: list, recs_b: list, cand_a: list, cand_b: list) -> tuple:
     """How far apart records ``cand_a`` (of recs_a) are from ``cand_b`` (of recs_b), every pair at
     once: their outputs', then their inputs' summed :func:`regions.stats_distance` as two
@@ -397,9 +409,7 @@ def _closeness(recs_a: list, recs_b: list, cand_a: list, cand_b: list) -> tuple:
                  for side in rows]
         vals = [np.array([[0.0 if v is None else v for v in row] for row in side], float).reshape(len(side), width, 2)
                 for side in rows]
-        va, vb = vals[0][:, None], vals[1][None]
-        with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-            rel = np.abs(va - vb) / (np.abs(va) + np.abs(vb) + 1e-30)
+        rel = _relative_gaps(vals[0][:, None], vals[1][None])
         rel = np.where(known[0][:, None] & known[1][None], rel, 0.0)
         d = np.cumsum(rel[..., 0] + rel[..., 1], axis=-1)[..., -1] if width else np.zeros((len(cand_a), len(cand_b)))
         out.append(np.where(np.isfinite(d), d, np.inf))     # (cumsum: in order, not pairwise)
@@ -732,8 +742,7 @@ def _closeness_many(recs_a: list, recs_b: list, groups: list):
                 if width:
                     (va, ka), (vb, kb) = (_gathered(terms[side, io], cands[side], width) for side in (0, 1))
                     va, vb = va[:, :, None], vb[:, None]
-                    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-                        rel = np.abs(va - vb) / (np.abs(va) + np.abs(vb) + 1e-30)
+                    rel = _relative_gaps(va, vb)
                     if ka is not None or kb is not None:
                         both = (np.ones(va.shape, bool) if ka is None else ka[:, :, None]) & \
                             (np.ones(vb.shape, bool) if kb is None else kb[:, None])

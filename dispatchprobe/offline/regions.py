@@ -47,7 +47,8 @@ def sized_mean(mean, norm, shape) -> float | None:
     is any size relative to the mean itself, and such noise decided which calls paired (an eager
     and a compiled run's optimizer steps paired one bias with another); against the values' size it
     is as small as it is.  Unchanged where not both floats or the size is unknown."""
-    if type(mean) is not float or type(norm) is not float or not isinstance(shape, (list, tuple)):
+    if type(mean) is not float or type(norm) is not float or not isinstance(shape, (list, tuple)) \
+            or not math.isfinite(mean + norm):     # an infinite value has no size to shift by (-inf + inf: nan)
         return mean
     n = math.prod(shape)
     return mean + 2.0 * norm / math.sqrt(n) if n > 0 else mean
@@ -58,8 +59,20 @@ def terms_distance(ta: tuple, tb: tuple) -> float:
     total = 0.0
     for x, y in zip(ta, tb):
         if x is not None and y is not None:
-            total += abs(x - y) / (abs(x) + abs(y) + 1e-30)
+            total += relative_gap(x, y)
     return total
+
+
+def relative_gap(x: float, y: float) -> float:
+    """``|x - y| / (|x| + |y|)``, between 0 and 1, with infinities at its limits: 0 where the two
+    are equal (``-inf`` and ``-inf``), 1 where one is infinite and the other is not equal (``-inf``
+    against ``0``, against ``inf``).  Why: a mask's fill constant is ``-inf``, and the plain formula
+    gives nan for every pair holding one, so statistics could not pair two such calls by value and
+    the order paired a ``-inf`` with a ``0``.  A nan statistic stays nan (far from everything)."""
+    gap = abs(x - y) / (abs(x) + abs(y) + 1e-30)
+    if math.isnan(gap) and not math.isnan(x) and not math.isnan(y):
+        return 0.0 if x == y else 1.0
+    return gap
 
 
 def _value_keys(spec: dict) -> list:

@@ -27,6 +27,7 @@ from .choice import AFTER, undecided_kind
 from .exact import same_kernels
 from .origin import PARTIAL_SUMS, STATS_NOISE, Side, differs, trace
 from .rerun import float64_rerun
+from .rewired import REWIRED
 from . import loss_scale
 from . import recompute
 from .pairing import PairingShare, decomposed_scopes, explain_unobservable, data_flow, user_frames, pair_tensors, pairing_share
@@ -463,7 +464,7 @@ def _merge(results, run_a, run_b, jobs_list: list, problems: list, frameworks: t
                       parts=[k for k, _ in jobs_list], aligned=share,
                       same_run=_same_folder(run_a, run_b, jobs_list), departures=departures, pairing=pairing,
                       explained=amplified_lines(facts), below_floor=(tally.below, STATS_NOISE),
-                      partial_sums=tally.partial_sums, loss_scaled=tally.loss_scaled,
+                      partial_sums=tally.partial_sums, rewired=tally.rewired, loss_scaled=tally.loss_scaled,
                       after_choice=tally.after_choice, after_random=tally.after_random)
     table = _joined(kept) if kept else pd.DataFrame(columns=COLUMNS)
     if writer is not None:
@@ -530,6 +531,7 @@ class _Tally:
     def __init__(self):
         self.counts: Counter = Counter()
         self.rows = self.below = self.partial_sums = self.loss_scaled = self.after_choice = self.after_random = 0
+        self.rewired = 0
 
     def add(self, table: pd.DataFrame) -> None:
         if not len(table):
@@ -538,6 +540,7 @@ class _Tally:
         self.counts.update({k: int(v) for k, v in table["status"].value_counts().items()})
         self.below += int((differs(table, 0.0) & ~differs(table)).sum())   # statistics-only rows
         self.partial_sums += int((table["reason"] == PARTIAL_SUMS).sum())
+        self.rewired += int((table["reason"] == REWIRED).sum())
         unjudged = table["reason"][table["status"].to_numpy(object) == V.NOT_JUDGED]
         if len(unjudged):
             kinds = undecided_kind(unjudged)

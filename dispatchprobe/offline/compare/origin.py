@@ -30,6 +30,7 @@ from .pairing import DataFlow, user_frames
 from .regroup import Regrouping
 from .scoring import distance_bound, judging_precisions, pair_codes
 from .rerun import ROUNDOFF
+from .rewired import rewired_inputs_not_judged
 from .verdict import Divergence
 
 
@@ -1140,6 +1141,7 @@ def trace(df: pd.DataFrame, a: Side, b: Side, pairs: list, rerun=None, same_kern
     by :class:`Lineage`; ``a``, ``b``: the two runs (:class:`Side`), ``pairs``: the alignment's;
     ``same_kernels``: the runs' manifests say the same framework, version and device kind
     (:func:`.exact.same_kernels`), so the part may be otherwise bit-identical."""
+    rewired_inputs_not_judged(df, a, b, {i: j for i, j, _ in pairs}, Lineage.makes_constant)
     exact = same_kernels and len(df) > 0 and otherwise_identical(df, a.recs, b.recs, pairs, a.only, b.only,
                                                                  differs(df, 0.0))
     lineage = Lineage(df, a, b, pairs, rerun, exact)

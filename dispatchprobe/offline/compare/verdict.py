@@ -248,6 +248,7 @@ class Verdict:
     explained: list = field(default_factory=list)   # error rows passed as optimizer-amplified gradient noise
     below_floor: tuple = (0, 0.0)   # (statistics-only rows that differ below the floor, the floor)
     partial_sums: int = 0        # of the rows not judged, those comparing two partial sums (.regroup)
+    rewired: int = 0             # of the rows not judged, inputs the programs build otherwise (.rewired)
     loss_scaled: int = 0         # of the rows not judged, those the runs' loss scales leave undecided (.loss_scale)
     after_choice: int = 0        # of the rows not judged, those a discrete choice the runs made differently leaves (.choice)
     after_random: int = 0        # of the rows not judged, those a random op whose draws differ leaves (.choice)
@@ -298,6 +299,7 @@ class Verdict:
         counts = ", ".join(f"{k} {self.counts.get(k, 0)}" for k in ("pass", "warning", "error"))
         if self.counts.get(NOT_JUDGED):
             kinds = {"partial sums the runs group differently": self.partial_sums,
+                     "inputs the programs build otherwise, read by ops whose outputs agree": self.rewired,
                      "values the runs' loss scales leave undecided": self.loss_scaled,
                      "values a discrete choice the runs made differently decides": self.after_choice,
                      "values a random op's draws decide": self.after_random}
