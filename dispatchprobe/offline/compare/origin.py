@@ -92,6 +92,15 @@ def differs(df: pd.DataFrame, floor: float = STATS_NOISE) -> np.ndarray:
 NONE, WEAK, STRONG = 0, 1, 2    # an op's own difference: none, of rounding size, larger
 ROUNDINGS = 16                  # "rounding size": up to this many unit roundoffs of the dtype (relative)
 PASS_ON = 1.25                  # outputs relatively no further off than this x the inputs: passed on
+# ops whose output differs relatively no more than their inputs do, up to rounding: they scale, move or
+# pick values and sum none that may cancel.  Only such an op present in one run only is judged by how
+# far what it hands on is off against what it was given (PASS_ON); any other (a matrix product, a sum,
+# another library's op) may hand a difference on many times larger (Lineage.passed_on)
+KEEPS_RELATIVE = frozenset({"mul", "div", "neg", "clone", "copy", "_to_copy", "to", "cat", "stack", "expand",
+                            "view", "reshape", "_unsafe_view", "permute", "transpose", "t", "squeeze", "unsqueeze",
+                            "slice", "select", "narrow", "split", "split_with_sizes", "chunk", "unbind", "index",
+                            "index_select", "gather", "where", "masked_fill", "repeat", "flip", "roll",
+                            "slice_backward", "select_backward", "alias", "detach", "contiguous"})
 
 
 class OwnShare:
@@ -118,6 +127,7 @@ class OwnShare:
         self.error_rows = error_rows
         self.lines = None              # the columns estimate() reads, on first use (_lines)
         self.unjudged: dict = {}       # stage -> the first record estimate() passed over there
+        self.below = None              # record -> its input rows differing below the floor (below_floor)
 
     def _carries_noise(self, outs: list, noise: list) -> bool:
         """Whether the outputs differ by no more than ``origin_amplification`` times the noise inputs'
@@ -150,7 +160,9 @@ class OwnShare:
         if not ins:                  # inputs agree, outputs do not (or follow the input without a row)
             if unmeasured:
                 return NONE
-            return STRONG if any(self.err[k] > ROUNDINGS * self.unit[k] for k in outs) else WEAK
+            if not any(self.err[k] > ROUNDINGS * self.unit[k] for k in outs):
+                return WEAK
+            return NONE if self.follows_below_floor(i, outs) else STRONG
         floats = [k for k in outs if self.floats[k]]
         if not floats:
             return NONE              # a discrete output (index, mask) follows any input difference
@@ -174,6 +186,37 @@ class OwnShare:
             self.estimated.add(i)
             return NONE              # picked elements of a differing input: their statistics bound nothing
         return self.estimate(i, floats, ins, out_err, in_err, carried)
+
+    def follows_below_floor(self, i: int, outs: list) -> bool:
+        """Paired record ``i``, whose inputs count as agreeing, would be named below the error line as
+        where a stage's error rows start, yet its inputs differ below the floor and its outputs
+        (``outs``) by no more than ``origin_amplification`` times that: they may follow from those
+        inputs (a matrix product hands a difference on several times larger), so it is not named."""
+        floats = [k for k in outs if self.floats[k]]
+        below = self.below_floor(i) if floats else []
+        if not below:
+            return False
+        _, _, error_row, error_stage = self.lines or self._lines()
+        if not error_stage[floats[0]] or any(error_row[k] for k in floats):
+            return False
+        self.estimated.add(i)
+        return max(self.err[k] for k in floats) <= self.amp * max(self.err_in[k] for k in below)
+
+    def below_floor(self, i: int) -> list:
+        """Paired record ``i``'s input rows compared by statistics only that differ below the floor
+        (:data:`STATS_NOISE`), which the lineage counts as equal.  Why: a forward kernel's difference
+        reaches a backward matrix product through a gradient that differs by 5e-7 (the LM head's, from
+        a wrong silu's logits), which the product hands on several times larger; judged as if its
+        inputs agreed, the product was named where the backward's error rows start."""
+        if self.below is None:
+            df = self.df
+            err = np.asarray(self.err_in, np.float64)
+            rows = np.flatnonzero((df["io"] == "input").to_numpy() & df["rel_l2_err"].isna().to_numpy()
+                                  & (err > 0) & (err <= STATS_NOISE) & np.asarray(self.floats, bool))
+            self.below = {}
+            for k, uid in zip(rows.tolist(), df["uid"].to_numpy()[rows].tolist()):
+                self.below.setdefault(uid, []).append(k)
+        return self.below.get(i, [])
 
     def measured(self, i: int, outs: list) -> bool | None:
         """Whether paired record ``i``'s float output rows ``outs`` differ by more than both runs' recorded
@@ -364,6 +407,8 @@ class Lineage:
         # one-run-only record -> (the largest error of the differing paired values it reads, directly or
         # through other one-run-only records; their (best, inherited) sources)
         self.carried: dict = {"a": {}, "b": {}}
+        # one-run-only records given a value that carries a source larger than rounding (:meth:`passed_on`)
+        self.given: dict = {"a": set(), "b": set()}
         self.feeds: dict = {}    # stage -> earliest own-stage source of its values another stage reads differing
         # sums the runs group differently (.regroup) -> the largest difference of the terms each was given
         self.terms_err: dict = {}
@@ -662,6 +707,7 @@ class Lineage:
         follow = cast or u in side.unobserved or u in partial
         res = carried = None
         carried_err = 0.0
+        given = False          # it reads a value that carries a source larger than rounding
         unproduced = False     # it reads a value no record of its stage made (a parameter, the batch)
         for io, arg, spec in side.flow.walks[u]:
             if io != "input":
@@ -680,16 +726,26 @@ class Lineage:
                     res = _merge(res, got)
                 if (got := self.carried[side.name].get(p)) is not None:
                     carried_err, carried = max(carried_err, got[0]), _merge(carried, got[1])
+                given = given or p in self.given[side.name]
                 continue
             pa = p if side is self.a else self.pair_a.get(p)
             pk = self.out_row.get((pa, parg)) if pa is not None else None
             if pk is not None:
                 carried_err = max(carried_err, self.handed_on(pa, pk))
                 carried = _merge(carried, (self.best.get(pa), self.inh.get(pa)))
+                given = given or self.carries_source(pk, (self.best.get(pa), self.inh.get(pa)))
             if pk is not None and (follow or self.bad[pk] and pa not in self.regroup.partial_out):
                 res = _merge(res, (self.best.get(pa), self.inh.get(pa)))
         if carried is not None:
             self.carried[side.name][u] = carried_err, carried
+        if given and u not in partial:
+            self.given[side.name].add(u)
+            if op_traits.base_name(side.recs[u]["op"]).rstrip("_") not in KEEPS_RELATIVE:
+                # given a difference made before it, by an op that may hand it on many times larger (a
+                # matrix product's terms cancel): how far its output is off says nothing of its own
+                # kernel, and no record of the other run computes the same value to measure it against:
+                # it passes that difference's source on
+                res = _merge(res, carried)
         if u in partial:
             self.inside[side.name, u] = self.inside_op(side, [id(sp) for io, _, sp in side.flow.walks[u] if io == "input"])
         if res is not None and (res[0] is not None or res[1] is not None):
