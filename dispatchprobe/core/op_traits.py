@@ -113,6 +113,22 @@ def selects(op: str) -> bool:
     return base_name(op) in SELECTS
 
 
+# Output differs relatively no more than the inputs do, up to rounding: they scale, move or pick
+# values and sum none that may cancel.  compare judges such an op present in one run only by how far
+# what it hands on is off against what it was given; any other (a matrix product, a sum, another
+# library's op) may hand a difference on many times larger.  torch's names, in-place forms included.
+KEEPS_RELATIVE = frozenset({
+    "mul", "div", "neg", "clone", "copy", "_to_copy", "to", "cat", "stack", "expand", "view", "reshape",
+    "_unsafe_view", "permute", "transpose", "t", "squeeze", "unsqueeze", "slice", "select", "narrow", "split",
+    "split_with_sizes", "chunk", "unbind", "index", "index_select", "gather", "where", "masked_fill", "repeat",
+    "flip", "roll", "slice_backward", "select_backward", "alias", "detach", "contiguous"})
+
+
+def keeps_relative(op: str) -> bool:
+    """The op hands on a difference no larger, relatively, than it is given (:data:`KEEPS_RELATIVE`)."""
+    return base_name(op).rstrip("_") in KEEPS_RELATIVE
+
+
 # Jump where their float input crosses a threshold: piecewise constant (rounding, sign, counting into
 # bins) or cut at every multiple of a divisor.  An input one ulp from a jump moves the output by a
 # whole step, so how far their output moves when their inputs are nudged measures where the inputs

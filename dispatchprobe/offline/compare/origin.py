@@ -92,15 +92,6 @@ def differs(df: pd.DataFrame, floor: float = STATS_NOISE) -> np.ndarray:
 NONE, WEAK, STRONG = 0, 1, 2    # an op's own difference: none, of rounding size, larger
 ROUNDINGS = 16                  # "rounding size": up to this many unit roundoffs of the dtype (relative)
 PASS_ON = 1.25                  # outputs relatively no further off than this x the inputs: passed on
-# ops whose output differs relatively no more than their inputs do, up to rounding: they scale, move or
-# pick values and sum none that may cancel.  Only such an op present in one run only is judged by how
-# far what it hands on is off against what it was given (PASS_ON); any other (a matrix product, a sum,
-# another library's op) may hand a difference on many times larger (Lineage.passed_on)
-KEEPS_RELATIVE = frozenset({"mul", "div", "neg", "clone", "copy", "_to_copy", "to", "cat", "stack", "expand",
-                            "view", "reshape", "_unsafe_view", "permute", "transpose", "t", "squeeze", "unsqueeze",
-                            "slice", "select", "narrow", "split", "split_with_sizes", "chunk", "unbind", "index",
-                            "index_select", "gather", "where", "masked_fill", "repeat", "flip", "roll",
-                            "slice_backward", "select_backward", "alias", "detach", "contiguous"})
 
 
 class OwnShare:
@@ -740,7 +731,7 @@ class Lineage:
             self.carried[side.name][u] = carried_err, carried
         if given and u not in partial:
             self.given[side.name].add(u)
-            if op_traits.base_name(side.recs[u]["op"]).rstrip("_") not in KEEPS_RELATIVE:
+            if not op_traits.keeps_relative(side.recs[u]["op"]):
                 # given a difference made before it, by an op that may hand it on many times larger (a
                 # matrix product's terms cancel): how far its output is off says nothing of its own
                 # kernel, and no record of the other run computes the same value to measure it against:
