@@ -40,6 +40,7 @@ import tempfile
 from dataclasses import dataclass, field
 
 from . import graph_ir, graph_pairing
+from .graph_pairing import parse_name
 
 ENV = "MINDSPORE_DUMP_CONFIG"
 ON, OFF = 2 ** 32 - 1, 2 ** 32 - 2      # dump iterations: the one the config selects, one it does not
@@ -109,14 +110,6 @@ def _compiled_before() -> bool:
         from mindspore.common import api
     cells = getattr(api, "cells_compile_cache", {})           # cell id -> the phases it compiled
     return bool(getattr(api, "ms_compile_cache", ())) or any(bool(c) for c in cells.values())
-
-
-def parse_name(filename: str) -> tuple | None:
-    """(type, scope name, timestamp, "input"/"output", position, dtype) of one dump file, or None."""
-    parts = filename.removesuffix(".npy").split(".")
-    if len(parts) < 9 or parts[-4] not in ("input", "output") or not parts[-5].isdigit():
-        return None
-    return parts[0], ".".join(parts[1:-7]), int(parts[-5]), parts[-4], int(parts[-3]), parts[-1]
 
 
 class DumpFolder:

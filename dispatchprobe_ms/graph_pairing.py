@@ -32,12 +32,19 @@ EXPANDED = "Expand/"
 _BOOKKEEPING = {"Load", "MakeTuple", "UpdateState", "Return"}     # no value a kernel's file holds
 
 
+def parse_name(filename: str) -> tuple | None:
+    """(type, scope name, timestamp, "input"/"output", position, dtype) of one dump file, or None."""
+    parts = filename.removesuffix(".npy").split(".")
+    if len(parts) < 9 or parts[-4] not in ("input", "output") or not parts[-5].isdigit():
+        return None
+    return parts[0], ".".join(parts[1:-7]), int(parts[-5]), parts[-4], int(parts[-3]), parts[-1]
+
+
 def files_agree(kernel, node) -> bool:
     """Whether the kernel's files have the dtypes and element counts ``node`` (the graph's IR) gives its
     inputs and outputs, where it gives them (True without a node)."""
     if node is None:
         return True
-    from .graph_dump import parse_name
     for files, shapes, dtypes in ((kernel.inputs, node.inputs, node.input_dtypes),
                                   (kernel.outputs, node.outputs, node.output_dtypes)):
         for i, path in files.items():
