@@ -24,14 +24,13 @@ from __future__ import annotations
 
 import os
 import sys
-import warnings
 
 import torch
 from torch import nn
 
 from dispatchprobe import DispatchProbe
 
-from parallel_models import MLP, parallelize, run_and_end
+from parallel_models import MLP, parallelize, run_and_end, wrong_relu_kernel
 
 STEPS = 2
 BATCH = 8
@@ -70,15 +69,6 @@ def build(kind: str, run: str = "clean"):
         return parallelize(model, kind, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                                                        reduce_dtype=torch.float32))
     return parallelize(model, kind)
-
-
-def wrong_relu_kernel() -> torch.library.Library:
-    """aten::relu on CPU replaced by relu x1.05 until the library returned is destroyed."""
-    lib = torch.library.Library("aten", "IMPL")
-    with warnings.catch_warnings():       # torch warns that a registered kernel is overridden: the point
-        warnings.simplefilter("ignore", UserWarning)
-        lib.impl("relu", lambda x: torch.clamp_min(x, 0) * 1.05, "CPU")
-    return lib
 
 
 def train(kind: str, out: str, run: str, task: str = "tensor") -> None:

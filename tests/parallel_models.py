@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -93,6 +94,15 @@ def parallelize_nd(model: InputMLP, layout: str, mesh) -> nn.Module:
     for layer in (model.pre, model.block.up, model.block.down):
         fully_shard(layer, mesh=dp)
     return fully_shard(model, mesh=dp)
+
+
+def wrong_relu_kernel() -> torch.library.Library:
+    """aten::relu on CPU replaced by relu x1.05 until the library returned is destroyed."""
+    lib = torch.library.Library("aten", "IMPL")
+    with warnings.catch_warnings():       # torch warns that a registered kernel is overridden: the point
+        warnings.simplefilter("ignore", UserWarning)
+        lib.impl("relu", lambda x: torch.clamp_min(x, 0) * 1.05, "CPU")
+    return lib
 
 
 def run_and_end(main) -> None:

@@ -21,8 +21,7 @@ from torch import nn
 
 from dispatchprobe import DispatchProbe
 
-from distributed_compare_train import wrong_relu_kernel
-from parallel_models import run_and_end
+from parallel_models import run_and_end, wrong_relu_kernel
 
 STEPS = 2
 SEQUENCE = 6
