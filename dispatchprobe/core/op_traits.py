@@ -190,6 +190,12 @@ def is_elementwise_sum(op: str) -> bool:
     return base_name(op) in ELEMENTWISE_SUM
 
 
+def writes_in_place(op: str) -> bool:
+    """An aten op of the in-place form (``add_``, ``mul_``): it writes into its first input."""
+    parts = op.split(".")
+    return len(parts) >= 3 and parts[0] == "aten" and parts[1].endswith("_")
+
+
 def overwrites_first_input(op: str) -> bool:
     """The op writes its first argument in place without reading it (``copy_``, ``fill_``)."""
     return op.split(".")[1].endswith("_") if op.count(".") >= 1 and base_name(op) in OVERWRITE else False

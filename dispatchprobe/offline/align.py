@@ -365,8 +365,7 @@ def align_ops(recs_a: list, recs_b: list, ia: list, ib: list, mapping: Mapping, 
 def _writes_in_place(r: dict) -> bool:
     """Whether an aten record's op writes into its first input (``add_``): no kernel substituted for a
     computing op (autograd accumulating a gradient, ``add_``, is no ``mm``, whatever the shapes)."""
-    parts = r["op"].split(".")
-    return len(parts) >= 3 and parts[0] == "aten" and parts[1].endswith("_")
+    return op_traits.writes_in_place(r["op"])
 
 
 def _sibling(r: dict) -> tuple:

@@ -163,8 +163,7 @@ def phases(recs: list) -> list:
 def _continues_forward(record: dict, made: dict, alias: dict) -> bool:
     """Whether ``record`` reads a value a phase-0 forward record made and none of a later phase, and
     is no in-place aten op (``step += 1``: its scalar's statistics may equal a forward value's)."""
-    parts = record["op"].split(".")
-    if len(parts) >= 3 and parts[0] == "aten" and parts[1].endswith("_"):
+    if op_traits.writes_in_place(record["op"]):
         return False
     read = {made.get(_resolve(k, alias)) for _, _, spec in walk(record, outputs=False) for k in _value_keys(spec)}
     return 0 in read and 1 not in read

@@ -339,7 +339,9 @@ def _between(loose: dict, stage: str, lo: int, hi: int, fits=None):
 def _writes_dtype(side, u: int, dtype) -> bool:
     """One-run-only record ``u`` of run ``side`` makes a value of ``dtype``, or writes into one in
     place: it can be what changed a value of that dtype between its producer and its reader."""
-    overwrites = op_traits.overwrites_first_input(side.recs[u]["op"]) or side.recs[u]["op"].split(".")[1].endswith("_")
+    op = side.recs[u]["op"]
+    form = op.split(".")[1:2]            # the in-place form of any namespace's op (``mul_``, ``c10d.allreduce_``)
+    overwrites = op_traits.overwrites_first_input(op) or bool(form) and form[0].endswith("_")
     return any(spec.get("dtype") == dtype for io, arg, spec in side.flow.walks[u]
                if io == "output" or (overwrites and arg == "input.0"))
 
