@@ -25,8 +25,6 @@ from .graph_scopes import GraphScopes, dump_kernels, stage_of
 
 _NUMPY = {"Int64": np.int64, "Int32": np.int32, "Int8": np.int8, "UInt8": np.uint8, "Bool": np.bool_,
           "Float16": np.float16, "Float32": np.float32, "Float64": np.float64}
-# graph bookkeeping, never the user's numerics (they are not dumped as kernels on CPU either)
-_NOT_RECORDED = {"Depend", "UpdateState", "Load", "MakeTuple", "TupleGetItem"}
 
 
 class GraphCapture:
@@ -88,10 +86,10 @@ class GraphCapture:
             self._check_left_out()
         stages = _stages(kernels)
         for k, stage in zip(kernels, stages):
-            if k.type in _NOT_RECORDED:
+            if k.type in graph_ir.BOOKKEEPING:
                 continue
             node = k.node
-            _, scope = self.scopes(k.scope, node.frames if node is not None else ())
+            _, scope = self.scopes.kernel(k.scope, node)
             if not session.would_record(stage, scope, k.type):
                 continue
             shapes = (node.inputs, node.outputs) if node is not None else ([], [])
@@ -122,10 +120,10 @@ class GraphCapture:
                 continue
             last = name.rsplit("/", 1)[-1]
             kind = node.op if node is not None and node.op else graph_dump._OP_NUMBER.sub("", last)
-            if kind in _NOT_RECORDED:
+            if kind in graph_ir.BOOKKEEPING:
                 continue
             stage = stage or "forward"
-            _, scope = self.scopes(name, node.frames if node is not None else ())
+            _, scope = self.scopes.kernel(name, node)
             if session.config.stage_enabled(stage) and session.selector.in_scope(scope) \
                     and session.selector.op_selected(kind):
                 self.left_out.add(name)

@@ -23,6 +23,8 @@ _ITEM = re.compile(r"<Tensor\[(\w+)\], \(([\d, ]*)\)>|<[^<>]*>")
 _NODE = re.compile(r"^(%[^\s(]+)\S* = (?:PrimFunc_)?(\w+)\((.*?)\)(?: \{instance name: [^}]*\})?(?: primitive_attrs: \{(.*?)\})?(?: cnode_attrs|$)")
 _CONST_TENSOR = re.compile(r"Tensor\(shape=\[[\d, ]*\], dtype=(\w+), value=\[?([-\d. e+]*)\]?\)$")
 _NUMBER = re.compile(r"^(I8|I16|I32|I64|U8|U16|U32|U64|F16|F32|F64|Bool)\((.*)\)$")
+# graph bookkeeping nodes, never the user's numerics (not dumped as kernels on CPU either)
+BOOKKEEPING = frozenset({"Depend", "UpdateState", "Load", "MakeTuple", "TupleGetItem"})
 
 
 @dataclass
@@ -37,6 +39,10 @@ class Node:
     op: str = ""                                     # the primitive (``MatMul``)
     ref: str = ""                                    # how other nodes' arguments name its value ("%49")
     sources: list = field(default_factory=list)      # per argument: (primitive, output position) that made it, or None
+    name: str = ""                                   # its full scope name
+    # per argument: the Node that made it (a tuple's maker for a TupleGetItem), or None (a constant,
+    # a parameter, a name two nodes share); kept out of comparisons and repr (it links the graph)
+    makers: list = field(default_factory=list, compare=False, repr=False)
 
 
 @functools.lru_cache(maxsize=32)
@@ -61,7 +67,7 @@ def read(path: str, mtime: float = 0.0) -> dict[str, Node]:
             continue
         hit = _FULLNAME.match(text)
         if hit:
-            current = nodes[hit.group(1)] = Node()
+            current = nodes[hit.group(1)] = Node(name=hit.group(1))
             if signature:
                 (current.inputs, current.input_dtypes), (current.outputs, current.output_dtypes) = _shapes(signature)
             if node is not None:
@@ -83,25 +89,30 @@ def read(path: str, mtime: float = 0.0) -> dict[str, Node]:
 
 def _link_sources(nodes: dict) -> None:
     """Set each node's ``sources``: which primitive's which output each argument is, a
-    ``TupleGetItem(%6, I64(2))`` followed to output 2 of ``%6``.  Why: a kernel may leave an output
-    unwritten on a device (BatchNorm's 1 and 2 on the CPU), and the kernel that reads it reads
-    undefined memory, which only the graph can tell.  A name two nodes share says nothing (None)."""
+    ``TupleGetItem(%6, I64(2))`` followed to output 2 of ``%6``, and ``makers``: the node making it.
+    Why: a kernel may leave an output unwritten on a device (BatchNorm's 1 and 2 on the CPU), and
+    the kernel that reads it reads undefined memory, which only the graph can tell; and a kernel
+    with no source trace (a gradient ``AddN``) is placed by the kernels that made its inputs.  A
+    name two nodes share says nothing (None)."""
     by_ref: dict = {}
     for n in nodes.values():
         if n.ref:
             by_ref[n.ref] = None if n.ref in by_ref else n
     for n in nodes.values():
-        n.sources = [_source(arg, by_ref) for arg in n.args]
+        made = [_made(arg, by_ref) for arg in n.args]
+        n.sources = [None if m is None else (m[0].op, m[1]) for m in made]
+        n.makers = [None if m is None else m[0] for m in made]
 
 
-def _source(arg: str, by_ref: dict) -> tuple | None:
+def _made(arg: str, by_ref: dict) -> tuple | None:
+    """(the node making argument ``arg``, which of its outputs), or None where the IR does not say."""
     made = by_ref.get(arg.strip())
     if made is None:
         return None
     if made.op == "TupleGetItem" and len(made.args) == 2:
         tuple_of, index = by_ref.get(made.args[0].strip()), constant(made.args[1])
-        return (tuple_of.op, index) if tuple_of is not None and isinstance(index, int) else None
-    return made.op, 0
+        return (tuple_of, index) if tuple_of is not None and isinstance(index, int) else None
+    return made, 0
 
 
 def _shapes(signature: str) -> tuple[tuple[list, list], tuple[list, list]]:

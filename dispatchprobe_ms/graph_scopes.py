@@ -12,12 +12,20 @@ kernel's source trace in the graph's IR instead: from the frame of the model's `
 each call ``self.fc(...)`` that enters a ``construct`` is one level (``Net.fc``).  The trace comes
 first wherever it says something: a kernel traced through cells' ``construct``s but never the
 model's is outside it, whatever cell its name gives.
+
+A kernel with no trace (the ``AddN`` summing a value's gradients) is in the cell its inputs were
+made in: MindSpore names the sum after the cell that made the value (``up-Dense`` for the GELU's
+two gradient branches), where the sum completes that one cell's backward (aten's ``gelu_backward``
+sums inside).  Inputs from several cells: the one cell giving more than one of them (its branches,
+a residual's gradient added in); none such, or several, keep the name's cell.
 """
 
 from __future__ import annotations
 
 import inspect
 import re
+
+from .graph_ir import BOOKKEEPING
 
 _CALL = re.compile(r"^self\.(\w+)(?:\[(\d+)\])?$")
 
@@ -43,6 +51,40 @@ class GraphScopes:
             scope = traced if traced is not None else self._scope(parts[:-1])
             hit = self._memo[full_name] = stage, scope
         return hit
+
+    def kernel(self, full_name: str, node=None) -> tuple[str, str]:
+        """(stage, scope) of the kernel named ``full_name`` whose IR node is ``node`` (or None): its
+        trace's cell, else, for a kernel with no trace, the one cell its inputs were made in, else
+        its name's cell."""
+        return self._kernel(full_name, node, {})
+
+    def _kernel(self, full_name: str, node, seen: dict) -> tuple[str, str]:
+        if node is not None and not node.frames:
+            made_in = self._made_in(node, seen)
+            if made_in is not None:
+                return stage_of(full_name), made_in
+        return self(full_name, node.frames if node is not None else ())
+
+    def _made_in(self, node, seen: dict) -> str | None:
+        """The cell ``node``'s value arguments were made in: the one cell making them all, else the
+        one cell making more than one of them (its gradient branches, which mean something only
+        summed, with a gradient from elsewhere added in); None where an argument's maker is unknown
+        (a parameter, graph bookkeeping, a name the IR does not resolve) or no one cell is that.
+        ``seen``: this lookup's answers by node (a chain of untraced kernels is walked once)."""
+        if id(node) in seen:
+            return seen[id(node)]
+        seen[id(node)] = None
+        terms: dict[str, int] = {}
+        for arg, maker in zip(node.args, node.makers):
+            if not arg.strip().startswith("%") or maker is not None and maker.op == "UpdateState":
+                continue                               # a constant; a side-effect order, not a value
+            if maker is None or maker.op in BOOKKEEPING:
+                return None
+            scope = self._kernel(maker.name, maker, seen)[1]
+            terms[scope] = terms.get(scope, 0) + 1
+        several = [scope for scope, n in terms.items() if n > 1]
+        seen[id(node)] = next(iter(terms)) if len(terms) == 1 else several[0] if len(several) == 1 else None
+        return seen[id(node)]
 
     def _traced(self, frames) -> str | None:
         """The scope the source trace gives: the cells entered below the model's ``construct``; ""

@@ -145,13 +145,16 @@ def dumped_files() -> int:
 
 
 def train(mode: str, dump_path: str = "", task: str = "", plant: bool = False, steps: int = 2, calls: int = 1,
-          loss: str = "mse", **config):
+          loss: str = "mse", gelu: str = "tanh", **config):
     """``steps`` of training (``calls`` train steps on batches of their own in each recorded
-    region; ``loss`` "mse" or "cross_entropy"); with a ``task``, recorded to ``dump_path``: {losses, initial and final
-    parameters, the probe's summary, the files MindSpore's dump held after each step and after a
-    step run once the probe was closed}."""
+    region; ``loss`` "mse" or "cross_entropy"; ``gelu`` "tanh" (``nn.GELU()``) or "exact", whose
+    backward MindSpore computes in pieces summed by an untraced ``AddN``); with a ``task``,
+    recorded to ``dump_path``: {losses, initial and final parameters, the probe's summary, the
+    files MindSpore's dump held after each step and after a step run once the probe was closed}."""
     ms.set_seed(0)
     net = ConvNet()
+    if gelu == "exact":
+        net.act = nn.GELU(approximate=False)
     if plant:
         net.act = PlantedOverflow() if plant == "overflow" else PlantedGELU()
     net.set_train(True)                       # batch norm on batch statistics
@@ -190,7 +193,7 @@ def main(argv=None) -> int:
     ap.add_argument("--plant-overflow", action="store_true", help="the GELU cell overflowing in forward")
     ap.add_argument("--loss-scale", action="store_true")
     ap.add_argument("--config", default="{}", help="more probe settings, as JSON (step, scope, list, level; "
-                    "loss: mse or cross_entropy)")
+                    "loss: mse or cross_entropy; gelu: tanh or exact)")
     ap.add_argument("--unprobed", action="store_true", help="also train without the probe, after it")
     args = ap.parse_args(argv)
     ms.set_context(mode=ms.GRAPH_MODE if args.mode == "graph" else ms.PYNATIVE_MODE)

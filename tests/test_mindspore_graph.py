@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -130,9 +131,11 @@ def test_planted_change_in_one_cell_is_named_at_that_cell(runs):
     assert verdict.forward is not None and verdict.forward.scope == "ConvNet.act", str(verdict)
 
 
-def torch_twin_run(graph_dir, out):
+def torch_twin_run(graph_dir, out, gelu="tanh", wrong_gelu_backward=False):
     """The PyTorch twin (same class and attribute names, the graph run's initial weights and
-    batches) trained 2 steps by SGD under the torch probe: F.mse_loss, optimizer outside the probe."""
+    batches) trained 2 steps by SGD under the torch probe: F.mse_loss, optimizer outside the probe.
+    ``gelu``: the graph run's GELU ("tanh" or "exact"); ``wrong_gelu_backward``: aten's
+    ``gelu_backward`` replaced by one 1 % off while it trains."""
     torch = pytest.importorskip("torch")
     from dispatchprobe import DispatchProbe as TorchProbe
 
@@ -141,7 +144,8 @@ def torch_twin_run(graph_dir, out):
             super().__init__()
             self.conv, self.bn = torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.BatchNorm2d(4)
             # MindSpore's nn.GELU() is the tanh approximation
-            self.act, self.fc = torch.nn.GELU(approximate="tanh"), torch.nn.Linear(4 * 4 * 4, 5)
+            self.act = torch.nn.GELU(approximate="tanh" if gelu == "tanh" else "none")
+            self.fc = torch.nn.Linear(4 * 4 * 4, 5)
 
         def forward(self, x):
             h = self.act(self.bn(self.conv(x)))
@@ -156,18 +160,35 @@ def torch_twin_run(graph_dir, out):
             if key in result.files:
                 p.copy_(torch.from_numpy(result[key]))
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    probe = TorchProbe(task="statistics", dump_path=str(out), model=net)
-    for step in range(2):
-        rng = np.random.RandomState(step)          # tests/mindspore_graph_train.py's batches
-        x, y = (torch.from_numpy(rng.randn(*shape).astype(np.float32)) for shape in ((2, 3, 4, 4), (2, 5)))
-        opt.zero_grad()
-        with probe:
-            loss = torch.nn.functional.mse_loss(net(x), y)
-            loss.backward()
-        opt.step()
-        probe.step()
-    probe.close()
+    lib = wrong_gelu_backward_kernel(torch) if wrong_gelu_backward else None
+    try:
+        probe = TorchProbe(task="statistics", dump_path=str(out), model=net)
+        for step in range(2):
+            rng = np.random.RandomState(step)          # tests/mindspore_graph_train.py's batches
+            x, y = (torch.from_numpy(rng.randn(*shape).astype(np.float32)) for shape in ((2, 3, 4, 4), (2, 5)))
+            opt.zero_grad()
+            with probe:
+                loss = torch.nn.functional.mse_loss(net(x), y)
+                loss.backward()
+            opt.step()
+            probe.step()
+        probe.close()
+    finally:
+        if lib is not None:
+            lib._destroy()      # at once: a dropped Library lives until collected, its kernels with it
     return out
+
+
+def wrong_gelu_backward_kernel(torch):
+    """aten::gelu_backward (exact GELU) on CPU 1 % off until the library returned is destroyed."""
+    def wrong(grad, x, approximate="none"):
+        exact = 0.5 * (1 + torch.erf(x / 2 ** 0.5)) + x * torch.exp(-x * x / 2) / (2 * np.pi) ** 0.5
+        return grad * exact * 1.01
+    lib = torch.library.Library("aten", "IMPL")
+    with warnings.catch_warnings():       # torch warns that a registered kernel is overridden: the point
+        warnings.simplefilter("ignore", UserWarning)
+        lib.impl("gelu_backward", wrong, "CPU")
+    return lib
 
 
 @pytest.mark.parametrize("order", ["graph-torch", "torch-graph"])
@@ -183,6 +204,37 @@ def test_graph_run_compares_clean_against_its_pytorch_twin(runs, tmp_path_factor
             ("forward", "ConvNet.fc", "aten.addmm.default"), ("backward", "ConvNet.act", "aten.gelu_backward.default"),
             ("backward", "ConvNet.bn", "aten.native_batch_norm_backward.default"),
             ("backward", "ConvNet.conv", "aten.convolution_backward.default")} <= ops, ops
+
+
+@pytest.fixture(scope="module")
+def exact_gelu_runs(tmp_path_factory):
+    """The GRAPH_MODE step with the exact GELU, whose backward MindSpore computes in pieces summed by
+    an ``AddN`` with no source trace, named after the batch norm that made the GELU's input; its
+    PyTorch twin, clean and with a wrong ``gelu_backward``."""
+    root = tmp_path_factory.mktemp("ms_exact_gelu")
+    graph = train(root / "graph", "graph", "--task", "statistics", "--config", json.dumps({"gelu": "exact"}))
+    return {"graph": graph / "run",
+            "torch": torch_twin_run(graph, root / "torch", gelu="exact"),
+            "wrong": torch_twin_run(graph, root / "wrong", gelu="exact", wrong_gelu_backward=True)}
+
+
+@pytest.mark.parametrize("order", ["graph-torch", "torch-graph"])
+def test_a_gradient_sum_with_no_trace_is_in_the_cell_its_terms_come_from(exact_gelu_runs, order):
+    """The AddN summing the exact GELU's two gradient branches is ConvNet.act's, as aten's gelu_backward
+    sums inside: the pair compares clean in either order (was: the region cut before the sum, one
+    branch against the whole gradient, 2 errors at ConvNet.act), and a gelu_backward kernel 1 % off
+    is named there."""
+    from dispatchprobe import compare
+    graph, clean, wrong = exact_gelu_runs["graph"], exact_gelu_runs["torch"], exact_gelu_runs["wrong"]
+    a, b = (graph, clean) if order == "graph-torch" else (clean, graph)
+    table, verdict = compare(str(a), str(b))
+    assert verdict.passed and verdict.forward is None and verdict.backward is None, str(verdict)
+    assert (table["status"] != "error").all(), table[table["status"] == "error"]
+    a, b = (graph, wrong) if order == "graph-torch" else (wrong, graph)
+    _, verdict = compare(str(a), str(b))
+    first = verdict.backward       # step 1's forward follows from step 0's gradients (SGD outside the probe)
+    assert first is not None and (first.scope, first.step) == ("ConvNet.act", 0), str(verdict)
+    assert "gelu_backward" in first.op + first.other_op, str(verdict)
 
 
 @pytest.fixture(scope="module")
