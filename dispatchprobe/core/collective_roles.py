@@ -4,6 +4,7 @@ per process group from this table; ``dispatchprobe ranks`` checks them against t
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 
@@ -65,8 +66,10 @@ def op_key(op: str) -> str:
     return ".".join(parts[:2])
 
 
+@functools.lru_cache(maxsize=4096)
 def role(op: str) -> Role | None:
-    """The collective's role, ``None`` for an op that is no collective (wait_tensor included)."""
+    """The collective's role, ``None`` for an op that is no collective (wait_tensor included); asked
+    once per record by compare's data flow, so each op name's answer is kept."""
     key = op_key(op)
     if key.startswith("_c10d_functional_autograd."):
         key = "_c10d_functional." + key.partition(".")[2]

@@ -25,6 +25,7 @@ import os
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import NamedTuple
+from math import isfinite, prod, sqrt
 
 import numpy as np
 import yaml
@@ -655,7 +656,10 @@ def _stat_columns(recs: list, idx, io: str) -> _Terms:
                 mean, norm = st["mean"], st["norm"]
                 if type(mean) is not float or type(norm) is not float:
                     raise TypeError
-                flat += (sized_mean(mean, norm, spec.get("shape")), norm)
+                shape = spec.get("shape")      # regions.sized_mean, inline: a call per tensor otherwise
+                if isinstance(shape, (list, tuple)) and isfinite(mean + norm) and (n := prod(shape)) > 0:
+                    mean = mean + 2.0 * norm / sqrt(n)
+                flat += (mean, norm)
         except (KeyError, TypeError, IndexError):
             del flat[mark:]
             row, first, gaps = _stat_row(recs[i], io)

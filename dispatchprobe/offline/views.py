@@ -46,10 +46,29 @@ class Layout(NamedTuple):
 
 
 def layout(spec: dict) -> Layout | None:
-    """A tensor spec's :class:`Layout`, or None where shape or stride is not recorded (or it is empty)."""
+    """A tensor spec's :class:`Layout`, or None where shape or stride is not recorded (or it is empty).
+    A part's tensors share a few dozen shapes and strides: each pair is worked out once."""
     shape, stride = spec.get("shape"), spec.get("stride")
     if not shape or not stride or len(stride) != len(shape):
         return None
+    try:
+        key = (*shape, None, *stride)
+        known = _LAYOUTS.get(key, _UNKNOWN)
+    except TypeError:          # an unhashable size: worked out each time
+        return _layout(shape, stride)
+    if known is _UNKNOWN:
+        if len(_LAYOUTS) >= _LAYOUTS_KEPT:
+            _LAYOUTS.clear()
+        known = _LAYOUTS[key] = _layout(shape, stride)
+    return known
+
+
+_LAYOUTS: dict = {}       # (*shape, None, *stride) -> its Layout (or None)
+_LAYOUTS_KEPT = 4096
+_UNKNOWN = object()
+
+
+def _layout(shape: list, stride: list) -> Layout | None:
     numel = repeats = span = 1
     for n, s in zip(shape, stride):
         if not isinstance(n, int) or not isinstance(s, int):

@@ -63,20 +63,26 @@ def _leaves(spec: dict, path: str, tensors_only: bool):
 def walk(record: dict, *, inputs: bool = True, outputs: bool = True, tensors_only: bool = True) -> list:
     """[(io, arg, spec)] for each tensor of a record (``tensors_only=False``: each leaf value), in
     a fixed order: positional inputs, keyword inputs, outputs; nested lists flattened."""
-    out = []
-    for io, key in (("input", "inputs"), ("output", "outputs")):
-        if not (inputs if io == "input" else outputs):
-            continue
-        for i, spec in enumerate(record.get(key, ())):
-            kind = spec.get("type")
-            if kind == "tensor" or (not tensors_only and kind not in _CONTAINERS):  # flat: no generator
-                out.append((io, _arg_name(io, i), spec))
-            elif kind in _CONTAINERS:
-                out.extend((io, arg, t) for arg, t in _leaves(spec, _arg_name(io, i), tensors_only))
-        if io == "input":
-            for k, spec in (record.get("kwargs") or {}).items():
-                out.extend(("input", arg, t) for arg, t in _leaves(spec, f"input.{k}", tensors_only))
+    out: list = []
+    if inputs:
+        _walk_args(out, "input", record.get("inputs", ()), tensors_only)
+        for k, spec in (record.get("kwargs") or {}).items():
+            out.extend(("input", arg, t) for arg, t in _leaves(spec, f"input.{k}", tensors_only))
+    if outputs:
+        _walk_args(out, "output", record.get("outputs", ()), tensors_only)
     return out
+
+
+def _walk_args(out: list, io: str, specs, tensors_only: bool) -> None:
+    """:func:`walk` of one side's positional values into ``out``: a flat tensor (the usual value)
+    appended without a generator or a call."""
+    names = _ARG_NAMES[io]
+    for i, spec in enumerate(specs):
+        kind = spec.get("type")
+        if kind == "tensor" or (not tensors_only and kind not in _CONTAINERS):
+            out.append((io, names[i] if i < 256 else f"{io}.{i}", spec))
+        elif kind in _CONTAINERS:
+            out.extend((io, arg, t) for arg, t in _leaves(spec, _arg_name(io, i), tensors_only))
 
 
 def output_shapes(record: dict) -> tuple:
