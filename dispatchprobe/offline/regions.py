@@ -379,7 +379,7 @@ def _region_outputs(la: list, lb: list, pair_b: dict) -> list:
     return sorted(out)
 
 
-def _common_scope(scopes) -> str:
+def common_scope(scopes) -> str:
     """The innermost module holding every scope ("" when one is at top level)."""
     common = None
     for s in scopes:
@@ -400,7 +400,7 @@ def _region_record(recs: list, group: list, inputs: list, outputs: list) -> dict
     # where it sits: its computing records' modules (a cast of its input at top level, PyTorch's
     # ``.long()`` of the token ids before an embedding, does not move it out of the embedding)
     computing = [i for i in group if not op_traits.is_cast(recs[i]["op"])] or group
-    new = dict(recs[group[-1]], op=op, scope=_common_scope(recs[i]["scope"] for i in computing),
+    new = dict(recs[group[-1]], op=op, scope=common_scope(recs[i]["scope"] for i in computing),
                inputs=inputs, outputs=outputs, kwargs={}, region=[recs[i]["name"] for i in group])
     new.pop("fused", None)
     return new

@@ -23,6 +23,7 @@ from ...records.format import walk
 from ...records.reader import Part
 from ...standards import verdicts as V
 from ...standards.loader import is_float, standard
+from ..regions import common_scope, stats_distance
 from .choice import Choices
 from .columns import TENSOR_METRICS
 from .exact import otherwise_identical
@@ -91,6 +92,8 @@ def differs(df: pd.DataFrame, floor: float = STATS_NOISE) -> np.ndarray:
 
 NONE, WEAK, STRONG = 0, 1, 2    # an op's own difference: none, of rounding size, larger
 ROUNDINGS = 16                  # "rounding size": up to this many unit roundoffs of the dtype (relative)
+STRETCH_PAIRING = 0.5           # values no record made entering a stretch pair at most this far apart
+                                # (regions.stats_distance: 0 equal, 2 as far apart as can be)
 PASS_ON = 1.25                  # outputs relatively no further off than this x the inputs: passed on
 
 
@@ -321,6 +324,7 @@ def _extreme(value) -> bool:
 
 
 COMPUTE, CAST, MAKER = 0, 1, 2     # one-run-only ops, as Lineage._loose sorts them
+KINDS = (COMPUTE, CAST, MAKER)
 
 
 def _between(loose: dict, stage: str, lo: int, hi: int, fits=None):
@@ -411,6 +415,13 @@ class Lineage:
         self.inside: dict = {}
         # stage -> where the rounding-size differences its error rows grew from enter (cause rounding: _unwound)
         self.grown: dict = {}
+        # a stretch both runs compute with ops of their own, (stage, paired record before, after) -> the
+        # sources of what it was given larger than rounding, or None (:meth:`stretch_given`)
+        self.stretches: dict = {}
+        self.span_ops: dict = {}  # (stage, paired record before, after) -> run name -> its one-run-only ops there
+        # (run, reader, arg) -> how far apart the two runs' statistics of a value no record made are, where
+        # it enters such a stretch and differs (:meth:`_unproduced_differing`)
+        self.entering_gaps: dict = {}
 
     # ---- one-run-only ops and their place among the paired records -------------------------------
     def _loose(self, side: Side) -> dict:
@@ -745,7 +756,9 @@ class Lineage:
             return res
         if u in side.unobserved:
             return None
-        return self._cast_source(side, u, unproduced) if cast else (self.unmatched(side, u), None)
+        if cast:
+            return self._cast_source(side, u, unproduced)
+        return self.stretch_given(side, u) or (self.unmatched(side, u), None)
 
     def carries_source(self, k: int, src: tuple) -> bool:
         """Differing input row ``k`` carries a difference made before it: its (own-stage, inherited)
@@ -762,6 +775,10 @@ class Lineage:
         statistics difference bounds nothing of it (eager's recomputed router ``div`` in a Mixtral's
         backward after a wrong forward silu): it is no suspect, that value's source is."""
         p, parg = src
+        if p in side.only:     # a one-run-only forward op given a difference larger than rounding, or in a
+            # stretch given one (the first op of a chain of them is named for the chain, which says nothing of
+            # whether a value inside it differs)
+            return p in self.given[side.name] or self.stretch_given(side, p) is not None
         pa = p if side is self.a else self.pair_a.get(p)
         k = self.out_row.get((pa, parg)) if pa is not None else None
         if k is None:
@@ -836,33 +853,142 @@ class Lineage:
             out[side.name] = [side.recs[k]["op"] for k in sorted(found)]
         return out
 
+    def _span(self, side: Side, u: int) -> tuple:
+        """(stage, A index of the paired record before one-run-only op ``u``, of the one after it (None:
+        the stage's start or end), run name -> that run's one-run-only compute records between those
+        two); the records are kept per gap, which each of its one-run-only ops asks for."""
+        stage = side.recs[u]["stage"]
+        self.place(side, u)                       # the paired records of each run, in order (:meth:`_anchors`)
+        idx, a_idx = self.anchors[side.name][stage][:2]
+        n = bisect.bisect_right(idx, u)
+        key = (stage, a_idx[n - 1] if n else None, a_idx[n] if n < len(a_idx) else None)
+        ops = self.span_ops.get(key)
+        if ops is None:
+            ops = self.span_ops[key] = {s.name: self._loose_between(s, *key) for s in (self.a, self.b)}
+        return (*key, ops)
+
     def computed_otherwise(self, side: Side, u: int) -> dict:
         """Run name -> the ops of the span one-run-only op ``u`` sits in, where the other run also holds
         compute ops of its own between the same two paired records: both runs compute that stretch with
         other ops (two torch versions' attention, a fused kernel against its pieces), so ``u`` is no
         extra op of one run and is not judged alone (:meth:`region_ops` is the same for a stand-in
         kernel).  Empty where the other run holds none there: ``u`` is an op one run adds."""
-        other = self.b if side is self.a else self.a
-        stage = side.recs[u]["stage"]
-        self.place(side, u)                       # the paired records of each run, in order (:meth:`_anchors`)
-        idx, a_idx = self.anchors[side.name][stage][:2]
-        n = bisect.bisect_right(idx, u)
-        before, after = (a_idx[n - 1] if n else None), (a_idx[n] if n < len(a_idx) else None)
-        mine = self._loose_between(side, stage, before, after)
-        theirs = self._loose_between(other, stage, before, after)
-        if not theirs:
+        ops = self._span(side, u)[3]
+        if not all(ops.values()):
             return {}
-        return {side.name: [side.recs[k]["op"] for k in mine], other.name: [other.recs[k]["op"] for k in theirs]}
+        return {s.name: [s.recs[k]["op"] for k in ops[s.name]] for s in (self.a, self.b)}
 
-    def _loose_between(self, side: Side, stage: str, before, after) -> list:
-        """Run ``side``'s one-run-only compute records of ``stage`` between paired records ``before``
-        and ``after`` (A indices; None: the stage's start or end)."""
+    def stretch_bounds(self, side: Side, u: int) -> tuple:
+        """(stage, the paired records before and after the stretch one-run-only op ``u`` sits in, as A
+        indices or None, the innermost module holding both runs' ops of it): where a ``region`` line
+        places the stretch, the same whichever run is A."""
+        stage, before, after, ops = self._span(side, u)
+        scopes = [s.recs[k]["scope"] for s in (self.a, self.b) for k in ops[s.name]]
+        return stage, before, after, common_scope(scopes)
+
+    def stretch_given(self, side: Side, u: int) -> tuple | None:
+        """The sources of what the stretch one-run-only op ``u`` sits in was given, where both runs compute
+        it with ops of their own (:meth:`computed_otherwise`) and a value entering it, in either run,
+        carries a difference larger than rounding from before it: a paired record's output that fails or
+        carries such a source, another one-run-only op's that passes one on, a forward value read in
+        backward that differs, or a value no record made (a parameter, the batch) that differs from the
+        other run's it pairs with (:meth:`_unproduced_differing`).  None where every value entering
+        it agrees up to rounding.  Why: a stretch is judged whole, as one op would be: no record of the
+        other run computes what one of its ops computes, so what it adds is unmeasured; given a
+        difference, its own cannot be told apart and the line may not say it computed from agreeing
+        values (a layer norm's weight 1% off in one run, read only there)."""
+        stage, before, after, ops = self._span(side, u)
+        if not all(ops.values()):
+            return None
+        key = (stage, before, after)
+        if key not in self.stretches:
+            res, loose = None, {}
+            for s in (self.a, self.b):    # its casts too: what enters through them enters the stretch
+                got, loose[s.name] = self._entering(s, self._loose_between(s, stage, before, after, KINDS), stage)
+                res = _merge(res, got)
+            res = _merge(res, self._unproduced_differing(loose, stage))
+            # what it passes on is what it was given beyond rounding: a rounding-size difference entering
+            # beside it (eager and compiled kernels round apart at every op) is no source of its output's
+            strong = tuple(r if r is not None and not r.weak else None for r in res or (None, None))
+            self.stretches[key] = strong if any(r is not None for r in strong) else None
+        return self.stretches[key]
+
+    def _entering(self, side: Side, ops: list, stage: str) -> tuple:
+        """(sources of the values entering run ``side``'s share ``ops`` of a stretch that carry a
+        difference from before it, or None; [(reader, arg, spec)] of those no record made)."""
+        inside, res, loose = set(ops), None, []
+        for k in ops:
+            if k in self.makers[side.name]:     # what it reads, it reads for a shape at most
+                continue
+            for io, arg, spec in side.flow.walks[k]:
+                if io != "input":
+                    break
+                src = self.producer(side, id(spec))
+                if src is None:
+                    loose.append((k, arg, spec))
+                    continue
+                p, parg = src
+                if p in inside:
+                    continue
+                if side.recs[p]["stage"] != stage:
+                    if self.given_differing(side, src):   # a forward value read in backward
+                        res = _merge(res, (None, self.unmatched(side, k)._replace(cause="inherited", arg=arg)))
+                    continue
+                if p in side.only:
+                    got = self.passes[side.name].get(p)
+                    if type(got) is tuple:
+                        res = _merge(res, got)
+                    continue
+                pa = p if side is self.a else self.pair_a.get(p)
+                pk = self.out_row.get((pa, parg)) if pa is not None else None
+                got = (self.best.get(pa), self.inh.get(pa))
+                if pk is not None and (self.bad[pk] or self.carries_source(pk, got)):
+                    res = _merge(res, got)
+        return res, loose
+
+    def _unproduced_differing(self, loose: dict, stage: str) -> tuple | None:
+        """The values no record made entering a stretch in both runs (``loose``: run name -> [(reader,
+        arg, spec)]), paired by shape, dtype and closest statistics, that differ by more than a few
+        roundings of their dtype: a source at their reader, ``inputs`` (``inherited`` in backward, as
+        :meth:`source` says of such values), kept in both runs (the earlier reader in its run wins,
+        whichever run is A).  Values one run's stretch reads and the other's does not stay unpaired:
+        nothing says how they should compare."""
+        cands = []
+        for x, (_, _, sa) in enumerate(loose["a"]):
+            for y, (_, _, sb) in enumerate(loose["b"]):
+                if sa.get("shape") == sb.get("shape") and sa.get("dtype") == sb.get("dtype") and \
+                        is_float(sa.get("dtype", "")):
+                    gap = stats_distance(sa, sb)
+                    if gap <= STRETCH_PAIRING:
+                        cands.append((gap, x + y, x, y))
+        used_a, used_b, res = set(), set(), None
+        cause = "inputs" if stage == "forward" else "inherited"
+        for gap, _, x, y in sorted(cands):
+            if x in used_a or y in used_b:
+                continue
+            used_a.add(x)
+            used_b.add(y)
+            if gap <= ROUNDINGS * ROUNDOFF.get(loose["a"][x][2].get("dtype"), ROUNDOFF["float32"]):
+                continue
+            for side, (k, arg, _) in ((self.a, loose["a"][x]), (self.b, loose["b"][y])):
+                root = self.unmatched(side, k)._replace(cause=cause, arg=arg)
+                self.entering_gaps[side.name, k, arg] = gap
+                res = _merge(res, (root, None) if cause == "inputs" else (None, root))
+        return res
+
+    def _loose_between(self, side: Side, stage: str, before, after, kinds: tuple = (COMPUTE,)) -> list:
+        """Run ``side``'s one-run-only records of ``stage`` and ``kinds`` (compute ops: :meth:`_loose`)
+        between paired records ``before`` and ``after`` (A indices; None: the stage's start or end)."""
         to_side = (lambda k: k) if side is self.a else self.pair_b.get
         lo = -1 if before is None else to_side(before)
         hi = len(side.recs) if after is None else to_side(after)
         if lo is None or hi is None:
             return []
-        return [k for k in self.loose[side.name].get((stage, COMPUTE), ()) if lo < k < hi]
+        out = []
+        for kind in kinds:
+            loose = self.loose[side.name].get((stage, kind), [])     # sorted
+            out += loose[bisect.bisect_right(loose, lo):bisect.bisect_left(loose, hi)]
+        return sorted(out)
 
     # ---- sums the runs group differently (.regroup) ------------------------------------------------
     def row_err(self, i: int, k: int) -> float:
@@ -907,9 +1033,9 @@ class Lineage:
             if src is None:
                 continue
             p = src[0]
-            if p in side.only:
+            if p in side.only:     # a stretch given a difference passes it on (stretch_given): no suspect
                 got = self.inside.get((side.name, p)) if p in self.regroup.partial[side.name] else \
-                    None if p in side.unobserved else self.unmatched(side, p)
+                    None if p in side.unobserved or self.stretch_given(side, p) else self.unmatched(side, p)
             else:
                 got = self.inside.get(("p", p if side is self.a else self.pair_a.get(p)))
             found = _min(found, got)
@@ -1212,6 +1338,10 @@ def trace(df: pd.DataFrame, a: Side, b: Side, pairs: list, rerun=None, same_kern
             div.region = lineage.region_ops(pick.index)
         elif pick.cause == "unmatched" and (span := lineage.computed_otherwise(a if pick.side == "a" else b, pick.index)):
             div.cause, div.region = "region", span
+            _as_stretch(df, lineage, div, pick, lineage.off_rows & ~lineage.partial_rows)
+        if (gap := lineage.entering_gaps.get((pick.side, pick.index, pick.arg))) is not None:
+            div.failed = (f"a value no record made, read by a stretch the runs compute with ops of their own, differs "
+                          f"from the value the other run's stretch reads there (statistics {gap:.3g} apart)")
         div.unjudged = _unjudged(df, lineage, stage, pick) if errors else ""
         divs.append(div)
         roots.append(pick)
@@ -1375,6 +1505,43 @@ def _chose_from(df: pd.DataFrame, i: int, stage: str) -> str:
                      f"{r.arg}: equal" for r in floats)
 
 
+def _first_after(df, stage: str, pick: Root, errors: int, off) -> str:
+    """Names the first failing (differing, in a stage without error rows) record at or after the place
+    of one-run-only ``pick``, or "" where none follows."""
+    later = df[(df["stage"] == stage) & (df["status"] == V.ERROR if errors else off) & (df["seq"] >= pick.at)]
+    if errors and not len(later):    # the error rows it makes are another stage's (Lineage._fed_stages)
+        later = df[(df["stage"] != stage) & (df["status"] == V.ERROR)]
+    if not len(later):
+        return ""
+    nxt = later.iloc[0]
+    elsewhere = f" in {nxt['stage']}" if nxt["stage"] != stage else ""
+    return (f"the first {'failing' if errors else 'differing'} record after it is "
+            f"{nxt['op_a']} [{nxt['scope'] or '<top>'}] {nxt['arg']} (#{nxt['seq']}{elsewhere})")
+
+
+def _as_stretch(df, lineage: Lineage, div: Divergence, pick: Root, off) -> None:
+    """Places the ``region`` line of one-run-only ``pick``, whose stretch both runs compute with ops of
+    their own (:meth:`Lineage.computed_otherwise`), at that stretch: the innermost module holding both
+    runs' ops of it and the paired record after it (before it, at the stage's end).  Why: which run's
+    op the trace meets first there is no fact about the stretch (two layer norms of one scope and call,
+    eager's and a compiled graph's, tie, and the earlier record index won): the line named run A's op
+    whichever run was A.  Placed at the stretch, it is the same line both ways round."""
+    side = lineage.a if pick.side == "a" else lineage.b
+    stage, before, after, scope = lineage.stretch_bounds(side, pick.index)
+    anchor = after if after is not None else before
+    div.scope, div.side, div.stack = scope, "a", []
+    place = f"(in {stage}, step {div.step} rank {div.rank})"
+    if anchor is not None:
+        rec = lineage.a.recs[anchor]
+        div.op, div.name, div.call, div.kind, div.seq = rec["op"], rec["name"], int(rec["call"]), rec["kind"], \
+            int(lineage.seq_a[anchor])
+        place = (f"{'before' if anchor == after else 'after'} {rec['op']} [{rec['scope'] or '<top>'}] "
+                 f"(#{div.seq} in {stage}, step {div.step} rank {div.rank})")
+    div.stretch = f"a stretch each run computes with ops of its own [{scope or '<top>'}], {place}"
+    after_it = _first_after(df, stage, pick, div.errors, off)
+    div.failed = f"its value differs{': ' + after_it if after_it else ''}"
+
+
 def _describe(df, a: Side, b: Side, stage, pick: Root, errors, off) -> Divergence:
     i, side, arg, cause = pick.index, pick.side, pick.arg, pick.cause
     run = a if side == "a" else b
@@ -1407,15 +1574,8 @@ def _describe(df, a: Side, b: Side, stage, pick: Root, errors, off) -> Divergenc
         rows = at[at["io"] == "output"]
         failed = "; ".join(_constant_values(r) for r in rows.itertuples()) or f"made in run {side.upper()} only"
     else:   # unmatched: name the first failing (differing) record after it
-        later = df[(df["stage"] == stage) & (df["status"] == V.ERROR if errors else off) & (df["seq"] >= pick.at)]
-        if errors and not len(later):    # the error rows it makes are another stage's (Lineage._fed_stages)
-            later = df[(df["stage"] != stage) & (df["status"] == V.ERROR)]
-        nxt = later.iloc[0] if len(later) else None
-        what = "failing" if errors else "differing"
-        elsewhere = f" in {nxt['stage']}" if nxt is not None and nxt["stage"] != stage else ""
-        failed = (f"no counterpart in run {other}; the first {what} record after it is "
-                  f"{nxt['op_a']} [{nxt['scope'] or '<top>'}] {nxt['arg']} (#{nxt['seq']}{elsewhere})") \
-            if nxt is not None else f"no counterpart in run {other}"
+        after = _first_after(df, stage, pick, errors, off)
+        failed = f"no counterpart in run {other}" + (f"; {after}" if after else "")
         rows = at.iloc[:0]
     row = rows.iloc[0] if len(rows) else None
     met = {m: row[m] for m in [*TENSOR_METRICS, "stats_err"] if row is not None and pd.notna(row[m])}

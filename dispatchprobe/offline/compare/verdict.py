@@ -99,6 +99,7 @@ class Divergence:
     recomputed: bool = False     # a forward op activation checkpointing re-ran in backward (both runs re-ran it)
     unjudged: str = ""           # an earlier op that looked like it amplified on statistics alone, below the error line
     region: dict = field(default_factory=dict)   # cause region: run ("a"/"b") -> the ops it computes the value with
+    stretch: str = ""            # cause region, a stretch both runs compute with ops of their own: where it sits
 
     @property
     def quiet(self) -> bool:
@@ -128,15 +129,24 @@ class Divergence:
                 f"(#{self.seq} in {self.stage}{'' if self.side == 'a' else ' of run B'}{rerun}, "
                 f"step {self.step} rank {self.rank})")
 
+    def run_of(self) -> str:
+        """`` of run B`` where the record named is run B's (a one-run-only op's), else nothing."""
+        return "" if self.side == "a" else " of run B"
+
     def region_words(self) -> str:
         """What a ``region`` line says of the ops each run computes the value with: which of them makes
         the difference is not known, and the line says so rather than blame one run's share."""
         def ops(names: list) -> str:
             counts = {n: names.count(n) for n in dict.fromkeys(names)}
             return ", ".join(f"{k} x{n}" if n > 1 else k for k, n in counts.items())
-        return (f"the runs compute this value with other ops (run A: {ops(self.region.get('a', []))}; run B: "
-                f"{ops(self.region.get('b', []))}) from values that agree up to rounding, so the difference enters in one of "
-                f"them, and the records cannot tell which")
+        mine, theirs = self.region.get("a", []), self.region.get("b", [])
+        # the same ops in each run whose records could not pair (one records an output the other leaves out)
+        # listed in an order of their own, not A's first: the same words whichever run is A
+        listed = sorted([(ops(mine), "A"), (ops(theirs), "B")])
+        named = f"ops whose records do not pair (each run: {ops(mine)})" if mine == theirs else \
+            "other ops (" + "; ".join(f"run {run}: {names}" for names, run in listed) + ")"
+        return (f"the runs compute this value with {named} from values that agree up to rounding, so the "
+                f"difference enters in one of them, and the records cannot tell which")
 
     def _follows(self, source: str) -> str:
         """The line of a stage whose differences all come from ``source``, something no op computed
@@ -148,12 +158,12 @@ class Divergence:
         """The terminal lines; ``lead`` replaces the opening words of an op's line."""
         if self.cause == "inputs":
             lines = [f"the runs differ already at their inputs/parameters: first seen at {self.op} "
-                     f"[{self.scope or '<top>'}] {self.arg} (#{self.seq} in {self.stage}, step {self.step} "
+                     f"[{self.scope or '<top>'}] {self.arg} (#{self.seq} in {self.stage}{self.run_of()}, step {self.step} "
                      f"rank {self.rank}): {self.failed}"]
         elif self.cause == "inherited":
             lines = [f"{self.stage}: no {self.stage} op diverges by itself; its {self.errors} error rows follow from "
                      f"differing {self.inherited_from()} values (first at {self.op} [{self.scope or '<top>'}] {self.arg}, "
-                     f"#{self.seq} in {self.stage}, step {self.step} rank {self.rank})"]
+                     f"#{self.seq} in {self.stage}{self.run_of()}, step {self.step} rank {self.rank})"]
         elif self.cause == "rounding":
             lines = [f"{self.stage}: no op diverges by more than rounding; its {self.errors} error rows (step "
                      f"{self.step} rank {self.rank}) grew from differences of rounding size where the runs compute "
@@ -201,7 +211,7 @@ class Divergence:
             lines = [f"{lead or self.headline()}: {self.where()}, present only in run {self.side.upper()}"
                      f"{'' if self.departure else ' (prime suspect)'}: {self.failed}"]
         elif self.cause == "region":
-            lines = [f"{lead or self.headline()}: {self.where()}: {self.failed}; {self.region_words()}"
+            lines = [f"{lead or self.headline()}: {self.stretch or self.where()}: {self.failed}; {self.region_words()}"
                      + (" (origin approximate: estimated from the recorded errors, no float64 re-run)"
                         if self.approximate else "")]
         else:
