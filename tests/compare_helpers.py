@@ -359,6 +359,17 @@ def tiny_llama(checkpointed: bool = False) -> nn.Module:
     return model
 
 
+def tiny_gpt2() -> nn.Module:
+    """A tiny random-init ``transformers`` GPT-2 (2 layers, width 64, vocab 128, sdpa attention, no
+    dropout) in training mode, seeded alike every call."""
+    import transformers as T
+    torch.manual_seed(0)
+    cfg = T.GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=64, attn_pdrop=0.0,
+                       resid_pdrop=0.0, embd_pdrop=0.0)
+    cfg._attn_implementation = "sdpa"
+    return T.GPT2LMHeadModel(cfg).train()
+
+
 def record_adamw_steps(path, model: nn.Module, loss_fn, *, steps: int = 2, autocast: bool = False,
                        plant: str | None = None, kernel=None, task: str = "statistics"):
     """``steps`` AdamW steps (lr 1e-3, stepped outside ``with probe:``) of ``loss_fn(model)``, recorded

@@ -38,6 +38,7 @@ from .verdict import Result, RunsDoNotAlign, Verdict
 from .parallel import layout_difference, optimizer_step
 from .amplified import Trail as AmplifiedTrail
 from .amplified import said as amplified_lines
+from .drift import DRIFTED, Drift
 
 
 # unmatched records run by the other framework where no probe sees them (pairing.explain_unobservable)
@@ -400,7 +401,7 @@ def _merge(results, run_a, run_b, jobs_list: list, problems: list, frameworks: t
     whatever the run's length; the whole table joined and returned only with ``keep_table``."""
     unmatched, divs, aligned = [], [], np.zeros(3, np.int64)
     pairing = PairingShare(frameworks)
-    tally, facts, earlier = _Tally(), {}, None
+    tally, facts, earlier, drift = _Tally(), {}, None, Drift(run_a, run_b)
     chosen: dict = {}        # rank -> (step, the point, "choice" or "random") of its first point compare cannot
                              # judge past: a discrete choice the runs made differently, a random op's draws
     kept: list | None = [] if keep_table else None
@@ -436,6 +437,7 @@ def _merge(results, run_a, run_b, jobs_list: list, problems: list, frameworks: t
         pairing.add(res.pairing)
         table, part_divs = _past_undecided(table, list(res.divergences), chosen)
         part_divs, found, earlier = _amplified(table, part_divs, run_a, run_b, earlier)
+        part_divs = drift.settle(table, part_divs)
         for d in part_divs:
             if not d.departure and d.cause in _UNDECIDED_AT:
                 chosen.setdefault(d.rank, (d.step, d.follows if d.cause.startswith("after_") else
@@ -463,9 +465,9 @@ def _merge(results, run_a, run_b, jobs_list: list, problems: list, frameworks: t
                       backward=first.get("backward"), counts=dict(tally.counts), unmatched=um, problems=problems,
                       parts=[k for k, _ in jobs_list], aligned=share,
                       same_run=_same_folder(run_a, run_b, jobs_list), departures=departures, pairing=pairing,
-                      explained=amplified_lines(facts), below_floor=(tally.below, STATS_NOISE),
+                      explained=amplified_lines(facts) + drift.lines(), below_floor=(tally.below, STATS_NOISE),
                       partial_sums=tally.partial_sums, rewired=tally.rewired, loss_scaled=tally.loss_scaled,
-                      after_choice=tally.after_choice, after_random=tally.after_random)
+                      after_choice=tally.after_choice, after_random=tally.after_random, drifted=tally.drifted)
     table = _joined(kept) if kept else pd.DataFrame(columns=COLUMNS)
     if writer is not None:
         if not tally.rows:
@@ -531,6 +533,7 @@ class _Tally:
     def __init__(self):
         self.counts: Counter = Counter()
         self.rows = self.below = self.partial_sums = self.loss_scaled = self.after_choice = self.after_random = 0
+        self.drifted = 0
         self.rewired = 0
 
     def add(self, table: pd.DataFrame) -> None:
@@ -546,6 +549,7 @@ class _Tally:
             kinds = undecided_kind(unjudged)
             self.after_choice += int((kinds == "choice").sum())
             self.after_random += int((kinds == "random").sum())
+            self.drifted += int(unjudged.astype(str).str.startswith(DRIFTED).sum())
         self.loss_scaled += loss_scale.not_judged(table)
 
 
@@ -678,13 +682,15 @@ def _first(divs: list, unmatched: pd.DataFrame, parts: list, stepped=None) -> tu
 
 def _leads_to(e, d):
     """Departure ``e`` of an earlier step as its stage's divergence: ``d``'s error rows (a later
-    step's) come after it, and the values entering that step already differ."""
+    step's) come after it, and the values entering that step already differ; an op of that step
+    that looked like it added a difference of its own on statistics alone (``d.unjudged``) is
+    still said."""
     where = f"{d.op} [{d.scope or '<top>'}]"
     why = (f"there the inputs/parameters differ, first seen at {where} {d.arg}" if d.cause == "inputs" else
            f"there they follow from differing {d.inherited_from()} values" if d.cause == "inherited" else
            f"there they come from other ranks through {where}" if d.cause == "received" else f"they start at {where}"
            + (" (approximate)" if d.approximate else ""))
-    return replace(e, departure=False, errors=d.errors,
+    return replace(e, departure=False, errors=d.errors, unjudged=e.unjudged or d.unjudged,
                    failed=f"{e.failed} (within tolerance at step {e.step}; the {d.errors} {d.stage} error rows of "
                           f"step {d.step} rank {d.rank} come after it: {why})")
 

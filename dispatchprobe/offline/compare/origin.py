@@ -121,6 +121,7 @@ class OwnShare:
         self.error_rows = error_rows
         self.lines = None              # the columns estimate() reads, on first use (_lines)
         self.unjudged: dict = {}       # stage -> the first record estimate() passed over there
+        self.unjudged_errors: dict = {}    # stage -> the first of those with an output past the error line
         self.below = None              # record -> its input rows differing below the floor (below_floor)
 
     def _carries_noise(self, outs: list, noise: list) -> bool:
@@ -154,7 +155,7 @@ class OwnShare:
         if not ins:                  # inputs agree, outputs do not (or follow the input without a row)
             if unmeasured:
                 return NONE
-            if not any(self.err[k] > ROUNDINGS * self.unit[k] for k in outs):
+            if not any(self.beyond_rounding(k, output=True) for k in outs):
                 return WEAK
             return NONE if self.follows_below_floor(i, outs) else STRONG
         floats = [k for k in outs if self.floats[k]]
@@ -247,6 +248,8 @@ class OwnShare:
             return NONE
         if bounded and error_stage[outs[0]] and (carried or not any(error_row[k] for k in outs)):
             self.unjudged.setdefault(self.recs_a[i]["stage"], i)
+            if any(error_row[k] for k in outs):
+                self.unjudged_errors.setdefault(self.recs_a[i]["stage"], i)
             return NONE
         return STRONG
 
@@ -254,12 +257,15 @@ class OwnShare:
         """Row ``k`` is compared by statistics only (no saved tensors on either side)."""
         return (self.lines or self._lines())[0][k]
 
-    def beyond_rounding(self, k: int) -> bool:
-        """Input row ``k`` differs by more than a few roundings (:data:`ROUNDINGS`) of the lowest
-        precision its values were computed in: a float32 gradient of a bfloat16-autocast run differs
-        from a float32 run's by bfloat16's rounding, which no wrong kernel need explain."""
+    def beyond_rounding(self, k: int, output: bool = False) -> bool:
+        """Input row ``k`` (``output``: output row) differs by more than a few roundings
+        (:data:`ROUNDINGS`) of the lowest precision its values were computed in: a float32 gradient
+        of a bfloat16-autocast run differs from a float32 run's by bfloat16's rounding, which no
+        wrong kernel need explain; a fused attention's float32 ``logsumexp``, computed from bfloat16
+        inputs, differs between two torch versions by bfloat16's rounding, no difference of the
+        kernel's own larger than rounding."""
         unit = (self.lines or self._lines())[1][k]
-        return self.err_in[k] > ROUNDINGS * max(self.unit[k], unit)
+        return (self.err if output else self.err_in)[k] > ROUNDINGS * max(self.unit[k], unit)
 
     def _lines(self) -> tuple:
         """Per row: compared by statistics only; the unit roundoff of the precision its values are
@@ -528,7 +534,10 @@ class Lineage:
         another stage), "agrees" (its output agrees and no one-run-only op stands between) or None
         (unknown).  A one-run-only producer that hands on no more than the difference it was given
         (``PASS_ON``) passes on that difference's sources (a compiled graph's gradient-accumulation
-        ``add``, a folded ``where``, carrying a difference the forward made).  ``reach``: the
+        ``add``, a folded ``where``, carrying a difference the forward made), and where that
+        difference has none (a paired op's rounding below the error line), no source either: the
+        other run reads the same value from that paired op and finds none (one torch version's
+        ``slice_backward`` of a full slice after the ``lm_head`` gradient).  ``reach``: the
         consumer is a sum the runs group differently (:mod:`.regroup`) and the row compares two
         partial sums, which says nothing: a one-run-only producer hands on what reaches the total,
         ``reach``."""
@@ -542,7 +551,7 @@ class Lineage:
             carried = self.carried[side.name].get(p)
             if reach is not None:
                 err = reach
-            if carried is not None and err <= PASS_ON * carried[0] and any(x is not None for x in carried[1]):
+            if carried is not None and err <= PASS_ON * carried[0]:
                 return carried[1]
             if (hook := self.inside.get((side.name, p))) is not None:
                 return hook, None
@@ -709,7 +718,7 @@ class Lineage:
         cast = op_traits.is_cast(side.recs[u]["op"])
         partial = self.regroup.partial[side.name]
         follow = cast or u in side.unobserved or u in partial
-        res = carried = None
+        res = carried = held = None
         carried_err = 0.0
         given = False          # it reads a value that carries a source larger than rounding
         unproduced = False     # it reads a value no record of its stage made (a parameter, the batch)
@@ -726,6 +735,8 @@ class Lineage:
             if p in side.only:   # a chain of one-run-only ops: its first one
                 if (got := self.passes[side.name].get(p)) is UNPRODUCED:
                     unproduced = True
+                elif self._suspect_itself(side, p, got):
+                    held = _merge(held, got)
                 elif follow or p not in partial:
                     res = _merge(res, got)
                 if (got := self.carried[side.name].get(p)) is not None:
@@ -742,14 +753,17 @@ class Lineage:
                 res = _merge(res, (self.best.get(pa), self.inh.get(pa)))
         if carried is not None:
             self.carried[side.name][u] = carried_err, carried
+        hands_on = given and u not in partial and not op_traits.keeps_relative(side.recs[u]["op"])
         if given and u not in partial:
             self.given[side.name].add(u)
-            if not op_traits.keeps_relative(side.recs[u]["op"]):
+            if hands_on:
                 # given a difference made before it, by an op that may hand it on many times larger (a
                 # matrix product's terms cancel): how far its output is off says nothing of its own
                 # kernel, and no record of the other run computes the same value to measure it against:
                 # it passes that difference's source on
                 res = _merge(res, carried)
+        if not hands_on:
+            res = _merge(res, held)
         if u in partial:
             self.inside[side.name, u] = self.inside_op(side, [id(sp) for io, _, sp in side.flow.walks[u] if io == "input"])
         if res is not None and (res[0] is not None or res[1] is not None):
@@ -759,6 +773,18 @@ class Lineage:
         if cast:
             return self._cast_source(side, u, unproduced)
         return self.stretch_given(side, u) or (self.unmatched(side, u), None)
+
+    def _suspect_itself(self, side: Side, p: int, got) -> bool:
+        """One-run-only op ``p`` was given a difference larger than rounding and passes on, as the
+        source, a one-run-only op that was given one too (itself, or a copy before it: a ``clone``,
+        whose output no record of the other run measures): only what reads it can tell whether that
+        op added to the difference.  A reader that hands on what it is given many times larger
+        (:meth:`passed_on`: torch 2.5.1's attention backward, a ``bmm`` after the ``clone`` of the
+        gradient) cannot, so there that op is no suspect and the difference it was given is what
+        the reader passes on."""
+        given = self.given[side.name]
+        return p in given and type(got) is tuple and got[0] is not None and got[0].cause == "unmatched" and \
+            got[0].side == side.name and got[0].index in given
 
     def carries_source(self, k: int, src: tuple) -> bool:
         """Differing input row ``k`` carries a difference made before it: its (own-stage, inherited)
@@ -1343,6 +1369,7 @@ def trace(df: pd.DataFrame, a: Side, b: Side, pairs: list, rerun=None, same_kern
             div.failed = (f"a value no record made, read by a stretch the runs compute with ops of their own, differs "
                           f"from the value the other run's stretch reads there (statistics {gap:.3g} apart)")
         div.unjudged = _unjudged(df, lineage, stage, pick) if errors else ""
+        div.amplifier = _unjudged(df, lineage, stage, None, past_line=True) if errors else ""
         divs.append(div)
         roots.append(pick)
     _not_judged(divs)
@@ -1402,11 +1429,13 @@ PARTIAL_SUMS = ("partial sums the runs group differently: a row of a sum whose t
                 "is compared where it is read")
 
 
-def _unjudged(df: pd.DataFrame, lineage: Lineage, stage: str, pick: Root) -> str:
+def _unjudged(df: pd.DataFrame, lineage: Lineage, stage: str, pick: Root | None, past_line: bool = False) -> str:
     """What the verdict says of the first op of ``stage`` whose own difference the recorded errors
-    could not judge (:meth:`OwnShare.estimate`), where no op at or before it is named instead."""
-    i = lineage.own_share.unjudged.get(stage)
-    if i is None or (pick.cause in ("op", "unmatched", "region", "inputs", "unrecorded") and pick.at <= lineage.seq_a[i]):
+    could not judge (:meth:`OwnShare.estimate`), where no op at or before it is named instead
+    (``pick`` None: whatever is named; ``past_line``: the first whose output crosses the error line)."""
+    i = (lineage.own_share.unjudged_errors if past_line else lineage.own_share.unjudged).get(stage)
+    if i is None or (pick is not None and pick.cause in ("op", "unmatched", "region", "inputs", "unrecorded")
+                     and pick.at <= lineage.seq_a[i]):
         return ""
     rec = lineage.a.recs[i]
     rows = df[(df["uid"] == i) & (df["stage"] == stage) & (df["io"] == "output")]

@@ -1181,7 +1181,7 @@ class OptimizerStep(NamedTuple):
     made_by: tuple = (None, None)     # per run: the backward op record whose output is that gradient
 
 
-def _made_by(part, spec: dict | None) -> str | None:
+def made_by(part, spec: dict | None) -> str | None:
     """The name of the last backward op record of ``part`` with an output of ``spec``'s dtype, size
     and statistics (statistics of equal values are equal; a view, not recorded, may reshape it):
     the record that made a gradient."""
@@ -1226,7 +1226,7 @@ def optimizer_step(run_a, run_b, step: int, rank: int, tensors: bool = True) -> 
                 agrees = g["status"] == V.PASS
                 how = " while its gradient as the optimizer applied it agrees" if agrees else \
                     f"; its gradient as the optimizer applied it differs too ({g['reason']})"
-                made = (_made_by(pa, qa[grad].get(rank)), _made_by(pb, qb[grad].get(rank)))
+                made = (made_by(pa, qa[grad].get(rank)), made_by(pb, qb[grad].get(rank)))
         return OptimizerStep(f"parameter {key[1]} differs after it ({got['reason']}){how}", agrees, made)
     return OptimizerStep()
 

@@ -98,6 +98,7 @@ class Divergence:
     follows: str = ""            # after_random/after_inputs: where the forward difference it follows is
     recomputed: bool = False     # a forward op activation checkpointing re-ran in backward (both runs re-ran it)
     unjudged: str = ""           # an earlier op that looked like it amplified on statistics alone, below the error line
+    amplifier: str = ""          # the first op that so looked, wherever the named source is (.drift reads it)
     region: dict = field(default_factory=dict)   # cause region: run ("a"/"b") -> the ops it computes the value with
     stretch: str = ""            # cause region, a stretch both runs compute with ops of their own: where it sits
 
@@ -255,13 +256,15 @@ class Verdict:
     same_run: bool = False       # A and B are the same folder: agreement says nothing
     departures: list = field(default_factory=list)   # per stage without error rows: its first departure
     pairing: PairingShare = field(default_factory=PairingShare)   # how each run's op records were paired
-    explained: list = field(default_factory=list)   # error rows passed as optimizer-amplified gradient noise
+    explained: list = field(default_factory=list)   # error rows passed as optimizer-amplified gradient noise,
+                                                     # or not judged as computed from parameters moved apart
     below_floor: tuple = (0, 0.0)   # (statistics-only rows that differ below the floor, the floor)
     partial_sums: int = 0        # of the rows not judged, those comparing two partial sums (.regroup)
     rewired: int = 0             # of the rows not judged, inputs the programs build otherwise (.rewired)
     loss_scaled: int = 0         # of the rows not judged, those the runs' loss scales leave undecided (.loss_scale)
     after_choice: int = 0        # of the rows not judged, those a discrete choice the runs made differently leaves (.choice)
     after_random: int = 0        # of the rows not judged, those a random op whose draws differ leaves (.choice)
+    drifted: int = 0             # of the rows not judged, those computed from parameters moved apart (.drift)
 
     @property
     def departure(self) -> Divergence | None:
@@ -295,9 +298,12 @@ class Verdict:
         """Whether every error row comes at or after a point compare cannot judge past (exit code 1): a
         random op where the runs' values first differ, or a discrete choice the runs made differently
         (:data:`UNDECIDED`): the first stage's divergence is such a point and the backward's, if any,
-        follows it."""
+        follows it; or no row fails and some were not judged as computed from parameters an
+        optimizer step moved apart from differences within tolerance (:mod:`.drift`)."""
         divs = [d for d in (self.forward, self.backward) if d is not None]
-        if self.passed or not divs or divs[0].cause not in UNDECIDED:
+        if self.passed:
+            return self.drifted > 0     # rows computed from parameters the optimizer moved apart (.drift)
+        if not divs or divs[0].cause not in UNDECIDED:
             return self.random_only
         return all(d.cause in (divs[0].cause, *UNDECIDED[divs[0].cause]) for d in divs[1:])
 
@@ -312,7 +318,8 @@ class Verdict:
                      "inputs the programs build otherwise, read by ops whose outputs agree": self.rewired,
                      "values the runs' loss scales leave undecided": self.loss_scaled,
                      "values a discrete choice the runs made differently decides": self.after_choice,
-                     "values a random op's draws decide": self.after_random}
+                     "values a random op's draws decide": self.after_random,
+                     "values computed from parameters the optimizer moved apart": self.drifted}
             kinds = {k: n for k, n in {"undefined values": self.counts[NOT_JUDGED] - sum(kinds.values()),
                                        **kinds}.items() if n}
             why = ", ".join(f"{n} {k}" for k, n in kinds.items()) if len(kinds) > 1 else next(iter(kinds), "")
@@ -334,8 +341,9 @@ class Verdict:
             lines.append(f"the runs agree: A and B are the same records ({self.a}); compare it with another run")
         elif self.passed and self.departure is not None:
             d = self.departure
-            lines.append(d.describe("the runs agree within tolerance; first departure") if d.cause in ("op", "unmatched", "region")
-                         else "the runs agree within tolerance; first departure: " + d.describe())
+            agree = "the runs agree within tolerance" + (" where judged" if self.drifted else "")
+            lines.append(d.describe(f"{agree}; first departure") if d.cause in ("op", "unmatched", "region")
+                         else f"{agree}; first departure: " + d.describe())
         elif self.passed and self.below_floor[0]:
             lines.append(f"the runs agree within the floor: {self.below_floor[0]} statistics rows differ below "
                          f"{self.below_floor[1]:g} (relative)")
