@@ -7,9 +7,11 @@ Every run starts from the same weights and sees the same 8 samples a step, each 
 for 3 steps, recorded with the statistics task.  RUN ``fp32`` trains in float32; ``bf16`` computes
 in bfloat16 (``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``: FSDP2 casts the
 parameters with a ``_foreach_copy_`` into its all-gather buffer); ``bf16kernel1`` as ``bf16`` with
-a wrong relu kernel on rank 1 (relu x1.05, ``torch.library`` on CPU: no op of its own).  AdamW's
-normalised updates carry bfloat16's rounding into the next steps' values: the float32 and bfloat16
-runs' optimizer states part past tolerance within the 3 steps, while no op computes wrongly.
+a wrong relu kernel on rank 1 (relu x1.05, ``torch.library`` on CPU: no op of its own),
+``bf16kernel`` with it on every rank, ``bf16gelu1`` and ``bf16silu1`` with a gelu or silu x1.05 on
+rank 1.  AdamW's normalised updates carry bfloat16's rounding into the next steps' values: the
+float32 and bfloat16 runs' optimizer states part past tolerance within the 3 steps, while no op
+computes wrongly.
 """
 
 from __future__ import annotations
@@ -23,21 +25,26 @@ from dispatchprobe import DispatchProbe
 
 from torch import nn
 
-from parallel_models import MLP, fsdp2, run_and_end, wrong_relu_kernel
+from parallel_models import MLP, fsdp2, run_and_end, wrong_kernel
 
 STEPS = 3
 BATCH = 8
 
 
 class GeluMLP(MLP):
-    """An :class:`MLP` after a layer of its own and a gelu (``pre``)."""
+    """An :class:`MLP` after a layer of its own and a gelu (``pre``), with a silu on its output."""
 
     def __init__(self):
         super().__init__()
         self.pre = nn.Linear(8, 8)
 
     def forward(self, x):
-        return super().forward(nn.functional.gelu(self.pre(x)))
+        return nn.functional.silu(super().forward(nn.functional.gelu(self.pre(x))))
+
+
+# RUN -> (the op given a wrong kernel, the ranks it is wrong on: None for every rank)
+PLANTED = {"bf16kernel1": ("relu", {1}), "bf16kernel": ("relu", None), "bf16gelu1": ("gelu", {1}),
+           "bf16silu1": ("silu", {1})}
 
 
 def shard(model: GeluMLP, options: dict) -> nn.Module:
@@ -50,7 +57,8 @@ def shard(model: GeluMLP, options: dict) -> nn.Module:
 
 def train(out: str, run: str) -> None:
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    kernel = wrong_relu_kernel() if run == "bf16kernel1" and rank == 1 else None
+    op, ranks = PLANTED.get(run, (None, set()))
+    kernel = wrong_kernel(op) if op is not None and (ranks is None or rank in ranks) else None
     try:
         torch.manual_seed(0)
         options = {}

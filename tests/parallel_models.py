@@ -96,13 +96,27 @@ def parallelize_nd(model: InputMLP, layout: str, mesh) -> nn.Module:
     return fully_shard(model, mesh=dp)
 
 
-def wrong_relu_kernel() -> torch.library.Library:
-    """aten::relu on CPU replaced by relu x1.05 until the library returned is destroyed."""
+# activations 5 % off, computed with other ops (which the probe does not see: they run inside the kernel)
+WRONG_KERNELS = {
+    "relu": lambda x: torch.clamp_min(x, 0) * 1.05,
+    "gelu": lambda x, approximate="none": x * 0.5 * (1 + torch.erf(x * 0.7071067811865476)) * 1.05,
+    "silu": lambda x: x * torch.sigmoid(x) * 1.05,
+}
+
+
+def wrong_kernel(op: str) -> torch.library.Library:
+    """aten::``op`` on CPU replaced by the op x1.05 (:data:`WRONG_KERNELS`) until the library
+    returned is destroyed."""
     lib = torch.library.Library("aten", "IMPL")
     with warnings.catch_warnings():       # torch warns that a registered kernel is overridden: the point
         warnings.simplefilter("ignore", UserWarning)
-        lib.impl("relu", lambda x: torch.clamp_min(x, 0) * 1.05, "CPU")
+        lib.impl(op, WRONG_KERNELS[op], "CPU")
     return lib
+
+
+def wrong_relu_kernel() -> torch.library.Library:
+    """aten::relu on CPU replaced by relu x1.05 until the library returned is destroyed."""
+    return wrong_kernel("relu")
 
 
 def run_and_end(main) -> None:

@@ -265,3 +265,31 @@ def test_a_write_between_two_recorded_ops_is_read_again(tmp_path, monkeypatch):
     assert recs["aten.add_.Tensor"]["inputs"][0]["stats"]["mean"] == 1.0
     assert recs["aten.add_.Tensor"]["outputs"][0]["stats"]["mean"] == 2.0
     assert _read_count(probe, reads) == 4, reads
+
+
+def test_foreach_ops_returning_nothing_record_what_they_wrote(tmp_path):
+    """An in-place ``_foreach_*_`` op returns nothing: its record's outputs are the tensors it wrote,
+    after the write, as an in-place op's returned ``self`` is (FSDP2 casts its parameters to
+    bfloat16 with ``_foreach_copy_``; without them the copies had no producer, and a compare said the
+    runs differ at their inputs).  Its inputs hold the lists as received, but for ``_foreach_copy_``'s
+    destinations, which it overwrites unread: recorded as written, as ``copy_``'s destination is."""
+    src = [torch.randn(4), torch.randn(2, 3)]
+    with DispatchProbe(task="tensor", dump_path=str(tmp_path / "run")):
+        dst = [torch.empty(4, dtype=torch.bfloat16), torch.empty(2, 3)]     # as FSDP2's all-gather buffer
+        torch._foreach_copy_(dst, src)
+        copied = [t.clone() for t in dst]
+        torch._foreach_add_(dst, src)
+        added = [t.clone() for t in dst]
+        torch._foreach_mul_(dst, 2.0)
+    part = load(tmp_path / "run").part(0, 0)
+    records = {r["op"]: r for r in part.records if r["op"].startswith("aten._foreach")}
+    for op, before, after in (("aten._foreach_copy_.default", None, copied),
+                              ("aten._foreach_add_.List", copied, added),
+                              ("aten._foreach_mul_.Scalar", added, [t.clone() for t in dst])):
+        rec = records[op]
+        assert rec["output_type"] == "list" and len(rec["outputs"]) == 2, rec
+        for spec, want in zip(rec["outputs"], after):
+            assert spec["dtype"] == str(want.dtype).removeprefix("torch.") and spec["shape"] == list(want.shape)
+            np.testing.assert_array_equal(np.asarray(part.tensor(spec["data"])), want.float().numpy())
+        for spec, want in zip(rec["inputs"][0]["value"], before or after):
+            np.testing.assert_array_equal(np.asarray(part.tensor(spec["data"])), want.float().numpy())

@@ -46,9 +46,10 @@ NOTHING_TO_CHECK = UNINITIALISED | {"resize", "set", "record_stream", "_local_sc
 ALIAS = frozenset({"detach", "alias", "lift_fresh", "lift", "_unsafe_view"})
 
 # Write every element of their first argument without reading it: its old content (often
-# uninitialised memory) is neither copied by capture nor compared.
+# uninitialised memory) is neither copied by capture nor compared.  ``_foreach_copy_`` writes each
+# tensor of its first list (FSDP2's cast of the parameters into its all-gather buffer).
 OVERWRITE = frozenset({"bernoulli", "uniform", "normal", "random", "exponential", "geometric", "cauchy",
-                       "log_normal", "fill", "zero", "copy"})
+                       "log_normal", "fill", "zero", "copy", "_foreach_copy"})
 
 # Arguments ops write although their schemas do not say so (torch's ``Tensor(a!)``): base name ->
 # argument names (torch) or input positions (MindSpore's primitives take positional inputs).
@@ -75,7 +76,7 @@ UNMARKED_FILLS = {
 
 # Casts and copies, not compute: autocast adds them on one side only, autograd copies a
 # gradient in one run and steals it in another.  compare lists them apart when unmatched.
-CAST = frozenset({"_to_copy", "to", "copy", "convert_element_type"})
+CAST = frozenset({"_to_copy", "to", "copy", "_foreach_copy", "convert_element_type"})
 
 
 # Read only their tensor inputs' shape, dtype and device, never their values: what they make is a
@@ -199,6 +200,18 @@ def writes_in_place(op: str) -> bool:
 def overwrites_first_input(op: str) -> bool:
     """The op writes its first argument in place without reading it (``copy_``, ``fill_``)."""
     return op.split(".")[1].endswith("_") if op.count(".") >= 1 and base_name(op) in OVERWRITE else False
+
+
+def first_argument(arg: str) -> bool:
+    """Record argument ``arg`` is an op's first argument, ``input.0``, or a tensor of it where it is a
+    list (``input.0.1`` of ``_foreach_copy_``)."""
+    return arg == "input.0" or arg.startswith("input.0.")
+
+
+def overwritten(op: str, arg: str) -> bool:
+    """Record argument ``arg`` is what the op overwrites without reading (:func:`overwrites_first_input`,
+    :func:`first_argument`).  Its old content is no input: no value the op reads, no dtype it computes from."""
+    return first_argument(arg) and overwrites_first_input(op)
 
 # two-input ops whose inputs may be given in either order (another framework may swap them)
 COMMUTATIVE = frozenset({"add", "mul", "maximum", "minimum", "eq", "ne", "logical_and", "logical_or", "bitwise_and",

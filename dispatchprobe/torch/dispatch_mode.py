@@ -125,8 +125,8 @@ class ProbeMode(TorchDispatchMode):
                 return out
             collectives.settle(func, out)
         stage, scope, grad_fn, _ = where
-        # an op returning nothing holds its results in its destinations: its record's outputs
-        results = ops.destination_values(func, args, kwargs) if out is None and facts.out_args else out
+        # an op returning nothing holds its results in the arguments it wrote: its record's outputs
+        results = ops.destination_values(func, args, kwargs) if out is None and facts.counted_writes else out
         # facts.wanted holds the op's selection, would_record the stage's and scope's
         replaced = probe.on_op(facts.name, stage, scope, seen_args, seen_kwargs, results, func=func, grad_fn=grad_fn,
                                stack=ops.user_stack, undefined=undefined,

@@ -71,18 +71,21 @@ def out_args(func) -> tuple:
 
 @functools.cache
 def unreturned_destinations(func) -> tuple:
-    """:func:`out_args` of an op that returns nothing (FSDP2's ``chunk_cat`` writing the flat buffer
-    its reduce-scatter reads, ``split_with_sizes_copy`` writing the gathered parameters): what it
-    wrote there is its result, which its record's outputs hold.  Without them the value the next op
+    """Every argument an op that returns nothing writes: its :func:`out_args` (FSDP2's ``chunk_cat``
+    writing the flat buffer its reduce-scatter reads, ``split_with_sizes_copy`` writing the gathered
+    parameters) and its in-place ones (:func:`written_args`: the lists of ``_foreach_copy_``, FSDP2's
+    cast into its all-gather buffer, and of every other ``_foreach_*_``), in the order replay gives
+    them back.  What it wrote there is its result, which its record's outputs hold, as an in-place
+    op returning its ``self`` has its written value recorded.  Without them the value the next op
     reads has no producer, and a compare would say the runs differ at their inputs."""
-    return out_args(func) if not op_schema(func).returns else ()
+    return tuple(dict.fromkeys(written_args(func) + out_args(func))) if not op_schema(func).returns else ()
 
 
 def destination_values(func, args, kwargs):
-    """The values an op returning nothing wrote into its destinations
+    """The values an op returning nothing wrote into the arguments it writes
     (:func:`unreturned_destinations`): one tensor or list, or a tuple of several, each an alias of
-    the destination (the destination itself stands, undefined, for its prior contents among the
-    inputs); None for an op that has none."""
+    the argument after the write (among the inputs the argument stands for what it held before:
+    undefined for a destination, as received for an in-place argument); None for an op that has none."""
     def alias(v):
         if isinstance(v, (list, tuple)):
             return [alias(x) for x in v]

@@ -146,7 +146,7 @@ def _compare_parts(part_a: Part, part_b: Part, match: str, mapping: Mapping, ten
         tensor_pairs = pair_tensors(walks_a[i], walks_b[j], same, op_b if cross else "")
         h = len(heads)
         for io, arg, sa, sb in tensor_pairs:
-            if overwritten and arg == "input.0":
+            if overwritten and op_traits.first_argument(arg):
                 continue  # the destination's old (often uninitialised) content is not an input
             if stack is None:
                 frames = user_frames(part_a, ra) if ra.get("stack") is not None else []
@@ -637,14 +637,20 @@ def _parallel_result(run_a, run_b, merged, out) -> Result:
 _NO_SOURCE = frozenset({"inherited", "after_random", "after_inputs", "after_choice", "noise", "constant", "rounding"})
 
 
-def _source_tier(d, received: set) -> int:
+def _source_tier(d, received: set, sourced_from: float = float("inf")) -> float:
     """How a step/rank part's divergence ranks among the ranks' of its step: 0 names a source in its
     own part; 1 follows from elsewhere in the part (:data:`_NO_SOURCE`); 2 came from other ranks --
     values a collective received (cause ``received``), or inputs no recorded op made and no earlier
     step explains in a part that received differing values (``received``: its (rank, step); FSDP2
-    hands each gradient on as a view of the reduce-scatter's flat result, which no record shows)."""
+    hands each gradient on as a view of the reduce-scatter's flat result, which no record shows).
+    Errors grown from rounding (cause ``rounding``) rank after the rest of 1 from step
+    ``sourced_from`` on, where some part names a source of its own: there a rank's errors may come
+    from that source through a collective (a wrong relu on rank 1 of a bfloat16 run reaches rank 0's
+    reduce-scattered gradients), which one rank's records cannot tell from rounding."""
     if d.cause == "received" or (d.cause == "inputs" and not d.came_from and (d.rank, d.step) in received):
         return 2
+    if d.cause == "rounding" and d.step >= sourced_from:
+        return 1.5
     return int(d.cause in _NO_SOURCE)
 
 
@@ -669,7 +675,8 @@ def _first(divs: list, unmatched: pd.DataFrame, parts: list, stepped=None) -> tu
             if beyond:
                 sourced.add(id(d))
     received = {(d.rank, d.step) for d in divs if d.cause == "received"}
-    for d in sorted(divs, key=lambda d: (d.step, _source_tier(d, received), d.rank)):
+    sourced_from = min((d.step for d in divs if not d.departure and _source_tier(d, received) == 0), default=float("inf"))
+    for d in sorted(divs, key=lambda d: (d.step, _source_tier(d, received, sourced_from), d.rank)):
         (early if d.departure else first).setdefault(d.stage, d)
     for stage, d in list(first.items()):
         e = early.get(stage)

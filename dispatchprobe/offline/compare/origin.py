@@ -26,6 +26,7 @@ from ...standards.loader import is_float, standard
 from ..regions import common_scope, stats_distance
 from .choice import Choices
 from .columns import TENSOR_METRICS
+from . import extremes
 from .exact import otherwise_identical
 from .pairing import DataFlow, user_frames
 from .regroup import Regrouping
@@ -123,6 +124,8 @@ class OwnShare:
         self.unjudged: dict = {}       # stage -> the first record estimate() passed over there
         self.unjudged_errors: dict = {}    # stage -> the first of those with an output past the error line
         self.below = None              # record -> its input rows differing below the floor (below_floor)
+        self.activation_input = None   # activation record -> its input row, on first use (on_extremes)
+        self.extremes = None           # the max/min columns, on first use (on_extremes)
 
     def _carries_noise(self, outs: list, noise: list) -> bool:
         """Whether the outputs differ by no more than ``origin_amplification`` times the noise inputs'
@@ -156,11 +159,13 @@ class OwnShare:
             if unmeasured:
                 return NONE
             if not any(self.beyond_rounding(k, output=True) for k in outs):
-                return WEAK
+                return STRONG if self.on_extremes(i, outs) else WEAK
             return NONE if self.follows_below_floor(i, outs) else STRONG
         floats = [k for k in outs if self.floats[k]]
         if not floats:
             return NONE              # a discrete output (index, mask) follows any input difference
+        if self.on_extremes(i, floats):
+            return STRONG            # measured at its extremes: the stretch's rounding budget hides nothing
         out_err, in_err = max(self.err[k] for k in floats), max(self.err_in[k] for k in ins)
         if out_err <= ROUNDINGS * max(self.unit[k] for k in floats):
             return NONE              # a rounding-size output difference on differing inputs: nothing of its own
@@ -181,6 +186,41 @@ class OwnShare:
             self.estimated.add(i)
             return NONE              # picked elements of a differing input: their statistics bound nothing
         return self.estimate(i, floats, ins, out_err, in_err, carried)
+
+    def on_extremes(self, i: int, outs: list) -> bool:
+        """Paired record ``i``, an activation (:mod:`.extremes`), adds a difference of its own at its
+        output's extremes, measured against its input's (``outs``: its differing float output rows).
+        Why: runs in other precisions may differ by several roundings after a stretch of ops, within
+        which :data:`ROUNDINGS` passes an output difference, and a relu 5 % off in a bfloat16 run
+        compared with a float32 one passed as rounding; at the extremes an activation hands its
+        input's difference on with one rounding of its own at most, so no budget is needed there."""
+        j = self.pair_b.get(i)
+        if j is None or extremes.activation(self.recs_a[i]["op"]) is None:
+            return False
+        if self.activation_input is None:
+            self._activation_rows()
+        k_in = self.activation_input.get(i)
+        if k_in is None:
+            return False
+        ext = self.extremes
+        for k in outs:
+            found = extremes.own_difference(
+                self.recs_a[i], self.recs_b[j], {e: (ext[e + "_a"][k_in], ext[e + "_b"][k_in]) for e in ("max", "min")},
+                {e: (ext[e + "_a"][k], ext[e + "_b"][k]) for e in ("max", "min")}, (self.dtype_a[k], self.dtype_b[k]))
+            if found:
+                return True
+        return False
+
+    def _activation_rows(self) -> None:
+        """Record -> its ``input.0`` row, of the activations' records (:meth:`on_extremes`), and the
+        extremes columns, read once per part where an activation's output differs."""
+        df = self.df
+        ops = df["op_a"].to_numpy(object)
+        is_act = {op: extremes.activation(op) is not None for op in set(ops.tolist())}
+        rows = np.flatnonzero((df["io"] == "input").to_numpy() & (df["arg"] == "input.0").to_numpy()
+                              & np.array([is_act[op] for op in ops.tolist()], bool))
+        self.activation_input = dict(zip(df["uid"].to_numpy()[rows].tolist(), rows.tolist()))
+        self.extremes = {c: df[c].to_numpy(np.float64).tolist() for c in ("max_a", "max_b", "min_a", "min_b")}
 
     def follows_below_floor(self, i: int, outs: list) -> bool:
         """Paired record ``i``, whose inputs count as agreeing, would be named below the error line as
@@ -428,6 +468,7 @@ class Lineage:
         # (run, reader, arg) -> how far apart the two runs' statistics of a value no record made are, where
         # it enters such a stretch and differs (:meth:`_unproduced_differing`)
         self.entering_gaps: dict = {}
+        self.inherits: dict = {}  # stage with error rows -> the earliest source they inherit from the other stage
 
     # ---- one-run-only ops and their place among the paired records -------------------------------
     def _loose(self, side: Side) -> dict:
@@ -452,8 +493,7 @@ class Lineage:
         rec = side.recs[i]
         if rec["kind"] != "op" or op_traits.is_random(rec["op"]):
             return False
-        overwritten = op_traits.overwrites_first_input(rec["op"])
-        return not any(io == "input" and not (overwritten and arg == "input.0")
+        return not any(io == "input" and not op_traits.overwritten(rec["op"], arg)
                        for io, arg, _ in side.flow.walks[i]) or op_traits.reads_metadata_only(rec["op"])
 
     def constant_pair(self, i: int) -> bool:
@@ -679,9 +719,9 @@ class Lineage:
                 continue   # every tensor has its row (the usual case: nothing to walk)
             spec = self.spec[side.name]
             compared = {spec[k] for k in range(s0, e0) if self.is_in[k]}
-            overwritten = op_traits.overwrites_first_input(side.recs[rec]["op"])
+            op = side.recs[rec]["op"]
             for io, arg, sp in walk:
-                if io != "input" or id(sp) in compared or (overwritten and arg == "input.0"):
+                if io != "input" or id(sp) in compared or op_traits.overwritten(op, arg):
                     continue
                 src = self.producer(side, id(sp))
                 if src is None:
@@ -821,7 +861,8 @@ class Lineage:
         entering at the paired op it feeds (the first paired record after it; where none follows in
         its stage, the cast itself, as a rounding-size source)."""
         rec = side.recs[u]
-        ins = [spec["dtype"] for io, _, spec in side.flow.walks[u] if io == "input"]
+        ins = [spec["dtype"] for io, arg, spec in side.flow.walks[u]
+               if io == "input" and not op_traits.overwritten(rec["op"], arg)]
         outs = [spec["dtype"] for io, _, spec in side.flow.walks[u] if io == "output"]
         if unproduced and ins and outs and _keeps_values(ins[0], outs[0]):
             return UNPRODUCED
@@ -1235,6 +1276,8 @@ class Lineage:
             # a departure is a stage's own; constants and noise (values zero up to rounding) only where nothing else is
             own = acc[0] if acc[0] is not None and acc[0].weak < CONSTANT else None
             pick = (own or acc[1] or acc[0]) if errors else acc[0]
+            if errors:
+                self.inherits[stage] = acc[1]
             if pick is None and errors:   # not reached: every differing value has a source; keep the verdict honest
                 k = int(np.flatnonzero(self.bad_rows & (stages == stage))[0])
                 pick = self.seen_at(int(uid[k]), self.args[k], "op")
@@ -1269,15 +1312,27 @@ class Lineage:
         ``grown``), and no op is named."""
         picked = {p[0]: p for p in picks}
         by_stage = dict(picked)
+        kernels = {s for s, p, _ in picks if not p.weak and p.cause in ("op", "unmatched", "region")}
         for stage, pick, errors in picks:
             if errors and self._precision_only(pick):
+                other = "backward" if stage == "forward" else "forward"
+                if other in kernels and self.inherits.get(stage) is not None:
+                    # the other stage names a kernel larger than rounding, whose values this stage reads: its
+                    # error rows follow from those, beside the rounding of its own precision
+                    by_stage[stage] = (stage, self.inherits[stage], errors)
+                    continue
                 self.grown[stage] = pick
                 by_stage[stage] = (stage, pick._replace(cause="rounding"), errors)
         for stage in [s for s, p, errors in picks if errors and p.cause == "inherited"]:
             other = "backward" if stage == "forward" else "forward"
             theirs = picked.get(other)
-            if theirs is not None and not (theirs[2] and (theirs[1].cause == "inherited" or self._precision_only(theirs[1]))):
-                continue       # the other stage names where its values part (a departure: within tolerance)
+            # the other stage names where its values part (a departure: within tolerance), except for an
+            # optimizer's error rows where the gradients it reads part where the runs' precisions do (FSDP2's
+            # bfloat16 copy of the parameters gathered again for the backward): those grew from rounding
+            fed_rounding = stage == "forward" and self._precision_only(theirs[1]) if theirs is not None else False
+            if theirs is not None and not fed_rounding and \
+                    not (theirs[2] and (theirs[1].cause == "inherited" or self._precision_only(theirs[1]))):
+                continue
             fed = [(s, self.feeds[s]) for s in (other, stage) if self.feeds.get(s) is not None]
             strong = [(s, root) for s, root in fed if not root.weak]
             if strong:         # the stage holding it names it (a stage without error rows: _fed_stages did)
@@ -1306,8 +1361,10 @@ class Lineage:
         tensor ``arg``, where given) whose two runs hold other float dtypes; else None."""
         side = self.a if root.side == "a" else self.b
         if root.index in side.only:
-            dtypes = {io: sorted({spec["dtype"] for kind, _, spec in side.flow.walks[root.index]
-                                  if kind == io and is_float(spec.get("dtype", ""))}) for io in ("input", "output")}
+            op = side.recs[root.index]["op"]
+            dtypes = {io: sorted({spec["dtype"] for kind, arg, spec in side.flow.walks[root.index]
+                                  if kind == io and is_float(spec.get("dtype", "")) and not op_traits.overwritten(op, arg)})
+                      for io in ("input", "output")}
             if not dtypes["input"] or not dtypes["output"] or dtypes["input"] == dtypes["output"]:
                 return None
             made = ("/".join(dtypes["input"]), "/".join(dtypes["output"]))
