@@ -17,7 +17,9 @@ relu; ``outside`` runs the optimizer outside the probe (its ops unrecorded) and 
 does too, giving ``up``'s parameters a learning rate 1.1 times as large (a change no op record
 shows).  ``uneven`` (tensors), ``unevenstats`` (statistics) and ``unevenkernel1`` (``kernel1``'s
 relu) take a global batch of 5 samples, split 3 and 2 over 2 ranks: DDP averages the shares'
-gradients alike, so the parameters' gradients are not one process's by design.
+gradients alike, so the parameters' gradients are not one process's by design.  ``divided`` divides
+the loss by 2 as gradient accumulation does (``loss / accumulation_steps``); ``dividedkernel1`` as
+``divided`` with ``kernel1``'s relu.
 """
 
 from __future__ import annotations
@@ -73,7 +75,8 @@ def build(kind: str, run: str = "clean"):
 
 def train(kind: str, out: str, run: str, task: str = "tensor") -> None:
     rank = torch.distributed.get_rank() if kind != "single" else 0
-    kernel = wrong_relu_kernel() if run in ("kernel1", "bf16kernel1", "unevenkernel1") and rank == 1 else None
+    kernel = wrong_relu_kernel() if run in ("kernel1", "bf16kernel1", "unevenkernel1", "dividedkernel1") and rank == 1 \
+        else None
     try:
         _train(kind, out, run, task)
     finally:
@@ -100,6 +103,8 @@ def _train(kind: str, out: str, run: str, task: str) -> None:
         x = _share(torch.randn(sum(sizes), 8, generator=gen), kind, rank, sizes)
         probe.start()
         loss = model(x).pow(2).mean()
+        if run.startswith("divided"):
+            loss = loss / 2
         loss.backward()
         if run in ("outside", "optimizer"):
             probe.stop()       # the optimizer's ops unrecorded; its parameter records still written

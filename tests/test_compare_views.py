@@ -113,3 +113,27 @@ def test_a_difference_planted_before_the_views_is_still_named(tmp_path_factory):
         assert v.forward is not None and v.forward.cause == "unmatched", str(v)
         assert (v.forward.op, v.forward.side) == ("aten.mul.Tensor", side), str(v)
         assert v.forward.scope.endswith("self_attention.query_key_value"), str(v)
+
+
+def test_a_mean_backward_reads_the_loss_gradient_expanded_from_0_dim(tmp_path):
+    """``loss / 2`` (gradient accumulation's division): the mean's backward reads the division's
+    0-dim gradient expanded to the batch's shape (stride 0, no record).  A 0-dim value is one element
+    in memory, so the data flow finds it as the expand's base: the mean's backward is computed from
+    the loss's gradient (where it was not, compare across parallelism compared it unscaled: 2 ranks
+    each averaging half the batch against one process, a "difference" of a factor 2)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    probe = DispatchProbe(task="statistics", dump_path=str(tmp_path / "run"))
+    with probe:
+        (model(torch.randn(4, 8)).pow(2).mean() / 2).backward()
+    probe.step()
+    probe.close()
+    recs = [json.loads(line) for line in (tmp_path / "run" / "step0" / "rank0" / "ops.jsonl").read_text().splitlines()]
+    backward = [i for i, r in enumerate(recs) if r.get("stage") == "backward" and r.get("kind") == "op"]
+    divided, mean_backward = backward[0], backward[1]
+    assert recs[divided]["op"] == "aten.div.Tensor" and recs[mean_backward]["op"] == "aten.div.Scalar", \
+        [recs[i]["op"] for i in backward]
+    flow = data_flow(recs)
+    expanded = flow.walks[mean_backward][0][2]
+    assert expanded["shape"] == [4, 4] and set(expanded["stride"]) == {0}
+    assert flow.src.get(id(expanded)) == (divided, "output.0") and id(expanded) in flow.viewed

@@ -34,8 +34,9 @@ def _record(kind: str, out: Path, *runs: str) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("parallel")
-    _record("single", out / "single", "clean", "planted", "stats", "mixed")
-    _record("ddp", out / "ddp", "clean", "planted", "planted1", "kernel1", "stats", "outside", "optimizer", "mixed")
+    _record("single", out / "single", "clean", "planted", "stats", "mixed", "divided")
+    _record("ddp", out / "ddp", "clean", "planted", "planted1", "kernel1", "stats", "outside", "optimizer", "mixed",
+            "divided", "dividedkernel1")
     _record("tp", out / "tp", "clean")
     return out
 
@@ -89,6 +90,28 @@ def test_ops_counted_per_module_and_each_ranks_own_numbers_are_not_laid_side_by_
     assert len(cat) == 2 and (cat["status"] == "pass").all(), cat
     assert any("forward op aten.arange.default.0.forward [mix]: made from the program's numbers on each rank"
                in u for u in verdict.unpaired), verdict.unpaired
+
+
+@pytest.mark.parametrize("a, b", [("ddp/divided", "single/divided"), ("single/divided", "ddp/divided")])
+def test_a_loss_divided_after_its_mean_agrees_across_parallelism(runs, a, b):
+    """``loss / 2`` after the mean, as gradient accumulation divides it: the mean's backward reads the
+    division's 0-dim gradient through an expand no record shows.  Its base found, each rank's piece is
+    known to carry the loss's gradient and is not laid beside the one process's as it is (2 ranks
+    each averaging half the batch: twice the one process's values, once exit 2 naming the mean's
+    backward ``div``), in both orders."""
+    table, verdict = compare(runs / a, runs / b)
+    assert verdict.passed, str(verdict)
+    assert not (table["status"] == "error").any(), table[table["status"] == "error"]
+    assert {"forward", "grad", "value"} <= set(table["what"]), set(table["what"])
+
+
+@pytest.mark.parametrize("a, b", [("ddp/dividedkernel1", "single/divided"), ("single/divided", "ddp/dividedkernel1")])
+def test_a_wrong_kernel_is_named_across_parallelism_where_the_loss_is_divided(runs, a, b):
+    """Rank 1's wrong relu kernel under ``loss / 2``: named, in both orders."""
+    res = CliRunner().invoke(main, ["compare", str(runs / a), str(runs / b)])
+    assert res.exit_code == 2, res.output
+    parted = next(line for line in res.output.splitlines() if line.startswith("the runs part at step 0"))
+    assert "forward op aten.relu.default.0.forward" in parted, res.output
 
 
 def test_statistics_runs_agree_across_parallelism(runs):

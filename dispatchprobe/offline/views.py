@@ -46,10 +46,11 @@ class Layout(NamedTuple):
 
 
 def layout(spec: dict) -> Layout | None:
-    """A tensor spec's :class:`Layout`, or None where shape or stride is not recorded (or it is empty).
-    A part's tensors share a few dozen shapes and strides: each pair is worked out once."""
+    """A tensor spec's :class:`Layout`, or None where shape or stride is not recorded (or it holds no
+    element).  A 0-dim value is one element: the base of the expand a mean's backward reads.  A part's
+    tensors share a few dozen shapes and strides: each pair is worked out once."""
     shape, stride = spec.get("shape"), spec.get("stride")
-    if not shape or not stride or len(stride) != len(shape):
+    if shape is None or stride is None or len(stride) != len(shape):
         return None
     try:
         key = (*shape, None, *stride)
