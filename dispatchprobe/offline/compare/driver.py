@@ -683,7 +683,7 @@ def _first(divs: list, unmatched: pd.DataFrame, parts: list, stepped=None) -> tu
         if d.cause == "rounding":
             first[stage] = _parted_before(divs, d)
         elif e is not None and e.step < d.step and id(d) not in sourced:
-            first[stage] = _leads_to(e, d)
+            first[stage] = _parted_before(divs, _grown_from(e, d)) if e.rounding_at else _leads_to(e, d)
     return first, [early[s] for s in ("forward", "backward") if s in early and s not in first]
 
 
@@ -700,6 +700,15 @@ def _leads_to(e, d):
     return replace(e, departure=False, errors=d.errors, unjudged=e.unjudged or d.unjudged,
                    failed=f"{e.failed} (within tolerance at step {e.step}; the {d.errors} {d.stage} error rows of "
                           f"step {d.step} rank {d.rank} come after it: {why})")
+
+
+def _grown_from(e, d):
+    """``d``'s error rows (a later step's) grown from departure ``e`` of an earlier step, a difference of
+    rounding size where the runs compute in other precisions (fp16 or bf16 autocast against fp32, fp16
+    against bf16): the optimizer's updates carried it into the later step's values, so ``e`` is no
+    kernel's divergence and, the later step's values differing already, neither is an op of ``d``'s;
+    cause ``rounding``, no op named."""
+    return replace(d, cause="rounding", follows=e.rounding_at, approximate=False, unjudged="", came_from="")
 
 
 def _parted_before(divs: list, d):

@@ -1380,7 +1380,17 @@ class Lineage:
     def grown_where(self, df: pd.DataFrame, stage: str) -> str:
         """Where the rounding-size differences a ``rounding`` stage's error rows grew from enter
         (:meth:`_unwound`), and the precisions the runs compute in there, where they differ."""
-        root = self.grown[stage]
+        return self.rounding_where(df, self.grown[stage])
+
+    def rounding_at(self, df: pd.DataFrame, root: Root) -> str:
+        """Where a stage without error rows first departs, said as :meth:`grown_where` says it, where
+        that departure is a difference of rounding size at a precision the runs differ in
+        (:meth:`_precision_only`); else "".  A later step's error rows that come after it grew from
+        that rounding through the optimizer's updates: no op is named for them."""
+        return self.rounding_where(df, root) if self._precision_only(root) else ""
+
+    def rounding_where(self, df: pd.DataFrame, root: Root) -> str:
+        """``root``'s place and the precisions the runs compute in there (:meth:`precisions`)."""
         side = self.a if root.side == "a" else self.b
         rec = side.recs[root.index]
         where = (f"{rec['op']} [{rec['scope'] or '<top>'}] call {int(rec['call'])} {root.arg + ' ' if root.arg else ''}"
@@ -1417,6 +1427,8 @@ def trace(df: pd.DataFrame, a: Side, b: Side, pairs: list, rerun=None, same_kern
         _paired_op(df, div, pick)
         if pick.cause == "rounding":
             div.follows = lineage.grown_where(df, stage)
+        elif div.departure:
+            div.rounding_at = lineage.rounding_at(df, pick)
         if pick.cause == "region":
             div.region = lineage.region_ops(pick.index)
         elif pick.cause == "unmatched" and (span := lineage.computed_otherwise(a if pick.side == "a" else b, pick.index)):

@@ -96,6 +96,7 @@ class Divergence:
     came_from: str = ""          # inputs differing at a later step: where the earlier step's difference entered
     other_op: str = ""           # the paired record's op in the other run, where it is another op
     follows: str = ""            # after_random/after_inputs: where the forward difference it follows is
+    rounding_at: str = ""        # a departure of rounding size where the runs compute in other precisions: where
     recomputed: bool = False     # a forward op activation checkpointing re-ran in backward (both runs re-ran it)
     unjudged: str = ""           # an earlier op that looked like it amplified on statistics alone, below the error line
     amplifier: str = ""          # the first op that so looked, wherever the named source is (.drift reads it)
