@@ -368,6 +368,9 @@ def compare(a, b, *, match: str = "fuzzy", mapping: str | Mapping | None = None,
                 problems.append(f"{_span('step', {k[0] for k in alone})} x {_span('rank', {k[1] for k in alone})}: "
                                 f"{len(alone)} step/rank part(s) only in {run.path}; not compared")
         jobs_list = [(k, k) for k in common]
+        merged = _steps_in_one_part(run_a, run_b, common)
+        if merged:
+            problems.append(merged)
     if not jobs_list:
         raise RecordError(f"{run_a.path} and {run_b.path} have no step/rank in common "
                           f"({sorted(run_a.parts)} vs {sorted(run_b.parts)})")
@@ -379,8 +382,55 @@ def compare(a, b, *, match: str = "fuzzy", mapping: str | Mapping | None = None,
     # under a launcher each rank compares every world-th part with its -j workers; rank 0 merges
     results = gathered(engine, tasks, lambda share: _run_tasks(share, jobs, progress) if engine is None
                        else list(_run_tasks(share, jobs, progress)))
-    return said_by_rank0(engine, lambda: _merge(results, run_a, run_b, jobs_list, problems, (fa, fb), out, metric,
-                                                progress, keep_table), _elsewhere)
+    return said_by_rank0(engine, lambda: _judged_past_one_part(
+        _merge(results, run_a, run_b, jobs_list, problems, (fa, fb), out, metric, progress, keep_table),
+        merged if len(run_a.parts) > 1 or len(run_b.parts) > 1 else ""), _elsewhere)
+
+
+def backward_passes(records: list) -> int:
+    """How many times backward runs in a part's op records (stretches of backward records): one per
+    training step, or per micro-batch of a step that accumulates gradients."""
+    passes, before = 0, None
+    for r in records:
+        if r.get("kind") != "op":
+            continue
+        stage = r.get("stage")
+        passes += stage == "backward" and before != "backward"
+        before = stage
+    return passes
+
+
+def _steps_in_one_part(run_a, run_b, common: list) -> str:
+    """Why the runs' steps do not pair, where one run holds steps the other lacks and the other's first
+    common part runs backward more often: that run recorded several training steps as one (its loop
+    never called ``probe.step()`` and no ``torch.optim`` optimizer ended its steps), so its part's
+    first step pairs with the other's and the rest of it with nothing (:func:`_judged_past_one_part`);
+    else "".  Runs that accumulate gradients alike hold their steps alike."""
+    if not common:
+        return ""
+    key = common[0]
+    for run, other in ((run_a, run_b), (run_b, run_a)):
+        alone = sorted({k[0] for k in run.parts} - {k[0] for k in other.parts})
+        if not alone:
+            continue
+        mine, theirs = (backward_passes(r.parts[key].records) for r in (run, other))
+        if theirs > mine >= 1:
+            return (f"{other.path}'s step {key[0]} rank {key[1]} runs backward {theirs} times, {run.path}'s "
+                    f"{mine}, and {run.path}'s {_span('step', set(alone))} are not in {other.path}: it records "
+                    f"several training steps as one (call probe.step() after each step; without it only a "
+                    f"torch.optim optimizer's steps end a step); only its first is compared")
+    return ""
+
+
+def _judged_past_one_part(result: Result, merged: str) -> Result:
+    """``result``, unless one run recorded several steps as one (``merged``: :func:`_steps_in_one_part`)
+    and it found no error: its later steps were compared with nothing, so a difference entering there
+    (another learning rate) would go unseen, and "the runs agree" would say more than was compared:
+    :class:`RunsDoNotAlign` then.  A divergence found where the first steps pair is one (a wrong
+    kernel runs in every step) and stands."""
+    if merged and result.verdict.passed:
+        raise RunsDoNotAlign(f"the runs do not align: {merged}", result)
+    return result
 
 
 def _elsewhere(verdict) -> Result:
