@@ -145,3 +145,23 @@ def test_same_bytes_is_bit_equality(make):
         b[last] = (0.5 if old != 0.5 else 0.25) if a.dtype.is_floating_point else (int(old) + 1) % 256
         assert not _same_bytes(a, b)
     assert not _same_bytes(torch.tensor([0.0]), torch.tensor([-0.0]))      # equal numbers, other bits
+
+
+def test_a_send_before_a_receive_on_both_ranks_does_not_block(tmp_path):
+    """Both ranks send before they receive; gloo's send and receive works give no future, and a probe
+    waiting at the call blocked both ranks until the group timed out.  Now each is recorded when it
+    has completed: the program receives what the peer sent, and the records hold the values sent."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(SCRIPT.with_name("p2p_train.py")), str(tmp_path)], capture_output=True, text=True,
+                          timeout=240, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for rank in (0, 1):
+        got = json.loads((tmp_path / f"result{rank}.json").read_text())
+        assert got == {"received": [2.0 - rank] * 4, "doubled": [2 * (2.0 - rank)] * 4}
+        recs = _records(tmp_path, "run", 0, rank)
+        send = next(r for r in recs if r["op"] == "c10d.send.default")
+        assert send["inputs"][0]["value"][0]["stats"]["max"] == rank + 1.0
+        assert [r["op"] for r in recs if r["op"].startswith("c10d.")] == ["c10d.send.default", "c10d.recv_.default"]
+        doubled = next(r for r in recs if r["op"] == "aten.mul.Tensor")
+        assert doubled["outputs"][0]["stats"]["max"] == 2 * (2.0 - rank)

@@ -122,7 +122,7 @@ class _Entry:
 
     def __init__(self, place, call, work, storages):
         self.place, self.call, self.work, self.storages = place, call, work, storages
-        self.future = work.get_future() if work is not None else None
+        self.future = work.get_future() if work is not None and _has_future(work) else None
         self.waited = False
         self.later = 0
         self.kept = None            # {id(output): (its copy taken as the work completed, its version then)}
@@ -167,7 +167,7 @@ class Pending:
             if _arg(args, kwargs, func, _async_index(func)) is False:
                 return False        # a synchronous call: the program waits for it right away
             work = _work(out)
-            if work is None or not _has_future(work):
+            if work is None or not (_has_future(work) or _point_to_point(name)):
                 return False        # a work that may never say it completed (gloo's reduce-scatter)
         else:
             work = None
@@ -179,7 +179,7 @@ class Pending:
         entry = _Entry(place, (name, stage, scope, args, kwargs, out, func, grad_fn, undefined, extra),
                        work, _storages(tensors))
         self.entries.append(entry)
-        if work is not None:
+        if entry.future is not None:
             entry.future.add_done_callback(lambda _, e=entry, ts=tensors: e.keep(ts))
         return True
 
@@ -192,7 +192,7 @@ class Pending:
         done = []
         for e in self.entries:
             e.later += 1
-            if e.waited or e.kept is not None:
+            if e.waited or e.kept is not None or _transferred(e):
                 done.append((e, None))
             # a use of the outputs once the work's future is done (the program waited on it: it wakes
             # its waiters before running its callbacks); a functional collective's wrapping is no use
@@ -243,12 +243,36 @@ def _work(out):
     return None
 
 
+def _point_to_point(name: str) -> bool:
+    """Whether ``name`` is a send or receive: it completes only once the peer takes part, so the probe
+    never waits for it at the call, even where its work has no future to say when it is done (gloo's
+    ``isend``/``irecv``): two ranks that each send before they receive (a pipeline schedule's first
+    exchange) would each wait for a receive the other has not posted yet."""
+    got = role(name)
+    return got is not None and got.kind == "p2p"
+
+
+def _transferred(e: _Entry) -> bool:
+    """A send or receive without a future (:func:`_point_to_point`) that has completed: asked at each
+    poll, as no callback says so."""
+    return e.future is None and e.work is not None and e.work.is_completed()
+
+
 def _waited(e: _Entry, deadline: float) -> bool:
     """Whether the entry's work completes (and its outputs are copied) by ``deadline``: waits for
     its completion callback to say so (the work's own timed ``wait`` may fail the work), woken
     as it does, the GIL released meanwhile.  A program that waited on the work's future can use
-    its outputs before that future's callbacks have run (the future wakes its waiters first)."""
-    return e.kept is not None or e.kept_set.wait(max(0.0, deadline - time.monotonic()))
+    its outputs before that future's callbacks have run (the future wakes its waiters first).  A
+    work without a future (:func:`_transferred`) is asked until the deadline."""
+    if e.kept is not None:
+        return True
+    if e.future is None:
+        while not e.work.is_completed():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.001)
+        return True
+    return e.kept_set.wait(max(0.0, deadline - time.monotonic()))
 
 
 def _changed(out, kept: dict) -> dict:
