@@ -402,3 +402,15 @@ def record_mse_step(path, model: nn.Module, dtype, *, batch: tuple = (8, 16), wi
         probe.step()
         probe.close()
     return path
+
+
+def as_other_torch_version(path, version: str = "2.5.1+emulated"):
+    """Marks recorded run ``path`` as made by another torch ``version`` (its manifest's
+    ``framework_version``): compare then treats the two runs as other kernels, as two installed
+    torch versions are, which a test emulates with another attention backend or a planted kernel."""
+    import json
+    manifest = path / "manifest.json"
+    data = json.loads(manifest.read_text())
+    data["framework_version"] = version
+    manifest.write_text(json.dumps(data))
+    return path

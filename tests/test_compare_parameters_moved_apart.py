@@ -11,15 +11,13 @@ manifest naming another version (kernels of two versions round apart at every op
 from __future__ import annotations
 
 import contextlib
-import json
 
 import pytest
 import torch
+from compare_helpers import as_other_torch_version, tiny_gpt2
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from dispatchprobe import DispatchProbe, compare
-
-from compare_helpers import tiny_gpt2
 
 pytest.importorskip("transformers")
 
@@ -57,12 +55,7 @@ def _record(path, *, fused: bool, wrong_from: int | None = None, steps: int = 2)
         probe.close()
         if lib is not None:
             lib._destroy()
-    if not fused:
-        manifest = path / "manifest.json"
-        data = json.loads(manifest.read_text())
-        data["framework_version"] = "2.5.1+emulated"
-        manifest.write_text(json.dumps(data))
-    return path
+    return path if fused else as_other_torch_version(path)
 
 
 @pytest.fixture(scope="module")
