@@ -22,12 +22,13 @@ from dispatchprobe.offline.compare import compare
 pytest.importorskip("transformers")
 
 
-def _record(path, precision: str, kernel: str | None = None, steps: int = 2):
+def _record(path, precision: str, kernel: str | None = None, steps: int = 2, init_scale: float = 2.0 ** 16):
     """``steps`` AdamW steps of the tiny Llama (batch ``k`` from seed ``k``) under ``precision``:
-    ``fp16`` (autocast, the loss scaled by a GradScaler), ``bf16`` (autocast) or ``fp32``."""
+    ``fp16`` (autocast, the loss scaled by a GradScaler starting at ``init_scale``), ``bf16``
+    (autocast) or ``fp32``."""
     model = tiny_llama()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    scaler = torch.amp.GradScaler("cpu") if precision == "fp16" else None
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale) if precision == "fp16" else None
     probe = DispatchProbe(task="statistics", dump_path=str(path))
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision)
     with planted_kernel(kernel, wrong_silu_backward if kernel else None):
@@ -51,9 +52,11 @@ def _record(path, precision: str, kernel: str | None = None, steps: int = 2):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("fp16_steps")
-    return {name: _record(root / name, precision, kernel) for name, precision, kernel in
+    runs = {name: _record(root / name, precision, kernel) for name, precision, kernel in
             (("fp16", "fp16", None), ("fp32", "fp32", None), ("bf16", "bf16", None),
              ("fp16_wrong", "fp16", "silu_backward"))}
+    runs["fp16_overflow"] = _record(root / "fp16_overflow", "fp16", init_scale=2.0 ** 19)
+    return runs
 
 
 @pytest.mark.parametrize("a, b", [("fp16", "fp32"), ("fp32", "fp16"), ("fp16", "bf16"), ("bf16", "fp16")])
@@ -80,3 +83,21 @@ def test_a_wrong_backward_kernel_under_fp16_is_named(runs, a, b):
     _, v = compare(runs[a], runs[b])
     assert v.backward is not None and v.backward.cause == "op", str(v)
     assert (v.backward.op, v.backward.step) == ("aten.silu_backward.default", 0), str(v)
+
+
+@pytest.mark.parametrize("a, b", [("fp16_overflow", "bf16"), ("bf16", "fp16_overflow"),
+                                  ("fp16_overflow", "fp16"), ("fp16", "fp16_overflow")])
+def test_a_loss_scale_overflowing_float16_names_no_kernel(runs, a, b):
+    """A GradScaler starting at 2**19: step 0's scaled gradients overflow float16 (the scaler skips
+    that update).  The inf is the scale's, not a kernel's: no op is named for it (it named lm_head's
+    backward mm, "nan/inf counts differ"), its values are not judged, and a warning says the scaler
+    skipped the update, whichever run is A."""
+    table, v = compare(runs[a], runs[b])
+    stages = [d for d in (v.forward, v.backward) if d is not None]
+    assert all(d.cause != "op" for d in stages), str(v)
+    assert "divergence:" not in str(v), str(v)
+    skipped = "fp16_overflow"
+    side = "A" if a == skipped else "B"
+    assert any(f"run {side}'s loss scale overflows in this step's backward" in p for p in v.problems), v.problems
+    step0 = table[(table["step"] == 0) & (table["stage"] == "backward")]
+    assert (step0["reason"].str.contains("loss scale overflowing") & (step0["status"] == "not judged")).any()

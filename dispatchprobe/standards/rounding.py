@@ -18,6 +18,9 @@ from ..records.format import base_name, walk
 from .loader import short_dtype, standard
 
 EPS = {"float16": 2.0 ** -11, "bfloat16": 2.0 ** -8, "float32": 2.0 ** -24, "float64": 2.0 ** -53}
+# the largest finite value of each float dtype (torch.finfo(d).max)
+LARGEST = {"float16": 65504.0, "bfloat16": 3.3895313892515355e38, "float32": 3.4028234663852886e38,
+           "float64": 1.7976931348623157e308}
 
 # reductions of one input over some of its dimensions: compare bounds them from that input's norm
 _SUMS = {"sum": 1, "nansum": 1, "mean": 0,      # 0: divided by the number of terms

@@ -224,6 +224,8 @@ def _compare_parts(part_a: Part, part_b: Part, match: str, mapping: Mapping, ten
                      (recs_a, recs_b, al.pairs, flow_a.src, flow_b.src), arrays)
     if scaling is not None:
         df = scaling.judge(df, arrays)
+        if scaling.overflowed:
+            problems.append(f"step {step} rank {rank}: {scaling.overflowed}")
     # compute records: counted per distinct op (a few over 100k records), casts left out; those inside a
     # region outside every module (a loss function, an optimizer step, which two frameworks compute with
     # other ops) are compared at its boundary, as a decomposed module's are: neither aligned nor not

@@ -33,6 +33,7 @@ import pandas as pd
 
 from ...core import op_traits
 from ...records.format import walk as _walk
+from ...standards.rounding import LARGEST
 from ...standards.verdicts import NOT_JUDGED
 from .pairing import data_flow
 
@@ -83,6 +84,7 @@ class LossScale:
     machinery: set = field(default_factory=set)      # ids of the scalers' own records (either run)
     whole_backward: str = ""                         # set where the scaled values cannot be told
     keys: set = field(default_factory=set)           # saved tensors (task tensor) of the divided values
+    overflowed: str = ""                             # set where the larger scale overflowed (:meth:`_overflowed`)
 
     def parts(self, part_a, part_b) -> tuple:
         """The parts as scoring reads their saved tensors: the divided run's scaled ones unscaled."""
@@ -148,10 +150,40 @@ class LossScale:
             why = self.not_judged.get(x) or self.not_judged.get(y)
             if why:
                 status[k], reason[k] = NOT_JUDGED, why
+        self._overflowed(df, status, reason)
         df["status"], df["reason"] = status, reason
         if arrays:
             arrays["status"], arrays["reason"] = df["status"].to_numpy(), df["reason"].to_numpy()
         return df
+
+    def _overflowed(self, df: pd.DataFrame, status: np.ndarray, reason: np.ndarray) -> None:
+        """Not judged: the divided run's scaled values holding inf or nan where the other run's are
+        finite, once one of them is the scale's own overflow (the other run's largest magnitude times
+        the ratio is past the largest finite value of the scaled value's dtype).  Why: a loss scaler
+        starts high and lowers its scale when the scaled gradients overflow (torch.amp.GradScaler
+        skips that step's update), so a float16 run's first steps may hold inf that no kernel made
+        wrong, and the first op to overflow would be named.  What spreads from it (inf times 0, inf
+        minus inf) is the same overflow; a wrong kernel in such a step cannot be told (not judged)."""
+        mine, other = self.divided, "b" if self.divided == "a" else "a"
+        col = lambda name, side: df[f"{name}_{side}"].to_numpy()    # noqa: E731
+        nonfinite = lambda side: (np.nan_to_num(col("nan", side).astype(float)) > 0) \
+            | (np.nan_to_num(col("inf", side).astype(float)) > 0)    # noqa: E731
+        scaled = np.isin(col("spec", mine).astype(np.int64), np.fromiter(self.unscaled, np.int64))
+        cand = scaled & nonfinite(mine) & ~nonfinite(other) & (status != NOT_JUDGED)
+        if not cand.any():
+            return
+        with np.errstate(invalid="ignore"):
+            largest = np.fmax(np.abs(col("max", other).astype(float)), np.abs(col("min", other).astype(float)))
+        limit = np.array([LARGEST.get(d, np.inf) for d in col("dtype", mine).tolist()])
+        if not (cand & (largest * self.ratio > limit)).any():
+            return
+        why = (f"{LOSS_SCALING}inf/nan from the loss scale overflowing ({self.said()}: the other run's values "
+               f"times {_number(self.ratio)} pass the largest finite value of its dtype): a loss scaler lowers "
+               f"its scale and skips such a step's update; not a kernel's fault")
+        status[cand], reason[cand] = NOT_JUDGED, why
+        self.overflowed = (f"run {mine.upper()}'s loss scale overflows in this step's backward ({self.said()}; "
+                           f"{int(cand.sum())} values hold inf/nan the other run's do not, not judged): a loss "
+                           f"scaler skips such a step's update, so the runs' parameters differ after it")
 
 
 def not_judged(table: pd.DataFrame) -> int:

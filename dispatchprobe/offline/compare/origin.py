@@ -23,6 +23,7 @@ from ...records.format import walk
 from ...records.reader import Part
 from ...standards import verdicts as V
 from ...standards.loader import is_float, standard
+from ...standards.rounding import LARGEST
 from ..regions import common_scope, stats_distance
 from .choice import Choices
 from .columns import TENSOR_METRICS
@@ -62,7 +63,7 @@ class Root(NamedTuple):
 ROUNDING, CONSTANT, NOISE = 1, 2, 3
 
 # the largest finite value of each float dtype (torch.finfo(d).max of float64, float32, float16, bfloat16)
-FLOAT_MAXES = (1.7976931348623157e308, 3.4028234663852886e38, 65504.0, 3.3895313892515355e38)
+FLOAT_MAXES = tuple(LARGEST[d] for d in ("float64", "float32", "float16", "bfloat16"))
 # a dtype's extremes as a program writes them, "the lowest value of my dtype" (finfo(d).min/max, +-inf)
 DTYPE_EXTREMES = frozenset([*FLOAT_MAXES, *(-m for m in FLOAT_MAXES), float("inf"), float("-inf")])
 
