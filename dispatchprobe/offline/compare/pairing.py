@@ -152,6 +152,7 @@ def data_flow(recs: list, permuted: bool = False) -> DataFlow:
     ranks: dict = {}
     undefined: set = set()
     views, by_view_sig, viewed, pieces = ViewIndex(), {}, set(), {}
+    made_undefined: set = set()    # (record, output arg) of values computed from undefined ones
     walks = [tensor_list(r) for r in recs]
     for i, r in enumerate(recs):
         for t in r.get("through", ()):   # a left-out layout op (translate.py): its output is its input
@@ -168,13 +169,16 @@ def data_flow(recs: list, permuted: bool = False) -> DataFlow:
                             by_range[key] = hit
         low = None
         produces = r["kind"] == producers
+        # a value computed from uninitialised memory is garbage too (a pipeline stage's warm-up on
+        # buffers nothing wrote): its record's outputs are undefined where it reads such a value
+        tainted = False
         for io, arg, spec in walks[i]:
             dt = spec["dtype"]
             own = ranks.get(dt)
             if own is None:
                 own = ranks[dt] = V.precision_rank(dt)
             data = spec.get("data")
-            if spec.get("undefined"):
+            if spec.get("undefined") or (tainted and io == "output" and produces):
                 undefined.add(id(spec))
             if io == "input" or not produces:
                 hit = by_data.get(data) if data is not None else None
@@ -193,6 +197,10 @@ def data_flow(recs: list, permuted: bool = False) -> DataFlow:
                             carried = _carried_by_all(holders)
                 if hit is not None and io == "input":
                     src[id(spec)] = hit[0], hit[1]
+                    if (hit[0], hit[1]) in made_undefined:
+                        undefined.add(id(spec))
+                if io == "input" and id(spec) in undefined and _reads_values(r, arg):
+                    tainted = True
                 if own < 0:
                     continue
                 rk = own if hit is None or hit[2] is None else min(own, hit[2])
@@ -209,6 +217,8 @@ def data_flow(recs: list, permuted: bool = False) -> DataFlow:
                 if rk is not None and rk < own:
                     lineage[id(spec)] = rk
                 entry = (i, arg, rk)
+                if tainted:
+                    made_undefined.add((i, arg))
                 if data is not None:
                     by_data[data] = entry
                 sig = _signature(spec)
@@ -218,6 +228,16 @@ def data_flow(recs: list, permuted: bool = False) -> DataFlow:
                     by_range[key] = entry
                 views.add(spec, entry, flat_buffer(r, arg))
     return DataFlow(src, lineage, walks, undefined, frozenset(viewed), pieces)
+
+
+def _reads_values(record: dict, arg: str) -> bool:
+    """Whether ``record``'s op reads the values of its argument ``arg`` (not only its shape, as
+    ``zeros_like``; not a destination it overwrites, as ``copy_``'s or an ``out=`` one).  aten's ops
+    only: a MindSpore kernel may be handed an output its device never writes and not read it
+    (BatchNormGrad's input 5 on the CPU)."""
+    op = record.get("op", "")
+    return op.startswith("aten.") and not (op_traits.reads_metadata_only(op) or op_traits.overwritten(op, arg)
+                                           or arg.startswith("input.out"))
 
 
 def _carried_by_all(holders: list) -> int | None:
