@@ -167,11 +167,7 @@ def _closest_stand_in(found: list, ka: list, kb: list, ga: list, gb: list, recs_
     one run stands for several records of the other (eager's ``stack``, the backward of ``unbind``,
     for a compiled graph's three ``select_backward`` and the ``add`` of them, all of one shape), and
     the order pairs it with the first piece, whose values are a third of it, instead of the record
-    holding the whole value.  A piece another of those records reads (``g * sigmoid(x)`` of silu's
-    backward decomposed, which the next ``mul`` reads) holds part of the computation, never the whole
-    value: the records no other of them reads come first, whatever their statistics (a forward
-    difference before them can leave a piece's statistics nearer the one record's).  True if any
-    pair moved."""
+    holding the whole value.  True if any pair moved."""
     count_a, count_b = Counter(ka), Counter(kb)
     key_a, key_b = dict(zip(ga, ka)), dict(zip(gb, kb))
     at_a, at_b = {i: n for n, i in enumerate(ga)}, {j: n for n, j in enumerate(gb)}
@@ -180,15 +176,11 @@ def _closest_stand_in(found: list, ka: list, kb: list, ga: list, gb: list, recs_
         k = key_a[x]
         if count_a[k] == 1 and count_b[k] > 1:
             cands = [j for j in gb if key_b[j] == k]
-            pieces = _read_by_another(recs_b, cands)
-            best = min(cands, key=lambda j: (j in pieces, _output_distance(recs_a[x], recs_b[j]), j != y,
-                                             abs(at_b[j] - at_b[y])))
+            best = min(cands, key=lambda j: (_output_distance(recs_a[x], recs_b[j]), j != y, abs(at_b[j] - at_b[y])))
             new = (x, best)
         elif count_b[k] == 1 and count_a[k] > 1:
             cands = [i for i in ga if key_a[i] == k]
-            pieces = _read_by_another(recs_a, cands)
-            best = min(cands, key=lambda i: (i in pieces, _output_distance(recs_a[i], recs_b[y]), i != x,
-                                             abs(at_a[i] - at_a[x])))
+            best = min(cands, key=lambda i: (_output_distance(recs_a[i], recs_b[y]), i != x, abs(at_a[i] - at_a[x])))
             new = (best, y)
         else:
             continue
@@ -198,24 +190,6 @@ def _closest_stand_in(found: list, ka: list, kb: list, ga: list, gb: list, recs_
         found[n] = (*new, how)
         moved = True
     return moved
-
-
-def _read_by_another(recs: list, cands: list) -> set:
-    """Of records ``cands`` (indices into ``recs``, in order), those whose output another of them reads
-    (:func:`.regions.producers` over them alone: by saved-tensor key, statistics, or a view)."""
-    made = producers([recs[i] for i in cands])
-    return {cands[p] for got in made for p in got}
-
-
-def _whole_values(recs: list, cands: list) -> list:
-    """Of sibling records ``cands``, those no other of them reads (:func:`_read_by_another`), all of them
-    where each is read: a sibling another one reads is a piece of a chain computing one value (silu's
-    backward decomposed into ``mul`` after ``mul``), not a second computation of the value its
-    counterpart holds."""
-    if len(cands) < 2:
-        return cands
-    pieces = _read_by_another(recs, sorted(cands))
-    return [c for c in cands if c not in pieces] or cands
 
 
 def _between_pairs(ga: list, gb: list, found: list) -> list:
@@ -488,7 +462,6 @@ def _closest_siblings(recs_a: list, recs_b: list, pairs: list, gaps: list) -> bo
             cand.append([x] + lst[bisect.bisect_right(lst, lo):bisect.bisect_left(lst, hi)])
         if len(cand[0]) == 1 and len(cand[1]) == 1:
             continue
-        cand = [_whole_values(recs_a, cand[0]), _whole_values(recs_b, cand[1])]
         far_out, far_in = (m.tolist() for m in _closeness(recs_a, recs_b, cand[0], cand[1]))
         # ties: the ordered pass's pair, then the nearest to it, the earliest (the same whichever run is A)
         best = min((far_out[p][q], far_in[p][q], (x, y) != (i, j), abs(x - i) + abs(y - j), x + y, x, y)
