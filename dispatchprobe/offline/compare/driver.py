@@ -112,7 +112,8 @@ def _compare_parts(part_a: Part, part_b: Part, match: str, mapping: Mapping, ten
             counters[r["stage"]] = c + 1
         return out
     seq_a, seq_b = seqs(recs_a), seqs(recs_b)
-    flow_a, flow_b = data_flow(recs_a, cross), data_flow(recs_b, cross)
+    spreads = framework == "torch" and not cross     # undefined values spread (pairing.data_flow)
+    flow_a, flow_b = data_flow(recs_a, cross, spreads), data_flow(recs_b, cross, spreads)
     walks_a, walks_b = flow_a.walks, flow_b.walks
     # most runs carry no lower precision and no undefined value: no per-row lookup then
     lin_a, lin_b = flow_a.lineage.get if flow_a.lineage else None, flow_b.lineage.get if flow_b.lineage else None

@@ -136,13 +136,15 @@ def _signature(spec: dict):
     return (spec["dtype"], *st.values())
 
 
-def data_flow(recs: list, permuted: bool = False) -> DataFlow:
+def data_flow(recs: list, permuted: bool = False, undefined_spreads: bool = False) -> DataFlow:
     """Which earlier record produced each input (the latest with that value) and the precision each
     value carries: a float value computed from bfloat16 values carries bfloat16 rounding, whatever its
     own dtype.  Op records produce values; module records only where a part has no op records.
     ``permuted`` (runs of two frameworks, whose layout ops are left out): a value not found otherwise
     is recognised by its size, maximum and minimum, which a transposed copy keeps exactly (its mean
-    and norm, summed in another order, need not)."""
+    and norm, summed in another order, need not).  ``undefined_spreads`` (PyTorch runs): what an op
+    computes from an undefined value it reads is undefined too; a MindSpore kernel is handed outputs
+    its device never wrote and need not read them (BatchNormGrad's input 5 on the CPU)."""
     producers = "op" if any(r["kind"] == "op" for r in recs) else "module"
     by_data: dict = {}
     by_sig: dict = {}
@@ -199,7 +201,7 @@ def data_flow(recs: list, permuted: bool = False) -> DataFlow:
                     src[id(spec)] = hit[0], hit[1]
                     if (hit[0], hit[1]) in made_undefined:
                         undefined.add(id(spec))
-                if io == "input" and id(spec) in undefined and _reads_values(r, arg):
+                if undefined_spreads and io == "input" and id(spec) in undefined and _reads_values(r, arg):
                     tainted = True
                 if own < 0:
                     continue
