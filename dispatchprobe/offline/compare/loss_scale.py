@@ -165,16 +165,14 @@ class LossScale:
         wrong, and the first op to overflow would be named.  What spreads from it (inf times 0, inf
         minus inf) is the same overflow; a wrong kernel in such a step cannot be told (not judged)."""
         mine, other = self.divided, "b" if self.divided == "a" else "a"
-        col = lambda name, side: df[f"{name}_{side}"].to_numpy()    # noqa: E731
-        nonfinite = lambda side: (np.nan_to_num(col("nan", side).astype(float)) > 0) \
-            | (np.nan_to_num(col("inf", side).astype(float)) > 0)    # noqa: E731
-        scaled = np.isin(col("spec", mine).astype(np.int64), np.fromiter(self.unscaled, np.int64))
-        cand = scaled & nonfinite(mine) & ~nonfinite(other) & (status != NOT_JUDGED)
+        scaled = np.isin(_column(df, "spec", mine).astype(np.int64), np.fromiter(self.unscaled, np.int64))
+        cand = scaled & _nonfinite(df, mine) & ~_nonfinite(df, other) & (status != NOT_JUDGED)
         if not cand.any():
             return
         with np.errstate(invalid="ignore"):
-            largest = np.fmax(np.abs(col("max", other).astype(float)), np.abs(col("min", other).astype(float)))
-        limit = np.array([LARGEST.get(d, np.inf) for d in col("dtype", mine).tolist()])
+            largest = np.fmax(np.abs(_column(df, "max", other).astype(float)),
+                              np.abs(_column(df, "min", other).astype(float)))
+        limit = np.array([LARGEST.get(d, np.inf) for d in _column(df, "dtype", mine).tolist()])
         if not (cand & (largest * self.ratio > limit)).any():
             return
         why = (f"{LOSS_SCALING}inf/nan from the loss scale overflowing ({self.said()}: the other run's values "
@@ -191,6 +189,17 @@ def not_judged(table: pd.DataFrame) -> int:
     if not len(table):
         return 0
     return int(((table["status"] == NOT_JUDGED) & table["reason"].astype(str).str.startswith(LOSS_SCALING)).sum())
+
+
+def _column(df: pd.DataFrame, name: str, side: str) -> np.ndarray:
+    """One run's column of the table (``side`` is "a" or "b")."""
+    return df[f"{name}_{side}"].to_numpy()
+
+
+def _nonfinite(df: pd.DataFrame, side: str) -> np.ndarray:
+    """Rows whose value in run ``side`` holds a nan or an inf (a missing count is none)."""
+    return (np.nan_to_num(_column(df, "nan", side).astype(float)) > 0) \
+        | (np.nan_to_num(_column(df, "inf", side).astype(float)) > 0)
 
 
 def _number(x: float) -> str:

@@ -235,8 +235,8 @@ def data_flow(recs: list, permuted: bool = False, undefined_spreads: bool = Fals
 def _reads_values(record: dict, arg: str) -> bool:
     """Whether ``record``'s op reads the values of its argument ``arg`` (not only its shape, as
     ``zeros_like``; not a destination it overwrites, as ``copy_``'s or an ``out=`` one).  aten's ops
-    only: a MindSpore kernel may be handed an output its device never writes and not read it
-    (BatchNormGrad's input 5 on the CPU)."""
+    only: what a collective or a point-to-point op (``c10d.recv_``) does with a buffer is not an
+    aten schema's to tell."""
     op = record.get("op", "")
     return op.startswith("aten.") and not (op_traits.reads_metadata_only(op) or op_traits.overwritten(op, arg)
                                            or arg.startswith("input.out"))
