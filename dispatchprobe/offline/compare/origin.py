@@ -127,6 +127,7 @@ class OwnShare:
         self.below = None              # record -> its input rows differing below the floor (below_floor)
         self.activation_input = None   # activation record -> its input row, on first use (on_extremes)
         self.extremes = None           # the max/min columns, on first use (on_extremes)
+        self.at_extremes: set = set()  # activations whose own difference was measured at their extremes
 
     def _carries_noise(self, outs: list, noise: list) -> bool:
         """Whether the outputs differ by no more than ``origin_amplification`` times the noise inputs'
@@ -209,6 +210,7 @@ class OwnShare:
                 self.recs_a[i], self.recs_b[j], {e: (ext[e + "_a"][k_in], ext[e + "_b"][k_in]) for e in ("max", "min")},
                 {e: (ext[e + "_a"][k], ext[e + "_b"][k]) for e in ("max", "min")}, (self.dtype_a[k], self.dtype_b[k]))
             if found:
+                self.at_extremes.add(i)
                 return True
         return False
 
@@ -1422,9 +1424,12 @@ def trace(df: pd.DataFrame, a: Side, b: Side, pairs: list, rerun=None, same_kern
         div = _describe(df, a, b, stage, pick, errors, lineage.off_rows & ~lineage.partial_rows)
         if pick.cause == "choice" and a.recs[pick.index]["stage"] != stage:
             div = _after_choice(div, a, pick)
-        # placed from the recorded errors, or from statistics (equal statistics do not make equal values)
-        div.approximate = pick.cause in ("op", "region") and (pick.index in lineage.own_share.estimated or bool(
-            unmeasured[(lineage.uid == pick.index) & (df["stage"].to_numpy(object) == stage)].any()))
+        # placed from the recorded errors, or from statistics (equal statistics do not make equal values);
+        # an activation whose output's extremes are not its function of its input's is wrong itself, whatever
+        # its input: measured, not estimated
+        div.approximate = pick.cause in ("op", "region") and pick.index not in lineage.own_share.at_extremes and (
+            pick.index in lineage.own_share.estimated
+            or bool(unmeasured[(lineage.uid == pick.index) & (df["stage"].to_numpy(object) == stage)].any()))
         _paired_op(df, div, pick)
         if pick.cause == "rounding":
             div.follows = lineage.grown_where(df, stage)
