@@ -19,7 +19,9 @@ shows).  ``uneven`` (tensors), ``unevenstats`` (statistics) and ``unevenkernel1`
 relu) take a global batch of 5 samples, split 3 and 2 over 2 ranks: DDP averages the shares'
 gradients alike, so the parameters' gradients are not one process's by design.  ``divided`` divides
 the loss by 2 as gradient accumulation does (``loss / accumulation_steps``); ``dividedkernel1`` as
-``divided`` with ``kernel1``'s relu.
+``divided`` with ``kernel1``'s relu, ``dividedbackward1`` with a wrong relu backward on rank 1
+(``threshold_backward`` x1.05).  ``xent`` trains on a cross-entropy loss (a mean ``nll_loss`` over
+random targets, as a language model's), ``xentbackward1`` with ``dividedbackward1``'s relu backward.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from torch import nn
 
 from dispatchprobe import DispatchProbe
 
-from parallel_models import MLP, parallelize, run_and_end, wrong_relu_kernel
+from parallel_models import MLP, parallelize, run_and_end, wrong_kernel, wrong_relu_kernel
 
 STEPS = 2
 BATCH = 8
@@ -75,8 +77,11 @@ def build(kind: str, run: str = "clean"):
 
 def train(kind: str, out: str, run: str, task: str = "tensor") -> None:
     rank = torch.distributed.get_rank() if kind != "single" else 0
-    kernel = wrong_relu_kernel() if run in ("kernel1", "bf16kernel1", "unevenkernel1", "dividedkernel1") and rank == 1 \
-        else None
+    kernel = None
+    if run in ("kernel1", "bf16kernel1", "unevenkernel1", "dividedkernel1") and rank == 1:
+        kernel = wrong_relu_kernel()
+    elif run in ("dividedbackward1", "xentbackward1") and rank == 1:
+        kernel = wrong_kernel("threshold_backward")
     try:
         _train(kind, out, run, task)
     finally:
@@ -102,7 +107,11 @@ def _train(kind: str, out: str, run: str, task: str) -> None:
         sizes = UNEVEN if run.startswith("uneven") else (BATCH // world,) * world
         x = _share(torch.randn(sum(sizes), 8, generator=gen), kind, rank, sizes)
         probe.start()
-        loss = model(x).pow(2).mean()
+        if run.startswith("xent"):
+            targets = _share(torch.randint(0, 8, (sum(sizes),), generator=gen), kind, rank, sizes)
+            loss = nn.functional.cross_entropy(model(x), targets)
+        else:
+            loss = model(x).pow(2).mean()
         if run.startswith("divided"):
             loss = loss / 2
         loss.backward()

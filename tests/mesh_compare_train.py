@@ -10,7 +10,9 @@ tensor-parallel group take the same half of them.  RUN ``clean`` records as is; 
 rank 1 alone a wrong tanh kernel (``torch.library`` overrides aten::tanh on CPU with tanh x1.01), in
 the layer before the tensor-parallel block, where rank 1 and its tensor-parallel peer rank 0 compute
 on equal inputs; ``relu1`` a wrong relu (x1.01) on rank 1 alone, inside the block, where each rank
-computes its own columns.  Each run is recorded with the statistics and the tensor task
+computes its own columns.  ``gated`` trains :class:`ResidualGatedMLP` instead (Llama's MLP, ``gate``
+and ``up`` column-wise, with a residual around it), ``gatedgelu1`` with a wrong gelu (x1.01) on rank
+1 alone, before the block.  Each run is recorded with the statistics and the tensor task
 (``OUT/RUN/{statistics,tensor}``).
 """
 
@@ -25,14 +27,16 @@ import torch.distributed as dist
 
 from dispatchprobe import DispatchProbe
 
-from parallel_models import MESHES, InputMLP, parallelize_nd, run_and_end
+from parallel_models import MESHES, InputMLP, ResidualGatedMLP, parallelize_nd, run_and_end
 
 STEPS = 2
 BATCH = 8
 
 
 WRONG_KERNELS = {"tanh1": ("tanh", lambda x: (1 - 2 / (torch.exp(2 * x) + 1)) * 1.01),
-                 "relu1": ("relu", lambda x: torch.clamp_min(x, 0) * 1.01)}
+                 "relu1": ("relu", lambda x: torch.clamp_min(x, 0) * 1.01),
+                 "gatedgelu1": ("gelu", lambda x, approximate="none": x * 0.5 * (1 + torch.erf(x * 0.7071067811865476))
+                                * 1.01)}
 
 
 def wrong_kernel(run: str) -> torch.library.Library:
@@ -45,22 +49,23 @@ def wrong_kernel(run: str) -> torch.library.Library:
     return lib
 
 
-def build(kind: str):
+def build(kind: str, run: str):
     """The model and the share of the batch this process takes: (model, index, count)."""
     torch.manual_seed(0)
+    model = ResidualGatedMLP() if run.startswith("gated") else InputMLP()
     if kind == "single":
-        return InputMLP(), 0, 1
+        return model, 0, 1
     from torch.distributed.device_mesh import init_device_mesh
     shape, names = MESHES[kind]
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-    return parallelize_nd(InputMLP(), kind, mesh), mesh["dp"].get_local_rank(), mesh["dp"].size()
+    return parallelize_nd(model, kind, mesh), mesh["dp"].get_local_rank(), mesh["dp"].size()
 
 
 def train(kind: str, out: str, run: str, task: str) -> None:
     rank = dist.get_rank() if kind != "single" else 0
     kernel = wrong_kernel(run) if run in WRONG_KERNELS and rank == 1 else None
     try:
-        model, share, shares = build(kind)
+        model, share, shares = build(kind, run)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         gen = torch.Generator().manual_seed(1)
         probe = DispatchProbe(task=task, dump_path=os.path.join(out, run, task))

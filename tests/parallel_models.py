@@ -77,21 +77,52 @@ class InputMLP(nn.Module):
         return self.block(torch.tanh(self.pre(x)))
 
 
+class GatedBlock(nn.Module):
+    """Llama's MLP: ``down(silu(gate(x)) * up(x))``, no biases."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(8, 16, bias=False)
+        self.up = nn.Linear(8, 16, bias=False)
+        self.down = nn.Linear(16, 8, bias=False)
+
+    def forward(self, x):
+        return self.down(nn.functional.silu(self.gate(x)) * self.up(x))
+
+
+class ResidualGatedMLP(nn.Module):
+    """A :class:`GatedBlock` with a residual around it, after a layer of its own and a gelu
+    (``pre``), then a relu: the block's input gradient sums three terms (the residual's, ``gate``'s
+    and ``up``'s), which autograd adds in the order they arrive, and under tensor parallelism
+    ``gate``'s and ``up``'s arrive after their all-reduces."""
+
+    def __init__(self):
+        super().__init__()
+        self.pre = nn.Linear(8, 8)
+        self.block = GatedBlock()
+
+    def forward(self, x):
+        h = nn.functional.gelu(self.pre(x))
+        return torch.relu(h + self.block(h))
+
+
 # N-D device meshes: layout -> (mesh shape, dimension names); as many ranks as the mesh holds
 MESHES = {"fsdp_tp": ((2, 2), ("dp", "tp")), "hsdp": ((2, 2), ("replicate", "shard")),
           "hsdp_tp": ((2, 2, 2), ("replicate", "shard", "tp"))}
 
 
-def parallelize_nd(model: InputMLP, layout: str, mesh) -> nn.Module:
+def parallelize_nd(model: InputMLP | ResidualGatedMLP, layout: str, mesh) -> nn.Module:
     """``model`` on an N-D mesh (:data:`MESHES`): ``fsdp_tp`` FSDP2 over ``dp`` and tensor parallelism
-    (``block.up`` column-wise, ``block.down`` row-wise) over ``tp``; ``hsdp`` FSDP2 replicated over
-    ``replicate`` and sharded over ``shard``; ``hsdp_tp`` both, on a 3-D mesh."""
+    (``block.up`` and ``block.gate`` column-wise, ``block.down`` row-wise) over ``tp``; ``hsdp`` FSDP2
+    replicated over ``replicate`` and sharded over ``shard``; ``hsdp_tp`` both, on a 3-D mesh."""
     fully_shard = fsdp2()
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
     if "tp" in mesh.mesh_dim_names:
-        parallelize_module(model.block, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        plan = {name: ColwiseParallel() for name in ("gate", "up") if hasattr(model.block, name)}
+        parallelize_module(model.block, mesh["tp"], {**plan, "down": RowwiseParallel()})
     dp = mesh[tuple(d for d in mesh.mesh_dim_names if d != "tp")] if mesh.ndim > 1 else mesh
-    for layer in (model.pre, model.block.up, model.block.down):
+    # a Llama MLP is sharded whole, as a transformer's layers are; the others layer by layer
+    for layer in (model.pre, *((model.block,) if isinstance(model, ResidualGatedMLP) else model.block.children())):
         fully_shard(layer, mesh=dp)
     return fully_shard(model, mesh=dp)
 
@@ -101,6 +132,7 @@ WRONG_KERNELS = {
     "relu": lambda x: torch.clamp_min(x, 0) * 1.05,
     "gelu": lambda x, approximate="none": x * 0.5 * (1 + torch.erf(x * 0.7071067811865476)) * 1.05,
     "silu": lambda x: x * torch.sigmoid(x) * 1.05,
+    "threshold_backward": lambda grad, x, threshold: torch.where(x > threshold, grad, 0) * 1.05,   # relu's backward
 }
 
 

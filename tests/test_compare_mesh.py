@@ -7,7 +7,10 @@ concatenated along the batch, a gradient divided by the 2 shares whose losses ar
 1 alone, before the tensor-parallel block, is named with its rank by compare (in both orders) and
 by ``ranks`` (rank 1 and its tensor-parallel peer rank 0 ran tanh on equal inputs); a wrong relu
 on rank 1 inside the block's column shards is named at relu, on rank 1 where tensors are saved; a
-clean run passes both, ``ranks`` saying what tensor parallelism leaves it unable to judge."""
+clean run passes both, ``ranks`` saying what tensor parallelism leaves it unable to judge.  A Llama
+MLP with a residual around it (``gated``) sums its input's gradient terms in another order on the mesh
+(the residual's last, after the tensor-parallel all-reduces): those partial sums are not paired, never
+an error, and a wrong gelu on rank 1 is still named with its rank."""
 
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from dispatchprobe import compare as compare_runs
 from dispatchprobe.cli import main
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not built")
@@ -44,7 +48,8 @@ def runs(tmp_path_factory) -> Path:
     # FSDP2 warns that a row-wise parallel layer returns a view (its output is the local tensor)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "error::UserWarning,ignore:FSDP2-wrapped module"}
     for launch, kind, plants in (([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                                   "4"], "fsdp_tp", ("clean", "tanh1", "relu1")), ([sys.executable], "single", ("clean",))):
+                                   "4"], "fsdp_tp", ("clean", "tanh1", "relu1", "gated", "gatedgelu1")),
+                                 ([sys.executable], "single", ("clean", "gated"))):
         proc = subprocess.run([*launch, str(SCRIPT), kind, str(out / kind), *plants], capture_output=True, text=True,
                               timeout=600, env=env)
         assert proc.returncode == 0, proc.stderr[-4000:]
@@ -128,3 +133,36 @@ def test_ranks_judges_tensor_parallel_peers_on_equal_inputs(runs, task):
                                "by tensor-parallel peers from equal inputs output.0 differs on rank 1 from rank 0: "), lines
     assert "(no majority: rank 0 is the reference as the lowest rank, not as the right one" in lines[0], lines
     assert lines[0].endswith("held equal by ranks 0, 1"), lines
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_gradient_terms_summed_in_another_order_are_not_paired(runs, task, tmp_path):
+    """The block's input gradient: one process adds the residual's term to ``up``'s, then ``gate``'s;
+    the mesh adds ``up``'s and ``gate``'s after their all-reduces, then the residual's.  The n-th
+    backward ``add`` of a module then sums other terms in each run: not paired (once an error naming
+    ``add`` for two clean runs), while what reads the whole sum (gelu's backward) is, in both orders."""
+    mesh, single = runs / "fsdp_tp" / "gated" / task, runs / "single" / "gated" / task
+    for a, b, side in ((mesh, single, "a"), (single, mesh, "b")):
+        code, lines, table = compare(a, b, tmp_path / side)
+        assert code == 0 and lines[1].startswith("the runs agree"), lines
+        assert set(table["status"]) == {"pass"}, table[table["status"] != "pass"]
+        backward = table[(table["what"] == "backward") & (table["step"] == 0)]
+        assert "aten.gelu_backward.default.0.backward" in set(backward["name"]), backward
+        assert "aten.add.Tensor.0.backward" not in set(backward["name"]), backward
+        unpaired = next(x for x in compare_runs(a, b).verdict.unpaired
+                        if x.startswith("step 0 backward op aten.add.Tensor.0.backward"))
+        single_run = "A" if side == "b" else "B"
+        assert f"read by run {single_run} only: aten.threshold_backward.default.0.backward [<root>]" in unpaired, unpaired
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_wrong_gelu_before_a_gated_block_is_named_with_its_rank(runs, task, tmp_path):
+    mesh, single = runs / "fsdp_tp" / "gatedgelu1" / task, runs / "single" / "gated" / task
+    for a, b, side in ((mesh, single, "a"), (single, mesh, "b")):
+        code, lines, _ = compare(a, b, tmp_path / side)
+        assert code == 2, lines
+        assert lines[1].startswith("the runs part at step 0 forward op aten.gelu.default.0.forward [<root>] output.0 "
+                                   "on rank 1 (error: "), lines
+    code, lines = ranks(mesh)
+    assert code == 2 and lines[0].startswith("replica drift on rank 1: aten.gelu.default [FSDPResidualGatedMLP] (step "
+                                             "0, forward): computed by tensor-parallel peers from equal inputs "), lines

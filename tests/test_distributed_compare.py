@@ -34,9 +34,9 @@ def _record(kind: str, out: Path, *runs: str) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("parallel")
-    _record("single", out / "single", "clean", "planted", "stats", "mixed", "divided")
+    _record("single", out / "single", "clean", "planted", "stats", "mixed", "divided", "xent")
     _record("ddp", out / "ddp", "clean", "planted", "planted1", "kernel1", "stats", "outside", "optimizer", "mixed",
-            "divided", "dividedkernel1")
+            "divided", "dividedkernel1", "dividedbackward1", "xent", "xentbackward1")
     _record("tp", out / "tp", "clean")
     return out
 
@@ -102,7 +102,11 @@ def test_a_loss_divided_after_its_mean_agrees_across_parallelism(runs, a, b):
     table, verdict = compare(runs / a, runs / b)
     assert verdict.passed, str(verdict)
     assert not (table["status"] == "error").any(), table[table["status"] == "error"]
-    assert {"forward", "grad", "value"} <= set(table["what"]), set(table["what"])
+    assert {"loss", "forward", "backward", "grad", "value"} <= set(table["what"]), set(table["what"])
+    # the loss scales each share's mean as the one process's: its gradients pair, divided by the 2 shares
+    assert not any("scale of its gradients" in x for x in verdict.unpaired), verdict.unpaired
+    relu = table[(table["what"] == "backward") & (table["name"] == "aten.threshold_backward.default.0.backward")]
+    assert len(relu) == 2 and set(relu["status"]) == {"pass"}, relu
 
 
 @pytest.mark.parametrize("a, b", [("ddp/dividedkernel1", "single/divided"), ("single/divided", "ddp/dividedkernel1")])
@@ -112,6 +116,41 @@ def test_a_wrong_kernel_is_named_across_parallelism_where_the_loss_is_divided(ru
     assert res.exit_code == 2, res.output
     parted = next(line for line in res.output.splitlines() if line.startswith("the runs part at step 0"))
     assert "forward op aten.relu.default.0.forward" in parted, res.output
+
+
+@pytest.mark.parametrize("a, b", [("ddp/dividedbackward1", "single/divided"), ("single/divided", "ddp/dividedbackward1")])
+def test_a_wrong_backward_kernel_is_named_across_parallelism_where_the_loss_is_divided(runs, a, b):
+    """Rank 1's wrong relu backward under ``loss / 2``: named at its op in both orders (once only the
+    parameter gradients after it parted: the backward was not paired, its scale taken for unknown)."""
+    res = CliRunner().invoke(main, ["compare", str(runs / a), str(runs / b)])
+    assert res.exit_code == 2, res.output
+    assert res.output.splitlines()[1].startswith("the runs part at step 0 backward op "
+                                                 "aten.threshold_backward.default.0.backward [<root>] output.0"), res.output
+
+
+@pytest.mark.parametrize("a, b", [("ddp/xent", "single/xent"), ("single/xent", "ddp/xent")])
+def test_a_cross_entropy_loss_pairs_its_backward_across_parallelism(runs, a, b):
+    """``cross_entropy``: a mean ``nll_loss``, each share's over the targets it counts (its
+    ``total_weight``).  The loss is averaged over the shares and the values computed from its
+    gradient divided by the 2 shares, as a ``mean``'s (once the loss and every backward op were not
+    paired, their scale taken for unknown), in both orders."""
+    table, verdict = compare(runs / a, runs / b)
+    assert verdict.passed, str(verdict)
+    assert set(table["status"]) == {"pass"}, table[table["status"] != "pass"]
+    loss = table[(table["what"] == "loss") & (table["step"] == 0)]
+    assert list(loss["name"]) == ["aten.nll_loss_forward.default.0.forward"], loss
+    backward = table[(table["what"] == "backward") & (table["step"] == 0)]
+    assert {"aten.nll_loss_backward.default.0.backward", "aten.threshold_backward.default.0.backward"} <= \
+        set(backward["name"]), backward
+    assert not any("scale of its gradients" in x for x in verdict.unpaired), verdict.unpaired
+
+
+@pytest.mark.parametrize("a, b", [("ddp/xentbackward1", "single/xent"), ("single/xent", "ddp/xentbackward1")])
+def test_a_wrong_backward_kernel_is_named_across_parallelism_under_cross_entropy(runs, a, b):
+    res = CliRunner().invoke(main, ["compare", str(runs / a), str(runs / b)])
+    assert res.exit_code == 2, res.output
+    assert res.output.splitlines()[1].startswith("the runs part at step 0 backward op "
+                                                 "aten.threshold_backward.default.0.backward [<root>] output.0"), res.output
 
 
 def test_statistics_runs_agree_across_parallelism(runs):

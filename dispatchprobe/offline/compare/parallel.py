@@ -698,6 +698,80 @@ def _loss_name(records: list) -> str | None:
     return name
 
 
+# ops scaling a 0-dim value by a number (``loss / accumulation_steps``, ``loss * weight``)
+SCALINGS = ("aten.div.Tensor", "aten.div.Scalar", "aten.mul.Tensor", "aten.mul.Scalar")
+
+
+NLL_MEAN = 1    # nll_loss's ``reduction`` argument for a mean over the targets (torch's Reduction::Mean)
+
+
+def mean_count(rec: dict) -> float | None:
+    """The number of elements a full mean's record averages: a ``mean``'s input's elements, a mean
+    ``nll_loss``'s (``cross_entropy``'s) targets counted by weight (its ``total_weight`` output: the
+    targets not ignored, or their classes' weights summed); None where the record is neither or
+    does not say."""
+    if rec["op"] == "aten.mean.default" and len(rec.get("inputs", ())) == 1:
+        given = [spec for _, _, spec in walk(rec, outputs=False)]
+        return math.prod(given[0]["shape"]) if given and given[0].get("shape") is not None else None
+    args = rec.get("inputs", ())
+    if rec["op"] == "aten.nll_loss_forward.default" and len(args) > 3 and args[3].get("value") == NLL_MEAN:
+        outs = [spec for _, _, spec in walk(rec, inputs=False)]
+        total = (outs[1].get("stats") or {}).get("max") if len(outs) > 1 else None
+        return float(total) if total is not None and math.isfinite(total) and total > 0 else None
+    return None
+
+
+class LossMean(NamedTuple):
+    """A loss that is a full mean (``mean``, a mean ``nll_loss``) scaled by numbers: the mean's record
+    name, the names of the scaling records after it and what each does (op, number), in order."""
+
+    mean: str
+    scalings: tuple     # record names
+    numbers: tuple      # (op, number) of each scaling
+
+
+def _scaled_input(rec: dict) -> dict | None:
+    """The one 0-dim tensor a :data:`SCALINGS` record scales by a number, or None where it is not
+    such a scaling (two tensors, no number, a value of more than one element)."""
+    if rec["op"] not in SCALINGS:
+        return None
+    tensors = [spec for _, _, spec in walk(rec, outputs=False)]
+    numbers = [v for v in rec.get("inputs", ()) if v.get("type") in ("int", "float")]
+    if len(tensors) != 1 or tensors[0].get("shape") != [] or len(numbers) != 1:
+        return None
+    return tensors[0]
+
+
+def _made(spec: dict, by: dict) -> bool:
+    """Whether the output ``by`` of a record is the value ``spec`` (its saved data, else its statistics)."""
+    if spec.get("data") is not None or by.get("data") is not None:
+        return spec.get("data") == by.get("data")
+    return spec.get("stats") is not None and spec.get("stats") == by.get("stats") and spec.get("dtype") == by.get("dtype")
+
+
+def loss_mean(records: list) -> LossMean | None:
+    """The loss as a full ``mean`` scaled by numbers (:class:`LossMean`): from the loss record back
+    through the :data:`SCALINGS` that made it from the record before; None where it is no such
+    mean (a sum, a mean of a product of two tensors)."""
+    forward = _model_forward(records)
+    name = _loss_name(records)
+    at = next((i for i, r in enumerate(forward) if r["name"] == name), None)
+    scalings, numbers = [], []
+    while at is not None:
+        rec = forward[at]
+        if mean_count(rec) is not None:
+            return LossMean(rec["name"], tuple(reversed(scalings)), tuple(reversed(numbers)))
+        given = _scaled_input(rec)
+        if given is None:
+            return None
+        scalings.append(rec["name"])
+        numbers.append((rec["op"].split(".")[1], next(v["value"] for v in rec["inputs"] if v.get("type") in
+                                                      ("int", "float"))))
+        at = next((i for i in range(at - 1, -1, -1) for _, _, out in walk(forward[i], inputs=False)
+                   if _made(given, out)), None)
+    return None
+
+
 def _model_forward(records: list) -> list:
     """The forward op records of the model and its loss: those before backward begins (the
     optimizer's ops come after it; its result is in the parameter records), the seed of the
@@ -903,6 +977,7 @@ def _step_rows(step: int, pa: dict, pb: dict, tensors: bool, problems: list, unp
     fb, order_b = _forward(pb)
     mesh_a, mesh_b = mesh_of(pa), mesh_of(pb)
     loss = {_loss_name(pa[min(pa)].records), _loss_name(pb[min(pb)].records)} - {None}
+    means = {side: loss_mean_counts(parts, forward) for side, parts, forward in (("a", pa, fa), ("b", pb, fb))}
     paired = set()
     for key in _in_both_orders(order_a, order_b, [n for n in order_a if n in fa and n in fb]):
         rec_a, rec_b = fa[key], fb[key]
@@ -914,7 +989,12 @@ def _step_rows(step: int, pa: dict, pb: dict, tensors: bool, problems: list, unp
         parts_of_op = rec_a[min(rec_a)]["op"].split(".")
         reduction = parts_of_op[1] if len(parts_of_op) > 1 else None
         wa, wb = Weights(averaged=_averaged(rec_a)), Weights(averaged=_averaged(rec_b))
+        is_loss_mean = key in means["a"] and key in means["b"]     # the loss's mean, scaled or not
+        if is_loss_mean:
+            wa, wb = Weights(averaged=means["a"][key]), Weights(averaged=means["b"][key])
         for arg, sa, sb in _outputs_on_every_rank(rec_a, rec_b):
+            if is_loss_mean:    # averaged as the mean (a mean nll_loss's other output: its own op's)
+                reduction = "mean" if arg == "output.0" else parts_of_op[1]
             tb = tuple(sb[min(sb)]["shape"]) if len(sb) == 1 and not constant else None
             ta = tuple(sa[min(sa)]["shape"]) if len(sa) == 1 and not constant else None
             pairs, why_a = rank_by_rank(sa, sb, pa, pb, tensors, problems, reduction, (wa, wb))
@@ -1065,16 +1145,17 @@ def _backward(parts: dict) -> tuple[dict, list]:
 def share_sizes(parts: dict, mesh: Mesh | None) -> list | None:
     """The number of elements each share of the batch's loss averages, in data-parallel order
     (read from the loss's input on the share's lowest rank: 3 and 2 rows of a batch of 5 split
-    over 2 ranks); None where a share's loss is not a full ``mean`` (its weight unknown)."""
+    over 2 ranks); None where a share's loss is not a full ``mean``, scaled by numbers or not
+    (:func:`loss_mean`: its weight unknown)."""
     sizes = []
     for share in mesh.shares if mesh else [[r] for r in sorted(parts)]:
         records = parts[share[0]].records
-        loss = _loss_name(records)
-        rec = next((r for r in records if r.get("name") == loss), None)
-        given = [spec for _, _, spec in walk(rec, outputs=False)] if rec else []
-        if rec is None or rec["op"] != "aten.mean.default" or not given or given[0].get("shape") is None:
+        found = loss_mean(records)
+        rec = next((r for r in records if r.get("name") == found.mean), None) if found else None
+        count = mean_count(rec) if rec is not None else None
+        if count is None:
             return None
-        sizes.append(math.prod(given[0]["shape"]))
+        sizes.append(count)
     return sizes
 
 
@@ -1093,7 +1174,30 @@ def gradient_factors(parts: dict, mesh: Mesh | None) -> dict | None:
     return {r: n / sum(sizes) for share, n in zip(shares, sizes) for r in share}
 
 
-def gradient_outputs(records: list) -> set:
+def loss_mean_counts(parts: dict, forward: dict) -> dict:
+    """key -> {rank: the elements the loss's mean averages there} of each forward op whose first
+    output is the loss's full mean (:func:`loss_mean`, keys of :func:`_forward`), scaled by numbers
+    or not: over the ranks its results are averaged as the mean's, weighed by those elements (a
+    linear scaling keeps a weighed mean; a mean ``nll_loss`` averages the targets it counts)."""
+    found = loss_mean(parts[min(parts)].records)
+    if found is None:
+        return {}
+    keys = {recs[min(recs)]["name"]: key for key, recs in forward.items()}
+    mean = keys.get(found.mean)
+    if mean is None:
+        return {}
+    counts = {r: mean_count(rec) for r, rec in forward[mean].items()}
+    return {keys[n]: counts for n in (found.mean, *found.scalings) if n in keys}
+
+
+def losses_scaled_alike(pa: dict, pb: dict) -> bool:
+    """Whether the two runs' losses scale their means by the same numbers (both ``loss / 2``), where
+    both are such means: a gradient's scale across the runs then follows from the shares alone."""
+    ma, mb = loss_mean(pa[min(pa)].records), loss_mean(pb[min(pb)].records)
+    return ma is None or mb is None or ma.numbers == mb.numbers
+
+
+def gradient_outputs(records: list, flow=None) -> set:
     """(record name, output arg) of the backward values computed from the loss's gradient: the
     outputs of the first backward op of the model (autograd starts at the loss, whose gradient it
     reads: the seed, expanded by a view no record shows), then of every backward op reading such
@@ -1101,7 +1205,7 @@ def gradient_outputs(records: list) -> set:
     (``pow(x, 1)`` of a square's gradient) does not."""
     forward, backward = _model_forward(records), _model_backward(records)
     ops = forward + backward
-    flow = data_flow(ops)
+    flow = flow or data_flow(ops)
     first = next((i for i in range(len(forward), len(ops)) if not ops[i]["op"].startswith(COMMUNICATION)), None)
     out: set = set()
     for i in range(len(forward), len(ops)):
@@ -1109,6 +1213,69 @@ def gradient_outputs(records: list) -> set:
         if i == first or any(src is not None and (ops[src[0]]["name"], src[1]) in out for src in sources):
             out.update((ops[i]["name"], arg) for io, arg, _ in flow.walks[i] if io == "output")
     return out
+
+
+class Feeds(NamedTuple):
+    """What each backward op of a run reads: the pairing key of every model op record
+    (:func:`_keyed`, forward and backward) and, per backward record, the records whose outputs it
+    reads (:func:`~.pairing.data_flow`, kept for :func:`gradient_outputs`)."""
+
+    keys: dict      # record index -> pairing key
+    given: dict     # backward record name -> the indices of the records it reads outputs of
+    reads: dict     # record index -> the indices of the records it reads outputs of
+    flow: object    # the data flow of the model's forward and backward op records
+
+
+def feeds(records: list) -> Feeds:
+    """:class:`Feeds` of one rank's part."""
+    forward, backward = _model_forward(records), _model_backward(records)
+    ops = forward + backward
+    flow = data_flow(ops)
+    at = {id(rec): i for i, rec in enumerate(ops)}
+    keys = {at[id(rec)]: key for part in (forward, backward) for key, rec in _keyed(part).items()}
+    reads = {i: sorted({src[0] for io, _, spec in flow.walks[i] if io == "input"
+                        and (src := flow.src.get(id(spec))) is not None}) for i in range(len(ops))}
+    return Feeds(keys, {ops[i]["name"]: reads[i] for i in range(len(forward), len(ops))}, reads, flow)
+
+
+def _sources(feeds_of: Feeds, name: str, shared: set) -> set:
+    """The pairing keys of backward ops both runs hold whose outputs backward record ``name`` reads
+    (the gradients it is given; the forward values it reads pair by the program's order), looking
+    through collectives, FSDP's own ops and ops only its run has (DTensor's redistributions, a
+    partial sum of a gradient's terms the other run adds in another order) to what they read."""
+    out, seen = set(), set()
+    todo = list(feeds_of.given.get(name, ()))
+    while todo:
+        i = todo.pop()
+        if i in seen:
+            continue
+        seen.add(i)
+        key = feeds_of.keys.get(i)
+        if key is not None and key[1].endswith(".forward"):
+            continue
+        if key is not None and key in shared and not key[1].startswith(COMMUNICATION):
+            out.add(key)
+        else:
+            todo.extend(feeds_of.reads.get(i, ()))
+    return out
+
+
+def fed_otherwise(feeds_a: Feeds, feeds_b: Feeds, name_a: str, name_b: str, shared: set) -> str:
+    """Why two backward records paired by module, op and call cannot be compared: they read the
+    results of other ops ("" where they read the same), among the pairing keys ``shared`` (both runs
+    hold them, and those records were found to read the same).  autograd adds a value's gradient
+    terms in the order they arrive, which parallelism changes (a tensor-parallel layer's input
+    gradient arrives after its all-reduce), so the n-th ``add`` of a module may sum other terms."""
+    sa, sb = _sources(feeds_a, name_a, shared), _sources(feeds_b, name_b, shared)
+    if sa == sb:
+        return ""
+    def said(keys: set) -> str:
+        return ", ".join(f"{k[1]} [{k[0] or '<root>'}]" for k in sorted(keys)) or "none"
+    # each run's own reads, in the order of what they say: swapping the runs swaps only the labels
+    reads = "; ".join(f"read by run {run} only: {what}" for what, run in sorted([(said(sa - sb), "A"),
+                                                                                (said(sb - sa), "B")]))
+    return (f"it reads the results of other ops in the two runs ({reads}): autograd sums a gradient's terms in the "
+            "order they arrive, which the parallelism changes")
 
 
 def _said_scaled(v: Value, factors: dict) -> Value:
@@ -1131,14 +1298,28 @@ def _backward_pairs(pa: dict, pb: dict, mesh_a: Mesh | None, mesh_b: Mesh | None
     :func:`gradient_factors`.  A weight's gradient before its reduction over the data-parallel
     group is each share's own sum: not paired (the parameter gradients are)."""
     ka, kb = gradient_factors(pa, mesh_a), gradient_factors(pb, mesh_b)
+    if not losses_scaled_alike(pa, pb):
+        ka = kb = None
     (ba, order_a), (bb, order_b) = _backward(pa), _backward(pb)
-    grads_a, grads_b = gradient_outputs(pa[min(pa)].records), gradient_outputs(pb[min(pb)].records)
+    feeds_a, feeds_b = feeds(pa[min(pa)].records), feeds(pb[min(pb)].records)
+    grads_a, grads_b = (gradient_outputs(p[min(p)].records, f.flow) for p, f in ((pa, feeds_a), (pb, feeds_b)))
+    shared = set(feeds_a.keys.values()) & set(feeds_b.keys.values())
     for key in _in_both_orders(order_a, order_b, [n for n in order_a if n in ba and n in bb]):
         if key[1].startswith(COMMUNICATION):
             continue
         rec_a, rec_b = ba[key], bb[key]
+        otherwise = fed_otherwise(feeds_a, feeds_b, rec_a[min(rec_a)]["name"], rec_b[min(rec_b)]["name"], shared)
+        if otherwise:       # what reads its result reads other values too: looked through
+            shared.discard(key)
         for arg, sa, sb in _outputs_on_every_rank(rec_a, rec_b):
+            if otherwise:
+                yield key, arg, [], otherwise
+                continue
             seeded = {(rec_a[min(rec_a)]["name"], arg) in grads_a, (rec_b[min(rec_b)]["name"], arg) in grads_b}
+            if seeded == {True} and all(spec.get("shape") == [] for spec in (*sa.values(), *sb.values())):
+                # the gradient of a 0-dim value between the loss and its mean (``loss / 2``'s backward):
+                # each share's loss scales its mean as the whole batch's does, so no share's part scales it
+                seeded = {False}
             if len(seeded) > 1:
                 yield key, arg, [], "computed from the loss's gradient in one run only"
                 continue
