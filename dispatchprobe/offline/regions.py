@@ -55,12 +55,15 @@ def sized_mean(mean, norm, shape) -> float | None:
 
 
 def terms_distance(ta: tuple, tb: tuple) -> float:
-    """:func:`stats_distance` of two specs' :func:`stat_terms`."""
+    """:func:`stats_distance` of two specs' :func:`stat_terms`: infinite where a statistic is nan
+    (values holding nan are as far from everything as can be).  Why not nan: every comparison with
+    nan is false, so ``crossed >= straight`` chose to exchange a multiply's operands where one of
+    them held nan, and a sort of distances holding nan orders the others arbitrarily."""
     total = 0.0
     for x, y in zip(ta, tb):
         if x is not None and y is not None:
             total += relative_gap(x, y)
-    return total
+    return total if total == total else math.inf
 
 
 def relative_gap(x: float, y: float) -> float:
