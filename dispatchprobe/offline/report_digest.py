@@ -172,11 +172,16 @@ class TableDigest:
         t = table[(table["io"] == "output") & (table["kind"] == "op")]
         if not len(t):
             return
+        parts = t[["step", "rank"]].drop_duplicates().sort_values(["step", "rank"])
+        self.charted += [f"{int(step)}/{int(rank)}" for step, rank in zip(parts["step"], parts["rank"])]
+        room = MAX_CHART_PARTS - len(self.series)
+        if room <= 0:
+            return
+        if len(parts) > room:       # points only for the parts charted: a long run's others cost seconds
+            last_step, last_rank = parts["step"].iloc[room - 1], parts["rank"].iloc[room - 1]
+            t = t[(t["step"] < last_step) | ((t["step"] == last_step) & (t["rank"] <= last_rank))]
         metrics = [m for m in chartable() if m in t.columns]
-        for part, stages in chart_series(t, metrics).items():
-            self.charted.append(part)
-            if len(self.series) < MAX_CHART_PARTS:
-                self.series[part] = stages
+        self.series.update(chart_series(t, metrics))
 
     def _cells(self, table: pd.DataFrame) -> None:
         """The heatmap's partials: per part and scope of the output rows, each chartable column's
