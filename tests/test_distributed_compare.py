@@ -153,6 +153,26 @@ def test_a_wrong_backward_kernel_is_named_across_parallelism_under_cross_entropy
                                                  "aten.threshold_backward.default.0.backward [<root>] output.0"), res.output
 
 
+@pytest.mark.fsdp2
+@pytest.mark.parametrize("a, b", [("fsdp/bf16", "single/stats"), ("single/stats", "fsdp/bf16")])
+def test_bfloat16_fsdp2_against_float32_one_process_is_judged_at_bfloat16(fsdp_runs, a, b):
+    """FSDP2 computing in bfloat16 against one float32 process: a float32 value computed from bfloat16
+    values (a parameter's gradient FSDP2 reduces in float32) carries bfloat16's rounding and is
+    judged at it (once 8 error rows at float32's, exit 2), in both orders."""
+    table, verdict = compare(fsdp_runs / a, fsdp_runs / b)
+    assert verdict.passed, str(verdict)
+    grads = table[(table["what"] == "grad") & (table["status"] != "pass")]
+    assert len(grads) and grads["reason"].str.endswith("(bfloat16)").all(), grads
+
+
+@pytest.mark.fsdp2
+@pytest.mark.parametrize("a, b", [("fsdp/bf16kernel1", "single/stats"), ("single/stats", "fsdp/bf16kernel1")])
+def test_a_wrong_kernel_in_bfloat16_fsdp2_is_named_against_float32_one_process(fsdp_runs, a, b):
+    res = CliRunner().invoke(main, ["compare", str(fsdp_runs / a), str(fsdp_runs / b)])
+    assert res.exit_code == 2, res.output
+    assert "first error: step 0 forward op aten.relu.default.0.forward [<root>] output.0" in res.output, res.output
+
+
 def test_statistics_runs_agree_across_parallelism(runs):
     """No tensors saved: the ranks' statistics combined (max, min, mean by size, norm) and judged."""
     table, verdict = compare(runs / "ddp" / "stats", runs / "single" / "stats")

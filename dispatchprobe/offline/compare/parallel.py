@@ -75,6 +75,7 @@ class Value:
     array: np.ndarray | None = None
     how: str = ""               # "rank 0", "concatenated over ranks 0-1 (dim 0)", "gathered (S(0))", ...
     owners: np.ndarray | None = None    # per element of ``array``, the one rank that computed it (-1: several)
+    carries: str = ""           # the lower precision it was computed from, where below its dtype ("bfloat16")
 
 
 class Weights(NamedTuple):
@@ -660,6 +661,8 @@ def score(a: Value, b: Value) -> dict:
     scaled by the smaller run's, a statistics error the larger of the two directions)."""
     row = {"cosine": np.nan, "max_abs_err": np.nan, "rel_l2_err": np.nan, "stats_err": np.nan}
     dtype = V.lower_precision(a.dtype, b.dtype)
+    for carried in {a.carries, b.carries} - {""}:   # a float32 value computed in bfloat16 carries its rounding
+        dtype = V.lower_precision(dtype, carried)
     if a.array is not None and b.array is not None and a.array.size == b.array.size:
         if not is_float(dtype) or a.array.dtype.kind not in "fc":
             mism = M.binary_mismatch(a.array, b.array)
@@ -956,12 +959,13 @@ def _step_rows(step: int, pa: dict, pb: dict, tensors: bool, problems: list, unp
     rows = []
     ra, rb = ",".join(map(str, sorted(pa))), ",".join(map(str, sorted(pb)))
 
-    def add(what, name, scope, arg, va, vb):
+    def add(what, name, scope, arg, va, vb, carries=("", "")):
+        va, vb = (replace(v, carries=c) if c else v for v, c in zip((va, vb), carries))
         rows.append({"step": step, "what": what, "name": name, "scope": scope, "arg": arg, "ranks_a": ra,
                      "ranks_b": rb, "shape_a": list(va.shape), "shape_b": list(vb.shape), "dtype_a": va.dtype,
                      "dtype_b": vb.dtype, "how_a": va.how, "how_b": vb.how, **score(va, vb)})
 
-    def add_worst(what, name, scope, arg, pairs):
+    def add_worst(what, name, scope, arg, pairs, carries=("", "")):
         """One row for pairs judged rank by rank: the worst rank's (status, then error; the lowest rank on a tie)."""
         scored = [(va, vb, score(va, vb)) for va, vb in pairs]
         order = {V.ERROR: 0, V.WARNING: 1, V.PASS: 2}
@@ -970,7 +974,7 @@ def _step_rows(step: int, pa: dict, pb: dict, tensors: bool, problems: list, unp
         if rank is not None and TP_PEERS_DIFFER not in va.how + vb.how:
             fault = f" (the difference lies in rank {rank}'s piece)"
             va, vb = (replace(v, how=v.how + fault) if v.owners is not None else v for v in (va, vb))
-        add(what, name, scope, arg, va, vb)
+        add(what, name, scope, arg, va, vb, carries)
 
     # the loss and the forward ops
     fa, order_a = _forward(pa)
@@ -978,6 +982,7 @@ def _step_rows(step: int, pa: dict, pb: dict, tensors: bool, problems: list, unp
     mesh_a, mesh_b = mesh_of(pa), mesh_of(pb)
     loss = {_loss_name(pa[min(pa)].records), _loss_name(pb[min(pb)].records)} - {None}
     means = {side: loss_mean_counts(parts, forward) for side, parts, forward in (("a", pa, fa), ("b", pb, fb))}
+    feeds_a, feeds_b = feeds(pa[min(pa)].records), feeds(pb[min(pb)].records)
     paired = set()
     for key in _in_both_orders(order_a, order_b, [n for n in order_a if n in fa and n in fb]):
         rec_a, rec_b = fa[key], fb[key]
@@ -993,13 +998,14 @@ def _step_rows(step: int, pa: dict, pb: dict, tensors: bool, problems: list, unp
         if is_loss_mean:
             wa, wb = Weights(averaged=means["a"][key]), Weights(averaged=means["b"][key])
         for arg, sa, sb in _outputs_on_every_rank(rec_a, rec_b):
+            carries = (carried(feeds_a.flow, sa), carried(feeds_b.flow, sb))
             if is_loss_mean:    # averaged as the mean (a mean nll_loss's other output: its own op's)
                 reduction = "mean" if arg == "output.0" else parts_of_op[1]
             tb = tuple(sb[min(sb)]["shape"]) if len(sb) == 1 and not constant else None
             ta = tuple(sa[min(sa)]["shape"]) if len(sa) == 1 and not constant else None
             pairs, why_a = rank_by_rank(sa, sb, pa, pb, tensors, problems, reduction, (wa, wb))
             if pairs:
-                add_worst(what, name, scope, arg, pairs)
+                add_worst(what, name, scope, arg, pairs, carries)
                 rows[-1]["key"] = key
                 paired.add(key)
                 continue
@@ -1007,7 +1013,7 @@ def _step_rows(step: int, pa: dict, pb: dict, tensors: bool, problems: list, unp
                 pairs, why = _mesh_pairs((sa, rec_a, pa, mesh_a, tb, wa), (sb, rec_b, pb, mesh_b, ta, wb), tensors,
                                          problems, reduction)
                 if pairs:
-                    add_worst(what, name, scope, arg, pairs)
+                    add_worst(what, name, scope, arg, pairs, carries)
                     rows[-1]["key"] = key
                     paired.add(key)
                 elif arg == "output.0" and why:
@@ -1026,11 +1032,12 @@ def _step_rows(step: int, pa: dict, pb: dict, tensors: bool, problems: list, unp
                     why = "; ".join(sorted({why_a, why_b} - {""}))
                     unpaired.append(f"step {step} forward op {name} [{scope or '<root>'}]: {why}")
                 continue
-            add(what, name, scope, arg, va, vb)
+            add(what, name, scope, arg, va, vb, carries)
             rows[-1]["key"] = key
             paired.add(key)
-    for key, arg, pairs, why in _backward_pairs(pa, pb, mesh_a, mesh_b, tensors, problems):
-        rec = next(iter(_backward(pa)[0][key].values()))
+    (back_a, _), (back_b, _) = _backward(pa), _backward(pb)
+    for key, arg, pairs, why in _backward_pairs(pa, pb, mesh_a, mesh_b, tensors, problems, (feeds_a, feeds_b)):
+        rec = next(iter(back_a[key].values()))
         scope = module_path(rec["scope"])
         if pairs:
             add_worst("backward", key[1], scope, arg, pairs)
@@ -1078,7 +1085,10 @@ def _step_rows(step: int, pa: dict, pb: dict, tensors: bool, problems: list, unp
             if va.shape != vb.shape:
                 unpaired.append(f"step {step}: parameter {key[1]} ({what}): shapes {list(va.shape)} and {list(vb.shape)}")
                 continue
-            add(what, key[1], key[1].rpartition(".")[0], "value" if what == "value" else "grad", va, vb)
+            module = key[1].rpartition(".")[0]
+            add(what, key[1], module, "value" if what == "value" else "grad", va, vb,
+                (computed_in(back_a, module, feeds_a.flow), computed_in(back_b, module, feeds_b.flow))
+                if what == "grad" else ("", ""))
             if apart:
                 rows[-1].update(status=V.NOT_JUDGED, reason=apart)
     return rows, apart
@@ -1278,6 +1288,26 @@ def fed_otherwise(feeds_a: Feeds, feeds_b: Feeds, name_a: str, name_b: str, shar
             "order they arrive, which the parallelism changes")
 
 
+def carried(flow, specs: dict) -> str:
+    """The lower precision the lowest rank's value (``specs``: rank -> spec) was computed from, where
+    below its own dtype (:func:`~.pairing.data_flow`: a float32 value computed from bfloat16 values
+    carries bfloat16's rounding); "" where none."""
+    rank = flow.lineage.get(id(specs[min(specs)]))
+    return V.PRECISIONS[rank] if rank is not None and rank >= 0 else ""
+
+
+def computed_in(backward: dict, module: str, flow) -> str:
+    """The lowest float precision the backward ops of ``module`` (a module path) compute in or from on
+    the lowest rank (``backward``: key -> {rank: record}, :func:`_backward`; ``flow``: its part's
+    :func:`~.pairing.data_flow`), where below float32: a parameter's float32 gradient made from a
+    bfloat16 backward (autocast, FSDP2's ``MixedPrecisionPolicy``) carries bfloat16's rounding; ""
+    where none."""
+    ranks = [min(V.precision_rank(spec.get("dtype", "")), flow.lineage.get(id(spec), len(V.PRECISIONS)))
+             for key, recs in backward.items() if key[0] == module for _, _, spec in walk(recs[min(recs)], inputs=False)]
+    low = min((r for r in ranks if r >= 0), default=None)
+    return V.PRECISIONS[low] if low is not None and low < V.precision_rank("float32") else ""
+
+
 def _said_scaled(v: Value, factors: dict) -> Value:
     """``v`` (its pieces taken times ``factors``: :func:`gradient_factors`) with its ``how`` saying so."""
     parts = sorted(set(factors.values()))
@@ -1290,7 +1320,8 @@ def _said_scaled(v: Value, factors: dict) -> Value:
                           f"({', '.join(f'{factors[r]:.3g}' for r in sorted(factors))} by rank)")
 
 
-def _backward_pairs(pa: dict, pb: dict, mesh_a: Mesh | None, mesh_b: Mesh | None, tensors: bool, problems: list):
+def _backward_pairs(pa: dict, pb: dict, mesh_a: Mesh | None, mesh_b: Mesh | None, tensors: bool, problems: list,
+                    fed: tuple):
     """(key, arg, pairs, why not) of the backward ops both runs hold, paired by module, op and call
     index within the module as the forward ops, each value assembled as they are (a gradient of
     activations split as they are, a share's partial sum over tensor parallelism added up), each
@@ -1301,7 +1332,7 @@ def _backward_pairs(pa: dict, pb: dict, mesh_a: Mesh | None, mesh_b: Mesh | None
     if not losses_scaled_alike(pa, pb):
         ka = kb = None
     (ba, order_a), (bb, order_b) = _backward(pa), _backward(pb)
-    feeds_a, feeds_b = feeds(pa[min(pa)].records), feeds(pb[min(pb)].records)
+    feeds_a, feeds_b = fed
     grads_a, grads_b = (gradient_outputs(p[min(p)].records, f.flow) for p, f in ((pa, feeds_a), (pb, feeds_b)))
     shared = set(feeds_a.keys.values()) & set(feeds_b.keys.values())
     for key in _in_both_orders(order_a, order_b, [n for n in order_a if n in ba and n in bb]):
@@ -1334,8 +1365,9 @@ def _backward_pairs(pa: dict, pb: dict, mesh_a: Mesh | None, mesh_b: Mesh | None
                 ta = tuple(sa[min(sa)]["shape"]) if len(sa) == 1 else None
                 pairs, why = _mesh_pairs((sa, rec_a, pa, mesh_a, tb, wa), (sb, rec_b, pb, mesh_b, ta, wb), tensors,
                                          problems, None, "backward")
-            yield key, arg, [(_said_scaled(va, wa.factors or {}), _said_scaled(vb, wb.factors or {}))
-                             for va, vb in pairs], why
+            ca, cb = carried(feeds_a.flow, sa), carried(feeds_b.flow, sb)
+            yield key, arg, [(_said_scaled(replace(va, carries=ca), wa.factors or {}),
+                              _said_scaled(replace(vb, carries=cb), wb.factors or {})) for va, vb in pairs], why
 
 
 def _in_both_orders(order_a: list, order_b: list, items: list) -> list:
