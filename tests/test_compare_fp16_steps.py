@@ -91,7 +91,9 @@ def test_a_loss_scale_overflowing_float16_names_no_kernel(runs, a, b):
     """A GradScaler starting at 2**19: step 0's scaled gradients overflow float16 (the scaler skips
     that update).  The inf is the scale's, not a kernel's: no op is named for it (it named lm_head's
     backward mm, "nan/inf counts differ"), its values are not judged, and a warning says the scaler
-    skipped the update, whichever run is A."""
+    skipped the update, whichever run is A.  Step 1's error rows are computed from parameters that
+    differ by that skipped update, and its line says so (it said they grew from differences of
+    rounding size, or that step 0's records agree and the optimizer step parted them)."""
     table, v = compare(runs[a], runs[b])
     stages = [d for d in (v.forward, v.backward) if d is not None]
     assert all(d.cause != "op" for d in stages), str(v)
@@ -99,5 +101,9 @@ def test_a_loss_scale_overflowing_float16_names_no_kernel(runs, a, b):
     skipped = "fp16_overflow"
     side = "A" if a == skipped else "B"
     assert any(f"run {side}'s loss scale overflows in this step's backward" in p for p in v.problems), v.problems
+    later = [d for d in stages if d.step > 0 and d.cause not in ("inherited",)]
+    assert later and all(d.cause == "skipped" and f"run {side}'s loss scaler skipped step 0's update" in d.describe()
+                         for d in later), str(v)
+    assert "rounding size" not in str(v) and "optimizer step or other code" not in str(v), str(v)
     step0 = table[(table["step"] == 0) & (table["stage"] == "backward")]
     assert (step0["reason"].str.contains("loss scale overflowing") & (step0["status"] == "not judged")).any()

@@ -95,3 +95,32 @@ def test_with_tensors_a_wrong_stand_in_is_named(tmp_path):
 def test_with_tensors_a_wrong_piece_is_named(tmp_path):
     for d in _backward_lines(tmp_path, "tensor", "select_backward"):
         assert (d.cause, d.op) == ("unmatched", "aten.select_backward.default"), d.describe()
+
+
+def _softmax_backward_slightly_off(grad, out, dim, dtype):
+    return (grad - (grad * out).sum(dim, keepdim=True)) * out * 1.0003
+
+
+@pytest.mark.parametrize("wrong", ["stack", "select_backward"])
+def test_a_value_adding_far_more_than_it_is_given_is_named_not_what_it_was_given(tmp_path, wrong):
+    """The softmax's backward 0.03% off (below the error line) in the run holding the wrong kernel,
+    before the value both runs compute with other ops: that value differs some 30 times more than what
+    enters it, so it is the source (on statistics, with both runs' ops), in both orders."""
+    split_wrong, split_clean = ("unbind", "index") if wrong == "stack" else ("index", "unbind")
+    kernels = {wrong: WRONG[wrong], "_softmax_backward_data": _softmax_backward_slightly_off}
+    recs = []
+    for path, split, planted_here in (("bad", split_wrong, kernels), ("good", split_clean, {})):
+        torch.manual_seed(0)
+        model, x = _Attention(split), torch.randn(2, 8, 16)
+        with planted(planted_here):
+            probe = DispatchProbe(task="statistics", dump_path=str(tmp_path / path))
+            with probe:
+                model(x).square().mean().backward()
+            probe.close()
+        recs.append(load(tmp_path / path).part(0, 0))
+    for a, b in (recs, recs[::-1]):
+        d = {d.stage: d for d in compare_parts(a, b).divergences}["backward"]
+        line = d.describe()
+        assert d.cause == "region" and {d.op, d.other_op} == {"aten.stack.default", "aten.add.Tensor"}, line
+        assert "adds a difference of its own" in line and "from aten._softmax_backward_data.default" in line, line
+        assert "agree up to rounding" not in line and "prime suspect" not in line, line

@@ -49,6 +49,10 @@ def _wrong_rsqrt(x):
     return torch.sqrt(x).reciprocal() * 1.01
 
 
+def _gelu_slightly_off(x, approximate="none"):
+    return 0.5 * x * (1 + torch.erf(x * 0.7071067811865476)) * 1.0003
+
+
 def _wrong_layer_norm(x, shape, weight, bias, eps):
     mean = x.mean(-1, keepdim=True)
     rstd = torch.rsqrt(x.var(-1, unbiased=False, keepdim=True) + eps)
@@ -113,6 +117,28 @@ def test_a_wrong_kernel_inside_one_runs_share_names_the_stretch_alike_both_ways(
         lines.append(line)
     assert _as_if_swapped(lines[1]) == re.sub(r"#\d+", "#", lines[0]), lines
     assert orders[0]["forward"].region == {"a": orders[1]["forward"].region["b"], "b": orders[1]["forward"].region["a"]}
+
+
+def test_a_stretch_adding_far_more_than_it_is_given_is_named_not_what_it_was_given(tmp_path):
+    """A gelu 0.03% off before the stretch (below the error line) and an rsqrt 1% off inside the
+    decomposed run's share: the stretch's value differs some 30 times more than what enters it, so the
+    stretch is the source, its line saying so; the gelu's difference does not hide it."""
+    orders = _both_orders(tmp_path, {"kernels": {"gelu": _gelu_slightly_off}}, {"kernels": {"rsqrt": _wrong_rsqrt}})
+    lines = []
+    for divs in orders:
+        d = divs["forward"]
+        line = d.describe()
+        assert d.cause == "region" and not d.departure and (d.scope, d.op) == ("_NormNet", "aten.addmm.default"), line
+        assert "adds a difference of its own" in line and "from aten.gelu.default" in line, line
+        assert "agree up to rounding" not in line and "prime suspect" not in line, line
+        lines.append(line)
+    assert _as_if_swapped(lines[1]) == re.sub(r"#\d+", "#", lines[0]), lines
+
+
+def test_a_gelu_slightly_off_before_a_clean_stretch_stays_a_departure(tmp_path):
+    for divs in _both_orders(tmp_path, {"kernels": {"gelu": _gelu_slightly_off}}, {}):
+        d = divs["forward"]
+        assert d.departure and (d.cause, d.op) == ("op", "aten.gelu.default"), d.describe()
 
 
 def test_clean_runs_name_no_op(tmp_path):

@@ -293,6 +293,8 @@ def mark_label(d) -> str:
         return f"{d.stage} differences follow from values zero up to rounding"
     if d.cause == "rounding":
         return f"{d.stage} errors grew from differences of rounding size"
+    if d.cause == "skipped":
+        return f"{d.stage} errors follow from an update one run's loss scaler skipped"
     if d.cause == "constant":
         return f"{d.stage} differences follow from constants the programs make differently"
     if d.cause == "after_random":

@@ -60,6 +60,7 @@ class PartResult(NamedTuple):
     aligned: tuple        # (compute records paired, compute records of A, of B)
     pairing: PairingShare = PairingShare()   # how each run's op records were paired, per stage
     arrays: dict | None = None   # the columns of ``rows`` as numpy arrays, where known (the parts are joined from them)
+    skipped: tuple | None = None  # (step, rank, run) where that run's loss scaler skips this step's update (.loss_scale)
 
 
 def compare_parts(part_a: Part, part_b: Part, match: str = "fuzzy", mapping: Mapping | None = None,
@@ -248,7 +249,8 @@ def _compare_parts(part_a: Part, part_b: Part, match: str, mapping: Mapping, ten
     else:
         arrays = None
     return PartResult(df, unmatched, problems, divs, (paired, *compute),
-                      pairing_share(al.pairs, recs_a, recs_b, unmatched), arrays)
+                      pairing_share(al.pairs, recs_a, recs_b, unmatched), arrays,
+                      (step, rank, scaling.skipped) if scaling is not None and scaling.skipped else None)
 
 
 _OP = operator.itemgetter("op")
@@ -458,6 +460,7 @@ def _merge(results, run_a, run_b, jobs_list: list, problems: list, frameworks: t
     chosen: dict = {}        # rank -> (step, the point, "choice" or "random") of its first point compare cannot
                              # judge past: a discrete choice the runs made differently, a random op's draws
     kept: list | None = [] if keep_table else None
+    skipped: list = []       # (step, rank, run) of the updates a run's loss scaler skipped
     writer = None
     if out:
         from ..report import ReportWriter
@@ -488,6 +491,8 @@ def _merge(results, run_a, run_b, jobs_list: list, problems: list, frameworks: t
         problems.extend(res.problems)
         aligned += res.aligned
         pairing.add(res.pairing)
+        if res.skipped:
+            skipped.append(res.skipped)
         table, part_divs = _past_undecided(table, list(res.divergences), chosen)
         part_divs, found, earlier = _amplified(table, part_divs, run_a, run_b, earlier)
         part_divs = drift.settle(table, part_divs)
@@ -511,7 +516,7 @@ def _merge(results, run_a, run_b, jobs_list: list, problems: list, frameworks: t
     um = pd.concat(unmatched, ignore_index=True) if unmatched else pd.DataFrame(columns=UNMATCHED_COLUMNS + ["explained"])
     um["is_cast"] = um["is_cast"].astype(bool)
     first, departures = _first(divs, um, [k for k, _ in jobs_list],
-                               lambda step, rank: optimizer_step(run_a, run_b, step, rank))
+                               lambda step, rank: optimizer_step(run_a, run_b, step, rank), skipped)
     whole, which = _aligned_against(aligned, run_a, run_b)
     share = float(aligned[0]) / max(whole, 1)
     verdict = Verdict(a=str(run_a.path), b=str(run_b.path), forward=first.get("forward"),
@@ -707,7 +712,7 @@ def _source_tier(d, received: set, sourced_from: float = float("inf")) -> float:
     return int(d.cause in _NO_SOURCE)
 
 
-def _first(divs: list, unmatched: pd.DataFrame, parts: list, stepped=None) -> tuple[dict, list]:
+def _first(divs: list, unmatched: pd.DataFrame, parts: list, stepped=None, skipped: list = ()) -> tuple[dict, list]:
     """Per stage, the divergence of the first step/rank part that has one; for the stages with none,
     their first departure.  Inputs that differ at a later step are traced to the earlier step's origin,
     and a later step never outranks it: where a stage departed within tolerance at an earlier step than
@@ -715,7 +720,9 @@ def _first(divs: list, unmatched: pd.DataFrame, parts: list, stepped=None) -> tu
     step already differs, so its sources cannot be told from what the earlier step set off), unless
     the earlier step has a source beyond tolerance (a stage's error rows: a wrong backward kernel whose
     gradients the optimizer applied) or the parameter records name the one-run-only op that made the
-    gradient that moved them apart."""
+    gradient that moved them apart.  A later step whose values differ only from where they entered it
+    (no source of its own) after one run's loss scaler skipped an update (``skipped``: (step, rank,
+    run)) says so (:func:`_after_skip`)."""
     by_part: dict = {}
     for d in divs:
         by_part.setdefault((d.rank, d.step), {})[(d.stage, d.departure)] = d
@@ -737,7 +744,31 @@ def _first(divs: list, unmatched: pd.DataFrame, parts: list, stepped=None) -> tu
             first[stage] = _parted_before(divs, d)
         elif e is not None and e.step < d.step and id(d) not in sourced:
             first[stage] = _parted_before(divs, _grown_from(e, d)) if e.rounding_at else _leads_to(e, d)
+    for stage, d in list(first.items()):
+        first[stage] = _after_skip(d, skipped)
     return first, [early[s] for s in ("forward", "backward") if s in early and s not in first]
+
+
+# causes of a later step's line whose differences come from the values entering that step, not from an op of it
+_ENTERED = frozenset({"rounding", "inputs", "after_inputs"})
+
+
+def _after_skip(d, skipped: list):
+    """``d`` as the line of a step after one whose update a run's loss scaler skipped (its loss scale
+    overflowed in that step's backward: :mod:`.loss_scale`), where ``d``'s differences only entered
+    with the step's values (:data:`_ENTERED`).  Why: the other run applied that update, so from the
+    next step on the runs compute from other parameters; those error rows read as grown from
+    rounding, or as parameters that differ, while the parameters differ by a whole update, which no
+    kernel made.  Cause ``skipped``, no op named; ``d`` unchanged where no such skip precedes it."""
+    if d.departure or d.cause not in _ENTERED:
+        return d
+    skip = max(((step, run) for step, rank, run in skipped if rank == d.rank and step < d.step), default=None)
+    if skip is None:
+        return d
+    step, run = skip
+    return replace(d, cause="skipped", approximate=False, unjudged="", came_from="",
+                   follows=f"run {run.upper()}'s loss scaler skipped step {step}'s update (its loss scale "
+                           f"overflowed in that step's backward)")
 
 
 def _leads_to(e, d):

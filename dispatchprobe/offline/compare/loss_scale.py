@@ -85,6 +85,7 @@ class LossScale:
     whole_backward: str = ""                         # set where the scaled values cannot be told
     keys: set = field(default_factory=set)           # saved tensors (task tensor) of the divided values
     overflowed: str = ""                             # set where the larger scale overflowed (:meth:`_overflowed`)
+    skipped: str = ""                                # then the run whose scaler skips this step's update ("a"/"b")
 
     def parts(self, part_a, part_b) -> tuple:
         """The parts as scoring reads their saved tensors: the divided run's scaled ones unscaled."""
@@ -179,6 +180,7 @@ class LossScale:
                f"times {_number(self.ratio)} pass the largest finite value of its dtype): a loss scaler lowers "
                f"its scale and skips such a step's update; not a kernel's fault")
         status[cand], reason[cand] = NOT_JUDGED, why
+        self.skipped = mine
         self.overflowed = (f"run {mine.upper()}'s loss scale overflows in this step's backward ({self.said()}; "
                            f"{int(cand.sum())} values hold inf/nan the other run's do not, not judged): a loss "
                            f"scaler skips such a step's update, so the runs' parameters differ after it")

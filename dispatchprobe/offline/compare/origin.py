@@ -471,6 +471,12 @@ class Lineage:
         # (run, reader, arg) -> how far apart the two runs' statistics of a value no record made are, where
         # it enters such a stretch and differs (:meth:`_unproduced_differing`)
         self.entering_gaps: dict = {}
+        # a stretch given a difference whose output differs far more (:meth:`grown_in_stretch`), (stage,
+        # paired record before, after) -> (the largest difference entering it, leaving it, the sources given)
+        self.grew: dict = {}
+        # a stand-in record given a difference far smaller than its own (:meth:`_stand_in_grew`) -> (what
+        # entered, what left, the sources given, the first one-run-only op feeding it that was given one)
+        self.region_grew: dict = {}
         self.inherits: dict = {}  # stage with error rows -> the earliest source they inherit from the other stage
 
     # ---- one-run-only ops and their place among the paired records -------------------------------
@@ -571,7 +577,7 @@ class Lineage:
 
     # ---- where one differing value comes from ----------------------------------------------------
     def _from_producer(self, side: Side, src, consumer: int, stage: str, err: float = 0.0,
-                       reach: float | None = None):
+                       reach: float | None = None, row: int | None = None):
         """What run ``side``'s producer ``src`` (index, output arg) of a differing input of record
         ``consumer`` (of that run), off by ``err``, says: a (best, inherited) pair, "stage" (made in
         another stage), "agrees" (its output agrees and no one-run-only op stands between) or None
@@ -583,7 +589,7 @@ class Lineage:
         ``slice_backward`` of a full slice after the ``lm_head`` gradient).  ``reach``: the
         consumer is a sum the runs group differently (:mod:`.regroup`) and the row compares two
         partial sums, which says nothing: a one-run-only producer hands on what reaches the total,
-        ``reach``."""
+        ``reach``.  ``row``: the consumer's input row (:meth:`grown_in_stretch`)."""
         if src is None:
             return None
         p, parg = src
@@ -601,6 +607,8 @@ class Lineage:
             got = self.passes[side.name].get(p)
             if got is UNPRODUCED:       # an exact cast of a value no record made: as if read directly
                 return None
+            if reach is None and row is not None and (grown := self.grown_in_stretch(side, p, row)) is not None:
+                return grown, None
             return got or ("agrees" if p in side.unobserved else (self.unmatched(side, p), None))
         pa = p if side is self.a else self.pair_a.get(p)
         if pa is not None and (pa, parg) in self.out_row:
@@ -647,8 +655,8 @@ class Lineage:
             return self.best.get(src_a[0]), self.inh.get(src_a[0])
         jr = self.pair_b.get(r)
         err = self.own_share.err_in[k]
-        got_a = self._from_producer(self.a, src_a, r, stage, err, reach)
-        got_b = self._from_producer(self.b, src_b, jr, stage, err, reach) if jr is not None else None
+        got_a = self._from_producer(self.a, src_a, r, stage, err, reach, k)
+        got_b = self._from_producer(self.b, src_b, jr, stage, err, reach, k) if jr is not None else None
         found = [g for g in (got_a, got_b) if type(g) is tuple]
         if found:
             got = found[0] if len(found) == 1 else _merge(*found)
@@ -891,7 +899,7 @@ class Lineage:
         return root is not None and root.cause == "unmatched" and not root.weak and \
             self.place(self.a if root.side == "a" else self.b, root.index)[0] == i
 
-    def region(self, i: int, hidden: list, outs: list) -> str | None:
+    def region(self, i: int, hidden: list, outs: list, ins: list) -> str | None:
         """Paired record ``i`` is one run's kernel standing in for another's (other ops of one shape:
         eager's ``stack``, the backward of ``unbind``, for a compiled graph's ``select_backward`` pieces
         and the ``add`` of them), one-run-only ops just before it made what it reads from values that
@@ -901,11 +909,51 @@ class Lineage:
         re-run of the stand-in's two records decides where it can: "op" (its own kernels are off: the
         pair is the source) or "feeders" (they are right: the one-run-only ops stay the suspects);
         unmeasured (statistics, a record that cannot be re-run), "region": the source is the region
-        (cause ``region``, :meth:`region_ops`).  None where ``i`` is no such stand-in."""
-        if i not in self.stand_ins or not any(k is None and self.feeds_region(src[0], i) for k, src in hidden):
+        (cause ``region``, :meth:`region_ops`).  Where those ops were given a difference from before
+        them, the same holds only where the value differs far more than it (:meth:`_stand_in_grew`;
+        ``ins``: ``i``'s differing input rows and their sources).  None where ``i`` is no such stand-in."""
+        if i not in self.stand_ins:
+            return None
+        grew = self._stand_in_grew(i, outs, ins + [(k, src) for k, src in hidden if k is not None])
+        if not grew and not any(k is None and self.feeds_region(src[0], i) for k, src in hidden):
             return None
         own = self.own_share.measured(i, [k for k in outs if self.own_share.floats[k]])
         return "region" if own is None else "op" if own else "feeders"
+
+    def _stand_in_grew(self, i: int, outs: list, ins: list) -> bool:
+        """Stand-in record ``i`` (:meth:`region`), fed by one-run-only ops just before it, is given a
+        difference larger than rounding made before it (through those ops, or at its own differing
+        input rows ``ins``: (row, sources)), and its outputs (``outs``) differ more than
+        ``origin_amplification`` times the largest relative difference entering the value: those ops'
+        inputs' (``carried``) and ``ins``.  Then the value adds a difference of its own, as
+        :meth:`grown_in_stretch` says of a stretch, and is the source in place of what it was given;
+        noted in ``region_grew`` (what entered, what left, its sources, the first of those one-run-only
+        ops: the suspect where a float64 re-run clears ``i``)."""
+        share, given, sources, first, fed = self.own_share, 0.0, None, None, False
+        for side, rec in ((self.a, i), (self.b, self.pair_b.get(i))):
+            found, todo = {rec}, [rec]
+            while todo:
+                for io, _, spec in side.flow.walks[todo.pop()]:
+                    src = self.producer(side, id(spec)) if io == "input" else None
+                    if src is None or src[0] not in side.only or src[0] in found or self.place(side, src[0])[0] != i:
+                        continue
+                    found.add(src[0])
+                    todo.append(src[0])
+                    first = _min(first, self.unmatched(side, src[0]))
+                    fed = fed or src[0] in self.given[side.name]
+                    if (got := self.carried[side.name].get(src[0])) is not None:
+                        given, sources = max(given, got[0]), _merge(sources, got[1])
+        for k, src in ins:
+            given, sources = max(given, share.err_in[k]), _merge(sources, src)
+            fed = fed or self.carries_source(k, src)
+        floats = [k for k in outs if share.floats[k] and share.beyond_rounding(k, output=True)]
+        if first is None or not fed or not floats:
+            return False
+        left = max(share.err[k] for k in floats)
+        if not (0.0 < given and left > share.amp * given):
+            return False
+        self.region_grew[i] = (given, left, sources, first)
+        return True
 
     def region_ops(self, i: int) -> dict:
         """Run name -> the ops each run computes region ``i``'s value with (:meth:`region`): the paired
@@ -972,21 +1020,43 @@ class Lineage:
             return None
         key = (stage, before, after)
         if key not in self.stretches:
-            res, loose = None, {}
+            res, loose, err = None, {}, 0.0
             for s in (self.a, self.b):    # its casts too: what enters through them enters the stretch
-                got, loose[s.name] = self._entering(s, self._loose_between(s, stage, before, after, KINDS), stage)
-                res = _merge(res, got)
-            res = _merge(res, self._unproduced_differing(loose, stage))
+                got, loose[s.name], given = self._entering(s, self._loose_between(s, stage, before, after, KINDS),
+                                                           stage)
+                res, err = _merge(res, got), max(err, given)
+            unproduced, gap = self._unproduced_differing(loose, stage)
+            res, err = _merge(res, unproduced), max(err, gap)
             # what it passes on is what it was given beyond rounding: a rounding-size difference entering
             # beside it (eager and compiled kernels round apart at every op) is no source of its output's
             strong = tuple(r if r is not None and not r.weak else None for r in res or (None, None))
-            self.stretches[key] = strong if any(r is not None for r in strong) else None
-        return self.stretches[key]
+            self.stretches[key] = (strong if any(r is not None for r in strong) else None), err
+        return self.stretches[key][0]
+
+    def grown_in_stretch(self, side: Side, u: int, row: int) -> Root | None:
+        """The stretch one-run-only op ``u`` sits in, as a source of its own, where it was given a
+        difference larger than rounding (:meth:`stretch_given`) and the input row ``row`` of a paired
+        record reading ``u``'s output differs by more than rounding and more than
+        ``origin_amplification`` times the largest relative difference entering the stretch in either
+        run; else None.  Why: passing the source of what it was given on whatever the stretch hands on
+        let a gelu 0.03% off before a layer norm one run decomposes take the blame for an ``rsqrt`` 1%
+        off inside it.  Noted in ``grew`` for the line."""
+        if u in side.unobserved or self.stretch_given(side, u) is None or not self.own_share.beyond_rounding(row):
+            return None
+        stage, before, after, _ = self._span(side, u)
+        key = (stage, before, after)
+        given, err = self.stretches[key][1], self.own_share.err_in[row]
+        if not (0.0 < given and err > self.own_share.amp * given):
+            return None
+        self.grew[key] = (given, max(err, self.grew.get(key, (0.0, 0.0))[1]), self.stretches[key][0])
+        return self.unmatched(side, u)
 
     def _entering(self, side: Side, ops: list, stage: str) -> tuple:
         """(sources of the values entering run ``side``'s share ``ops`` of a stretch that carry a
-        difference from before it, or None; [(reader, arg, spec)] of those no record made)."""
-        inside, res, loose = set(ops), None, []
+        difference from before it, or None; [(reader, arg, spec)] of those no record made; the largest
+        relative difference a value made by a record hands it, ``inf`` where one it reads has no row
+        to measure it by: a one-run-only op's output that carries a source)."""
+        inside, res, loose, err = set(ops), None, [], 0.0
         for k in ops:
             if k in self.makers[side.name]:     # what it reads, it reads for a shape at most
                 continue
@@ -1003,18 +1073,31 @@ class Lineage:
                 if side.recs[p]["stage"] != stage:
                     if self.given_differing(side, src):   # a forward value read in backward
                         res = _merge(res, (None, self.unmatched(side, k)._replace(cause="inherited", arg=arg)))
+                        err = max(err, self._handed_across(side, src))
                     continue
                 if p in side.only:
                     got = self.passes[side.name].get(p)
                     if type(got) is tuple:
-                        res = _merge(res, got)
+                        res, err = _merge(res, got), np.inf
                     continue
                 pa = p if side is self.a else self.pair_a.get(p)
                 pk = self.out_row.get((pa, parg)) if pa is not None else None
                 got = (self.best.get(pa), self.inh.get(pa))
-                if pk is not None and (self.bad[pk] or self.carries_source(pk, got)):
-                    res = _merge(res, got)
-        return res, loose
+                if pk is not None:
+                    err = max(err, self.handed_on(pa, pk))
+                    if self.bad[pk] or self.carries_source(pk, got):
+                        res = _merge(res, got)
+        return res, loose, err
+
+    def _handed_across(self, side: Side, src: tuple) -> float:
+        """How far the value ``src`` (index, arg) made in another stage differs, as a reader measures
+        it: its paired record's output row; ``inf`` where a one-run-only op made it (no row)."""
+        p, parg = src
+        if p in side.only:
+            return np.inf
+        pa = p if side is self.a else self.pair_a.get(p)
+        k = self.out_row.get((pa, parg)) if pa is not None else None
+        return self.handed_on(pa, k) if k is not None else 0.0
 
     def _unproduced_differing(self, loose: dict, stage: str) -> tuple | None:
         """The values no record made entering a stretch in both runs (``loose``: run name -> [(reader,
@@ -1022,7 +1105,8 @@ class Lineage:
         roundings of their dtype: a source at their reader, ``inputs`` (``inherited`` in backward, as
         :meth:`source` says of such values), kept in both runs (the earlier reader in its run wins,
         whichever run is A).  Values one run's stretch reads and the other's does not stay unpaired:
-        nothing says how they should compare."""
+        nothing says how they should compare.  Returns (those sources or None, the largest
+        statistics distance of the pairs)."""
         cands = []
         for x, (_, _, sa) in enumerate(loose["a"]):
             for y, (_, _, sb) in enumerate(loose["b"]):
@@ -1031,20 +1115,21 @@ class Lineage:
                     gap = stats_distance(sa, sb)
                     if gap <= STRETCH_PAIRING:
                         cands.append((gap, x + y, x, y))
-        used_a, used_b, res = set(), set(), None
+        used_a, used_b, res, widest = set(), set(), None, 0.0
         cause = "inputs" if stage == "forward" else "inherited"
         for gap, _, x, y in sorted(cands):
             if x in used_a or y in used_b:
                 continue
             used_a.add(x)
             used_b.add(y)
+            widest = max(widest, gap)
             if gap <= ROUNDINGS * ROUNDOFF.get(loose["a"][x][2].get("dtype"), ROUNDOFF["float32"]):
                 continue
             for side, (k, arg, _) in ((self.a, loose["a"][x]), (self.b, loose["b"][y])):
                 root = self.unmatched(side, k)._replace(cause=cause, arg=arg)
                 self.entering_gaps[side.name, k, arg] = gap
                 res = _merge(res, (root, None) if cause == "inputs" else (None, root))
-        return res
+        return res, widest
 
     def _loose_between(self, side: Side, stage: str, before, after, kinds: tuple = (COMPUTE,)) -> list:
         """Run ``side``'s one-run-only records of ``stage`` and ``kinds`` (compute ops: :meth:`_loose`)
@@ -1227,7 +1312,7 @@ class Lineage:
                 measured = [k for k, src in [*((k, srcs[k]) for k in ins), *((k, s) for k, s in hidden if k is not None)]
                             if any(r is not None and not r.weak for r in src)]
                 explained = bool(measured) and max(err[k] for k in outs) <= PASS_ON * max(err[k] for k in measured)
-                region = None if explained or regrouped else self.region(i, hidden, outs)
+                region = None if explained or regrouped else self.region(i, hidden, outs, [(k, srcs[k]) for k in ins])
                 if region is not None:   # a value the runs compute with other ops: the region decides
                     own = STRONG if region == "op" else NONE
                 else:
@@ -1241,6 +1326,10 @@ class Lineage:
                 srcs.update((-1 - m, (inside, None) if inside is not None and self.feeds_region(src[0], i) else src)
                             for m, (k, src) in enumerate(hidden)     # not rows: keys of their own
                             if k is not None or not explained)
+                if i in self.region_grew:    # it adds far more than it was given: the region, or its pieces
+                    grown = inside or (self.region_grew[i][3] if region == "feeders" else None)
+                    if grown is not None:
+                        srcs = {-1: (grown, None)}
                 if self.constant_pair(i) or (not ins and not hidden and self.extremes_differ(i)):
                     best = self.seen_at(i, "", "constant", CONSTANT)   # the programs differ, no kernel
                     origin_rows[outs] = True
@@ -1437,6 +1526,8 @@ def trace(df: pd.DataFrame, a: Side, b: Side, pairs: list, rerun=None, same_kern
             div.rounding_at = lineage.rounding_at(df, pick)
         if pick.cause == "region":
             div.region = lineage.region_ops(pick.index)
+            if pick.index in lineage.region_grew:
+                _grown(lineage, div, *lineage.region_grew[pick.index][:3])
         elif pick.cause == "unmatched" and (span := lineage.computed_otherwise(a if pick.side == "a" else b, pick.index)):
             div.cause, div.region = "region", span
             _as_stretch(df, lineage, div, pick, lineage.off_rows & ~lineage.partial_rows)
@@ -1644,6 +1735,29 @@ def _as_stretch(df, lineage: Lineage, div: Divergence, pick: Root, off) -> None:
     div.stretch = f"a stretch each run computes with ops of its own [{scope or '<top>'}], {place}"
     after_it = _first_after(df, stage, pick, div.errors, off)
     div.failed = f"its value differs{': ' + after_it if after_it else ''}"
+    grew = lineage.grew.get((stage, before, after))
+    if grew is not None:
+        _grown(lineage, div, *grew)
+
+
+def _grown(lineage: Lineage, div: Divergence, given: float, left: float, sources) -> None:
+    """Says in ``div`` (a ``region`` line) that the value differs ``left``, far more than what enters it
+    (``given``, from ``sources``): the value the runs compute with other ops adds a difference of its
+    own, larger than the one it was given, and the line may not say it computed from agreeing values."""
+    first = next((r for r in sources or () if r is not None), None)
+    div.entered = f"by at most {given:.3g}" + (f", from {_source_words(lineage, first)}" if first else "")
+    div.failed += (f"; that differs {left:.3g}, {left / given:.3g} times more than what enters it: the "
+                   f"value adds a difference of its own")
+    div.approximate = True      # judged on the recorded errors: no float64 re-run measures such a value
+
+
+def _source_words(lineage: Lineage, root: Root) -> str:
+    """Where a source is, in words that are the same whichever run is A: op, scope, call, the tensor
+    where it is seen, and the run holding it where only one run does."""
+    side = lineage.a if root.side == "a" else lineage.b
+    rec = side.recs[root.index]
+    only = f", present only in run {root.side.upper()}" if root.index in side.only else ""
+    return f"{rec['op']} [{rec['scope'] or '<top>'}] call {int(rec['call'])}{' ' + root.arg if root.arg else ''}{only}"
 
 
 def _describe(df, a: Side, b: Side, stage, pick: Root, errors, off) -> Divergence:

@@ -17,7 +17,7 @@ from .pairing import PairingShare
 # computed from them or from inputs that differ already, rounding noise, the programs' constants, a
 # discrete choice the runs made differently and what is computed from it
 NO_PRECISION_VERDICT = frozenset({"random", "after_random", "after_inputs", "noise", "constant", "choice",
-                                  "after_choice", "rounding"})
+                                  "after_choice", "rounding", "skipped"})
 # the first causes of those whose later values compare cannot judge (exit code 1), and the causes of
 # the stage after them
 UNDECIDED = {"random": ("after_random",), "choice": ("after_choice", "inherited")}
@@ -48,6 +48,9 @@ class Divergence:
       precisions: the errors grew from the lower precision's rounding (``follows``: where it first
       enters; ``came_from``: the step the runs part at, where earlier) over the stages and the
       steps' updates.  No op is named: one off by less than a few roundings is not told apart;
+    - ``skipped``: a later step's error rows come from the parameters entering it, which differ because
+      one run's loss scaler skipped an earlier step's update (its scale overflowed: ``follows``) that
+      the other run applied; no op is named;
     - ``noise``: no op diverges by itself; the differences come from a value zero up to rounding (``arg``
       of the record: a sum whose terms cancel, passed by the cancellation rule, as an attention key
       bias's gradient), which what is computed from it carries at any relative size (an optimizer
@@ -102,6 +105,7 @@ class Divergence:
     amplifier: str = ""          # the first op that so looked, wherever the named source is (.drift reads it)
     region: dict = field(default_factory=dict)   # cause region: run ("a"/"b") -> the ops it computes the value with
     stretch: str = ""            # cause region, a stretch both runs compute with ops of their own: where it sits
+    entered: str = ""            # such a stretch given a difference far smaller than its own: how far what enters differs
 
     @property
     def quiet(self) -> bool:
@@ -147,7 +151,8 @@ class Divergence:
         listed = sorted([(ops(mine), "A"), (ops(theirs), "B")])
         named = f"ops whose records do not pair (each run: {ops(mine)})" if mine == theirs else \
             "other ops (" + "; ".join(f"run {run}: {names}" for names, run in listed) + ")"
-        return (f"the runs compute this value with {named} from values that agree up to rounding, so the "
+        read = f"values that differ far less ({self.entered})" if self.entered else "values that agree up to rounding"
+        return (f"the runs compute this value with {named} from {read}, so the "
                 f"difference enters in one of them, and the records cannot tell which")
 
     def _follows(self, source: str) -> str:
@@ -172,6 +177,10 @@ class Divergence:
                      f"in other precisions, first at {self.follows}; judged at the lower precision's rounding, no op "
                      f"is named (one off by less than a few of its roundings is not told apart from them: compare "
                      f"runs of one precision to judge kernels)"]
+        elif self.cause == "skipped":
+            lines = [f"{self.stage}: no {self.stage} op diverges by itself; its {self.errors} error rows (step "
+                     f"{self.step} rank {self.rank}) are computed from parameters that differ because {self.follows}, "
+                     f"which the other run applied; not a precision verdict"]
         elif self.cause == "random":
             lines = [f"{lead or self.headline()}: {self.where()}: its values depend on the random numbers "
                      f"each run drew, so the runs cannot be compared value for value there or in what is computed "
