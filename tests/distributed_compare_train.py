@@ -22,6 +22,10 @@ the loss by 2 as gradient accumulation does (``loss / accumulation_steps``); ``d
 ``divided`` with ``kernel1``'s relu, ``dividedbackward1`` with a wrong relu backward on rank 1
 (``threshold_backward`` x1.05).  ``xent`` trains on a cross-entropy loss (a mean ``nll_loss`` over
 random targets, as a language model's), ``xentbackward1`` with ``dividedbackward1``'s relu backward.
+``fp16overflow`` (statistics) trains under float16 autocast with a ``GradScaler`` starting at 2**19, whose
+scaled gradients overflow float16 at step 0, so it skips that update (backing off to 2**9, not at step 1);
+``bf16autocast`` (statistics) under
+bfloat16 autocast.
 """
 
 from __future__ import annotations
@@ -103,21 +107,30 @@ def _train(kind: str, out: str, run: str, task: str) -> None:
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
     gen = torch.Generator().manual_seed(1)
     probe = DispatchProbe(task=task, dump_path=os.path.join(out, run))
+    # starting at 2**19 the scaled gradients overflow float16; backing off to 2**9, the next step's do not
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 19, backoff_factor=2.0 ** -10) if run == "fp16overflow" \
+        else None
+    autocast = {"fp16overflow": torch.float16, "bf16autocast": torch.bfloat16}.get(run)
     for _ in range(STEPS):
         sizes = UNEVEN if run.startswith("uneven") else (BATCH // world,) * world
         x = _share(torch.randn(sum(sizes), 8, generator=gen), kind, rank, sizes)
         probe.start()
-        if run.startswith("xent"):
-            targets = _share(torch.randint(0, 8, (sum(sizes),), generator=gen), kind, rank, sizes)
-            loss = nn.functional.cross_entropy(model(x), targets)
-        else:
-            loss = model(x).pow(2).mean()
+        with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+            if run.startswith("xent"):
+                targets = _share(torch.randint(0, 8, (sum(sizes),), generator=gen), kind, rank, sizes)
+                loss = nn.functional.cross_entropy(model(x), targets)
+            else:
+                loss = model(x).pow(2).mean()
         if run.startswith("divided"):
             loss = loss / 2
-        loss.backward()
+        (scaler.scale(loss) if scaler else loss).backward()
         if run in ("outside", "optimizer"):
             probe.stop()       # the optimizer's ops unrecorded; its parameter records still written
-        opt.step()
+        if scaler:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
         opt.zero_grad()
         probe.step()
     probe.close()
@@ -136,7 +149,8 @@ def main() -> None:
     if kind != "single":
         torch.distributed.init_process_group("gloo")
     for run in sys.argv[3:] or ("clean",):
-        train(kind, out, run, task="statistics" if run in ("stats", "bf16", "bf16kernel1", "unevenstats") else "tensor")
+        train(kind, out, run, task="statistics" if run in ("stats", "bf16", "bf16kernel1", "unevenstats", "fp16overflow",
+                                                               "bf16autocast") else "tensor")
     if kind != "single":
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()

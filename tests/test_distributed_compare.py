@@ -34,7 +34,7 @@ def _record(kind: str, out: Path, *runs: str) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("parallel")
-    _record("single", out / "single", "clean", "planted", "stats", "mixed", "divided", "xent")
+    _record("single", out / "single", "clean", "planted", "stats", "mixed", "divided", "xent", "bf16autocast")
     _record("ddp", out / "ddp", "clean", "planted", "planted1", "kernel1", "stats", "outside", "optimizer", "mixed",
             "divided", "dividedkernel1", "dividedbackward1", "xent", "xentbackward1")
     _record("tp", out / "tp", "clean")
@@ -44,7 +44,7 @@ def runs(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def fsdp_runs(runs) -> Path:
     """``runs`` with a clean FSDP2 run (its own fixture: torch 2.5's FSDP2 does not run on CPU)."""
-    _record("fsdp", runs / "fsdp", "clean", "kernel1", "stats", "bf16", "bf16kernel1")
+    _record("fsdp", runs / "fsdp", "clean", "kernel1", "stats", "bf16", "bf16kernel1", "fp16overflow")
     return runs
 
 
@@ -171,6 +171,25 @@ def test_a_wrong_kernel_in_bfloat16_fsdp2_is_named_against_float32_one_process(f
     res = CliRunner().invoke(main, ["compare", str(fsdp_runs / a), str(fsdp_runs / b)])
     assert res.exit_code == 2, res.output
     assert "first error: step 0 forward op aten.relu.default.0.forward [<root>] output.0" in res.output, res.output
+
+
+@pytest.mark.fsdp2
+@pytest.mark.parametrize("a, b", [("fsdp/fp16overflow", "single/bf16autocast"),
+                                  ("single/bf16autocast", "fsdp/fp16overflow")])
+def test_a_skipped_update_leaves_the_later_steps_unjudged_across_parallelism(fsdp_runs, a, b):
+    """FSDP2 under float16 autocast whose GradScaler skips step 0's update (its scaled gradients
+    overflow), against one bfloat16-autocast process that steps: step 1 starts from parameters that
+    differ by the program's design (once 'first error: step 1 forward op aten._to_copy...', exit 2).
+    Its rows are not judged, saying why, and no op is named, in both orders."""
+    res = CliRunner().invoke(main, ["compare", str(fsdp_runs / a), str(fsdp_runs / b)])
+    assert res.exit_code == 0, res.output
+    skipper = "A" if a.startswith("fsdp") else "B"
+    assert f"run {skipper} records no parameters after step 0's optimizer step while the other run does" in \
+        res.output, res.output
+    assert "first error" not in res.output, res.output
+    table, _ = compare(fsdp_runs / a, fsdp_runs / b)
+    later = table[table["step"] == 1]
+    assert len(later) and (later["status"] == "not judged").all(), later
 
 
 def test_statistics_runs_agree_across_parallelism(runs):

@@ -893,6 +893,7 @@ def compare_parallelism(run_a, run_b, tensors: bool = True, steps: list | None =
     hold), for :func:`merge_steps`."""
     if steps is None:
         steps = sorted({k[0] for k in run_a.parts} & {k[0] for k in run_b.parts})
+    stepped = stepped_steps(run_a), stepped_steps(run_b)
     out = []
     for step in steps:
         pa = {k[1]: p for k, p in run_a.parts.items() if k[0] == step}
@@ -900,10 +901,27 @@ def compare_parallelism(run_a, run_b, tensors: bool = True, steps: list | None =
         problems: list = []
         unpaired: list = []
         rows, apart = _step_rows(step, pa, pb, tensors, problems, unpaired)
+        apart = apart or skipped_update(stepped, step)
         for p in (*pa.values(), *pb.values()):
             problems.extend(x for x in p.problems if x not in problems)
         out.append((step, rows, unpaired, problems, apart))
     return out
+
+
+def stepped_steps(run) -> set:
+    """The steps after which a run records its parameters (``params.jsonl``): those its optimizer stepped at."""
+    return {k[0] for k, p in run.parts.items() if any(rec["op"].partition(".")[2] == "value" for rec in p.params)}
+
+
+def skipped_update(stepped: tuple, step: int) -> str:
+    """Why the runs' parameters differ after ``step`` by design, or "": one run's optimizer stepped
+    there and the other's did not (``stepped``: :func:`stepped_steps` of each run, both recording
+    parameters at some step), as a loss scaler skips an update whose scaled gradients overflowed."""
+    if not all(stepped) or (step in stepped[0]) == (step in stepped[1]):
+        return ""
+    return (f"run {'A' if step not in stepped[0] else 'B'} records no parameters after step {step}'s optimizer step "
+            "while the other run does: its optimizer did not step (a loss scaler skips an update whose scaled "
+            "gradients overflowed), so the runs' parameters differ after it")
 
 
 def merge_steps(run_a, run_b, steps: list) -> tuple[pd.DataFrame, ParallelVerdict]:
@@ -920,6 +938,9 @@ def merge_steps(run_a, run_b, steps: list) -> tuple[pd.DataFrame, ParallelVerdic
         unpaired += u
         problems += [x for x in p if x not in problems]
     _after_update_weighed_apart(rows, [(s[0], s[4]) for s in steps if s[4]])
+    skipped = [(s[0], s[4]) for s in steps if s[4] and not s[4].startswith(UNEQUAL_SHARES)]
+    if skipped:    # said where it is seen: the later steps' rows are not judged for it
+        problems.insert(0, f"step {skipped[0][0]}: {skipped[0][1]}; the rows of the steps after it are not judged")
     table = pd.DataFrame(rows, columns=TABLE_COLUMNS)
     table["after_one_run_only"] = ["; ".join(x) if isinstance(x, list) else "" for x in table["after_one_run_only"]]
     counts = {k: int(v) for k, v in table["status"].value_counts().items()} if len(table) else {}
@@ -940,17 +961,18 @@ def merge_steps(run_a, run_b, steps: list) -> tuple[pd.DataFrame, ParallelVerdic
 
 
 def _after_update_weighed_apart(rows: list, apart: list) -> None:
-    """The rows of the steps after the first whose update the runs weigh otherwise (``apart``:
-    (step, why) of the steps :func:`weighed_apart` says so of) marked not judged: those steps start
-    from parameters that differ by the program's design, so a difference there is no divergence to
-    name (with or without parameter records to show it)."""
+    """The rows of the steps after the first whose update the runs weigh otherwise or one run skips
+    (``apart``: (step, why) of the steps :func:`weighed_apart` or :func:`skipped_update` says so of)
+    marked not judged: those steps start from parameters that differ by the program's design, so a
+    difference there is no divergence to name (with or without parameter records to show it)."""
     if not apart:
         return
-    first = min(step for step, _ in apart)
+    first, why = min(apart)
+    reason = (f"after step {first}'s update, which the runs weigh otherwise ({UNEQUAL_SHARES} of the batch): its "
+              "parameters differ by design" if why.startswith(UNEQUAL_SHARES) else f"after step {first}'s update: {why}")
     for r in rows:
         if r["step"] > first and r["status"] != V.NOT_JUDGED:
-            r.update(status=V.NOT_JUDGED, reason=f"after step {first}'s update, which the runs weigh otherwise "
-                                                 f"({UNEQUAL_SHARES} of the batch): its parameters differ by design")
+            r.update(status=V.NOT_JUDGED, reason=reason)
 
 
 def _step_rows(step: int, pa: dict, pb: dict, tensors: bool, problems: list, unpaired: list) -> tuple[list, str]:
