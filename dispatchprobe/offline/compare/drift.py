@@ -75,7 +75,7 @@ class Drift:
         """The part's divergences; where its error rows follow only from parameters moved apart
         (see the module's docstring), its error and warning rows not judged and its divergences
         other than departures dropped."""
-        if not len(table):
+        if not len(table) or self.same_kernels:
             return divs
         step, rank = int(table["step"].iat[0]), int(table["rank"].iat[0])
         status = table["status"].to_numpy(object)
@@ -83,7 +83,7 @@ class Drift:
         prev, self.last[rank] = self.last.get(rank), (step, bool(errors.any()))
         makers, self.makers[rank] = self.makers.get(rank, set()), _passed_backward(table)
         causes = {d.cause for d in divs if not d.departure}
-        if not errors.any() or prev is None or self.same_kernels or not causes <= FOLLOWS | {"after_inputs"}:
+        if not errors.any() or prev is None or not causes <= FOLLOWS | {"after_inputs"}:
             return divs
         if "after_inputs" in causes or any(d.amplifier and not d.departure for d in divs):
             # an op of the step looks, on statistics alone, like it adds a difference of its own to the
