@@ -68,6 +68,50 @@ def test_one_kernel_standing_for_several_pieces_pairs_with_the_whole_value():
     assert _pairs(recs_b, recs_a) == {(0, 0), (5, 1), (6, 2)}
 
 
+
+def _reading(rec: dict, *made: dict) -> dict:
+    """``rec`` reading the outputs of records ``made`` (its inputs: their output specs)."""
+    rec["inputs"] = [dict(m["outputs"][0]) for m in made]
+    return rec
+
+
+def _concatenating(rec: dict, *made: dict) -> dict:
+    """``rec`` a ``cat`` of the outputs of records ``made``: one input, the list of them, as recorded."""
+    rec["inputs"] = [{"type": "list", "value": [dict(m["outputs"][0]) for m in made]}, {"type": "int", "value": -2}]
+    return rec
+
+
+def test_one_kernel_pairs_with_the_end_of_the_chain_it_stands_for_not_a_nearer_piece():
+    """autograd's one ``silu_backward`` against ``torch.func.grad``'s decomposition of it: ``g * sigmoid(x)``
+    (a piece the next ``mul`` reads) and that ``mul``, the whole value.  A forward difference can leave the
+    piece's statistics nearer the one kernel's; the kernel pairs with the whole value all the same,
+    whichever run is A."""
+    shape = [2, 16, 128]
+    before, after = _valued("aten.mm.default", [32, 64], 0.1, 2.0), _valued("aten.mm.default", [128, 64], 0.2, 3.0)
+    grad, factor = _valued("aten.mm.default", shape, 0.3, 4.0), _valued("aten.add.Scalar", shape, 0.99, 63.6)
+    piece = _reading(_valued("aten.mul.Tensor", shape, 2.47e-6, 0.021927), grad)
+    whole = _reading(_valued("aten.mul.Tensor", shape, 2.19e-6, 0.021943), piece, factor)
+    recs_a = [before, grad, _reading(_valued("aten.silu_backward.default", shape, 2.19e-6, 0.021872), grad), after]
+    recs_b = [before, grad, factor, piece, whole, after]
+    assert _pairs(recs_a, recs_b) == {(0, 0), (1, 1), (2, 4), (3, 5)}
+    assert _pairs(recs_b, recs_a) == {(0, 0), (1, 1), (4, 2), (5, 3)}
+
+
+def test_a_value_one_run_copies_once_more_pairs_where_it_was_made():
+    """An eager attention's ``cat`` of its rotated keys, then the ``cat`` of an empty cache with them (the
+    same values), against a compiled graph's one ``cat`` of the keys: the one ``cat`` pairs with the one
+    making the keys, not the copy, whose input is another (a whole tensor, not the two halves): paired
+    with the copy, the keys' ``cat`` was named a one-run-only prime suspect in two clean runs."""
+    halves = _valued("aten.mul.Tensor", [2, 1, 8, 4], 0.02, 0.9), _valued("aten.add.Tensor", [2, 1, 8, 4], 0.03, 1.0)
+    made = _concatenating(_valued("aten.cat.default", [2, 1, 8, 8], 0.0104, 1.229), *halves)
+    empty = _valued("aten.empty.memory_format", [0], 0.0, 0.0)
+    copy = _concatenating(_valued("aten.cat.default", [2, 1, 8, 8], 0.0104, 1.229), empty, made)
+    after = _concatenating(_valued("aten.cat.default", [2, 2, 8, 16], -0.003, 1.83), copy)
+    recs_a = [*halves, made, empty, copy, after]
+    recs_b = [*halves, dict(made), _concatenating(dict(after), made)]
+    assert _pairs(recs_a, recs_b) == {(0, 0), (1, 1), (2, 2), (5, 3)}
+    assert _pairs(recs_b, recs_a) == {(0, 0), (1, 1), (2, 2), (3, 5)}
+
 @pytest.mark.probe_backend
 def test_eager_and_compiled_unbind_attention_agree(tmp_path):
     """End to end: one AdamW step of the built-in tiny transformer (its attention unbinds q, k, v), eager

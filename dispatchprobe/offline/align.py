@@ -167,7 +167,10 @@ def _closest_stand_in(found: list, ka: list, kb: list, ga: list, gb: list, recs_
     one run stands for several records of the other (eager's ``stack``, the backward of ``unbind``,
     for a compiled graph's three ``select_backward`` and the ``add`` of them, all of one shape), and
     the order pairs it with the first piece, whose values are a third of it, instead of the record
-    holding the whole value.  True if any pair moved."""
+    holding the whole value.  The records are ranked by :func:`_value_roles` first: a piece another
+    of them computes on (``g * sigmoid(x)`` of silu's backward decomposed) is never the whole value,
+    whatever its statistics (a forward difference can leave a piece's nearer the one record's).
+    True if any pair moved."""
     count_a, count_b = Counter(ka), Counter(kb)
     key_a, key_b = dict(zip(ga, ka)), dict(zip(gb, kb))
     at_a, at_b = {i: n for n, i in enumerate(ga)}, {j: n for n, j in enumerate(gb)}
@@ -176,11 +179,15 @@ def _closest_stand_in(found: list, ka: list, kb: list, ga: list, gb: list, recs_
         k = key_a[x]
         if count_a[k] == 1 and count_b[k] > 1:
             cands = [j for j in gb if key_b[j] == k]
-            best = min(cands, key=lambda j: (_output_distance(recs_a[x], recs_b[j]), j != y, abs(at_b[j] - at_b[y])))
+            role = _value_roles(recs_b, cands)
+            best = min(cands, key=lambda j: (role[j], _output_distance(recs_a[x], recs_b[j]), j != y,
+                                             abs(at_b[j] - at_b[y])))
             new = (x, best)
         elif count_b[k] == 1 and count_a[k] > 1:
             cands = [i for i in ga if key_a[i] == k]
-            best = min(cands, key=lambda i: (_output_distance(recs_a[i], recs_b[y]), i != x, abs(at_a[i] - at_a[x])))
+            role = _value_roles(recs_a, cands)
+            best = min(cands, key=lambda i: (role[i], _output_distance(recs_a[i], recs_b[y]), i != x,
+                                             abs(at_a[i] - at_a[x])))
             new = (best, y)
         else:
             continue
@@ -190,6 +197,50 @@ def _closest_stand_in(found: list, ka: list, kb: list, ga: list, gb: list, recs_
         found[n] = (*new, how)
         moved = True
     return moved
+
+
+# what a record is among records that may each stand for one value (:func:`_value_roles`)
+WHOLE, COPY, PIECE = 0, 1, 2
+
+
+def _value_roles(recs: list, cands: list) -> dict:
+    """Per record of ``cands`` (indices into ``recs``), what it holds of the value they may each stand
+    for: ``PIECE`` where another of them reads it and computes a different value from it (silu's
+    backward decomposed: ``g * sigmoid(x)``, which the next ``mul`` reads), ``COPY`` where it reads
+    another of them and gives back the same value (equal output statistics: eager's ``cat`` of an
+    empty cache with the keys a compiled graph never copies), else ``WHOLE``.  Why: a piece holds part
+    of the computation, never the value a kernel of the other run makes at once; a copy holds the
+    value but is fed otherwise than the record that made it, whose counterpart is the one wanted.
+    Data flow by :func:`.regions.producers` over ``cands`` alone (saved-tensor key, statistics, view)."""
+    order = sorted(cands)
+    role = dict.fromkeys(cands, WHOLE)
+    if len(order) < 2:
+        return role
+    for reader, made_from in enumerate(producers([recs[i] for i in order])):
+        for maker in made_from:
+            if _same_value(recs[order[maker]], recs[order[reader]]):
+                role[order[reader]] = max(role[order[reader]], COPY)
+            else:
+                role[order[maker]] = PIECE
+    return role
+
+
+def _same_value(ra: dict, rb: dict) -> bool:
+    """Whether two records give back the same values as far as their records tell: outputs of one
+    number, shapes, dtypes and statistics (all of them, none missing)."""
+    out_a, out_b = ra.get("outputs") or (), rb.get("outputs") or ()
+    return len(out_a) == len(out_b) > 0 and all(
+        isinstance(sa, dict) and isinstance(sb, dict) and sa.get("stats") and sa.get("stats") == sb.get("stats")
+        and sa.get("shape") == sb.get("shape") and sa.get("dtype") == sb.get("dtype") for sa, sb in zip(out_a, out_b))
+
+
+def _whole_values(recs: list, cands: list) -> list:
+    """Of sibling records ``cands``, those of the best role :func:`_value_roles` gives any of them."""
+    if len(cands) < 2:
+        return cands
+    role = _value_roles(recs, cands)
+    best = min(role.values())
+    return [c for c in cands if role[c] == best]
 
 
 def _between_pairs(ga: list, gb: list, found: list) -> list:
@@ -422,7 +473,9 @@ def _closest_siblings(recs_a: list, recs_b: list, pairs: list, gaps: list) -> bo
     may compute a value twice where the other computes it once (eager recomputes ``self / other``
     in ``div``'s backward, a compiled graph reuses the forward's), and the order alone pairs the
     other run's one call with whichever comes first.  Order is kept (each pair stays between its
-    neighbours); ties keep the ordered pass's choice.  ``gaps``: the unpaired records, (A's, B's)
+    neighbours); ties keep the ordered pass's choice.  Only the records of the best role
+    :func:`_value_roles` gives any sibling are chosen among: a piece another sibling computes on is
+    a step of a chain, not the value computed twice.  ``gaps``: the unpaired records, (A's, B's)
     per gap.  Changes ``pairs`` in place; True if any moved."""
     free: tuple = ({}, {})
     for gap in gaps:
@@ -462,6 +515,7 @@ def _closest_siblings(recs_a: list, recs_b: list, pairs: list, gaps: list) -> bo
             cand.append([x] + lst[bisect.bisect_right(lst, lo):bisect.bisect_left(lst, hi)])
         if len(cand[0]) == 1 and len(cand[1]) == 1:
             continue
+        cand = [_whole_values(recs_a, cand[0]), _whole_values(recs_b, cand[1])]
         far_out, far_in = (m.tolist() for m in _closeness(recs_a, recs_b, cand[0], cand[1]))
         # ties: the ordered pass's pair, then the nearest to it, the earliest (the same whichever run is A)
         best = min((far_out[p][q], far_in[p][q], (x, y) != (i, j), abs(x - i) + abs(y - j), x + y, x, y)
@@ -502,7 +556,9 @@ def _reordered_calls(recs_a: list, recs_b: list, ia: list, ib: list, pairs: list
     run_a, run_b = stretches(recs_a, ia), stretches(recs_b, ib)
     groups: dict = {}       # (stretch A, stretch B, op, shapes) -> indices into pairs
     for k, (i, j, _) in enumerate(pairs):
-        if i in run_a and j in run_b:
+        # a pair of two ops (one kernel standing in for another) is no call made in another order: its
+        # group would hold one run's kind of record only, and a move would depend on which run is A
+        if i in run_a and j in run_b and functional(recs_a[i]["op"]) == functional(recs_b[j]["op"]):
             groups.setdefault((run_a[i], run_b[j], *_sibling(recs_a[i])[1:]), []).append(k)
     paired_a, paired_b = {p[0] for p in pairs}, {p[1] for p in pairs}
     members: tuple = ({}, {})     # (stretch, op, shapes) -> the unpaired records of it, per side
