@@ -72,8 +72,8 @@ def test_clean_runs_of_other_precisions_name_no_op(runs, a, b):
                          for d in grown), str(v)
     assert "divergence:" not in str(v), str(v)
     _, swapped = compare(runs[b], runs[a])
-    assert [(d.stage, d.cause, d.follows.split(" (#")[0]) for d in grown] == \
-        [(d.stage, d.cause, d.follows.split(" (#")[0]) for d in (swapped.forward, swapped.backward)
+    assert [(d.stage, d.cause, d.follows.split(" (")[0]) for d in grown] == \
+        [(d.stage, d.cause, d.follows.split(" (")[0]) for d in (swapped.forward, swapped.backward)
          if d is not None and d.cause == "rounding"], (str(v), str(swapped))
 
 

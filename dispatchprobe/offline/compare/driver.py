@@ -34,7 +34,7 @@ from .pairing import PairingShare, decomposed_scopes, explain_unobservable, data
 from .scoring import score_pairs
 from .task_mismatch import NOT_RECORDED, explanation, flagged_only_side, tasks_note, unaligned_hint
 from ..coverage import graphs_note, unrecorded_graphs, unrecorded_steps_note
-from .verdict import Result, RunsDoNotAlign, Verdict
+from .verdict import Result, RunsDoNotAlign, Verdict, call_words
 from .parallel import layout_difference, optimizer_step
 from .amplified import Trail as AmplifiedTrail
 from .amplified import said as amplified_lines
@@ -499,8 +499,8 @@ def _merge(results, run_a, run_b, jobs_list: list, problems: list, frameworks: t
         for d in part_divs:
             if not d.departure and d.cause in _UNDECIDED_AT:
                 chosen.setdefault(d.rank, (d.step, d.follows if d.cause.startswith("after_") else
-                                           f"{d.op} [{d.scope or '<top>'}] call {d.call} {d.arg} "
-                                           f"(#{d.seq} in {d.stage}, step {d.step} rank {d.rank})",
+                                           f"{d.op} [{d.scope or '<top>'}] {call_words(d.call, d.call_b)} "
+                                           f"{d.arg} ({d.at()}, step {d.step} rank {d.rank})",
                                            _UNDECIDED_AT[d.cause]))
         facts = {**found, **facts}         # each parameter said once, from the first step it differs
         divs.extend(part_divs)

@@ -34,7 +34,7 @@ from .regroup import Regrouping
 from .scoring import distance_bound, judging_precisions, pair_codes
 from .rerun import ROUNDOFF
 from .rewired import rewired_inputs_not_judged
-from .verdict import Divergence
+from .verdict import Divergence, call_words, place_words
 
 
 class Root(NamedTuple):
@@ -1481,13 +1481,30 @@ class Lineage:
         that rounding through the optimizer's updates: no op is named for them."""
         return self.rounding_where(df, root) if self._precision_only(root) else ""
 
+    def paired_b(self, side: str, index: int) -> tuple:
+        """(call, place in its stage) of run B's record paired with run ``side``'s record ``index``,
+        (None, None) where it is run B's own or unpaired: what :func:`.verdict.call_words` and
+        :func:`.verdict.place_words` name beside run A's."""
+        j = self.pair_b.get(index) if side == "a" else None
+        return (None, None) if j is None else (int(self.b.recs[j]["call"]), int(self.b.seq[j]))
+
+    def named(self, side: str, index: int, stage: str | None = None) -> tuple:
+        """(``call N``, ``seq in stage``) of run ``side``'s record ``index`` as a verdict names it: its
+        paired record's call and place in run B beside them where they differ, so the words name the
+        pair alike whichever run is A."""
+        run = self.a if side == "a" else self.b
+        rec = run.recs[index]
+        call_b, seq_b = self.paired_b(side, index)
+        where = f"{stage or rec['stage']}{'' if side == 'a' else ' of run B'}"
+        return call_words(int(rec["call"]), call_b), place_words(int(run.seq[index]), where, seq_b)
+
     def rounding_where(self, df: pd.DataFrame, root: Root) -> str:
         """``root``'s place and the precisions the runs compute in there (:meth:`precisions`)."""
         side = self.a if root.side == "a" else self.b
         rec = side.recs[root.index]
-        where = (f"{rec['op']} [{rec['scope'] or '<top>'}] call {int(rec['call'])} {root.arg + ' ' if root.arg else ''}"
-                 f"(#{int(side.seq[root.index])} in {rec['stage']}{'' if side is self.a else ' of run B'}, "
-                 f"step {int(df['step'].iat[0])} rank {int(df['rank'].iat[0])})")
+        call, place = self.named(root.side, root.index)
+        where = (f"{rec['op']} [{rec['scope'] or '<top>'}] {call} {root.arg + ' ' if root.arg else ''}"
+                 f"({place}, step {int(df['step'].iat[0])} rank {int(df['rank'].iat[0])})")
         dtype_a, dtype_b = self.precisions(root)
         if root.index in side.only:
             made, read = (dtype_a, dtype_b) if side is self.a else (dtype_b, dtype_a)
@@ -1510,9 +1527,11 @@ def trace(df: pd.DataFrame, a: Side, b: Side, pairs: list, rerun=None, same_kern
     divs, roots = [], []
     unmeasured = (df["rel_l2_err"].isna() & (df["status"] != V.NOT_JUDGED)).to_numpy() if len(df) else np.zeros(0, bool)
     for stage, pick, errors in picks:
-        div = _describe(df, a, b, stage, pick, errors, lineage.off_rows & ~lineage.partial_rows)
+        div = _describe(df, lineage, stage, pick, errors, lineage.off_rows & ~lineage.partial_rows)
+        if pick.side == "a":
+            div.call_b, div.seq_b = lineage.paired_b("a", pick.index)
         if pick.cause == "choice" and a.recs[pick.index]["stage"] != stage:
-            div = _after_choice(div, a, pick)
+            div = _after_choice(div, lineage, pick)
         # placed from the recorded errors, or from statistics (equal statistics do not make equal values);
         # an activation whose output's extremes are not its function of its input's is wrong itself, whatever
         # its input: measured, not estimated
@@ -1585,9 +1604,8 @@ def _choice_where(lineage: Lineage, root: Root) -> str:
     """A choice as a row's reason names it: op, scope, call, the discrete output, its place in its run."""
     side = lineage.a if root.side == "a" else lineage.b
     rec = side.recs[root.index]
-    run = "" if root.side == "a" else " of run B"
-    return (f"{rec['op']} [{rec['scope'] or '<top>'}] call {int(rec['call'])} {root.arg} "
-            f"(#{int(side.seq[root.index])} in {rec['stage']}{run})")
+    call, place = lineage.named(root.side, root.index)
+    return f"{rec['op']} [{rec['scope'] or '<top>'}] {call} {root.arg} ({place})"
 
 
 PARTIAL_SUMS = ("partial sums the runs group differently: a row of a sum whose terms each run adds in other "
@@ -1608,8 +1626,8 @@ def _unjudged(df: pd.DataFrame, lineage: Lineage, stage: str, pick: Root | None,
     worst = rows.loc[rows["error"].idxmax()] if len(rows) and rows["error"].notna().any() else None
     size = f"{worst['arg']} off by {worst['error']:.3g}, " if worst is not None else ""
     line = "past the error line" if worst is not None and worst["status"] == V.ERROR else "within tolerance"
-    return (f"{rec['op']} [{rec['scope'] or '<top>'}] call {int(rec['call'])} (#{int(lineage.seq_a[i])} in "
-            f"{stage}) reads inputs that differ already ({size}{line}) and looks like it amplifies "
+    call, place = lineage.named("a", i, stage)
+    return (f"{rec['op']} [{rec['scope'] or '<top>'}] {call} ({place}) reads inputs that differ already ({size}{line}) and looks like it amplifies "
             f"them on statistics alone; a statistics difference is a lower bound of the values' difference, so "
             f"whether it adds one of its own cannot be judged: record tensors (task tensor) to measure it")
 
@@ -1681,13 +1699,13 @@ def _constant_values(row) -> str:
     return f"{row.arg} is {held(row.min_a, row.max_a)} in run A, {held(row.min_b, row.max_b)} in run B"
 
 
-def _after_choice(div: Divergence, a: Side, pick: Root) -> Divergence:
+def _after_choice(div: Divergence, lineage: Lineage, pick: Root) -> Divergence:
     """A stage whose differences follow a choice made in the other stage (a backward reading the
     forward's routed values): ``after_choice``, naming the choice."""
-    rec = a.recs[pick.index]
+    rec = lineage.a.recs[pick.index]
+    call, place = lineage.named("a", pick.index)
     div.cause, div.follows, div.approximate = "after_choice", (
-        f"{rec['op']} [{rec['scope'] or '<top>'}] call {int(rec['call'])} {pick.arg} (#{int(a.seq[pick.index])} in "
-        f"{rec['stage']}, step {div.step} rank {div.rank})"), False
+        f"{rec['op']} [{rec['scope'] or '<top>'}] {call} {pick.arg} ({place}, step {div.step} rank {div.rank})"), False
     div.failed, div.metrics, div.module = "", {}, None
     return div
 
@@ -1700,9 +1718,10 @@ def _chose_from(df: pd.DataFrame, i: int, stage: str) -> str:
                      f"{r.arg}: equal" for r in floats)
 
 
-def _first_after(df, stage: str, pick: Root, errors: int, off) -> str:
+def _first_after(df, lineage: Lineage, stage: str, pick: Root, errors: int, off) -> str:
     """Names the first failing (differing, in a stage without error rows) record at or after the place
-    of one-run-only ``pick``, or "" where none follows."""
+    of one-run-only ``pick``, or "" where none follows; its paired record's place in run B beside
+    run A's, where it is another."""
     later = df[(df["stage"] == stage) & (df["status"] == V.ERROR if errors else off) & (df["seq"] >= pick.at)]
     if errors and not len(later):    # the error rows it makes are another stage's (Lineage._fed_stages)
         later = df[(df["stage"] != stage) & (df["status"] == V.ERROR)]
@@ -1710,8 +1729,11 @@ def _first_after(df, stage: str, pick: Root, errors: int, off) -> str:
         return ""
     nxt = later.iloc[0]
     elsewhere = f" in {nxt['stage']}" if nxt["stage"] != stage else ""
+    seq_b = lineage.paired_b("a", int(nxt["uid"]))[1]
+    place = f"#{nxt['seq']}" if seq_b is None or seq_b == nxt["seq"] else f"A #{nxt['seq']}, B #{seq_b}"
+    paired = f" (paired with {nxt['op_b']} in run B)" if nxt["op_b"] != nxt["op_a"] else ""
     return (f"the first {'failing' if errors else 'differing'} record after it is "
-            f"{nxt['op_a']} [{nxt['scope'] or '<top>'}] {nxt['arg']} (#{nxt['seq']}{elsewhere})")
+            f"{nxt['op_a']}{paired} [{nxt['scope'] or '<top>'}] {nxt['arg']} ({place}{elsewhere})")
 
 
 def _as_stretch(df, lineage: Lineage, div: Divergence, pick: Root, off) -> None:
@@ -1730,10 +1752,11 @@ def _as_stretch(df, lineage: Lineage, div: Divergence, pick: Root, off) -> None:
         rec = lineage.a.recs[anchor]
         div.op, div.name, div.call, div.kind, div.seq = rec["op"], rec["name"], int(rec["call"]), rec["kind"], \
             int(lineage.seq_a[anchor])
+        div.call_b, div.seq_b = lineage.paired_b("a", anchor)
         place = (f"{'before' if anchor == after else 'after'} {rec['op']} [{rec['scope'] or '<top>'}] "
-                 f"(#{div.seq} in {stage}, step {div.step} rank {div.rank})")
+                 f"({lineage.named('a', anchor, stage)[1]}, step {div.step} rank {div.rank})")
     div.stretch = f"a stretch each run computes with ops of its own [{scope or '<top>'}], {place}"
-    after_it = _first_after(df, stage, pick, div.errors, off)
+    after_it = _first_after(df, lineage, stage, pick, div.errors, off)
     div.failed = f"its value differs{': ' + after_it if after_it else ''}"
     grew = lineage.grew.get((stage, before, after))
     if grew is not None:
@@ -1760,8 +1783,9 @@ def _source_words(lineage: Lineage, root: Root) -> str:
     return f"{rec['op']} [{rec['scope'] or '<top>'}] call {int(rec['call'])}{' ' + root.arg if root.arg else ''}{only}"
 
 
-def _describe(df, a: Side, b: Side, stage, pick: Root, errors, off) -> Divergence:
+def _describe(df, lineage: Lineage, stage, pick: Root, errors, off) -> Divergence:
     i, side, arg, cause = pick.index, pick.side, pick.arg, pick.cause
+    a, b = lineage.a, lineage.b
     run = a if side == "a" else b
     rec = run.recs[i]
     other = "B" if side == "a" else "A"
@@ -1792,7 +1816,7 @@ def _describe(df, a: Side, b: Side, stage, pick: Root, errors, off) -> Divergenc
         rows = at[at["io"] == "output"]
         failed = "; ".join(_constant_values(r) for r in rows.itertuples()) or f"made in run {side.upper()} only"
     else:   # unmatched: name the first failing (differing) record after it
-        after = _first_after(df, stage, pick, errors, off)
+        after = _first_after(df, lineage, stage, pick, errors, off)
         failed = f"no counterpart in run {other}" + (f"; {after}" if after else "")
         rows = at.iloc[:0]
     row = rows.iloc[0] if len(rows) else None

@@ -106,6 +106,8 @@ class Divergence:
     region: dict = field(default_factory=dict)   # cause region: run ("a"/"b") -> the ops it computes the value with
     stretch: str = ""            # cause region, a stretch both runs compute with ops of their own: where it sits
     entered: str = ""            # such a stretch given a difference far smaller than its own: how far what enters differs
+    call_b: int | None = None    # a run A record's: the call index and place of its paired record in run B
+    seq_b: int | None = None
 
     @property
     def quiet(self) -> bool:
@@ -131,9 +133,13 @@ class Divergence:
     def where(self) -> str:
         paired = f" (paired with {self.other_op} in run {'B' if self.side == 'a' else 'A'})" if self.other_op else ""
         rerun = ", a forward op recomputed by activation checkpointing" if self.recomputed else ""
-        return (f"{self.op}{paired} [{self.scope or '<top>'}] call {self.call} "
-                f"(#{self.seq} in {self.stage}{'' if self.side == 'a' else ' of run B'}{rerun}, "
-                f"step {self.step} rank {self.rank})")
+        return (f"{self.op}{paired} [{self.scope or '<top>'}] {call_words(self.call, self.call_b)} "
+                f"({self.at()}{rerun}, step {self.step} rank {self.rank})")
+
+    def at(self) -> str:
+        """The record's place in its stage (:func:`place_words`), its paired record's in run B beside
+        it where that is another."""
+        return place_words(self.seq, f"{self.stage}{self.run_of()}", self.seq_b)
 
     def run_of(self) -> str:
         """`` of run B`` where the record named is run B's (a one-run-only op's), else nothing."""
@@ -165,12 +171,12 @@ class Divergence:
         """The terminal lines; ``lead`` replaces the opening words of an op's line."""
         if self.cause == "inputs":
             lines = [f"the runs differ already at their inputs/parameters: first seen at {self.op} "
-                     f"[{self.scope or '<top>'}] {self.arg} (#{self.seq} in {self.stage}{self.run_of()}, step {self.step} "
+                     f"[{self.scope or '<top>'}] {self.arg} ({self.at()}, step {self.step} "
                      f"rank {self.rank}): {self.failed}"]
         elif self.cause == "inherited":
             lines = [f"{self.stage}: no {self.stage} op diverges by itself; its {self.errors} error rows follow from "
                      f"differing {self.inherited_from()} values (first at {self.op} [{self.scope or '<top>'}] {self.arg}, "
-                     f"#{self.seq} in {self.stage}{self.run_of()}, step {self.step} rank {self.rank})"]
+                     f"{self.at()}, step {self.step} rank {self.rank})"]
         elif self.cause == "rounding":
             lines = [f"{self.stage}: no op diverges by more than rounding; its {self.errors} error rows (step "
                      f"{self.step} rank {self.rank}) grew from differences of rounding size where the runs compute "
@@ -196,7 +202,7 @@ class Divergence:
                      f"the discrete choice {self.follows}, which the runs made differently"]
         elif self.cause == "noise":
             lines = [self._follows(f"values that are zero up to rounding (first at {self.op} [{self.scope or '<top>'}] "
-                                   f"{self.arg}, #{self.seq} in {self.stage}, step {self.step} rank {self.rank}: "
+                                   f"{self.arg}, {self.at()}, step {self.step} rank {self.rank}: "
                                    f"{self.failed}); what is computed from rounding noise differs by any amount "
                                    f"relative to its size (an optimizer normalising its updates, as Adam's, "
                                    f"amplifies it), so no op after it is named")]
@@ -237,6 +243,19 @@ class Divergence:
             lines.append(f"  smallest module whose output differs: {self.module}")
         lines += [f"  at {frame}" for frame in self.stack[-4:]]
         return "\n".join(lines)
+
+
+def call_words(call: int, call_b: int | None = None) -> str:
+    """``call 6``, or ``call A 6, B 5`` where a run A record's paired record in run B is another call of
+    its op (an eager and a compiled run number their calls apart): both runs' calls named, so the line
+    names the pair alike whichever run is A."""
+    return f"call {call}" if call_b is None or call_b == call else f"call A {call}, B {call_b}"
+
+
+def place_words(seq: int, stage: str, seq_b: int | None = None) -> str:
+    """``#15 in backward``, or ``A #15, B #20 in backward`` where the paired record of run B sits
+    elsewhere in its stage: a place in run A alone changes with the runs' order."""
+    return f"#{seq} in {stage}" if seq_b is None or seq_b == seq else f"A #{seq}, B #{seq_b} in {stage}"
 
 
 RANDOM_ADVICE = ("To compare past it, record both runs seeded alike with dropout off "
