@@ -18,11 +18,11 @@ import torch
 from click.testing import CliRunner
 from torch import nn
 
-from dispatchprobe import DispatchProbe
+from dispatchprobe import DispatchProbe, compare
 from dispatchprobe.cli import main
 from dispatchprobe.torch.compile import probe_backend
 
-from compare_helpers import train_attention_steps
+from compare_helpers import planted_kernel, train_attention_steps
 
 pytestmark = pytest.mark.probe_backend    # below the torch it needs, the one-line refusal
 
@@ -295,3 +295,69 @@ def test_a_changed_learning_rate_beside_the_noise_is_still_named(optimizer_insid
     res = CliRunner().invoke(main, ["compare", str(a), str(b)])
     assert res.exit_code == 2, res.output
     assert "first forward divergence: aten.mul_.Tensor [<top>] call 0" in res.output, res.output
+
+
+# ---- a compiled layer norm that returns no mean ----------------------------------------------------------
+class EmbeddedNorm(nn.Module):
+    """Token and position embeddings summed, then a layer norm (BERT's embeddings): the compiled graph's
+    layer norm keeps no mean of its own (inductor fuses it into the kernel that uses it), so its record's
+    second output is ``none`` where eager's is a tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.tokens, self.positions = nn.Embedding(64, 32), nn.Embedding(16, 32)
+        self.norm, self.head = nn.LayerNorm(32), nn.Linear(32, 8)
+
+    def forward(self, x):
+        h = self.tokens(x) + self.positions(torch.arange(x.shape[-1]))
+        return self.head(self.norm(h)).square().mean()
+
+
+def _wrong_layer_norm(x, shape, weight, bias, eps):
+    """native_layer_norm whose normalised output is 1% too large (its mean and rstd right)."""
+    mean = x.mean(-1, keepdim=True)
+    rstd = torch.rsqrt(x.var(-1, unbiased=False, keepdim=True) + eps)
+    return ((x - mean) * rstd * weight + bias) * 1.01, mean, rstd
+
+
+def _record_norm(path, compiled: bool, wrong: bool = False):
+    """One forward and backward of :class:`EmbeddedNorm`, eager or under ``probe_backend`` with inductor
+    (statistics); ``wrong``: a wrong ``native_layer_norm`` kernel (eager)."""
+    torch.manual_seed(0)
+    model = EmbeddedNorm()
+    x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    if compiled:
+        backend = probe_backend(task="statistics", dump_path=str(path))
+        torch.compile(model, backend=backend)(x).backward()
+        backend.close()
+        torch._dynamo.reset()
+        return path
+    with planted_kernel("native_layer_norm" if wrong else None, _wrong_layer_norm):
+        probe = DispatchProbe(task="statistics", dump_path=str(path))
+        with probe:
+            model(x).backward()
+        probe.close()
+    return path
+
+
+def test_a_layer_norm_without_its_mean_pairs_by_the_outputs_both_have(tmp_path):
+    """The two layer norms pair (by output and rstd, the mean left out): every forward record pairs,
+    the clean runs agree, and a wrong eager layer norm kernel is named at it, either run as A."""
+    import json
+    eager, wrong, compiled = (_record_norm(tmp_path / "eager", False), _record_norm(tmp_path / "wrong", False, True),
+                              _record_norm(tmp_path / "compiled", True))
+    records = (compiled / "step0" / "rank0" / "ops.jsonl").read_text().splitlines()
+    norms = [r for r in map(json.loads, records) if r["op"] == "aten.native_layer_norm.default"]
+    assert [o["type"] for o in norms[0]["outputs"]] == ["tensor", "none", "tensor"], norms
+    for a, b in ((eager, compiled), (compiled, eager)):
+        res = CliRunner().invoke(main, ["compare", str(a), str(b), "-o", str(tmp_path / f"out_{a.name}")])
+        assert res.exit_code == 0 and "no forward divergence" in res.output, res.output
+        table = pd.read_csv(tmp_path / f"out_{a.name}" / "compare.csv", keep_default_na=False)
+        norm = table[table["op_a"] == "aten.native_layer_norm.default"]
+        # compared by its input, weight, bias, output and rstd; the mean only eager holds is left out
+        assert set(norm["op_b"]) == {"aten.native_layer_norm.default"} and set(norm["arg"]) == {
+            "input.0", "input.2", "input.3", "output.0", "output.2"} and set(norm["status"]) == {"pass"}, norm
+    for a, b in ((wrong, compiled), (compiled, wrong)):
+        d = compare(a, b).verdict.forward
+        assert d is not None and (d.cause, d.op, d.scope) == ("op", "aten.native_layer_norm.default",
+                                                              "EmbeddedNorm.norm"), str(d)

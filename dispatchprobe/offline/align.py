@@ -297,15 +297,33 @@ def _kind(dtype: str) -> str:
     return kind
 
 
-def _ranks(record: dict) -> tuple:
-    return tuple(len(spec["shape"]) for _, _, spec in walk(record))
+def _ranks(record: dict, outputs: bool = True) -> tuple:
+    return tuple(len(spec["shape"]) for _, _, spec in walk(record, outputs=outputs))
+
+
+def _output_ranks(record: dict) -> list:
+    """Per output of a record, the ranks of its tensors, or None where the op gave back no value
+    there (a ``none`` output)."""
+    return [None if spec.get("type") == "none" else _ranks({"outputs": [spec]})
+            for spec in record.get("outputs") or ()]
 
 
 def _same_ranks(ra: dict, rb: dict) -> bool:
     """Calls of one op on other shapes (another batch or sequence length) keep each tensor's rank;
     calls whose tensors differ in number or rank compute different things (an optimizer's
-    step-count increment on scalars and its epsilon add on the parameters' shapes)."""
-    return _ranks(ra) == _ranks(rb)
+    step-count increment on scalars and its epsilon add on the parameters' shapes).  An output one
+    call gives back no value for is left out (:func:`_optional_outputs_only`)."""
+    return _ranks(ra) == _ranks(rb) or (_ranks(ra, False) == _ranks(rb, False) and _optional_outputs_only(ra, rb))
+
+
+def _optional_outputs_only(ra: dict, rb: dict) -> bool:
+    """Whether two records of one op differ in their outputs only where one of them gave back no
+    value (a ``none`` output): a compiled graph's ``native_layer_norm`` returns no mean where
+    nothing reads it, an eager one always does, and the two calls compute the same normalised
+    values.  The outputs both hold keep their ranks, and one at least is a tensor in both."""
+    out_a, out_b = _output_ranks(ra), _output_ranks(rb)
+    both = [(x, y) for x, y in zip(out_a, out_b) if x is not None and y is not None]
+    return len(out_a) == len(out_b) and bool(both) and all(x == y and x for x, y in both)
 
 
 def batched_shapes(record: dict) -> tuple:
