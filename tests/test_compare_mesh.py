@@ -88,14 +88,22 @@ def test_clean_mesh_pairs_every_forward_op_with_one_process(runs, task, tmp_path
                                 "weight's gradient before its reduction" in x for x in unpaired if "more" not in x), lines
 
 
+def _part_on_rank_1(mesh, single, name: str, tmp_path) -> dict:
+    """Both orders of the mesh run against the single one: exit 2, the runs parting at step 0's
+    forward op ``name`` on rank 1; each order's table, by the mesh run's side."""
+    tables = {}
+    for a, b, side in ((mesh, single, "a"), (single, mesh, "b")):
+        code, lines, tables[side] = compare(a, b, tmp_path / side)
+        assert code == 2, lines
+        assert lines[1].startswith(f"the runs part at step 0 forward op {name} [<root>] output.0 on rank 1 (error: "), \
+            lines
+    return tables
+
+
 @pytest.mark.parametrize("task", TASKS)
 def test_wrong_kernel_on_one_tensor_parallel_rank_is_named_with_its_rank(runs, task, tmp_path):
     mesh, single = runs / "fsdp_tp" / "tanh1" / task, runs / "single" / "clean" / task
-    for a, b, side in ((mesh, single, "a"), (single, mesh, "b")):
-        code, lines, table = compare(a, b, tmp_path / side)
-        assert code == 2, lines
-        assert lines[1].startswith("the runs part at step 0 forward op aten.tanh.default.0.forward [<root>] output.0 "
-                                   "on rank 1 (error: "), lines
+    for side, table in _part_on_rank_1(mesh, single, "aten.tanh.default.0.forward", tmp_path).items():
         tanh = table[(table["step"] == 0) & (table["name"] == "aten.tanh.default.0.forward")].iloc[0]
         assert tanh[f"how_{side}"].startswith("rank 1 (its tensor-parallel peers differ): "), tanh
         before = table[(table["step"] == 0) & (table["scope"] == "pre") & (table["what"] == "forward")].iloc[0]
@@ -158,11 +166,7 @@ def test_gradient_terms_summed_in_another_order_are_not_paired(runs, task, tmp_p
 @pytest.mark.parametrize("task", TASKS)
 def test_wrong_gelu_before_a_gated_block_is_named_with_its_rank(runs, task, tmp_path):
     mesh, single = runs / "fsdp_tp" / "gatedgelu1" / task, runs / "single" / "gated" / task
-    for a, b, side in ((mesh, single, "a"), (single, mesh, "b")):
-        code, lines, _ = compare(a, b, tmp_path / side)
-        assert code == 2, lines
-        assert lines[1].startswith("the runs part at step 0 forward op aten.gelu.default.0.forward [<root>] output.0 "
-                                   "on rank 1 (error: "), lines
+    _part_on_rank_1(mesh, single, "aten.gelu.default.0.forward", tmp_path)
     code, lines = ranks(mesh)
     assert code == 2 and lines[0].startswith("replica drift on rank 1: aten.gelu.default [FSDPResidualGatedMLP] (step "
                                              "0, forward): computed by tensor-parallel peers from equal inputs "), lines
