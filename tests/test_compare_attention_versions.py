@@ -13,7 +13,11 @@ the silu had moved).  A wrong kernel in the decomposed attention backward is sti
 Both versions' fused kernels under bfloat16 autocast: their float32 ``logsumexp`` outputs, made
 from bfloat16 inputs, differ by bfloat16's rounding; compare took that for a difference of the
 kernel's own larger than rounding and named the attention where a wrong ``tanh`` after it made
-the errors."""
+the errors, and named the LM head's backward ``mm`` where the backward's errors follow from it.
+
+Fused against decomposed under bfloat16 autocast (the decomposed one computing in float32): a
+clean pair's errors grew from the precisions, no stretch is named; a softmax 1% off in the
+decomposed run is."""
 
 from __future__ import annotations
 
@@ -81,10 +85,10 @@ def _decomposed(model):
     return model
 
 
-def _record(path, *, fused: bool, plant=None, kernel=None):
+def _record(path, *, fused: bool, plant=None, kernel=None, autocast: bool = False):
     model = tiny_llama() if fused else _decomposed(tiny_llama())
     with contextlib.nullcontext() if fused else sdpa_kernel(SDPBackend.MATH):
-        record_adamw_steps(path, model, _loss, steps=1, plant=plant, kernel=kernel)
+        record_adamw_steps(path, model, _loss, steps=1, plant=plant, kernel=kernel, autocast=autocast)
     return path if fused else as_other_torch_version(path)
 
 
@@ -110,6 +114,38 @@ def test_wrong_kernel_in_decomposed_attention_backward_is_named(tmp_path):
         assert "aten._softmax_backward_data.default" in d.region["b" if d.side == "b" else "a"] + d.region.get("a", []) \
             + d.region.get("b", []), str(v)
         assert "self_attn" in d.scope and "cannot tell which" in d.describe(), str(v)
+
+
+def _wrong_safe_softmax(x, dim, dtype=None):
+    return torch.softmax(x, dim, dtype=dtype) * 1.01
+
+
+def test_clean_bfloat16_attention_of_two_versions_names_no_stretch(tmp_path):
+    """Under bfloat16 autocast the decomposed attention casts its bfloat16 query, key and value to
+    float32 and computes in float32, the fused kernel reads them as they are: the value the two
+    stretches hand on differs by a fraction of a bfloat16 rounding, and the MLP's product two layers
+    on fails by two bfloat16 steps of its largest element.  That grew from the runs' precisions: no
+    stretch or op is named (compare had named the attention)."""
+    fused = _record(tmp_path / "fused", fused=True, autocast=True)
+    pieces = _record(tmp_path / "pieces", fused=False, autocast=True)
+    for v in _verdicts(fused, pieces):
+        assert v.forward is not None and v.forward.cause == "rounding", str(v)
+        assert v.forward.follows.startswith("a stretch each run computes with ops of its own [") and \
+            "self_attn], before aten._to_copy.default" in v.forward.follows, str(v)
+        assert "divergence:" not in str(v), str(v)
+
+
+def test_wrong_softmax_in_decomposed_bfloat16_attention_is_named(tmp_path):
+    """The decomposed attention's softmax 1% too large: within the 16 bfloat16 roundings a difference
+    of rounding size may reach, but the value leaving the stretch fails, while what enters it agrees:
+    the stretch is named, and the backward's errors follow from the forward values it moved."""
+    fused = _record(tmp_path / "fused", fused=True, autocast=True)
+    pieces = _record(tmp_path / "pieces", fused=False, autocast=True, plant="_safe_softmax", kernel=_wrong_safe_softmax)
+    for v in _verdicts(fused, pieces):
+        d = v.forward
+        assert d is not None and d.cause == "region" and not d.departure, str(v)
+        assert "aten._safe_softmax.default" in d.region["a"] + d.region["b"], str(v)
+        assert v.backward is not None and v.backward.cause == "inherited", str(v)
 
 
 def _fused_scores_in_bfloat16(q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
@@ -148,3 +184,6 @@ def test_fused_logsumexp_judged_at_the_precision_it_was_computed_in(tmp_path):
                          plant="_scaled_dot_product_flash_attention_for_cpu", kernel=_fused_scores_in_bfloat16)
     for v in _verdicts(wrong, other):
         assert v.forward is not None and v.forward.op == "aten.tanh.default", str(v)
+        # the LM head's backward mm hands on, as a difference of rounding size, a logits' gradient the
+        # tanh moved below the floor: the backward's errors follow from the forward values, not from it
+        assert v.backward is not None and v.backward.cause == "inherited", str(v)

@@ -31,12 +31,13 @@ def _layer_norm_off(x, shape, weight, bias, eps):
     return out * 1.01, mean, rstd
 
 
-def _record(path, *, fused: bool, wrong_from: int | None = None, steps: int = 2):
-    """``steps`` AdamW steps under bfloat16 autocast (the optimizer outside the probe); ``fused``: the
-    fused CPU attention, else the math backend under a manifest of another torch version;
-    ``wrong_from``: the layer norm kernel wrong from that step on."""
+def _record(path, *, fused: bool, wrong_from: int | None = None, steps: int = 2, inside: bool = False,
+            lr: float = 1e-3):
+    """``steps`` AdamW steps under bfloat16 autocast (the optimizer outside the probe; ``inside``: in
+    it, so its ops are recorded); ``fused``: the fused CPU attention, else the math backend under a
+    manifest of another torch version; ``wrong_from``: the layer norm kernel wrong from that step on."""
     model = tiny_gpt2()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
     x = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
     lib = None
     probe = DispatchProbe(task="statistics", dump_path=str(path))
@@ -48,8 +49,12 @@ def _record(path, *, fused: bool, wrong_from: int | None = None, steps: int = 2)
             with probe, torch.autocast("cpu", dtype=torch.bfloat16), \
                     (contextlib.nullcontext() if fused else sdpa_kernel(SDPBackend.MATH)):
                 model(input_ids=x, labels=x).loss.backward()
-            opt.step()
-            opt.zero_grad()
+                if inside:
+                    opt.step()
+                    opt.zero_grad()
+            if not inside:
+                opt.step()
+                opt.zero_grad()
             probe.step()
     finally:
         probe.close()
@@ -63,7 +68,11 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("moved")
     return {"fused": _record(root / "fused", fused=True), "pieces": _record(root / "pieces", fused=False),
             "wrong1": _record(root / "wrong1", fused=True, wrong_from=1),
-            "wrong0": _record(root / "wrong0", fused=True, wrong_from=0)}
+            "wrong0": _record(root / "wrong0", fused=True, wrong_from=0),
+            "fused_in": _record(root / "fused_in", fused=True, inside=True),
+            "pieces_in": _record(root / "pieces_in", fused=False, inside=True),
+            "wrong1_in": _record(root / "wrong1_in", fused=True, wrong_from=1, inside=True),
+            "lr_in": _record(root / "lr_in", fused=True, inside=True, lr=1.1e-3)}
 
 
 def _both(runs, a, b):
@@ -91,3 +100,25 @@ def test_wrong_kernel_at_step_1_still_fails(runs):
 def test_wrong_kernel_at_step_0_is_named(runs):
     for v in _both(runs, "wrong0", "pieces"):
         assert v.forward is not None and v.forward.op == "aten.native_layer_norm.default" and v.forward.step == 0, str(v)
+
+
+def test_the_optimizer_inside_the_probe_gets_the_same_verdict(runs):
+    """``opt.step()`` inside ``with probe:``: step 0's records end with the optimizer's ops, whose
+    updates part where the parameters do (compare had named its ``addcdiv_``, exit 2).  Those are
+    the moving itself: not judged, and the verdict is the one with the optimizer outside."""
+    for v in _both(runs, "fused_in", "pieces_in"):
+        text = str(v)
+        assert v.passed and v.undecided and v.forward is None and v.backward is None, text
+        assert v.drifted > 0 and v.counts.get("error", 0) == 0, text
+        line = next(ln for ln in text.splitlines() if ln.startswith("step 1 rank 0: its error rows are computed"))
+        assert "the optimizer step of step 0 moved apart" in line and "parameter " in line, text
+        assert "the runs agree within tolerance where judged" in text, text
+    # inside the probe, the learning rate is a number the optimizer's ops are given: another one is named
+    for v in _both(runs, "lr_in", "pieces_in"):
+        assert not v.passed and v.forward is not None and v.forward.op == "aten.addcdiv_.default", str(v)
+
+
+def test_wrong_kernel_at_step_1_still_fails_with_the_optimizer_inside(runs):
+    for v in _both(runs, "wrong1_in", "pieces_in"):
+        assert not v.passed and v.counts.get("error", 0) > 0, str(v)
+        assert "aten.native_layer_norm.default [GPT2LMHeadModel.transformer.h.0.ln_1]" in str(v), str(v)

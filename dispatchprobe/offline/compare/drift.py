@@ -24,7 +24,11 @@ follows from them) or looks, on statistics alone, like it adds a difference of i
 outputs off many times more than its inputs: :meth:`.origin.OwnShare.estimate`).  A wrong kernel
 at that step is so still named: as the source where what it reads agrees up to rounding, else on
 a ``not named:`` line, its rows errors.  A later step of a rank whose parameters so parted follows
-them the same way.
+them the same way.  An optimizer stepping inside the probe records the moving itself (the step's
+forward records after its last backward one): where every error row of that step is its own, every
+divergence not a departure is at its records, its paired ops are given the same numbers (another
+learning rate shows there, and is named) and the parameter records show the parting as above, those
+rows are not judged too, so the verdict is the one with the optimizer outside.
 
 What statistics cannot tell apart is another learning rate in one run where the gradients differ
 by rounding too: so the rows are not judged (exit code 1, as after a discrete choice), never
@@ -38,6 +42,7 @@ from typing import NamedTuple
 import numpy as np
 import pandas as pd
 
+from ...records.format import walk
 from ...records.reader import Part
 from ...standards import statistics as S
 from ...standards import verdicts as V
@@ -70,6 +75,7 @@ class Drift:
         self.makers: dict = {}   # rank -> (name_a, name_b) of that step's backward records whose outputs pass
         self.moved: dict = {}    # rank -> Moved
         self.first: dict = {}    # rank -> the first step whose rows follow only from it
+        self.inside: set = set()  # ranks whose optimizer, stepping inside the probe, recorded the moving
 
     def settle(self, table: pd.DataFrame, divs: list) -> list:
         """The part's divergences; where its error rows follow only from parameters moved apart
@@ -82,6 +88,10 @@ class Drift:
         errors = status == V.ERROR
         prev, self.last[rank] = self.last.get(rank), (step, bool(errors.any()))
         makers, self.makers[rank] = self.makers.get(rank, set()), _passed_backward(table)
+        if errors.any() and (prev is None or not prev[1]) and rank not in self.moved:
+            optimizer = self._optimizer_moved(table, divs, step, rank)
+            if optimizer is not None:
+                return self._not_judged(table, optimizer, divs, step, rank, own=True)
         causes = {d.cause for d in divs if not d.departure}
         if not errors.any() or prev is None or not causes <= FOLLOWS | {"after_inputs"}:
             return divs
@@ -94,13 +104,51 @@ class Drift:
             return divs
         self.moved[rank] = moved
         self.first.setdefault(rank, step)
-        rows = errors | (status == V.WARNING)
+        return self._not_judged(table, errors | (status == V.WARNING), divs, step, rank)
+
+    def _not_judged(self, table: pd.DataFrame, rows: np.ndarray, divs: list, step: int, rank: int,
+                    own: bool = False) -> list:
+        """Marks ``rows`` of the part not judged (``own``: the optimizer's own values as it moved the
+        parameters apart, stepping inside the probe) and returns its departures."""
+        moved = self.moved[rank]
         table.loc[rows, "status"] = V.NOT_JUDGED
-        table.loc[rows, "reason"] = f"{DRIFTED} at step {moved.step}: not judged"
+        table.loc[rows, "reason"] = (f"{DRIFTED} at step {moved.step}" + (": the optimizer's own values as it moved them"
+                                                                          if own else "") + ": not judged")
         if "origin" in table.columns:
             table.loc[rows, "origin"] = False
         self.last[rank] = (step, False)
         return [d for d in divs if d.departure]
+
+    def _optimizer_moved(self, table: pd.DataFrame, divs: list, step: int, rank: int) -> np.ndarray | None:
+        """The rows of the part's optimizer stepping inside the probe (the forward records after its
+        last backward record, in both runs) to leave not judged, where that optimizer step moved the
+        rank's parameters apart from differences within tolerance: every error row of the part is the
+        optimizer's, every divergence not a departure is at its records, and its parameter records
+        show the parameters parted (:meth:`_moved`, with this step's backward records whose outputs
+        passed as the gradients' makers).  Its error and warning rows are then values the moving made
+        (moments, updates, the parameters mid-step), as the next step's parameters are when the
+        optimizer steps outside the probe; else None."""
+        parts = [run.parts.get((step, rank)) for run in (self.run_a, self.run_b)]
+        if None in parts:
+            return None
+        ours = [_optimizer_records(Part(p.path, p.step, p.rank).records) for p in parts]
+        if not ours[0] or not ours[1]:
+            return None
+        own = table["name_a"].isin(ours[0]).to_numpy() & table["name_b"].isin(ours[1]).to_numpy()
+        status = table["status"].to_numpy(object)
+        if ((status == V.ERROR) & ~own).any():
+            return None
+        names = set(zip(table["name_a"].to_numpy()[own].tolist(), table["name_b"].to_numpy()[own].tolist()))
+        if any(_numbers(ours[0][a]) != _numbers(ours[1][b]) for a, b in names):
+            return None       # another learning rate, betas, eps or weight decay: the optimizers differ
+        if any(not d.departure and d.name not in ours[0 if d.side == "a" else 1] for d in divs):
+            return None
+        moved = self._moved(step, rank, table, [], _passed_backward(table))
+        if moved is None:
+            return None
+        self.moved[rank] = moved
+        self.inside.add(rank)
+        return own & ((status == V.ERROR) | (status == V.WARNING))
 
     def _moved(self, step: int, rank: int, table: pd.DataFrame, divs: list, makers: set) -> Moved | None:
         """How ``step``'s optimizer step moved the rank's parameters apart, or None where the
@@ -132,13 +180,35 @@ class Drift:
         return Moved(step, first)
 
     def lines(self) -> list:
-        """The verdict's line per rank whose parameters parted."""
-        return [f"step {self.first[r]} rank {r}: its error rows are computed from parameters the optimizer step of "
-                f"step {m.step} moved apart from gradients that agree within tolerance ({m.said}): a normalising "
-                f"optimizer, as Adam's, turns such differences into updates that part, and statistics cannot tell "
-                f"that from another learning rate; step {m.step}'s values agree within tolerance, and what is "
-                f"computed from the moved parameters, step {self.first[r]} on, is not judged"
-                for r, m in sorted(self.moved.items())]
+        """The verdict's line per rank whose parameters parted.  An optimizer stepping inside the probe
+        records the moving itself: its own values that part are said not judged too."""
+        out = []
+        for r, m in sorted(self.moved.items()):
+            inside = r in self.inside
+            rows = f"step {self.first[r]}" if r in self.first else f"the optimizer step of step {m.step}"
+            own = " (its optimizer's own values, stepping inside the probe, not judged)" if inside else ""
+            later = f", and what is computed from the moved parameters, step {self.first[r]} on, is not judged" \
+                if r in self.first else ""
+            out.append(f"{rows} rank {r}: its error rows are computed from parameters the optimizer step of "
+                       f"step {m.step} moved apart from gradients that agree within tolerance ({m.said}): a normalising "
+                       f"optimizer, as Adam's, turns such differences into updates that part, and statistics cannot "
+                       f"tell that from another learning rate; step {m.step}'s values agree within tolerance{own}{later}")
+        return out
+
+
+def _optimizer_records(records) -> dict:
+    """Name -> record of the forward op records after the part's last backward record: the optimizer
+    stepping inside the probe (none where it steps outside, or where the part has no backward)."""
+    ops = [r for r in records if r.get("kind") == "op"]
+    last = max((i for i, r in enumerate(ops) if r.get("stage") == "backward"), default=len(ops))
+    return {r.get("name"): r for r in ops[last + 1:] if r.get("stage") == "forward"}
+
+
+def _numbers(record: dict) -> dict:
+    """arg -> each number argument of ``record`` (a learning rate, a beta, an eps: the optimizer's
+    settings, which its ops are given as numbers where it steps inside the probe)."""
+    return {arg: spec.get("value") for _, arg, spec in walk(record, outputs=False, tensors_only=False)
+            if spec.get("type") in ("int", "float")}
 
 
 def _rounded_apart(pa, pb, grad_a: dict, grad_b: dict, makers: set) -> bool:

@@ -743,7 +743,10 @@ def _first(divs: list, unmatched: pd.DataFrame, parts: list, stepped=None, skipp
         if d.cause == "rounding":
             first[stage] = _parted_before(divs, d)
         elif e is not None and e.step < d.step and id(d) not in sourced:
-            first[stage] = _parted_before(divs, _grown_from(e, d)) if e.rounding_at else _leads_to(e, d)
+            # an op of the later step that looks, on statistics alone, like it adds a difference of its own past
+            # the error line (d.unjudged) is no rounding's: the line stays the departure's, naming that op
+            first[stage] = _parted_before(divs, _grown_from(e, d)) if e.rounding_at and not d.unjudged \
+                else _leads_to(e, d)
     for stage, d in list(first.items()):
         first[stage] = _after_skip(d, skipped)
     return first, [early[s] for s in ("forward", "backward") if s in early and s not in first]

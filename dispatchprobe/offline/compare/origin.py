@@ -468,6 +468,7 @@ class Lineage:
         # sources of what it was given larger than rounding, or None (:meth:`stretch_given`)
         self.stretches: dict = {}
         self.span_ops: dict = {}  # (stage, paired record before, after) -> run name -> its one-run-only ops there
+        self.entering_errs: dict = {}  # (stage, paired record before, after) -> the largest difference entering it
         # (run, reader, arg) -> how far apart the two runs' statistics of a value no record made are, where
         # it enters such a stretch and differs (:meth:`_unproduced_differing`)
         self.entering_gaps: dict = {}
@@ -660,7 +661,8 @@ class Lineage:
         found = [g for g in (got_a, got_b) if type(g) is tuple]
         if found:
             got = found[0] if len(found) == 1 else _merge(*found)
-            if weak and got[0] is not None and got[0].cause == "unmatched" and not got[0].weak:
+            if weak and got[0] is not None and got[0].cause == "unmatched" and not got[0].weak and \
+                    not self.stretch_fails(got[0], k):
                 # a one-run-only op is judged by what it hands on: here a rounding-size difference
                 return got[0]._replace(weak=True), got[1]
             return got
@@ -996,6 +998,50 @@ class Lineage:
             return {}
         return {s.name: [s.recs[k]["op"] for k in ops[s.name]] for s in (self.a, self.b)}
 
+    def stretch_fails(self, root: Root, k: int) -> bool:
+        """Input row ``k`` reads a value of the stretch one-run-only op ``root`` sits in (both runs
+        compute it with ops of their own), fails, and differs more than ``origin_amplification`` times
+        the largest difference of the values entering the stretch (:meth:`_entering_err`): the stretch,
+        judged whole as one op would be, adds a difference of its own that crosses the error line,
+        however few roundings of its dtype that is.  Why: torch 2.13's fused attention against torch
+        2.5.1's float32 pieces under bfloat16 autocast hands on a value 6e-5 apart, and a softmax 1%
+        too large in one run 1e-2 apart: both within the 16 bfloat16 roundings a difference of rounding
+        size may reach, but only the second fails where it leaves the stretch."""
+        side = self.a if root.side == "a" else self.b
+        if not self.bad[k] or root.index not in side.only or not self.computed_otherwise(side, root.index):
+            return False
+        return self.own_share.err_in[k] > self.own_share.amp * self._entering_err(side, root.index)
+
+    def _entering_err(self, side: Side, u: int) -> float:
+        """The largest difference of the recorded values entering the stretch one-run-only op ``u`` sits
+        in, in either run: each paired producer's output row (the forward values a backward stretch
+        reads among them), and what a one-run-only op before it was given (``carried``)."""
+        stage, before, after, _ = self._span(side, u)
+        key = (stage, before, after)
+        if key not in self.entering_errs:
+            err = 0.0
+            for s in (self.a, self.b):
+                ops = self._loose_between(s, stage, before, after, KINDS)
+                inside = set(ops)
+                for k in ops:
+                    for io, arg, spec in s.flow.walks[k]:
+                        if io != "input":
+                            break
+                        src = self.producer(s, id(spec))
+                        if src is None or src[0] in inside:
+                            continue
+                        p, parg = src
+                        if p in s.only:
+                            got = self.carried[s.name].get(p)
+                            err = max(err, got[0] if got is not None else 0.0)
+                            continue
+                        pa = p if s is self.a else self.pair_a.get(p)
+                        pk = self.out_row.get((pa, parg)) if pa is not None else None
+                        if pk is not None:
+                            err = max(err, self.handed_on(pa, pk))
+            self.entering_errs[key] = err
+        return self.entering_errs[key]
+
     def stretch_bounds(self, side: Side, u: int) -> tuple:
         """(stage, the paired records before and after the stretch one-run-only op ``u`` sits in, as A
         indices or None, the innermost module holding both runs' ops of it): where a ``region`` line
@@ -1003,6 +1049,20 @@ class Lineage:
         stage, before, after, ops = self._span(side, u)
         scopes = [s.recs[k]["scope"] for s in (self.a, self.b) for k in ops[s.name]]
         return stage, before, after, common_scope(scopes)
+
+    def stretch_place(self, df: pd.DataFrame, side: Side, u: int) -> str:
+        """Where the stretch one-run-only op ``u`` sits in is, said the same whichever run is A: the
+        innermost module holding both runs' ops of it and the paired record after it (before it, at
+        the stage's end)."""
+        stage, before, after, scope = self.stretch_bounds(side, u)
+        anchor = after if after is not None else before
+        step, rank = int(df["step"].iat[0]), int(df["rank"].iat[0])
+        place = f"(in {stage}, step {step} rank {rank})"
+        if anchor is not None:
+            rec = self.a.recs[anchor]
+            place = (f"{'before' if anchor == after else 'after'} {rec['op']} [{rec['scope'] or '<top>'}] "
+                     f"({self.named('a', anchor, stage)[1]}, step {step} rank {rank})")
+        return f"a stretch each run computes with ops of its own [{scope or '<top>'}], {place}"
 
     def stretch_given(self, side: Side, u: int) -> tuple | None:
         """The sources of what the stretch one-run-only op ``u`` sits in was given, where both runs compute
@@ -1406,8 +1466,13 @@ class Lineage:
         by_stage = dict(picked)
         kernels = {s for s, p, _ in picks if not p.weak and p.cause in ("op", "unmatched", "region")}
         for stage, pick, errors in picks:
+            other = "backward" if stage == "forward" else "forward"
+            if errors and self._rounding_beside_kernel(pick, self.inherits.get(stage), other in kernels):
+                # an op's own difference of rounding size, where the stage's error rows also read values the
+                # other stage's kernel moved by more than rounding: those rows follow from that kernel
+                by_stage[stage] = (stage, self.inherits[stage], errors)
+                continue
             if errors and self._precision_only(pick):
-                other = "backward" if stage == "forward" else "forward"
                 if other in kernels and self.inherits.get(stage) is not None:
                     # the other stage names a kernel larger than rounding, whose values this stage reads: its
                     # error rows follow from those, beside the rounding of its own precision
@@ -1438,6 +1503,17 @@ class Lineage:
                 by_stage[stage] = (stage, by_stage[stage][1]._replace(cause="rounding"), by_stage[stage][2])
         return [by_stage[s] for s in ("forward", "backward") if s in by_stage]
 
+    @staticmethod
+    def _rounding_beside_kernel(pick: Root, inherited: Root | None, other_names_kernel: bool) -> bool:
+        """A stage's pick ``pick`` is an op's own difference of rounding size (a paired op, or a
+        one-run-only one), while its error rows also inherit ``inherited``, a difference larger than
+        rounding from the other stage, which names a kernel.  Why: a tanh 30% too large in a bfloat16
+        forward moves the logits' gradient below the floor, and the LM head's backward ``mm`` hands
+        that on as a difference of rounding size that looked like its own; the backward's error rows
+        follow from the forward values the tanh moved, so the wrong tanh is their source, not it."""
+        return pick.weak == ROUNDING and pick.cause in ("op", "unmatched") and other_names_kernel and \
+            inherited is not None and not inherited.weak
+
     def _precision_only(self, root: Root) -> bool:
         """``root`` is a difference of rounding size (an op's own within a few roundings of its dtype,
         a cast's, inputs that differ by so much), picked where no larger one enters, where the runs
@@ -1452,6 +1528,8 @@ class Lineage:
         op that makes values of another float dtype than it reads (a cast), or a paired record (the
         tensor ``arg``, where given) whose two runs hold other float dtypes; else None."""
         side = self.a if root.side == "a" else self.b
+        if root.index in side.only and (stretch := self.stretch_precisions(side, root.index)) is not None:
+            return stretch
         if root.index in side.only:
             op = side.recs[root.index]["op"]
             dtypes = {io: sorted({spec["dtype"] for kind, arg, spec in side.flow.walks[root.index]
@@ -1468,6 +1546,31 @@ class Lineage:
         dtype_a, dtype_b = (self.df[c].to_numpy(object)[rows] for c in ("dtype_a", "dtype_b"))
         mixed = sorted({(x, y) for x, y in zip(dtype_a, dtype_b) if x != y and is_float(x) and is_float(y)})
         return mixed[0] if mixed else None
+
+    def stretch_precisions(self, side: Side, u: int) -> tuple | None:
+        """(run A's, run B's) precisions in the stretch one-run-only op ``u`` sits in, where both runs
+        compute it with ops of their own (:meth:`computed_otherwise`) and they differ: each the float
+        dtypes its compute ops there read and those they make ("bfloat16 -> bfloat16/float32");
+        else None (the op's own dtypes may still differ: :meth:`precisions`).  Why: torch 2.5.1's
+        attention under bfloat16 autocast casts its bfloat16 query, key and value to float32 and
+        computes in float32 (its backward too), torch 2.13's fused kernels read and make bfloat16:
+        a stretch off by rounding size there grew from the runs' precisions, as an op computing in
+        bfloat16 in one run and float32 in the other does."""
+        ops = self._span(side, u)[3]
+        if not all(ops.values()):
+            return None
+        said = []
+        for s in (self.a, self.b):
+            dtypes: dict = {"input": set(), "output": set()}
+            for k in ops[s.name]:
+                op = s.recs[k]["op"]
+                for io, arg, spec in s.flow.walks[k]:
+                    if is_float(spec.get("dtype", "")) and not (io == "input" and op_traits.overwritten(op, arg)):
+                        dtypes[io].add(spec["dtype"])
+            if not dtypes["input"] or not dtypes["output"]:
+                return None
+            said.append(" -> ".join("/".join(sorted(dtypes[io])) for io in ("input", "output")))
+        return tuple(said) if said[0] != said[1] else None
 
     def grown_where(self, df: pd.DataFrame, stage: str) -> str:
         """Where the rounding-size differences a ``rounding`` stage's error rows grew from enter
@@ -1501,11 +1604,16 @@ class Lineage:
     def rounding_where(self, df: pd.DataFrame, root: Root) -> str:
         """``root``'s place and the precisions the runs compute in there (:meth:`precisions`)."""
         side = self.a if root.side == "a" else self.b
+        dtype_a, dtype_b = self.precisions(root)
+        if root.index in side.only and self.stretch_precisions(side, root.index) is not None:
+            # each run's dtypes in an order of their own, not run A's first: the same words whichever run is A
+            each = "; ".join(f"run {name}: {said}" for said, name in sorted([(dtype_a, "A"), (dtype_b, "B")]))
+            return f"{self.stretch_place(df, side, root.index)}, where the runs' ops of it read and make other float " \
+                   f"dtypes ({each})"
         rec = side.recs[root.index]
         call, place = self.named(root.side, root.index)
         where = (f"{rec['op']} [{rec['scope'] or '<top>'}] {call} {root.arg + ' ' if root.arg else ''}"
                  f"({place}, step {int(df['step'].iat[0])} rank {int(df['rank'].iat[0])})")
-        dtype_a, dtype_b = self.precisions(root)
         if root.index in side.only:
             made, read = (dtype_a, dtype_b) if side is self.a else (dtype_b, dtype_a)
             return f"{where}, present only in run {root.side.upper()}, which makes {made} values of {read} ones"
@@ -1747,15 +1855,12 @@ def _as_stretch(df, lineage: Lineage, div: Divergence, pick: Root, off) -> None:
     stage, before, after, scope = lineage.stretch_bounds(side, pick.index)
     anchor = after if after is not None else before
     div.scope, div.side, div.stack = scope, "a", []
-    place = f"(in {stage}, step {div.step} rank {div.rank})"
     if anchor is not None:
         rec = lineage.a.recs[anchor]
         div.op, div.name, div.call, div.kind, div.seq = rec["op"], rec["name"], int(rec["call"]), rec["kind"], \
             int(lineage.seq_a[anchor])
         div.call_b, div.seq_b = lineage.paired_b("a", anchor)
-        place = (f"{'before' if anchor == after else 'after'} {rec['op']} [{rec['scope'] or '<top>'}] "
-                 f"({lineage.named('a', anchor, stage)[1]}, step {div.step} rank {div.rank})")
-    div.stretch = f"a stretch each run computes with ops of its own [{scope or '<top>'}], {place}"
+    div.stretch = lineage.stretch_place(df, side, pick.index)
     after_it = _first_after(df, lineage, stage, pick, div.errors, off)
     div.failed = f"its value differs{': ' + after_it if after_it else ''}"
     grew = lineage.grew.get((stage, before, after))
