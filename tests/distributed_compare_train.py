@@ -38,7 +38,7 @@ from torch import nn
 
 from dispatchprobe import DispatchProbe
 
-from parallel_models import MLP, parallelize, run_and_end, wrong_kernel, wrong_relu_kernel
+from parallel_models import MLP, mixed_precision_policy, parallelize, run_and_end, wrong_kernel, wrong_relu_kernel
 
 STEPS = 2
 BATCH = 8
@@ -73,9 +73,8 @@ def build(kind: str, run: str = "clean"):
     torch.manual_seed(0)
     model = MixMLP() if run == "mixed" else MLP()
     if run.startswith("bf16"):
-        from torch.distributed.fsdp import MixedPrecisionPolicy
-        return parallelize(model, kind, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
-                                                                       reduce_dtype=torch.float32))
+        return parallelize(model, kind, mp_policy=mixed_precision_policy(param_dtype=torch.bfloat16,
+                                                                         reduce_dtype=torch.float32))
     return parallelize(model, kind)
 
 

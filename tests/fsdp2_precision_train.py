@@ -25,7 +25,7 @@ from dispatchprobe import DispatchProbe
 
 from torch import nn
 
-from parallel_models import MLP, fsdp2, run_and_end, wrong_kernel
+from parallel_models import MLP, fsdp2, mixed_precision_policy, run_and_end, wrong_kernel
 
 STEPS = 3
 BATCH = 8
@@ -63,8 +63,7 @@ def train(out: str, run: str) -> None:
         torch.manual_seed(0)
         options = {}
         if run.startswith("bf16"):
-            from torch.distributed.fsdp import MixedPrecisionPolicy
-            options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            options["mp_policy"] = mixed_precision_policy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         model = shard(GeluMLP(), options)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         gen = torch.Generator().manual_seed(1)

@@ -43,6 +43,15 @@ def fsdp2():
     return fully_shard
 
 
+def mixed_precision_policy(**options):
+    """FSDP2's ``MixedPrecisionPolicy(**options)`` (public from torch 2.6; torch 2.5 has it in ``_composable``)."""
+    try:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+    except ImportError:
+        from torch.distributed._composable.fsdp import MixedPrecisionPolicy
+    return MixedPrecisionPolicy(**options)
+
+
 def parallelize(model: nn.Module, kind: str, mesh=None, **shard_options) -> nn.Module:
     """``model`` under DDP (``ddp``), FSDP2 (``fsdp``: each layer and the root, ``shard_options``
     given to each ``fully_shard``: a ``mp_policy``) or tensor parallelism (``tp``: up column-wise,
