@@ -107,6 +107,29 @@ def run_logged(cmd: list[str], leg: Leg, log) -> int:
                           stderr=subprocess.STDOUT).returncode
 
 
+PIP_TRIES = 3          # a download cut short (a CUDA build is GBs) is tried again, a while later
+PIP_WAIT_S = 30        # seconds before the second try; twice that before the third
+
+
+def install(pip: list[str], leg: Leg, log) -> int:
+    """pip's exit code after up to :data:`PIP_TRIES` tries: a flaky network does not fail the leg."""
+    for attempt in range(1, PIP_TRIES + 1):
+        code = run_logged(pip, leg, log)
+        if code == 0 or attempt == PIP_TRIES:
+            return code
+        log.write(f"# pip exited {code}; try {attempt + 1} of {PIP_TRIES} in {PIP_WAIT_S * attempt} s\n")
+        log.flush()
+        time.sleep(PIP_WAIT_S * attempt)
+    return code
+
+
+def pip_error(log_path: Path) -> str:
+    """pip's last ``ERROR:`` line (what the table shows), or a pointer to the log where it printed none."""
+    lines = [line.strip() for line in log_path.read_text(errors="replace").splitlines()]
+    errors = [line for line in lines if line.startswith("ERROR:")]
+    return errors[-1][:200] if errors else f"see {log_path}"
+
+
 def stamp(leg: Leg) -> str:
     """What an environment was installed from: reinstalled when this changes."""
     pyproject = hashlib.sha1((ROOT / "pyproject.toml").read_bytes()).hexdigest()
@@ -134,8 +157,8 @@ def make(leg: Leg, result: Result) -> None:
         installed = stamp_file is not None and stamp_file.exists() and stamp_file.read_text() == stamp(leg)
         if result.failure is None and not installed:
             pip = [str(leg.python), "-m", "pip", "install", "-q", f"torch=={leg.torch}", "-e", f".[{leg.extras}]", *leg.pins]
-            if run_logged(pip, leg, log):
-                result.failure = "pip install failed"
+            if install(pip, leg, log):
+                result.failure = "pip install failed: " + pip_error(LOGS / f"{leg.name}-prepare.log")
             elif stamp_file is not None:
                 stamp_file.write_text(stamp(leg))
         if result.failure is None:
