@@ -4,9 +4,12 @@ tensor parallelism over ``tp``: ``block.up`` column-wise, ``block.down`` row-wis
 
     python mesh_compare_train.py single OUT [RUN ...]
     torchrun --nproc-per-node 4 mesh_compare_train.py fsdp_tp OUT [RUN ...]
+    torchrun --nproc-per-node 8 mesh_compare_train.py hsdp_tp OUT [RUN ...]
 
 Every run starts from the same weights and sees the same 8 samples per step; the two ranks of one
-tensor-parallel group take the same half of them.  RUN ``clean`` records as is; ``tanh1`` gives
+tensor-parallel group take the same half of them.  ``hsdp_tp`` is the 2x2x2 mesh (HSDP replicated over
+``replicate``, sharded over ``shard``, tensor parallelism over ``tp``): each of its 4 shares takes a
+quarter of the batch, in the order of the data-parallel dimensions flattened.  RUN ``clean`` records as is; ``tanh1`` gives
 rank 1 alone a wrong tanh kernel (``torch.library`` overrides aten::tanh on CPU with tanh x1.01), in
 the layer before the tensor-parallel block, where rank 1 and its tensor-parallel peer rank 0 compute
 on equal inputs; ``relu1`` a wrong relu (x1.01) on rank 1 alone, inside the block, where each rank
@@ -58,7 +61,14 @@ def build(kind: str, run: str):
     from torch.distributed.device_mesh import init_device_mesh
     shape, names = MESHES[kind]
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-    return parallelize_nd(model, kind, mesh), mesh["dp"].get_local_rank(), mesh["dp"].size()
+    # the share of the batch: the rank in the data-parallel dimensions flattened row-major (torchtitan's
+    # split: HSDP's replicate x shard mesh gives replicate * shards + shard)
+    dp = [d for d in names if d != "tp"]
+    coordinate = dict(zip(names, mesh.get_coordinate()))
+    share, shares = 0, 1
+    for d in dp:
+        share, shares = share * mesh[d].size() + coordinate[d], shares * mesh[d].size()
+    return parallelize_nd(model, kind, mesh), share, shares
 
 
 def train(kind: str, out: str, run: str, task: str) -> None:

@@ -170,3 +170,30 @@ def test_wrong_gelu_before_a_gated_block_is_named_with_its_rank(runs, task, tmp_
     code, lines = ranks(mesh)
     assert code == 2 and lines[0].startswith("replica drift on rank 1: aten.gelu.default [FSDPResidualGatedMLP] (step "
                                              "0, forward): computed by tensor-parallel peers from equal inputs "), lines
+
+
+@pytest.fixture(scope="module")
+def mesh3_runs(runs) -> Path:
+    """The gated MLP on the 2x2x2 mesh (HSDP over replicate x shard, tensor parallelism over tp; 8 ranks)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "error::UserWarning,ignore:FSDP2-wrapped module"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "8",
+                           str(SCRIPT), "hsdp_tp", str(runs / "hsdp_tp"), "gated", "gatedgelu1"],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return runs
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_shares_of_a_3d_mesh_follow_the_flattened_data_parallel_rank(mesh3_runs, task, tmp_path):
+    """HSDP's two data-parallel dimensions split the batch as their flattened rank (replicate-major): the
+    shares are laid in that order, not by the shard index alone (which interleaves the replicas' quarters
+    and made every forward op an error on the clean run's tensors), in both orders; a wrong gelu on rank 1
+    is still named with its rank."""
+    mesh, single = mesh3_runs / "hsdp_tp" / "gated" / task, mesh3_runs / "single" / "gated" / task
+    for a, b, side in ((mesh, single, "a"), (single, mesh, "b")):
+        code, lines, table = compare(a, b, tmp_path / side)
+        assert code == 0 and lines[1].startswith("the runs agree"), lines
+        forward = table[table["what"] == "forward"]
+        assert len(forward) and (forward["status"] == "pass").all(), forward
+        assert forward[f"how_{side}"].str.startswith("concatenated (dim 0) over shares [[0, 1], [2, 3], [4, 5], [6, 7]]").all()
+    _part_on_rank_1(mesh3_runs / "hsdp_tp" / "gatedgelu1" / task, single, "aten.gelu.default.0.forward", tmp_path)

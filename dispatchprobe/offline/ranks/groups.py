@@ -53,7 +53,7 @@ def tensor_parallel_groups(records: list) -> set[frozenset]:
 def data_shares(records: dict[int, list]) -> list[list[int]]:
     """The ranks grouped by the share of the batch they compute on, in data-parallel order: the
     members of one tensor-parallel group together (in group order), every other rank alone.  The
-    shares are ordered by their members' index in their data-parallel groups (the batch's split),
+    shares are ordered by their members' place in their data-parallel groups (the batch's split),
     the lowest rank breaking ties, so that pieces laid side by side follow the batch."""
     joined = _components((g for recs in records.values() for g in tensor_parallel_groups(recs)), records)
     shares = [share for c in joined if (share := [r for r in c if r in records])]
@@ -61,15 +61,27 @@ def data_shares(records: dict[int, list]) -> list[list[int]]:
     return sorted(shares, key=lambda share: (min(position[r] for r in share), share[0]))
 
 
-def _data_parallel_index(records: list) -> int:
-    """This rank's index in its data-parallel group (the share of the batch it holds); 0 without one."""
+def _data_parallel_index(records: list) -> tuple:
+    """This rank's place in the batch's split: its index in each of its data-parallel groups, the
+    group whose ranks lie furthest apart first.  On a mesh of several data-parallel dimensions
+    (HSDP: replicate x shard) that is the flattened data-parallel rank, row-major in the mesh's
+    order (``mesh["replicate", "shard"]._flatten()``, as torchtitan splits the batch), not one
+    dimension's index alone; with one data-parallel group, its index.  Empty without one."""
     reduced_over = data_parallel_groups(records)
+    index: dict[frozenset, int] = {}
     for r in records:
         info = r.get("collective") or {}
-        if info.get("kind") in REDUCING and r.get("stage") == "backward" and group_of(r) in reduced_over:
-            group = next(v for v in r["inputs"] if v.get("type") == "process_group")
-            return int(group.get("group_rank") or 0)
-    return 0
+        group = group_of(r)
+        if info.get("kind") in REDUCING and r.get("stage") == "backward" and group in reduced_over:
+            process_group = next(v for v in r["inputs"] if v.get("type") == "process_group")
+            index.setdefault(group, int(process_group.get("group_rank") or 0))
+    return tuple(index[g] for g in sorted(index, key=lambda g: (-_spacing(g), sorted(g))))
+
+
+def _spacing(group: frozenset) -> int:
+    """The least distance between two of a group's ranks (a mesh dimension's stride)."""
+    ranks = sorted(group)
+    return min(b - a for a, b in zip(ranks, ranks[1:]))
 
 
 def replicas(records: dict[int, list]) -> dict[int, frozenset]:
