@@ -25,7 +25,8 @@ random targets, as a language model's), ``xentbackward1`` with ``dividedbackward
 ``fp16overflow`` (statistics) trains under float16 autocast with a ``GradScaler`` starting at 2**19, whose
 scaled gradients overflow float16 at step 0, so it skips that update (backing off to 2**9, not at step 1);
 ``bf16autocast`` (statistics) under
-bfloat16 autocast.
+bfloat16 autocast.  ``sampled`` splits each step's batch as ``DistributedSampler`` does (rank k of W
+takes samples k, k+W, ...) instead of in blocks, ``sampledkernel1`` with ``kernel1``'s relu.
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ def build(kind: str, run: str = "clean"):
 def train(kind: str, out: str, run: str, task: str = "tensor") -> None:
     rank = torch.distributed.get_rank() if kind != "single" else 0
     kernel = None
-    if run in ("kernel1", "bf16kernel1", "unevenkernel1", "dividedkernel1") and rank == 1:
+    if run in ("kernel1", "bf16kernel1", "unevenkernel1", "dividedkernel1", "sampledkernel1") and rank == 1:
         kernel = wrong_relu_kernel()
     elif run in ("dividedbackward1", "xentbackward1") and rank == 1:
         kernel = wrong_kernel("threshold_backward")
@@ -112,11 +113,11 @@ def _train(kind: str, out: str, run: str, task: str) -> None:
     autocast = {"fp16overflow": torch.float16, "bf16autocast": torch.bfloat16}.get(run)
     for _ in range(STEPS):
         sizes = UNEVEN if run.startswith("uneven") else (BATCH // world,) * world
-        x = _share(torch.randn(sum(sizes), 8, generator=gen), kind, rank, sizes)
+        x = _share(torch.randn(sum(sizes), 8, generator=gen), kind, rank, sizes, run.startswith("sampled"))
         probe.start()
         with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
             if run.startswith("xent"):
-                targets = _share(torch.randint(0, 8, (sum(sizes),), generator=gen), kind, rank, sizes)
+                targets = _share(torch.randint(0, 8, (sum(sizes),), generator=gen), kind, rank, sizes, False)
                 loss = nn.functional.cross_entropy(model(x), targets)
             else:
                 loss = model(x).pow(2).mean()
@@ -135,11 +136,14 @@ def _train(kind: str, out: str, run: str, task: str) -> None:
     probe.close()
 
 
-def _share(batch: torch.Tensor, kind: str, rank: int, sizes: tuple) -> torch.Tensor:
-    """This rank's share of the global batch (``sizes``: the shares, rank by rank): all of it for
-    one process and for tensor parallelism."""
+def _share(batch: torch.Tensor, kind: str, rank: int, sizes: tuple, in_turn: bool) -> torch.Tensor:
+    """This rank's share of the global batch (``sizes``: the shares, rank by rank; ``in_turn``: every
+    W-th sample from the rank's own, as ``DistributedSampler`` splits a dataset): all of it for one
+    process and for tensor parallelism."""
     if kind in ("single", "tp"):
         return batch
+    if in_turn:
+        return batch[rank::len(sizes)]
     return batch[sum(sizes[:rank]):sum(sizes[:rank + 1])]
 
 

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 from click.testing import CliRunner
@@ -36,7 +37,7 @@ def runs(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("parallel")
     _record("single", out / "single", "clean", "planted", "stats", "mixed", "divided", "xent", "bf16autocast")
     _record("ddp", out / "ddp", "clean", "planted", "planted1", "kernel1", "stats", "outside", "optimizer", "mixed",
-            "divided", "dividedkernel1", "dividedbackward1", "xent", "xentbackward1")
+            "divided", "dividedkernel1", "dividedbackward1", "xent", "xentbackward1", "sampled", "sampledkernel1")
     _record("tp", out / "tp", "clean")
     return out
 
@@ -457,3 +458,22 @@ def test_a_wrong_kernel_on_one_rank_of_unequal_shares_is_named(uneven_runs, ddp_
     _, verdict = compare(*((a, b) if ddp_is_a else (b, a)))
     assert not verdict.passed and verdict.parted["step"] == 0, str(verdict)
     assert verdict.parted["name"] == "aten.relu.default.0.forward", str(verdict)
+
+
+@pytest.mark.parametrize("a, b", [("single/clean", "ddp/sampled"), ("ddp/sampled", "single/clean")])
+def test_a_batch_split_in_turn_is_laid_as_the_program_split_it(runs, a, b, tmp_path):
+    """DDP fed by ``DistributedSampler`` (rank k of 2 takes samples k, k+2, ...) against one process
+    of the whole batch: the ranks' saved activations are laid back in turn, not rank after rank
+    (every forward op an error before), in both orders; a wrong relu on rank 1 is still named."""
+    res = CliRunner().invoke(main, ["compare", str(runs / a), str(runs / b), "-o", str(tmp_path / "clean")])
+    assert res.exit_code == 0, res.output
+    table = pd.read_csv(tmp_path / "clean" / "compare.csv")
+    side = "b" if b.startswith("ddp") else "a"
+    forward = table[table["what"] == "forward"]
+    assert len(forward) and forward[f"how_{side}"].str.contains("interleaved").all() and \
+        (forward["status"] == "pass").all(), forward
+    planted = (str(runs / a), str(runs / "ddp" / "sampledkernel1")) if side == "b" else \
+        (str(runs / "ddp" / "sampledkernel1"), str(runs / b))
+    res = CliRunner().invoke(main, ["compare", *planted, "-o", str(tmp_path / "planted")])
+    assert res.exit_code == 2 and res.output.splitlines()[1].startswith(
+        "the runs part at step 0 forward op aten.relu.default.0.forward"), res.output

@@ -86,6 +86,7 @@ class Weights(NamedTuple):
 
     averaged: dict | None = None    # rank -> the number of elements a full mean on it averages
     factors: dict | None = None     # rank -> what its gradient pieces are multiplied by (its share's part)
+    interleaved: bool = False       # the shares hold the batch's samples in turn (:func:`batch_orders`)
 
 
 ALIKE = Weights()       # every rank weighs alike (equal shares, one process, or a value no share's mean scales)
@@ -195,13 +196,23 @@ def _combine_stats(stats: list, sizes: list) -> dict | None:
             "nan": sum(s.get("nan", 0) for s in stats), "inf": sum(s.get("inf", 0) for s in stats)}
 
 
-def _concat(items: list, dim: int, how: str) -> Value:
-    """``items``: (shape, dtype, stats, array) per rank, in order."""
+INTERLEAVED = "interleaved (share k of N holds samples k, k+N, ...)"
+
+
+def _concat(items: list, dim: int, how: str, interleaved: bool = False) -> Value:
+    """``items``: (shape, dtype, stats, array) per rank, in order; ``interleaved``: pieces of one
+    size along ``dim`` taken in turn, a row of each (the batch as ``DistributedSampler`` splits it)."""
     shapes = [it[0] for it in items]
     shape = list(shapes[0])
     shape[dim] = sum(s[dim] for s in shapes)
     arrays = [it[3] for it in items]
-    array = np.concatenate(arrays, axis=dim) if all(a is not None for a in arrays) else None
+    array = None
+    if all(a is not None for a in arrays):
+        if interleaved and len({s[dim] for s in shapes}) == 1:
+            array = np.stack(arrays, axis=dim + 1).reshape(shape)
+            how = f"{how}, {INTERLEAVED}"
+        else:
+            array = np.concatenate(arrays, axis=dim)
     return Value(tuple(shape), items[0][1], _combine_stats([it[2] for it in items], [int(np.prod(s)) for s in shapes]),
                  array, how)
 
@@ -351,7 +362,7 @@ def assemble(specs: dict, parts: dict, tensors: bool, problems: list, target: tu
     dim = _split_dim([items[r][0] for r in ranks], tuple(target))
     if dim is not None:
         how = f"concatenated over ranks {ranks[0]}-{ranks[-1]} (dim {dim})"
-        return _concat([items[r] for r in ranks], dim, how), ""
+        return _concat([items[r] for r in ranks], dim, how, weights.interleaved), ""
     return None, f"shapes {[list(items[r][0]) for r in ranks]} on the ranks do not make {list(target)}"
 
 
@@ -529,7 +540,7 @@ def assemble_on_mesh(specs: dict, records: dict, parts: dict, mesh: Mesh, tensor
         if named:
             how = f"rank {', '.join(map(str, named))} {TP_PEERS_DIFFER}: {how}"
         v, why = _join_shares(chosen, fit, reduction, how,
-                              [(weights.averaged or {}).get(share[0]) for share in mesh.shares])
+                              [(weights.averaged or {}).get(share[0]) for share in mesh.shares], weights.interleaved)
         if v is not None:
             if v.array is not None:
                 v.owners = _owners(mesh.shares, joined, items, fit, t)
@@ -619,9 +630,10 @@ def _shares_fit(shapes: list, target: tuple, reduction: str | None) -> str | Non
     return None if dim is None else f"concatenated (dim {dim})"
 
 
-def _join_shares(chosen: list, fit: str, reduction: str | None, how: str, averaged: list) -> tuple[Value | None, str]:
+def _join_shares(chosen: list, fit: str, reduction: str | None, how: str, averaged: list,
+                 interleaved: bool = False) -> tuple[Value | None, str]:
     if fit.startswith("concatenated"):
-        return _concat(chosen, int(fit.rpartition(" ")[2].rstrip(")")), how), ""
+        return _concat(chosen, int(fit.rpartition(" ")[2].rstrip(")")), how, interleaved), ""
     if fit == "one share":
         return Value(*chosen[0], how=how), ""
     if fit == "equal":
@@ -1006,7 +1018,9 @@ def _step_rows(step: int, pa: dict, pb: dict, tensors: bool, problems: list, unp
     means = {side: loss_mean_counts(parts, forward) for side, parts, forward in (("a", pa, fa), ("b", pb, fb))}
     feeds_a, feeds_b = feeds(pa[min(pa)].records), feeds(pb[min(pb)].records)
     paired = set()
-    for key in _in_both_orders(order_a, order_b, [n for n in order_a if n in fa and n in fb]):
+    keys = _in_both_orders(order_a, order_b, [n for n in order_a if n in fa and n in fb])
+    laid = batch_orders(fa, fb, keys, (pa, mesh_a), (pb, mesh_b), tensors)
+    for key in keys:
         rec_a, rec_b = fa[key], fb[key]
         name = key[1]
         what = "loss" if {rec_a[min(rec_a)]["name"], rec_b[min(rec_b)]["name"]} & loss else "forward"
@@ -1019,6 +1033,7 @@ def _step_rows(step: int, pa: dict, pb: dict, tensors: bool, problems: list, unp
         is_loss_mean = key in means["a"] and key in means["b"]     # the loss's mean, scaled or not
         if is_loss_mean:
             wa, wb = Weights(averaged=means["a"][key]), Weights(averaged=means["b"][key])
+        wa, wb = wa._replace(interleaved=laid[0]), wb._replace(interleaved=laid[1])
         for arg, sa, sb in _outputs_on_every_rank(rec_a, rec_b):
             carries = (carried(feeds_a.flow, sa), carried(feeds_b.flow, sb))
             if is_loss_mean:    # averaged as the mean (a mean nll_loss's other output: its own op's)
@@ -1058,7 +1073,7 @@ def _step_rows(step: int, pa: dict, pb: dict, tensors: bool, problems: list, unp
             rows[-1]["key"] = key
             paired.add(key)
     (back_a, _), (back_b, _) = _backward(pa), _backward(pb)
-    for key, arg, pairs, why in _backward_pairs(pa, pb, mesh_a, mesh_b, tensors, problems, (feeds_a, feeds_b)):
+    for key, arg, pairs, why in _backward_pairs(pa, pb, mesh_a, mesh_b, tensors, problems, (feeds_a, feeds_b), laid):
         rec = next(iter(back_a[key].values()))
         scope = module_path(rec["scope"])
         if pairs:
@@ -1154,6 +1169,47 @@ def _mesh_pairs(side_a: tuple, side_b: tuple, tensors: bool, problems: list, red
         values.append(got)
     pairs = [(va, vb) for va in values[0] for vb in values[1] if math.prod(va.shape) == math.prod(vb.shape)]
     return pairs, "" if pairs else f"shapes {list(values[0][0].shape)} and {list(values[1][0].shape)}"
+
+
+def batch_orders(fa: dict, fb: dict, keys: list, side_a: tuple, side_b: tuple, tensors: bool) -> tuple:
+    """Whether each run's shares hold the batch's samples in turn (``DistributedSampler``: share k of
+    N takes samples k, k+N, ...) rather than in blocks (``x[k * b:(k + 1) * b]``), learnt from the
+    first forward value that one run's several shares make along the batch and the other run holds
+    on one rank: its saved arrays laid both ways against the other run's, the samples in turn taken
+    where they are more than 10 times closer.  Data parallelism's result does not depend on the
+    order of the batch's samples, so laying them as the program split them is no allowance for a
+    difference.  (False, False) where nothing tells (no tensors saved: statistics do not depend on
+    that order; equal ranks in both runs: paired rank with rank)."""
+    if not tensors:
+        return False, False
+    (pa, mesh_a), (pb, mesh_b) = side_a, side_b
+    for key in keys:
+        sa, sb = (next(((s_a, s_b) for arg, s_a, s_b in _outputs_on_every_rank(fa[key], fb[key])
+                        if arg == "output.0"), (None, None)))
+        if sa is None or (len(sa) == 1) == (len(sb) == 1):
+            continue
+        many = 0 if len(sa) > 1 else 1
+        target = tuple(next(iter((sb, sa)[many].values()))["shape"])
+        specs, records, parts, mesh = (sa, fa[key], pa, mesh_a) if many == 0 else (sb, fb[key], pb, mesh_b)
+        single = (sb, pb) if many == 0 else (sa, pa)
+        other, _ = assemble(single[0], single[1], True, [], None)
+        errors = {}
+        for interleaved in (False, True):
+            w = Weights(interleaved=interleaved)
+            if mesh is None:
+                v, _ = assemble(specs, parts, True, [], target, None, w)
+                got = [v] if v is not None else []
+            else:
+                got, _ = assemble_on_mesh(specs, records, parts, mesh, True, [], target, None, "forward", w)
+            if len(got) != 1 or got[0].array is None or other is None or other.array is None or \
+                    not got[0].how.startswith("concatenated") or got[0].array.size != other.array.size:
+                break
+            diff = np.asarray(got[0].array, np.float64).ravel() - np.asarray(other.array, np.float64).ravel()
+            errors[interleaved] = float(np.linalg.norm(diff))
+        if len(errors) == 2:
+            turns = errors[True] * 10 < errors[False]
+            return (turns, False) if many == 0 else (False, turns)
+    return False, False
 
 
 def _model_backward(records: list) -> list:
@@ -1343,7 +1399,7 @@ def _said_scaled(v: Value, factors: dict) -> Value:
 
 
 def _backward_pairs(pa: dict, pb: dict, mesh_a: Mesh | None, mesh_b: Mesh | None, tensors: bool, problems: list,
-                    fed: tuple):
+                    fed: tuple, laid: tuple = (False, False)):
     """(key, arg, pairs, why not) of the backward ops both runs hold, paired by module, op and call
     index within the module as the forward ops, each value assembled as they are (a gradient of
     activations split as they are, a share's partial sum over tensor parallelism added up), each
@@ -1381,6 +1437,7 @@ def _backward_pairs(pa: dict, pb: dict, mesh_a: Mesh | None, mesh_b: Mesh | None
                                      "gradients across the runs is unknown")
                 continue
             wa, wb = (Weights(factors=ka), Weights(factors=kb)) if seeded == {True} else (ALIKE, ALIKE)
+            wa, wb = wa._replace(interleaved=laid[0]), wb._replace(interleaved=laid[1])
             pairs, why = rank_by_rank(sa, sb, pa, pb, tensors, problems, None, (wa, wb))
             if not pairs and not why:
                 tb = tuple(sb[min(sb)]["shape"]) if len(sb) == 1 else None
