@@ -17,8 +17,8 @@ from ..records.writer import atomic_write_text
 from ..standards.loader import standard
 from .frame_csv import csv_pieces, csv_text
 from .page_kit import OPS_PER_NODE, cells, col, fill, lines, meta_rows, num, scope_tree, up
-from .report_digest import (CHART_METRICS, COMPARE_LEVELS, OP_KEYS, ROW_COLS, ROW_METRICS, XLSX_MAX_ROWS, TableDigest,
-                            digest)
+from .report_digest import (CHART_METRICS, COMPARE_LEVELS, OP_KEYS, PAIRED_AT, ROW_COLS, ROW_METRICS, XLSX_MAX_ROWS,
+                            TableDigest, digest, paired_record_words)
 
 
 class ReportWriter:
@@ -216,7 +216,8 @@ def page_data(digest: TableDigest, verdict, metric: str) -> dict:
         for scope, cnt in digest.own.items():
             index[scope or "<top>"]["own"] = int(cnt)
         sub = digest.op_rows[digest.op_rows["first"].isin(chosen["first"])]
-        cols = {c: col(sub[c]) for c in row_cols + ["status", "reason", "origin", "op_a", "op_b", "call_a"]}
+        cols = {c: col(sub[c]) for c in row_cols + ["status", "reason", "origin", "op_a", "op_b"]}
+        at = {c: sub[c].tolist() if c in sub.columns else [None] * len(sub) for c in PAIRED_AT}
         stack = sub["stack"].tolist() if "stack" in sub.columns else [None] * len(sub)
         by_op = {}
         for i, f in enumerate(sub["first"].tolist()):
@@ -233,7 +234,9 @@ def page_data(digest: TableDigest, verdict, metric: str) -> dict:
             else:
                 st = None
             op = {"k": [int(r.step), int(r.rank), r.stage, r.kind, int(r.seq)], "op_a": cols["op_a"][t0],
-                  "op_b": cols["op_b"][t0], "call": num(sub["call_a"].iloc[t0]), "sev": int(r.sev),
+                  "op_b": cols["op_b"][t0], "sev": int(r.sev),
+                  "named": paired_record_words(r.stage, r.step, r.rank, r.seq, *(at[c][t0] for c in PAIRED_AT))
+                  if t0 is not None else paired_record_words(r.stage, r.step, r.rank, r.seq),
                   "origin": bool(r.origin), "stack": st, "nf": _nf_note(r),
                   "rows": [[cols[c][i] for c in row_cols] + [cols["status"][i], cols["reason"][i],
                                                               bool(cols["origin"][i])] for i in ix]}
@@ -252,6 +255,7 @@ def page_data(digest: TableDigest, verdict, metric: str) -> dict:
     shown = f"{first.step}/{first.rank}" if first and f"{first.step}/{first.rank}" in series else \
         (next(iter(series)) if series else None)
     return {"nodes": nodes, "levels": COMPARE_LEVELS, "mark": "first {stage} divergence", "full_table": "compare.csv",
+            "first": first.stage if first else None,
             "ops": rows_out, "row_cols": row_cols + ["status", "reason", "origin"],
             "stacks": stacks, "divs": divs, "metric": metric, "metrics": metrics,
             "worse_high": {m: bool(CHART_METRICS.get(m, True)) for m in metrics}, "series": series,
@@ -267,7 +271,7 @@ def verdict_marks(verdict) -> list:
     only.  Nothing when the runs agree, are the same records or could be read only in part."""
     early = {d.stage: d for d in verdict.departures}
     marks = []
-    for stage, div in (("forward", verdict.forward), ("backward", verdict.backward)):
+    for stage, div in verdict.stages_in_order():
         if div is not None:
             marks.append((div, div.describe().splitlines()[0]))
         elif stage in early and not verdict.passed:

@@ -20,6 +20,7 @@ from ..records import nonfinite
 from ..records.reader import RecordError, load
 from ..standards import metrics as M
 from ..standards.verdicts import ERROR, NOT_JUDGED, OUT_PRIOR_CONTENTS, UNDEFINED_CONTENTS, WARNING
+from .compare.verdict import call_words, place_words
 from .page_kit import OPS_PER_NODE, VERDICT_LEVELS, VERDICT_SEVERITY, col, verdict_severity
 
 # columns a chart can show, and whether larger is worse: compare's metric columns and two of its own
@@ -42,7 +43,8 @@ ROW_COLS = ["io", "arg", "dtype_a", "dtype_b", "shape_a", "shape_b"] + \
     ["nan_a", "nan_b", "inf_a", "inf_b", "checksum_match"]
 ROW_METRICS = ["cosine", "max_abs_err", "max_rel_err", "rel_l2_err", "stats_err"]
 OP_KEYS = ["step", "rank", "stage", "kind", "seq"]
-SUSPICIOUS_COLS = ["step", "rank", "stage", "seq", "kind", "scope", "op_a", "op_b", "call_a", "arg", "dtype_a",
+SUSPICIOUS_COLS = ["step", "rank", "stage", "seq", "seq_b", "kind", "scope", "op_a", "op_b", "call_a", "call_b", "arg",
+                   "dtype_a",
                    "dtype_b", "cosine", "max_abs_err", "max_rel_err", "rel_l2_err", "stats_err", "status", "reason"]
 _SHEET_RANK = {"error": 1, "warning": 2}
 _OP_COLUMNS = OP_KEYS + ["scope", "sev", "nf", "nfm", "nfa", "nfb", "origin", "first", "n"]
@@ -161,7 +163,7 @@ class TableDigest:
         best = both.sort_values(["prio", "first"], kind="stable").groupby("skey", sort=False).head(OPS_PER_NODE)
         keep = both.loc[both.index.isin(best.index) | both["marked"].astype(bool)].sort_values("first", kind="stable")
         new = keep[keep["first"] >= table.index[0]]
-        cols = [c for c in ROW_COLS + ROW_METRICS + ["status", "reason", "origin", "stack", "op_a", "op_b", "call_a"]
+        cols = [c for c in ROW_COLS + ROW_METRICS + ["status", "reason", "origin", "stack", "op_a", "op_b"] + PAIRED_AT
                 if c in table.columns]
         rows = table[OP_KEYS + cols].merge(new[OP_KEYS + ["first"]], on=OP_KEYS, how="inner").copy()
         held = self.op_rows[self.op_rows["first"].isin(keep["first"])] if len(self.op_rows) else self.op_rows
@@ -343,20 +345,44 @@ def _records_by_name(path: str, parts: set) -> tuple[dict, set]:
     return out, with_ops
 
 
+def paired_record_words(stage: str, step, rank, seq, seq_b=None, call_a=None, call_b=None) -> str:
+    """``call A 6, B 5 (A #15, B #20 in backward, step 1 rank 0)``: a paired record's call and place as
+    the verdict's lines name them (:func:`.compare.verdict.call_words`, :func:`.compare.verdict.place_words`),
+    run B's beside run A's where they differ, so a page names the pair alike whichever run is A."""
+    place = f"({place_words(int(seq), stage, _index(seq_b))}, step {int(step)} rank {int(rank)})"
+    call = _index(call_a)
+    return place if call is None else f"{call_words(call, _index(call_b))} {place}"
+
+
+def _index(value) -> int | None:
+    """A call index or place from a table cell; None where the table has none."""
+    return None if value is None or pd.isna(value) else int(value)
+
+
+# the columns :func:`paired_record_words` reads beside step, rank, stage and seq
+PAIRED_AT = ["seq_b", "call_a", "call_b"]
+
+
 def chart_series(t: pd.DataFrame, metrics: list) -> dict:
     """Per step/rank part and stage of the op output rows ``t``: one point per op (its outputs' worst
-    value of each of ``metrics``, as ``m_<metric>``)."""
+    value of each of ``metrics``, as ``m_<metric>``; ``named``: the op, its scope and where the pair
+    sits in both runs, :func:`paired_record_words`)."""
     t = t.assign(_sev=row_severity(t),
                  _org=t["origin"].fillna(False).astype(bool) & (t["status"] == "error"))
     aggs = {m: (m, "max" if worse_high(m) else "min") for m in metrics}
     g = t.groupby(["step", "rank", "stage", "seq"], sort=True).agg(
-        scope=("scope", "first"), op=("op_a", "first"), call=("call_a", "first"), sev=("_sev", "max"),
-        origin=("_org", "any"), **{f"m_{k}": v for k, v in aggs.items()}).reset_index()
+        scope=("scope", "first"), op=("op_a", "first"), sev=("_sev", "max"), origin=("_org", "any"),
+        **{c: (c, "first") for c in PAIRED_AT if c in t.columns},
+        **{f"m_{k}": v for k, v in aggs.items()}).reset_index()
     g["sev"] = shown_severity(g["sev"])
     out: dict = {}
     for (step, rank, stage), s in g.groupby(["step", "rank", "stage"], sort=True):
+        at = {c: s[c].tolist() if c in s.columns else [None] * len(s) for c in PAIRED_AT}
+        named = [f"{op} [{scope or '<top>'}] " + paired_record_words(stage, step, rank, seq, seq_b, call_a, call_b)
+                 for op, scope, seq, seq_b, call_a, call_b in zip(s["op"].tolist(), s["scope"].fillna("").tolist(),
+                                                                   s["seq"].tolist(), *at.values())]
         out.setdefault(f"{int(step)}/{int(rank)}", {})[stage] = {
             "seq": s["seq"].astype(int).tolist(), "scope": col(s["scope"]), "op": col(s["op"]),
-            "call": col(s["call"]), "sev": s["sev"].tolist(), "origin": s["origin"].tolist(),
+            "named": named, "sev": s["sev"].tolist(), "origin": s["origin"].tolist(),
             **{f"m_{m}": col(pd.to_numeric(s[f"m_{m}"], errors="coerce").astype(float)) for m in metrics}}
     return out

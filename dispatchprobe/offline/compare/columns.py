@@ -10,7 +10,7 @@ STATS = S.KEYS
 # the metrics compare shows (registry order; rel_l2_err also holds a binary row's mismatch rate)
 TENSOR_METRICS = M.derived(M.compare_columns)
 # CSV columns, in order (documented in docs/compare.md); stats_err and error are compare's own
-COLUMNS = M.derived(lambda: ["step", "rank", "stage", "kind", "seq", "scope", "op_a", "op_b", "name_a", "name_b",
+COLUMNS = M.derived(lambda: ["step", "rank", "stage", "kind", "seq", "seq_b", "scope", "op_a", "op_b", "name_a", "name_b",
                              "call_a", "call_b", "match", "io", "arg", "dtype_a", "dtype_b", "shape_a", "shape_b"]
                     + [f"{s}_{side}" for s in STATS for side in ("a", "b")] + ["nan_a", "nan_b", "inf_a", "inf_b"]
                     + [f"{s}_diff" for s in STATS] + [f"{s}_rel_diff" for s in STATS] + ["checksum_match"]
@@ -29,7 +29,8 @@ class TensorRow(NamedTuple):
 
     stage: object   # the paired records': forward/backward
     kind: object
-    seq: object
+    seq: object     # the place of A's record in its stage
+    seq_b: object   # the place of B's paired record in its stage
     scope: object
     op_a: object
     op_b: object
@@ -73,7 +74,7 @@ class TensorRow(NamedTuple):
 ROW_FIELDS = TensorRow._fields
 assert ROW_FIELDS[-8:] == tuple(f"{s}_{side}" for s in STATS for side in ("a", "b"))
 # a pair's fields (the same for each of its tensors), and each tensor's own
-HEAD_FIELDS = ROW_FIELDS[:11] + ("stack", "uid")
+HEAD_FIELDS = ROW_FIELDS[:ROW_FIELDS.index("match") + 1] + ("stack", "uid")
 TENSOR_FIELDS = tuple(f for f in ROW_FIELDS if f not in HEAD_FIELDS)
 FLOAT_FIELDS = frozenset(f"{s}_{side}" for s in STATS for side in ("a", "b"))
 # typed columns made straight from the row tuples (pandas infers the type of a list element by element)

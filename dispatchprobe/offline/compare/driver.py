@@ -142,7 +142,8 @@ def _compare_parts(part_a: Part, part_b: Part, match: str, mapping: Mapping, ten
                 op_traits.overwrites_first_input(op_a) or op_traits.overwrites_first_input(op_b))
         same, overwritten = known
         stack = None
-        head = (keep(ra["stage"], ra["stage"]), keep(ra["kind"], ra["kind"]), seq_a[i], keep(ra["scope"], ra["scope"]),
+        head = (keep(ra["stage"], ra["stage"]), keep(ra["kind"], ra["kind"]), seq_a[i], seq_b[j],
+                keep(ra["scope"], ra["scope"]),
                 keep(op_a, op_a), keep(op_b, op_b), keep(ra["name"], ra["name"]), keep(rb["name"], rb["name"]),
                 ra["call"], rb["call"], how)
         tensor_pairs = pair_tensors(walks_a[i], walks_b[j], same, op_b if cross else "")

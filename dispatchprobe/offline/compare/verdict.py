@@ -300,6 +300,14 @@ class Verdict:
         """The first difference within tolerance (forward first), if any."""
         return self.departures[0] if self.departures else None
 
+    def stages_in_order(self) -> list:
+        """(stage, its divergence or None) in the order the verdict names them: the stages with a
+        divergence first (forward before backward), then the others, whose lines say no divergence or a
+        departure within tolerance; so the first line names what is wrong even where a departure within
+        tolerance came earlier in the run (a step-0 forward departure before a step-1 backward kernel)."""
+        stages = [("forward", self.forward), ("backward", self.backward)]
+        return [s for s in stages if s[1] is not None] + [s for s in stages if s[1] is None]
+
     @property
     def passed(self) -> bool:
         """No error row and no divergence: the rows past a discrete choice are not judged, not passed."""
@@ -357,7 +365,7 @@ class Verdict:
         where = f" (steps {_span(steps)} x ranks {_span(ranks)})" if len(self.parts) > 1 else ""
         lines = [f"compared {self.compared} tensors in {len(self.parts)} step/rank part(s){where}: {counts}"]
         early = {d.stage: d for d in self.departures}
-        for div, stage in ((self.forward, "forward"), (self.backward, "backward")):
+        for stage, div in self.stages_in_order():
             if div is None and stage in early and not self.passed:
                 lines.append(f"no {stage} divergence; " + early[stage].describe())
             else:
