@@ -88,3 +88,17 @@ def brings_values(op: str) -> bool:
 
 
 NAMESPACES = frozenset({"c10d", "_c10d_functional", "_c10d_functional_autograd", "c10d_functional"})
+# reduce ops that add the ranks' values up, as joining the partial results of a split computation does
+SUMMING = frozenset({"SUM", "AVG", "PREMUL_SUM"})
+
+
+def may_join_partial_results(reduce_op: str | None, sizes: list) -> bool:
+    """Whether a reduction by ``reduce_op`` of given values of ``sizes`` elements each can be tensor
+    parallelism summing the partial results of one split computation (a row-wise layer's output):
+    a sum or average of values of more than one element.  A flag or a number the ranks agree on --
+    a loss scaler's found-inf (MAX), a loss averaged for logging, a gradient norm's square summed
+    for clipping -- holds one element, and a MAX or MIN adds nothing up: such a collective says
+    nothing of how the ranks split the model.  An unknown reduce op or size counts as a sum."""
+    if reduce_op is not None and reduce_op not in SUMMING:
+        return False
+    return not sizes or max(sizes) > 1

@@ -35,7 +35,9 @@ from ...standards import metrics as M, statistics as S, verdicts as V
 from ...standards.loader import is_float
 from ..ranks.groups import data_shares, group_of
 from .loss_scale import gradients_alike
+from .origin import ROUNDINGS
 from .pairing import data_flow
+from .rerun import ROUNDOFF
 
 COMMUNICATION = ("c10d.", "_c10d_functional.", "fsdp.", "profiler.")   # one run's own by nature
 TABLE_COLUMNS = ["step", "what", "name", "scope", "arg", "ranks_a", "ranks_b", "shape_a", "shape_b", "dtype_a",
@@ -112,10 +114,17 @@ class ParallelVerdict:
     report: str | None = None
     layout: str = ""            # runs of the same ranks: how their parameters' pieces differ
     unjudged: dict | None = None    # the first row not judged (unequal shares of the batch, ...)
+    grown: Grown | None = None      # later steps' rows not judged as grown from rounding
 
     @property
     def passed(self) -> bool:
         return self.counts.get(V.ERROR, 0) == 0
+
+    @property
+    def undecided(self) -> bool:
+        """No row fails and some were set aside as grown from rounding (exit code 1): the runs are
+        not said to agree past tolerance they do not hold, nor is an op named."""
+        return self.passed and self.grown is not None
 
     @property
     def damaged(self) -> list:
@@ -134,6 +143,14 @@ class ParallelVerdict:
             lines.append(f"the runs part at step {p['step']} {_describe(p)} ({p['status']}: {p['reason']})")
             if p.get("after_one_run_only"):
                 lines.append(f"  right after an op present in one run only (prime suspect): {p['after_one_run_only']}")
+        if self.grown:
+            g = self.grown
+            later = sorted({r for r in self.steps if r > g.step})
+            steps = f"step {later[0]}" if len(later) == 1 else f"steps {later[0]}-{later[-1]}"
+            lines.append(f"grew from rounding: {g.rows} error row(s) of {steps} not judged, {GROWN.format(step=g.step)}: "
+                         f"every value of step {g.step} agrees within tolerance, runs of other parallelism sum the "
+                         f"gradients in other orders, and each such row is off by rounding size from values that differ "
+                         f"already; no op named")
         if self.first and self.first is not p and (self.first["step"], self.first["name"], self.first["arg"]) != \
                 (p["step"], p["name"], p["arg"]):
             f = self.first
@@ -671,10 +688,10 @@ def score(a: Value, b: Value) -> dict:
     """The metrics and verdict of one assembled pair, the same with ``a`` and ``b`` swapped: neither
     run is the reference (relative errors against the smaller magnitude, the absolute-error shortcut
     scaled by the smaller run's, a statistics error the larger of the two directions)."""
-    row = {"cosine": np.nan, "max_abs_err": np.nan, "rel_l2_err": np.nan, "stats_err": np.nan}
     dtype = V.lower_precision(a.dtype, b.dtype)
     for carried in {a.carries, b.carries} - {""}:   # a float32 value computed in bfloat16 carries its rounding
         dtype = V.lower_precision(dtype, carried)
+    row = {"cosine": np.nan, "max_abs_err": np.nan, "rel_l2_err": np.nan, "stats_err": np.nan, "precision": dtype}
     if a.array is not None and b.array is not None and a.array.size == b.array.size:
         if not is_float(dtype) or a.array.dtype.kind not in "fc":
             mism = M.binary_mismatch(a.array, b.array)
@@ -950,6 +967,7 @@ def merge_steps(run_a, run_b, steps: list) -> tuple[pd.DataFrame, ParallelVerdic
         unpaired += u
         problems += [x for x in p if x not in problems]
     _after_update_weighed_apart(rows, [(s[0], s[4]) for s in steps if s[4]])
+    grown = grown_from_rounding(rows)
     skipped = [(s[0], s[4]) for s in steps if s[4] and not s[4].startswith(UNEQUAL_SHARES)]
     if skipped:    # said where it is seen: the later steps' rows are not judged for it
         problems.insert(0, f"step {skipped[0][0]}: {skipped[0][1]}; the rows of the steps after it are not judged")
@@ -968,8 +986,73 @@ def merge_steps(run_a, run_b, steps: list) -> tuple[pd.DataFrame, ParallelVerdic
         unjudged = unjudged.iloc[0].to_dict() if len(unjudged) else None
     verdict = ParallelVerdict(str(run_a.path), str(run_b.path), ranks_a, ranks_b, [s[0] for s in steps], counts,
                               first, parted, departure, unpaired, problems,
-                              layout=layout_difference(run_a, run_b) if ranks_a == ranks_b else "", unjudged=unjudged)
+                              layout=layout_difference(run_a, run_b) if ranks_a == ranks_b else "", unjudged=unjudged,
+                              grown=grown)
     return table, verdict
+
+
+GROWN = "computed from parameters that differ by rounding after step {step}'s update"
+
+
+class Grown(NamedTuple):
+    """Rows of later steps not judged as grown from rounding (:func:`grown_from_rounding`)."""
+
+    step: int           # the step after whose update the runs' parameters first differ
+    rows: int           # how many rows were set aside
+    first: dict         # the first of them
+
+
+def grown_from_rounding(rows: list) -> Grown | None:
+    """Marks not judged the error rows of later steps that grew from rounding, and says where.
+
+    Runs of other parallelism sum the same gradients in other orders (a reduce-scatter over the
+    ranks' shares, one process's backward over the whole batch): in bfloat16 their parameters
+    differ by rounding after the first update, though every value of that step agrees within
+    tolerance, and a normalising optimizer (AdamW) carries the difference on, so a later step's
+    values may differ past the limits with no kernel computing wrongly.  Such a row is no op's
+    divergence where: every earlier step has no error row and the parameters after one of them
+    (``value`` rows) are not bit for bit equal; its error is of rounding size (:data:`ROUNDINGS`
+    roundings of the precision it is judged at); and what it is computed from differs already -- an
+    op that reads a parameter or a value whose row differs (a warning, or such a row itself), the
+    loss, a parameter's gradient or value (computed from the parameters).  An op whose inputs agree
+    within tolerance while its output does not is still named (a wrong kernel at that step), and
+    so is one off by more than rounding; past the first error row kept, nothing is set aside (what
+    follows may follow from it)."""
+    steps: dict = {}
+    for r in rows:
+        steps.setdefault(r["step"], []).append(r)
+    parted, marked = None, []
+    for step in sorted(steps):
+        here = steps[step]
+        if parted is None:
+            if any(r["status"] == V.ERROR for r in here):
+                return None
+            if any(r["what"] == "value" and r["status"] != V.NOT_JUDGED and r["rel_l2_err"] != 0 for r in here):
+                parted = step
+            continue
+        differs: set = set()
+        kept = False
+        for r in here:
+            own = (r.get("op_key"), r["arg"])
+            if r["status"] == V.NOT_JUDGED:
+                continue
+            if r["what"] in ("loss", "grad", "value"):
+                apart = True
+            else:
+                apart = r.get("reads_param", False) or any(x in differs for x in r.get("reads", ()))
+            if r["status"] == V.ERROR and not kept:
+                unit = ROUNDOFF.get(r.get("precision"), ROUNDOFF["float32"])
+                if apart and np.nan_to_num(r["rel_l2_err"], nan=np.inf) <= ROUNDINGS * unit:
+                    r.update(status=V.NOT_JUDGED, reason=f"{GROWN.format(step=parted)}: an error of rounding size "
+                                                         f"on values that differ already, not judged")
+                    marked.append(r)
+                else:
+                    kept = True
+            if r["status"] != V.PASS:
+                differs.add(own)
+        if kept:
+            break
+    return Grown(parted, len(marked), marked[0]) if marked else None
 
 
 def _after_update_weighed_apart(rows: list, apart: list) -> None:
@@ -1043,7 +1126,7 @@ def _step_rows(step: int, pa: dict, pb: dict, tensors: bool, problems: list, unp
             pairs, why_a = rank_by_rank(sa, sb, pa, pb, tensors, problems, reduction, (wa, wb))
             if pairs:
                 add_worst(what, name, scope, arg, pairs, carries)
-                rows[-1]["key"] = key
+                rows[-1]["key"] = rows[-1]["op_key"] = key
                 paired.add(key)
                 continue
             if mesh_a or mesh_b:
@@ -1051,7 +1134,7 @@ def _step_rows(step: int, pa: dict, pb: dict, tensors: bool, problems: list, unp
                                          problems, reduction)
                 if pairs:
                     add_worst(what, name, scope, arg, pairs, carries)
-                    rows[-1]["key"] = key
+                    rows[-1]["key"] = rows[-1]["op_key"] = key
                     paired.add(key)
                 elif arg == "output.0" and why:
                     unpaired.append(f"step {step} forward op {name} [{scope or '<root>'}]: {why}")
@@ -1070,7 +1153,7 @@ def _step_rows(step: int, pa: dict, pb: dict, tensors: bool, problems: list, unp
                     unpaired.append(f"step {step} forward op {name} [{scope or '<root>'}]: {why}")
                 continue
             add(what, name, scope, arg, va, vb, carries)
-            rows[-1]["key"] = key
+            rows[-1]["key"] = rows[-1]["op_key"] = key
             paired.add(key)
     (back_a, _), (back_b, _) = _backward(pa), _backward(pb)
     for key, arg, pairs, why in _backward_pairs(pa, pb, mesh_a, mesh_b, tensors, problems, (feeds_a, feeds_b), laid):
@@ -1078,6 +1161,7 @@ def _step_rows(step: int, pa: dict, pb: dict, tensors: bool, problems: list, unp
         scope = module_path(rec["scope"])
         if pairs:
             add_worst("backward", key[1], scope, arg, pairs)
+            rows[-1]["op_key"] = key
         elif arg == "output.0" and why:
             unpaired.append(f"step {step} backward op {key[1]} [{scope or '<root>'}]: {why}")
     only = {}
@@ -1128,7 +1212,45 @@ def _step_rows(step: int, pa: dict, pb: dict, tensors: bool, problems: list, unp
                 if what == "grad" else ("", ""))
             if apart:
                 rows[-1].update(status=V.NOT_JUDGED, reason=apart)
+    _mark_reads(rows, feeds_a, feeds_b)
     return rows, apart
+
+
+def _mark_reads(rows: list, *fed: Feeds) -> None:
+    """Each op row of a step given what its op reads, in either run (``fed``: each run's lowest
+    rank's :class:`Feeds`): ``reads``, the (pairing key, output arg) of the step's rows whose values
+    it reads, looking through ops without a row (collectives, FSDP's own ops, one run's own ops) to
+    what they read; ``reads_param``, whether it or an op it looks through reads a parameter
+    (``param: true``).  :func:`grown_from_rounding` tells from them whether an op's inputs differ
+    already."""
+    rowed = {(r["op_key"], r["arg"]) for r in rows if "op_key" in r}
+    for feeds_of in fed:
+        at = {key: i for i, key in feeds_of.keys.items()}
+        flow = feeds_of.flow
+        for r in rows:
+            i = at.get(r.get("op_key"))
+            if i is None:
+                continue
+            reads, param = set(r.get("reads", ())), r.get("reads_param", False)
+            todo, seen = [i], set()
+            while todo:
+                j = todo.pop()
+                if j in seen:
+                    continue
+                seen.add(j)
+                for io, _, spec in flow.walks[j]:
+                    if io != "input":
+                        continue
+                    param = param or bool(spec.get("param"))
+                    src = flow.src.get(id(spec))
+                    if src is None:
+                        continue
+                    made = (feeds_of.keys.get(src[0]), src[1])
+                    if made in rowed:
+                        reads.add(made)
+                    else:
+                        todo.append(src[0])
+            r["reads"], r["reads_param"] = sorted(reads), param
 
 
 def weighed_apart(pa: dict, mesh_a: Mesh | None, pb: dict, mesh_b: Mesh | None) -> str:

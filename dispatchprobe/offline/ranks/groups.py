@@ -3,8 +3,9 @@ device mesh, never assumed to be every rank or a contiguous range.
 
 - A rank's **data-parallel groups** are the groups its gradients were reduced over: backward
   all-reduces and reduce-scatters with SUM or AVG (DDP's buckets, FSDP2's reduce-scatters, HSDP's
-  all-reduces over the replicate dimension), except over a group that also reduces in the
-  forward: there the ranks sum the partial results of one split computation (tensor
+  all-reduces over the replicate dimension), except over a group that also reduces pieces of a
+  sum in the forward (values of more than one element, summed or averaged; not a found-inf flag,
+  a logged loss or a gradient norm): there the ranks sum the partial results of one split computation (tensor
   parallelism, whose backward all-reduces an input's gradient, not a parameter's).
 - **Replicas** are the ranks joined by data-parallel groups, transitively: on a mesh the ranks
   that differ only in data-parallel coordinates (FSDP2 over ``dp`` with tensor parallelism over
@@ -18,6 +19,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from ...core.collective_roles import may_join_partial_results, role
+from ...records.format import walk
+
 REDUCING = ("all_reduce", "reduce_scatter")
 
 
@@ -25,6 +29,18 @@ def group_of(record: dict) -> frozenset:
     """The global ranks of the process group a collective's record names (empty: none)."""
     group = next((v for v in record.get("inputs", ()) if v.get("type") == "process_group"), {})
     return frozenset(group.get("ranks") or ())
+
+
+def reduces_pieces(record: dict) -> bool:
+    """Whether a reducing collective's record may sum the pieces of a split computation (its given
+    values, their reduce op: :func:`~dispatchprobe.core.collective_roles.may_join_partial_results`):
+    not a found-inf flag, a logged loss or a gradient norm, which a plain data-parallel run reduces
+    outside the backward too."""
+    collective = role(record.get("op", ""))
+    given = collective.given if collective is not None else None
+    sizes = [int(np.prod(spec.get("shape") or [])) for _, arg, spec in walk(record, outputs=False)
+             if given is not None and (arg == given or arg.startswith(given + ".")) and spec.get("shape") is not None]
+    return may_join_partial_results((record.get("collective") or {}).get("reduce_op"), sizes)
 
 
 def data_parallel_groups(records: list) -> set[frozenset]:
@@ -36,18 +52,20 @@ def data_parallel_groups(records: list) -> set[frozenset]:
             continue
         group = group_of(r)
         if r.get("stage") != "backward":
-            forward.add(group)
+            if reduces_pieces(r):
+                forward.add(group)
         elif info.get("reduce_op") in ("SUM", "AVG"):
             backward.add(group)
     return {g for g in backward - forward if len(g) > 1}
 
 
 def tensor_parallel_groups(records: list) -> set[frozenset]:
-    """The groups over which one rank's forward reduces (all-reduce, reduce-scatter): tensor
-    parallelism summing the partial results of one split computation.  Its ranks compute on the
-    same share of the batch: the layer's input is replicated over the group, its weights are not."""
+    """The groups over which one rank's forward reduces (all-reduce, reduce-scatter) values that may
+    be pieces of a sum (:func:`reduces_pieces`): tensor parallelism summing the partial results of
+    one split computation.  Its ranks compute on the same share of the batch: the layer's input is
+    replicated over the group, its weights are not."""
     return {group_of(r) for r in records if (r.get("collective") or {}).get("kind") in REDUCING
-            and r.get("stage") == "forward" and len(group_of(r)) > 1}
+            and r.get("stage") == "forward" and len(group_of(r)) > 1 and reduces_pieces(r)}
 
 
 def data_shares(records: dict[int, list]) -> list[list[int]]:
