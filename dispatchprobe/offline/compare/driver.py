@@ -34,7 +34,7 @@ from .pairing import PairingShare, decomposed_scopes, explain_unobservable, data
 from .scoring import score_pairs
 from .task_mismatch import NOT_RECORDED, explanation, flagged_only_side, tasks_note, unaligned_hint
 from ..coverage import graphs_note, unrecorded_graphs, unrecorded_steps_note
-from .verdict import Result, RunsDoNotAlign, Verdict, call_words
+from .verdict import UNFINISHED, Result, RunsDoNotAlign, Verdict, call_words
 from .parallel import layout_difference, optimizer_step
 from .amplified import Trail as AmplifiedTrail
 from .amplified import said as amplified_lines
@@ -356,7 +356,7 @@ def compare(a, b, *, match: str = "fuzzy", mapping: str | Mapping | None = None,
     from ..grad_compare import grad_compare, is_grad_run
     if is_grad_run(run_a) or is_grad_run(run_b):      # gradient directions per step and parameter
         return said_by_rank0(engine, lambda: grad_compare(run_a, run_b, out=out), _elsewhere)
-    problems: list[str] = []
+    problems: list[str] = unfinished_notes(run_a, run_b)
     for note in (tasks_note(run_a.manifest, run_b.manifest), unrecorded_graphs(run_a.manifest, run_b.manifest),
                  *(f"run {side}: {n}" for side, run in (("A", run_a), ("B", run_b))
                    if (n := unrecorded_steps_note(run.manifest)))):
@@ -665,14 +665,33 @@ def _span(what: str, values: set) -> str:
         f"{what}s {v[0]}..{v[-1]} ({len(v)})"
 
 
+def unfinished_notes(run_a, run_b) -> list[str]:
+    """One warning per run holding step/rank parts its probe never closed (no ``probe.step()`` or
+    ``close()`` ended them: the program crashed inside the step, was killed, or is still recording),
+    each starting with :data:`~.verdict.UNFINISHED`: what was recorded is compared, what would have
+    followed never was, so an agreement is only an agreement up to where they end."""
+    notes = []
+    for side, run in (("A", run_a), ("B", run_b)):
+        open_parts = [k for k, part in run.parts.items() if part.closed is False]
+        if open_parts:
+            notes.append(f"{UNFINISHED} run {side}: {_span('step', {k[0] for k in open_parts})} x "
+                         f"{_span('rank', {k[1] for k in open_parts})}: {len(open_parts)} step/rank part(s) never "
+                         "closed (the program ended inside the step: it crashed, was killed, or is still recording); "
+                         "compared up to their last record")
+    return notes
+
+
 def _across_parallelism(run_a, run_b, out: str | None, tensors: bool, engine=None) -> Result:
     """Runs of different rank counts (1 process vs DDP/FSDP2): compared on what both hold
     (:mod:`.parallel`, steps shared among a launcher's ranks); ``out`` gets ``compare.csv``."""
     from .parallel import compare_parallelism, merge_steps
     steps = sorted({k[0] for k in run_a.parts} & {k[0] for k in run_b.parts})
     results = gathered(engine, steps, lambda share: compare_parallelism(run_a, run_b, tensors, share))
-    return said_by_rank0(engine, lambda: _parallel_result(run_a, run_b, merge_steps(run_a, run_b, results), out),
-                         _elsewhere)
+    def merged():
+        table, verdict = merge_steps(run_a, run_b, results)
+        verdict.problems[:0] = unfinished_notes(run_a, run_b)
+        return _parallel_result(run_a, run_b, (table, verdict), out)
+    return said_by_rank0(engine, merged, _elsewhere)
 
 
 def _parallel_result(run_a, run_b, merged, out) -> Result:

@@ -38,6 +38,7 @@ from .loss_scale import gradients_alike
 from .origin import ROUNDINGS
 from .pairing import data_flow
 from .rerun import ROUNDOFF
+from .verdict import incomplete, partial_agreement
 
 COMMUNICATION = ("c10d.", "_c10d_functional.", "fsdp.", "profiler.")   # one run's own by nature
 TABLE_COLUMNS = ["step", "what", "name", "scope", "arg", "ranks_a", "ranks_b", "shape_a", "shape_b", "dtype_a",
@@ -128,7 +129,7 @@ class ParallelVerdict:
 
     @property
     def damaged(self) -> list:
-        return [p for p in self.problems if p.startswith("damaged record")]
+        return incomplete(self.problems)
 
     def __str__(self) -> str:
         counts = ", ".join(f"{k} {self.counts.get(k, 0)}" for k in (V.PASS, V.WARNING, V.ERROR))
@@ -158,6 +159,8 @@ class ParallelVerdict:
         if not p:
             d = self.departure
             agree = "the runs agree on what was judged" if self.unjudged else "the runs agree"
+            if self.damaged and d is None:
+                agree = partial_agreement(self.damaged)
             lines.append(agree if d is None else
                          f"{agree} within tolerance; first departure: step {d['step']} {_describe(d)} "
                          f"(relative error {d['rel_l2_err']:.3g})")

@@ -315,9 +315,8 @@ class Verdict:
 
     @property
     def damaged(self) -> list:
-        """Problems reading saved tensors (cut short or corrupt shards): their rows fell back to
-        statistics, so an agreement is only an agreement on what could be read."""
-        return [p for p in self.problems if p.startswith("damaged record")]
+        """What leaves an agreement partial (:func:`incomplete`)."""
+        return incomplete(self.problems)
 
     @property
     def inputs_differ(self) -> bool:
@@ -372,8 +371,7 @@ class Verdict:
                 lines.append(div.describe() if div else f"no {stage} divergence")
         lines += self.explained
         if self.passed and self.damaged:
-            lines.append("the runs agree on what could be read; damaged records were not compared (see the "
-                         "warnings)")
+            lines.append(partial_agreement(self.damaged))
         elif self.passed and self.same_run:
             lines.append(f"the runs agree: A and B are the same records ({self.a}); compare it with another run")
         elif self.passed and self.departure is not None:
@@ -400,9 +398,30 @@ class Verdict:
         return "\n".join(lines)
 
 
+def partial_agreement(incomplete_problems: list) -> str:
+    """The verdict line of runs that agree on what was compared, where :func:`incomplete` says not all was."""
+    said = []
+    if any(p.startswith(UNFINISHED) for p in incomplete_problems):
+        said.append("on what was recorded (a run holds steps it never closed: what would have followed was never "
+                    "recorded)")
+    if any(p.startswith("damaged record") for p in incomplete_problems):
+        said.append("on what could be read (damaged records were not compared)")
+    return f"the runs agree {' and '.join(said)}; see the warnings"
+
+
 def _span(values: list) -> str:
     return str(values[0]) if len(values) == 1 else f"{values[0]}-{values[-1]}" \
         if values == list(range(values[0], values[-1] + 1)) else ",".join(map(str, values))
+
+
+UNFINISHED = "unfinished:"    # a warning about steps a run's probe never closed (:func:`incomplete`)
+
+
+def incomplete(problems: list) -> list:
+    """The problems that leave an agreement partial: saved tensors that could not be read (cut short
+    or corrupt shards: their rows fell back to statistics) and steps a run never closed (the
+    program ended inside them: what would have followed was never recorded)."""
+    return [p for p in problems if p.startswith(("damaged record", UNFINISHED))]
 
 
 class RunsDoNotAlign(RecordError):
