@@ -6,7 +6,8 @@ ranks_train.py nd OUT LAYOUT-PLANT ...`` (``fsdp_tp-clean``, ``hsdp-nudge``, ...
 
 PLANT: ``clean`` (none), ``calls`` (no model: each kind of collective called directly), ``nudge`` (one weight moved on rank 1 after DDP's initial broadcast),
 ``hook`` (a DDP comm hook that scales rank 1's reduced bucket by 1.001), ``inf`` (rank 1's batch
-scaled so that the loss overflows to inf there, from finite values); on N-D meshes ``nudge`` moves one
+scaled so that the loss overflows to inf there, from finite values), ``relu1`` (tensor parallelism:
+relu x1.05 on rank 1, on its column shards of ``up``'s output); on N-D meshes ``nudge`` moves one
 element of rank 3's local shard of ``block.up.weight`` before the first step (a shard its replicas
 hold equal).  Each plant's records go to ``OUT/{plant}/{statistics,tensor}`` (one launch, several
 runs)."""
@@ -20,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from dispatchprobe import DispatchProbe
-from parallel_models import MESHES, MLP, InputMLP, parallelize, parallelize_nd, run_and_end
+from parallel_models import MESHES, MLP, InputMLP, parallelize, parallelize_nd, run_and_end, wrong_kernel
 
 STEPS = 2
 
@@ -73,7 +74,12 @@ def train(kind: str, mesh, probe: DispatchProbe, plant: str) -> None:
     batches = [torch.randn(4, 8, generator=gen) for _ in range(STEPS)]
     if plant == "inf" and dist.get_rank() == 1:
         batches[0] = batches[0] * 1e30          # the loss's square overflows float32 on rank 1 only
-    _train(model, opt, probe, batches)
+    wrong = wrong_kernel("relu") if plant == "relu1" and dist.get_rank() == 1 else None
+    try:
+        _train(model, opt, probe, batches)
+    finally:
+        if wrong is not None:
+            wrong._destroy()
 
 
 def _train(model, opt, probe: DispatchProbe, batches: list) -> None:

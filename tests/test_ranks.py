@@ -20,7 +20,7 @@ SCRIPT = Path(__file__).with_name("ranks_train.py")
 _RUNS: dict = {}
 
 
-PLANTS = {"ddp": ("clean", "calls", "nudge", "hook", "inf"), "fsdp": ("clean",), "tp": ("clean",)}
+PLANTS = {"ddp": ("clean", "calls", "nudge", "hook", "inf"), "fsdp": ("clean",), "tp": ("clean", "relu1")}
 
 
 ND = {"nd": (4, ("fsdp_tp-clean", "hsdp-clean", "hsdp-nudge")),      # launch -> ranks, plants
@@ -98,13 +98,25 @@ def ranks(run: Path, *args) -> tuple[int, str]:
     return res.exit_code, res.output
 
 
+def assert_agree(code: int, out: str, tensor_parallel: bool) -> None:
+    """The ranks agree: exit 0; under tensor parallelism only on what they could judge, the ops each rank
+    ran on pieces of its own not judged: exit 1, that said first, never an error."""
+    lines = out.splitlines()
+    if not tensor_parallel:
+        assert code == 0 and lines[0].startswith("the ranks agree: ") and " 0 differ, 0 not judged;" in lines[0], out
+        return
+    assert code == 1, out
+    assert lines[0].startswith("cannot judge: ") and " op(s) tensor-parallel ranks ran on pieces of their own " \
+        "(column or sequence shards, partial sums; the first: " in lines[0], out
+    assert lines[1].startswith("the ranks agree on what they could judge: ") and " 0 differ, 0 not judged;" in lines[1], out
+
+
 @pytest.mark.parametrize("kind", ["ddp", "fsdp", "tp"])
 def test_clean_runs_agree(runs, kind, tmp_path):
     import pandas as pd
     for task in ("statistics", "tensor"):
         code, out = ranks(runs(kind) / task, "-o", str(tmp_path / task))
-        assert code == 0, out
-        assert out.startswith("the ranks agree: ") and " 0 differ, 0 not judged;" in out, out
+        assert_agree(code, out, kind == "tp")
         table = pd.read_csv(tmp_path / task / "ranks.csv")
         calls = table[table["check"] == "collective"]
         assert len(calls) and (calls["status"] == "agree").all()
@@ -112,11 +124,29 @@ def test_clean_runs_agree(runs, kind, tmp_path):
             assert not calls["detail"].str.contains("not checked").any(), calls["detail"].tolist()
 
 
+def test_a_wrong_kernel_on_one_ranks_column_shards_is_not_said_to_agree(runs, tmp_path):
+    """relu x1.05 on rank 1 of a 2-rank tensor-parallel MLP, on its column shards of ``up``'s output: no
+    other rank holds those values and the row-wise ``down`` all-reduces what follows from them into values
+    both ranks hold equal, so no check here can see it.  The verdict says it cannot judge those ops
+    (exit 1), as of the clean run, never that the ranks agree."""
+    for task in ("statistics", "tensor"):
+        verdicts = {}
+        for plant in ("relu1", "clean"):
+            code, out = ranks(runs("tp", plant) / task)
+            assert_agree(code, out, True)
+            verdicts[plant] = out.splitlines()[0]
+        assert verdicts["relu1"] == verdicts["clean"], verdicts
+        assert "the first: aten.addmm.default [MLP.up] (step 0, forward) on rank 0" in verdicts["relu1"], verdicts
+
+
 def test_each_kind_of_collective_is_checked(runs, tmp_path):
+    """Every collective agrees with its semantics.  The ranks reduce over their group in the forward
+    only, as tensor-parallel peers do, and copy or scale values of their own (``clone``): ops no other
+    rank holds, so the verdict cannot judge those (exit 1), never that everything agrees."""
     import pandas as pd
     for task in ("statistics", "tensor"):
         code, out = ranks(runs("ddp", "calls") / task, "-o", str(tmp_path / task))
-        assert code == 0, out
+        assert_agree(code, out, True)
         calls = pd.read_csv(tmp_path / task / "ranks.csv")
         assert set(calls["op"]) == {"c10d.allreduce_.default", "c10d._allgather_base_.default",
                                     "c10d._reduce_scatter_base_.default", "c10d.broadcast_.default",
@@ -304,8 +334,7 @@ def test_clean_runs_on_nd_meshes_agree(runs, launch_kind, layout, held, tmp_path
         assert _tp_backward_all_reduce(out, n) == {(r, r + 1) for r in range(0, n, 2)}
     for task in ("statistics", "tensor"):
         code, text = ranks(out / task, "-o", str(tmp_path / task))
-        assert code == 0, text
-        assert text.startswith("the ranks agree: ") and " 0 differ, 0 not judged;" in text, text
+        assert_agree(code, text, "tp" in layout)
         assert f"over 2 step(s) and {n} rank(s)" in text and " 0 drift(s)" in text, text
         table = pd.read_csv(tmp_path / task / "ranks.csv")
         assert (table["status"] == "agree").all() and len(table) >= 20, table

@@ -36,6 +36,7 @@ class StepResult(NamedTuple):
     unnumbered: int = 0     # collective records without a sequence number (an earlier record format)
     apart: int = 0          # ops a rank ran on other pieces than its tensor-parallel peers: not judged
     tp_groups: list = []    # the tensor-parallel groups (ranks computing on one share of the batch)
+    first_apart: str = ""   # the first of those ops, where it ran ("" where none)
 
 
 def check_parts(run: Run | str, parts, *, tensors: bool = True, progress: bool = False) -> list[StepResult]:
@@ -87,7 +88,8 @@ def check_step(run: Run, step: int, ranks: list, *, tensors: bool = True) -> Ste
         missing.append(_absent(run, step, r, f"its replicas {sorted(next(g for g in held.values() if r in g))} "
                                              "are compared without it"))
     peers = {r: frozenset(share) for share in data_shares(records) for r in share}
-    drifts, compared, apart = find_drifts(records, values, {r: parts[r].params for r in ranks}, held, peers=peers)
+    drifts, compared, apart, first_apart = find_drifts(records, values, {r: parts[r].params for r in ranks}, held,
+                                                       peers=peers)
     for d in drifts:
         rows.append(_row(step, "replica", DIFFERS, d.ranks[0], d.ranks, d.record, d.index, arg=d.arg, size=d.size,
                          detail=f"{d.what} {d.arg} differs on rank {', '.join(map(str, d.ranks))} from rank "
@@ -103,7 +105,9 @@ def check_step(run: Run, step: int, ranks: list, *, tensors: bool = True) -> Ste
     unnumbered = sum(1 for r in ranks for rec in records[r]
                      if "collective" not in rec and rec.get("kind") == "op" and role(rec["op"]) is not None)
     shares = [share for share in data_shares(records) if len(share) > 1]
-    return StepResult(step, list(ranks), rows, compared, missing, unnumbered, apart, shares)
+    alone = "" if first_apart is None else (f"{first_apart[1]['op']} [{first_apart[1].get('scope') or '<top>'}] "
+                                            f"(step {step}, {first_apart[1].get('stage')}) on rank {first_apart[0]}")
+    return StepResult(step, list(ranks), rows, compared, missing, unnumbered, apart, shares, alone)
 
 
 def _no_majority(drift) -> str:
@@ -183,7 +187,25 @@ def merge(results: list[StepResult], run_ranks=None) -> tuple[pd.DataFrame, Rank
                "no collective is recorded (record the steps under torchrun; collectives left out by `list` or "
                "`scope` still count, but are not recorded)")
         return table, RanksVerdict([f"cannot judge: {why}", summary], 1)
+    unjudged = _not_judged_alone(results)
+    if unjudged:
+        return table, RanksVerdict([unjudged, f"the ranks agree on what they could judge: {summary}"], 1)
     return table, RanksVerdict([f"the ranks agree: {summary}"], 0)
+
+
+def _not_judged_alone(results: list) -> str:
+    """Why the ranks' agreement covers only part of the run, or "": under tensor parallelism each rank
+    computes ops on pieces no other rank holds (a column-wise layer's column shards and what follows
+    from them, a row-wise layer's partial sums), so no check here sees a wrong kernel among them:
+    what follows them is all-reduced into values every rank holds equal, wrong or right."""
+    apart = [res for res in results if res.apart]
+    if not apart:
+        return ""
+    first = min(apart, key=lambda res: res.step)
+    return (f"cannot judge: {sum(res.apart for res in apart)} op(s) tensor-parallel ranks ran on pieces of their "
+            f"own (column or sequence shards, partial sums; the first: {first.first_apart}): no other rank holds "
+            "their values, so a wrong kernel among them shows in no check here; compare the run with a run of "
+            "other parallelism to judge them")
 
 
 def _tensor_parallel_note(results: list) -> str:

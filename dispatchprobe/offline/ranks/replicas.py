@@ -103,16 +103,19 @@ def find_drifts(ranks: dict[int, list], values: Values, params: dict[int, list] 
     parameter records; ``replicas``: rank -> the ranks holding its parameters, :func:`.groups.replicas`;
     ``peers``: rank -> the ranks computing on its share of the batch, its tensor-parallel group),
     in record order, how many replicated values were compared, and how many ops a rank ran on
-    other pieces than its tensor-parallel peers (the most on any rank): not judged across ranks."""
+    other pieces than its tensor-parallel peers (the most on any rank): not judged across ranks; and
+    the first of those (the lowest such rank's, in record order) as (rank, record), or None."""
     present = frozenset(ranks)
     state = {r: _Rank(r, ranks[r]) for r in sorted(ranks)}
     replicas = {r: s & present for r, s in (replicas or {}).items()}
-    claims, apart = {}, 0
+    claims, apart, first_apart = {}, 0, None
     for r in state:
         by_peers, unequal = _peer_claims(state[r], state, (peers or {}).get(r, frozenset()) & present, values)
         claims[r] = _claims(state[r], state, replicas.get(r, frozenset()), (params or {}).get(r) or [], present) \
             + by_peers
-        apart = max(apart, unequal)
+        apart = max(apart, len(unequal))
+        if unequal and first_apart is None:
+            first_apart = (r, state[r].records[unequal[0]])
     holders: dict = {}
     for r, mine in claims.items():
         for c in mine:
@@ -134,7 +137,7 @@ def find_drifts(ranks: dict[int, list], values: Values, params: dict[int, list] 
             if found:
                 tainted.add(c.key)
                 drifts.append(_drift(c, found, sorted(members)))
-    return sorted(drifts, key=lambda d: d.index)[:limit], compared, apart
+    return sorted(drifts, key=lambda d: d.index)[:limit], compared, apart, first_apart
 
 
 def _claims(me: _Rank, state: dict, mine: frozenset, params: list, present: frozenset) -> list[_Claim]:
@@ -216,11 +219,12 @@ def _peer_claims(me: _Rank, state: dict, peers: frozenset, values: Values) -> li
     a replica by rule; but an op they run on equal tensor inputs with the same number arguments
     must give equal outputs (a wrong kernel on one of them is a drift).  One claim per output of
     each such op, on the ranks whose inputs equal this rank's (an equivalence: every member of
-    the set computes the same set); random ops and collectives are left out.  Also returns how
-    many ops ran on inputs no peer shares (column shards, partial sums): not judged here."""
+    the set computes the same set); random ops and collectives are left out.  Also returns the ops
+    (record indices) that ran on inputs no peer shares (column shards, partial sums): no other rank
+    holds their values, so nothing here judges them."""
     if len(peers) < 2:
-        return [], 0
-    out, unequal, last_collective = [], 0, ""
+        return [], []
+    out, unequal, last_collective = [], [], ""
     for i, rec in enumerate(me.records):
         if rec.get("kind") != "op" or is_random(rec["op"]):
             continue
@@ -232,7 +236,7 @@ def _peer_claims(me: _Rank, state: dict, peers: frozenset, values: Values) -> li
         given = [spec for io, _, spec in me.flow.walks[i] if io == "input"]
         on = frozenset(r for r in peers if r == me.rank or _given_alike(me, i, given, state[r], values))
         if len(on) < 2:
-            unequal += 1
+            unequal.append(i)
             continue
         out += [_Claim((rec["name"], "output", arg, on), i, rec, arg, spec,
                        "computed by tensor-parallel peers from equal inputs", (), (last_collective, []))
