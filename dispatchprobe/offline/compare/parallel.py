@@ -1300,14 +1300,15 @@ def batch_orders(fa: dict, fb: dict, keys: list, side_a: tuple, side_b: tuple, t
     """Whether each run's shares hold the batch's samples in turn (``DistributedSampler``: share k of
     N takes samples k, k+N, ...) rather than in blocks (``x[k * b:(k + 1) * b]``), learnt from the
     first forward value that one run's several shares make along the batch and the other run holds
-    on one rank: its saved arrays laid both ways against the other run's, the samples in turn taken
-    where they are more than 10 times closer.  Data parallelism's result does not depend on the
-    order of the batch's samples, so laying them as the program split them is no allowance for a
-    difference.  (False, False) where nothing tells (no tensors saved: statistics do not depend on
+    on one rank, laid both ways, that is more than 10 times closer to the other run's one way (a
+    value whose rows are alike, a mask repeated per sample, tells nothing: the next is tried).  Data
+    parallelism's result does not depend on the order of the batch's samples, so laying them as the
+    program split them is no allowance for a difference.  (False, False) where nothing tells (no tensors saved: statistics do not depend on
     that order; equal ranks in both runs: paired rank with rank)."""
     if not tensors:
         return False, False
     (pa, mesh_a), (pb, mesh_b) = side_a, side_b
+    tried = 0
     for key in keys:
         sa, sb = (next(((s_a, s_b) for arg, s_a, s_b in _outputs_on_every_rank(fa[key], fb[key])
                         if arg == "output.0"), (None, None)))
@@ -1331,10 +1332,18 @@ def batch_orders(fa: dict, fb: dict, keys: list, side_a: tuple, side_b: tuple, t
                 break
             diff = np.asarray(got[0].array, np.float64).ravel() - np.asarray(other.array, np.float64).ravel()
             errors[interleaved] = float(np.linalg.norm(diff))
-        if len(errors) == 2:
-            turns = errors[True] * 10 < errors[False]
+        if len(errors) < 2:
+            continue
+        tried += 1
+        if errors[True] * 10 < errors[False] or errors[False] * 10 < errors[True]:
+            turns = errors[True] < errors[False]
             return (turns, False) if many == 0 else (False, turns)
+        if tried == _ORDER_TRIES:      # rows alike both ways (a mask repeated per sample), or apart both ways
+            break
     return False, False
+
+
+_ORDER_TRIES = 16     # values laid both ways before the shares are taken for blocks
 
 
 def _model_backward(records: list) -> list:
