@@ -7,7 +7,9 @@ step 1's values computed from them part past bfloat16's limits with no kernel co
 compare once named an op there ("first error: step 1 backward op ...", exit 2).  Under a
 ``GradScaler`` the found-inf check's all-reduce of a one-element flag, outside the backward, was
 taken for tensor parallelism's forward all-reduce: every value was then joined as a
-tensor-parallel group's pieces ("unequal on the ranks [0, 1] of one tensor-parallel group")."""
+tensor-parallel group's pieces ("unequal on the ranks [0, 1] of one tensor-parallel group"); and
+the scaler's multiply of the loss by a tensor holding the scale left the loss and the backward
+unpaired."""
 
 from __future__ import annotations
 
@@ -104,6 +106,15 @@ def test_a_loss_scalers_found_inf_all_reduce_is_no_tensor_parallelism(runs, fsdp
     assert "tensor-parallel group" not in res.output, res.output
     assert "first error" not in res.output, res.output
     assert res.exit_code in (0, 1), res.output
+    # GradScaler.scale(loss) multiplies the mean by a tensor holding the scale, alike in both runs: the
+    # loss is that mean scaled, so it and the values computed from its gradient pair (once 'the loss is
+    # not a mean over each share of the batch: the scale of its gradients across the runs is unknown')
+    table, verdict = compare(a, b)
+    assert not any("scale of its gradients" in u for u in verdict.unpaired), verdict.unpaired
+    loss = table[table["what"] == "loss"]
+    assert sorted(loss["step"]) == [0, 1] and (loss["status"] == "pass").all(), loss[["name", "status", "reason"]]
+    backward = table[(table["what"] == "backward") & (table["step"] == 0)]
+    assert "aten.nll_loss_backward.default.0.backward" in set(backward["name"]), backward
 
 
 def _collective(stage: str, shape: list, reduce_op: str, ranks=(0, 1)) -> dict:

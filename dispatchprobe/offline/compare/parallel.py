@@ -765,16 +765,35 @@ class LossMean(NamedTuple):
     numbers: tuple      # (op, number) of each scaling
 
 
-def _scaled_input(rec: dict) -> dict | None:
-    """The one 0-dim tensor a :data:`SCALINGS` record scales by a number, or None where it is not
-    such a scaling (two tensors, no number, a value of more than one element)."""
+def _scalings_of(rec: dict) -> list:
+    """[(the 0-dim tensor a :data:`SCALINGS` record scales, the number it scales it by)]: by a number
+    argument, or by a one-element tensor whose statistics give its one value (a loss scaler's
+    scale: ``GradScaler.scale(loss)`` multiplies by a tensor).  Two one-element tensors multiplied
+    each may be the one scaled, so both are given; [] where the record is no such scaling (no
+    number, a value of more than one element)."""
     if rec["op"] not in SCALINGS:
-        return None
+        return []
     tensors = [spec for _, _, spec in walk(rec, outputs=False)]
     numbers = [v for v in rec.get("inputs", ()) if v.get("type") in ("int", "float")]
-    if len(tensors) != 1 or tensors[0].get("shape") != [] or len(numbers) != 1:
+    if len(tensors) == 1 and tensors[0].get("shape") == [] and len(numbers) == 1:
+        return [(tensors[0], numbers[0]["value"])]
+    if len(tensors) != 2 or numbers or rec["op"] not in ("aten.mul.Tensor", "aten.div.Tensor"):
+        return []
+    out = []
+    for k in (0, 1) if rec["op"] == "aten.mul.Tensor" else (0,):     # a division scales its dividend
+        by = _one_value(tensors[1 - k])
+        if tensors[k].get("shape") == [] and by is not None:
+            out.append((tensors[k], by))
+    return out
+
+
+def _one_value(spec: dict) -> float | None:
+    """The one finite value of a one-element tensor, from its statistics; None where it is not one."""
+    stats = spec.get("stats") or {}
+    if math.prod(spec.get("shape") or [1]) != 1 or stats.get("max") is None or stats.get("max") != stats.get("min"):
         return None
-    return tensors[0]
+    value = float(stats["max"])
+    return value if math.isfinite(value) else None
 
 
 def _made(spec: dict, by: dict) -> bool:
@@ -791,19 +810,22 @@ def loss_mean(records: list) -> LossMean | None:
     forward = _model_forward(records)
     name = _loss_name(records)
     at = next((i for i, r in enumerate(forward) if r["name"] == name), None)
-    scalings, numbers = [], []
-    while at is not None:
-        rec = forward[at]
-        if mean_count(rec) is not None:
-            return LossMean(rec["name"], tuple(reversed(scalings)), tuple(reversed(numbers)))
-        given = _scaled_input(rec)
-        if given is None:
-            return None
-        scalings.append(rec["name"])
-        numbers.append((rec["op"].split(".")[1], next(v["value"] for v in rec["inputs"] if v.get("type") in
-                                                      ("int", "float"))))
-        at = next((i for i in range(at - 1, -1, -1) for _, _, out in walk(forward[i], inputs=False)
-                   if _made(given, out)), None)
+    return _mean_before(forward, at, (), ()) if at is not None else None
+
+
+def _mean_before(forward: list, at: int, scalings: tuple, numbers: tuple) -> LossMean | None:
+    """:func:`loss_mean` from record ``at`` back, ``scalings`` and ``numbers`` found after it so far
+    (nearest the loss first); each way a scaling may read the loss tried (:func:`_scalings_of`)."""
+    rec = forward[at]
+    if mean_count(rec) is not None:
+        return LossMean(rec["name"], tuple(reversed(scalings)), tuple(reversed(numbers)))
+    for given, number in _scalings_of(rec):
+        before = next((i for i in range(at - 1, -1, -1) for _, _, out in walk(forward[i], inputs=False)
+                       if _made(given, out)), None)
+        found = None if before is None else \
+            _mean_before(forward, before, (*scalings, rec["name"]), (*numbers, (rec["op"].split(".")[1], number)))
+        if found is not None:
+            return found
     return None
 
 
