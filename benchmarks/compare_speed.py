@@ -17,9 +17,12 @@ the unmatched table and freeing the parsed records).
    ``keep_table=False``, whose memory should not grow with the run's length).
 
 Every compare runs in a fresh interpreter: "seconds" is its whole wall time (imports included),
-"in-call" the compare call alone; peak RSS is the child's.  ``--tree LABEL=PATH`` (repeatable)
+"in-call" the compare call alone, "CPU s" its user + system seconds (what other work on the machine
+distorts least); peak RSS is the child's.  Children cache modules' bytecode as an installed package
+does (each tree imported once, untimed, first).  ``--tree LABEL=PATH`` (repeatable)
 compares with the dispatchprobe of each tree (``PYTHONPATH``) on the same runs, the trees
-alternating ``--rounds`` times: an old and a new version side by side.  The tensor case is also
+alternating ``--rounds`` times: an old and a new version side by side (the tensor case's rounds with
+msprobe's compare after the trees', and each tool's medians over them at the end).  The tensor case is also
 timed with torch imported before the call ("torch in"): its float64 re-runs import it, msprobe's
 compare imports it before its timer.  Time it alone:
 ``flock /tmp/bench.lock python benchmarks/compare_speed.py ...``.
@@ -66,21 +69,47 @@ def synthetic_run(path: str, n_ops: int, seed: int, noise: float) -> None:
             f.write(json.dumps(rec, separators=(",", ":")) + "\n")
 
 
+def _child_env(tree: str | None) -> dict:
+    """A child's environment: ``tree`` first on the path, and modules' bytecode cached as an installed
+    package has it (``PYTHONDONTWRITEBYTECODE`` would compile every dispatchprobe module in every
+    child, some 0.2 s that msprobe's pip-installed modules do not pay)."""
+    env = dict(os.environ, PYTHONPATH=os.path.abspath(tree)) if tree else dict(os.environ)
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    return env
+
+
+def warm(tree: str | None = None) -> None:
+    """Import what a compare imports once, untimed, so that the timed children find the bytecode cached."""
+    subprocess.run([sys.executable, "-c", "import dispatchprobe.offline.compare, dispatchprobe.torch.replay"],
+                   env=_child_env(tree), cwd=tempfile.gettempdir(), capture_output=True)
+
+
 def timed_subprocess(code: str, tree: str | None = None) -> tuple[float, float, str, float]:
     """Run code in a fresh interpreter (``tree``: with that tree's dispatchprobe first on the path);
     (seconds, peak RSS MB, stdout or error, in-call seconds).  The code prints ``CALL_SECONDS <s>``
     around the call it times."""
-    env = dict(os.environ, PYTHONPATH=os.path.abspath(tree)) if tree else None
+    env = _child_env(tree)
+    before = _children_cpu()
     t = time.perf_counter()
     res = subprocess.run([sys.executable, "-c", code + "\nimport resource, sys\n"
                           "print('RSS', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"],
                          capture_output=True, text=True, env=env, cwd=tempfile.gettempdir())
     dt = time.perf_counter() - t
+    LAST_CPU[0] = _children_cpu() - before
     if res.returncode:
         return dt, float("nan"), res.stderr.strip().splitlines()[-1], float("nan")
     rss = [l for l in res.stdout.splitlines() if l.startswith("RSS")]
     call = [l for l in res.stdout.splitlines() if l.startswith("CALL_SECONDS")]
     return dt, int(rss[-1].split()[1]) / 1024, res.stdout, float(call[-1].split()[1]) if call else float("nan")
+
+
+LAST_CPU = [float("nan")]   # CPU seconds (user + system) of the last timed child: less distorted by other load
+
+
+def _children_cpu() -> float:
+    import resource
+    use = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return use.ru_utime + use.ru_stime
 
 
 def _timed(call: str) -> str:
@@ -121,12 +150,13 @@ def msprobe_dump(out: str, plant: bool, model_kw: dict, batch: int) -> None:
         debugger.step()
 
 
-def msprobe_rows(tmp: str, model_kw: dict, batch: int) -> tuple[list, str]:
-    """msprobe dumps of the clean and the planted step, then its compare timed; (rows, note)."""
+def msprobe_setup(tmp: str, model_kw: dict, batch: int) -> tuple[str | None, str, str]:
+    """msprobe dumps of the clean and the planted step; (the child code timing its compare, the case's
+    name, note), the code None where msprobe is unavailable or failed."""
     try:
         import msprobe  # noqa: F401
     except Exception as exc:  # noqa: BLE001
-        return [], f"msprobe unavailable ({type(exc).__name__}: {exc})"
+        return None, "", f"msprobe unavailable ({type(exc).__name__}: {exc})"
     import glob
     dumps = {}
     for tag, plant in (("ma", False), ("mb", True)):
@@ -136,19 +166,14 @@ def msprobe_rows(tmp: str, model_kw: dict, batch: int) -> tuple[list, str]:
         found = glob.glob(os.path.join(out, "step0", "*", "dump.json"))
         if res.returncode or not found:
             why = (res.stderr.strip().splitlines() or ["no dump.json written"])[-1]
-            return [], f"msprobe dump failed: {why}"
+            return None, "", f"msprobe dump failed: {why}"
         dumps[tag] = found[0]
     size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(os.path.dirname(dumps["ma"]))
                for f in fs) / 2**20
     call = (f"pt_compare({{'npu_path': {dumps['ma']!r}, 'bench_path': {dumps['mb']!r}, "
             f"'is_print_compare_log': False}}, {os.path.join(tmp, 'msout')!r})")
-    dt, rss, out, in_call = timed_subprocess("from msprobe.pytorch.compare.pt_compare import pt_compare\n"
-                                             + _timed(call))
-    if rss != rss:  # nan: it failed
-        return [], f"msprobe compare failed: {out}"
-    csvs = glob.glob(os.path.join(tmp, "msout", "*.csv"))
-    rows = [(f"tensor, transformer step ({size:.0f} MB per dump)", "msprobe", dt, in_call, rss)]
-    return rows, f"msprobe: pt_compare real-data mode on its own dumps ({len(csvs)} result csv)"
+    return ("from msprobe.pytorch.compare.pt_compare import pt_compare\n" + _timed(call),
+            f"tensor, transformer step ({size:.0f} MB per dump)", "msprobe: pt_compare real-data mode on its own dumps")
 
 
 def long_runs(tmp: str, steps: int) -> tuple[str, str]:
@@ -219,6 +244,8 @@ def tree_rows(cases: list, trees: list, rounds: int, preload: bool = False) -> l
     rows name the tree.  ``preload``: also each tree with torch imported before the timed call (the
     tensor compare imports it for its float64 re-runs; msprobe's compare has it imported before)."""
     rows = []
+    for _, path in trees:
+        warm(path)
     for _ in range(rounds):
         for case, a, b, report in cases:
             for label, path in trees:
@@ -227,7 +254,7 @@ def tree_rows(cases: list, trees: list, rounds: int, preload: bool = False) -> l
                     if rss != rss:
                         raise SystemExit(f"tree {label}: compare failed: {out}")
                     rows.append((case, f"dispatchprobe {label}".strip() + (", torch in" if first else ""), dt, call,
-                                 rss))
+                                 rss, LAST_CPU[0]))
     return rows
 
 
@@ -271,9 +298,10 @@ def main():
         if args.tree:
             rows += tree_rows(cases, [t.split("=", 1) for t in args.tree], args.rounds)
         else:
+            warm()
             for case, x, y, report in cases:
                 dt, rss, _, call = timed_subprocess(_compare_code(x, y, report))
-                rows.append((case, "dispatchprobe", dt, call, rss))
+                rows.append((case, "dispatchprobe", dt, call, rss, LAST_CPU[0]))
         if not args.skip_tensor:
             from compare_helpers import record
             ta, tb = os.path.join(tmp, "ta"), os.path.join(tmp, "tb")
@@ -281,22 +309,42 @@ def main():
             record(tb, model_kw=kw, batch=batch, plant=True)
             size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(ta) for f in fs) / 2**20
             case = f"tensor, transformer step ({size:.0f} MB per run)"
-            # with --tree: each tree, and each with torch imported before the call ("torch in")
-            rows += tree_rows([(case, ta, tb, None)], [t.split("=", 1) for t in args.tree] or [("", None)],
-                              args.rounds if args.tree else 1, preload=True)
-            ms_rows, ms_note = msprobe_rows(tmp, kw, batch)
-            rows += ms_rows
-            if ms_rows:
-                ours, theirs = next(r for r in rows if r[0] == case), rows[-1]
-                ms_note += (f"\ntensor compare speedup over msprobe: {theirs[2] / ours[2]:.1f}x wall, "
-                            f"{theirs[3] / ours[3]:.1f}x in-call")
+            ms_code, ms_case, ms_note = msprobe_setup(tmp, kw, batch)
+            trees = [t.split("=", 1) for t in args.tree] or [("", None)]
+            # each round: each tree, each also with torch imported before the call ("torch in"), then msprobe
+            for _ in range(args.rounds if args.tree else 1):
+                rows += tree_rows([(case, ta, tb, None)], trees, 1, preload=True)
+                if ms_code is not None:
+                    dt, rss, out, in_call = timed_subprocess(ms_code)
+                    if rss != rss:  # nan: it failed
+                        ms_code, ms_note = None, f"msprobe compare failed: {out}"
+                    else:
+                        rows.append((ms_case, "msprobe", dt, in_call, rss, LAST_CPU[0]))
+            ms_note += "\n" + speedups(rows, case, ms_case)
         else:
             ms_note = "tensor compare skipped"
     print(f"(synthetic runs generated in {gen:.1f} s)")
-    print(f"{'case':64s} {'tool':28s} {'seconds':>8s} {'in-call':>8s} {'peak RSS MB':>12s}")
-    for case, tool, dt, call, rss in rows:
-        print(f"{case:64s} {tool:28s} {dt:8.2f} {call:8.2f} {rss:12.0f}")
+    print(f"{'case':64s} {'tool':28s} {'seconds':>8s} {'in-call':>8s} {'CPU s':>8s} {'peak RSS MB':>12s}")
+    for case, tool, dt, call, rss, cpu in rows:
+        print(f"{case:64s} {tool:28s} {dt:8.2f} {call:8.2f} {cpu:8.2f} {rss:12.0f}")
     print(ms_note)
+
+
+def speedups(rows: list, case: str, ms_case: str) -> str:
+    """Per tool of the tensor case, the medians over the rounds and msprobe's median over them."""
+    def medians(tool_case, tool):
+        picked = [r for r in rows if r[0] == tool_case and r[1] == tool]
+        return [float(np.median([r[k] for r in picked])) for k in (2, 3, 5)]
+    tools = list(dict.fromkeys(r[1] for r in rows if r[0] == case))
+    ms = medians(ms_case, "msprobe") if any(r[1] == "msprobe" for r in rows) else None
+    lines = ["tensor compare, medians over the rounds (wall s / in-call s / CPU s)"
+             + (", and msprobe's median over each:" if ms else ":")]
+    for tool in tools + (["msprobe"] if ms else []):
+        m = medians(ms_case if tool == "msprobe" else case, tool)
+        ratio = f"   msprobe / this: {ms[0] / m[0]:.1f}x wall, {ms[1] / m[1]:.1f}x in-call, {ms[2] / m[2]:.1f}x CPU" \
+            if ms and tool != "msprobe" else ""
+        lines.append(f"  {tool:28s} {m[0]:6.2f} / {m[1]:6.2f} / {m[2]:6.2f}{ratio}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -159,6 +159,16 @@ class _Screen:
         self.dtype, self.size, self.n, self.mismatch, self.symmetric = dtype, size, 0, 0, symmetric
 
     def block(self, a: np.ndarray, e: np.ndarray, scale: np.ndarray | None = None) -> Block | None:
+        # finite sums of squares (which cosine and rel_l2_err read anyway) mean finite elements: the
+        # element-wise screen only where one is not (an inf/nan, or squares past the float range)
+        ss_a, ss_e = _sumsq(a), _sumsq(e)
+        if math.isfinite(ss_a) and math.isfinite(ss_e):
+            if a.size == 0:
+                return None
+            self.n += a.size
+            block = Block(a, e, self.dtype, scale, self.symmetric)
+            block.ss_a, block.ss_e = ss_a, ss_e
+            return block
         fin_a, fin_e = np.isfinite(a), np.isfinite(e)
         if not (fin_a.all() and fin_e.all()):
             special_a = np.where(fin_a, 0, np.where(np.isnan(a), 2, np.sign(a)))
@@ -386,9 +396,9 @@ def _cosine(total, screen) -> float:
 
 
 def _mape(b: Block):
-    nonzero = b.e != 0
-    if nonzero.all():
+    if np.count_nonzero(b.e) == b.n:       # no zero to leave out (one pass, no mask)
         return float(np.sum(np.divide(b.abs_err, b.abs_e, out=b.scratch("mape")))), b.n
+    nonzero = b.e != 0
     k = int(np.count_nonzero(nonzero))
     return (float(np.sum(b.abs_err[nonzero] / b.abs_e[nonzero])) if k else 0.0), k
 
@@ -423,7 +433,8 @@ for _name, _title, _tol, _rank in (("one_hundredth", "One Hundredth", 1e-2, None
                                    ("one_thousandth", "One Thousandth", 1e-3, 6),
                                    ("one_ten_thousandth", "One Ten Thousandth", 1e-4, 7)):
     # the share of elements whose relative error is within the tolerance
-    register_metric(_name, _title, lambda b, tol=_tol: int(np.count_nonzero(b.rel <= tol)), _mean, perfect=1.0,
+    register_metric(_name, _title, lambda b, tol=_tol: int(np.count_nonzero(
+                        np.less_equal(b.rel, tol, out=b.scratch("within", bool)))), _mean, perfect=1.0,
                     compare=_rank, larger_is_worse=False)
 register_metric("binary_mismatch", "Binary Mismatch Rate")
 # the mean *signed* relative error: a bias that rounding should not have

@@ -56,10 +56,11 @@ class Float64Rerun:
         """Whether any of ``outputs`` (``(arg, key_a, key_b, dtype)`` of the differing float outputs)
         differs by more than its inputs carry through the op plus twice its rounding; None when the
         op cannot be re-run (the caller falls back to the statistics rule)."""
-        if self.left <= 0 or not outputs or not self._load():
+        if self.left <= 0 or not outputs:
             return None
         size = _elements(rec_a) + _elements(rec_b)
-        if size > self.elements:
+        # the budget first: the framework is imported (seconds) only for an op that will be re-run
+        if size > self.elements or not self._load():
             return None
         self.left -= 1
         self.elements -= size
