@@ -27,6 +27,8 @@ scaled gradients overflow float16 at step 0, so it skips that update (backing of
 ``bf16autocast`` (statistics) under
 bfloat16 autocast.  ``sampled`` splits each step's batch as ``DistributedSampler`` does (rank k of W
 takes samples k, k+W, ...) instead of in blocks, ``sampledkernel1`` with ``kernel1``'s relu.
+``extraaddmm`` (one process) calls an unused ``addmm`` before the model and has every ``addmm`` 5%
+too large: its model's ``addmm`` records are one call later than another run's.
 """
 
 from __future__ import annotations
@@ -86,6 +88,8 @@ def train(kind: str, out: str, run: str, task: str = "tensor") -> None:
         kernel = wrong_relu_kernel()
     elif run in ("dividedbackward1", "xentbackward1") and rank == 1:
         kernel = wrong_kernel("threshold_backward")
+    elif run == "extraaddmm":
+        kernel = wrong_kernel("addmm")
     try:
         _train(kind, out, run, task)
     finally:
@@ -115,6 +119,8 @@ def _train(kind: str, out: str, run: str, task: str) -> None:
         sizes = UNEVEN if run.startswith("uneven") else (BATCH // world,) * world
         x = _share(torch.randn(sum(sizes), 8, generator=gen), kind, rank, sizes, run.startswith("sampled"))
         probe.start()
+        if run == "extraaddmm":
+            torch.addmm(torch.zeros(3), torch.ones(2, 5), torch.ones(5, 3))
         with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
             if run.startswith("xent"):
                 targets = _share(torch.randint(0, 8, (sum(sizes),), generator=gen), kind, rank, sizes, False)

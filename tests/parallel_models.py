@@ -136,12 +136,14 @@ def parallelize_nd(model: InputMLP | ResidualGatedMLP, layout: str, mesh) -> nn.
     return fully_shard(model, mesh=dp)
 
 
-# activations 5 % off, computed with other ops (which the probe does not see: they run inside the kernel)
+# kernels 5 % off (activations, a linear layer's addmm), computed with other ops (which the probe does not
+# see: they run inside the kernel)
 WRONG_KERNELS = {
     "relu": lambda x: torch.clamp_min(x, 0) * 1.05,
     "gelu": lambda x, approximate="none": x * 0.5 * (1 + torch.erf(x * 0.7071067811865476)) * 1.05,
     "silu": lambda x: x * torch.sigmoid(x) * 1.05,
     "threshold_backward": lambda grad, x, threshold: torch.where(x > threshold, grad, 0) * 1.05,   # relu's backward
+    "addmm": lambda bias, x, w, beta=1, alpha=1: (beta * bias + alpha * (x @ w)) * 1.05,
 }
 
 

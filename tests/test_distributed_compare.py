@@ -35,7 +35,8 @@ def _record(kind: str, out: Path, *runs: str) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("parallel")
-    _record("single", out / "single", "clean", "planted", "stats", "mixed", "divided", "xent", "bf16autocast")
+    _record("single", out / "single", "clean", "planted", "stats", "mixed", "divided", "xent", "bf16autocast",
+            "extraaddmm")
     _record("ddp", out / "ddp", "clean", "planted", "planted1", "kernel1", "stats", "outside", "optimizer", "mixed",
             "divided", "dividedkernel1", "dividedbackward1", "xent", "xentbackward1", "sampled", "sampledkernel1")
     _record("tp", out / "tp", "clean")
@@ -61,6 +62,19 @@ def test_ddp_runs_rank_by_rank_in_workers(runs):
     assert "step 0 rank 0" in str(verdict) and "(steps 0-1 x ranks 0-1)" in str(verdict)
     clean = compare(runs / "ddp" / "clean", runs / "ddp" / "clean", jobs=2).verdict
     assert clean.passed
+
+
+def test_a_line_names_both_runs_calls_where_they_differ(runs, tmp_path):
+    """One process calling an unused ``addmm`` before the model, every ``addmm`` 5% off, against 2-rank DDP:
+    its model's ``addmm`` records are one call later than DDP's, and the line naming ``up``'s names both
+    runs' calls (its name counts calls within the module, alike in both), mirrored in the other order."""
+    single, ddp = runs / "single" / "extraaddmm", runs / "ddp" / "clean"
+    for a, b, calls in ((single, ddp, "call A 1, B 0"), (ddp, single, "call A 0, B 1")):
+        table, verdict = compare(a, b, out=tmp_path / a.parent.name)
+        assert f"the runs part at step 0 forward op aten.addmm.default.0.forward [up] ({calls}) output.0 (error: " \
+            in str(verdict), str(verdict)
+        up = table[(table["what"] == "forward") & (table["scope"] == "up") & (table["step"] == 0)].iloc[0]
+        assert f"call A {up['call_a']}, B {up['call_b']}" == calls, up
 
 
 def test_ddp_agrees_with_one_process(runs, tmp_path):

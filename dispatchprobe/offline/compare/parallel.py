@@ -38,11 +38,11 @@ from .loss_scale import gradients_alike
 from .origin import ROUNDINGS
 from .pairing import data_flow
 from .rerun import ROUNDOFF
-from .verdict import incomplete, partial_agreement
+from .verdict import call_words, incomplete, partial_agreement
 
 COMMUNICATION = ("c10d.", "_c10d_functional.", "fsdp.", "profiler.")   # one run's own by nature
-TABLE_COLUMNS = ["step", "what", "name", "scope", "arg", "ranks_a", "ranks_b", "shape_a", "shape_b", "dtype_a",
-                 "dtype_b", "how_a", "how_b", "cosine", "max_abs_err", "rel_l2_err", "stats_err", "status", "reason",
+TABLE_COLUMNS = ["step", "what", "name", "scope", "call_a", "call_b", "arg", "ranks_a", "ranks_b", "shape_a", "shape_b",
+                 "dtype_a", "dtype_b", "how_a", "how_b", "cosine", "max_abs_err", "rel_l2_err", "stats_err", "status", "reason",
                  "after_one_run_only"]
 _WRAPPERS = ("module.", "_orig_mod.")
 RANK_BY_RANK = "(rank by rank)"      # how a value paired rank with rank is assembled: "rank 1 (rank by rank)"
@@ -190,8 +190,18 @@ def _describe(row: dict) -> str:
         on = f" on {how.partition(' (')[0]}" if how.endswith(RANK_BY_RANK) or TP_PEERS_DIFFER in how else ""
         at_fault = [m.group(1) for h in (row.get("how_a"), row.get("how_b")) if (m := _AT_FAULT.search(str(h or "")))]
         on = on or (f" on rank {at_fault[0]}" if at_fault else "")
-        return f"{row['what']} op {row['name']} [{row['scope'] or '<root>'}] {row['arg']}{on}"
+        return f"{row['what']} op {row['name']} [{row['scope'] or '<root>'}]{_calls(row)} {row['arg']}{on}"
     return f"{'gradient' if row['what'] == 'grad' else 'value after the step'} of parameter {row['name']}"
+
+
+def _calls(row: dict) -> str:
+    """`` (call A 6, B 5)`` where the paired records (the lowest rank's of each run) are other calls of
+    their op in the two runs (:func:`.verdict.call_words`): the row's name counts calls within the module,
+    the same in both runs, and a run's own records are found by their calls; "" where they are one call."""
+    a, b = row.get("call_a"), row.get("call_b")
+    if a is None or b is None or pd.isna(a) or pd.isna(b) or int(a) == int(b):
+        return ""
+    return f" ({call_words(int(a), int(b))})"
 
 
 # ---- assembling a value from the ranks --------------------------------------------------------------
@@ -997,6 +1007,8 @@ def merge_steps(run_a, run_b, steps: list) -> tuple[pd.DataFrame, ParallelVerdic
     if skipped:    # said where it is seen: the later steps' rows are not judged for it
         problems.insert(0, f"step {skipped[0][0]}: {skipped[0][1]}; the rows of the steps after it are not judged")
     table = pd.DataFrame(rows, columns=TABLE_COLUMNS)
+    for c in ("call_a", "call_b"):       # whole numbers, none for the parameters' rows
+        table[c] = pd.Series([None if pd.isna(v) else int(v) for v in table[c]], index=table.index, dtype=object)
     table["after_one_run_only"] = ["; ".join(x) if isinstance(x, list) else "" for x in table["after_one_run_only"]]
     counts = {k: int(v) for k, v in table["status"].value_counts().items()} if len(table) else {}
     first = parted = departure = unjudged = None
@@ -1101,13 +1113,14 @@ def _step_rows(step: int, pa: dict, pb: dict, tensors: bool, problems: list, unp
     rows = []
     ra, rb = ",".join(map(str, sorted(pa))), ",".join(map(str, sorted(pb)))
 
-    def add(what, name, scope, arg, va, vb, carries=("", "")):
+    def add(what, name, scope, arg, va, vb, carries=("", ""), calls=(None, None)):
         va, vb = (replace(v, carries=c) if c else v for v, c in zip((va, vb), carries))
-        rows.append({"step": step, "what": what, "name": name, "scope": scope, "arg": arg, "ranks_a": ra,
+        rows.append({"step": step, "what": what, "name": name, "scope": scope, "call_a": calls[0],
+                     "call_b": calls[1], "arg": arg, "ranks_a": ra,
                      "ranks_b": rb, "shape_a": list(va.shape), "shape_b": list(vb.shape), "dtype_a": va.dtype,
                      "dtype_b": vb.dtype, "how_a": va.how, "how_b": vb.how, **score(va, vb)})
 
-    def add_worst(what, name, scope, arg, pairs, carries=("", "")):
+    def add_worst(what, name, scope, arg, pairs, carries=("", ""), calls=(None, None)):
         """One row for pairs judged rank by rank: the worst rank's (status, then error; the lowest rank on a tie)."""
         scored = [(va, vb, score(va, vb)) for va, vb in pairs]
         order = {V.ERROR: 0, V.WARNING: 1, V.PASS: 2}
@@ -1116,7 +1129,7 @@ def _step_rows(step: int, pa: dict, pb: dict, tensors: bool, problems: list, unp
         if rank is not None and TP_PEERS_DIFFER not in va.how + vb.how:
             fault = f" (the difference lies in rank {rank}'s piece)"
             va, vb = (replace(v, how=v.how + fault) if v.owners is not None else v for v in (va, vb))
-        add(what, name, scope, arg, va, vb, carries)
+        add(what, name, scope, arg, va, vb, carries, calls)
 
     # the loss and the forward ops
     fa, order_a = _forward(pa)
@@ -1131,6 +1144,7 @@ def _step_rows(step: int, pa: dict, pb: dict, tensors: bool, problems: list, unp
     for key in keys:
         rec_a, rec_b = fa[key], fb[key]
         name = key[1]
+        calls = (rec_a[min(rec_a)]["call"], rec_b[min(rec_b)]["call"])
         what = "loss" if {rec_a[min(rec_a)]["name"], rec_b[min(rec_b)]["name"]} & loss else "forward"
         constant = _made_from_numbers(rec_a) or _made_from_numbers(rec_b)
         scope = max(module_path(rec_a[min(rec_a)]["scope"]), module_path(rec_b[min(rec_b)]["scope"]),
@@ -1150,7 +1164,7 @@ def _step_rows(step: int, pa: dict, pb: dict, tensors: bool, problems: list, unp
             ta = tuple(sa[min(sa)]["shape"]) if len(sa) == 1 and not constant else None
             pairs, why_a = rank_by_rank(sa, sb, pa, pb, tensors, problems, reduction, (wa, wb))
             if pairs:
-                add_worst(what, name, scope, arg, pairs, carries)
+                add_worst(what, name, scope, arg, pairs, carries, calls)
                 rows[-1]["key"] = rows[-1]["op_key"] = key
                 paired.add(key)
                 continue
@@ -1158,7 +1172,7 @@ def _step_rows(step: int, pa: dict, pb: dict, tensors: bool, problems: list, unp
                 pairs, why = _mesh_pairs((sa, rec_a, pa, mesh_a, tb, wa), (sb, rec_b, pb, mesh_b, ta, wb), tensors,
                                          problems, reduction)
                 if pairs:
-                    add_worst(what, name, scope, arg, pairs, carries)
+                    add_worst(what, name, scope, arg, pairs, carries, calls)
                     rows[-1]["key"] = rows[-1]["op_key"] = key
                     paired.add(key)
                 elif arg == "output.0" and why:
@@ -1177,7 +1191,7 @@ def _step_rows(step: int, pa: dict, pb: dict, tensors: bool, problems: list, unp
                     why = "; ".join(sorted({why_a, why_b} - {""}))
                     unpaired.append(f"step {step} forward op {name} [{scope or '<root>'}]: {why}")
                 continue
-            add(what, name, scope, arg, va, vb, carries)
+            add(what, name, scope, arg, va, vb, carries, calls)
             rows[-1]["key"] = rows[-1]["op_key"] = key
             paired.add(key)
     (back_a, _), (back_b, _) = _backward(pa), _backward(pb)
@@ -1185,7 +1199,8 @@ def _step_rows(step: int, pa: dict, pb: dict, tensors: bool, problems: list, unp
         rec = next(iter(back_a[key].values()))
         scope = module_path(rec["scope"])
         if pairs:
-            add_worst("backward", key[1], scope, arg, pairs)
+            add_worst("backward", key[1], scope, arg, pairs, calls=(back_a[key][min(back_a[key])]["call"],
+                                                                    back_b[key][min(back_b[key])]["call"]))
             rows[-1]["op_key"] = key
         elif arg == "output.0" and why:
             unpaired.append(f"step {step} backward op {key[1]} [{scope or '<root>'}]: {why}")
