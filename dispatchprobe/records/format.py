@@ -19,6 +19,19 @@ UNRECORDED_HIGHER_ORDER = "higher_order_ops_unrecorded"
 UNRECORDED_GRAPH_STEPS = "graph_steps_unrecorded"
 
 
+# a compiled record's ``compiled.kernels`` names: calls of library kernels, each computing one op; any
+# other name is a kernel generated from the graph's nodes, fusing several
+LIBRARY_KERNELS = ("extern_kernels.", "torch.ops.")
+
+
+def fused_kernels(record: dict) -> set:
+    """The generated kernels a compiled record's nodes run in (``cpp_fused_...``, ``triton_...``), which
+    other records' nodes may share, as (graph, kernel): a kernel's handle is counted per compile.  Empty
+    for an eager record or one computed by library calls alone."""
+    compiled = record.get("compiled") or {}
+    return {(compiled.get("graph"), k) for k in compiled.get("kernels") or () if not k.startswith(LIBRARY_KERNELS)}
+
+
 def unrecorded_steps_note(manifest: dict) -> str | None:
     """The one-line account of the steps whose graph kernels were not recorded (None: none)."""
     steps = manifest.get(UNRECORDED_GRAPH_STEPS)

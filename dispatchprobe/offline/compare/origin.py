@@ -19,7 +19,7 @@ import pandas as pd
 
 from ...core import op_traits
 from ...core.collective_roles import brings_values
-from ...records.format import walk
+from ...records.format import fused_kernels, walk
 from ...records.reader import Part
 from ...standards import verdicts as V
 from ...standards.loader import is_float, standard
@@ -595,7 +595,7 @@ class Lineage:
             return None
         p, parg = src
         if side.recs[p]["stage"] != stage:
-            self._feeds_other_stage(side, p, parg)
+            self._feeds_other_stage(side, p, parg, err if reach is None else reach)
             return "stage"
         if p in side.only:
             carried = self.carried[side.name].get(p)
@@ -621,15 +621,22 @@ class Lineage:
                      None if made is None else lambda k: _writes_dtype(side, k, made))
         return (self.unmatched(side, u), None) if u is not None else "agrees"
 
-    def _feeds_other_stage(self, side: Side, p: int, parg: str) -> None:
+    def _feeds_other_stage(self, side: Side, p: int, parg: str, err: float = 0.0) -> None:
         """Notes where a differing value made in one stage and read in another enters its own stage: a
         gradient an optimizer stepping inside the probe reads (forward-staged) that no backward record
         reads, as a gradient hook's (``p.register_hook(lambda g: g * 1.01)``): the backward's
         verdict names that hook, not 'no backward divergence'.  Its producer is a one-run-only op (its
-        source: itself, or what it passes on) or a paired record whose output differs."""
+        source: itself, or what it passes on) or a paired record whose output differs.  A one-run-only
+        op whose reader's input differs (``err``) no more than what it was given (``PASS_ON``) hands
+        that on, as it does to a reader of its own stage (:meth:`_from_producer`): its sources are
+        the source (eager's key cache ``cat``, which a compiled graph folds away, read by attention's
+        backward)."""
         stage = side.recs[p]["stage"]
         if p in side.only:
             got = self.passes[side.name].get(p)
+            carried = self.carried[side.name].get(p)
+            if carried is not None and err <= PASS_ON * carried[0]:
+                got = carried[1]
             root = None if got is UNPRODUCED or (got is None and p in side.unobserved) else \
                 got[0] if got is not None else self.unmatched(side, p)
         else:
@@ -1526,7 +1533,8 @@ class Lineage:
     def precisions(self, root: Root) -> tuple | None:
         """(run A's, run B's) float dtype where the runs differ in precision at ``root``: a one-run-only
         op that makes values of another float dtype than it reads (a cast), or a paired record (the
-        tensor ``arg``, where given) whose two runs hold other float dtypes; else None."""
+        tensor ``arg``, where given) whose two runs hold other float dtypes, or whose inputs one run
+        reads unrounded in a fused kernel (:meth:`fused_reads`); else None."""
         side = self.a if root.side == "a" else self.b
         if root.index in side.only and (stretch := self.stretch_precisions(side, root.index)) is not None:
             return stretch
@@ -1545,7 +1553,41 @@ class Lineage:
             rows &= self.args == root.arg
         dtype_a, dtype_b = (self.df[c].to_numpy(object)[rows] for c in ("dtype_a", "dtype_b"))
         mixed = sorted({(x, y) for x, y in zip(dtype_a, dtype_b) if x != y and is_float(x) and is_float(y)})
-        return mixed[0] if mixed else None
+        if mixed:
+            return mixed[0]
+        j = self.pair_b.get(i) if i is not None else None
+        if j is None:
+            return None
+        read = [self.fused_reads(s, r, root.arg) for s, r in ((self.a, i), (self.b, j))]
+        if read[0] == read[1]:
+            return None
+        said = []
+        for got, s, r in zip(read, (self.a, self.b), (i, j)):
+            dtypes = {wide for _, _, wide in got} or {spec["dtype"] for io, arg, spec in s.flow.walks[r]
+                                                       if io == "input" and is_float(spec.get("dtype", ""))}
+            said.append("/".join(sorted(dtypes)))
+        return tuple(said)
+
+    def fused_reads(self, side: Side, u: int, arg: str = "") -> list:
+        """(input, dtype, precision) of each float input record ``u`` of run ``side`` reads unrounded:
+        made by a record of a compiled kernel it is fused into, whose values the kernel holds at a
+        higher precision than their dtype (``fused_precision``: inductor keeps a bfloat16 cast's
+        float32 value for the ops fused with it), not as that record holds them.  ``arg``: that
+        input only.  Why: the runs then compute that op at other precisions, though both records
+        say bfloat16 (a rotary ``mul`` reading ``cos.to(bfloat16)``: eager's rounded, inductor's not)."""
+        kernels = fused_kernels(side.recs[u])
+        out = []
+        if not kernels:
+            return out
+        for io, name, spec in side.flow.walks[u]:
+            if io != "input" or (arg and name != arg) or not is_float(spec.get("dtype", "")):
+                continue
+            src = self.producer(side, id(spec))
+            made = side.recs[src[0]] if src is not None else {}
+            wide = (made.get("compiled") or {}).get("fused_precision")
+            if wide and kernels & fused_kernels(made):
+                out.append((name, spec["dtype"], wide))
+        return out
 
     def stretch_precisions(self, side: Side, u: int) -> tuple | None:
         """(run A's, run B's) precisions in the stretch one-run-only op ``u`` sits in, where both runs

@@ -199,7 +199,7 @@ class ProbeBackend:
         records = instrument.records
         if records is not None:          # the pass ran
             instrument.note_inlined()
-            records.set_kernels(kernels)
+            records.set_kernels(kernels, inductor.rounds_fused_casts())
             if key is not None:
                 cache.save(key, records.templates, instrument.slot, records.stage)
         elif key is not None:            # a cache hit: the pass's templates, kept beside the code

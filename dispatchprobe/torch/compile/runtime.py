@@ -19,6 +19,7 @@ import torch.fx
 from .. import tensor_backend as torch_backend, fused_stats
 from ..process_state import STATE
 from ..returned_rows import remember_returned, returned_row
+from ...records.format import fused_kernels
 from ...records.writer import json_line
 from ...standards import statistics
 from .decompositions import hint
@@ -203,10 +204,13 @@ class GraphRecords:
             t.slots = [spec for spec, _ in t.slots]
             t.tensor_nodes = []
 
-    def set_kernels(self, kernels: dict) -> None:
+    def set_kernels(self, kernels: dict, rounds_casts: bool = True) -> None:
         """Inductor provenance: each record names the generated kernels that compute its nodes
         (``cpp_fused_add_native_layer_norm_0:4``, ``extern_kernels.addmm:1``: name and debug handle,
-        as in the provenance comments of inductor's output code), in the order inductor made them."""
+        as in the provenance comments of inductor's output code), in the order inductor made them.
+        ``rounds_casts`` False (inductor's default): a record making bfloat16 or float16 values in a
+        fused kernel says ``fused_precision: float32``, since the ops fused with it there read its
+        values unrounded, as the kernel computed them, while its record holds them as stored."""
         by_node: dict[str, list] = {}
         for kernel, names in sorted(kernels.items(), key=lambda kv: kernel_handle(kv[0])):
             for name in names:
@@ -216,6 +220,9 @@ class GraphRecords:
             for name in t.compiled["nodes"]:
                 found.extend(k for k in by_node.get(name, ()) if k not in found)
             t.compiled["kernels"] = sorted(found, key=kernel_handle)
+            if not rounds_casts and fused_kernels({"compiled": t.compiled}) and any(
+                    isinstance(o, dict) and o.get("dtype") in UPCAST_DTYPES for o in t.outputs):
+                t.compiled["fused_precision"] = "float32"
         self._texts.clear()
 
     def emit(self, block: torch.Tensor, values: list | None = None, sizes=()) -> None:
@@ -329,6 +336,10 @@ class GraphRecords:
                           for name in t.compiled["nodes"]}
             Rerun(self.rerun, session, self.stage, self.roots, node_calls,
                   {"graph": self.id, "rerun_of": record["name"]}).run(*inputs)
+
+
+# the dtypes inductor's kernels compute in float32 and round only where they store them
+UPCAST_DTYPES = ("bfloat16", "float16")
 
 
 def kernel_handle(kernel: str) -> int:

@@ -10,9 +10,10 @@ import contextlib
 
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-__all__ = ["CustomGraphPass", "compile_fx", "compile_fx_inner", "config", "select_decomp_table", "hash_of_files",
-           "cache_dir", "fx_graph_cache_key", "fx_cache_loads", "lowering_classes", "realize_if_boxed", "is_stored",
-           "scheduled_apart", "placed_apart", "kernel_provenance", "eager_output", "reinplace_candidates", "node_storage"]
+__all__ = ["CustomGraphPass", "compile_fx", "compile_fx_inner", "config", "rounds_fused_casts", "select_decomp_table",
+           "hash_of_files", "cache_dir", "fx_graph_cache_key", "fx_cache_loads", "lowering_classes", "realize_if_boxed",
+           "is_stored", "scheduled_apart", "placed_apart", "kernel_provenance", "eager_output", "reinplace_candidates",
+           "node_storage"]
 
 
 def compile_fx(gm, example_inputs, **kwargs):
@@ -31,6 +32,13 @@ def config():
     """Inductor's config module (``patch``, ``fx_graph_cache``, ...)."""
     import torch._inductor.config as inductor_config
     return inductor_config
+
+
+def rounds_fused_casts() -> bool:
+    """Whether inductor's fused kernels round a value cast to bfloat16 or float16 before the ops fused
+    with the cast read it (``emulate_precision_casts``, False by default: they read the float32 value
+    the kernel computed).  Checked on torch 2.14.1; a torch without the setting counts as False."""
+    return bool(getattr(config(), "emulate_precision_casts", False))
 
 
 def select_decomp_table() -> dict:
