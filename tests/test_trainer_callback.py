@@ -21,7 +21,7 @@ from dispatchprobe.cli import main
 from dispatchprobe import DispatchProbeCallback
 
 sys.path.insert(0, str(Path(__file__).parent))
-from trainer_train import MICRO_STEPS, STEPS, train  # noqa: E402
+from trainer_train import BATCH, MICRO_STEPS, STEPS, train  # noqa: E402
 
 SCRIPT = Path(__file__).with_name("trainer_train.py")
 
@@ -148,3 +148,21 @@ def test_torchrun_two_gloo_ranks(tmp_path):
     assert res.exit_code == 0 and "unmatched" not in res.output, res.output
     res = CliRunner().invoke(main, ["ranks", str(tmp_path / "a")])
     assert res.exit_code == 0 and "the ranks agree" in res.output, res.output
+    # one process of the same global batch: transformers multiplies a data-parallel loss by the world
+    # size (2 against 1 here), so the loss's 0-dim gradients differ by design (not paired, never an
+    # error) and the rest agrees, in both orders; a planted x1.001 in one layer parts the runs there
+    one = tmp_path / "one"
+    train(str(one / "trainer"), [DispatchProbeCallback(task="statistics", dump_path=str(one / "a"))],
+          batch=2 * BATCH)
+    for a, b in ((one / "a", tmp_path / "a"), (tmp_path / "a", one / "a")):
+        res = compare(a, b)
+        assert res.exit_code == 0 and res.output.splitlines()[1].startswith("the runs agree"), res.output
+        assert "aten.mul.Tensor.0.backward [<root>]: the loss is not a mean" in res.output, res.output
+
+    def plant(model):
+        model.model.layers[1].mlp.down_proj.register_forward_hook(lambda mod, args, output: output * 1.001)
+
+    train(str(one / "trainer"), [DispatchProbeCallback(task="statistics", dump_path=str(one / "c"))], plant,
+          batch=2 * BATCH)
+    res = compare(one / "c", tmp_path / "a")
+    assert res.exit_code == 2 and "model.layers.1.mlp." in res.output.splitlines()[1], res.output

@@ -33,13 +33,14 @@ def dataset(n: int = 32) -> list[dict]:
     return [{"input_ids": row, "labels": row.clone()} for row in ids]
 
 
-def train(out: str, callbacks=(), plant=None) -> list[torch.Tensor]:
-    """``STEPS`` optimizer steps of ``MICRO_STEPS`` micro-batches each; the final parameters.
-    ``plant(model)``: a change made to the model before training (the tests' planted bug)."""
+def train(out: str, callbacks=(), plant=None, batch: int = BATCH) -> list[torch.Tensor]:
+    """``STEPS`` optimizer steps of ``MICRO_STEPS`` micro-batches of ``batch`` samples per process each;
+    the final parameters.  ``plant(model)``: a change made to the model before training (the tests'
+    planted bug)."""
     model = tiny_llama()
     if plant is not None:
         plant(model)
-    args = TrainingArguments(output_dir=out, per_device_train_batch_size=BATCH, gradient_accumulation_steps=MICRO_STEPS,
+    args = TrainingArguments(output_dir=out, per_device_train_batch_size=batch, gradient_accumulation_steps=MICRO_STEPS,
                              max_steps=STEPS, learning_rate=1e-2, use_cpu=True, report_to=[], save_strategy="no",
                              logging_strategy="no", disable_tqdm=True, dataloader_num_workers=0, seed=0,
                              ddp_backend="gloo" if "LOCAL_RANK" in os.environ else None)

@@ -1596,9 +1596,12 @@ def _backward_pairs(pa: dict, pb: dict, mesh_a: Mesh | None, mesh_b: Mesh | None
                 yield key, arg, [], otherwise
                 continue
             seeded = {(rec_a[min(rec_a)]["name"], arg) in grads_a, (rec_b[min(rec_b)]["name"], arg) in grads_b}
-            if seeded == {True} and all(spec.get("shape") == [] for spec in (*sa.values(), *sb.values())):
+            if seeded == {True} and all(spec.get("shape") == [] for spec in (*sa.values(), *sb.values())) and \
+                    ka is not None and kb is not None:
                 # the gradient of a 0-dim value between the loss and its mean (``loss / 2``'s backward):
-                # each share's loss scales its mean as the whole batch's does, so no share's part scales it
+                # each share's loss scales its mean as the whole batch's does, so no share's part scales it.
+                # Only where both runs scale their losses alike: transformers' Trainer multiplies a
+                # data-parallel loss by the world size (1 in one process), a gradient 2 against 1 by design
                 seeded = {False}
             if len(seeded) > 1:
                 yield key, arg, [], "computed from the loss's gradient in one run only"
