@@ -30,7 +30,8 @@ from .rerun import float64_rerun
 from .rewired import REWIRED
 from . import loss_scale
 from . import recompute
-from .pairing import PairingShare, decomposed_scopes, explain_unobservable, data_flow, user_frames, pair_tensors, pairing_share
+from .pairing import (REWRITTEN, PairingShare, decomposed_scopes, explain_unobservable, data_flow, user_frames, pair_tensors,
+                      pairing_share, rewritten, say_rewritten)
 from .scoring import score_pairs
 from .task_mismatch import NOT_RECORDED, explanation, flagged_only_side, tasks_note, unaligned_hint
 from ..coverage import graphs_note, unrecorded_graphs, unrecorded_steps_note
@@ -193,6 +194,8 @@ def _compare_parts(part_a: Part, part_b: Part, match: str, mapping: Mapping, ten
             explained[k] = scaling.explanation(side)
         elif recompute.recomputed((recs_a if side == "a" else recs_b)[i]):
             explained[k] = recompute.unpaired()
+        elif rewritten((recs_a if side == "a" else recs_b)[i]):
+            explained[k] = REWRITTEN
     manifests = (find_manifest(part_a.path)[1], find_manifest(part_b.path)[1])
     partial = flagged_only_side(*manifests)
     if partial:      # the other run's records an inline check does not make: no counterpart by design
@@ -212,15 +215,17 @@ def _compare_parts(part_a: Part, part_b: Part, match: str, mapping: Mapping, ten
     unmatched = pd.DataFrame(rows, columns=UNMATCHED_COLUMNS)
     unmatched["explained"] = explained
     unmatched = explain_unobservable(unmatched, translate, problems, step, rank, (recs_a, recs_b))
+    say_rewritten(unmatched, problems, step, rank)
     if decomposed:
         problems.append(f"step {step} rank {rank}: compared at their boundary (the frameworks decompose them "
                         f"differently): {', '.join(sorted({f'{sc} ({st})' for st, sc in decomposed}))}")
     if recs_a and recs_b and not al.pairs:
         problems.append(f"step {step} rank {rank}: no record of {part_a.path} could be aligned with "
                         f"{part_b.path} ({unaligned_hint(*manifests, short=True)})")
-    elif len(unmatched) and (~unmatched["is_cast"] & (unmatched["explained"] == "")).any():
-        hint = f" ({unaligned_hint(*manifests, short=True)})" if len(unmatched) > 0.2 * (len(recs_a) + len(recs_b)) else ""
-        problems.append(f"step {step} rank {rank}: {int((~unmatched['is_cast'] & (unmatched['explained'] == '')).sum())} of "
+    elif len(unmatched) and (unexplained := int((~unmatched["is_cast"] & (unmatched["explained"] == "")).sum())):
+        # a guess at why only where the records left unexplained are many (explained ones have their reason)
+        hint = f" ({unaligned_hint(*manifests, short=True)})" if unexplained > 0.2 * (len(recs_a) + len(recs_b)) else ""
+        problems.append(f"step {step} rank {rank}: {unexplained} of "
                         f"{len(recs_a) + len(recs_b)} records could not be aligned{hint}; listed in unmatched.csv")
     arrays: dict = {}
     df = score_pairs(df, *(scaling.parts(part_a, part_b) if scaling else (part_a, part_b)), tensors, problems,

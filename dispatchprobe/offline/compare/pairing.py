@@ -89,6 +89,29 @@ def explain_unobservable(unmatched: pd.DataFrame, translate: tuple, problems: li
     return unmatched
 
 
+REWRITTEN = "made by a graph rewrite of the compiled run (inductor's pattern passes), no eager op call of its own"
+
+
+def rewritten(record: dict) -> bool:
+    """A compiled graph's record whose nodes a graph rewrite made, none traced from the program
+    (``compiled.rewrite``): the other run, eager or compiled without that rewrite, has no
+    counterpart of it."""
+    compiled = record.get("compiled")
+    return isinstance(compiled, dict) and bool(compiled.get("rewrite"))
+
+
+def say_rewritten(unmatched: pd.DataFrame, problems: list, step: int, rank: int) -> None:
+    """One line per run whose unmatched records a compiled graph's rewrite made."""
+    if not len(unmatched):
+        return
+    for side in ("a", "b"):
+        n = int(((unmatched["side"] == side) & (unmatched["explained"] == REWRITTEN)).sum())
+        if n:
+            problems.append(f"step {step} rank {rank}: {n} record(s) of run {side.upper()} have no counterpart: "
+                            "its compiled graph's rewrites (inductor's pattern passes) made them, no eager op "
+                            "call of their own (listed in unmatched.csv)")
+
+
 def pair_tensors(ta: list, tb: list, same_op: bool, op: str = ""):
     """(io, arg, spec_a, spec_b) of two paired records' tensors (``ta``, ``tb``: their walks);
     ``op`` given (runs of two frameworks): a commutative op's inputs may come in the other order."""

@@ -62,6 +62,8 @@ class Instrument(CustomGraphPass):
         groups = self._groups(graph)
         users = {n: tuple(n.users) for n in graph.nodes}      # before the statistics add users
         records = self.records = GraphRecords(self.owner, "backward" if self.backward else "forward", self.roots, self.slot)
+        # a graph whose traced nodes carry autograd's sequence numbers tells the nodes a rewrite added
+        numbered = any(n.meta.get("seq_nr") is not None for n in graph.nodes)
         stats: dict[torch.fx.Node, list] = {}
         order: list[torch.fx.Node] = []
         for group in groups:
@@ -82,7 +84,7 @@ class Instrument(CustomGraphPass):
                     inputs, kwargs, traced_outputs = call_values(graph, group, call, self.owner_of, users)
                     if any(o is not None for o in traced_outputs):
                         outputs = traced_outputs
-            template = add_template(records, group, inputs, kwargs, outputs, exact, call is not None)
+            template = add_template(records, group, inputs, kwargs, outputs, exact, call is not None, numbered)
             if task == "overflow":
                 template.check_inputs(group, exact)
             for n in template.tensor_nodes:
@@ -326,12 +328,18 @@ class Template:
 
 
 def add_template(records: GraphRecords, group: Group, inputs, kwargs, outputs, exact: bool,
-                 traced: bool = False) -> Template:
-    """The template of one op call's records, added to ``records``."""
+                 traced: bool = False, numbered: bool = False) -> Template:
+    """The template of one op call's records, added to ``records``; ``numbered``: the graph's
+    traced nodes carry autograd's sequence numbers (``seq_nr``), so a group without any was made
+    by a graph rewrite."""
     scope = records.roots.node_scope(group.nodes[0].meta, records.stage)
     t = Template(str(group.op), scope, [n.name for n in group.nodes], exact)
     if not exact:
         t.compiled["call"] = traced
+    if numbered and not any(n.meta.get("seq_nr") is not None for n in group.nodes):
+        # every node a graph rewrite (an inductor pattern pass) made, none traced from the program:
+        # no eager call of its own, which compare says of such a record left without a counterpart
+        t.compiled["rewrite"] = True
     original = group.nodes[0].meta.get("original_aten")
     if records.owner.granularity == "node" and original is not None and str(original) != t.op:
         t.compiled["original_aten"] = str(original)      # the eager op this node computes part of
