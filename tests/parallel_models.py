@@ -162,6 +162,18 @@ def wrong_relu_kernel() -> torch.library.Library:
     return wrong_kernel("relu")
 
 
+def record_runs(script, kind: str, out, *runs: str, env: dict | None = None, ranks: int = 2) -> None:
+    """Run a torchrun training script of the tests: ``script kind out runs...`` in one process for
+    ``kind`` "single", else under ``torchrun`` with ``ranks`` gloo ranks on loopback; fails the test
+    with the script's stderr where it fails."""
+    import subprocess
+    launch = [sys.executable] if kind == "single" else \
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
+    proc = subprocess.run([*launch, str(script), kind, str(out), *runs], capture_output=True, text=True, timeout=300,
+                          env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
 def run_and_end(main) -> None:
     """Run a torchrun script's ``main`` (which closes its probes, writes its results and destroys
     the process group), then end the process without torch's C++ teardown: after gloo and DTensor

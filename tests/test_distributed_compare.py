@@ -18,6 +18,7 @@ from click.testing import CliRunner
 
 from dispatchprobe import compare
 from dispatchprobe.cli import main
+from parallel_models import record_runs
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not built")
 SCRIPT = Path(__file__).with_name("distributed_compare_train.py")
@@ -25,11 +26,7 @@ ENV = {**os.environ, "DISPATCHPROBE_FUSED_STATS": "0", "OMP_NUM_THREADS": "1"}
 
 
 def _record(kind: str, out: Path, *runs: str) -> None:
-    launch = [sys.executable] if kind == "single" else \
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    proc = subprocess.run([*launch, str(SCRIPT), kind, str(out), *runs], capture_output=True, text=True, timeout=300,
-                          env=ENV)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    record_runs(SCRIPT, kind, out, *runs, env=ENV)
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,6 @@ unpaired."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,6 +22,7 @@ from click.testing import CliRunner
 
 from dispatchprobe import compare
 from dispatchprobe.cli import main
+from parallel_models import record_runs
 from dispatchprobe.offline.ranks.groups import data_parallel_groups, tensor_parallel_groups
 
 SCRIPT = Path(__file__).with_name("fsdp2_bf16_train.py")
@@ -32,11 +31,7 @@ BOTH_ORDERS = [True, False]
 
 
 def _record(kind: str, out: Path, *runs: str) -> None:
-    launch = [sys.executable] if kind == "single" else \
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    proc = subprocess.run([*launch, str(SCRIPT), kind, str(out), *runs], capture_output=True, text=True, timeout=300,
-                          env=ENV)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    record_runs(SCRIPT, kind, out, *runs, env=ENV)
 
 
 @pytest.fixture(scope="module")
