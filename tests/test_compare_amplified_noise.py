@@ -11,6 +11,8 @@ changed learning rate or a wrong backward that makes the key bias's gradient rea
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from click.testing import CliRunner
@@ -104,8 +106,19 @@ def runs(tmp_path_factory):
 def test_amplified_gradient_noise_is_not_a_divergence(runs, order):
     got = CliRunner().invoke(main, ["compare", str(runs[order[0]]), str(runs[order[1]])])
     assert got.exit_code == 0, got.output
-    assert "parameter qkv.bias differs from step 1: its step 0 gradient is zero up to rounding" in got.output
-    assert "not a precision divergence" in got.output
+    if _explained_or_agreeing(got.output):
+        assert "parameter qkv.bias differs from step 1: its step 0 gradient is zero up to rounding" in got.output
+        assert "not a precision divergence" in got.output
+
+
+def _explained_or_agreeing(output: str) -> bool:
+    """Whether the key bias's noise moved the runs apart by more than a tolerance (True: the verdict
+    must explain it), else the runs agree outright.  How large the noise grows depends on the CPU's
+    vector width inductor compiles for (AVX-512 against AVX2 here), never the verdict's exit code."""
+    if "its step 0 gradient is zero up to rounding" in output:
+        return True
+    assert any(line.startswith("the runs agree") for line in output.splitlines()), output
+    return False
 
 
 @pytest.mark.parametrize("order", [("eager", "lr"), ("lr", "eager"), ("compiled", "rmsprop"), ("rmsprop", "compiled")])
@@ -150,9 +163,11 @@ def test_the_same_noise_with_the_optimizer_inside_the_probe_is_not_a_divergence(
     forward op diverges by itself; its 1 error rows follow from differing backward values (first at
     aten.lerp_.Scalar [<top>] input.1 ...)', exit 2), either run as A."""
     got = CliRunner().invoke(main, ["compare", str(runs[order[0]]), str(runs[order[1]])])
-    assert got.exit_code == 0, got.output
-    assert "parameter qkv.bias differs from step 0: its step 0 gradient is zero up to rounding" in got.output
-    assert "not a precision divergence" in got.output and "diverges by itself" not in got.output, got.output
+    assert got.exit_code == 0 and "diverges by itself" not in got.output, got.output
+    if _explained_or_agreeing(got.output):     # from step 0 where AdamW's own outputs part, else step 1's records
+        assert re.search(r"parameter qkv\.bias differs from step [01]: its step 0 gradient is zero up to rounding",
+                         got.output), got.output
+        assert "not a precision divergence" in got.output, got.output
 
 
 @pytest.mark.parametrize("order", [("lr inside", "compiled inside"), ("compiled inside", "lr inside")])
