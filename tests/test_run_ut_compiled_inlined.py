@@ -43,7 +43,10 @@ def test_exact_ops_on_values_computed_inline_are_not_judged_bit_for_bit(tmp_path
     status, message = dict(zip(res["API Name"], verdicts)), dict(zip(res["API Name"], res["Message"]))
     judged = dict(zip(res["API Name"], res["Judged"]))
     skipped = [n for n, m in message.items() if "not judged bit for bit" in m]
-    assert "aten.clone.default.0.forward" in skipped
+    # whether the recomputed input gives other bits depends on the vector width inductor compiled
+    # for (AVX-512: the clone's differ, skipped; AVX2: the same, passed): never an error either way
+    assert status["aten.clone.default.0.forward"] in ("pass", "SKIP"), status["aten.clone.default.0.forward"]
+    assert skipped or status["aten.clone.default.0.forward"] == "pass", message["aten.clone.default.0.forward"]
     for name in skipped:
         assert status[name] == "SKIP" and judged[name] == "" and records[name]["compiled"].get("inlined")
         assert "its kernel computed input.0 inline" in message[name]
